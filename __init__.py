@@ -1,0 +1,33 @@
+"""featcache: run every backbone over every image once, then probe, retrieve and rank from the cache.
+
+>>> import featcache
+>>> cache = featcache.open_cache("featcache-demo.zarr")  # doctest: +SKIP
+>>> cache.catalog()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from featcache.errors import (  # noqa: E402
+    FeatcacheError,
+    IncompleteStoreError,
+    NotInStoreError,
+    SchemaMismatchError,
+)
+
+__all__ = [
+    "__version__",
+    "open_cache",
+    "FeatcacheError",
+    "SchemaMismatchError",
+    "IncompleteStoreError",
+    "NotInStoreError",
+]
+
+
+def open_cache(path, **kwargs):
+    """Open a feature cache root (see :func:`featcache.store.open_cache`)."""
+    from featcache.store import open_cache as _open
+
+    return _open(path, **kwargs)

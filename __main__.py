@@ -1,0 +1,5 @@
+import sys
+
+from featcache.cli import main
+
+sys.exit(main())

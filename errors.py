@@ -1,0 +1,55 @@
+"""Exception hierarchy. Every error featcache raises derives from :class:`FeatcacheError`
+and also from the closest builtin, so ``except ValueError`` keeps working for callers."""
+
+from __future__ import annotations
+
+
+class FeatcacheError(Exception):
+    """Base class of all featcache errors."""
+
+
+class SchemaMismatchError(FeatcacheError, ValueError):
+    """On-disk metadata does not match what this featcache version (or this run) expects."""
+
+
+class IncompleteStoreError(FeatcacheError, RuntimeError):
+    """A feature array has unfinished or missing chunks."""
+
+
+class NotInStoreError(FeatcacheError, KeyError):
+    """Asked for a backbone/dataset/split the store does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class ProvenanceMismatchError(SchemaMismatchError):
+    """Re-running into an existing key with different settings."""
+
+
+class BackboneError(FeatcacheError, ValueError):
+    """Unknown model name or unusable weights."""
+
+
+class WeightsNotFoundError(BackboneError, FileNotFoundError):
+    """Pretrained weights could not be found locally."""
+
+
+class DataError(FeatcacheError, ValueError):
+    """A data spec, path or split is unusable."""
+
+
+class CacheNotWritableError(FeatcacheError, PermissionError):
+    """The cache path cannot be written."""
+
+
+class ProbeError(FeatcacheError, ValueError):
+    """Probe input is unusable (too few samples, a single class, non-finite features...)."""
+
+
+class BackendUnavailableError(FeatcacheError, RuntimeError):
+    """A requested compute backend (cuML, CUDA, faiss-gpu) is not available here."""
+
+
+class ResultsError(FeatcacheError, ValueError):
+    """A results table is malformed or inconsistent."""

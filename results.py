@@ -1,0 +1,177 @@
+"""The tidy results table shared by probes, retrieval, fine-tuning and analysis.
+
+One row per (run, metric). Written as parquet with polars; appends are atomic
+(write to a temporary file beside the target, then ``os.replace``), so a killed
+run never leaves a half-written table.
+
+Columns (see README, "Results schema"):
+
+=================  =========  ==========================================================
+column             dtype      meaning
+=================  =========  ==========================================================
+run_id             str        stable hash of the run definition (see :func:`make_run_id`)
+kind               str        ``probe`` | ``knn`` | ``retrieval`` | ``finetune``
+backbone           str        backbone key in the store
+dataset            str        dataset name (the task)
+protocol           str        ``full``, ``fewshot:5``, ``vtab1k``, ``salman``, ...
+train_split        str        split(s) fitted on (``train+val`` when refit on both)
+eval_split         str        split the metric was computed on
+shots              int        examples per class (-1 for "all")
+seed               int        seed of the sample/split/initialisation
+metric             str        ``top1``, ``top5``, ``mean_per_class``, ``nll``, ``ece``, ``map``...
+value              float      metric value (accuracies as fractions in [0, 1])
+n_eval             int        number of evaluated samples (or queries)
+hparams            str        JSON of selected hyperparameters and protocol options
+converged          bool       solver convergence (True where not applicable)
+fit_seconds        float      wall time of the final fit / search
+store_fingerprint  str        fingerprint of the features the run read
+featcache_version  str        featcache version that wrote the row
+created_at         str        ISO-8601 UTC timestamp
+=================  =========  ==========================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from featcache.errors import ResultsError
+
+#: column name -> polars dtype name (resolved lazily so importing this module is cheap)
+RESULT_COLUMNS: dict[str, str] = {
+    "run_id": "Utf8",
+    "kind": "Utf8",
+    "backbone": "Utf8",
+    "dataset": "Utf8",
+    "protocol": "Utf8",
+    "train_split": "Utf8",
+    "eval_split": "Utf8",
+    "shots": "Int64",
+    "seed": "Int64",
+    "metric": "Utf8",
+    "value": "Float64",
+    "n_eval": "Int64",
+    "hparams": "Utf8",
+    "converged": "Boolean",
+    "fit_seconds": "Float64",
+    "store_fingerprint": "Utf8",
+    "featcache_version": "Utf8",
+    "created_at": "Utf8",
+}
+
+KINDS = ("probe", "knn", "retrieval", "finetune")
+
+
+def make_run_id(**definition: Any) -> str:
+    """Stable 16-hex id for a run definition (kind, backbone, dataset, protocol, splits,
+    shots, seed, options, store fingerprint...). Same definition -> same id.
+
+    >>> make_run_id(kind="probe", backbone="b", seed=0) == make_run_id(seed=0, backbone="b", kind="probe")
+    True
+    """
+    blob = json.dumps(definition, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _schema():
+    import polars as pl
+
+    return {name: getattr(pl, dtype) for name, dtype in RESULT_COLUMNS.items()}
+
+
+def rows_to_frame(rows: Iterable[Mapping[str, Any]]):
+    """Build a polars DataFrame with exactly the results schema; missing optional
+    fields get defaults, unknown fields are an error (typos would silently vanish)."""
+    import polars as pl
+
+    from featcache import __version__
+
+    rows = [dict(r) for r in rows]
+    required = ("run_id", "kind", "backbone", "dataset", "metric", "value")
+    for r in rows:
+        unknown = set(r) - set(RESULT_COLUMNS)
+        if unknown:
+            raise ResultsError(
+                f"unknown result field(s) {sorted(unknown)}; allowed: {list(RESULT_COLUMNS)}"
+            )
+        missing = [c for c in required if r.get(c) is None]
+        if missing:
+            raise ResultsError(f"result row lacks required field(s) {missing}: {r}")
+        if r["kind"] not in KINDS:
+            raise ResultsError(f"kind must be one of {KINDS}, got {r['kind']!r}")
+        if isinstance(r.get("hparams"), Mapping):
+            r["hparams"] = json.dumps(r["hparams"], sort_keys=True, default=str)
+        r.setdefault("protocol", "")
+        r.setdefault("train_split", "")
+        r.setdefault("eval_split", "")
+        r.setdefault("shots", -1)
+        r.setdefault("seed", 0)
+        r.setdefault("n_eval", None)
+        r.setdefault("hparams", "{}")
+        r.setdefault("converged", True)
+        r.setdefault("fit_seconds", None)
+        r.setdefault("store_fingerprint", "")
+        r.setdefault("featcache_version", __version__)
+        r.setdefault("created_at", now_iso())
+    return pl.DataFrame(rows, schema=_schema(), orient="row" if not rows else None)
+
+
+def read_results(path: str | os.PathLike):
+    """Read a results parquet; validates that every schema column is present."""
+    import polars as pl
+
+    p = Path(path)
+    if not p.exists():
+        raise ResultsError(f"results table {p} does not exist; create it with `featcache probe` or `featcache retrieve`")
+    df = pl.read_parquet(p)
+    missing = [c for c in RESULT_COLUMNS if c not in df.columns]
+    if missing:
+        raise ResultsError(f"{p} is not a featcache results table: missing columns {missing}")
+    return df.select(list(RESULT_COLUMNS)).cast(_schema())
+
+
+def existing_run_ids(path: str | os.PathLike) -> set[str]:
+    p = Path(path)
+    if not p.exists():
+        return set()
+    return set(read_results(p)["run_id"].unique().to_list())
+
+
+def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
+    """Append rows (dicts or a DataFrame) to the parquet at ``path`` atomically.
+
+    Rows of a run_id already in the table are replaced when ``replace_runs`` (``--force``),
+    so a table never holds a run twice. Returns the full table.
+    """
+    import polars as pl
+
+    new = rows if isinstance(rows, pl.DataFrame) else rows_to_frame(rows)
+    new = new.select(list(RESULT_COLUMNS)).cast(_schema())
+    p = Path(path)
+    if p.exists():
+        old = read_results(p)
+        if replace_runs:
+            old = old.filter(~pl.col("run_id").is_in(new["run_id"].unique().to_list()))
+        table = pl.concat([old, new], how="vertical")
+    else:
+        table = new
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    os.close(fd)
+    try:
+        table.write_parquet(tmp)
+        os.replace(tmp, p)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return table
