@@ -1,0 +1,1 @@
+"""Extraction stage: backbones, image data, the extraction pipeline and its CLI."""
