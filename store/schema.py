@@ -1,0 +1,191 @@
+"""On-disk schemas: one frozen dataclass per zarr attribute document, validated on open.
+
+Layout (schema version 1; readable with plain ``zarr.open_group``)::
+
+    ROOT/                                   attrs["featcache"]        -> RootMeta
+      datasets/<dataset>/<split>/           attrs["featcache_split"]  -> SplitMeta
+          ids      [N]    string              stable sample ids (row order of every backbone)
+          labels   [N]    int64               index into SplitMeta.class_names
+      class_embeddings/<dataset>/<name>     [C, D] float32 (e.g. text embeddings per class)
+      features/<backbone>/<dataset>/<split>/ attrs["featcache_features"] -> FeatureGroupMeta
+          <kind>   [N, D] float16|float32     e.g. ``pooled``; attrs["featcache_provenance"]
+          valid    [N]    bool                False where the image failed to decode
+          error    [N]    string              decode error text ("" when valid)
+          done     [n_chunks] uint8           1 once row chunk i of every array is written
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from featcache.errors import SchemaMismatchError
+
+SCHEMA_VERSION = 1
+ROOT_KEY = "featcache"
+SPLIT_KEY = "featcache_split"
+GROUP_KEY = "featcache_features"
+PROVENANCE_KEY = "featcache_provenance"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+=,:%-]*$")
+
+
+def check_name(what: str, name: str) -> str:
+    """Backbone, dataset, split and kind names become zarr path segments."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise SchemaMismatchError(
+            f"invalid {what} name {name!r}: use letters, digits and _ . @ + = , : % - "
+            "(no '/', no leading dot or dash)"
+        )
+    return name
+
+
+class _Schema:
+    """Mixin: to/from plain-JSON attrs with strict validation."""
+
+    _attr_key: str = ""
+
+    def to_attrs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any], where: str = ""):
+        if not isinstance(attrs, dict):
+            raise SchemaMismatchError(f"{where}: featcache metadata missing or not a mapping")
+        version = attrs.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise SchemaMismatchError(
+                f"{where}: schema version {version!r} is not supported by this featcache "
+                f"(expects {SCHEMA_VERSION}); upgrade featcache or re-extract into a new cache"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing = required - set(attrs)
+        unknown = set(attrs) - names
+        if missing or unknown:
+            raise SchemaMismatchError(
+                f"{where}: metadata does not match schema {cls.__name__} v{SCHEMA_VERSION} "
+                f"(missing {sorted(missing)}, unknown {sorted(unknown)}); the store was written "
+                "by another tool or version"
+            )
+        kwargs = dict(attrs)
+        for f in dataclasses.fields(cls):
+            if f.name in kwargs and isinstance(kwargs[f.name], list) and f.type in ("tuple[str, ...]",):
+                kwargs[f.name] = tuple(kwargs[f.name])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class RootMeta(_Schema):
+    schema_version: int
+    featcache_version: str
+    created: str
+    layout: str = "featcache-v1: datasets/<dataset>/<split>, features/<backbone>/<dataset>/<split>"
+
+
+@dataclass(frozen=True)
+class SplitMeta(_Schema):
+    """One dataset split: what rows mean. Shared by every backbone's features."""
+
+    schema_version: int
+    dataset: str
+    split: str
+    n: int
+    class_names: tuple[str, ...]
+    fingerprint: str
+    source: str
+    created: str
+
+    def to_attrs(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["class_names"] = list(self.class_names)
+        return d
+
+
+@dataclass(frozen=True)
+class FeatureProvenance(_Schema):
+    """Provenance of one feature array (one backbone x dataset x split x kind)."""
+
+    schema_version: int
+    backbone: str
+    model_name: str
+    weights_source: str
+    weights_sha256: str
+    timm_version: str
+    torch_version: str
+    featcache_version: str
+    data_config: dict[str, Any]
+    kind: str
+    pooling: str
+    dim: int
+    dtype: str
+    dataset: str
+    split: str
+    dataset_fingerprint: str
+    n: int
+    chunk_rows: int
+    device: str = ""
+    batch_size: int = 0
+    amp: str = "none"
+    channels_last: bool = False
+    images_per_s: float | None = None
+    peak_memory_mb: float | None = None
+    n_invalid: int | None = None
+    created: str = ""
+    completed: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    #: fields that define *what* the features are; a re-run must match them to resume
+    IDENTITY = (
+        "model_name",
+        "weights_sha256",
+        "data_config",
+        "kind",
+        "pooling",
+        "dim",
+        "dtype",
+        "dataset_fingerprint",
+        "n",
+        "chunk_rows",
+    )
+
+    def identity(self) -> dict[str, Any]:
+        return {k: _jsonable(getattr(self, k)) for k in self.IDENTITY}
+
+    def differences(self, other: FeatureProvenance) -> dict[str, tuple[Any, Any]]:
+        a, b = self.identity(), other.identity()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+@dataclass(frozen=True)
+class FeatureGroupMeta(_Schema):
+    schema_version: int
+    backbone: str
+    dataset: str
+    split: str
+    n: int
+    chunk_rows: int
+    n_chunks: int
+    kinds: tuple[str, ...]
+    created: str
+
+    def to_attrs(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["kinds"] = list(self.kinds)
+        return d
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
