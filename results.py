@@ -93,7 +93,6 @@ def rows_to_frame(rows: Iterable[Mapping[str, Any]]):
     """Build a polars DataFrame with exactly the results schema; missing optional
     fields get defaults, unknown fields are an error (typos would silently vanish)."""
     import polars as pl
-
     from featcache import __version__
 
     rows = [dict(r) for r in rows]
