@@ -1,0 +1,140 @@
+"""``featcache rank | shift | report``: analysis commands (imports only argparse at top level)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _groups(items: list[str] | None) -> dict[str, str] | None:
+    if not items:
+        return None
+    from featcache.errors import ResultsError
+
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise ResultsError(f"--group expects DATASET=GROUP, got {it!r}")
+        k, v = it.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", help="featcache results parquet (probe/knn/retrieval rows)")
+    p.add_argument("--external", action="append", default=[], metavar="TABLE",
+                   help="extra CSV/parquet table (backbone, dataset, metric, value, kind[, n_eval, seed, group]); repeatable")
+    p.add_argument("--external-kind", choices=["probe", "knn", "retrieval", "finetune"],
+                   help="kind for external tables that have no kind column")
+    p.add_argument("--percent", action="store_true", default=None,
+                   help="external accuracies are percentages (divide by 100)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("rank", help="rank backbones (z-scores, mean, avg rank; linear vs fine-tune)",
+                              description="Rank backbones across tasks from results tables; write tables and plots.")
+    _common(p)
+    p.add_argument("--out", required=True, help="output folder (tables as parquet + Markdown, PNG plots)")
+    p.add_argument("--metric", default="top1", help="classification metric to rank on (default top1)")
+    p.add_argument("--retrieval-metric", default="map", help="retrieval metric to rank on (default map)")
+    p.add_argument("--kinds", nargs="+", choices=["probe", "knn", "retrieval", "finetune"], help="kinds of settings to rank on (default all)")
+    p.add_argument("--group", action="append", metavar="DATASET=GROUP", help="task group (repeatable)")
+    p.add_argument("--seed-reduce", choices=["median", "mean"], default="median")
+    p.add_argument("--ddof", type=int, choices=[0, 1], default=0, help="z-score std: 0 population, 1 sample")
+    p.add_argument("--on-constant", choices=["error", "drop"], default="error",
+                   help="a setting where all backbones score the same: error (default) or drop it")
+    p.add_argument("--n-boot", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resample", choices=["tasks", "seeds"], default="tasks")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=run_rank)
+
+    p = subparsers.add_parser("shift", help="test-set shift between two eval splits (Recht et al.)",
+                              description="Accuracy on an original and a new test split per backbone, gap, rank change and linear fit.")
+    _common(p)
+    p.add_argument("--orig", required=True, help="original eval split (e.g. test)")
+    p.add_argument("--new", required=True, help="new eval split (e.g. test_v2)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--metric", default="top1")
+    p.add_argument("--kind", default="probe", choices=["probe", "knn", "finetune"])
+    p.add_argument("--n-boot", type=int, default=100_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=run_shift)
+
+    p = subparsers.add_parser("report", help="self-contained HTML report (catalog, results, rankings)",
+                              description="Write one HTML page with the store catalog, probe/retrieval results and rankings.")
+    _common(p)
+    p.add_argument("--cache", help="feature cache root (its catalog goes into the report)")
+    p.add_argument("--out", required=True, help="output .html file")
+    p.add_argument("--shift", nargs=2, metavar=("ORIG", "NEW"), help="also include a test-set shift section")
+    p.add_argument("--title", default="featcache report")
+    p.set_defaults(func=run_report)
+
+
+def _need_input(args) -> None:
+    from featcache.errors import ResultsError
+
+    if not args.results and not args.external:
+        raise ResultsError("give --results R.parquet and/or --external TABLE")
+
+
+def run_rank(args) -> int:
+    _need_input(args)
+    from featcache.analysis.api import rank
+
+    out = rank(
+        args.results, args.external, args.out, metric=args.metric, retrieval_metric=args.retrieval_metric,
+        kinds=args.kinds, groups=_groups(args.group), percent=args.percent, external_kind=args.external_kind,
+        seed_reduce=args.seed_reduce, ddof=args.ddof, on_constant=args.on_constant, n_boot=args.n_boot,
+        seed=args.seed, resample=args.resample, plots=not args.no_plots,
+    )
+    print("rank  backbone  zscore  mean  avg_rank  n_settings")
+    for r in out["overall"].head(10).iter_rows(named=True):
+        print(f"{r['position']:>4}  {r['backbone']}  {r['zscore']:+.3f}  {r['mean']:.4f}  {r['avg_rank']:.2f}  {r['n_settings']}")
+    if out["mean_tau"] is not None:
+        print(f"linear vs fine-tune: mean Kendall tau-b {out['mean_tau']:.3f} over {out['lin_ft']['n_tasks']} task(s)")
+    for line in out["coverage"].lines() + out["notes"]:
+        print(f"note: {line}")
+    print(f"wrote {len(out['files'])} files to {args.out}")
+    return 0
+
+
+def run_shift(args) -> int:
+    _need_input(args)
+    from featcache.analysis.api import shift
+
+    res = shift(args.results, args.orig, args.new, args.out, external=args.external, metric=args.metric,
+                kind=args.kind, n_boot=args.n_boot, seed=args.seed, percent=args.percent, plots=not args.no_plots)
+    for r in res["fit"].iter_rows(named=True):
+        if r["a"] is None:
+            print(f"{r['dataset']}: no fit ({r['reason']})")
+        else:
+            print(f"{r['dataset']}: acc_new = {r['a']:.3f} [{r['a_lo']:.3f}, {r['a_hi']:.3f}] * acc_orig "
+                  f"{r['b']:+.4f} [{r['b_lo']:+.4f}, {r['b_hi']:+.4f}]  ({r['n_points']} backbones)")
+    for m in res["missing"]:
+        print(f"note: {m}")
+    print(f"wrote {len(res['files'])} files to {args.out}")
+    return 0
+
+
+def run_report(args) -> int:
+    _need_input(args)
+    from featcache.analysis.report import write_report
+
+    catalog = provenance = None
+    if args.cache:
+        # the CLI composes stages; the analysis library itself only takes DataFrames
+        from featcache.store import open_cache
+
+        cache = open_cache(args.cache)
+        catalog = cache.catalog()
+        # the catalog carries images_per_s / peak_memory_mb from each array's provenance
+        if "images_per_s" in catalog.columns and catalog["images_per_s"].drop_nulls().len():
+            provenance = catalog
+    path = write_report(
+        args.out, args.results, catalog, external=args.external, provenance=provenance,
+        shift_splits=tuple(args.shift) if args.shift else None, title=args.title,
+        rank_kwargs={"percent": args.percent, "external_kind": args.external_kind},
+    )
+    print(f"report written to {path}")
+    return 0

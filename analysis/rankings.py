@@ -1,0 +1,514 @@
+"""Rankings of backbones from results tables.
+
+* :func:`linear_vs_finetune` - VTAB Figure 16: per task Kendall tau-b between the ranking under
+  linear probing and under fine-tuning; per backbone the fine-tune gain and the fine-tune minus
+  linear z-score (Battle of the Backbones, Figure 2).
+* :func:`aggregate` - mean score, average rank, group-reweighted mean and BoB z-scores across
+  settings, their Kendall agreement, and good/better/best tables.
+* :func:`bootstrap_aggregate` - seeded paired bootstrap (tasks or seeds) for aggregate scores
+  and for differences between backbones.
+* :func:`calibration_summary`, :func:`efficiency_summary` - ECE/NLL and throughput per backbone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from featcache.analysis import stats
+from featcache.analysis.tables import LOWER_IS_BETTER, score_matrix
+from featcache.errors import ResultsError
+
+log = logging.getLogger(__name__)
+
+AGGREGATIONS = ("zscore", "mean", "avg_rank", "group_mean")
+#: aggregation -> True when higher is better
+HIGHER_IS_BETTER = {"zscore": True, "mean": True, "avg_rank": False, "group_mean": True}
+
+
+def _pl():
+    import polars as pl
+
+    return pl
+
+
+# ---------------------------------------------------------------------------------------------
+# linear probing vs fine-tuning
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_vs_finetune(
+    reduced,
+    *,
+    metric: str = "top1",
+    linear_kind: str = "probe",
+    finetune_kind: str = "finetune",
+    ddof: int = 0,
+) -> dict[str, Any]:
+    """Compare the ranking of backbones under linear probing and under fine-tuning per task.
+
+    ``reduced`` is a seed-reduced table (:func:`featcache.analysis.tables.reduce_seeds`).
+    Returns ``{"per_task", "per_backbone", "pairs", "mean_tau", "n_tasks", "missing"}``:
+    ``per_task`` has task, tau, p_value, n_backbones, reason (why tau is NaN, else null);
+    ``pairs`` the matched (task, backbone, linear, finetune, gain, z_linear, z_finetune, z_diff);
+    ``per_backbone`` the mean gain and mean z difference over tasks. Tasks present on one
+    side only are listed in ``missing`` (and logged), never dropped silently.
+    """
+    pl = _pl()
+    sub = reduced.filter(pl.col("metric") == metric)
+    lin = sub.filter(pl.col("kind") == linear_kind).select("task", "backbone", pl.col("value").alias("linear"))
+    ft = sub.filter(pl.col("kind") == finetune_kind).select("task", "backbone", pl.col("value").alias("finetune"))
+    if lin.height == 0 or ft.height == 0:
+        raise ResultsError(
+            f"linear vs fine-tune needs {metric!r} rows of kind {linear_kind!r} and "
+            f"{finetune_kind!r}; found {lin.height} and {ft.height}. Pass the fine-tuning table "
+            "with --external (kind column or --external-kind finetune)"
+        )
+    lt, ftt = set(lin["task"].to_list()), set(ft["task"].to_list())
+    missing = {
+        f"{linear_kind}_only_tasks": sorted(lt - ftt),
+        f"{finetune_kind}_only_tasks": sorted(ftt - lt),
+    }
+    pairs = lin.join(ft, on=["task", "backbone"], how="inner")
+    unpaired = (
+        lin.join(ft, on=["task", "backbone"], how="full", coalesce=True)
+        .filter(pl.col("task").is_in(sorted(lt & ftt)))
+        .filter(pl.col("linear").is_null() | pl.col("finetune").is_null())
+    )
+    missing["unpaired_backbones"] = [f"{r['task']}/{r['backbone']}" for r in unpaired.iter_rows(named=True)]
+    for k, v in missing.items():
+        if v:
+            log.warning("linear vs fine-tune: %s: %s", k, ", ".join(v))
+    rows = []
+    zrows = []
+    for task in sorted(lt & ftt):
+        p = pairs.filter(pl.col("task") == task).sort("backbone")
+        x = p["linear"].to_numpy().astype(float)
+        y = p["finetune"].to_numpy().astype(float)
+        n = len(x)
+        reason = None
+        if n < 2:
+            reason = f"only {n} backbone(s) have both a linear and a fine-tune score"
+        elif np.ptp(x) == 0:
+            reason = f"linear scores are constant ({x[0]:g}) across {n} backbones"
+        elif np.ptp(y) == 0:
+            reason = f"fine-tune scores are constant ({y[0]:g}) across {n} backbones"
+        if reason:
+            tau = pv = float("nan")
+            zl = zf = np.full(n, np.nan)
+            log.warning("linear vs fine-tune on %s: tau is NaN: %s", task, reason)
+        else:
+            tau, pv = stats.kendall_tau_b(x, y)
+            zl = stats.zscores(x, ddof=ddof, label=f"{linear_kind}:{task}")
+            zf = stats.zscores(y, ddof=ddof, label=f"{finetune_kind}:{task}")
+        rows.append({"task": task, "tau": tau, "p_value": pv, "n_backbones": n, "reason": reason})
+        for b, xl, yf, a, c in zip(p["backbone"].to_list(), x, y, zl, zf):
+            zrows.append(
+                {
+                    "task": task,
+                    "backbone": b,
+                    "linear": xl,
+                    "finetune": yf,
+                    "gain": yf - xl,
+                    "z_linear": a,
+                    "z_finetune": c,
+                    "z_diff": c - a,
+                }
+            )
+    per_task = pl.DataFrame(
+        rows,
+        schema={"task": pl.Utf8, "tau": pl.Float64, "p_value": pl.Float64, "n_backbones": pl.Int64, "reason": pl.Utf8},
+    )
+    pairs_df = pl.DataFrame(
+        zrows,
+        schema={
+            "task": pl.Utf8, "backbone": pl.Utf8, "linear": pl.Float64, "finetune": pl.Float64,
+            "gain": pl.Float64, "z_linear": pl.Float64, "z_finetune": pl.Float64, "z_diff": pl.Float64,
+        },
+    ).with_columns(pl.col("z_linear", "z_finetune", "z_diff").fill_nan(None))
+    per_backbone = (
+        pairs_df.group_by("backbone")
+        .agg(
+            pl.col("gain").mean().alias("mean_gain"),
+            pl.col("z_diff").mean().alias("mean_z_diff"),
+            pl.len().alias("n_tasks"),
+        )
+        .sort("mean_z_diff", descending=True, nulls_last=True)
+    )
+    taus = per_task["tau"].to_numpy()
+    valid = ~np.isnan(taus)
+    return {
+        "per_task": per_task,
+        "per_backbone": per_backbone,
+        "pairs": pairs_df,
+        "mean_tau": float(np.mean(taus[valid])) if valid.any() else float("nan"),
+        "n_tasks": int(valid.sum()),
+        "missing": missing,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScoreMatrix:
+    """Backbone x setting matrix of one score per setting (higher is better)."""
+
+    backbones: list[str]
+    settings: list[str]
+    values: np.ndarray  # [B, T]
+    groups: list[str | None] = field(default_factory=list)  # per setting
+
+    def frame(self):
+        pl = _pl()
+        data = {"backbone": self.backbones}
+        for j, s in enumerate(self.settings):
+            data[s] = self.values[:, j]
+        return pl.DataFrame(data).with_columns(pl.exclude("backbone").fill_nan(None))
+
+
+def select_settings(
+    reduced,
+    *,
+    metric: str = "top1",
+    retrieval_metric: str = "map",
+    kinds: Sequence[str] | None = None,
+    groups: Mapping[str, str] | None = None,
+) -> ScoreMatrix:
+    """One metric per setting (``metric`` for probe/knn/finetune, ``retrieval_metric`` for
+    retrieval), as a backbone x setting matrix. Lower-is-better metrics are negated."""
+    pl = _pl()
+    want = (pl.col("kind") == "retrieval") & (pl.col("metric") == retrieval_metric)
+    want = want | ((pl.col("kind") != "retrieval") & (pl.col("metric") == metric))
+    sub = reduced.filter(want)
+    if kinds is not None:
+        sub = sub.filter(pl.col("kind").is_in(list(kinds)))
+    if sub.height == 0:
+        have = sorted(set(zip(reduced["kind"].to_list(), reduced["metric"].to_list())))
+        raise ResultsError(
+            f"no rows with metric {metric!r} (retrieval: {retrieval_metric!r}) "
+            f"for kinds {list(kinds) if kinds else 'any'}; the tables hold (kind, metric) {have}"
+        )
+    if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:
+        sub = sub.with_columns(
+            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER))).then(-pl.col("value")).otherwise(pl.col("value")).alias("value")
+        )
+    b, s, m = score_matrix(sub)
+    g = {}
+    for r in sub.select("setting", "dataset", "group").unique().iter_rows(named=True):
+        grp = (groups or {}).get(r["dataset"], r["group"])
+        g[r["setting"]] = grp
+    return ScoreMatrix(b, s, m, [g.get(x) for x in s])
+
+
+def _zscore_matrix(values: np.ndarray, ddof: int) -> np.ndarray:
+    """Vectorised per-setting z-scores over the backbone axis (-2); NaN where undefined."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mu = np.nanmean(values, axis=-2, keepdims=True)
+            sd = np.nanstd(values, axis=-2, ddof=ddof, keepdims=True)
+        sd = np.where(sd > 0, sd, np.nan)
+        return (values - mu) / sd
+
+
+def _aggregate_arrays(values: np.ndarray, group_codes: np.ndarray | None, ddof: int) -> dict[str, np.ndarray]:
+    """All aggregations of a ``[..., B, T]`` array, vectorised over leading axes."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = {
+            "zscore": np.nanmean(_zscore_matrix(values, ddof), axis=-1),
+            "mean": np.nanmean(values, axis=-1),
+            "avg_rank": np.nanmean(stats.average_ranks(values), axis=-1),
+        }
+        if group_codes is not None:
+            gm = []
+            for g in np.unique(group_codes[group_codes >= 0]):
+                sel = group_codes == g
+                gm.append(np.nanmean(np.where(sel, values, np.nan), axis=-1) if sel.ndim > 1 else np.nanmean(values[..., sel], axis=-1))
+            out["group_mean"] = np.nanmean(np.stack(gm, axis=-1), axis=-1)
+    return out
+
+
+def _group_codes(sm: ScoreMatrix) -> tuple[np.ndarray | None, str | None]:
+    gs = sm.groups
+    if not gs or all(g is None for g in gs):
+        return None, "no task groups given (add a 'group' column or pass groups=)"
+    lacking = [s for s, g in zip(sm.settings, gs) if g is None]
+    if lacking:
+        raise ResultsError(
+            f"task groups are given for some settings but not for {lacking}; give every task a "
+            "group (the 'group' column or groups={dataset: group}) or none"
+        )
+    names = sorted(set(gs))
+    return np.array([names.index(g) for g in gs]), None
+
+
+def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> dict[str, Any]:
+    """Aggregate a backbone x setting matrix.
+
+    Returns ``{"overall", "zscores", "ranks", "agreement", "top3", "dropped", "notes"}``.
+    ``overall``: per backbone zscore (mean BoB z-score over settings), mean, avg_rank (1 =
+    best), group_mean (each group counts equally; NaN when no groups), n_settings, sorted by
+    z-score. A setting where every backbone scores the same (or fewer than two backbones have
+    a value) is an error (``on_constant="error"``), or is dropped and reported
+    (``on_constant="drop"``).
+    """
+    pl = _pl()
+    if on_constant not in ("error", "drop"):
+        raise ResultsError(f"on_constant must be 'error' or 'drop', got {on_constant!r}")
+    keep, dropped = [], {}
+    for j, s in enumerate(sm.settings):
+        try:
+            stats.zscores(sm.values[:, j], ddof=ddof, label=f"setting {s!r}")
+            keep.append(j)
+        except ResultsError as exc:
+            if on_constant == "error":
+                raise
+            dropped[s] = str(exc)
+            log.warning("dropping %s", exc)
+    if not keep:
+        raise ResultsError("no setting left to rank backbones on (all were constant)")
+    sm = ScoreMatrix(sm.backbones, [sm.settings[j] for j in keep], sm.values[:, keep], [sm.groups[j] for j in keep] if sm.groups else [])
+    codes, note = _group_codes(sm)
+    agg = _aggregate_arrays(sm.values, codes, ddof)
+    notes = [note] if note else []
+    overall = pl.DataFrame(
+        {
+            "backbone": sm.backbones,
+            "zscore": agg["zscore"],
+            "mean": agg["mean"],
+            "avg_rank": agg["avg_rank"],
+            "group_mean": agg.get("group_mean", np.full(len(sm.backbones), np.nan)),
+            "n_settings": (~np.isnan(sm.values)).sum(axis=1),
+        }
+    ).with_columns(pl.col("group_mean").fill_nan(None))
+    overall = overall.sort("zscore", descending=True).with_row_index("position", offset=1)
+    z = _zscore_matrix(sm.values, ddof)
+    r = stats.average_ranks(sm.values)
+    zdf = ScoreMatrix(sm.backbones, sm.settings, z).frame()
+    rdf = ScoreMatrix(sm.backbones, sm.settings, r).frame()
+    # agreement between aggregations (all turned into higher-is-better first)
+    avail = [a for a in AGGREGATIONS if a in agg]
+    rows = []
+    for a, b in itertools.combinations(avail, 2):
+        xa = agg[a] if HIGHER_IS_BETTER[a] else -agg[a]
+        xb = agg[b] if HIGHER_IS_BETTER[b] else -agg[b]
+        tau, p = stats.kendall_tau_b(xa, xb)
+        rows.append({"a": a, "b": b, "tau": tau, "p_value": p, "n_backbones": int((~np.isnan(xa) & ~np.isnan(xb)).sum())})
+    agreement = pl.DataFrame(rows, schema={"a": pl.Utf8, "b": pl.Utf8, "tau": pl.Float64, "p_value": pl.Float64, "n_backbones": pl.Int64})
+    return {
+        "matrix": sm,
+        "overall": overall,
+        "zscores": zdf,
+        "ranks": rdf,
+        "agreement": agreement,
+        "top3": top3(sm, overall),
+        "dropped": dropped,
+        "notes": notes,
+    }
+
+
+def top3(sm: ScoreMatrix, overall=None):
+    """Good / better / best (third, second, first) per setting and overall (by z-score)."""
+    pl = _pl()
+    rows = []
+
+    def pick(names, scores):
+        order = [i for i in np.argsort(-np.nan_to_num(scores, nan=-np.inf), kind="stable") if not np.isnan(scores[i])]
+        top = [names[i] for i in order[:3]] + [None] * 3
+        # ties among the top 3 are broken by name order; say so instead of hiding it
+        tied = [
+            f"{names[order[k]]} = {names[order[k + 1]]}"
+            for k in range(min(3, len(order) - 1))
+            if scores[order[k]] == scores[order[k + 1]]
+        ]
+        return {"best": top[0], "better": top[1], "good": top[2], "ties": "; ".join(tied) or None}
+
+    for j, s in enumerate(sm.settings):
+        rows.append({"task": s, **pick(sm.backbones, sm.values[:, j])})
+    if overall is not None:
+        rows.append({"task": "overall (z-score)", **pick(overall["backbone"].to_list(), overall["zscore"].to_numpy())})
+    return pl.DataFrame(rows, schema={"task": pl.Utf8, "best": pl.Utf8, "better": pl.Utf8, "good": pl.Utf8, "ties": pl.Utf8})
+
+
+def bootstrap_aggregate(
+    sm: ScoreMatrix,
+    *,
+    reduced=None,
+    resample: str = "tasks",
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    ddof: int = 0,
+    seed_reduce: str = "median",
+    pairs_for: Sequence[str] = ("zscore", "mean"),
+) -> dict[str, Any]:
+    """Seeded paired bootstrap of the aggregate scores and of differences between backbones.
+
+    ``resample="tasks"``: draw settings with replacement (the same draw for every backbone).
+    ``resample="seeds"``: per setting, draw that setting's seeds with replacement (the same
+    seed indices for every backbone), re-reduce (median) and re-aggregate; needs ``reduced``'s
+    source rows, passed as ``reduced`` = the *unreduced* table with a ``setting`` column.
+    Returns ``{"scores": (backbone, aggregation, estimate, lo, hi), "differences":
+    (aggregation, a, b, diff, lo, hi, p_le_0)}``. Same inputs and seed -> identical output.
+    """
+    pl = _pl()
+    if resample not in ("tasks", "seeds"):
+        raise ResultsError(f"resample must be 'tasks' or 'seeds', got {resample!r}")
+    codes, _ = _group_codes(sm)
+    B, T = sm.values.shape
+    rng = np.random.default_rng(seed)
+    if resample == "tasks":
+        idx = rng.integers(0, T, size=(n_boot, T))
+        boot_vals = np.moveaxis(sm.values[:, idx], 1, 0)  # [n_boot, B, T]
+        boot_codes = None if codes is None else codes[idx]  # [n_boot, T]
+        if boot_codes is not None:
+            boot_codes = boot_codes[:, None, :]  # broadcast over B
+    else:
+        if reduced is None or "seed" not in reduced.columns:
+            raise ResultsError("resample='seeds' needs the unreduced table (with a seed column)")
+        cube, _ = _seed_cube(reduced, sm)  # [B, T, S]
+        counts = np.sum(np.any(~np.isnan(cube), axis=0), axis=-1)  # seeds per setting [T]
+        if np.any(counts < 1):
+            raise ResultsError("a setting has no seeds to resample")
+        u = rng.random((n_boot, T, cube.shape[-1]))
+        pick = np.minimum((u * counts[None, :, None]).astype(int), counts[None, :, None] - 1)
+        bi = np.arange(B)[None, :, None, None]
+        ti = np.arange(T)[None, None, :, None]
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            g = cube[bi, ti, pick[:, None, :, :]]  # [n_boot, B, T, S]
+            boot_vals = np.nanmedian(g, axis=-1) if seed_reduce == "median" else np.nanmean(g, axis=-1)
+        boot_codes = codes
+    point = _aggregate_arrays(sm.values, codes, ddof)
+    boot = _aggregate_arrays(boot_vals, boot_codes, ddof)
+    q = (1 - level) / 2
+    import warnings
+
+    srows, drows = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for a in point:
+            lo = np.nanquantile(boot[a], q, axis=0)
+            hi = np.nanquantile(boot[a], 1 - q, axis=0)
+            for i, b in enumerate(sm.backbones):
+                srows.append({"backbone": b, "aggregation": a, "estimate": point[a][i], "lo": lo[i], "hi": hi[i]})
+        for a in pairs_for:
+            if a not in point:
+                continue
+            for i, j in itertools.combinations(range(B), 2):
+                d = boot[a][:, i] - boot[a][:, j]
+                drows.append(
+                    {
+                        "aggregation": a,
+                        "a": sm.backbones[i],
+                        "b": sm.backbones[j],
+                        "diff": point[a][i] - point[a][j],
+                        "lo": float(np.nanquantile(d, q)),
+                        "hi": float(np.nanquantile(d, 1 - q)),
+                        "p_le_0": float(np.nanmean(d <= 0)),
+                    }
+                )
+    schema_s = {"backbone": pl.Utf8, "aggregation": pl.Utf8, "estimate": pl.Float64, "lo": pl.Float64, "hi": pl.Float64}
+    schema_d = {"aggregation": pl.Utf8, "a": pl.Utf8, "b": pl.Utf8, "diff": pl.Float64, "lo": pl.Float64, "hi": pl.Float64, "p_le_0": pl.Float64}
+    return {
+        "scores": pl.DataFrame(srows, schema=schema_s),
+        "differences": pl.DataFrame(drows, schema=schema_d),
+        "resample": resample,
+        "n_boot": n_boot,
+        "seed": seed,
+    }
+
+
+def _seed_cube(raw, sm: ScoreMatrix) -> tuple[np.ndarray, list]:
+    """[B, T, S] array of per-seed values for the settings/backbones of ``sm`` (NaN padded);
+    seed slot k of a setting is the k-th smallest seed seen in that setting."""
+    pl = _pl()
+    raw = raw.filter(pl.col("setting").is_in(sm.settings) & pl.col("backbone").is_in(sm.backbones))
+    seeds_per = {s: sorted(set(raw.filter(pl.col("setting") == s)["seed"].to_list())) for s in sm.settings}
+    S = max(1, max(len(v) for v in seeds_per.values()))
+    cube = np.full((len(sm.backbones), len(sm.settings), S), np.nan)
+    bi = {b: i for i, b in enumerate(sm.backbones)}
+    si = {s: j for j, s in enumerate(sm.settings)}
+    # keep only the ranked metric per setting: value must match the matrix's metric; the caller
+    # passes rows already filtered to that metric
+    for r in raw.iter_rows(named=True):
+        s = r["setting"]
+        cube[bi[r["backbone"]], si[s], seeds_per[s].index(r["seed"])] = r["value"]
+    return cube, [seeds_per[s] for s in sm.settings]
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration and efficiency
+# ---------------------------------------------------------------------------------------------
+
+
+def calibration_summary(reduced, *, accuracy_metric: str = "top1", metrics: Sequence[str] = ("ece", "nll")):
+    """Per (task, backbone): accuracy with ECE and NLL (rows of kind probe/finetune), plus
+    Pearson correlations of each calibration metric with accuracy per task.
+
+    Returns ``(table, correlations)``; correlations has task, metric, r, p_value, n.
+    """
+    pl = _pl()
+    from scipy.stats import pearsonr
+
+    want = [accuracy_metric, *metrics]
+    sub = reduced.filter(pl.col("metric").is_in(want))
+    if sub.filter(pl.col("metric").is_in(list(metrics))).height == 0:
+        raise ResultsError(f"no calibration rows (metrics {list(metrics)}) in the results")
+    table = sub.pivot(on="metric", index=["kind", "task", "backbone"], values="value").sort(["task", "backbone"])
+    for m in want:
+        if m not in table.columns:
+            table = table.with_columns(pl.lit(None, dtype=pl.Float64).alias(m))
+    table = table.select("kind", "task", "backbone", *want)
+    rows = []
+    for (kind, task), g in table.group_by(["kind", "task"], maintain_order=True):
+        for m in metrics:
+            gg = g.drop_nulls([accuracy_metric, m])
+            if gg.height < 3 or np.ptp(gg[m].to_numpy()) == 0 or np.ptp(gg[accuracy_metric].to_numpy()) == 0:
+                r = p = float("nan")
+            else:
+                res = pearsonr(gg[accuracy_metric].to_numpy(), gg[m].to_numpy())
+                r, p = float(res.statistic), float(res.pvalue)
+            rows.append({"kind": kind, "task": task, "metric": m, "r": r, "p_value": p, "n": gg.height})
+    corr = pl.DataFrame(rows, schema={"kind": pl.Utf8, "task": pl.Utf8, "metric": pl.Utf8, "r": pl.Float64, "p_value": pl.Float64, "n": pl.Int64})
+    return table, corr
+
+
+def efficiency_summary(provenance, overall=None):
+    """Throughput and peak memory per backbone from a provenance/catalog DataFrame passed by
+    the caller (columns backbone, images_per_s, optionally peak_memory_bytes / peak_mem*).
+
+    With ``overall`` (from :func:`aggregate`), adds the z-score and the Spearman correlation
+    between throughput and z-score (BoB reports rho = -0.41). Returns ``(table, rho, p)``.
+    """
+    pl = _pl()
+    if provenance is None or "backbone" not in provenance.columns or "images_per_s" not in provenance.columns:
+        raise ResultsError("efficiency summary needs a DataFrame with columns backbone and images_per_s")
+    mem_cols = [c for c in provenance.columns if c.startswith("peak_mem")]
+    aggs = [pl.col("images_per_s").cast(pl.Float64).median().alias("images_per_s")]
+    aggs += [pl.col(c).cast(pl.Float64).max().alias(c) for c in mem_cols]
+    table = provenance.group_by("backbone").agg(aggs).sort("backbone")
+    rho = p = float("nan")
+    if overall is not None:
+        table = table.join(overall.select("backbone", "zscore"), on="backbone", how="left")
+        t = table.drop_nulls(["images_per_s", "zscore"])
+        if t.height >= 3:
+            from scipy.stats import spearmanr
+
+            res = spearmanr(t["images_per_s"].to_numpy(), t["zscore"].to_numpy())
+            rho, p = float(res.statistic), float(res.pvalue)
+    return table, rho, p
