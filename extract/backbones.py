@@ -28,7 +28,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,6 @@ class Backbone:
     keep_head: bool = False
     weights_file: str | None = None
     device: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def embed(self, x: Any) -> Any:
         """Pooled pre-logits features ``[B, feature_dim]`` for a preprocessed batch ``x``."""

