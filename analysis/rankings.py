@@ -216,7 +216,8 @@ def _zscore_matrix(values: np.ndarray, ddof: int) -> np.ndarray:
             warnings.simplefilter("ignore", RuntimeWarning)
             mu = np.nanmean(values, axis=-2, keepdims=True)
             sd = np.nanstd(values, axis=-2, ddof=ddof, keepdims=True)
-        sd = np.where(sd > 0, sd, np.nan)
+            rng_ = np.nanmax(values, axis=-2, keepdims=True) - np.nanmin(values, axis=-2, keepdims=True)
+        sd = np.where((sd > 0) & (rng_ > 0), sd, np.nan)  # equal values: no z-score
         return (values - mu) / sd
 
 

@@ -161,7 +161,8 @@ def zscores(values, *, ddof: int = 0, label: str = "setting") -> np.ndarray:
         )
     mu = v[ok].mean()
     sd = v[ok].std(ddof=ddof)
-    if not np.isfinite(sd) or sd == 0:
+    # exact constancy via the range: the float std of equal values can be ~1e-17, not 0
+    if not np.isfinite(sd) or sd == 0 or np.ptp(v[ok]) == 0:
         raise ResultsError(
             f"cannot z-score {label}: all {int(ok.sum())} backbones score {mu:g} (zero variance); "
             "drop this setting (e.g. rank(..., on_constant='drop')) or check the results"
