@@ -1,0 +1,67 @@
+"""Retrieval on cached features (Battle of the Backbones protocol, PROTOCOLS.md section 5).
+
+Semantic retrieval (a match shares the query's label) or content retrieval (explicit
+positive/junk table); cosine, inner-product or L2 similarity; exact FAISS / torch search and
+blockwise full ranking; mAP, MRR, recall@k, hit@k, precision@k and DINO-style k-NN
+classification. Metric formulas and the tie policy: :mod:`featcache.retrieval.metrics`.
+
+>>> from featcache.retrieval import run_retrieval
+>>> df = run_retrieval("cache.zarr", "tf_efficientnet_lite0", "digits", "test", "train",
+...                    results_path="results.parquet")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE, knn_accuracy, knn_predict, knn_votes
+from featcache.retrieval.metrics import (
+    RankedRelevance,
+    average_precision,
+    compute_metrics,
+    hit_at_k,
+    precision_at_k,
+    ranks_from_hits,
+    ranks_from_scores,
+    recall_at_k,
+    reciprocal_rank,
+    summarize,
+)
+from featcache.retrieval.ranking import full_ranking
+from featcache.retrieval.relevance import (
+    ExplicitRelevance,
+    Relevance,
+    SemanticRelevance,
+    load_relevance_table,
+)
+from featcache.retrieval.run import DEFAULT_KS, TIE_POLICY, evaluate, run_retrieval
+from featcache.retrieval.search import choose_backend, parse_memory, prepare, topk
+
+__all__ = [
+    "DEFAULT_KS",
+    "KNN_KS",
+    "KNN_TEMPERATURE",
+    "TIE_POLICY",
+    "ExplicitRelevance",
+    "RankedRelevance",
+    "Relevance",
+    "SemanticRelevance",
+    "average_precision",
+    "choose_backend",
+    "compute_metrics",
+    "evaluate",
+    "full_ranking",
+    "hit_at_k",
+    "knn_accuracy",
+    "knn_predict",
+    "knn_votes",
+    "load_relevance_table",
+    "parse_memory",
+    "precision_at_k",
+    "prepare",
+    "ranks_from_hits",
+    "ranks_from_scores",
+    "recall_at_k",
+    "reciprocal_rank",
+    "run_retrieval",
+    "summarize",
+    "topk",
+]

@@ -1,0 +1,132 @@
+"""Full-ranking retrieval (mAP over the whole gallery) by blockwise exact scoring.
+
+Queries are processed in blocks of B rows so that only a [B, G] score block (and its sorted
+copy) exists at a time; B follows from ``max_memory``. The N x N matrix never exists.
+
+For each query row s (scores of the G gallery items) the ranks of its relevant items follow
+from counts, without an argsort of the row: with the row sorted (a fast SIMD sort of float32
+values) and the relevant scores v_1 >= v_2 >= ... >= v_R,
+
+    rank_m = m + #{non-relevant, non-excluded items i : s_i > v_m}
+
+provided no non-relevant item scores exactly v_m. Rows where one does (a tie between a
+relevant and a non-relevant item) are ranked exactly by a lexsort on (-score, gallery index),
+the tie policy of :mod:`featcache.retrieval.metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from featcache.retrieval.metrics import RankedRelevance, ranks_from_scores
+from featcache.retrieval.search import DEFAULT_MAX_MEMORY, _rows_per_block, score_block
+
+log = logging.getLogger(__name__)
+
+__all__ = ["full_ranking", "row_ranks"]
+
+
+def _count_ge_gt(sorted_asc: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = sorted_asc.size
+    return n - np.searchsorted(sorted_asc, values, "left"), n - np.searchsorted(sorted_asc, values, "right")
+
+
+def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> np.ndarray:
+    """Ranks (1-based, increasing) of the items ``pos`` in one query's ranking of the gallery,
+    items ``excl`` removed; ``s_sorted`` is ``np.sort(s)``."""
+    R = pos.size
+    if R == 0:
+        return np.zeros(0, np.int64)
+    pv = np.sort(s[pos])
+    pv_desc = pv[::-1]
+    ge_all, gt_all = _count_ge_gt(s_sorted, pv_desc)
+    ge_pos, gt_pos = _count_ge_gt(pv, pv_desc)
+    if excl.size:
+        ge_ex, gt_ex = _count_ge_gt(np.sort(s[excl]), pv_desc)
+    else:
+        ge_ex = gt_ex = 0
+    neg_gt = gt_all - gt_pos - gt_ex
+    neg_eq = (ge_all - gt_all) - (ge_pos - gt_pos) - (ge_ex - gt_ex)
+    if np.any(neg_eq > 0):  # a relevant item ties with a non-relevant one: exact order
+        relevant = np.zeros(s.size, bool)
+        relevant[pos] = True
+        exclude = np.zeros(s.size, bool)
+        exclude[excl] = True
+        return ranks_from_scores(s, relevant, exclude)
+    return (np.arange(1, R + 1) + neg_gt).astype(np.int64)
+
+
+def _torch_device(backend: str):
+    if backend in ("torch-cuda", "faiss-gpu"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+    if backend == "torch-cpu":
+        import torch
+
+        return torch.device("cpu")
+    return None
+
+
+def full_ranking(
+    Q: np.ndarray,
+    G: np.ndarray,
+    relevance,
+    metric: str,
+    *,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    backend: str = "numpy",
+    progress: bool = True,
+) -> RankedRelevance:
+    """Ranks of every relevant item of every query over the whole gallery.
+
+    ``Q``, ``G``: features already prepared (:func:`featcache.retrieval.search.prepare`).
+    ``backend``: ``torch-cuda``/``faiss-gpu`` score and sort each block on the GPU (torch),
+    anything else on the CPU with numpy. Memory: about 12 bytes x G per query row in a block,
+    ``max_memory`` bounds the block.
+    """
+    n_q, n_g = Q.shape[0], G.shape[0]
+    B = min(max(n_q, 1), _rows_per_block(n_g, max_memory, 12))
+    dev = _torch_device(backend)
+    if dev is not None:
+        import torch
+
+        Gt = torch.from_numpy(G).to(dev)
+        g_sq_t = (Gt * Gt).sum(1) if metric == "l2" else None
+    g_sq = np.einsum("ij,ij->i", G, G) if metric == "l2" and dev is None else None
+    log.info("full ranking: %d queries x %d gallery, blocks of %d rows (%s)", n_q, n_g, B,
+             "torch " + str(dev) if dev is not None else "numpy")
+    n_relevant = relevance.n_relevant()
+    all_ranks: list[np.ndarray] = []
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        def tqdm(x, **_):
+            return x
+    for start in tqdm(range(0, n_q, B), desc="full ranking", unit="block", disable=not progress):
+        stop = min(n_q, start + B)
+        if dev is not None:
+            Qb = torch.from_numpy(Q[start:stop]).to(dev)
+            St = Qb @ Gt.T
+            if metric == "l2":
+                St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
+            S = St.cpu().numpy()
+            S_sorted = torch.sort(St, dim=1).values.cpu().numpy()
+            del St
+        else:
+            S = score_block(Q[start:stop], G, metric, g_sq)
+            S_sorted = np.sort(S, axis=1)
+        for j in range(stop - start):
+            i = start + j
+            r = row_ranks(S[j], S_sorted[j], relevance.positives(i), relevance.excluded(i))
+            all_ranks.append(r)
+        del S, S_sorted
+    counts = np.array([r.size for r in all_ranks], np.int64)
+    if np.any(counts != n_relevant):
+        raise AssertionError("internal error: ranked relevant items != number of relevant items")
+    indptr = np.zeros(n_q + 1, np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    ranks = np.concatenate(all_ranks) if all_ranks else np.zeros(0, np.int64)
+    return RankedRelevance(indptr, ranks, n_relevant, depth=None)

@@ -1,0 +1,312 @@
+"""Exact top-k search: FAISS (GPU when ``faiss.get_num_gpus() > 0``, else CPU) or a torch
+GEMM + top-k path (CUDA machines without faiss-gpu), all giving the same rankings under one
+tie policy.
+
+Scores are "higher is better" everywhere: cosine and inner-product similarities as they are,
+and ``-||q - g||^2`` for L2. Ties (exactly equal scores) are ordered by gallery index,
+ascending. Backends return their own top-k; :func:`topk` then re-sorts every row by
+(score desc, gallery index asc), removes excluded items (the query itself, junk), and
+recomputes exactly (numpy, full row) the rare rows where a tie straddles the search depth,
+so the returned top k never depends on how a backend orders equal scores.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+from featcache.errors import BackendUnavailableError, DataError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "METRICS",
+    "BACKENDS",
+    "FAISS_GPU_MAX_K",
+    "parse_memory",
+    "prepare",
+    "choose_backend",
+    "score_block",
+    "raw_search",
+    "topk",
+]
+
+METRICS = ("cosine", "ip", "l2")
+BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
+#: largest k faiss-gpu's exact search selects (GPU_MAX_SELECTION_K)
+FAISS_GPU_MAX_K = 2048
+DEFAULT_MAX_MEMORY = 2 * 1024**3
+
+
+def parse_memory(text: str | int | float | None) -> int:
+    """``"2GB"``, ``"512MiB"``, ``"1e9"``, ``1000000`` -> bytes."""
+    if text is None:
+        return DEFAULT_MAX_MEMORY
+    if isinstance(text, (int, float)):
+        val = int(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))
+        if not m:
+            raise DataError(f"cannot parse memory size {text!r}; write e.g. 2GB, 512MB or 1e9")
+        base = 1024 if m.group(3) else 1000
+        val = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+    if val < 1024**2:
+        raise DataError(f"max memory {text!r} is below 1 MB; give at least a few hundred MB, e.g. 2GB")
+    return val
+
+
+def prepare(X: np.ndarray, metric: str) -> np.ndarray:
+    """float32, C-contiguous, L2-normalised rows for cosine. Non-finite values are an error."""
+    if metric not in METRICS:
+        raise DataError(f"unknown similarity {metric!r}; choose one of {METRICS}")
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2:
+        raise DataError(f"features must be 2-sc [N, D], got shape {X.shape}")
+    if not np.isfinite(X).all():
+        raise DataError("features contain NaN/inf; drop invalid rows (Features.valid) before retrieval")
+    if metric == "cosine":
+        norms = np.linalg.norm(X, axis=1, keepdims=True)
+        zero = norms[:, 0] == 0
+        if zero.any():
+            log.warning("%d all-zero feature vector(s): their cosine similarity is 0 to everything", int(zero.sum()))
+        X = X / np.where(norms == 0, 1, norms)
+        X = np.ascontiguousarray(X, dtype=np.float32)
+    return X
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError as exc:
+        raise BackendUnavailableError("faiss is not installed; pip install faiss-cpu (or faiss-gpu-cu12)") from exc
+    return faiss
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _faiss_gpus() -> int:
+    try:
+        import faiss
+    except ImportError:
+        return 0
+    get = getattr(faiss, "get_num_gpus", None)
+    return int(get()) if get else 0
+
+
+def choose_backend(backend: str = "auto", k: int | None = None) -> str:
+    """Resolve ``auto``: faiss-gpu if faiss sees a GPU (and k <= 2048), else torch on CUDA,
+    else faiss on the CPU. Explicit choices are checked; the choice is logged."""
+    if backend not in BACKENDS:
+        raise DataError(f"unknown search backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        if _faiss_gpus() > 0 and (k is None or k <= FAISS_GPU_MAX_K):
+            chosen = "faiss-gpu"
+        elif _cuda_available():
+            chosen = "torch-cuda"
+            if _faiss_gpus() > 0:
+                log.info("k=%s exceeds faiss-gpu's limit %d; using the torch CUDA path", k, FAISS_GPU_MAX_K)
+        else:
+            try:
+                _faiss()
+                chosen = "faiss-cpu"
+            except BackendUnavailableError:
+                chosen = "numpy"
+        no_gpu = " (no CUDA GPU found; CPU fallback)" if chosen in ("faiss-cpu", "numpy") else ""
+        log.info("retrieval search backend: %s%s", chosen, no_gpu)
+        return chosen
+    if backend == "faiss-gpu" and _faiss_gpus() == 0:
+        raise BackendUnavailableError("faiss-gpu requested but faiss sees no GPU; use --backend auto or faiss-cpu")
+    if backend == "torch-cuda" and not _cuda_available():
+        raise BackendUnavailableError("torch-cuda requested but CUDA is not available; use --backend auto")
+    if backend == "faiss-gpu" and k is not None and k > FAISS_GPU_MAX_K:
+        fallback = "torch-cuda" if _cuda_available() else "faiss-cpu"
+        log.warning("k=%d exceeds faiss-gpu's limit %d; searching with %s instead", k, FAISS_GPU_MAX_K, fallback)
+        return fallback
+    log.info("retrieval search backend: %s", backend)
+    return backend
+
+
+def _rows_per_block(n_gallery: int, max_memory: int, bytes_per_cell: int = 12) -> int:
+    return max(1, int(max_memory // max(1, n_gallery * bytes_per_cell)))
+
+
+def score_block(Qb: np.ndarray, G: np.ndarray, metric: str, g_sq: np.ndarray | None = None) -> np.ndarray:
+    """Exact scores [B, G] (numpy float32): similarity, or ``-||q-g||^2`` for l2."""
+    S = Qb @ G.T
+    if metric == "l2":
+        if g_sq is None:
+            g_sq = np.einsum("ij,ij->i", G, G)
+        q_sq = np.einsum("ij,ij->i", Qb, Qb)
+        S *= 2
+        S -= q_sq[:, None]
+        S -= g_sq[None, :]
+    return S
+
+
+def _pad(sc: np.ndarray, ix: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    if sc.shape[1] >= k:
+        return sc, ix
+    n = k - sc.shape[1]
+    sc = np.concatenate([sc, np.full((sc.shape[0], n), -np.inf, np.float32)], axis=1)
+    ix = np.concatenate([ix, np.full((ix.shape[0], n), -1, np.int64)], axis=1)
+    return sc, ix
+
+
+def _search_faiss(Q, G, k, metric, gpu: bool):
+    faiss = _faiss()
+    d = G.shape[1]
+    index = faiss.IndexFlatL2(d) if metric == "l2" else faiss.IndexFlatIP(d)
+    if gpu:
+        if faiss.get_num_gpus() <= 0:  # never move an index to a GPU that is not there
+            raise BackendUnavailableError("faiss sees no GPU")
+        res = faiss.StandardGpuResources()
+        index = faiss.index_cpu_to_gpu(res, 0, index)
+    index.add(G)
+    sc, ix = index.search(Q, min(k, G.shape[0]))
+    ix = ix.astype(np.int64)
+    sc = -sc if metric == "l2" else sc
+    sc = np.where(ix < 0, -np.inf, sc).astype(np.float32)
+    return _pad(sc, ix, k)
+
+
+def _search_torch(Q, G, k, metric, device: str, max_memory: int):
+    import torch
+
+    dev = torch.device(device)
+    Gt = torch.from_numpy(G).to(dev)
+    g_sq = (Gt * Gt).sum(1) if metric == "l2" else None
+    kk = min(k, G.shape[0])
+    B = _rows_per_block(G.shape[0], max_memory, 8)
+    Ds, Is = [], []
+    for s in range(0, Q.shape[0], B):
+        Qb = torch.from_numpy(Q[s : s + B]).to(dev)
+        S = Qb @ Gt.T
+        if metric == "l2":
+            S = 2 * S - (Qb * Qb).sum(1)[:, None] - g_sq[None, :]
+        v, i = torch.topk(S, kk, dim=1, largest=True, sorted=True)
+        Ds.append(v.cpu().numpy().astype(np.float32))
+        Is.append(i.cpu().numpy().astype(np.int64))
+        del S
+    sc = np.concatenate(Ds) if Ds else np.zeros((0, kk), np.float32)
+    ix = np.concatenate(Is) if Is else np.zeros((0, kk), np.int64)
+    return _pad(sc, ix, k)
+
+
+def _search_numpy(Q, G, k, metric, max_memory: int):
+    kk = min(k, G.shape[0])
+    B = _rows_per_block(G.shape[0], max_memory, 12)
+    g_sq = np.einsum("ij,ij->i", G, G) if metric == "l2" else None
+    Ds, Is = [], []
+    for s in range(0, Q.shape[0], B):
+        S = score_block(Q[s : s + B], G, metric, g_sq)
+        if kk < S.shape[1]:
+            part = np.argpartition(-S, kk - 1, axis=1)[:, :kk]
+        else:
+            part = np.broadcast_to(np.arange(S.shape[1]), S.shape).copy()
+        v = np.take_along_axis(S, part, axis=1)
+        o = np.lexsort((part, -v), axis=1)
+        Ds.append(np.take_along_axis(v, o, axis=1))
+        Is.append(np.take_along_axis(part, o, axis=1).astype(np.int64))
+    sc = np.concatenate(Ds) if Ds else np.zeros((0, kk), np.float32)
+    ix = np.concatenate(Is) if Is else np.zeros((0, kk), np.int64)
+    return _pad(sc, ix, k)
+
+
+def raw_search(Q: np.ndarray, G: np.ndarray, k: int, metric: str, backend: str, max_memory: int = DEFAULT_MAX_MEMORY):
+    """Backend top-k: scores [Q, k] (higher is better, -inf where missing) and gallery
+    indices [Q, k] (-1 where missing, as FAISS returns for k > gallery). Order among equal
+    scores is backend-defined; :func:`topk` fixes it."""
+    if backend == "faiss-gpu":
+        return _search_faiss(Q, G, k, metric, gpu=True)
+    if backend == "faiss-cpu":
+        return _search_faiss(Q, G, k, metric, gpu=False)
+    if backend == "torch-cuda":
+        return _search_torch(Q, G, k, metric, "cuda", max_memory)
+    if backend == "torch-cpu":
+        return _search_torch(Q, G, k, metric, "cpu", max_memory)
+    if backend == "numpy":
+        return _search_numpy(Q, G, k, metric, max_memory)
+    raise DataError(f"unknown backend {backend!r}")
+
+
+def _policy_sort(sc: np.ndarray, ix: np.ndarray):
+    key = np.where(ix < 0, np.iinfo(np.int64).max, ix)
+    o = np.lexsort((key, -sc), axis=1)
+    return np.take_along_axis(sc, o, axis=1), np.take_along_axis(ix, o, axis=1)
+
+
+def _exact_rows(Q, G, rows, k, metric, relevance, max_memory):
+    """Exact top-k of some query rows with the tie policy (numpy, full rows)."""
+    sc = np.full((rows.size, k), -np.inf, np.float32)
+    ix = np.full((rows.size, k), -1, np.int64)
+    B = _rows_per_block(G.shape[0], max_memory, 12)
+    for s in range(0, rows.size, B):
+        rb = rows[s : s + B]
+        S = score_block(Q[rb], G, metric)
+        for j, r in enumerate(rb):
+            keep = np.ones(G.shape[0], bool)
+            if relevance is not None:
+                keep[relevance.excluded(int(r))] = False
+            idx = np.flatnonzero(keep)
+            order = idx[np.lexsort((idx, -S[j, idx]))][:k]
+            sc[s + j, : order.size] = S[j, order]
+            ix[s + j, : order.size] = order
+    return sc, ix
+
+
+def topk(
+    Q: np.ndarray,
+    G: np.ndarray,
+    k: int,
+    metric: str = "cosine",
+    *,
+    relevance=None,
+    backend: str = "auto",
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    prepared: bool = False,
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Top-k gallery items of every query under the tie policy, excluded items removed.
+
+    Returns ``(scores [Q, k], indices [Q, k], backend)``; missing results (k larger than the
+    gallery) have index -1 and score -inf.
+    """
+    if k < 1:
+        raise DataError(f"k must be >= 1, got {k}")
+    if not prepared:
+        Q, G = prepare(Q, metric), prepare(G, metric)
+    if Q.shape[1] != G.shape[1]:
+        raise DataError(f"query dim {Q.shape[1]} != gallery dim {G.shape[1]}; use features of one backbone")
+    n_g = G.shape[0]
+    n_ex = relevance.max_excluded() if relevance is not None else 0
+    depth = min(n_g, k + n_ex + 1)
+    backend = choose_backend(backend, depth)
+    sc, ix = raw_search(Q, G, depth, metric, backend, max_memory)
+    sc, ix = _policy_sort(sc, ix)
+    last = sc[:, -1].copy()  # every item scoring above this was returned
+    if relevance is not None and n_ex:
+        rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], ix.shape)
+        ex = relevance.is_excluded(rows, ix)
+        o = np.argsort(ex, axis=1, kind="stable")
+        sc, ix = np.take_along_axis(sc, o, axis=1), np.take_along_axis(ix, o, axis=1)
+        n_kept = (~ex).sum(1)
+    else:
+        n_kept = np.full(Q.shape[0], sc.shape[1])
+    sc, ix = _pad(sc, ix, k)
+    sc, ix = sc[:, :k].copy(), ix[:, :k].copy()
+    short = np.arange(k)[None, :] >= n_kept[:, None]
+    sc[short], ix[short] = -np.inf, -1
+    if depth < n_g:
+        # items scoring exactly the last searched score may have been cut by the backend in
+        # another order than the tie policy: recompute those rows exactly
+        redo = np.flatnonzero((n_kept < k) | (sc[:, -1] <= last))
+        if redo.size:
+            log.debug("%d row(s) with a tie at the search depth recomputed exactly", redo.size)
+            sc[redo], ix[redo] = _exact_rows(Q, G, redo, k, metric, relevance, max_memory)
+    return sc, ix, backend
