@@ -1,0 +1,23 @@
+"""Linear probes on cached features: a logistic-regression estimator with one meaning of C
+on scikit-learn, torch and cuML, batched C sweeps, the published evaluation protocols and
+numpy metrics. Entry points: :class:`LogisticProbe`, :func:`sweep_C`, :func:`run_probes`.
+"""
+
+from __future__ import annotations
+
+from featcache.probes.logistic import (
+    DEFAULT_CS,
+    LogisticProbe,
+    SweepResult,
+    resolve_backend,
+    sweep_C,
+)
+
+__all__ = ["DEFAULT_CS", "LogisticProbe", "SweepResult", "resolve_backend", "sweep_C", "run_probes"]
+
+
+def run_probes(*args, **kwargs):
+    """Run probes from a feature cache into a results table (see :func:`featcache.probes.runner.run_probes`)."""
+    from featcache.probes.runner import run_probes as _run
+
+    return _run(*args, **kwargs)

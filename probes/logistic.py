@@ -1,0 +1,415 @@
+"""Multinomial logistic-regression probe with one meaning of C on every backend.
+
+featcache's C is scikit-learn's: the fit minimises ``sum_i CE_i + 1/(2C) ||W||^2`` (the
+intercept is not penalised; for two classes, the binary logistic loss with one weight
+vector, exactly as :class:`sklearn.linear_model.LogisticRegression`). Backends:
+
+``sklearn``  scikit-learn lbfgs (CPU, float64), the reference.
+``torch``    featcache's batched float32 L-BFGS (:mod:`featcache.probes._solver`), CPU or CUDA.
+``cuml``     RAPIDS cuML (GPU) through a thin adapter that maps C and checks stationarity.
+``auto``     cuML when a GPU and cuML are present, else torch on the GPU, else torch on
+             the CPU (parity-tested against sklearn and much faster for C sweeps).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+from featcache.errors import BackendUnavailableError, ProbeError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "sklearn", "cuml", "torch")
+#: Kornblith et al. / DINOv2 grid: 45 values log-spaced over [1e-6, 1e5]
+DEFAULT_CS = tuple(float(c) for c in np.logspace(-6, 5, 45))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch is a hard dependency
+        return False
+
+
+def _cuml_available() -> bool:
+    try:
+        import cuml  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_backend(backend: str = "auto") -> tuple[str, str]:
+    """Return ``(backend, device)`` for a requested backend; logs what ``auto`` chose."""
+    if backend not in BACKENDS:
+        raise ProbeError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    cuda = _cuda_available()
+    if backend == "auto":
+        if cuda and _cuml_available():
+            choice = ("cuml", "cuda")
+        elif cuda:
+            choice = ("torch", "cuda")
+        else:
+            choice = ("torch", "cpu")
+        log.info("probe backend auto -> %s on %s%s", choice[0], choice[1],
+                 "" if cuda else " (no CUDA GPU found; CPU fallback)")
+        return choice
+    if backend == "cuml":
+        if not cuda:
+            raise BackendUnavailableError(
+                "backend='cuml' needs a CUDA GPU and none is visible; use backend='torch' or "
+                "'sklearn' (or 'auto', which falls back to the CPU)")
+        if not _cuml_available():
+            raise BackendUnavailableError(
+                "backend='cuml' needs RAPIDS cuML: pip install 'featcache[gpu]' (cuml-cu12), "
+                "or use backend='torch', which also runs on the GPU")
+        return ("cuml", "cuda")
+    if backend == "torch":
+        return ("torch", "cuda" if cuda else "cpu")
+    return ("sklearn", "cpu")
+
+
+def _check_Xy(X, y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    X = np.asarray(X)
+    if X.ndim != 2:
+        raise ProbeError(f"features must be a 2-D array [n_samples, n_features], got shape {X.shape}")
+    y = np.asarray(y)
+    if y.ndim != 1 or y.shape[0] != X.shape[0]:
+        raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries, got shape {y.shape}")
+    if not np.isfinite(X).all():
+        bad = int((~np.isfinite(X)).any(axis=1).sum())
+        raise ProbeError(
+            f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
+            "re-extract the features (`featcache verify` finds broken chunks)")
+    classes, y_idx = np.unique(y, return_inverse=True)
+    if classes.size < 2:
+        raise ProbeError(
+            f"the training labels hold a single class ({classes[0]!r}); a classifier needs at "
+            "least two: check the split/label column or sample more data")
+    return X.astype(np.float32, copy=False), y_idx.astype(np.int64), classes
+
+
+@dataclass
+class _Scaler:
+    mean: np.ndarray
+    scale: np.ndarray
+
+    @classmethod
+    def fit(cls, X: np.ndarray, enabled: bool) -> _Scaler:
+        D = X.shape[1]
+        if not enabled:
+            return cls(np.zeros(D, np.float64), np.ones(D, np.float64))
+        mu = X.mean(axis=0, dtype=np.float64)
+        sd = X.std(axis=0, dtype=np.float64)
+        sd[sd < 1e-12] = 1.0
+        return cls(mu, sd)
+
+    def transform(self, X: np.ndarray) -> np.ndarray:
+        return ((X - self.mean) / self.scale).astype(np.float32)
+
+    # raw-space (coef [K, D], intercept [K]) <-> standardized-space (W [D, K], b [K])
+    def to_raw(self, W: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        Wd = np.asarray(W, np.float64)
+        coef = (Wd / self.scale[:, None]).T
+        intercept = np.asarray(b, np.float64) - (self.mean / self.scale) @ Wd
+        return coef, intercept
+
+    def from_raw(self, coef: np.ndarray, intercept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        coef = np.asarray(coef, np.float64)
+        W = coef.T * self.scale[:, None]
+        b = np.asarray(intercept, np.float64) + self.mean @ coef.T
+        return W, b
+
+
+def _softmax_init(coef, intercept, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Raw-space init (sklearn layout: binary [1, D]) -> K-column softmax init."""
+    coef = np.asarray(coef, np.float64)
+    intercept = np.zeros(coef.shape[0]) if intercept is None else np.asarray(intercept, np.float64)
+    if K == 2 and coef.shape[0] == 1:
+        return np.vstack([-coef / 2, coef / 2]), np.array([-intercept[0] / 2, intercept[0] / 2])
+    if coef.shape[0] != K:
+        raise ProbeError(f"initial head has {coef.shape[0]} rows but the labels hold {K} classes; "
+                         "give one row per class, in the order of classes_")
+    return coef, intercept
+
+
+def _softmax_to_sklearn(coef: np.ndarray, intercept: np.ndarray):
+    if coef.shape[0] == 2:  # softmax with C/2 == binary logistic with C; w = w1 - w0
+        return (coef[1] - coef[0])[None, :], np.array([intercept[1] - intercept[0]])
+    return coef, intercept
+
+
+class LogisticProbe:
+    """L2-regularised logistic regression on frozen features, scikit-learn style.
+
+    Parameters
+    ----------
+    C : inverse L2 strength, scikit-learn's meaning on every backend.
+    backend : ``auto`` | ``sklearn`` | ``cuml`` | ``torch``.
+    max_iter, tol : solver limits (tol: max |gradient| of the 1/n-scaled objective, as lbfgs).
+    standardize : z-score features with the training mean/std (folded into ``coef_``).
+    head_init : optional [K, D] raw-feature-space class-embedding matrix (ELEVATER's
+        language-initialised head): the solver starts from logits ``X @ head_init.T``.
+        For a convex, converged fit it changes the path, not the optimum.
+    """
+
+    def __init__(self, C: float = 1.0, backend: str = "auto", max_iter: int = 1000,
+                 tol: float = 1e-4, standardize: bool = True, head_init=None):
+        self.C = C
+        self.backend = backend
+        self.max_iter = max_iter
+        self.tol = tol
+        self.standardize = standardize
+        self.head_init = head_init
+
+    def get_params(self, deep: bool = True) -> dict:
+        return {k: getattr(self, k) for k in
+                ("C", "backend", "max_iter", "tol", "standardize", "head_init")}
+
+    def set_params(self, **params) -> LogisticProbe:
+        for k, v in params.items():
+            setattr(self, k, v)
+        return self
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, X, y, *, init: tuple[np.ndarray, np.ndarray] | None = None) -> LogisticProbe:
+        """Fit on ``X [n, D]`` and labels ``y`` (any ints or strings).
+
+        ``init=(coef, intercept)`` in raw feature space (e.g. another probe's ``coef_`` and
+        ``intercept_``) warm-starts the solver; it overrides ``head_init``.
+        """
+        if not self.C > 0:
+            raise ProbeError(f"C must be > 0, got {self.C}")
+        X, yi, classes = _check_Xy(X, y)
+        self.classes_ = classes
+        self.n_features_in_ = X.shape[1]
+        K = classes.size
+        self.backend_, self.device_ = resolve_backend(self.backend)
+        scaler = _Scaler.fit(X, self.standardize)
+        Xs = scaler.transform(X)
+        if init is None and self.head_init is not None:
+            init = (np.asarray(self.head_init, np.float64), None)
+        W0 = b0 = None
+        if init is not None:
+            coef0, int0 = _softmax_init(init[0], init[1], K)
+            if coef0.shape[1] != X.shape[1]:
+                raise ProbeError(f"initial head has dimension {coef0.shape[1]} but the features "
+                                 f"have {X.shape[1]}; use a class-embedding matrix of the same backbone")
+            W0, b0 = scaler.from_raw(coef0, int0)
+        t0 = time.perf_counter()
+        if self.backend_ == "torch":
+            W, b, n_iter, conv, gmax = _fit_torch(Xs, yi, K, [self.C], self.device_,
+                                                  self.max_iter, self.tol, W0, b0)
+            W, b, n_iter, conv, gmax = W[0], b[0], int(n_iter[0]), bool(conv[0]), float(gmax[0])
+        elif self.backend_ == "sklearn":
+            W, b, n_iter, conv, gmax = _fit_sklearn(Xs, yi, K, self.C, self.max_iter, self.tol, W0, b0)
+        else:
+            W, b, n_iter, conv, gmax = _fit_cuml(Xs, yi, K, self.C, self.max_iter, self.tol)
+        self.fit_seconds_ = time.perf_counter() - t0
+        coef, intercept = scaler.to_raw(W, b)
+        self._softmax_coef, self._softmax_intercept = coef, intercept
+        self.coef_, self.intercept_ = _softmax_to_sklearn(coef, intercept)
+        self.n_iter_ = n_iter
+        self.converged_ = conv
+        self.grad_max_ = gmax
+        if not conv:
+            log.warning("LogisticProbe(C=%g, backend=%s) did not converge in %d iterations "
+                        "(max|grad|=%.3g > tol=%g); raise max_iter or tol", self.C, self.backend_,
+                        n_iter, gmax, self.tol)
+        return self
+
+    # -------------------------------------------------------------- predict
+    def _check_fitted(self):
+        if not hasattr(self, "coef_"):
+            raise ProbeError("this LogisticProbe is not fitted yet; call fit(X, y) first")
+
+    def decision_function(self, X) -> np.ndarray:
+        """Softmax logits [n, K] (for two classes too, unlike sklearn's [n] margin)."""
+        self._check_fitted()
+        X = np.asarray(X, np.float64)
+        if X.ndim != 2 or X.shape[1] != self.n_features_in_:
+            raise ProbeError(f"expected features [n, {self.n_features_in_}], got {X.shape}")
+        return X @ self._softmax_coef.T + self._softmax_intercept
+
+    def predict_proba(self, X) -> np.ndarray:
+        Z = self.decision_function(X)
+        Z -= Z.max(axis=1, keepdims=True)
+        P = np.exp(Z)
+        return P / P.sum(axis=1, keepdims=True)
+
+    def predict(self, X) -> np.ndarray:
+        return self.classes_[self.decision_function(X).argmax(axis=1)]
+
+    def score(self, X, y) -> float:
+        return float(np.mean(self.predict(X) == np.asarray(y)))
+
+
+# ---------------------------------------------------------------- backends
+def _fit_torch(Xs, yi, K, Cs, device, max_iter, tol, W0=None, b0=None):
+    """Batched torch fit of one softmax head per C (binary: C/2, see module docstring)."""
+    import torch
+    from featcache.probes._solver import lbfgs_multihead
+
+    X_t = torch.from_numpy(np.ascontiguousarray(Xs)).to(device)
+    y_t = torch.from_numpy(yi).to(device)
+    Cs_eff = [c / 2 if K == 2 else c for c in Cs]
+    theta0 = None
+    if W0 is not None:
+        theta0 = torch.from_numpy(np.concatenate([W0.reshape(-1), b0]).astype(np.float32))[None]
+    r = lbfgs_multihead(X_t, y_t, Cs_eff, K, theta0=theta0, max_iter=max_iter, tol=tol)
+    return (r.W.double().cpu().numpy(), r.b.double().cpu().numpy(), r.n_iter.numpy(),
+            r.converged.numpy(), r.grad_max.double().cpu().numpy())
+
+
+def _fit_sklearn(Xs, yi, K, C, max_iter, tol, W0=None, b0=None):
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+
+    clf = LogisticRegression(C=C, max_iter=max_iter, tol=tol, solver="lbfgs",
+                             warm_start=W0 is not None)
+    if W0 is not None:
+        coef, inter = _softmax_to_sklearn(W0.T, b0)
+        clf.coef_, clf.intercept_ = coef.copy(), inter.copy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConvergenceWarning)
+        clf.fit(Xs.astype(np.float64), yi)
+    not_conv = any(issubclass(w.category, ConvergenceWarning) for w in caught)
+    n_iter = int(np.max(clf.n_iter_))
+    coef, inter = clf.coef_, clf.intercept_
+    if K == 2:
+        coef, inter = np.vstack([-coef / 2, coef / 2]), np.array([-inter[0] / 2, inter[0] / 2])
+    W, b = coef.T, inter
+    gmax = _grad_max(Xs, yi, W, b, C if K > 2 else C / 2)
+    return W, b, n_iter, (not not_conv) and n_iter < max_iter, gmax
+
+
+def cuml_C(C: float, n_samples: int, cuml_version: str) -> float:
+    """featcache (= scikit-learn) C -> the C to hand cuML.
+
+    cuML's Python layer passes ``l2 = 1/C`` to its quasi-Newton solver, which minimises the
+    *mean* loss. Since cuML 0.15 (rapidsai/cuml#2494) the C++ layer divides the penalty by
+    n_samples, which makes C mean scikit-learn's; older releases did not, and need C * n.
+    """
+    major, minor = (int(p) for p in cuml_version.split(".")[:2])
+    return C if (major, minor) >= (0, 15) else C * n_samples
+
+
+def _fit_cuml(Xs, yi, K, C, max_iter, tol):  # pragma: no cover - needs a GPU with cuML
+    import cuml
+    from cuml.linear_model import LogisticRegression
+
+    clf = LogisticRegression(C=cuml_C(C, Xs.shape[0], cuml.__version__), penalty="l2",
+                             max_iter=max_iter, tol=tol, fit_intercept=True, output_type="numpy")
+    clf.fit(Xs, yi.astype(np.int32))
+    coef = np.asarray(clf.coef_, np.float64).reshape(-1, Xs.shape[1])
+    inter = np.asarray(clf.intercept_, np.float64).reshape(-1)
+    if K == 2:
+        coef, inter = np.vstack([-coef / 2, coef / 2]), np.array([-inter[0] / 2, inter[0] / 2])
+    W, b = coef.T, inter
+    n_iter = int(np.max(np.asarray(getattr(clf, "n_iter_", [max_iter]))))
+    gmax = _grad_max(Xs, yi, W, b, C if K > 2 else C / 2)
+    # the adapter's own check that cuML solved featcache's problem (catches a C scale mismatch)
+    conv = n_iter < max_iter and gmax <= 10 * tol
+    if gmax > 10 * tol:
+        log.warning("cuML solution is not stationary for featcache's objective at C=%g "
+                    "(max|grad|=%.3g); its C scaling may differ in cuML %s", C, gmax,
+                    cuml.__version__)
+    return W, b, n_iter, conv, gmax
+
+
+def _grad_max(Xs, yi, W, b, C_softmax) -> float:
+    """max |gradient| of the 1/n-scaled softmax objective at (W [D, K], b [K]) (float64)."""
+    n = Xs.shape[0]
+    Z = Xs.astype(np.float64) @ W + b
+    Z -= Z.max(axis=1, keepdims=True)
+    P = np.exp(Z)
+    P /= P.sum(axis=1, keepdims=True)
+    P[np.arange(n), yi] -= 1.0
+    gW = Xs.T.astype(np.float64) @ P / n + W / (C_softmax * n)
+    gb = P.sum(axis=0) / n
+    return float(max(np.abs(gW).max(), np.abs(gb).max()))
+
+
+# ------------------------------------------------------------------- sweep
+@dataclass
+class SweepResult:
+    """Outcome of a C sweep: validation top-1 per C and the selected C."""
+
+    Cs: list[float]
+    val_top1: list[float]
+    best_index: int
+    n_iter: list[int]
+    converged: list[bool]
+    backend: str
+    seconds: float
+    heads: list = field(default_factory=list, repr=False)  # raw-space (coef, intercept) per C
+
+    @property
+    def best_C(self) -> float:
+        return self.Cs[self.best_index]
+
+
+def select_index(val_scores) -> int:
+    """Best validation score; ties go to the smallest C (strongest regularisation)."""
+    s = np.asarray(val_scores, np.float64)
+    return int(np.flatnonzero(s == s.max())[0])
+
+
+def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "auto",
+            max_iter: int = 1000, tol: float = 1e-4, standardize: bool = True,
+            head_init=None) -> SweepResult:
+    """Fit every C on train, score top-1 on val (never test), return the selection.
+
+    torch: all C values are one batched multi-head problem (one GEMM for all heads per
+    iteration, per-head L-BFGS state, converged heads drop out). sklearn/cuML: a loop over
+    C with warm starts along the increasing-C path.
+    """
+    Cs = sorted(float(c) for c in Cs)
+    X, yi, classes = _check_Xy(X_train, y_train)
+    Xv = np.asarray(X_val, np.float32)
+    if not np.isfinite(Xv).all():
+        raise ProbeError("validation features contain NaN or inf; drop invalid rows first")
+    pos = {c: i for i, c in enumerate(classes.tolist())}
+    try:
+        yv = np.array([pos[v] for v in np.asarray(y_val).tolist()], np.int64)
+    except KeyError as exc:
+        raise ProbeError(f"validation label {exc.args[0]!r} does not occur in train; the class "
+                         "sets of the splits differ: resample the split so every class is in train") from None
+    K = classes.size
+    name, device = resolve_backend(backend)
+    scaler = _Scaler.fit(X, standardize)
+    Xs, Xvs = scaler.transform(X), scaler.transform(Xv)
+    W0 = b0 = None
+    if head_init is not None:
+        c0, i0 = _softmax_init(np.asarray(head_init, np.float64), None, K)
+        W0, b0 = scaler.from_raw(c0, i0)
+    t0 = time.perf_counter()
+    heads, n_iters, convs = [], [], []
+    if name == "torch":
+        W, b, n_iter, conv, _ = _fit_torch(Xs, yi, K, Cs, device, max_iter, tol, W0, b0)
+        for h in range(len(Cs)):
+            heads.append((W[h], b[h]))
+        n_iters, convs = [int(v) for v in n_iter], [bool(v) for v in conv]
+    else:
+        for C in Cs:
+            if name == "sklearn":
+                Wh, bh, it, cv, _ = _fit_sklearn(Xs, yi, K, C, max_iter, tol, W0, b0)
+            else:
+                Wh, bh, it, cv, _ = _fit_cuml(Xs, yi, K, C, max_iter, tol)
+            W0, b0 = Wh, bh  # warm start along the path
+            heads.append((Wh, bh))
+            n_iters.append(it)
+            convs.append(cv)
+    seconds = time.perf_counter() - t0
+    val = []
+    for Wh, bh in heads:
+        val.append(float(np.mean((Xvs.astype(np.float64) @ Wh + bh).argmax(axis=1) == yv)))
+    raw = [scaler.to_raw(Wh, bh) for Wh, bh in heads]
+    return SweepResult(Cs=Cs, val_top1=val, best_index=select_index(val), n_iter=n_iters,
+                       converged=convs, backend=name, seconds=seconds, heads=raw)
