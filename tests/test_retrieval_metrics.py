@@ -1,0 +1,319 @@
+"""Retrieval metrics against a brute-force reference and scikit-learn, on real features
+(sklearn digits pixels) and on Hypothesis-generated small cases full of ties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from featcache.retrieval import (
+    SemanticRelevance,
+    compute_metrics,
+    full_ranking,
+    prepare,
+    ranks_from_hits,
+    summarize,
+    topk,
+)
+from featcache.retrieval.search import score_block
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sklearn.datasets import load_digits
+from sklearn.metrics import average_precision_score
+
+KS = (1, 3, 5, 10)
+
+
+# ------------------------------------------------------------------ brute-force reference
+
+
+def ref_ranking(scores: np.ndarray, exclude: set[int]) -> list[int]:
+    """Gallery indices in ranked order: score desc, then index asc; excluded removed."""
+    return sorted((i for i in range(len(scores)) if i not in exclude), key=lambda i: (-float(scores[i]), i))
+
+
+def ref_query_metrics(order: list[int], relevant: set[int], ks) -> dict[str, float] | None:
+    R = len(relevant)
+    if R == 0:
+        return None
+    rel = [1 if i in relevant else 0 for i in order]
+    out = {}
+    # AP: sum_i P(i) rel(i) / R
+    hits, ap = 0, 0.0
+    for pos, r in enumerate(rel, start=1):
+        if r:
+            hits += 1
+            ap += hits / pos
+    out["map"] = ap / R
+    first = next((p for p, r in enumerate(rel, start=1) if r), None)
+    out["mrr"] = 1.0 / first if first else 0.0
+    for k in ks:
+        top = rel[:k]
+        n = sum(top)
+        out[f"precision@{k}"] = n / k
+        out[f"recall@{k}"] = n / R
+        out[f"hit@{k}"] = float(n > 0)
+        out[f"mrr@{k}"] = 1.0 / first if first and first <= k else 0.0
+        hits, s = 0, 0.0
+        for pos, r in enumerate(top, start=1):
+            if r:
+                hits += 1
+                s += hits / pos
+        out[f"map@{k}"] = s / min(R, k)
+    return out
+
+
+def ref_all(S: np.ndarray, qlab, glab, qids, gids, ks):
+    """Per-metric list over queries with >= 1 relevant item, plus count without."""
+    res: dict[str, list[float]] = {}
+    none = 0
+    for q in range(S.shape[0]):
+        ex = {j for j in range(S.shape[1]) if gids[j] == qids[q]}
+        relevant = {j for j in range(S.shape[1]) if glab[j] == qlab[q] and j not in ex}
+        m = ref_query_metrics(ref_ranking(S[q], ex), relevant, ks)
+        if m is None:
+            none += 1
+            continue
+        for k, v in m.items():
+            res.setdefault(k, []).append(v)
+    return res, none
+
+
+def ours_full(Q, G, rel, metric, ks, **kw):
+    rr = full_ranking(Q, G, rel, metric, progress=False, **kw)
+    return compute_metrics(rr, ks), rr
+
+
+def ours_topk(Q, G, rel, metric, ks, backend):
+    _, idx, _ = topk(Q, G, max(ks), metric, relevance=rel, backend=backend, prepared=True)
+    rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], idx.shape)
+    rr = ranks_from_hits(rel.is_positive(rows, idx), rel.n_relevant())
+    return compute_metrics(rr, ks)
+
+
+def assert_matches_ref(ours: dict, ref: dict, n_rel: np.ndarray, atol=1e-12):
+    scored = n_rel > 0
+    for name, vals in ours.items():
+        assert np.all(np.isnan(vals[~scored])), name
+        np.testing.assert_allclose(vals[scored], ref.get(name, []), atol=atol, err_msg=name)
+
+
+# ------------------------------------------------------------------ real data
+
+
+@pytest.fixture(scope="module")
+def digits():
+    d = load_digits()
+    X = d.data.astype(np.float32)
+    return X, d.target.astype(np.int64), np.array([f"d{i}" for i in range(len(X))])
+
+
+@pytest.mark.parametrize("metric", ["cosine", "ip", "l2"])
+def test_full_and_topk_match_reference_on_digits(digits, metric):
+    X, y, ids = digits
+    Xq, yq, iq = X[:60], y[:60], ids[:60]
+    Xg, yg, ig = X[1000:1400], y[1000:1400], ids[1000:1400]
+    Q, G = prepare(Xq, metric), prepare(Xg, metric)
+    rel = SemanticRelevance(yq, yg, iq, ig)
+    S = score_block(Q, G, metric)
+    ref, none = ref_all(S, yq, yg, iq, ig, KS)
+    assert none == 0
+    full, _ = ours_full(Q, G, rel, metric, KS)
+    assert_matches_ref(full, ref, rel.n_relevant())
+    for backend in ("numpy", "faiss-cpu", "torch-cpu"):
+        tk = ours_topk(Q, G, rel, metric, KS, backend)
+        for name, vals in tk.items():  # @k metrics of the top-k search == full ranking
+            np.testing.assert_allclose(vals, full[name], atol=1e-12, err_msg=f"{backend} {name}")
+
+
+def test_leave_one_out_on_digits_matches_reference(digits):
+    # integer pixel vectors: real duplicates and exact score ties occur in this split
+    X, y, ids = digits
+    Xs, ys, is_ = X[:300], y[:300], ids[:300]
+    Q = prepare(Xs, "ip")
+    rel = SemanticRelevance(ys, ys, is_, is_)
+    S = score_block(Q, Q, "ip")
+    ref, _ = ref_all(S, ys, ys, is_, is_, KS)
+    full, _ = ours_full(Q, Q, rel, "ip", KS)
+    assert_matches_ref(full, ref, rel.n_relevant())
+    assert np.array_equal(rel.n_relevant(), np.bincount(ys)[ys] - 1)
+
+
+def test_average_precision_equals_sklearn_on_real_features(digits):
+    X, y, ids = digits
+    rng = np.random.default_rng(0)
+    # small noise: continuous features, so no exact ties and sklearn's AP applies directly
+    Xf = X + rng.normal(0, 1e-2, X.shape).astype(np.float32)
+    Q, G = prepare(Xf[:40], "cosine"), prepare(Xf[500:1300], "cosine")
+    rel = SemanticRelevance(y[:40], y[500:1300], ids[:40], ids[500:1300])
+    full, _ = ours_full(Q, G, rel, "cosine", KS)
+    S = score_block(Q, G, "cosine")
+    sk = [average_precision_score(y[500:1300] == y[q], S[q]) for q in range(40)]
+    np.testing.assert_allclose(full["map"], sk, atol=1e-9)
+
+
+def test_average_precision_equals_sklearn_on_tie_broken_order(digits):
+    # with ties sklearn groups tied items; on the tie-broken order (strict scores) it agrees
+    X, y, ids = digits
+    Q = prepare(X[:200], "ip")
+    rel = SemanticRelevance(y[:200], y[:200], ids[:200], ids[:200])
+    full, _ = ours_full(Q, Q, rel, "ip", KS)
+    S = score_block(Q, Q, "ip")
+    for q in range(0, 200, 7):
+        order = ref_ranking(S[q], {q})
+        strict = -np.arange(len(order), dtype=float)
+        labels = (y[:200][order] == y[q])
+        assert average_precision_score(labels, strict) == pytest.approx(full["map"][q], abs=1e-12)
+
+
+# ------------------------------------------------------------------ Hypothesis, ties everywhere
+
+
+@st.composite
+def small_case(draw):
+    n_q = draw(st.integers(1, 4))
+    n_g = draw(st.integers(1, 12))
+    d = draw(st.integers(1, 3))
+    vals = st.integers(-2, 2)
+    Xq = np.array(draw(st.lists(st.lists(vals, min_size=d, max_size=d), min_size=n_q, max_size=n_q)), np.float32)
+    Xg = np.array(draw(st.lists(st.lists(vals, min_size=d, max_size=d), min_size=n_g, max_size=n_g)), np.float32)
+    yq = np.array(draw(st.lists(st.integers(0, 2), min_size=n_q, max_size=n_q)))
+    yg = np.array(draw(st.lists(st.integers(0, 2), min_size=n_g, max_size=n_g)))
+    gids = np.array([f"g{i}" for i in range(n_g)])
+    # some queries share an id with a gallery item (must be excluded by id, wherever it is)
+    use_g = draw(st.lists(st.booleans(), min_size=n_q, max_size=n_q))
+    perm = draw(st.permutations(range(n_g)))
+    qids = np.array([gids[perm[i]] if use_g[i] and i < n_g else f"q{i}" for i in range(n_q)])
+    ks = draw(st.lists(st.integers(1, 15), min_size=1, max_size=3))
+    metric = draw(st.sampled_from(["ip", "l2"]))  # exact integer arithmetic -> exact ties
+    return Xq, Xg, yq, yg, qids, gids, ks, metric
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_case())
+def test_hypothesis_full_and_topk_vs_reference(case):
+    Xq, Xg, yq, yg, qids, gids, ks, metric = case
+    rel = SemanticRelevance(yq, yg, qids, gids)
+    S = score_block(Xq, Xg, metric)
+    ref, none = ref_all(S, yq, yg, qids, gids, ks)
+    full, rr = ours_full(Xq, Xg, rel, metric, ks, max_memory=1024**2)
+    assert_matches_ref(full, ref, rel.n_relevant())
+    _, n_scored, n_none = summarize(full, rel.n_relevant())
+    assert n_none == none and n_scored + n_none == len(yq)
+    for backend in ("numpy", "faiss-cpu", "torch-cpu"):
+        assert_matches_ref(ours_topk(Xq, Xg, rel, metric, ks, backend), {k: v for k, v in ref.items() if "@" in k},
+                           rel.n_relevant())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(1, 40))
+def test_hypothesis_metric_invariants(rel_list, k):
+    hits = np.array([rel_list])
+    n_rel = hits.sum(1)
+    rr = ranks_from_hits(hits, n_rel, full=True)
+    m = compute_metrics(rr, [k])
+    if n_rel[0] == 0:
+        assert all(np.isnan(v[0]) for v in m.values())
+        return
+    for name, v in m.items():
+        assert 0.0 <= v[0] <= 1.0, name
+    assert m[f"hit@{k}"][0] == float(m[f"recall@{k}"][0] > 0)
+    assert m[f"map@{k}"][0] <= 1.0 and m["mrr"][0] >= m[f"mrr@{k}"][0]
+    if k >= len(rel_list):
+        assert m[f"recall@{k}"][0] == 1.0 and m[f"map@{k}"][0] == pytest.approx(m["map"][0] * n_rel[0] / min(n_rel[0], k))
+    # sklearn on the strict order
+    assert average_precision_score(hits[0], -np.arange(hits.shape[1])) == pytest.approx(m["map"][0], abs=1e-12)
+
+
+# ------------------------------------------------------------------ named edge cases
+
+
+def test_all_equal_scores_rank_by_gallery_index():
+    G = np.ones((10, 4), np.float32)
+    Q = np.ones((1, 4), np.float32)
+    yg = np.zeros(10, np.int64)
+    yg[[2, 5]] = 1
+    rel = SemanticRelevance(np.array([1]), yg, np.array(["q"]), np.array([f"g{i}" for i in range(10)]))
+    full, rr = ours_full(Q, G, rel, "cosine", [1, 3, 5, 20])
+    assert rr.ranks.tolist() == [3, 6]
+    assert full["map"][0] == pytest.approx((1 / 3 + 2 / 6) / 2)
+    assert full["mrr"][0] == pytest.approx(1 / 3)
+    assert full["hit@1"][0] == 0 and full["hit@3"][0] == 1 and full["recall@5"][0] == 0.5
+    assert full["precision@20"][0] == pytest.approx(2 / 20)  # denominator k, even with 10 items
+    for backend in ("numpy", "faiss-cpu", "torch-cpu"):
+        tk = ours_topk(Q, G, rel, "cosine", [1, 3, 5, 20], backend)
+        for name, v in tk.items():
+            assert v[0] == pytest.approx(full[name][0]), (backend, name)
+
+
+@pytest.mark.parametrize("dup_before_self", [True, False])
+def test_duplicate_of_query_in_gallery_is_a_match_and_self_is_excluded_by_id(digits, dup_before_self):
+    X, y, ids = digits
+    G = X[:50].copy()
+    gids = ids[:50].copy()
+    yg = y[:50].copy()
+    q = 10
+    dup = 3 if dup_before_self else 40  # an exact copy of the query under another id
+    G[dup], yg[dup], gids[dup] = G[q], yg[q], "copy-of-" + gids[q]
+    rel = SemanticRelevance(yg[[q]], yg, gids[[q]], gids)
+    Q, Gp = prepare(G[[q]], "cosine"), prepare(G, "cosine")
+    full, rr = ours_full(Q, Gp, rel, "cosine", [1])
+    assert rr.ranks[0] == 1 and full["mrr"][0] == 1.0  # the duplicate, not the query itself
+    assert rel.n_relevant()[0] == int((yg == yg[q]).sum()) - 1
+    _, idx, _ = topk(Q, Gp, 3, "cosine", relevance=rel, backend="faiss-cpu", prepared=True)
+    assert idx[0, 0] == dup and q not in idx[0]
+
+
+def test_k_larger_than_gallery_and_minus_one_never_hits():
+    rng = np.random.default_rng(1)
+    G = rng.normal(size=(6, 5)).astype(np.float32)
+    Q = rng.normal(size=(3, 5)).astype(np.float32)
+    # the last gallery item shares every query's label: a -1 index read as "the last item"
+    # would be a (wrong) hit
+    yg = np.array([0, 1, 2, 0, 1, 7])
+    yq = np.array([7, 7, 0])
+    rel = SemanticRelevance(yq, yg, np.array(["a", "b", "c"]), np.array([f"g{i}" for i in range(6)]))
+    for backend in ("numpy", "faiss-cpu", "torch-cpu"):
+        sc, idx, _ = topk(Q, G, 10, "cosine", relevance=rel, backend=backend)
+        assert (idx[:, 6:] == -1).all() and np.isneginf(sc[:, 6:]).all()
+        rows = np.broadcast_to(np.arange(3)[:, None], idx.shape)
+        hits = rel.is_positive(rows, idx)
+        assert not hits[:, 6:].any()
+        assert (hits.sum(1) == rel.n_relevant()).all()
+        m = compute_metrics(ranks_from_hits(hits, rel.n_relevant()), [10])
+        assert np.allclose(m["recall@10"], 1.0) and np.allclose(m["precision@10"], rel.n_relevant() / 10)
+
+
+def test_queries_without_relevant_items_are_excluded_and_counted(digits):
+    X, y, ids = digits
+    yq = y[:20].copy()
+    yq[:5] = 99  # a label absent from the gallery
+    rel = SemanticRelevance(yq, y[100:400], ids[:20], ids[100:400])
+    full, _ = ours_full(prepare(X[:20], "cosine"), prepare(X[100:400], "cosine"), rel, "cosine", [5])
+    means, n_scored, n_none = summarize(full, rel.n_relevant())
+    assert (n_scored, n_none) == (15, 5)
+    assert means["map"] == pytest.approx(np.mean(full["map"][5:]))
+
+
+def test_cosine_on_normalised_vectors_ranks_like_l2(digits):
+    X, y, ids = digits
+    rng = np.random.default_rng(2)
+    Xn = prepare(X + rng.normal(0, 1e-2, X.shape).astype(np.float32), "cosine")
+    Q, G = Xn[:50], Xn[300:900]
+    rel = SemanticRelevance(y[:50], y[300:900], ids[:50], ids[300:900])
+    _, i_cos, _ = topk(Q, G, 20, "cosine", relevance=rel, backend="faiss-cpu", prepared=True)
+    _, i_l2, _ = topk(Q, G, 20, "l2", relevance=rel, backend="faiss-cpu", prepared=True)
+    assert (i_cos == i_l2).mean() > 0.999
+    a, _ = ours_full(Q, G, rel, "cosine", [10])
+    b, _ = ours_full(Q, G, rel, "l2", [10])
+    np.testing.assert_allclose(a["map"], b["map"], atol=1e-4)
+
+
+def test_blockwise_memory_bound_gives_identical_ranks(digits):
+    X, y, ids = digits
+    Q, G = prepare(X[:64], "cosine"), prepare(X[200:1000], "cosine")
+    rel = SemanticRelevance(y[:64], y[200:1000], ids[:64], ids[200:1000])
+    big = full_ranking(Q, G, rel, "cosine", max_memory=2 * 1024**3, progress=False)
+    small = full_ranking(Q, G, rel, "cosine", max_memory=1024**2 + 1, progress=False)  # ~100 rows/block
+    tiny = full_ranking(Q, G, rel, "cosine", max_memory=1024**2, backend="torch-cpu", progress=False)
+    assert np.array_equal(big.ranks, small.ranks) and np.array_equal(big.indptr, small.indptr)
+    assert np.array_equal(big.ranks, tiny.ranks)
