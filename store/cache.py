@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from featcache.errors import (
     CacheNotWritableError,
     IncompleteStoreError,
@@ -379,8 +380,10 @@ def _check_writable(path: str) -> None:
     probe = p
     while not probe.exists():
         probe = probe.parent
-    if probe.is_file() and probe == p:
-        raise CacheNotWritableError(f"cache path {path} is a file, not a directory; choose another --cache")
+    if probe.is_file():
+        raise CacheNotWritableError(
+            f"cache path {path} cannot be created: {probe} is a file, not a directory; choose another --cache"
+        )
     if not os.access(probe, os.W_OK):
         raise CacheNotWritableError(
             f"cache path {path} is not writable ({probe} denies writing); choose a writable --cache "
@@ -413,8 +416,8 @@ def open_cache(path: str | os.PathLike, mode: str = "r", storage_options: dict |
     _check_writable(path)
     try:
         root = zarr.open_group(path, mode="a", zarr_format=3, **kwargs)
-    except PermissionError as exc:
-        raise CacheNotWritableError(f"cannot write the cache at {path}: {exc}") from exc
+    except OSError as exc:
+        raise CacheNotWritableError(f"cannot write the cache at {path}: {exc}; choose a writable --cache") from exc
     if ROOT_KEY not in root.attrs:
         if any(True for _ in root.keys()):
             raise SchemaMismatchError(

