@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from featcache.analysis import stats
 from featcache.analysis.tables import LOWER_IS_BETTER, score_matrix
 from featcache.errors import ResultsError
@@ -186,9 +187,18 @@ def select_settings(
     pl = _pl()
     want = (pl.col("kind") == "retrieval") & (pl.col("metric") == retrieval_metric)
     want = want | ((pl.col("kind") != "retrieval") & (pl.col("metric") == metric))
-    sub = reduced.filter(want)
     if kinds is not None:
-        sub = sub.filter(pl.col("kind").is_in(list(kinds)))
+        reduced = reduced.filter(pl.col("kind").is_in(list(kinds)))
+    sub = reduced.filter(want)
+    # a metric that matches none of a family's rows is a typo, not a reason to rank on the rest
+    for is_ret, m in ((False, metric), (True, retrieval_metric)):
+        fam = reduced.filter((pl.col("kind") == "retrieval") == is_ret)
+        if fam.height and fam.filter(pl.col("metric") == m).height == 0:
+            raise ResultsError(
+                f"no {'retrieval' if is_ret else 'probe/knn/finetune'} rows with metric {m!r}; "
+                f"those rows hold metrics {sorted(set(fam['metric'].to_list()))} "
+                f"(choose with {'--retrieval-metric' if is_ret else '--metric'}, or restrict --kinds)"
+            )
     if sub.height == 0:
         have = sorted(set(zip(reduced["kind"].to_list(), reduced["metric"].to_list())))
         raise ResultsError(
