@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 def _as_tables(results, external, *, percent, external_kind, groups) -> list:
     import polars as pl
+
     from featcache.analysis.tables import load_table
 
     tables = []
@@ -107,6 +108,7 @@ def rank(
     and ``files``.
     """
     import polars as pl
+
     from featcache.analysis import rankings
     from featcache.analysis.tables import merge_tables, reduce_seeds, with_intervals
 
@@ -220,6 +222,7 @@ def shift(
     :mod:`featcache.analysis.shift`). With ``out_dir`` writes ``shift.{parquet,md}``,
     ``shift_fit.{parquet,md}`` and one ``shift_<dataset>.png`` per dataset."""
     import polars as pl
+
     from featcache.analysis.shift import shift_analysis
     from featcache.analysis.tables import merge_tables
 

@@ -66,6 +66,7 @@ def _results_pivot(raw, kinds: Sequence[str], metrics: Sequence[str] | None = No
     """Long table per (kind, task, backbone, metric): median value over seeds, n_seeds, and a
     Clopper-Pearson interval of the median for proportion metrics with a known n_eval."""
     import polars as pl
+
     from featcache.analysis.tables import reduce_seeds, with_intervals
 
     sub = raw.filter(pl.col("kind").is_in(list(kinds)))
@@ -99,6 +100,7 @@ def write_report(
     aborting the report. Returns the path written (atomically).
     """
     import polars as pl
+
     from featcache.analysis import api
     from featcache.analysis.tables import merge_tables
 

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import numpy as np
+
 from featcache.analysis import stats
 from featcache.errors import ResultsError
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+
 from featcache.errors import ResultsError
 
 __all__ = [

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from featcache.errors import ResultsError
 from featcache.results import KINDS
 
@@ -313,6 +314,7 @@ def with_intervals(df, *, alpha: float = 0.05):
     """Add ``ci_lo``/``ci_hi``: Clopper-Pearson intervals for every proportion metric
     (top1, top5, accuracy) with a known ``n_eval``; null elsewhere."""
     import polars as pl
+
     from featcache.analysis.stats import clopper_pearson
 
     v = df["value"].to_numpy().astype(float)

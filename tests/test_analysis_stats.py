@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 import scipy.stats as ss
-from featcache.analysis import stats
-from featcache.errors import ResultsError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from featcache.analysis import stats
+from featcache.errors import ResultsError
 
 # ------------------------------------------------------------------ Clopper-Pearson
 
