@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+
 from featcache.retrieval.metrics import RankedRelevance, ranks_from_scores
 from featcache.retrieval.search import DEFAULT_MAX_MEMORY, _rows_per_block, score_block
 

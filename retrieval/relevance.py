@@ -8,6 +8,7 @@ import logging
 import os
 
 import numpy as np
+
 from featcache.errors import DataError
 
 log = logging.getLogger(__name__)

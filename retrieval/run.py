@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
 from featcache.errors import DataError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE, knn_accuracy
 from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize

@@ -16,6 +16,7 @@ import logging
 import re
 
 import numpy as np
+
 from featcache.errors import BackendUnavailableError, DataError
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,13 @@ def _faiss():
 
 
 def _cuda_available() -> bool:
+    import os
+    import sys
+
+    if "torch" not in sys.modules and not any(
+        os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
+    ):
+        return False  # no NVIDIA driver: skip importing torch (seconds) just to learn that
     try:
         import torch
     except ImportError:

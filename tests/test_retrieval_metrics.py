@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sklearn.datasets import load_digits
+from sklearn.metrics import average_precision_score
+
 from featcache.retrieval import (
     SemanticRelevance,
     compute_metrics,
@@ -15,10 +20,6 @@ from featcache.retrieval import (
     topk,
 )
 from featcache.retrieval.search import score_block
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from sklearn.datasets import load_digits
-from sklearn.metrics import average_precision_score
 
 KS = (1, 3, 5, 10)
 
