@@ -127,6 +127,12 @@ def rank(
         pl.col("setting").is_in(sm_kept.settings)
         & (((pl.col("kind") == "retrieval") & (pl.col("metric") == retrieval_metric)) | ((pl.col("kind") != "retrieval") & (pl.col("metric") == metric)))
     )
+    from featcache.analysis.tables import LOWER_IS_BETTER
+
+    if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:  # as in select_settings
+        ranked_raw = ranked_raw.with_columns(
+            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER))).then(-pl.col("value")).otherwise(pl.col("value")).alias("value")
+        )
     boot = rankings.bootstrap_aggregate(
         sm_kept, reduced=ranked_raw, resample=resample, n_boot=n_boot, seed=seed, ddof=ddof, seed_reduce=seed_reduce
     )
@@ -136,7 +142,7 @@ def rank(
         "scores": sm_kept.frame(),
         "zscores": agg["zscores"],
         "ranks": agg["ranks"],
-        "agreement": agg["agreement"],
+        "agreement": agg["agreement"].join(boot["agreement"], on=["a", "b"], how="left"),
         "top3": agg["top3"],
         "bootstrap": boot["scores"],
         "differences": boot["differences"],
@@ -156,7 +162,8 @@ def rank(
     else:
         notes.append("linear vs fine-tune skipped: needs both probe and finetune rows (pass the fine-tuning table with --external)")
     try:
-        cal, corr = rankings.calibration_summary(reduced, accuracy_metric=metric)
+        acc_metric = metric if metric not in LOWER_IS_BETTER else "top1"
+        cal, corr = rankings.calibration_summary(reduced, accuracy_metric=acc_metric)
         out["calibration"], out["calibration_corr"] = cal, corr
     except ResultsError as exc:
         out["calibration"] = out["calibration_corr"] = None

@@ -26,6 +26,8 @@ from featcache.errors import ResultsError
 
 log = logging.getLogger(__name__)
 
+#: elements per bootstrap chunk (bounds memory of the pairwise rank comparison)
+_BOOT_CHUNK_ELEMS = 2e7
 AGGREGATIONS = ("zscore", "mean", "avg_rank", "group_mean")
 #: aggregation -> True when higher is better
 HIGHER_IS_BETTER = {"zscore": True, "mean": True, "avg_rank": False, "group_mean": True}
@@ -372,7 +374,8 @@ def bootstrap_aggregate(
     seed indices for every backbone), re-reduce (median) and re-aggregate; needs ``reduced``'s
     source rows, passed as ``reduced`` = the *unreduced* table with a ``setting`` column.
     Returns ``{"scores": (backbone, aggregation, estimate, lo, hi), "differences":
-    (aggregation, a, b, diff, lo, hi, p_le_0)}``. Same inputs and seed -> identical output.
+    (aggregation, a, b, diff, lo, hi, p_le_0), "agreement": (a, b, tau_mean, tau_lo, tau_hi)
+    between aggregations across resamples}``. Same inputs and seed -> identical output.
     """
     pl = _pl()
     if resample not in ("tasks", "seeds"):
@@ -405,7 +408,15 @@ def bootstrap_aggregate(
             boot_vals = np.nanmedian(g, axis=-1) if seed_reduce == "median" else np.nanmean(g, axis=-1)
         boot_codes = codes
     point = _aggregate_arrays(sm.values, codes, ddof)
-    boot = _aggregate_arrays(boot_vals, boot_codes, ddof)
+    # chunk over resamples: average ranks compare every backbone pair (memory ~ B*B*T per resample)
+    step = max(1, int(_BOOT_CHUNK_ELEMS // max(1, B * B * T)))
+    parts = []
+    for c0 in range(0, n_boot, step):
+        bc = boot_codes
+        if bc is not None and bc.ndim == 3:
+            bc = bc[c0 : c0 + step]
+        parts.append(_aggregate_arrays(boot_vals[c0 : c0 + step], bc, ddof))
+    boot = {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
     q = (1 - level) / 2
     import warnings
 
@@ -433,11 +444,25 @@ def bootstrap_aggregate(
                         "p_le_0": float(np.nanmean(d <= 0)),
                     }
                 )
+    # agreement between aggregations across resamples (VTAB Appendix E)
+    arows = []
+    for a, b in itertools.combinations([k for k in AGGREGATIONS if k in boot], 2):
+        sa = 1 if HIGHER_IS_BETTER[a] else -1
+        sb = 1 if HIGHER_IS_BETTER[b] else -1
+        taus = np.array([stats.kendall_tau_b(sa * boot[a][k], sb * boot[b][k], method="asymptotic")[0] for k in range(n_boot)])
+        ok = ~np.isnan(taus)
+        arows.append({
+            "a": a, "b": b,
+            "tau_mean": float(taus[ok].mean()) if ok.any() else float("nan"),
+            "tau_lo": float(np.quantile(taus[ok], q)) if ok.any() else float("nan"),
+            "tau_hi": float(np.quantile(taus[ok], 1 - q)) if ok.any() else float("nan"),
+        })
     schema_s = {"backbone": pl.Utf8, "aggregation": pl.Utf8, "estimate": pl.Float64, "lo": pl.Float64, "hi": pl.Float64}
     schema_d = {"aggregation": pl.Utf8, "a": pl.Utf8, "b": pl.Utf8, "diff": pl.Float64, "lo": pl.Float64, "hi": pl.Float64, "p_le_0": pl.Float64}
     return {
         "scores": pl.DataFrame(srows, schema=schema_s),
         "differences": pl.DataFrame(drows, schema=schema_d),
+        "agreement": pl.DataFrame(arows, schema={"a": pl.Utf8, "b": pl.Utf8, "tau_mean": pl.Float64, "tau_lo": pl.Float64, "tau_hi": pl.Float64}),
         "resample": resample,
         "n_boot": n_boot,
         "seed": seed,
@@ -476,6 +501,7 @@ def calibration_summary(reduced, *, accuracy_metric: str = "top1", metrics: Sequ
     pl = _pl()
     from scipy.stats import pearsonr
 
+    metrics = [m for m in metrics if m != accuracy_metric]
     want = [accuracy_metric, *metrics]
     sub = reduced.filter(pl.col("metric").is_in(want))
     if sub.filter(pl.col("metric").is_in(list(metrics))).height == 0:

@@ -385,6 +385,25 @@ def test_bootstrap_is_paired_deterministic_and_covers_the_estimate(digits_result
         api.rank(digits_results["path"], n_boot=10, resample="backbones")
 
 
+def test_bootstrap_chunking_agreement_and_lower_is_better(digits_results, monkeypatch):
+    a = api.rank(digits_results["path"], n_boot=250, seed=5)
+    monkeypatch.setattr(rankings, "_BOOT_CHUNK_ELEMS", 200)  # forces ~1 resample per chunk
+    b = api.rank(digits_results["path"], n_boot=250, seed=5)
+    assert a["bootstrap"].equals(b["bootstrap"]) and a["agreement"].equals(b["agreement"])
+    ag = a["agreement"].row(0, named=True)
+    assert {"tau", "tau_mean", "tau_lo", "tau_hi"} <= set(ag) and -1 <= ag["tau_lo"] <= ag["tau_hi"] <= 1
+    # ranking on a lower-is-better metric: smallest ECE first, in the bootstrap too
+    e = api.rank(digits_results["path"], metric="ece", kinds=["probe"], n_boot=100, resample="seeds")
+    ece = (
+        digits_results["df"].filter((pl.col("metric") == "ece") & (pl.col("eval_split") == "test"))
+        .group_by("backbone").agg(pl.col("value").median()).sort("value")
+    )
+    t3 = {r["task"]: r for r in e["top3"].iter_rows(named=True)}
+    assert t3["probe:digits"]["best"] == ece["backbone"][0]
+    est = e["bootstrap"].filter(pl.col("aggregation") == "mean").drop_nulls()
+    assert ((est["lo"] <= est["estimate"] + 1e-12) & (est["estimate"] <= est["hi"] + 1e-12)).all()
+
+
 def test_constant_side_gives_nan_tau_with_reason():
     rows = []
     for i, b in enumerate(["a", "b", "c", "d"]):
