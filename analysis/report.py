@@ -80,6 +80,22 @@ def _results_pivot(raw, kinds: Sequence[str], metrics: Sequence[str] | None = No
     )
 
 
+def _wide(long, metric: str):
+    """backbone x (kind:task) table of ``metric`` as "value [lo, hi]" strings."""
+    import polars as pl
+
+    if long is None:
+        return None
+    sub = long.filter(pl.col("metric") == metric)
+    if sub.height == 0:
+        return None
+    cell = pl.when(pl.col("ci_lo").is_not_null()).then(
+        pl.format("{} [{}, {}]", pl.col("value").round(4), pl.col("ci_lo").round(3), pl.col("ci_hi").round(3))
+    ).otherwise(pl.col("value").round(4).cast(pl.Utf8))
+    sub = sub.with_columns(cell.alias("cell"), (pl.col("kind") + pl.lit(":") + pl.col("task")).alias("setting"))
+    return sub.pivot(on="setting", index="backbone", values="cell").sort("backbone")
+
+
 def write_report(
     out_html: str | os.PathLike,
     results_df=None,
@@ -127,13 +143,24 @@ def write_report(
 
     parts.append('<h2 id="probe">Probe results</h2>')
     probe = _results_pivot(raw, ["probe", "knn"])
-    parts.append(
-        '<p class="note">Median over seeds; 95% Clopper-Pearson interval for accuracies with known n_eval.</p>'
-        + (html_table(probe, table_id="probe-table") if probe is not None else '<p class="note">No probe rows.</p>')
-    )
+    if probe is not None:
+        metric = (rank_kwargs or {}).get("metric", "top1")
+        wide = _wide(probe, metric)
+        parts.append(
+            f'<p class="note">Median over seeds; 95% Clopper-Pearson interval for accuracies with known n_eval. '
+            f"Overview of {html.escape(metric)}, then every metric.</p>"
+            + (html_table(wide, table_id="probe-wide") if wide is not None else "")
+            + "<details><summary>all probe metrics</summary>" + html_table(probe, table_id="probe-table") + "</details>"
+        )
+    else:
+        parts.append('<p class="note">No probe rows.</p>')
     parts.append('<h2 id="retrieval">Retrieval results</h2>')
     ret = _results_pivot(raw, ["retrieval"])
-    parts.append(html_table(ret, table_id="retrieval-table") if ret is not None else '<p class="note">No retrieval rows.</p>')
+    if ret is not None:
+        wide = _wide(ret, (rank_kwargs or {}).get("retrieval_metric", "map"))
+        parts.append((html_table(wide, table_id="retrieval-wide") if wide is not None else "") + html_table(ret, table_id="retrieval-table"))
+    else:
+        parts.append('<p class="note">No retrieval rows.</p>')
     ft = _results_pivot(raw, ["finetune"])
     if ft is not None:
         parts.append('<h2 id="finetune">Fine-tuning results</h2>' + html_table(ft, table_id="finetune-table"))

@@ -283,6 +283,8 @@ def test_bob_table9_agrees_with_the_papers_statements(bob9):
     t3 = {r["task"]: r for r in bob9["top3"].iter_rows(named=True)}
     assert t3["finetune:Aircraft"]["best"] == "SwinV2-Base MiDaS (MiDaS)"
     assert t3["finetune:Flower"]["ties"]  # 99.61 twice: the tie is reported, not hidden
+    gm = bob9["bootstrap"].filter(pl.col("aggregation") == "group_mean")
+    assert gm.height == 30 and ((gm["lo"] <= gm["estimate"]) & (gm["estimate"] <= gm["hi"])).all()
     assert t3["overall (z-score)"]["best"] == order[0]
     # aggregations agree strongly on this table; missing ImageNet cells are listed
     assert bob9["agreement"]["tau"].min() > 0.6
@@ -561,7 +563,7 @@ def report_html(digits_results, tmp_path_factory):
 
 def test_report_is_self_contained(report_html):
     text = report_html.read_text()
-    for anchor in ('id="catalog-table"', 'id="probe-table"', 'id="retrieval-table"', 'id="overall-table"',
+    for anchor in ('id="catalog-table"', 'id="probe-table"', 'id="probe-wide"', 'id="retrieval-wide"', 'id="retrieval-table"', 'id="overall-table"',
                    'id="top3-table"', "Linear probe vs fine-tune", "Calibration", "Efficiency", "Test-set shift"):
         assert anchor in text, anchor
     assert text.count("data:image/png;base64,") >= 5
