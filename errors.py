@@ -53,3 +53,10 @@ class BackendUnavailableError(FeatcacheError, RuntimeError):
 
 class ResultsError(FeatcacheError, ValueError):
     """A results table is malformed or inconsistent."""
+
+
+class SplitError(DataError, ProbeError):
+    """A seeded protocol split cannot be drawn (too few examples, a class too small...).
+
+    Raised by :mod:`featcache.splits`, shared by probes and fine-tuning; it is both a
+    :class:`DataError` and a :class:`ProbeError` so either stage's callers catch it."""
