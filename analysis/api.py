@@ -83,6 +83,7 @@ def rank(
     metric: str = "top1",
     retrieval_metric: str = "map",
     kinds: Sequence[str] | None = None,
+    eval_splits: Sequence[str] | None = None,
     groups: Mapping[str, str] | None = None,
     percent: bool | None = None,
     external_kind: str | None = None,
@@ -98,7 +99,8 @@ def rank(
     """Which backbone should I choose, and would the answer change if I fine-tuned?
 
     Loads and merges the tables (coverage gaps are listed and logged), reduces seeds
-    (median), ranks backbones across settings (z-score, mean, average rank, group mean),
+    (median), ranks backbones across settings (``eval_splits`` restricts the eval splits used;
+    by default every split is its own setting, e.g. ``probe:digits @test_v2``) (z-score, mean, average rank, group mean),
     bootstraps the aggregates and pairwise differences, compares linear probing with
     fine-tuning when both kinds are present, and summarises calibration (ece/nll rows) and
     efficiency (``provenance``: DataFrame with backbone, images_per_s[, peak_mem*]).
@@ -114,6 +116,15 @@ def rank(
 
     tables = _as_tables(results, external, percent=percent, external_kind=external_kind, groups=groups)
     raw, coverage = merge_tables(tables)
+    if eval_splits:
+        # rows without an eval split (typical for external tables) are kept
+        keep = pl.col("eval_split").is_in(list(eval_splits)) | (pl.col("eval_split") == "")
+        dropped = raw.filter(~keep)
+        if dropped.height:
+            log.info("rank: ignoring %d row(s) on eval split(s) %s", dropped.height, sorted(set(dropped["eval_split"].to_list())))
+        raw = raw.filter(keep)
+        if raw.height == 0:
+            raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
     reduced = reduce_seeds(raw, how=seed_reduce)
     sm = rankings.select_settings(reduced, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     from featcache.analysis.tables import missing_cells

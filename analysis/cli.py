@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--metric", default="top1", help="classification metric to rank on (default top1)")
     p.add_argument("--retrieval-metric", default="map", help="retrieval metric to rank on (default map)")
     p.add_argument("--kinds", nargs="+", choices=["probe", "knn", "retrieval", "finetune"], help="kinds of settings to rank on (default all)")
+    p.add_argument("--eval-split", action="append", dest="eval_splits", metavar="SPLIT",
+                   help="rank only on this eval split (repeatable; default: every split is its own setting)")
     p.add_argument("--group", action="append", metavar="DATASET=GROUP", help="task group (repeatable)")
     p.add_argument("--seed-reduce", choices=["median", "mean"], default="median")
     p.add_argument("--ddof", type=int, choices=[0, 1], default=0, help="z-score std: 0 population, 1 sample")
@@ -84,7 +86,7 @@ def run_rank(args) -> int:
 
     out = rank(
         args.results, args.external, args.out, metric=args.metric, retrieval_metric=args.retrieval_metric,
-        kinds=args.kinds, groups=_groups(args.group), percent=args.percent, external_kind=args.external_kind,
+        kinds=args.kinds, eval_splits=args.eval_splits, groups=_groups(args.group), percent=args.percent, external_kind=args.external_kind,
         seed_reduce=args.seed_reduce, ddof=args.ddof, on_constant=args.on_constant, n_boot=args.n_boot,
         seed=args.seed, resample=args.resample, plots=not args.no_plots,
     )

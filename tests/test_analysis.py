@@ -605,6 +605,11 @@ def test_cli_rank_shift_report(digits_results, tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "linear vs fine-tune: mean Kendall tau-b" in out and (tmp_path / "r" / "overall.parquet").exists()
+    rc = main(["rank", "--results", str(digits_results["path"]), "--eval-split", "test", "--out", str(tmp_path / "r2"), "--n-boot", "50"])
+    assert rc == 0 and "@test_v2" not in pl.read_parquet(tmp_path / "r2" / "scores.parquet").columns.__str__()
+    capsys.readouterr()
+    rc = main(["rank", "--results", str(digits_results["path"]), "--eval-split", "val", "--out", str(tmp_path / "r3")])
+    assert rc == 1 and "no rows on eval split" in capsys.readouterr().err
     rc = main(["shift", "--results", str(digits_results["path"]), "--orig", "test", "--new", "test_v2",
                "--out", str(tmp_path / "s"), "--n-boot", "1000"])
     assert rc == 0 and "acc_new = " in capsys.readouterr().out
