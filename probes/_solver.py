@@ -38,24 +38,28 @@ class SolverResult:
     grad_max: torch.Tensor  # [H]
 
 
-def _loss_grad(X, Y1h, theta, lam, D, K, need_grad=True):
+def _loss_grad(X, Y1h, yidx, theta, lam, D, K, need_grad=True):
     """Objective and gradient for heads ``theta [h, (D+1)K]`` (row h: W flattened, then b)."""
     h = theta.shape[0]
     n = X.shape[0]
     W = theta[:, : D * K].view(h, D, K)
     b = theta[:, D * K :]
-    Z = (X @ W.permute(1, 0, 2).reshape(D, h * K)).view(n, h, K) + b.unsqueeze(0)
-    lse = torch.logsumexp(Z, dim=2)  # [n, h]
-    zy = (Z * Y1h.unsqueeze(1)).sum(dim=2)  # [n, h]
+    Z = (X @ W.permute(1, 0, 2).reshape(D, h * K)).view(n, h, K)
+    Z += b.unsqueeze(0)
+    m = Z.amax(dim=2, keepdim=True)
+    E = torch.exp(Z - m)
+    S = E.sum(dim=2, keepdim=True)
+    lse = (m + torch.log(S)).squeeze(2)  # [n, h]
+    zy = Z.gather(2, yidx.view(n, 1, 1).expand(n, h, 1)).squeeze(2)  # [n, h]
     wsq = (W * W).sum(dim=(1, 2))
     loss = (lse - zy).mean(dim=0) + 0.5 * lam * wsq
     if not need_grad:
         return loss, None
-    P = torch.softmax(Z, dim=2)
-    P.sub_(Y1h.unsqueeze(1)).div_(n)  # dL/dZ
-    gW = (X.T @ P.reshape(n, h * K)).view(D, h, K).permute(1, 0, 2)
+    E /= S  # softmax probabilities
+    E.sub_(Y1h.unsqueeze(1)).div_(n)  # dL/dZ
+    gW = (X.T @ E.reshape(n, h * K)).view(D, h, K).permute(1, 0, 2)
     gW = gW + lam.view(h, 1, 1) * W
-    gb = P.sum(dim=0)
+    gb = E.sum(dim=0)
     grad = torch.cat([gW.reshape(h, D * K), gb], dim=1)
     return loss, grad
 
@@ -71,10 +75,14 @@ def lbfgs_multihead(
     tol: float = 1e-4,
     history: int = 10,
     max_ls: int = 25,
+    block: int | None = None,
 ) -> SolverResult:
     """Fit one softmax head per value of ``Cs`` on ``X [n, D]`` (float32, any device).
 
-    ``theta0`` ([H, (D+1)K] or [1, ...] broadcast) warm-starts the heads.
+    ``theta0`` ([1, (D+1)K]) starts the heads (default zeros). ``block`` limits how many
+    heads iterate at once: heads are activated in increasing-C order and each newly
+    activated head starts from the solution of the largest C already finished (a warm
+    start along the regularisation path). ``None`` = all heads at once.
     """
     dev, dt = X.device, X.dtype
     n, D = X.shape
@@ -84,27 +92,55 @@ def lbfgs_multihead(
     H = Cs_t.numel()
     lam_all = (1.0 / (Cs_t * n)).to(device=dev, dtype=dt)
     Y1h = torch.zeros(n, K, device=dev, dtype=dt)
-    Y1h[torch.arange(n, device=dev), y.to(dev)] = 1.0
+    yidx = y.to(dev).long()
+    Y1h[torch.arange(n, device=dev), yidx] = 1.0
 
-    if theta0 is None:
-        theta_all = torch.zeros(H, P, device=dev, dtype=dt)
-    else:
-        theta_all = theta0.to(device=dev, dtype=dt).expand(H, P).clone()
+    base = (torch.zeros(1, P, device=dev, dtype=dt) if theta0 is None
+            else theta0.to(device=dev, dtype=dt).reshape(1, P))
+    theta_all = base.expand(H, P).clone()
     n_iter_all = torch.zeros(H, dtype=torch.long)
     conv_all = torch.zeros(H, dtype=torch.bool)
     loss_all = torch.zeros(H, dtype=dt)
     gmax_all = torch.zeros(H, dtype=dt)
+    finished = torch.zeros(H, dtype=torch.bool)
 
-    act = torch.arange(H)  # global indices of active heads
-    theta = theta_all.clone()
-    lam = lam_all.clone()
-    f, g = _loss_grad(X, Y1h, theta, lam, D, K)
-    S = torch.zeros(H, history, P, device=dev, dtype=dt)
-    Yh = torch.zeros(H, history, P, device=dev, dtype=dt)
-    rho = torch.zeros(H, history, device=dev, dtype=dt)  # 0 = empty / skipped pair
-    gamma = torch.ones(H, device=dev, dtype=dt)
-    first = torch.ones(H, dtype=torch.bool, device=dev)
+    queue = torch.argsort(Cs_t).tolist()  # activation order: increasing C
+    block = H if block is None else max(1, int(block))
+    act = torch.zeros(0, dtype=torch.long)  # global indices of active heads
+    theta = torch.zeros(0, P, device=dev, dtype=dt)
+    lam = torch.zeros(0, device=dev, dtype=dt)
+    f = torch.zeros(0, device=dev, dtype=dt)
+    g = torch.zeros(0, P, device=dev, dtype=dt)
+    S = torch.zeros(0, history, P, device=dev, dtype=dt)
+    Yh = torch.zeros(0, history, P, device=dev, dtype=dt)
+    rho = torch.zeros(0, history, device=dev, dtype=dt)  # 0 = empty / skipped pair
+    gamma = torch.zeros(0, device=dev, dtype=dt)
+    first = torch.zeros(0, dtype=torch.bool, device=dev)
     k_ring = 0
+
+    def activate():
+        nonlocal act, theta, lam, f, g, S, Yh, rho, gamma, first
+        room = block - act.numel()
+        if room <= 0 or not queue:
+            return
+        new = torch.tensor([queue.pop(0) for _ in range(min(room, len(queue)))], dtype=torch.long)
+        done_idx = torch.nonzero(finished).flatten()
+        if done_idx.numel():  # warm start from the largest finished C
+            src = done_idx[torch.argmax(Cs_t[done_idx])]
+            th = theta_all[src.to(dev)].reshape(1, P).expand(new.numel(), P).clone()
+        else:
+            th = theta_all[new.to(dev)].clone()
+        la = lam_all[new.to(dev)]
+        fn, gn = _loss_grad(X, Y1h, yidx, th, la, D, K)
+        h = new.numel()
+        act = torch.cat([act, new])
+        theta, lam = torch.cat([theta, th]), torch.cat([lam, la])
+        f, g = torch.cat([f, fn]), torch.cat([g, gn])
+        S = torch.cat([S, torch.zeros(h, history, P, device=dev, dtype=dt)])
+        Yh = torch.cat([Yh, torch.zeros(h, history, P, device=dev, dtype=dt)])
+        rho = torch.cat([rho, torch.zeros(h, history, device=dev, dtype=dt)])
+        gamma = torch.cat([gamma, torch.ones(h, device=dev, dtype=dt)])
+        first = torch.cat([first, torch.ones(h, dtype=torch.bool, device=dev)])
 
     def retire(mask_done: torch.Tensor, converged: torch.Tensor):
         nonlocal act, theta, lam, f, g, S, Yh, rho, gamma, first
@@ -113,20 +149,21 @@ def lbfgs_multihead(
         conv_all[idx] = converged[mask_done].cpu()
         loss_all[idx] = f[mask_done].detach().cpu()
         gmax_all[idx] = g[mask_done].abs().amax(dim=1).cpu()
+        finished[idx] = True
         keep = ~mask_done
         act = act[keep.cpu()]
         theta, lam, f, g = theta[keep], lam[keep], f[keep], g[keep]
         S, Yh, rho, gamma, first = S[keep], Yh[keep], rho[keep], gamma[keep], first[keep]
+        activate()
 
-    it = 0
-    while act.numel() and it < max_iter:
+    activate()
+    while act.numel():
         gmax = g.abs().amax(dim=1)
         done = gmax <= tol
-        if done.any():
-            retire(done, done)
-            if not act.numel():
-                break
-        it += 1
+        capped = n_iter_all[act].to(dev) >= max_iter
+        if (done | capped).any():
+            retire(done | capped, done)
+            continue
         # two-loop recursion, batched over heads; empty/skipped pairs have rho == 0
         q = -g
         alpha = torch.zeros_like(rho)
@@ -157,7 +194,7 @@ def lbfgs_multihead(
         pending = torch.arange(h, device=dev)
         for _ls in range(max_ls):
             th = theta[pending] + t[pending].unsqueeze(1) * d[pending]
-            fp, gp = _loss_grad(X, Y1h, th, lam[pending], D, K)
+            fp, gp = _loss_grad(X, Y1h, yidx, th, lam[pending], D, K)
             ok = fp <= f[pending] + 1e-4 * t[pending] * gd[pending]
             ok &= torch.isfinite(fp)
             f_new[pending[ok]] = fp[ok]
@@ -199,9 +236,6 @@ def lbfgs_multihead(
         stop = stalled | (tiny & (t > 0) & (g.abs().amax(dim=1) <= 10 * tol))
         if stop.any():
             retire(stop, g.abs().amax(dim=1) <= 10 * tol)
-    if act.numel():  # max_iter reached
-        gm = g.abs().amax(dim=1)
-        retire(torch.ones(act.numel(), dtype=torch.bool, device=dev), gm <= tol)
     W = theta_all[:, : D * K].view(H, D, K)
     b = theta_all[:, D * K :]
     return SolverResult(W=W, b=b, n_iter=n_iter_all, converged=conv_all, loss=loss_all,
