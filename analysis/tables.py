@@ -243,6 +243,14 @@ def merge_tables(tables: Sequence) -> tuple[Any, Coverage]:
         raise ResultsError("the results tables hold no rows with a value")
     df = df.with_columns(task_expr())
     df = df.with_columns((pl.col("kind") + pl.lit(":") + pl.col("task")).alias("setting"))
+    # probes also store the VTAB median over seeds as a row with seed -1; where the per-seed rows
+    # are present, analysis reduces them itself (and bootstraps seeds), so the aggregate goes
+    cell = ["kind", "task", "backbone", "metric"]
+    has_seeds = df.filter(pl.col("seed") >= 0).select(cell).unique()
+    agg_rows = df.filter(pl.col("seed") < 0).join(has_seeds, on=cell, how="semi")
+    if agg_rows.height:
+        log.info("ignoring %d seed-aggregate row(s) (seed < 0) whose per-seed rows are present", agg_rows.height)
+        df = df.join(agg_rows.select(*cell, "seed").unique(), on=[*cell, "seed"], how="anti")
     backbones = sorted(df["backbone"].unique().to_list())
     tasks = sorted(df["task"].unique().to_list())
     cov = Coverage(backbones=backbones, tasks=tasks)

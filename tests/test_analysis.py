@@ -188,6 +188,24 @@ def test_duplicate_seed_rows_are_an_error(digits_results):
         tables.reduce_seeds(raw, how="mode")
 
 
+def test_seed_aggregate_rows_are_not_counted_as_a_seed(digits_results):
+    df = digits_results["df"]
+    probe = df.filter(pl.col("kind") == "probe")
+    med = (
+        probe.group_by(["backbone", "dataset", "protocol", "eval_split", "metric", "kind", "n_eval"])
+        .agg(pl.col("value").median())
+        .with_columns(pl.lit(-1).cast(pl.Int64).alias("seed"), pl.lit("agg").alias("run_id"))
+    )
+    both = pl.concat([df, rows_to_frame(med.to_dicts())], how="vertical")
+    raw, _ = tables.merge_tables([tables.load_table(both)])
+    assert raw.filter(pl.col("seed") < 0).height == 0
+    red = tables.reduce_seeds(raw).filter((pl.col("kind") == "probe") & (pl.col("metric") == "top1"))
+    assert set(red["n_seeds"].to_list()) == {3}
+    # an aggregate row alone (no per-seed rows) is kept
+    raw, _ = tables.merge_tables([tables.load_table(rows_to_frame(med.to_dicts()))])
+    assert raw.height == med.height
+
+
 def test_intervals_are_clopper_pearson_per_accuracy(digits_results):
     df = tables.with_intervals(tables.load_table(digits_results["df"]))
     top1 = df.filter(pl.col("metric") == "top1")
