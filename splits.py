@@ -1,0 +1,174 @@
+"""Seeded, stratified protocol splits as pure numpy functions on labels (stage-neutral).
+
+Shared by the probes (frozen features) and fine-tuning (images) so that a probe row and a
+fine-tune row of the same dataset, protocol and seed were trained and selected on exactly
+the same examples. Every function works on a label vector ``y`` given in the dataset's
+*canonical order* (:func:`canonical_order`: valid rows sorted by sample id) and returns
+sorted integer positions into it. Seeds make every draw reproducible bit for bit.
+
+=====================  =================================================================
+function               protocol
+=====================  =================================================================
+``full_holdout``       ``full``: a stratified, seeded 10% of train for selection
+``vtab1k_indices``     ``vtab1k``: 1,000 stratified examples, 800 train / 200 val
+``fewshot_split``      ``fewshot:N`` (ELEVATER): N per class (counted before the split),
+                       per class ``max(1, round(0.2 N))`` to validation
+``subset_indices``     ``subset:F%`` (Battle of the Backbones): stratified F% of train
+=====================  =================================================================
+
+Building blocks: :func:`allocate` (largest remainder), :func:`stratified_holdout`,
+:func:`sample_per_class`, :func:`stratified_sample`. The selection is identical to the
+one ``featcache.probes`` used when this module was written (tests/test_finetune.py checks
+the two agree).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from featcache.errors import SplitError
+
+__all__ = [
+    "HOLDOUT_FRACTION",
+    "VTAB_TOTAL",
+    "VTAB_VAL",
+    "canonical_order",
+    "allocate",
+    "stratified_holdout",
+    "sample_per_class",
+    "stratified_sample",
+    "fewshot_split",
+    "vtab1k_indices",
+    "full_holdout",
+    "subset_indices",
+]
+
+HOLDOUT_FRACTION = 0.1
+VTAB_TOTAL, VTAB_VAL = 1000, 200
+
+
+def canonical_order(ids) -> np.ndarray:
+    """Positions that sort ``ids`` (as strings, stable): the order every split function
+    expects its labels in, independent of how a reader or a store lists the rows."""
+    return np.argsort(np.asarray(ids).astype(str), kind="stable")
+
+
+def allocate(counts, total: int) -> np.ndarray:
+    """Largest-remainder split of ``total`` over classes proportional to ``counts``.
+
+    Sums exactly to ``total``; each class gets floor or ceil of its quota (ties: lower class).
+    """
+    counts = np.asarray(counts, np.int64)
+    if total > counts.sum():
+        raise SplitError(f"cannot draw {total} examples from {int(counts.sum())}")
+    quota = counts * total / counts.sum()
+    base = np.floor(quota).astype(np.int64)
+    rest = total - base.sum()
+    order = np.lexsort((np.arange(counts.size), -(quota - base)))
+    base[order[:rest]] += 1
+    return np.minimum(base, counts)
+
+
+def _by_class(y: np.ndarray) -> list[np.ndarray]:
+    return [np.flatnonzero(y == c) for c in np.unique(y)]
+
+
+def _draw(y: np.ndarray, per_class, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per class (ascending label), a seeded draw of ``per_class[c]`` positions; (drawn, rest)."""
+    drawn, rest = [], []
+    for idx, k in zip(_by_class(y), per_class):
+        perm = idx[rng.permutation(idx.size)]
+        drawn.append(perm[:k])
+        rest.append(perm[k:])
+    return np.sort(np.concatenate(drawn)), np.sort(np.concatenate(rest))
+
+
+def stratified_holdout(y, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): a stratified, seeded ``fraction`` of ``y`` held out.
+
+    Exactly ``round(fraction * n)`` validation rows, per class floor/ceil of its share;
+    every class keeps at least one training row.
+    """
+    y = np.asarray(y)
+    counts = np.array([i.size for i in _by_class(y)])
+    n_val = int(round(fraction * y.size))
+    if n_val < 1 or y.size - n_val < counts.size:
+        raise SplitError(
+            f"{y.size} examples are too few to hold out {fraction:.0%} for validation and keep "
+            f"every one of the {counts.size} classes in train; use more data or a dataset with "
+            "its own val split")
+    per = allocate(counts, n_val)
+    per = np.minimum(per, counts - 1)  # keep >= 1 training example per class
+    short = n_val - per.sum()
+    if short:  # give the shortfall to classes that still have room, largest first
+        room = np.argsort(-(counts - 1 - per), kind="stable")
+        for c in room[:short]:
+            per[c] += 1
+    val, train = _draw(y, per, np.random.default_rng(seed))
+    return train, val
+
+
+def sample_per_class(y, n: int, seed: int) -> np.ndarray:
+    """Positions of exactly ``n`` examples of every class (seeded)."""
+    y = np.asarray(y)
+    classes = np.unique(y)
+    counts = np.array([i.size for i in _by_class(y)])
+    if (counts < n).any():
+        few = {str(c): int(k) for c, k in zip(classes, counts) if k < n}
+        raise SplitError(f"{n} examples per class requested but class(es) {few} have fewer "
+                         "valid training examples; lower N or drop those classes")
+    drawn, _ = _draw(y, np.full(classes.size, n), np.random.default_rng(seed))
+    return drawn
+
+
+def fewshot_split(y, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """ELEVATER few-shot: ``n`` per class (N counted before the split), then per class
+    ``max(1, round(0.2 n))`` to validation and the rest to train. Returns (train, val)."""
+    if n < 2:
+        raise SplitError(f"fewshot:{n} leaves no training example after the 80/20 split; use N >= 2")
+    y = np.asarray(y)
+    idx = sample_per_class(y, n, seed)
+    n_val = max(1, int(round(0.2 * n)))
+    val, train = _draw(y[idx], np.full(np.unique(y).size, n_val), np.random.default_rng([seed, 1]))
+    return idx[train], idx[val]
+
+
+def stratified_sample(y, total: int, seed: int, min_per_class: int = 0) -> np.ndarray:
+    """Seeded draw of ``total`` positions keeping the label distribution (largest remainder);
+    with ``min_per_class`` every class gets at least that many (total grows if needed)."""
+    y = np.asarray(y)
+    counts = np.array([i.size for i in _by_class(y)])
+    if total > y.size:
+        raise SplitError(f"the protocol needs {total} training examples but only {y.size} valid "
+                         "ones exist; use a larger train split or another protocol")
+    per = np.maximum(allocate(counts, total), np.minimum(min_per_class, counts))
+    drawn, _ = _draw(y, per, np.random.default_rng(seed))
+    return drawn
+
+
+def vtab1k_indices(y, seed: int, total: int = VTAB_TOTAL,
+                   n_val: int = VTAB_VAL) -> tuple[np.ndarray, np.ndarray]:
+    """VTAB-1k: a stratified, seeded draw of ``total`` (1,000) examples, split stratified
+    into ``total - n_val`` train (800) and ``n_val`` validation (200) with the same seed.
+
+    Returns (train, val) positions into ``y``; their union (sorted) is the 1,000 the final
+    model is retrained on.
+    """
+    idx = stratified_sample(y, total, seed)
+    t, v = stratified_holdout(np.asarray(y)[idx], n_val / total, seed)
+    return idx[t], idx[v]
+
+
+def full_holdout(y, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[np.ndarray, np.ndarray]:
+    """``full`` protocol without a dataset val split: (train, val) with a stratified, seeded
+    ``fraction`` (10%) of train held out for selection; the final fit uses all of train."""
+    return stratified_holdout(y, fraction, seed)
+
+
+def subset_indices(y, fraction: float, seed: int) -> np.ndarray:
+    """Battle of the Backbones ``subset:F%``: ``max(1, round(F n))`` stratified positions,
+    at least one per class."""
+    y = np.asarray(y)
+    if not 0 < fraction < 1:
+        raise SplitError(f"subset fraction must lie in (0, 1), got {fraction!r}")
+    return stratified_sample(y, max(1, int(round(fraction * y.size))), seed, min_per_class=1)
