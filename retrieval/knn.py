@@ -3,8 +3,8 @@
 For a query with neighbours j = 1..k (cosine similarity s_j, label y_j), class c gets the
 vote sum_{j <= k, y_j = c} exp(s_j / T), T = 0.07; the prediction is the class with the
 largest vote. Equal votes go to the lower class index. Missing neighbours (index -1, a
-gallery smaller than k) vote nothing. Neighbours come from the retrieval search (the query
-itself, matched by id, excluded), so k-NN shares the tie policy of the ranking.
+gallery smaller than k) vote nothing. Neighbours are the first k entries of the search list
+(similarity desc, then gallery index asc; the query itself, matched by id, excluded).
 """
 
 from __future__ import annotations

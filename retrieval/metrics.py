@@ -1,32 +1,38 @@
 """Retrieval metrics, pure numpy.
 
-Every metric is computed from the **ranks of a query's relevant items** in its ranking of
-the gallery, stored for many queries at once in CSR form: ``indptr`` (``[Q + 1]``) and
-``ranks`` (1-based, strictly increasing within a query), plus ``n_relevant`` (``[Q]``, the
-number R_q of relevant gallery items of query q, which can exceed the number of ranks known
-when only the top K of the ranking was searched).
+Every metric is computed from the **ranks of a query's relevant items**, stored for many
+queries at once in CSR form: ``indptr`` (``[Q + 1]``), ``ranks`` (1-based, non-decreasing
+within a query) and ``tp`` (for each relevant item, the number of relevant items ranked at
+or above it), plus ``n_relevant`` (``[Q]``, the number R of relevant gallery items of each
+query, which can exceed the number of ranks known when only the top K was searched).
 
-Definitions (q a query, R = R_q its number of relevant items, r_1 < r_2 < ... < r_R the
-ranks of its relevant items, rel(i) = 1 if the item at rank i is relevant):
+Tie policy (one, deterministic, the one of scikit-learn's ``average_precision_score``):
+items with exactly equal similarity form a **tie group that is ranked as a block**; every
+item of the group gets the rank of the group's last position. For a relevant item p with
+similarity s_p (after removing the query itself, matched by id, and junk items):
 
-* ``precision@k`` = |{m : r_m <= k}| / k. The denominator is k even when the gallery holds
+    r_p  = #{items i : s_i >= s_p}                (its rank)
+    tp_p = #{relevant items i : s_i >= s_p}       (relevant items ranked at or above it)
+
+Without ties r_p is the usual rank and tp_p its position m among the relevant items. The
+policy depends on similarities only: metrics do not change when the gallery is reordered,
+and no backend's way of ordering equal scores can leak into them.
+
+Definitions (R relevant items p with rank r_p and tp_p; "p in top k" means r_p <= k, i.e.
+its whole tie group lies within the first k positions):
+
+* ``map``         = AP = (1/R) * sum_p tp_p / r_p  (mean over queries). Without ties this is
+  (1/R) sum_m m / r_m = sum_i P(i) rel(i) / R; with ties it is exactly
+  ``sklearn.metrics.average_precision_score`` (precision taken at the end of each tie group).
+* ``map@k``       = AP@k = (1/min(R, k)) * sum_{p : r_p <= k} tp_p / r_p.
+* ``mrr``         = 1 / min_p r_p  (``mrr@k``: 0 when min_p r_p > k).
+* ``recall@k``    = |{p : r_p <= k}| / R   (fraction of the relevant items found in the top k).
+* ``hit@k``       = 1 if min_p r_p <= k else 0  (what many papers call "Recall@k").
+* ``precision@k`` = |{p : r_p <= k}| / k. The denominator stays k when the gallery holds
   fewer than k items (missing positions are non-relevant, as in trec_eval's P@k).
-* ``recall@k``    = |{m : r_m <= k}| / R   (fraction of the relevant items found in the top k).
-* ``hit@k``       = 1 if r_1 <= k else 0  (often also called "recall@k" in papers).
-* ``mrr``         = 1 / r_1 (0 when no relevant item is ranked; ``mrr@k``: 0 when r_1 > k).
-* ``map``         = AP = (1/R) * sum_m m / r_m  (mean over queries); this equals
-  sum_i P(i) rel(i) / R with P(i) = precision at rank i, i.e. scikit-learn's
-  ``average_precision_score`` on a ranking without ties.
-* ``map@k``       = AP@k = (1/min(R, k)) * sum_{m : r_m <= k} m / r_m.
 
-Queries with R = 0 have no defined value: they are excluded from every mean and counted
-(:func:`summarize`).
-
-Tie policy (the rankings are built by :mod:`featcache.retrieval.search` and
-:mod:`featcache.retrieval.ranking`): gallery items are ordered by similarity, descending,
-and items with exactly equal similarity by their **gallery index** (row order of the
-gallery split, ascending). The query itself (matched by id) and junk items are removed
-before ranks are counted.
+Queries with R = 0 have no defined value (NaN per query): they are excluded from every mean
+and counted (:func:`summarize`).
 """
 
 from __future__ import annotations
@@ -50,15 +56,17 @@ __all__ = [
 
 
 class RankedRelevance:
-    """Ranks of the relevant items of Q queries (CSR) and their numbers of relevant items.
+    """Ranks (and tp counts) of the relevant items of Q queries, CSR, plus their numbers of
+    relevant items.
 
     ``depth`` is how deep the ranking is known: ``None`` for the full ranking, K when only
-    the top K was searched (metrics needing ranks beyond K then raise).
+    the top K was searched (entries only for ranks <= K; metrics needing more raise).
+    ``tp=None`` means no ties: tp is the position among the query's entries (1, 2, ...).
     """
 
-    __slots__ = ("indptr", "ranks", "n_relevant", "depth")
+    __slots__ = ("indptr", "ranks", "tp", "n_relevant", "depth")
 
-    def __init__(self, indptr, ranks, n_relevant, depth: int | None = None):
+    def __init__(self, indptr, ranks, n_relevant, depth: int | None = None, tp=None):
         self.indptr = np.asarray(indptr, dtype=np.int64)
         self.ranks = np.asarray(ranks, dtype=np.int64)
         self.n_relevant = np.asarray(n_relevant, dtype=np.int64)
@@ -72,6 +80,18 @@ class RankedRelevance:
             raise ValueError("a query has more ranked relevant items than n_relevant")
         if depth is None and np.any(counts != self.n_relevant):
             raise ValueError("a full ranking must rank every relevant item (counts != n_relevant)")
+        if tp is None:
+            tp = np.arange(self.ranks.size) - np.repeat(self.indptr[:-1], counts) + 1
+        self.tp = np.asarray(tp, dtype=np.int64)
+        if self.tp.shape != self.ranks.shape:
+            raise ValueError("tp must have one entry per rank")
+        if self.ranks.size:
+            same_q = np.repeat(np.arange(counts.size), counts)
+            step = np.diff(self.ranks)
+            if np.any((step < 0) & (np.diff(same_q) == 0)):
+                raise ValueError("ranks must be non-decreasing within each query")
+            if np.any(self.tp > self.ranks) or np.any(self.ranks < 1):
+                raise ValueError("need 1 <= tp <= rank for every entry")
 
     @property
     def n_queries(self) -> int:
@@ -81,10 +101,6 @@ class RankedRelevance:
         """Query number of each entry of ``ranks``."""
         return np.repeat(np.arange(self.n_queries), np.diff(self.indptr))
 
-    def position(self) -> np.ndarray:
-        """m (1-based position among the query's relevant items) of each entry of ``ranks``."""
-        return np.arange(self.ranks.size) - np.repeat(self.indptr[:-1], np.diff(self.indptr)) + 1
-
     def _need(self, k: int | None, name: str) -> None:
         if self.depth is not None and (k is None or k > self.depth):
             raise ValueError(
@@ -93,30 +109,66 @@ class RankedRelevance:
             )
 
 
-def ranks_from_hits(hits: np.ndarray, n_relevant: np.ndarray, *, full: bool = False) -> RankedRelevance:
-    """Build :class:`RankedRelevance` from a boolean ``hits[q, i]`` (item at rank i+1 of query
-    q is relevant). ``full=True`` when the rows are complete rankings of the gallery."""
+def _group_end(scores: np.ndarray) -> np.ndarray:
+    """For rows sorted by score descending: index of the last column of each column's tie group."""
+    K = scores.shape[1]
+    is_end = np.ones(scores.shape, bool)
+    is_end[:, :-1] = scores[:, :-1] != scores[:, 1:]
+    j = np.where(is_end, np.arange(K), K)
+    return np.minimum.accumulate(j[:, ::-1], axis=1)[:, ::-1]
+
+
+def ranks_from_hits(
+    hits: np.ndarray,
+    n_relevant: np.ndarray,
+    *,
+    scores: np.ndarray | None = None,
+    depth: int | None = None,
+    full: bool = False,
+) -> RankedRelevance:
+    """:class:`RankedRelevance` from ranked lists: ``hits[q, i]`` is True when the item at
+    list position i+1 of query q is relevant; ``scores[q, i]`` its similarity (rows sorted
+    descending), used to apply the tie policy (``None``: no ties).
+
+    ``depth``: the ranks known exactly (default: all columns, or the full ranking when
+    ``full``). Pass one column more than ``depth`` so a tie group crossing the cut-off is
+    seen; entries ranked beyond ``depth`` are dropped.
+    """
     hits = np.asarray(hits, dtype=bool)
     if hits.ndim != 2:
         raise ValueError("hits must be 2-D [queries, ranks]")
-    q, col = np.nonzero(hits)  # row-major: sorted by query then rank
-    indptr = np.zeros(hits.shape[0] + 1, dtype=np.int64)
-    np.cumsum(hits.sum(axis=1), out=indptr[1:])
-    return RankedRelevance(indptr, col + 1, n_relevant, depth=None if full else hits.shape[1])
+    Q, K = hits.shape
+    if depth is None:
+        depth = K
+    cum = np.cumsum(hits, axis=1)
+    if scores is None:
+        end = np.broadcast_to(np.arange(K), hits.shape)
+    else:
+        end = _group_end(np.asarray(scores))
+    rank = end + 1
+    tp = np.take_along_axis(cum, end, axis=1)
+    keep = hits & (rank <= depth)
+    q, col = np.nonzero(keep)  # row-major: by query, then position (ranks non-decreasing)
+    indptr = np.zeros(Q + 1, dtype=np.int64)
+    np.cumsum(keep.sum(axis=1), out=indptr[1:])
+    return RankedRelevance(indptr, rank[q, col], n_relevant, depth=None if full else depth, tp=tp[q, col])
 
 
-def ranks_from_scores(scores: np.ndarray, relevant: np.ndarray, exclude: np.ndarray | None = None) -> np.ndarray:
-    """Reference (one query): ranks of the relevant items under the tie policy.
+def ranks_from_scores(
+    scores: np.ndarray, relevant: np.ndarray, exclude: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """One query: ``(ranks, tp)`` of its relevant items under the tie policy, ranks sorted.
 
-    ``scores`` [G] similarities, ``relevant`` [G] bool, ``exclude`` [G] bool (removed before
-    ranking). Sorting key: (-score, gallery index). O(G log G); used for small cases and as
-    the exact fallback when similarities tie.
+    ``scores`` [G] similarities, ``relevant`` [G] bool, ``exclude`` [G] bool (removed).
     """
     scores = np.asarray(scores)
     keep = np.ones(scores.shape[0], bool) if exclude is None else ~np.asarray(exclude, bool)
-    idx = np.flatnonzero(keep)
-    order = idx[np.lexsort((idx, -scores[idx]))]
-    return np.flatnonzero(np.asarray(relevant, bool)[order]) + 1
+    rel = np.asarray(relevant, bool) & keep
+    kept = np.sort(scores[keep])
+    pv = np.sort(scores[rel])
+    r = kept.size - np.searchsorted(kept, pv, "left")
+    tp = pv.size - np.searchsorted(pv, pv, "left")
+    return r[::-1].astype(np.int64), tp[::-1].astype(np.int64)
 
 
 # ---------------------------------------------------------------- per-query metrics
@@ -127,26 +179,26 @@ def _count_within(rr: RankedRelevance, k: int) -> np.ndarray:
 
 
 def precision_at_k(rr: RankedRelevance, k: int) -> np.ndarray:
-    """Per query: |{m : r_m <= k}| / k (NaN where R = 0)."""
+    """Per query: |{p : r_p <= k}| / k (NaN where R = 0)."""
     rr._need(k, f"precision@{k}")
     return np.where(rr.n_relevant > 0, _count_within(rr, k) / float(k), np.nan)
 
 
 def recall_at_k(rr: RankedRelevance, k: int) -> np.ndarray:
-    """Per query: |{m : r_m <= k}| / R (NaN where R = 0)."""
+    """Per query: |{p : r_p <= k}| / R (NaN where R = 0)."""
     rr._need(k, f"recall@{k}")
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(rr.n_relevant > 0, _count_within(rr, k) / rr.n_relevant, np.nan)
 
 
 def hit_at_k(rr: RankedRelevance, k: int) -> np.ndarray:
-    """Per query: 1 if r_1 <= k else 0 (NaN where R = 0)."""
+    """Per query: 1 if min_p r_p <= k else 0 (NaN where R = 0)."""
     rr._need(k, f"hit@{k}")
     return np.where(rr.n_relevant > 0, (_count_within(rr, k) > 0).astype(float), np.nan)
 
 
 def reciprocal_rank(rr: RankedRelevance, k: int | None = None) -> np.ndarray:
-    """Per query: 1 / r_1, 0 if r_1 > k (or nothing ranked), NaN where R = 0.
+    """Per query: 1 / min_p r_p, 0 if that rank is > k (or nothing ranked), NaN where R = 0.
 
     ``k=None``: the full ranking (needs ``depth=None``)."""
     if k is None:
@@ -165,15 +217,15 @@ def reciprocal_rank(rr: RankedRelevance, k: int | None = None) -> np.ndarray:
 
 
 def average_precision(rr: RankedRelevance, k: int | None = None) -> np.ndarray:
-    """Per query: AP = (1/R) sum_m m / r_m (``k=None``, full ranking) or
-    AP@k = (1/min(R, k)) sum_{m : r_m <= k} m / r_m. NaN where R = 0."""
+    """Per query: AP = (1/R) sum_p tp_p / r_p (``k=None``, full ranking) or
+    AP@k = (1/min(R, k)) sum_{p : r_p <= k} tp_p / r_p. NaN where R = 0."""
     if k is None:
         rr._need(None, "map")
-        w = rr.position() / rr.ranks
+        w = rr.tp / rr.ranks
         denom = rr.n_relevant.astype(float)
     else:
         rr._need(k, f"map@{k}")
-        w = np.where(rr.ranks <= k, rr.position() / rr.ranks, 0.0)
+        w = np.where(rr.ranks <= k, rr.tp / rr.ranks, 0.0)
         denom = np.minimum(rr.n_relevant, k).astype(float)
     s = np.bincount(rr.query_index(), weights=w, minlength=rr.n_queries)
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -3,15 +3,14 @@
 Queries are processed in blocks of B rows so that only a [B, G] score block (and its sorted
 copy) exists at a time; B follows from ``max_memory``. The N x N matrix never exists.
 
-For each query row s (scores of the G gallery items) the ranks of its relevant items follow
-from counts, without an argsort of the row: with the row sorted (a fast SIMD sort of float32
-values) and the relevant scores v_1 >= v_2 >= ... >= v_R,
+Under the tie policy of :mod:`featcache.retrieval.metrics` a relevant item p needs only
+counts, no argsort of the row: with the row sorted (a fast SIMD sort of float32 values) and
+the relevant scores sorted,
 
-    rank_m = m + #{non-relevant, non-excluded items i : s_i > v_m}
+    r_p  = #{i : s_i >= s_p} - #{excluded i : s_i >= s_p}
+    tp_p = #{relevant i : s_i >= s_p}
 
-provided no non-relevant item scores exactly v_m. Rows where one does (a tie between a
-relevant and a non-relevant item) are ranked exactly by a lexsort on (-score, gallery index),
-the tie policy of :mod:`featcache.retrieval.metrics`.
+each a binary search (the query itself and junk items are the excluded ones).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import logging
 
 import numpy as np
 
-from featcache.retrieval.metrics import RankedRelevance, ranks_from_scores
+from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.search import DEFAULT_MAX_MEMORY, _rows_per_block, score_block
 
 log = logging.getLogger(__name__)
@@ -28,34 +27,19 @@ log = logging.getLogger(__name__)
 __all__ = ["full_ranking", "row_ranks"]
 
 
-def _count_ge_gt(sorted_asc: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    n = sorted_asc.size
-    return n - np.searchsorted(sorted_asc, values, "left"), n - np.searchsorted(sorted_asc, values, "right")
-
-
-def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> np.ndarray:
-    """Ranks (1-based, increasing) of the items ``pos`` in one query's ranking of the gallery,
-    items ``excl`` removed; ``s_sorted`` is ``np.sort(s)``."""
+def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ranks, tp)`` of the items ``pos`` in one query's ranking (ranks ascending), items
+    ``excl`` removed; ``s_sorted`` is ``np.sort(s)``."""
     R = pos.size
     if R == 0:
-        return np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     pv = np.sort(s[pos])
-    pv_desc = pv[::-1]
-    ge_all, gt_all = _count_ge_gt(s_sorted, pv_desc)
-    ge_pos, gt_pos = _count_ge_gt(pv, pv_desc)
+    n_ge = s_sorted.size - np.searchsorted(s_sorted, pv, "left")
     if excl.size:
-        ge_ex, gt_ex = _count_ge_gt(np.sort(s[excl]), pv_desc)
-    else:
-        ge_ex = gt_ex = 0
-    neg_gt = gt_all - gt_pos - gt_ex
-    neg_eq = (ge_all - gt_all) - (ge_pos - gt_pos) - (ge_ex - gt_ex)
-    if np.any(neg_eq > 0):  # a relevant item ties with a non-relevant one: exact order
-        relevant = np.zeros(s.size, bool)
-        relevant[pos] = True
-        exclude = np.zeros(s.size, bool)
-        exclude[excl] = True
-        return ranks_from_scores(s, relevant, exclude)
-    return (np.arange(1, R + 1) + neg_gt).astype(np.int64)
+        ev = np.sort(s[excl])
+        n_ge -= ev.size - np.searchsorted(ev, pv, "left")
+    tp = R - np.searchsorted(pv, pv, "left")
+    return n_ge[::-1].astype(np.int64), tp[::-1].astype(np.int64)
 
 
 def _torch_device(backend: str):
@@ -101,6 +85,7 @@ def full_ranking(
              "torch " + str(dev) if dev is not None else "numpy")
     n_relevant = relevance.n_relevant()
     all_ranks: list[np.ndarray] = []
+    all_tp: list[np.ndarray] = []
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
@@ -121,8 +106,9 @@ def full_ranking(
             S_sorted = np.sort(S, axis=1)
         for j in range(stop - start):
             i = start + j
-            r = row_ranks(S[j], S_sorted[j], relevance.positives(i), relevance.excluded(i))
+            r, tp = row_ranks(S[j], S_sorted[j], relevance.positives(i), relevance.excluded(i))
             all_ranks.append(r)
+            all_tp.append(tp)
         del S, S_sorted
     counts = np.array([r.size for r in all_ranks], np.int64)
     if np.any(counts != n_relevant):
@@ -130,4 +116,5 @@ def full_ranking(
     indptr = np.zeros(n_q + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
     ranks = np.concatenate(all_ranks) if all_ranks else np.zeros(0, np.int64)
-    return RankedRelevance(indptr, ranks, n_relevant, depth=None)
+    tp = np.concatenate(all_tp) if all_tp else np.zeros(0, np.int64)
+    return RankedRelevance(indptr, ranks, n_relevant, depth=None, tp=tp)

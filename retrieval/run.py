@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TIE_POLICY", "evaluate", "run_retrieval", "DEFAULT_KS"]
 
 DEFAULT_KS = (1, 5, 10, 100)
-TIE_POLICY = "similarity desc, then gallery index asc"
+TIE_POLICY = "tie groups ranked as a block at their last position (sklearn AP convention)"
 
 
 def _check_ks(ks: Iterable[int]) -> list[int]:
@@ -75,10 +75,11 @@ def evaluate(
         rr = full_ranking(Q, G, relevance, metric, max_memory=mem, backend=backend, progress=progress)
     else:
         kmax = ks[-1]
-        _, idx, backend = topk(Q, G, kmax, metric, relevance=relevance, backend=backend,
-                               max_memory=mem, prepared=True)
+        # one column more than needed: a tie group crossing rank kmax is seen (and excluded)
+        sc, idx, backend = topk(Q, G, kmax + 1, metric, relevance=relevance, backend=backend,
+                                max_memory=mem, prepared=True)
         rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], idx.shape)
-        rr = ranks_from_hits(relevance.is_positive(rows, idx), n_rel)
+        rr = ranks_from_hits(relevance.is_positive(rows, idx), n_rel, scores=sc, depth=kmax)
     per_query = compute_metrics(rr, ks, full=full)
     means, n_scored, n_none = summarize(per_query, n_rel)
     if n_none:

@@ -1,13 +1,13 @@
 """Exact top-k search: FAISS (GPU when ``faiss.get_num_gpus() > 0``, else CPU) or a torch
-GEMM + top-k path (CUDA machines without faiss-gpu), all giving the same rankings under one
-tie policy.
+GEMM + top-k path (CUDA machines without faiss-gpu), all giving the same lists.
 
 Scores are "higher is better" everywhere: cosine and inner-product similarities as they are,
-and ``-||q - g||^2`` for L2. Ties (exactly equal scores) are ordered by gallery index,
-ascending. Backends return their own top-k; :func:`topk` then re-sorts every row by
-(score desc, gallery index asc), removes excluded items (the query itself, junk), and
-recomputes exactly (numpy, full row) the rare rows where a tie straddles the search depth,
-so the returned top k never depends on how a backend orders equal scores.
+and ``-||q - g||^2`` for L2. Lists are ordered by (score desc, gallery index asc): every
+backend's output is re-sorted with this key, excluded items (the query itself, junk) are
+removed, and the rare rows where equal scores straddle the search depth are recomputed
+exactly (numpy, full row), so the list never depends on how a backend orders equal scores.
+Metrics then rank tie groups as blocks (:mod:`featcache.retrieval.metrics`); k-NN takes the
+first k entries of the list.
 """
 
 from __future__ import annotations

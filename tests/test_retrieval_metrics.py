@@ -11,11 +11,13 @@ from sklearn.datasets import load_digits
 from sklearn.metrics import average_precision_score
 
 from featcache.retrieval import (
+    RankedRelevance,
     SemanticRelevance,
     compute_metrics,
     full_ranking,
     prepare,
     ranks_from_hits,
+    ranks_from_scores,
     summarize,
     topk,
 )
@@ -27,39 +29,32 @@ KS = (1, 3, 5, 10)
 # ------------------------------------------------------------------ brute-force reference
 
 
-def ref_ranking(scores: np.ndarray, exclude: set[int]) -> list[int]:
-    """Gallery indices in ranked order: score desc, then index asc; excluded removed."""
-    return sorted((i for i in range(len(scores)) if i not in exclude), key=lambda i: (-float(scores[i]), i))
-
-
-def ref_query_metrics(order: list[int], relevant: set[int], ks) -> dict[str, float] | None:
+def ref_query_metrics(scores: np.ndarray, relevant: set[int], exclude: set[int], ks) -> dict[str, float] | None:
+    """Walk the distinct similarity thresholds from the top, as sklearn's AP does: a tie
+    group enters the ranking as a block (all its items at the group's last position)."""
     R = len(relevant)
     if R == 0:
         return None
-    rel = [1 if i in relevant else 0 for i in order]
-    out = {}
-    # AP: sum_i P(i) rel(i) / R
-    hits, ap = 0, 0.0
-    for pos, r in enumerate(rel, start=1):
-        if r:
-            hits += 1
-            ap += hits / pos
-    out["map"] = ap / R
-    first = next((p for p, r in enumerate(rel, start=1) if r), None)
-    out["mrr"] = 1.0 / first if first else 0.0
+    kept = [i for i in range(len(scores)) if i not in exclude]
+    groups = []  # (n items ranked so far, relevant so far, relevant entering now)
+    n = tp = 0
+    for t in sorted({float(scores[i]) for i in kept}, reverse=True):
+        members = [i for i in kept if float(scores[i]) == t]
+        new = sum(1 for i in members if i in relevant)
+        n += len(members)
+        tp += new
+        groups.append((n, tp, new))
+    out = {"map": sum(new * tp / n for n, tp, new in groups) / R}
+    first = next(n for n, tp, new in groups if new)
+    out["mrr"] = 1.0 / first
     for k in ks:
-        top = rel[:k]
-        n = sum(top)
-        out[f"precision@{k}"] = n / k
-        out[f"recall@{k}"] = n / R
-        out[f"hit@{k}"] = float(n > 0)
-        out[f"mrr@{k}"] = 1.0 / first if first and first <= k else 0.0
-        hits, s = 0, 0.0
-        for pos, r in enumerate(top, start=1):
-            if r:
-                hits += 1
-                s += hits / pos
-        out[f"map@{k}"] = s / min(R, k)
+        inside = [(n, tp, new) for n, tp, new in groups if n <= k]
+        found = inside[-1][1] if inside else 0
+        out[f"precision@{k}"] = found / k
+        out[f"recall@{k}"] = found / R
+        out[f"hit@{k}"] = float(found > 0)
+        out[f"mrr@{k}"] = 1.0 / first if first <= k else 0.0
+        out[f"map@{k}"] = sum(new * tp / n for n, tp, new in inside) / min(R, k)
     return out
 
 
@@ -70,7 +65,7 @@ def ref_all(S: np.ndarray, qlab, glab, qids, gids, ks):
     for q in range(S.shape[0]):
         ex = {j for j in range(S.shape[1]) if gids[j] == qids[q]}
         relevant = {j for j in range(S.shape[1]) if glab[j] == qlab[q] and j not in ex}
-        m = ref_query_metrics(ref_ranking(S[q], ex), relevant, ks)
+        m = ref_query_metrics(S[q], relevant, ex, ks)
         if m is None:
             none += 1
             continue
@@ -85,9 +80,9 @@ def ours_full(Q, G, rel, metric, ks, **kw):
 
 
 def ours_topk(Q, G, rel, metric, ks, backend):
-    _, idx, _ = topk(Q, G, max(ks), metric, relevance=rel, backend=backend, prepared=True)
+    sc, idx, _ = topk(Q, G, max(ks) + 1, metric, relevance=rel, backend=backend, prepared=True)
     rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], idx.shape)
-    rr = ranks_from_hits(rel.is_positive(rows, idx), rel.n_relevant())
+    rr = ranks_from_hits(rel.is_positive(rows, idx), rel.n_relevant(), scores=sc, depth=max(ks))
     return compute_metrics(rr, ks)
 
 
@@ -154,18 +149,19 @@ def test_average_precision_equals_sklearn_on_real_features(digits):
     np.testing.assert_allclose(full["map"], sk, atol=1e-9)
 
 
-def test_average_precision_equals_sklearn_on_tie_broken_order(digits):
-    # with ties sklearn groups tied items; on the tie-broken order (strict scores) it agrees
+def test_average_precision_equals_sklearn_with_ties(digits):
+    # integer pixels, inner product: exact score ties between relevant and non-relevant items
     X, y, ids = digits
     Q = prepare(X[:200], "ip")
     rel = SemanticRelevance(y[:200], y[:200], ids[:200], ids[:200])
     full, _ = ours_full(Q, Q, rel, "ip", KS)
     S = score_block(Q, Q, "ip")
-    for q in range(0, 200, 7):
-        order = ref_ranking(S[q], {q})
-        strict = -np.arange(len(order), dtype=float)
-        labels = (y[:200][order] == y[q])
-        assert average_precision_score(labels, strict) == pytest.approx(full["map"][q], abs=1e-12)
+    n_tied = 0
+    for q in range(200):
+        keep = np.arange(200) != q
+        n_tied += len(np.unique(S[q, keep])) < keep.sum()
+        assert average_precision_score(y[:200][keep] == y[q], S[q, keep]) == pytest.approx(full["map"][q], abs=1e-12)
+    assert n_tied > 50  # the ties are really there
 
 
 # ------------------------------------------------------------------ Hypothesis, ties everywhere
@@ -208,6 +204,20 @@ def test_hypothesis_full_and_topk_vs_reference(case):
 
 
 @settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 4)), min_size=1, max_size=30))
+def test_hypothesis_ap_equals_sklearn_with_ties(items):
+    labels = np.array([b for b, _ in items])
+    scores = np.array([v for _, v in items], np.float32)
+    r, tp = ranks_from_scores(scores, labels)
+    full = RankedRelevance([0, r.size], r, [labels.sum()], depth=None, tp=tp)
+    ap = compute_metrics(full, [1])["map"][0]
+    if labels.sum() == 0:
+        assert np.isnan(ap)
+    else:
+        assert average_precision_score(labels, scores) == pytest.approx(ap, abs=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(1, 40))
 def test_hypothesis_metric_invariants(rel_list, k):
     hits = np.array([rel_list])
@@ -230,22 +240,26 @@ def test_hypothesis_metric_invariants(rel_list, k):
 # ------------------------------------------------------------------ named edge cases
 
 
-def test_all_equal_scores_rank_by_gallery_index():
+def test_all_equal_scores_form_one_tie_group():
     G = np.ones((10, 4), np.float32)
     Q = np.ones((1, 4), np.float32)
     yg = np.zeros(10, np.int64)
     yg[[2, 5]] = 1
     rel = SemanticRelevance(np.array([1]), yg, np.array(["q"]), np.array([f"g{i}" for i in range(10)]))
-    full, rr = ours_full(Q, G, rel, "cosine", [1, 3, 5, 20])
-    assert rr.ranks.tolist() == [3, 6]
-    assert full["map"][0] == pytest.approx((1 / 3 + 2 / 6) / 2)
-    assert full["mrr"][0] == pytest.approx(1 / 3)
-    assert full["hit@1"][0] == 0 and full["hit@3"][0] == 1 and full["recall@5"][0] == 0.5
+    full, rr = ours_full(Q, G, rel, "cosine", [1, 3, 5, 10, 20])
+    assert rr.ranks.tolist() == [10, 10] and rr.tp.tolist() == [2, 2]
+    assert full["map"][0] == pytest.approx(2 / 10) == average_precision_score(yg == 1, np.ones(10))
+    assert full["mrr"][0] == pytest.approx(1 / 10)
+    assert full["hit@5"][0] == 0 and full["recall@5"][0] == 0 and full["hit@10"][0] == 1
     assert full["precision@20"][0] == pytest.approx(2 / 20)  # denominator k, even with 10 items
     for backend in ("numpy", "faiss-cpu", "torch-cpu"):
-        tk = ours_topk(Q, G, rel, "cosine", [1, 3, 5, 20], backend)
+        tk = ours_topk(Q, G, rel, "cosine", [1, 3, 5, 10, 20], backend)
         for name, v in tk.items():
             assert v[0] == pytest.approx(full[name][0]), (backend, name)
+    # the metrics do not depend on where the relevant items sit in the gallery
+    rel2 = SemanticRelevance(np.array([1]), yg[::-1].copy(), np.array(["q"]), np.array([f"g{i}" for i in range(10)]))
+    full2, _ = ours_full(Q, G, rel2, "cosine", [1, 3, 5, 10, 20])
+    assert all(np.allclose(full[k], full2[k]) for k in full)
 
 
 @pytest.mark.parametrize("dup_before_self", [True, False])
