@@ -1,0 +1,33 @@
+# Set-up and the two README commands. `make demo` runs the main job, `make test` the tests;
+# both create .venv and install everything on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# PyPI's torchvision imports only beside torch 2.14.1 on the CI/dev machines (see README).
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup system-deps demo test lint bench
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PINS)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Fashion-MNIST (Debian package) and Chromium (renders the HTML report in a test)
+system-deps:
+	@if [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq dataset-fashion-mnist chromium >/dev/null; \
+	fi
+
+demo: setup
+	$(VENV)/bin/featcache demo
+
+test: setup system-deps
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
