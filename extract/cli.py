@@ -26,7 +26,10 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", help="dataset key in the store (default: derived from --data)")
     p.add_argument("--backbone-name", help="backbone key in the store (default: model name, NAME@random<SEED>, NAME@<ckpt stem>)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: min(4, cpus))")
+    p.add_argument("--workers", type=int, default=None,
+                   help="DataLoader decode workers (default: CPU max(1, cpus//4); CUDA min(8, cpus-1))")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default on CPU: cpus - workers, so they do not fight)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="stored feature dtype")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
@@ -40,10 +43,14 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N rows of each split only")
     p.add_argument("--overwrite", action="store_true", help="replace features stored with other settings")
     p.add_argument("--no-progress", action="store_true")
+    from featcache.store.cli import add_storage_option_argument
+
+    add_storage_option_argument(p)
 
 
 def run_extract(args: argparse.Namespace) -> int:
     from featcache.extract.pipeline import DEFAULT_CHUNK_ROWS, extract
+    from featcache.store.cli import parse_storage_options
 
     amp = {"auto": "auto", "fp32": "none", "bf16": "bf16", "fp16": "fp16"}[args.precision]
     reports = extract(
@@ -56,6 +63,7 @@ def run_extract(args: argparse.Namespace) -> int:
         backbone_name=args.backbone_name,
         batch_size=args.batch_size,
         workers=args.workers,
+        threads=args.threads,
         device=args.device,
         dtype=args.dtype,
         chunk_rows=args.chunk_rows or DEFAULT_CHUNK_ROWS,
@@ -68,6 +76,7 @@ def run_extract(args: argparse.Namespace) -> int:
         channels_last=not args.no_channels_last,
         compile=args.compile,
         progress=not args.no_progress,
+        storage_options=parse_storage_options(args.storage_options),
     )
     from featcache.extract.pipeline import dist_info
 
@@ -83,6 +92,8 @@ def run_extract(args: argparse.Namespace) -> int:
             )
             for sid, err in r.failures[:5]:
                 print(f"  unreadable {sid}: {err}")
+            if r.n_invalid > 5:
+                print(f"  ... {r.n_invalid - 5} more (stored as valid=False with their error text)")
     return 0
 
 

@@ -18,6 +18,14 @@ spec                        source
                             resolved against the manifest's folder; without ``split`` one split
                             ``all``; without ``id`` the path is the id. String labels get sorted
                             class names; integer labels keep their values as class indices.
+                            Paths stay in compact numpy buffers (:class:`StringColumn`).
+``webdataset:PATTERN``      uncompressed tar shards, brace/glob pattern (``::`` joins several).
+                            A sample is the members sharing a ``__key__``: one image
+                            (.jpg/.png/...), a label in ``.cls`` (int) or ``.json`` (``label``);
+                            no labels at all -> class ``unlabeled``. Id = ``__key__``. Split =
+                            shard-name prefix (``train-000.tar`` -> ``train``, ``val``,
+                            ``test``), else ``all``. Shards are indexed once (headers only) and
+                            read by byte offset, so chunks resume and ranks shard like any source.
 ==========================  ================================================================
 
 Grey, palette, CMYK, 16-bit and RGBA images all become 8-bit RGB.
@@ -28,6 +36,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -219,15 +228,100 @@ def _imagefolder(root: str, name: str) -> dict[str, SplitSource]:
     return out
 
 
+# --------------------------------------------------------------------------- compact strings
+class StringColumn:
+    """Many strings in two numpy arrays (UTF-8 bytes + offsets), Arrow style.
+
+    A million paths cost their bytes plus 8 bytes each, not a Python ``str`` object each; a
+    row is decoded only when its image is loaded. Pickles cheaply to DataLoader workers.
+    """
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray):
+        self.data = np.ascontiguousarray(data, dtype=np.uint8)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+
+    @classmethod
+    def from_polars(cls, s) -> StringColumn:
+        import polars as pl
+        import pyarrow as pa
+
+        arr = s.cast(pl.Utf8).to_arrow()
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        arr = arr.cast(pa.large_string())
+        _, offs, data = arr.buffers()
+        off = np.frombuffer(offs, dtype=np.int64, count=len(arr) + 1, offset=arr.offset * 8)
+        buf = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+        return cls(buf[off[0] : off[-1]].copy(), off - off[0])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(len(self))
+            if step != 1:
+                raise IndexError("StringColumn supports contiguous slices only")
+            off = self.offsets[lo : hi + 1]
+            return StringColumn(self.data[off[0] : off[-1]], off - off[0])
+        i = int(i)
+        return self.data[self.offsets[i] : self.offsets[i + 1]].tobytes().decode()
+
+    def take(self, rows: np.ndarray) -> StringColumn:
+        """Rows ``rows`` (e.g. one split) as a new column, vectorised."""
+        rows = np.asarray(rows, dtype=np.int64)
+        lens = self.offsets[rows + 1] - self.offsets[rows]
+        off = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lens, out=off[1:])
+        # byte positions to copy: starts repeated per byte + intra-string position
+        src = np.repeat(self.offsets[rows] - off[:-1], lens) + np.arange(off[-1], dtype=np.int64)
+        return StringColumn(self.data[src], off)
+
+    def to_numpy(self, block: int = 65536) -> np.ndarray:
+        """Fixed-width ``<U`` numpy array, built blockwise in numpy (ASCII) without a Python
+        ``str`` per row; non-ASCII text goes through pyarrow's decoder."""
+        n = len(self)
+        lens = np.diff(self.offsets)
+        width = int(lens.max()) if n else 1
+        if n and self.data.size and self.data.max() >= 128:
+            import pyarrow as pa
+
+            arr = pa.LargeStringArray.from_buffers(n, pa.py_buffer(self.offsets), pa.py_buffer(self.data))
+            return arr.to_numpy(zero_copy_only=False).astype(str)
+        out = np.empty(n, dtype=f"<U{max(width, 1)}")
+        col = np.arange(width, dtype=np.int64)
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            idx = self.offsets[lo:hi, None] + col
+            mask = col < lens[lo:hi, None]
+            mat = np.where(mask, self.data[np.minimum(idx, max(self.data.size - 1, 0))] if self.data.size else 0, 0)
+            out[lo:hi] = mat.astype(np.uint8).view(f"S{width}").ravel().astype(out.dtype)
+        return out
+
+
+class _PathLoader:
+    """Loader of row ``i`` from a :class:`StringColumn` of file paths (picklable)."""
+
+    def __init__(self, paths: StringColumn):
+        self.paths = paths
+
+    def __call__(self, i: int):
+        return load_image_file(self.paths[i])
+
+
 # --------------------------------------------------------------------------- manifest
 def _manifest(file: str, name: str) -> dict[str, SplitSource]:
+    """Read a manifest with polars; ids, labels and paths go straight to numpy buffers."""
     import polars as pl
 
     f = Path(file)
     if not f.is_file():
         raise DataError(f"manifest {file} not found")
     try:
-        df = pl.read_parquet(f) if f.suffix.lower() in (".parquet", ".pq") else pl.read_csv(f, infer_schema_length=10000)
+        if f.suffix.lower() in (".parquet", ".pq"):
+            df = pl.read_parquet(f)
+        else:
+            df = pl.read_csv(f, infer_schema_length=10000, schema_overrides={"path": pl.Utf8, "id": pl.Utf8})
     except Exception as exc:  # polars raises several error types for bad files
         raise DataError(f"cannot read manifest {file}: {exc}; give a CSV or parquet with columns path,label[,split][,id]") from exc
     missing = [c for c in ("path", "label") if c not in df.columns]
@@ -236,27 +330,178 @@ def _manifest(file: str, name: str) -> dict[str, SplitSource]:
     if df["path"].null_count() or df["label"].null_count():
         raise DataError(f"manifest {file} has empty path or label cells")
     if df["label"].dtype.is_integer():
-        vals = sorted(set(df["label"].to_list()))
-        if vals[0] < 0:
+        lo, hi = df["label"].min(), df["label"].max()
+        if lo < 0:
             raise DataError(f"manifest {file}: integer labels must be >= 0")
-        classes = [str(i) for i in range(vals[-1] + 1)]
+        classes = [str(i) for i in range(int(hi) + 1)]
         labels_all = df["label"].cast(pl.Int64).to_numpy()
     else:
         lab = df["label"].cast(pl.Utf8)
-        classes = sorted(set(lab.to_list()))
-        index = {c: i for i, c in enumerate(classes)}
-        labels_all = np.array([index[v] for v in lab.to_list()], np.int64)
-    base = f.resolve().parent
-    paths = np.array([str(p if os.path.isabs(p) else base / p) for p in df["path"].cast(pl.Utf8).to_list()])
-    ids_all = df["id"].cast(pl.Utf8).to_numpy() if "id" in df.columns else df["path"].cast(pl.Utf8).to_numpy()
-    splits = df["split"].cast(pl.Utf8).to_numpy() if "split" in df.columns else np.full(len(df), "all")
+        classes = lab.unique().sort().to_list()
+        labels_all = lab.cast(pl.Enum(classes)).to_physical().cast(pl.Int64).to_numpy()
+    base = str(f.resolve().parent).rstrip("/") + "/"
+    path = pl.col("path").cast(pl.Utf8)
+    df = df.with_columns(
+        pl.when(path.str.starts_with("/")).then(path).otherwise(pl.lit(base) + path).alias("_abs")
+    )
+    if "id" not in df.columns:
+        df = df.with_columns(pl.col("path").alias("id"))
+    df = df.with_columns(pl.Series("_label", labels_all))
+    if "split" not in df.columns:
+        df = df.with_columns(pl.lit("all").alias("split"))
+    df = df.select(pl.col("_abs"), pl.col("id").cast(pl.Utf8), pl.col("_label"), pl.col("split").cast(pl.Utf8))
     out = {}
-    for s in dict.fromkeys(splits.tolist()):
-        m = splits == s
-        p = paths[m]
-        out[s] = SplitSource(name, s, ids_all[m].astype(str), labels_all[m], classes,
-                             lambda i, a=p: load_image_file(a[i]), f"manifest:{f.resolve()}",
-                             extra={"paths": p})
+    for s in df["split"].unique(maintain_order=True).to_list():
+        part = df.filter(pl.col("split") == s)
+        paths = StringColumn.from_polars(part["_abs"])
+        out[s] = SplitSource(name, s, StringColumn.from_polars(part["id"]).to_numpy(),
+                             part["_label"].to_numpy(), classes, _PathLoader(paths),
+                             f"manifest:{f.resolve()}", extra={"paths": paths})
+    return out
+
+
+# --------------------------------------------------------------------------- webdataset
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif")
+_WDS_SPLIT_RE = re.compile(r"^(train|val|valid|validation|test)(?=[-_.])")
+
+
+class _TarMemberLoader:
+    """Random access to image members of tar shards by (shard, byte offset, size).
+
+    Keeps one open file per shard per process (opened lazily, so it pickles to workers)."""
+
+    def __init__(self, shards: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray):
+        self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
+        self._files: dict[int, Any] = {}
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_files"] = {}
+        return d
+
+    def __call__(self, i: int):
+        import io
+
+        from PIL import Image
+
+        if self.size[i] < 0:
+            raise DataError("sample has no image member (.jpg/.png/...)")
+        s = int(self.shard[i])
+        fh = self._files.get(s)
+        if fh is None:
+            fh = self._files[s] = open(self.shards[s], "rb")  # noqa: SIM115 - kept for reuse
+        fh.seek(int(self.offset[i]))
+        data = fh.read(int(self.size[i]))
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return to_rgb(im)
+
+
+def _wds_label(ext: str, payload: bytes):
+    if ext == "cls":
+        return int(payload.decode().strip())
+    import json
+
+    d = json.loads(payload)
+    for k in ("label", "cls", "class"):
+        if k in d:
+            return d[k]
+    return None
+
+
+def _webdataset(pattern: str, name: str) -> dict[str, SplitSource]:
+    """Index tar shards (headers and label members only) for random access by row.
+
+    Samples are grouped webdataset-style (``__key__`` = member path without extensions, via
+    ``webdataset``'s own key splitting); the id of a row is its ``__key__``. The split is the
+    shard name's prefix (``train-000.tar`` -> ``train``; ``val``/``test`` likewise), else ``all``.
+    """
+    import tarfile
+
+    from webdataset.shardlists import expand_urls
+    from webdataset.tariterators import base_plus_ext
+
+    shards = []
+    for u in expand_urls(pattern):
+        if any(ch in u for ch in "*?["):
+            shards.extend(sorted(str(p) for p in Path().glob(u)) if not os.path.isabs(u)
+                          else sorted(str(p) for p in Path("/").glob(u.lstrip("/"))))
+        else:
+            shards.append(u)
+    if not shards:
+        raise DataError(f"webdataset pattern {pattern!r} matches no shard; give e.g. 'data/train-{{000000..000009}}.tar'")
+    lost = [u for u in shards if not os.path.isfile(u)]
+    if lost:
+        raise DataError(f"webdataset shard(s) not found: {lost[:5]} (of {len(shards)}); only local .tar files are supported")
+    keys: list[str] = []
+    split_of: list[str] = []
+    from array import array
+
+    shard_i, off, size = array("i"), array("q"), array("q")
+    raw_labels: list = []
+    for si, path in enumerate(shards):
+        m = _WDS_SPLIT_RE.match(Path(path).name)
+        split = m.group(1) if m else "all"
+        cur = None
+        try:
+            tf = tarfile.open(path, "r:")  # noqa: SIM115 - closed below
+        except (tarfile.TarError, OSError) as exc:
+            raise DataError(f"{path} is not a readable (uncompressed) tar shard: {exc}") from exc
+        with tf:
+            for mem in tf:
+                if not mem.isfile():
+                    continue
+                key, ext = base_plus_ext(mem.name)
+                if key is None or Path(mem.name).name.startswith("__"):
+                    continue
+                ext = ext.lower()
+                if key != cur:
+                    cur = key
+                    keys.append(key)
+                    split_of.append(split)
+                    shard_i.append(si)
+                    off.append(0)
+                    size.append(-1)
+                    raw_labels.append(None)
+                if ext in WDS_IMAGE_EXTS and size[-1] < 0:
+                    off[-1], size[-1] = mem.offset_data, mem.size
+                elif ext in ("cls", "json") and raw_labels[-1] is None:
+                    fh = tf.extractfile(mem)
+                    try:
+                        raw_labels[-1] = _wds_label(ext, fh.read())
+                    except (ValueError, UnicodeDecodeError) as exc:
+                        raise DataError(f"{path}: cannot parse label member {mem.name}: {exc}") from exc
+    if not keys:
+        raise DataError(f"webdataset shards {shards[:3]} hold no samples")
+    nolabel = sum(v is None for v in raw_labels)
+    if nolabel == len(raw_labels):
+        classes, labels_all = ["unlabeled"], np.zeros(len(keys), np.int64)
+        log.info("webdataset %s: no .cls/.json labels; all rows get class 'unlabeled'", pattern)
+    elif nolabel:
+        first = keys[next(i for i, v in enumerate(raw_labels) if v is None)]
+        raise DataError(f"webdataset {pattern}: {nolabel} samples lack a .cls/.json label (e.g. {first!r})")
+    elif all(isinstance(v, int) for v in raw_labels):
+        labels_all = np.asarray(raw_labels, np.int64)
+        if labels_all.min() < 0:
+            raise DataError(f"webdataset {pattern}: integer labels must be >= 0")
+        classes = [str(i) for i in range(int(labels_all.max()) + 1)]
+    else:
+        strs = [str(v) for v in raw_labels]
+        classes = sorted(set(strs))
+        index = {c: i for i, c in enumerate(classes)}
+        labels_all = np.fromiter((index[v] for v in strs), np.int64, len(strs))
+    del raw_labels
+    ids_all = np.asarray(keys, dtype=str)
+    del keys
+    splits_arr = np.asarray(split_of)
+    shard_a = np.frombuffer(shard_i, dtype=np.int32)
+    off_a, size_a = np.frombuffer(off, dtype=np.int64), np.frombuffer(size, dtype=np.int64)
+    out = {}
+    for s in dict.fromkeys(split_of):
+        rows = np.flatnonzero(splits_arr == s)
+        out[s] = SplitSource(name, s, ids_all[rows], labels_all[rows], classes,
+                             _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows]),
+                             f"webdataset:{pattern}")
     return out
 
 
@@ -271,6 +516,9 @@ def default_name(spec: str) -> str:
     if kind in ("imagefolder", "manifest") and arg:
         p = Path(arg)
         return (p.stem if kind == "manifest" else p.resolve().name) or kind
+    if kind in ("webdataset", "wds") and arg:
+        name = Path(arg.split("::")[0]).parent.name
+        return name or "webdataset"
     return kind
 
 
@@ -295,9 +543,14 @@ def open_dataset(spec: str, name: str | None = None) -> dict[str, SplitSource]:
         if not arg:
             raise DataError("manifest needs a file: --data manifest:FILE.csv")
         out = _manifest(arg, dname)
+    elif kind in ("webdataset", "wds"):
+        if not arg:
+            raise DataError("webdataset needs shards: --data 'webdataset:DIR/train-{000000..000009}.tar'")
+        out = _webdataset(arg, dname)
     else:
         raise DataError(
-            f"unknown data spec {spec!r}; use digits, fashion-mnist[:DIR], imagefolder:DIR or manifest:FILE"
+            f"unknown data spec {spec!r}; use digits, fashion-mnist[:DIR], imagefolder:DIR, manifest:FILE "
+            "or webdataset:PATTERN"
         )
     for s in out.values():
         s.dataset = dname

@@ -215,6 +215,35 @@ def _barrier(world: int):
         dist.barrier()
 
 
+def available_cpus() -> int:
+    """CPUs this process may use, shared among the processes of this node (torchrun)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        n = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, n // max(1, local))
+
+
+def default_parallelism(device: str, workers: int | None = None, threads: int | None = None) -> tuple[int, int]:
+    """(DataLoader workers, torch threads) that do not fight over cores.
+
+    On CPU, decode workers and the forward's intra-op threads share the same cores: an
+    oversubscribed OpenMP team spins and stalls on every barrier (measured on the 2-core CI
+    box: 2 threads beside a busy worker ran the forward 3-7x slower than 1 thread). So
+    workers = max(1, cpus // 4) (decode of small images is cheap next to the forward) and
+    threads = the remaining cores. On CUDA, the forward is on the GPU: workers = min(8, cpus - 1),
+    torch threads untouched (None).
+    """
+    cpus = available_cpus()
+    if device.startswith("cuda"):
+        w = min(8, max(1, cpus - 1)) if workers is None else workers
+        return w, threads
+    w = max(1, cpus // 4) if workers is None else workers
+    t = max(1, cpus - w) if threads is None else threads
+    return w, t
+
+
 def _resolve_amp(amp: str, device: str) -> str:
     if amp == "auto":
         return "bf16" if device.startswith("cuda") else "none"
@@ -235,6 +264,7 @@ def extract(
     backbone_name: str | None = None,
     batch_size: int = 64,
     workers: int | None = None,
+    threads: int | None = None,
     device: str = "auto",
     dtype: str = "float16",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
@@ -253,12 +283,14 @@ def extract(
     """Extract features of ``model`` for every requested split of ``data`` into ``cache``.
 
     Re-running a finished extraction does nothing; an interrupted one recomputes only its
-    unfinished chunks. Returns one :class:`SplitReport` per split.
+    unfinished chunks. Returns one :class:`SplitReport` per split. ``workers``/``threads``
+    default to :func:`default_parallelism`; ``write=False`` runs everything but the store
+    writes (benchmarking).
     """
     import torch
 
     from featcache.extract.backbones import create_backbone
-    from featcache.store import FeatureWriter, ensure_split, make_provenance, open_cache
+    from featcache.store import open_cache
 
     if batch_size < 1 or chunk_rows < 1:
         raise FeatcacheError("batch size and chunk rows must be positive")
@@ -279,8 +311,27 @@ def extract(
     dims = head.dims(shape)
     fwd = torch.compile(head.__call__) if compile else head.__call__
     key = backbone_name or bb.default_key
-    if workers is None:
-        workers = min(4, os.cpu_count() or 1)
+    workers, threads = default_parallelism(dev, workers, threads)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    log.info("%d DataLoader worker(s), %d torch thread(s) on %s", workers, torch.get_num_threads(), dev)
+    try:
+        return _extract_splits(
+            sources, store, bb, head, fwd, dims, key, rank, world, limit, chunk_rows, dtype, batch_size,
+            workers, amp_mode, channels_last, overwrite, write, progress,
+        )
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _extract_splits(sources, store, bb, head, fwd, dims, key, rank, world, limit, chunk_rows, dtype,
+                    batch_size, workers, amp_mode, channels_last, overwrite, write, progress) -> list[SplitReport]:
+    import torch
+
+    from featcache.store import FeatureWriter, ensure_split, make_provenance
+
+    dev = bb.device
     reports = []
     for src in sources:
         n_lim = limit.get(src.split) if isinstance(limit, dict) else limit
@@ -322,7 +373,17 @@ def extract(
             continue
         if len(pending_all) < writer.n_chunks:
             log.info("resuming %s/%s/%s: %d of %d chunks left", key, src.dataset, src.split, len(pending_all), writer.n_chunks)
+        if world > 1:
+            log.info("rank %d computes %d of the %d pending chunks", rank, len(mine), len(pending_all))
         rep = _run_split(src, bb, fwd, writer, mine, batch_size, workers, amp_mode, channels_last, write, progress, rank)
+        if world > 1:  # rank 0 reports the whole job: gather every rank's failures and chunk counts
+            import torch.distributed as dist
+
+            parts: list = [None] * world
+            dist.all_gather_object(parts, (rep.chunks_computed, rep.failures))
+            rep.chunks_computed = sum(p[0] for p in parts)
+            rep.failures = [f for p in parts for f in p[1]]
+            rep.n_invalid = len(rep.failures)
         _barrier(world)
         if rank == 0 and write:
             peak = torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else None
@@ -407,5 +468,7 @@ def _run_split(src, bb, fwd, writer, chunks, batch_size, workers, amp_mode, chan
         log.warning("unreadable image %s: %s", sid, err)
     if len(failures) > 20:
         log.warning("... and %d more unreadable images", len(failures) - 20)
+    log.info("%s %s/%s: %d rows in %d chunk(s), %d unreadable (valid=False, error text stored)",
+             writer.backbone, src.dataset, src.split, n_rows, len(chunks), len(failures))
     return SplitReport(writer.backbone, src.dataset, src.split, len(src), writer.n_chunks, len(chunks),
                        len(failures), secs, ips, failures=failures)

@@ -461,6 +461,10 @@ def ensure_split(
         raise SchemaMismatchError(f"sample ids of {dataset}/{split} are not unique; give each sample a distinct id")
     fp = dataset_fingerprint(ids, labels, class_names)
     g = cache._group("datasets", dataset, split)
+    if g is not None and SPLIT_KEY not in g.attrs:  # a run killed while writing the split: redo it
+        log.info("datasets/%s/%s was left unfinished; writing it again", dataset, split)
+        remove_group(cache, "datasets", dataset, split)
+        g = None
     if g is not None:
         meta = SplitMeta.from_attrs(dict(g.attrs.get(SPLIT_KEY, {})), where=g.path)
         if meta.fingerprint != fp:

@@ -10,6 +10,7 @@ distributed run own disjoint chunk sets, so no two writers ever touch the same o
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from featcache.store.schema import (
 log = logging.getLogger(__name__)
 
 DTYPES = ("float16", "float32")
+_PARTIAL_RE = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
 
 def _compressor():
@@ -115,7 +117,9 @@ class FeatureWriter:
                 remove_group(self.cache, "features", self.backbone, self.dataset, self.split)
             else:
                 self.group = self.cache.root[self.path]
+                self.remove_partial_files()
                 return self
+        self.remove_partial_files()  # a run killed while creating the arrays
         self._create()
         return self
 
@@ -147,6 +151,27 @@ class FeatureWriter:
         )
         g.attrs[GROUP_KEY] = meta.to_attrs()  # last: marks the group as created
         self.group = g
+
+    def remove_partial_files(self) -> int:
+        """Delete temporary ``*.<hex>.partial`` files a killed run left in a local store.
+
+        zarr's LocalStore writes each chunk to such a file and renames it into place, so a
+        kill -9 mid-write leaves one behind (never a half-written chunk). Object stores write
+        whole objects and leave nothing. Call only while no writer is active (rank 0, before
+        the barrier)."""
+        if "://" in self.cache.path:
+            return 0
+        from pathlib import Path
+
+        root = Path(self.cache.path, self.path)
+        n = 0
+        for f in root.rglob("*.partial"):
+            if _PARTIAL_RE.search(f.name):
+                f.unlink(missing_ok=True)
+                n += 1
+        if n:
+            log.info("%s: removed %d temporary file(s) left by an interrupted run", self.path, n)
+        return n
 
     def attach(self) -> FeatureWriter:
         """Open arrays created by another rank; settings must match exactly."""
