@@ -123,18 +123,15 @@ def run_report(args) -> int:
     _need_input(args)
     from featcache.analysis.report import write_report
 
-    catalog = provenance = None
+    catalog = None
     if args.cache:
         # the CLI composes stages; the analysis library itself only takes DataFrames
         from featcache.store import open_cache
 
         cache = open_cache(args.cache)
-        catalog = cache.catalog()
-        # the catalog carries images_per_s / peak_memory_mb from each array's provenance
-        if "images_per_s" in catalog.columns and catalog["images_per_s"].drop_nulls().len():
-            provenance = catalog
+        catalog = cache.catalog()  # carries images_per_s / peak_memory_mb (used for efficiency)
     path = write_report(
-        args.out, args.results, catalog, external=args.external, provenance=provenance,
+        args.out, args.results, catalog, external=args.external,
         shift_splits=tuple(args.shift) if args.shift else None, title=args.title,
         rank_kwargs={"percent": args.percent, "external_kind": args.external_kind},
     )

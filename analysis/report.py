@@ -110,7 +110,7 @@ def write_report(
     """Write one self-contained HTML page: store catalog (``catalog_df``, passed by the
     caller), probe and retrieval results, rankings (overall, good/better/best, z-score heatmap,
     linear vs fine-tune when fine-tune rows are given via ``external``), calibration,
-    efficiency (``provenance``) and optionally a test-set shift (``shift_splits=(orig, new)``).
+    efficiency (``provenance``; defaults to ``catalog_df`` when it has images_per_s) and optionally a test-set shift (``shift_splits=(orig, new)``).
 
     Ranking problems (e.g. a single backbone) are shown in the page and logged rather than
     aborting the report. Returns the path written (atomically).
@@ -121,6 +121,9 @@ def write_report(
     from featcache.analysis.tables import merge_tables
 
     out = Path(out_html)
+    if provenance is None and catalog_df is not None and "images_per_s" in catalog_df.columns:
+        if catalog_df["images_per_s"].drop_nulls().len():
+            provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
     if out.suffix.lower() not in (".html", ".htm"):
         raise ResultsError(f"report path {out} should end in .html")
     tables = api._as_tables(results_df, external, percent=(rank_kwargs or {}).get("percent"),

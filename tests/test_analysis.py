@@ -574,7 +574,7 @@ def report_html(digits_results, tmp_path_factory):
     cat = pl.DataFrame({"backbone": list(BACKBONES), "dataset": ["digits"] * 5, "split": ["test"] * 5,
                         "kind": ["pooled"] * 5, "n": [797] * 5, "images_per_s": [1000.0, 900.0, 1200.0, 1500.0, 3000.0]})
     out = tmp_path_factory.mktemp("report") / "report.html"
-    write_report(out, digits_results["df"], cat, external=[digits_results["ft_path"]], provenance=cat,
+    write_report(out, digits_results["df"], cat, external=[digits_results["ft_path"]],
                  shift_splits=("test", "test_v2"), rank_kwargs={"n_boot": 200})
     return out
 
@@ -651,10 +651,11 @@ def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
 
     X, y = load_digits(return_X_y=True)
     cache = tmp_path / "c.zarr"
-    for b in ("pixels", "pca:8"):
+    for b, ips in (("pixels", 5000.0), ("pca:8", 3000.0), ("pca:32", 2000.0)):
         store.write_features(cache, backbone=b, dataset="digits", split="test", X=X[1000:, :8].astype("float32"),
-                             ids=np.array([f"d{i}" for i in range(1000, len(y))]), labels=y[1000:])
+                             ids=np.array([f"d{i}" for i in range(1000, len(y))]), labels=y[1000:], images_per_s=ips)
     rc = main(["report", "--cache", str(cache), "--results", str(digits_results["path"]), "--out", str(tmp_path / "rep.html")])
     assert rc == 0
     text = (tmp_path / "rep.html").read_text()
     assert 'id="catalog-table"' in text and "pca:8" in text
+    assert "Efficiency" in text and "Spearman rho(throughput, z-score)" in text
