@@ -402,10 +402,14 @@ def bootstrap_aggregate(
         ti = np.arange(T)[None, None, :, None]
         import warnings
 
+        boot_vals = np.empty((n_boot, B, T))
+        S = cube.shape[-1]
+        gstep = max(1, int(_BOOT_CHUNK_ELEMS // max(1, B * T * S)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            g = cube[bi, ti, pick[:, None, :, :]]  # [n_boot, B, T, S]
-            boot_vals = np.nanmedian(g, axis=-1) if seed_reduce == "median" else np.nanmean(g, axis=-1)
+            for c0 in range(0, n_boot, gstep):
+                g = cube[bi, ti, pick[c0 : c0 + gstep, None, :, :]]  # [chunk, B, T, S]
+                boot_vals[c0 : c0 + gstep] = np.nanmedian(g, axis=-1) if seed_reduce == "median" else np.nanmean(g, axis=-1)
         boot_codes = codes
     point = _aggregate_arrays(sm.values, codes, ddof)
     # chunk over resamples: average ranks compare every backbone pair (memory ~ B*B*T per resample)

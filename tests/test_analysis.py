@@ -407,9 +407,12 @@ def test_bootstrap_is_paired_deterministic_and_covers_the_estimate(digits_result
 
 def test_bootstrap_chunking_agreement_and_lower_is_better(digits_results, monkeypatch):
     a = api.rank(digits_results["path"], n_boot=250, seed=5)
+    sa = api.rank(digits_results["path"], n_boot=120, seed=5, resample="seeds")
     monkeypatch.setattr(rankings, "_BOOT_CHUNK_ELEMS", 200)  # forces ~1 resample per chunk
     b = api.rank(digits_results["path"], n_boot=250, seed=5)
+    sb = api.rank(digits_results["path"], n_boot=120, seed=5, resample="seeds")
     assert a["bootstrap"].equals(b["bootstrap"]) and a["agreement"].equals(b["agreement"])
+    assert sa["bootstrap"].equals(sb["bootstrap"]) and sa["differences"].equals(sb["differences"])
     ag = a["agreement"].row(0, named=True)
     assert {"tau", "tau_mean", "tau_lo", "tau_hi"} <= set(ag) and -1 <= ag["tau_lo"] <= ag["tau_hi"] <= 1
     # ranking on a lower-is-better metric: smallest ECE first, in the bootstrap too
