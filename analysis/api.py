@@ -109,6 +109,7 @@ def rank(
     ``summary.json``. Returns a dict with the tables, ``coverage``, ``mean_tau``, ``notes``
     and ``files``.
     """
+    import numpy as np
     import polars as pl
 
     from featcache.analysis import rankings
@@ -127,10 +128,12 @@ def rank(
             raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
     reduced = reduce_seeds(raw, how=seed_reduce)
     sm = rankings.select_settings(reduced, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
-    from featcache.analysis.tables import missing_cells
-
-    coverage.missing_cells = missing_cells(reduced.filter(pl.col("setting").is_in(sm.settings)), sm.settings, sm.backbones)
-    sm = rankings.ScoreMatrix(sm.backbones, sm.settings, sm.values, sm.groups)
+    # (setting, backbone) cells without a value of the ranked metric: listed, never hidden
+    coverage.missing_cells = [
+        (s, b) for j, s in enumerate(sm.settings) for i, b in enumerate(sm.backbones) if np.isnan(sm.values[i, j])
+    ]
+    if coverage.missing_cells:
+        log.warning("coverage: %s", coverage.lines()[-1])
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
     notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
     sm_kept = agg["matrix"]

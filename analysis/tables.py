@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,12 +263,6 @@ def merge_tables(tables: Sequence) -> tuple[Any, Coverage]:
     for line in cov.lines():
         log.warning("coverage: %s", line)
     return df, cov
-
-
-def missing_cells(df, settings: Iterable[str], backbones: Iterable[str]) -> list[tuple[str, str]]:
-    """(setting, backbone) pairs without a row in ``df`` (already filtered to one metric each)."""
-    have = set(zip(df["setting"].to_list(), df["backbone"].to_list()))
-    return [(s, b) for s in settings for b in backbones if (s, b) not in have]
 
 
 def reduce_seeds(df, *, how: str = "median"):
