@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="time a and b this many times, keep the fastest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the figures as JSON here")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="use the finished rows of a split still being extracted (reported)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from featcache.store import open_cache
 
     cache = open_cache(args.cache)
-    fq = cache.load(args.backbone, args.dataset, args.query)
-    fg = cache.load(args.backbone, args.dataset, args.gallery)
+    fq = cache.load(args.backbone, args.dataset, args.query, allow_partial=args.allow_partial)
+    fg = cache.load(args.backbone, args.dataset, args.gallery, allow_partial=args.allow_partial)
     qi = _subsample(len(fq), args.n_query, args.seed)
     gi = _subsample(len(fg), args.n_gallery, args.seed + 1)
     qi, gi = qi[fq.valid[qi]], gi[fg.valid[gi]]

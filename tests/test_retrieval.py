@@ -254,7 +254,8 @@ def test_knn_accuracy_floor_on_lite0_digits(digits_cache):
                        progress=False)
     knn = {p: v for p, m, v in zip(df["protocol"], df["metric"], df["value"]) if m == "top1"}
     ret = {m: v for k, m, v in zip(df["kind"], df["metric"], df["value"]) if k == "retrieval"}
-    assert knn["knn-k10"] >= 0.85 and knn["knn-k20"] >= 0.85
+    # measured 0.887 / 0.871 (112 px input); broken weights or votes fall far below
+    assert knn["knn-k10"] >= 0.8 and knn["knn-k20"] >= 0.8 and knn["knn-k200"] < knn["knn-k10"] + 0.05
     assert ret["hit@5"] >= 0.9 and ret["map"] > 0.3
 
 
@@ -293,3 +294,39 @@ def test_gpu_paths_match_cpu(pix_cache):
     a = full_ranking(Q, G, rel, "cosine", backend="torch-cuda", progress=False)
     b = full_ranking(Q, G, rel, "cosine", backend="numpy", progress=False)
     assert np.mean(a.ranks == b.ranks) > 0.999
+
+
+def test_metrics_on_lite0_fashion_mnist_match_sklearn_and_brute_force(fmnist_cache):
+    from featcache.retrieval import SemanticRelevance
+    from featcache.store import open_cache
+
+    cache = open_cache(fmnist_cache)
+    fq = cache.load("tf_efficientnet_lite0", "fashion-mnist-small", "test")
+    fg = cache.load("tf_efficientnet_lite0", "fashion-mnist-small", "train")
+    Xq, yq, iq = fq.X[:150], fq.labels[:150], fq.ids[:150]
+    rel = SemanticRelevance(yq, fg.labels, iq, fg.ids)
+    ks = (1, 5, 10, 100)
+    full = evaluate(Xq, fg.X, rel, ks=ks, full=True)
+    top = evaluate(Xq, fg.X, rel, ks=ks, full=False, backend="faiss-cpu")
+    S = score_block(prepare(Xq, "cosine"), prepare(fg.X, "cosine"), "cosine")
+    ap, rr, rec5, hit5, p10, ap100 = [], [], [], [], [], []
+    for q in range(len(yq)):
+        lab = fg.labels == yq[q]
+        ap.append(average_precision_score(lab, S[q]))
+        r = np.array([(S[q] >= S[q, p]).sum() for p in np.flatnonzero(lab)])  # brute-force ranks
+        tp = np.array([(S[q, lab] >= S[q, p]).sum() for p in np.flatnonzero(lab)])
+        rr.append(1 / r.min())
+        rec5.append((r <= 5).sum() / lab.sum())
+        hit5.append(float((r <= 5).any()))
+        p10.append((r <= 10).sum() / 10)
+        ap100.append((tp / r)[r <= 100].sum() / min(lab.sum(), 100))
+    m = full["means"]
+    assert m["map"] == pytest.approx(np.mean(ap), abs=1e-6)
+    assert m["mrr"] == pytest.approx(np.mean(rr), abs=1e-9)
+    assert m["recall@5"] == pytest.approx(np.mean(rec5), abs=1e-9)
+    assert m["hit@5"] == pytest.approx(np.mean(hit5), abs=1e-9)
+    assert m["precision@10"] == pytest.approx(np.mean(p10), abs=1e-9)
+    assert m["map@100"] == pytest.approx(np.mean(ap100), abs=1e-9)
+    for name, v in top["means"].items():  # FAISS top-k path agrees with the full ranking
+        assert v == pytest.approx(m[name], abs=1e-4), name
+    assert 0.4 < m["map"] < 1 and m["hit@5"] > 0.8  # lite0 features separate Fashion-MNIST classes
