@@ -20,7 +20,12 @@ import logging
 import numpy as np
 
 from featcache.retrieval.metrics import RankedRelevance
-from featcache.retrieval.search import DEFAULT_MAX_MEMORY, _rows_per_block, score_block
+from featcache.retrieval.search import (
+    DEFAULT_MAX_MEMORY,
+    _rows_per_block,
+    exact_matmul,
+    score_block,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,42 @@ def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.nda
         n_ge -= ev.size - np.searchsorted(ev, pv, "left")
     tp = R - np.searchsorted(pv, pv, "left")
     return n_ge[::-1].astype(np.int64), tp[::-1].astype(np.int64)
+
+
+def _block_masks(relevance, start: int, stop: int, n_g: int) -> tuple[np.ndarray, np.ndarray]:
+    pos = np.zeros((stop - start, n_g), bool)
+    excl = np.zeros((stop - start, n_g), bool)
+    for j, i in enumerate(range(start, stop)):
+        pos[j, relevance.positives(i)] = True
+        excl[j, relevance.excluded(i)] = True
+    return pos, excl
+
+
+def _block_ranks_torch(St, relevance, start: int, stop: int):
+    """Batched :func:`row_ranks` of a score block on a torch device (GPU): the same counts by
+    ``torch.searchsorted`` over whole rows; only the ranks travel back to the host."""
+    import torch
+
+    dev = St.device
+    pos_np, excl_np = _block_masks(relevance, start, stop, St.shape[1])
+    pos = torch.from_numpy(pos_np).to(dev)
+    excl = torch.from_numpy(excl_np).to(dev)
+    neg_inf = torch.tensor(float("-inf"), dtype=St.dtype, device=dev)
+    S_ex = torch.where(excl, neg_inf, St)  # excluded items never count as ranked above
+    S_sorted = torch.sort(S_ex, dim=1).values
+    P = torch.where(pos, S_ex, neg_inf)
+    pv_asc = torch.sort(P, dim=1).values
+    pv_desc = torch.flip(pv_asc, dims=[1])
+    n = St.shape[1]
+    n_ge = n - torch.searchsorted(S_sorted, pv_desc, side="left")
+    tp = n - torch.searchsorted(pv_asc, pv_desc, side="left")
+    R = pos.sum(1)
+    valid = torch.arange(n, device=dev)[None, :] < R[:, None]
+    counts = R.cpu().numpy()
+    r_flat = n_ge[valid].cpu().numpy().astype(np.int64)
+    tp_flat = tp[valid].cpu().numpy().astype(np.int64)
+    splits = np.cumsum(counts)[:-1]
+    return np.split(r_flat, splits), np.split(tp_flat, splits)
 
 
 def _torch_device(backend: str):
@@ -68,13 +109,23 @@ def full_ranking(
     """Ranks of every relevant item of every query over the whole gallery.
 
     ``Q``, ``G``: features already prepared (:func:`featcache.retrieval.search.prepare`).
-    ``backend``: ``torch-cuda``/``faiss-gpu`` score and sort each block on the GPU (torch),
-    anything else on the CPU with numpy. Memory: about 12 bytes x G per query row in a block,
-    ``max_memory`` bounds the block.
+    ``backend``: ``torch-cuda``/``faiss-gpu`` score, sort and count each block on the GPU
+    (torch; ``torch-cpu`` runs that code on the CPU), anything else on the CPU with numpy.
+    Memory: about 12 (numpy) or 44 (torch) bytes x G per query row of a block; ``max_memory``
+    bounds the block.
     """
     n_q, n_g = Q.shape[0], G.shape[0]
-    B = min(max(n_q, 1), _rows_per_block(n_g, max_memory, 12))
     dev = _torch_device(backend)
+    # numpy: scores + sorted copy + temporaries; torch: ~6 float and 2 int64 [B, G] arrays
+    B = min(max(n_q, 1), _rows_per_block(n_g, max_memory, 12 if dev is None else 44))
+    if dev is not None:
+        with exact_matmul():
+            return _full_ranking(Q, G, relevance, metric, B, dev, progress)
+    return _full_ranking(Q, G, relevance, metric, B, None, progress)
+
+
+def _full_ranking(Q, G, relevance, metric, B, dev, progress) -> RankedRelevance:
+    n_q, n_g = Q.shape[0], G.shape[0]
     if dev is not None:
         import torch
 
@@ -98,12 +149,13 @@ def full_ranking(
             St = Qb @ Gt.T
             if metric == "l2":
                 St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
-            S = St.cpu().numpy()
-            S_sorted = torch.sort(St, dim=1).values.cpu().numpy()
+            r, tp = _block_ranks_torch(St, relevance, start, stop)
+            all_ranks.extend(r)
+            all_tp.extend(tp)
             del St
-        else:
-            S = score_block(Q[start:stop], G, metric, g_sq)
-            S_sorted = np.sort(S, axis=1)
+            continue
+        S = score_block(Q[start:stop], G, metric, g_sq)
+        S_sorted = np.sort(S, axis=1)
         for j in range(stop - start):
             i = start + j
             r, tp = row_ranks(S[j], S_sorted[j], relevance.positives(i), relevance.excluded(i))

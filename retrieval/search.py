@@ -184,7 +184,29 @@ def _search_faiss(Q, G, k, metric, gpu: bool):
     return _pad(sc, ix, k)
 
 
+class exact_matmul:
+    """Context: float32 matmuls in full precision (no TF32), restoring the caller's setting."""
+
+    def __enter__(self):
+        import torch
+
+        self._old = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.set_float32_matmul_precision(self._old)
+        return False
+
+
 def _search_torch(Q, G, k, metric, device: str, max_memory: int):
+    with exact_matmul():
+        return _search_torch_inner(Q, G, k, metric, device, max_memory)
+
+
+def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int):
     import torch
 
     dev = torch.device(device)

@@ -334,3 +334,31 @@ def test_blockwise_memory_bound_gives_identical_ranks(digits):
     tiny = full_ranking(Q, G, rel, "cosine", max_memory=1024**2, backend="torch-cpu", progress=False)
     assert np.array_equal(big.ranks, small.ranks) and np.array_equal(big.indptr, small.indptr)
     assert np.array_equal(big.ranks, tiny.ranks)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_torch_block_path_equals_numpy_with_junk_and_self(digits, metric):
+    # the batched torch code (GPU path, run here on the CPU) against the numpy rows, with an
+    # explicit relevance table (positives, junk) and queries that are also gallery items
+    X, y, ids = digits
+    from featcache.retrieval import ExplicitRelevance
+
+    qx, gx = X[:40], X[:500]
+    tq, tg, tr = [], [], []
+    for q in range(40):
+        same = np.flatnonzero(y[:500] == y[q])
+        for j in same[::2]:
+            tq.append(ids[q]), tg.append(ids[j]), tr.append("positive")
+        for j in same[1::4]:
+            tq.append(ids[q]), tg.append(ids[j]), tr.append("junk")
+    rel = ExplicitRelevance(ids[:40], ids[:500], tq, tg, tr)
+    assert all(q not in rel.positives(q) for q in range(40))  # self never its own match
+    Q, G = prepare(qx, metric), prepare(gx, metric)
+    a = full_ranking(Q, G, rel, metric, backend="numpy", progress=False)
+    b = full_ranking(Q, G, rel, metric, backend="torch-cpu", max_memory=2**20, progress=False)
+    assert np.array_equal(a.indptr, b.indptr) and np.array_equal(a.ranks, b.ranks) and np.array_equal(a.tp, b.tp)
+    S = score_block(Q, G, metric)
+    for q in range(0, 40, 5):
+        ex = set(rel.excluded(q).tolist())
+        ref = ref_query_metrics(S[q], set(rel.positives(q).tolist()), ex, [5])
+        assert compute_metrics(a, [5])["map"][q] == pytest.approx(ref["map"], abs=1e-12)
