@@ -246,6 +246,7 @@ class LogisticProbe:
         return P / P.sum(axis=1, keepdims=True)
 
     def predict(self, X) -> np.ndarray:
+        self._check_fitted()
         return self.classes_[self.decision_function(X).argmax(axis=1)]
 
     def score(self, X, y) -> float:
