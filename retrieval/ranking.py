@@ -142,26 +142,38 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress) -> RankedRelevance:
     except ImportError:  # pragma: no cover
         def tqdm(x, **_):
             return x
-    for start in tqdm(range(0, n_q, B), desc="full ranking", unit="block", disable=not progress):
-        stop = min(n_q, start + B)
-        if dev is not None:
-            Qb = torch.from_numpy(Q[start:stop]).to(dev)
-            St = Qb @ Gt.T
-            if metric == "l2":
-                St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
-            r, tp = _block_ranks_torch(St, relevance, start, stop)
-            all_ranks.extend(r)
-            all_tp.extend(tp)
-            del St
-            continue
-        S = score_block(Q[start:stop], G, metric, g_sq)
-        S_sorted = np.sort(S, axis=1)
-        for j in range(stop - start):
-            i = start + j
-            r, tp = row_ranks(S[j], S_sorted[j], relevance.positives(i), relevance.excluded(i))
-            all_ranks.append(r)
-            all_tp.append(tp)
-        del S, S_sorted
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    n_threads = max(1, min(8, os.cpu_count() or 1)) if dev is None else 1
+    with ThreadPoolExecutor(n_threads) as pool:
+        for start in tqdm(range(0, n_q, B), desc="full ranking", unit="block", disable=not progress):
+            stop = min(n_q, start + B)
+            if dev is not None:
+                Qb = torch.from_numpy(Q[start:stop]).to(dev)
+                St = Qb @ Gt.T
+                if metric == "l2":
+                    St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
+                r, tp = _block_ranks_torch(St, relevance, start, stop)
+                all_ranks.extend(r)
+                all_tp.extend(tp)
+                del St
+                continue
+            S = score_block(Q[start:stop], G, metric, g_sq)
+
+            def work(lo: int, hi: int, S=S, start=start):
+                S_sorted = np.sort(S[lo:hi], axis=1)  # numpy releases the GIL in sort/searchsorted
+                return [row_ranks(S[j], S_sorted[j - lo], relevance.positives(start + j), relevance.excluded(start + j))
+                        for j in range(lo, hi)]
+
+            bounds = np.linspace(0, stop - start, n_threads + 1).astype(int)
+            parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            results = list(pool.map(lambda ab: work(*ab), parts))
+            for res in results:
+                for r, tp in res:
+                    all_ranks.append(r)
+                    all_tp.append(tp)
+            del S
     counts = np.array([r.size for r in all_ranks], np.int64)
     if np.any(counts != n_relevant):
         raise AssertionError("internal error: ranked relevant items != number of relevant items")
