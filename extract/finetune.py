@@ -241,13 +241,20 @@ class _Pool:
             X[b[0] : b[-1] + 1] = x
         return X
 
+    def to(self, device: str) -> _Pool:
+        """Move preprocessed images to ``device`` (a GPU then gathers its own batches)."""
+        if self.X is not None and device.startswith("cuda"):
+            self.X = self.X.to(device)
+        return self
+
     def batches(self, index_lists: Sequence[np.ndarray]):
-        """Yield (x, y) tensors (CPU) for each list of pool positions."""
+        """Yield (x, y) tensors for each list of pool positions (on the pool's device when
+        preprocessed, else on CPU from the DataLoader)."""
         import torch
 
         if self.X is not None:
             for idx in index_lists:
-                t = torch.from_numpy(np.asarray(idx, np.int64))
+                t = torch.from_numpy(np.asarray(idx, np.int64)).to(self.X.device)
                 yield self.X[t], torch.from_numpy(self.y[np.asarray(idx)])
         else:
             yield from self._loader([list(map(int, i)) for i in index_lists])
@@ -705,7 +712,7 @@ def finetune(
         pos_in_pool[need] = np.arange(need.size)
         limit_bytes = memory_limit_gb * 2**30
         pool = _Pool([items[i] for i in need], bb.transform, shape, memory_limit=limit_bytes,
-                     workers=workers, progress=progress, what=f"{dname} train")
+                     workers=workers, progress=progress, what=f"{dname} train").to(dev)
         eval_pools = {es: _Pool([(ev, i) for i in range(ev.y.size)], bb.transform, shape,
                                 memory_limit=limit_bytes, workers=workers, progress=progress,
                                 what=f"{dname}/{es}") for es, ev in evs.items()}
