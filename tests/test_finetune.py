@@ -178,6 +178,46 @@ def test_batchnorm_statistics_update_during_training(one_thread, digits_splits):
     assert res.finite and len(res.losses) == 2
 
 
+def test_bf16_autocast_training_step(one_thread, digits_splits):
+    """The CUDA default precision path (bf16 autocast, fp32 loss) on the CPU autocast backend."""
+    from featcache.extract.backbones import create_backbone
+
+    bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
+    net = F._Net.build(bb.model, bb.feature_dim, 10)
+    init = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    tr = digits_splits[0]
+    pool = F._Pool([(tr, i) for i in range(6)], bb.transform, (3, 32, 32), memory_limit=1e9,
+                   workers=0, progress=False, what="t")
+    cfg = F.TrainConfig(lr=0.01, steps=1, batch_size=4, milestones=())
+    res = F.train_run(net, init, pool, np.arange(6), cfg, seed=0, device="cpu", precision="bf16",
+                      ckpt_path=None, checkpoint_every=10, run_key={"t": 2}, progress=False)
+    assert res.finite and len(res.losses) == 1 and np.isfinite(res.losses[0])
+    P = F.predict_proba(net, pool, np.arange(6), device="cpu", precision="bf16")
+    assert P.shape == (6, 10) and P.dtype == np.float64
+    np.testing.assert_allclose(P.sum(1), 1.0, rtol=1e-6)
+
+
+def test_selection_grid_full_protocol(one_thread, tmp_path):
+    """Several configs: each trains on train minus the seeded 10% holdout, is scored on the
+    holdout, the best (ties: first) is refit on all of train."""
+    df = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet",
+                    steps=(3, 5), lrs=(0.1, 0.01), batch_size=8, input_size=32,
+                    limit={"train": 200, "test": 60}, progress=False, workers=0)
+    assert set(df["seed"]) == {0} and set(df["protocol"]) == {"full"}
+    assert set(df["train_split"]) == {"train"} and set(df["n_eval"]) == {60}
+    hp = json.loads(df["hparams"][0])
+    cands = hp["candidates"]
+    assert [(c["steps"], c["lr"]) for c in cands] == [(3, 0.1), (3, 0.01), (5, 0.1), (5, 0.01)]
+    scores = [c["val_top1"] for c in cands]
+    best = int(np.flatnonzero(np.array(scores) == max(scores))[0])
+    assert (hp["steps"], hp["lr"]) == (cands[best]["steps"], cands[best]["lr"])
+    assert hp["val_top1"] == scores[best] and all(0 <= v <= 1 for v in scores)
+    assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (180, 20, 200)
+    assert hp["val"] == "holdout-10%-of-train" and hp["pairs_with"]["protocol"] == "full"
+    ck = Path(f"{tmp_path / 'r.parquet'}.finetune-ckpt")
+    assert not list(ck.iterdir())  # selection outcomes and checkpoints are cleaned up
+
+
 @pytest.fixture(scope="module")
 def pretrained_vs_random(one_thread, tmp_path_factory):
     out = {}
