@@ -218,6 +218,40 @@ def test_selection_grid_full_protocol(one_thread, tmp_path):
     assert not list(ck.iterdir())  # selection outcomes and checkpoints are cleaned up
 
 
+@pytest.mark.slow
+def test_interrupted_selection_resumes_finished_configs(one_thread, tmp_path, monkeypatch, caplog):
+    """A crash after two of four selection runs: the rerun reads their val scores back instead
+    of retraining, and ends with the rows of an uninterrupted run."""
+    import logging
+
+    kw = dict(steps=(2, 3), lrs=(0.1, 0.01), batch_size=4, input_size=32,
+              limit={"train": 100, "test": 30}, progress=False, workers=0)
+    real = F.train_run
+    calls = []
+
+    def crashing(*a, **k):
+        calls.append(k["desc"])
+        if len(calls) == 3:
+            raise RuntimeError("simulated crash")
+        return real(*a, **k)
+
+    monkeypatch.setattr(F, "train_run", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw)
+    monkeypatch.setattr(F, "train_run", real)
+    ck = Path(f"{tmp_path / 'r.parquet'}.finetune-ckpt")
+    assert len(list(ck.glob("*.json"))) == 2
+    with caplog.at_level(logging.INFO, logger="featcache.extract.finetune"):
+        resumed = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw)
+    assert caplog.text.count("finished earlier") == 2
+    fresh = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "u.parquet", **kw)
+    a, b = resumed.sort("metric"), fresh.sort("metric")
+    assert a["run_id"].to_list() == b["run_id"].to_list()
+    np.testing.assert_allclose(a["value"].to_numpy(), b["value"].to_numpy(), rtol=1e-6)
+    ha, hb = json.loads(a["hparams"][0]), json.loads(b["hparams"][0])
+    assert [c["val_top1"] for c in ha["candidates"]] == [c["val_top1"] for c in hb["candidates"]]
+
+
 @pytest.fixture(scope="module")
 def pretrained_vs_random(one_thread, tmp_path_factory):
     out = {}
