@@ -393,7 +393,7 @@ def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision
     losses: list[float] = []
     if ckpt_path is not None and ckpt_path.exists():
         try:
-            ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+            ck = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         except Exception as exc:  # unreadable leftovers: start over, never crash on them
             log.warning("ignoring unreadable checkpoint %s (%s); training from step 0", ckpt_path, exc)
             ck = None
