@@ -218,6 +218,21 @@ def test_selection_grid_full_protocol(one_thread, tmp_path):
     assert not list(ck.iterdir())  # selection outcomes and checkpoints are cleaned up
 
 
+def test_streaming_images_equal_preprocessed_pool(one_thread, caplog):
+    """Datasets too big for memory stream images through a DataLoader: same numbers."""
+    kw = dict(steps=3, lrs=0.05, batch_size=4, input_size=32, limit={"train": 60, "test": 20},
+              progress=False, workers=0)
+    mem = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", **kw)
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="featcache.extract.finetune"):
+        streamed = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", memory_limit_gb=0, **kw)
+    assert "loading per batch" in caplog.text
+    np.testing.assert_allclose(mem.sort("metric")["value"].to_numpy(),
+                               streamed.sort("metric")["value"].to_numpy(), rtol=1e-6)
+    assert mem["run_id"].to_list() != [] and set(mem["n_eval"]) == {20}
+
+
 @pytest.mark.slow
 def test_interrupted_selection_resumes_finished_configs(one_thread, tmp_path, monkeypatch, caplog):
     """A crash after two of four selection runs: the rerun reads their val scores back instead
