@@ -13,6 +13,7 @@ vector, exactly as :class:`sklearn.linear_model.LogisticRegression`). Backends:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -267,6 +268,20 @@ def _cpu_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
+@contextlib.contextmanager
+def cpu_threads(device: str):
+    """Limit torch's intra-op threads to :func:`_cpu_threads` while fitting on the CPU."""
+    import torch
+
+    prev = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(min(prev, _cpu_threads()))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def _fit_torch(Xs, yi, K, Cs, device, max_iter, tol, W0=None, b0=None, block=None):
     """Batched torch fit of one softmax head per C (binary: C/2, see module docstring)."""
     import torch
@@ -279,14 +294,9 @@ def _fit_torch(Xs, yi, K, Cs, device, max_iter, tol, W0=None, b0=None, block=Non
     theta0 = None
     if W0 is not None:
         theta0 = torch.from_numpy(np.concatenate([W0.reshape(-1), b0]).astype(np.float32))[None]
-    prev = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(min(prev, _cpu_threads()))
-    try:
+    with cpu_threads(device):
         r = lbfgs_multihead(X_t, y_t, Cs_eff, K, theta0=theta0, max_iter=max_iter, tol=tol,
                             block=block)
-    finally:
-        torch.set_num_threads(prev)
     return (r.W.double().cpu().numpy(), r.b.double().cpu().numpy(), r.n_iter.numpy(),
             r.converged.numpy(), r.grad_max.double().cpu().numpy())
 

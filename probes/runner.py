@@ -23,6 +23,7 @@ from featcache.probes.logistic import (
     DEFAULT_CS,
     LogisticProbe,
     _Scaler,
+    cpu_threads,
     resolve_backend,
     select_index,
     sweep_C,
@@ -250,8 +251,9 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
             kw["steps"] = cfg["epochs"] * math.ceil(n_for_cfg / cfg["batch_size"])
             spe = math.ceil(n_for_cfg / cfg["batch_size"])
             kw["milestones"] = [e * spe for e in cfg["lr_decay_epochs"]]
-        W, b, ok = train_sgd_head(sc.transform(X), pos[y], classes.size, seed=seed,
-                                  device=device, init=init, **kw)
+        with cpu_threads(device):
+            W, b, ok = train_sgd_head(sc.transform(X), pos[y], classes.size, seed=seed,
+                                      device=device, init=init, **kw)
         coef, inter = sc.to_raw(W, b)
         return coef, inter, ok
 
