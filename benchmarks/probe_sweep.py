@@ -80,7 +80,10 @@ def main(argv=None) -> int:
           f"test {len(yte)}, dim {X.shape[1]}, {len(np.unique(y))} classes, grid {len(DEFAULT_CS)} C")
 
     # warm-up (thread pools, kernels) so no timing below pays a one-off cost
+    quiet = logging.getLogger("featcache.probes.logistic")
+    quiet.setLevel(logging.ERROR)
     LogisticProbe(C=1.0, backend=args.backend, max_iter=5).fit(Xf[:200], yf[:200])
+    quiet.setLevel(logging.NOTSET)
 
     t0 = time.perf_counter()
     sw = sweep_C(Xf, yf, Xv, yv, DEFAULT_CS, backend=args.backend, max_iter=args.max_iter, tol=args.tol)
