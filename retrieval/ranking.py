@@ -176,7 +176,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress) -> RankedRelevance:
             del S
     counts = np.array([r.size for r in all_ranks], np.int64)
     if np.any(counts != n_relevant):
-        raise AssertionError("internal error: ranked relevant items != number of relevant items")
+        raise RuntimeError("internal error: ranked relevant items != number of relevant items")
     indptr = np.zeros(n_q + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
     ranks = np.concatenate(all_ranks) if all_ranks else np.zeros(0, np.int64)
