@@ -8,8 +8,9 @@ and memory format, measures
 (c) the same pipeline with writes disabled (``extract(..., write=False)``),
 
 and prints images/s for each and the ratios b/a (target >= 0.90) and b/c (target >= 0.95).
-Each measurement is repeated ``--repeats`` times, interleaved (a, c, b, a, c, b, ...), and the
-best of each is reported: on a shared machine, other processes only ever slow a run down.
+Each measurement is repeated ``--repeats`` times, interleaved with the order rotated (a c b,
+c b a, b a c, ...), and the best of each is reported: on a shared machine, other processes
+only ever slow a run down; every sample is printed too.
 
     python benchmarks/extract_throughput.py --n 2000 --input-size 112 224
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--amp", default="auto", choices=["auto", "none", "bf16", "fp16"])
     p.add_argument("--no-channels-last", action="store_true")
     p.add_argument("--chunk-rows", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of (a, b, c), order rotated; best of each")
     p.add_argument("--chunk-rows-sweep", type=int, nargs="*", default=[],
                    help="also time (b) for these chunk sizes")
     p.add_argument("--tmp", default=None, help="folder for the throw-away stores")
@@ -127,10 +128,18 @@ def main(argv: list[str] | None = None) -> int:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, ["pooled"])
         best = {"a": 0.0, "b": 0.0, "c": 0.0}
-        for _ in range(args.repeats):
-            best["a"] = max(best["a"], bare_forward(bb, head, args.n, args.batch_size, not args.no_channels_last, amp))
-            best["c"] = max(best["c"], pipeline(args, size, False, chunk_rows, root))
-            best["b"] = max(best["b"], pipeline(args, size, True, chunk_rows, root))
+        measure = {
+            "a": lambda bb=bb, head=head, amp=amp: bare_forward(
+                bb, head, args.n, args.batch_size, not args.no_channels_last, amp),
+            "b": lambda size=size: pipeline(args, size, True, chunk_rows, root),
+            "c": lambda size=size: pipeline(args, size, False, chunk_rows, root),
+        }
+        order = ["a", "c", "b"]
+        samples: dict[str, list[float]] = {k: [] for k in order}
+        for r in range(args.repeats):  # rotate the order so load drift hits each equally
+            for k in order[r % 3:] + order[: r % 3]:
+                samples[k].append(measure[k]())
+                best[k] = max(best[k], samples[k][-1])
         row = {
             "model": args.model, "input_size": size, "n": args.n, "batch_size": args.batch_size,
             "device": bb.device, "workers": workers, "torch_threads": torch.get_num_threads(), "amp": amp,
@@ -138,10 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             "a_bare_forward_ips": round(best["a"], 1), "b_pipeline_ips": round(best["b"], 1),
             "c_no_write_ips": round(best["c"], 1),
             "b_over_a": round(best["b"] / best["a"], 3), "b_over_c": round(best["b"] / best["c"], 3),
+            "samples_ips": {k: [round(v, 1) for v in vs] for k, vs in samples.items()},
         }
         sweep = {}
         for cr in args.chunk_rows_sweep:
-            sweep[cr] = round(max(pipeline(args, size, True, cr, root) for _ in range(args.repeats)), 1)
+            sweep[cr] = 0.0
+        for _ in range(args.repeats):  # round-robin over the sizes, again against load drift
+            for cr in args.chunk_rows_sweep:
+                sweep[cr] = round(max(sweep[cr], pipeline(args, size, True, cr, root)), 1)
         if sweep:
             row["chunk_rows_sweep_ips"] = sweep
         results.append(row)
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  (b) full pipeline    {row['b_pipeline_ips']:9.1f} img/s   b/a = {row['b_over_a']:.3f} (target >= 0.90)\n"
             f"  (c) without writes   {row['c_no_write_ips']:9.1f} img/s   b/c = {row['b_over_c']:.3f} (target >= 0.95)"
         )
+        print("  samples (img/s): " + "; ".join(f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in samples.items()))
         for cr, ips in sweep.items():
             print(f"  (b) chunk_rows={cr:<6d} {ips:9.1f} img/s")
         sys.stdout.flush()

@@ -418,8 +418,11 @@ def _webdataset(pattern: str, name: str) -> dict[str, SplitSource]:
     """
     import tarfile
 
-    from webdataset.shardlists import expand_urls
-    from webdataset.tariterators import base_plus_ext
+    try:
+        from webdataset.shardlists import expand_urls
+        from webdataset.tariterators import base_plus_ext
+    except ImportError as exc:
+        raise DataError("--data webdataset:... needs the webdataset package: pip install 'featcache[bulk]'") from exc
 
     shards = []
     for u in expand_urls(pattern):

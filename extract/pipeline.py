@@ -208,6 +208,20 @@ def _init_dist(device: str):
     return rank, world
 
 
+def _rank_device(device: str) -> str:
+    """Under torchrun each local rank takes its own GPU (``cuda:LOCAL_RANK``)."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or device not in ("auto", "cuda"):
+        return device
+    import torch
+
+    if not torch.cuda.is_available():
+        return device
+    idx = int(local) % torch.cuda.device_count()
+    torch.cuda.set_device(idx)
+    return f"cuda:{idx}"
+
+
 def _barrier(world: int):
     if world > 1:
         import torch.distributed as dist
@@ -298,6 +312,7 @@ def extract(
         raise FeatcacheError(f"dtype must be float16 or float32, got {dtype!r}")
     sources = select_splits(open_dataset(data, dataset_name), splits)
     store = open_cache(cache, "a", storage_options=storage_options)  # fail early if not writable
+    device = _rank_device(device)
     bb = create_backbone(model, weights, device=device, input_size=input_size, pre_resize=pre_resize)
     dev = bb.device
     rank, world = _init_dist(dev)

@@ -143,3 +143,19 @@ def test_rerun_with_other_settings_is_refused_until_overwrite(tmp_path, capsys):
     assert after.provenance["dtype"] == "float32"
     assert after.fingerprint != before.fingerprint
     np.testing.assert_allclose(after.X, before.X, rtol=2e-3, atol=2e-3)  # same model, float16 rounding only
+
+
+@pytest.mark.gpu
+def test_cuda_defaults_bf16_channels_last_close_to_cpu(tmp_path):
+    """On CUDA the pipeline picks itself: bf16 autocast, channels_last, pinned non-blocking copies."""
+    cache = str(tmp_path / "c.zarr")
+    kw = dict(limit=128, input_size=64, batch_size=32, chunk_rows=64, dtype="float32", progress=False)
+    extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="gpu", device="auto", **kw)
+    extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="cpu", device="cpu", amp="none", **kw)
+    c = open_cache(cache)
+    g, cpu = c.load("gpu", "digits", "test"), c.load("cpu", "digits", "test")
+    assert g.provenance["device"].startswith("cuda") and g.provenance["amp"] == "bf16"
+    assert g.provenance["channels_last"] is True
+    assert cpu.provenance["amp"] == "none"
+    a, b = g.X / np.linalg.norm(g.X, axis=1, keepdims=True), cpu.X / np.linalg.norm(cpu.X, axis=1, keepdims=True)
+    assert (a * b).sum(1).min() > 0.98  # bf16 vs fp32: same features up to rounding
