@@ -40,6 +40,8 @@ def run_demo(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     size = args.input_size if args.input_size is not None else (None if cuda else CPU_INPUT_SIZE)
     size = size or None
+    if args.finetune_steps is None:
+        args.finetune_steps = 500 if cuda else 60
     chosen = DEMO_BACKBONES[: args.n_backbones] if args.n_backbones else DEMO_BACKBONES
     keys = []
     print(f"[1/5] extracting digits with {len(chosen)} backbones into {args.cache}"
@@ -56,18 +58,24 @@ def run_demo(args: argparse.Namespace) -> int:
     run_probes(args.cache, keys, "digits", "full", seeds=[0], results_path=results, progress=not args.no_progress)
     print("[3/5] retrieval (test queries vs train gallery, cosine) and kNN")
     run_retrieval(args.cache, keys, "digits", "test", "train", results_path=results, progress=not args.no_progress)
-    if args.finetune:
+    do_ft = args.finetune == "on" or (args.finetune == "auto" and cuda)
+    if do_ft:
         from featcache.extract.finetune import finetune
 
-        print("[4/5] fine-tuning (scaled-down VTAB lightweight schedule)")
-        for model, weights in chosen:
+        print(f"[4/5] fine-tuning (VTAB-1k lightweight protocol scaled to {args.finetune_steps} steps; "
+              "probes with the same vtab1k splits for the linear-vs-fine-tune ranking)")
+        run_probes(args.cache, keys, "digits", "vtab1k", seeds=[0], results_path=results,
+                   progress=not args.no_progress)
+        for (model, weights), key in zip(chosen, keys):
             finetune(model, weights, "digits", "vtab1k-light", seeds=[0], results_path=results,
-                     input_size=size or 224, steps=args.finetune_steps)
+                     steps=(args.finetune_steps,), lrs=(0.01,), batch_size=64 if cuda else 32,
+                     input_size=size, backbone_name=key, checkpoint_dir=str(out / "checkpoints"),
+                     progress=not args.no_progress)
     else:
-        print("[4/5] fine-tuning skipped (pass --finetune; slow on a CPU)")
+        print("[4/5] fine-tuning skipped (off by default on CPU: pass --finetune on)")
     table = read_results(results)
     wanted = (
-        (pl.col("kind").eq("probe") & pl.col("metric").eq("top1"))
+        (pl.col("kind").eq("probe") & pl.col("protocol").eq("full") & pl.col("metric").eq("top1"))
         | (pl.col("kind").eq("knn") & pl.col("protocol").eq("knn-k20") & pl.col("metric").eq("top1"))
         | (pl.col("kind").eq("retrieval") & pl.col("metric").is_in(["map", "mrr", "hit@5"]))
     )
@@ -97,7 +105,9 @@ def register(sub) -> None:
     p.add_argument("--input-size", type=int, default=None,
                    help=f"input resolution (default: the model's on CUDA, {CPU_INPUT_SIZE} on CPU; 0 = the model's)")
     p.add_argument("--n-backbones", type=int, default=None, help="use only the first N demo backbones")
-    p.add_argument("--finetune", action="store_true", help="also fine-tune each backbone (slow on CPU)")
-    p.add_argument("--finetune-steps", type=int, default=200)
+    p.add_argument("--finetune", choices=["auto", "on", "off"], default="auto",
+                   help="fine-tune each backbone too (auto: only on CUDA; slow on a CPU)")
+    p.add_argument("--finetune-steps", type=int, default=None,
+                   help="SGD steps of the scaled VTAB lightweight schedule (default 500 on CUDA, 60 on CPU)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_demo)
