@@ -48,7 +48,6 @@ def test_lite0_digits_accuracy_floor(digits):
     assert p.score(Xte, yte) > 0.93
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("C", [0.01, 1.0])
 def test_parity_sklearn_torch_on_standardized_real_features(standardized, C):
     Xtr, ytr, Xte, yte = standardized

@@ -49,7 +49,6 @@ def _top1(df, **where):
 
 
 # ------------------------------------------------------------------ protocols on real data
-@pytest.mark.slow
 def test_full_protocol_digits_default_grid(digits_cache, tmp_path):
     res = tmp_path / "r.parquet"
     df = run_probes(digits_cache, [LITE0], "digits", "full", results_path=res, progress=False)
