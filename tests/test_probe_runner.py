@@ -294,3 +294,29 @@ def test_cli_probe(digits_cache, tmp_path, capsys):
     rc = main(["probe", "--cache", digits_cache, "--backbone", LITE0, "--dataset", "digits",
                "--seeds", "a,b", "--results", str(res)])
     assert rc == 1 and "--seeds" in capsys.readouterr().err
+
+
+def test_official_val_split_is_used(digits_feats, tmp_path):
+    """A dataset with its own val split: full selects on it and refits on train+val;
+    vtab1k official-val fits on 1000 train images and selects on it."""
+    from featcache.store import write_features
+
+    tr, te = digits_feats
+    path = str(tmp_path / "c.zarr")
+    cut = 1100
+    for split, f, sl in (("train", tr, slice(0, cut)), ("val", tr, slice(cut, None)),
+                         ("test", te, slice(None))):
+        write_features(path, backbone=LITE0, dataset="digits", split=split, X=f.X[sl],
+                       ids=f.ids[sl], labels=f.labels[sl], class_names=f.class_names)
+    df = run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+    hp = json.loads(df["hparams"][0])
+    assert df["train_split"][0] == "train+val"
+    assert (hp["val"], hp["n_train"], hp["n_val"], hp["n_train_final"]) == ("official", 1100, 247, 1347)
+    assert _top1(df)[0] > 0.93
+    v = run_probes(path, LITE0, "digits", "vtab1k", seeds=[0], val_source="official-val",
+                   Cs=SMALL_GRID, progress=False)
+    hv = json.loads(v["hparams"][0])
+    assert (hv["val_source"], hv["n_train"], hv["n_val"], hv["n_train_final"]) == ("official-val", 1000, 247, 1000)
+    s = run_probes(path, LITE0, "digits", "vtab1k", seeds=[0], Cs=SMALL_GRID, progress=False)
+    assert json.loads(s["hparams"][0])["n_val"] == 200  # split-800-200 ignores the val split
+    assert s["run_id"][0] != v["run_id"][0]
