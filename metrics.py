@@ -5,9 +5,11 @@ score matrix) and either predicted labels or a score/probability matrix ``[N, K]
 Accuracies are fractions in [0, 1].
 
 Tie rule (documented, tested): when scores tie, the lower class index ranks first. This is
-what ``np.argmax`` does (and the probes' ``predict``), so ``top1(y, s) ==
+what ``np.argmax`` does (and the probes' ``LogisticProbe.predict``), so ``top1(y, s) ==
 accuracy(y, s.argmax(1))`` always, and ``top_k`` counts the true class as a hit when fewer
 than ``k`` classes rank before it (strictly higher score, or equal score and lower index).
+
+:mod:`featcache.probes.metrics` re-exports these functions (one implementation for both).
 """
 
 from __future__ import annotations
