@@ -17,9 +17,10 @@ function               protocol
 =====================  =================================================================
 
 Building blocks: :func:`allocate` (largest remainder), :func:`stratified_holdout`,
-:func:`sample_per_class`, :func:`stratified_sample`. The selection is identical to the
-one ``featcache.probes`` used when this module was written (tests/test_finetune.py checks
-the two agree).
+:func:`sample_per_class`, :func:`stratified_sample`. ``featcache.probes.protocols``
+re-exports them, and the probe runner and ``featcache.extract.finetune`` both plan with
+this module; the selection is the probes' original one bit for bit (tests/test_finetune.py
+pins it on digits).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "HOLDOUT_FRACTION",
     "VTAB_TOTAL",
     "VTAB_VAL",
+    "VAL_SOURCES",
     "canonical_order",
     "allocate",
     "stratified_holdout",
@@ -45,6 +47,8 @@ __all__ = [
 
 HOLDOUT_FRACTION = 0.1
 VTAB_TOTAL, VTAB_VAL = 1000, 200
+#: where VTAB-1k selects: its own 800/200 split of the 1,000, or the dataset's val split
+VAL_SOURCES = ("split-800-200", "official-val")
 
 
 def canonical_order(ids) -> np.ndarray:

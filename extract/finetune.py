@@ -78,13 +78,13 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import BackboneError, DataError
+from featcache.splits import VAL_SOURCES
 
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("vtab1k-light", "full")
 #: fine-tune protocol -> the probe protocol whose rows it pairs with (written to ``protocol``)
 PAIRS_WITH = {"vtab1k-light": "vtab1k", "full": "full"}
-VAL_SOURCES = ("split-800-200", "official-val")
 VTAB_STEPS = (2500, 10000)
 VTAB_LRS = (0.1, 0.01)
 VTAB_BATCH = 512

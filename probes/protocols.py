@@ -1,4 +1,5 @@
-"""Evaluation protocols as named presets and their seeded, stratified splits (pure numpy).
+"""Evaluation protocols as named presets; their seeded, stratified splits come from
+:mod:`featcache.splits` (shared with fine-tuning, so both stages select the same examples).
 
 =============  ===========================================================================
 spec           meaning
@@ -21,6 +22,10 @@ salman         Salman et al.: SGD head, 150 epochs, batch 64, momentum 0.9, weig
 subset:F%      Battle of the Backbones: stratified F% of train (label distribution kept, at
                least one example per class), then ``full`` on that subset.
 =============  ===========================================================================
+
+The split functions (:func:`allocate`, :func:`stratified_holdout`, :func:`sample_per_class`,
+:func:`stratified_sample`, :func:`fewshot_split`) are re-exported from :mod:`featcache.splits`;
+they raise :class:`~featcache.errors.SplitError`, a :class:`ProbeError`.
 """
 
 from __future__ import annotations
@@ -28,11 +33,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from featcache.errors import ProbeError
+from featcache.splits import (
+    VAL_SOURCES,
+    allocate,
+    fewshot_split,
+    sample_per_class,
+    stratified_holdout,
+    stratified_sample,
+)
 
 __all__ = [
+    "VAL_SOURCES",
     "Protocol",
     "parse_protocol",
     "allocate",
@@ -43,7 +55,6 @@ __all__ = [
 ]
 
 PROTOCOL_NAMES = ("full", "fewshot", "vtab1k", "vtab1k-sgd", "salman", "subset")
-VAL_SOURCES = ("split-800-200", "official-val")
 
 
 @dataclass(frozen=True)
@@ -81,99 +92,3 @@ def parse_protocol(spec: str) -> Protocol:
     raise ProbeError(
         f"unknown protocol {spec!r}; choose full, fewshot:N (N >= 2), vtab1k, vtab1k-sgd, "
         "salman or subset:F% (e.g. subset:1%, subset:10%)")
-
-
-def allocate(counts: np.ndarray, total: int) -> np.ndarray:
-    """Largest-remainder split of ``total`` over classes proportional to ``counts``.
-
-    Sums exactly to ``total``; each class gets floor or ceil of its quota (ties: lower class).
-    """
-    counts = np.asarray(counts, np.int64)
-    if total > counts.sum():
-        raise ProbeError(f"cannot draw {total} examples from {int(counts.sum())}")
-    quota = counts * total / counts.sum()
-    base = np.floor(quota).astype(np.int64)
-    rest = total - base.sum()
-    order = np.lexsort((np.arange(counts.size), -(quota - base)))
-    base[order[:rest]] += 1
-    return np.minimum(base, counts)
-
-
-def _by_class(y: np.ndarray) -> list[np.ndarray]:
-    classes = np.unique(y)
-    return [np.flatnonzero(y == c) for c in classes]
-
-
-def _draw(y: np.ndarray, per_class: np.ndarray, rng: np.random.Generator):
-    """Per class, a seeded draw of ``per_class[c]`` indices; returns (drawn, rest), sorted."""
-    drawn, rest = [], []
-    for idx, k in zip(_by_class(y), per_class):
-        perm = idx[rng.permutation(idx.size)]
-        drawn.append(perm[:k])
-        rest.append(perm[k:])
-    return np.sort(np.concatenate(drawn)), np.sort(np.concatenate(rest))
-
-
-def stratified_holdout(y, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train_idx, val_idx): a stratified, seeded ``fraction`` of ``y`` held out.
-
-    Exactly ``round(fraction * n)`` validation rows, per class floor/ceil of its share;
-    every class keeps at least one training row.
-    """
-    y = np.asarray(y)
-    counts = np.array([i.size for i in _by_class(y)])
-    n_val = int(round(fraction * y.size))
-    if n_val < 1 or y.size - n_val < counts.size:
-        raise ProbeError(
-            f"{y.size} examples are too few to hold out {fraction:.0%} for validation and keep "
-            f"every one of the {counts.size} classes in train; use more data or a dataset with "
-            "its own val split")
-    per = allocate(counts, n_val)
-    per = np.minimum(per, counts - 1)  # keep >= 1 training example per class
-    short = n_val - per.sum()
-    if short:  # give the shortfall to classes that still have room, largest first
-        room = np.argsort(-(counts - 1 - per), kind="stable")
-        for c in room[:short]:
-            per[c] += 1
-    rng = np.random.default_rng(seed)
-    val, train = _draw(y, per, rng)
-    return train, val
-
-
-def sample_per_class(y, n: int, seed: int) -> np.ndarray:
-    """Indices of exactly ``n`` examples of every class (seeded)."""
-    y = np.asarray(y)
-    classes = np.unique(y)
-    counts = np.array([i.size for i in _by_class(y)])
-    if (counts < n).any():
-        few = {str(c): int(k) for c, k in zip(classes, counts) if k < n}
-        raise ProbeError(f"{n} examples per class requested but class(es) {few} have fewer "
-                         "valid training examples; lower N or drop those classes")
-    drawn, _ = _draw(y, np.full(classes.size, n), np.random.default_rng(seed))
-    return drawn
-
-
-def fewshot_split(y, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """ELEVATER few-shot: ``n`` per class (N counted before the split), then per class
-    ``max(1, round(0.2 n))`` to validation and the rest to train. Returns (train, val)."""
-    if n < 2:
-        raise ProbeError(f"fewshot:{n} leaves no training example after the 80/20 split; use N >= 2")
-    y = np.asarray(y)
-    idx = sample_per_class(y, n, seed)
-    n_val = max(1, int(round(0.2 * n)))
-    rng = np.random.default_rng([seed, 1])
-    val, train = _draw(y[idx], np.full(np.unique(y).size, n_val), rng)
-    return idx[train], idx[val]
-
-
-def stratified_sample(y, total: int, seed: int, min_per_class: int = 0) -> np.ndarray:
-    """Seeded draw of ``total`` indices keeping the label distribution (largest remainder);
-    with ``min_per_class`` every class gets at least that many (total grows if needed)."""
-    y = np.asarray(y)
-    counts = np.array([i.size for i in _by_class(y)])
-    if total > y.size:
-        raise ProbeError(f"the protocol needs {total} training examples but only {y.size} valid "
-                         "ones exist; use a larger train split or another protocol")
-    per = np.maximum(allocate(counts, total), np.minimum(min_per_class, counts))
-    drawn, _ = _draw(y, per, np.random.default_rng(seed))
-    return drawn

@@ -29,21 +29,22 @@ from featcache.probes.logistic import (
     sweep_C,
 )
 from featcache.probes.metrics import compute_all
-from featcache.probes.protocols import (
+from featcache.probes.protocols import Protocol, parse_protocol
+from featcache.splits import (
+    HOLDOUT_FRACTION,
     VAL_SOURCES,
-    Protocol,
+    VTAB_TOTAL,
     fewshot_split,
-    parse_protocol,
-    stratified_holdout,
+    full_holdout,
     stratified_sample,
+    subset_indices,
+    vtab1k_indices,
 )
 
 log = logging.getLogger(__name__)
 
 #: seeds used when none are given: the protocols' published repeat counts
 DEFAULT_SEEDS = {"fewshot": (0, 1, 2), "vtab1k": (0, 1, 2), "vtab1k-sgd": (0, 1, 2)}
-HOLDOUT_FRACTION = 0.1
-VTAB_TOTAL, VTAB_VAL = 1000, 200
 
 
 @dataclass
@@ -153,8 +154,7 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
         label = train.name
         info: dict[str, Any] = {}
         if proto.name == "subset":
-            n_sub = max(1, int(round(proto.fraction * y.size)))
-            idx = stratified_sample(y, n_sub, seed, min_per_class=1)
+            idx = subset_indices(y, proto.fraction, seed)
             label = f"{train.name}[{proto.spec}]"
             info["n_subset"] = int(idx.size)
         if val is not None:
@@ -162,7 +162,7 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
             fin = union(tr, va)
             info.update(val="official", val_split=val.name)
             return _Plan(tr, va, fin, f"{label}+{val.name}", info)
-        t, v = stratified_holdout(y[idx], HOLDOUT_FRACTION, seed)
+        t, v = full_holdout(y[idx], seed)
         info.update(val=f"holdout-{HOLDOUT_FRACTION:.0%}-of-{train.name}")
         return _Plan(sel(idx[t]), sel(idx[v]), sel(idx), label, info)
     if proto.name == "fewshot":
@@ -173,16 +173,16 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
     if proto.name in ("vtab1k", "vtab1k-sgd"):
         if val_source not in VAL_SOURCES:
             raise ProbeError(f"val_source must be one of {VAL_SOURCES}, got {val_source!r}")
-        idx = stratified_sample(y, VTAB_TOTAL, seed)
         label = f"{train.name}[{VTAB_TOTAL}]"
         if val_source == "official-val":
+            idx = stratified_sample(y, VTAB_TOTAL, seed)
             if val is None:
                 raise ProbeError("val_source='official-val' needs a 'val' split in the cache; "
                                  "extract it or use val_source='split-800-200'")
             return _Plan(sel(idx), (val.X, val.y), sel(idx), label,
                          {"val": "official", "val_split": val.name, "val_source": val_source})
-        t, v = stratified_holdout(y[idx], VTAB_VAL / VTAB_TOTAL, seed)
-        return _Plan(sel(idx[t]), sel(idx[v]), sel(idx), label,
+        t, v = vtab1k_indices(y, seed)
+        return _Plan(sel(t), sel(v), sel(np.sort(np.concatenate([t, v]))), label,
                      {"val": "split-800-200", "val_source": val_source})
     raise ProbeError(f"protocol {proto.spec!r} has no split plan")  # pragma: no cover
 
