@@ -87,21 +87,47 @@ def test_config_grid_order():
 
 
 # ------------------------------------------------------------------ splits == probes
+#: sha256[:16] of the int64 positions selected on the digits train split (canonical order),
+#: recorded from the probes' own implementation before it moved to featcache.splits:
+#: seed -> (vtab1k train, vtab1k val, full train, full val, fewshot:5 train, fewshot:5 val,
+#: subset:1%)
+_DIGITS_SPLIT_DIGESTS = {
+    0: ("afff191ea3f7e773", "3d0f9b2e5bfe18f8", "817f02e76e3d3af9", "2c5cce4bfa021cb3",
+        "916a96ebde230a7d", "90666b88e98f6724", "030adc2be53e7b2a"),
+    1: ("f200beba066d1a33", "529cad77be956bde", "7e5d031d17d6eaa5", "b8f52a24a531ac86",
+        "407eb052233b836c", "f4bb62e4eb08eff2", "9a0bb2812a8be326"),
+    2: ("62987936ba9a44d3", "a323d28f169db5e8", "5df2e3d11d21c43f", "b09df9a3ab3a0c7b",
+        "e1f6c0bac2a885d3", "cb798a9bfdee1fae", "e7b9de29bf6b2e66"),
+}
+
+
+def _digest(idx) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(idx, "<i8").tobytes()).hexdigest()[:16]
+
+
 def test_neutral_splits_identical_to_probes_functions(digits_splits):
+    """The probes select with featcache.splits itself, and that selection is bit for bit the
+    one the probes made with their own code (reference digests on the digits labels)."""
     P = pytest.importorskip("featcache.probes.protocols")
+    for name in ("allocate", "stratified_holdout", "sample_per_class", "stratified_sample",
+                 "fewshot_split"):
+        assert getattr(P, name) is getattr(S, name), name
     y = digits_splits[0].y
+    assert y.size == 1347 and _digest(y) == "4d6372136a4b27d4"  # the labels the digests were taken on
     for seed in (0, 1, 2):
-        idx = P.stratified_sample(y, 1000, seed)
-        t, v = P.stratified_holdout(y[idx], 0.2, seed)
+        idx = S.stratified_sample(y, 1000, seed)
+        t, v = S.stratified_holdout(y[idx], 0.2, seed)
         mt, mv = S.vtab1k_indices(y, seed)
         assert np.array_equal(idx[t], mt) and np.array_equal(idx[v], mv)
-        for a, b in zip(P.stratified_holdout(y, 0.1, seed), S.full_holdout(y, seed)):
+        for a, b in zip(S.stratified_holdout(y, 0.1, seed), S.full_holdout(y, seed)):
             assert np.array_equal(a, b)
-        for a, b in zip(P.fewshot_split(y, 5, seed), S.fewshot_split(y, 5, seed)):
-            assert np.array_equal(a, b)
-        assert np.array_equal(P.stratified_sample(y, 13, seed, min_per_class=1),
-                              S.subset_indices(y, 0.01, seed))
-        assert np.array_equal(P.allocate(np.bincount(y), 333), S.allocate(np.bincount(y), 333))
+        sub = S.subset_indices(y, 0.01, seed)
+        assert np.array_equal(S.stratified_sample(y, 13, seed, min_per_class=1), sub)
+        got = (mt, mv, *S.full_holdout(y, seed), *S.fewshot_split(y, 5, seed), sub)
+        assert tuple(_digest(a) for a in got) == _DIGITS_SPLIT_DIGESTS[seed]
+    assert S.allocate(np.bincount(y), 333).tolist() == [33, 34, 33, 34, 34, 34, 33, 33, 32, 33]
 
 
 def test_finetune_plan_selects_the_same_images_as_the_probe_plan(digits_cache, digits_splits):
