@@ -25,7 +25,7 @@ from featcache.retrieval.metrics import (
     reciprocal_rank,
     summarize,
 )
-from featcache.retrieval.ranking import full_ranking
+from featcache.retrieval.ranking import full_ranking, full_ranking_metrics
 from featcache.retrieval.relevance import (
     ExplicitRelevance,
     Relevance,
@@ -49,6 +49,7 @@ __all__ = [
     "compute_metrics",
     "evaluate",
     "full_ranking",
+    "full_ranking_metrics",
     "hit_at_k",
     "knn_accuracy",
     "knn_predict",

@@ -29,7 +29,7 @@ from featcache.retrieval.search import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["full_ranking", "row_ranks"]
+__all__ = ["full_ranking", "full_ranking_metrics", "row_ranks"]
 
 
 def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -120,11 +120,41 @@ def full_ranking(
     B = min(max(n_q, 1), _rows_per_block(n_g, max_memory, 12 if dev is None else 44))
     if dev is not None:
         with exact_matmul():
-            return _full_ranking(Q, G, relevance, metric, B, dev, progress)
-    return _full_ranking(Q, G, relevance, metric, B, None, progress)
+            return _full_ranking(Q, G, relevance, metric, B, dev, progress)[0]
+    return _full_ranking(Q, G, relevance, metric, B, None, progress)[0]
 
 
-def _full_ranking(Q, G, relevance, metric, B, dev, progress) -> RankedRelevance:
+def full_ranking_metrics(
+    Q: np.ndarray,
+    G: np.ndarray,
+    relevance,
+    metric: str,
+    ks,
+    *,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    backend: str = "numpy",
+    progress: bool = True,
+) -> dict[str, np.ndarray]:
+    """Per-query metrics of the full ranking (``map``, ``mrr`` and every @k metric), equal to
+    ``compute_metrics(full_ranking(...), ks)`` but keeping only ranks <= max(ks): memory
+    O(Q x max(ks)) instead of one entry per (query, relevant item)."""
+    from featcache.retrieval.metrics import compute_metrics
+
+    ks = sorted({int(k) for k in ks})
+    n_q, n_g = Q.shape[0], G.shape[0]
+    dev = _torch_device(backend)
+    B = min(max(n_q, 1), _rows_per_block(n_g, max_memory, 12 if dev is None else 44))
+    if dev is not None:
+        with exact_matmul():
+            rr, ap, rec = _full_ranking(Q, G, relevance, metric, B, dev, progress, keep=ks[-1])
+    else:
+        rr, ap, rec = _full_ranking(Q, G, relevance, metric, B, None, progress, keep=ks[-1])
+    out = {"map": ap, "mrr": rec}
+    out.update(compute_metrics(rr, ks, full=False))
+    return out
+
+
+def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = None):
     n_q, n_g = Q.shape[0], G.shape[0]
     if dev is not None:
         import torch
@@ -137,6 +167,18 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress) -> RankedRelevance:
     n_relevant = relevance.n_relevant()
     all_ranks: list[np.ndarray] = []
     all_tp: list[np.ndarray] = []
+    ap = np.full(n_q, np.nan)
+    rec = np.full(n_q, np.nan)
+
+    def add(i: int, r: np.ndarray, tp: np.ndarray) -> None:
+        if keep is not None:
+            if r.size:
+                ap[i] = float(np.sum(tp / r)) / r.size
+                rec[i] = 1.0 / r[0]
+            cut = np.searchsorted(r, keep, "right")
+            r, tp = r[:cut], tp[:cut]
+        all_ranks.append(r)
+        all_tp.append(tp)
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
@@ -155,8 +197,8 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress) -> RankedRelevance:
                 if metric == "l2":
                     St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
                 r, tp = _block_ranks_torch(St, relevance, start, stop)
-                all_ranks.extend(r)
-                all_tp.extend(tp)
+                for j, (rj, tj) in enumerate(zip(r, tp)):
+                    add(start + j, rj, tj)
                 del St
                 continue
             S = score_block(Q[start:stop], G, metric, g_sq)
@@ -169,16 +211,17 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress) -> RankedRelevance:
             bounds = np.linspace(0, stop - start, n_threads + 1).astype(int)
             parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             results = list(pool.map(lambda ab: work(*ab), parts))
+            i = start
             for res in results:
                 for r, tp in res:
-                    all_ranks.append(r)
-                    all_tp.append(tp)
+                    add(i, r, tp)
+                    i += 1
             del S
     counts = np.array([r.size for r in all_ranks], np.int64)
-    if np.any(counts != n_relevant):
+    if keep is None and np.any(counts != n_relevant):
         raise RuntimeError("internal error: ranked relevant items != number of relevant items")
     indptr = np.zeros(n_q + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
     ranks = np.concatenate(all_ranks) if all_ranks else np.zeros(0, np.int64)
     tp = np.concatenate(all_tp) if all_tp else np.zeros(0, np.int64)
-    return RankedRelevance(indptr, ranks, n_relevant, depth=None, tp=tp)
+    return RankedRelevance(indptr, ranks, n_relevant, depth=keep, tp=tp), ap, rec

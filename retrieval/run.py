@@ -14,7 +14,7 @@ import numpy as np
 from featcache.errors import DataError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE, knn_accuracy
 from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize
-from featcache.retrieval.ranking import full_ranking
+from featcache.retrieval.ranking import full_ranking_metrics
 from featcache.retrieval.relevance import (
     ExplicitRelevance,
     Relevance,
@@ -72,7 +72,8 @@ def evaluate(
         backend = {"faiss-gpu": "torch-cuda", "torch-cuda": "torch-cuda", "torch-cpu": "torch-cpu"}.get(chosen, "numpy")
         if chosen == "faiss-gpu" and not _cuda():
             backend = "numpy"
-        rr = full_ranking(Q, G, relevance, metric, max_memory=mem, backend=backend, progress=progress)
+        per_query = full_ranking_metrics(Q, G, relevance, metric, ks, max_memory=mem, backend=backend,
+                                         progress=progress)
     else:
         kmax = ks[-1]
         # one column more than needed: a tie group crossing rank kmax is seen (and excluded)
@@ -80,7 +81,7 @@ def evaluate(
                                 max_memory=mem, prepared=True)
         rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], idx.shape)
         rr = ranks_from_hits(relevance.is_positive(rows, idx), n_rel, scores=sc, depth=kmax)
-    per_query = compute_metrics(rr, ks, full=full)
+        per_query = compute_metrics(rr, ks, full=False)
     means, n_scored, n_none = summarize(per_query, n_rel)
     if n_none:
         log.info("%d of %d queries have no relevant gallery item; excluded from the means", n_none, Q.shape[0])

@@ -362,3 +362,18 @@ def test_torch_block_path_equals_numpy_with_junk_and_self(digits, metric):
         ex = set(rel.excluded(q).tolist())
         ref = ref_query_metrics(S[q], set(rel.positives(q).tolist()), ex, [5])
         assert compute_metrics(a, [5])["map"][q] == pytest.approx(ref["map"], abs=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch-cpu"])
+def test_full_ranking_metrics_equal_compute_metrics_of_full_ranking(digits, backend):
+    from featcache.retrieval import full_ranking_metrics
+
+    X, y, ids = digits
+    Q = prepare(X[:150], "ip")
+    rel = SemanticRelevance(y[:150], y[:150], ids[:150], ids[:150])  # leave-one-out, exact ties
+    ks = (1, 5, 10, 100)
+    a = compute_metrics(full_ranking(Q, Q, rel, "ip", progress=False), ks)
+    b = full_ranking_metrics(Q, Q, rel, "ip", ks, backend=backend, max_memory=2**20, progress=False)
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], atol=1e-12, err_msg=name)
