@@ -36,7 +36,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,7 @@ def rows_to_frame(rows: Iterable[Mapping[str, Any]]):
     """Build a polars DataFrame with exactly the results schema; missing optional
     fields get defaults, unknown fields are an error (typos would silently vanish)."""
     import polars as pl
+
     from featcache import __version__
 
     rows = [dict(r) for r in rows]
@@ -174,3 +175,58 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
         if os.path.exists(tmp):
             os.unlink(tmp)
     return table
+
+
+def median_rows(frame, kind: str, carry: Sequence[str] = (), *,
+                run_id: Callable[..., str] = make_run_id) -> list[dict]:
+    """VTAB reporting: rows with ``seed=-1`` holding, per backbone, dataset, protocol, train
+    split, eval split and store fingerprint with at least two seeds, the median over the
+    seeds of every metric.
+
+    Shared by probes and fine-tuning so both aggregate the same way. ``carry`` names the
+    hparams keys copied from the first seed's row beside ``aggregate``, ``seeds`` and
+    ``run_ids``; ``run_id`` makes the aggregate's id from ``kind``, ``aggregate="median"``
+    and the sorted seed run ids.
+    """
+    import numpy as np
+
+    rows = []
+    seeded = frame.filter(frame["seed"] >= 0)
+    keys = seeded.select(["backbone", "dataset", "protocol", "eval_split", "train_split",
+                          "store_fingerprint"]).unique().rows()
+    for b, ds, p, es, trs, fp in sorted(keys):
+        sub = seeded.filter((seeded["backbone"] == b) & (seeded["dataset"] == ds)
+                            & (seeded["protocol"] == p) & (seeded["eval_split"] == es)
+                            & (seeded["train_split"] == trs) & (seeded["store_fingerprint"] == fp))
+        run_ids = sorted(set(sub["run_id"].to_list()))
+        seeds = sorted(set(sub["seed"].to_list()))
+        if len(seeds) < 2:
+            continue
+        hp0 = json.loads(sub["hparams"][0])
+        rid = run_id(kind=kind, aggregate="median", runs=run_ids)
+        for m in sorted(set(sub["metric"].to_list())):
+            ms = sub.filter(sub["metric"] == m)
+            rows.append(dict(
+                run_id=rid, kind=kind, backbone=b, dataset=ds, protocol=p, train_split=trs,
+                eval_split=es, shots=int(ms["shots"][0]), seed=-1, metric=m,
+                value=float(np.median(ms["value"].to_numpy())), n_eval=int(ms["n_eval"][0]),
+                hparams={"aggregate": "median", "seeds": seeds, "run_ids": run_ids,
+                         **{k: hp0.get(k) for k in carry}},
+                converged=bool(ms["converged"].all()), fit_seconds=float(ms["fit_seconds"].sum()),
+                store_fingerprint=fp))
+    return rows
+
+
+def add_median_rows(frame, kind: str, results_path: str | os.PathLike | None = None,
+                    carry: Sequence[str] = ()):
+    """``frame`` plus its :func:`median_rows` (also appended to ``results_path`` when given,
+    replacing earlier medians of the same runs)."""
+    import polars as pl
+
+    med = median_rows(frame, kind, carry)
+    if not med:
+        return frame
+    mframe = rows_to_frame(med)
+    if results_path is not None:
+        append_results(results_path, mframe, replace_runs=True)
+    return pl.concat([frame, mframe.select(list(RESULT_COLUMNS))], how="vertical")
