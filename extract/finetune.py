@@ -85,6 +85,8 @@ log = logging.getLogger(__name__)
 PROTOCOLS = ("vtab1k-light", "full")
 #: fine-tune protocol -> the probe protocol whose rows it pairs with (written to ``protocol``)
 PAIRS_WITH = {"vtab1k-light": "vtab1k", "full": "full"}
+#: hparams keys the median-over-seeds rows copy from the seeds' rows
+MEDIAN_CARRY = ("finetune_protocol", "pairs_with", "scaled", "val_source")
 VTAB_STEPS = (2500, 10000)
 VTAB_LRS = (0.1, 0.01)
 VTAB_BATCH = 512
@@ -588,7 +590,7 @@ def finetune(
     from featcache.extract.data import default_name, open_dataset
     from featcache.metrics import compute_all
     from featcache.results import (
-        RESULT_COLUMNS,
+        add_median_rows,
         append_results,
         existing_run_ids,
         make_run_id,
@@ -820,45 +822,16 @@ def finetune(
     else:
         out = rows_to_frame(new_rows)
     if len(seeds_t) >= 2 and out.height:
-        med = median_rows(out, make_run_id)
-        if med:
-            mframe = rows_to_frame(med)
-            if results_path is not None:
-                append_results(results_path, mframe, replace_runs=True)
-            out = pl.concat([out, mframe.select(list(RESULT_COLUMNS))], how="vertical")
+        out = add_median_rows(out, "finetune", results_path, carry=MEDIAN_CARRY)
     return out
 
 
 def median_rows(frame, make_run_id) -> list[dict]:
     """VTAB reporting: per backbone, dataset, protocol, eval split and metric, the median
-    over seeds (``seed=-1``), as the probes do."""
-    rows = []
-    seeded = frame.filter(frame["seed"] >= 0)
-    keys = seeded.select(["backbone", "dataset", "protocol", "eval_split", "train_split",
-                          "store_fingerprint"]).unique().rows()
-    for b, ds, p, es, trs, fp in sorted(keys):
-        sub = seeded.filter((seeded["backbone"] == b) & (seeded["dataset"] == ds)
-                            & (seeded["protocol"] == p) & (seeded["eval_split"] == es)
-                            & (seeded["train_split"] == trs) & (seeded["store_fingerprint"] == fp))
-        run_ids = sorted(set(sub["run_id"].to_list()))
-        seeds = sorted(set(sub["seed"].to_list()))
-        if len(seeds) < 2:
-            continue
-        hp0 = json.loads(sub["hparams"][0])
-        rid = make_run_id(kind="finetune", aggregate="median", runs=run_ids)
-        for m in sorted(set(sub["metric"].to_list())):
-            ms = sub.filter(sub["metric"] == m)
-            rows.append(dict(
-                run_id=rid, kind="finetune", backbone=b, dataset=ds, protocol=p, train_split=trs,
-                eval_split=es, shots=int(ms["shots"][0]), seed=-1, metric=m,
-                value=float(np.median(ms["value"].to_numpy())), n_eval=int(ms["n_eval"][0]),
-                hparams={"aggregate": "median", "seeds": seeds, "run_ids": run_ids,
-                         "finetune_protocol": hp0.get("finetune_protocol"),
-                         "pairs_with": hp0.get("pairs_with"), "scaled": hp0.get("scaled"),
-                         "val_source": hp0.get("val_source")},
-                converged=bool(ms["converged"].all()), fit_seconds=float(ms["fit_seconds"].sum()),
-                store_fingerprint=fp))
-    return rows
+    over seeds (``seed=-1``), as the probes do (:func:`featcache.results.median_rows`)."""
+    from featcache.results import median_rows as _median_rows
+
+    return _median_rows(frame, "finetune", MEDIAN_CARRY, run_id=make_run_id)
 
 
 def _combine(*fps: str) -> str:

@@ -335,7 +335,7 @@ def run_probes(
     from tqdm.auto import tqdm
 
     from featcache.results import (
-        RESULT_COLUMNS,
+        add_median_rows,
         append_results,
         existing_run_ids,
         make_run_id,
@@ -481,12 +481,7 @@ def run_probes(
     else:
         out = table.filter(pl.col("run_id").is_in(wanted))
     if proto.name.startswith("vtab1k") and out.height:
-        med = _median_rows(out, make_run_id)
-        if med:
-            mframe = rows_to_frame(med)
-            if results_path is not None:
-                append_results(results_path, mframe, replace_runs=True)
-            out = pl.concat([out, mframe.select(list(RESULT_COLUMNS))], how="vertical")
+        out = add_median_rows(out, "probe", results_path, carry=("val_source",))
     return out
 
 
@@ -502,33 +497,3 @@ def _exists(path) -> bool:
 
 def _combine(*fps: str) -> str:
     return hashlib.sha256("|".join(fps).encode()).hexdigest()[:16]
-
-
-def _median_rows(frame, make_run_id) -> list[dict]:
-    """VTAB reporting: per backbone, eval split and metric, the median over seeds."""
-    import json
-
-    rows = []
-    seeded = frame.filter(frame["seed"] >= 0)
-    keys = seeded.select(["backbone", "dataset", "protocol", "eval_split", "train_split",
-                          "store_fingerprint"]).unique().rows()
-    for b, ds, p, es, trs, fp in sorted(keys):
-        sub = seeded.filter((seeded["backbone"] == b) & (seeded["eval_split"] == es)
-                            & (seeded["protocol"] == p) & (seeded["store_fingerprint"] == fp))
-        run_ids = sorted(set(sub["run_id"].to_list()))
-        seeds = sorted(set(sub["seed"].to_list()))
-        if len(seeds) < 2:
-            continue
-        opts = json.loads(sub["hparams"][0])
-        rid = make_run_id(kind="probe", aggregate="median", runs=run_ids)
-        for m in sorted(set(sub["metric"].to_list())):
-            ms = sub.filter(sub["metric"] == m)
-            rows.append(dict(
-                run_id=rid, kind="probe", backbone=b, dataset=ds, protocol=p, train_split=trs,
-                eval_split=es, shots=int(ms["shots"][0]), seed=-1, metric=m,
-                value=float(np.median(ms["value"].to_numpy())), n_eval=int(ms["n_eval"][0]),
-                hparams={"aggregate": "median", "seeds": seeds, "run_ids": run_ids,
-                         "val_source": opts.get("val_source")},
-                converged=bool(ms["converged"].all()), fit_seconds=float(ms["fit_seconds"].sum()),
-                store_fingerprint=fp))
-    return rows
