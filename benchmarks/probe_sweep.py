@@ -29,13 +29,14 @@ import numpy as np
 
 def ensure_features(cache: str, backbone: str, dataset: str, n_train: int, n_test: int,
                     input_size: int) -> None:
+    from featcache.errors import FeatcacheError
     from featcache.store import open_cache
 
     try:
         c = open_cache(cache)
         if backbone in c.backbones() and {"train", "test"} <= set(c.splits(dataset)):
             return
-    except Exception:  # noqa: BLE001 - missing/new cache: extract below
+    except FeatcacheError:  # missing/new cache: extract below
         pass
     from featcache.extract.pipeline import extract
 

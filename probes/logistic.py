@@ -43,7 +43,10 @@ def _cuda_available() -> bool:
 def _cuml_available() -> bool:
     try:
         import cuml  # noqa: F401
-    except Exception:
+    except ImportError:
+        return False
+    except Exception as exc:  # a broken CUDA install raises other errors at import: say so
+        log.warning("cuML is installed but failed to import (%s: %s); not using it", type(exc).__name__, exc)
         return False
     return True
 
