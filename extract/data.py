@@ -368,7 +368,8 @@ _WDS_SPLIT_RE = re.compile(r"^(train|val|valid|validation|test)(?=[-_.])")
 class _TarMemberLoader:
     """Random access to image members of tar shards by (shard, byte offset, size).
 
-    Keeps one open file per shard per process (opened lazily, so it pickles to workers)."""
+    Keeps one open descriptor per shard (opened lazily, so it pickles to workers; reads use
+    ``os.pread`` with explicit offsets, safe in forked workers sharing a descriptor)."""
 
     def __init__(self, shards: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
@@ -387,11 +388,11 @@ class _TarMemberLoader:
         if self.size[i] < 0:
             raise DataError("sample has no image member (.jpg/.png/...)")
         s = int(self.shard[i])
-        fh = self._files.get(s)
-        if fh is None:
-            fh = self._files[s] = open(self.shards[s], "rb")  # noqa: SIM115 - kept for reuse
-        fh.seek(int(self.offset[i]))
-        data = fh.read(int(self.size[i]))
+        fd = self._files.get(s)
+        if fd is None:
+            fd = self._files[s] = os.open(self.shards[s], os.O_RDONLY)
+        # pread: no shared file offset, so forked workers that inherit the descriptor never race
+        data = os.pread(fd, int(self.size[i]), int(self.offset[i]))
         with Image.open(io.BytesIO(data)) as im:
             im.load()
             return to_rgb(im)
