@@ -51,6 +51,10 @@ def verify(path: str, storage_options: dict | None = None) -> list[str]:
         for name in ("valid", "error"):
             if g[name].shape != (gm.n,):
                 problems.append(f"{where}/{name}: shape {g[name].shape} != ({gm.n},)")
+        if gm.n != smeta.n:
+            problems.append(f"{where}: {gm.n} rows but split has {smeta.n}")
+        # rows to scan for NaN/inf: valid rows of chunks marked done (same for every kind)
+        check = valid & np.repeat(status["done"], gm.chunk_rows)[: gm.n]
         for kind in gm.kinds:
             try:
                 prov = cache.provenance(b, d, s, kind)
@@ -62,10 +66,6 @@ def verify(path: str, storage_options: dict | None = None) -> list[str]:
                 problems.append(f"{where}/{kind}: shape {arr.shape} != ({gm.n}, {prov.dim})")
             if prov.dataset_fingerprint != smeta.fingerprint:
                 problems.append(f"{where}/{kind}: computed on other rows of {d}/{s} (fingerprint mismatch)")
-            if gm.n != smeta.n:
-                problems.append(f"{where}: {gm.n} rows but split has {smeta.n}")
-            done_rows = np.repeat(status["done"], gm.chunk_rows)[: gm.n]
-            check = valid & done_rows
             for start in range(0, gm.n, gm.chunk_rows):
                 stop = min(start + gm.chunk_rows, gm.n)
                 if not check[start:stop].any():
