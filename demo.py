@@ -50,9 +50,9 @@ def run_demo(args: argparse.Namespace) -> int:
         reps = extract(model, weights, "digits", ["train", "test"], args.cache, batch_size=args.batch_size,
                        workers=args.workers, input_size=size, progress=not args.no_progress)
         keys.append(reps[0].backbone)
-    cache = open_cache(args.cache)
+    catalog = open_cache(args.cache).catalog()  # lists every chunk: computed once, reused by the report
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=160, fmt_str_lengths=40):
-        print(cache.catalog().select("backbone", "dataset", "split", "n", "dim", "dtype", "complete", "images_per_s"))
+        print(catalog.select("backbone", "dataset", "split", "n", "dim", "dtype", "complete", "images_per_s"))
 
     print("[2/5] linear probes (protocol 'full': C selected on a seeded 10% validation split, refit, test once)")
     run_probes(args.cache, keys, "digits", "full", seeds=[0], results_path=results, progress=not args.no_progress)
@@ -91,7 +91,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(summary)
     print("[5/5] rankings and report")
     rank(table, out_dir=out / "rank", on_constant="drop")
-    report = write_report(out / "report.html", table, cache.catalog(), title="featcache demo: digits")
+    report = write_report(out / "report.html", table, catalog, title="featcache demo: digits")
     print(f"results: {results}\nrankings: {out / 'rank'}\nreport: {report}")
     return 0
 
