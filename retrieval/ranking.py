@@ -1,7 +1,8 @@
 """Full-ranking retrieval (mAP over the whole gallery) by blockwise exact scoring.
 
-Queries are processed in blocks of B rows so that only a [B, G] score block (and its sorted
-copy) exists at a time; B follows from ``max_memory``. The N x N matrix never exists.
+Queries are processed in blocks of B rows so that only a [B, G] score block exists at a time
+(numpy: one buffer reused for every block; each row is sorted in a one-row buffer); B follows
+from ``max_memory``. The N x N matrix never exists.
 
 Under the tie policy of :mod:`featcache.retrieval.metrics` a relevant item p needs only
 counts, no argsort of the row: with the row sorted (a fast SIMD sort of float32 values) and
@@ -38,13 +39,35 @@ def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.nda
     R = pos.size
     if R == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    pv = np.sort(s[pos])
+    pv = s[pos]
+    pv.sort()
     n_ge = s_sorted.size - np.searchsorted(s_sorted, pv, "left")
     if excl.size:
         ev = np.sort(s[excl])
         n_ge -= ev.size - np.searchsorted(ev, pv, "left")
-    tp = R - np.searchsorted(pv, pv, "left")
-    return n_ge[::-1].astype(np.int64), tp[::-1].astype(np.int64)
+    new_group = np.empty(R, bool)
+    new_group[0] = True
+    np.not_equal(pv[1:], pv[:-1], out=new_group[1:])
+    if new_group.all():  # no ties among the relevant items
+        tp = np.arange(1, R + 1, dtype=np.int64)
+    else:  # tp = R - (index of the first item of its tie group), in ascending order
+        starts = np.flatnonzero(new_group)
+        first = np.repeat(starts, np.diff(np.append(starts, R)))
+        tp = (R - first)[::-1].astype(np.int64)
+    return n_ge[::-1].astype(np.int64), tp
+
+
+def _rank_rows(S: np.ndarray, lo: int, hi: int, relevance, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`row_ranks` of rows ``lo:hi`` of a score block. Each row is sorted in a reused
+    one-row buffer that stays in the core's cache for the binary searches that follow (numpy
+    releases the GIL in sort and searchsorted, so threads run this in parallel)."""
+    buf = np.empty(S.shape[1], S.dtype)
+    out = []
+    for j in range(lo, hi):
+        np.copyto(buf, S[j])
+        buf.sort()
+        out.append(row_ranks(S[j], buf, relevance.positives(start + j), relevance.excluded(start + j)))
+    return out
 
 
 def _block_masks(relevance, start: int, stop: int, n_g: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,6 +106,16 @@ def _block_ranks_torch(St, relevance, start: int, stop: int):
     return np.split(r_flat, splits), np.split(tp_flat, splits)
 
 
+NUMPY_MAX_BLOCK_ROWS = 2048  # the GEMM runs at full speed from ~512 rows on; more only costs memory
+
+
+def _block_rows(n_q: int, n_g: int, max_memory: int, dev) -> int:
+    if dev is None:  # scores (4 B/cell) + per-thread row buffers and temporaries (~64 B x G)
+        rows = _rows_per_block(n_g, max(1, max_memory - 64 * n_g), 4)
+        return max(1, min(n_q, rows, NUMPY_MAX_BLOCK_ROWS))
+    return max(1, min(n_q, _rows_per_block(n_g, max_memory, 44)))
+
+
 def _torch_device(backend: str):
     if backend in ("torch-cuda", "faiss-gpu"):
         import torch
@@ -111,13 +144,14 @@ def full_ranking(
     ``Q``, ``G``: features already prepared (:func:`featcache.retrieval.search.prepare`).
     ``backend``: ``torch-cuda``/``faiss-gpu`` score, sort and count each block on the GPU
     (torch; ``torch-cpu`` runs that code on the CPU), anything else on the CPU with numpy.
-    Memory: about 12 (numpy) or 44 (torch) bytes x G per query row of a block; ``max_memory``
-    bounds the block.
+    Memory: about 4 (numpy: one reused float32 score block of at most 2048 rows, plus a few
+    G-sized row buffers per thread) or 44 (torch) bytes x G per query row of a block;
+    ``max_memory`` bounds the block.
     """
     n_q, n_g = Q.shape[0], G.shape[0]
     dev = _torch_device(backend)
     # numpy: scores + sorted copy + temporaries; torch: ~6 float and 2 int64 [B, G] arrays
-    B = min(max(n_q, 1), _rows_per_block(n_g, max_memory, 12 if dev is None else 44))
+    B = _block_rows(n_q, n_g, max_memory, dev)
     if dev is not None:
         with exact_matmul():
             return _full_ranking(Q, G, relevance, metric, B, dev, progress)[0]
@@ -143,7 +177,7 @@ def full_ranking_metrics(
     ks = sorted({int(k) for k in ks})
     n_q, n_g = Q.shape[0], G.shape[0]
     dev = _torch_device(backend)
-    B = min(max(n_q, 1), _rows_per_block(n_g, max_memory, 12 if dev is None else 44))
+    B = _block_rows(n_q, n_g, max_memory, dev)
     if dev is not None:
         with exact_matmul():
             rr, ap, rec = _full_ranking(Q, G, relevance, metric, B, dev, progress, keep=ks[-1])
@@ -188,6 +222,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
     from concurrent.futures import ThreadPoolExecutor
 
     n_threads = max(1, min(8, os.cpu_count() or 1)) if dev is None else 1
+    buf = np.empty((B, n_g), np.float32) if dev is None else None  # one score block, reused
     with ThreadPoolExecutor(n_threads) as pool:
         for start in tqdm(range(0, n_q, B), desc="full ranking", unit="block", disable=not progress):
             stop = min(n_q, start + B)
@@ -201,22 +236,17 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                     add(start + j, rj, tj)
                 del St
                 continue
-            S = score_block(Q[start:stop], G, metric, g_sq)
-
-            def work(lo: int, hi: int, S=S, start=start):
-                S_sorted = np.sort(S[lo:hi], axis=1)  # numpy releases the GIL in sort/searchsorted
-                return [row_ranks(S[j], S_sorted[j - lo], relevance.positives(start + j), relevance.excluded(start + j))
-                        for j in range(lo, hi)]
-
-            bounds = np.linspace(0, stop - start, n_threads + 1).astype(int)
-            parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-            results = list(pool.map(lambda ab: work(*ab), parts))
+            b = stop - start
+            S = score_block(Q[start:stop], G, metric, g_sq, out=buf[:b])
+            bounds = np.linspace(0, b, n_threads + 1).astype(int)
+            parts = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+            futures = [pool.submit(_rank_rows, S, lo, hi, relevance, start) for lo, hi in parts]
+            results = [f.result() for f in futures]
             i = start
             for res in results:
                 for r, tp in res:
                     add(i, r, tp)
                     i += 1
-            del S
     counts = np.array([r.size for r in all_ranks], np.int64)
     if keep is None and np.any(counts != n_relevant):
         raise RuntimeError("internal error: ranked relevant items != number of relevant items")

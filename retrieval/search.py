@@ -145,9 +145,13 @@ def _rows_per_block(n_gallery: int, max_memory: int, bytes_per_cell: int = 12) -
     return max(1, int(max_memory // max(1, n_gallery * bytes_per_cell)))
 
 
-def score_block(Qb: np.ndarray, G: np.ndarray, metric: str, g_sq: np.ndarray | None = None) -> np.ndarray:
-    """Exact scores [B, G] (numpy float32): similarity, or ``-||q-g||^2`` for l2."""
-    S = Qb @ G.T
+def score_block(Qb: np.ndarray, G: np.ndarray, metric: str, g_sq: np.ndarray | None = None,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """Exact scores [B, G] (numpy float32): similarity, or ``-||q-g||^2`` for l2.
+
+    ``out``: a float32 [B, G] buffer to write into (reused across blocks, so a large block
+    is not page-faulted in afresh each time)."""
+    S = np.matmul(Qb, G.T, out=out)
     if metric == "l2":
         if g_sq is None:
             g_sq = np.einsum("ij,ij->i", G, G)
