@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from featcache.extract.backbones import create_backbone
+    from featcache.extract.cpu import tune_cpu_allocator
     from featcache.extract.pipeline import (
         DEFAULT_CHUNK_ROWS,
         FeatureHead,
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.input_size:
         bb = create_backbone(args.model, args.weights, device=args.device, input_size=size)
         workers, threads = default_parallelism(bb.device, args.workers, args.threads)
+        if bb.device == "cpu":  # what extract() does on CPU; (a) must run under the same allocator
+            tune_cpu_allocator()
         args.workers, args.threads = workers, threads
         if threads:
             torch.set_num_threads(threads)

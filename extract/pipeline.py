@@ -327,6 +327,10 @@ def extract(
     fwd = torch.compile(head.__call__) if compile else head.__call__
     key = backbone_name or bb.default_key
     workers, threads = default_parallelism(dev, workers, threads)
+    if dev == "cpu":
+        from featcache.extract.cpu import tune_cpu_allocator
+
+        tune_cpu_allocator()
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
