@@ -16,12 +16,13 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from featcache import errors
 from featcache.errors import DataError, FeatcacheError
 from featcache.extract.data import SplitSource, open_dataset, select_splits
 
@@ -197,7 +198,8 @@ def dist_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _init_dist(device: str):
+def _init_dist(device: str) -> tuple[int, int, bool]:
+    """(rank, world size, whether this call created the process group)."""
     import torch.distributed as dist
 
     rank, world = dist_info()
@@ -205,7 +207,18 @@ def _init_dist(device: str):
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend=backend)
         log.info("rank %d/%d joined (%s)", rank, world, backend)
-    return rank, world
+        return rank, world, True
+    return rank, world, False
+
+
+def _close_dist(created: bool) -> None:
+    """Destroy the process group :func:`_init_dist` created. Exiting with a live gloo group
+    sometimes aborts at interpreter exit ("terminate called without an active exception",
+    SIGABRT), which torchrun reports as a failed job although all work was done."""
+    if created:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def _rank_device(device: str) -> str:
@@ -222,11 +235,44 @@ def _rank_device(device: str) -> str:
     return f"cuda:{idx}"
 
 
-def _barrier(world: int):
-    if world > 1:
-        import torch.distributed as dist
+def _agree(world: int, rank: int, what: str, fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on this rank (``None``: nothing to do here), then a barrier
+    at which every rank learns whether all succeeded.
 
-        dist.barrier()
+    After it, the ranks exchange error summaries (``all_gather_object``, itself a barrier): a rank
+    whose ``fn`` raised re-raises its own exception, and every other rank raises the same
+    :mod:`featcache.errors` class (else :class:`FeatcacheError`) naming the failing rank and
+    repeating its message, instead of waiting in a barrier until the job times out. With one
+    process this is just ``fn()``.
+    """
+    if world == 1:
+        return fn(*args, **kwargs) if fn is not None else None
+    import torch.distributed as dist
+
+    result = error = summary = None
+    try:
+        result = fn(*args, **kwargs) if fn is not None else None
+    except Exception as exc:  # reported to every rank, then re-raised below
+        error = exc
+        summary = (type(exc).__name__, str(exc))
+    parts: list = [None] * world
+    dist.all_gather_object(parts, summary)
+    if error is not None:
+        raise error
+    failed = [(r, s) for r, s in enumerate(parts) if s is not None]
+    if failed:
+        r, (name, msg) = failed[0]
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, FeatcacheError)):
+            cls, msg = FeatcacheError, f"{name}: {msg}"
+        more = f" (ranks {', '.join(str(o) for o, _ in failed[1:])} failed too)" if len(failed) > 1 else ""
+        text = f"rank {r} failed during {what}{more}: {msg}; fix that and re-run the same command"
+        try:
+            exc = cls(text)
+        except Exception:  # an error class with another constructor signature
+            exc = FeatcacheError(text)
+        raise exc from None
+    return result
 
 
 def available_cpus() -> int:
@@ -315,40 +361,43 @@ def extract(
     device = _rank_device(device)
     bb = create_backbone(model, weights, device=device, input_size=input_size, pre_resize=pre_resize)
     dev = bb.device
-    rank, world = _init_dist(dev)
-    amp_mode = _resolve_amp(amp, dev)
-    net = bb.model
-    if channels_last:
-        net = net.to(memory_format=torch.channels_last)
-        bb.model = net
-    head = FeatureHead(bb, features)
-    shape = tuple(bb.data_config["input_size"])
-    dims = head.dims(shape)
-    fwd = torch.compile(head.__call__) if compile else head.__call__
-    key = backbone_name or bb.default_key
-    workers, threads = default_parallelism(dev, workers, threads)
-    if dev == "cpu":
-        from featcache.extract.cpu import tune_cpu_allocator
-
-        tune_cpu_allocator()
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    log.info("%d DataLoader worker(s), %d torch thread(s) on %s", workers, torch.get_num_threads(), dev)
+    rank, world, own_group = _init_dist(dev)
     try:
-        return _extract_splits(
-            sources, store, bb, head, fwd, dims, key, rank, world, limit, chunk_rows, dtype, batch_size,
-            workers, amp_mode, channels_last, overwrite, write, progress,
-        )
+        amp_mode = _resolve_amp(amp, dev)
+        net = bb.model
+        if channels_last:
+            net = net.to(memory_format=torch.channels_last)
+            bb.model = net
+        head = FeatureHead(bb, features)
+        shape = tuple(bb.data_config["input_size"])
+        dims = head.dims(shape)
+        fwd = torch.compile(head.__call__) if compile else head.__call__
+        key = backbone_name or bb.default_key
+        workers, threads = default_parallelism(dev, workers, threads)
+        if dev == "cpu":
+            from featcache.extract.cpu import tune_cpu_allocator
+
+            tune_cpu_allocator()
+        old_threads = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        log.info("%d DataLoader worker(s), %d torch thread(s) on %s", workers, torch.get_num_threads(), dev)
+        try:
+            return _extract_splits(
+                sources, store, bb, head, fwd, dims, key, rank, world, limit, chunk_rows, dtype, batch_size,
+                workers, amp_mode, channels_last, overwrite, write, progress,
+            )
+        finally:
+            torch.set_num_threads(old_threads)
     finally:
-        torch.set_num_threads(old_threads)
+        _close_dist(own_group)
 
 
 def _extract_splits(sources, store, bb, head, fwd, dims, key, rank, world, limit, chunk_rows, dtype,
                     batch_size, workers, amp_mode, channels_last, overwrite, write, progress) -> list[SplitReport]:
     import torch
 
-    from featcache.store import FeatureWriter, ensure_split, make_provenance
+    from featcache.store import FeatureWriter, make_provenance
 
     dev = bb.device
     reports = []
@@ -356,17 +405,12 @@ def _extract_splits(sources, store, bb, head, fwd, dims, key, rank, world, limit
         n_lim = limit.get(src.split) if isinstance(limit, dict) else limit
         if n_lim is not None:
             src = src.subset(int(n_lim))
-        if len(src) == 0:
-            raise DataError(f"split {src.split!r} of {src.dataset} is empty")
-        if rank == 0:
-            meta = ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
-        _barrier(world)
-        if rank != 0:
-            from featcache.store import dataset_fingerprint
 
-            meta = store.split_meta(src.dataset, src.split)
-            if meta.fingerprint != dataset_fingerprint(src.ids, src.labels, src.class_names):
-                raise DataError(f"rank {rank} sees different rows for {src.split} than rank 0")
+        # set-up: every step ends in an agreement, so a failure on any rank stops every rank
+        # with that rank's message (and rank 0 creates no arrays for rows another rank disputes)
+        meta = _agree(world, rank, "set-up", _split_rows, store, src, rank)
+        if world > 1:
+            meta = _agree(world, rank, "set-up", _check_rows if rank != 0 else None, store, src, rank) or meta
         provs = {
             k: make_provenance(
                 backbone=key, dataset=src.dataset, split=src.split, kind=k, dim=dims[k], n=len(src),
@@ -378,14 +422,10 @@ def _extract_splits(sources, store, bb, head, fwd, dims, key, rank, world, limit
             for k in head.kinds
         }
         writer = FeatureWriter(store, key, src.dataset, src.split, provs)
-        if rank == 0:
-            writer.prepare(overwrite=overwrite)
-        _barrier(world)
-        if rank != 0:
-            writer.attach()
-        pending_all = writer.pending_chunks()
+        _agree(world, rank, "set-up", writer.prepare if rank == 0 else None, overwrite=overwrite)
+        # every rank has read the markers before anyone writes
+        pending_all = _agree(world, rank, "set-up", _attach_and_read, writer, rank)
         mine = [c for c in pending_all if c % world == rank]
-        _barrier(world)  # every rank has read the markers before anyone writes
         if not pending_all:
             log.info("%s/%s/%s is already complete (%d rows); nothing to do", key, src.dataset, src.split, len(src))
             reports.append(SplitReport(key, src.dataset, src.split, len(src), writer.n_chunks, 0, 0, 0.0, None, skipped=True))
@@ -394,7 +434,8 @@ def _extract_splits(sources, store, bb, head, fwd, dims, key, rank, world, limit
             log.info("resuming %s/%s/%s: %d of %d chunks left", key, src.dataset, src.split, len(pending_all), writer.n_chunks)
         if world > 1:
             log.info("rank %d computes %d of the %d pending chunks", rank, len(mine), len(pending_all))
-        rep = _run_split(src, bb, fwd, writer, mine, batch_size, workers, amp_mode, channels_last, write, progress, rank)
+        rep = _agree(world, rank, "extraction", _run_split, src, bb, fwd, writer, mine, batch_size, workers,
+                     amp_mode, channels_last, write, progress, rank)
         if world > 1:  # rank 0 reports the whole job: gather every rank's failures and chunk counts
             import torch.distributed as dist
 
@@ -403,13 +444,42 @@ def _extract_splits(sources, store, bb, head, fwd, dims, key, rank, world, limit
             rep.chunks_computed = sum(p[0] for p in parts)
             rep.failures = [f for p in parts for f in p[1]]
             rep.n_invalid = len(rep.failures)
-        _barrier(world)
-        if rank == 0 and write:
-            peak = torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else None
-            writer.mark_complete(images_per_s=rep.images_per_s, peak_memory_mb=peak)
+
+        peak = torch.cuda.max_memory_allocated() / 2**20 if dev.startswith("cuda") else None
+        # every rank's chunks are written (the gathers above); rank 0 marks the arrays complete
+        _agree(world, rank, "finishing", writer.mark_complete if rank == 0 and write else None,
+               images_per_s=rep.images_per_s, peak_memory_mb=peak)
         rep.chunks_total = writer.n_chunks
         reports.append(rep)
     return reports
+
+
+def _split_rows(store, src: SplitSource, rank: int):
+    """Set-up step 1: the split is not empty; rank 0 writes (or checks) its ids and labels."""
+    from featcache.store import ensure_split
+
+    if len(src) == 0:
+        raise DataError(f"split {src.split!r} of {src.dataset} is empty")
+    if rank == 0:
+        return ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
+    return None
+
+
+def _check_rows(store, src: SplitSource, rank: int):
+    """Set-up step 2 (ranks > 0): this rank sees the rows rank 0 stored."""
+    from featcache.store import dataset_fingerprint
+
+    meta = store.split_meta(src.dataset, src.split)
+    if meta.fingerprint != dataset_fingerprint(src.ids, src.labels, src.class_names):
+        raise DataError(f"rank {rank} sees different rows for {src.split} than rank 0")
+    return meta
+
+
+def _attach_and_read(writer, rank: int) -> list[int]:
+    """Set-up step 4: ranks > 0 open the arrays rank 0 created; every rank reads the markers."""
+    if rank != 0:
+        writer.attach()
+    return writer.pending_chunks()
 
 
 def _jsonable(cfg: dict[str, Any]) -> dict[str, Any]:
