@@ -89,16 +89,18 @@ class SplitSource:
 
 
 def to_rgb(img):
-    """8-bit RGB from any PIL mode (16-bit and 32-bit ints are rescaled, not clipped)."""
+    """8-bit RGB, or 8-bit grayscale ('L', left as one band: the backbone's transform converts
+    it after resizing, which is cheaper and gives the same values), from any PIL mode (16-bit
+    and 32-bit ints are rescaled, not clipped)."""
     from PIL import Image
 
-    if img.mode == "RGB":
+    if img.mode in ("RGB", "L"):
         return img
     if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         a = np.asarray(img, dtype=np.float64)
         hi = 65535.0 if img.mode.startswith("I;16") or a.max() > 255 else 255.0
         a = np.clip(a / hi * 255.0 + 0.5, 0, 255).astype(np.uint8)
-        return Image.fromarray(a, mode="L").convert("RGB")
+        return Image.fromarray(a, mode="L")
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA"):
@@ -110,7 +112,7 @@ def to_rgb(img):
 
 
 def load_image_file(path: str | os.PathLike):
-    """Open, fully decode and convert to RGB; raises on any broken file."""
+    """Open, fully decode and convert to RGB (or 8-bit grayscale); raises on any broken file."""
     from PIL import Image
 
     with Image.open(path) as im:
@@ -136,7 +138,7 @@ def _digits() -> dict[str, SplitSource]:
         def loader(i: int, rows=rows):
             from PIL import Image
 
-            return Image.fromarray(images[rows[i]], mode="L").convert("RGB")
+            return Image.fromarray(images[rows[i]], mode="L")
 
         return SplitSource("digits", split, np.array([f"digits-{r}" for r in rows]), y[rows], names,
                            loader, "sklearn.datasets.load_digits")
@@ -188,7 +190,7 @@ def _fashion_mnist(root: str | None) -> dict[str, SplitSource]:
 
             if "a" not in cache:
                 cache["a"] = read_idx(img)
-            return Image.fromarray(cache["a"][i], mode="L").convert("RGB")
+            return Image.fromarray(cache["a"][i], mode="L")
 
         labels = read_idx(lab).astype(np.int64)
         ids = np.array([f"{split}-{i:05d}" for i in range(len(labels))])

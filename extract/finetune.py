@@ -619,6 +619,10 @@ def finetune(
     eval_splits = [eval_splits] if isinstance(eval_splits, str) else list(eval_splits)
 
     dev = _resolve_device(device)
+    if dev == "cpu":  # training allocates the same large activations every step
+        from featcache.extract.cpu import tune_cpu_allocator
+
+        tune_cpu_allocator()
     prec = _resolve_precision(precision, dev)
     if prec == "bf16" and not dev.startswith("cuda"):
         log.info("bf16 autocast requested on CPU")

@@ -10,6 +10,7 @@ results), and ranks of a ``torchrun`` job own whole chunks (``chunk % world == r
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -52,12 +53,18 @@ class SplitReport:
 
 # --------------------------------------------------------------------------- torch dataset
 class _ImageRows:
-    """Map-style dataset: row -> (row, image tensor, ok, error text). Never raises per image."""
+    """Map-style dataset: row -> (row, image tensor, ok, error text). Never raises per image.
 
-    def __init__(self, source: SplitSource, transform, shape: tuple[int, int, int]):
+    With ``fast`` (:class:`~featcache.extract.preprocess.FastPreprocess`) the image tensor is
+    ``uint8 [H, W, 3]`` and the batch is normalised after stacking (:func:`_collate` on CPU,
+    on the device for CUDA); otherwise it is ``transform(img)``, float ``[C, H, W]``.
+    """
+
+    def __init__(self, source: SplitSource, transform, shape: tuple[int, int, int], fast=None):
         self.source = source
         self.transform = transform
         self.shape = shape
+        self.fast = fast
 
     def __len__(self) -> int:
         return len(self.source)
@@ -65,19 +72,32 @@ class _ImageRows:
     def __getitem__(self, i: int):
         import torch
 
+        c, h, w = self.shape
         try:
             img = self.source.load(i)
-            x = self.transform(img)
-            return i, x, True, ""
+            if self.fast is None:
+                return i, self.transform(img), True, ""
+            a = self.fast(img)
+            if a.shape != (h, w, c):
+                raise ValueError(f"transform produced {a.shape[1]}x{a.shape[0]}x{a.shape[2]}, expected {w}x{h}x{c}")
+            return i, torch.from_numpy(a), True, ""
         except Exception as exc:  # any decode/transform failure becomes an invalid row
-            return i, torch.zeros(self.shape), False, f"{type(exc).__name__}: {exc}"[:500]
+            blank = torch.zeros(self.shape) if self.fast is None else torch.zeros((h, w, c), dtype=torch.uint8)
+            return i, blank, False, f"{type(exc).__name__}: {exc}"[:500]
 
 
-def _collate(batch):
+def _collate(batch, channels_last: bool = False, fast=None):
+    """Stack a batch (in the DataLoader worker). CPU forward: ``fast`` normalises the uint8
+    batch here, and ``channels_last`` lays it out NHWC here, so the forward's cores do not
+    spend time on either; for CUDA both happen on the GPU."""
     import torch
 
     rows = torch.tensor([b[0] for b in batch], dtype=torch.long)
     x = torch.stack([b[1] for b in batch])
+    if fast is not None:
+        x = fast.normalize(x, channels_last)
+    elif channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     ok = torch.tensor([b[2] for b in batch], dtype=torch.bool)
     return rows, x, ok, [b[3] for b in batch]
 
@@ -290,18 +310,22 @@ def default_parallelism(device: str, workers: int | None = None, threads: int | 
 
     On CPU, decode workers and the forward's intra-op threads share the same cores: an
     oversubscribed OpenMP team spins and stalls on every barrier (measured on the 2-core CI
-    box: 2 threads beside a busy worker ran the forward 3-7x slower than 1 thread). So
-    workers = max(1, cpus // 4) (decode of small images is cheap next to the forward) and
-    threads = the remaining cores. On CUDA, the forward is on the GPU: workers = min(8, cpus - 1),
-    torch threads untouched (None).
+    box: 2 threads beside a busy worker ran the forward 3-7x slower than 1 thread). With at
+    most 2 cores, decoding runs in the main process between forwards (workers = 0) and the
+    forward gets every core: lite0 at 112 px on 2 cores ran at ~250 img/s this way against
+    ~190 img/s with 1 worker + 2 threads and ~165 img/s with 1 worker + 1 thread (a worker
+    holds a whole core for the ~10 % of the work decoding is). With more cores,
+    workers = max(1, cpus // 4) and threads = the remaining cores. On CUDA, the forward is
+    on the GPU: workers = min(8, cpus - 1), torch threads untouched (None).
     """
     cpus = available_cpus()
     if device.startswith("cuda"):
         w = min(8, max(1, cpus - 1)) if workers is None else workers
         return w, threads
-    w = max(1, cpus // 4) if workers is None else workers
-    t = max(1, cpus - w) if threads is None else threads
-    return w, t
+    if workers is None:
+        workers = 0 if cpus <= 2 else max(1, cpus // 4)
+    t = max(1, cpus - workers) if threads is None else threads
+    return workers, t
 
 
 def _resolve_amp(amp: str, device: str) -> str:
@@ -493,7 +517,10 @@ def _run_split(src, bb, fwd, writer, chunks, batch_size, workers, amp_mode, chan
     dev = bb.device
     cuda = dev.startswith("cuda")
     shape = tuple(bb.data_config["input_size"])
-    ds = _ImageRows(src, bb.transform, shape)
+    from featcache.extract.preprocess import split_transform
+
+    fast = split_transform(bb.transform)
+    ds = _ImageRows(src, bb.transform, shape, fast)
     if chunks:
         # open the source once in this process (e.g. decompress an IDX file, open a shard) so
         # forked workers inherit it instead of each redoing it; a broken first image is fine
@@ -502,7 +529,7 @@ def _run_split(src, bb, fwd, writer, chunks, batch_size, workers, amp_mode, chan
         ds,
         batch_sampler=_BatchSampler(chunks, writer.chunk_rows, len(src), batch_size),
         num_workers=workers,
-        collate_fn=_collate,
+        collate_fn=functools.partial(_collate, channels_last=channels_last and not cuda, fast=None if cuda else fast),
         pin_memory=cuda,
         prefetch_factor=4 if workers > 0 else None,
         persistent_workers=False,
@@ -533,7 +560,9 @@ def _run_split(src, bb, fwd, writer, chunks, batch_size, workers, amp_mode, chan
                     buf = {}
                 cur = c
                 x = x.to(dev, non_blocking=cuda)
-                if channels_last:
+                if cuda and fast is not None:  # uint8 batch uploaded; normalised on the GPU
+                    x = fast.normalize(x, channels_last)
+                elif channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None and cuda):
                     out = fwd(x)

@@ -32,7 +32,7 @@ def test_digits_split_is_deterministic_and_stratified():
     te = np.bincount(a["test"].labels) / len(a["test"])
     assert np.abs(tr - te).max() < 0.01
     img = a["test"].load(0)
-    assert img.mode == "RGB" and img.size == (8, 8)
+    assert img.mode == "L" and img.size == (8, 8)  # grayscale kept; the transform converts
     assert a["train"].class_names == [str(i) for i in range(10)]
 
 
@@ -43,8 +43,8 @@ def test_fashion_mnist_reader(fmnist_arrays):
     images, labels = fmnist_arrays
     np.testing.assert_array_equal(ds["test"].labels, labels)
     img = ds["test"].load(7)
-    assert img.mode == "RGB" and img.size == (28, 28)
-    np.testing.assert_array_equal(np.asarray(img)[..., 0], images[7])
+    assert img.mode == "L" and img.size == (28, 28)
+    np.testing.assert_array_equal(np.asarray(img), images[7])
     assert ds["test"].ids[7] == "test-00007"
 
 
@@ -70,7 +70,7 @@ def test_imagefolder_flat_and_split(tmp_path, fmnist_arrays):
     assert s.class_names == sorted({names[labels[i]].replace("/", "-") for i in range(12)})
     i = s.ids.tolist().index(next(x for x in s.ids if x.endswith("img000.png")))
     assert s.class_names[s.labels[i]] == names[labels[0]].replace("/", "-")
-    np.testing.assert_array_equal(np.asarray(s.load(i))[..., 1], images[0])
+    np.testing.assert_array_equal(np.asarray(s.load(i).convert("RGB"))[..., 1], images[0])
     # split folders
     _write_pngs(tmp_path / "sp" / "train", images, labels, names, n=10)
     _write_pngs(tmp_path / "sp" / "test", images[10:], labels[10:], names, n=5)
@@ -99,7 +99,7 @@ def test_manifest_csv_and_parquet(tmp_path, fmnist_arrays):
     assert sorted(ds) == ["test", "train"] and ds["train"].dataset == "m"
     assert ds["test"].ids.tolist() == ["sample-6", "sample-7"]
     assert ds["train"].class_names == sorted(set(df["label"].to_list()))
-    np.testing.assert_array_equal(np.asarray(ds["test"].load(1))[..., 2], images[7])
+    np.testing.assert_array_equal(np.asarray(ds["test"].load(1).convert("RGB"))[..., 2], images[7])
     # parquet, integer labels, no split/id columns
     df2 = pl.DataFrame({"path": [str(p) for p in paths], "label": labels[:8].astype(np.int64)})
     df2.write_parquet(tmp_path / "m2.parquet")
@@ -132,12 +132,13 @@ def test_to_rgb_modes():
     from skimage import data
 
     cat = Image.fromarray(data.chelsea())
-    assert to_rgb(cat.convert("L")).mode == "RGB"
+    assert to_rgb(cat.convert("L")).mode == "L"  # 8-bit grayscale kept: the transform converts after resizing
     assert to_rgb(cat.convert("CMYK")).mode == "RGB"
     assert to_rgb(cat.convert("P")).mode == "RGB"
     rgba = cat.convert("RGBA")
     assert to_rgb(rgba).mode == "RGB"
     g16 = Image.fromarray(np.asarray(cat.convert("L"), dtype=np.uint16) * 257)
     assert g16.mode == "I;16"
-    out = np.asarray(to_rgb(g16))[..., 0]
+    out = np.asarray(to_rgb(g16))
+    assert to_rgb(g16).mode == "L"
     np.testing.assert_allclose(out, np.asarray(cat.convert("L")), atol=1)  # rescaled, not clipped
