@@ -5,9 +5,11 @@ glibc serves every allocation above ``M_MMAP_THRESHOLD`` (at most 32 MB) with a 
 activations of ~100 MB per layer, so every layer of every batch page-faults its output in
 again: measured on the 2-core CI box (lite0, 224 px, 1 thread), 60 % of the forward's time
 was kernel time (``sys`` 6.6 s vs ``user`` 4.5 s for 192 images, 2.5 M minor faults).
-:func:`tune_cpu_allocator` makes glibc keep freed memory in its heap (``M_MMAP_MAX = 0``,
-``M_TRIM_THRESHOLD`` = 1 GiB), so the next batch reuses it: the same forward then runs with
-~0 s of kernel time and about 2x the images/s, with identical numbers. This is the
+:func:`tune_cpu_allocator` makes glibc keep freed memory in its heap (``M_MMAP_MAX = 0``;
+``M_TRIM_THRESHOLD = -1``: never hand the heap's free top back to the kernel, which a 1 GiB
+threshold still did after the largest batches inside the pipeline), so the next batch
+reuses it: the same forward then runs with ~0 s of kernel time and about 2x the images/s,
+with identical numbers. This is the
 effect PyTorch's CPU tuning guide gets from preloading jemalloc or tcmalloc, without a
 preload.
 
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-TRIM_THRESHOLD = 1 << 30
+TRIM_THRESHOLD = -1
 _tuned: bool | None = None
 
 
@@ -34,8 +36,9 @@ def tune_cpu_allocator() -> bool:
     """Keep large freed CPU buffers in glibc's heap for reuse (once per process).
 
     Returns whether the tuning is active. A no-op returning False off glibc (macOS, musl) or
-    when ``FEATCACHE_MALLOC=system``. Memory the process freed stays mapped up to 1 GiB above
-    the heap's high-water mark; the numbers computed do not change.
+    when ``FEATCACHE_MALLOC=system``. The process then keeps its peak heap mapped until it
+    exits (an extraction's peak is a few batches of activations); the numbers computed do
+    not change.
     """
     global _tuned
     if _tuned is not None:
