@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from featcache.extract.backbones import create_backbone
-    from featcache.extract.cpu import tune_cpu_allocator
+    from featcache.allocator import tune_cpu_allocator
     from featcache.extract.pipeline import (
         DEFAULT_CHUNK_ROWS,
         FeatureHead,

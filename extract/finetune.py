@@ -620,7 +620,7 @@ def finetune(
 
     dev = _resolve_device(device)
     if dev == "cpu":  # training allocates the same large activations every step
-        from featcache.extract.cpu import tune_cpu_allocator
+        from featcache.allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
     prec = _resolve_precision(precision, dev)

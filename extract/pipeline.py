@@ -399,7 +399,7 @@ def extract(
         key = backbone_name or bb.default_key
         workers, threads = default_parallelism(dev, workers, threads)
         if dev == "cpu":
-            from featcache.extract.cpu import tune_cpu_allocator
+            from featcache.allocator import tune_cpu_allocator
 
             tune_cpu_allocator()
         old_threads = torch.get_num_threads()

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 SCRIPT = r"""
 import ctypes, ctypes.util, resource
-from featcache.extract.cpu import tune_cpu_allocator
+from featcache.allocator import tune_cpu_allocator
 tuned = tune_cpu_allocator()
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -1,4 +1,4 @@
-"""CPU-side tuning for the extraction forward.
+"""CPU allocator tuning for the extraction and fine-tuning commands (not a stage: both use it).
 
 glibc serves every allocation above ``M_MMAP_THRESHOLD`` (at most 32 MB) with a fresh
 ``mmap`` and returns it to the kernel on free. A CNN forward at batch 64 and 224 px allocates
