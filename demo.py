@@ -29,7 +29,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from featcache.analysis import rank, write_report
     from featcache.extract.pipeline import extract
-    from featcache.probes import run_probes
+    from featcache.probes import ProbeConfig, run_probes
     from featcache.results import read_results
     from featcache.retrieval import run_retrieval
     from featcache.store import open_cache
@@ -55,7 +55,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(catalog.select("backbone", "dataset", "split", "n", "dim", "dtype", "complete", "images_per_s"))
 
     print("[2/5] linear probes (protocol 'full': C selected on a seeded 10% validation split, refit, test once)")
-    run_probes(args.cache, keys, "digits", "full", seeds=[0], results_path=results, progress=not args.no_progress)
+    run_probes(ProbeConfig(args.cache, keys, "digits", "full", seeds=[0], results_path=results, progress=not args.no_progress))
     print("[3/5] retrieval (test queries vs train gallery, cosine) and kNN")
     run_retrieval(args.cache, keys, "digits", "test", "train", results_path=results, progress=not args.no_progress)
     do_ft = args.finetune == "on" or (args.finetune == "auto" and cuda)
@@ -64,8 +64,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
         print(f"[4/5] fine-tuning (VTAB-1k lightweight protocol scaled to {args.finetune_steps} steps; "
               "probes with the same vtab1k splits for the linear-vs-fine-tune ranking)")
-        run_probes(args.cache, keys, "digits", "vtab1k", seeds=[0], results_path=results,
-                   progress=not args.no_progress)
+        run_probes(ProbeConfig(args.cache, keys, "digits", "vtab1k", seeds=[0], results_path=results,
+                   progress=not args.no_progress))
         for (model, weights), key in zip(chosen, keys):
             finetune(model, weights, "digits", "vtab1k-light", seeds=[0], results_path=results,
                      steps=(args.finetune_steps,), lrs=(0.01,), batch_size=64 if cuda else 32,

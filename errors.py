@@ -60,3 +60,8 @@ class SplitError(DataError, ProbeError):
 
     Raised by :mod:`featcache.splits`, shared by probes and fine-tuning; it is both a
     :class:`DataError` and a :class:`ProbeError` so either stage's callers catch it."""
+
+
+class ProtocolError(DataError, ProbeError):
+    """An unknown or malformed protocol spec (:mod:`featcache.protocols`, shared by probes
+    and fine-tuning; both a :class:`DataError` and a :class:`ProbeError`)."""

@@ -9,7 +9,7 @@ what ``np.argmax`` does (and the probes' ``LogisticProbe.predict``), so ``top1(y
 accuracy(y, s.argmax(1))`` always, and ``top_k`` counts the true class as a hit when fewer
 than ``k`` classes rank before it (strictly higher score, or equal score and lower index).
 
-:mod:`featcache.probes.metrics` re-exports these functions (one implementation for both).
+Probes and fine-tuning both import them from here (one implementation for both).
 """
 
 from __future__ import annotations

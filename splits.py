@@ -17,10 +17,10 @@ function               protocol
 =====================  =================================================================
 
 Building blocks: :func:`allocate` (largest remainder), :func:`stratified_holdout`,
-:func:`sample_per_class`, :func:`stratified_sample`. ``featcache.probes.protocols``
-re-exports them, and the probe runner and ``featcache.extract.finetune`` both plan with
-this module; the selection is the probes' original one bit for bit (tests/test_finetune.py
-pins it on digits).
+:func:`sample_per_class`, :func:`stratified_sample`. The protocol registry
+(:mod:`featcache.protocols`) builds every plan of the probes and of fine-tuning from
+them; the selection is the probes' original one bit for bit (tests/test_finetune.py pins
+it on digits).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     from sklearn.linear_model import LogisticRegression
 
     from featcache.probes import DEFAULT_CS, LogisticProbe, sweep_C
-    from featcache.probes.protocols import stratified_holdout
+    from featcache.splits import stratified_holdout
     from featcache.store import open_cache
 
     ensure_features(args.cache, args.backbone, args.dataset, args.n_train, args.n_test, args.input_size)

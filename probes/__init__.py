@@ -1,10 +1,13 @@
 """Linear probes on cached features: a logistic-regression estimator with one meaning of C
 on scikit-learn, torch and cuML, batched C sweeps, the published evaluation protocols and
-numpy metrics. Entry points: :class:`LogisticProbe`, :func:`sweep_C`, :func:`run_probes`.
+the stage config. Entry points: :class:`LogisticProbe`, :func:`sweep_C`,
+:class:`ProbeConfig` and :func:`run_probes` (protocols: :mod:`featcache.protocols`; metrics:
+:mod:`featcache.metrics`).
 """
 
 from __future__ import annotations
 
+from featcache.probes.config import ProbeConfig
 from featcache.probes.logistic import (
     DEFAULT_CS,
     LogisticProbe,
@@ -13,11 +16,12 @@ from featcache.probes.logistic import (
     sweep_C,
 )
 
-__all__ = ["DEFAULT_CS", "LogisticProbe", "SweepResult", "resolve_backend", "sweep_C", "run_probes"]
+__all__ = ["DEFAULT_CS", "LogisticProbe", "ProbeConfig", "SweepResult", "resolve_backend", "sweep_C",
+           "run_probes"]
 
 
-def run_probes(*args, **kwargs):
+def run_probes(config: ProbeConfig):
     """Run probes from a feature cache into a results table (see :func:`featcache.probes.runner.run_probes`)."""
     from featcache.probes.runner import run_probes as _run
 
-    return _run(*args, **kwargs)
+    return _run(config)

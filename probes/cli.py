@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from featcache.configs import add_arguments, from_namespace
+from featcache.probes.config import ProbeConfig
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -18,68 +21,23 @@ def register(subparsers) -> None:
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--backbone", action="append", help="backbone key (repeatable)")
     who.add_argument("--all", action="store_true", help="every backbone with features for --dataset")
-    p.add_argument("--dataset", required=True)
-    p.add_argument("--protocol", default="full",
-                   help="full | fewshot:N | vtab1k | vtab1k-sgd | salman | subset:F%% (default: full)")
-    p.add_argument("--seeds", default=None,
-                   help="comma-separated seeds (default 0,1,2 for fewshot/vtab1k, else 0)")
-    p.add_argument("--backend", default="auto", choices=["auto", "sklearn", "cuml", "torch"])
-    p.add_argument("--results", required=True, help="results parquet to append to")
-    p.add_argument("--force", action="store_true", help="re-run runs already in the results table")
-    p.add_argument("--eval-split", action="append", default=None,
-                   help="split(s) to evaluate on (repeatable; default: test)")
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--val-split", default="val",
-                   help="the dataset's own validation split, used when present (default: val)")
-    p.add_argument("--val-source", default="split-800-200", choices=["split-800-200", "official-val"],
-                   help="vtab1k selection data (the paper's two readings)")
-    p.add_argument("--head-init", default=None,
-                   help="name of a class-embedding matrix stored beside the dataset (ELEVATER)")
-    p.add_argument("--max-iter", type=int, default=1000)
-    p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--no-standardize", action="store_true",
-                   help="fit on raw features (default: z-score with training statistics)")
-    p.add_argument("--epochs", type=int, default=150, help="salman: SGD epochs (paper: 150)")
-    p.add_argument("--kind", default="pooled", help="feature kind in the cache (default: pooled)")
+    add_arguments(p, ProbeConfig)  # every other flag comes from the config's fields
     p.set_defaults(func=run)
 
 
-def _parse_seeds(text: str | None):
-    from featcache.errors import ProbeError
-
-    if text is None:
-        return None
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ProbeError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {text!r})") from None
+def config_from_args(args: argparse.Namespace) -> ProbeConfig:
+    """The :class:`ProbeConfig` of parsed ``featcache probe`` arguments."""
+    return from_namespace(ProbeConfig, args, cache=args.cache if len(args.cache) > 1 else args.cache[0],
+                          backbones="all" if args.all else args.backbone)
 
 
 def run(args: argparse.Namespace) -> int:
     from featcache.probes.runner import run_probes
 
-    df = run_probes(
-        args.cache if len(args.cache) > 1 else args.cache[0],
-        "all" if args.all else args.backbone,
-        args.dataset,
-        args.protocol,
-        seeds=_parse_seeds(args.seeds),
-        results_path=args.results,
-        force=args.force,
-        backend=args.backend,
-        max_iter=args.max_iter,
-        tol=args.tol,
-        standardize=not args.no_standardize,
-        eval_splits=args.eval_split or ["test"],
-        train_split=args.train_split,
-        val_split=args.val_split,
-        kind=args.kind,
-        val_source=args.val_source,
-        head_init=args.head_init,
-        sgd_epochs=args.epochs,
-    )
+    cfg = config_from_args(args)
+    df = run_probes(cfg)
     print(format_table(df))
-    print(f"{df['run_id'].n_unique()} run(s) -> {args.results}")
+    print(f"{df['run_id'].n_unique()} run(s) -> {cfg.results_path}")
     return 0
 
 

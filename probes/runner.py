@@ -1,10 +1,11 @@
 """Run probe protocols from a feature cache into the tidy results table.
 
-:func:`run_probes` loads each backbone's splits, checks them (valid rows only, finite,
-class sets, ids aligned across backbones and disjoint between train and eval splits),
-draws the protocol's seeded splits from labels and ids only (so every backbone sees the
-same images for a seed), selects hyperparameters on validation data only, refits, reads
-each eval split once, and writes one row per (run, metric).
+:func:`run_probes` takes a :class:`~featcache.probes.config.ProbeConfig`, loads each
+backbone's splits, checks them (valid rows only, finite, class sets, ids aligned across
+backbones and disjoint between train and eval splits), draws the protocol's seeded splits
+(:mod:`featcache.protocols`) from labels and ids only (so every backbone sees the same images
+for a seed), selects hyperparameters on validation data only, refits, reads each eval split
+once, and writes one row per (run, metric).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import NotInStoreError, ProbeError
+from featcache.metrics import compute_all
+from featcache.probes.config import ProbeConfig
 from featcache.probes.logistic import (
-    DEFAULT_CS,
     LogisticProbe,
     _Scaler,
     cpu_threads,
@@ -28,23 +30,9 @@ from featcache.probes.logistic import (
     select_index,
     sweep_C,
 )
-from featcache.probes.metrics import compute_all
-from featcache.probes.protocols import Protocol, parse_protocol
-from featcache.splits import (
-    HOLDOUT_FRACTION,
-    VAL_SOURCES,
-    VTAB_TOTAL,
-    fewshot_split,
-    full_holdout,
-    stratified_sample,
-    subset_indices,
-    vtab1k_indices,
-)
+from featcache.protocols import Protocol, SplitPlan
 
 log = logging.getLogger(__name__)
-
-#: seeds used when none are given: the protocols' published repeat counts
-DEFAULT_SEEDS = {"fewshot": (0, 1, 2), "vtab1k": (0, 1, 2), "vtab1k-sgd": (0, 1, 2)}
 
 
 @dataclass
@@ -61,13 +49,27 @@ class SplitData:
 
 @dataclass
 class _Plan:
-    """What one protocol seed fits on."""
+    """What one protocol seed fits on: (X, y) of its train, val and final fits."""
 
     tr: tuple[np.ndarray, np.ndarray]
     va: tuple[np.ndarray, np.ndarray]
     fin: tuple[np.ndarray, np.ndarray]
     train_split: str
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Data:
+    """Every split one backbone is probed on, and the train split's class names."""
+
+    train: SplitData
+    val: SplitData | None
+    evals: dict[str, SplitData]
+    names: list[str]
+
+    def splits(self) -> dict[str, SplitData]:
+        return {self.train.name: self.train, **({self.val.name: self.val} if self.val else {}),
+                **self.evals}
 
 
 # ------------------------------------------------------------------ loading
@@ -116,6 +118,33 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None) -> Spli
     return SplitData(split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint)
 
 
+def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
+    """Load and check every split ``b`` is probed on (before anything is fitted)."""
+    ds = cfg.dataset
+    c = _cache_for(caches, b, ds)
+    splits = c.splits(ds)
+    if cfg.train_split not in splits:
+        raise NotInStoreError(f"dataset {ds!r} has no split {cfg.train_split!r} (has {splits})")
+    tr = _load_split(c, b, ds, cfg.train_split, cfg.kind)
+    names = list(c.split_meta(ds, cfg.train_split).class_names)
+    va = None
+    if cfg.val_split in splits and proto.uses_val_split(cfg.val_source):
+        va = _load_split(c, b, ds, cfg.val_split, cfg.kind, names)
+    evals = {}
+    for s in cfg.eval_splits:
+        if s not in splits:
+            raise NotInStoreError(f"dataset {ds!r} has no split {s!r} to evaluate on "
+                                  f"(has {splits}); pass --eval-split with one of them")
+        evals[s] = _load_split(c, b, ds, s, cfg.kind, names)
+        _check_disjoint(tr, evals[s])
+        if va is not None:
+            _check_disjoint(va, evals[s])
+    if len(np.unique(tr.y)) < 2:
+        raise ProbeError(f"{b}/{ds}/{cfg.train_split} holds a single class among its valid "
+                         "rows; a probe needs at least two classes")
+    return _Data(tr, va, evals, names)
+
+
 def _check_alignment(per_backbone: dict[str, dict[str, SplitData]]) -> None:
     ref_b = next(iter(per_backbone))
     for b, splits in per_backbone.items():
@@ -139,52 +168,26 @@ def _check_disjoint(train: SplitData, other: SplitData) -> None:
 
 
 # ------------------------------------------------------------------ planning
+def _take(train: SplitData, val: SplitData | None, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(X, y) of positions into ``train ++ val`` (the protocol plan's index space)."""
+    n = train.y.size
+    in_val = pos >= n
+    if not in_val.any():
+        return train.X[pos], train.y[pos]
+    a, b = pos[~in_val], pos[in_val] - n
+    if not a.size:
+        return val.X[b], val.y[b]
+    return np.concatenate([train.X[a], val.X[b]]), np.concatenate([train.y[a], val.y[b]])
+
+
 def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
           val_source: str) -> _Plan:
-    X, y = train.X, train.y
-
-    def sel(idx):
-        return X[idx], y[idx]
-
-    def union(a, b):
-        return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
-
-    if proto.name in ("full", "salman", "subset"):
-        idx = np.arange(y.size)
-        label = train.name
-        info: dict[str, Any] = {}
-        if proto.name == "subset":
-            idx = subset_indices(y, proto.fraction, seed)
-            label = f"{train.name}[{proto.spec}]"
-            info["n_subset"] = int(idx.size)
-        if val is not None:
-            tr, va = sel(idx), (val.X, val.y)
-            fin = union(tr, va)
-            info.update(val="official", val_split=val.name)
-            return _Plan(tr, va, fin, f"{label}+{val.name}", info)
-        t, v = full_holdout(y[idx], seed)
-        info.update(val=f"holdout-{HOLDOUT_FRACTION:.0%}-of-{train.name}")
-        return _Plan(sel(idx[t]), sel(idx[v]), sel(idx), label, info)
-    if proto.name == "fewshot":
-        t, v = fewshot_split(y, proto.shots, seed)
-        return _Plan(sel(t), sel(v), sel(np.sort(np.concatenate([t, v]))),
-                     f"{train.name}[{proto.spec}]",
-                     {"val": "per-class-80/20", "shots_counted": "before-split"})
-    if proto.name in ("vtab1k", "vtab1k-sgd"):
-        if val_source not in VAL_SOURCES:
-            raise ProbeError(f"val_source must be one of {VAL_SOURCES}, got {val_source!r}")
-        label = f"{train.name}[{VTAB_TOTAL}]"
-        if val_source == "official-val":
-            idx = stratified_sample(y, VTAB_TOTAL, seed)
-            if val is None:
-                raise ProbeError("val_source='official-val' needs a 'val' split in the cache; "
-                                 "extract it or use val_source='split-800-200'")
-            return _Plan(sel(idx), (val.X, val.y), sel(idx), label,
-                         {"val": "official", "val_split": val.name, "val_source": val_source})
-        t, v = vtab1k_indices(y, seed)
-        return _Plan(sel(t), sel(v), sel(np.sort(np.concatenate([t, v]))), label,
-                     {"val": "split-800-200", "val_source": val_source})
-    raise ProbeError(f"protocol {proto.spec!r} has no split plan")  # pragma: no cover
+    """The protocol's seeded plan (:meth:`Protocol.plan`) as the arrays the fits use."""
+    sp: SplitPlan = proto.plan(train.y, seed, n_val=None if val is None else val.y.size,
+                               val_source=val_source, train_name=train.name,
+                               val_name=None if val is None else val.name)
+    return _Plan(_take(train, val, sp.train), _take(train, val, sp.val),
+                 _take(train, val, sp.final), sp.train_split, sp.info)
 
 
 # ------------------------------------------------------------------ fitting
@@ -212,21 +215,20 @@ def _fit_lbfgs(plan: _Plan, opts: dict, head_init) -> tuple[Any, dict, bool, flo
 
 
 def _sgd_configs(proto: Protocol, n: int, opts: dict) -> list[dict]:
-    if proto.name == "salman":
-        e, bs = opts["sgd_epochs"], 64
+    """The protocol's SGD grid as configs, in tie-break order (epoch grids: the schedule
+    follows ``n``; step grids: for each schedule length, for each lr)."""
+    g = proto.grid
+    if g.epochs is not None:
+        e, bs = opts["sgd_epochs"], g.batch_size
         spe = math.ceil(n / bs)
-        step_e = max(1, e // 3)
-        miles = [k * step_e * spe for k in range(1, 3) if k * step_e < e]
-        return [dict(lr=lr, steps=e * spe, batch_size=bs, momentum=0.9, weight_decay=5e-4,
-                     milestones=miles, epochs=e, lr_decay_epochs=[k * step_e for k in (1, 2) if k * step_e < e])
-                for lr in (0.01, 0.001)]
-    cfgs = []
-    for steps in opts["vtab_steps"]:
-        miles = [steps // 3, 2 * steps // 3, int(round(opts["last_decay"] * steps))]
-        for lr in (0.1, 0.01):
-            cfgs.append(dict(lr=lr, steps=steps, batch_size=512, momentum=0.9, weight_decay=0.0,
-                             milestones=miles))
-    return cfgs
+        dec = g.decay_epochs(e)
+        return [dict(lr=lr, steps=e * spe, batch_size=bs, momentum=g.momentum,
+                     weight_decay=g.weight_decay, milestones=[d * spe for d in dec], epochs=e,
+                     lr_decay_epochs=dec)
+                for lr in g.lrs]
+    return [dict(lr=lr, steps=steps, batch_size=g.batch_size, momentum=g.momentum,
+                 weight_decay=g.weight_decay, milestones=list(g.milestones(steps, opts["last_decay"])))
+            for steps in opts["vtab_steps"] for lr in g.lrs]
 
 
 def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
@@ -286,202 +288,125 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
 
 
 # ------------------------------------------------------------------ main entry
-def run_probes(
-    cache_path,
-    backbones,
-    dataset: str,
-    protocol: str = "full",
-    seeds=None,
-    results_path=None,
-    *,
-    force: bool = False,
-    backend: str = "auto",
-    Cs=DEFAULT_CS,
-    max_iter: int = 1000,
-    tol: float = 1e-4,
-    standardize: bool = True,
-    eval_splits=("test",),
-    train_split: str = "train",
-    val_split: str = "val",
-    kind: str = "pooled",
-    val_source: str = "split-800-200",
-    head_init: str | None = None,
-    sgd_epochs: int = 150,
-    vtab_steps=(2500, 10000),
-    last_decay: float = 0.9,
-    sgd_standardize: bool = False,
-    metrics=None,
-    progress: bool = True,
-):
-    """Probe ``backbones`` on ``dataset`` with ``protocol``; returns the rows of these runs.
+def run_probes(config: ProbeConfig):
+    """Probe ``config.backbones`` on ``config.dataset`` with ``config.protocol``; returns the
+    rows of these runs (a polars DataFrame in the results schema).
 
-    Parameters
-    ----------
-    cache_path : a cache path/URL, or a list of them (each backbone is read from the first
-        cache holding it; rows of different caches must still align by id).
-    backbones : a name, a list of names, or ``"all"`` (every backbone holding ``dataset``).
-    protocol : ``full``, ``fewshot:N``, ``vtab1k``, ``vtab1k-sgd``, ``salman``, ``subset:F%``.
-    seeds : iterable of ints; default (0, 1, 2) for fewshot/vtab1k, else (0,).
-    results_path : parquet to append to (None: do not write). Runs already in it are skipped
-        (their stored rows are returned) unless ``force``.
-    head_init : name of a class-embedding matrix stored beside the dataset (ELEVATER).
-    sgd_epochs : epochs of the ``salman`` protocol (150 in the paper; recorded per row).
-    vtab_steps, last_decay : ``vtab1k-sgd`` schedules and the position of its last lr drop
-        (the paper says only "shortly before the end"; recorded per row).
-
-    Returns a polars DataFrame in the results schema.
+    Runs already in ``config.results_path`` are skipped (their stored rows are returned)
+    unless ``config.force``. Protocols with ``median_over_seeds`` (vtab1k) add the median
+    row over seeds (``seed=-1``).
     """
-    import polars as pl
     from tqdm.auto import tqdm
 
-    from featcache.results import (
-        add_median_rows,
-        append_results,
-        existing_run_ids,
-        make_run_id,
-        read_results,
-        rows_to_frame,
-    )
+    from featcache.results import existing_run_ids
 
-    proto = parse_protocol(protocol)
-    caches = _open_caches(cache_path)
-    if isinstance(backbones, str):
-        backbones = [backbones]
-    backbones = list(backbones)
-    if backbones == ["all"]:
-        backbones = sorted({b for c in caches for b in c.backbones()
-                            if dataset in c.datasets() and _has(c, b, dataset, train_split)})
-        if not backbones:
-            raise NotInStoreError(f"no backbone in the cache has features for dataset {dataset!r}")
-    if not backbones:
-        raise ProbeError("no backbone given; pass --backbone NAME (repeatable) or --all")
-    seeds = tuple(DEFAULT_SEEDS.get(proto.name, (0,)) if seeds is None else (int(s) for s in seeds))
-    if not seeds:
-        raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
-    eval_splits = [eval_splits] if isinstance(eval_splits, str) else list(eval_splits)
-    Cs = sorted(float(c) for c in Cs)
-    opts = dict(Cs=Cs, backend=backend, max_iter=int(max_iter), tol=float(tol),
-                standardize=bool(standardize), sgd_epochs=int(sgd_epochs),
-                vtab_steps=tuple(int(s) for s in vtab_steps), last_decay=float(last_decay),
-                sgd_standardize=bool(sgd_standardize))
-    if proto.name == "salman" and sgd_epochs < 3:
-        raise ProbeError("salman needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
-
-    # load and check every split of every backbone before fitting anything
-    data: dict[str, dict[str, SplitData]] = {}
-    for b in backbones:
-        c = _cache_for(caches, b, dataset)
-        splits = c.splits(dataset)
-        if train_split not in splits:
-            raise NotInStoreError(f"dataset {dataset!r} has no split {train_split!r} (has {splits})")
-        tr = _load_split(c, b, dataset, train_split, kind)
-        names = list(c.split_meta(dataset, train_split).class_names)
-        d = {train_split: tr}
-        use_val = val_split in splits and proto.name != "fewshot" and not (
-            proto.name.startswith("vtab1k") and val_source == "split-800-200")
-        if use_val:
-            d[val_split] = _load_split(c, b, dataset, val_split, kind, names)
-        for s in eval_splits:
-            if s not in splits:
-                raise NotInStoreError(f"dataset {dataset!r} has no split {s!r} to evaluate on "
-                                      f"(has {splits}); pass --eval-split with one of them")
-            d[s] = _load_split(c, b, dataset, s, kind, names)
-            _check_disjoint(tr, d[s])
-            if val_split in d:
-                _check_disjoint(d[val_split], d[s])
-        if len(np.unique(tr.y)) < 2:
-            raise ProbeError(f"{b}/{dataset}/{train_split} holds a single class among its valid "
-                             "rows; a probe needs at least two classes")
-        d["__names__"] = names  # type: ignore[assignment]
-        data[b] = d
-    _check_alignment({b: {s: v for s, v in d.items() if s != "__names__"} for b, d in data.items()})
-
+    proto, cfg = config.resolve()
+    caches = _open_caches(cfg.cache)
+    backbones = _resolve_backbones(caches, cfg)
+    data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
+    _check_alignment({b: d.splits() for b, d in data.items()})
     hi_matrix = None
-    if head_init is not None:
-        c = _cache_for(caches, backbones[0], dataset)
-        hi_matrix = np.asarray(c.load_class_embeddings(dataset, head_init), np.float64)
+    if cfg.head_init is not None:
+        c = _cache_for(caches, backbones[0], cfg.dataset)
+        hi_matrix = np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init), np.float64)
 
-    done = existing_run_ids(results_path) if results_path is not None and not force else set()
+    done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
     new_rows: list[dict] = []
     wanted: list[str] = []
-    jobs = [(b, s) for b in backbones for s in seeds]
-    for b, seed in tqdm(jobs, desc=f"probe {proto.spec}", disable=not progress):
-        d = data[b]
-        tr, va = d[train_split], d.get(val_split)
-        if hi_matrix is not None and hi_matrix.shape != (len(d["__names__"]), tr.X.shape[1]):
-            raise ProbeError(
-                f"class embeddings {head_init!r} have shape {hi_matrix.shape} but {b} on "
-                f"{dataset} needs ({len(d['__names__'])}, {tr.X.shape[1]}): one row per class "
-                "of the dataset, in its class order, with the backbone's feature dimension")
-        options = {k: v for k, v in opts.items() if k != "backend"}
-        options.update(kind=kind, head_init=head_init, train_split=train_split)
-        if proto.name.startswith("vtab1k"):
-            options["val_source"] = val_source
-        if proto.solver == "lbfgs":
-            for k in ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize"):
-                options.pop(k)
-        elif proto.name == "salman":
-            options = {k: v for k, v in options.items() if k not in ("Cs", "max_iter", "tol", "standardize", "vtab_steps", "last_decay")}
-        else:
-            options = {k: v for k, v in options.items() if k not in ("Cs", "max_iter", "tol", "standardize", "sgd_epochs")}
-        fps = {s: v.fingerprint for s, v in d.items() if s != "__names__"}
-        run_ids = {}
-        for es in eval_splits:
-            fp = _combine(fps[train_split], fps.get(val_split, ""), fps[es])
-            run_ids[es] = (make_run_id(kind="probe", backbone=b, dataset=dataset, protocol=proto.spec,
-                                       seed=seed, eval_split=es, options=options,
-                                       store_fingerprint=fp), fp)
+    jobs = [(b, s) for b in backbones for s in cfg.seeds]
+    for b, seed in tqdm(jobs, desc=f"probe {proto.spec}", disable=not cfg.progress):
+        run_ids = _run_ids(cfg, proto, b, seed, data[b])
         wanted += [r for r, _ in run_ids.values()]
         if all(r in done for r, _ in run_ids.values()):
-            log.info("skip %s/%s %s seed %d: already in %s (force=True reruns)", b, dataset,
-                     proto.spec, seed, results_path)
+            log.info("skip %s/%s %s seed %d: already in %s (force=True reruns)", b, cfg.dataset,
+                     proto.spec, seed, cfg.results_path)
             continue
-        plan = _plan(proto, seed, tr, va, val_source)
-        if proto.solver == "lbfgs":
-            (predict, classes), hp, conv, secs = _fit_lbfgs(plan, opts, hi_matrix)
-        else:
-            (predict, classes), hp, conv, secs = _fit_sgd(proto, plan, opts, hi_matrix, seed)
-        hp.update(plan.info)
-        hp.update(n_train=int(plan.tr[1].size), n_val=int(plan.va[1].size),
-                  n_train_final=int(plan.fin[1].size), head_init=head_init,
-                  n_invalid={s: v.n_invalid for s, v in d.items() if s != "__names__"})
-        if proto.name.startswith("vtab1k"):
-            hp.setdefault("val_source", val_source)
-        for es in eval_splits:
-            ev = d[es]
-            missing = np.setdiff1d(np.unique(ev.y), classes)
-            if missing.size:
-                names = [d["__names__"][i] for i in missing[:10]]
-                raise ProbeError(
-                    f"{es} holds classes {names} that the probe never saw in training "
-                    f"({plan.train_split}); the class sets differ between splits: use a protocol "
-                    "or seed whose training sample covers every class")
-            P = predict(ev.X)  # the eval split is read once per final fit
-            y_pos = np.searchsorted(classes, ev.y)
-            vals = compute_all(y_pos, P, metrics)
-            rid, fp = run_ids[es]
-            for m, v in vals.items():
-                new_rows.append(dict(
-                    run_id=rid, kind="probe", backbone=b, dataset=dataset, protocol=proto.spec,
-                    train_split=plan.train_split, eval_split=es, shots=proto.shots, seed=seed,
-                    metric=m, value=float(v), n_eval=int(ev.y.size), hparams=hp,
-                    converged=bool(conv), fit_seconds=float(secs), store_fingerprint=fp))
-            log.info("%s %s %s seed %d %s: top1=%.4f (C/lr=%s, converged=%s)", b, dataset,
-                     proto.spec, seed, es, vals.get("top1", float("nan")),
-                     hp.get("C", hp.get("lr")), conv)
+        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi_matrix, run_ids)
+    return _collect(cfg, proto, new_rows, wanted)
+
+
+def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
+    backbones = list(cfg.backbones)
+    if backbones == ["all"]:
+        backbones = sorted({b for c in caches for b in c.backbones()
+                            if cfg.dataset in c.datasets() and _has(c, b, cfg.dataset, cfg.train_split)})
+        if not backbones:
+            raise NotInStoreError(f"no backbone in the cache has features for dataset {cfg.dataset!r}")
+    return backbones
+
+
+def _run_ids(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data) -> dict[str, tuple[str, str]]:
+    """Per eval split: (run id, store fingerprint) of one backbone and seed."""
+    from featcache.results import make_run_id
+
+    options = cfg.run_options(proto)
+    val_fp = d.val.fingerprint if d.val is not None else ""
+    out = {}
+    for es, ev in d.evals.items():
+        fp = _combine(d.train.fingerprint, val_fp, ev.fingerprint)
+        out[es] = (make_run_id(kind="probe", backbone=b, dataset=cfg.dataset, protocol=proto.spec,
+                               seed=seed, eval_split=es, options=options, store_fingerprint=fp), fp)
+    return out
+
+
+def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, hi_matrix,
+               run_ids: dict[str, tuple[str, str]]) -> list[dict]:
+    """Plan, select, refit and evaluate one backbone and seed; its result rows."""
+    if hi_matrix is not None and hi_matrix.shape != (len(d.names), d.train.X.shape[1]):
+        raise ProbeError(
+            f"class embeddings {cfg.head_init!r} have shape {hi_matrix.shape} but {b} on "
+            f"{cfg.dataset} needs ({len(d.names)}, {d.train.X.shape[1]}): one row per class "
+            "of the dataset, in its class order, with the backbone's feature dimension")
+    plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
+    opts = cfg.solver_options()
+    if proto.solver == "lbfgs":
+        (predict, classes), hp, conv, secs = _fit_lbfgs(plan, opts, hi_matrix)
+    else:
+        (predict, classes), hp, conv, secs = _fit_sgd(proto, plan, opts, hi_matrix, seed)
+    hp.update(plan.info)
+    hp.update(n_train=int(plan.tr[1].size), n_val=int(plan.va[1].size),
+              n_train_final=int(plan.fin[1].size), head_init=cfg.head_init,
+              n_invalid={s: v.n_invalid for s, v in d.splits().items()})
+    if proto.split == "vtab1k":
+        hp.setdefault("val_source", cfg.val_source)
+    rows = []
+    for es, ev in d.evals.items():
+        missing = np.setdiff1d(np.unique(ev.y), classes)
+        if missing.size:
+            raise ProbeError(
+                f"{es} holds classes {[d.names[i] for i in missing[:10]]} that the probe never "
+                f"saw in training ({plan.train_split}); the class sets differ between splits: "
+                "use a protocol or seed whose training sample covers every class")
+        P = predict(ev.X)  # the eval split is read once per final fit
+        vals = compute_all(np.searchsorted(classes, ev.y), P, cfg.metrics)
+        rid, fp = run_ids[es]
+        rows += [dict(run_id=rid, kind="probe", backbone=b, dataset=cfg.dataset, protocol=proto.spec,
+                      train_split=plan.train_split, eval_split=es, shots=proto.shots, seed=seed,
+                      metric=m, value=float(v), n_eval=int(ev.y.size), hparams=hp,
+                      converged=bool(conv), fit_seconds=float(secs), store_fingerprint=fp)
+                 for m, v in vals.items()]
+        log.info("%s %s %s seed %d %s: top1=%.4f (C/lr=%s, converged=%s)", b, cfg.dataset,
+                 proto.spec, seed, es, vals.get("top1", float("nan")), hp.get("C", hp.get("lr")), conv)
+    return rows
+
+
+def _collect(cfg: ProbeConfig, proto: Protocol, new_rows: list[dict], wanted: list[str]):
+    """Append the new rows; the rows of every wanted run (plus median rows where the
+    protocol reports them)."""
+    import polars as pl
+
+    from featcache.results import add_median_rows, append_results, read_results, rows_to_frame
+
     frame = rows_to_frame(new_rows) if new_rows else None
-    if results_path is not None and frame is not None:
-        table = append_results(results_path, frame, replace_runs=True)
-    elif results_path is not None and _exists(results_path):
-        table = read_results(results_path)
+    if cfg.results_path is not None and frame is not None:
+        table = append_results(cfg.results_path, frame, replace_runs=True)
+    elif cfg.results_path is not None and _exists(cfg.results_path):
+        table = read_results(cfg.results_path)
     else:
         table = frame
-    if table is None:
-        out = rows_to_frame([])
-    else:
-        out = table.filter(pl.col("run_id").is_in(wanted))
-    if proto.name.startswith("vtab1k") and out.height:
-        out = add_median_rows(out, "probe", results_path, carry=("val_source",))
+    out = rows_to_frame([]) if table is None else table.filter(pl.col("run_id").is_in(wanted))
+    if proto.median_over_seeds and out.height:
+        out = add_median_rows(out, "probe", cfg.results_path, carry=("val_source",))
     return out
 
 

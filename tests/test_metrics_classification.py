@@ -1,4 +1,4 @@
-"""featcache.probes.metrics vs brute-force references and scikit-learn, ties included."""
+"""featcache.metrics vs brute-force references and scikit-learn, ties included."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sklearn.metrics import (
     top_k_accuracy_score,
 )
 
-from featcache.probes.metrics import compute_all, ece, mean_per_class, nll, top1, top5, top_k
+from featcache.metrics import compute_all, ece, mean_per_class, nll, top1, top5, top_k
 
 
 # ------------------------------------------------------------ brute-force references

@@ -7,10 +7,10 @@ import pytest
 from sklearn.datasets import load_digits
 
 from featcache.errors import ProbeError
-from featcache.probes.protocols import (
+from featcache.protocols import parse_protocol
+from featcache.splits import (
     allocate,
     fewshot_split,
-    parse_protocol,
     sample_per_class,
     stratified_holdout,
     stratified_sample,

@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from featcache.errors import NotInStoreError, ProbeError
-from featcache.probes import run_probes
+from featcache.probes import ProbeConfig, run_probes
 from featcache.results import RESULT_COLUMNS
 
 LITE0 = "tf_efficientnet_lite0"
@@ -51,7 +51,7 @@ def _top1(df, **where):
 # ------------------------------------------------------------------ protocols on real data
 def test_full_protocol_digits_default_grid(digits_cache, tmp_path):
     res = tmp_path / "r.parquet"
-    df = run_probes(digits_cache, [LITE0], "digits", "full", results_path=res, progress=False)
+    df = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", results_path=res, progress=False))
     assert set(df["metric"]) == {"top1", "top5", "mean_per_class", "nll", "ece"}
     assert df.height == 5 and df["run_id"].n_unique() == 1
     for col in RESULT_COLUMNS:  # every column filled
@@ -75,27 +75,27 @@ def test_full_protocol_digits_default_grid(digits_cache, tmp_path):
 
 def test_skip_existing_and_force(digits_cache, tmp_path, caplog):
     res = tmp_path / "r.parquet"
-    a = run_probes(digits_cache, LITE0, "digits", "full", results_path=res, Cs=SMALL_GRID,
-                   progress=False)
+    a = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "full", results_path=res, Cs=SMALL_GRID,
+                   progress=False))
     with caplog.at_level(logging.INFO, logger="featcache.probes.runner"):
-        b = run_probes(digits_cache, LITE0, "digits", "full", results_path=res, Cs=SMALL_GRID,
-                       progress=False)
+        b = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "full", results_path=res, Cs=SMALL_GRID,
+                       progress=False))
     assert "skip" in caplog.text
     assert a.sort("metric")["created_at"].to_list() == b.sort("metric")["created_at"].to_list()
-    c = run_probes(digits_cache, LITE0, "digits", "full", results_path=res, Cs=SMALL_GRID,
-                   force=True, progress=False)
+    c = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "full", results_path=res, Cs=SMALL_GRID,
+                   force=True, progress=False))
     # rerun gives the same numbers (deterministic) and the table holds the run once
     assert np.allclose(a.sort("metric")["value"].to_numpy(), c.sort("metric")["value"].to_numpy())
     assert pl.read_parquet(res).height == 5
     # a different grid is a different run
-    d = run_probes(digits_cache, LITE0, "digits", "full", results_path=res, Cs=[1e-2, 1.0],
-                   progress=False)
+    d = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "full", results_path=res, Cs=[1e-2, 1.0],
+                   progress=False))
     assert d["run_id"][0] != a["run_id"][0]
     assert pl.read_parquet(res).height == 10
 
 
 def test_fewshot_seeds_shots_and_determinism(digits_cache):
-    df = run_probes(digits_cache, LITE0, "digits", "fewshot:5", Cs=SMALL_GRID, progress=False)
+    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "fewshot:5", Cs=SMALL_GRID, progress=False))
     top = df.filter(pl.col("metric") == "top1").sort("seed")
     assert top["seed"].to_list() == [0, 1, 2]
     assert set(top["shots"]) == {5}
@@ -104,15 +104,15 @@ def test_fewshot_seeds_shots_and_determinism(digits_cache):
     assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (40, 10, 50)
     assert hp["shots_counted"] == "before-split"
     assert min(top["value"]) > 0.5  # 5 images per class, lite0: measured ~0.75
-    again = run_probes(digits_cache, LITE0, "digits", "fewshot:5", seeds=[1], Cs=SMALL_GRID,
-                       progress=False)
+    again = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "fewshot:5", seeds=[1], Cs=SMALL_GRID,
+                       progress=False))
     assert _top1(again) == _top1(df, seed=1)
 
 
 def test_vtab1k_sizes_and_median(digits_cache, tmp_path):
     res = tmp_path / "r.parquet"
-    df = run_probes(digits_cache, LITE0, "digits", "vtab1k", results_path=res, Cs=SMALL_GRID,
-                    progress=False)
+    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "vtab1k", results_path=res, Cs=SMALL_GRID,
+                    progress=False))
     seeds = df.filter(pl.col("seed") >= 0)
     hp = json.loads(seeds["hparams"][0])
     assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (800, 200, 1000)
@@ -123,12 +123,12 @@ def test_vtab1k_sizes_and_median(digits_cache, tmp_path):
     assert json.loads(med["hparams"][0])["seeds"] == [0, 1, 2]
     assert pl.read_parquet(res).filter(pl.col("seed") == -1).height == df.filter(pl.col("seed") == -1).height
     with pytest.raises(ProbeError, match="official-val"):
-        run_probes(digits_cache, LITE0, "digits", "vtab1k", val_source="official-val",
-                   Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(digits_cache, LITE0, "digits", "vtab1k", val_source="official-val",
+                   Cs=SMALL_GRID, progress=False))
 
 
 def test_subset_10pct(digits_cache):
-    df = run_probes(digits_cache, LITE0, "digits", "subset:10%", Cs=SMALL_GRID, progress=False)
+    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "subset:10%", Cs=SMALL_GRID, progress=False))
     hp = json.loads(df["hparams"][0])
     assert hp["n_subset"] == 135 and hp["n_train_final"] == 135
     assert df["train_split"][0] == "train[subset:10%]"
@@ -136,7 +136,7 @@ def test_subset_10pct(digits_cache):
 
 
 def test_salman_sgd_short_schedule(digits_cache):
-    df = run_probes(digits_cache, LITE0, "digits", "salman", sgd_epochs=6, progress=False)
+    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "salman", sgd_epochs=6, progress=False))
     hp = json.loads(df["hparams"][0])
     assert hp["solver"] == "sgd" and hp["epochs"] == 6 and hp["lr_decay_epochs"] == [2, 4]
     assert hp["lr"] in (0.01, 0.001) and hp["batch_size"] == 64
@@ -145,8 +145,8 @@ def test_salman_sgd_short_schedule(digits_cache):
 
 
 def test_vtab1k_sgd_short_schedule(digits_cache):
-    df = run_probes(digits_cache, LITE0, "digits", "vtab1k-sgd", seeds=[0], vtab_steps=(30,),
-                    progress=False)
+    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "vtab1k-sgd", seeds=[0], vtab_steps=(30,),
+                    progress=False))
     hp = json.loads(df["hparams"][0])
     assert hp["batch_size"] == 512 and hp["weight_decay"] == 0.0 and hp["lr"] in (0.1, 0.01)
     assert hp["milestones"] == [10, 20, 27] and hp["last_decay"] == 0.9
@@ -154,8 +154,8 @@ def test_vtab1k_sgd_short_schedule(digits_cache):
 
 
 def test_fmnist_full_floor(fmnist_cache):
-    df = run_probes(fmnist_cache, LITE0, "fashion-mnist-small", "full", Cs=SMALL_GRID,
-                    progress=False)
+    df = run_probes(ProbeConfig(fmnist_cache, LITE0, "fashion-mnist-small", "full", Cs=SMALL_GRID,
+                    progress=False))
     # lite0 @112 px, 2,000 train images: measured ~0.80
     assert _top1(df)[0] > 0.74
     assert df["n_eval"][0] == 1000
@@ -168,13 +168,13 @@ def test_head_init_from_stored_class_embeddings(digits_feats, tmp_path):
     path = _store(tmp_path / "c.zarr", digits_feats)
     protos = np.stack([tr.X[tr.labels == c].mean(0) for c in range(10)])
     write_class_embeddings(path, "digits", protos, name="protos")
-    df = run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, head_init="protos",
-                    progress=False)
+    df = run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, head_init="protos",
+                    progress=False))
     assert json.loads(df["hparams"][0])["head_init"] == "protos"
     assert _top1(df)[0] > 0.93
     write_class_embeddings(path, "digits", protos[:, :10], name="bad")
     with pytest.raises(ProbeError, match="one row per class"):
-        run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, head_init="bad", progress=False)
+        run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, head_init="bad", progress=False))
 
 
 # ------------------------------------------------------------------ bad input
@@ -190,7 +190,7 @@ def test_invalid_rows_excluded_and_counted(digits_feats, tmp_path):
     Xt[:3] = np.nan
     path = _store(tmp_path / "c.zarr", digits_feats, train={"X": X, "valid": valid},
                   test={"X": Xt, "valid": vt})
-    df = run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+    df = run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False))
     hp = json.loads(df["hparams"][0])
     assert hp["n_invalid"] == {"train": 7, "test": 3}
     assert hp["n_train_final"] == 1340 and df["n_eval"][0] == 447
@@ -201,7 +201,7 @@ def test_nan_in_valid_rows_is_an_error(digits_feats, tmp_path):
     X[5, 0] = np.inf
     path = _store(tmp_path / "c.zarr", digits_feats, train={"X": X})
     with pytest.raises(ProbeError, match="NaN or inf"):
-        run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False))
 
 
 def test_single_class_is_an_error(digits_feats, tmp_path):
@@ -209,7 +209,7 @@ def test_single_class_is_an_error(digits_feats, tmp_path):
     path = _store(tmp_path / "c.zarr", digits_feats,
                   train={"labels": np.zeros(len(tr.labels), np.int64)})
     with pytest.raises(ProbeError, match="single class"):
-        run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False))
 
 
 def test_class_sets_differ_is_an_error(digits_feats, tmp_path):
@@ -219,13 +219,13 @@ def test_class_sets_differ_is_an_error(digits_feats, tmp_path):
     labels[:4] = 10
     path = _store(tmp_path / "c.zarr", digits_feats, test={"labels": labels, "class_names": names})
     with pytest.raises(ProbeError, match="class sets"):
-        run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False))
     # a class missing from the (few-shot) training sample but present in test
     m = tr.labels != 9
     path2 = _store(tmp_path / "c2.zarr", digits_feats,
                    train={"X": tr.X[m], "ids": tr.ids[m], "labels": tr.labels[m]})
     with pytest.raises(ProbeError, match="class sets differ"):
-        run_probes(path2, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(path2, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False))
 
 
 def test_too_few_examples_for_protocol(digits_feats, tmp_path, digits_cache):
@@ -233,11 +233,11 @@ def test_too_few_examples_for_protocol(digits_feats, tmp_path, digits_cache):
     path = _store(tmp_path / "c.zarr", digits_feats,
                   train={"X": tr.X[:600], "ids": tr.ids[:600], "labels": tr.labels[:600]})
     with pytest.raises(ProbeError, match="needs 1000"):
-        run_probes(path, LITE0, "digits", "vtab1k", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k", Cs=SMALL_GRID, progress=False))
     with pytest.raises(ProbeError, match="fewer valid training examples"):
-        run_probes(digits_cache, LITE0, "digits", "fewshot:200", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(digits_cache, LITE0, "digits", "fewshot:200", Cs=SMALL_GRID, progress=False))
     with pytest.raises(ProbeError, match="N >= 2"):
-        run_probes(digits_cache, LITE0, "digits", "fewshot:1", progress=False)
+        run_probes(ProbeConfig(digits_cache, LITE0, "digits", "fewshot:1", progress=False))
 
 
 def test_backbones_not_aligned_by_id(digits_feats, tmp_path):
@@ -247,13 +247,13 @@ def test_backbones_not_aligned_by_id(digits_feats, tmp_path):
     ids[:5] = [f"other-{i}" for i in range(5)]
     b = _store(tmp_path / "b.zarr", digits_feats, backbone="bb_b", train={"ids": ids})
     with pytest.raises(ProbeError, match="do not align by id"):
-        run_probes([a, b], ["bb_a", "bb_b"], "digits", "full", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig([a, b], ["bb_a", "bb_b"], "digits", "full", Cs=SMALL_GRID, progress=False))
     # the same images in another row order align (rows are matched by id)
     perm = np.random.default_rng(0).permutation(len(tr.ids))
     c = _store(tmp_path / "c.zarr", digits_feats, backbone="bb_c",
                train={"X": tr.X[perm], "ids": tr.ids[perm], "labels": tr.labels[perm]})
-    df = run_probes([a, c], ["bb_a", "bb_c"], "digits", "fewshot:5", seeds=[0], Cs=SMALL_GRID,
-                    progress=False)
+    df = run_probes(ProbeConfig([a, c], ["bb_a", "bb_c"], "digits", "fewshot:5", seeds=[0], Cs=SMALL_GRID,
+                    progress=False))
     # identical features, identical sampled images -> identical results
     assert _top1(df, backbone="bb_a") == _top1(df, backbone="bb_c")
 
@@ -264,16 +264,16 @@ def test_train_test_overlap_is_an_error(digits_feats, tmp_path):
     ids[0] = tr.ids[0]
     path = _store(tmp_path / "c.zarr", digits_feats, test={"ids": ids})
     with pytest.raises(ProbeError, match="both"):
-        run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+        run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False))
 
 
 def test_missing_things(digits_cache):
     with pytest.raises(NotInStoreError, match="extract"):
-        run_probes(digits_cache, "vit_nope", "digits", "full", progress=False)
+        run_probes(ProbeConfig(digits_cache, "vit_nope", "digits", "full", progress=False))
     with pytest.raises(NotInStoreError, match="test_v2"):
-        run_probes(digits_cache, LITE0, "digits", "full", eval_splits=["test_v2"], progress=False)
+        run_probes(ProbeConfig(digits_cache, LITE0, "digits", "full", eval_splits=["test_v2"], progress=False))
     with pytest.raises(ProbeError, match="unknown protocol"):
-        run_probes(digits_cache, LITE0, "digits", "linear", progress=False)
+        run_probes(ProbeConfig(digits_cache, LITE0, "digits", "linear", progress=False))
 
 
 # ------------------------------------------------------------------ CLI
@@ -308,15 +308,15 @@ def test_official_val_split_is_used(digits_feats, tmp_path):
                          ("test", te, slice(None))):
         write_features(path, backbone=LITE0, dataset="digits", split=split, X=f.X[sl],
                        ids=f.ids[sl], labels=f.labels[sl], class_names=f.class_names)
-    df = run_probes(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False)
+    df = run_probes(ProbeConfig(path, LITE0, "digits", "full", Cs=SMALL_GRID, progress=False))
     hp = json.loads(df["hparams"][0])
     assert df["train_split"][0] == "train+val"
     assert (hp["val"], hp["n_train"], hp["n_val"], hp["n_train_final"]) == ("official", 1100, 247, 1347)
     assert _top1(df)[0] > 0.93
-    v = run_probes(path, LITE0, "digits", "vtab1k", seeds=[0], val_source="official-val",
-                   Cs=SMALL_GRID, progress=False)
+    v = run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k", seeds=[0], val_source="official-val",
+                   Cs=SMALL_GRID, progress=False))
     hv = json.loads(v["hparams"][0])
     assert (hv["val_source"], hv["n_train"], hv["n_val"], hv["n_train_final"]) == ("official-val", 1000, 247, 1000)
-    s = run_probes(path, LITE0, "digits", "vtab1k", seeds=[0], Cs=SMALL_GRID, progress=False)
+    s = run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k", seeds=[0], Cs=SMALL_GRID, progress=False))
     assert json.loads(s["hparams"][0])["n_val"] == 200  # split-800-200 ignores the val split
     assert s["run_id"][0] != v["run_id"][0]

@@ -16,9 +16,9 @@ LITE0 = "tf_efficientnet_lite0"
 
 @pytest.fixture(scope="module")
 def seeded(digits_cache):
-    from featcache.probes import run_probes
+    from featcache.probes import ProbeConfig, run_probes
 
-    df = run_probes(digits_cache, LITE0, "digits", "vtab1k", Cs=[1e-2, 1e-1], progress=False)
+    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "vtab1k", Cs=[1e-2, 1e-1], progress=False))
     return df.filter(pl.col("seed") >= 0)
 
 
@@ -30,7 +30,7 @@ def _brute(frame: pl.DataFrame, keys) -> dict:
 
 
 def test_probe_medians_match_the_runner_and_brute_force(seeded, digits_cache):
-    from featcache.probes import run_probes
+    from featcache.probes import ProbeConfig, run_probes
 
     rows = median_rows(seeded, "probe", ("val_source",))
     assert {r["seed"] for r in rows} == {-1} and len(rows) == seeded["metric"].n_unique()
@@ -44,7 +44,7 @@ def test_probe_medians_match_the_runner_and_brute_force(seeded, digits_cache):
         assert r["fit_seconds"] == pytest.approx(
             seeded.filter(pl.col("metric") == r["metric"])["fit_seconds"].sum())
     # the runner reports exactly these rows
-    again = run_probes(digits_cache, LITE0, "digits", "vtab1k", Cs=[1e-2, 1e-1], progress=False)
+    again = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "vtab1k", Cs=[1e-2, 1e-1], progress=False))
     med = again.filter(pl.col("seed") == -1).sort("metric")
     assert med["value"].to_list() == [r["value"] for r in sorted(rows, key=lambda r: r["metric"])]
 

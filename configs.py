@@ -1,0 +1,98 @@
+"""Stage configs as frozen dataclasses that are also the single source of their CLI flags.
+
+A field's ``metadata`` (built with :func:`flag`) says how it appears on the command line;
+:func:`add_arguments` adds one argparse argument per field and :func:`from_namespace`
+builds the config from the parsed namespace. Library users build the config directly.
+
+Only ``argparse`` and ``dataclasses`` are imported here, so a stage's CLI module stays
+cheap to import (``featcache extract`` starts fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["flag", "add_arguments", "from_namespace", "int_list", "float_list", "str_tuple"]
+
+_MISSING = dataclasses.MISSING
+
+
+def flag(default: Any = _MISSING, help: str | None = None, *, name: str | None = None,  # noqa: A002
+         cli: bool = True, negate: str | None = None, required: bool = False,
+         default_factory: Callable[[], Any] | None = None, **argparse_kw: Any):
+    """A dataclass field with its CLI description.
+
+    ``name``: the flag (default ``--field-name``); ``cli=False``: not on the command line
+    (the stage's CLI sets it by hand); ``negate``: a boolean field set to False by this
+    store-true flag (e.g. ``--no-standardize``); ``required``: a required flag (the field
+    then has no default); other keywords go to ``add_argument`` (``type``, ``choices``,
+    ``action``, ``metavar``, ``dest`` is always the field name).
+    """
+    meta = {"help": help, "name": name, "cli": cli, "negate": negate, "required": required,
+            "argparse": argparse_kw}
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    if default is _MISSING:
+        return dataclasses.field(metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _cli_fields(cls):
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", False)]
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One argparse argument per CLI field of dataclass ``cls``. Arguments default to
+    ``None`` (``SUPPRESS`` for flags) so :func:`from_namespace` falls back to the field
+    default: the dataclass holds the only copy of each default."""
+    for f in _cli_fields(cls):
+        m = f.metadata
+        help_ = (m["help"] or "").replace("%", "%%") or None
+        kw = dict(m["argparse"])
+        shown = f.default is not _MISSING and f.default is not None and not isinstance(f.default, (bool, tuple))
+        if shown and kw.get("action") is None:
+            help_ = f"{help_ or ''} (default: {f.default})".strip().replace("%", "%%")
+        if m["negate"]:
+            parser.add_argument(m["negate"], dest=f.name, action="store_false",
+                                default=argparse.SUPPRESS, help=help_)
+            continue
+        name = m["name"] or "--" + f.name.replace("_", "-")
+        if kw.get("action") not in ("store_true", "store_false") and "choices" not in kw:
+            kw.setdefault("metavar", name.lstrip("-").replace("-", "_").upper())
+        kw.setdefault("default", argparse.SUPPRESS)
+        if m["required"]:
+            kw["required"] = True
+        parser.add_argument(name, dest=f.name, help=help_, **kw)
+
+
+def from_namespace(cls, ns: argparse.Namespace, **extra: Any):
+    """Build ``cls`` from parsed arguments: every CLI field present in ``ns`` plus
+    ``extra`` (fields the stage's CLI derives itself); absent ones keep their defaults."""
+    kw = {f.name: getattr(ns, f.name) for f in _cli_fields(cls) if hasattr(ns, f.name)}
+    kw.update(extra)
+    return cls(**kw)
+
+
+def _split(text: str, cast, what: str):
+    try:
+        return [cast(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``0,1,2`` -> [0, 1, 2]."""
+    return _split(text, int, "integers")
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type: ``0.1,0.01`` -> [0.1, 0.01]."""
+    return _split(text, float, "numbers")
+
+
+def str_tuple(value) -> tuple[str, ...]:
+    """A string or an iterable of strings as a tuple (normalising config fields)."""
+    return (value,) if isinstance(value, str) else tuple(str(v) for v in value)

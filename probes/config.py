@@ -1,0 +1,126 @@
+"""The probe stage's config: one frozen dataclass, the single source of ``featcache probe``'s
+flags, of the probe run ids' options and of the hyper-parameters recorded in result rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from featcache.configs import flag, str_tuple
+from featcache.errors import ProbeError
+
+__all__ = ["ProbeConfig"]
+
+
+def _seeds(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return tuple(int(s) for s in value.split(",") if s.strip())
+        except ValueError:
+            raise ProbeError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {value!r})") from None
+    return tuple(int(s) for s in value)
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What ``featcache probe`` / :func:`featcache.probes.runner.run_probes` runs.
+
+    ``cache``: a store path/URL or several (each backbone is read from the first holding
+    it). ``backbones``: names, or ``"all"`` (every backbone with features for ``dataset``).
+    Grid and schedule fields left at ``None`` take the protocol's values
+    (:mod:`featcache.protocols`); ``seeds=None`` takes the protocol's default seeds.
+    """
+
+    cache: str | tuple[str, ...] = flag(cli=False)
+    backbones: str | tuple[str, ...] = flag(cli=False)
+    dataset: str = flag(required=True, help="dataset key in the cache")
+    protocol: str = flag("full", "full | fewshot:N | vtab1k | vtab1k-sgd | salman | subset:F%")
+    seeds: tuple[int, ...] | None = flag(
+        None, "comma-separated seeds (default: the protocol's, 0,1,2 for fewshot/vtab1k, else 0)")
+    results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
+    force: bool = flag(False, "re-run runs already in the results table", action="store_true")
+    backend: str = flag("auto", choices=["auto", "sklearn", "cuml", "torch"])
+    Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
+    max_iter: int = flag(1000, type=int)
+    tol: float = flag(1e-4, type=float)
+    standardize: bool = flag(True, "fit on raw features (default: z-score with training statistics)",
+                             negate="--no-standardize")
+    eval_splits: tuple[str, ...] = flag(("test",), "split(s) to evaluate on (repeatable; default: test)",
+                                        name="--eval-split", action="append")
+    train_split: str = flag("train")
+    val_split: str = flag("val", "the dataset's own validation split, used when present")
+    kind: str = flag("pooled", "feature kind in the cache")
+    val_source: str = flag("split-800-200", "vtab1k selection data (the paper's two readings)",
+                           choices=["split-800-200", "official-val"])
+    head_init: str | None = flag(None, "name of a class-embedding matrix stored beside the dataset (ELEVATER)")
+    sgd_epochs: int | None = flag(None, "salman: SGD epochs (paper: 150)", name="--epochs", type=int)
+    vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
+    last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
+    sgd_standardize: bool = flag(False, cli=False)
+    metrics: tuple[str, ...] | None = flag(None, cli=False)  # None: every metric
+    progress: bool = flag(True, "no progress bars", negate="--no-progress")
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("cache", str(self.cache) if isinstance(self.cache, str) or hasattr(self.cache, "__fspath__")
+            else tuple(str(c) for c in self.cache))
+        put("backbones", str_tuple(self.backbones))
+        put("seeds", _seeds(self.seeds))
+        put("eval_splits", str_tuple(self.eval_splits))
+        if self.Cs is not None:
+            put("Cs", tuple(sorted(float(c) for c in self.Cs)))
+        if self.vtab_steps is not None:
+            put("vtab_steps", tuple(int(s) for s in self.vtab_steps))
+        if self.metrics is not None:
+            put("metrics", str_tuple(self.metrics))
+        if self.results_path is not None:
+            put("results_path", str(self.results_path))
+
+    def resolve(self):
+        """(protocol, config with every ``None`` grid/schedule/seed field filled in from it)."""
+        from featcache.protocols import CGrid, get_protocol
+
+        proto = get_protocol(self.protocol, "probe")
+        g = proto.grid
+        cgrid = g if isinstance(g, CGrid) else CGrid()
+        out = replace(
+            self,
+            seeds=proto.seeds if self.seeds is None else self.seeds,
+            Cs=cgrid.Cs if self.Cs is None else self.Cs,
+            vtab_steps=self.vtab_steps if self.vtab_steps is not None else getattr(g, "steps", None) or (2500, 10000),
+            last_decay=self.last_decay if self.last_decay is not None else getattr(g, "last_decay", None) or 0.9,
+            sgd_epochs=self.sgd_epochs if self.sgd_epochs is not None else getattr(g, "epochs", None) or 150,
+        )
+        if not out.seeds:
+            raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
+        if not out.backbones:
+            raise ProbeError("no backbone given; pass --backbone NAME (repeatable) or --all")
+        if getattr(g, "epochs", None) is not None and out.sgd_epochs < 3:
+            raise ProbeError(f"{proto.spec} needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
+        return proto, out
+
+    def solver_options(self) -> dict[str, Any]:
+        """The solver settings ``_fit_lbfgs``/``_fit_sgd`` read (a resolved config)."""
+        return dict(Cs=list(self.Cs), backend=self.backend, max_iter=int(self.max_iter),
+                    tol=float(self.tol), standardize=bool(self.standardize),
+                    sgd_epochs=int(self.sgd_epochs), vtab_steps=tuple(self.vtab_steps),
+                    last_decay=float(self.last_decay), sgd_standardize=bool(self.sgd_standardize))
+
+    def run_options(self, proto) -> dict[str, Any]:
+        """Options that enter the run id (and are recorded): the solver settings the
+        protocol's solver reads plus the data choices (a resolved config)."""
+        opts = {k: v for k, v in self.solver_options().items() if k != "backend"}
+        opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
+        if proto.split == "vtab1k":
+            opts["val_source"] = self.val_source
+        if proto.solver == "lbfgs":
+            drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize")
+        elif proto.grid.epochs is not None:
+            drop = ("Cs", "max_iter", "tol", "standardize", "vtab_steps", "last_decay")
+        else:
+            drop = ("Cs", "max_iter", "tol", "standardize", "sgd_epochs")
+        return {k: v for k, v in opts.items() if k not in drop}

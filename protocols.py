@@ -1,0 +1,348 @@
+"""Evaluation protocols as one registry: split plan, default seeds, hyper-parameter grid,
+solver and pairing, for the probes (frozen features) and fine-tuning (images) alike.
+
+Protocols are registered in the style of timm's ``register_model``: a factory decorated with
+:func:`register_protocol` builds a frozen :class:`Protocol` from the spec's argument
+(``fewshot:5`` calls the ``fewshot`` factory with ``"5"``); :func:`get_protocol` parses a
+spec and :func:`list_protocols` names what is registered. Probe and fine-tune protocols live
+in separate namespaces (``stage``), so ``full`` exists for both.
+
+=============  ======  =====================================================================
+spec           stage   meaning
+=============  ======  =====================================================================
+full           probe   C selected on validation (the dataset's ``val`` split if it has one,
+                       else a stratified, seeded 10% of train), refit on train+val, test once.
+fewshot:N      probe   ELEVATER: N examples per class drawn from train (N counts *before* the
+                       80/20 split), each class split 80/20 (val = max(1, round(0.2 N)) per
+                       class) for selecting C, refit on all N per class. N >= 2.
+vtab1k         probe   VTAB-1k: 1000 train examples (stratified draw), 800 train / 200 val,
+                       select on the 200, retrain on the 1000. ``val_source``:
+                       ``split-800-200`` (default) or ``official-val`` (fit on the 1000,
+                       select on the dataset's val split). Each seed plus the median.
+vtab1k-sgd     probe   VTAB-1k splits with the lightweight SGD schedule (batch 512, momentum
+                       0.9, lr {0.1, 0.01} x {2500, 10000} steps, lr /10 at 1/3, 2/3 and
+                       ``last_decay`` of the steps; no weight decay).
+salman         probe   Salman et al.: SGD head, 150 epochs, batch 64, momentum 0.9, weight
+                       decay 5e-4, lr {0.01, 0.001} selected on validation (as ``full``),
+                       lr /10 every 50 epochs, refit on train+val.
+subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
+                       kept, at least one example per class), then ``full`` on that subset.
+vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
+               tune    ``vtab1k-sgd``; rows pair with probe ``vtab1k``.
+full           fine-   all of train, the ``full`` probe splits; rows pair with probe ``full``.
+               tune
+=============  ======  =====================================================================
+
+A plan (:meth:`Protocol.plan`) works on labels only, in the canonical order of
+:mod:`featcache.splits`, and returns positions into ``train ++ val`` (val rows follow the
+train rows), so a probe row and a fine-tune row of paired protocols train, select and refit
+on exactly the same examples for every seed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from featcache.errors import ProtocolError, SplitError
+from featcache.splits import (
+    HOLDOUT_FRACTION,
+    VAL_SOURCES,
+    VTAB_TOTAL,
+    fewshot_split,
+    full_holdout,
+    stratified_sample,
+    subset_indices,
+    vtab1k_indices,
+)
+
+__all__ = [
+    "C_GRID",
+    "STAGES",
+    "VAL_SOURCES",
+    "CGrid",
+    "SGDGrid",
+    "SplitPlan",
+    "Protocol",
+    "register_protocol",
+    "get_protocol",
+    "list_protocols",
+    "parse_protocol",
+    "pairs",
+]
+
+STAGES = ("probe", "finetune")
+#: the L-BFGS probes' C grid: 45 values log-spaced over 1e-6 .. 1e5 (DINOv2-style sweep)
+C_GRID = tuple(float(c) for c in np.logspace(-6, 5, 45))
+#: split plans a protocol can name
+SPLITS = ("full", "fewshot", "vtab1k", "subset")
+
+
+# ------------------------------------------------------------------ grids
+@dataclass(frozen=True)
+class CGrid:
+    """L-BFGS logistic regression: inverse regularisation strengths searched on validation."""
+
+    Cs: tuple[float, ...] = C_GRID
+
+
+@dataclass(frozen=True)
+class SGDGrid:
+    """SGD schedule and grid. ``steps`` (fixed schedule lengths, VTAB) or ``epochs`` (the
+    schedule follows each fit's data size, Salman et al.); lr divided by 10 at the
+    :meth:`milestones`."""
+
+    lrs: tuple[float, ...]
+    batch_size: int
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    steps: tuple[int, ...] | None = None
+    epochs: int | None = None
+    last_decay: float | None = None  # fraction of steps of the third lr drop (steps grids)
+
+    def milestones(self, steps: int, last_decay: float | None = None) -> tuple[int, ...]:
+        """Steps at which the lr drops: 1/3, 2/3 and ``last_decay`` of ``steps``."""
+        ld = self.last_decay if last_decay is None else last_decay
+        return tuple(sorted({steps // 3, 2 * steps // 3, int(round(ld * steps))}))
+
+    def decay_epochs(self, epochs: int | None = None) -> list[int]:
+        """Epochs-based grids: lr /10 every ``epochs // 3`` epochs (at 1/3 and 2/3)."""
+        e = self.epochs if epochs is None else epochs
+        step_e = max(1, e // 3)
+        return [k * step_e for k in (1, 2) if k * step_e < e]
+
+
+VTAB_SGD = SGDGrid(lrs=(0.1, 0.01), batch_size=512, momentum=0.9, weight_decay=0.0,
+                   steps=(2500, 10000), last_decay=0.9)
+SALMAN_SGD = SGDGrid(lrs=(0.01, 0.001), batch_size=64, momentum=0.9, weight_decay=5e-4, epochs=150)
+
+
+# ------------------------------------------------------------------ plans
+@dataclass
+class SplitPlan:
+    """Positions one seed trains on (``train``), selects on (``val``) and refits on
+    (``final``). Positions index ``train ++ val``: ``i < n_train`` is train row ``i``,
+    ``n_train + j`` is val row ``j``."""
+
+    train: np.ndarray
+    val: np.ndarray
+    final: np.ndarray
+    train_split: str  # the label recorded in result rows, e.g. "train[1000]", "train+val"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A named evaluation protocol (build with :func:`get_protocol`)."""
+
+    spec: str  # canonical text recorded in result rows, e.g. "fewshot:5", "subset:10%"
+    name: str  # registry name, e.g. "fewshot"
+    stage: str  # "probe" or "finetune"
+    split: str  # split plan: one of SPLITS
+    solver: str  # "lbfgs" or "sgd"
+    grid: CGrid | SGDGrid
+    seeds: tuple[int, ...] = (0,)
+    pairs_with: str | None = None  # the other stage's protocol with the same examples
+    shots: int = -1  # examples per class, -1 = all
+    fraction: float | None = None  # subset fraction
+    median_over_seeds: bool = False  # report the median row (VTAB) beside each seed
+
+    @property
+    def row_protocol(self) -> str:
+        """The protocol name written to result rows: a fine-tune row carries the probe
+        protocol it pairs with, so analysis matches them as one task."""
+        return self.pairs_with if self.stage == "finetune" and self.pairs_with else self.spec
+
+    def uses_val_split(self, val_source: str = "split-800-200") -> bool:
+        """Whether the plan selects on the dataset's own ``val`` split when it has one."""
+        if self.split == "fewshot":
+            return False
+        return not (self.split == "vtab1k" and val_source == "split-800-200")
+
+    def plan(self, y, seed: int, *, n_val: int | None = None, val_source: str = "split-800-200",
+             train_name: str = "train", val_name: str = "val") -> SplitPlan:
+        """The seeded split of labels ``y`` (canonical order). ``n_val``: size of the
+        dataset's val split when the caller has one (``None``: no val split)."""
+        y = np.asarray(y)
+        planner = _PLANNERS[self.split]
+        return planner(self, y, int(seed), n_val, val_source, train_name, val_name)
+
+
+def _concat_val(idx: np.ndarray, n_train: int, n_val: int) -> np.ndarray:
+    return np.concatenate([idx, n_train + np.arange(n_val)])
+
+
+def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+    idx = np.arange(y.size)
+    label = train_name
+    info: dict[str, Any] = {}
+    if p.split == "subset":
+        idx = subset_indices(y, p.fraction, seed)
+        label = f"{train_name}[{p.spec}]"
+        info["n_subset"] = int(idx.size)
+    if n_val is not None:
+        va = y.size + np.arange(n_val)
+        info.update(val="official", val_split=val_name)
+        return SplitPlan(idx, va, _concat_val(idx, y.size, n_val), f"{label}+{val_name}", info)
+    t, v = full_holdout(y[idx], seed)
+    info.update(val=f"holdout-{HOLDOUT_FRACTION:.0%}-of-{train_name}")
+    return SplitPlan(idx[t], idx[v], idx, label, info)
+
+
+def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+    t, v = fewshot_split(y, p.shots, seed)
+    return SplitPlan(t, v, np.sort(np.concatenate([t, v])), f"{train_name}[{p.spec}]",
+                     {"val": "per-class-80/20", "shots_counted": "before-split"})
+
+
+def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+    if val_source not in VAL_SOURCES:
+        raise SplitError(f"val_source must be one of {VAL_SOURCES}, got {val_source!r}")
+    label = f"{train_name}[{VTAB_TOTAL}]"
+    if val_source == "official-val":
+        idx = stratified_sample(y, VTAB_TOTAL, seed)
+        if n_val is None:
+            raise SplitError("val_source='official-val' needs a 'val' split; extract it or use "
+                             "val_source='split-800-200'")
+        return SplitPlan(idx, y.size + np.arange(n_val), idx, label,
+                         {"val": "official", "val_split": val_name, "val_source": val_source})
+    t, v = vtab1k_indices(y, seed)
+    return SplitPlan(t, v, np.sort(np.concatenate([t, v])), label,
+                     {"val": "split-800-200", "val_source": val_source})
+
+
+_PLANNERS: dict[str, Callable[..., SplitPlan]] = {
+    "full": _plan_full, "subset": _plan_full, "fewshot": _plan_fewshot, "vtab1k": _plan_vtab1k,
+}
+
+
+# ------------------------------------------------------------------ registry
+_REGISTRY: dict[tuple[str, str], Callable[[str | None], Protocol]] = {}
+
+
+def register_protocol(name: str, *, stage: str = "probe") -> Callable:
+    """Decorator: register ``fn(arg: str | None) -> Protocol`` as protocol ``name`` of
+    ``stage``. ``arg`` is the text after ``name:`` in a spec (``None`` when absent)."""
+    if stage not in STAGES:
+        raise ProtocolError(f"stage must be one of {STAGES}, got {stage!r}")
+
+    def deco(fn: Callable[[str | None], Protocol]):
+        if (stage, name) in _REGISTRY:
+            raise ProtocolError(f"{stage} protocol {name!r} is already registered")
+        _REGISTRY[(stage, name)] = fn
+        return fn
+
+    return deco
+
+
+def list_protocols(stage: str = "probe") -> list[str]:
+    """Registered protocol names of ``stage`` (parametrised ones without their argument)."""
+    if stage not in STAGES:
+        raise ProtocolError(f"stage must be one of {STAGES}, got {stage!r}")
+    return sorted(n for s, n in _REGISTRY if s == stage)
+
+
+def get_protocol(spec: str, stage: str = "probe") -> Protocol:
+    """Build the protocol of ``spec`` (e.g. ``full``, ``fewshot:5``, ``subset:10%``)."""
+    s = str(spec).strip().lower()
+    name, sep, arg = s.partition(":")
+    fn = _REGISTRY.get((stage, name))
+    if fn is None:
+        word = "unknown fine-tuning protocol" if stage == "finetune" else "unknown protocol"
+        raise ProtocolError(f"{word} {spec!r}; choose one of "
+                            f"{', '.join(_HELP.get((stage, n), n) for n in list_protocols(stage))}")
+    return fn(arg if sep else None)
+
+
+def parse_protocol(spec: str) -> Protocol:
+    """A probe protocol by spec (``get_protocol(spec, "probe")``)."""
+    return get_protocol(spec, "probe")
+
+
+def pairs(stage: str = "finetune") -> dict[str, str]:
+    """``{protocol of stage: the protocol of the other stage it pairs with}``."""
+    return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage)
+            if (stage, n) not in _HELP}
+
+
+_HELP = {("probe", "fewshot"): "fewshot:N (N >= 2)", ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)"}
+
+
+def _no_arg(name: str, arg: str | None) -> None:
+    if arg is not None:
+        raise ProtocolError(f"protocol {name!r} takes no argument, got {name}:{arg}")
+
+
+@register_protocol("full")
+def full(arg: str | None = None) -> Protocol:
+    _no_arg("full", arg)
+    return Protocol(spec="full", name="full", stage="probe", split="full", solver="lbfgs",
+                    grid=CGrid(), pairs_with="full")
+
+
+@register_protocol("fewshot")
+def fewshot(arg: str | None = None) -> Protocol:
+    m = re.fullmatch(r"\d+", arg or "")
+    if not m:
+        raise ProtocolError(f"fewshot needs a shot count, e.g. fewshot:5 (got {arg!r})")
+    n = int(arg)
+    if n < 2:
+        raise ProtocolError(
+            f"fewshot:{n} cannot work: the 80/20 per-class split for selecting C needs at "
+            "least one training and one validation example per class, so N >= 2 "
+            "(ELEVATER uses N = 5, 20, 50)")
+    return Protocol(spec=f"fewshot:{n}", name="fewshot", stage="probe", split="fewshot",
+                    solver="lbfgs", grid=CGrid(), seeds=(0, 1, 2), shots=n)
+
+
+@register_protocol("vtab1k")
+def vtab1k(arg: str | None = None) -> Protocol:
+    _no_arg("vtab1k", arg)
+    return Protocol(spec="vtab1k", name="vtab1k", stage="probe", split="vtab1k", solver="lbfgs",
+                    grid=CGrid(), seeds=(0, 1, 2), pairs_with="vtab1k-light",
+                    median_over_seeds=True)
+
+
+@register_protocol("vtab1k-sgd")
+def vtab1k_sgd(arg: str | None = None) -> Protocol:
+    _no_arg("vtab1k-sgd", arg)
+    return Protocol(spec="vtab1k-sgd", name="vtab1k-sgd", stage="probe", split="vtab1k",
+                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), median_over_seeds=True)
+
+
+@register_protocol("salman")
+def salman(arg: str | None = None) -> Protocol:
+    _no_arg("salman", arg)
+    return Protocol(spec="salman", name="salman", stage="probe", split="full", solver="sgd",
+                    grid=SALMAN_SGD)
+
+
+@register_protocol("subset")
+def subset(arg: str | None = None) -> Protocol:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)%", arg or "")
+    if not m:
+        raise ProtocolError(f"subset needs a percentage, e.g. subset:10% (got {arg!r})")
+    pct = float(m.group(1))
+    if not 0 < pct < 100:
+        raise ProtocolError(f"subset fraction must lie in (0%, 100%), got subset:{arg}; use "
+                            "'full' for all data")
+    return Protocol(spec=f"subset:{m.group(1)}%", name="subset", stage="probe", split="subset",
+                    solver="lbfgs", grid=CGrid(), fraction=pct / 100)
+
+
+@register_protocol("vtab1k-light", stage="finetune")
+def vtab1k_light(arg: str | None = None) -> Protocol:
+    _no_arg("vtab1k-light", arg)
+    return Protocol(spec="vtab1k-light", name="vtab1k-light", stage="finetune", split="vtab1k",
+                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k")
+
+
+@register_protocol("full", stage="finetune")
+def full_finetune(arg: str | None = None) -> Protocol:
+    _no_arg("full", arg)
+    return Protocol(spec="full", name="full", stage="finetune", split="full", solver="sgd",
+                    grid=VTAB_SGD, pairs_with="full")
