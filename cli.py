@@ -18,7 +18,7 @@ from featcache.errors import FeatcacheError
 #: modules whose ``register(subparsers)`` adds commands, in help order
 COMMAND_MODULES = (
     "featcache.extract.cli",
-    "featcache.extract.finetune_cli",
+    "featcache.finetune.cli",
     "featcache.store.cli",
     "featcache.probes.cli",
     "featcache.retrieval.cli",

@@ -45,9 +45,10 @@ def _cli_fields(cls):
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One argparse argument per CLI field of dataclass ``cls``. Arguments default to
-    ``None`` (``SUPPRESS`` for flags) so :func:`from_namespace` falls back to the field
-    default: the dataclass holds the only copy of each default."""
+    """One argparse argument per CLI field of dataclass ``cls``, defaulting to the field's
+    default (repeatable flags are absent from the namespace unless given, so
+    :func:`from_namespace` falls back to the field default): the dataclass holds the only
+    copy of each default."""
     for f in _cli_fields(cls):
         m = f.metadata
         help_ = (m["help"] or "").replace("%", "%%") or None
@@ -62,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         name = m["name"] or "--" + f.name.replace("_", "-")
         if kw.get("action") not in ("store_true", "store_false") and "choices" not in kw:
             kw.setdefault("metavar", name.lstrip("-").replace("-", "_").upper())
-        kw.setdefault("default", argparse.SUPPRESS)
+        if kw.get("action") == "append" or f.default is _MISSING:
+            kw.setdefault("default", argparse.SUPPRESS)  # appending to a default would keep it
+        else:
+            kw.setdefault("default", f.default)
         if m["required"]:
             kw["required"] = True
         parser.add_argument(name, dest=f.name, help=help_, **kw)

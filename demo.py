@@ -60,17 +60,17 @@ def run_demo(args: argparse.Namespace) -> int:
     run_retrieval(args.cache, keys, "digits", "test", "train", results_path=results, progress=not args.no_progress)
     do_ft = args.finetune == "on" or (args.finetune == "auto" and cuda)
     if do_ft:
-        from featcache.extract.finetune import finetune
+        from featcache.finetune import FinetuneConfig, finetune
 
         print(f"[4/5] fine-tuning (VTAB-1k lightweight protocol scaled to {args.finetune_steps} steps; "
               "probes with the same vtab1k splits for the linear-vs-fine-tune ranking)")
         run_probes(ProbeConfig(args.cache, keys, "digits", "vtab1k", seeds=[0], results_path=results,
                    progress=not args.no_progress))
         for (model, weights), key in zip(chosen, keys):
-            finetune(model, weights, "digits", "vtab1k-light", seeds=[0], results_path=results,
+            finetune(FinetuneConfig(model, weights, "digits", "vtab1k-light", seeds=[0], results_path=results,
                      steps=(args.finetune_steps,), lrs=(0.01,), batch_size=64 if cuda else 32,
                      input_size=size, backbone_name=key, checkpoint_dir=str(out / "checkpoints"),
-                     progress=not args.no_progress)
+                     progress=not args.no_progress))
     else:
         print("[4/5] fine-tuning skipped (off by default on CPU: pass --finetune on)")
     table = read_results(results)

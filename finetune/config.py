@@ -1,0 +1,174 @@
+"""The fine-tuning stage's config: one frozen dataclass, the single source of
+``featcache finetune``'s flags, of the fine-tune run ids' options and of the hyper-parameters
+recorded in result rows."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from featcache.configs import flag, float_list, int_list, str_tuple
+from featcache.errors import DataError
+
+__all__ = ["FinetuneConfig", "DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE"]
+
+DEFAULT_CHECKPOINT_EVERY = 250
+#: the input resolution of the published protocol (other sizes are a scaled-down run)
+VTAB_INPUT_SIZE = 224
+
+
+def _as_tuple(v, cast) -> tuple:
+    if isinstance(v, (int, float, str)):
+        v = str(v).split(",") if isinstance(v, str) else [v]
+    return tuple(cast(x) for x in v)
+
+
+def parse_limit(s: str) -> int | dict[str, int]:
+    """argparse type of ``--limit``: ``N`` (every split) or ``SPLIT=N[,SPLIT=N]``."""
+    try:
+        if "=" not in s:
+            return int(s)
+        out = {}
+        for part in s.split(","):
+            k, _, v = part.partition("=")
+            out[k.strip()] = int(v)
+        return out
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--limit takes N or SPLIT=N[,SPLIT=N], got {s!r}") from None
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """What ``featcache finetune`` / :func:`featcache.finetune.runner.finetune` runs.
+
+    Grid fields left at ``None`` (``steps``, ``lrs``, ``batch_size``, ``last_decay``,
+    ``momentum``, ``weight_decay``) and ``seeds`` take the protocol's values
+    (:mod:`featcache.protocols`); any other value is recorded as a scaled-down protocol
+    (``hparams["scaled_from"]``).
+    """
+
+    model: str = flag(required=True, help="timm model name, e.g. tf_efficientnet_lite0")
+    weights: str = flag("timm", "timm (local cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
+    data: str = flag(None, "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE", required=True)
+    protocol: str = flag("vtab1k-light", "vtab1k-light: 1000 examples (800/200 selection), rows pair with "
+                         "probe protocol vtab1k; full: all of train, pairs with probe protocol full")
+    seeds: tuple[int, ...] | None = flag(None, "comma-separated seeds (default 0,1,2 for vtab1k-light, 0 for full)",
+                                         type=int_list)
+    results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
+    steps: tuple[int, ...] | None = flag(None, "schedule lengths searched (VTAB: 2500,10000; fewer = scaled-down run)",
+                                         type=int_list)
+    lrs: tuple[float, ...] | None = flag(None, "learning rates searched (VTAB: 0.1,0.01)", type=float_list)
+    batch_size: int | None = flag(None, "SGD batch (VTAB: 512)", type=int)
+    micro_batch: int | None = flag(None, "gradient-accumulation chunk when a full batch does not fit in memory",
+                                   type=int)
+    last_decay: float | None = flag(None, "fraction of the steps at which the third lr/10 drop happens "
+                                    "(VTAB: 0.9; the paper says 'shortly before the end')", type=float)
+    momentum: float | None = flag(None, "SGD momentum (VTAB: 0.9)", type=float)
+    weight_decay: float | None = flag(None, "0 for fine-tuning (VTAB); VTAB's from-scratch runs use 0.01 x lr",
+                                      type=float)
+    input_size: int | None = flag(None, "override the model's input resolution", type=int)
+    pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
+    device: str = flag("auto", "auto | cpu | cuda[:N]")
+    precision: str = flag("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16"])
+    eval_splits: tuple[str, ...] = flag(("test",), "split(s) to test on (repeatable; default test)",
+                                        name="--eval-split", action="append")
+    train_split: str = flag("train")
+    val_split: str = flag("val")
+    val_source: str = flag("split-800-200", "vtab1k-light selection data: the 200 held out of the 1000, or "
+                           "the dataset's val split", choices=["split-800-200", "official-val"])
+    dataset_name: str | None = flag(None, "dataset key written to the rows (default: derived from --data; "
+                                    "must match the probe rows' dataset to pair)")
+    backbone_name: str | None = flag(None, "backbone key written to the rows (default as extract: NAME, "
+                                     "NAME@random<SEED>, NAME@<ckpt stem>)")
+    limit: int | dict[str, int] | None = flag(None, "first N rows of every split, or SPLIT=N[,SPLIT=N]",
+                                              type=parse_limit)
+    checkpoint_dir: str | None = flag(None, "default: RESULTS.finetune-ckpt")
+    checkpoint_every: int = flag(DEFAULT_CHECKPOINT_EVERY, "steps between checkpoints", type=int)
+    workers: int | None = flag(None, "DataLoader workers (default: min(4, cpus))", type=int)
+    memory_limit_gb: float = flag(4.0, "preprocess images once into memory up to this size, else stream them",
+                                  type=float)
+    force: bool = flag(False, "rerun seeds already in the results table", action="store_true")
+    progress: bool = flag(True, "no progress bars", negate="--no-progress")
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.seeds is not None:
+            put("seeds", _as_tuple(self.seeds, int))
+        if self.steps is not None:
+            put("steps", _as_tuple(self.steps, int))
+        if self.lrs is not None:
+            put("lrs", _as_tuple(self.lrs, float))
+        put("eval_splits", str_tuple(self.eval_splits))
+        for name in ("results_path", "checkpoint_dir"):
+            if getattr(self, name) is not None:
+                put(name, str(getattr(self, name)))
+
+    def resolve(self):
+        """(protocol, config with the protocol's grid and seeds filled in), after checking
+        every value (a clear error before any image is read)."""
+        from featcache.protocols import get_protocol
+
+        proto = get_protocol(self.protocol, "finetune")
+        g = proto.grid
+        out = replace(
+            self,
+            seeds=proto.seeds if self.seeds is None else self.seeds,
+            steps=g.steps if self.steps is None else self.steps,
+            lrs=g.lrs if self.lrs is None else self.lrs,
+            batch_size=g.batch_size if self.batch_size is None else int(self.batch_size),
+            last_decay=g.last_decay if self.last_decay is None else float(self.last_decay),
+            momentum=g.momentum if self.momentum is None else float(self.momentum),
+            weight_decay=g.weight_decay if self.weight_decay is None else float(self.weight_decay),
+            workers=min(4, os.cpu_count() or 1) if self.workers is None else int(self.workers),
+        )
+        out._check()
+        return proto, out
+
+    def _check(self) -> None:
+        if not self.data:
+            raise DataError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
+        if not self.steps or min(self.steps) < 1:
+            raise DataError(f"steps must be positive integers, got {self.steps!r}")
+        if not self.lrs or min(self.lrs) <= 0:
+            raise DataError(f"learning rates must be positive, got {self.lrs!r}")
+        mb = self.micro_batch
+        if self.batch_size < 1 or (mb is not None and not 1 <= mb <= self.batch_size):
+            raise DataError(f"need batch_size >= 1 and 1 <= micro_batch <= batch_size; got "
+                            f"{self.batch_size} and {mb}")
+        if not 0 < self.last_decay < 1:
+            raise DataError(f"last_decay must lie in (0, 1) (a fraction of the steps), got {self.last_decay}")
+        if self.checkpoint_every < 1:
+            raise DataError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if not self.seeds:
+            raise DataError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
+
+    def run_options(self, proto, backbone, precision: str) -> dict[str, Any]:
+        """Options that enter the run id and the recorded hparams (a resolved config, the
+        built backbone and the resolved precision)."""
+        return dict(
+            finetune_protocol=proto.spec, weights=self.weights, weights_sha256=backbone.weights_sha256,
+            model=self.model, steps=list(self.steps), lrs=list(self.lrs), batch_size=self.batch_size,
+            micro_batch=self.micro_batch, last_decay=self.last_decay, momentum=self.momentum,
+            weight_decay=self.weight_decay, data_config=_jsonable(backbone.data_config),
+            train_split=self.train_split, precision=precision,
+            val_source=self.val_source if proto.split == "vtab1k" else None, limit=self.limit,
+        )
+
+    def scaled_from(self, proto) -> dict[str, Any]:
+        """The published values this (resolved) config departs from."""
+        g = proto.grid
+        out = {k: ref for k, v, ref in (("steps", self.steps, g.steps), ("lrs", self.lrs, g.lrs),
+                                         ("batch_size", self.batch_size, g.batch_size),
+                                         ("momentum", self.momentum, g.momentum),
+                                         ("weight_decay", self.weight_decay, g.weight_decay)) if v != ref}
+        if self.input_size is not None and self.input_size != VTAB_INPUT_SIZE:
+            out["input_size"] = VTAB_INPUT_SIZE
+        return out
+
+
+def _jsonable(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
