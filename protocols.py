@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 STAGES = ("probe", "finetune")
-#: the L-BFGS probes' C grid: 45 values log-spaced over 1e-6 .. 1e5 (DINOv2-style sweep)
+#: the L-BFGS probes' C grid (Kornblith et al. / DINOv2): 45 values log-spaced over 1e-6 .. 1e5
 C_GRID = tuple(float(c) for c in np.logspace(-6, 5, 45))
 #: split plans a protocol can name
 SPLITS = ("full", "fewshot", "vtab1k", "subset")

@@ -91,24 +91,27 @@ class ProbeConfig:
             self,
             seeds=proto.seeds if self.seeds is None else self.seeds,
             Cs=cgrid.Cs if self.Cs is None else self.Cs,
-            vtab_steps=self.vtab_steps if self.vtab_steps is not None else getattr(g, "steps", None) or (2500, 10000),
-            last_decay=self.last_decay if self.last_decay is not None else getattr(g, "last_decay", None) or 0.9,
-            sgd_epochs=self.sgd_epochs if self.sgd_epochs is not None else getattr(g, "epochs", None) or 150,
+            vtab_steps=self.vtab_steps if self.vtab_steps is not None else getattr(g, "steps", None),
+            last_decay=self.last_decay if self.last_decay is not None else getattr(g, "last_decay", None),
+            sgd_epochs=self.sgd_epochs if self.sgd_epochs is not None else getattr(g, "epochs", None),
         )
         if not out.seeds:
             raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not out.backbones:
             raise ProbeError("no backbone given; pass --backbone NAME (repeatable) or --all")
-        if getattr(g, "epochs", None) is not None and out.sgd_epochs < 3:
+        if out.sgd_epochs is not None and getattr(g, "epochs", None) is not None and out.sgd_epochs < 3:
             raise ProbeError(f"{proto.spec} needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
         return proto, out
 
     def solver_options(self) -> dict[str, Any]:
         """The solver settings ``_fit_lbfgs``/``_fit_sgd`` read (a resolved config)."""
+        def opt(cast, v):  # grid fields a protocol does not use stay None
+            return None if v is None else cast(v)
+
         return dict(Cs=list(self.Cs), backend=self.backend, max_iter=int(self.max_iter),
                     tol=float(self.tol), standardize=bool(self.standardize),
-                    sgd_epochs=int(self.sgd_epochs), vtab_steps=tuple(self.vtab_steps),
-                    last_decay=float(self.last_decay), sgd_standardize=bool(self.sgd_standardize))
+                    sgd_epochs=opt(int, self.sgd_epochs), vtab_steps=opt(tuple, self.vtab_steps),
+                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize))
 
     def run_options(self, proto) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the solver settings the

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from featcache.errors import BackendUnavailableError, ProbeError
+from featcache.protocols import C_GRID
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "sklearn", "cuml", "torch")
-#: Kornblith et al. / DINOv2 grid: 45 values log-spaced over [1e-6, 1e5]
-DEFAULT_CS = tuple(float(c) for c in np.logspace(-6, 5, 45))
+#: Kornblith et al. / DINOv2 grid: 45 values log-spaced over [1e-6, 1e5] (the protocols' grid)
+DEFAULT_CS = C_GRID
 
 
 def _cuda_available() -> bool:
