@@ -5,7 +5,7 @@ and memory format, measures
 
 (a) the bare forward of the model on pre-made tensors (the ceiling),
 (b) the full pipeline: dataset -> decode/resize in workers -> forward -> background zarr writes,
-(c) the same pipeline with writes disabled (``extract(..., write=False)``),
+(c) the same pipeline with writes disabled (``extract(ExtractConfig(..., write=False))``),
 
 and prints images/s for each and the ratios b/a (target >= 0.90) and b/c (target >= 0.95).
 Each measurement is repeated ``--repeats`` times, interleaved with the order rotated (a c b,
@@ -67,16 +67,16 @@ def bare_forward(bb, head, n: int, batch_size: int, channels_last: bool, amp: st
 
 
 def pipeline(args, input_size: int, write: bool, chunk_rows: int, root: Path) -> float:
-    from featcache.extract.pipeline import extract
+    from featcache.extract import ExtractConfig, extract
 
     cache = root / f"bench-{input_size}-{chunk_rows}-{write}-{time.monotonic_ns()}.zarr"
     try:
-        (rep,) = extract(
+        (rep,) = extract(ExtractConfig(
             args.model, args.weights, args.data, [args.split], str(cache), limit=args.n,
             input_size=input_size, batch_size=args.batch_size, workers=args.workers, threads=args.threads,
             device=args.device, chunk_rows=chunk_rows, amp=args.amp, channels_last=not args.no_channels_last,
             write=write, progress=False,
-        )
+        ))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return rep.n / rep.seconds
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from featcache.extract.backbones import create_backbone
     from featcache.allocator import tune_cpu_allocator
+    from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import (
         DEFAULT_CHUNK_ROWS,
         FeatureHead,
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.input_size:
         bb = create_backbone(args.model, args.weights, device=args.device, input_size=size)
         workers, threads = default_parallelism(bb.device, args.workers, args.threads)
-        if bb.device == "cpu":  # what extract() does on CPU; (a) must run under the same allocator
+        if bb.device == "cpu":  # what `featcache extract` does on CPU (extract() leaves the allocator alone): every arm runs tuned
             tune_cpu_allocator()
         args.workers, args.threads = workers, threads
         if threads:

@@ -49,7 +49,7 @@ def test_tuned_allocator_reuses_freed_buffers():
 
 
 def test_tuning_is_applied_once_and_reported():
-    from featcache.extract import cpu
+    from featcache import allocator as cpu
 
     first = cpu.tune_cpu_allocator()
     assert cpu.tune_cpu_allocator() is first
