@@ -31,33 +31,41 @@ class SplitReport:
     failures: list[tuple[str, str]] = field(default_factory=list)
 
 
-def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mode: str, rank: int) -> SplitReport:
-    """Compute and write this rank's ``chunks`` of one split (``cfg``: the
-    :class:`~featcache.extract.config.ExtractConfig`); unreadable images become invalid rows."""
-    import torch
+def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
+    """(DataLoader over this rank's chunks, the fast preprocessing or None)."""
     from torch.utils.data import DataLoader
 
-    batch_size, channels_last = cfg.batch_size, cfg.channels_last
-    dev = bb.device
-    cuda = dev.startswith("cuda")
-    shape = tuple(bb.data_config["input_size"])
     from featcache.extract.preprocess import split_transform
 
+    cuda = bb.device.startswith("cuda")
     fast = split_transform(bb.transform)
-    ds = ImageRows(src, bb.transform, shape, fast)
+    ds = ImageRows(src, bb.transform, tuple(bb.data_config["input_size"]), fast)
     if chunks:
         # open the source once in this process (e.g. decompress an IDX file, open a shard) so
         # forked workers inherit it instead of each redoing it; a broken first image is fine
         ds[writer.chunk_range(chunks[0])[0]]
     loader = DataLoader(
         ds,
-        batch_sampler=BatchSampler(chunks, writer.chunk_rows, len(src), batch_size),
+        batch_sampler=BatchSampler(chunks, writer.chunk_rows, len(src), cfg.batch_size),
         num_workers=workers,
-        collate_fn=functools.partial(collate, channels_last=channels_last and not cuda, fast=None if cuda else fast),
+        collate_fn=functools.partial(collate, channels_last=cfg.channels_last and not cuda,
+                                     fast=None if cuda else fast),
         pin_memory=cuda,
         prefetch_factor=4 if workers > 0 else None,
         persistent_workers=False,
     )
+    return loader, fast
+
+
+def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mode: str, rank: int) -> SplitReport:
+    """Compute and write this rank's ``chunks`` of one split (``cfg``: the
+    :class:`~featcache.extract.config.ExtractConfig`); unreadable images become invalid rows."""
+    import torch
+
+    channels_last = cfg.channels_last
+    dev = bb.device
+    cuda = dev.startswith("cuda")
+    loader, fast = _loader(src, bb, writer, chunks, cfg, workers)
     n_rows = sum(writer.chunk_range(c)[1] - writer.chunk_range(c)[0] for c in chunks)
     bar = None
     if cfg.progress and rank == 0:
@@ -108,7 +116,10 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
         bg.close()
         if bar is not None:
             bar.close()
-    secs = time.perf_counter() - t0
+    return _report(src, writer, chunks, n_rows, failures, time.perf_counter() - t0)
+
+
+def _report(src, writer, chunks, n_rows: int, failures: list[tuple[str, str]], secs: float) -> SplitReport:
     ips = n_rows / secs if secs > 0 else None
     for sid, err in failures[:20]:
         log.warning("unreadable image %s: %s", sid, err)
