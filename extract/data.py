@@ -47,6 +47,7 @@ import logging
 import os
 import re
 import struct
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,7 +182,10 @@ def decode_image(fp, options: ReadOptions | None = None):
     from PIL import Image, ImageOps
 
     opts = options or ReadOptions()
-    with Image.open(fp) as im:
+    with warnings.catch_warnings():  # the limit below replaces PIL's DecompressionBombWarning
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        im = Image.open(fp)
+    with im:
         w, h = im.size
         if w * h > opts.max_image_pixels:
             raise DataError(
