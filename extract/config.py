@@ -84,7 +84,7 @@ class ExtractConfig:
     allow_empty_classes: bool = _opt(False, "imagefolder: keep class folders without images as classes",
                                      action="store_true")
     write: bool = _opt(True, "write to the store (False: benchmark everything but the writes)", cli=False)
-    progress: bool = _opt(True, "progress bar", invert="--no-progress")
+    progress: bool = _opt(True, "hide the progress bar", invert="--no-progress")
     storage_options: Mapping[str, Any] | None = _opt(None, "fsspec options", cli=False)
 
     def __post_init__(self) -> None:
@@ -131,7 +131,7 @@ class ExtractConfig:
             m = f.metadata
             if not m.get("cli", True):
                 continue
-            if m["invert"]:
+            if m["invert"]:  # a --no-... switch; its help describes the switch
                 p.add_argument(m["invert"], dest=f.name, action="store_false", help=m["help"])
                 continue
             kw = dict(m["argparse"])
