@@ -171,6 +171,8 @@ def _extract_split(job: _Job, src: SplitSource) -> SplitReport:
     # every rank reads the recorded settings before rank 0 touches the arrays
     stored = agree(world, rank, "set-up", _stored_provenance, job.store, key, src, cfg.features)
     threads = _job_threads(job, stored)
+    if world > 1:  # one thread count per job: every rank computes as rank 0 records
+        threads = gather(world, threads)[0]
     writer = FeatureWriter(job.store, key, src.dataset, src.split, _provenances(job, src, meta, threads))
     agree(world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite)
     pending_all = agree(world, rank, "set-up", _attach_and_read, writer, rank)

@@ -189,7 +189,13 @@ def test_cli_flags_come_from_the_config():
 KW = dict(limit=16, input_size=32, batch_size=8, chunk_rows=8, workers=0, device="cpu", progress=False)
 
 
-def test_cpu_bf16_records_the_fp32_it_computes(tmp_path, caplog):
+def test_cpu_bf16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tmp_path, caplog, monkeypatch):
+    import featcache.allocator as allocator
+
+    def refuse():
+        raise AssertionError("extract() must not tune the process allocator")
+
+    monkeypatch.setattr(allocator, "tune_cpu_allocator", refuse)
     cache = str(tmp_path / "c.zarr")
     with caplog.at_level(logging.WARNING):
         extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="bf16", threads=1, **KW))
@@ -211,14 +217,3 @@ def test_resume_keeps_recorded_threads_and_refuses_other_settings(tmp_path):
     (rep,) = extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, **KW))  # threads: recorded
     assert rep.chunks_computed == 2
     assert open_cache(cache).provenance(key, "digits", "test").extra["threads"] == 1
-
-
-def test_library_extract_leaves_the_allocator_alone(tmp_path, monkeypatch):
-    import featcache.allocator as allocator
-
-    def refuse():
-        raise AssertionError("extract() must not tune the process allocator")
-
-    monkeypatch.setattr(allocator, "tune_cpu_allocator", refuse)
-    (rep,) = extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], str(tmp_path / "c.zarr"), **KW))
-    assert rep.n == 16
