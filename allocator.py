@@ -13,6 +13,17 @@ with identical numbers. This is the
 effect PyTorch's CPU tuning guide gets from preloading jemalloc or tcmalloc, without a
 preload.
 
+Only the ``featcache extract`` and ``featcache finetune`` commands apply it: a library call
+(``featcache.extract.extract``) changes nothing process-wide. Library users (a notebook, a
+service) get the same effect for a whole process, without code, from glibc's tunables set
+before Python starts::
+
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615 python ...
+
+(``trim_threshold`` = SIZE_MAX: never trim; ``mmap_max=0`` alone is not enough), or by
+preloading jemalloc/tcmalloc as PyTorch's CPU tuning guide suggests. The process then keeps
+its peak heap until it exits.
+
 Set ``FEATCACHE_MALLOC=system`` to leave the allocator alone.
 """
 
@@ -33,7 +44,8 @@ _tuned: bool | None = None
 
 
 def tune_cpu_allocator() -> bool:
-    """Keep large freed CPU buffers in glibc's heap for reuse (once per process).
+    """Keep large freed CPU buffers in glibc's heap for reuse (once per process; called by the
+    ``extract``/``finetune`` commands and the extraction benchmark, never by a library call).
 
     Returns whether the tuning is active. A no-op returning False off glibc (macOS, musl) or
     when ``FEATCACHE_MALLOC=system``. The process then keeps its peak heap mapped until it

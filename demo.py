@@ -28,7 +28,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from featcache.analysis import rank, write_report
-    from featcache.extract.pipeline import extract
+    from featcache.extract import ExtractConfig, extract
     from featcache.probes import ProbeConfig, run_probes
     from featcache.results import read_results
     from featcache.retrieval import run_retrieval
@@ -47,8 +47,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"[1/5] extracting digits with {len(chosen)} backbones into {args.cache}"
           f" ({'model resolution' if size is None else f'{size} px'}, {'cuda' if cuda else 'cpu'})")
     for model, weights in chosen:
-        reps = extract(model, weights, "digits", ["train", "test"], args.cache, batch_size=args.batch_size,
-                       workers=args.workers, input_size=size, progress=not args.no_progress)
+        reps = extract(ExtractConfig(model, weights, "digits", ["train", "test"], args.cache, batch_size=args.batch_size,
+                       workers=args.workers, input_size=size, progress=not args.no_progress))
         keys.append(reps[0].backbone)
     catalog = open_cache(args.cache).catalog()  # lists every chunk: computed once, reused by the report
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=160, fmt_str_lengths=40):

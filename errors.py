@@ -65,3 +65,7 @@ class SplitError(DataError, ProbeError):
 class ProtocolError(DataError, ProbeError):
     """An unknown or malformed protocol spec (:mod:`featcache.protocols`, shared by probes
     and fine-tuning; both a :class:`DataError` and a :class:`ProbeError`)."""
+
+
+class ConfigError(FeatcacheError, ValueError):
+    """A stage configuration value is invalid (a negative --limit, --chunk-rows 0, ...)."""

@@ -5,7 +5,7 @@ and memory format, measures
 
 (a) the bare forward of the model on pre-made tensors (the ceiling),
 (b) the full pipeline: dataset -> decode/resize in workers -> forward -> background zarr writes,
-(c) the same pipeline with writes disabled (``extract(..., write=False)``),
+(c) the same pipeline with writes disabled (``extract(ExtractConfig(..., write=False))``),
 
 and prints images/s for each and the ratios b/a (target >= 0.90) and b/c (target >= 0.95).
 Each measurement is repeated ``--repeats`` times, interleaved with the order rotated (a c b,
@@ -14,6 +14,11 @@ only ever slow a run down. The ratios are also given per round (a, b, c measured
 back), median over rounds; every sample is printed too.
 
     python benchmarks/extract_throughput.py --n 2000 --input-size 112 224
+
+The glibc allocator tuning (:mod:`featcache.allocator`) is applied explicitly here, as the
+``featcache extract`` command does (``extract()`` itself leaves the process allocator alone):
+``--malloc tuned`` (default) runs every arm tuned; ``--malloc system`` runs them all on glibc's
+defaults (a separate process, since the tuning cannot be undone), the reference for the gain.
 
 Also ``--chunk-rows-sweep 256 512 1024 2048`` times (b) for several chunk sizes (the default
 ``--chunk-rows`` of ``featcache extract`` was chosen this way).
@@ -67,16 +72,16 @@ def bare_forward(bb, head, n: int, batch_size: int, channels_last: bool, amp: st
 
 
 def pipeline(args, input_size: int, write: bool, chunk_rows: int, root: Path) -> float:
-    from featcache.extract.pipeline import extract
+    from featcache.extract import ExtractConfig, extract
 
     cache = root / f"bench-{input_size}-{chunk_rows}-{write}-{time.monotonic_ns()}.zarr"
     try:
-        (rep,) = extract(
+        (rep,) = extract(ExtractConfig(
             args.model, args.weights, args.data, [args.split], str(cache), limit=args.n,
             input_size=input_size, batch_size=args.batch_size, workers=args.workers, threads=args.threads,
             device=args.device, chunk_rows=chunk_rows, amp=args.amp, channels_last=not args.no_channels_last,
             write=write, progress=False,
-        )
+        ))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return rep.n / rep.seconds
@@ -100,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="rounds of (a, b, c), order rotated; best of each")
     p.add_argument("--chunk-rows-sweep", type=int, nargs="*", default=[],
                    help="also time (b) for these chunk sizes")
+    p.add_argument("--malloc", default="tuned", choices=["tuned", "system"],
+                   help="tuned: featcache.allocator.tune_cpu_allocator() for every arm (what `featcache extract` "
+                        "does on CPU); system: glibc defaults (what a library call gets)")
     p.add_argument("--tmp", default=None, help="folder for the throw-away stores")
     p.add_argument("--json", default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
@@ -108,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from featcache.extract.backbones import create_backbone
     from featcache.allocator import tune_cpu_allocator
+    from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import (
         DEFAULT_CHUNK_ROWS,
         FeatureHead,
@@ -123,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.input_size:
         bb = create_backbone(args.model, args.weights, device=args.device, input_size=size)
         workers, threads = default_parallelism(bb.device, args.workers, args.threads)
-        if bb.device == "cpu":  # what extract() does on CPU; (a) must run under the same allocator
-            tune_cpu_allocator()
+        tuned = bb.device == "cpu" and args.malloc == "tuned" and tune_cpu_allocator()
         args.workers, args.threads = workers, threads
         if threads:
             torch.set_num_threads(threads)
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "model": args.model, "input_size": size, "n": args.n, "batch_size": args.batch_size,
             "device": bb.device, "workers": workers, "torch_threads": torch.get_num_threads(), "amp": amp,
-            "channels_last": not args.no_channels_last, "chunk_rows": chunk_rows,
+            "channels_last": not args.no_channels_last, "chunk_rows": chunk_rows, "malloc_tuned": bool(tuned),
             "a_bare_forward_ips": round(best["a"], 1), "b_pipeline_ips": round(best["b"], 1),
             "c_no_write_ips": round(best["c"], 1),
             "b_over_a": round(best["b"] / best["a"], 3), "b_over_c": round(best["b"] / best["c"], 3),
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(
             f"{args.model} @ {size}px, batch {args.batch_size}, {bb.device}, {workers} worker(s), "
-            f"{row['torch_threads']} thread(s), amp={amp}, channels_last={row['channels_last']}, n={args.n}\n"
+            f"{row['torch_threads']} thread(s), amp={amp}, channels_last={row['channels_last']}, "
+            f"malloc={'tuned' if tuned else 'system'}, n={args.n}\n"
             f"  (a) bare forward     {row['a_bare_forward_ips']:9.1f} img/s\n"
             f"  (b) full pipeline    {row['b_pipeline_ips']:9.1f} img/s   b/a = {row['b_over_a']:.3f} (target >= 0.90)\n"
             f"  (c) without writes   {row['c_no_write_ips']:9.1f} img/s   b/c = {row['b_over_c']:.3f} (target >= 0.95)"

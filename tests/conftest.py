@@ -42,11 +42,11 @@ def _fixture_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def digits_cache(tmp_path_factory) -> str:
     """Store with tf_efficientnet_lite0 (ImageNet weights) features of digits train/test."""
-    from featcache.extract.pipeline import extract
+    from featcache.extract import ExtractConfig, extract
 
     path = str(_fixture_root(tmp_path_factory) / "digits.zarr")
-    extract(LITE0, LITE0_WEIGHTS, "digits", ["train", "test"], path, input_size=FIXTURE_INPUT_SIZE,
-            batch_size=64, workers=1, progress=False, chunk_rows=512)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["train", "test"], path, input_size=FIXTURE_INPUT_SIZE,
+            batch_size=64, workers=1, progress=False, chunk_rows=512))
     return path
 
 
@@ -54,10 +54,10 @@ def digits_cache(tmp_path_factory) -> str:
 def fmnist_cache(tmp_path_factory) -> str:
     """Store with lite0 features of the first 2,000 train / 1,000 test Fashion-MNIST images
     (dataset key ``fashion-mnist-small``, 112 px)."""
-    from featcache.extract.pipeline import extract
+    from featcache.extract import ExtractConfig, extract
 
     path = str(_fixture_root(tmp_path_factory) / "fmnist.zarr")
-    extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train", "test"], path,
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train", "test"], path,
             dataset_name="fashion-mnist-small", limit={"train": 2000, "test": 1000},
-            input_size=FIXTURE_INPUT_SIZE, batch_size=64, workers=1, progress=False, chunk_rows=512)
+            input_size=FIXTURE_INPUT_SIZE, batch_size=64, workers=1, progress=False, chunk_rows=512))
     return path

@@ -48,8 +48,21 @@ def test_tuned_allocator_reuses_freed_buffers():
     assert faults_tuned < 2 * pages  # the first round's pages are reused by the next nine
 
 
+GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615"
+
+
+def test_glibc_tunables_are_the_library_users_equivalent():
+    """What featcache.allocator documents for library users: the same reuse, set from outside."""
+    tuned, _ = _faults({"FEATCACHE_MALLOC": ""})
+    if not tuned:
+        pytest.skip("not glibc: mallopt unavailable")
+    off, faults = _faults({"FEATCACHE_MALLOC": "system", "GLIBC_TUNABLES": GLIBC_TUNABLES})
+    assert off is False
+    assert faults < 2 * (64 * 2**20 // 4096)
+
+
 def test_tuning_is_applied_once_and_reported():
-    from featcache.extract import cpu
+    from featcache import allocator as cpu
 
     first = cpu.tune_cpu_allocator()
     assert cpu.tune_cpu_allocator() is first

@@ -19,6 +19,7 @@ import pytest
 import zarr
 
 from featcache.errors import DataError
+from featcache.extract import ExtractConfig
 from featcache.extract.pipeline import _agree, extract
 
 LITE0 = "tf_efficientnet_lite0"
@@ -58,8 +59,8 @@ def _files(root: Path) -> dict[str, bytes]:
 def reference(tmp_path_factory) -> Path:
     """A complete single-process extraction (float16, 32 px), shared by the tests here."""
     ref = tmp_path_factory.mktemp("distributed") / "single.zarr"
-    extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(ref), limit=N, input_size=32, chunk_rows=CHUNK,
-            batch_size=BATCH, workers=1, threads=1, device="cpu", progress=False)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(ref), limit=N, input_size=32, chunk_rows=CHUNK,
+            batch_size=BATCH, workers=1, threads=1, device="cpu", progress=False))
     return ref
 
 

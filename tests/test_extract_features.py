@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from featcache.cli import main
-from featcache.extract import backbones
+from featcache.extract import ExtractConfig, backbones, extract
 from featcache.extract.data import open_dataset
-from featcache.extract.pipeline import extract
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -39,8 +38,8 @@ def test_vit_pooled_tokens_mean_cls_from_one_forward(tmp_path, monkeypatch):
     n = 24
     seen = _count_forwards(monkeypatch, "patch_embed")
     cache = str(tmp_path / "c.zarr")
-    (rep,) = extract(VIT, "random:0", "digits", ["test"], cache, features=["pooled", "tokens_mean", "cls"],
-                     limit=n, batch_size=8, chunk_rows=16, workers=0, dtype="float32", progress=False)
+    (rep,) = extract(ExtractConfig(VIT, "random:0", "digits", ["test"], cache, features=["pooled", "tokens_mean", "cls"],
+                     limit=n, batch_size=8, chunk_rows=16, workers=0, dtype="float32", progress=False))
     # one probe forward of a single image for the dims, then each image exactly once
     assert seen[0] == 1 and sum(seen[1:]) == n and len(seen) == 1 + 3  # batches 8, 8 | 8 (chunk 16)
 
@@ -70,8 +69,8 @@ def test_lite0_stage_averages_and_pooled(tmp_path, monkeypatch):
     n = 40
     seen = _count_forwards(monkeypatch, "conv_stem")
     cache = str(tmp_path / "c.zarr")
-    extract(LITE0, LITE0_WEIGHTS, "digits", ["train"], cache, features=["pooled", "stage1_avg", "stage3_avg"],
-            limit=n, input_size=64, batch_size=16, chunk_rows=32, workers=0, dtype="float32", progress=False)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["train"], cache, features=["pooled", "stage1_avg", "stage3_avg"],
+            limit=n, input_size=64, batch_size=16, chunk_rows=32, workers=0, dtype="float32", progress=False))
     assert sum(seen) == 1 + n  # one forward per image (+ the dims probe)
 
     c = open_cache(cache)
@@ -92,11 +91,11 @@ def test_token_kinds_on_a_cnn_are_refused(tmp_path):
     from featcache.errors import FeatcacheError
 
     with pytest.raises(FeatcacheError, match="token"):
-        extract(LITE0, "random:0", "digits", ["test"], str(tmp_path / "c.zarr"), features=["tokens_mean"],
-                limit=8, input_size=32, workers=0, progress=False)
+        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], str(tmp_path / "c.zarr"), features=["tokens_mean"],
+                limit=8, input_size=32, workers=0, progress=False))
     with pytest.raises(FeatcacheError, match="unknown feature kind"):
-        extract(LITE0, "random:0", "digits", ["test"], str(tmp_path / "c.zarr"), features=["mean_of_stuff"],
-                limit=8, input_size=32, workers=0, progress=False)
+        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], str(tmp_path / "c.zarr"), features=["mean_of_stuff"],
+                limit=8, input_size=32, workers=0, progress=False))
 
 
 def _cli(cache, *extra):
@@ -150,8 +149,8 @@ def test_cuda_defaults_bf16_channels_last_close_to_cpu(tmp_path):
     """On CUDA the pipeline picks itself: bf16 autocast, channels_last, pinned non-blocking copies."""
     cache = str(tmp_path / "c.zarr")
     kw = dict(limit=128, input_size=64, batch_size=32, chunk_rows=64, dtype="float32", progress=False)
-    extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="gpu", device="auto", **kw)
-    extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="cpu", device="cpu", amp="none", **kw)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="gpu", device="auto", **kw))
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="cpu", device="cpu", amp="none", **kw))
     c = open_cache(cache)
     g, cpu = c.load("gpu", "digits", "test"), c.load("cpu", "digits", "test")
     assert g.provenance["device"].startswith("cuda") and g.provenance["amp"] == "bf16"

