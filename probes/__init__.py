@@ -1,6 +1,6 @@
 """Linear probes on cached features: a logistic-regression estimator with one meaning of C
 on scikit-learn, torch and cuML, batched C sweeps, the published evaluation protocols and
-numpy metrics. Entry points: :class:`LogisticProbe`, :func:`sweep_C`, :func:`run_probes`.
+numpy metrics. Entry points: :class:`LogisticProbe`, :class:`SGDProbe`, :func:`sweep_C`, :func:`run_probes`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from featcache.probes.logistic import (
     resolve_backend,
     sweep_C,
 )
+from featcache.probes.sgd import SGDProbe
 
-__all__ = ["DEFAULT_CS", "LogisticProbe", "SweepResult", "resolve_backend", "sweep_C", "run_probes"]
+__all__ = ["DEFAULT_CS", "LogisticProbe", "SGDProbe", "SweepResult", "resolve_backend", "sweep_C", "run_probes"]
 
 
 def run_probes(*args, **kwargs):
