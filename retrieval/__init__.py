@@ -40,6 +40,7 @@ from featcache.retrieval.revisited import (
     revisited_ap,
     revisited_precision_at_k,
     revisited_table,
+    table_from_revisitop_gnd,
 )
 from featcache.retrieval.run import DEFAULT_KS, TIE_POLICY, evaluate, run_retrieval
 from featcache.retrieval.search import choose_backend, parse_memory, prepare, topk
@@ -78,5 +79,6 @@ __all__ = [
     "revisited_table",
     "run_retrieval",
     "summarize",
+    "table_from_revisitop_gnd",
     "topk",
 ]

@@ -37,7 +37,7 @@ from featcache.errors import DataError
 from featcache.retrieval.metrics import RankedRelevance
 
 __all__ = ["REVISITED_SETUPS", "REVISITED_VALUES", "is_revisited_table", "revisited_ap",
-           "revisited_precision_at_k", "revisited_table"]
+           "revisited_precision_at_k", "revisited_table", "table_from_revisitop_gnd"]
 
 REVISITED_SETUPS = ("easy", "medium", "hard")
 REVISITED_VALUES = ("easy", "hard", "junk")
@@ -61,6 +61,33 @@ def revisited_table(query_ids, gallery_ids, relevance_values, setup: str):
                         f"found {bad[:5]}; use 'positive'/'junk' files without a revisited setup")
     out = np.where(np.isin(rel, _POSITIVE[setup]), "positive", "junk")
     return np.asarray(query_ids).astype(str), np.asarray(gallery_ids).astype(str), out
+
+
+def table_from_revisitop_gnd(gnd: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """revisitop's ground-truth dict (``gnd_roxford5k.pkl`` / ``gnd_rparis6k.pkl``, loaded by
+    the caller) -> (query_id, gallery_id, relevance) arrays for a relevance file.
+
+    Ids are the image names of ``qimlist``/``imlist``; use them as the sample ids of the
+    extracted query and gallery splits. The query bounding boxes (``bbx``) are not used
+    here: revisitop crops each query image to its box before extracting features.
+    """
+    try:
+        qnames, gnames, entries = gnd["qimlist"], gnd["imlist"], gnd["gnd"]
+    except (KeyError, TypeError) as exc:
+        raise DataError("expected revisitop's ground truth: a dict with 'qimlist', 'imlist' "
+                        "and 'gnd' (load gnd_roxford5k.pkl / gnd_rparis6k.pkl)") from exc
+    if len(entries) != len(qnames):
+        raise DataError(f"ground truth holds {len(entries)} entries for {len(qnames)} queries")
+    q, g, r = [], [], []
+    for name, entry in zip(qnames, entries):
+        for label in REVISITED_VALUES:
+            idx = np.asarray(entry.get(label, []), np.int64).ravel()
+            if idx.size and (idx.min() < 0 or idx.max() >= len(gnames)):
+                raise DataError(f"query {name!r}: {label} index outside imlist (0..{len(gnames) - 1})")
+            q += [str(name)] * idx.size
+            g += [str(gnames[i]) for i in idx]
+            r += [label] * idx.size
+    return np.asarray(q, str), np.asarray(g, str), np.asarray(r, str)
 
 
 def revisited_ap(rr: RankedRelevance) -> np.ndarray:

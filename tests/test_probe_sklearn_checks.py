@@ -39,3 +39,15 @@ def test_not_fitted_is_both_errors(est):
         est.predict(X)
     with pytest.raises(NotFittedError):
         clone(est).predict_proba(X)
+
+
+@pytest.mark.gpu
+def test_sgd_probe_on_cuda_matches_cpu():
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    g = SGDProbe(steps=300).fit(X[:1200], y[:1200])
+    c = SGDProbe(steps=300, device="cpu").fit(X[:1200], y[:1200])
+    assert g.device_ == "cuda" and c.device_ == "cpu"
+    assert np.mean(g.predict(X[1200:]) == c.predict(X[1200:])) >= 0.97
+    assert g.score(X[1200:], y[1200:]) > 0.85  # CPU: 0.91

@@ -153,3 +153,19 @@ def test_run_retrieval_revisited_file(small_pix, tmp_path):
         assert json.loads(sub["hparams"][0])["relevance_sha256"]
     with pytest.raises(DataError, match="full ranking"):
         run_retrieval(cfg.with_(full=False))
+
+
+def test_table_from_revisitop_ground_truth():
+    from featcache.retrieval import table_from_revisitop_gnd
+
+    gnd = {"qimlist": ["q0", "q1"], "imlist": ["a", "b", "c"],
+           "gnd": [{"easy": [0], "hard": [2], "junk": [1], "bbx": [0, 0, 9, 9]},
+                   {"easy": [], "hard": [1, 0], "junk": []}]}
+    q, g, r = table_from_revisitop_gnd(gnd)
+    assert list(zip(q, g, r)) == [("q0", "a", "easy"), ("q0", "c", "hard"), ("q0", "b", "junk"),
+                                  ("q1", "b", "hard"), ("q1", "a", "hard")]
+    assert is_revisited_table(r)
+    with pytest.raises(DataError, match="outside imlist"):
+        table_from_revisitop_gnd({**gnd, "gnd": [{"easy": [5]}, {}]})
+    with pytest.raises(DataError, match="qimlist"):
+        table_from_revisitop_gnd({"gnd": []})
