@@ -173,24 +173,6 @@ def test_average_ranks_columns():
 # ------------------------------------------------------------------ bootstrap and line fit
 
 
-def test_bootstrap_is_deterministic_under_a_seed():
-    data = np.random.default_rng(0).normal(size=(4, 30))
-
-    def stat(idx):
-        return data[:, idx].mean(axis=1)
-
-    a = stats.bootstrap_ci(stat, 30, n_boot=300, seed=7)
-    b = stats.bootstrap_ci(stat, 30, n_boot=300, seed=7)
-    c = stats.bootstrap_ci(stat, 30, n_boot=300, seed=8)
-    assert np.array_equal(a[2], b[2]) and np.array_equal(a[0], b[0])
-    assert not np.array_equal(a[2], c[2])
-    assert np.all(a[0] <= data.mean(axis=1)) and np.all(data.mean(axis=1) <= a[1])
-    with pytest.raises(ResultsError):
-        stats.bootstrap_rows(0, 10, 0)
-    with pytest.raises(ResultsError):
-        stats.bootstrap_rows(5, 0, 0)
-
-
 def test_bootstrap_linear_fit_recovers_known_slope_and_offset():
     # Recht et al.'s CIFAR-10 line (a = 1.69, b = -72.7 %) with noise on 40 "models"
     rng = np.random.default_rng(1)
