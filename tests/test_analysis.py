@@ -587,6 +587,11 @@ def test_report_is_self_contained(report_html):
     for anchor in ('id="catalog-table"', 'id="probe-table"', 'id="probe-wide"', 'id="retrieval-wide"', 'id="retrieval-table"', 'id="overall-table"',
                    'id="top3-table"', "Linear probe vs fine-tune", "Calibration", "Efficiency", "Test-set shift"):
         assert anchor in text, anchor
+    # the questions come first, in this order, then the details
+    heads = ["Which backbone should I use?", "Would fine-tuning change the answer?", "How sure are we?",
+             "What did it cost?", "Details"]
+    pos = [text.index(f"<h2>{h}</h2>") for h in heads]
+    assert pos == sorted(pos)
     assert text.count("data:image/png;base64,") >= 5
     assert "http://" not in text and "https://" not in text and "<script" not in text
 
