@@ -90,10 +90,10 @@ def _finetune(r: dict[str, Any], tmp: Path, ft_rows) -> dict[str, Any] | None:
     if lf["n_tasks"] == 0:
         answer = "Kendall tau-b is undefined on every task (see the reasons below)."
     else:
-        verdict = ("largely the same order" if tau >= 0.7 else "a partly different order" if tau >= 0.3
-                   else "a different order")
-        answer = (f"Mean Kendall tau-b over {lf['n_tasks']} task(s): {tau:.2f}. Fine-tuning gives {verdict} "
-                  "of the backbones than linear probing.")
+        verdict = ("mostly keeps the linear-probe order" if tau >= 0.7 else "partly changes the order"
+                   if tau >= 0.3 else "changes the order")
+        answer = (f"Mean Kendall tau-b over {lf['n_tasks']} task(s): {tau:.2f}. Fine-tuning {verdict} "
+                  "of the backbones; see the tasks where the lines cross below.")
     return {
         "answer": answer,
         "per_task": table_cells(lf["per_task"], table_id="tau-table"),
@@ -241,7 +241,8 @@ def _details(raw, r, rank_kwargs: Mapping[str, Any], tmp: Path) -> dict[str, Any
     if cal is not None:
         cal_cols = [c for c in ("ece", "nll") if c in cal.columns]
         cal = cal.filter(pl.any_horizontal(pl.col(c).is_not_null() for c in cal_cols))  # kNN has no probabilities
-        ctx["calibration"] = {"table": table_cells(cal, table_id="calibration-table"), "corr": table_cells(r["calibration_corr"])}
+        corr = r["calibration_corr"].filter(pl.col("n") > 0)  # settings without ece/nll (kNN) say nothing
+        ctx["calibration"] = {"table": table_cells(cal, table_id="calibration-table"), "corr": table_cells(corr)}
     else:
         ctx["calibration_absent"] = "the results hold no ece/nll rows." if r else "no ranking was computed."
     return ctx
