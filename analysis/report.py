@@ -205,9 +205,11 @@ def _pivots(long) -> list[tuple[str, Any]]:
             g = g.with_columns(
                 pl.col("metric").str.split("@").list.first().alias("metric family"),
                 pl.when(pl.col("metric").str.contains("@")).then(pl.lit("@") + pl.col("metric").str.split("@").list.last())
-                .otherwise(pl.lit("value")).alias("k"),
+                .otherwise(pl.lit("full")).alias("k"),
             )
             t = g.pivot(on="k", index=["backbone", "metric family"], values="value").sort(["metric family", "backbone"])
+            ks = sorted((c for c in t.columns if c.startswith("@")), key=lambda c: int(c[1:]) if c[1:].isdigit() else 0)
+            t = t.select("backbone", "metric family", *(["full"] if "full" in t.columns else []), *ks)
         else:
             t = g.pivot(on="metric", index="backbone", values="value").sort("backbone")
             t = t.select("backbone", *[m for m in metrics if m in t.columns])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 
@@ -562,12 +563,41 @@ def test_shift_error_paths(digits_results):
 # ---------------------------------------------------------------------------------------------
 
 
+def _retrieval_rows(ks=(1, 5, 10)) -> list[dict]:
+    """Every retrieval metric featcache computes (map, mrr and map/mrr/recall/hit/precision@k)
+    on digits, per backbone: the ~30-metric shape that made the report's retrieval list long."""
+    from sklearn.datasets import load_digits
+
+    from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize
+
+    X, y = load_digits(return_X_y=True)
+    rows = []
+    for b in BACKBONES:
+        _, F = _features(b, X[:1000], X[1000:])
+        F = F / np.maximum(np.linalg.norm(F, axis=1, keepdims=True), 1e-12)
+        q = np.arange(0, len(F), 7)
+        S = F[q] @ F.T
+        S[np.arange(len(q)), q] = -np.inf  # a query is never its own match
+        order = np.argsort(-S, axis=1, kind="stable")[:, :-1]
+        hits = y[1000:][order] == y[1000:][q][:, None]
+        rr = ranks_from_hits(hits, hits.sum(axis=1), scores=np.take_along_axis(S, order, axis=1), full=True)
+        means, n_scored, _ = summarize(compute_metrics(rr, ks), hits.sum(axis=1))
+        base = dict(kind="retrieval", backbone=b, dataset="digits-all-metrics", eval_split="test", n_eval=n_scored)
+        rows += [{**base, "run_id": make_run_id(**base), "metric": m, "value": v} for m, v in means.items()]
+    return rows
+
+
 @pytest.fixture(scope="module")
 def report_html(digits_results, tmp_path_factory):
     cat = pl.DataFrame({"backbone": list(BACKBONES), "dataset": ["digits"] * 5, "split": ["test"] * 5,
-                        "kind": ["pooled"] * 5, "n": [797] * 5, "images_per_s": [1000.0, 900.0, 1200.0, 1500.0, 3000.0]})
-    out = tmp_path_factory.mktemp("report") / "report.html"
-    write_report(out, digits_results["df"], cat, external=[digits_results["ft_path"]],
+                        "kind": ["pooled"] * 5, "n": [797] * 5, "images_per_s": [1000.0, 900.0, 1200.0, 1500.0, 3000.0],
+                        "bytes": [40_000, 100_000, 30_000, 20_000, 50_000], "weights": ["x" * 90] * 5,
+                        "peak_memory_mb": [None] * 5})
+    d = tmp_path_factory.mktemp("report")
+    shutil.copy(digits_results["path"], d / "results.parquet")
+    append_results(d / "results.parquet", rows_to_frame(_retrieval_rows()))
+    out = d / "report.html"
+    write_report(out, read_results(d / "results.parquet"), cat, external=[digits_results["ft_path"]],
                  shift_splits=("test", "test_v2"), rank_kwargs={"n_boot": 200})
     return out
 
@@ -583,6 +613,8 @@ def test_report_is_self_contained(report_html):
     pos = [text.index(f"<h2>{h}</h2>") for h in heads]
     assert pos == sorted(pos)
     assert text.count("data:image/png;base64,") >= 5
+    # retrieval metrics with cut-offs are a pivot (backbone x family rows, one column per k), not a flat list
+    assert "metric family</th><th>full</th><th>@1</th><th>@5</th><th>@10</th>" in text
     assert "http://" not in text and "https://" not in text and "<script" not in text
 
 
