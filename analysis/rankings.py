@@ -306,8 +306,11 @@ def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> 
             "n_settings": (~np.isnan(sm.values)).sum(axis=1),
         }
     ).with_columns(pl.col("group_mean").fill_nan(None))
-    overall = overall.sort("zscore", descending=True).with_row_index("position", offset=1)
     z = _zscore_matrix(sm.values, ddof)
+    families = _family_means(sm, z)
+    for g, (m, _) in families.items():  # VTAB: each group's mean beside the group-reweighted mean
+        overall = overall.with_columns(pl.Series(f"mean[{g}]", m).fill_nan(None))
+    overall = overall.sort("zscore", descending=True).with_row_index("position", offset=1)
     r = stats.average_ranks(sm.values)
     zdf = ScoreMatrix(sm.backbones, sm.settings, z).frame()
     rdf = ScoreMatrix(sm.backbones, sm.settings, r).frame()
@@ -326,14 +329,31 @@ def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> 
         "zscores": zdf,
         "ranks": rdf,
         "agreement": agreement,
-        "top3": top3(sm, overall),
+        "top3": top3(sm, overall, families),
         "dropped": dropped,
         "notes": notes,
     }
 
 
-def top3(sm: ScoreMatrix, overall=None):
-    """Good / better / best (third, second, first) per setting and overall (by z-score)."""
+def _family_means(sm: ScoreMatrix, z: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per task group (VTAB's natural / specialized / structured, BoB's task families): each
+    backbone's mean score and mean z-score over the group's settings. Empty without groups."""
+    import warnings
+
+    if not sm.groups or any(g is None for g in sm.groups):
+        return {}
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for g in sorted(set(sm.groups)):
+            sel = np.array([x == g for x in sm.groups])
+            out[g] = (np.nanmean(sm.values[:, sel], axis=1), np.nanmean(z[:, sel], axis=1))
+    return out
+
+
+def top3(sm: ScoreMatrix, overall=None, families: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None):
+    """Good / better / best (third, second, first) per setting, per task group (BoB's top-3 per
+    task family, by the mean z-score over the group's settings) and overall (by z-score)."""
     pl = _pl()
     rows = []
 
@@ -350,6 +370,8 @@ def top3(sm: ScoreMatrix, overall=None):
 
     for j, s in enumerate(sm.settings):
         rows.append({"task": s, **pick(sm.backbones, sm.values[:, j])})
+    for g, (_, zg) in (families or {}).items():
+        rows.append({"task": f"group {g} (z-score)", **pick(sm.backbones, zg)})
     if overall is not None:
         rows.append({"task": "overall (z-score)", **pick(overall["backbone"].to_list(), overall["zscore"].to_numpy())})
     return pl.DataFrame(rows, schema={"task": pl.Utf8, "best": pl.Utf8, "better": pl.Utf8, "good": pl.Utf8, "ties": pl.Utf8})

@@ -60,7 +60,7 @@ def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
         pl.struct("zscore", "zscore_lo", "zscore_hi").map_elements(
             lambda s: _interval_cell(s["zscore"], s["zscore_lo"], s["zscore_hi"], "{:+.2f}"), return_dtype=pl.Utf8
         ).alias("z-score [95% interval]"),
-        "mean", "avg_rank", "group_mean", "n_settings",
+        "mean", "avg_rank", "group_mean", *[c for c in ov.columns if c.startswith("mean[")], "n_settings",
     )
     if shown["group_mean"].null_count() == shown.height:
         shown = shown.drop("group_mean")

@@ -309,6 +309,34 @@ def test_bob_table9_agrees_with_the_papers_statements(bob9):
     assert all(s == "finetune:ImageNet" for s, _ in bob9["coverage"].missing_cells)
 
 
+def test_bob_table9_group_means_and_top3_per_task_family(bob9):
+    """VTAB's per-group means beside the group-reweighted mean; BoB's top-3 per task family
+    (mean z-score over the family's datasets), both by hand from the CSV with scipy z-scores."""
+    import csv
+
+    rows = [r for r in csv.DictReader(open(T9)) if r["value"]]
+    group = {r["dataset"]: r["group"] for r in rows}
+    vals = _t9_values()
+    fams = sorted(set(group.values()))
+    assert fams == ["medical", "natural", "satellite"]
+    ov = {r["backbone"]: r for r in bob9["overall"].iter_rows(named=True)}
+    z = {ds: dict(zip(col, ss.zscore(list(col.values())))) for ds, col in vals.items()}
+    for b, r in ov.items():
+        means = []
+        for g in fams:
+            v = [vals[d][b] / 100 for d in vals if group[d] == g and b in vals[d]]
+            assert r[f"mean[{g}]"] == pytest.approx(statistics.fmean(v), abs=1e-12)
+            means.append(statistics.fmean(v))
+        assert r["group_mean"] == pytest.approx(statistics.fmean(means), abs=1e-12)
+    t3 = {r["task"]: r for r in bob9["top3"].iter_rows(named=True)}
+    for g in fams:
+        fam_z = {b: statistics.fmean(z[d][b] for d in vals if group[d] == g and b in vals[d]) for b in ov}
+        best = sorted(fam_z, key=lambda b: -fam_z[b])[:3]
+        row = t3[f"group {g} (z-score)"]
+        assert [row["best"], row["better"], row["good"]] == best
+    assert bob9["top3"]["task"][-1] == "overall (z-score)"  # overall stays the last row
+
+
 def test_bob_table10_calibration_correlations_match_the_paper():
     r = api.rank(None, [T10], percent=True, n_boot=50)
     corr = {row["metric"]: row for row in r["calibration_corr"].iter_rows(named=True)}
