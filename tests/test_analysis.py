@@ -542,6 +542,33 @@ def test_shift_on_digits_noisy_split(digits_results, tmp_path):
     assert (tmp_path / "shift" / "shift.md").read_text().count("\n") >= 2 + len(BACKBONES)
 
 
+def test_shift_ece_ranks_lower_first_and_gets_no_binomial_interval(digits_results, tmp_path, capsys):
+    """`featcache shift --metric ece`: the best-calibrated backbone (lowest ECE) ranks first, and
+    ECE/NLL (not binomial proportions) get no Clopper-Pearson interval; top-1 keeps its."""
+    from featcache.cli import main
+
+    rc = main(["shift", "--results", str(digits_results["path"]), "--orig", "test", "--new", "test_v2",
+               "--metric", "ece", "--out", str(tmp_path / "s"), "--n-boot", "200"])
+    assert rc == 0
+    capsys.readouterr()
+    t = pl.read_parquet(tmp_path / "s" / "shift.parquet")
+    df = digits_results["df"].filter((pl.col("metric") == "ece") & (pl.col("kind") == "probe"))
+    for split, col in (("test", "rank_orig"), ("test_v2", "rank_new")):
+        med = df.filter(pl.col("eval_split") == split).group_by("backbone").agg(pl.col("value").median())
+        best = med.sort("value")["backbone"][0]
+        assert t.filter(pl.col(col) == 1)["backbone"].item() == best
+        exp = ss.rankdata(med.sort("backbone")["value"].to_numpy())  # ascending: lower ECE = rank 1
+        got = t.sort("backbone")[col].to_numpy()
+        assert got.tolist() == exp.tolist()
+    assert t["rank_orig"][0] == 1  # rows in the metric's direction
+    for c in ("orig_lo", "orig_hi", "new_lo", "new_hi"):
+        assert t[c].null_count() == t.height
+    nll = api.shift(digits_results["path"], "test", "test_v2", metric="nll", n_boot=100)["table"]
+    assert nll["new_lo"].null_count() == nll.height
+    top1 = api.shift(digits_results["path"], "test", "test_v2", metric="top1", n_boot=100)["table"]
+    assert top1["new_lo"].null_count() == 0 and top1.sort("rank_orig")["acc_orig"].is_sorted(descending=True)
+
+
 def test_shift_fit_recovers_known_line_from_generated_results(tmp_path):
     rng = np.random.default_rng(0)
     rows = []
