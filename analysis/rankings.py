@@ -62,66 +62,13 @@ def linear_vs_finetune(
     side only are listed in ``missing`` (and logged), never dropped silently.
     """
     pl = _pl()
-    sub = reduced.filter(pl.col("metric") == metric)
-    lin = sub.filter(pl.col("kind") == linear_kind).select("task", "backbone", pl.col("value").alias("linear"))
-    ft = sub.filter(pl.col("kind") == finetune_kind).select("task", "backbone", pl.col("value").alias("finetune"))
-    if lin.height == 0 or ft.height == 0:
-        raise ResultsError(
-            f"linear vs fine-tune needs {metric!r} rows of kind {linear_kind!r} and "
-            f"{finetune_kind!r}; found {lin.height} and {ft.height}. Pass the fine-tuning table "
-            "with --external (kind column or --external-kind finetune)"
-        )
-    lt, ftt = set(lin["task"].to_list()), set(ft["task"].to_list())
-    missing = {
-        f"{linear_kind}_only_tasks": sorted(lt - ftt),
-        f"{finetune_kind}_only_tasks": sorted(ftt - lt),
-    }
-    pairs = lin.join(ft, on=["task", "backbone"], how="inner")
-    unpaired = (
-        lin.join(ft, on=["task", "backbone"], how="full", coalesce=True)
-        .filter(pl.col("task").is_in(sorted(lt & ftt)))
-        .filter(pl.col("linear").is_null() | pl.col("finetune").is_null())
-    )
-    missing["unpaired_backbones"] = [f"{r['task']}/{r['backbone']}" for r in unpaired.iter_rows(named=True)]
-    for k, v in missing.items():
-        if v:
-            log.warning("linear vs fine-tune: %s: %s", k, ", ".join(v))
+    pairs, tasks, missing = _paired_scores(reduced, metric, linear_kind, finetune_kind)
     rows = []
     zrows = []
-    for task in sorted(lt & ftt):
-        p = pairs.filter(pl.col("task") == task).sort("backbone")
-        x = p["linear"].to_numpy().astype(float)
-        y = p["finetune"].to_numpy().astype(float)
-        n = len(x)
-        reason = None
-        if n < 2:
-            reason = f"only {n} backbone(s) have both a linear and a fine-tune score"
-        elif np.ptp(x) == 0:
-            reason = f"linear scores are constant ({x[0]:g}) across {n} backbones"
-        elif np.ptp(y) == 0:
-            reason = f"fine-tune scores are constant ({y[0]:g}) across {n} backbones"
-        if reason:
-            tau = pv = float("nan")
-            zl = zf = np.full(n, np.nan)
-            log.warning("linear vs fine-tune on %s: tau is NaN: %s", task, reason)
-        else:
-            tau, pv = stats.kendall_tau_b(x, y)
-            zl = stats.zscores(x, ddof=ddof, label=f"{linear_kind}:{task}")
-            zf = stats.zscores(y, ddof=ddof, label=f"{finetune_kind}:{task}")
-        rows.append({"task": task, "tau": tau, "p_value": pv, "n_backbones": n, "reason": reason})
-        for b, xl, yf, a, c in zip(p["backbone"].to_list(), x, y, zl, zf):
-            zrows.append(
-                {
-                    "task": task,
-                    "backbone": b,
-                    "linear": xl,
-                    "finetune": yf,
-                    "gain": yf - xl,
-                    "z_linear": a,
-                    "z_finetune": c,
-                    "z_diff": c - a,
-                }
-            )
+    for task in tasks:
+        row, z = _task_agreement(task, pairs.filter(pl.col("task") == task).sort("backbone"), ddof, linear_kind, finetune_kind)
+        rows.append(row)
+        zrows += z
     per_task = pl.DataFrame(
         rows,
         schema={"task": pl.Utf8, "tau": pl.Float64, "p_value": pl.Float64, "n_backbones": pl.Int64, "reason": pl.Utf8},
@@ -152,6 +99,67 @@ def linear_vs_finetune(
         "n_tasks": int(valid.sum()),
         "missing": missing,
     }
+
+
+def _paired_scores(reduced, metric: str, linear_kind: str, finetune_kind: str):
+    """(task, backbone, linear, finetune) rows scored both ways, the tasks on both sides, and
+    what is missing on one side (logged)."""
+    pl = _pl()
+    sub = reduced.filter(pl.col("metric") == metric)
+    lin = sub.filter(pl.col("kind") == linear_kind).select("task", "backbone", pl.col("value").alias("linear"))
+    ft = sub.filter(pl.col("kind") == finetune_kind).select("task", "backbone", pl.col("value").alias("finetune"))
+    if lin.height == 0 or ft.height == 0:
+        raise ResultsError(
+            f"linear vs fine-tune needs {metric!r} rows of kind {linear_kind!r} and "
+            f"{finetune_kind!r}; found {lin.height} and {ft.height}. Pass the fine-tuning table "
+            "with --external (kind column or --external-kind finetune)"
+        )
+    lt, ftt = set(lin["task"].to_list()), set(ft["task"].to_list())
+    missing = {
+        f"{linear_kind}_only_tasks": sorted(lt - ftt),
+        f"{finetune_kind}_only_tasks": sorted(ftt - lt),
+    }
+    pairs = lin.join(ft, on=["task", "backbone"], how="inner")
+    unpaired = (
+        lin.join(ft, on=["task", "backbone"], how="full", coalesce=True)
+        .filter(pl.col("task").is_in(sorted(lt & ftt)))
+        .filter(pl.col("linear").is_null() | pl.col("finetune").is_null())
+    )
+    missing["unpaired_backbones"] = [f"{r['task']}/{r['backbone']}" for r in unpaired.iter_rows(named=True)]
+    for k, v in missing.items():
+        if v:
+            log.warning("linear vs fine-tune: %s: %s", k, ", ".join(v))
+    return pairs, sorted(lt & ftt), missing
+
+
+def _task_agreement(task: str, p, ddof: int, linear_kind: str, finetune_kind: str) -> tuple[dict, list[dict]]:
+    """Kendall tau-b of one task's linear and fine-tune scores (NaN with a reason where it is
+    undefined) and each backbone's gain and z-scores."""
+    x = p["linear"].to_numpy().astype(float)
+    y = p["finetune"].to_numpy().astype(float)
+    n = len(x)
+    reason = None
+    if n < 2:
+        reason = f"only {n} backbone(s) have both a linear and a fine-tune score"
+    elif np.ptp(x) == 0:
+        reason = f"linear scores are constant ({x[0]:g}) across {n} backbones"
+    elif np.ptp(y) == 0:
+        reason = f"fine-tune scores are constant ({y[0]:g}) across {n} backbones"
+    if reason:
+        tau = pv = float("nan")
+        zl = zf = np.full(n, np.nan)
+        log.warning("linear vs fine-tune on %s: tau is NaN: %s", task, reason)
+    else:
+        tau, pv = stats.kendall_tau_b(x, y)
+        zl = stats.zscores(x, ddof=ddof, label=f"{linear_kind}:{task}")
+        zf = stats.zscores(y, ddof=ddof, label=f"{finetune_kind}:{task}")
+    row = {"task": task, "tau": tau, "p_value": pv, "n_backbones": n, "reason": reason}
+    zrows = [
+        {"task": task, "backbone": b, "linear": xl, "finetune": yf, "gain": yf - xl,
+         "z_linear": a, "z_finetune": c, "z_diff": c - a}
+        for b, xl, yf, a, c in zip(p["backbone"].to_list(), x, y, zl, zf)
+    ]
+    return row, zrows
 
 
 # ---------------------------------------------------------------------------------------------
