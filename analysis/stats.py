@@ -79,6 +79,11 @@ def kendall_tau_b(x, y, *, method: str = "auto") -> tuple[float, float]:
         return float("nan"), float("nan")
     if method == "exact" and (len(np.unique(x)) < len(x) or len(np.unique(y)) < len(y)):
         raise ResultsError("the exact Kendall p-value needs untied data; use method='asymptotic'")
+    if len(x) == 2 and method == "asymptotic":
+        # scipy's tie-corrected variance divides by n - 2; two untied pairs have Var(S) = 1
+        from scipy.stats import norm
+
+        return float(np.sign(x[1] - x[0]) * np.sign(y[1] - y[0])), float(2 * norm.sf(1.0))
     res = kendalltau(x, y, variant="b", method=method)
     return float(res.statistic), float(res.pvalue)
 

@@ -700,6 +700,13 @@ def test_report_renders_in_headless_chromium(report_html, tmp_path):
             assert mpimg.imread(shot).std() > 0.02, r["id"]  # not a blank section
 
 
+def test_rank_two_backbones_bootstraps_agreement(digits_results):
+    two = digits_results["df"].filter(pl.col("backbone").is_in(["pixels", "random:0"]))
+    r = api.rank(two, n_boot=50, on_constant="drop")
+    assert r["overall"]["backbone"].to_list() == ["pixels", "random:0"]
+    assert r["agreement"]["tau_mean"].to_list() == pytest.approx([1.0] * r["agreement"].height)
+
+
 def test_report_without_catalog_and_with_a_single_backbone(tmp_path, digits_results):
     one = digits_results["df"].filter(pl.col("backbone") == "pixels")
     out = write_report(tmp_path / "r.html", one)

@@ -121,6 +121,13 @@ def test_kendall_tau_b_matches_brute_force_and_scipy_on_ties(pairs):
     assert p == pytest.approx(ref.pvalue, rel=1e-9, abs=1e-12)
 
 
+def test_kendall_two_items_asymptotic():
+    # scipy divides by n - 2 here; the normal approximation with Var(S) = 1 (two untied pairs)
+    assert stats.kendall_tau_b([1, 2], [3, 4], method="asymptotic") == pytest.approx((1.0, math.erfc(1 / math.sqrt(2))))
+    assert stats.kendall_tau_b([1, 2], [4, 3], method="asymptotic")[0] == -1.0
+    assert stats.kendall_tau_b([1, 2], [3, 4]) == pytest.approx((1.0, ss.kendalltau([1, 2], [3, 4]).pvalue))
+
+
 def test_kendall_constant_side_and_nan_pairs():
     assert all(math.isnan(v) for v in stats.kendall_tau_b([1, 1, 1], [1, 2, 3]))
     assert all(math.isnan(v) for v in stats.kendall_tau_b([1.0], [2.0]))
