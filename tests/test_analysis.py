@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 import statistics
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -705,6 +706,23 @@ def test_rank_two_backbones_bootstraps_agreement(digits_results):
     r = api.rank(two, n_boot=50, on_constant="drop")
     assert r["overall"]["backbone"].to_list() == ["pixels", "random:0"]
     assert r["agreement"]["tau_mean"].to_list() == pytest.approx([1.0] * r["agreement"].height)
+
+
+def test_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
+    """Figure + FigureCanvasAgg: no pyplot, no backend switch (a notebook keeps its backend)."""
+    import sys
+
+    code = (
+        "import sys, matplotlib; matplotlib.use('svg'); import polars as pl\n"
+        "from featcache.analysis import plots\n"
+        "t = pl.DataFrame({'backbone': ['a', 'b'], 'zscore': [1.0, -1.0], 'zscore_lo': [0.5, -1.5], 'zscore_hi': [1.5, -0.5]})\n"
+        f"p = plots.overall_intervals(t, {str(tmp_path / 'o.png')!r})\n"
+        "assert p.read_bytes()[:4] == b'\\x89PNG'\n"
+        "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["svg", "False"]
 
 
 def test_report_without_catalog_and_with_a_single_backbone(tmp_path, digits_results):
