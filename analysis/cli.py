@@ -92,8 +92,10 @@ def run_rank(args) -> int:
     )
     from featcache.analysis.format import format_table
 
-    cols = ["position", "backbone", "zscore", "mean", "avg_rank", "n_settings"]
-    print(format_table(out["overall"].select(cols), "text", max_rows=10), end="")
+    ov = out["overall"]
+    groups = ["group_mean", *[c for c in ov.columns if c.startswith("mean[")]] if ov["group_mean"].drop_nulls().len() else []
+    cols = ["position", "backbone", "zscore", "mean", "avg_rank", *groups, "n_settings"]
+    print(format_table(ov.select(cols), "text", max_rows=10), end="")
     if out["mean_tau"] is not None:
         print(f"linear vs fine-tune: mean Kendall tau-b {out['mean_tau']:.3f} over {out['lin_ft']['n_tasks']} task(s)")
     for line in out["coverage"].lines() + out["notes"]:
