@@ -261,3 +261,32 @@ def task_scores(wide, path, *, metric: str) -> Path:
     ax.set_title(f"{metric} per setting")
     ax.legend(title="backbone", fontsize=7, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return _save(fig, path)
+
+
+def best_vs_rest(differences, best: str, path, *, aggregation: str = "zscore") -> Path:
+    """Bootstrap 95% intervals of (best - other) in ``aggregation`` for every other backbone:
+    an interval that excludes 0 means the data separate the two."""
+    import polars as pl
+
+    d = differences.filter((pl.col("aggregation") == aggregation) & ((pl.col("a") == best) | (pl.col("b") == best)))
+    sign = np.where((d["a"] == best).to_numpy(), 1.0, -1.0)
+    other = [b if a == best else a for a, b in zip(d["a"].to_list(), d["b"].to_list())]
+    diff = d["diff"].to_numpy() * sign
+    lo = np.where(sign > 0, d["lo"].to_numpy(), -d["hi"].to_numpy())
+    hi = np.where(sign > 0, d["hi"].to_numpy(), -d["lo"].to_numpy())
+    order = np.argsort(diff)
+    fig = _figure(6.4, max(2.2, 0.38 * len(other) + 1.2))
+    ax = fig.add_subplot()
+    y = np.arange(len(other))
+    sep = lo[order] > 0
+    ax.errorbar(diff[order][sep], y[sep], xerr=[diff[order][sep] - lo[order][sep], hi[order][sep] - diff[order][sep]],
+                fmt="o", color="tab:green", capsize=3, label="separated (interval > 0)")
+    ax.errorbar(diff[order][~sep], y[~sep], xerr=[diff[order][~sep] - lo[order][~sep], hi[order][~sep] - diff[order][~sep]],
+                fmt="o", color="tab:orange", capsize=3, label="not separated")
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(y, [_short(other[i]) for i in order], fontsize=8)
+    ax.set_xlabel(f"{_short(best)} minus backbone ({aggregation}, 95% bootstrap interval)")
+    ax.set_ylabel("compared backbone")
+    ax.set_title(f"How sure is the first place of {_short(best)}?")
+    ax.legend(fontsize=7, loc="best")
+    return _save(fig, path)

@@ -118,6 +118,12 @@ def _certainty(r: dict[str, Any], tmp: Path, n_boot: int, seed: int) -> dict[str
     wide = b.pivot(on="aggregation", index="backbone", values="cell")
     order = r["overall"]["backbone"].to_list()
     wide = wide.join(pl.DataFrame({"backbone": order, "_o": range(len(order))}), on="backbone").sort("_o").drop("_o")
+    figs = []
+    if len(order) > 1 and r["differences"].height:
+        from featcache.analysis import plots as P
+
+        P.best_vs_rest(r["differences"], order[0], tmp / "best_vs_rest.png")
+        figs = _figures(tmp, [("best_vs_rest.png", f"Bootstrap interval of the z-score difference between {order[0]} and each other backbone")])
     return {
         "resample": r["resample"],
         "n_boot": n_boot,
@@ -125,7 +131,7 @@ def _certainty(r: dict[str, Any], tmp: Path, n_boot: int, seed: int) -> dict[str
         "intervals": table_cells(wide, table_id="bootstrap-table"),
         "agreement": table_cells(r["agreement"]),
         "differences": table_cells(r["differences"]),
-        "figures": [],
+        "figures": figs,
     }
 
 
