@@ -8,9 +8,11 @@ Public API (heavy libraries are imported lazily inside the functions)::
     out["lin_ft"]["per_task"]  # Kendall tau-b linear vs fine-tune per task
 
 Lower-level pieces: :mod:`featcache.analysis.tables` (load/merge/coverage),
-:mod:`featcache.analysis.stats` (Clopper-Pearson, Kendall tau-b, z-scores, bootstraps),
-:mod:`featcache.analysis.rankings`, :mod:`featcache.analysis.shift`,
-:mod:`featcache.analysis.plots`, :mod:`featcache.analysis.report`.
+:mod:`featcache.analysis.stats` (Clopper-Pearson, Kendall tau-b and ranks via scipy, z-scores,
+the bootstrap line fit), :mod:`featcache.analysis.rankings`, :mod:`featcache.analysis.shift`,
+:mod:`featcache.analysis.plots` (matplotlib ``Figure``, no backend switch),
+:mod:`featcache.analysis.format` (the one table formatter) and
+:mod:`featcache.analysis.report` (jinja2 template ``templates/report.html.j2``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from featcache.analysis.format import format_table
 from featcache.errors import ResultsError
 
 log = logging.getLogger(__name__)
@@ -42,23 +43,6 @@ def _as_tables(results, external, *, percent, external_kind, groups) -> list:
     return tables
 
 
-def markdown_table(df, *, floatfmt: str = "{:.4g}", max_rows: int | None = None) -> str:
-    """A GitHub-flavoured Markdown table of a polars DataFrame."""
-    def fmt(v):
-        if v is None:
-            return ""
-        if isinstance(v, float):
-            return "nan" if v != v else floatfmt.format(v)
-        if isinstance(v, (list, dict)):
-            return json.dumps(v)
-        return str(v).replace("|", "\\|")
-
-    rows = df.rows() if max_rows is None else df.head(max_rows).rows()
-    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def write_tables(tables: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
     """Write every DataFrame as ``NAME.parquet`` and ``NAME.md`` in ``out_dir``."""
     out = Path(out_dir)
@@ -70,7 +54,7 @@ def write_tables(tables: Mapping[str, Any], out_dir: str | os.PathLike) -> list[
         pq = out / f"{name}.parquet"
         md = out / f"{name}.md"
         df.write_parquet(pq)
-        md.write_text(f"# {name}\n\n" + markdown_table(df))
+        md.write_text(f"# {name}\n\n" + format_table(df, "markdown"))
         paths += [pq, md]
     return paths
 
@@ -109,16 +93,43 @@ def rank(
     ``summary.json``. Returns a dict with the tables, ``coverage``, ``mean_tau``, ``notes``
     and ``files``.
     """
-    import numpy as np
+    from featcache.analysis import rankings
+
+    raw, reduced, coverage = _load_reduced(results, external, percent=percent, external_kind=external_kind,
+                                           groups=groups, eval_splits=eval_splits, seed_reduce=seed_reduce)
+    sm = rankings.select_settings(reduced, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
+    _record_missing_cells(coverage, sm)
+    agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
+    notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
+    boot = rankings.bootstrap_aggregate(
+        agg["matrix"], reduced=_ranked_rows(raw, agg["matrix"], metric, retrieval_metric), resample=resample,
+        n_boot=n_boot, seed=seed, ddof=ddof, seed_reduce=seed_reduce,
+    )
+    out = _rank_result(raw, coverage, agg, boot, notes, resample)
+    _add_secondary(out, reduced, agg, notes, metric=metric, ddof=ddof, provenance=provenance)
+    for n in notes:
+        log.info("rank: %s", n)
+    files: list[Path] = []
+    if out_dir is not None:
+        options = {
+            "metric": metric, "retrieval_metric": retrieval_metric, "seed_reduce": seed_reduce,
+            "ddof": ddof, "n_boot": n_boot, "seed": seed, "resample": resample, "on_constant": on_constant,
+        }
+        files = _write_rank_outputs(out, Path(out_dir), options, plots=plots)
+    out["files"] = files
+    return out
+
+
+def _load_reduced(results, external, *, percent, external_kind, groups, eval_splits, seed_reduce):
+    """Load + merge the tables, keep ``eval_splits`` (rows without a split are kept: typical of
+    external tables) and reduce seeds. Returns ``(raw, reduced, coverage)``."""
     import polars as pl
 
-    from featcache.analysis import rankings
-    from featcache.analysis.tables import merge_tables, reduce_seeds, with_intervals
+    from featcache.analysis.tables import merge_tables, reduce_seeds
 
     tables = _as_tables(results, external, percent=percent, external_kind=external_kind, groups=groups)
     raw, coverage = merge_tables(tables)
     if eval_splits:
-        # rows without an eval split (typical for external tables) are kept
         keep = pl.col("eval_split").is_in(list(eval_splits)) | (pl.col("eval_split") == "")
         dropped = raw.filter(~keep)
         if dropped.height:
@@ -126,34 +137,46 @@ def rank(
         raw = raw.filter(keep)
         if raw.height == 0:
             raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
-    reduced = reduce_seeds(raw, how=seed_reduce)
-    sm = rankings.select_settings(reduced, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
-    # (setting, backbone) cells without a value of the ranked metric: listed, never hidden
+    return raw, reduce_seeds(raw, how=seed_reduce), coverage
+
+
+def _record_missing_cells(coverage, sm) -> None:
+    """(setting, backbone) cells without a value of the ranked metric: listed, never hidden."""
+    import numpy as np
+
     coverage.missing_cells = [
         (s, b) for j, s in enumerate(sm.settings) for i, b in enumerate(sm.backbones) if np.isnan(sm.values[i, j])
     ]
     if coverage.missing_cells:
         log.warning("coverage: %s", coverage.lines()[-1])
-    agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
-    notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
-    sm_kept = agg["matrix"]
-    ranked_raw = raw.filter(
-        pl.col("setting").is_in(sm_kept.settings)
-        & (((pl.col("kind") == "retrieval") & (pl.col("metric") == retrieval_metric)) | ((pl.col("kind") != "retrieval") & (pl.col("metric") == metric)))
-    )
+
+
+def _ranked_rows(raw, sm_kept, metric: str, retrieval_metric: str):
+    """The unreduced rows of the ranked metric in the kept settings, lower-is-better metrics
+    negated as in :func:`~featcache.analysis.rankings.select_settings` (for the seed bootstrap)."""
+    import polars as pl
+
     from featcache.analysis.tables import LOWER_IS_BETTER
 
-    if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:  # as in select_settings
-        ranked_raw = ranked_raw.with_columns(
+    is_ret = pl.col("kind") == "retrieval"
+    ranked = raw.filter(
+        pl.col("setting").is_in(sm_kept.settings)
+        & ((is_ret & (pl.col("metric") == retrieval_metric)) | (~is_ret & (pl.col("metric") == metric)))
+    )
+    if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:
+        ranked = ranked.with_columns(
             pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER))).then(-pl.col("value")).otherwise(pl.col("value")).alias("value")
         )
-    boot = rankings.bootstrap_aggregate(
-        sm_kept, reduced=ranked_raw, resample=resample, n_boot=n_boot, seed=seed, ddof=ddof, seed_reduce=seed_reduce
-    )
-    out: dict[str, Any] = {
+    return ranked
+
+
+def _rank_result(raw, coverage, agg, boot, notes, resample) -> dict[str, Any]:
+    from featcache.analysis.tables import with_intervals
+
+    return {
         "coverage": coverage,
         "overall": agg["overall"],
-        "scores": sm_kept.frame(),
+        "scores": agg["matrix"].frame(),
         "zscores": agg["zscores"],
         "ranks": agg["ranks"],
         "agreement": agg["agreement"].join(boot["agreement"], on=["a", "b"], how="left"),
@@ -168,8 +191,15 @@ def rank(
         "notes": notes,
         "resample": resample,
     }
-    kinds_present = set(reduced["kind"].to_list())
-    if {"probe", "finetune"} <= kinds_present:
+
+
+def _add_secondary(out, reduced, agg, notes, *, metric: str, ddof: int, provenance) -> None:
+    """Linear vs fine-tune, calibration and efficiency, each where its data are present (a note
+    says why one is skipped)."""
+    from featcache.analysis import rankings
+    from featcache.analysis.tables import LOWER_IS_BETTER
+
+    if {"probe", "finetune"} <= set(reduced["kind"].to_list()):
         lf = rankings.linear_vs_finetune(reduced, metric=metric, ddof=ddof)
         out["lin_ft"] = lf
         out["mean_tau"] = lf["mean_tau"]
@@ -177,52 +207,71 @@ def rank(
         notes.append("linear vs fine-tune skipped: needs both probe and finetune rows (pass the fine-tuning table with --external)")
     try:
         acc_metric = metric if metric not in LOWER_IS_BETTER else "top1"
-        cal, corr = rankings.calibration_summary(reduced, accuracy_metric=acc_metric)
-        out["calibration"], out["calibration_corr"] = cal, corr
+        out["calibration"], out["calibration_corr"] = rankings.calibration_summary(reduced, accuracy_metric=acc_metric)
     except ResultsError as exc:
         out["calibration"] = out["calibration_corr"] = None
         notes.append(f"calibration skipped: {exc}")
+    out["efficiency"] = None
     if provenance is not None:
         eff, rho, p = rankings.efficiency_summary(provenance, agg["overall"])
         out["efficiency"], out["efficiency_rho"], out["efficiency_p"] = eff, rho, p
-    else:
-        out["efficiency"] = None
-    for n in notes:
-        log.info("rank: %s", n)
-    files: list[Path] = []
-    if out_dir is not None:
-        from featcache.analysis import plots as P
 
-        outp = Path(out_dir)
-        tbls = {k: out[k] for k in ("overall", "scores", "zscores", "ranks", "agreement", "top3", "bootstrap", "differences", "intervals", "calibration", "calibration_corr", "efficiency")}
-        if out["lin_ft"] is not None:
-            tbls["lin_ft_per_task"] = out["lin_ft"]["per_task"]
-            tbls["lin_ft_per_backbone"] = out["lin_ft"]["per_backbone"]
-            tbls["lin_ft_pairs"] = out["lin_ft"]["pairs"]
-        files += write_tables(tbls, outp)
-        if plots:
-            files.append(P.zscore_heatmap(agg["zscores"], outp / "zscore_heatmap.png", order=agg["overall"]["backbone"].to_list()))
-            if out["lin_ft"] is not None and out["lin_ft"]["per_task"].height:
-                files.append(P.tau_bars(out["lin_ft"]["per_task"], outp / "tau_per_task.png"))
-                files.append(P.linear_vs_finetune_scatter(out["lin_ft"]["pairs"], outp / "linear_vs_finetune.png"))
-            if out["efficiency"] is not None and out["efficiency"].drop_nulls(["images_per_s", "zscore"]).height:
-                files.append(P.efficiency_scatter(out["efficiency"], outp / "efficiency.png"))
-        summary = {
-            "coverage": coverage.as_dict(),
-            "mean_tau": out["mean_tau"],
-            "n_tau_tasks": out["lin_ft"]["n_tasks"] if out["lin_ft"] else 0,
-            "lin_ft_missing": out["lin_ft"]["missing"] if out["lin_ft"] else None,
-            "top3_overall": out["top3"].row(-1, named=True),
-            "notes": notes,
-            "options": {
-                "metric": metric, "retrieval_metric": retrieval_metric, "seed_reduce": seed_reduce,
-                "ddof": ddof, "n_boot": n_boot, "seed": seed, "resample": resample, "on_constant": on_constant,
-            },
-        }
-        (outp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        files.append(outp / "summary.json")
-    out["files"] = files
-    return out
+
+def _write_rank_outputs(out: dict[str, Any], outp: Path, options: dict[str, Any], *, plots: bool) -> list[Path]:
+    """Every table as parquet + Markdown, the plots as PNG and ``summary.json``."""
+
+    names = ("overall", "scores", "zscores", "ranks", "agreement", "top3", "bootstrap", "differences",
+             "intervals", "calibration", "calibration_corr", "efficiency")
+    tbls = {k: out[k] for k in names}
+    lf = out["lin_ft"]
+    if lf is not None:
+        tbls["lin_ft_per_task"] = lf["per_task"]
+        tbls["lin_ft_per_backbone"] = lf["per_backbone"]
+        tbls["lin_ft_pairs"] = lf["pairs"]
+    files = write_tables(tbls, outp)
+    if plots:
+        files += rank_plots(out, outp)
+    summary = {
+        "coverage": out["coverage"].as_dict(),
+        "mean_tau": out["mean_tau"],
+        "n_tau_tasks": lf["n_tasks"] if lf else 0,
+        "lin_ft_missing": lf["missing"] if lf else None,
+        "top3_overall": out["top3"].row(-1, named=True),
+        "notes": out["notes"],
+        "options": options,
+    }
+    (outp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return [*files, outp / "summary.json"]
+
+
+def overall_with_intervals(out: dict[str, Any]):
+    """The overall table with the z-score's bootstrap interval (``zscore_lo``, ``zscore_hi``)."""
+    import polars as pl
+
+    boot = out["bootstrap"].filter(pl.col("aggregation") == "zscore").select(
+        "backbone", pl.col("lo").alias("zscore_lo"), pl.col("hi").alias("zscore_hi")
+    )
+    return out["overall"].join(boot, on="backbone", how="left").sort("position")
+
+
+def rank_plots(out: dict[str, Any], outp: Path) -> list[Path]:
+    """The ranking's plots (PNG) in ``outp``; each only where its data are present."""
+    from featcache.analysis import plots as P
+
+    files = [
+        P.overall_intervals(overall_with_intervals(out), outp / "overall.png"),
+        P.zscore_heatmap(out["zscores"], outp / "zscore_heatmap.png", order=out["overall"]["backbone"].to_list()),
+    ]
+    lf = out["lin_ft"]
+    if lf is not None and lf["per_task"].height:
+        files.append(P.tau_bars(lf["per_task"], outp / "tau_per_task.png"))
+        if lf["pairs"].height:
+            files.append(P.linear_vs_finetune_ranks(lf["pairs"], outp / "linear_vs_finetune_ranks.png"))
+            files.append(P.linear_vs_finetune_scatter(lf["pairs"], outp / "linear_vs_finetune.png"))
+    eff = out["efficiency"]
+    if eff is not None and eff.drop_nulls(["images_per_s", "zscore"]).height:
+        files.append(P.efficiency_scatter(eff, outp / "efficiency.png"))
+    return files
 
 
 def shift(

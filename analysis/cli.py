@@ -90,9 +90,12 @@ def run_rank(args) -> int:
         seed_reduce=args.seed_reduce, ddof=args.ddof, on_constant=args.on_constant, n_boot=args.n_boot,
         seed=args.seed, resample=args.resample, plots=not args.no_plots,
     )
-    print("rank  backbone  zscore  mean  avg_rank  n_settings")
-    for r in out["overall"].head(10).iter_rows(named=True):
-        print(f"{r['position']:>4}  {r['backbone']}  {r['zscore']:+.3f}  {r['mean']:.4f}  {r['avg_rank']:.2f}  {r['n_settings']}")
+    from featcache.analysis.format import format_table
+
+    ov = out["overall"]
+    groups = ["group_mean", *[c for c in ov.columns if c.startswith("mean[")]] if ov["group_mean"].drop_nulls().len() else []
+    cols = ["position", "backbone", "zscore", "mean", "avg_rank", *groups, "n_settings"]
+    print(format_table(ov.select(cols), "text", max_rows=10), end="")
     if out["mean_tau"] is not None:
         print(f"linear vs fine-tune: mean Kendall tau-b {out['mean_tau']:.3f} over {out['lin_ft']['n_tasks']} task(s)")
     for line in out["coverage"].lines() + out["notes"]:

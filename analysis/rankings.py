@@ -62,66 +62,13 @@ def linear_vs_finetune(
     side only are listed in ``missing`` (and logged), never dropped silently.
     """
     pl = _pl()
-    sub = reduced.filter(pl.col("metric") == metric)
-    lin = sub.filter(pl.col("kind") == linear_kind).select("task", "backbone", pl.col("value").alias("linear"))
-    ft = sub.filter(pl.col("kind") == finetune_kind).select("task", "backbone", pl.col("value").alias("finetune"))
-    if lin.height == 0 or ft.height == 0:
-        raise ResultsError(
-            f"linear vs fine-tune needs {metric!r} rows of kind {linear_kind!r} and "
-            f"{finetune_kind!r}; found {lin.height} and {ft.height}. Pass the fine-tuning table "
-            "with --external (kind column or --external-kind finetune)"
-        )
-    lt, ftt = set(lin["task"].to_list()), set(ft["task"].to_list())
-    missing = {
-        f"{linear_kind}_only_tasks": sorted(lt - ftt),
-        f"{finetune_kind}_only_tasks": sorted(ftt - lt),
-    }
-    pairs = lin.join(ft, on=["task", "backbone"], how="inner")
-    unpaired = (
-        lin.join(ft, on=["task", "backbone"], how="full", coalesce=True)
-        .filter(pl.col("task").is_in(sorted(lt & ftt)))
-        .filter(pl.col("linear").is_null() | pl.col("finetune").is_null())
-    )
-    missing["unpaired_backbones"] = [f"{r['task']}/{r['backbone']}" for r in unpaired.iter_rows(named=True)]
-    for k, v in missing.items():
-        if v:
-            log.warning("linear vs fine-tune: %s: %s", k, ", ".join(v))
+    pairs, tasks, missing = _paired_scores(reduced, metric, linear_kind, finetune_kind)
     rows = []
     zrows = []
-    for task in sorted(lt & ftt):
-        p = pairs.filter(pl.col("task") == task).sort("backbone")
-        x = p["linear"].to_numpy().astype(float)
-        y = p["finetune"].to_numpy().astype(float)
-        n = len(x)
-        reason = None
-        if n < 2:
-            reason = f"only {n} backbone(s) have both a linear and a fine-tune score"
-        elif np.ptp(x) == 0:
-            reason = f"linear scores are constant ({x[0]:g}) across {n} backbones"
-        elif np.ptp(y) == 0:
-            reason = f"fine-tune scores are constant ({y[0]:g}) across {n} backbones"
-        if reason:
-            tau = pv = float("nan")
-            zl = zf = np.full(n, np.nan)
-            log.warning("linear vs fine-tune on %s: tau is NaN: %s", task, reason)
-        else:
-            tau, pv = stats.kendall_tau_b(x, y)
-            zl = stats.zscores(x, ddof=ddof, label=f"{linear_kind}:{task}")
-            zf = stats.zscores(y, ddof=ddof, label=f"{finetune_kind}:{task}")
-        rows.append({"task": task, "tau": tau, "p_value": pv, "n_backbones": n, "reason": reason})
-        for b, xl, yf, a, c in zip(p["backbone"].to_list(), x, y, zl, zf):
-            zrows.append(
-                {
-                    "task": task,
-                    "backbone": b,
-                    "linear": xl,
-                    "finetune": yf,
-                    "gain": yf - xl,
-                    "z_linear": a,
-                    "z_finetune": c,
-                    "z_diff": c - a,
-                }
-            )
+    for task in tasks:
+        row, z = _task_agreement(task, pairs.filter(pl.col("task") == task).sort("backbone"), ddof, linear_kind, finetune_kind)
+        rows.append(row)
+        zrows += z
     per_task = pl.DataFrame(
         rows,
         schema={"task": pl.Utf8, "tau": pl.Float64, "p_value": pl.Float64, "n_backbones": pl.Int64, "reason": pl.Utf8},
@@ -152,6 +99,67 @@ def linear_vs_finetune(
         "n_tasks": int(valid.sum()),
         "missing": missing,
     }
+
+
+def _paired_scores(reduced, metric: str, linear_kind: str, finetune_kind: str):
+    """(task, backbone, linear, finetune) rows scored both ways, the tasks on both sides, and
+    what is missing on one side (logged)."""
+    pl = _pl()
+    sub = reduced.filter(pl.col("metric") == metric)
+    lin = sub.filter(pl.col("kind") == linear_kind).select("task", "backbone", pl.col("value").alias("linear"))
+    ft = sub.filter(pl.col("kind") == finetune_kind).select("task", "backbone", pl.col("value").alias("finetune"))
+    if lin.height == 0 or ft.height == 0:
+        raise ResultsError(
+            f"linear vs fine-tune needs {metric!r} rows of kind {linear_kind!r} and "
+            f"{finetune_kind!r}; found {lin.height} and {ft.height}. Pass the fine-tuning table "
+            "with --external (kind column or --external-kind finetune)"
+        )
+    lt, ftt = set(lin["task"].to_list()), set(ft["task"].to_list())
+    missing = {
+        f"{linear_kind}_only_tasks": sorted(lt - ftt),
+        f"{finetune_kind}_only_tasks": sorted(ftt - lt),
+    }
+    pairs = lin.join(ft, on=["task", "backbone"], how="inner")
+    unpaired = (
+        lin.join(ft, on=["task", "backbone"], how="full", coalesce=True)
+        .filter(pl.col("task").is_in(sorted(lt & ftt)))
+        .filter(pl.col("linear").is_null() | pl.col("finetune").is_null())
+    )
+    missing["unpaired_backbones"] = [f"{r['task']}/{r['backbone']}" for r in unpaired.iter_rows(named=True)]
+    for k, v in missing.items():
+        if v:
+            log.warning("linear vs fine-tune: %s: %s", k, ", ".join(v))
+    return pairs, sorted(lt & ftt), missing
+
+
+def _task_agreement(task: str, p, ddof: int, linear_kind: str, finetune_kind: str) -> tuple[dict, list[dict]]:
+    """Kendall tau-b of one task's linear and fine-tune scores (NaN with a reason where it is
+    undefined) and each backbone's gain and z-scores."""
+    x = p["linear"].to_numpy().astype(float)
+    y = p["finetune"].to_numpy().astype(float)
+    n = len(x)
+    reason = None
+    if n < 2:
+        reason = f"only {n} backbone(s) have both a linear and a fine-tune score"
+    elif np.ptp(x) == 0:
+        reason = f"linear scores are constant ({x[0]:g}) across {n} backbones"
+    elif np.ptp(y) == 0:
+        reason = f"fine-tune scores are constant ({y[0]:g}) across {n} backbones"
+    if reason:
+        tau = pv = float("nan")
+        zl = zf = np.full(n, np.nan)
+        log.warning("linear vs fine-tune on %s: tau is NaN: %s", task, reason)
+    else:
+        tau, pv = stats.kendall_tau_b(x, y)
+        zl = stats.zscores(x, ddof=ddof, label=f"{linear_kind}:{task}")
+        zf = stats.zscores(y, ddof=ddof, label=f"{finetune_kind}:{task}")
+    row = {"task": task, "tau": tau, "p_value": pv, "n_backbones": n, "reason": reason}
+    zrows = [
+        {"task": task, "backbone": b, "linear": xl, "finetune": yf, "gain": yf - xl,
+         "z_linear": a, "z_finetune": c, "z_diff": c - a}
+        for b, xl, yf, a, c in zip(p["backbone"].to_list(), x, y, zl, zf)
+    ]
+    return row, zrows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,8 +314,11 @@ def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> 
             "n_settings": (~np.isnan(sm.values)).sum(axis=1),
         }
     ).with_columns(pl.col("group_mean").fill_nan(None))
-    overall = overall.sort("zscore", descending=True).with_row_index("position", offset=1)
     z = _zscore_matrix(sm.values, ddof)
+    families = _family_means(sm, z)
+    for g, (m, _) in families.items():  # VTAB: each group's mean beside the group-reweighted mean
+        overall = overall.with_columns(pl.Series(f"mean[{g}]", m).fill_nan(None))
+    overall = overall.sort("zscore", descending=True).with_row_index("position", offset=1)
     r = stats.average_ranks(sm.values)
     zdf = ScoreMatrix(sm.backbones, sm.settings, z).frame()
     rdf = ScoreMatrix(sm.backbones, sm.settings, r).frame()
@@ -326,14 +337,31 @@ def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> 
         "zscores": zdf,
         "ranks": rdf,
         "agreement": agreement,
-        "top3": top3(sm, overall),
+        "top3": top3(sm, overall, families),
         "dropped": dropped,
         "notes": notes,
     }
 
 
-def top3(sm: ScoreMatrix, overall=None):
-    """Good / better / best (third, second, first) per setting and overall (by z-score)."""
+def _family_means(sm: ScoreMatrix, z: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per task group (VTAB's natural / specialized / structured, BoB's task families): each
+    backbone's mean score and mean z-score over the group's settings. Empty without groups."""
+    import warnings
+
+    if not sm.groups or any(g is None for g in sm.groups):
+        return {}
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for g in sorted(set(sm.groups)):
+            sel = np.array([x == g for x in sm.groups])
+            out[g] = (np.nanmean(sm.values[:, sel], axis=1), np.nanmean(z[:, sel], axis=1))
+    return out
+
+
+def top3(sm: ScoreMatrix, overall=None, families: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None):
+    """Good / better / best (third, second, first) per setting, per task group (BoB's top-3 per
+    task family, by the mean z-score over the group's settings) and overall (by z-score)."""
     pl = _pl()
     rows = []
 
@@ -350,6 +378,8 @@ def top3(sm: ScoreMatrix, overall=None):
 
     for j, s in enumerate(sm.settings):
         rows.append({"task": s, **pick(sm.backbones, sm.values[:, j])})
+    for g, (_, zg) in (families or {}).items():
+        rows.append({"task": f"group {g} (z-score)", **pick(sm.backbones, zg)})
     if overall is not None:
         rows.append({"task": "overall (z-score)", **pick(overall["backbone"].to_list(), overall["zscore"].to_numpy())})
     return pl.DataFrame(rows, schema={"task": pl.Utf8, "best": pl.Utf8, "better": pl.Utf8, "good": pl.Utf8, "ties": pl.Utf8})
@@ -381,38 +411,65 @@ def bootstrap_aggregate(
     if resample not in ("tasks", "seeds"):
         raise ResultsError(f"resample must be 'tasks' or 'seeds', got {resample!r}")
     codes, _ = _group_codes(sm)
-    B, T = sm.values.shape
     rng = np.random.default_rng(seed)
     if resample == "tasks":
-        idx = rng.integers(0, T, size=(n_boot, T))
-        boot_vals = np.moveaxis(sm.values[:, idx], 1, 0)  # [n_boot, B, T]
-        boot_codes = None if codes is None else codes[idx]  # [n_boot, T]
-        if boot_codes is not None:
-            boot_codes = boot_codes[:, None, :]  # broadcast over B
+        boot_vals, boot_codes = _resample_tasks(sm, codes, rng, n_boot)
     else:
-        if reduced is None or "seed" not in reduced.columns:
-            raise ResultsError("resample='seeds' needs the unreduced table (with a seed column)")
-        cube, _ = _seed_cube(reduced, sm)  # [B, T, S]
-        counts = np.sum(np.any(~np.isnan(cube), axis=0), axis=-1)  # seeds per setting [T]
-        if np.any(counts < 1):
-            raise ResultsError("a setting has no seeds to resample")
-        u = rng.random((n_boot, T, cube.shape[-1]))
-        pick = np.minimum((u * counts[None, :, None]).astype(int), counts[None, :, None] - 1)
-        bi = np.arange(B)[None, :, None, None]
-        ti = np.arange(T)[None, None, :, None]
-        import warnings
-
-        boot_vals = np.empty((n_boot, B, T))
-        S = cube.shape[-1]
-        gstep = max(1, int(_BOOT_CHUNK_ELEMS // max(1, B * T * S)))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            for c0 in range(0, n_boot, gstep):
-                g = cube[bi, ti, pick[c0 : c0 + gstep, None, :, :]]  # [chunk, B, T, S]
-                boot_vals[c0 : c0 + gstep] = np.nanmedian(g, axis=-1) if seed_reduce == "median" else np.nanmean(g, axis=-1)
-        boot_codes = codes
+        boot_vals, boot_codes = _resample_seeds(sm, codes, rng, n_boot, reduced, seed_reduce), codes
     point = _aggregate_arrays(sm.values, codes, ddof)
-    # chunk over resamples: average ranks compare every backbone pair (memory ~ B*B*T per resample)
+    boot = _aggregate_resamples(boot_vals, boot_codes, ddof)
+    q = (1 - level) / 2
+    schema_s = {"backbone": pl.Utf8, "aggregation": pl.Utf8, "estimate": pl.Float64, "lo": pl.Float64, "hi": pl.Float64}
+    schema_d = {"aggregation": pl.Utf8, "a": pl.Utf8, "b": pl.Utf8, "diff": pl.Float64, "lo": pl.Float64, "hi": pl.Float64, "p_le_0": pl.Float64}
+    schema_a = {"a": pl.Utf8, "b": pl.Utf8, "tau_mean": pl.Float64, "tau_lo": pl.Float64, "tau_hi": pl.Float64}
+    return {
+        "scores": pl.DataFrame(_interval_rows(sm.backbones, point, boot, q), schema=schema_s),
+        "differences": pl.DataFrame(_difference_rows(sm.backbones, point, boot, q, pairs_for), schema=schema_d),
+        "agreement": pl.DataFrame(_agreement_rows(boot, q, n_boot), schema=schema_a),
+        "resample": resample,
+        "n_boot": n_boot,
+        "seed": seed,
+    }
+
+
+def _resample_tasks(sm: ScoreMatrix, codes, rng, n_boot: int):
+    """Settings drawn with replacement: ``[n_boot, B, T]`` values and the drawn group codes."""
+    T = sm.values.shape[1]
+    idx = rng.integers(0, T, size=(n_boot, T))
+    boot_vals = np.moveaxis(sm.values[:, idx], 1, 0)  # [n_boot, B, T]
+    boot_codes = None if codes is None else codes[idx][:, None, :]  # [n_boot, 1, T]: broadcast over B
+    return boot_vals, boot_codes
+
+
+def _resample_seeds(sm: ScoreMatrix, codes, rng, n_boot: int, reduced, seed_reduce: str) -> np.ndarray:
+    """Per setting, that setting's seeds drawn with replacement and re-reduced: ``[n_boot, B, T]``."""
+    import warnings
+
+    if reduced is None or "seed" not in reduced.columns:
+        raise ResultsError("resample='seeds' needs the unreduced table (with a seed column)")
+    B, T = sm.values.shape
+    cube, _ = _seed_cube(reduced, sm)  # [B, T, S]
+    counts = np.sum(np.any(~np.isnan(cube), axis=0), axis=-1)  # seeds per setting [T]
+    if np.any(counts < 1):
+        raise ResultsError("a setting has no seeds to resample")
+    u = rng.random((n_boot, T, cube.shape[-1]))
+    pick = np.minimum((u * counts[None, :, None]).astype(int), counts[None, :, None] - 1)
+    bi = np.arange(B)[None, :, None, None]
+    ti = np.arange(T)[None, None, :, None]
+    boot_vals = np.empty((n_boot, B, T))
+    gstep = max(1, int(_BOOT_CHUNK_ELEMS // max(1, B * T * cube.shape[-1])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for c0 in range(0, n_boot, gstep):
+            g = cube[bi, ti, pick[c0 : c0 + gstep, None, :, :]]  # [chunk, B, T, S]
+            boot_vals[c0 : c0 + gstep] = np.nanmedian(g, axis=-1) if seed_reduce == "median" else np.nanmean(g, axis=-1)
+    return boot_vals
+
+
+def _aggregate_resamples(boot_vals: np.ndarray, boot_codes, ddof: int) -> dict[str, np.ndarray]:
+    """Every aggregation of every resample, chunked: average ranks compare every backbone pair
+    (memory ~ B*B*T per resample)."""
+    n_boot, B, T = boot_vals.shape
     step = max(1, int(_BOOT_CHUNK_ELEMS // max(1, B * B * T)))
     parts = []
     for c0 in range(0, n_boot, step):
@@ -420,57 +477,64 @@ def bootstrap_aggregate(
         if bc is not None and bc.ndim == 3:
             bc = bc[c0 : c0 + step]
         parts.append(_aggregate_arrays(boot_vals[c0 : c0 + step], bc, ddof))
-    boot = {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
-    q = (1 - level) / 2
+    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+
+
+def _interval_rows(backbones, point, boot, q: float) -> list[dict]:
     import warnings
 
-    srows, drows = [], []
+    rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for a in point:
             lo = np.nanquantile(boot[a], q, axis=0)
             hi = np.nanquantile(boot[a], 1 - q, axis=0)
-            for i, b in enumerate(sm.backbones):
-                srows.append({"backbone": b, "aggregation": a, "estimate": point[a][i], "lo": lo[i], "hi": hi[i]})
+            for i, b in enumerate(backbones):
+                rows.append({"backbone": b, "aggregation": a, "estimate": point[a][i], "lo": lo[i], "hi": hi[i]})
+    return rows
+
+
+def _difference_rows(backbones, point, boot, q: float, pairs_for) -> list[dict]:
+    """Paired differences between every two backbones (same resamples for both)."""
+    import warnings
+
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         for a in pairs_for:
             if a not in point:
                 continue
-            for i, j in itertools.combinations(range(B), 2):
+            for i, j in itertools.combinations(range(len(backbones)), 2):
                 d = boot[a][:, i] - boot[a][:, j]
-                drows.append(
+                rows.append(
                     {
                         "aggregation": a,
-                        "a": sm.backbones[i],
-                        "b": sm.backbones[j],
+                        "a": backbones[i],
+                        "b": backbones[j],
                         "diff": point[a][i] - point[a][j],
                         "lo": float(np.nanquantile(d, q)),
                         "hi": float(np.nanquantile(d, 1 - q)),
                         "p_le_0": float(np.nanmean(d <= 0)),
                     }
                 )
-    # agreement between aggregations across resamples (VTAB Appendix E)
-    arows = []
+    return rows
+
+
+def _agreement_rows(boot, q: float, n_boot: int) -> list[dict]:
+    """Kendall tau-b between every two aggregations across resamples (VTAB Appendix E)."""
+    rows = []
     for a, b in itertools.combinations([k for k in AGGREGATIONS if k in boot], 2):
         sa = 1 if HIGHER_IS_BETTER[a] else -1
         sb = 1 if HIGHER_IS_BETTER[b] else -1
         taus = np.array([stats.kendall_tau_b(sa * boot[a][k], sb * boot[b][k], method="asymptotic")[0] for k in range(n_boot)])
         ok = ~np.isnan(taus)
-        arows.append({
+        rows.append({
             "a": a, "b": b,
             "tau_mean": float(taus[ok].mean()) if ok.any() else float("nan"),
             "tau_lo": float(np.quantile(taus[ok], q)) if ok.any() else float("nan"),
             "tau_hi": float(np.quantile(taus[ok], 1 - q)) if ok.any() else float("nan"),
         })
-    schema_s = {"backbone": pl.Utf8, "aggregation": pl.Utf8, "estimate": pl.Float64, "lo": pl.Float64, "hi": pl.Float64}
-    schema_d = {"aggregation": pl.Utf8, "a": pl.Utf8, "b": pl.Utf8, "diff": pl.Float64, "lo": pl.Float64, "hi": pl.Float64, "p_le_0": pl.Float64}
-    return {
-        "scores": pl.DataFrame(srows, schema=schema_s),
-        "differences": pl.DataFrame(drows, schema=schema_d),
-        "agreement": pl.DataFrame(arows, schema={"a": pl.Utf8, "b": pl.Utf8, "tau_mean": pl.Float64, "tau_lo": pl.Float64, "tau_hi": pl.Float64}),
-        "resample": resample,
-        "n_boot": n_boot,
-        "seed": seed,
-    }
+    return rows
 
 
 def _seed_cube(raw, sm: ScoreMatrix) -> tuple[np.ndarray, list]:

@@ -1,9 +1,15 @@
-"""A self-contained HTML report (tables inline, plots embedded as base64 PNG, no network)."""
+"""A self-contained HTML report (tables inline, plots embedded as base64 PNG, no script, no
+network), rendered from ``templates/report.html.j2`` with jinja2's autoescape.
+
+The page answers a user's questions in order: which backbone to use, whether fine-tuning
+would change the answer, how sure the answer is, what it cost; then the details (metric pivot
+tables, calibration, the store catalog) and, on request, a test-set shift. This module only
+gathers the data of each section; the template lays them out.
+"""
 
 from __future__ import annotations
 
 import base64
-import html
 import logging
 import os
 import tempfile
@@ -12,88 +18,294 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from featcache.analysis.format import format_cell, table_cells
 from featcache.errors import ResultsError
 
 log = logging.getLogger(__name__)
 
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;
-padding:0 1em;color:#222}
-h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
-table{border-collapse:collapse;margin:.6em 0;font-size:.85em}
-th,td{border:1px solid #ddd;padding:.25em .5em;text-align:right}
-th{background:#f3f3f3}td.s,th.s{text-align:left}
-.note{color:#775;font-size:.9em}.err{color:#a00}
-img{max-width:100%;border:1px solid #eee;margin:.5em 0}
-"""
+#: columns of the store catalog shown in the report (the rest stay in the parquet catalog)
+CATALOG_COLUMNS = ("backbone", "dataset", "split", "kind", "n", "dim", "dtype", "complete", "n_invalid", "size_mib", "images_per_s")
+#: pivot tables with more metric columns than this are split by cut-off (``recall@5`` -> recall, k=5)
+_MAX_METRIC_COLUMNS = 8
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
+def _figure(path: Path, caption: str) -> dict[str, str]:
+    return {"data": base64.b64encode(Path(path).read_bytes()).decode("ascii"), "alt": caption, "caption": caption}
+
+
+def _figures(tmp: Path, items: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    return [_figure(tmp / name, caption) for name, caption in items if (tmp / name).exists()]
+
+
+def _interval_cell(v, lo, hi, fmt: str = "{:.3f}") -> str:
+    if v is None or v != v:
         return ""
-    if isinstance(v, float):
-        if v != v:
-            return "nan"
-        return f"{v:.4g}"
-    return html.escape(str(v))
+    if lo is None or hi is None or lo != lo or hi != hi:
+        return fmt.format(v)
+    return f"{fmt.format(v)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
-def html_table(df, *, max_rows: int = 200, table_id: str | None = None) -> str:
-    """Render a polars DataFrame as an HTML table (strings left-aligned)."""
+# ----------------------------------------------------------------------------- ranking sections
+
+
+def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
     import polars as pl
 
-    if df is None or df.height == 0:
-        return '<p class="note">(empty)</p>'
-    str_cols = {c for c, t in zip(df.columns, df.dtypes) if t == pl.Utf8}
-    ident = f' id="{html.escape(table_id)}"' if table_id else ""
-    head = "".join(f'<th class="{"s" if c in str_cols else ""}">{html.escape(c)}</th>' for c in df.columns)
-    body = []
-    for row in df.head(max_rows).iter_rows():
-        cells = "".join(
-            f'<td class="{"s" if c in str_cols else ""}">{_fmt(v)}</td>' for c, v in zip(df.columns, row)
-        )
-        body.append(f"<tr>{cells}</tr>")
-    more = f'<p class="note">{df.height - max_rows} more rows not shown</p>' if df.height > max_rows else ""
-    return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{more}"
+    from featcache.analysis.api import overall_with_intervals
+
+    ov = overall_with_intervals(r)
+    best = ov.row(0, named=True)
+    shown = ov.select(
+        "position", "backbone",
+        pl.struct("zscore", "zscore_lo", "zscore_hi").map_elements(
+            lambda s: _interval_cell(s["zscore"], s["zscore_lo"], s["zscore_hi"], "{:+.2f}"), return_dtype=pl.Utf8
+        ).alias("z-score [95% interval]"),
+        "mean", "avg_rank", "group_mean", *[c for c in ov.columns if c.startswith("mean[")], "n_settings",
+    )
+    if shown["group_mean"].null_count() == shown.height:
+        shown = shown.drop("group_mean")
+    runner = ov.row(1, named=True) if ov.height > 1 else None
+    answer = f"Use {best['backbone']}: first by mean z-score ({best['zscore']:+.2f})"
+    if runner is not None:
+        sep = best["zscore_lo"] is not None and runner["zscore_hi"] is not None and best["zscore_lo"] > runner["zscore_hi"]
+        answer += (f"; its interval lies above the runner-up {runner['backbone']}'s." if sep else
+                   f"; its interval overlaps the runner-up {runner['backbone']}'s ({runner['zscore']:+.2f}), "
+                   "so the data do not separate them clearly.")
+    return {
+        "answer": answer,
+        "n_settings": r["zscores"].width - 1,
+        "resample": r["resample"],
+        "overall": table_cells(shown, table_id="overall-table"),
+        "top3": table_cells(r["top3"], table_id="top3-table"),
+        "figures": _figures(tmp, [("overall.png", "Overall ranking: mean z-score with its 95% bootstrap interval"),
+                                  ("zscore_heatmap.png", "z-score of every backbone on every setting")]),
+    }
 
 
-def _img(path: Path, alt: str) -> str:
-    data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+def _finetune(r: dict[str, Any], tmp: Path, ft_rows) -> dict[str, Any] | None:
+    lf = r.get("lin_ft")
+    if lf is None:
+        return None
+    tau = lf["mean_tau"]
+    if lf["n_tasks"] == 0:
+        answer = "Kendall tau-b is undefined on every task (see the reasons below)."
+    else:
+        verdict = ("mostly keeps the linear-probe order" if tau >= 0.7 else "partly changes the order"
+                   if tau >= 0.3 else "changes the order")
+        answer = (f"Mean Kendall tau-b over {lf['n_tasks']} task(s): {tau:.2f}. Fine-tuning {verdict} "
+                  "of the backbones; see the tasks where the lines cross below.")
+    return {
+        "answer": answer,
+        "per_task": table_cells(lf["per_task"], table_id="tau-table"),
+        "per_backbone": table_cells(lf["per_backbone"]),
+        "results": table_cells(ft_rows) if ft_rows is not None else None,
+        "figures": _figures(tmp, [
+            ("tau_per_task.png", "Kendall tau-b between linear-probe and fine-tune rankings per task"),
+            ("linear_vs_finetune_ranks.png", "Rank of each backbone under linear probing and under fine-tuning"),
+            ("linear_vs_finetune.png", "Linear-probe score vs fine-tune score per backbone"),
+        ]),
+    }
 
 
-def _results_pivot(raw, kinds: Sequence[str], metrics: Sequence[str] | None = None):
-    """Long table per (kind, task, backbone, metric): median value over seeds, n_seeds, and a
-    Clopper-Pearson interval of the median for proportion metrics with a known n_eval."""
+def _certainty(r: dict[str, Any], tmp: Path, n_boot: int, seed: int) -> dict[str, Any]:
+    import polars as pl
+
+    b = r["bootstrap"].with_columns(
+        pl.struct("estimate", "lo", "hi").map_elements(
+            lambda s: _interval_cell(s["estimate"], s["lo"], s["hi"]), return_dtype=pl.Utf8
+        ).alias("cell")
+    )
+    wide = b.pivot(on="aggregation", index="backbone", values="cell")
+    order = r["overall"]["backbone"].to_list()
+    wide = wide.join(pl.DataFrame({"backbone": order, "_o": range(len(order))}), on="backbone").sort("_o").drop("_o")
+    figs = []
+    if len(order) > 1 and r["differences"].height:
+        from featcache.analysis import plots as P
+
+        P.best_vs_rest(r["differences"], order[0], tmp / "best_vs_rest.png")
+        figs = _figures(tmp, [("best_vs_rest.png", f"Bootstrap interval of the z-score difference between {order[0]} and each other backbone")])
+    return {
+        "resample": r["resample"],
+        "n_boot": n_boot,
+        "seed": seed,
+        "intervals": table_cells(wide, table_id="bootstrap-table"),
+        "agreement": table_cells(r["agreement"]),
+        "differences": table_cells(r["differences"]),
+        "figures": figs,
+    }
+
+
+def _cost(r: dict[str, Any] | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | None, str]:
+    """Throughput and peak memory (provenance) with the store size per backbone (catalog)."""
+    import polars as pl
+
+    from featcache.analysis import plots as P
+
+    eff = r.get("efficiency") if r else None
+    size = None
+    if catalog_df is not None and "bytes" in catalog_df.columns and catalog_df.height:
+        size = catalog_df.group_by("backbone").agg((pl.col("bytes").sum() / 2**20).alias("store_mib"))
+    if eff is None and size is None:
+        return None, "no store catalog or provenance was given (pass --cache to featcache report)."
+    table = eff.drop([c for c in eff.columns if c.startswith("peak_mem")]) if eff is not None else size.select("backbone")
+    notes = []
+    mem = [c for c in (eff.columns if eff is not None else []) if c.startswith("peak_mem")]
+    if mem and eff[mem[0]].drop_nulls().len():
+        table = table.join(eff.select("backbone", pl.col(mem[0]).alias("peak_memory_mib")), on="backbone", how="left")
+    else:
+        notes.append("Peak memory: not recorded for these features (extraction records the CUDA peak on a GPU; "
+                     "CPU runs record none).")
+    if size is not None:
+        table = table.join(size, on="backbone", how="left")
+    if "zscore" in table.columns:
+        table = table.sort("zscore", descending=True, nulls_last=True)
+    if eff is not None and r.get("efficiency_rho") is not None:
+        notes.append(f"Spearman rho(throughput, z-score) = {format_cell(r['efficiency_rho'])} "
+                     "(Battle of the Backbones reports -0.41: faster backbones tend to rank lower).")
+    elif eff is None:
+        notes.append("Throughput: not recorded (the catalog has no images_per_s).")
+    if table.width > 1:
+        P.cost_bars(table, tmp / "cost.png")
+    figs = _figures(tmp, [("cost.png", "Throughput, peak memory and store size per backbone"),
+                          ("efficiency.png", "Mean z-score vs extraction throughput")])
+    return {"table": table_cells(table, table_id="efficiency-table"), "notes": notes, "figures": figs}, ""
+
+
+# ----------------------------------------------------------------------------- detail tables
+
+
+def _reduced(raw, kinds: Sequence[str]):
+    """Median per (kind, task, backbone, metric) with Clopper-Pearson intervals where the metric
+    is a proportion with a known n_eval."""
     import polars as pl
 
     from featcache.analysis.tables import reduce_seeds, with_intervals
 
     sub = raw.filter(pl.col("kind").is_in(list(kinds)))
-    if metrics is not None:
-        sub = sub.filter(pl.col("metric").is_in(list(metrics)))
-    if sub.height == 0:
-        return None
-    red = with_intervals(reduce_seeds(sub))
-    return red.select("kind", "task", "backbone", "metric", "value", "ci_lo", "ci_hi", "n_eval", "n_seeds").sort(
-        ["kind", "task", "metric", "value"], descending=[False, False, False, True]
-    )
+    return with_intervals(reduce_seeds(sub)) if sub.height else None
 
 
-def _wide(long, metric: str):
-    """backbone x (kind:task) table of ``metric`` as "value [lo, hi]" strings."""
+def _wide(long, metric: str, table_id: str):
+    """backbone x setting table of ``metric`` as "value [lo, hi]" strings."""
     import polars as pl
 
-    if long is None:
-        return None
     sub = long.filter(pl.col("metric") == metric)
     if sub.height == 0:
         return None
-    cell = pl.when(pl.col("ci_lo").is_not_null()).then(
-        pl.format("{} [{}, {}]", pl.col("value").round(4), pl.col("ci_lo").round(3), pl.col("ci_hi").round(3))
-    ).otherwise(pl.col("value").round(4).cast(pl.Utf8))
-    sub = sub.with_columns(cell.alias("cell"), (pl.col("kind") + pl.lit(":") + pl.col("task")).alias("setting"))
-    return sub.pivot(on="setting", index="backbone", values="cell").sort("backbone")
+    cell = pl.struct("value", "ci_lo", "ci_hi").map_elements(
+        lambda s: _interval_cell(s["value"], s["ci_lo"], s["ci_hi"]), return_dtype=pl.Utf8
+    )
+    sub = sub.with_columns(cell.alias("cell"))
+    return sub.pivot(on="setting", index="backbone", values="cell").sort("backbone"), table_id
+
+
+def _pivots(long) -> list[tuple[str, Any]]:
+    """Per setting a backbone x metric table; metrics with cut-offs (``recall@5``) become one row
+    per backbone and metric family with a column per k when there would be too many columns."""
+    import polars as pl
+
+    out = []
+    for (setting,), g in long.sort("setting").group_by(["setting"], maintain_order=True):
+        metrics = sorted(set(g["metric"].to_list()))
+        if len(metrics) > _MAX_METRIC_COLUMNS and any("@" in m for m in metrics):
+            g = g.with_columns(
+                pl.col("metric").str.split("@").list.first().alias("metric family"),
+                pl.when(pl.col("metric").str.contains("@")).then(pl.lit("@") + pl.col("metric").str.split("@").list.last())
+                .otherwise(pl.lit("full")).alias("k"),
+            )
+            t = g.pivot(on="k", index=["backbone", "metric family"], values="value").sort(["metric family", "backbone"])
+            ks = sorted((c for c in t.columns if c.startswith("@")), key=lambda c: int(c[1:]) if c[1:].isdigit() else 0)
+            t = t.select("backbone", "metric family", *(["full"] if "full" in t.columns else []), *ks)
+        else:
+            t = g.pivot(on="metric", index="backbone", values="value").sort("backbone")
+            t = t.select("backbone", *[m for m in metrics if m in t.columns])
+        n = int(g["n_seeds"].max())
+        out.append((f"{setting} (median of {n} seed(s))" if n > 1 else setting, table_cells(t)))
+    return out
+
+
+def _details(raw, r, rank_kwargs: Mapping[str, Any], tmp: Path) -> dict[str, Any]:
+    import polars as pl
+
+    from featcache.analysis import plots as P
+
+    ctx: dict[str, Any] = {"probe": None, "retrieval": None, "calibration": None, "calibration_absent": ""}
+    metric = rank_kwargs.get("metric", "top1")
+    probe = _reduced(raw, ["probe", "knn"])
+    if probe is not None:
+        w = _wide(probe, metric, "probe-wide")
+        figs = []
+        if w is not None:
+            num = probe.filter(pl.col("metric") == metric).pivot(on="setting", index="backbone", values="value").sort("backbone")
+            figs = [_figure(P.task_scores(num, tmp / "probe_scores.png", metric=metric), f"{metric} per probe/kNN setting and backbone")]
+        ctx["probe"] = {"metric": metric, "wide": table_cells(w[0], table_id=w[1]) if w else None,
+                        "pivots": _pivots(probe), "figures": figs}
+    ret = _reduced(raw, ["retrieval"])
+    if ret is not None:
+        rm = rank_kwargs.get("retrieval_metric", "map")
+        w = _wide(ret, rm, "retrieval-wide")
+        ctx["retrieval"] = {"metric": rm, "wide": table_cells(w[0], table_id=w[1]) if w else None, "pivots": _pivots(ret)}
+    cal = r.get("calibration") if r else None
+    if cal is not None:
+        cal_cols = [c for c in ("ece", "nll") if c in cal.columns]
+        cal = cal.filter(pl.any_horizontal(pl.col(c).is_not_null() for c in cal_cols))  # kNN has no probabilities
+        corr = r["calibration_corr"].filter(pl.col("n") > 0)  # settings without ece/nll (kNN) say nothing
+        ctx["calibration"] = {"table": table_cells(cal, table_id="calibration-table"), "corr": table_cells(corr)}
+    else:
+        ctx["calibration_absent"] = "the results hold no ece/nll rows." if r else "no ranking was computed."
+    return ctx
+
+
+def _catalog(catalog_df) -> dict[str, Any] | None:
+    import polars as pl
+
+    if catalog_df is None:
+        return None
+    t = catalog_df
+    if "bytes" in t.columns:
+        t = t.with_columns((pl.col("bytes") / 2**20).alias("size_mib"))
+    t = t.select([c for c in CATALOG_COLUMNS if c in t.columns])
+    if "images_per_s" in t.columns and t["images_per_s"].null_count() == t.height:
+        t = t.drop("images_per_s")
+    return {"summary": f"{catalog_df.height} feature array(s) in the store", "table": table_cells(t, table_id="catalog-table")}
+
+
+def _shift(results_df, external, shift_splits, tmp: Path) -> dict[str, Any]:
+    from featcache.analysis import api
+
+    ctx: dict[str, Any] = {"orig": shift_splits[0], "new": shift_splits[1], "error": None}
+    try:
+        s = api.shift(results_df, shift_splits[0], shift_splits[1], tmp / "shift", external=external)
+    except ResultsError as exc:
+        ctx["error"] = str(exc)
+        return ctx
+    ctx["table"] = table_cells(s["table"], table_id="shift-table")
+    ctx["fit"] = table_cells(s["fit"])
+    ctx["figures"] = [_figure(f, f"Score on {shift_splits[1]} vs {shift_splits[0]} ({f.stem[6:]})") for f in s["files"] if f.suffix == ".png"]
+    return ctx
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _render(context: dict[str, Any]) -> str:
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
+    env = Environment(loader=PackageLoader("featcache.analysis", "templates"), autoescape=True,
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("report.html.j2").render(**context)
+
+
+def _write_atomic(out: Path, doc: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmpf = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        Path(tmpf).write_text(doc, encoding="utf-8")
+        os.replace(tmpf, out)
+    finally:
+        if os.path.exists(tmpf):
+            os.unlink(tmpf)
 
 
 def write_report(
@@ -107,135 +319,59 @@ def write_report(
     title: str = "featcache report",
     rank_kwargs: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write one self-contained HTML page: store catalog (``catalog_df``, passed by the
-    caller), probe and retrieval results, rankings (overall, good/better/best, z-score heatmap,
-    linear vs fine-tune when fine-tune rows are given via ``external``), calibration,
-    efficiency (``provenance``; defaults to ``catalog_df`` when it has images_per_s) and optionally a test-set shift (``shift_splits=(orig, new)``).
+    """Write one self-contained HTML page answering: which backbone (overall ranking with
+    intervals, good/better/best), would fine-tuning change it (Kendall tau per task; fine-tune
+    rows come in ``results_df`` or via ``external``), how sure (bootstrap, agreement between
+    aggregations), what it cost (``provenance``, defaulting to ``catalog_df`` when it has
+    images_per_s; store size from ``catalog_df``); then metric pivot tables, calibration, the
+    catalog and optionally a test-set shift (``shift_splits=(orig, new)``).
 
     Ranking problems (e.g. a single backbone) are shown in the page and logged rather than
     aborting the report. Returns the path written (atomically).
     """
-    import polars as pl
-
+    from featcache import __version__
     from featcache.analysis import api
     from featcache.analysis.tables import merge_tables
 
     out = Path(out_html)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ResultsError(f"report path {out} should end in .html")
+    kw_in = dict(rank_kwargs or {})
     if provenance is None and catalog_df is not None and "images_per_s" in catalog_df.columns:
         if catalog_df["images_per_s"].drop_nulls().len():
             provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
-    if out.suffix.lower() not in (".html", ".htm"):
-        raise ResultsError(f"report path {out} should end in .html")
-    tables = api._as_tables(results_df, external, percent=(rank_kwargs or {}).get("percent"),
-                            external_kind=(rank_kwargs or {}).get("external_kind"), groups=(rank_kwargs or {}).get("groups"))
-    raw, coverage = merge_tables(tables)
-    parts: list[str] = []
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    from featcache import __version__
-
-    parts.append(f"<h1>{html.escape(title)}</h1>")
-    parts.append(
-        f'<p class="note">featcache {html.escape(__version__)} &middot; {now} &middot; '
-        f"{len(coverage.backbones)} backbone(s), {len(coverage.tasks)} task(s), {raw.height} result rows</p>"
-    )
-    parts.append('<h2 id="catalog">Store catalog</h2>')
-    if catalog_df is not None:
-        parts.append(html_table(catalog_df, table_id="catalog-table"))
-    else:
-        parts.append('<p class="note">No store catalog was given.</p>')
-
-    parts.append('<h2 id="probe">Probe results</h2>')
-    probe = _results_pivot(raw, ["probe", "knn"])
-    if probe is not None:
-        metric = (rank_kwargs or {}).get("metric", "top1")
-        wide = _wide(probe, metric)
-        parts.append(
-            f'<p class="note">Median over seeds; 95% Clopper-Pearson interval for accuracies with known n_eval. '
-            f"Overview of {html.escape(metric)}, then every metric.</p>"
-            + (html_table(wide, table_id="probe-wide") if wide is not None else "")
-            + "<details><summary>all probe metrics</summary>" + html_table(probe, table_id="probe-table") + "</details>"
-        )
-    else:
-        parts.append('<p class="note">No probe rows.</p>')
-    parts.append('<h2 id="retrieval">Retrieval results</h2>')
-    ret = _results_pivot(raw, ["retrieval"])
-    if ret is not None:
-        wide = _wide(ret, (rank_kwargs or {}).get("retrieval_metric", "map"))
-        parts.append((html_table(wide, table_id="retrieval-wide") if wide is not None else "") + html_table(ret, table_id="retrieval-table"))
-    else:
-        parts.append('<p class="note">No retrieval rows.</p>')
-    ft = _results_pivot(raw, ["finetune"])
-    if ft is not None:
-        parts.append('<h2 id="finetune">Fine-tuning results</h2>' + html_table(ft, table_id="finetune-table"))
-
-    parts.append('<h2 id="rankings">Rankings</h2>')
-    with tempfile.TemporaryDirectory(prefix="featcache-report-") as tmp:
-        kw = {"on_constant": "drop", "n_boot": 1000, **{k: v for k, v in (rank_kwargs or {}).items() if k not in ("percent", "external_kind")}}
+    load = {"percent": kw_in.get("percent"), "external_kind": kw_in.get("external_kind")}
+    raw, coverage = merge_tables(api._as_tables(results_df, external, groups=kw_in.get("groups"), **load))
+    ctx: dict[str, Any] = {
+        "title": title, "version": __version__, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "n_backbones": len(coverage.backbones), "n_tasks": len(coverage.tasks), "n_rows": raw.height,
+        "rank_error": None, "choose": None, "finetune": None, "certainty": None, "cost": None,
+        "finetune_absent": "", "cost_absent": "", "catalog": _catalog(catalog_df), "shift": None, "notes": [],
+    }
+    kw = {"on_constant": "drop", "n_boot": 1000, **{k: v for k, v in kw_in.items() if k not in load}}
+    with tempfile.TemporaryDirectory(prefix="featcache-report-") as tmpd:
+        tmp = Path(tmpd)
+        r = None
         try:
-            r = api.rank(results_df, external, tmp, provenance=provenance,
-                         percent=(rank_kwargs or {}).get("percent"), external_kind=(rank_kwargs or {}).get("external_kind"), **kw)
+            r = api.rank(results_df, external, tmp, provenance=provenance, **load, **kw)
         except ResultsError as exc:
             log.warning("report: no ranking: %s", exc)
-            parts.append(f'<p class="err">No ranking could be computed: {html.escape(str(exc))}</p>')
-            r = None
+            ctx["rank_error"] = str(exc)
+        ft_rows = _reduced(raw, ["finetune"])
         if r is not None:
-            boot = r["bootstrap"].filter(pl.col("aggregation") == "zscore").select(
-                "backbone", pl.col("lo").alias("zscore_lo"), pl.col("hi").alias("zscore_hi")
-            )
-            overall = r["overall"].join(boot, on="backbone", how="left").sort("position")
-            parts.append(
-                "<p>Backbones ordered by the mean Battle-of-the-Backbones z-score over settings "
-                f"(bootstrap 95% interval, resampling {html.escape(r['resample'])}).</p>"
-            )
-            parts.append(html_table(overall, table_id="overall-table"))
-            parts.append("<h3>Good / better / best</h3>" + html_table(r["top3"], table_id="top3-table"))
-            parts.append("<h3>Agreement between aggregations (Kendall tau-b)</h3>" + html_table(r["agreement"]))
-            hm = Path(tmp) / "zscore_heatmap.png"
-            if hm.exists():
-                parts.append(_img(hm, "z-score heatmap"))
-            if r["lin_ft"] is not None:
-                lf = r["lin_ft"]
-                parts.append(
-                    f"<h3>Linear probe vs fine-tune</h3><p>Mean Kendall tau-b over {lf['n_tasks']} task(s): "
-                    f"{_fmt(lf['mean_tau'])}.</p>" + html_table(lf["per_task"]) + html_table(lf["per_backbone"])
-                )
-                for name in ("tau_per_task.png", "linear_vs_finetune.png"):
-                    if (Path(tmp) / name).exists():
-                        parts.append(_img(Path(tmp) / name, name))
-            if r.get("calibration") is not None:
-                parts.append("<h3>Calibration</h3>" + html_table(r["calibration"]) + html_table(r["calibration_corr"]))
-            if r.get("efficiency") is not None:
-                parts.append(
-                    "<h3>Efficiency</h3>" + html_table(r["efficiency"])
-                    + f'<p class="note">Spearman rho(throughput, z-score) = {_fmt(r.get("efficiency_rho"))}</p>'
-                )
-                if (Path(tmp) / "efficiency.png").exists():
-                    parts.append(_img(Path(tmp) / "efficiency.png", "efficiency"))
-            notes = r["notes"] + coverage.lines()
-            if notes:
-                parts.append("<h3>Notes</h3><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+            ctx["choose"] = _choose(r, tmp)
+            ctx["finetune"] = _finetune(r, tmp, ft_rows.drop("setting") if ft_rows is not None else None)
+            ctx["certainty"] = _certainty(r, tmp, kw["n_boot"], kw.get("seed", 0))
+            ctx["notes"] = r["notes"] + coverage.lines()
+        if ctx["finetune"] is None:
+            ctx["finetune_absent"] = ("the results hold no fine-tune rows (run `featcache finetune`, or pass its "
+                                      "table with --external)." if ft_rows is None else
+                                      "fine-tune rows are present but no ranking could be computed.")
+        ctx["cost"], ctx["cost_absent"] = _cost(r, catalog_df, tmp)
+        ctx.update(_details(raw, r, kw, tmp))
         if shift_splits is not None:
-            parts.append(f'<h2 id="shift">Test-set shift: {html.escape(shift_splits[0])} &rarr; {html.escape(shift_splits[1])}</h2>')
-            try:
-                s = api.shift(results_df, shift_splits[0], shift_splits[1], Path(tmp) / "shift", external=external)
-                parts.append(html_table(s["table"]) + html_table(s["fit"]))
-                for f in s["files"]:
-                    if f.suffix == ".png":
-                        parts.append(_img(f, f.name))
-            except ResultsError as exc:
-                parts.append(f'<p class="err">No shift analysis: {html.escape(str(exc))}</p>')
-    doc = (
-        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmpf = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        Path(tmpf).write_text(doc, encoding="utf-8")
-        os.replace(tmpf, out)
-    finally:
-        if os.path.exists(tmpf):
-            os.unlink(tmpf)
+            ctx["shift"] = _shift(results_df, external, shift_splits, tmp)
+        doc = _render(ctx)
+    _write_atomic(out, doc)
     log.info("report written to %s", out)
     return out

@@ -1,7 +1,9 @@
-"""Test-set shift (Recht et al.): accuracy on an original and a new test split per backbone.
+"""Test-set shift (Recht et al.): a metric on an original and a new test split per backbone.
 
-Per backbone: accuracy on both splits with 95% Clopper-Pearson intervals, the gap, the rank on
-each split and the rank change; across backbones the fit ``acc_new = a * acc_orig + b`` with
+Per backbone: the metric on both splits (``acc_orig``/``acc_new``; any metric, named so for
+Recht et al.'s accuracy) with 95% Clopper-Pearson intervals where the metric is binomial
+(top-1, top-5; none for mean-per-class, ECE, NLL), the gap, the rank on each split in the
+metric's direction (lower ECE/NLL ranks first) and the rank change; across backbones the fit ``acc_new = a * acc_orig + b`` with
 bootstrap 95% intervals on ``a`` and ``b`` (resampling backbones, 100,000 samples by default).
 """
 
@@ -13,7 +15,11 @@ from typing import Any
 import numpy as np
 
 from featcache.analysis import stats
+from featcache.analysis.tables import LOWER_IS_BETTER, PROPORTION_METRICS
 from featcache.errors import ResultsError
+
+#: metrics that count correct test images (a binomial proportion): Clopper-Pearson applies
+BINOMIAL_METRICS = PROPORTION_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +38,9 @@ def shift_table(
 
     ``df`` is an analysis table (:func:`featcache.analysis.tables.load_table`). Returns a polars
     DataFrame with dataset, backbone, acc_orig, orig_lo, orig_hi, n_orig, acc_new, new_lo,
-    new_hi, n_new, gap (orig - new), rank_orig, rank_new, delta_rank (rank_orig - rank_new:
-    negative = dropped, as in Recht et al.), and a list of backbones seen on one split only.
+    new_hi, n_new, gap (orig - new), rank_orig, rank_new (1 = best in the metric's direction),
+    delta_rank (rank_orig - rank_new: negative = dropped, as in Recht et al.), and a list of
+    backbones seen on one split only.
     """
     import polars as pl
 
@@ -64,26 +71,15 @@ def shift_table(
     ]
     if missing:
         log.warning("shift: backbones evaluated on one split only: %s", ", ".join(missing))
-    t = full.drop_nulls(["acc_orig", "acc_new"]).sort(["dataset", "protocol", "acc_orig"], descending=[False, False, True])
+    higher = metric not in LOWER_IS_BETTER  # ranks and row order follow the metric's direction
+    t = full.drop_nulls(["acc_orig", "acc_new"]).sort(["dataset", "protocol", "acc_orig"], descending=[False, False, higher])
     if t.height == 0:
         raise ResultsError(f"no backbone has {metric!r} on both {orig!r} and {new!r}")
-    cols = {}
-    for side in ("orig", "new"):
-        acc = t[f"acc_{side}"].to_numpy().astype(float)
-        nn = t[f"n_{side}"].fill_null(0).to_numpy().astype(float)
-        lo = np.full(len(acc), np.nan)
-        hi = np.full(len(acc), np.nan)
-        ok = nn > 0
-        if ok.any():
-            lo[ok], hi[ok] = stats.clopper_pearson(acc[ok] * nn[ok], nn[ok], alpha)
-        cols[f"{side}_lo"] = lo
-        cols[f"{side}_hi"] = hi
-    t = t.with_columns(*(pl.Series(k, v).fill_nan(None) for k, v in cols.items()))
-    t = t.with_columns((pl.col("acc_orig") - pl.col("acc_new")).alias("gap"))
+    t = _with_intervals(t, metric, alpha).with_columns((pl.col("acc_orig") - pl.col("acc_new")).alias("gap"))
     parts = []
     for _, g in t.group_by(["dataset", "protocol"], maintain_order=True):
-        ro = stats.rankdata(g["acc_orig"].to_numpy())
-        rn = stats.rankdata(g["acc_new"].to_numpy())
+        ro = stats.rankdata(g["acc_orig"].to_numpy(), descending=higher)
+        rn = stats.rankdata(g["acc_new"].to_numpy(), descending=higher)
         parts.append(g.with_columns(pl.Series("rank_orig", ro), pl.Series("rank_new", rn), pl.Series("delta_rank", ro - rn)))
     t = pl.concat(parts)
     t = t.select(
@@ -91,6 +87,29 @@ def shift_table(
         "acc_new", "new_lo", "new_hi", "n_new", "gap", "rank_orig", "rank_new", "delta_rank",
     )
     return t, missing
+
+
+def _with_intervals(t, metric: str, alpha: float):
+    """``{orig,new}_{lo,hi}``: Clopper-Pearson for binomial metrics (a count of correct test
+    images: top-1, top-5) with a known n; null for the others (mean-per-class, ECE, NLL are
+    not binomial proportions, and per-image values to bootstrap are not in a results table)."""
+    import polars as pl
+
+    cols = {}
+    for side in ("orig", "new"):
+        acc = t[f"acc_{side}"].to_numpy().astype(float)
+        nn = t[f"n_{side}"].fill_null(0).to_numpy().astype(float)
+        lo = np.full(len(acc), np.nan)
+        hi = np.full(len(acc), np.nan)
+        ok = nn > 0
+        if metric in BINOMIAL_METRICS and ok.any():
+            lo[ok], hi[ok] = stats.clopper_pearson(acc[ok] * nn[ok], nn[ok], alpha)
+        cols[f"{side}_lo"] = lo
+        cols[f"{side}_hi"] = hi
+    if metric not in BINOMIAL_METRICS:
+        log.info("shift: no intervals for %r (Clopper-Pearson applies to binomial metrics %s only)",
+                 metric, sorted(BINOMIAL_METRICS))
+    return t.with_columns(*(pl.Series(k, v).fill_nan(None) for k, v in cols.items()))
 
 
 def shift_fit(table, *, n_boot: int = 100_000, seed: int = 0, level: float = 0.95):

@@ -1,14 +1,11 @@
-"""Pure numpy statistics used by the analysis stage.
+"""Statistics used by the analysis stage (numpy and scipy).
 
-Clopper-Pearson intervals, Kendall tau-b (with exact and tie-corrected asymptotic p-values),
-z-scores, average ranks, seeded bootstraps and the bootstrap line fit of Recht et al.
+Clopper-Pearson intervals, Kendall tau-b and ranks (scipy), BoB z-scores, average ranks and
+the bootstrap line fit of Recht et al.
 Nothing here reads files or knows about result tables.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable
 
 import numpy as np
 
@@ -20,8 +17,6 @@ __all__ = [
     "zscores",
     "average_ranks",
     "rankdata",
-    "bootstrap_ci",
-    "bootstrap_rows",
     "linear_fit",
     "bootstrap_linear_fit",
 ]
@@ -53,45 +48,25 @@ def clopper_pearson(k, n, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
 
 def rankdata(x, *, descending: bool = True, axis: int = -1) -> np.ndarray:
     """Average ranks along ``axis`` (1 = best when ``descending``); ties share their mean rank,
-    NaN entries get NaN and are ignored by the others. Vectorised over the other axes."""
-    v = np.moveaxis(np.asarray(x, dtype=float), axis, -1)
-    if not descending:
-        v = -v
-    a = v[..., :, None]
-    b = v[..., None, :]
-    better = np.sum(b > a, axis=-1)  # NaN comparisons are False: NaN never counts
-    ties = np.sum(b == a, axis=-1)  # includes itself
-    r = 1.0 + better + (ties - 1) / 2.0
-    r = np.where(np.isnan(v), np.nan, r)
-    return np.moveaxis(r, -1, axis)
+    NaN entries get NaN and are ignored by the others (:func:`scipy.stats.rankdata`)."""
+    from scipy.stats import rankdata as _rankdata
 
-
-def _mahonian_cdf(n: int, c: int) -> float:
-    """P(#discordant pairs <= c) for a random permutation of n items (no ties)."""
-    # counts of permutations with k inversions, built with a sliding-window sum (floats: n<=170)
-    m = n * (n - 1) // 2
-    counts = np.zeros(m + 1)
-    counts[0] = 1.0
-    top = 0
-    for j in range(1, n):  # insert element j+1: adds 0..j inversions
-        top += j
-        cs = np.cumsum(counts[: top + 1])
-        new = cs.copy()
-        new[j + 1 :] -= cs[: top + 1 - (j + 1)]
-        counts[: top + 1] = new
-    total = math.exp(math.lgamma(n + 1))
-    return float(counts[: c + 1].sum() / total)
+    v = np.asarray(x, dtype=float)
+    return _rankdata(-v if descending else v, method="average", axis=axis, nan_policy="omit")
 
 
 def kendall_tau_b(x, y, *, method: str = "auto") -> tuple[float, float]:
-    """Kendall's tau-b between two score vectors and its two-sided p-value.
+    """Kendall's tau-b between two score vectors and its two-sided p-value
+    (:func:`scipy.stats.kendalltau`, ``variant="b"``).
 
     ``method``: ``"exact"`` (permutation distribution; only without ties), ``"asymptotic"``
-    (normal approximation with the tie-corrected variance), or ``"auto"`` (exact when there are
-    no ties and ``n <= 33``, else asymptotic; scipy's rule). Pairs with a NaN are dropped.
-    Returns ``(nan, nan)`` when fewer than 2 pairs remain or one side is constant (tau-b
-    undefined); callers record why.
+    (normal approximation with the tie-corrected variance), or ``"auto"`` (scipy's rule: exact
+    when there are no ties and ``n <= 33``). Pairs with a NaN are dropped. Returns
+    ``(nan, nan)`` when fewer than 2 pairs remain or one side is constant (tau-b undefined);
+    callers record why.
     """
+    from scipy.stats import kendalltau
+
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
     if x.shape != y.shape or x.ndim != 1:
@@ -100,50 +75,17 @@ def kendall_tau_b(x, y, *, method: str = "auto") -> tuple[float, float]:
         raise ResultsError(f"method must be 'auto', 'exact' or 'asymptotic', got {method!r}")
     ok = ~(np.isnan(x) | np.isnan(y))
     x, y = x[ok], y[ok]
-    n = len(x)
-    if n < 2:
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return float("nan"), float("nan")
-    iu = np.triu_indices(n, 1)
-    sx = np.sign(x[:, None] - x[None, :])[iu]
-    sy = np.sign(y[:, None] - y[None, :])[iu]
-    s = float(np.sum(sx * sy))  # concordant - discordant
-    n0 = n * (n - 1) / 2
-    _, tx = np.unique(x, return_counts=True)
-    _, ty = np.unique(y, return_counts=True)
-    n1 = float(np.sum(tx * (tx - 1) / 2))
-    n2 = float(np.sum(ty * (ty - 1) / 2))
-    denom = math.sqrt((n0 - n1) * (n0 - n2))
-    if denom == 0:
-        return float("nan"), float("nan")
-    tau = min(1.0, max(-1.0, s / denom))
-    ties = n1 > 0 or n2 > 0
-    if method == "exact" and ties:
+    if method == "exact" and (len(np.unique(x)) < len(x) or len(np.unique(y)) < len(y)):
         raise ResultsError("the exact Kendall p-value needs untied data; use method='asymptotic'")
-    if method == "exact" or (method == "auto" and not ties and n <= 33):
-        dis = int(round((n0 - s) / 2))
-        c = min(dis, int(n0) - dis)
-        if n <= 1 or n0 == 0:
-            p = 1.0
-        elif 2 * c == n0:
-            p = 1.0
-        else:
-            p = min(1.0, 2.0 * _mahonian_cdf(n, c))
-        return tau, p
-    # tie-corrected variance of S (Kendall 1970, as in scipy)
-    xt = tx.astype(float)
-    yt = ty.astype(float)
-    v0 = n * (n - 1) * (2 * n + 5)
-    vt = np.sum(xt * (xt - 1) * (2 * xt + 5))
-    vu = np.sum(yt * (yt - 1) * (2 * yt + 5))
-    v1 = np.sum(xt * (xt - 1)) * np.sum(yt * (yt - 1))
-    v2 = np.sum(xt * (xt - 1) * (xt - 2)) * np.sum(yt * (yt - 1) * (yt - 2))
-    var = (v0 - vt - vu) / 18 + v1 / (2 * n * (n - 1)) + v2 / (9 * n * (n - 1) * (n - 2)) if n > 2 else (v0 - vt - vu) / 18 + v1 / (2 * n * (n - 1))
-    if var <= 0:
-        return tau, float("nan")
-    from scipy.special import erfc
+    if len(x) == 2 and method == "asymptotic":
+        # scipy's tie-corrected variance divides by n - 2; two untied pairs have Var(S) = 1
+        from scipy.stats import norm
 
-    z = s / math.sqrt(var)
-    return tau, float(erfc(abs(z) / math.sqrt(2)))
+        return float(np.sign(x[1] - x[0]) * np.sign(y[1] - y[0])), float(2 * norm.sf(1.0))
+    res = kendalltau(x, y, variant="b", method=method)
+    return float(res.statistic), float(res.pvalue)
 
 
 def zscores(values, *, ddof: int = 0, label: str = "setting") -> np.ndarray:
@@ -174,43 +116,6 @@ def zscores(values, *, ddof: int = 0, label: str = "setting") -> np.ndarray:
 def average_ranks(matrix: np.ndarray) -> np.ndarray:
     """Per-setting ranks (1 = best, ties averaged) of a ``[..., backbone, setting]`` array."""
     return rankdata(matrix, descending=True, axis=-2)
-
-
-def bootstrap_rows(n_items: int, n_boot: int, seed: int) -> np.ndarray:
-    """Seeded resampling indices ``[n_boot, n_items]`` (with replacement); the same indices are
-    applied to every backbone so differences between backbones are paired."""
-    if n_items < 1:
-        raise ResultsError("cannot bootstrap an empty set (no tasks/seeds to resample)")
-    if n_boot < 1:
-        raise ResultsError(f"n_boot must be >= 1, got {n_boot}")
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, n_items, size=(n_boot, n_items))
-
-
-def bootstrap_ci(
-    stat: Callable[[np.ndarray], np.ndarray],
-    n_items: int,
-    *,
-    n_boot: int = 1000,
-    seed: int = 0,
-    level: float = 0.95,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Percentile interval of ``stat(indices)`` over seeded resamples of ``n_items`` items.
-
-    ``stat`` takes an index vector (length ``n_items``) and returns an array of statistics.
-    Returns ``(low, high, samples[n_boot, ...])``; NaN samples are ignored per statistic.
-    """
-    idx = bootstrap_rows(n_items, n_boot, seed)
-    samples = np.stack([np.asarray(stat(row), dtype=float) for row in idx])
-    a = (1 - level) / 2
-    with np.errstate(all="ignore"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            lo = np.nanquantile(samples, a, axis=0)
-            hi = np.nanquantile(samples, 1 - a, axis=0)
-    return lo, hi, samples
 
 
 def linear_fit(x, y) -> tuple[float, float]:

@@ -310,6 +310,34 @@ def test_bob_table9_agrees_with_the_papers_statements(bob9):
     assert all(s == "finetune:ImageNet" for s, _ in bob9["coverage"].missing_cells)
 
 
+def test_bob_table9_group_means_and_top3_per_task_family(bob9):
+    """VTAB's per-group means beside the group-reweighted mean; BoB's top-3 per task family
+    (mean z-score over the family's datasets), both by hand from the CSV with scipy z-scores."""
+    import csv
+
+    rows = [r for r in csv.DictReader(open(T9)) if r["value"]]
+    group = {r["dataset"]: r["group"] for r in rows}
+    vals = _t9_values()
+    fams = sorted(set(group.values()))
+    assert fams == ["medical", "natural", "satellite"]
+    ov = {r["backbone"]: r for r in bob9["overall"].iter_rows(named=True)}
+    z = {ds: dict(zip(col, ss.zscore(list(col.values())))) for ds, col in vals.items()}
+    for b, r in ov.items():
+        means = []
+        for g in fams:
+            v = [vals[d][b] / 100 for d in vals if group[d] == g and b in vals[d]]
+            assert r[f"mean[{g}]"] == pytest.approx(statistics.fmean(v), abs=1e-12)
+            means.append(statistics.fmean(v))
+        assert r["group_mean"] == pytest.approx(statistics.fmean(means), abs=1e-12)
+    t3 = {r["task"]: r for r in bob9["top3"].iter_rows(named=True)}
+    for g in fams:
+        fam_z = {b: statistics.fmean(z[d][b] for d in vals if group[d] == g and b in vals[d]) for b in ov}
+        best = sorted(fam_z, key=lambda b: -fam_z[b])[:3]
+        row = t3[f"group {g} (z-score)"]
+        assert [row["best"], row["better"], row["good"]] == best
+    assert bob9["top3"]["task"][-1] == "overall (z-score)"  # overall stays the last row
+
+
 def test_bob_table10_calibration_correlations_match_the_paper():
     r = api.rank(None, [T10], percent=True, n_boot=50)
     corr = {row["metric"]: row for row in r["calibration_corr"].iter_rows(named=True)}
@@ -515,6 +543,33 @@ def test_shift_on_digits_noisy_split(digits_results, tmp_path):
     assert (tmp_path / "shift" / "shift.md").read_text().count("\n") >= 2 + len(BACKBONES)
 
 
+def test_shift_ece_ranks_lower_first_and_gets_no_binomial_interval(digits_results, tmp_path, capsys):
+    """`featcache shift --metric ece`: the best-calibrated backbone (lowest ECE) ranks first, and
+    ECE/NLL (not binomial proportions) get no Clopper-Pearson interval; top-1 keeps its."""
+    from featcache.cli import main
+
+    rc = main(["shift", "--results", str(digits_results["path"]), "--orig", "test", "--new", "test_v2",
+               "--metric", "ece", "--out", str(tmp_path / "s"), "--n-boot", "200"])
+    assert rc == 0
+    capsys.readouterr()
+    t = pl.read_parquet(tmp_path / "s" / "shift.parquet")
+    df = digits_results["df"].filter((pl.col("metric") == "ece") & (pl.col("kind") == "probe"))
+    for split, col in (("test", "rank_orig"), ("test_v2", "rank_new")):
+        med = df.filter(pl.col("eval_split") == split).group_by("backbone").agg(pl.col("value").median())
+        best = med.sort("value")["backbone"][0]
+        assert t.filter(pl.col(col) == 1)["backbone"].item() == best
+        exp = ss.rankdata(med.sort("backbone")["value"].to_numpy())  # ascending: lower ECE = rank 1
+        got = t.sort("backbone")[col].to_numpy()
+        assert got.tolist() == exp.tolist()
+    assert t["rank_orig"][0] == 1  # rows in the metric's direction
+    for c in ("orig_lo", "orig_hi", "new_lo", "new_hi"):
+        assert t[c].null_count() == t.height
+    nll = api.shift(digits_results["path"], "test", "test_v2", metric="nll", n_boot=100)["table"]
+    assert nll["new_lo"].null_count() == nll.height
+    top1 = api.shift(digits_results["path"], "test", "test_v2", metric="top1", n_boot=100)["table"]
+    assert top1["new_lo"].null_count() == 0 and top1.sort("rank_orig")["acc_orig"].is_sorted(descending=True)
+
+
 def test_shift_fit_recovers_known_line_from_generated_results(tmp_path):
     rng = np.random.default_rng(0)
     rows = []
@@ -564,20 +619,41 @@ def test_shift_error_paths(digits_results):
 # ---------------------------------------------------------------------------------------------
 
 
-def _chromium():
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        p = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
-        if p:
-            return p
-    return None
+def _retrieval_rows(ks=(1, 5, 10)) -> list[dict]:
+    """Every retrieval metric featcache computes (map, mrr and map/mrr/recall/hit/precision@k)
+    on digits, per backbone: the ~30-metric shape that made the report's retrieval list long."""
+    from sklearn.datasets import load_digits
+
+    from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize
+
+    X, y = load_digits(return_X_y=True)
+    rows = []
+    for b in BACKBONES:
+        _, F = _features(b, X[:1000], X[1000:])
+        F = F / np.maximum(np.linalg.norm(F, axis=1, keepdims=True), 1e-12)
+        q = np.arange(0, len(F), 7)
+        S = F[q] @ F.T
+        S[np.arange(len(q)), q] = -np.inf  # a query is never its own match
+        order = np.argsort(-S, axis=1, kind="stable")[:, :-1]
+        hits = y[1000:][order] == y[1000:][q][:, None]
+        rr = ranks_from_hits(hits, hits.sum(axis=1), scores=np.take_along_axis(S, order, axis=1), full=True)
+        means, n_scored, _ = summarize(compute_metrics(rr, ks), hits.sum(axis=1))
+        base = dict(kind="retrieval", backbone=b, dataset="digits-all-metrics", eval_split="test", n_eval=n_scored)
+        rows += [{**base, "run_id": make_run_id(**base), "metric": m, "value": v} for m, v in means.items()]
+    return rows
 
 
 @pytest.fixture(scope="module")
 def report_html(digits_results, tmp_path_factory):
     cat = pl.DataFrame({"backbone": list(BACKBONES), "dataset": ["digits"] * 5, "split": ["test"] * 5,
-                        "kind": ["pooled"] * 5, "n": [797] * 5, "images_per_s": [1000.0, 900.0, 1200.0, 1500.0, 3000.0]})
-    out = tmp_path_factory.mktemp("report") / "report.html"
-    write_report(out, digits_results["df"], cat, external=[digits_results["ft_path"]],
+                        "kind": ["pooled"] * 5, "n": [797] * 5, "images_per_s": [1000.0, 900.0, 1200.0, 1500.0, 3000.0],
+                        "bytes": [40_000, 100_000, 30_000, 20_000, 50_000], "weights": ["x" * 90] * 5,
+                        "peak_memory_mb": [None] * 5})
+    d = tmp_path_factory.mktemp("report")
+    shutil.copy(digits_results["path"], d / "results.parquet")
+    append_results(d / "results.parquet", rows_to_frame(_retrieval_rows()))
+    out = d / "report.html"
+    write_report(out, read_results(d / "results.parquet"), cat, external=[digits_results["ft_path"]],
                  shift_splits=("test", "test_v2"), rank_kwargs={"n_boot": 200})
     return out
 
@@ -587,26 +663,66 @@ def test_report_is_self_contained(report_html):
     for anchor in ('id="catalog-table"', 'id="probe-table"', 'id="probe-wide"', 'id="retrieval-wide"', 'id="retrieval-table"', 'id="overall-table"',
                    'id="top3-table"', "Linear probe vs fine-tune", "Calibration", "Efficiency", "Test-set shift"):
         assert anchor in text, anchor
+    # the questions come first, in this order, then the details
+    heads = ["Which backbone should I use?", "Would fine-tuning change the answer?", "How sure are we?",
+             "What did it cost?", "Details"]
+    pos = [text.index(f"<h2>{h}</h2>") for h in heads]
+    assert pos == sorted(pos)
     assert text.count("data:image/png;base64,") >= 5
+    # retrieval metrics with cut-offs are a pivot (backbone x family rows, one column per k), not a flat list
+    assert "metric family</th><th>full</th><th>@1</th><th>@5</th><th>@10</th>" in text
     assert "http://" not in text and "https://" not in text and "<script" not in text
 
 
 def test_report_renders_in_headless_chromium(report_html, tmp_path):
-    exe = _chromium()
+    """The report in a real browser at laptop width: every section there, every plot decodes,
+    nothing wider than 1280 px, no console error; a screenshot of each section is not blank."""
+    from cdp import PAGE_FACTS, SECTION_RECTS, Browser, find_chromium
+
+    exe = find_chromium()
     if exe is None:
         pytest.skip("chromium not installed (the CI image installs Debian's chromium)")
-    common = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-              "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([*common, "--dump-dom", report_html.as_uri()], capture_output=True, text=True, timeout=120)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    assert "<table" in dom.stdout and "Good / better / best" in dom.stdout and 'id="overall-table"' in dom.stdout
-    shot = tmp_path / "shot.png"
-    r = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1200,2000", report_html.as_uri()],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and shot.read_bytes()[:8] == PNG_MAGIC
-    import matplotlib.image as mpimg
+    with Browser(exe, tmp_path / "profile") as b:
+        b.open(report_html.as_uri(), width=1280, height=900)
+        facts = b.evaluate(PAGE_FACTS)
+        assert facts["sections"] == ["choose", "finetune", "certainty", "cost", "details", "shift"]
+        assert facts["headings"][:4] == ["Which backbone should I use?", "Would fine-tuning change the answer?",
+                                         "How sure are we?", "What did it cost?"]
+        assert len(facts["images"]) >= 4
+        for img in facts["images"]:
+            assert img["complete"] and img["w"] > 0 and img["h"] > 0, img
+        assert facts["scrollWidth"] <= 1280, facts["wide"]
+        assert b.errors() == []
+        import matplotlib.image as mpimg
 
-    assert mpimg.imread(shot).std() > 0.02  # not a blank page
+        for r in b.evaluate(SECTION_RECTS):
+            shot = b.screenshot(tmp_path / f"{r['id']}.png", {k: r[k] for k in ("x", "y", "width", "height")})
+            assert shot.read_bytes()[:8] == PNG_MAGIC
+            assert mpimg.imread(shot).std() > 0.02, r["id"]  # not a blank section
+
+
+def test_rank_two_backbones_bootstraps_agreement(digits_results):
+    two = digits_results["df"].filter(pl.col("backbone").is_in(["pixels", "random:0"]))
+    r = api.rank(two, n_boot=50, on_constant="drop")
+    assert r["overall"]["backbone"].to_list() == ["pixels", "random:0"]
+    assert r["agreement"]["tau_mean"].to_list() == pytest.approx([1.0] * r["agreement"].height)
+
+
+def test_plots_leave_the_callers_matplotlib_backend_alone(tmp_path):
+    """Figure + FigureCanvasAgg: no pyplot, no backend switch (a notebook keeps its backend)."""
+    import sys
+
+    code = (
+        "import sys, matplotlib; matplotlib.use('svg'); import polars as pl\n"
+        "from featcache.analysis import plots\n"
+        "t = pl.DataFrame({'backbone': ['a', 'b'], 'zscore': [1.0, -1.0], 'zscore_lo': [0.5, -1.5], 'zscore_hi': [1.5, -0.5]})\n"
+        f"p = plots.overall_intervals(t, {str(tmp_path / 'o.png')!r})\n"
+        "assert p.read_bytes()[:4] == b'\\x89PNG'\n"
+        "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["svg", "False"]
 
 
 def test_report_without_catalog_and_with_a_single_backbone(tmp_path, digits_results):

@@ -121,6 +121,13 @@ def test_kendall_tau_b_matches_brute_force_and_scipy_on_ties(pairs):
     assert p == pytest.approx(ref.pvalue, rel=1e-9, abs=1e-12)
 
 
+def test_kendall_two_items_asymptotic():
+    # scipy divides by n - 2 here; the normal approximation with Var(S) = 1 (two untied pairs)
+    assert stats.kendall_tau_b([1, 2], [3, 4], method="asymptotic") == pytest.approx((1.0, math.erfc(1 / math.sqrt(2))))
+    assert stats.kendall_tau_b([1, 2], [4, 3], method="asymptotic")[0] == -1.0
+    assert stats.kendall_tau_b([1, 2], [3, 4]) == pytest.approx((1.0, ss.kendalltau([1, 2], [3, 4]).pvalue))
+
+
 def test_kendall_constant_side_and_nan_pairs():
     assert all(math.isnan(v) for v in stats.kendall_tau_b([1, 1, 1], [1, 2, 3]))
     assert all(math.isnan(v) for v in stats.kendall_tau_b([1.0], [2.0]))
@@ -171,24 +178,6 @@ def test_average_ranks_columns():
 
 
 # ------------------------------------------------------------------ bootstrap and line fit
-
-
-def test_bootstrap_is_deterministic_under_a_seed():
-    data = np.random.default_rng(0).normal(size=(4, 30))
-
-    def stat(idx):
-        return data[:, idx].mean(axis=1)
-
-    a = stats.bootstrap_ci(stat, 30, n_boot=300, seed=7)
-    b = stats.bootstrap_ci(stat, 30, n_boot=300, seed=7)
-    c = stats.bootstrap_ci(stat, 30, n_boot=300, seed=8)
-    assert np.array_equal(a[2], b[2]) and np.array_equal(a[0], b[0])
-    assert not np.array_equal(a[2], c[2])
-    assert np.all(a[0] <= data.mean(axis=1)) and np.all(data.mean(axis=1) <= a[1])
-    with pytest.raises(ResultsError):
-        stats.bootstrap_rows(0, 10, 0)
-    with pytest.raises(ResultsError):
-        stats.bootstrap_rows(5, 0, 0)
 
 
 def test_bootstrap_linear_fit_recovers_known_slope_and_offset():
