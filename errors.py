@@ -60,3 +60,7 @@ class SplitError(DataError, ProbeError):
 
     Raised by :mod:`featcache.splits`, shared by probes and fine-tuning; it is both a
     :class:`DataError` and a :class:`ProbeError` so either stage's callers catch it."""
+
+
+class DependencyConflictError(FeatcacheError, ImportError):
+    """Two installed distributions provide the same module (e.g. faiss-cpu and faiss-gpu)."""
