@@ -39,7 +39,7 @@ lint: setup
 
 # the MkDocs site (docs/, mkdocs.yml) into site/; --strict turns every warning into an error
 docs: $(VENV)/.docs-installed
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 docs-serve: $(VENV)/.docs-installed
-	$(VENV)/bin/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
