@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +28,7 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[2]
 _PKG_DIR = Path(tempfile.mkdtemp(prefix="featcache-docs-"))
 (_PKG_DIR / "featcache").symlink_to(ROOT, target_is_directory=True)
+atexit.register(shutil.rmtree, _PKG_DIR, ignore_errors=True)  # removes the link, not the checkout
 if str(_PKG_DIR) not in sys.path:  # the CLI page imports featcache.cli from this checkout
     sys.path.insert(0, str(_PKG_DIR))
 
