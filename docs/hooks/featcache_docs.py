@@ -97,15 +97,20 @@ def _subparsers(parser: argparse.ArgumentParser):
 
 
 def _cell(text: str, code: bool = False) -> str:
-    """Table-cell text: pipes escaped, and (outside code) brackets, so ``[a][b]`` is no link."""
-    for ch in "|" if code else "|[]":
-        text = text.replace(ch, "\\" + ch)
-    return text.replace("\n", " ")
+    """Table-cell text: pipes escaped and, outside code, markup (``[a][b]`` is no link,
+    ``NAME@random<SEED>`` no HTML tag)."""
+    if not code:
+        return _text(text).replace("|", "\\|").replace("\n", " ")
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _text(text: str) -> str:
-    """A paragraph from argparse help: brackets escaped (``[--seeds 0,1][,id]`` is no link)."""
-    return text.replace("[", "\\[").replace("]", "\\]")
+    """Argparse help as literal Markdown text: brackets, ``<``, ``&`` and ``*`` escaped
+    (``[,split][,id]`` is no link, ``<SEED>`` no HTML tag, ``a * b`` no emphasis)."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;")
+    for ch in "[]*":
+        text = text.replace(ch, "\\" + ch)
+    return text
 
 
 def _options_table(parser: argparse.ArgumentParser) -> list[str]:
