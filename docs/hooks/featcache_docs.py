@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import atexit
-import importlib.util
 import os
 import shutil
 import sys
@@ -33,15 +32,18 @@ if str(_PKG_DIR) not in sys.path:  # the CLI page imports featcache.cli from thi
     sys.path.insert(0, str(_PKG_DIR))
 
 
+def _source(module: str) -> Path | None:
+    """The file of ``featcache.<module>`` in THIS checkout (not whatever ``featcache`` another
+    installation on sys.path provides), or None."""
+    rel = Path(*module.split(".")[1:])
+    for cand in (ROOT / rel.with_suffix(".py"), ROOT / rel / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
 def _present(modules: list[str]) -> list[str]:
-    found = []
-    for name in modules:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                found.append(name)
-        except ModuleNotFoundError:
-            continue
-    return found
+    return [m for m in modules if m.startswith("featcache.") and _source(m) is not None]
 
 
 @event_priority(100)  # before mkdocstrings reads its handler options
@@ -78,8 +80,8 @@ def api_index(modules: list[str]) -> str:
         "|---|---|",
     ]
     for m in modules:
-        origin = importlib.util.find_spec(m).origin  # read, not imported (no torch at build time)
-        doc = ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8"))) or ""
+        source = _source(m).read_text(encoding="utf-8")  # read, not imported (no torch at build time)
+        doc = ast.get_docstring(ast.parse(source)) or ""
         summary = doc.strip().split("\n\n")[0].replace("\n", " ")
         lines.append(f"| [`{m}`]({m.removeprefix('featcache.')}.md) | {_cell(summary)} |")
     return "\n".join(lines) + "\n"
