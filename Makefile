@@ -5,13 +5,18 @@ PY := $(VENV)/bin/python
 # PyPI's torchvision imports only beside torch 2.14.1 on the CI/dev machines (see README).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup system-deps demo test lint bench
+.PHONY: setup system-deps demo test lint docs docs-serve
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PINS)
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[cpu,test]"
+	touch $@
+
+# the documentation site's tools (the `docs` extra), on first `make docs`
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[cpu,test,docs]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -31,3 +36,10 @@ test: setup system-deps
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# the MkDocs site (docs/, mkdocs.yml) into site/; --strict turns every warning into an error
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve

@@ -34,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"featcache {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="warnings and errors only, and no progress bars")
+    parser.add_argument("--log-file", metavar="PATH", default=None,
+                        help="also append the log to PATH (at INFO even with -q; DEBUG with -vv)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -47,25 +50,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(verbose: int = 0, quiet: bool = False,
+                      log_file: str | None = None) -> logging.Handler | None:
+    """Logging for one CLI run: stderr at WARNING (``-q``), INFO or DEBUG (``-vv``); with
+    ``log_file`` the same records, at INFO or finer, are also appended to that file, whose
+    handler is returned (the CLI's own errors go to it too)."""
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if getattr(h, "featcache_cli", False)]:  # an earlier main()
+        root.removeHandler(h)
+        h.close()
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not root.handlers:  # like logging.basicConfig: a host that configured logging keeps its own
+        sh = logging.StreamHandler()
+        sh.setLevel(level)
+        sh.setFormatter(logging.Formatter(fmt))
+        sh.featcache_cli = True
+        root.addHandler(sh)
+        root.setLevel(level)
+    fh = None
+    if log_file:
+        try:
+            fh = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        except OSError as exc:
+            raise FeatcacheError(f"cannot open --log-file {log_file!r}: {exc.strerror}; "
+                                 "give a writable path") from exc
+        fh.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(process)d " + fmt))
+        fh.featcache_cli = True
+        root.addHandler(fh)
+        if root.level == logging.NOTSET or root.level > fh.level:
+            root.setLevel(fh.level)
+    if not verbose:
+        for noisy in ("urllib3", "botocore", "s3fs", "fsspec", "matplotlib", "PIL", "timm", "faiss.loader"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    return fh
+
+
+def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = False) -> None:
+    """An error the CLI prints to stderr itself, also recorded in --log-file (not printed twice)."""
+    if handler is not None:
+        handler.handle(logging.getLogger("featcache.cli").makeRecord(
+            "featcache.cli", logging.ERROR, __file__, 0, msg, (), sys.exc_info() if exc_info else None))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = logging.WARNING if args.quiet else (logging.DEBUG if args.verbose > 1 else logging.INFO)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        for noisy in ("urllib3", "botocore", "s3fs", "fsspec", "matplotlib", "PIL", "timm", "faiss.loader"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Stages read ``args.no_progress`` (their --no-progress flag) to set ``progress=``; -q implies it.
+    args.no_progress = bool(getattr(args, "no_progress", False) or args.quiet)
+    try:
+        file_handler = configure_logging(args.verbose, args.quiet, args.log_file)
+    except FeatcacheError as exc:
+        print(f"featcache: error: {exc}", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    log = logging.getLogger("featcache.cli")
+    log.debug("featcache %s: %s", __version__, " ".join(sys.argv if argv is None else ["featcache", *argv]))
     try:
         rc = args.func(args)
     except FeatcacheError as exc:
-        print(f"featcache {args.command}: error: {exc}", file=sys.stderr)
+        msg = f"featcache {args.command}: error: {exc}"
+        _log_to_file(file_handler, msg, exc_info=True)
+        print(msg, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        _log_to_file(file_handler, "interrupted")
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if file_handler is not None:  # main() called in-process (tests, notebooks) leaves no open file
+            logging.getLogger().removeHandler(file_handler)
+            file_handler.close()
     return int(rc or 0)
 
 

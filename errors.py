@@ -69,3 +69,7 @@ class ProtocolError(DataError, ProbeError):
 
 class ConfigError(FeatcacheError, ValueError):
     """A stage configuration value is invalid (a negative --limit, --chunk-rows 0, ...)."""
+
+
+class DependencyConflictError(FeatcacheError, ImportError):
+    """Two installed distributions provide the same module (e.g. faiss-cpu and faiss-gpu)."""

@@ -18,6 +18,7 @@ import re
 import numpy as np
 
 from featcache.errors import BackendUnavailableError, DataError
+from featcache.optional import import_faiss
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,7 @@ def prepare(X: np.ndarray, metric: str) -> np.ndarray:
 
 
 def _faiss():
-    try:
-        import faiss
-    except ImportError as exc:
-        raise BackendUnavailableError("faiss is not installed; pip install faiss-cpu (or faiss-gpu-cu12)") from exc
-    return faiss
+    return import_faiss()  # raises BackendUnavailableError, or DependencyConflictError (cpu + gpu builds)
 
 
 def _cuda_available() -> bool:
@@ -101,8 +98,8 @@ def _cuda_available() -> bool:
 
 def _faiss_gpus() -> int:
     try:
-        import faiss
-    except ImportError:
+        faiss = import_faiss()
+    except BackendUnavailableError:
         return 0
     get = getattr(faiss, "get_num_gpus", None)
     return int(get()) if get else 0
