@@ -253,7 +253,7 @@ def _stage_report(path: Path, table, catalog, title: str) -> Path:
 # ------------------------------------------------------------------ checks and summary
 def count_plots(html_text: str) -> int:
     """Images embedded in a report (``<img ... src="data:image/...">``)."""
-    return len(re.findall(r"<img\b[^>]*\bsrc=[\"']data:image/", html_text))
+    return len(re.findall(r"<img\b[^>]*\bsrc=[\"']data:image/", html_text, re.I))
 
 
 def probe_top1(table, protocol: str = "full", eval_split: str = "test") -> dict[str, float]:
