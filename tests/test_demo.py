@@ -16,6 +16,7 @@ from featcache.cli import main
 from featcache.demo import (
     BASELINE,
     FT_PROTOCOL,
+    _paired_probe_protocol,
     check_pretrained_beat_random,
     choose_data,
     count_plots,
@@ -35,12 +36,6 @@ needs_fmnist = pytest.mark.skipif(not Path(FASHION_MNIST_DIR).is_dir(),
 def _summary(printed: str) -> list[str]:
     assert "summary:" in printed, printed
     return printed.split("summary:", 1)[1].strip().splitlines()
-
-
-def _paired_protocol() -> str:
-    from featcache.extract.finetune import PAIRS_WITH
-
-    return PAIRS_WITH[FT_PROTOCOL]
 
 
 @pytest.mark.slow
@@ -70,7 +65,7 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert f"{acc[RANDOM]:.3f}" in beat and f"{acc[LITE0]:.3f}" in beat
 
     # fine-tuning ran for every backbone, scaled down, paired with the matching probe protocol
-    paired = _paired_protocol()
+    paired = _paired_probe_protocol()  # what the fine-tune stage pairs vtab1k-light with
     ft = table.filter(pl.col("kind") == "finetune")
     assert set(ft["backbone"].unique()) == {LITE0, RANDOM}
     assert set(ft["protocol"].unique()) == {paired}
