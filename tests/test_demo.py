@@ -1,39 +1,141 @@
-"""The main job, end to end: `featcache demo` with all four backbones (small input size)."""
+"""The main job, end to end: `featcache demo` on Fashion-MNIST at a tiny size (lite0 + random:0,
+small inputs, a few fine-tune steps), its summary claims checked against the results table and
+the report; the digits fallback and the summary's checks on their own."""
 
 from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
 
 import polars as pl
 import pytest
 
 from featcache.cli import main
+from featcache.demo import (
+    BASELINE,
+    FT_PROTOCOL,
+    _paired_probe_protocol,
+    check_pretrained_beat_random,
+    choose_data,
+    count_plots,
+    probe_top1,
+)
+from featcache.errors import DataError
+from featcache.extract.data import FASHION_MNIST_DIR
+
+LITE0, RANDOM = "tf_efficientnet_lite0", "tf_efficientnet_lite0@random0"
+TINY = ["--train-size", "1100", "--test-size", "300", "--input-size", "64", "--n-backbones", "1",
+        "--finetune-steps", "4", "--finetune-input-size", "32", "--finetune-batch-size", "16",
+        "--no-progress", "--workers", "0"]
+needs_fmnist = pytest.mark.skipif(not Path(FASHION_MNIST_DIR).is_dir(),
+                                  reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+
+
+def _summary(printed: str) -> list[str]:
+    assert "summary:" in printed, printed
+    return printed.split("summary:", 1)[1].strip().splitlines()
 
 
 @pytest.mark.slow
-def test_demo_end_to_end(tmp_path, capsys):
+@needs_fmnist
+def test_demo_tiny_end_to_end(tmp_path, capsys):
     cache, out = tmp_path / "demo.zarr", tmp_path / "out"
-    rc = main(["demo", "--cache", str(cache), "--out", str(out), "--input-size", "64",
-               "--no-progress", "--workers", "1"])
-    assert rc == 0
-    printed = capsys.readouterr().out
-    assert f"report: {out / 'report.html'}" in printed
+    assert main(["demo", "--cache", str(cache), "--out", str(out), *TINY]) == 0
+    lines = _summary(capsys.readouterr().out)
+    text = "\n".join(lines)
     table = pl.read_parquet(out / "results.parquet")
-    probe = table.filter((pl.col("kind") == "probe") & (pl.col("metric") == "top1") & (pl.col("seed") >= 0))
-    acc = dict(zip(probe["backbone"], probe["value"]))
-    assert set(acc) == {"tf_efficientnet_lite0", "tf_efficientnet_lite1", "tf_efficientnet_lite2",
-                        "tf_efficientnet_lite0@random0"}
-    ret = table.filter((pl.col("kind") == "retrieval") & (pl.col("metric") == "map"))
-    mAP = dict(zip(ret["backbone"], ret["value"]))
-    for b in ("tf_efficientnet_lite0", "tf_efficientnet_lite1", "tf_efficientnet_lite2"):
-        assert acc[b] > 0.85, acc  # ImageNet features separate digits linearly
-        # (random conv features are strong linear features on 8x8 digits too, but their
-        # neighbourhoods are worse: whole-gallery mAP separates pretrained from random)
-        assert mAP[b] > mAP["tf_efficientnet_lite0@random0"], mAP
-    assert set(table["kind"].unique()) >= {"probe", "retrieval", "knn"}
-    html = (out / "report.html").read_text()
-    assert "tf_efficientnet_lite2" in html and "data:image/png;base64," in html
-    assert (out / "rank").is_dir() and any((out / "rank").iterdir())
-    # a second run reuses everything already computed
-    assert main(["demo", "--cache", str(cache), "--out", str(out), "--input-size", "64",
-                 "--no-progress", "--workers", "1"]) == 0
-    again = pl.read_parquet(out / "results.parquet")
-    assert again.height == table.height
+
+    # data: Fashion-MNIST, the requested prefix
+    assert lines[0].startswith("data: Fashion-MNIST") and "1100 train / 300 test" in lines[0]
+    assert set(table["dataset"].unique()) == {"fashion-mnist"}
+
+    # ranking lists both backbones with their role, in rank order
+    ranking = [ln for ln in lines if re.match(r"\s+\d+\. ", ln)]
+    assert len(ranking) == 2
+    assert {("random" if RANDOM in ln else "pretrained") for ln in ranking} == {"random", "pretrained"}
+    assert all(("random " in ln) == (RANDOM in ln) for ln in ranking)
+
+    # the pretrained-vs-random claim is what the results table says
+    acc = probe_top1(table)
+    holds = acc[LITE0] > acc[RANDOM]
+    beat = next(ln for ln in lines if ln.startswith("pretrained beat random:"))
+    assert beat.startswith("pretrained beat random: YES" if holds else "pretrained beat random: NO"), (beat, acc)
+    assert f"{acc[RANDOM]:.3f}" in beat and f"{acc[LITE0]:.3f}" in beat
+
+    # fine-tuning ran for every backbone, scaled down, paired with the matching probe protocol
+    paired = _paired_probe_protocol()  # what the fine-tune stage pairs vtab1k-light with
+    ft = table.filter(pl.col("kind") == "finetune")
+    assert set(ft["backbone"].unique()) == {LITE0, RANDOM}
+    assert set(ft["protocol"].unique()) == {paired}
+    hp = [json.loads(h) for h in ft["hparams"]]
+    assert all(h["scaled"] is True and h["finetune_protocol"] == FT_PROTOCOL for h in hp)
+    assert all(h["scaled_from"].get("input_size") == 224 for h in hp)
+    probes = table.filter((pl.col("kind") == "probe") & (pl.col("protocol") == paired))
+    assert set(probes["backbone"].unique()) == {LITE0, RANDOM}
+    assert "scaled down for the CPU" in text and "scaled=true" in text
+
+    # Kendall tau per task, for the paired task
+    taus = [ln for ln in lines if "Kendall tau-b linear vs fine-tune" in ln]
+    assert taus and any(re.search(r": [+-]\d\.\d{3} over 2 backbones", ln) for ln in taus), taus
+    assert any("fashion-mnist" in ln and paired in ln for ln in taus), taus
+
+    # plots, report path, wall time; the report has the linear-vs-fine-tune section filled
+    html = (out / "report.html").read_text(encoding="utf-8")
+    n_plots = int(re.search(r"^plots in the report: (\d+)$", text, re.M).group(1))
+    assert n_plots == count_plots(html) and n_plots >= 3
+    assert f"report: {out / 'report.html'}" in lines
+    assert re.search(r"^wall time: \d+ s \(\d+\.\d min\)$", text, re.M)
+    section = re.search(r"Linear probe vs fine-tune(.*?)(<h[23][ >]|$)", html, re.S)
+    assert section, "no linear-vs-fine-tune section in the report"
+    assert "skipped" not in section.group(1).lower()
+    assert 'alt="Kendall tau-b between linear-probe and fine-tune rankings per task"' in section.group(1)
+    assert 'alt="Rank of each backbone under linear probing and under fine-tuning"' in section.group(1)
+    assert "Kendall tau-b" in section.group(1)
+
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["n_plots"] == n_plots and saved["pretrained_beat_random"] == holds and not saved["fallback"]
+
+    # --finetune off still skips it (features reused from the store)
+    out2 = tmp_path / "off"
+    assert main(["demo", "--cache", str(cache), "--out", str(out2), *TINY, "--finetune", "off"]) == 0
+    lines2 = _summary(capsys.readouterr().out)
+    assert "fine-tuning: skipped (--finetune off): no linear-vs-fine-tune comparison" in lines2
+    assert not any("Kendall tau-b linear vs fine-tune" in ln for ln in lines2)
+    assert "finetune" not in set(pl.read_parquet(out2 / "results.parquet")["kind"].unique())
+
+
+def test_fallback_to_digits_says_so(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="featcache.demo"):
+        data = choose_data("auto", fmnist_dir=str(tmp_path / "no-fashion-mnist"))
+    assert data.spec == "digits" and data.name == "digits"
+    assert data.note.startswith("digits FALLBACK") and str(tmp_path / "no-fashion-mnist") in data.note
+    assert any("FALLBACK" in r.getMessage() for r in caplog.records)
+    # asked for explicitly, a missing Fashion-MNIST is an error, not a silent fallback
+    with pytest.raises(DataError, match="dataset-fashion-mnist"):
+        choose_data(f"fashion-mnist:{tmp_path / 'missing'}")
+    with pytest.raises(DataError, match="auto, fashion-mnist"):
+        choose_data("imagefolder:/x")
+
+
+@needs_fmnist
+def test_fashion_mnist_sizes_are_clamped():
+    data = choose_data("auto", train=10**9, test=500)
+    assert data.name == "fashion-mnist" and data.limit == {"train": 60000, "test": 500}
+
+
+def test_pretrained_vs_random_check():
+    ok, line = check_pretrained_beat_random({"a": 0.9, "b": 0.8, "r": 0.7}, ["a", "b"], "r")
+    assert ok is True and line.startswith("pretrained beat random: YES")
+    bad, line = check_pretrained_beat_random({"a": 0.9, "b": 0.7, "r": 0.7}, ["a", "b"], "r")
+    assert bad is False and "NO" in line and "b not above" in line  # a tie is not a win
+    unk, line = check_pretrained_beat_random({"a": 0.9}, ["a"], "r")
+    assert unk is None and "CANNOT CHECK" in line and "r" in line
+    assert BASELINE[1] == "random:0"
+
+
+def test_count_plots():
+    html = ('<img alt="x" src="data:image/png;base64,AAAA"><img src="a.png">'
+            "<IMG class=y src='data:image/svg+xml;base64,BB'> data:image/png;base64, in text")
+    assert count_plots(html) == 2  # embedded images only, any case
