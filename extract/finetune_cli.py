@@ -88,6 +88,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     import os
 
     from featcache.extract.finetune import finetune
+    from featcache.results import check_results_path
+
+    check_results_path(args.results)  # a bad --results fails before any compute
 
     workers = args.workers if args.workers is not None else min(4, os.cpu_count() or 1)
     out = finetune(

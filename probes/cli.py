@@ -57,6 +57,9 @@ def _parse_seeds(text: str | None):
 
 def run(args: argparse.Namespace) -> int:
     from featcache.probes.runner import run_probes
+    from featcache.results import check_results_path
+
+    check_results_path(args.results)  # a bad --results fails before any compute
 
     df = run_probes(
         args.cache if len(args.cache) > 1 else args.cache[0],

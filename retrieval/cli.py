@@ -48,7 +48,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from featcache.results import check_results_path
     from featcache.retrieval.run import run_retrieval
+
+    check_results_path(args.results)  # a bad --results fails before any compute
 
     frame = run_retrieval(
         args.cache,

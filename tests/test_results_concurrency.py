@@ -140,3 +140,19 @@ def test_orphan_temp_files_are_cleaned_on_next_write(tmp_path):
     append_results(p, _rows(1, 0, 0))
     assert not orphan.exists() and unrelated.exists()
     assert len(read_results(p)) == 4
+
+
+@pytest.mark.parametrize("command", [
+    ["probe", "--cache", "CACHE", "--backbone", "b", "--dataset", "digits"],
+    ["retrieve", "--cache", "CACHE", "--backbone", "b", "--dataset", "digits", "--query", "test",
+     "--gallery", "train"],
+])
+def test_commands_refuse_a_bad_results_path_before_computing(tmp_path, capsys, command):
+    from featcache.cli import main
+
+    csv = tmp_path / "results.csv"
+    csv.write_text("a,b\n1,2\n")
+    cmd = [str(tmp_path / "no-such-store.zarr") if a == "CACHE" else a for a in command]
+    assert main([*cmd, "--results", str(csv)]) == 1  # the store is never opened
+    assert "not a parquet file" in capsys.readouterr().err
+    assert csv.read_text() == "a,b\n1,2\n"
