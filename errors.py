@@ -60,3 +60,7 @@ class SplitError(DataError, ProbeError):
 
     Raised by :mod:`featcache.splits`, shared by probes and fine-tuning; it is both a
     :class:`DataError` and a :class:`ProbeError` so either stage's callers catch it."""
+
+
+class SweepError(FeatcacheError, ValueError):
+    """A sweep cannot be planned or started (nothing to run, no scheduler at the address...)."""

@@ -269,6 +269,7 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
             os.close(fd)
             try:
                 table.write_parquet(tmp)
+                os.chmod(tmp, p.stat().st_mode & 0o777 if p.exists() else 0o644)  # not mkstemp's 0600
                 os.replace(tmp, p)
             finally:
                 if os.path.exists(tmp):
