@@ -119,7 +119,7 @@ def _client(config: SweepConfig):
     address = config.scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
     if address:
         try:
-            return Client(address, timeout="30s"), None
+            return Client(address, timeout=f"{config.connect_timeout}s"), None
         except (OSError, TimeoutError) as exc:
             raise SweepError(f"no Dask scheduler answers at {address} ({exc}); start one with "
                              "`dask scheduler` + `dask worker ADDRESS`, or drop --scheduler to use "

@@ -33,7 +33,8 @@ class SweepConfig:
     each protocol's default seeds. ``retrieval`` adds one retrieval (+ k-NN) run per
     (backbone, dataset). ``scheduler``: address of a running Dask scheduler (default:
     ``DASK_SCHEDULER_ADDRESS``, else an in-process LocalCluster of ``workers`` processes;
-    ``workers=0`` runs the items one by one in this process, without Dask)."""
+    ``workers=0`` runs the items one by one in this process, without Dask);
+    ``connect_timeout``: seconds to wait for that scheduler."""
 
     cache: str
     results: str
@@ -49,6 +50,7 @@ class SweepConfig:
     eval_split: str = "test"
     gallery_split: str = "train"
     feature_kind: str = "pooled"
+    connect_timeout: float = 30.0
 
     def __post_init__(self):
         for name in ("backbones", "datasets", "protocols"):
