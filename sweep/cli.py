@@ -41,10 +41,14 @@ def _seeds(text: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     from featcache.results import check_results_path
     from featcache.sweep import SweepConfig, plan, run_sweep
 
     check_results_path(args.results)
+    if not args.verbose:  # the cluster's start/stop chatter
+        logging.getLogger("distributed").setLevel(logging.WARNING)
     protocols = tuple(args.protocol) or (() if args.retrieval else ("full",))
     config = SweepConfig(cache=args.cache, results=args.results, backbones=tuple(args.backbone),
                          datasets=tuple(args.dataset), protocols=protocols, seeds=_seeds(args.seeds),
