@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     from featcache.sweep import SweepConfig, plan, run_sweep
 
     check_results_path(args.results)
-    if not args.verbose:  # the cluster's start/stop chatter
+    if not args.verbose:  # the cluster's start/stop chatter (distributed sets INFO on import)
+        import distributed  # noqa: F401
+
         logging.getLogger("distributed").setLevel(logging.WARNING)
     protocols = tuple(args.protocol) or (() if args.retrieval else ("full",))
     config = SweepConfig(cache=args.cache, results=args.results, backbones=tuple(args.backbone),
