@@ -146,6 +146,7 @@ def test_orphan_temp_files_are_cleaned_on_next_write(tmp_path):
     ["probe", "--cache", "CACHE", "--backbone", "b", "--dataset", "digits"],
     ["retrieve", "--cache", "CACHE", "--backbone", "b", "--dataset", "digits", "--query", "test",
      "--gallery", "train"],
+    ["finetune", "--model", "tf_efficientnet_lite0", "--data", "CACHE"],
 ])
 def test_commands_refuse_a_bad_results_path_before_computing(tmp_path, capsys, command):
     from featcache.cli import main
