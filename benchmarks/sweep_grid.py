@@ -10,7 +10,8 @@ images) x 3 protocols (full, fewshot:5, fewshot:10; seed 0), extracted into --ca
 
 Prints both wall times, their ratio (serial / Dask: > 1 means Dask is faster), whether the rows
 are identical (every column except timestamps and timings), and peak resident memory of this
-process and of the worker processes (``resource.getrusage``).
+process and of the largest child process (``resource.getrusage``; children include the
+extraction's data-loader processes when this run extracted the store).
 
     python benchmarks/sweep_grid.py --cache /tmp/sweep-bench.zarr [--json out.json]
 """
