@@ -73,3 +73,7 @@ class ConfigError(FeatcacheError, ValueError):
 
 class DependencyConflictError(FeatcacheError, ImportError):
     """Two installed distributions provide the same module (e.g. faiss-cpu and faiss-gpu)."""
+
+
+class SweepError(FeatcacheError, ValueError):
+    """A sweep cannot be planned or started (nothing to run, no scheduler at the address...)."""

@@ -2,7 +2,9 @@
 
 One row per (run, metric). Written as parquet with polars; appends are atomic
 (write to a temporary file beside the target, then ``os.replace``), so a killed
-run never leaves a half-written table.
+run never leaves a half-written table, and serialised by a lock file beside the table
+(``.<name>.lock``), so concurrent writers (several commands, Dask workers) never lose
+rows. :func:`check_results_path` lets a stage refuse a bad path before computing.
 
 Columns (see README, "Results schema"):
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from featcache.errors import ResultsError
+
+log = logging.getLogger(__name__)
 
 #: column name -> polars dtype name (resolved lazily so importing this module is cheap)
 RESULT_COLUMNS: dict[str, str] = {
@@ -126,18 +131,89 @@ def rows_to_frame(rows: Iterable[Mapping[str, Any]]):
     return pl.DataFrame(rows, schema=_schema(), orient="row" if not rows else None)
 
 
-def read_results(path: str | os.PathLike):
-    """Read a results parquet; validates that every schema column is present."""
+#: suffixes a user may give for a table that featcache would write as parquet by mistake
+_NOT_PARQUET_SUFFIXES = (".csv", ".tsv", ".txt", ".json", ".jsonl", ".xlsx", ".xls", ".feather", ".arrow")
+#: seconds a writer waits for another writer's append before giving up
+LOCK_TIMEOUT = 600.0
+
+
+def _is_parquet(p: Path) -> bool:
+    with open(p, "rb") as fh:
+        return fh.read(4) == b"PAR1"
+
+
+def check_results_path(path: str | os.PathLike) -> Path:
+    """Check, before any compute, that ``path`` can hold a featcache results table.
+
+    Refuses a folder, a file that is not parquet (a CSV...), a parquet without the results
+    columns, a path whose parent is a file, and a folder where a new file cannot be created
+    (probed by creating and removing a temporary file). Creates missing parent folders.
+    Returns the path. Stages call this first so a bad ``--results`` never costs a fit.
+    """
+    p = Path(path)
+    hint = "pass --results with a new or existing featcache .parquet results file"
+    if p.is_dir():
+        raise ResultsError(f"results path {p} is a folder; {hint}, e.g. {p / 'results.parquet'}")
+    if p.exists():
+        if not _is_parquet(p):
+            raise ResultsError(
+                f"results path {p} exists but is not a parquet file (a CSV or other text?); featcache "
+                f"never overwrites it: {hint}, or convert it first, e.g. "
+                f"polars.read_csv('{p}').write_parquet('{p.with_suffix('.parquet')}')")
+        import polars as pl
+
+        missing = [c for c in RESULT_COLUMNS if c not in pl.read_parquet_schema(p)]
+        if missing:
+            raise ResultsError(f"{p} is a parquet file but not a featcache results table "
+                               f"(missing columns {missing}); {hint}")
+    elif p.suffix.lower() in _NOT_PARQUET_SUFFIXES:
+        raise ResultsError(f"results path {p} ends in {p.suffix!r}, but results tables are parquet; "
+                           f"use e.g. {p.with_suffix('.parquet')}")
+    for anc in [p.parent, *p.parent.parents]:
+        if anc.exists():
+            if not anc.is_dir():
+                raise ResultsError(f"cannot write results to {p}: {anc} is a file, not a folder; "
+                                   "choose a results path inside a folder")
+            break
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=p.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ResultsError(f"cannot write results to {p}: {exc.strerror or exc}; choose a writable "
+                           "folder (or fix its permissions) before running") from exc
+    return p
+
+
+def _read_raw(p: Path):
+    """The table at ``p`` with every column (extra user columns too); schema checked."""
     import polars as pl
 
-    p = Path(path)
     if not p.exists():
         raise ResultsError(f"results table {p} does not exist; create it with `featcache probe` or `featcache retrieve`")
+    if p.is_dir() or not _is_parquet(p):
+        raise ResultsError(f"{p} is not a parquet results table (a folder or a CSV?); featcache "
+                           "results are parquet files written by probe/retrieve/finetune/sweep")
     df = pl.read_parquet(p)
     missing = [c for c in RESULT_COLUMNS if c not in df.columns]
     if missing:
         raise ResultsError(f"{p} is not a featcache results table: missing columns {missing}")
-    return df.select(list(RESULT_COLUMNS)).cast(_schema())
+    return df.with_columns([pl.col(c).cast(t) for c, t in _schema().items()])
+
+
+def read_results(path: str | os.PathLike, *, extra_columns: bool = False):
+    """Read a results parquet; validates that every schema column is present.
+
+    Returns the schema columns in schema order, plus any extra user columns after them
+    when ``extra_columns``. Safe to call while other processes append (appends replace the
+    file atomically, so a reader sees the table before or after an append, never between).
+    """
+    df = _read_raw(Path(path))
+    cols = list(RESULT_COLUMNS)
+    if extra_columns:
+        cols += [c for c in df.columns if c not in RESULT_COLUMNS]
+    return df.select(cols)
 
 
 def existing_run_ids(path: str | os.PathLike) -> set[str]:
@@ -147,34 +223,61 @@ def existing_run_ids(path: str | os.PathLike) -> set[str]:
     return set(read_results(p)["run_id"].unique().to_list())
 
 
+def _lock(p: Path):
+    from filelock import FileLock
+
+    return FileLock(str(p.parent / f".{p.name}.lock"), timeout=LOCK_TIMEOUT)
+
+
+def _remove_orphans(p: Path) -> None:
+    """Delete temporary files of appends killed mid-write (called with the lock held, so no
+    live writer owns one)."""
+    for tmp in p.parent.glob(f".{p.name}.*.tmp"):
+        log.info("removing %s, left by an append that was killed", tmp)
+        tmp.unlink(missing_ok=True)
+
+
 def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
     """Append rows (dicts or a DataFrame) to the parquet at ``path`` atomically.
 
-    Rows of a run_id already in the table are replaced when ``replace_runs`` (``--force``),
-    so a table never holds a run twice. Returns the full table.
+    Safe for concurrent writers (processes, Dask workers, several ``featcache`` commands):
+    the read-modify-replace runs under an exclusive lock file ``.<name>.lock`` beside the
+    table, so no append loses another's rows. The new table is written to a temporary file
+    and renamed over the old one, so readers never see a partial table; temporary files of
+    killed appends are removed by the next append. Rows of a run_id already in the table
+    are replaced when ``replace_runs`` (``--force``), so a table never holds a run twice.
+    Extra user columns of the table are kept (null in the new rows). Returns the full
+    table (schema columns).
     """
     import polars as pl
+    from filelock import Timeout
 
     new = rows if isinstance(rows, pl.DataFrame) else rows_to_frame(rows)
     new = new.select(list(RESULT_COLUMNS)).cast(_schema())
-    p = Path(path)
-    if p.exists():
-        old = read_results(p)
-        if replace_runs:
-            old = old.filter(~pl.col("run_id").is_in(new["run_id"].unique().to_list()))
-        table = pl.concat([old, new], how="vertical")
-    else:
-        table = new
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    os.close(fd)
+    p = check_results_path(path)
     try:
-        table.write_parquet(tmp)
-        os.replace(tmp, p)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return table
+        with _lock(p):
+            _remove_orphans(p)
+            if p.exists():
+                old = _read_raw(p)
+                if replace_runs:
+                    old = old.filter(~pl.col("run_id").is_in(new["run_id"].unique().to_list()))
+                table = pl.concat([old, new], how="diagonal_relaxed").select(old.columns)
+            else:
+                table = new
+            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+            os.close(fd)
+            try:
+                table.write_parquet(tmp)
+                os.chmod(tmp, p.stat().st_mode & 0o777 if p.exists() else 0o644)  # not mkstemp's 0600
+                os.replace(tmp, p)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    except Timeout as exc:
+        raise ResultsError(f"another process has held the lock on {p} for over {LOCK_TIMEOUT:.0f} s; "
+                           f"if no featcache run is writing there, delete {exc.lock_file}") from exc
+    return table.select(list(RESULT_COLUMNS))
 
 
 def median_rows(frame, kind: str, carry: Sequence[str] = (), *,

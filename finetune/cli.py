@@ -26,8 +26,10 @@ def run_finetune(args: argparse.Namespace) -> int:
     import json
 
     from featcache.finetune.runner import finetune
+    from featcache.results import check_results_path
 
     cfg = config_from_args(args)
+    check_results_path(cfg.results_path)  # a bad --results fails before any compute
     device = cfg.device
     if device == "auto":
         import torch

@@ -22,9 +22,11 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from featcache.results import check_results_path
     from featcache.retrieval.run import run_retrieval
 
     cfg = RetrievalConfig.from_args(args)
+    check_results_path(cfg.results)  # a bad --results fails before any compute
     frame = run_retrieval(cfg)
     shown = {"map", "mrr", "top1", "map_revisitop"} | {
         f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp_revisitop") for k in cfg.ks}

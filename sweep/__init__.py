@@ -1,0 +1,16 @@
+"""The evaluation grid on Dask: ``featcache sweep`` plans (backbones x datasets x protocols x
+seeds, plus retrieval setups) from the store catalog into idempotent work items and runs them
+on ``dask.distributed`` (an in-process LocalCluster by default, or an existing scheduler).
+
+>>> from featcache.sweep import SweepConfig, plan, run_sweep
+>>> report = run_sweep(SweepConfig(cache="cache.zarr", results="results.parquet",
+...                                protocols=("full", "fewshot:5")))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from featcache.sweep.executor import ItemOutcome, SweepReport, execute, run_item, run_sweep
+from featcache.sweep.planner import Plan, SweepConfig, WorkItem, plan
+
+__all__ = ["ItemOutcome", "Plan", "SweepConfig", "SweepReport", "WorkItem", "execute", "plan",
+           "run_item", "run_sweep"]

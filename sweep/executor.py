@@ -1,0 +1,189 @@
+"""Run planned work items on ``dask.distributed`` (or in this process with ``workers=0``).
+
+Each item runs on a worker that reads its features from the store itself and appends its
+rows to the results table (:func:`featcache.results.append_results` is safe for concurrent
+writers). A failing item is reported with its run id; the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+from featcache.errors import SweepError
+from featcache.sweep.planner import Plan, SweepConfig, WorkItem, ledger_dir, plan, produced_run_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """What became of one item: ``status`` is ``ran``, ``skipped`` (the stage found every run
+    already in the results) or ``failed`` (``error`` says why)."""
+
+    run_id: str
+    label: str
+    status: str
+    result_run_ids: tuple[str, ...] = ()
+    seconds: float = 0.0
+    host: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    plan: Plan
+    outcomes: tuple[ItemOutcome, ...]
+
+    @property
+    def failed(self) -> tuple[ItemOutcome, ...]:
+        return tuple(o for o in self.outcomes if o.status == "failed")
+
+    def summary(self) -> str:
+        n = {s: sum(o.status == s for o in self.outcomes) for s in ("ran", "skipped", "failed")}
+        return (f"{len(self.plan.items) + len(self.plan.done)} item(s): {n['ran']} ran, "
+                f"{len(self.plan.done) + n['skipped']} already done, {n['failed']} failed")
+
+
+def call_stage(item: WorkItem):
+    """The one adapter from a work item to a stage's public entry point; returns the rows of
+    the run (polars DataFrame in the results schema), appended to ``item.results``."""
+    if item.kind == "probe":
+        from featcache.probes import ProbeConfig, run_probes
+
+        return run_probes(ProbeConfig(item.cache, [item.backbone], item.dataset, item.protocol,
+                                      seeds=[item.seed], results_path=item.results, force=item.force,
+                                      eval_splits=(item.eval_split,), train_split=item.train_split,
+                                      kind=item.feature_kind, progress=False))
+    if item.kind == "retrieval":
+        from featcache.retrieval import RetrievalConfig, run_retrieval
+
+        return run_retrieval(RetrievalConfig(cache=item.cache, dataset=item.dataset, backbones=(item.backbone,),
+                                             query_split=item.eval_split, gallery_split=item.train_split,
+                                             results=item.results, kind=item.feature_kind, progress=False))
+    raise SweepError(f"unknown work item kind {item.kind!r}")
+
+
+def finish_probes(results: str, produced: dict[WorkItem, list[str]]) -> None:
+    """After every seed is in: the median-over-seeds rows (``seed=-1``) that ``featcache probe``
+    adds for the VTAB protocols when it runs their seeds together."""
+    import polars as pl
+
+    from featcache.protocols import get_protocol
+    from featcache.results import add_median_rows, read_results
+
+    ids = {r for it, rs in produced.items() if get_protocol(it.protocol).median_over_seeds for r in rs}
+    if ids:
+        frame = read_results(results).filter(pl.col("run_id").is_in(sorted(ids)))
+        add_median_rows(frame, "probe", results, carry=("val_source",))
+
+
+def _mark_done(item: WorkItem, result_ids: list[str]) -> None:
+    ledger = ledger_dir(item.results)
+    ledger.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{item.run_id}.", suffix=".tmp", dir=ledger)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"label": item.label, "result_run_ids": result_ids}, fh)
+    os.replace(tmp, ledger / f"{item.run_id}.json")
+
+
+def run_item(item: WorkItem) -> ItemOutcome:
+    """Run one item (on a Dask worker or here); never raises: a failure becomes an outcome."""
+    from featcache.results import existing_run_ids
+
+    t0 = time.perf_counter()
+    host = f"{socket.gethostname()}:{os.getpid()}"
+    try:
+        before = set() if item.force else existing_run_ids(item.results)
+        rows = call_stage(item)
+        ids = sorted(set(rows["run_id"].to_list()))
+        _mark_done(item, ids)
+        status = "skipped" if ids and set(ids) <= before else "ran"
+        return ItemOutcome(item.run_id, item.label, status, tuple(ids), time.perf_counter() - t0, host)
+    except Exception as exc:  # noqa: BLE001 - one item's failure must not stop the sweep
+        log.debug("item %s failed:\n%s", item.run_id, traceback.format_exc())
+        return ItemOutcome(item.run_id, item.label, "failed", (), time.perf_counter() - t0, host,
+                           f"{type(exc).__name__}: {exc}")
+
+
+def _client(config: SweepConfig):
+    """A dask.distributed Client and the LocalCluster it owns (None for an external one)."""
+    from dask.distributed import Client, LocalCluster
+
+    address = config.scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")
+    if address:
+        try:
+            return Client(address, timeout=f"{config.connect_timeout}s"), None
+        except (OSError, TimeoutError) as exc:
+            raise SweepError(f"no Dask scheduler answers at {address} ({exc}); start one with "
+                             "`dask scheduler` + `dask worker ADDRESS`, or drop --scheduler to use "
+                             "a local cluster") from exc
+    cluster = LocalCluster(n_workers=config.workers, threads_per_worker=1, processes=True,
+                           host="127.0.0.1", dashboard_address=None)
+    return Client(cluster), cluster
+
+
+def execute(items, config: SweepConfig, *, progress: bool = True) -> list[ItemOutcome]:
+    """Run ``items``; returns one outcome per item (in completion order)."""
+    from tqdm.auto import tqdm
+
+    items = list(items)
+    if not items:
+        return []
+    bar = tqdm(total=len(items), desc="sweep", disable=not progress)
+    outcomes: list[ItemOutcome] = []
+
+    def done(o: ItemOutcome) -> None:
+        if o.status == "failed":
+            log.error("item %s (%s) failed: %s", o.run_id, o.label, o.error)
+        outcomes.append(o)
+        bar.update()
+
+    try:
+        if config.workers == 0 and not (config.scheduler or os.environ.get("DASK_SCHEDULER_ADDRESS")):
+            for it in items:
+                done(run_item(it))
+            return outcomes
+        from dask.distributed import as_completed
+
+        client, cluster = _client(config)
+        try:
+            futures = client.map(run_item, items, key=[f"sweep-{i.run_id}" for i in items],
+                                 pure=False, retries=0)
+            by_key = {f.key: it for f, it in zip(futures, items)}
+            for fut in as_completed(futures):
+                try:
+                    done(fut.result())
+                except Exception as exc:  # noqa: BLE001 - a worker died under this item
+                    it = by_key[fut.key]
+                    done(ItemOutcome(it.run_id, it.label, "failed", error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            client.close()
+            if cluster is not None:
+                cluster.close()
+    finally:
+        bar.close()
+    return outcomes
+
+
+def run_sweep(config: SweepConfig, *, progress: bool = True) -> SweepReport:
+    """Check the results path, plan, and run what is missing."""
+    from featcache.results import check_results_path
+
+    check_results_path(config.results)
+    p = plan(config)
+    outcomes = execute(p.items, config, progress=progress)
+    ok = {o.run_id: list(o.result_run_ids) for o in outcomes if o.status != "failed"}
+    if any(i.kind == "probe" and i.run_id in ok for i in p.items):
+        produced = {i: ok[i.run_id] for i in p.items if i.kind == "probe" and i.run_id in ok}
+        produced.update({i: produced_run_ids(i) for i in p.done if i.kind == "probe"})
+        finish_probes(config.results, produced)
+    report = SweepReport(p, tuple(outcomes))
+    log.info("sweep: %s", report.summary())
+    return report

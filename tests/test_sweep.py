@@ -1,0 +1,210 @@
+"""featcache sweep on real Dask processes on loopback (issue 13 items 1, 2, 4 and the
+concurrent-writers part of item 3): a LocalCluster of 2 worker processes and a
+``dask scheduler`` + 2 ``dask worker`` subprocesses give the serial run's rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from featcache.errors import SweepError
+from featcache.results import read_results
+from featcache.sweep import SweepConfig, plan, run_sweep
+
+LITE0 = "tf_efficientnet_lite0"
+RANDOM = "lite0-random0"
+VOLATILE = ("created_at", "fit_seconds", "hparams")  # timings (hparams compared without them)
+
+
+@pytest.fixture(scope="module")
+def two_backbone_store(digits_cache, tmp_path_factory) -> str:
+    """The digits fixture store plus a second backbone (lite0 with random:0 weights at 32 px,
+    an explicit random baseline); kept beside the other fixtures when FEATCACHE_TEST_CACHE is
+    set (the extraction is idempotent)."""
+    from featcache.extract.pipeline import extract
+
+    env = os.environ.get("FEATCACHE_TEST_CACHE")
+    root = Path(env) if env else tmp_path_factory.mktemp("sweep-store")
+    path = root / "digits-2bb.zarr"
+    if not path.exists():
+        tmp = root / f".digits-2bb.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(digits_cache, tmp)
+        tmp.rename(path)
+    extract(LITE0, "random:0", "digits", ["train", "test"], str(path), backbone_name=RANDOM,
+            input_size=32, batch_size=256, workers=0, progress=False, chunk_rows=512)
+    return str(path)
+
+
+def _comparable(df: pl.DataFrame) -> list[dict]:
+    """Rows without timestamps/timings/host: every other column, hparams minus its timings."""
+    out = []
+    for r in df.sort(["run_id", "metric"]).to_dicts():
+        hp = json.loads(r.pop("hparams"))
+        r["hparams"] = {k: v for k, v in hp.items() if "seconds" not in k and k != "host"}
+        for k in VOLATILE[:2]:
+            r.pop(k)
+        out.append(r)
+    return out
+
+
+def _config(store, results, **kw) -> SweepConfig:
+    kw.setdefault("protocols", ("fewshot:5",))
+    kw.setdefault("seeds", (0,))
+    kw.setdefault("retrieval", True)
+    return SweepConfig(cache=store, results=str(results), **kw)
+
+
+@pytest.fixture(scope="module")
+def serial_rows(two_backbone_store, tmp_path_factory):
+    results = tmp_path_factory.mktemp("serial") / "results.parquet"
+    report = run_sweep(_config(two_backbone_store, results, workers=0), progress=False)
+    assert not report.failed and len(report.outcomes) == 4  # 2 backbones x (probe + retrieval)
+    return _comparable(read_results(results))
+
+
+def test_plan_expands_the_catalog(two_backbone_store, tmp_path):
+    p = plan(_config(two_backbone_store, tmp_path / "r.parquet", protocols=("fewshot:5", "full"),
+                     seeds=(0, 1)))
+    labels = sorted(i.label for i in p.items)
+    assert len(labels) == 2 * (2 + 2 + 1) and not p.done
+    assert f"probe {RANDOM}/digits full seed 1" in labels
+    assert f"retrieval {LITE0}/digits semantic test->train" in labels
+    assert len({i.run_id for i in p.items}) == len(p.items)
+    item = p.items[0]
+    with pytest.raises(AttributeError):
+        item.seed = 3  # frozen
+    # default seeds come from the protocol (fewshot: 0, 1, 2)
+    p3 = plan(SweepConfig(cache=two_backbone_store, results=str(tmp_path / "r.parquet"),
+                          backbones=(LITE0,), protocols=("fewshot:5",)))
+    assert sorted(i.seed for i in p3.items) == [0, 1, 2]
+
+
+def test_plan_refuses_unknown_names(two_backbone_store, tmp_path):
+    with pytest.raises(SweepError, match="not in the store"):
+        plan(_config(two_backbone_store, tmp_path / "r.parquet", datasets=("cifar",)))
+    with pytest.raises(SweepError, match="not in the store"):
+        plan(_config(two_backbone_store, tmp_path / "r.parquet", backbones=("nope",)))
+    with pytest.raises(ValueError, match="protocol"):
+        plan(_config(two_backbone_store, tmp_path / "r.parquet", protocols=("fewshots:5",)))
+
+
+def test_local_cluster_concurrent_with_two_probe_commands(two_backbone_store, serial_rows, tmp_path):
+    """Two `featcache probe` processes and a 2-process LocalCluster sweep write into one table
+    at once: every row exactly once, the sweep's rows equal the serial run's, one failing
+    item is reported by run id without stopping the others, and a rerun runs nothing."""
+    results = tmp_path / "results.parquet"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "featcache", "-q", "probe", "--cache", two_backbone_store,
+           "--dataset", "digits", "--protocol", "fewshot:10", "--seeds", "0,1", "--results", str(results)]
+    procs = [subprocess.Popen([*cmd, "--backbone", b], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for b in (LITE0, RANDOM)]
+    try:
+        config = _config(two_backbone_store, results, protocols=("fewshot:5", "fewshot:500"),
+                         workers=2)
+        report = run_sweep(config, progress=False)
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    failed = report.failed
+    assert len(failed) == 2 and all("fewshot:500" in o.label for o in failed)  # too few examples
+    assert all(o.run_id and o.error for o in failed)
+    assert sum(o.status == "ran" for o in report.outcomes) == 4
+    assert all(o.host.rsplit(":", 1)[1] != str(os.getpid()) for o in report.outcomes)  # on workers
+
+    df = read_results(results)
+    keys = df.select(["run_id", "metric"])
+    assert keys.n_unique() == df.height  # nothing duplicated
+    probe10 = df.filter(pl.col("protocol") == "fewshot:10")
+    assert probe10["run_id"].n_unique() == 2 * 2  # both commands' runs, none lost
+    mine = df.filter(pl.col("protocol") != "fewshot:10")
+    assert _comparable(mine) == serial_rows  # nothing lost, values bit-identical to serial
+
+    again = run_sweep(replace(config, workers=0), progress=False)  # only failed items rerun
+    assert len(again.plan.done) == 4 and {o.status for o in again.outcomes} == {"failed"}
+    assert read_results(results).height == df.height
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dask_cli() -> list[str]:
+    exe = Path(sys.executable).with_name("dask")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "dask"]
+
+
+def test_external_scheduler_and_two_workers(two_backbone_store, serial_rows, tmp_path):
+    """`dask scheduler` + 2 `dask worker` subprocesses on loopback, reached by address."""
+    from dask.distributed import Client
+
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    common = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    procs = [subprocess.Popen([*_dask_cli(), "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                               "--no-dashboard"], **common)]
+    try:
+        for _ in range(2):
+            procs.append(subprocess.Popen([*_dask_cli(), "worker", address, "--host", "127.0.0.1",
+                                           "--nthreads", "1", "--no-nanny", "--no-dashboard"], **common))
+        deadline = time.monotonic() + 90
+        while True:  # the scheduler takes a moment to listen
+            try:
+                with Client(address, timeout="5s") as c:
+                    c.wait_for_workers(2, timeout=max(1, deadline - time.monotonic()))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        results = tmp_path / "results.parquet"
+        report = run_sweep(_config(two_backbone_store, results, scheduler=address), progress=False)
+        assert not report.failed
+        pids = {o.host.rsplit(":", 1)[1] for o in report.outcomes}
+        assert str(os.getpid()) not in pids and pids <= {str(p.pid) for p in procs[1:]}
+        assert _comparable(read_results(results)) == serial_rows
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def test_unreachable_scheduler_is_a_clear_error(two_backbone_store, tmp_path):
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    with pytest.raises(SweepError, match="no Dask scheduler answers"):
+        run_sweep(_config(two_backbone_store, tmp_path / "r.parquet", scheduler=address,
+                          connect_timeout=2), progress=False)
+
+
+def test_cli_dry_run_and_bad_results(two_backbone_store, tmp_path, capsys):
+    from featcache.cli import main
+
+    r = tmp_path / "r.parquet"
+    assert main(["sweep", "--cache", two_backbone_store, "--results", str(r), "--protocol", "fewshot:5",
+                 "--seeds", "0", "--retrieval", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and all(line.startswith("run ") for line in out)
+    (tmp_path / "r.csv").write_text("a\n")
+    assert main(["sweep", "--cache", two_backbone_store, "--results", str(tmp_path / "r.csv")]) == 1
+    assert "not a parquet file" in capsys.readouterr().err
