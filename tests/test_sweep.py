@@ -31,7 +31,7 @@ def two_backbone_store(digits_cache, tmp_path_factory) -> str:
     """The digits fixture store plus a second backbone (lite0 with random:0 weights at 32 px,
     an explicit random baseline); kept beside the other fixtures when FEATCACHE_TEST_CACHE is
     set (the extraction is idempotent)."""
-    from featcache.extract.pipeline import extract
+    from featcache.extract import ExtractConfig, extract
 
     env = os.environ.get("FEATCACHE_TEST_CACHE")
     root = Path(env) if env else tmp_path_factory.mktemp("sweep-store")
@@ -41,8 +41,8 @@ def two_backbone_store(digits_cache, tmp_path_factory) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(digits_cache, tmp)
         tmp.rename(path)
-    extract(LITE0, "random:0", "digits", ["train", "test"], str(path), backbone_name=RANDOM,
-            input_size=32, batch_size=256, workers=0, progress=False, chunk_rows=512)
+    extract(ExtractConfig(LITE0, "random:0", "digits", ["train", "test"], str(path), backbone_name=RANDOM,
+                          input_size=32, batch_size=256, workers=0, progress=False, chunk_rows=512))
     return str(path)
 
 
