@@ -70,6 +70,8 @@ class ExtractConfig:
     chunk_rows: int = _opt(DEFAULT_CHUNK_ROWS, "rows per stored chunk (the unit of resume)", type=int)
     input_size: int | None = _opt(None, "override the model's input resolution", type=int)
     pre_resize: int | None = _opt(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
+    resize: str = _opt("timm", "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
+                       "image to the input size, no crop (VTAB)", choices=["timm", "whole"])
     features: tuple[str, ...] = _opt(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
     overwrite: bool = _opt(False, "replace features stored with other settings", action="store_true")
     limit: int | Mapping[str, int] | None = _opt(None, "first N rows of each split only (N > 0)", type=int)
@@ -117,6 +119,8 @@ class ExtractConfig:
             bad("--dtype", self.dtype, "choose float16 or float32")
         if self.amp not in PRECISIONS:
             bad("--precision", self.amp, f"choose one of {', '.join(PRECISIONS)}")
+        if self.resize not in ("timm", "whole"):
+            bad("--resize", self.resize, "choose timm or whole")
         if not self.features:
             bad("--features", "''", "name at least one feature kind")
         for flag, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):
@@ -155,7 +159,7 @@ class ExtractConfig:
     def recorded(self) -> dict[str, Any]:
         """Settings recorded beside each feature array's provenance (``extra``), as requested."""
         return {"precision_requested": self.amp, "exif_transpose": self.exif_transpose,
-                "max_image_pixels": self.max_image_pixels}
+                "max_image_pixels": self.max_image_pixels, "resize": self.resize}
 
 
 def check_store_key(name: str, flag: str = "--dataset-name") -> str:
