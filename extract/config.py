@@ -52,7 +52,9 @@ class ExtractConfig:
     model: str = _opt(None, "timm model name, e.g. tf_efficientnet_lite0", required=True)
     weights: str = _opt("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
     data: str = _opt("digits", "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE "
-                     "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN", required=True)
+                     "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN | clip-benchmark:DIR "
+                     "(CLIP_benchmark wds export) | hf:PATH (datasets on disk) | vtab1k:DIR (train800.txt ...)",
+                     required=True)
     splits: tuple[str, ...] | None = _opt(None, "split(s) to extract (repeatable; default: all)",
                                           flag="--split", action="append")
     cache: str = _opt("featcache.zarr", "feature cache root (local path or fsspec URL)", required=True)
