@@ -131,8 +131,9 @@ class ExtractConfig:
 
     # ------------------------------------------------------------------ CLI
     @classmethod
-    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
-        """One flag per field (``cli=False`` fields are library-only)."""
+    def add_arguments(cls, p: argparse.ArgumentParser, optional: tuple[str, ...] = ()) -> None:
+        """One flag per field (``cli=False`` fields are library-only; fields in ``optional`` are not
+        required on the command line, e.g. ``data`` when ``--suite`` names the data)."""
         for f in dataclasses.fields(cls):
             m = f.metadata
             if not m.get("cli", True):
@@ -141,6 +142,8 @@ class ExtractConfig:
                 p.add_argument(m["invert"], dest=f.name, action="store_false", help=m["help"])
                 continue
             kw = dict(m["argparse"])
+            if f.name in optional:
+                kw.pop("required", None)
             if f.default is not dataclasses.MISSING and "action" not in kw and not kw.get("required"):
                 kw["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
             p.add_argument(m["flag"] or "--" + f.name.replace("_", "-"), dest=f.name, help=m["help"], **kw)
@@ -150,8 +153,9 @@ class ExtractConfig:
         """The config of a parsed ``featcache extract`` command line."""
         kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
               if f.metadata.get("cli", True) and hasattr(args, f.name)}
-        if kw.get("chunk_rows") is None:
-            kw.pop("chunk_rows", None)
+        for name in ("chunk_rows", "resize"):  # None: not given, the field's default applies
+            if kw.get(name) is None:
+                kw.pop(name, None)
         return cls(**{**kw, **overrides})
 
     def replace(self, **changes: Any) -> ExtractConfig:

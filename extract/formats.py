@@ -282,3 +282,28 @@ class _HFImageLoader:
             return decode_image(io.BytesIO(cell["bytes"]), self.options)
         p = Path(cell.get("path") or "")
         return decode_image(str(p if p.is_absolute() else self.base / p), self.options)
+
+
+# --------------------------------------------------------------------------- layout detection
+def detect_spec(path: str | Path) -> str | None:
+    """The data spec of a task folder (or manifest file) in any supported layout, else None:
+    VTAB-1k file lists, CLIP_benchmark shards, Hugging Face on disk, an image folder, a manifest."""
+    p = Path(path)
+    for ext in (".csv", ".parquet"):
+        if p.with_name(p.name + ext).is_file():
+            return f"manifest:{p.with_name(p.name + ext)}"
+    if not p.is_dir():
+        return None
+    if any((p / f"{s}.txt").is_file() for s in VTAB1K_SPLIT_FILES):
+        return f"vtab1k:{p}"
+    subdirs = [d for d in p.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    if any(any(d.glob("*.tar")) for d in subdirs):
+        return f"clip-benchmark:{p}"
+    if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or any(p.rglob("*.parquet")) \
+            or any(p.rglob("*.arrow")):
+        return f"hf:{p}"
+    if (p / "manifest.csv").is_file():
+        return f"manifest:{p / 'manifest.csv'}"
+    if subdirs:
+        return f"imagefolder:{p}"
+    return None
