@@ -299,8 +299,9 @@ def detect_spec(path: str | Path) -> str | None:
     subdirs = [d for d in p.iterdir() if d.is_dir() and not d.name.startswith(".")]
     if any(any(d.glob("*.tar")) for d in subdirs):
         return f"clip-benchmark:{p}"
-    if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or any(p.rglob("*.parquet")) \
-            or any(p.rglob("*.arrow")):
+    shallow = ("*.parquet", "*/*.parquet", "*.arrow", "*/*.arrow")  # never walk a whole image tree
+    if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or \
+            any(next(p.glob(g), None) for g in shallow):
         return f"hf:{p}"
     if (p / "manifest.csv").is_file():
         return f"manifest:{p / 'manifest.csv'}"

@@ -173,3 +173,21 @@ def test_clip_benchmark_templates_and_bad_layouts(tmp_path):
         open_dataset(f"vtab1k:{tmp_path}")
     with pytest.raises(DataError, match="no dataset_dict.json"):
         open_dataset(f"hf:{tmp_path / 'vt'}")
+
+
+def test_detect_spec_names_each_layout(tmp_path):
+    from featcache.extract.formats import detect_spec
+
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    (tmp_path / "hub" / "data" / "train-00000-of-00001.parquet").write_bytes(b"")
+    (tmp_path / "folder" / "train" / "c0").mkdir(parents=True)
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "test.txt").write_text("images/0.png 0\n")
+    (tmp_path / "shards" / "test").mkdir(parents=True)
+    (tmp_path / "shards" / "test" / "0.tar").write_bytes(b"")
+    (tmp_path / "table.csv").write_text("path,label\n")
+    want = {"hub": "hf", "folder": "imagefolder", "lists": "vtab1k", "shards": "clip-benchmark"}
+    for name, kind in want.items():
+        assert detect_spec(tmp_path / name) == f"{kind}:{tmp_path / name}"
+    assert detect_spec(tmp_path / "table") == f"manifest:{tmp_path / 'table.csv'}"
+    assert detect_spec(tmp_path / "absent") is None
