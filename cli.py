@@ -18,6 +18,7 @@ from featcache.errors import FeatcacheError
 #: modules whose ``register(subparsers)`` adds commands, in help order
 COMMAND_MODULES = (
     "featcache.extract.cli",
+    "featcache.suites.cli",
     "featcache.finetune.cli",
     "featcache.store.cli",
     "featcache.probes.cli",

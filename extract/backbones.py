@@ -45,6 +45,9 @@ PACKAGE_WEIGHTS: dict[str, str] = {
 }
 
 DATA_CONFIG_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
+#: ``timm``: timm's eval transform (resize the short side, centre-crop ``crop_pct``);
+#: ``whole``: resize the whole image to the input size, no crop (VTAB)
+RESIZE_MODES = ("timm", "whole")
 
 
 @dataclass
@@ -88,11 +91,14 @@ def make_data_config(
     *,
     input_size: int | tuple[int, ...] | None = None,
     pre_resize: int | None = None,
+    resize: str | None = None,
 ) -> dict[str, Any]:
     """Copy of a timm data config with ``input_size`` overridden and ``pre_resize`` recorded.
 
     ``input_size`` may be an int (square), ``(H, W)`` or ``(C, H, W)``. ``pre_resize=32`` first
-    resizes every image to 32x32 (Salman et al.'s low-resolution variant).
+    resizes every image to 32x32 (Salman et al.'s low-resolution variant). ``resize="whole"``
+    (VTAB) is recorded as ``resize: whole``; timm's default transform records no ``resize`` key,
+    so configs (and stores) made before the option existed keep their identity.
     """
     missing = [k for k in DATA_CONFIG_KEYS if k not in data_config]
     if missing:
@@ -112,7 +118,17 @@ def make_data_config(
     if pre_resize is not None and (not isinstance(pre_resize, int) or pre_resize <= 0):
         raise BackboneError(f"pre_resize must be a positive int (e.g. 32); got {pre_resize!r}")
     cfg["pre_resize"] = pre_resize if pre_resize is not None else data_config.get("pre_resize")
+    mode = resize if resize is not None else data_config.get("resize", "timm")
+    if mode not in RESIZE_MODES:
+        raise BackboneError(f"resize must be one of {', '.join(RESIZE_MODES)}; got {mode!r}")
+    if mode != "timm":
+        cfg["resize"] = mode
     return cfg
+
+
+def resize_mode(data_config: Mapping[str, Any]) -> str:
+    """The resize mode a (recorded) data config was made with (``timm`` when not recorded)."""
+    return str(data_config.get("resize") or "timm")
 
 
 def make_transform(
@@ -120,20 +136,29 @@ def make_transform(
     *,
     input_size: int | tuple[int, ...] | None = None,
     pre_resize: int | None = None,
+    resize: str | None = None,
 ) -> Callable[[Any], Any]:
     """Eval transform (PIL image -> float tensor ``[C, H, W]``) from a timm data config.
 
     Converts to RGB, optionally resizes to ``pre_resize`` x ``pre_resize`` first, then applies
-    ``timm.data.create_transform`` (resize, center crop, normalise).
+    ``timm.data.create_transform`` (resize, center crop, normalise), or with ``resize="whole"``
+    VTAB's preprocessing: the whole image resized to the input size (bilinear, as VTAB's
+    ``tf.image.resize``; no crop, aspect ratio not kept), ``ToTensor`` and the model's
+    ``Normalize``.
     """
     import timm.data
     from torchvision import transforms as T
 
-    cfg = make_data_config(data_config, input_size=input_size, pre_resize=pre_resize)
+    cfg = make_data_config(data_config, input_size=input_size, pre_resize=pre_resize, resize=resize)
     steps: list[Any] = [_ToRGB()]
     if cfg["pre_resize"]:
         interp = T.InterpolationMode(cfg["interpolation"] or "bilinear")
         steps.append(T.Resize((cfg["pre_resize"], cfg["pre_resize"]), interpolation=interp))
+    if resize_mode(cfg) == "whole":
+        h, w = cfg["input_size"][1:]
+        steps += [T.Resize((h, w), interpolation=T.InterpolationMode.BILINEAR), T.ToTensor(),
+                  T.Normalize(mean=cfg["mean"], std=cfg["std"])]
+        return T.Compose(steps)
     steps.append(
         timm.data.create_transform(**{k: cfg[k] for k in DATA_CONFIG_KEYS}, is_training=False)
     )
@@ -305,14 +330,15 @@ def create_backbone(
     input_size: int | tuple[int, ...] | None = None,
     pre_resize: int | None = None,
     trainable: bool = False,
+    resize: str | None = None,
 ) -> Backbone:
     """Build timm model ``name`` with ``weights`` and its eval preprocessing.
 
     ``keep_head=False`` builds ``num_classes=0`` (model output = pooled pre-logits features);
     ``keep_head=True`` keeps the ImageNet classifier (``model(x)`` gives logits, ``embed``
     still gives features). ``device`` is ``"cpu"``, ``"cuda[:N]"`` or ``"auto"``.
-    ``input_size``/``pre_resize`` change the transform and are recorded in ``data_config``.
-    The model is in eval mode with ``requires_grad=False`` unless ``trainable``.
+    ``input_size``/``pre_resize``/``resize`` change the transform and are recorded in
+    ``data_config``. The model is in eval mode with ``requires_grad=False`` unless ``trainable``.
     """
     import timm.data
 
@@ -324,7 +350,7 @@ def create_backbone(
     for p in model.parameters():
         p.requires_grad_(trainable)
     base_cfg = timm.data.resolve_model_data_config(model)
-    cfg = make_data_config(base_cfg, input_size=input_size, pre_resize=pre_resize)
+    cfg = make_data_config(base_cfg, input_size=input_size, pre_resize=pre_resize, resize=resize)
     dim = int(getattr(model, "head_hidden_size", None) or model.num_features)
     logger.info("backbone %s (%s, sha256 %s..., dim %d) on %s", name, weights, sha[:12], dim, dev)
     return Backbone(

@@ -10,28 +10,82 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     from featcache.extract.config import ExtractConfig
     from featcache.store.cli import add_storage_option_argument
 
-    ExtractConfig.add_arguments(p)
+    ExtractConfig.add_arguments(p, optional=("data",))
+    p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
+    p.add_argument("--suite", default=None, help="extract every task of a suite (see `featcache suites`) whose "
+                   "data is under --data-root; uses the suite's resize and input size unless given")
+    p.add_argument("--data-root", default=None, help="with --suite: folder holding one entry per task "
+                   "(DIR/<task>: VTAB-1k lists, CLIP_benchmark shards, HF on disk, image folder; DIR/<task>.csv)")
     add_storage_option_argument(p)
 
 
 def run_extract(args: argparse.Namespace) -> int:
     """``featcache extract``: build the config, tune the CPU allocator (this command only;
     :mod:`featcache.allocator`), run the stage, print one line per split."""
+    from featcache.errors import ConfigError
     from featcache.extract.config import ExtractConfig
     from featcache.store.cli import parse_storage_options
 
-    cfg = ExtractConfig.from_args(args, storage_options=parse_storage_options(args.storage_options))
-    if _runs_on_cpu(cfg.device):
+    opts = parse_storage_options(args.storage_options)
+    if args.suite:
+        if args.data:
+            raise ConfigError("give either --data (one dataset) or --suite with --data-root, not both")
+        configs = suite_configs(args, storage_options=opts)
+    elif args.data_root:
+        raise ConfigError("--data-root goes with --suite NAME; for one dataset give --data SPEC")
+    elif not args.data:
+        raise ConfigError("give --data SPEC (one dataset) or --suite NAME --data-root DIR (see `featcache suites`)")
+    else:
+        configs = [ExtractConfig.from_args(args, storage_options=opts)]
+    if _runs_on_cpu(configs[0].device):
         from featcache.allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
-    from featcache.extract.pipeline import extract
+    from featcache.extract.pipeline import dist_info, extract
 
-    reports = extract(cfg)
-    from featcache.extract.pipeline import dist_info
+    for cfg in configs:
+        reports = extract(cfg)
+        if dist_info()[0] == 0:
+            _print_reports(reports)
+    return 0
 
-    if dist_info()[0] != 0:
-        return 0
+
+def suite_configs(args: argparse.Namespace, **overrides) -> list:
+    """One :class:`ExtractConfig` per task of ``--suite`` whose data is under ``--data-root``
+    (dataset key = task name); the missing tasks are named in one warning, and none present is
+    an error."""
+    import logging
+    from pathlib import Path
+
+    from featcache.errors import DataError
+    from featcache.extract.config import ExtractConfig
+    from featcache.extract.formats import detect_spec
+    from featcache.suites import load_suite
+
+    suite = load_suite(args.suite)
+    if not args.data_root or not Path(args.data_root).is_dir():
+        raise DataError(f"--suite {suite.name} needs --data-root DIR, an existing folder with one entry per task")
+    found, missing = {}, []
+    for task in suite.tasks:
+        spec = next((s for n in task.dir_names for s in [detect_spec(Path(args.data_root) / n)] if s), None)
+        if spec:
+            found[task.name] = spec
+        else:
+            missing.append(task.name)
+    if not found:
+        raise DataError(f"no task of suite {suite.name} has data under {args.data_root}; expected e.g. "
+                        f"{args.data_root}/{suite.tasks[0].name}/ (names and aliases: `featcache suites {suite.name}`)")
+    if missing:
+        logging.getLogger(__name__).warning("suite %s: %d of %d tasks have no data under %s, skipped: %s",
+                                            suite.name, len(missing), len(suite.tasks), args.data_root,
+                                            ", ".join(missing))
+    kw = {"resize": args.resize or suite.resize, "input_size": args.input_size or suite.input_size}
+    prefix = f"{args.dataset_name}-" if args.dataset_name else ""
+    return [ExtractConfig.from_args(args, data=spec, dataset_name=prefix + name, **kw, **overrides)
+            for name, spec in found.items()]
+
+
+def _print_reports(reports) -> None:
     for r in reports:
         if r.skipped:
             print(f"{r.backbone} {r.dataset}/{r.split}: already complete ({r.n} rows), nothing to do")
@@ -44,7 +98,6 @@ def run_extract(args: argparse.Namespace) -> int:
                 print(f"  unreadable {sid}: {err}")
             if r.n_invalid > 5:
                 print(f"  ... {r.n_invalid - 5} more (stored as valid=False with their error text)")
-    return 0
 
 
 def _runs_on_cpu(device: str) -> bool:

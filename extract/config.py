@@ -52,7 +52,9 @@ class ExtractConfig:
     model: str = _opt(None, "timm model name, e.g. tf_efficientnet_lite0", required=True)
     weights: str = _opt("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
     data: str = _opt("digits", "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE "
-                     "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN", required=True)
+                     "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN | clip-benchmark:DIR "
+                     "(CLIP_benchmark wds export) | hf:PATH (datasets on disk) | vtab1k:DIR (train800.txt ...)",
+                     required=True)
     splits: tuple[str, ...] | None = _opt(None, "split(s) to extract (repeatable; default: all)",
                                           flag="--split", action="append")
     cache: str = _opt("featcache.zarr", "feature cache root (local path or fsspec URL)", required=True)
@@ -70,6 +72,8 @@ class ExtractConfig:
     chunk_rows: int = _opt(DEFAULT_CHUNK_ROWS, "rows per stored chunk (the unit of resume)", type=int)
     input_size: int | None = _opt(None, "override the model's input resolution", type=int)
     pre_resize: int | None = _opt(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
+    resize: str = _opt("timm", "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
+                       "image to the input size, no crop (VTAB)", choices=["timm", "whole"])
     features: tuple[str, ...] = _opt(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
     overwrite: bool = _opt(False, "replace features stored with other settings", action="store_true")
     limit: int | Mapping[str, int] | None = _opt(None, "first N rows of each split only (N > 0)", type=int)
@@ -117,6 +121,8 @@ class ExtractConfig:
             bad("--dtype", self.dtype, "choose float16 or float32")
         if self.amp not in PRECISIONS:
             bad("--precision", self.amp, f"choose one of {', '.join(PRECISIONS)}")
+        if self.resize not in ("timm", "whole"):
+            bad("--resize", self.resize, "choose timm or whole")
         if not self.features:
             bad("--features", "''", "name at least one feature kind")
         for flag, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):
@@ -125,8 +131,9 @@ class ExtractConfig:
 
     # ------------------------------------------------------------------ CLI
     @classmethod
-    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
-        """One flag per field (``cli=False`` fields are library-only)."""
+    def add_arguments(cls, p: argparse.ArgumentParser, optional: tuple[str, ...] = ()) -> None:
+        """One flag per field (``cli=False`` fields are library-only; fields in ``optional`` are not
+        required on the command line, e.g. ``data`` when ``--suite`` names the data)."""
         for f in dataclasses.fields(cls):
             m = f.metadata
             if not m.get("cli", True):
@@ -135,6 +142,8 @@ class ExtractConfig:
                 p.add_argument(m["invert"], dest=f.name, action="store_false", help=m["help"])
                 continue
             kw = dict(m["argparse"])
+            if f.name in optional:
+                kw.pop("required", None)
             if f.default is not dataclasses.MISSING and "action" not in kw and not kw.get("required"):
                 kw["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
             p.add_argument(m["flag"] or "--" + f.name.replace("_", "-"), dest=f.name, help=m["help"], **kw)
@@ -144,8 +153,9 @@ class ExtractConfig:
         """The config of a parsed ``featcache extract`` command line."""
         kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
               if f.metadata.get("cli", True) and hasattr(args, f.name)}
-        if kw.get("chunk_rows") is None:
-            kw.pop("chunk_rows", None)
+        for name in ("chunk_rows", "resize"):  # None: not given, the field's default applies
+            if kw.get(name) is None:
+                kw.pop(name, None)
         return cls(**{**kw, **overrides})
 
     def replace(self, **changes: Any) -> ExtractConfig:
@@ -155,7 +165,7 @@ class ExtractConfig:
     def recorded(self) -> dict[str, Any]:
         """Settings recorded beside each feature array's provenance (``extra``), as requested."""
         return {"precision_requested": self.amp, "exif_transpose": self.exif_transpose,
-                "max_image_pixels": self.max_image_pixels}
+                "max_image_pixels": self.max_image_pixels, "resize": self.resize}
 
 
 def check_store_key(name: str, flag: str = "--dataset-name") -> str:

@@ -26,6 +26,9 @@ spec                        source
                             shard-name prefix (``train-000.tar`` -> ``train``, ``val``,
                             ``test``), else ``all``. Shards are indexed once (headers only) and
                             read by byte offset, so chunks resume and ranks shard like any source.
+``clip-benchmark:DIR``,     the layouts benchmarks are distributed in (CLIP_benchmark's
+``hf:PATH``, ``vtab1k:DIR`` WebDataset export, Hugging Face ``datasets`` on disk, VTAB-1k file
+                            lists): :mod:`featcache.extract.formats`.
 ==========================  ================================================================
 
 Grey, palette, CMYK, 16-bit and RGBA images all become 8-bit RGB.
@@ -632,7 +635,16 @@ def default_name(spec: str) -> str:
     if kind in ("webdataset", "wds") and arg:
         name = Path(arg.split("::")[0]).parent.name
         return name or "webdataset"
+    if arg and kind in _format_kinds():  # a task folder (or file) of the formats in .formats
+        p = Path(arg).resolve()
+        return (p.stem if p.is_file() else p.name) or kind
     return kind
+
+
+def _format_kinds() -> tuple[str, ...]:
+    from featcache.extract.formats import FORMATS
+
+    return tuple(FORMATS)
 
 
 def open_dataset(spec: str, name: str | None = None, *, options: ReadOptions | None = None) -> dict[str, SplitSource]:
@@ -661,10 +673,14 @@ def open_dataset(spec: str, name: str | None = None, *, options: ReadOptions | N
         if not arg:
             raise DataError("webdataset needs shards: --data 'webdataset:DIR/train-{000000..000009}.tar'")
         out = _webdataset(arg, dname, options)
+    elif kind in _format_kinds():
+        from featcache.extract.formats import open_format
+
+        out = open_format(kind, arg, dname, options)
     else:
         raise DataError(
-            f"unknown data spec {spec!r}; use digits, fashion-mnist[:DIR], imagefolder:DIR, manifest:FILE "
-            "or webdataset:PATTERN"
+            f"unknown data spec {spec!r}; use digits, fashion-mnist[:DIR], imagefolder:DIR, manifest:FILE, "
+            "webdataset:PATTERN, clip-benchmark:DIR, hf:PATH or vtab1k:DIR"
         )
     for s in out.values():
         s.dataset = dname

@@ -133,7 +133,7 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     bb = create_backbone(cfg.model, cfg.weights, device=rank_device(cfg.device), input_size=cfg.input_size,
-                         pre_resize=cfg.pre_resize)
+                         pre_resize=cfg.pre_resize, resize=cfg.resize)
     dev = bb.device
     rank, world, own_group = init_dist(dev)
     old_threads = torch.get_num_threads()
@@ -263,6 +263,8 @@ def _job_threads(job: _Job, stored) -> int | None:
 def _prepare(writer, stored, overwrite: bool) -> None:
     """Set-up step 3 (rank 0): create or validate the arrays; a resume with chunks still to
     compute is refused if the compute settings differ from the recorded ones."""
+    if not overwrite and stored is not None:
+        _check_resize(writer, stored)
     writer.prepare(overwrite=overwrite)
     if overwrite or stored is None:
         return
@@ -275,6 +277,22 @@ def _prepare(writer, stored, overwrite: bool) -> None:
             f"{writer.path} was partly computed with other settings, so resuming would mix their bits:\n{lines}\n"
             "Re-run with the stored settings (--device, --precision, --threads), use another --backbone-name, "
             "or --overwrite to start over."
+        )
+
+
+def _check_resize(writer, stored) -> None:
+    """Features made with another resize mode (part of the data config, so of the identity)
+    are refused with the flag that reproduces them."""
+    from featcache.extract.backbones import resize_mode
+
+    old = resize_mode(stored.data_config or {})
+    new = resize_mode(next(iter(writer.provenances.values())).data_config or {})
+    if old != new:
+        how = {"timm": "timm's resize + centre crop", "whole": "the whole image resized, no crop"}
+        raise ProvenanceMismatchError(
+            f"{writer.path} holds features made with --resize {old} ({how[old]}), not --resize {new} "
+            f"({how[new]}); re-run with --resize {old} to resume or reuse them, use another --backbone-name "
+            "(e.g. NAME@whole), or --overwrite to replace them."
         )
 
 

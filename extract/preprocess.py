@@ -14,6 +14,8 @@ per-image Python overhead. :func:`split_transform` cuts the same transform (buil
 
 Grayscale ('L') images are resized and cropped before the RGB conversion (one band instead
 of three; PIL resamples each band with the same coefficients, so the values are identical).
+The whole-image resize (``--resize whole``, VTAB: ``Resize((H, W))`` + ``ToTensor`` +
+``Normalize``, no crop) has the same shape and takes the same path (tested bit-identical).
 Transforms of any other shape are not split (:func:`split_transform` returns ``None``) and the
 pipeline runs them per image as before.
 """

@@ -1,0 +1,131 @@
+"""Benchmark task suites shipped as data: one TOML file per suite in this package.
+
+>>> from featcache.suites import load_suite
+>>> s = load_suite("vtab-1k")
+>>> len(s.tasks), s.groups
+(19, ('natural', 'specialized', 'structured'))
+>>> s.task("dsprites_location").metric
+'top1'
+
+A :class:`Task` says where its data comes from (``source``: the paper's dataset and version),
+how the paper splits it (``splits``: e.g. VTAB's TFDS split strings), how labels are derived
+where the paper derives them (``label``), which metric it reports and the paper it comes from
+(its suite's ``paper``). ``featcache suites`` lists them; ``featcache extract --suite NAME
+--data-root DIR`` extracts every task whose data lies under ``DIR/<task name or alias>``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from types import MappingProxyType
+from typing import Any
+
+from featcache.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["METRICS", "Suite", "Task", "list_suites", "load_suite"]
+
+#: metrics a task may declare
+METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro")
+_TASK_KEYS = {"name", "group", "source", "aliases", "metric", "num_classes", "class_names", "label",
+              "multilabel", "splits"}
+
+
+class SuiteError(ConfigError):
+    """A suite name that does not exist, or a suite file that breaks the schema."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a suite."""
+
+    name: str
+    group: str
+    source: str
+    metric: str
+    num_classes: int
+    splits: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    aliases: tuple[str, ...] = ()
+    class_names: tuple[str, ...] | None = None
+    label: str | None = None
+    multilabel: bool = False
+
+    @property
+    def dir_names(self) -> tuple[str, ...]:
+        """Folder names under a data root that hold this task (name first, then aliases)."""
+        return (self.name, *self.aliases)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A named benchmark suite: its tasks, groups, preprocessing and the paper it follows."""
+
+    name: str
+    title: str
+    paper: str
+    groups: tuple[str, ...]
+    tasks: tuple[Task, ...]
+    resize: str = "timm"
+    input_size: int | None = None
+    subsets: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def task(self, name: str) -> Task:
+        for t in self.tasks:
+            if name in t.dir_names:
+                return t
+        raise SuiteError(f"suite {self.name} has no task {name!r}; tasks: {', '.join(t.name for t in self.tasks)}")
+
+
+def list_suites() -> list[str]:
+    """Names of the suites shipped in this package."""
+    return sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".toml"))
+
+
+@cache
+def load_suite(name: str) -> Suite:
+    """The suite ``name`` (see :func:`list_suites`), validated."""
+    if name not in list_suites():
+        raise SuiteError(f"unknown suite {name!r}; available: {', '.join(list_suites())} (see `featcache suites`)")
+    raw = tomllib.loads(resources.files(__package__).joinpath(f"{name}.toml").read_text(encoding="utf-8"))
+    return _suite(raw, f"{name}.toml")
+
+
+def _suite(raw: dict[str, Any], where: str) -> Suite:
+    try:
+        groups = tuple(raw["groups"])
+        tasks = tuple(_task(t, groups, where) for t in raw["tasks"])
+        suite = Suite(raw["name"], raw["title"], raw["paper"], groups, tasks, raw.get("resize", "timm"),
+                      raw.get("input_size"), MappingProxyType(dict(raw.get("subsets", {}))))
+    except KeyError as exc:
+        raise SuiteError(f"{where}: missing key {exc}") from exc
+    names = [n for t in tasks for n in t.dir_names]
+    if len(set(names)) != len(names):
+        raise SuiteError(f"{where}: task names/aliases repeat: {sorted({n for n in names if names.count(n) > 1})}")
+    if suite.resize not in ("timm", "whole"):
+        raise SuiteError(f"{where}: resize {suite.resize!r} must be timm or whole")
+    return suite
+
+
+def _task(t: dict[str, Any], groups: tuple[str, ...], where: str) -> Task:
+    unknown = set(t) - _TASK_KEYS
+    if unknown:
+        raise SuiteError(f"{where}: task {t.get('name')!r} has unknown keys {sorted(unknown)}")
+    task = Task(t["name"], t["group"], t["source"], t["metric"], int(t["num_classes"]),
+                MappingProxyType(dict(t.get("splits", {}))), tuple(t.get("aliases", ())),
+                tuple(t["class_names"]) if "class_names" in t else None, t.get("label"), bool(t.get("multilabel")))
+    if task.metric not in METRICS:
+        raise SuiteError(f"{where}: task {task.name} metric {task.metric!r} is not one of {', '.join(METRICS)}")
+    if task.group not in groups:
+        raise SuiteError(f"{where}: task {task.name} group {task.group!r} is not one of {groups}")
+    if task.class_names is not None and len(task.class_names) != task.num_classes:
+        raise SuiteError(f"{where}: task {task.name} has {len(task.class_names)} class names for "
+                         f"{task.num_classes} classes")
+    return task
