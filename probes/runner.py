@@ -509,7 +509,7 @@ def _collect(cfg: ProbeConfig, proto: Protocol, new_rows: list[dict], wanted: li
         table = frame
     out = rows_to_frame([]) if table is None else table.filter(pl.col("run_id").is_in(wanted))
     if proto.median_over_seeds and out.height:
-        out = add_median_rows(out, "probe", cfg.results_path, carry=("val_source",))
+        out = add_median_rows(out, "probe", cfg.results_path, carry=("val_source", "task_metric"))
     return out
 
 
