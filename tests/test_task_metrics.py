@@ -201,3 +201,39 @@ def test_manifest_labels_column_becomes_the_stored_label_matrix(tmp_path):
         M, cols, _ = load_label_matrix(path, "m", split)
         assert cols == used
         np.testing.assert_array_equal(M, Y[sl][:, [list(ATTRIBUTES).index(a) for a in used]])
+
+
+def test_salman_sgd_selects_on_the_declared_mean_per_class(imbalanced, tmp_path):
+    path = imbalanced[0]
+    df = run_probes(ProbeConfig(path, [LITE0], "imb", "salman", sgd_epochs=3,
+                                results_path=tmp_path / "r.parquet", progress=False))
+    hp = _hp(df, "mean_per_class")
+    assert hp["task_metric"] == "mean_per_class" and hp["selection"].startswith("val mean_per_class")
+    assert 0 < hp["val_mean_per_class"] <= 1 and "val_top1" not in hp
+
+
+def test_binary_task_declared_roc_auc_selects_and_reports_it(fmnist_cache, tmp_path):
+    """T-shirt/top vs Shirt (the hardest Fashion-MNIST pair) as a PatchCamelyon-style binary
+    task declared ``roc_auc_macro``: C maximises validation AUC (scikit-learn's), and the
+    row set gains ``roc_auc_macro`` beside the usual metrics."""
+    from featcache.splits import full_holdout
+
+    c = open_cache(fmnist_cache)
+    path = str(tmp_path / "c.zarr")
+    for split in ("train", "test"):
+        f = c.load(LITE0, FM, split)
+        keep = np.flatnonzero(np.isin(f.labels, [0, 6]))
+        write_features(path, backbone=LITE0, dataset="shirts", split=split, X=f.X[keep], ids=f.ids[keep],
+                       labels=(f.labels[keep] == 6).astype(np.int64), class_names=["T-shirt/top", "Shirt"])
+    df = run_probes(ProbeConfig(path, [LITE0], "shirts", "full", Cs=GRID, metric="roc_auc_macro",
+                                results_path=tmp_path / "r.parquet", progress=False))
+    assert set(df["metric"]) == {"top1", "mean_per_class", "nll", "ece", "roc_auc_macro"}
+    hp = _hp(df, "roc_auc_macro")
+    assert hp["task_metric"] == "roc_auc_macro" and hp["selection"].startswith("val roc_auc_macro")
+    tr = open_cache(path).load(LITE0, "shirts", "train")
+    X, y = _sorted(tr.X, tr.ids, tr.labels)
+    t, v = full_holdout(y, 0)
+    sw = sweep_C(X[t], y[t], X[v], y[v], GRID, metric="roc_auc_macro")
+    auc = [roc_auc_score(y[v], X[v] @ (co[1] - co[0]) + (b[1] - b[0])) for co, b in sw.heads]
+    assert hp["C"] == GRID[int(np.argmax(auc))] and hp["val_roc_auc_macro"] == pytest.approx(max(auc), abs=1e-9)
+    assert 0.5 < _value(df, "roc_auc_macro") <= 1
