@@ -9,6 +9,10 @@ what ``np.argmax`` does (and the probes' ``LogisticProbe.predict``), so ``top1(y
 accuracy(y, s.argmax(1))`` always, and ``top_k`` counts the true class as a hit when fewer
 than ``k`` classes rank before it (strictly higher score, or equal score and lower index).
 
+Ranking metrics for multi-label tasks (``map11``, ``roc_auc_macro``) take a target matrix
+``[N, C]`` (bool/0-1, one column per class) or integer labels (one-hot encoded) and a score
+matrix ``[N, C]``; they average per-class values over the classes they are defined for.
+
 Probes and fine-tuning both import them from here (one implementation for both).
 """
 
@@ -16,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["top1", "top_k", "top5", "mean_per_class", "nll", "ece", "METRICS", "compute_all"]
+__all__ = ["top1", "top_k", "top5", "mean_per_class", "nll", "ece", "map11", "roc_auc_macro",
+           "METRICS", "TASK_METRICS", "MULTILABEL_METRICS", "compute_all", "metric_names"]
 
 
 def _check(y_true, scores=None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -106,6 +111,79 @@ def ece(y_true, proba, n_bins: int = 15) -> float:
     return float(np.sum(np.abs(acc_sum - conf_sum)) / y.size)
 
 
+def _check_multilabel(y_true, scores) -> tuple[np.ndarray, np.ndarray]:
+    """(targets [N, C] bool, scores [N, C] float64); integer labels [N] are one-hot encoded."""
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 2:
+        raise ValueError(f"scores must be [N, C], got shape {s.shape}")
+    y = np.asarray(y_true)
+    if y.ndim == 1:
+        y, _ = _check(y, s)
+        y = np.arange(s.shape[1])[None, :] == y[:, None]
+    if y.shape != s.shape:
+        raise ValueError(f"targets {y.shape} and scores {s.shape} must both be [N, C]")
+    if y.dtype != bool:
+        if not np.isin(y, (0, 1)).all():
+            raise ValueError("multi-label targets must be 0/1 or bool (one column per class)")
+        y = y.astype(bool)
+    return y, s
+
+
+def _ap11_column(pos: np.ndarray, score: np.ndarray) -> float:
+    """VOC2007 11-point interpolated AP of one class; tied scores enter as one threshold."""
+    order = np.argsort(-score, kind="stable")
+    sc, tp = score[order], pos[order].astype(np.float64)
+    last = np.r_[np.flatnonzero(np.diff(sc) != 0), sc.size - 1]  # end of each tie group
+    ctp = np.cumsum(tp)[last]
+    prec = ctp / (last + 1)
+    total = 0.0
+    for k in range(11):  # recall >= k/10, compared exactly in integers (10*tp >= k*n_pos)
+        p = prec[10 * ctp >= k * pos.sum()]
+        total += p.max() if p.size else 0.0
+    return float(total / 11.0)
+
+
+def map11(y_true, scores) -> float:
+    """Mean over classes with a positive of VOC2007's 11-point interpolated AP
+    (``AP = 1/11 sum_{t in 0, .1, .., 1} max_{recall >= t} precision``; ELEVATER's VOC 2007
+    metric). Tied scores form one threshold (as ``sklearn.metrics.precision_recall_curve``),
+    so the value does not depend on row order. Recall >= k/10 is compared exactly (the devkit's
+    float grid ``np.arange(0, 1.1, .1)`` misses recall 3/10 by one ulp). NaN when no class
+    has a positive."""
+    y, s = _check_multilabel(y_true, scores)
+    aps = [_ap11_column(y[:, c], s[:, c]) for c in range(y.shape[1]) if y[:, c].any()]
+    return float(np.mean(aps)) if aps else float("nan")
+
+
+def _average_ranks(a: np.ndarray) -> np.ndarray:
+    """1-based ranks of ``a``, ties sharing their average rank."""
+    order = np.argsort(a, kind="stable")
+    sa = a[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sa) != 0) + 1]
+    ends = np.r_[starts[1:], sa.size]
+    avg = (starts + ends + 1) / 2.0  # mean of ranks starts+1 .. ends
+    ranks = np.empty(a.size)
+    ranks[order] = np.repeat(avg, ends - starts)
+    return ranks
+
+
+def roc_auc_macro(y_true, scores) -> float:
+    """Unweighted mean over classes of one-vs-rest ROC-AUC (Mann-Whitney U with average
+    ranks for ties, = ``sklearn.metrics.roc_auc_score(average="macro")``). Classes without
+    both positives and negatives in ``y_true`` are skipped (their AUC is undefined); NaN
+    when none is left. For integer labels of a binary task it equals the binary AUC."""
+    y, s = _check_multilabel(y_true, scores)
+    aucs = []
+    for c in range(y.shape[1]):
+        n_pos = int(y[:, c].sum())
+        n_neg = y.shape[0] - n_pos
+        if n_pos == 0 or n_neg == 0:
+            continue
+        r = _average_ranks(s[:, c])
+        aucs.append((r[y[:, c]].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+    return float(np.mean(aucs)) if aucs else float("nan")
+
+
 #: metric name -> function(y_true, proba) used for result rows
 METRICS = {
     "top1": top1,
@@ -113,12 +191,28 @@ METRICS = {
     "mean_per_class": mean_per_class,
     "nll": nll,
     "ece": ece,
+    "map11": map11,
+    "roc_auc_macro": roc_auc_macro,
 }
+
+#: the metrics a task can declare (hyper-parameters are selected on it; higher is better)
+TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro")
+#: the metrics defined for multi-label targets [N, C]
+MULTILABEL_METRICS = ("map11", "roc_auc_macro")
+
+
+def metric_names(n_classes: int, task_metric: str = "top1", multilabel: bool = False) -> list[str]:
+    """The metrics a result row set holds: multi-label tasks the ranking metrics; single-label
+    tasks top1, top5 (K > 5), mean_per_class, nll, ece, plus the task's metric if not among them."""
+    if multilabel:
+        return list(MULTILABEL_METRICS)
+    names = [n for n in METRICS if n not in MULTILABEL_METRICS and (n != "top5" or n_classes > 5)]
+    return names + ([task_metric] if task_metric not in names else [])
 
 
 def compute_all(y_true, proba, names=None) -> dict[str, float]:
-    """All metrics in ``names`` (default: every metric; ``top5`` only when K > 5)."""
+    """All metrics in ``names`` (default: :func:`metric_names` of a single-label task)."""
     proba = np.asarray(proba)
     if names is None:
-        names = [n for n in METRICS if n != "top5" or proba.shape[1] > 5]
+        names = metric_names(proba.shape[1])
     return {n: METRICS[n](y_true, proba) for n in names}

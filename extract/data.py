@@ -458,17 +458,40 @@ def _manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSour
     if "id" not in df.columns:
         df = df.with_columns(pl.col("path").alias("id"))
     df = df.with_columns(pl.Series("_label", labels_all))
+    multi = manifest_label_matrix(df) if "labels" in df.columns else None
     if "split" not in df.columns:
         df = df.with_columns(pl.lit("all").alias("split"))
-    df = df.select(pl.col("_abs"), pl.col("id").cast(pl.Utf8), pl.col("_label"), pl.col("split").cast(pl.Utf8))
+    df = df.with_row_index("_row").select(pl.col("_abs"), pl.col("id").cast(pl.Utf8), pl.col("_label"),
+                                          pl.col("split").cast(pl.Utf8), pl.col("_row"))
     out = {}
     for s in df["split"].unique(maintain_order=True).to_list():
         part = df.filter(pl.col("split") == s)
         paths = StringColumn.from_polars(part["_abs"])
+        extra = {"paths": paths}
+        if multi is not None:  # the extraction stores them as the split's label matrix
+            extra.update(label_matrix=multi[0][part["_row"].to_numpy()], label_names=multi[1])
         out[s] = SplitSource(name, s, StringColumn.from_polars(part["id"]).to_numpy(),
                              part["_label"].to_numpy(), classes, _PathLoader(paths, options),
-                             f"manifest:{f.resolve()}", extra={"paths": paths})
+                             f"manifest:{f.resolve()}", extra=extra)
     return out
+
+
+def manifest_label_matrix(df) -> tuple[np.ndarray, list[str]]:
+    """Multi-label targets of a manifest's ``labels`` column (``;``-separated class names,
+    empty = none): ([N, C] bool, the sorted class names)."""
+    import polars as pl
+
+    parts = (df.select(pl.int_range(pl.len()).alias("row"),
+                       pl.col("labels").cast(pl.Utf8).fill_null("").str.split(";").alias("name"))
+             .explode("name").with_columns(pl.col("name").str.strip_chars())
+             .filter(pl.col("name").is_not_null() & (pl.col("name") != "")))
+    names = sorted(parts["name"].unique().to_list())
+    if not names:
+        raise DataError("manifest column 'labels' names no class; give ';'-separated class names "
+                        "per row (e.g. 'top;long_sleeves') or drop the column")
+    M = np.zeros((df.height, len(names)), bool)
+    M[parts["row"].to_numpy(), parts["name"].cast(pl.Enum(names)).to_physical().to_numpy()] = True
+    return M, names
 
 
 # --------------------------------------------------------------------------- webdataset

@@ -304,7 +304,13 @@ def _split_rows(store, src: SplitSource, rank: int):
     if len(src) == 0:
         raise DataError(f"split {src.split!r} of {src.dataset} is empty")
     if rank == 0:
-        return ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
+        meta = ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
+        if "label_matrix" in src.extra:  # multi-label targets (a manifest's `labels` column)
+            from featcache.store.tasks import write_label_matrix
+
+            write_label_matrix(store, src.dataset, src.split, src.extra["label_matrix"][: len(src)],
+                               src.extra["label_names"])  # [:n]: SplitSource.subset keeps a prefix
+        return meta
     return None
 
 

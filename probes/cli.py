@@ -57,7 +57,7 @@ def format_table(df) -> str:
             lambda h: _hp_short(json.loads(h)), return_dtype=pl.Utf8).alias("selected"))
     wide = sel.pivot(on="metric", index=["backbone", "protocol", "eval_split", "seed", "selected",
                                          "converged"], values="value", aggregate_function="first")
-    metric_cols = [c for c in ("top1", "top5", "mean_per_class", "nll", "ece") if c in wide.columns]
+    metric_cols = [c for c in ("top1", "top5", "mean_per_class", "map11", "roc_auc_macro", "nll", "ece") if c in wide.columns]
     wide = wide.sort(["backbone", "eval_split", "seed"])
     cols = ["backbone", "protocol", "eval_split", "seed", "selected", "converged", *metric_cols]
     rows = [cols] + [[_fmt(v) for v in r] for r in wide.select(cols).rows()]

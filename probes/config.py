@@ -60,6 +60,9 @@ class ProbeConfig:
     last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
     sgd_standardize: bool = flag(False, cli=False)
     metrics: tuple[str, ...] | None = flag(None, cli=False)  # None: every metric
+    metric: str | None = flag(
+        None, "the task's metric, used to select hyper-parameters (default: the metric recorded "
+        "for the dataset in the store, else top1)", choices=["top1", "mean_per_class", "map11", "roc_auc_macro"])
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
 
     def __post_init__(self) -> None:
@@ -79,6 +82,11 @@ class ProbeConfig:
             put("metrics", str_tuple(self.metrics))
         if self.results_path is not None:
             put("results_path", str(self.results_path))
+        if self.metric is not None:
+            from featcache.metrics import TASK_METRICS
+
+            if self.metric not in TASK_METRICS:
+                raise ProbeError(f"unknown task metric {self.metric!r}; choose one of {TASK_METRICS}")
 
     def resolve(self):
         """(protocol, config with every ``None`` grid/schedule/seed field filled in from it)."""
@@ -111,12 +119,15 @@ class ProbeConfig:
         return dict(Cs=list(self.Cs), backend=self.backend, max_iter=int(self.max_iter),
                     tol=float(self.tol), standardize=bool(self.standardize),
                     sgd_epochs=opt(int, self.sgd_epochs), vtab_steps=opt(tuple, self.vtab_steps),
-                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize))
+                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize),
+                    metric=self.metric or "top1")
 
     def run_options(self, proto) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the solver settings the
         protocol's solver reads plus the data choices (a resolved config)."""
         opts = {k: v for k, v in self.solver_options().items() if k != "backend"}
+        if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
+            del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
         if proto.split == "vtab1k":
             opts["val_source"] = self.val_source

@@ -371,7 +371,7 @@ def _grad_max(Xs, yi, W, b, C_softmax) -> float:
 # ------------------------------------------------------------------- sweep
 @dataclass
 class SweepResult:
-    """Outcome of a C sweep: validation top-1 per C and the selected C."""
+    """Outcome of a C sweep: validation top-1 (and the selection metric) per C, the selected C."""
 
     Cs: list[float]
     val_top1: list[float]
@@ -382,6 +382,8 @@ class SweepResult:
     seconds: float
     heads: list = field(default_factory=list, repr=False)  # raw-space (coef, intercept) per C
     tol: float = 1e-3
+    metric: str = "top1"  # the validation metric C was selected on
+    val_scores: list[float] = field(default_factory=list)  # that metric per C
 
     @property
     def best_C(self) -> float:
@@ -397,8 +399,9 @@ def select_index(val_scores) -> int:
 def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "auto",
             max_iter: int = 1000, tol: float = 1e-4, standardize: bool = True,
             head_init=None, sweep_tol: float | None = None, block: int | None | str = "auto",
-            ) -> SweepResult:
-    """Fit every C on train, score top-1 on val (never test), return the selection.
+            metric: str = "top1") -> SweepResult:
+    """Fit every C on train, score ``metric`` (a single-label task metric, default top-1)
+    on val (never test), return the selection.
 
     torch: all C values are one batched multi-head problem (one GEMM for all heads per
     iteration, per-head L-BFGS state, converged heads drop out); ``block`` heads iterate
@@ -411,6 +414,7 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
     Fashion-MNIST features it moved the selection one grid point away from scikit-learn's.
     """
     Cs = sorted(float(c) for c in Cs)
+    score = _selection_scorer(metric)
     X, yi, classes = _check_Xy(X_train, y_train)
     Xv = np.asarray(X_val, np.float32)
     if not np.isfinite(Xv).all():
@@ -451,9 +455,22 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
             n_iters.append(it)
             convs.append(cv)
     seconds = time.perf_counter() - t0
-    val = []
+    val, scores = [], []
     for Wh, bh in heads:
-        val.append(float(np.mean((Xvs.astype(np.float64) @ Wh + bh).argmax(axis=1) == yv)))
+        Z = Xvs.astype(np.float64) @ Wh + bh
+        val.append(float(np.mean(Z.argmax(axis=1) == yv)))
+        scores.append(val[-1] if metric == "top1" else score(yv, softmax_proba(Z)))
     raw = [scaler.to_raw(Wh, bh) for Wh, bh in heads]
-    return SweepResult(Cs=Cs, val_top1=val, best_index=select_index(val), n_iter=n_iters,
-                       converged=convs, backend=name, seconds=seconds, heads=raw, tol=stol)
+    return SweepResult(Cs=Cs, val_top1=val, best_index=select_index(scores), n_iter=n_iters,
+                       converged=convs, backend=name, seconds=seconds, heads=raw, tol=stol,
+                       metric=metric, val_scores=scores)
+
+
+def _selection_scorer(metric: str):
+    """``metric(y_idx, proba) -> float`` of a task metric (higher is better); on integer
+    labels the ranking metrics score the softmax probabilities one-vs-rest, as result rows do."""
+    from featcache.metrics import METRICS, TASK_METRICS
+
+    if metric not in TASK_METRICS:
+        raise ProbeError(f"unknown selection metric {metric!r}; choose one of {TASK_METRICS}")
+    return METRICS[metric]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import NotInStoreError, ProbeError
-from featcache.metrics import compute_all
+from featcache.metrics import MULTILABEL_METRICS, compute_all, metric_names
 from featcache.probes.config import ProbeConfig
 from featcache.probes.logistic import (
     LogisticProbe,
@@ -43,6 +43,7 @@ class SplitData:
     ids: np.ndarray
     n_invalid: int
     fingerprint: str
+    Y: np.ndarray | None = None  # multi-label targets [N, C] bool, same row order
 
 
 @dataclass
@@ -54,6 +55,7 @@ class _Plan:
     fin: tuple[np.ndarray, np.ndarray]
     train_split: str
     info: dict[str, Any] = field(default_factory=dict)
+    Y: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # multi-label targets of tr, va, fin
 
 
 @dataclass
@@ -64,6 +66,7 @@ class _Data:
     val: SplitData | None
     evals: dict[str, SplitData]
     names: list[str]
+    label_names: list[str] | None = None  # columns of the multi-label targets, when present
 
     def splits(self) -> dict[str, SplitData]:
         return {self.train.name: self.train, **({self.val.name: self.val} if self.val else {}),
@@ -140,7 +143,35 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     if len(np.unique(tr.y)) < 2:
         raise ProbeError(f"{b}/{ds}/{cfg.train_split} holds a single class among its valid "
                          "rows; a probe needs at least two classes")
-    return _Data(tr, va, evals, names)
+    data = _Data(tr, va, evals, names)
+    _attach_label_matrices(c, ds, data)
+    return data
+
+
+def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
+    """Multi-label targets (:mod:`featcache.store.tasks`) of every split, aligned by id;
+    their hash joins the split's fingerprint (so run ids follow the targets)."""
+    from featcache.store.tasks import load_label_matrix
+
+    found = {s: load_label_matrix(cache, ds, s) for s in data.splits()}
+    held = [s for s, v in found.items() if v is not None]
+    if not held:
+        return
+    if len(held) != len(found):
+        raise ProbeError(f"{ds}: splits {held} have multi-label targets but "
+                         f"{sorted(set(found) - set(held))} do not; write a label matrix for every "
+                         "split (featcache.store.tasks.write_label_matrix)")
+    names = found[data.train.name][1]
+    for s, sd in data.splits().items():
+        M, cols, sha = found[s]
+        if cols != names:
+            raise ProbeError(f"{ds}/{s}: label-matrix classes {cols[:5]}... differ from the train "
+                             f"split's {names[:5]}...; write every split with the same class list")
+        store_ids = cache.split_rows(ds, s)[0]
+        order = np.argsort(store_ids, kind="stable")
+        sd.Y = M[order[np.searchsorted(store_ids[order], sd.ids)]]
+        sd.fingerprint = _combine(sd.fingerprint, sha)
+    data.label_names = names
 
 
 def _check_alignment(per_backbone: dict[str, dict[str, SplitData]]) -> None:
@@ -184,8 +215,12 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
     sp: SplitPlan = proto.plan(train.y, seed, n_val=None if val is None else val.y.size,
                                val_source=val_source, train_name=train.name,
                                val_name=None if val is None else val.name)
+    Y = None
+    if train.Y is not None:
+        rows = train.Y if val is None else np.concatenate([train.Y, val.Y])
+        Y = (rows[sp.train], rows[sp.val], rows[sp.final])
     return _Plan(_take(train, val, sp.train), _take(train, val, sp.val),
-                 _take(train, val, sp.final), sp.train_split, sp.info)
+                 _take(train, val, sp.final), sp.train_split, sp.info, Y)
 
 
 # ------------------------------------------------------------------ fitting
@@ -193,14 +228,15 @@ def _fit_lbfgs(plan: _Plan, opts: dict, head_init) -> tuple[Any, dict, bool, flo
     Xtr, ytr = plan.tr
     hi = None if head_init is None else head_init[np.unique(ytr)]
     sw = sweep_C(Xtr, ytr, *plan.va, opts["Cs"], backend=opts["backend"], max_iter=opts["max_iter"],
-                 tol=opts["tol"], standardize=opts["standardize"], head_init=hi)
+                 tol=opts["tol"], standardize=opts["standardize"], head_init=hi, metric=opts["metric"])
     probe = LogisticProbe(C=sw.best_C, backend=opts["backend"], max_iter=opts["max_iter"],
                           tol=opts["tol"], standardize=opts["standardize"])
     same = np.array_equal(np.unique(plan.fin[1]), np.unique(ytr))
     probe.fit(*plan.fin, init=sw.heads[sw.best_index] if same else None)
     hp = {
-        "C": sw.best_C, "selection": "val top1 (ties: smaller C)",
-        "val_top1": sw.val_top1[sw.best_index], "n_grid": len(sw.Cs),
+        "C": sw.best_C, "selection": f"val {sw.metric} (ties: smaller C)",
+        "val_top1": sw.val_top1[sw.best_index], f"val_{sw.metric}": sw.val_scores[sw.best_index],
+        "n_grid": len(sw.Cs),
         "grid": [min(sw.Cs), max(sw.Cs)], "sweep_not_converged": int(sum(not c for c in sw.converged)),
         "sweep_seconds": round(sw.seconds, 4), "sweep_tol": sw.tol, "backend": probe.backend_, "device": probe.device_,
         "solver": "lbfgs", "n_iter": probe.n_iter_, "grad_max": probe.grad_max_,
@@ -258,13 +294,13 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
     for cfg in cfgs:
         p = fit(Xtr, ytr, cfg, ytr.size)
         Xv, yv = plan.va
-        scores.append(float(np.mean(p.predict_proba(Xv).argmax(1) == pos[yv])) if p.finite_ else -1.0)
+        scores.append(_val_score(opts["metric"], pos[yv], p.predict_proba(Xv)) if p.finite_ else -1.0)
     best = select_index(scores)
     cfg = cfgs[best]
     probe = fit(*plan.fin, cfg, plan.fin[1].size)
     seconds = time.perf_counter() - t0
-    hp = {"solver": "sgd", "device": device, "val_top1": scores[best],
-          "selection": "val top1 (ties: first config)", "candidates": len(cfgs),
+    hp = {"solver": "sgd", "device": device, f"val_{opts['metric']}": scores[best],
+          "selection": f"val {opts['metric']} (ties: first config)", "candidates": len(cfgs),
           "standardize": opts["sgd_standardize"], **{k: v for k, v in cfg.items() if k != "milestones"}}
     if proto.name == "salman":
         hp.pop("steps", None)  # steps follow from epochs and the size of each fit's data
@@ -272,6 +308,53 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
         hp["last_decay"] = opts["last_decay"]
         hp["milestones"] = cfg["milestones"]
     return (probe.predict_proba, classes), hp, probe.finite_, seconds
+
+
+def _val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
+    """Validation score of the task metric (top-1 as the SGD selection always computed it)."""
+    if metric == "top1":
+        return float(np.mean(P.argmax(1) == y))
+    from featcache.metrics import METRICS
+
+    return float(METRICS[metric](y, P))
+
+
+def _fit_ovr(plan: _Plan, opts: dict) -> tuple[Any, dict, bool, float]:
+    """One-vs-rest L-BFGS probes for multi-label targets: every class sweeps the C grid
+    (binary :func:`sweep_C`); one C for all classes is selected on the task's ranking metric
+    of the validation scores; then ``OneVsRestClassifier(LogisticProbe(C))`` refits on the
+    final data. Predicts per-class probabilities [n, C]."""
+    from sklearn.multiclass import OneVsRestClassifier
+
+    from featcache.metrics import METRICS
+
+    (Xtr, _), (Xva, _), (Xfin, _) = plan.tr, plan.va, plan.fin
+    Ytr, Yva, Yfin = plan.Y
+    for name, Y in (("selection train", Ytr), ("final train", Yfin)):
+        one = [c for c in range(Y.shape[1]) if Y[:, c].all() or not Y[:, c].any()]
+        if one:
+            raise ProbeError(f"multi-label classes {one[:10]} are all positive or all negative in "
+                             f"the {name} data; a one-vs-rest probe needs both: drop those "
+                             "columns or use a larger training sample")
+    t0 = time.perf_counter()
+    margins = []  # per class: [n_val, n_C] validation margins of every C
+    for c in range(Ytr.shape[1]):
+        sw = sweep_C(Xtr, Ytr[:, c], Xva, Yva[:, c], opts["Cs"], backend=opts["backend"],
+                     max_iter=opts["max_iter"], tol=opts["tol"], standardize=opts["standardize"])
+        margins.append(np.stack([Xva @ (co[1] - co[0]) + (b[1] - b[0]) for co, b in sw.heads], 1))
+    Cs, metric = sw.Cs, opts["metric"]
+    scores = [float(METRICS[metric](Yva, np.stack([m[:, h] for m in margins], 1))) for h in range(len(Cs))]
+    best = select_index(scores)
+    ovr = OneVsRestClassifier(LogisticProbe(C=Cs[best], backend=opts["backend"], max_iter=opts["max_iter"],
+                                            tol=opts["tol"], standardize=opts["standardize"]))
+    ovr.fit(Xfin, Yfin)
+    conv = all(e.converged_ for e in ovr.estimators_)
+    hp = {"C": Cs[best], "selection": f"val {metric} (one C for all classes; ties: smaller C)",
+          f"val_{metric}": scores[best], "n_grid": len(Cs), "grid": [min(Cs), max(Cs)],
+          "solver": "lbfgs-ovr", "n_labels": int(Yfin.shape[1]), "max_iter": opts["max_iter"],
+          "tol": opts["tol"], "standardize": opts["standardize"],
+          "backend": ovr.estimators_[0].backend_, "device": ovr.estimators_[0].device_}
+    return (ovr.predict_proba, None), hp, conv, time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------ main entry
@@ -292,6 +375,10 @@ def run_probes(config: ProbeConfig):
     backbones = _resolve_backbones(caches, cfg)
     data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
     _check_alignment({b: d.splits() for b, d in data.items()})
+    cfg = _task_metric(caches, backbones, cfg, data)
+    if data[backbones[0]].train.Y is not None and (proto.solver != "lbfgs" or cfg.head_init):
+        raise ProbeError(f"multi-label targets run one-vs-rest L-BFGS probes without head_init; "
+                         f"{proto.spec} is not supported for them: use full, fewshot:N or subset:F%")
     hi_matrix = None
     if cfg.head_init is not None:
         c = _cache_for(caches, backbones[0], cfg.dataset)
@@ -346,7 +433,9 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
             "of the dataset, in its class order, with the backbone's feature dimension")
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
     opts = cfg.solver_options()
-    if proto.solver == "lbfgs":
+    if plan.Y is not None:
+        (predict, classes), hp, conv, secs = _fit_ovr(plan, opts)
+    elif proto.solver == "lbfgs":
         (predict, classes), hp, conv, secs = _fit_lbfgs(plan, opts, hi_matrix)
     else:
         (predict, classes), hp, conv, secs = _fit_sgd(proto, plan, opts, hi_matrix, seed)
@@ -356,16 +445,10 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
               n_invalid={s: v.n_invalid for s, v in d.splits().items()})
     if proto.split == "vtab1k":
         hp.setdefault("val_source", cfg.val_source)
+    hp["task_metric"] = opts["metric"]
     rows = []
     for es, ev in d.evals.items():
-        missing = np.setdiff1d(np.unique(ev.y), classes)
-        if missing.size:
-            raise ProbeError(
-                f"{es} holds classes {[d.names[i] for i in missing[:10]]} that the probe never "
-                f"saw in training ({plan.train_split}); the class sets differ between splits: "
-                "use a protocol or seed whose training sample covers every class")
-        P = predict(ev.X)  # the eval split is read once per final fit
-        vals = compute_all(np.searchsorted(classes, ev.y), P, cfg.metrics)
+        vals = _evaluate(cfg, d, plan, predict, classes, es, ev)
         rid, fp = run_ids[es]
         rows += [dict(run_id=rid, kind="probe", backbone=b, dataset=cfg.dataset, protocol=proto.spec,
                       train_split=plan.train_split, eval_split=es, shots=proto.shots, seed=seed,
@@ -375,6 +458,39 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
         log.info("%s %s %s seed %d %s: top1=%.4f (C/lr=%s, converged=%s)", b, cfg.dataset,
                  proto.spec, seed, es, vals.get("top1", float("nan")), hp.get("C", hp.get("lr")), conv)
     return rows
+
+
+def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str,
+              ev: SplitData) -> dict[str, float]:
+    """The metrics of one eval split (read once per final fit): multi-label targets get the
+    ranking metrics of the per-class scores; single-label ones ``metric_names`` of the task."""
+    if plan.Y is not None:
+        return compute_all(ev.Y, predict(ev.X), cfg.metrics or metric_names(0, cfg.metric, multilabel=True))
+    missing = np.setdiff1d(np.unique(ev.y), classes)
+    if missing.size:
+        raise ProbeError(
+            f"{es} holds classes {[d.names[i] for i in missing[:10]]} that the probe never "
+            f"saw in training ({plan.train_split}); the class sets differ between splits: "
+            "use a protocol or seed whose training sample covers every class")
+    P = predict(ev.X)
+    return compute_all(np.searchsorted(classes, ev.y), P, cfg.metrics or metric_names(P.shape[1], cfg.metric))
+
+
+def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str, _Data]) -> ProbeConfig:
+    """``cfg`` with ``metric`` set: the given one, else the dataset's recorded task metric
+    (:mod:`featcache.store.tasks`), else top1. Multi-label targets need a ranking metric."""
+    from dataclasses import replace
+
+    from featcache.store.tasks import task_metric
+
+    metric = cfg.metric or task_metric(_cache_for(caches, backbones[0], cfg.dataset), cfg.dataset) or "top1"
+    multilabel = next(iter(data.values())).train.Y is not None
+    if multilabel and metric not in MULTILABEL_METRICS:
+        raise ProbeError(f"{cfg.dataset} has multi-label targets; its task metric must be one of "
+                         f"{MULTILABEL_METRICS} (got {metric!r}): pass --metric map11 or record it "
+                         "with featcache.store.tasks.write_task_metric")
+    log.info("%s: task metric %s (hyper-parameters are selected on it)", cfg.dataset, metric)
+    return replace(cfg, metric=metric)
 
 
 def _collect(cfg: ProbeConfig, proto: Protocol, new_rows: list[dict], wanted: list[str]):
@@ -393,7 +509,7 @@ def _collect(cfg: ProbeConfig, proto: Protocol, new_rows: list[dict], wanted: li
         table = frame
     out = rows_to_frame([]) if table is None else table.filter(pl.col("run_id").is_in(wanted))
     if proto.median_over_seeds and out.height:
-        out = add_median_rows(out, "probe", cfg.results_path, carry=("val_source",))
+        out = add_median_rows(out, "probe", cfg.results_path, carry=("val_source", "task_metric"))
     return out
 
 

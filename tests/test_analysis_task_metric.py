@@ -1,0 +1,50 @@
+"""Analysis ranks each task on its declared metric (issue 12 item 6): declared_metric_rows
+keeps, per run, the row named by hparams["task_metric"] and rank() ranks on it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from featcache.analysis.task_metric import TASK, declared_metric_rows
+from featcache.errors import ResultsError
+from featcache.results import rows_to_frame
+
+
+def _rows(declared: dict[str, str | None], values: dict[tuple[str, str, str], float]):
+    rows = []
+    for (b, ds, m), v in values.items():
+        hp = {} if declared[ds] is None else {"task_metric": declared[ds]}
+        rows.append(dict(run_id=f"{b}-{ds}", kind="probe", backbone=b, dataset=ds, protocol="full",
+                         train_split="train", eval_split="test", shots=-1, seed=0, metric=m,
+                         value=v, n_eval=100, hparams=hp, converged=True, fit_seconds=1.0,
+                         store_fingerprint="x"))
+    return rows_to_frame(rows)
+
+
+def test_each_task_is_ranked_on_its_declared_metric():
+    from featcache.analysis.api import rank
+
+    # aircraft declares mean_per_class: b2 wins on it though b1 has the better top-1;
+    # an old table without task_metric (pets) counts as top-1
+    vals = {}
+    for b, (t1, mpc, pt1, pmpc) in {"b1": (.9, .5, .7, .9), "b2": (.8, .7, .6, .1), "b3": (.1, .2, .5, .5)}.items():
+        vals |= {(b, "aircraft", "top1"): t1, (b, "aircraft", "mean_per_class"): mpc,
+                 (b, "pets", "top1"): pt1, (b, "pets", "mean_per_class"): pmpc}
+    frame = _rows({"aircraft": "mean_per_class", "pets": None}, vals)
+    sel = declared_metric_rows(frame)
+    assert sel.height == 6 and set(sel["metric"]) == {TASK}
+    got = {(r["backbone"], r["dataset"]): (r["task_metric"], r["value"]) for r in sel.iter_rows(named=True)}
+    assert got[("b2", "aircraft")] == ("mean_per_class", .7) and got[("b1", "pets")] == ("top1", .7)
+    out = rank(sel, metric=TASK, n_boot=20, plots=False)
+    scores = {r["backbone"]: r for r in out["scores"].iter_rows(named=True)}
+    assert scores["b2"]["probe:aircraft"] == .7 and scores["b1"]["probe:aircraft"] == .5
+    assert scores["b1"]["probe:pets"] == .7
+    mean = dict(zip(out["overall"]["backbone"].to_list(), out["overall"]["mean"].to_list()))
+    assert mean["b2"] == pytest.approx(np.mean([.7, .6])) and mean["b1"] == pytest.approx(np.mean([.5, .7]))
+
+
+def test_a_run_without_its_declared_metric_row_is_an_error():
+    frame = _rows({"voc": "map11"}, {("b1", "voc", "top1"): .5})
+    with pytest.raises(ResultsError, match="declared metric"):
+        declared_metric_rows(frame)
