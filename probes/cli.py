@@ -35,9 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from featcache.probes.runner import run_probes
     from featcache.results import check_results_path
 
-    check_results_path(args.results)  # a bad --results fails before any compute
-
     cfg = config_from_args(args)
+    check_results_path(cfg.results_path)  # a bad --results fails before any compute
     df = run_probes(cfg)
     print(format_table(df))
     print(f"{df['run_id'].n_unique()} run(s) -> {cfg.results_path}")
