@@ -1,6 +1,6 @@
 """Linear probes on cached features: a logistic-regression estimator with one meaning of C
 on scikit-learn, torch and cuML, batched C sweeps, the published evaluation protocols and
-the stage config. Entry points: :class:`LogisticProbe`, :func:`sweep_C`,
+the stage config. Entry points: :class:`LogisticProbe`, :class:`SGDProbe`, :func:`sweep_C`,
 :class:`ProbeConfig` and :func:`run_probes` (protocols: :mod:`featcache.protocols`; metrics:
 :mod:`featcache.metrics`).
 """
@@ -15,9 +15,10 @@ from featcache.probes.logistic import (
     resolve_backend,
     sweep_C,
 )
+from featcache.probes.sgd import SGDProbe
 
-__all__ = ["DEFAULT_CS", "LogisticProbe", "ProbeConfig", "SweepResult", "resolve_backend", "sweep_C",
-           "run_probes"]
+__all__ = ["DEFAULT_CS", "LogisticProbe", "ProbeConfig", "SGDProbe", "SweepResult", "resolve_backend",
+           "sweep_C", "run_probes"]
 
 
 def run_probes(config: ProbeConfig):

@@ -84,97 +84,160 @@ def lbfgs_multihead(
     activated head starts from the solution of the largest C already finished (a warm
     start along the regularisation path). ``None`` = all heads at once.
     """
-    dev, dt = X.device, X.dtype
-    n, D = X.shape
-    K = n_classes
-    P = (D + 1) * K
-    Cs_t = torch.as_tensor(list(Cs), dtype=torch.float64)
-    H = Cs_t.numel()
-    lam_all = (1.0 / (Cs_t * n)).to(device=dev, dtype=dt)
-    Y1h = torch.zeros(n, K, device=dev, dtype=dt)
-    yidx = y.to(dev).long()
-    Y1h[torch.arange(n, device=dev), yidx] = 1.0
-
-    base = (torch.zeros(1, P, device=dev, dtype=dt) if theta0 is None
-            else theta0.to(device=dev, dtype=dt).reshape(1, P))
-    theta_all = base.expand(H, P).clone()
-    n_iter_all = torch.zeros(H, dtype=torch.long)
-    conv_all = torch.zeros(H, dtype=torch.bool)
-    loss_all = torch.zeros(H, dtype=dt)
-    gmax_all = torch.zeros(H, dtype=dt)
-    finished = torch.zeros(H, dtype=torch.bool)
-
-    queue = torch.argsort(Cs_t).tolist()  # activation order: increasing C
-    block = H if block is None else max(1, int(block))
-    act = torch.zeros(0, dtype=torch.long)  # global indices of active heads
-    theta = torch.zeros(0, P, device=dev, dtype=dt)
-    lam = torch.zeros(0, device=dev, dtype=dt)
-    f = torch.zeros(0, device=dev, dtype=dt)
-    g = torch.zeros(0, P, device=dev, dtype=dt)
-    S = torch.zeros(0, history, P, device=dev, dtype=dt)
-    Yh = torch.zeros(0, history, P, device=dev, dtype=dt)
-    rho = torch.zeros(0, history, device=dev, dtype=dt)  # 0 = empty / skipped pair
-    gamma = torch.zeros(0, device=dev, dtype=dt)
-    first = torch.zeros(0, dtype=torch.bool, device=dev)
-    k_ring = 0
-
-    def activate():
-        nonlocal act, theta, lam, f, g, S, Yh, rho, gamma, first
-        room = block - act.numel()
-        if room <= 0 or not queue:
-            return
-        new = torch.tensor([queue.pop(0) for _ in range(min(room, len(queue)))], dtype=torch.long)
-        done_idx = torch.nonzero(finished).flatten()
-        if done_idx.numel():  # warm start from the largest finished C
-            src = done_idx[torch.argmax(Cs_t[done_idx])]
-            th = theta_all[src.to(dev)].reshape(1, P).expand(new.numel(), P).clone()
-        else:
-            th = theta_all[new.to(dev)].clone()
-        la = lam_all[new.to(dev)]
-        fn, gn = _loss_grad(X, Y1h, yidx, th, la, D, K)
-        h = new.numel()
-        act = torch.cat([act, new])
-        theta, lam = torch.cat([theta, th]), torch.cat([lam, la])
-        f, g = torch.cat([f, fn]), torch.cat([g, gn])
-        S = torch.cat([S, torch.zeros(h, history, P, device=dev, dtype=dt)])
-        Yh = torch.cat([Yh, torch.zeros(h, history, P, device=dev, dtype=dt)])
-        rho = torch.cat([rho, torch.zeros(h, history, device=dev, dtype=dt)])
-        gamma = torch.cat([gamma, torch.ones(h, device=dev, dtype=dt)])
-        first = torch.cat([first, torch.ones(h, dtype=torch.bool, device=dev)])
-
-    def retire(mask_done: torch.Tensor, converged: torch.Tensor):
-        nonlocal act, theta, lam, f, g, S, Yh, rho, gamma, first
-        idx = act[mask_done.cpu()]
-        theta_all[idx.to(dev)] = theta[mask_done]
-        conv_all[idx] = converged[mask_done].cpu()
-        loss_all[idx] = f[mask_done].detach().cpu()
-        gmax_all[idx] = g[mask_done].abs().amax(dim=1).cpu()
-        finished[idx] = True
-        keep = ~mask_done
-        act = act[keep.cpu()]
-        theta, lam, f, g = theta[keep], lam[keep], f[keep], g[keep]
-        S, Yh, rho, gamma, first = S[keep], Yh[keep], rho[keep], gamma[keep], first[keep]
-        activate()
-
-    activate()
-    while act.numel():
-        gmax = g.abs().amax(dim=1)
+    prob = _Problem.build(X, y, Cs, n_classes, theta0)
+    st = _ActiveHeads(prob, history, prob.Cs.numel() if block is None else max(1, int(block)))
+    st.activate()
+    while st.act.numel():
+        gmax = st.g.abs().amax(dim=1)
         done = gmax <= tol
-        capped = n_iter_all[act].to(dev) >= max_iter
+        capped = prob.n_iter[st.act].to(prob.dev) >= max_iter
         if (done | capped).any():
-            retire(done | capped, done)
+            st.retire(done | capped, done)
             continue
-        # two-loop recursion, batched over heads; empty/skipped pairs have rho == 0
+        d, gd = st.direction()
+        t, f_new, g_new, stalled = _line_search(prob, st, d, gd, max_ls)
+        f_prev = st.update(t, d, f_new, g_new, stalled)
+        # float32 floor: no further decrease possible -> stop the head
+        tiny = (f_prev - st.f).abs() <= 1e-7 * torch.clamp(st.f.abs(), min=1.0)
+        stop = stalled | (tiny & (t > 0) & (st.g.abs().amax(dim=1) <= 10 * tol))
+        if stop.any():
+            st.retire(stop, st.g.abs().amax(dim=1) <= 10 * tol)
+    return prob.result()
+
+
+@dataclass
+class _Problem:
+    """The data, per-head penalties and the per-head outcome arrays of one multi-head fit."""
+
+    X: torch.Tensor
+    Y1h: torch.Tensor  # one-hot labels [n, K]
+    yidx: torch.Tensor
+    Cs: torch.Tensor  # float64 [H]
+    lam: torch.Tensor  # 1 / (C n) [H]
+    D: int
+    K: int
+    theta: torch.Tensor  # [H, P] solutions (start values until a head finishes)
+    n_iter: torch.Tensor
+    converged: torch.Tensor
+    loss: torch.Tensor
+    grad_max: torch.Tensor
+    finished: torch.Tensor
+
+    @property
+    def dev(self):
+        return self.X.device
+
+    @property
+    def dt(self):
+        return self.X.dtype
+
+    @classmethod
+    def build(cls, X, y, Cs, K: int, theta0) -> _Problem:
+        dev, dt = X.device, X.dtype
+        n, D = X.shape
+        P = (D + 1) * K
+        Cs_t = torch.as_tensor(list(Cs), dtype=torch.float64)
+        H = Cs_t.numel()
+        lam_all = (1.0 / (Cs_t * n)).to(device=dev, dtype=dt)
+        Y1h = torch.zeros(n, K, device=dev, dtype=dt)
+        yidx = y.to(dev).long()
+        Y1h[torch.arange(n, device=dev), yidx] = 1.0
+        base = (torch.zeros(1, P, device=dev, dtype=dt) if theta0 is None
+                else theta0.to(device=dev, dtype=dt).reshape(1, P))
+        return cls(X=X, Y1h=Y1h, yidx=yidx, Cs=Cs_t, lam=lam_all, D=D, K=K,
+                   theta=base.expand(H, P).clone(), n_iter=torch.zeros(H, dtype=torch.long),
+                   converged=torch.zeros(H, dtype=torch.bool), loss=torch.zeros(H, dtype=dt),
+                   grad_max=torch.zeros(H, dtype=dt), finished=torch.zeros(H, dtype=torch.bool))
+
+    def loss_grad(self, theta, lam, need_grad=True):
+        return _loss_grad(self.X, self.Y1h, self.yidx, theta, lam, self.D, self.K, need_grad)
+
+    def result(self) -> SolverResult:
+        H, D, K = self.Cs.numel(), self.D, self.K
+        W = self.theta[:, : D * K].view(H, D, K)
+        b = self.theta[:, D * K :]
+        return SolverResult(W=W, b=b, n_iter=self.n_iter, converged=self.converged,
+                            loss=self.loss, grad_max=self.grad_max)
+
+
+class _ActiveHeads:
+    """Per-head L-BFGS state of the heads iterating now (at most ``block`` of them).
+
+    Heads enter in increasing-C order (:meth:`activate`), warm-started from the largest C
+    already finished, and leave when they stop (:meth:`retire`), writing their solution
+    into the :class:`_Problem`. Curvature pairs live in a ring of ``history`` slots shared
+    by all active heads; an empty or skipped pair has ``rho == 0``.
+    """
+
+    def __init__(self, prob: _Problem, history: int, block: int):
+        dev, dt, P = prob.dev, prob.dt, (prob.D + 1) * prob.K
+        self.prob, self.history, self.block, self.P = prob, history, block, P
+        self.queue = torch.argsort(prob.Cs).tolist()  # activation order: increasing C
+        self.act = torch.zeros(0, dtype=torch.long)  # global indices of active heads
+        self.theta = torch.zeros(0, P, device=dev, dtype=dt)
+        self.lam = torch.zeros(0, device=dev, dtype=dt)
+        self.f = torch.zeros(0, device=dev, dtype=dt)
+        self.g = torch.zeros(0, P, device=dev, dtype=dt)
+        self.S = torch.zeros(0, history, P, device=dev, dtype=dt)
+        self.Yh = torch.zeros(0, history, P, device=dev, dtype=dt)
+        self.rho = torch.zeros(0, history, device=dev, dtype=dt)
+        self.gamma = torch.zeros(0, device=dev, dtype=dt)
+        self.first = torch.zeros(0, dtype=torch.bool, device=dev)
+        self.k_ring = 0
+
+    def activate(self) -> None:
+        pr, dev, dt, P, hist = self.prob, self.prob.dev, self.prob.dt, self.P, self.history
+        room = self.block - self.act.numel()
+        if room <= 0 or not self.queue:
+            return
+        new = torch.tensor([self.queue.pop(0) for _ in range(min(room, len(self.queue)))],
+                           dtype=torch.long)
+        done_idx = torch.nonzero(pr.finished).flatten()
+        if done_idx.numel():  # warm start from the largest finished C
+            src = done_idx[torch.argmax(pr.Cs[done_idx])]
+            th = pr.theta[src.to(dev)].reshape(1, P).expand(new.numel(), P).clone()
+        else:
+            th = pr.theta[new.to(dev)].clone()
+        la = pr.lam[new.to(dev)]
+        fn, gn = pr.loss_grad(th, la)
+        h = new.numel()
+        self.act = torch.cat([self.act, new])
+        self.theta, self.lam = torch.cat([self.theta, th]), torch.cat([self.lam, la])
+        self.f, self.g = torch.cat([self.f, fn]), torch.cat([self.g, gn])
+        self.S = torch.cat([self.S, torch.zeros(h, hist, P, device=dev, dtype=dt)])
+        self.Yh = torch.cat([self.Yh, torch.zeros(h, hist, P, device=dev, dtype=dt)])
+        self.rho = torch.cat([self.rho, torch.zeros(h, hist, device=dev, dtype=dt)])
+        self.gamma = torch.cat([self.gamma, torch.ones(h, device=dev, dtype=dt)])
+        self.first = torch.cat([self.first, torch.ones(h, dtype=torch.bool, device=dev)])
+
+    def retire(self, mask_done: torch.Tensor, converged: torch.Tensor) -> None:
+        pr = self.prob
+        idx = self.act[mask_done.cpu()]
+        pr.theta[idx.to(pr.dev)] = self.theta[mask_done]
+        pr.converged[idx] = converged[mask_done].cpu()
+        pr.loss[idx] = self.f[mask_done].detach().cpu()
+        pr.grad_max[idx] = self.g[mask_done].abs().amax(dim=1).cpu()
+        pr.finished[idx] = True
+        keep = ~mask_done
+        self.act = self.act[keep.cpu()]
+        self.theta, self.lam, self.f, self.g = self.theta[keep], self.lam[keep], self.f[keep], self.g[keep]
+        self.S, self.Yh, self.rho = self.S[keep], self.Yh[keep], self.rho[keep]
+        self.gamma, self.first = self.gamma[keep], self.first[keep]
+        self.activate()
+
+    def direction(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """L-BFGS two-loop recursion, batched over heads: (direction d, g . d)."""
+        g, rho, S, Yh = self.g, self.rho, self.S, self.Yh
         q = -g
         alpha = torch.zeros_like(rho)
-        order = [(k_ring - 1 - j) % history for j in range(history)]  # newest first
+        order = [(self.k_ring - 1 - j) % self.history for j in range(self.history)]  # newest first
         for j in order:
             a = rho[:, j] * (S[:, j] * q).sum(dim=1)
             alpha[:, j] = a
             q = q - a.unsqueeze(1) * Yh[:, j]
         # first step of a head: scale like torch.optim.LBFGS (min(1, 1/|g|_1))
         init_scale = torch.where(
-            first, torch.clamp(1.0 / g.abs().sum(dim=1), max=1.0), gamma
+            self.first, torch.clamp(1.0 / g.abs().sum(dim=1), max=1.0), self.gamma
         )
         d = q * init_scale.unsqueeze(1)
         for j in reversed(order):
@@ -186,57 +249,63 @@ def lbfgs_multihead(
             d[bad] = -g[bad] * torch.clamp(1.0 / g[bad].abs().sum(dim=1), max=1.0).unsqueeze(1)
             gd = (g * d).sum(dim=1)
             rho[bad] = 0
-        # backtracking Armijo line search, per head, only unresolved heads re-evaluated
-        h = act.numel()
-        t = torch.ones(h, device=dev, dtype=dt)
-        f_new = torch.empty_like(f)
-        g_new = torch.empty_like(g)
-        pending = torch.arange(h, device=dev)
-        for _ls in range(max_ls):
-            th = theta[pending] + t[pending].unsqueeze(1) * d[pending]
-            fp, gp = _loss_grad(X, Y1h, yidx, th, lam[pending], D, K)
-            ok = fp <= f[pending] + 1e-4 * t[pending] * gd[pending]
-            ok &= torch.isfinite(fp)
-            f_new[pending[ok]] = fp[ok]
-            g_new[pending[ok]] = gp[ok]
-            if ok.all():
-                pending = pending[:0]
-                break
-            nok = pending[~ok]
-            # safeguarded quadratic interpolation of phi(t) = f(theta + t d)
-            tn = t[nok]
-            denom = 2.0 * (fp[~ok] - f[nok] - tn * gd[nok])
-            t_q = -gd[nok] * tn * tn / torch.clamp(denom, min=1e-30)
-            t_q = torch.where(torch.isfinite(t_q), t_q, 0.1 * tn)
-            t[nok] = torch.minimum(torch.maximum(t_q, 0.1 * tn), 0.5 * tn)
-            pending = nok
-        stalled = torch.zeros(h, dtype=torch.bool, device=dev)
-        if pending.numel():
-            stalled[pending] = True
-            t[pending] = 0.0
-            f_new[pending] = f[pending]
-            g_new[pending] = g[pending]
+        return d, gd
+
+    def update(self, t, d, f_new, g_new, stalled) -> torch.Tensor:
+        """Take the step ``t * d``, store the curvature pair; returns the previous losses."""
         s = t.unsqueeze(1) * d
-        yv = g_new - g
+        yv = g_new - self.g
         sy = (s * yv).sum(dim=1)
         yy = (yv * yv).sum(dim=1)
         good = (sy > 1e-10 * yy.sqrt() * s.norm(dim=1)) & ~stalled
-        S[:, k_ring] = s
-        Yh[:, k_ring] = yv
-        rho[:, k_ring] = torch.where(good, 1.0 / torch.where(good, sy, torch.ones_like(sy)), 0.0)
-        gamma = torch.where(good, sy / torch.clamp(yy, min=1e-30), gamma)
-        first = first & ~good
-        k_ring = (k_ring + 1) % history
-        theta = theta + s
-        f_prev = f
-        f, g = f_new, g_new
-        n_iter_all[act] += 1
-        # float32 floor: no further decrease possible -> stop the head
-        tiny = (f_prev - f).abs() <= 1e-7 * torch.clamp(f.abs(), min=1.0)
-        stop = stalled | (tiny & (t > 0) & (g.abs().amax(dim=1) <= 10 * tol))
-        if stop.any():
-            retire(stop, g.abs().amax(dim=1) <= 10 * tol)
-    W = theta_all[:, : D * K].view(H, D, K)
-    b = theta_all[:, D * K :]
-    return SolverResult(W=W, b=b, n_iter=n_iter_all, converged=conv_all, loss=loss_all,
-                        grad_max=gmax_all)
+        k = self.k_ring
+        self.S[:, k] = s
+        self.Yh[:, k] = yv
+        self.rho[:, k] = torch.where(good, 1.0 / torch.where(good, sy, torch.ones_like(sy)), 0.0)
+        self.gamma = torch.where(good, sy / torch.clamp(yy, min=1e-30), self.gamma)
+        self.first = self.first & ~good
+        self.k_ring = (k + 1) % self.history
+        self.theta = self.theta + s
+        f_prev = self.f
+        self.f, self.g = f_new, g_new
+        self.prob.n_iter[self.act] += 1
+        return f_prev
+
+
+def _line_search(prob: _Problem, st: _ActiveHeads, d, gd, max_ls: int):
+    """Backtracking Armijo line search per head; only unresolved heads are re-evaluated.
+
+    Returns (step t, new loss, new gradient, stalled): a stalled head found no decrease in
+    ``max_ls`` tries and keeps its point (t = 0).
+    """
+    f, g, theta, lam = st.f, st.g, st.theta, st.lam
+    h = st.act.numel()
+    t = torch.ones(h, device=prob.dev, dtype=prob.dt)
+    f_new = torch.empty_like(f)
+    g_new = torch.empty_like(g)
+    pending = torch.arange(h, device=prob.dev)
+    for _ls in range(max_ls):
+        th = theta[pending] + t[pending].unsqueeze(1) * d[pending]
+        fp, gp = prob.loss_grad(th, lam[pending])
+        ok = fp <= f[pending] + 1e-4 * t[pending] * gd[pending]
+        ok &= torch.isfinite(fp)
+        f_new[pending[ok]] = fp[ok]
+        g_new[pending[ok]] = gp[ok]
+        if ok.all():
+            pending = pending[:0]
+            break
+        nok = pending[~ok]
+        # safeguarded quadratic interpolation of phi(t) = f(theta + t d)
+        tn = t[nok]
+        denom = 2.0 * (fp[~ok] - f[nok] - tn * gd[nok])
+        t_q = -gd[nok] * tn * tn / torch.clamp(denom, min=1e-30)
+        t_q = torch.where(torch.isfinite(t_q), t_q, 0.1 * tn)
+        t[nok] = torch.minimum(torch.maximum(t_q, 0.1 * tn), 0.5 * tn)
+        pending = nok
+    stalled = torch.zeros(h, dtype=torch.bool, device=prob.dev)
+    if pending.numel():
+        stalled[pending] = True
+        t[pending] = 0.0
+        f_new[pending] = f[pending]
+        g_new[pending] = g[pending]
+    return t, f_new, g_new, stalled

@@ -21,8 +21,15 @@ import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
+from sklearn.base import BaseEstimator, ClassifierMixin
 
 from featcache.errors import BackendUnavailableError, ProbeError
+from featcache.probes._estimator import (
+    softmax_decision,
+    softmax_logits,
+    softmax_proba,
+    validate_fit_data,
+)
 from featcache.protocols import C_GRID
 
 log = logging.getLogger(__name__)
@@ -152,8 +159,8 @@ def _softmax_to_sklearn(coef: np.ndarray, intercept: np.ndarray):
     return coef, intercept
 
 
-class LogisticProbe:
-    """L2-regularised logistic regression on frozen features, scikit-learn style.
+class LogisticProbe(ClassifierMixin, BaseEstimator):
+    """L2-regularised logistic regression on frozen features: a scikit-learn classifier.
 
     Parameters
     ----------
@@ -164,6 +171,11 @@ class LogisticProbe:
     head_init : optional [K, D] raw-feature-space class-embedding matrix (ELEVATER's
         language-initialised head): the solver starts from logits ``X @ head_init.T``.
         For a convex, converged fit it changes the path, not the optimum.
+
+    Attributes
+    ----------
+    classes_, n_features_in_, coef_ ([1, D] for two classes, else [K, D]), intercept_,
+    n_iter_, converged_, grad_max_, backend_, device_, fit_seconds_.
     """
 
     def __init__(self, C: float = 1.0, backend: str = "auto", max_iter: int = 1000,
@@ -175,15 +187,6 @@ class LogisticProbe:
         self.standardize = standardize
         self.head_init = head_init
 
-    def get_params(self, deep: bool = True) -> dict:
-        return {k: getattr(self, k) for k in
-                ("C", "backend", "max_iter", "tol", "standardize", "head_init")}
-
-    def set_params(self, **params) -> LogisticProbe:
-        for k, v in params.items():
-            setattr(self, k, v)
-        return self
-
     # ------------------------------------------------------------------ fit
     def fit(self, X, y, *, init: tuple[np.ndarray, np.ndarray] | None = None) -> LogisticProbe:
         """Fit on ``X [n, D]`` and labels ``y`` (any ints or strings).
@@ -193,31 +196,15 @@ class LogisticProbe:
         """
         if not self.C > 0:
             raise ProbeError(f"C must be > 0, got {self.C}")
-        X, yi, classes = _check_Xy(X, y)
+        X, yi, classes = validate_fit_data(self, X, y)
         self.classes_ = classes
-        self.n_features_in_ = X.shape[1]
         K = classes.size
         self.backend_, self.device_ = resolve_backend(self.backend)
         scaler = _Scaler.fit(X, self.standardize)
         Xs = scaler.transform(X)
-        if init is None and self.head_init is not None:
-            init = (np.asarray(self.head_init, np.float64), None)
-        W0 = b0 = None
-        if init is not None:
-            coef0, int0 = _softmax_init(init[0], init[1], K)
-            if coef0.shape[1] != X.shape[1]:
-                raise ProbeError(f"initial head has dimension {coef0.shape[1]} but the features "
-                                 f"have {X.shape[1]}; use a class-embedding matrix of the same backbone")
-            W0, b0 = scaler.from_raw(coef0, int0)
+        W0, b0 = self._initial_head(scaler, init, K, X.shape[1])
         t0 = time.perf_counter()
-        if self.backend_ == "torch":
-            W, b, n_iter, conv, gmax = _fit_torch(Xs, yi, K, [self.C], self.device_,
-                                                  self.max_iter, self.tol, W0, b0)
-            W, b, n_iter, conv, gmax = W[0], b[0], int(n_iter[0]), bool(conv[0]), float(gmax[0])
-        elif self.backend_ == "sklearn":
-            W, b, n_iter, conv, gmax = _fit_sklearn(Xs, yi, K, self.C, self.max_iter, self.tol, W0, b0)
-        else:
-            W, b, n_iter, conv, gmax = _fit_cuml(Xs, yi, K, self.C, self.max_iter, self.tol)
+        W, b, n_iter, conv, gmax = self._solve(Xs, yi, K, W0, b0)
         self.fit_seconds_ = time.perf_counter() - t0
         coef, intercept = scaler.to_raw(W, b)
         self._softmax_coef, self._softmax_intercept = coef, intercept
@@ -231,31 +218,38 @@ class LogisticProbe:
                         n_iter, gmax, self.tol)
         return self
 
-    # -------------------------------------------------------------- predict
-    def _check_fitted(self):
-        if not hasattr(self, "coef_"):
-            raise ProbeError("this LogisticProbe is not fitted yet; call fit(X, y) first")
+    def _initial_head(self, scaler: _Scaler, init, K: int, D: int):
+        """Standardised-space (W0, b0) from ``init`` or ``head_init``; (None, None) = zeros."""
+        if init is None and self.head_init is not None:
+            init = (np.asarray(self.head_init, np.float64), None)
+        if init is None:
+            return None, None
+        coef0, int0 = _softmax_init(init[0], init[1], K)
+        if coef0.shape[1] != D:
+            raise ProbeError(f"initial head has dimension {coef0.shape[1]} but the features "
+                             f"have {D}; use a class-embedding matrix of the same backbone")
+        return scaler.from_raw(coef0, int0)
 
+    def _solve(self, Xs, yi, K, W0, b0):
+        if self.backend_ == "torch":
+            W, b, n_iter, conv, gmax = _fit_torch(Xs, yi, K, [self.C], self.device_,
+                                                  self.max_iter, self.tol, W0, b0)
+            return W[0], b[0], int(n_iter[0]), bool(conv[0]), float(gmax[0])
+        if self.backend_ == "sklearn":
+            return _fit_sklearn(Xs, yi, K, self.C, self.max_iter, self.tol, W0, b0)
+        return _fit_cuml(Xs, yi, K, self.C, self.max_iter, self.tol)
+
+    # -------------------------------------------------------------- predict
     def decision_function(self, X) -> np.ndarray:
-        """Softmax logits [n, K] (for two classes too, unlike sklearn's [n] margin)."""
-        self._check_fitted()
-        X = np.asarray(X, np.float64)
-        if X.ndim != 2 or X.shape[1] != self.n_features_in_:
-            raise ProbeError(f"expected features [n, {self.n_features_in_}], got {X.shape}")
-        return X @ self._softmax_coef.T + self._softmax_intercept
+        """Softmax logits [n, K]; for two classes the margin [n], as scikit-learn's."""
+        return softmax_decision(self, X)
 
     def predict_proba(self, X) -> np.ndarray:
-        Z = self.decision_function(X)
-        Z -= Z.max(axis=1, keepdims=True)
-        P = np.exp(Z)
-        return P / P.sum(axis=1, keepdims=True)
+        return softmax_proba(softmax_logits(self, X))
 
     def predict(self, X) -> np.ndarray:
-        self._check_fitted()
-        return self.classes_[self.decision_function(X).argmax(axis=1)]
-
-    def score(self, X, y) -> float:
-        return float(np.mean(self.predict(X) == np.asarray(y)))
+        Z = softmax_logits(self, X)  # checks fitted first
+        return self.classes_[Z.argmax(axis=1)]
 
 
 # ---------------------------------------------------------------- backends

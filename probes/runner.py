@@ -24,8 +24,6 @@ from featcache.metrics import compute_all
 from featcache.probes.config import ProbeConfig
 from featcache.probes.logistic import (
     LogisticProbe,
-    _Scaler,
-    cpu_threads,
     resolve_backend,
     select_index,
     sweep_C,
@@ -232,7 +230,7 @@ def _sgd_configs(proto: Protocol, n: int, opts: dict) -> list[dict]:
 
 
 def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
-    from featcache.probes.sgd import train_sgd_head
+    from featcache.probes.sgd import SGDProbe
 
     _, device = resolve_backend("torch")
     Xtr, ytr = plan.tr
@@ -242,39 +240,28 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
     if (pos[plan.va[1]] < 0).any() or (pos[plan.fin[1]] < 0).any():
         raise ProbeError("validation/final training data hold classes absent from the selection "
                          "train data; resample the split so every class is in train")
+    hi = None if head_init is None else head_init[classes]
 
-    def fit(X, y, cfg, n_for_cfg):
-        sc = _Scaler.fit(X, opts["sgd_standardize"])
-        init = None
-        if head_init is not None:
-            init = sc.from_raw(head_init[classes], np.zeros(classes.size))
+    def fit(X, y, cfg, n_for_cfg) -> SGDProbe:
         kw = {k: v for k, v in cfg.items() if k not in ("epochs", "lr_decay_epochs")}
         if proto.name == "salman":  # same number of epochs on the (larger) refit data
-            kw["steps"] = cfg["epochs"] * math.ceil(n_for_cfg / cfg["batch_size"])
             spe = math.ceil(n_for_cfg / cfg["batch_size"])
+            kw["steps"] = cfg["epochs"] * spe
             kw["milestones"] = [e * spe for e in cfg["lr_decay_epochs"]]
-        with cpu_threads(device):
-            W, b, ok = train_sgd_head(sc.transform(X), pos[y], classes.size, seed=seed,
-                                      device=device, init=init, **kw)
-        coef, inter = sc.to_raw(W, b)
-        return coef, inter, ok
-
-    def proba(coef, inter, X):
-        Z = np.asarray(X, np.float64) @ coef.T + inter
-        Z -= Z.max(axis=1, keepdims=True)
-        P = np.exp(Z)
-        return P / P.sum(axis=1, keepdims=True)
+        probe = SGDProbe(**kw, standardize=opts["sgd_standardize"], head_init=hi,
+                         random_state=seed, device=device)
+        return probe.fit(X, y, classes=classes)
 
     t0 = time.perf_counter()
     cfgs = _sgd_configs(proto, ytr.size, opts)
     scores = []
     for cfg in cfgs:
-        coef, inter, ok = fit(Xtr, ytr, cfg, ytr.size)
+        p = fit(Xtr, ytr, cfg, ytr.size)
         Xv, yv = plan.va
-        scores.append(float(np.mean(proba(coef, inter, Xv).argmax(1) == pos[yv])) if ok else -1.0)
+        scores.append(float(np.mean(p.predict_proba(Xv).argmax(1) == pos[yv])) if p.finite_ else -1.0)
     best = select_index(scores)
     cfg = cfgs[best]
-    coef, inter, ok = fit(*plan.fin, cfg, plan.fin[1].size)
+    probe = fit(*plan.fin, cfg, plan.fin[1].size)
     seconds = time.perf_counter() - t0
     hp = {"solver": "sgd", "device": device, "val_top1": scores[best],
           "selection": "val top1 (ties: first config)", "candidates": len(cfgs),
@@ -284,7 +271,7 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
     if proto.name == "vtab1k-sgd":
         hp["last_decay"] = opts["last_decay"]
         hp["milestones"] = cfg["milestones"]
-    return ((lambda X: proba(coef, inter, X)), classes), hp, ok, seconds
+    return (probe.predict_proba, classes), hp, probe.finite_, seconds
 
 
 # ------------------------------------------------------------------ main entry

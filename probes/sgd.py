@@ -1,4 +1,5 @@
-"""Mini-batch SGD training of a linear head (Salman et al.; VTAB lightweight schedule).
+"""Mini-batch SGD training of a linear head (Salman et al.; VTAB lightweight schedule):
+:class:`SGDProbe`, a scikit-learn classifier, over :func:`train_sgd_head`.
 
 The loss is the mean softmax cross-entropy of the batch; weight decay (torch SGD's, on W
 and b) and momentum as given; the learning rate is multiplied by 0.1 at each milestone
@@ -11,6 +12,16 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+from sklearn.base import BaseEstimator, ClassifierMixin
+
+from featcache.errors import ProbeError
+from featcache.probes._estimator import (
+    softmax_decision,
+    softmax_logits,
+    softmax_proba,
+    validate_fit_data,
+)
+from featcache.probes.logistic import _Scaler, cpu_threads, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +84,92 @@ def train_sgd_head(
     W = lin.weight.detach().double().cpu().numpy().T
     b = lin.bias.detach().double().cpu().numpy()
     return W, b, finite and bool(np.isfinite(W).all())
+
+
+class SGDProbe(ClassifierMixin, BaseEstimator):
+    """Softmax linear head trained by mini-batch SGD on frozen features (scikit-learn classifier).
+
+    Parameters
+    ----------
+    lr, steps, batch_size, momentum, weight_decay, milestones : the schedule of
+        :func:`train_sgd_head` (``steps`` updates; lr x 0.1 at each milestone step).
+    standardize : z-score features with the training mean/std (folded into ``coef_``).
+    head_init : optional [K, D] raw-feature-space class-embedding matrix (rows in the order
+        of ``classes_``) the head starts from; default zeros.
+    random_state : seed of the batch order (runs repeat bit for bit on one device).
+    device : ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
+
+    Attributes
+    ----------
+    classes_, n_features_in_, coef_ [K, D] (softmax layout, two rows for two classes),
+    intercept_ [K], finite_ (False when the loss diverged: the head is unusable), device_.
+    """
+
+    def __init__(self, lr: float = 0.1, steps: int = 200, batch_size: int = 64,
+                 momentum: float = 0.9, weight_decay: float = 0.0, milestones=(),
+                 standardize: bool = True, head_init=None, random_state: int = 0,
+                 device: str = "auto"):
+        self.lr = lr
+        self.steps = steps
+        self.batch_size = batch_size
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.milestones = milestones
+        self.standardize = standardize
+        self.head_init = head_init
+        self.random_state = random_state
+        self.device = device
+
+    def fit(self, X, y, *, classes=None) -> SGDProbe:
+        """Fit on ``X [n, D]`` and labels ``y``; ``classes`` (default: those in ``y``) fixes
+        the head's classes when ``y`` may lack some of them (e.g. a refit split)."""
+        if not (self.lr > 0 and self.steps >= 0 and self.batch_size >= 1):
+            raise ProbeError(f"SGDProbe needs lr > 0, steps >= 0, batch_size >= 1; got lr={self.lr}, "
+                             f"steps={self.steps}, batch_size={self.batch_size}")
+        X, yi, seen = validate_fit_data(self, X, y)
+        classes, yi = _with_classes(seen, yi, classes)
+        self.classes_ = classes
+        K = classes.size
+        self.device_ = resolve_backend("torch")[1] if self.device == "auto" else self.device
+        scaler = _Scaler.fit(X, self.standardize)
+        init = None
+        if self.head_init is not None:
+            head = np.asarray(self.head_init, np.float64)
+            if head.ndim != 2 or head.shape != (K, X.shape[1]):
+                raise ProbeError(f"head_init has shape {head.shape} but the head needs [{K}, "
+                                 f"{X.shape[1]}] (one row per class of classes_, the backbone's width)")
+            init = scaler.from_raw(head, np.zeros(K))
+        with cpu_threads(self.device_):
+            W, b, ok = train_sgd_head(
+                scaler.transform(X), yi, K, lr=self.lr, steps=self.steps,
+                batch_size=self.batch_size, momentum=self.momentum,
+                weight_decay=self.weight_decay, milestones=list(self.milestones),
+                seed=self.random_state, device=self.device_, init=init)
+        self.coef_, self.intercept_ = scaler.to_raw(W, b)
+        self._softmax_coef, self._softmax_intercept = self.coef_, self.intercept_
+        self.finite_ = ok
+        return self
+
+    def decision_function(self, X) -> np.ndarray:
+        """Softmax logits [n, K]; for two classes the margin [n], as scikit-learn's."""
+        return softmax_decision(self, X)
+
+    def predict_proba(self, X) -> np.ndarray:
+        return softmax_proba(softmax_logits(self, X))
+
+    def predict(self, X) -> np.ndarray:
+        Z = softmax_logits(self, X)  # checks fitted first
+        return self.classes_[Z.argmax(axis=1)]
+
+
+def _with_classes(seen: np.ndarray, yi: np.ndarray, classes) -> tuple[np.ndarray, np.ndarray]:
+    """Class list and per-row class index when the caller fixes the classes."""
+    if classes is None:
+        return seen, yi
+    classes = np.unique(np.asarray(classes))
+    idx = np.searchsorted(classes, seen)
+    if (idx >= classes.size).any() or not np.array_equal(classes[np.minimum(idx, classes.size - 1)], seen):
+        missing = np.setdiff1d(seen, classes)[:10].tolist()
+        raise ProbeError(f"labels {missing} are not in the given classes; pass every class that "
+                         "occurs in y (or classes=None)")
+    return classes, idx[yi]

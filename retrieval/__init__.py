@@ -6,12 +6,15 @@ blockwise full ranking; mAP, MRR, recall@k, hit@k, precision@k and DINO-style k-
 classification. Metric formulas and the tie policy: :mod:`featcache.retrieval.metrics`.
 
 >>> from featcache.retrieval import run_retrieval
->>> df = run_retrieval("cache.zarr", "tf_efficientnet_lite0", "digits", "test", "train",
-...                    results_path="results.parquet")  # doctest: +SKIP
+>>> from featcache.retrieval import RetrievalConfig
+>>> cfg = RetrievalConfig(cache="cache.zarr", dataset="digits", backbones=("tf_efficientnet_lite0",),
+...                       query_split="test", gallery_split="train", results="results.parquet")
+>>> df = run_retrieval(cfg)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+from featcache.retrieval.config import RetrievalConfig
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE, knn_accuracy, knn_predict, knn_votes
 from featcache.retrieval.metrics import (
     RankedRelevance,
@@ -32,6 +35,12 @@ from featcache.retrieval.relevance import (
     SemanticRelevance,
     load_relevance_table,
 )
+from featcache.retrieval.revisited import (
+    REVISITED_SETUPS,
+    revisited_ap,
+    revisited_precision_at_k,
+    revisited_table,
+)
 from featcache.retrieval.run import DEFAULT_KS, TIE_POLICY, evaluate, run_retrieval
 from featcache.retrieval.search import choose_backend, parse_memory, prepare, topk
 
@@ -41,8 +50,10 @@ __all__ = [
     "KNN_TEMPERATURE",
     "TIE_POLICY",
     "ExplicitRelevance",
+    "REVISITED_SETUPS",
     "RankedRelevance",
     "Relevance",
+    "RetrievalConfig",
     "SemanticRelevance",
     "average_precision",
     "choose_backend",
@@ -62,6 +73,9 @@ __all__ = [
     "ranks_from_scores",
     "recall_at_k",
     "reciprocal_rank",
+    "revisited_ap",
+    "revisited_precision_at_k",
+    "revisited_table",
     "run_retrieval",
     "summarize",
     "topk",

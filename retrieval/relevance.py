@@ -142,7 +142,8 @@ class ExplicitRelevance(Relevance):
         rel = np.asarray(table_relevance).astype(str)
         bad = sorted(set(np.unique(rel).tolist()) - {"positive", "junk"})
         if bad:
-            raise DataError(f"relevance values must be 'positive' or 'junk', found {bad[:5]}")
+            raise DataError(f"relevance values must be 'positive' or 'junk' (a revisited Oxford/Paris "
+                            f"file: 'easy', 'hard' or 'junk'), found {bad[:5]}")
         qpos = _gallery_positions(query_ids, tq)
         gpos = _gallery_positions(gallery_ids, tg)
         unknown_q = np.unique(tq[qpos < 0])

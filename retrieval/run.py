@@ -8,37 +8,42 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from featcache.errors import DataError
-from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE, knn_accuracy
+from featcache.retrieval.config import (
+    DEFAULT_KS,
+    TIE_POLICY,
+    RetrievalConfig,
+    check_ks,
+    legacy_config,
+)
+from featcache.retrieval.knn import knn_accuracy
 from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize
-from featcache.retrieval.ranking import full_ranking_metrics
+from featcache.retrieval.ranking import full_ranking, full_ranking_metrics
 from featcache.retrieval.relevance import (
     ExplicitRelevance,
     Relevance,
     SemanticRelevance,
     load_relevance_table,
 )
+from featcache.retrieval.revisited import (
+    is_revisited_table,
+    revisited_ap,
+    revisited_precision_at_k,
+    revisited_table,
+)
 from featcache.retrieval.search import choose_backend, parse_memory, prepare, topk
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TIE_POLICY", "evaluate", "run_retrieval", "DEFAULT_KS"]
-
-DEFAULT_KS = (1, 5, 10, 100)
-TIE_POLICY = "tie groups ranked as a block at their last position (sklearn AP convention)"
+__all__ = ["TIE_POLICY", "evaluate", "run_retrieval", "DEFAULT_KS", "RetrievalConfig"]
 
 
 def _check_ks(ks: Iterable[int]) -> list[int]:
-    try:
-        out = sorted({int(k) for k in ks})
-    except (TypeError, ValueError) as exc:
-        raise DataError(f"ks must be positive integers, got {ks!r}") from exc
-    if not out or out[0] < 1:
-        raise DataError(f"ks must be positive integers, got {ks!r}")
-    return out
+    return list(check_ks(ks))
 
 
 def evaluate(
@@ -68,10 +73,7 @@ def evaluate(
         raise DataError(f"query dim {Q.shape[1]} != gallery dim {G.shape[1]}; use one backbone's features")
     n_rel = relevance.n_relevant()
     if full:
-        chosen = choose_backend(backend)
-        backend = {"faiss-gpu": "torch-cuda", "torch-cuda": "torch-cuda", "torch-cpu": "torch-cpu"}.get(chosen, "numpy")
-        if chosen == "faiss-gpu" and not _cuda():
-            backend = "numpy"
+        backend = _ranking_backend(backend)
         per_query = full_ranking_metrics(Q, G, relevance, metric, ks, max_memory=mem, backend=backend,
                                          progress=progress)
     else:
@@ -93,6 +95,15 @@ def evaluate(
         "n_without_relevant": n_none,
         "backend": backend,
     }
+
+
+def _ranking_backend(backend: str) -> str:
+    """The full-ranking backend for a requested search backend."""
+    chosen = choose_backend(backend)
+    out = {"faiss-gpu": "torch-cuda", "torch-cuda": "torch-cuda", "torch-cpu": "torch-cpu"}.get(chosen, "numpy")
+    if chosen == "faiss-gpu" and not _cuda():
+        out = "numpy"
+    return out
 
 
 def _cuda() -> bool:
@@ -118,113 +129,154 @@ def _file_hash(path) -> str:
     return h.hexdigest()[:16]
 
 
-def run_retrieval(
-    cache_path,
-    backbones: str | Sequence[str] | None,
-    dataset: str,
-    query_split: str = "test",
-    gallery_split: str = "train",
-    metric: str = "cosine",
-    ks: Sequence[int] = DEFAULT_KS,
-    results_path: str | os.PathLike | None = None,
-    knn: bool = True,
-    *,
-    relevance: str | os.PathLike | None = None,
-    full: bool = True,
-    max_memory: int | str = "2GB",
-    backend: str = "auto",
-    knn_ks: Sequence[int] = KNN_KS,
-    temperature: float = KNN_TEMPERATURE,
-    kind: str = "pooled",
-    progress: bool = True,
-):
-    """Retrieval (and k-NN classification) for each backbone; returns the result rows as a
-    polars DataFrame and appends them to ``results_path`` when given.
+def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
+    """Retrieval (and k-NN classification) for each backbone of ``config``; returns the
+    result rows as a polars DataFrame and appends them to ``config.results`` when set.
 
-    ``backbones``: one name, a list, or ``None``/``"all"`` for every backbone holding the
-    dataset. ``gallery_split="same"``: leave-one-out within ``query_split`` (each query
-    excluded by id). ``relevance``: parquet/CSV of (query_id, gallery_id, relevance in
-    {positive, junk}) for content retrieval; otherwise a match shares the query's label.
     Rows: ``kind="retrieval"`` with metrics ``map``, ``mrr``, ``map@k``, ``mrr@k``,
-    ``recall@k``, ``hit@k``, ``precision@k``; ``kind="knn"`` with ``top1``/``top5`` per k
-    (protocol ``knn-k{k}``).
+    ``recall@k``, ``hit@k``, ``precision@k`` (protocol ``semantic``, ``content`` or
+    ``revisited-{setup}``, the last adding revisitop's ``map_revisitop`` and
+    ``mp_revisitop@k``); ``kind="knn"`` with ``top1``/``top5`` per k (protocol ``knn-k{k}``).
+
+    The older call ``run_retrieval(cache_path, backbones, dataset, query_split, ...)`` with
+    the same keywords as :class:`RetrievalConfig` (``results_path`` for ``results``) still works.
     """
-    from featcache.results import append_results, make_run_id, rows_to_frame
-    from featcache.store import open_cache
+    from featcache.results import append_results, rows_to_frame
 
-    ks = _check_ks(ks)
-    knn_ks = _check_ks(knn_ks) if knn else []
-    mem = parse_memory(max_memory)
-    cache = open_cache(cache_path)
-    if backbones is None or backbones == "all" or backbones == ["all"]:
-        backbones = list(dict.fromkeys(b for b, d, s in cache.entries() if d == dataset and s == query_split))
-        if not backbones:
-            raise DataError(f"no backbone in {cache_path} holds dataset {dataset!r}; run `featcache extract` first")
-    elif isinstance(backbones, str):
-        backbones = [backbones]
-    same = gallery_split == "same"
-    g_split = query_split if same else gallery_split
-    rel_table = load_relevance_table(relevance) if relevance is not None else None
-    rel_hash = _file_hash(relevance) if relevance is not None else ""
-    protocol = "content" if rel_table is not None else "semantic"
-
+    if isinstance(config, RetrievalConfig) and (args or kwargs):
+        raise TypeError("run_retrieval(config) takes no further arguments; use config.with_(...)")
+    cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
+    cache, backbones = _open_backbones(cfg)
+    setups = _relevance_setups(cfg)
     rows: list[dict] = []
     for b in backbones:
-        t0 = time.perf_counter()
-        fq = cache.load(b, dataset, query_split, kind)
-        fg = fq if same else cache.load(b, dataset, g_split, kind)
-        Xq, yq, idq, bad_q = _valid(fq, f"{b}/{dataset}/{query_split}")
-        Xg, yg, idg, bad_g = (Xq, yq, idq, bad_q) if same else _valid(fg, f"{b}/{dataset}/{g_split}")
-        if list(fq.class_names) != list(fg.class_names) and rel_table is None:
-            raise DataError(
-                f"{query_split} and {g_split} of {dataset} have different class lists; semantic "
-                "retrieval needs one label space (or give --relevance)"
-            )
-        if Xg.shape[0] == 0 or Xq.shape[0] == 0:
-            raise DataError(f"{b}/{dataset}: no valid query or gallery rows")
-        sem = SemanticRelevance(yq, yg, idq, idg)
-        rel = sem if rel_table is None else ExplicitRelevance(idq, idg, *rel_table)
-        fp = hashlib.sha256((fq.fingerprint + "|" + fg.fingerprint).encode()).hexdigest()[:16]
-        res = evaluate(Xq, Xg, rel, metric=metric, ks=ks, full=full, backend=backend,
-                       max_memory=mem, progress=progress)
-        seconds = time.perf_counter() - t0
-        hp = {
-            "similarity": metric, "gallery": gallery_split, "ks": ks, "full_ranking": full,
-            "backend": res["backend"], "tie_policy": TIE_POLICY, "feature_kind": kind,
-            "n_queries": res["n_queries"], "n_without_relevant": res["n_without_relevant"],
-            "n_gallery": int(Xg.shape[0]), "n_invalid_dropped": bad_q + (0 if same else bad_g),
-            "relevance_sha256": rel_hash,
-        }
-        definition = dict(kind="retrieval", backbone=b, dataset=dataset, protocol=protocol,
-                          query=query_split, gallery=gallery_split, metric=metric, ks=ks, full=full,
-                          relevance=rel_hash, feature_kind=kind, store=fp)
-        run_id = make_run_id(**definition)
-        for name, value in res["means"].items():
-            rows.append(dict(run_id=run_id, kind="retrieval", backbone=b, dataset=dataset, protocol=protocol,
-                             train_split=g_split, eval_split=query_split, metric=name, value=value,
-                             n_eval=res["n_scored"], hparams=hp, fit_seconds=seconds, store_fingerprint=fp))
-        log.info("%s %s: %s", b, dataset, ", ".join(f"{k}={v:.4f}" for k, v in res["means"].items()
-                                                   if k in ("map", "mrr") or k.endswith("@5")))
-        if knn:
-            t1 = time.perf_counter()
-            kk = max(knn_ks)
-            Qc, Gc = prepare(Xq, "cosine"), prepare(Xg, "cosine")
-            sc, ix, used = topk(Qc, Gc, kk, "cosine", relevance=sem, backend=backend, max_memory=mem, prepared=True)
-            acc = knn_accuracy(sc, ix, yg, yq, len(fg.class_names), knn_ks, temperature)
-            seconds = time.perf_counter() - t1
-            for k, vals in acc.items():
-                hpk = {"k": k, "temperature": temperature, "similarity": "cosine", "gallery": gallery_split,
-                       "backend": used, "tie_policy": TIE_POLICY, "feature_kind": kind,
-                       "n_gallery": int(Xg.shape[0]), "k_effective": int(min(k, Xg.shape[0] - (1 if same else 0)))}
-                rid = make_run_id(kind="knn", backbone=b, dataset=dataset, protocol=f"knn-k{k}", query=query_split,
-                                  gallery=gallery_split, T=temperature, feature_kind=kind, store=fp)
-                for name, value in vals.items():
-                    rows.append(dict(run_id=rid, kind="knn", backbone=b, dataset=dataset, protocol=f"knn-k{k}",
-                                     train_split=g_split, eval_split=query_split, metric=name, value=value,
-                                     n_eval=int(Xq.shape[0]), hparams=hpk, fit_seconds=seconds,
-                                     store_fingerprint=fp))
-            log.info("%s %s: kNN top1 %s", b, dataset, {k: round(v["top1"], 4) for k, v in acc.items()})
+        data = _load_pair(cfg, cache, b, any(rel is not None for _, rel, _ in setups))
+        for protocol, table, rel_hash in setups:
+            rows += _retrieval_rows(cfg, data, protocol, table, rel_hash)
+        if cfg.knn:
+            rows += _knn_rows(cfg, data)
     frame = rows_to_frame(rows)
-    if results_path is not None:
-        append_results(results_path, frame)
+    if cfg.results is not None:
+        append_results(cfg.results, frame)
     return frame
+
+
+@dataclass
+class _Pair:
+    """Valid query and gallery rows of one backbone, and what identifies them."""
+
+    backbone: str
+    Xq: np.ndarray
+    yq: np.ndarray
+    idq: np.ndarray
+    Xg: np.ndarray
+    yg: np.ndarray
+    idg: np.ndarray
+    n_dropped: int
+    n_classes: int
+    fingerprint: str
+    g_split: str
+    seconds: float
+
+
+def _open_backbones(cfg: RetrievalConfig):
+    from featcache.store import open_cache
+
+    cache = open_cache(cfg.cache)
+    if cfg.backbones is not None:
+        return cache, list(cfg.backbones)
+    found = list(dict.fromkeys(b for b, d, s in cache.entries() if d == cfg.dataset and s == cfg.query_split))
+    if not found:
+        raise DataError(f"no backbone in {cfg.cache} holds dataset {cfg.dataset!r}; run `featcache extract` first")
+    return cache, found
+
+
+def _relevance_setups(cfg: RetrievalConfig) -> list[tuple[str, tuple | None, str]]:
+    """(protocol, positive/junk table or None, table hash) for each scored setup."""
+    if cfg.relevance is None:
+        return [("semantic", None, "")]
+    table = load_relevance_table(cfg.relevance)
+    rel_hash = _file_hash(cfg.relevance)
+    if not is_revisited_table(table[2]):
+        return [("content", table, rel_hash)]
+    return [(f"revisited-{s}", revisited_table(*table, s), rel_hash) for s in cfg.revisited]
+
+
+def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
+    t0 = time.perf_counter()
+    g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
+    fq = cache.load(b, cfg.dataset, cfg.query_split, cfg.kind)
+    fg = fq if cfg.same_split else cache.load(b, cfg.dataset, g_split, cfg.kind)
+    Xq, yq, idq, bad_q = _valid(fq, f"{b}/{cfg.dataset}/{cfg.query_split}")
+    Xg, yg, idg, bad_g = (Xq, yq, idq, bad_q) if cfg.same_split else _valid(fg, f"{b}/{cfg.dataset}/{g_split}")
+    if list(fq.class_names) != list(fg.class_names) and not explicit:
+        raise DataError(
+            f"{cfg.query_split} and {g_split} of {cfg.dataset} have different class lists; semantic "
+            "retrieval needs one label space (or give --relevance)"
+        )
+    if Xg.shape[0] == 0 or Xq.shape[0] == 0:
+        raise DataError(f"{b}/{cfg.dataset}: no valid query or gallery rows")
+    fp = hashlib.sha256((fq.fingerprint + "|" + fg.fingerprint).encode()).hexdigest()[:16]
+    return _Pair(b, Xq, yq, idq, Xg, yg, idg, bad_q + (0 if cfg.same_split else bad_g),
+                 len(fg.class_names), fp, g_split, time.perf_counter() - t0)
+
+
+def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_hash: str) -> list[dict]:
+    from featcache.results import make_run_id
+
+    t0 = time.perf_counter()
+    sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
+    rel = sem if table is None else ExplicitRelevance(d.idq, d.idg, *table)
+    res = evaluate(d.Xq, d.Xg, rel, metric=cfg.metric, ks=cfg.ks, full=cfg.full, backend=cfg.backend,
+                   max_memory=cfg.max_memory, progress=cfg.progress)
+    means = res["means"]
+    if protocol.startswith("revisited-"):
+        means = {**means, **_revisited_means(cfg, d, rel)}
+    seconds = d.seconds + time.perf_counter() - t0
+    hp = cfg.hparams(backend=res["backend"], relevance_sha=rel_hash, n_queries=res["n_queries"],
+                     n_without_relevant=res["n_without_relevant"], n_gallery=int(d.Xg.shape[0]),
+                     n_invalid_dropped=d.n_dropped)
+    run_id = make_run_id(**cfg.run_definition(d.backbone, protocol, rel_hash, d.fingerprint))
+    log.info("%s %s %s: %s", d.backbone, cfg.dataset, protocol, ", ".join(
+        f"{k}={v:.4f}" for k, v in means.items() if k in ("map", "mrr", "map_revisitop") or k.endswith("@5")))
+    return [dict(run_id=run_id, kind="retrieval", backbone=d.backbone, dataset=cfg.dataset, protocol=protocol,
+                 train_split=d.g_split, eval_split=cfg.query_split, metric=name, value=value,
+                 n_eval=res["n_scored"], hparams=hp, fit_seconds=seconds, store_fingerprint=d.fingerprint)
+            for name, value in means.items()]
+
+
+def _revisited_means(cfg: RetrievalConfig, d: _Pair, rel) -> dict[str, float]:
+    """revisitop's trapezoidal mAP and mP@k over the full ranking (needs it: not --top-k-only)."""
+    if not cfg.full:
+        raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
+    Q, G = prepare(d.Xq, cfg.metric), prepare(d.Xg, cfg.metric)
+    rr = full_ranking(Q, G, rel, cfg.metric, max_memory=parse_memory(cfg.max_memory),
+                      backend=_ranking_backend(cfg.backend), progress=cfg.progress)
+    per_query = {"map_revisitop": revisited_ap(rr)}
+    for k in cfg.ks:
+        per_query[f"mp_revisitop@{k}"] = revisited_precision_at_k(rr, k)
+    return summarize(per_query, rr.n_relevant)[0]
+
+
+def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
+    from featcache.results import make_run_id
+
+    t1 = time.perf_counter()
+    mem = parse_memory(cfg.max_memory)
+    sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
+    Qc, Gc = prepare(d.Xq, "cosine"), prepare(d.Xg, "cosine")
+    sc, ix, used = topk(Qc, Gc, max(cfg.knn_ks), "cosine", relevance=sem, backend=cfg.backend,
+                        max_memory=mem, prepared=True)
+    acc = knn_accuracy(sc, ix, d.yg, d.yq, d.n_classes, list(cfg.knn_ks), cfg.temperature)
+    seconds = time.perf_counter() - t1
+    rows = []
+    for k, vals in acc.items():
+        hpk = cfg.knn_hparams(k, backend=used, n_gallery=int(d.Xg.shape[0]))
+        rid = make_run_id(**cfg.knn_definition(d.backbone, k, d.fingerprint))
+        for name, value in vals.items():
+            rows.append(dict(run_id=rid, kind="knn", backbone=d.backbone, dataset=cfg.dataset,
+                             protocol=f"knn-k{k}", train_split=d.g_split, eval_split=cfg.query_split,
+                             metric=name, value=value, n_eval=int(d.Xq.shape[0]), hparams=hpk,
+                             fit_seconds=seconds, store_fingerprint=d.fingerprint))
+    log.info("%s %s: kNN top1 %s", d.backbone, cfg.dataset, {k: round(v["top1"], 4) for k, v in acc.items()})
+    return rows

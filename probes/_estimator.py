@@ -1,0 +1,77 @@
+"""Input validation and prediction shared by the probe estimators (scikit-learn contract).
+
+Both :class:`~featcache.probes.logistic.LogisticProbe` and :class:`~featcache.probes.sgd.SGDProbe`
+validate through scikit-learn (``validate_data``, ``check_classification_targets``,
+``check_is_fitted``) and raise featcache's :class:`~featcache.errors.ProbeError` with a message
+that says what to do where the cause is in the caller's data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.exceptions import NotFittedError
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import check_is_fitted, validate_data
+
+from featcache.errors import ProbeError
+
+
+class ProbeNotFittedError(ProbeError, NotFittedError):
+    """A probe was used before ``fit``; both featcache's ProbeError and sklearn's NotFittedError."""
+
+
+def validate_fit_data(est, X, y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate ``X [n, D]`` and labels ``y``; returns (X float32, class index per row, classes).
+
+    Sets ``n_features_in_`` (and ``feature_names_in_`` for a DataFrame) through
+    scikit-learn's ``validate_data``.
+    """
+    if y is not None and not hasattr(X, "toarray"):  # length mismatch: featcache's message
+        y_arr, n = np.asarray(y), len(X) if hasattr(X, "__len__") else None
+        if n is not None and y_arr.ndim >= 1 and y_arr.shape[0] != n:
+            raise ProbeError(f"labels must be 1-D with {n} entries (one per feature row), "
+                             f"got shape {y_arr.shape}")
+        if y_arr.ndim > 2 or (y_arr.ndim == 2 and y_arr.shape[1] != 1):
+            raise ProbeError(f"labels must be 1-D with {n} entries, got shape {y_arr.shape}; "
+                             "multi-output targets are not supported")
+    X, y = validate_data(est, X, y, ensure_all_finite=False)
+    if not np.isfinite(X).all():
+        bad = int((~np.isfinite(X)).any(axis=1).sum())
+        raise ProbeError(
+            f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
+            "re-extract the features (`featcache verify` finds broken chunks)")
+    check_classification_targets(y)
+    classes, y_idx = np.unique(y, return_inverse=True)
+    if classes.size < 2:
+        raise ProbeError(
+            f"the training labels hold a single class ({classes[0]!r}); one class is not enough, "
+            "a classifier needs at least two: check the split/label column or sample more data")
+    return X.astype(np.float32, copy=False), y_idx.astype(np.int64), classes
+
+
+def validate_predict_data(est, X) -> np.ndarray:
+    """Fitted check plus ``X`` as float64 with the training width (scikit-learn's messages)."""
+    try:
+        check_is_fitted(est)
+    except NotFittedError as exc:
+        raise ProbeNotFittedError(
+            f"this {type(est).__name__} is not fitted yet; call fit(X, y) first") from exc
+    return validate_data(est, X, reset=False, dtype=np.float64)
+
+
+def softmax_decision(est, X) -> np.ndarray:
+    """``decision_function`` from softmax logits: [n, K]; for two classes the margin [n]
+    (logit of ``classes_[1]`` minus logit of ``classes_[0]``), as scikit-learn's classifiers."""
+    Z = softmax_logits(est, X)
+    return Z[:, 1] - Z[:, 0] if Z.shape[1] == 2 else Z
+
+
+def softmax_logits(est, X) -> np.ndarray:
+    X = validate_predict_data(est, X)
+    return X @ est._softmax_coef.T + est._softmax_intercept
+
+
+def softmax_proba(Z: np.ndarray) -> np.ndarray:
+    Z = Z - Z.max(axis=1, keepdims=True)
+    P = np.exp(Z)
+    return P / P.sum(axis=1, keepdims=True)

@@ -1,0 +1,190 @@
+"""The retrieval stage's configuration: one frozen dataclass that defines the
+``featcache retrieve`` flags, the run id of every row and the hparams recorded with it.
+
+>>> from featcache.retrieval import RetrievalConfig, run_retrieval
+>>> cfg = RetrievalConfig(cache="cache.zarr", dataset="digits", backbones=("tf_efficientnet_lite0",))
+>>> df = run_retrieval(cfg)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+
+from featcache.errors import DataError
+from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
+from featcache.retrieval.revisited import REVISITED_SETUPS
+
+__all__ = ["DEFAULT_KS", "METRICS", "BACKENDS", "TIE_POLICY", "RetrievalConfig"]
+
+DEFAULT_KS = (1, 5, 10, 100)
+METRICS = ("cosine", "ip", "l2")
+BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
+TIE_POLICY = "tie groups ranked as a block at their last position (sklearn AP convention)"
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    try:
+        ks = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--k takes comma-separated integers like 1,5,10,100, got {text!r}") from exc
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"--k takes positive integers like 1,5,10,100, got {text!r}")
+    return tuple(ks)
+
+
+def check_ks(ks, what: str = "ks") -> tuple[int, ...]:
+    """Sorted unique positive ints, or a DataError that says what is wrong."""
+    try:
+        out = sorted({int(k) for k in ks})
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{what} must be positive integers, got {ks!r}") from exc
+    if not out or out[0] < 1:
+        raise DataError(f"{what} must be positive integers, got {ks!r}")
+    return tuple(out)
+
+
+def _cli(flag: str | None, help: str, **argparse_kw) -> dict:
+    """Field metadata: how the field appears on the command line (``flag=None``: library only)."""
+    return {"flag": flag, "help": help, **argparse_kw}
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Everything one retrieval run depends on. Build it in code or with :meth:`from_args`.
+
+    ``backbones=None`` means every backbone of the store holding ``dataset``;
+    ``gallery_split="same"`` is leave-one-out within ``query_split``. ``relevance``: a
+    parquet/CSV table (query_id, gallery_id, relevance) with ``positive``/``junk`` values,
+    or revisitop's ``easy``/``hard``/``junk`` (revisited Oxford/Paris; scored per setup in
+    ``revisited``, with revisitop's trapezoidal AP beside the sklearn-style one).
+    """
+
+    cache: str = field(metadata=_cli("--cache", "feature cache root (local dir or fsspec URL)", required=True))
+    dataset: str = field(metadata=_cli("--dataset", "dataset key in the store", required=True))
+    backbones: tuple[str, ...] | None = field(default=None, metadata=_cli(None, "backbones; None = all"))
+    query_split: str = field(default="test", metadata=_cli("--query", "query split, e.g. test", required=True))
+    gallery_split: str = field(default="train", metadata=_cli(
+        "--gallery", "gallery split, or 'same' for leave-one-out within --query", required=True))
+    metric: str = field(default="cosine", metadata=_cli(
+        "--metric", "similarity (default cosine)", choices=METRICS))
+    ks: tuple[int, ...] = field(default=DEFAULT_KS, metadata=_cli(
+        "--k", "cut-offs for @k metrics (default 1,5,10,100)", type=_ks))
+    relevance: str | None = field(default=None, metadata=_cli(
+        "--relevance", "parquet/CSV with query_id, gallery_id, relevance in {positive, junk} "
+        "(or revisitop's {easy, hard, junk} for revisited Oxford/Paris)"))
+    revisited: tuple[str, ...] = field(default=("medium", "hard"), metadata=_cli(
+        "--revisited", "setups scored for an easy/hard/junk relevance file (repeatable; "
+        "default medium and hard, as published)", action="append", choices=REVISITED_SETUPS))
+    full: bool = field(default=True, metadata=_cli(
+        "--top-k-only", "skip the full ranking: only @k metrics (and mrr@K) from a top-K search",
+        negate=True))
+    knn: bool = field(default=True, metadata=_cli(
+        "--no-knn", "skip k-NN classification (k=10,20,100,200, T=0.07)", negate=True))
+    knn_ks: tuple[int, ...] = field(default=KNN_KS, metadata=_cli(None, "k values of the k-NN classifier"))
+    temperature: float = field(default=KNN_TEMPERATURE, metadata=_cli(None, "k-NN vote temperature"))
+    max_memory: str | int = field(default="2GB", metadata=_cli(
+        "--max-memory", "memory bound for score blocks (default 2GB)"))
+    backend: str = field(default="auto", metadata=_cli("--backend", "search backend", choices=BACKENDS))
+    kind: str = field(default="pooled", metadata=_cli("--kind", "feature kind in the store (default pooled)"))
+    results: str | None = field(default=None, metadata=_cli(
+        "--results", "results parquet to append to (rows of a rerun are replaced)", required=True))
+    progress: bool = field(default=True, metadata=_cli(None, "progress bars"))
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise once, here
+        if isinstance(self.backbones, str):
+            set_(self, "backbones", None if self.backbones == "all" else (self.backbones,))
+        elif self.backbones is not None:
+            bb = tuple(self.backbones)
+            set_(self, "backbones", None if bb in ((), ("all",)) else bb)
+        set_(self, "cache", os.fspath(self.cache))
+        if self.relevance is not None:
+            set_(self, "relevance", os.fspath(self.relevance))
+        if self.results is not None:
+            set_(self, "results", os.fspath(self.results))
+        set_(self, "ks", check_ks(self.ks))
+        set_(self, "knn_ks", check_ks(self.knn_ks, "knn_ks"))
+        if self.metric not in METRICS:
+            raise DataError(f"unknown similarity {self.metric!r}; choose one of {METRICS}")
+        if self.backend not in BACKENDS:
+            raise DataError(f"unknown retrieval backend {self.backend!r}; choose one of {BACKENDS}")
+        rv = (self.revisited,) if isinstance(self.revisited, str) else tuple(self.revisited)
+        unknown = sorted(set(rv) - set(REVISITED_SETUPS))
+        if not rv or unknown:
+            raise DataError(f"revisited setups must be among {REVISITED_SETUPS}, got {rv!r}")
+        set_(self, "revisited", tuple(dict.fromkeys(rv)))
+
+    # ------------------------------------------------------------ CLI
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Register this config's flags (plus ``--backbone``/``--all``) on ``parser``."""
+        who = parser.add_mutually_exclusive_group(required=True)
+        who.add_argument("--backbone", action="append", help="backbone key in the store (repeatable)")
+        who.add_argument("--all", action="store_true", help="every backbone that holds the dataset")
+        for f in fields(cls):
+            meta = dict(f.metadata)
+            flag = meta.pop("flag", None)
+            if flag is None:
+                continue
+            if meta.pop("negate", False):
+                parser.add_argument(flag, dest=f.name, action="store_false", help=meta["help"])
+                continue
+            if meta.get("action") == "append":
+                meta["default"] = None  # argparse appends to a default list: start empty
+            parser.add_argument(flag, dest=f.name, **meta)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RetrievalConfig:
+        """The config of a parsed ``featcache retrieve`` command line."""
+        kw = {f.name: getattr(args, f.name) for f in fields(cls)
+              if f.metadata.get("flag") and getattr(args, f.name, None) is not None}
+        return cls(backbones=None if args.all else tuple(args.backbone), **kw)
+
+    def with_(self, **changes) -> RetrievalConfig:
+        return replace(self, **changes)
+
+    # -------------------------------------------------- run ids, hparams
+    @property
+    def same_split(self) -> bool:
+        return self.gallery_split == "same"
+
+    def run_definition(self, backbone: str, protocol: str, relevance_sha: str, store: str) -> dict:
+        """What identifies a retrieval run (its run id is the hash of this)."""
+        d = dict(kind="retrieval", backbone=backbone, dataset=self.dataset, protocol=protocol,
+                 query=self.query_split, gallery=self.gallery_split, metric=self.metric,
+                 ks=list(self.ks), full=self.full, relevance=relevance_sha, feature_kind=self.kind,
+                 store=store)
+        return d
+
+    def knn_definition(self, backbone: str, k: int, store: str) -> dict:
+        return dict(kind="knn", backbone=backbone, dataset=self.dataset, protocol=f"knn-k{k}",
+                    query=self.query_split, gallery=self.gallery_split, T=self.temperature,
+                    feature_kind=self.kind, store=store)
+
+    def hparams(self, *, backend: str, relevance_sha: str, **measured) -> dict:
+        """Recorded hparams of a retrieval row: the config's settings plus what the run measured."""
+        return {"similarity": self.metric, "gallery": self.gallery_split, "ks": list(self.ks),
+                "full_ranking": self.full, "backend": backend, "tie_policy": TIE_POLICY,
+                "feature_kind": self.kind, **measured, "relevance_sha256": relevance_sha}
+
+    def knn_hparams(self, k: int, *, backend: str, n_gallery: int) -> dict:
+        return {"k": k, "temperature": self.temperature, "similarity": "cosine",
+                "gallery": self.gallery_split, "backend": backend, "tie_policy": TIE_POLICY,
+                "feature_kind": self.kind, "n_gallery": n_gallery,
+                "k_effective": int(min(k, n_gallery - (1 if self.same_split else 0)))}
+
+
+def legacy_config(cache_path, backbones: str | Sequence[str] | None, dataset: str, *args, **kwargs) -> RetrievalConfig:
+    """A :class:`RetrievalConfig` from :func:`run_retrieval`'s older keyword signature."""
+    names = ("query_split", "gallery_split", "metric", "ks", "results_path", "knn")
+    kw = dict(zip(names, args))
+    overlap = set(kw) & set(kwargs)
+    if overlap:
+        raise TypeError(f"run_retrieval() got multiple values for {sorted(overlap)}")
+    kw.update(kwargs)
+    if "results_path" in kw:
+        kw["results"] = kw.pop("results_path")
+    return RetrievalConfig(cache=cache_path, dataset=dataset, backbones=backbones, **kw)

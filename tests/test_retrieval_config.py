@@ -1,0 +1,70 @@
+"""RetrievalConfig: the single source of the retrieve flags, run ids and hparams."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from featcache.errors import DataError
+from featcache.retrieval import RetrievalConfig
+from featcache.retrieval.cli import register
+from featcache.retrieval.config import legacy_config
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["retrieve", *argv])
+
+
+def test_cli_builds_the_config():
+    args = _parse(["--cache", "c.zarr", "--backbone", "a", "--backbone", "b", "--dataset", "d",
+                   "--query", "test", "--gallery", "same", "--metric", "l2", "--k", "5,1,5",
+                   "--top-k-only", "--no-knn", "--revisited", "hard", "--results", "r.parquet"])
+    cfg = RetrievalConfig.from_args(args)
+    assert cfg == RetrievalConfig(cache="c.zarr", dataset="d", backbones=("a", "b"), query_split="test",
+                                  gallery_split="same", metric="l2", ks=(1, 5), full=False, knn=False,
+                                  revisited=("hard",), results="r.parquet")
+    dflt = RetrievalConfig.from_args(_parse(["--cache", "c", "--all", "--dataset", "d", "--query", "q",
+                                             "--gallery", "g", "--results", "r"]))
+    assert dflt.backbones is None and dflt.full and dflt.knn and dflt.ks == (1, 5, 10, 100)
+    assert dflt.revisited == ("medium", "hard")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.metric = "ip"
+
+
+def test_every_cli_flag_is_a_config_field():
+    args = vars(_parse(["--cache", "c", "--all", "--dataset", "d", "--query", "q", "--gallery", "g",
+                        "--results", "r"]))
+    names = {f.name for f in dataclasses.fields(RetrievalConfig)}
+    assert set(args) - {"backbone", "all", "func"} <= names
+
+
+def test_run_ids_and_hparams_come_from_the_config():
+    a = RetrievalConfig(cache="c", dataset="d", backbones="b", ks=[100, 1, 5, 10])
+    b = legacy_config("c", ["b"], "d", "test", "train", "cosine", (1, 5, 10, 100))
+    assert a == b
+    d = a.run_definition("b", "semantic", "", "fp")
+    # the keys and values of the run definition used before the config existed (ids unchanged)
+    assert d == dict(kind="retrieval", backbone="b", dataset="d", protocol="semantic", query="test",
+                     gallery="train", metric="cosine", ks=[1, 5, 10, 100], full=True, relevance="",
+                     feature_kind="pooled", store="fp")
+    hp = a.hparams(backend="numpy", relevance_sha="x", n_queries=3)
+    assert hp["ks"] == [1, 5, 10, 100] and hp["similarity"] == "cosine" and hp["n_queries"] == 3
+    assert a.with_(metric="l2").run_definition("b", "semantic", "", "fp") != d
+
+
+@pytest.mark.parametrize("kw, match", [(dict(ks=(0, 5)), "positive integers"),
+                                       (dict(metric="hamming"), "similarity"),
+                                       (dict(backend="annoy"), "backend"),
+                                       (dict(revisited=("extreme",)), "revisited")])
+def test_bad_config_is_a_clear_error(kw, match):
+    with pytest.raises(DataError, match=match):
+        RetrievalConfig(cache="c", dataset="d", **kw)
+
+
+def test_legacy_call_rejects_duplicates():
+    with pytest.raises(TypeError, match="multiple values"):
+        legacy_config("c", "b", "d", "test", query_split="x")
