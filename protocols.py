@@ -15,10 +15,15 @@ full           probe   C selected on validation (the dataset's ``val`` split if 
 fewshot:N      probe   ELEVATER: N examples per class drawn from train (N counts *before* the
                        80/20 split), each class split 80/20 (val = max(1, round(0.2 N)) per
                        class) for selecting C, refit on all N per class. N >= 2.
-vtab1k         probe   VTAB-1k: 1000 train examples (stratified draw), 800 train / 200 val,
-                       select on the 200, retrain on the 1000. ``val_source``:
-                       ``split-800-200`` (default) or ``official-val`` (fit on the 1000,
-                       select on the dataset's val split). Each seed plus the median.
+vtab1k         probe   VTAB-1k as published: the first 800 of train and the first 200 of
+                       the val source in the dataset's own order (the store's row order),
+                       the same examples for every seed; select on the 200, retrain on the
+                       1000. ``val_source``: ``split-800-200`` (default; val =
+                       train[800:1000]) or ``official-val`` (val = val[:200]). Seeds 0, 1, 2
+                       differ only in training randomness; each seed plus the median.
+vtab1k-        probe   the earlier featcache rule: 1000 train examples drawn stratified per
+stratified             seed, 800 / 200 stratified; ``official-val`` fits on the 1000 and
+                       selects on the whole val split.
 vtab1k-sgd     probe   VTAB-1k splits with the lightweight SGD schedule (batch 512, momentum
                        0.9, lr {0.1, 0.01} x {2500, 10000} steps, lr /10 at 1/3, 2/3 and
                        ``last_decay`` of the steps; no weight decay).
@@ -53,10 +58,12 @@ from featcache.splits import (
     HOLDOUT_FRACTION,
     VAL_SOURCES,
     VTAB_TOTAL,
+    VTAB_VAL,
     fewshot_split,
     full_holdout,
     stratified_sample,
     subset_indices,
+    vtab1k_fixed,
     vtab1k_indices,
 )
 
@@ -79,7 +86,7 @@ STAGES = ("probe", "finetune")
 #: the L-BFGS probes' C grid (Kornblith et al. / DINOv2): 45 values log-spaced over 1e-6 .. 1e5
 C_GRID = tuple(float(c) for c in np.logspace(-6, 5, 45))
 #: split plans a protocol can name
-SPLITS = ("full", "fewshot", "vtab1k", "subset")
+SPLITS = ("full", "fewshot", "vtab1k", "vtab1k-stratified", "subset", "none")
 
 
 # ------------------------------------------------------------------ grids
@@ -159,24 +166,32 @@ class Protocol:
 
     def uses_val_split(self, val_source: str = "split-800-200") -> bool:
         """Whether the plan selects on the dataset's own ``val`` split when it has one."""
-        if self.split == "fewshot":
+        if self.split in ("fewshot", "none"):
             return False
-        return not (self.split == "vtab1k" and val_source == "split-800-200")
+        return not (self.split.startswith("vtab1k") and val_source == "split-800-200")
 
     def plan(self, y, seed: int, *, n_val: int | None = None, val_source: str = "split-800-200",
-             train_name: str = "train", val_name: str = "val") -> SplitPlan:
+             train_name: str = "train", val_name: str = "val", rows=None,
+             val_rows=None) -> SplitPlan:
         """The seeded split of labels ``y`` (canonical order). ``n_val``: size of the
-        dataset's val split when the caller has one (``None``: no val split)."""
+        dataset's val split when the caller has one (``None``: no val split). ``rows`` /
+        ``val_rows``: each canonical position's row in the dataset's own order (the store's
+        and the reader's row order), used by the fixed ``vtab1k`` subsets; ``None``: the
+        positions are already in that order."""
         y = np.asarray(y)
+        rows = np.arange(y.size) if rows is None else np.asarray(rows)
+        if n_val is not None and val_rows is None:
+            val_rows = np.arange(n_val)
         planner = _PLANNERS[self.split]
-        return planner(self, y, int(seed), n_val, val_source, train_name, val_name)
+        return planner(self, y, int(seed), n_val, val_source, train_name, val_name,
+                       rows=rows, val_rows=val_rows)
 
 
 def _concat_val(idx: np.ndarray, n_train: int, n_val: int) -> np.ndarray:
     return np.concatenate([idx, n_train + np.arange(n_val)])
 
 
-def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
     idx = np.arange(y.size)
     label = train_name
     info: dict[str, Any] = {}
@@ -193,15 +208,44 @@ def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name) ->
     return SplitPlan(idx[t], idx[v], idx, label, info)
 
 
-def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
     t, v = fewshot_split(y, p.shots, seed)
     return SplitPlan(t, v, np.sort(np.concatenate([t, v])), f"{train_name}[{p.spec}]",
                      {"val": "per-class-80/20", "shots_counted": "before-split"})
 
 
-def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+def _check_val_source(val_source: str) -> None:
     if val_source not in VAL_SOURCES:
         raise SplitError(f"val_source must be one of {VAL_SOURCES}, got {val_source!r}")
+
+
+def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows,
+                 val_rows) -> SplitPlan:
+    """VTAB's fixed subsets (seed-independent): train[:800] + the first 200 of the val
+    source (``split-800-200``: train[800:1000]; ``official-val``: val[:200])."""
+    _check_val_source(val_source)
+    n_tr = VTAB_TOTAL - VTAB_VAL
+    if val_source == "official-val":
+        if n_val is None:
+            raise SplitError("val_source='official-val' needs a 'val' split; extract it or use "
+                             "val_source='split-800-200'")
+        t, v = vtab1k_fixed(rows, val_rows)
+        label, val = f"{train_name}[:{n_tr}]+{val_name}[:{VTAB_VAL}]", f"{val_name}[:{VTAB_VAL}]"
+    else:
+        t, v = vtab1k_fixed(rows)
+        label, val = f"{train_name}[:{VTAB_TOTAL}]", f"{train_name}[{n_tr}:{VTAB_TOTAL}]"
+    return SplitPlan(t, v, np.concatenate([t, v]), label,
+                     {"val": val, "val_source": val_source, "subset": "fixed, dataset order"})
+
+
+def _plan_none(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+    e = np.zeros(0, np.int64)
+    return SplitPlan(e, e, e, "none", {"trained": False})
+
+
+def _plan_vtab1k_stratified(p: Protocol, y, seed, n_val, val_source, train_name, val_name,
+                            **_) -> SplitPlan:
+    _check_val_source(val_source)
     label = f"{train_name}[{VTAB_TOTAL}]"
     if val_source == "official-val":
         idx = stratified_sample(y, VTAB_TOTAL, seed)
@@ -217,6 +261,7 @@ def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name) 
 
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
     "full": _plan_full, "subset": _plan_full, "fewshot": _plan_fewshot, "vtab1k": _plan_vtab1k,
+    "vtab1k-stratified": _plan_vtab1k_stratified, "none": _plan_none,
 }
 
 
@@ -304,6 +349,14 @@ def vtab1k(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k", arg)
     return Protocol(spec="vtab1k", name="vtab1k", stage="probe", split="vtab1k", solver="lbfgs",
                     grid=CGrid(), seeds=(0, 1, 2), pairs_with="vtab1k-light",
+                    median_over_seeds=True)
+
+
+@register_protocol("vtab1k-stratified")
+def vtab1k_stratified(arg: str | None = None) -> Protocol:
+    _no_arg("vtab1k-stratified", arg)
+    return Protocol(spec="vtab1k-stratified", name="vtab1k-stratified", stage="probe",
+                    split="vtab1k-stratified", solver="lbfgs", grid=CGrid(), seeds=(0, 1, 2),
                     median_over_seeds=True)
 
 

@@ -155,7 +155,7 @@ class FinetuneConfig:
             micro_batch=self.micro_batch, last_decay=self.last_decay, momentum=self.momentum,
             weight_decay=self.weight_decay, data_config=_jsonable(backbone.data_config),
             train_split=self.train_split, precision=precision,
-            val_source=self.val_source if proto.split == "vtab1k" else None, limit=self.limit,
+            val_source=self.val_source if proto.split.startswith("vtab1k") else None, limit=self.limit,
         )
 
     def scaled_from(self, proto) -> dict[str, Any]:

@@ -118,7 +118,7 @@ class ProbeConfig:
         protocol's solver reads plus the data choices (a resolved config)."""
         opts = {k: v for k, v in self.solver_options().items() if k != "backend"}
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
-        if proto.split == "vtab1k":
+        if proto.split.startswith("vtab1k"):
             opts["val_source"] = self.val_source
         if proto.solver == "lbfgs":
             drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize")

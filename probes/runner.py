@@ -43,6 +43,7 @@ class SplitData:
     ids: np.ndarray
     n_invalid: int
     fingerprint: str
+    rows: np.ndarray | None = None  # each row's position in the store (the dataset's own order)
 
 
 @dataclass
@@ -113,7 +114,8 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None) -> Spli
             "the class sets of the splits differ: extract both splits from the same dataset "
             "spec (same class list)")
     y = np.fromiter((pos[n] for n in y_names), np.int64, count=y_names.size)
-    return SplitData(split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint)
+    return SplitData(split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint,
+                     np.flatnonzero(valid)[order])
 
 
 def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
@@ -183,7 +185,8 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
     """The protocol's seeded plan (:meth:`Protocol.plan`) as the arrays the fits use."""
     sp: SplitPlan = proto.plan(train.y, seed, n_val=None if val is None else val.y.size,
                                val_source=val_source, train_name=train.name,
-                               val_name=None if val is None else val.name)
+                               val_name=None if val is None else val.name, rows=train.rows,
+                               val_rows=None if val is None else val.rows)
     return _Plan(_take(train, val, sp.train), _take(train, val, sp.val),
                  _take(train, val, sp.final), sp.train_split, sp.info)
 
@@ -354,7 +357,7 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
     hp.update(n_train=int(plan.tr[1].size), n_val=int(plan.va[1].size),
               n_train_final=int(plan.fin[1].size), head_init=cfg.head_init,
               n_invalid={s: v.n_invalid for s, v in d.splits().items()})
-    if proto.split == "vtab1k":
+    if proto.split.startswith("vtab1k"):
         hp.setdefault("val_source", cfg.val_source)
     rows = []
     for es, ev in d.evals.items():
