@@ -26,14 +26,16 @@ stratified             seed, 800 / 200 stratified; ``official-val`` fits on the 
                        selects on the whole val split.
 vtab1k-sgd     probe   VTAB-1k splits with the lightweight SGD schedule (batch 512, momentum
                        0.9, lr {0.1, 0.01} x {2500, 10000} steps, lr /10 at 1/3, 2/3 and
-                       ``last_decay`` of the steps; no weight decay).
+                       ``last_decay`` of the steps; no weight decay; every batch full, as
+                       VTAB's ``drop_remainder`` and fine-tuning). VTAB Figure 16's linear
+                       baseline: rows pair with fine-tune ``vtab1k-light``.
 salman         probe   Salman et al.: SGD head, 150 epochs, batch 64, momentum 0.9, weight
                        decay 5e-4, lr {0.01, 0.001} selected on validation (as ``full``),
                        lr /10 every 50 epochs, refit on train+val.
 subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
                        kept, at least one example per class), then ``full`` on that subset.
 vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
-               tune    ``vtab1k-sgd``; rows pair with probe ``vtab1k``.
+               tune    ``vtab1k-sgd``; rows pair with probe ``vtab1k-sgd`` (Figure 16).
 full           fine-   all of train, the ``full`` probe splits; rows pair with probe ``full``.
                tune
 =============  ======  =====================================================================
@@ -110,6 +112,7 @@ class SGDGrid:
     steps: tuple[int, ...] | None = None
     epochs: int | None = None
     last_decay: float | None = None  # fraction of steps of the third lr drop (steps grids)
+    drop_remainder: bool = False  # every batch full (VTAB; featcache's fine-tuning)
 
     def milestones(self, steps: int, last_decay: float | None = None) -> tuple[int, ...]:
         """Steps at which the lr drops: 1/3, 2/3 and ``last_decay`` of ``steps``."""
@@ -124,7 +127,7 @@ class SGDGrid:
 
 
 VTAB_SGD = SGDGrid(lrs=(0.1, 0.01), batch_size=512, momentum=0.9, weight_decay=0.0,
-                   steps=(2500, 10000), last_decay=0.9)
+                   steps=(2500, 10000), last_decay=0.9, drop_remainder=True)
 SALMAN_SGD = SGDGrid(lrs=(0.01, 0.001), batch_size=64, momentum=0.9, weight_decay=5e-4, epochs=150)
 
 
@@ -348,8 +351,7 @@ def fewshot(arg: str | None = None) -> Protocol:
 def vtab1k(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k", arg)
     return Protocol(spec="vtab1k", name="vtab1k", stage="probe", split="vtab1k", solver="lbfgs",
-                    grid=CGrid(), seeds=(0, 1, 2), pairs_with="vtab1k-light",
-                    median_over_seeds=True)
+                    grid=CGrid(), seeds=(0, 1, 2), median_over_seeds=True)
 
 
 @register_protocol("vtab1k-stratified")
@@ -364,7 +366,8 @@ def vtab1k_stratified(arg: str | None = None) -> Protocol:
 def vtab1k_sgd(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-sgd", arg)
     return Protocol(spec="vtab1k-sgd", name="vtab1k-sgd", stage="probe", split="vtab1k",
-                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), median_over_seeds=True)
+                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k-light",
+                    median_over_seeds=True)
 
 
 @register_protocol("salman")
@@ -391,7 +394,7 @@ def subset(arg: str | None = None) -> Protocol:
 def vtab1k_light(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-light", arg)
     return Protocol(spec="vtab1k-light", name="vtab1k-light", stage="finetune", split="vtab1k",
-                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k")
+                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k-sgd")
 
 
 @register_protocol("full", stage="finetune")

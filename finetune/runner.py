@@ -19,7 +19,7 @@ Protocols
     ``vtab1k-sgd`` uses; the paper says only "shortly before the end") of the steps.
     The config with the best val top-1 (ties: first in the order steps, then lr) is
     retrained from the same initial weights on all 1,000 and tested once. Seeds 0, 1, 2;
-    each seed's rows plus a median row (``seed=-1``). Rows carry ``protocol="vtab1k"``.
+    each seed's rows plus a median row (``seed=-1``). Rows carry ``protocol="vtab1k-sgd"``.
 ``full``
     All of train; selection on the dataset's ``val`` split, or on a stratified, seeded 10%
     of train (:func:`featcache.splits.full_holdout`), then a refit on train+val (or all of
@@ -29,8 +29,8 @@ Pairing with probes
 -------------------
 The analysis stage names a task by dataset + protocol + eval split and pairs the
 ``probe`` and ``finetune`` kinds of one task and backbone. Fine-tune rows therefore carry
-the *probe* protocol name in ``protocol`` (``vtab1k`` / ``full``: ``Protocol.pairs_with``),
-the same ``train_split`` label (``train[1000]``, ``train``, ``train+val``), the same seed,
+the *probe* protocol name in ``protocol`` (``vtab1k-sgd`` / ``full``: ``Protocol.pairs_with``),
+the same ``train_split`` label (``train[:1000]``, ``train``, ``train+val``), the same seed,
 ``shots=-1``, and the backbone key extract would store (``tf_efficientnet_lite0``,
 ``NAME@random0``...; override with ``backbone_name``). ``hparams`` records
 ``finetune_protocol`` (``vtab1k-light``) and ``pairs_with``.

@@ -228,7 +228,8 @@ def _sgd_configs(proto: Protocol, n: int, opts: dict) -> list[dict]:
                      lr_decay_epochs=dec)
                 for lr in g.lrs]
     return [dict(lr=lr, steps=steps, batch_size=g.batch_size, momentum=g.momentum,
-                 weight_decay=g.weight_decay, milestones=list(g.milestones(steps, opts["last_decay"])))
+                 weight_decay=g.weight_decay, milestones=list(g.milestones(steps, opts["last_decay"])),
+                 drop_remainder=g.drop_remainder)
             for steps in opts["vtab_steps"] for lr in g.lrs]
 
 

@@ -115,7 +115,9 @@ def test_parametrised_specs_and_defaults():
     assert P.get_protocol("salman").grid.decay_epochs() == [50, 100]
     assert P.get_protocol("vtab1k-sgd").grid.milestones(2500) == (833, 1666, 2250)
     assert P.get_protocol("full").grid.Cs == P.C_GRID and len(P.C_GRID) == 45
-    assert P.pairs("finetune") == {"full": "full", "vtab1k-light": "vtab1k"}
+    # VTAB Figure 16: lightweight fine-tuning pairs with the lightweight SGD linear probe
+    assert P.pairs("finetune") == {"full": "full", "vtab1k-light": "vtab1k-sgd"}
+    assert P.get_protocol("vtab1k-sgd").grid.drop_remainder and not P.get_protocol("salman").grid.drop_remainder
     with pytest.raises(ProtocolError, match="unknown fine-tuning protocol"):
         P.get_protocol("vtab1k", "finetune")
     with pytest.raises(ProbeError, match="takes no argument"):
