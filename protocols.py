@@ -10,11 +10,20 @@ in separate namespaces (``stage``), so ``full`` exists for both.
 =============  ======  =====================================================================
 spec           stage   meaning
 =============  ======  =====================================================================
-full           probe   C selected on validation (the dataset's ``val`` split if it has one,
-                       else a stratified, seeded 10% of train), refit on train+val, test once.
-fewshot:N      probe   ELEVATER: N examples per class drawn from train (N counts *before* the
-                       80/20 split), each class split 80/20 (val = max(1, round(0.2 N)) per
-                       class) for selecting C, refit on all N per class. N >= 2.
+full           probe   DINOv2/Kornblith-style L-BFGS logistic regression: C selected on
+                       validation (the dataset's ``val`` split if it has one, else a
+                       stratified, seeded 10% of train), refit on train+val, test once.
+fewshot:N      probe   ELEVATER's few-shot splits with the DINOv2-style L-BFGS C sweep (not
+                       ELEVATER's search: see ``elevater-fewshot``): N examples per class
+                       drawn from train (N counts *before* the 80/20 split), each class
+                       split 80/20 (val = max(1, round(0.2 N)) per class) for selecting C,
+                       refit on all N per class. N >= 2.
+elevater-      probe   ELEVATER as published: the ``fewshot:N`` splits (or ``full``'s) with
+fewshot:N,             its SGD search (:class:`ElevaterGrid`: 6 lrs x coarse-to-fine weight
+elevater-full          decay, 10 epochs per trial, 50-epoch final run on train+val) on
+                       channel-standardised features (the toolkit's BatchNorm1d); with
+                       ``head_init`` the head starts from the L2-normalised class text
+                       embeddings (ELEVATER's language init), else from zeros.
 vtab1k         probe   VTAB-1k as published: the first 800 of train and the first 200 of
                        the val source in the dataset's own order (the store's row order),
                        the same examples for every seed; select on the 200, retrain on the
@@ -75,6 +84,7 @@ __all__ = [
     "VAL_SOURCES",
     "CGrid",
     "SGDGrid",
+    "ElevaterGrid",
     "SplitPlan",
     "Protocol",
     "register_protocol",
@@ -126,6 +136,29 @@ class SGDGrid:
         return [k * step_e for k in (1, 2) if k * step_e < e]
 
 
+@dataclass(frozen=True)
+class ElevaterGrid:
+    """ELEVATER's image-classification linear-probe search (paper section 4.1; values from
+    the public toolkit Elevater_Toolkit_IC, ``full_model_finetune.py``
+    ``hyperparameter_sweep_lr`` / ``hyperparameter_sweep`` and ``config/default.py``): SGD
+    (momentum 0.9, Nesterov, constant lr, batch 32) over 6 learning rates log-spaced
+    1e-6 .. 1e-1; for each, a coarse-to-fine weight-decay search over 97 values log-spaced
+    1e-6 .. 1e6: the 7 coarse points (every 16th), then the neighbours at ``spans`` 8, 4,
+    2, 1 around the best so far; ``search_epochs`` (10) per trial, the selected (lr, wd)
+    retrained for ``final_epochs`` (50) on train+val."""
+
+    lrs: tuple[float, ...] = tuple(float(v) for v in np.logspace(-6, -1, 6))
+    wds: tuple[float, ...] = tuple(float(v) for v in np.logspace(-6, 6, 97))
+    coarse: tuple[int, ...] = tuple(range(0, 97, 16))
+    spans: tuple[int, ...] = (8, 4, 2, 1)
+    search_epochs: int = 10
+    final_epochs: int = 50
+    batch_size: int = 32
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+ELEVATER_SGD = ElevaterGrid()
 VTAB_SGD = SGDGrid(lrs=(0.1, 0.01), batch_size=512, momentum=0.9, weight_decay=0.0,
                    steps=(2500, 10000), last_decay=0.9, drop_remainder=True)
 SALMAN_SGD = SGDGrid(lrs=(0.01, 0.001), batch_size=64, momentum=0.9, weight_decay=5e-4, epochs=150)
@@ -154,7 +187,7 @@ class Protocol:
     stage: str  # "probe" or "finetune"
     split: str  # split plan: one of SPLITS
     solver: str  # "lbfgs" or "sgd"
-    grid: CGrid | SGDGrid
+    grid: CGrid | SGDGrid | ElevaterGrid
     seeds: tuple[int, ...] = (0,)
     pairs_with: str | None = None  # the other stage's protocol with the same examples
     shots: int = -1  # examples per class, -1 = all
@@ -317,7 +350,8 @@ def pairs(stage: str = "finetune") -> dict[str, str]:
             if (stage, n) not in _HELP}
 
 
-_HELP = {("probe", "fewshot"): "fewshot:N (N >= 2)", ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)"}
+_HELP = {("probe", "fewshot"): "fewshot:N (N >= 2)", ("probe", "elevater-fewshot"): "elevater-fewshot:N (N >= 2)",
+         ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)"}
 
 
 def _no_arg(name: str, arg: str | None) -> None:
@@ -345,6 +379,32 @@ def fewshot(arg: str | None = None) -> Protocol:
             "(ELEVATER uses N = 5, 20, 50)")
     return Protocol(spec=f"fewshot:{n}", name="fewshot", stage="probe", split="fewshot",
                     solver="lbfgs", grid=CGrid(), seeds=(0, 1, 2), shots=n)
+
+
+def _shots(name: str, arg: str | None) -> int:
+    if not re.fullmatch(r"\d+", arg or ""):
+        raise ProtocolError(f"{name} needs a shot count, e.g. {name}:5 (got {arg!r})")
+    n = int(arg)
+    if n < 2:
+        raise ProtocolError(
+            f"{name}:{n} cannot work: the 80/20 per-class split for selecting hyper-parameters "
+            "needs at least one training and one validation example per class, so N >= 2 "
+            "(ELEVATER uses N = 5, 20, 50)")
+    return n
+
+
+@register_protocol("elevater-fewshot")
+def elevater_fewshot(arg: str | None = None) -> Protocol:
+    n = _shots("elevater-fewshot", arg)
+    return Protocol(spec=f"elevater-fewshot:{n}", name="elevater-fewshot", stage="probe",
+                    split="fewshot", solver="elevater", grid=ELEVATER_SGD, seeds=(0, 1, 2), shots=n)
+
+
+@register_protocol("elevater-full")
+def elevater_full(arg: str | None = None) -> Protocol:
+    _no_arg("elevater-full", arg)
+    return Protocol(spec="elevater-full", name="elevater-full", stage="probe", split="full",
+                    solver="elevater", grid=ELEVATER_SGD)
 
 
 @register_protocol("vtab1k")

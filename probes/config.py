@@ -36,7 +36,8 @@ class ProbeConfig:
     cache: str | tuple[str, ...] = flag(cli=False)
     backbones: str | tuple[str, ...] = flag(cli=False)
     dataset: str = flag(required=True, help="dataset key in the cache")
-    protocol: str = flag("full", "full | fewshot:N | vtab1k | vtab1k-sgd | salman | subset:F%")
+    protocol: str = flag("full", "full | fewshot:N | vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
+                          "elevater-fewshot:N | elevater-full")
     seeds: tuple[int, ...] | None = flag(
         None, "comma-separated seeds (default: the protocol's, 0,1,2 for fewshot/vtab1k, else 0)")
     results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
@@ -56,6 +57,9 @@ class ProbeConfig:
                            choices=["split-800-200", "official-val"])
     head_init: str | None = flag(None, "name of a class-embedding matrix stored beside the dataset (ELEVATER)")
     sgd_epochs: int | None = flag(None, "salman: SGD epochs (paper: 150)", name="--epochs", type=int)
+    search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
+    final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)",
+                                    type=int)
     vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
     last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
     sgd_standardize: bool = flag(False, cli=False)
@@ -94,7 +98,12 @@ class ProbeConfig:
             vtab_steps=self.vtab_steps if self.vtab_steps is not None else getattr(g, "steps", None),
             last_decay=self.last_decay if self.last_decay is not None else getattr(g, "last_decay", None),
             sgd_epochs=self.sgd_epochs if self.sgd_epochs is not None else getattr(g, "epochs", None),
+            search_epochs=self.search_epochs if self.search_epochs is not None else getattr(g, "search_epochs", None),
+            final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
         )
+        for f in ("search_epochs", "final_epochs"):
+            if getattr(out, f) is not None and getattr(out, f) < 1:
+                raise ProbeError(f"{f} must be >= 1 (got {getattr(out, f)})")
         if not out.seeds:
             raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not out.backbones:
@@ -111,7 +120,8 @@ class ProbeConfig:
         return dict(Cs=list(self.Cs), backend=self.backend, max_iter=int(self.max_iter),
                     tol=float(self.tol), standardize=bool(self.standardize),
                     sgd_epochs=opt(int, self.sgd_epochs), vtab_steps=opt(tuple, self.vtab_steps),
-                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize))
+                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize),
+                    search_epochs=opt(int, self.search_epochs), final_epochs=opt(int, self.final_epochs))
 
     def run_options(self, proto) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the solver settings the
@@ -120,10 +130,15 @@ class ProbeConfig:
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
         if proto.split.startswith("vtab1k"):
             opts["val_source"] = self.val_source
+        lbfgs = ("Cs", "max_iter", "tol", "standardize")
+        elevater = ("search_epochs", "final_epochs")
         if proto.solver == "lbfgs":
-            drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize")
+            drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize", *elevater)
+        elif proto.solver in ("elevater", "zeroshot"):
+            drop = (*lbfgs, "sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize",
+                    *(elevater if proto.solver == "zeroshot" else ()))
         elif proto.grid.epochs is not None:
-            drop = ("Cs", "max_iter", "tol", "standardize", "vtab_steps", "last_decay")
+            drop = (*lbfgs, "vtab_steps", "last_decay", *elevater)
         else:
-            drop = ("Cs", "max_iter", "tol", "standardize", "sgd_epochs")
+            drop = (*lbfgs, "sgd_epochs", *elevater)
         return {k: v for k, v in opts.items() if k not in drop}

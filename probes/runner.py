@@ -352,6 +352,11 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
     opts = cfg.solver_options()
     if proto.solver == "lbfgs":
         (predict, classes), hp, conv, secs = _fit_lbfgs(plan, opts, hi_matrix)
+    elif proto.solver == "elevater":
+        from featcache.probes.elevater import fit_elevater
+
+        (predict, classes), hp, conv, secs = fit_elevater(proto.grid, plan, opts, hi_matrix, seed,
+                                                          resolve_backend("torch")[1])
     else:
         (predict, classes), hp, conv, secs = _fit_sgd(proto, plan, opts, hi_matrix, seed)
     hp.update(plan.info)

@@ -41,6 +41,7 @@ def train_sgd_head(
     device: str = "cpu",
     init: tuple[np.ndarray, np.ndarray] | None = None,
     drop_remainder: bool = False,
+    nesterov: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Train ``logits = X @ W + b`` for ``steps`` updates; returns (W [D, K], b [K], finite).
 
@@ -65,7 +66,8 @@ def train_sgd_head(
         else:
             lin.weight.copy_(torch.as_tensor(np.asarray(init[0]).T, dtype=torch.float32))
             lin.bias.copy_(torch.as_tensor(np.asarray(init[1]), dtype=torch.float32))
-    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay,
+                          nesterov=nesterov)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=sorted(set(milestones)), gamma=0.1)
     step = 0
     finite = True
@@ -119,6 +121,7 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
     random_state : seed of the batch order (runs repeat bit for bit on one device).
     drop_remainder : every batch full, from :func:`featcache.splits.batch_positions`
         (VTAB; fine-tuning's batches); default: per-epoch permutations with a partial last batch.
+    nesterov : Nesterov momentum (ELEVATER's toolkit default).
     device : ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
 
     Attributes
@@ -130,7 +133,7 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
     def __init__(self, lr: float = 0.1, steps: int = 200, batch_size: int = 64,
                  momentum: float = 0.9, weight_decay: float = 0.0, milestones=(),
                  standardize: bool = True, head_init=None, random_state: int = 0,
-                 device: str = "auto", drop_remainder: bool = False):
+                 device: str = "auto", drop_remainder: bool = False, nesterov: bool = False):
         self.lr = lr
         self.steps = steps
         self.batch_size = batch_size
@@ -142,6 +145,7 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
         self.random_state = random_state
         self.device = device
         self.drop_remainder = drop_remainder
+        self.nesterov = nesterov
 
     def fit(self, X, y, *, classes=None) -> SGDProbe:
         """Fit on ``X [n, D]`` and labels ``y``; ``classes`` (default: those in ``y``) fixes
@@ -168,7 +172,7 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
                 batch_size=self.batch_size, momentum=self.momentum,
                 weight_decay=self.weight_decay, milestones=list(self.milestones),
                 seed=self.random_state, device=self.device_, init=init,
-                drop_remainder=self.drop_remainder)
+                drop_remainder=self.drop_remainder, nesterov=self.nesterov)
         self.coef_, self.intercept_ = scaler.to_raw(W, b)
         self._softmax_coef, self._softmax_intercept = self.coef_, self.intercept_
         self.finite_ = ok
