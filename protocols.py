@@ -21,9 +21,12 @@ fewshot:N      probe   ELEVATER's few-shot splits with the DINOv2-style L-BFGS C
 elevater-      probe   ELEVATER as published: the ``fewshot:N`` splits (or ``full``'s) with
 fewshot:N,             its SGD search (:class:`ElevaterGrid`: 6 lrs x coarse-to-fine weight
 elevater-full          decay, 10 epochs per trial, 50-epoch final run on train+val) on
-                       channel-standardised features (the toolkit's BatchNorm1d); with
+                       L2-normalised features x logit scale 1/0.07; with
                        ``head_init`` the head starts from the L2-normalised class text
                        embeddings (ELEVATER's language init), else from zeros.
+zeroshot       probe   the text head alone, no training (ELEVATER/CLIP zero-shot): logits =
+                       normalised features . normalised class text embeddings
+                       (``head_init``, default ``text``, stored per backbone x dataset).
 vtab1k         probe   VTAB-1k as published: the first 800 of train and the first 200 of
                        the val source in the dataset's own order (the store's row order),
                        the same examples for every seed; select on the 200, retrain on the
@@ -156,6 +159,8 @@ class ElevaterGrid:
     batch_size: int = 32
     momentum: float = 0.9
     nesterov: bool = True
+    features: str = "l2"  # "l2": L2-normalised x logit_scale; "bn": channel-standardised
+    logit_scale: float = 1 / 0.07
 
 
 ELEVATER_SGD = ElevaterGrid()
@@ -405,6 +410,13 @@ def elevater_full(arg: str | None = None) -> Protocol:
     _no_arg("elevater-full", arg)
     return Protocol(spec="elevater-full", name="elevater-full", stage="probe", split="full",
                     solver="elevater", grid=ELEVATER_SGD)
+
+
+@register_protocol("zeroshot")
+def zeroshot(arg: str | None = None) -> Protocol:
+    _no_arg("zeroshot", arg)
+    return Protocol(spec="zeroshot", name="zeroshot", stage="probe", split="none",
+                    solver="zeroshot", grid=CGrid(Cs=()))
 
 
 @register_protocol("vtab1k")

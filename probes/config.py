@@ -37,7 +37,7 @@ class ProbeConfig:
     backbones: str | tuple[str, ...] = flag(cli=False)
     dataset: str = flag(required=True, help="dataset key in the cache")
     protocol: str = flag("full", "full | fewshot:N | vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
-                          "elevater-fewshot:N | elevater-full")
+                          "elevater-fewshot:N | elevater-full | zeroshot")
     seeds: tuple[int, ...] | None = flag(
         None, "comma-separated seeds (default: the protocol's, 0,1,2 for fewshot/vtab1k, else 0)")
     results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
@@ -55,7 +55,8 @@ class ProbeConfig:
     kind: str = flag("pooled", "feature kind in the cache")
     val_source: str = flag("split-800-200", "vtab1k selection data (the paper's two readings)",
                            choices=["split-800-200", "official-val"])
-    head_init: str | None = flag(None, "name of a class-embedding matrix stored beside the dataset (ELEVATER)")
+    head_init: str | None = flag(None, "class-embedding matrix the head starts from (ELEVATER: 'text', stored "
+                                       "per backbone x dataset); zeroshot: the classifier itself (default text)")
     sgd_epochs: int | None = flag(None, "salman: SGD epochs (paper: 150)", name="--epochs", type=int)
     search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
     final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)",
@@ -104,6 +105,8 @@ class ProbeConfig:
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeError(f"{f} must be >= 1 (got {getattr(out, f)})")
+        if proto.solver == "zeroshot" and out.head_init is None:
+            out = replace(out, head_init="text")  # the text head is the whole classifier
         if not out.seeds:
             raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not out.backbones:

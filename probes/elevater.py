@@ -3,13 +3,13 @@
 For each of the grid's learning rates a coarse-to-fine weight-decay search
 (:func:`search_weight_decay`), each trial an :class:`~featcache.probes.sgd.SGDProbe` trained
 for ``search_epochs`` on the plan's train rows and scored by top-1 on its val rows; the
-best (lr, wd) is retrained for ``final_epochs`` on train+val. As the toolkit's default
-``Classifier`` (``USE_CHANNEL_BN``, no feature normalisation, logit scale 1), the head sees
-features standardised per channel (a BatchNorm1d without affine: here the statistics of the
-rows each fit trains on) and is zero-initialised or, with ``head_init``, starts from the
-L2-normalised class text embeddings with a zero bias (ELEVATER's language-initialised head).
-The zero-shot classifier itself is :func:`zeroshot_logits` (normalised features . normalised
-text).
+best (lr, wd) is retrained for ``final_epochs`` on train+val. The head sees L2-normalised
+features times CLIP's logit scale 1/0.07 (the toolkit's ``NORMALIZE_VISUAL_FEATURE`` with
+``LOGIT_SCALE_INIT='clip'``; ``ElevaterGrid.features="bn"`` gives its default channel
+BatchNorm instead) and is zero-initialised or, with ``head_init``, starts from the
+L2-normalised class text embeddings with a zero bias (ELEVATER's language-initialised head):
+its argmax at step 0 is then exactly the zero-shot classifier's (:func:`zeroshot_logits`:
+normalised features . normalised text).
 """
 
 from __future__ import annotations
@@ -78,14 +78,14 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
 
     def fit(X, y, lr, wd, epochs):
         """(probe, channel standardiser) trained on (X, y)."""
-        bn = _ChannelBN(X)
+        bn = _ChannelBN(X, grid.features, grid.logit_scale)
         steps = epochs * math.ceil(y.size / grid.batch_size)
         p = SGDProbe(lr=lr, steps=steps, batch_size=grid.batch_size, momentum=grid.momentum,
                      nesterov=grid.nesterov, weight_decay=wd, standardize=False, head_init=hi,
                      random_state=seed, device=device)
         return p.fit(bn(X), y, classes=classes), bn
 
-    tr_bn = _ChannelBN(Xtr)
+    tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
     Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
 
     def val_top1(lr, wd) -> float:
@@ -111,7 +111,7 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
           "selection": "val top1 after the last search epoch (ties: smaller lr, earlier probe)",
           "trials": trials, "per_lr": per_lr, "search_epochs": se, "final_epochs": fe,
           "batch_size": grid.batch_size, "momentum": grid.momentum, "nesterov": grid.nesterov,
-          "features": "channel-standardised (BatchNorm1d, no affine)", "head": "text-initialised" if hi is not None else "zeros",
+          "features": grid.features, "logit_scale": grid.logit_scale, "head": "text-initialised" if hi is not None else "zeros",
           "report": "final epoch (not the best test epoch)"}
     scaled = {k: v for k, v, pub in (("search_epochs", se, grid.search_epochs),
                                      ("final_epochs", fe, grid.final_epochs)) if v != pub}
@@ -123,13 +123,18 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
 
 
 class _ChannelBN:
-    """Per-channel standardisation with the statistics of the rows it was built on (the
-    toolkit's ``BatchNorm1d(affine=False)`` at evaluation)."""
+    """The head's input transform. ``mode="bn"``: per-channel standardisation with the
+    statistics of the rows it was built on (the toolkit's ``BatchNorm1d(affine=False)``);
+    ``mode="l2"``: L2-normalised features times ``scale`` (the toolkit's
+    ``NORMALIZE_VISUAL_FEATURE`` with logit scale ``scale``)."""
 
-    def __init__(self, X: np.ndarray):
+    def __init__(self, X: np.ndarray, mode: str = "l2", scale: float = 1.0):
         X = np.asarray(X, np.float64)
+        self.mode, self.scale = mode, scale
         self.mu = X.mean(0)
         self.sd = np.sqrt(X.var(0) + 1e-5)  # BatchNorm's eps
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
+        if self.mode == "l2":
+            return self.scale * l2_normalise(X)
         return (np.asarray(X, np.float64) - self.mu) / self.sd

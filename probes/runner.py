@@ -278,6 +278,27 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
     return (probe.predict_proba, classes), hp, probe.finite_, seconds
 
 
+def _class_embeddings(caches, b: str, cfg: ProbeConfig) -> np.ndarray:
+    """``b``'s class embeddings for the dataset (its text tower's; else dataset-level)."""
+    c = _cache_for(caches, b, cfg.dataset)
+    return np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init, backbone=b), np.float64)
+
+
+def _zeroshot(text: np.ndarray):
+    """The text head alone, no training: softmax(scale * normalised features . normalised
+    text), scale = CLIP's logit scale 100 (top-1 does not depend on it)."""
+    from scipy.special import softmax
+
+    from featcache.probes.elevater import zeroshot_logits
+
+    hp = {"solver": "zeroshot", "logit_scale": ZEROSHOT_SCALE, "trained": False}
+    return (lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1),
+            np.arange(text.shape[0])), hp, True, 0.0
+
+
+ZEROSHOT_SCALE = 100.0
+
+
 # ------------------------------------------------------------------ main entry
 def run_probes(config: ProbeConfig):
     """Probe ``config.backbones`` on ``config.dataset`` with ``config.protocol``; returns the
@@ -296,10 +317,7 @@ def run_probes(config: ProbeConfig):
     backbones = _resolve_backbones(caches, cfg)
     data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
     _check_alignment({b: d.splits() for b, d in data.items()})
-    hi_matrix = None
-    if cfg.head_init is not None:
-        c = _cache_for(caches, backbones[0], cfg.dataset)
-        hi_matrix = np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init), np.float64)
+    hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
 
     done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
     new_rows: list[dict] = []
@@ -312,7 +330,7 @@ def run_probes(config: ProbeConfig):
             log.info("skip %s/%s %s seed %d: already in %s (force=True reruns)", b, cfg.dataset,
                      proto.spec, seed, cfg.results_path)
             continue
-        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi_matrix, run_ids)
+        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids)
     return _collect(cfg, proto, new_rows, wanted)
 
 
@@ -347,10 +365,13 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
         raise ProbeError(
             f"class embeddings {cfg.head_init!r} have shape {hi_matrix.shape} but {b} on "
             f"{cfg.dataset} needs ({len(d.names)}, {d.train.X.shape[1]}): one row per class "
-            "of the dataset, in its class order, with the backbone's feature dimension")
+            "of the dataset, in its class order, with the backbone's feature dimension; store "
+            f"{b}'s own with write_class_embeddings(..., backbone={b!r})")
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
     opts = cfg.solver_options()
-    if proto.solver == "lbfgs":
+    if proto.solver == "zeroshot":
+        (predict, classes), hp, conv, secs = _zeroshot(hi_matrix)
+    elif proto.solver == "lbfgs":
         (predict, classes), hp, conv, secs = _fit_lbfgs(plan, opts, hi_matrix)
     elif proto.solver == "elevater":
         from featcache.probes.elevater import fit_elevater
