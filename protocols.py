@@ -10,25 +10,44 @@ in separate namespaces (``stage``), so ``full`` exists for both.
 =============  ======  =====================================================================
 spec           stage   meaning
 =============  ======  =====================================================================
-full           probe   C selected on validation (the dataset's ``val`` split if it has one,
-                       else a stratified, seeded 10% of train), refit on train+val, test once.
-fewshot:N      probe   ELEVATER: N examples per class drawn from train (N counts *before* the
-                       80/20 split), each class split 80/20 (val = max(1, round(0.2 N)) per
-                       class) for selecting C, refit on all N per class. N >= 2.
-vtab1k         probe   VTAB-1k: 1000 train examples (stratified draw), 800 train / 200 val,
-                       select on the 200, retrain on the 1000. ``val_source``:
-                       ``split-800-200`` (default) or ``official-val`` (fit on the 1000,
-                       select on the dataset's val split). Each seed plus the median.
+full           probe   DINOv2/Kornblith-style L-BFGS logistic regression: C selected on
+                       validation (the dataset's ``val`` split if it has one, else a
+                       stratified, seeded 10% of train), refit on train+val, test once.
+fewshot:N      probe   ELEVATER's few-shot splits with the DINOv2-style L-BFGS C sweep (not
+                       ELEVATER's search: see ``elevater-fewshot``): N examples per class
+                       drawn from train (N counts *before* the 80/20 split), each class
+                       split 80/20 (val = max(1, round(0.2 N)) per class) for selecting C,
+                       refit on all N per class. N >= 2.
+elevater-      probe   ELEVATER as published: the ``fewshot:N`` splits (or ``full``'s) with
+fewshot:N,             its SGD search (:class:`ElevaterGrid`: 6 lrs x coarse-to-fine weight
+elevater-full          decay, 10 epochs per trial, 50-epoch final run on train+val) on
+                       L2-normalised features x logit scale 1/0.07; with
+                       ``head_init`` the head starts from the L2-normalised class text
+                       embeddings (ELEVATER's language init), else from zeros.
+zeroshot       probe   the text head alone, no training (ELEVATER/CLIP zero-shot): logits =
+                       normalised features . normalised class text embeddings
+                       (``head_init``, default ``text``, stored per backbone x dataset).
+vtab1k         probe   VTAB-1k as published: the first 800 of train and the first 200 of
+                       the val source in the dataset's own order (the store's row order),
+                       the same examples for every seed; select on the 200, retrain on the
+                       1000. ``val_source``: ``split-800-200`` (default; val =
+                       train[800:1000]) or ``official-val`` (val = val[:200]). Seeds 0, 1, 2
+                       differ only in training randomness; each seed plus the median.
+vtab1k-        probe   the earlier featcache rule: 1000 train examples drawn stratified per
+stratified             seed, 800 / 200 stratified; ``official-val`` fits on the 1000 and
+                       selects on the whole val split.
 vtab1k-sgd     probe   VTAB-1k splits with the lightweight SGD schedule (batch 512, momentum
                        0.9, lr {0.1, 0.01} x {2500, 10000} steps, lr /10 at 1/3, 2/3 and
-                       ``last_decay`` of the steps; no weight decay).
+                       ``last_decay`` of the steps; no weight decay; every batch full, as
+                       VTAB's ``drop_remainder`` and fine-tuning). VTAB Figure 16's linear
+                       baseline: rows pair with fine-tune ``vtab1k-light``.
 salman         probe   Salman et al.: SGD head, 150 epochs, batch 64, momentum 0.9, weight
                        decay 5e-4, lr {0.01, 0.001} selected on validation (as ``full``),
                        lr /10 every 50 epochs, refit on train+val.
 subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
                        kept, at least one example per class), then ``full`` on that subset.
 vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
-               tune    ``vtab1k-sgd``; rows pair with probe ``vtab1k``.
+               tune    ``vtab1k-sgd``; rows pair with probe ``vtab1k-sgd`` (Figure 16).
 full           fine-   all of train, the ``full`` probe splits; rows pair with probe ``full``.
                tune
 =============  ======  =====================================================================
@@ -53,10 +72,12 @@ from featcache.splits import (
     HOLDOUT_FRACTION,
     VAL_SOURCES,
     VTAB_TOTAL,
+    VTAB_VAL,
     fewshot_split,
     full_holdout,
     stratified_sample,
     subset_indices,
+    vtab1k_fixed,
     vtab1k_indices,
 )
 
@@ -66,6 +87,7 @@ __all__ = [
     "VAL_SOURCES",
     "CGrid",
     "SGDGrid",
+    "ElevaterGrid",
     "SplitPlan",
     "Protocol",
     "register_protocol",
@@ -79,7 +101,7 @@ STAGES = ("probe", "finetune")
 #: the L-BFGS probes' C grid (Kornblith et al. / DINOv2): 45 values log-spaced over 1e-6 .. 1e5
 C_GRID = tuple(float(c) for c in np.logspace(-6, 5, 45))
 #: split plans a protocol can name
-SPLITS = ("full", "fewshot", "vtab1k", "subset")
+SPLITS = ("full", "fewshot", "vtab1k", "vtab1k-stratified", "subset", "none")
 
 
 # ------------------------------------------------------------------ grids
@@ -103,6 +125,7 @@ class SGDGrid:
     steps: tuple[int, ...] | None = None
     epochs: int | None = None
     last_decay: float | None = None  # fraction of steps of the third lr drop (steps grids)
+    drop_remainder: bool = False  # every batch full (VTAB; featcache's fine-tuning)
 
     def milestones(self, steps: int, last_decay: float | None = None) -> tuple[int, ...]:
         """Steps at which the lr drops: 1/3, 2/3 and ``last_decay`` of ``steps``."""
@@ -116,8 +139,33 @@ class SGDGrid:
         return [k * step_e for k in (1, 2) if k * step_e < e]
 
 
+@dataclass(frozen=True)
+class ElevaterGrid:
+    """ELEVATER's image-classification linear-probe search (paper section 4.1; values from
+    the public toolkit Elevater_Toolkit_IC, ``full_model_finetune.py``
+    ``hyperparameter_sweep_lr`` / ``hyperparameter_sweep`` and ``config/default.py``): SGD
+    (momentum 0.9, Nesterov, constant lr, batch 32) over 6 learning rates log-spaced
+    1e-6 .. 1e-1; for each, a coarse-to-fine weight-decay search over 97 values log-spaced
+    1e-6 .. 1e6: the 7 coarse points (every 16th), then the neighbours at ``spans`` 8, 4,
+    2, 1 around the best so far; ``search_epochs`` (10) per trial, the selected (lr, wd)
+    retrained for ``final_epochs`` (50) on train+val."""
+
+    lrs: tuple[float, ...] = tuple(float(v) for v in np.logspace(-6, -1, 6))
+    wds: tuple[float, ...] = tuple(float(v) for v in np.logspace(-6, 6, 97))
+    coarse: tuple[int, ...] = tuple(range(0, 97, 16))
+    spans: tuple[int, ...] = (8, 4, 2, 1)
+    search_epochs: int = 10
+    final_epochs: int = 50
+    batch_size: int = 32
+    momentum: float = 0.9
+    nesterov: bool = True
+    features: str = "l2"  # "l2": L2-normalised x logit_scale; "bn": channel-standardised
+    logit_scale: float = 1 / 0.07
+
+
+ELEVATER_SGD = ElevaterGrid()
 VTAB_SGD = SGDGrid(lrs=(0.1, 0.01), batch_size=512, momentum=0.9, weight_decay=0.0,
-                   steps=(2500, 10000), last_decay=0.9)
+                   steps=(2500, 10000), last_decay=0.9, drop_remainder=True)
 SALMAN_SGD = SGDGrid(lrs=(0.01, 0.001), batch_size=64, momentum=0.9, weight_decay=5e-4, epochs=150)
 
 
@@ -144,7 +192,7 @@ class Protocol:
     stage: str  # "probe" or "finetune"
     split: str  # split plan: one of SPLITS
     solver: str  # "lbfgs" or "sgd"
-    grid: CGrid | SGDGrid
+    grid: CGrid | SGDGrid | ElevaterGrid
     seeds: tuple[int, ...] = (0,)
     pairs_with: str | None = None  # the other stage's protocol with the same examples
     shots: int = -1  # examples per class, -1 = all
@@ -159,24 +207,32 @@ class Protocol:
 
     def uses_val_split(self, val_source: str = "split-800-200") -> bool:
         """Whether the plan selects on the dataset's own ``val`` split when it has one."""
-        if self.split == "fewshot":
+        if self.split in ("fewshot", "none"):
             return False
-        return not (self.split == "vtab1k" and val_source == "split-800-200")
+        return not (self.split.startswith("vtab1k") and val_source == "split-800-200")
 
     def plan(self, y, seed: int, *, n_val: int | None = None, val_source: str = "split-800-200",
-             train_name: str = "train", val_name: str = "val") -> SplitPlan:
+             train_name: str = "train", val_name: str = "val", rows=None,
+             val_rows=None) -> SplitPlan:
         """The seeded split of labels ``y`` (canonical order). ``n_val``: size of the
-        dataset's val split when the caller has one (``None``: no val split)."""
+        dataset's val split when the caller has one (``None``: no val split). ``rows`` /
+        ``val_rows``: each canonical position's row in the dataset's own order (the store's
+        and the reader's row order), used by the fixed ``vtab1k`` subsets; ``None``: the
+        positions are already in that order."""
         y = np.asarray(y)
+        rows = np.arange(y.size) if rows is None else np.asarray(rows)
+        if n_val is not None and val_rows is None:
+            val_rows = np.arange(n_val)
         planner = _PLANNERS[self.split]
-        return planner(self, y, int(seed), n_val, val_source, train_name, val_name)
+        return planner(self, y, int(seed), n_val, val_source, train_name, val_name,
+                       rows=rows, val_rows=val_rows)
 
 
 def _concat_val(idx: np.ndarray, n_train: int, n_val: int) -> np.ndarray:
     return np.concatenate([idx, n_train + np.arange(n_val)])
 
 
-def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
     idx = np.arange(y.size)
     label = train_name
     info: dict[str, Any] = {}
@@ -193,15 +249,44 @@ def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name) ->
     return SplitPlan(idx[t], idx[v], idx, label, info)
 
 
-def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
     t, v = fewshot_split(y, p.shots, seed)
     return SplitPlan(t, v, np.sort(np.concatenate([t, v])), f"{train_name}[{p.spec}]",
                      {"val": "per-class-80/20", "shots_counted": "before-split"})
 
 
-def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name) -> SplitPlan:
+def _check_val_source(val_source: str) -> None:
     if val_source not in VAL_SOURCES:
         raise SplitError(f"val_source must be one of {VAL_SOURCES}, got {val_source!r}")
+
+
+def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows,
+                 val_rows) -> SplitPlan:
+    """VTAB's fixed subsets (seed-independent): train[:800] + the first 200 of the val
+    source (``split-800-200``: train[800:1000]; ``official-val``: val[:200])."""
+    _check_val_source(val_source)
+    n_tr = VTAB_TOTAL - VTAB_VAL
+    if val_source == "official-val":
+        if n_val is None:
+            raise SplitError("val_source='official-val' needs a 'val' split; extract it or use "
+                             "val_source='split-800-200'")
+        t, v = vtab1k_fixed(rows, val_rows)
+        label, val = f"{train_name}[:{n_tr}]+{val_name}[:{VTAB_VAL}]", f"{val_name}[:{VTAB_VAL}]"
+    else:
+        t, v = vtab1k_fixed(rows)
+        label, val = f"{train_name}[:{VTAB_TOTAL}]", f"{train_name}[{n_tr}:{VTAB_TOTAL}]"
+    return SplitPlan(t, v, np.concatenate([t, v]), label,
+                     {"val": val, "val_source": val_source, "subset": "fixed, dataset order"})
+
+
+def _plan_none(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+    e = np.zeros(0, np.int64)
+    return SplitPlan(e, e, e, "none", {"trained": False})
+
+
+def _plan_vtab1k_stratified(p: Protocol, y, seed, n_val, val_source, train_name, val_name,
+                            **_) -> SplitPlan:
+    _check_val_source(val_source)
     label = f"{train_name}[{VTAB_TOTAL}]"
     if val_source == "official-val":
         idx = stratified_sample(y, VTAB_TOTAL, seed)
@@ -217,6 +302,7 @@ def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name) 
 
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
     "full": _plan_full, "subset": _plan_full, "fewshot": _plan_fewshot, "vtab1k": _plan_vtab1k,
+    "vtab1k-stratified": _plan_vtab1k_stratified, "none": _plan_none,
 }
 
 
@@ -269,7 +355,8 @@ def pairs(stage: str = "finetune") -> dict[str, str]:
             if (stage, n) not in _HELP}
 
 
-_HELP = {("probe", "fewshot"): "fewshot:N (N >= 2)", ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)"}
+_HELP = {("probe", "fewshot"): "fewshot:N (N >= 2)", ("probe", "elevater-fewshot"): "elevater-fewshot:N (N >= 2)",
+         ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)"}
 
 
 def _no_arg(name: str, arg: str | None) -> None:
@@ -299,11 +386,51 @@ def fewshot(arg: str | None = None) -> Protocol:
                     solver="lbfgs", grid=CGrid(), seeds=(0, 1, 2), shots=n)
 
 
+def _shots(name: str, arg: str | None) -> int:
+    if not re.fullmatch(r"\d+", arg or ""):
+        raise ProtocolError(f"{name} needs a shot count, e.g. {name}:5 (got {arg!r})")
+    n = int(arg)
+    if n < 2:
+        raise ProtocolError(
+            f"{name}:{n} cannot work: the 80/20 per-class split for selecting hyper-parameters "
+            "needs at least one training and one validation example per class, so N >= 2 "
+            "(ELEVATER uses N = 5, 20, 50)")
+    return n
+
+
+@register_protocol("elevater-fewshot")
+def elevater_fewshot(arg: str | None = None) -> Protocol:
+    n = _shots("elevater-fewshot", arg)
+    return Protocol(spec=f"elevater-fewshot:{n}", name="elevater-fewshot", stage="probe",
+                    split="fewshot", solver="elevater", grid=ELEVATER_SGD, seeds=(0, 1, 2), shots=n)
+
+
+@register_protocol("elevater-full")
+def elevater_full(arg: str | None = None) -> Protocol:
+    _no_arg("elevater-full", arg)
+    return Protocol(spec="elevater-full", name="elevater-full", stage="probe", split="full",
+                    solver="elevater", grid=ELEVATER_SGD)
+
+
+@register_protocol("zeroshot")
+def zeroshot(arg: str | None = None) -> Protocol:
+    _no_arg("zeroshot", arg)
+    return Protocol(spec="zeroshot", name="zeroshot", stage="probe", split="none",
+                    solver="zeroshot", grid=CGrid(Cs=()))
+
+
 @register_protocol("vtab1k")
 def vtab1k(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k", arg)
     return Protocol(spec="vtab1k", name="vtab1k", stage="probe", split="vtab1k", solver="lbfgs",
-                    grid=CGrid(), seeds=(0, 1, 2), pairs_with="vtab1k-light",
+                    grid=CGrid(), seeds=(0, 1, 2), median_over_seeds=True)
+
+
+@register_protocol("vtab1k-stratified")
+def vtab1k_stratified(arg: str | None = None) -> Protocol:
+    _no_arg("vtab1k-stratified", arg)
+    return Protocol(spec="vtab1k-stratified", name="vtab1k-stratified", stage="probe",
+                    split="vtab1k-stratified", solver="lbfgs", grid=CGrid(), seeds=(0, 1, 2),
                     median_over_seeds=True)
 
 
@@ -311,7 +438,8 @@ def vtab1k(arg: str | None = None) -> Protocol:
 def vtab1k_sgd(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-sgd", arg)
     return Protocol(spec="vtab1k-sgd", name="vtab1k-sgd", stage="probe", split="vtab1k",
-                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), median_over_seeds=True)
+                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k-light",
+                    median_over_seeds=True)
 
 
 @register_protocol("salman")
@@ -338,7 +466,7 @@ def subset(arg: str | None = None) -> Protocol:
 def vtab1k_light(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-light", arg)
     return Protocol(spec="vtab1k-light", name="vtab1k-light", stage="finetune", split="vtab1k",
-                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k")
+                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k-sgd")
 
 
 @register_protocol("full", stage="finetune")

@@ -10,7 +10,9 @@ sorted integer positions into it. Seeds make every draw reproducible bit for bit
 function               protocol
 =====================  =================================================================
 ``full_holdout``       ``full``: a stratified, seeded 10% of train for selection
-``vtab1k_indices``     ``vtab1k``: 1,000 stratified examples, 800 train / 200 val
+``vtab1k_fixed``       ``vtab1k`` (VTAB's rule): the first 800 of train and the first 200
+                       of the val source in the dataset's own order, the same for every seed
+``vtab1k_indices``     ``vtab1k-stratified``: 1,000 stratified, seeded examples, 800 / 200
 ``fewshot_split``      ``fewshot:N`` (ELEVATER): N per class (counted before the split),
                        per class ``max(1, round(0.2 N))`` to validation
 ``subset_indices``     ``subset:F%`` (Battle of the Backbones): stratified F% of train
@@ -21,6 +23,19 @@ Building blocks: :func:`allocate` (largest remainder), :func:`stratified_holdout
 (:mod:`featcache.protocols`) builds every plan of the probes and of fine-tuning from
 them; the selection is the probes' original one bit for bit (tests/test_finetune.py pins
 it on digits).
+
+Two orders. The seeded draws work in canonical order (ids sorted as strings), so they do
+not depend on how a reader or a store lists rows. VTAB-1k's fixed subsets instead take
+"the first N" in *the dataset's own order*: the order its data source lists the rows (the
+TFDS/file-list order VTAB reads), which is the store's row order (extraction writes row
+``i`` of the reader to row ``i`` of the store) and the fine-tune reader's order.
+:func:`vtab1k_fixed` therefore takes, for each canonical position, its row in that order
+(``rows``). For digits ids ``digits-0, digits-1, ...`` the two orders differ ("digits-10"
+sorts before "digits-2"); for zero-padded ids (Fashion-MNIST ``train-00000``) they agree.
+
+:func:`batch_positions` is the one SGD data order of featcache: full batches cut from a
+stream of seeded epoch permutations (VTAB's ``repeat`` then ``batch(drop_remainder=True)``),
+shared by fine-tuning and the probes' ``vtab1k-sgd`` head.
 """
 
 from __future__ import annotations
@@ -41,6 +56,8 @@ __all__ = [
     "stratified_sample",
     "fewshot_split",
     "vtab1k_indices",
+    "vtab1k_fixed",
+    "batch_positions",
     "full_holdout",
     "subset_indices",
 ]
@@ -152,7 +169,7 @@ def stratified_sample(y, total: int, seed: int, min_per_class: int = 0) -> np.nd
 
 def vtab1k_indices(y, seed: int, total: int = VTAB_TOTAL,
                    n_val: int = VTAB_VAL) -> tuple[np.ndarray, np.ndarray]:
-    """VTAB-1k: a stratified, seeded draw of ``total`` (1,000) examples, split stratified
+    """``vtab1k-stratified``: a stratified, seeded draw of ``total`` (1,000) examples, split stratified
     into ``total - n_val`` train (800) and ``n_val`` validation (200) with the same seed.
 
     Returns (train, val) positions into ``y``; their union (sorted) is the 1,000 the final
@@ -161,6 +178,51 @@ def vtab1k_indices(y, seed: int, total: int = VTAB_TOTAL,
     idx = stratified_sample(y, total, seed)
     t, v = stratified_holdout(np.asarray(y)[idx], n_val / total, seed)
     return idx[t], idx[v]
+
+
+def _first(rows, n: int, what: str) -> np.ndarray:
+    """Positions of the ``n`` smallest ``rows`` (the first ``n`` in the dataset's order)."""
+    rows = np.asarray(rows)
+    if rows.size < n:
+        raise SplitError(f"the protocol needs {n} {what} examples but only {rows.size} valid ones "
+                         "exist; use a larger split or the protocol 'vtab1k-stratified'/'full'")
+    return np.sort(np.argsort(rows, kind="stable")[:n])
+
+
+def vtab1k_fixed(rows, val_rows=None, n_train: int = VTAB_TOTAL - VTAB_VAL,
+                 n_val: int = VTAB_VAL) -> tuple[np.ndarray, np.ndarray]:
+    """VTAB-1k as published: ``train[:800]`` and the first 200 of the val source, in the
+    dataset's own order, identical for every seed (seeds vary only training randomness).
+
+    ``rows``: for each canonical position of train, its row in the dataset's own order.
+    ``val_rows``: the same for the dataset's val split; ``None``: the val source is the rest
+    of train, so val is ``train[800:1000]``. Returns (train, val) positions in the plan's
+    index space (val split rows follow the ``len(rows)`` train rows).
+    """
+    rows = np.asarray(rows)
+    if val_rows is None:
+        both = _first(rows, n_train + n_val, "training")
+        order = both[np.argsort(rows[both], kind="stable")]
+        return np.sort(order[:n_train]), np.sort(order[n_train:])
+    return _first(rows, n_train, "training"), rows.size + _first(val_rows, n_val, "validation")
+
+
+def batch_positions(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """Positions (into ``n`` training rows) of the batch of ``step``: items
+    ``[step * batch_size, (step + 1) * batch_size)`` of the concatenated seeded epoch
+    permutations ``default_rng([seed, epoch]).permutation(n)``. Every batch is full (VTAB's
+    ``drop_remainder``) and depends only on (seed, step), so a resumed run repeats it."""
+    start = step * batch_size
+    out = []
+    need = batch_size
+    epoch, off = divmod(start, n)
+    while need:
+        perm = np.random.default_rng([int(seed), int(epoch)]).permutation(n)
+        take = perm[off : off + need]
+        out.append(take)
+        need -= take.size
+        epoch, off = epoch + 1, 0
+    return np.concatenate(out)
 
 
 def full_holdout(y, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[np.ndarray, np.ndarray]:

@@ -53,7 +53,7 @@ class FinetuneConfig:
     weights: str = flag("timm", "timm (local cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
     data: str = flag(None, "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE", required=True)
     protocol: str = flag("vtab1k-light", "vtab1k-light: 1000 examples (800/200 selection), rows pair with "
-                         "probe protocol vtab1k; full: all of train, pairs with probe protocol full")
+                         "probe protocol vtab1k-sgd (VTAB Fig. 16); full: all of train, pairs with probe protocol full")
     seeds: tuple[int, ...] | None = flag(None, "comma-separated seeds (default 0,1,2 for vtab1k-light, 0 for full)",
                                          type=int_list)
     results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
@@ -155,7 +155,7 @@ class FinetuneConfig:
             micro_batch=self.micro_batch, last_decay=self.last_decay, momentum=self.momentum,
             weight_decay=self.weight_decay, data_config=_jsonable(backbone.data_config),
             train_split=self.train_split, precision=precision,
-            val_source=self.val_source if proto.split == "vtab1k" else None, limit=self.limit,
+            val_source=self.val_source if proto.split.startswith("vtab1k") else None, limit=self.limit,
         )
 
     def scaled_from(self, proto) -> dict[str, Any]:

@@ -9,15 +9,17 @@ with the probe row of the same backbone, dataset, protocol, eval split and seed.
 Protocols
 ---------
 ``vtab1k-light`` (VTAB lightweight fine-tuning, PROTOCOLS.md section 1)
-    1,000 stratified training examples per seed: 800 train / 200 val
-    (:func:`featcache.splits.vtab1k_indices`, ``val_source="split-800-200"``) or the
-    1,000 with the dataset's ``val`` split for selection (``"official-val"``). SGD with
+    VTAB's fixed 1,000 training examples, the same for every seed (seeds vary only the
+    training randomness): the first 800 of train and the first 200 of the val source in
+    the dataset's own order, the reader's row order = the store's
+    (:func:`featcache.splits.vtab1k_fixed`; ``val_source="split-800-200"``: train[800:1000];
+    ``"official-val"``: val[:200]). SGD with
     momentum 0.9, batch 512, no weight decay; lr in {0.1, 0.01} x {2,500, 10,000} steps,
     lr divided by 10 at 1/3, 2/3 and ``last_decay`` (default 0.9, the value the probes'
     ``vtab1k-sgd`` uses; the paper says only "shortly before the end") of the steps.
     The config with the best val top-1 (ties: first in the order steps, then lr) is
     retrained from the same initial weights on all 1,000 and tested once. Seeds 0, 1, 2;
-    each seed's rows plus a median row (``seed=-1``). Rows carry ``protocol="vtab1k"``.
+    each seed's rows plus a median row (``seed=-1``). Rows carry ``protocol="vtab1k-sgd"``.
 ``full``
     All of train; selection on the dataset's ``val`` split, or on a stratified, seeded 10%
     of train (:func:`featcache.splits.full_holdout`), then a refit on train+val (or all of
@@ -27,8 +29,8 @@ Pairing with probes
 -------------------
 The analysis stage names a task by dataset + protocol + eval split and pairs the
 ``probe`` and ``finetune`` kinds of one task and backbone. Fine-tune rows therefore carry
-the *probe* protocol name in ``protocol`` (``vtab1k`` / ``full``: ``Protocol.pairs_with``),
-the same ``train_split`` label (``train[1000]``, ``train``, ``train+val``), the same seed,
+the *probe* protocol name in ``protocol`` (``vtab1k-sgd`` / ``full``: ``Protocol.pairs_with``),
+the same ``train_split`` label (``train[:1000]``, ``train``, ``train+val``), the same seed,
 ``shots=-1``, and the backbone key extract would store (``tf_efficientnet_lite0``,
 ``NAME@random0``...; override with ``backbone_name``). ``hparams`` records
 ``finetune_protocol`` (``vtab1k-light``) and ``pairs_with``.
@@ -106,7 +108,8 @@ def make_plan(protocol: str | Protocol, seed: int, train: Split, val: Split | No
     proto = protocol if isinstance(protocol, Protocol) else get_protocol(protocol, "finetune")
     return proto.plan(train.y, seed, n_val=None if val is None else val.y.size,
                       val_source=val_source, train_name=train.name,
-                      val_name="val" if val is None else val.name)
+                      val_name="val" if val is None else val.name, rows=train.order,
+                      val_rows=None if val is None else val.order)
 
 
 @dataclass

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from featcache.protocols import VTAB_SGD
+from featcache.splits import batch_positions  # the one SGD data order (shared with the probes)
 
 __all__ = ["TrainConfig", "milestones_for", "lr_at", "batch_positions", "make_configs"]
 
@@ -36,27 +35,6 @@ def lr_at(step: int, lr: float, milestones: Sequence[int]) -> float:
     """Learning rate of (0-based) ``step``: ``lr * 0.1 ** #{m in milestones: m <= step}``
     (torch ``MultiStepLR`` semantics, as the probes' SGD head)."""
     return lr * 0.1 ** sum(1 for m in milestones if m <= step)
-
-
-def batch_positions(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-    """Positions (into the ``n`` training rows) of the batch of ``step``.
-
-    The data stream is the concatenation of seeded epoch permutations
-    (``default_rng([seed, epoch]).permutation(n)``); step ``s`` takes items
-    ``[s * batch_size, (s + 1) * batch_size)`` of it, so every batch is full and the order
-    depends only on (seed, step): resuming at any step reproduces the stream exactly.
-    """
-    start = step * batch_size
-    out = []
-    need = batch_size
-    epoch, off = divmod(start, n)
-    while need:
-        perm = np.random.default_rng([int(seed), int(epoch)]).permutation(n)
-        take = perm[off : off + need]
-        out.append(take)
-        need -= take.size
-        epoch, off = epoch + 1, 0
-    return np.concatenate(out)
 
 
 def make_configs(steps: Sequence[int], lrs: Sequence[float], batch_size: int, *,

@@ -36,7 +36,8 @@ class ProbeConfig:
     cache: str | tuple[str, ...] = flag(cli=False)
     backbones: str | tuple[str, ...] = flag(cli=False)
     dataset: str = flag(required=True, help="dataset key in the cache")
-    protocol: str = flag("full", "full | fewshot:N | vtab1k | vtab1k-sgd | salman | subset:F%")
+    protocol: str = flag("full", "full | fewshot:N | vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
+                          "elevater-fewshot:N | elevater-full | zeroshot")
     seeds: tuple[int, ...] | None = flag(
         None, "comma-separated seeds (default: the protocol's, 0,1,2 for fewshot/vtab1k, else 0)")
     results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
@@ -54,8 +55,12 @@ class ProbeConfig:
     kind: str = flag("pooled", "feature kind in the cache")
     val_source: str = flag("split-800-200", "vtab1k selection data (the paper's two readings)",
                            choices=["split-800-200", "official-val"])
-    head_init: str | None = flag(None, "name of a class-embedding matrix stored beside the dataset (ELEVATER)")
+    head_init: str | None = flag(None, "class-embedding matrix the head starts from (ELEVATER: 'text', stored "
+                                       "per backbone x dataset); zeroshot: the classifier itself (default text)")
     sgd_epochs: int | None = flag(None, "salman: SGD epochs (paper: 150)", name="--epochs", type=int)
+    search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
+    final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)",
+                                    type=int)
     vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
     last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
     sgd_standardize: bool = flag(False, cli=False)
@@ -102,7 +107,14 @@ class ProbeConfig:
             vtab_steps=self.vtab_steps if self.vtab_steps is not None else getattr(g, "steps", None),
             last_decay=self.last_decay if self.last_decay is not None else getattr(g, "last_decay", None),
             sgd_epochs=self.sgd_epochs if self.sgd_epochs is not None else getattr(g, "epochs", None),
+            search_epochs=self.search_epochs if self.search_epochs is not None else getattr(g, "search_epochs", None),
+            final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
         )
+        for f in ("search_epochs", "final_epochs"):
+            if getattr(out, f) is not None and getattr(out, f) < 1:
+                raise ProbeError(f"{f} must be >= 1 (got {getattr(out, f)})")
+        if proto.solver == "zeroshot" and out.head_init is None:
+            out = replace(out, head_init="text")  # the text head is the whole classifier
         if not out.seeds:
             raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not out.backbones:
@@ -120,7 +132,8 @@ class ProbeConfig:
                     tol=float(self.tol), standardize=bool(self.standardize),
                     sgd_epochs=opt(int, self.sgd_epochs), vtab_steps=opt(tuple, self.vtab_steps),
                     last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize),
-                    metric=self.metric or "top1")
+                    metric=self.metric or "top1", search_epochs=opt(int, self.search_epochs),
+                    final_epochs=opt(int, self.final_epochs))
 
     def run_options(self, proto) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the solver settings the
@@ -129,12 +142,17 @@ class ProbeConfig:
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
-        if proto.split == "vtab1k":
+        if proto.split.startswith("vtab1k"):
             opts["val_source"] = self.val_source
+        lbfgs = ("Cs", "max_iter", "tol", "standardize")
+        elevater = ("search_epochs", "final_epochs")
         if proto.solver == "lbfgs":
-            drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize")
+            drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize", *elevater)
+        elif proto.solver in ("elevater", "zeroshot"):
+            drop = (*lbfgs, "sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize",
+                    *(elevater if proto.solver == "zeroshot" else ()))
         elif proto.grid.epochs is not None:
-            drop = ("Cs", "max_iter", "tol", "standardize", "vtab_steps", "last_decay")
+            drop = (*lbfgs, "vtab_steps", "last_decay", *elevater)
         else:
-            drop = ("Cs", "max_iter", "tol", "standardize", "sgd_epochs")
+            drop = (*lbfgs, "sgd_epochs", *elevater)
         return {k: v for k, v in opts.items() if k not in drop}

@@ -44,6 +44,7 @@ class SplitData:
     n_invalid: int
     fingerprint: str
     Y: np.ndarray | None = None  # multi-label targets [N, C] bool, same row order
+    rows: np.ndarray | None = None  # each row's position in the store (the dataset's own order)
 
 
 @dataclass
@@ -116,7 +117,8 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None) -> Spli
             "the class sets of the splits differ: extract both splits from the same dataset "
             "spec (same class list)")
     y = np.fromiter((pos[n] for n in y_names), np.int64, count=y_names.size)
-    return SplitData(split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint)
+    return SplitData(split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint,
+                     rows=np.flatnonzero(valid)[order])
 
 
 def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
@@ -214,7 +216,8 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
     """The protocol's seeded plan (:meth:`Protocol.plan`) as the arrays the fits use."""
     sp: SplitPlan = proto.plan(train.y, seed, n_val=None if val is None else val.y.size,
                                val_source=val_source, train_name=train.name,
-                               val_name=None if val is None else val.name)
+                               val_name=None if val is None else val.name, rows=train.rows,
+                               val_rows=None if val is None else val.rows)
     Y = None
     if train.Y is not None:
         rows = train.Y if val is None else np.concatenate([train.Y, val.Y])
@@ -261,7 +264,8 @@ def _sgd_configs(proto: Protocol, n: int, opts: dict) -> list[dict]:
                      lr_decay_epochs=dec)
                 for lr in g.lrs]
     return [dict(lr=lr, steps=steps, batch_size=g.batch_size, momentum=g.momentum,
-                 weight_decay=g.weight_decay, milestones=list(g.milestones(steps, opts["last_decay"])))
+                 weight_decay=g.weight_decay, milestones=list(g.milestones(steps, opts["last_decay"])),
+                 drop_remainder=g.drop_remainder)
             for steps in opts["vtab_steps"] for lr in g.lrs]
 
 
@@ -357,6 +361,27 @@ def _fit_ovr(plan: _Plan, opts: dict) -> tuple[Any, dict, bool, float]:
     return (ovr.predict_proba, None), hp, conv, time.perf_counter() - t0
 
 
+def _class_embeddings(caches, b: str, cfg: ProbeConfig) -> np.ndarray:
+    """``b``'s class embeddings for the dataset (its text tower's; else dataset-level)."""
+    c = _cache_for(caches, b, cfg.dataset)
+    return np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init, backbone=b), np.float64)
+
+
+def _zeroshot(text: np.ndarray):
+    """The text head alone, no training: softmax(scale * normalised features . normalised
+    text), scale = CLIP's logit scale 100 (top-1 does not depend on it)."""
+    from scipy.special import softmax
+
+    from featcache.probes.elevater import zeroshot_logits
+
+    hp = {"solver": "zeroshot", "logit_scale": ZEROSHOT_SCALE, "trained": False}
+    return (lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1),
+            np.arange(text.shape[0])), hp, True, 0.0
+
+
+ZEROSHOT_SCALE = 100.0
+
+
 # ------------------------------------------------------------------ main entry
 def run_probes(config: ProbeConfig):
     """Probe ``config.backbones`` on ``config.dataset`` with ``config.protocol``; returns the
@@ -379,10 +404,7 @@ def run_probes(config: ProbeConfig):
     if data[backbones[0]].train.Y is not None and (proto.solver != "lbfgs" or cfg.head_init):
         raise ProbeError(f"multi-label targets run one-vs-rest L-BFGS probes without head_init; "
                          f"{proto.spec} is not supported for them: use full, fewshot:N or subset:F%")
-    hi_matrix = None
-    if cfg.head_init is not None:
-        c = _cache_for(caches, backbones[0], cfg.dataset)
-        hi_matrix = np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init), np.float64)
+    hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
 
     done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
     new_rows: list[dict] = []
@@ -395,7 +417,7 @@ def run_probes(config: ProbeConfig):
             log.info("skip %s/%s %s seed %d: already in %s (force=True reruns)", b, cfg.dataset,
                      proto.spec, seed, cfg.results_path)
             continue
-        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi_matrix, run_ids)
+        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids)
     return _collect(cfg, proto, new_rows, wanted)
 
 
@@ -430,20 +452,28 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
         raise ProbeError(
             f"class embeddings {cfg.head_init!r} have shape {hi_matrix.shape} but {b} on "
             f"{cfg.dataset} needs ({len(d.names)}, {d.train.X.shape[1]}): one row per class "
-            "of the dataset, in its class order, with the backbone's feature dimension")
+            "of the dataset, in its class order, with the backbone's feature dimension; store "
+            f"{b}'s own with write_class_embeddings(..., backbone={b!r})")
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
     opts = cfg.solver_options()
     if plan.Y is not None:
         (predict, classes), hp, conv, secs = _fit_ovr(plan, opts)
+    elif proto.solver == "zeroshot":
+        (predict, classes), hp, conv, secs = _zeroshot(hi_matrix)
     elif proto.solver == "lbfgs":
         (predict, classes), hp, conv, secs = _fit_lbfgs(plan, opts, hi_matrix)
+    elif proto.solver == "elevater":
+        from featcache.probes.elevater import fit_elevater
+
+        (predict, classes), hp, conv, secs = fit_elevater(proto.grid, plan, opts, hi_matrix, seed,
+                                                          resolve_backend("torch")[1])
     else:
         (predict, classes), hp, conv, secs = _fit_sgd(proto, plan, opts, hi_matrix, seed)
     hp.update(plan.info)
     hp.update(n_train=int(plan.tr[1].size), n_val=int(plan.va[1].size),
               n_train_final=int(plan.fin[1].size), head_init=cfg.head_init,
               n_invalid={s: v.n_invalid for s, v in d.splits().items()})
-    if proto.split == "vtab1k":
+    if proto.split.startswith("vtab1k"):
         hp.setdefault("val_source", cfg.val_source)
     hp["task_metric"] = opts["metric"]
     rows = []

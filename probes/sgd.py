@@ -40,11 +40,16 @@ def train_sgd_head(
     seed: int = 0,
     device: str = "cpu",
     init: tuple[np.ndarray, np.ndarray] | None = None,
+    drop_remainder: bool = False,
+    nesterov: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Train ``logits = X @ W + b`` for ``steps`` updates; returns (W [D, K], b [K], finite).
 
-    Batches walk through seeded epoch permutations (the last batch of an epoch may be
-    smaller), so ``steps = epochs * ceil(n / batch_size)`` is exactly ``epochs`` epochs.
+    Default: batches walk through seeded epoch permutations (the last batch of an epoch may
+    be smaller, as a PyTorch DataLoader), so ``steps = epochs * ceil(n / batch_size)`` is
+    exactly ``epochs`` epochs. ``drop_remainder``: every batch is full, cut from the stream
+    of seeded epoch permutations of :func:`featcache.splits.batch_positions` (VTAB's
+    ``repeat`` + ``batch(drop_remainder=True)``; the batches featcache's fine-tuning uses).
     ``finite`` is False when the loss diverged (the head is then unusable).
     """
     import torch
@@ -61,16 +66,14 @@ def train_sgd_head(
         else:
             lin.weight.copy_(torch.as_tensor(np.asarray(init[0]).T, dtype=torch.float32))
             lin.bias.copy_(torch.as_tensor(np.asarray(init[1]), dtype=torch.float32))
-    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay,
+                          nesterov=nesterov)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=sorted(set(milestones)), gamma=0.1)
     step = 0
     finite = True
-    while step < steps:
-        perm = torch.randperm(n, generator=gen).to(device)
-        for start in range(0, n, batch_size):
-            if step >= steps:
-                break
-            bi = perm[start : start + batch_size]
+    for batches in _epochs(n, batch_size, steps, seed, gen, drop_remainder):
+        for bi in batches:
+            bi = bi.to(device)
             loss = torch.nn.functional.cross_entropy(lin(X_t[bi]), y_t[bi])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -86,6 +89,25 @@ def train_sgd_head(
     return W, b, finite and bool(np.isfinite(W).all())
 
 
+def _epochs(n: int, batch_size: int, steps: int, seed: int, gen, drop_remainder: bool):
+    """Yield each epoch's list of batch index tensors until ``steps`` batches in all (with
+    ``drop_remainder``: chunks of ``ceil(n / batch_size)`` full batches of the stream)."""
+    import torch
+
+    done = 0
+    while done < steps:
+        if drop_remainder:
+            from featcache.splits import batch_positions
+
+            k = min(max(1, -(-n // batch_size)), steps - done)
+            out = [torch.from_numpy(batch_positions(n, batch_size, seed, done + i)) for i in range(k)]
+        else:
+            perm = torch.randperm(n, generator=gen)
+            out = [perm[s : s + batch_size] for s in range(0, n, batch_size)][: steps - done]
+        done += len(out)
+        yield out
+
+
 class SGDProbe(ClassifierMixin, BaseEstimator):
     """Softmax linear head trained by mini-batch SGD on frozen features (scikit-learn classifier).
 
@@ -97,6 +119,9 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
     head_init : optional [K, D] raw-feature-space class-embedding matrix (rows in the order
         of ``classes_``) the head starts from; default zeros.
     random_state : seed of the batch order (runs repeat bit for bit on one device).
+    drop_remainder : every batch full, from :func:`featcache.splits.batch_positions`
+        (VTAB; fine-tuning's batches); default: per-epoch permutations with a partial last batch.
+    nesterov : Nesterov momentum (ELEVATER's toolkit default).
     device : ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
 
     Attributes
@@ -108,7 +133,7 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
     def __init__(self, lr: float = 0.1, steps: int = 200, batch_size: int = 64,
                  momentum: float = 0.9, weight_decay: float = 0.0, milestones=(),
                  standardize: bool = True, head_init=None, random_state: int = 0,
-                 device: str = "auto"):
+                 device: str = "auto", drop_remainder: bool = False, nesterov: bool = False):
         self.lr = lr
         self.steps = steps
         self.batch_size = batch_size
@@ -119,6 +144,8 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
         self.head_init = head_init
         self.random_state = random_state
         self.device = device
+        self.drop_remainder = drop_remainder
+        self.nesterov = nesterov
 
     def fit(self, X, y, *, classes=None) -> SGDProbe:
         """Fit on ``X [n, D]`` and labels ``y``; ``classes`` (default: those in ``y``) fixes
@@ -144,7 +171,8 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
                 scaler.transform(X), yi, K, lr=self.lr, steps=self.steps,
                 batch_size=self.batch_size, momentum=self.momentum,
                 weight_decay=self.weight_decay, milestones=list(self.milestones),
-                seed=self.random_state, device=self.device_, init=init)
+                seed=self.random_state, device=self.device_, init=init,
+                drop_remainder=self.drop_remainder, nesterov=self.nesterov)
         self.coef_, self.intercept_ = scaler.to_raw(W, b)
         self._softmax_coef, self._softmax_intercept = self.coef_, self.intercept_
         self.finite_ = ok

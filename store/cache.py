@@ -344,15 +344,22 @@ class FeatureCache:
         return pl.DataFrame(rows, schema=schema, orient="row" if rows else None)
 
     # ------------------------------------------------------------------ class embeddings
-    def load_class_embeddings(self, dataset: str, name: str = "text") -> np.ndarray:
+    def load_class_embeddings(self, dataset: str, name: str = "text", backbone: str | None = None) -> np.ndarray:
+        """A [C, D] class-embedding matrix: ``backbone``'s own (its text tower's) when stored,
+        else the dataset-level one (backbone-agnostic, older stores)."""
+        for parts in ((("class_embeddings", dataset, backbone),) if backbone else ()) + (("class_embeddings", dataset),):
+            g = self._group(*parts)
+            if g is not None and name in {k for k, _ in g.arrays()}:
+                return np.asarray(g[name][:], dtype=np.float32)
         g = self._group("class_embeddings", dataset)
-        if g is None or name not in g:
-            have = [k for k, _ in g.arrays()] if g is not None else []
-            raise NotInStoreError(
-                f"no class embeddings {name!r} for dataset {dataset!r} (present: {have}); "
-                "store them with featcache.store.write_class_embeddings"
-            )
-        return np.asarray(g[name][:], dtype=np.float32)
+        have = [k for k, _ in g.arrays()] if g is not None else []
+        per_bb = [k for k, _ in g.groups()] if g is not None else []
+        raise NotInStoreError(
+            f"no class embeddings {name!r} for dataset {dataset!r}"
+            + (f" and backbone {backbone!r}" if backbone else "")
+            + f" (present: {have}; backbones with their own: {per_bb}); store them with "
+            "featcache.store.write_class_embeddings(path, dataset, matrix, name, backbone=...)"
+        )
 
     def __repr__(self) -> str:
         return f"FeatureCache({self.path!r}, {len(self.entries())} feature groups)"
@@ -487,14 +494,36 @@ def ensure_split(
     return meta
 
 
-def write_class_embeddings(path_or_cache, dataset: str, matrix: np.ndarray, name: str = "text") -> None:
-    """Store a [C, D] class-embedding matrix beside ``dataset`` (ELEVATER language-initialised head)."""
+def write_class_embeddings(path_or_cache, dataset: str, matrix: np.ndarray, name: str = "text",
+                           backbone: str | None = None) -> None:
+    """Store a [C, D] class-embedding matrix beside ``dataset`` (ELEVATER language-initialised
+    head, zero-shot). With ``backbone`` (its text tower's embeddings) it is stored for that
+    backbone x dataset, under ``class_embeddings/<dataset>/<backbone>/<name>``, and refused
+    when D differs from the width of the backbone's stored features of ``dataset``."""
     cache = path_or_cache if isinstance(path_or_cache, FeatureCache) else open_cache(path_or_cache, "a")
     check_name("dataset", dataset)
     check_name("embedding", name)
     m = np.asarray(matrix, dtype=np.float32)
     if m.ndim != 2:
         raise SchemaMismatchError(f"class embeddings must be [n_classes, dim], got shape {m.shape}")
-    g = cache.root.require_group(f"class_embeddings/{dataset}")
+    where = f"class_embeddings/{dataset}"
+    if backbone is not None:
+        check_name("backbone", backbone)
+        _check_embedding_width(cache, backbone, dataset, m.shape[1])
+        where += f"/{backbone}"
+    g = cache.root.require_group(where)
     a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, overwrite=True)
     a[:] = m
+
+
+def _check_embedding_width(cache: FeatureCache, backbone: str, dataset: str, width: int) -> None:
+    """Refuse class embeddings whose width differs from ``backbone``'s features of ``dataset``."""
+    for b, d, split in cache.entries():
+        if (b, d) == (backbone, dataset) and "pooled" in cache.kinds(b, d, split):
+            dim = int(cache._feature_group(b, d, split)["pooled"].shape[1])
+            if dim != width:
+                raise SchemaMismatchError(
+                    f"class embeddings of width {width} do not match {backbone}'s {dim}-d features "
+                    f"of {dataset!r}; store the matrix of this backbone's own text tower "
+                    f"(one row per class, {dim} columns)")
+            return

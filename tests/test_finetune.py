@@ -140,10 +140,10 @@ def test_finetune_plan_selects_the_same_images_as_the_probe_plan(digits_cache, d
 
     sd = R._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled")
     sd_pos = R.SplitData(sd.name, np.arange(sd.y.size, dtype=np.float64)[:, None], sd.y, sd.ids,
-                         sd.n_invalid, sd.fingerprint)
+                         sd.n_invalid, sd.fingerprint, sd.rows)  # rows: the store's order (vtab1k)
     tr = digits_splits[0]
     assert np.array_equal(sd.ids, tr.ids) and np.array_equal(sd.y, tr.y)
-    for proto, ftproto in (("vtab1k", "vtab1k-light"), ("full", "full")):
+    for proto, ftproto in (("vtab1k-sgd", "vtab1k-light"), ("full", "full")):
         for seed in (0, 1, 2):
             pp = R._plan(get_protocol(proto), seed, sd_pos, None, "split-800-200")
             fp = F.make_plan(ftproto, seed, tr, None, "split-800-200")
@@ -336,14 +336,14 @@ def test_finetune_rows_pair_with_probe_rows(pretrained_vs_random, digits_cache, 
     from featcache.results import make_run_id, rows_to_frame
 
     ft, _ = pretrained_vs_random[LITE0_WEIGHTS]
-    # a probe row as the probes write it for vtab1k seed 0 on the digits store
+    # a probe row as the probes write it for vtab1k-sgd seed 0 on the digits store (VTAB Fig. 16)
     hand = rows_to_frame([dict(run_id=make_run_id(kind="probe", m=m), kind="probe", backbone=LITE0,
-                               dataset="digits", protocol="vtab1k", train_split="train[1000]",
+                               dataset="digits", protocol="vtab1k-sgd", train_split="train[:1000]",
                                eval_split="test", shots=-1, seed=0, metric=m, value=0.9,
                                n_eval=450) for m in METRICS])
     probe_tables = [hand]
     R = pytest.importorskip("featcache.probes.runner")
-    real = R.run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "vtab1k", seeds=[0],
+    real = R.run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "vtab1k-sgd", seeds=[0], vtab_steps=(30,),
                         results_path=tmp_path / "probe.parquet", progress=False))
     probe_tables.append(real.filter(pl.col("seed") == 0))
     for probe in probe_tables:
@@ -354,7 +354,7 @@ def test_finetune_rows_pair_with_probe_rows(pretrained_vs_random, digits_cache, 
         df, _ = tables.merge_tables([tables.load_table(probe, source="p"), tables.load_table(ft, source="f")])
         out = rankings.linear_vs_finetune(tables.reduce_seeds(df))
         pairs = out["pairs"]
-        assert pairs.height == 1 and pairs["task"][0] == "digits (vtab1k)"
+        assert pairs.height == 1 and pairs["task"][0] == "digits (vtab1k-sgd)"
         assert pairs["finetune"][0] == pytest.approx(float(ft.filter(ft["metric"] == "top1")["value"][0]))
 
 

@@ -220,3 +220,34 @@ def test_parity_cuml(standardized, C):
     assert abs(np.mean(pa == yte) - np.mean(pb == yte)) <= 0.005
     assert np.mean(pa == pb) >= 0.98
     assert a.converged_, f"cuML solution not stationary for featcache's objective (grad {a.grad_max_})"
+
+
+def test_sgd_drop_remainder_trains_on_full_batches_only(standardized):
+    """SGDProbe(drop_remainder=True): every step sees a full batch, the stream of seeded epoch
+    permutations featcache's fine-tuning uses (VTAB's repeat + batch(drop_remainder=True));
+    checked against a hand-written SGD loop over those batches on real features."""
+    import torch
+
+    from featcache.probes import SGDProbe
+    from featcache.splits import batch_positions
+
+    Xtr, ytr, _, _ = standardized
+    X, y = Xtr[:50].astype(np.float64), ytr[:50]  # 50 rows, batch 16: epochs end mid-batch
+    kw = dict(lr=0.05, steps=7, batch_size=16, momentum=0.9, standardize=False, device="cpu", random_state=3)
+    full = SGDProbe(**kw, drop_remainder=True).fit(X, y)
+    partial = SGDProbe(**kw).fit(X, y)
+    classes = np.unique(y)
+    lin = torch.nn.Linear(X.shape[1], classes.size)
+    torch.nn.init.zeros_(lin.weight)
+    torch.nn.init.zeros_(lin.bias)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.05, momentum=0.9)
+    Xt, yt = torch.tensor(X, dtype=torch.float32), torch.tensor(np.searchsorted(classes, y))
+    for step in range(7):
+        bi = torch.from_numpy(batch_positions(50, 16, 3, step))
+        assert bi.numel() == 16  # never a partial batch
+        loss = torch.nn.functional.cross_entropy(lin(Xt[bi]), yt[bi])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    np.testing.assert_allclose(full.coef_, lin.weight.detach().double().numpy(), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(full.coef_, partial.coef_)  # the default keeps each epoch's partial batch

@@ -313,10 +313,17 @@ def test_official_val_split_is_used(digits_feats, tmp_path):
     assert df["train_split"][0] == "train+val"
     assert (hp["val"], hp["n_train"], hp["n_val"], hp["n_train_final"]) == ("official", 1100, 247, 1347)
     assert _top1(df)[0] > 0.93
+    # vtab1k (fixed, VTAB's rule): train[:800] + val[:200]; the stratified protocol keeps
+    # the earlier reading (fit on a drawn 1000, select on the whole val split)
     v = run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k", seeds=[0], val_source="official-val",
                    Cs=SMALL_GRID, progress=False))
     hv = json.loads(v["hparams"][0])
-    assert (hv["val_source"], hv["n_train"], hv["n_val"], hv["n_train_final"]) == ("official-val", 1000, 247, 1000)
+    assert (hv["val_source"], hv["n_train"], hv["n_val"], hv["n_train_final"]) == ("official-val", 800, 200, 1000)
+    assert v["train_split"][0] == "train[:800]+val[:200]" and hv["val"] == "val[:200]"
+    st = run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k-stratified", seeds=[0], val_source="official-val",
+                    Cs=SMALL_GRID, progress=False))
+    hs = json.loads(st["hparams"][0])
+    assert (hs["val_source"], hs["n_train"], hs["n_val"], hs["n_train_final"]) == ("official-val", 1000, 247, 1000)
     s = run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k", seeds=[0], Cs=SMALL_GRID, progress=False))
     assert json.loads(s["hparams"][0])["n_val"] == 200  # split-800-200 ignores the val split
     assert s["run_id"][0] != v["run_id"][0]

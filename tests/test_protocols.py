@@ -69,10 +69,42 @@ def test_every_finetune_protocol_pairs_with_a_probe_protocol_on_the_same_example
 
 def test_different_seeds_select_different_examples(digits):
     (ty, _), _ = digits
-    vt = P.get_protocol("vtab1k")
+    vt = P.get_protocol("vtab1k-stratified")
     a, b = vt.plan(ty, 0), vt.plan(ty, 1)
-    assert not np.array_equal(a.train, b.train)  # the pairing test compares real draws
+    assert not np.array_equal(a.train, b.train)  # the seeded draw: a new 1,000 per seed
     assert a.train.size == 800 and a.val.size == 200 and a.final.size == 1000
+
+
+@pytest.mark.parametrize("cache_fixture,dataset,limit", [("digits_cache", "digits", None),
+                                                         ("fmnist_cache", "fashion-mnist-small", 2000)])
+def test_vtab1k_pool_is_fixed_first_800_and_200_in_dataset_order(request, cache_fixture, dataset, limit):
+    """VTAB-1k as published: train[:800] and train[800:1000] in the store's row order (the
+    reader's order), identical for seeds 0, 1, 2, on the probe side (store) and the fine-tune
+    side (images from the reader) alike; ``vtab1k-stratified`` keeps the seeded draw."""
+    from featcache.extract.data import open_dataset
+    from featcache.store import open_cache
+
+    cache = open_cache(request.getfixturevalue(cache_fixture))
+    sd = PR._load_split(cache, "tf_efficientnet_lite0", dataset, "train", "pooled")
+    store_ids = np.asarray(cache.split_rows(dataset, "train")[0]).astype(str)
+    pos = PR.SplitData(sd.name, np.arange(sd.y.size, dtype=np.float64)[:, None], sd.y, sd.ids, 0, "", sd.rows)
+    src = open_dataset("digits" if limit is None else "fashion-mnist")["train"]
+    src = src if limit is None else src.subset(limit)
+    ft = FD.prepare_split(src, list(src.class_names))
+    pools = []
+    for seed in (0, 1, 2):
+        pp = PR._plan(P.get_protocol("vtab1k"), seed, pos, None, "split-800-200")
+        probe_ids = [sd.ids[a[0][:, 0].astype(int)] for a in (pp.tr, pp.va)]
+        assert set(probe_ids[0]) == set(store_ids[:800]) and set(probe_ids[1]) == set(store_ids[800:1000])
+        fp = FR.make_plan("vtab1k-light", seed, ft, None, "split-800-200")
+        assert set(ft.ids[fp.train]) == set(store_ids[:800]) and set(ft.ids[fp.val]) == set(store_ids[800:1000])
+        pools.append(sorted(probe_ids[0]) + sorted(probe_ids[1]))
+        assert pp.train_split == fp.train_split == "train[:1000]"
+    assert pools[0] == pools[1] == pools[2]
+    strat = [set(sd.ids[P.get_protocol("vtab1k-stratified").plan(sd.y, s).final]) for s in (0, 1)]
+    assert strat[0] != strat[1]
+    if dataset == "digits":  # ids digits-0, digits-1, ...: the dataset order is not the id-sorted one
+        assert set(np.sort(sd.ids)[:800]) != set(store_ids[:800])
 
 
 def test_parametrised_specs_and_defaults():
@@ -83,7 +115,9 @@ def test_parametrised_specs_and_defaults():
     assert P.get_protocol("salman").grid.decay_epochs() == [50, 100]
     assert P.get_protocol("vtab1k-sgd").grid.milestones(2500) == (833, 1666, 2250)
     assert P.get_protocol("full").grid.Cs == P.C_GRID and len(P.C_GRID) == 45
-    assert P.pairs("finetune") == {"full": "full", "vtab1k-light": "vtab1k"}
+    # VTAB Figure 16: lightweight fine-tuning pairs with the lightweight SGD linear probe
+    assert P.pairs("finetune") == {"full": "full", "vtab1k-light": "vtab1k-sgd"}
+    assert P.get_protocol("vtab1k-sgd").grid.drop_remainder and not P.get_protocol("salman").grid.drop_remainder
     with pytest.raises(ProtocolError, match="unknown fine-tuning protocol"):
         P.get_protocol("vtab1k", "finetune")
     with pytest.raises(ProbeError, match="takes no argument"):

@@ -1,0 +1,140 @@
+"""ELEVATER's linear-probe search on cached features (``elevater-fewshot:N``, ``elevater-full``).
+
+For each of the grid's learning rates a coarse-to-fine weight-decay search
+(:func:`search_weight_decay`), each trial an :class:`~featcache.probes.sgd.SGDProbe` trained
+for ``search_epochs`` on the plan's train rows and scored by top-1 on its val rows; the
+best (lr, wd) is retrained for ``final_epochs`` on train+val. The head sees L2-normalised
+features times CLIP's logit scale 1/0.07 (the toolkit's ``NORMALIZE_VISUAL_FEATURE`` with
+``LOGIT_SCALE_INIT='clip'``; ``ElevaterGrid.features="bn"`` gives its default channel
+BatchNorm instead) and is zero-initialised or, with ``head_init``, starts from the
+L2-normalised class text embeddings with a zero bias (ELEVATER's language-initialised head):
+its argmax at step 0 is then exactly the zero-shot classifier's (:func:`zeroshot_logits`:
+normalised features . normalised text).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from featcache.errors import ProbeError
+
+__all__ = ["l2_normalise", "search_weight_decay", "fit_elevater", "zeroshot_logits"]
+
+
+def l2_normalise(X: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit L2 norm (all-zero rows stay zero)."""
+    X = np.asarray(X, np.float64)
+    n = np.linalg.norm(X, axis=1, keepdims=True)
+    return X / np.where(n > 0, n, 1.0)
+
+
+def zeroshot_logits(X: np.ndarray, text: np.ndarray) -> np.ndarray:
+    """CLIP-style zero-shot logits: normalised features [n, D] . normalised text [K, D]^T."""
+    return l2_normalise(X) @ l2_normalise(text).T
+
+
+def search_weight_decay(score: Callable[[int], float], n_wds: int, coarse, spans) -> tuple[int, float, int]:
+    """ELEVATER's coarse-to-fine search over weight-decay indices ``0..n_wds-1``: score the
+    ``coarse`` indices, then for each span the neighbours ``peak -/+ span`` (clipped) of the
+    best so far; a later candidate wins only when strictly better. Returns (best index, its
+    score, number of distinct trials). Scores are cached (a clipped neighbour is not rerun)."""
+    seen: dict[int, float] = {}
+
+    def s(i: int) -> float:
+        if i not in seen:
+            seen[i] = score(i)
+        return seen[i]
+
+    peak, best = -1, -math.inf
+    for i in coarse:
+        if s(i) > best:
+            peak, best = i, s(i)
+    for span in spans:
+        cands = [j for j in (max(peak - span, 0), min(peak + span, n_wds - 1)) if j != peak]
+        for j in cands:
+            if s(j) > best:
+                peak, best = j, s(j)
+    return peak, best, len(seen)
+
+
+def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
+    """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; returns
+    ((predict_proba, classes), hparams, finite, seconds). ``head_init``: [C, D] class
+    embeddings of the dataset's classes or ``None`` (zero head)."""
+    from featcache.probes.sgd import SGDProbe
+
+    Xtr, ytr = plan.tr
+    Xva, yva = plan.va
+    classes = np.unique(ytr)
+    if np.setdiff1d(np.concatenate([yva, plan.fin[1]]), classes).size:
+        raise ProbeError("validation/final training data hold classes absent from the selection "
+                         "train data; resample the split so every class is in train")
+    hi = None if head_init is None else l2_normalise(np.asarray(head_init)[classes])
+    se, fe = opts["search_epochs"], opts["final_epochs"]
+
+    def fit(X, y, lr, wd, epochs):
+        """(probe, channel standardiser) trained on (X, y)."""
+        bn = _ChannelBN(X, grid.features, grid.logit_scale)
+        steps = epochs * math.ceil(y.size / grid.batch_size)
+        p = SGDProbe(lr=lr, steps=steps, batch_size=grid.batch_size, momentum=grid.momentum,
+                     nesterov=grid.nesterov, weight_decay=wd, standardize=False, head_init=hi,
+                     random_state=seed, device=device)
+        return p.fit(bn(X), y, classes=classes), bn
+
+    tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
+    Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
+
+    def val_top1(lr, wd) -> float:
+        steps = se * math.ceil(ytr.size / grid.batch_size)
+        p = SGDProbe(lr=lr, steps=steps, batch_size=grid.batch_size, momentum=grid.momentum,
+                     nesterov=grid.nesterov, weight_decay=wd, standardize=False, head_init=hi,
+                     random_state=seed, device=device).fit(Xtr_s, ytr, classes=classes)
+        return float(np.mean(p.predict(Xva_s) == yva)) if p.finite_ else -1.0
+
+    t0 = time.perf_counter()
+    best = (-math.inf, None, None)
+    trials, per_lr = 0, []
+    for lr in grid.lrs:
+        i, sc, n = search_weight_decay(lambda k, lr=lr: val_top1(lr, grid.wds[k]), len(grid.wds),
+                                       grid.coarse, grid.spans)
+        trials += n
+        per_lr.append({"lr": lr, "weight_decay": grid.wds[i], "val_top1": sc, "trials": n})
+        if sc > best[0]:
+            best = (sc, lr, grid.wds[i])
+    sc, lr, wd = best
+    probe, bn = fit(*plan.fin, lr, wd, fe)
+    hp = {"solver": "elevater-sgd", "device": device, "lr": lr, "weight_decay": wd, "val_top1": sc,
+          "selection": "val top1 after the last search epoch (ties: smaller lr, earlier probe)",
+          "trials": trials, "per_lr": per_lr, "search_epochs": se, "final_epochs": fe,
+          "batch_size": grid.batch_size, "momentum": grid.momentum, "nesterov": grid.nesterov,
+          "features": grid.features, "logit_scale": grid.logit_scale, "head": "text-initialised" if hi is not None else "zeros",
+          "report": "final epoch (not the best test epoch)"}
+    scaled = {k: v for k, v, pub in (("search_epochs", se, grid.search_epochs),
+                                     ("final_epochs", fe, grid.final_epochs)) if v != pub}
+    if scaled:
+        hp["scaled"] = True
+        hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}
+    seconds = time.perf_counter() - t0
+    return (lambda X: probe.predict_proba(bn(X)), classes), hp, probe.finite_, seconds
+
+
+class _ChannelBN:
+    """The head's input transform. ``mode="bn"``: per-channel standardisation with the
+    statistics of the rows it was built on (the toolkit's ``BatchNorm1d(affine=False)``);
+    ``mode="l2"``: L2-normalised features times ``scale`` (the toolkit's
+    ``NORMALIZE_VISUAL_FEATURE`` with logit scale ``scale``)."""
+
+    def __init__(self, X: np.ndarray, mode: str = "l2", scale: float = 1.0):
+        X = np.asarray(X, np.float64)
+        self.mode, self.scale = mode, scale
+        self.mu = X.mean(0)
+        self.sd = np.sqrt(X.var(0) + 1e-5)  # BatchNorm's eps
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        if self.mode == "l2":
+            return self.scale * l2_normalise(X)
+        return (np.asarray(X, np.float64) - self.mu) / self.sd

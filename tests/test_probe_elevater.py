@@ -1,0 +1,119 @@
+"""ELEVATER's linear-probe protocol: the toolkit's SGD search (6 lrs x coarse-to-fine weight
+decay, 10 search epochs, 50-epoch final run on train+val) on real lite0 features."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from featcache import protocols as P
+from featcache.probes import ProbeConfig, run_probes
+from featcache.probes.elevater import search_weight_decay
+
+LITE0 = "tf_efficientnet_lite0"
+
+
+def test_grid_is_the_toolkits():
+    g = P.get_protocol("elevater-fewshot:5").grid
+    np.testing.assert_allclose(g.lrs, [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
+    assert len(g.wds) == 97 and g.wds[0] == pytest.approx(1e-6) and g.wds[-1] == pytest.approx(1e6)
+    np.testing.assert_allclose([g.wds[i] for i in g.coarse], np.logspace(-6, 6, 7))
+    assert (g.search_epochs, g.final_epochs, g.batch_size, g.momentum, g.nesterov) == (10, 50, 32, 0.9, True)
+    fs, full = P.get_protocol("elevater-fewshot:20"), P.get_protocol("elevater-full")
+    assert (fs.split, fs.shots, fs.seeds, fs.solver) == ("fewshot", 20, (0, 1, 2), "elevater")
+    assert (full.split, full.seeds, full.solver) == ("full", (0,), "elevater")
+    with pytest.raises(P.ProtocolError, match="N >= 2"):
+        P.get_protocol("elevater-fewshot:1")
+
+
+def test_weight_decay_search_is_coarse_to_fine():
+    visited = []
+
+    def score(i):
+        visited.append(i)
+        return -abs(i - 37)
+
+    best, sc, n = search_weight_decay(score, 97, range(0, 97, 16), (8, 4, 2, 1))
+    # coarse 0..96 -> 32; span 8: 24, 40 -> 40; span 4: 36, 44 -> 36; span 2: 34, 38 (tie, keep 36);
+    # span 1: 35, 37 -> 37
+    assert visited == [0, 16, 32, 48, 64, 80, 96, 24, 40, 36, 44, 34, 38, 35, 37]
+    assert (best, sc, n) == (37, 0, 15)
+
+
+def test_elevater_fewshot_on_real_features(digits_cache):
+    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "elevater-fewshot:5", seeds=[0],
+                                search_epochs=3, final_epochs=20, progress=False))
+    top = df.filter(df["metric"] == "top1")
+    hp = json.loads(top["hparams"][0])
+    assert top["protocol"][0] == "elevater-fewshot:5" and top["train_split"][0] == "train[elevater-fewshot:5]"
+    assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (40, 10, 50)
+    assert hp["solver"] == "elevater-sgd" and hp["lr"] in P.ELEVATER_SGD.lrs and hp["weight_decay"] in P.ELEVATER_SGD.wds
+    assert 6 * 7 <= hp["trials"] <= 6 * 15 and len(hp["per_lr"]) == 6
+    assert hp["scaled_from"] == {"search_epochs": 10, "final_epochs": 50} and hp["head"] == "zeros"
+    assert top["value"][0] > 0.5  # chance 0.1; zero head, 3 + 20 epochs: measured 0.76
+
+
+def test_lbfgs_protocols_say_they_are_dinov2_style():
+    doc = P.__doc__
+    assert "DINOv2" in doc and "elevater-fewshot" in doc
+
+
+@pytest.fixture(scope="module")
+def digits_with_text(digits_cache, tmp_path_factory):
+    """A copy of the digits store with an informative "text head" for lite0.
+
+    No CLIP weights exist offline, so the class embeddings are built honestly from data the
+    probes never train or test on: the mean L2-normalised lite0 feature of each class over
+    the train rows outside the 5-shot pools of seeds 0-2 (held-out training rows),
+    normalised. That is what makes this head informative (a nearest-class-mean classifier);
+    nothing about the result is fixed in advance."""
+    import shutil
+
+    from featcache.probes import runner as PR
+    from featcache.probes.elevater import l2_normalise
+    from featcache.store import open_cache, write_class_embeddings
+
+    path = str(tmp_path_factory.mktemp("text") / "digits.zarr")
+    shutil.copytree(digits_cache, path)
+    sd = PR._load_split(open_cache(path), LITE0, "digits", "train", "pooled")
+    used = np.concatenate([P.get_protocol("elevater-fewshot:5").plan(sd.y, s).final for s in (0, 1, 2)])
+    held = np.setdiff1d(np.arange(sd.y.size), used)
+    Xn = l2_normalise(sd.X[held])
+    text = l2_normalise(np.stack([Xn[sd.y[held] == c].mean(0) for c in range(10)]))
+    write_class_embeddings(path, "digits", text, name="text", backbone=LITE0)
+    return path
+
+
+def _top1_hp(df):
+    t = df.filter(df["metric"] == "top1")
+    return float(t["value"][0]), json.loads(t["hparams"][0])
+
+
+def test_language_initialised_head_matters_and_is_not_worse_than_zeroshot(digits_with_text):
+    zs, hz = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "zeroshot", progress=False)))
+    assert hz["solver"] == "zeroshot" and hz["n_train"] == 0 and hz["head_init"] == "text"
+    assert zs > 0.5  # the held-out class means are an informative text head
+    kw = dict(seeds=[0], search_epochs=3, final_epochs=20, progress=False)
+    lang, hl = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "elevater-fewshot:5",
+                                               head_init="text", **kw)))
+    zero, h0 = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "elevater-fewshot:5", **kw)))
+    assert hl["head"] == "text-initialised" and h0["head"] == "zeros"
+    assert lang != zero or hl["per_lr"] != h0["per_lr"]  # the starting point is not forgotten
+    assert lang >= zs, (lang, zs, zero)
+
+
+def test_class_embeddings_are_per_backbone_and_width_checked(digits_with_text):
+    from featcache.errors import ProbeError, SchemaMismatchError
+    from featcache.store import open_cache, write_class_embeddings
+
+    c = open_cache(digits_with_text)
+    assert c.load_class_embeddings("digits", "text", backbone=LITE0).shape == (10, 1280)
+    with pytest.raises(SchemaMismatchError, match="1280-d features"):
+        write_class_embeddings(digits_with_text, "digits", np.ones((10, 512)), name="clip", backbone=LITE0)
+    with pytest.raises(KeyError, match="backbone=..."):
+        c.load_class_embeddings("digits", "clip", backbone=LITE0)
+    write_class_embeddings(digits_with_text, "digits", np.ones((10, 512)), name="narrow")  # dataset-level
+    with pytest.raises(ProbeError, match="backbone='tf_efficientnet_lite0'"):
+        run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "zeroshot", head_init="narrow", progress=False))
