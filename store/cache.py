@@ -434,6 +434,8 @@ def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan):
     valid = np.zeros(gm.n, bool)
     errors = np.full(gm.n, "", dtype=object)
     bad = set(sc.bad_chunks) | set(np.flatnonzero(~sc.done).tolist())
+    if sc.missing_arrays:
+        bad = set(range(gm.n_chunks))
     for i in range(gm.n_chunks):
         if i in bad:
             continue
