@@ -26,8 +26,9 @@ __all__ = [
 ]
 
 
-def open_cache(path, **kwargs):
-    """Open a feature cache root (see :func:`featcache.store.open_cache`)."""
+def open_cache(store, mode: str = "r", storage_options: dict | None = None):
+    """Open a feature cache root: a path, an fsspec URL or a zarr Store
+    (see :func:`featcache.store.open_cache`)."""
     from featcache.store import open_cache as _open
 
-    return _open(path, **kwargs)
+    return _open(store, mode, storage_options=storage_options)

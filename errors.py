@@ -23,6 +23,14 @@ class NotInStoreError(FeatcacheError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class StoreBusyError(FeatcacheError, RuntimeError):
+    """Another job is writing the same split or feature group of a shared store."""
+
+
+class CorruptStoreError(IncompleteStoreError):
+    """A chunk fails its checksum or contradicts the arrays beside it (bit rot, truncation)."""
+
+
 class ProvenanceMismatchError(SchemaMismatchError):
     """Re-running into an existing key with different settings."""
 

@@ -6,21 +6,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from featcache.errors import (
     CacheNotWritableError,
+    CorruptStoreError,
     IncompleteStoreError,
     NotInStoreError,
     SchemaMismatchError,
 )
+from featcache.store.integrity import AUX_ARRAYS, GroupScan, as_str, read_done, scan_group
+from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
     PROVENANCE_KEY,
@@ -36,7 +37,15 @@ from featcache.store.schema import (
 
 log = logging.getLogger(__name__)
 
-AUX_ARRAYS = ("valid", "error", "done")
+__all__ = ["AUX_ARRAYS", "FeatureCache", "Features", "open_cache"]
+
+
+def checksummed() -> tuple:
+    """Compressors of every featcache array: zstd, then a crc32c checksum of the stored bytes
+    (a flipped bit or a truncated chunk fails to decode instead of giving other numbers)."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    return (ZstdCodec(level=3), Crc32cCodec())
 
 
 def now_iso() -> str:
@@ -54,16 +63,7 @@ def dataset_fingerprint(ids: np.ndarray, labels: np.ndarray, class_names: list[s
     return h.hexdigest()
 
 
-def _as_str(a) -> np.ndarray:
-    """zarr returns numpy's variable-width StringDType; hand out plain ``<U`` arrays."""
-    a = np.asarray(a)
-    if a.dtype.kind == "U":
-        return a
-    return np.asarray(a.astype(object), dtype=str) if a.size else np.asarray([], dtype=str)
-
-
-def _is_url(path: str) -> bool:
-    return "://" in str(path)
+_as_str = as_str
 
 
 @dataclass
@@ -187,11 +187,32 @@ class FeatureCache:
             )
         return SplitMeta.from_attrs(dict(g.attrs.get(SPLIT_KEY, {})), where=g.path)
 
-    def split_rows(self, dataset: str, split: str) -> tuple[np.ndarray, np.ndarray, SplitMeta]:
+    def split_rows(
+        self, dataset: str, split: str, *, check: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, SplitMeta]:
+        """ids, labels and metadata of a split; ``check`` recomputes the fingerprint."""
         meta = self.split_meta(dataset, split)
         g = self._group("datasets", dataset, split)
-        ids = _as_str(g["ids"][:])
-        labels = np.asarray(g["labels"][:], dtype=np.int64)
+        where = f"datasets/{dataset}/{split}"
+        try:
+            ids = _as_str(g["ids"][:])
+            labels = np.asarray(g["labels"][:], dtype=np.int64)
+        except KeyError as exc:
+            raise CorruptStoreError(
+                f"{where}: array {exc} is missing; re-run the same `featcache extract` to rewrite it"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - checksum / decode failure of ids or labels
+            raise CorruptStoreError(
+                f"{where}: ids/labels unreadable ({type(exc).__name__}: {exc}); re-run the same "
+                "`featcache extract` to rewrite them"
+            ) from None
+        if len(ids) != meta.n or len(labels) != meta.n:
+            raise CorruptStoreError(f"{where}: {len(ids)} ids, {len(labels)} labels, metadata says {meta.n}")
+        if check and dataset_fingerprint(ids, labels, meta.class_names) != meta.fingerprint:
+            raise CorruptStoreError(
+                f"{where}: ids/labels do not match the split's fingerprint (changed after they were "
+                "written); re-run the same `featcache extract` to rewrite them from the data"
+            )
         return ids, labels, meta
 
     # ------------------------------------------------------------------ features
@@ -213,22 +234,28 @@ class FeatureCache:
             )
         return FeatureProvenance.from_attrs(dict(g[kind].attrs.get(PROVENANCE_KEY, {})), where=g[kind].path)
 
-    def chunk_status(self, backbone: str, dataset: str, split: str) -> dict[str, Any]:
-        """Which row chunks are marked done, and which marked chunks lack files."""
+    def group_meta(self, backbone: str, dataset: str, split: str) -> FeatureGroupMeta:
         g = self._feature_group(backbone, dataset, split)
-        gm = FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=g.path)
-        done = np.asarray(g["done"][:], dtype=bool)
-        missing: dict[str, list[int]] = {}
-        for name in (*gm.kinds, "valid", "error"):
-            present = stored_row_chunks(g[name])
-            lost = [int(i) for i in np.flatnonzero(done) if i not in present]
-            if lost:
-                missing[name] = lost
+        return FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=g.path)
+
+    def scan(self, backbone: str, dataset: str, split: str, kinds=None) -> GroupScan:
+        """Read and check every marked chunk of a feature group (see :mod:`.integrity`)."""
+        g = self._feature_group(backbone, dataset, split)
+        gm = self.group_meta(backbone, dataset, split)
+        return scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, gm.kinds if kinds is None else kinds)
+
+    def chunk_status(self, backbone: str, dataset: str, split: str) -> dict[str, Any]:
+        """Which row chunks are marked done, and which marked chunks are damaged (missing,
+        failing their checksum or contradicting the arrays beside them)."""
+        sc = self.scan(backbone, dataset, split)
         return {
-            "n_chunks": gm.n_chunks,
-            "done": done,
-            "missing_files": missing,
-            "complete": bool(done.all()) and not missing,
+            "n_chunks": sc.n_chunks,
+            "done": sc.done,
+            "missing_files": sc.damaged,
+            "damaged": sc.damaged,
+            "reasons": sc.reasons,
+            "missing_arrays": sc.missing_arrays,
+            "complete": sc.complete,
         }
 
     def load(
@@ -239,42 +266,41 @@ class FeatureCache:
         kind: str = "pooled",
         *,
         allow_partial: bool = False,
+        check: bool = True,
     ) -> Features:
         """Load features as float32 with labels, ids, valid mask and provenance.
 
-        Raises IncompleteStoreError when chunks are unfinished or missing, unless
-        ``allow_partial`` (then unfinished rows have ``valid=False``).
+        Every chunk is checksummed; ``check`` (default) also recomputes the split's
+        fingerprint from its ids/labels and checks the row invariants. Raises
+        IncompleteStoreError (CorruptStoreError for damage) unless ``allow_partial``
+        (then unfinished or damaged rows have ``valid=False`` and NaN features).
         """
         g = self._feature_group(backbone, dataset, split)
+        gm = self.group_meta(backbone, dataset, split)
         prov = self.provenance(backbone, dataset, split, kind)
-        ids, labels, smeta = self.split_rows(dataset, split)
+        ids, labels, smeta = self.split_rows(dataset, split, check=check)
         if prov.dataset_fingerprint != smeta.fingerprint:
             raise SchemaMismatchError(
                 f"features {backbone}/{dataset}/{split} were computed on a different version of "
                 f"the split (fingerprint {prov.dataset_fingerprint[:12]} vs {smeta.fingerprint[:12]}); "
                 "re-extract with --overwrite"
             )
-        status = self.chunk_status(backbone, dataset, split)
-        valid = np.asarray(g["valid"][:], dtype=bool)
-        if not status["complete"]:
-            todo = int((~status["done"]).sum())
-            msg = (
-                f"{backbone}/{dataset}/{split} is incomplete: {todo} of {status['n_chunks']} row "
-                f"chunks unfinished"
+        if g[kind].shape != (smeta.n, prov.dim) or gm.n != smeta.n:
+            raise CorruptStoreError(
+                f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
+                "re-extract with --overwrite"
             )
-            if status["missing_files"]:
-                msg += f", chunk files missing for {status['missing_files']}"
-            msg += "; re-run the same `featcache extract` command to finish it, or pass allow_partial=True"
+        X, valid, errors, sc = self._read_group(g, gm, kind, check)
+        if not sc.complete:
+            msg = _damage_message(f"{backbone}/{dataset}/{split}", sc)
             if not allow_partial:
-                raise IncompleteStoreError(msg)
+                raise (CorruptStoreError if sc.damaged or sc.missing_arrays else IncompleteStoreError)(msg)
             log.warning(msg)
-            bad = ~status["done"]
-            for lost in status["missing_files"].values():
-                bad[lost] = True
-            row_bad = np.repeat(bad, prov.chunk_rows)[: len(valid)]
+            bad = ~sc.done
+            bad[sc.bad_chunks] = True
+            row_bad = np.repeat(bad, gm.chunk_rows)[: gm.n]
             valid = valid & ~row_bad
-        X = np.asarray(g[kind][:], dtype=np.float32)
-        errors = _as_str(g["error"][:])
+            X[row_bad] = np.nan
         return Features(
             backbone=backbone,
             dataset=dataset,
@@ -288,8 +314,28 @@ class FeatureCache:
             provenance=prov.to_attrs(),
             dataset_fingerprint=smeta.fingerprint,
             errors=errors,
-            complete=status["complete"],
+            complete=sc.complete,
         )
+
+    def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool):
+        """Whole-array reads; on any decode failure or broken invariant, a chunk-by-chunk scan
+        names the damage (and the readable chunks are still returned)."""
+        sc = GroupScan(gm.n_chunks, read_done(g, gm.n_chunks))
+        try:
+            X = np.asarray(g[kind][:], dtype=np.float32)
+            valid = np.asarray(g["valid"][:], dtype=bool)
+            errors = _as_str(g["error"][:])
+            if "done" not in g:
+                raise KeyError("done")
+        except Exception:  # noqa: BLE001 - missing array or checksum failure: find which chunks
+            sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
+            return (*_read_chunks(g, gm, kind, sc), sc)
+        if check:
+            rows = (~np.isnan(X).all(axis=1) != valid) | ((errors != "") == valid)
+            chunks = np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist()
+            if chunks:
+                sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), chunks=chunks)
+        return X, valid, errors, sc
 
     # ------------------------------------------------------------------ catalog
     def catalog(self):
@@ -299,12 +345,15 @@ class FeatureCache:
         rows = []
         for b, d, s in self.entries():
             g = self._group("features", b, d, s)
-            try:
-                status = self.chunk_status(b, d, s)
+            try:  # reads every marked chunk: a lost or corrupt chunk makes the group incomplete
+                complete = self.scan(b, d, s).complete
+                n_invalid = int((~np.asarray(g["valid"][:], dtype=bool)).sum())
             except SchemaMismatchError as exc:
                 log.warning("skipping %s/%s/%s: %s", b, d, s, exc)
                 continue
-            n_invalid = int((~np.asarray(g["valid"][:], dtype=bool)).sum())
+            except Exception as exc:  # noqa: BLE001 - a damaged aux array: listed, not fatal
+                log.warning("%s/%s/%s is damaged (%s); run `featcache verify`", b, d, s, type(exc).__name__)
+                complete, n_invalid = False, None
             for kind in self.kinds(b, d, s):
                 prov = self.provenance(b, d, s, kind)
                 rows.append(
@@ -316,7 +365,7 @@ class FeatureCache:
                         "n": prov.n,
                         "dim": prov.dim,
                         "dtype": prov.dtype,
-                        "complete": status["complete"],
+                        "complete": complete,
                         "n_invalid": n_invalid,
                         "bytes": int(g[kind].nbytes_stored()),
                         "weights": prov.weights_source,
@@ -365,86 +414,102 @@ class FeatureCache:
         return f"FeatureCache({self.path!r}, {len(self.entries())} feature groups)"
 
 
-def stored_row_chunks(arr) -> set[int]:
-    """Row-chunk indices of ``arr`` whose chunk objects exist in the store."""
-    from zarr.core.array import _shards_initialized
-    from zarr.core.sync import sync
-
-    keys = sync(_shards_initialized(arr._async_array))
-    out = set()
-    for k in keys:
-        parts = k.split("/")
-        # default v3 chunk key encoding: "c/<row>/<col>..."
-        if parts and parts[0] == "c" and len(parts) >= 2:
-            out.add(int(parts[1]))
-    return out
-
-
-def _check_writable(path: str) -> None:
-    if _is_url(path):
-        return
-    p = Path(path).resolve()
-    probe = p
-    while not probe.exists():
-        probe = probe.parent
-    if probe.is_file():
-        raise CacheNotWritableError(
-            f"cache path {path} cannot be created: {probe} is a file, not a directory; choose another --cache"
-        )
-    if not os.access(probe, os.W_OK):
-        raise CacheNotWritableError(
-            f"cache path {path} is not writable ({probe} denies writing); choose a writable --cache "
-            "or fix the permissions"
-        )
+def _damage_message(where: str, sc: GroupScan) -> str:
+    parts = []
+    todo = int((~sc.done).sum())
+    if todo:
+        parts.append(f"{todo} of {sc.n_chunks} row chunks unfinished")
+    for name, chunks in sorted(sc.damaged.items()):
+        reasons = sc.reasons.get(name, {})
+        lost = [i for i in chunks if reasons.get(i, "").startswith("missing")]
+        broken = [i for i in chunks if i not in lost]
+        if lost:
+            parts.append(f"chunk files missing for {name}: {lost[:10]}")
+        if broken:
+            parts.append(f"{name} chunk(s) {broken[:10]} corrupt ({reasons[broken[0]]})")
+    if sc.missing_arrays:
+        parts.append(f"arrays missing: {sc.missing_arrays}")
+    return (
+        f"{where} is incomplete: " + "; ".join(parts) + "; re-run the same `featcache extract` command "
+        "to recompute exactly these chunks (or `featcache verify --repair`), or pass allow_partial=True"
+    )
 
 
-def open_cache(path: str | os.PathLike, mode: str = "r", storage_options: dict | None = None) -> FeatureCache:
+def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan):
+    """Read what is readable, chunk by chunk (damaged chunks become NaN / invalid / "")."""
+    X = np.full((gm.n, g[kind].shape[1]), np.nan, np.float32)
+    valid = np.zeros(gm.n, bool)
+    errors = np.full(gm.n, "", dtype=object)
+    bad = set(sc.bad_chunks) | set(np.flatnonzero(~sc.done).tolist())
+    if sc.missing_arrays:
+        bad = set(range(gm.n_chunks))
+    for i in range(gm.n_chunks):
+        if i in bad:
+            continue
+        s, e = i * gm.chunk_rows, min((i + 1) * gm.chunk_rows, gm.n)
+        X[s:e] = g[kind][s:e]
+        valid[s:e] = g["valid"][s:e]
+        errors[s:e] = _as_str(g["error"][s:e])
+    return X, valid, errors.astype(str)
+
+
+def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> FeatureCache:
     """Open a featcache root.
 
+    ``store`` is anything zarr accepts as a store: a local path, an fsspec URL
+    (``s3://...``, with ``storage_options``) or a :class:`zarr.abc.store.Store` instance
+    (``LocalStore``, ``MemoryStore``, ``FsspecStore``, ``ObjectStore``...).
     ``mode="r"`` opens an existing store read-only; ``"a"`` creates it if needed.
-    ``path`` may be a local directory or any fsspec URL zarr accepts (``s3://...``).
     """
     import zarr
 
-    path = str(path)
     if mode not in ("r", "a"):
         raise ValueError("mode must be 'r' or 'a'")
-    kwargs: dict[str, Any] = {}
-    if storage_options:
-        kwargs["storage_options"] = storage_options
+    label = str(store) if not isinstance(store, str) else store
+    if hasattr(store, "__fspath__"):
+        store = str(store)
+    kwargs: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
     if mode == "r":
-        if not _is_url(path) and not Path(path).exists():
-            raise NotInStoreError(f"no feature cache at {path}; create one with `featcache extract --cache {path}`")
         try:
-            root = zarr.open_group(path, mode="r", **kwargs)
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
-            raise NotInStoreError(f"no feature cache at {path} ({exc}); create one with `featcache extract`") from exc
-        return FeatureCache(root, path, "r")
-    _check_writable(path)
+            root = zarr.open_group(store, mode="r", **kwargs)
+        except (FileNotFoundError, NotADirectoryError, zarr.errors.GroupNotFoundError) as exc:
+            raise NotInStoreError(
+                f"no feature cache at {label} ({type(exc).__name__}); create one with `featcache extract`"
+            ) from None
+        return FeatureCache(root, label, "r")
     try:
-        root = zarr.open_group(path, mode="a", zarr_format=3, **kwargs)
+        root = zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
+    except NotADirectoryError as exc:
+        raise CacheNotWritableError(
+            f"cache path {label} cannot be created: a parent of it is a file, not a directory ({exc}); "
+            "choose another --cache"
+        ) from None
     except OSError as exc:
-        raise CacheNotWritableError(f"cannot write the cache at {path}: {exc}; choose a writable --cache") from exc
+        raise CacheNotWritableError(
+            f"cache path {label} is not writable ({exc}); choose a writable --cache or fix the permissions"
+        ) from None
     if ROOT_KEY not in root.attrs:
-        if any(True for _ in root.keys()):
-            raise SchemaMismatchError(
-                f"{path} is a non-empty zarr group that is not a featcache store; choose a new --cache path"
-            )
-        from featcache import __version__
+        with StoreLock(root, "root", timeout=60, what=f"creating {label}"):
+            root = zarr.open_group(root.store, mode="a", zarr_format=3)  # re-read: another job may have won
+            if ROOT_KEY not in root.attrs:
+                with warnings.catch_warnings():  # the lock folder is not a zarr node
+                    warnings.simplefilter("ignore")
+                    foreign = [k for k in root.keys() if k != "locks"]
+                if foreign:
+                    raise SchemaMismatchError(
+                        f"{label} is a non-empty zarr group that is not a featcache store; choose a new --cache path"
+                    )
+                from featcache import __version__
 
-        root.attrs[ROOT_KEY] = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
-    return FeatureCache(root, path, "a")
+                root.attrs[ROOT_KEY] = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+    return FeatureCache(root, label, "a")
 
 
 def remove_group(cache: FeatureCache, *parts: str) -> None:
-    """Delete a sub-group (used by --overwrite)."""
+    """Delete a sub-group through the Store API (used by --overwrite, under the group's lock)."""
     parent = cache._group(*parts[:-1])
     if parent is not None and parts[-1] in parent:
         del parent[parts[-1]]
-        if not _is_url(cache.path):  # LocalStore may leave empty dirs behind
-            d = Path(cache.path, *parts)
-            if d.exists():
-                shutil.rmtree(d)
 
 
 def ensure_split(
@@ -457,7 +522,12 @@ def ensure_split(
     source: str,
     chunk_rows: int = 65536,
 ) -> SplitMeta:
-    """Create the dataset split (ids, labels) or check the existing one is identical."""
+    """Create the dataset split (ids, labels) or check the existing one is identical.
+
+    Safe under concurrent writers: creation happens under the split's lock, so a split
+    without metadata is one whose writer died (never one another job is writing). Stored
+    ids/labels that no longer match the fingerprint (damage) are rewritten from the data.
+    """
     check_name("dataset", dataset)
     check_name("split", split)
     ids = np.asarray(ids).astype(str)
@@ -467,31 +537,57 @@ def ensure_split(
     if len(set(ids.tolist())) != len(ids):
         raise SchemaMismatchError(f"sample ids of {dataset}/{split} are not unique; give each sample a distinct id")
     fp = dataset_fingerprint(ids, labels, class_names)
-    g = cache._group("datasets", dataset, split)
-    if g is not None and SPLIT_KEY not in g.attrs:  # a run killed while writing the split: redo it
-        log.info("datasets/%s/%s was left unfinished; writing it again", dataset, split)
-        remove_group(cache, "datasets", dataset, split)
-        g = None
-    if g is not None:
-        meta = SplitMeta.from_attrs(dict(g.attrs.get(SPLIT_KEY, {})), where=g.path)
-        if meta.fingerprint != fp:
-            raise SchemaMismatchError(
-                f"dataset {dataset!r} split {split!r} already exists in {cache.path} with different "
-                f"rows (fingerprint {meta.fingerprint[:12]} vs {fp[:12]}, n {meta.n} vs {len(ids)}); "
-                "use another dataset name (--dataset-name) or a new cache"
-            )
+    meta = _existing_split(cache, dataset, split, fp, len(ids))
+    if meta is not None:
         return meta
-    meta = SplitMeta(SCHEMA_VERSION, dataset, split, len(ids), tuple(class_names), fp, source, now_iso())
-    sg = cache.root.require_group(f"datasets/{dataset}/{split}")
+    with StoreLock(cache.root, f"datasets/{dataset}/{split}", timeout=600, what=f"datasets/{dataset}/{split}"):
+        meta = _existing_split(cache, dataset, split, fp, len(ids))  # another job may have written it
+        if meta is not None:
+            return meta
+        g = cache._group("datasets", dataset, split)
+        if g is not None and SPLIT_KEY in g.attrs:  # metadata sound, arrays damaged: rewrite them
+            log.warning("datasets/%s/%s: ids/labels damaged; rewriting them from the data", dataset, split)
+            meta = SplitMeta.from_attrs(dict(g.attrs[SPLIT_KEY]), where=g.path)
+            _write_rows(g, ids, labels, chunk_rows)
+            return meta
+        if g is not None:
+            log.info("datasets/%s/%s was left unfinished by a dead job; writing it again", dataset, split)
+        meta = SplitMeta(SCHEMA_VERSION, dataset, split, len(ids), tuple(class_names), fp, source, now_iso())
+        sg = cache.root.require_group(f"datasets/{dataset}/{split}")
+        _write_rows(sg, ids, labels, chunk_rows)
+        sg.attrs[SPLIT_KEY] = meta.to_attrs()  # written last: a split without attrs is unfinished
+    return meta
+
+
+def _existing_split(cache: FeatureCache, dataset: str, split: str, fp: str, n: int) -> SplitMeta | None:
+    """The stored split's metadata when it is finished, sound and identical; None to (re)write."""
+    g = cache._group("datasets", dataset, split)
+    if g is None or SPLIT_KEY not in g.attrs:
+        return None
+    meta = SplitMeta.from_attrs(dict(g.attrs[SPLIT_KEY]), where=g.path)
+    if meta.fingerprint != fp:
+        raise SchemaMismatchError(
+            f"dataset {dataset!r} split {split!r} already exists in {cache.path} with different "
+            f"rows (fingerprint {meta.fingerprint[:12]} vs {fp[:12]}, n {meta.n} vs {n}); "
+            "use another dataset name (--dataset-name) or a new cache"
+        )
+    try:
+        cache.split_rows(dataset, split, check=True)
+    except CorruptStoreError:
+        return None
+    return meta
+
+
+def _write_rows(g, ids: np.ndarray, labels: np.ndarray, chunk_rows: int) -> None:
     n = max(len(ids), 1)
-    a = sg.create_array("ids", shape=(len(ids),), dtype=str, chunks=(min(chunk_rows, n),), overwrite=True)
+    chunks = (min(chunk_rows, n),)
+    a = g.create_array("ids", shape=(len(ids),), dtype=str, chunks=chunks, compressors=checksummed(), overwrite=True)
     if len(ids):
         a[:] = ids
-    b = sg.create_array("labels", shape=(len(ids),), dtype="int64", chunks=(min(chunk_rows, n),), overwrite=True)
+    b = g.create_array("labels", shape=(len(ids),), dtype="int64", chunks=chunks, compressors=checksummed(),
+                       overwrite=True)
     if len(ids):
         b[:] = labels
-    sg.attrs[SPLIT_KEY] = meta.to_attrs()  # written last: a split without attrs is unfinished
-    return meta
 
 
 def write_class_embeddings(path_or_cache, dataset: str, matrix: np.ndarray, name: str = "text",
@@ -512,7 +608,8 @@ def write_class_embeddings(path_or_cache, dataset: str, matrix: np.ndarray, name
         _check_embedding_width(cache, backbone, dataset, m.shape[1])
         where += f"/{backbone}"
     g = cache.root.require_group(where)
-    a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, overwrite=True)
+    a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(),
+                       overwrite=True)
     a[:] = m
 
 

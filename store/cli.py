@@ -53,16 +53,44 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from featcache.store.verify import verify
+    from featcache.store import open_cache
+    from featcache.store.verify import VerifyReport, verify
 
-    problems = verify(args.path, storage_options=parse_storage_options(args.storage_options))
-    if problems:
-        for p in problems:
-            print(f"PROBLEM {p}")
-        print(f"{args.path}: {len(problems)} problem(s)")
-        return 1
-    print(f"{args.path}: OK")
-    return 0
+    opts = parse_storage_options(args.storage_options)
+    rep = VerifyReport()
+    problems = verify(args.path, storage_options=opts, repair=args.repair, report=rep)
+    if not problems:
+        print(f"{args.path}: OK")
+        return 0
+    for p in problems:
+        print(f"PROBLEM {p}")
+    print(f"{args.path}: {len(problems)} problem(s)")
+    if rep.to_recompute or rep.bad_splits:
+        print("to repair:" if not args.repair else "repaired the store side; now recompute:")
+        for d, s in rep.bad_splits:
+            print(f"  datasets/{d}/{s}: re-run any `featcache extract` of this split (ids/labels are rewritten)")
+        cache = open_cache(args.path, storage_options=opts)
+        for (b, d, s), chunks in sorted(rep.to_recompute.items()):
+            print(f"  features/{b}/{d}/{s}: {len(chunks)} chunk(s) {chunks[:10]} -> re-run "
+                  f"{_extract_hint(cache, b, d, s, args.path)}")
+        if not args.repair:
+            print("`featcache verify --repair` marks them for recomputation first (needed when done/valid/error "
+                  "arrays are missing); the re-run then recomputes exactly those chunks")
+    return 1
+
+
+def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
+    """The settings of the extract command that wrote a feature group, from its provenance."""
+    try:
+        kind = cache.kinds(b, d, s)[0]
+        p = cache.provenance(b, d, s, kind)
+        size = p.data_config.get("input_size", [0, 0, 0])[-1]
+        return (f"`featcache extract --model {p.model_name} --weights {p.weights_source} --data <source of "
+                f"{d}> --dataset-name {d} --split {s} --backbone-name {b} --input-size {size} --chunk-rows "
+                f"{p.chunk_rows} --dtype {p.dtype} --features {','.join(cache.kinds(b, d, s))} --cache {path}` "
+                "(the same command that wrote it)")
+    except Exception:  # noqa: BLE001 - provenance itself damaged
+        return "the `featcache extract` command that wrote it"
 
 
 def register(sub) -> None:
@@ -71,7 +99,10 @@ def register(sub) -> None:
     p.add_argument("-l", "--long", action="store_true", help="all columns")
     add_storage_option_argument(p)
     p.set_defaults(func=run_ls)
-    p = sub.add_parser("verify", help="re-check every chunk, shape and provenance of a cache")
+    p = sub.add_parser("verify", help="re-check every chunk (checksums), fingerprint, shape and provenance")
     p.add_argument("path")
+    p.add_argument("--repair", action="store_true",
+                   help="mark damaged chunks for recomputation and recreate lost done/valid/error arrays; "
+                        "then re-run the same extract to recompute exactly those chunks")
     add_storage_option_argument(p)
     p.set_defaults(func=run_verify)

@@ -32,12 +32,21 @@ PROVENANCE_KEY = "featcache_provenance"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+=,:%-]*$")
 
 
+#: names zarr (or featcache) uses itself inside a group
+RESERVED_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata", ".", ".."})
+
+
 def check_name(what: str, name: str) -> str:
     """Backbone, dataset, split and kind names become zarr path segments."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise SchemaMismatchError(
             f"invalid {what} name {name!r}: use letters, digits and _ . @ + = , : % - "
             "(no '/', no leading dot or dash)"
+        )
+    if name in RESERVED_NAMES or name.lower().endswith(".json"):
+        raise SchemaMismatchError(
+            f"invalid {what} name {name!r}: {sorted(RESERVED_NAMES)} and names ending in '.json' are "
+            "reserved by the store; choose another name (e.g. --dataset-name / --backbone-name)"
         )
     return name
 

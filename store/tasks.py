@@ -14,7 +14,7 @@ import hashlib
 import numpy as np
 
 from featcache.errors import NotInStoreError, SchemaMismatchError
-from featcache.store.cache import FeatureCache, open_cache
+from featcache.store.cache import FeatureCache, checksummed, open_cache
 
 __all__ = ["TASK_KEY", "load_label_matrix", "task_metric", "write_label_matrix", "write_task_metric"]
 
@@ -71,7 +71,8 @@ def write_label_matrix(path_or_cache, dataset: str, split: str, matrix, class_na
     m = m.astype(bool)
     g = cache._group("datasets", dataset, split)
     a = g.create_array(LABEL_MATRIX, shape=m.shape, dtype="bool",
-                       chunks=(min(65536, max(len(ids), 1)), max(len(names), 1)), overwrite=True)
+                       chunks=(min(65536, max(len(ids), 1)), max(len(names), 1)), compressors=checksummed(),
+                       overwrite=True)
     a[:] = m
     sha = _sha(m, names)
     a.attrs["class_names"] = names

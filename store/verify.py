@@ -1,80 +1,164 @@
-"""Integrity check of a whole cache (``featcache verify``)."""
+"""Integrity check (and store-side repair) of a whole cache (``featcache verify [--repair]``).
+
+``verify`` reads every chunk (each carries a crc32c checksum), recomputes every split's
+fingerprint from its ids/labels/class names, and names each bad chunk. ``repair=True``
+makes the store consistent again without knowing any stage: damaged row chunks are marked
+not done and lost ``valid``/``error``/``done`` arrays recreated; re-running the same
+``featcache extract`` then recomputes exactly those chunks (its normal resume). Damaged
+ids/labels are rewritten by that re-run too (the split is rebuilt from the data).
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from featcache.errors import FeatcacheError
-from featcache.store.cache import open_cache
-from featcache.store.schema import GROUP_KEY, FeatureGroupMeta
+from featcache.store.cache import FeatureCache, open_cache
+from featcache.store.locks import StoreLock
 
 log = logging.getLogger(__name__)
 
 
-def verify(path: str, storage_options: dict | None = None) -> list[str]:
-    """Return a list of problems (empty when the store is sound): every chunk present and
-    marked, shapes consistent, provenance valid, no NaN/inf in valid rows."""
-    problems: list[str] = []
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)
+    #: (backbone, dataset, split) -> row chunks that must be recomputed
+    to_recompute: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    #: splits whose ids/labels must be rewritten by re-running extract
+    bad_splits: list[tuple[str, str]] = field(default_factory=list)
+    repaired: bool = False
+
+
+def verify(path, storage_options: dict | None = None, *, repair: bool = False,
+           report: VerifyReport | None = None) -> list[str]:
+    """Return a list of problems (empty when the store is sound). Never raises for damage:
+    every exception while checking becomes a problem line naming where it happened."""
+    rep = report if report is not None else VerifyReport()
     try:
-        cache = open_cache(path, storage_options=storage_options)
+        cache = open_cache(path, "a" if repair else "r", storage_options=storage_options)
     except FeatcacheError as exc:
-        return [str(exc)]
-    for d in cache.datasets():
-        for s in cache.splits(d):
-            try:
-                ids, labels, meta = cache.split_rows(d, s)
-            except FeatcacheError as exc:
-                problems.append(f"datasets/{d}/{s}: {exc}")
-                continue
-            if len(ids) != meta.n or len(labels) != meta.n:
-                problems.append(f"datasets/{d}/{s}: {len(ids)} ids, {len(labels)} labels, metadata says {meta.n}")
-            if len(labels) and (labels.min() < 0 or labels.max() >= len(meta.class_names)):
-                problems.append(f"datasets/{d}/{s}: labels outside 0..{len(meta.class_names) - 1}")
-    for b, d, s in cache.entries():
+        rep.problems.append(str(exc))
+        return rep.problems
+    for d in _safe(rep, "datasets", cache.datasets) or []:
+        for s in _safe(rep, f"datasets/{d}", cache.splits, d) or []:
+            _check_split(cache, d, s, rep)
+    for b, d, s in _safe(rep, "features", cache.entries) or []:
         where = f"features/{b}/{d}/{s}"
         try:
-            g = cache._feature_group(b, d, s)
-            gm = FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=where)
-            smeta = cache.split_meta(d, s)
-            status = cache.chunk_status(b, d, s)
-        except (FeatcacheError, KeyError) as exc:
-            problems.append(f"{where}: {exc}")
-            continue
-        todo = np.flatnonzero(~status["done"]).tolist()
-        if todo:
-            problems.append(f"{where}: {len(todo)} of {gm.n_chunks} chunks not marked done (e.g. {todo[:5]}); re-run extract")
-        for name, lost in status["missing_files"].items():
-            problems.append(f"{where}/{name}: chunk objects missing for marked chunks {lost[:10]}; re-run extract to recompute")
-        valid = np.asarray(g["valid"][:], dtype=bool)
-        for name in ("valid", "error"):
-            if g[name].shape != (gm.n,):
-                problems.append(f"{where}/{name}: shape {g[name].shape} != ({gm.n},)")
-        if gm.n != smeta.n:
-            problems.append(f"{where}: {gm.n} rows but split has {smeta.n}")
-        # rows to scan for NaN/inf: valid rows of chunks marked done (same for every kind)
-        check = valid & np.repeat(status["done"], gm.chunk_rows)[: gm.n]
-        for kind in gm.kinds:
-            try:
-                prov = cache.provenance(b, d, s, kind)
-            except FeatcacheError as exc:
-                problems.append(f"{where}/{kind}: {exc}")
-                continue
-            arr = g[kind]
-            if arr.shape != (gm.n, prov.dim):
-                problems.append(f"{where}/{kind}: shape {arr.shape} != ({gm.n}, {prov.dim})")
-            if prov.dataset_fingerprint != smeta.fingerprint:
-                problems.append(f"{where}/{kind}: computed on other rows of {d}/{s} (fingerprint mismatch)")
-            for start in range(0, gm.n, gm.chunk_rows):
-                stop = min(start + gm.chunk_rows, gm.n)
-                if not check[start:stop].any():
-                    continue
-                x = np.asarray(arr[start:stop])[check[start:stop]]
-                bad = ~np.isfinite(x).all(axis=1)
-                if bad.any():
-                    rows = (np.flatnonzero(check[start:stop])[bad] + start)[:5].tolist()
-                    problems.append(f"{where}/{kind}: {int(bad.sum())} valid row(s) with NaN/inf (rows {rows})")
-    for p in problems:
+            _check_group(cache, b, d, s, rep, repair)
+        except Exception as exc:  # noqa: BLE001 - verify names damage, never prints a traceback
+            rep.problems.append(f"{where}: {type(exc).__name__}: {exc}")
+    rep.repaired = repair
+    for p in rep.problems:
         log.warning("verify: %s", p)
-    return problems
+    return rep.problems
+
+
+def _safe(rep: VerifyReport, where: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        rep.problems.append(f"{where}: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _check_split(cache: FeatureCache, d: str, s: str, rep: VerifyReport) -> None:
+    try:
+        ids, labels, meta = cache.split_rows(d, s, check=True)
+    except Exception as exc:  # noqa: BLE001
+        rep.problems.append(f"datasets/{d}/{s}: {exc}")
+        rep.bad_splits.append((d, s))
+        return
+    if len(labels) and (labels.min() < 0 or labels.max() >= len(meta.class_names)):
+        rep.problems.append(f"datasets/{d}/{s}: labels outside 0..{len(meta.class_names) - 1}")
+        rep.bad_splits.append((d, s))
+
+
+def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport, repair: bool) -> None:
+    where = f"features/{b}/{d}/{s}"
+    g = cache._feature_group(b, d, s)
+    gm = cache.group_meta(b, d, s)
+    smeta = cache.split_meta(d, s)
+    sc = cache.scan(b, d, s)
+    todo = np.flatnonzero(~sc.done).tolist()
+    if todo:
+        rep.problems.append(f"{where}: {len(todo)} of {gm.n_chunks} chunks not marked done (e.g. {todo[:5]}); re-run extract")
+    for name in sc.missing_arrays:
+        rep.problems.append(f"{where}/{name}: array missing; `featcache verify --repair` recreates it, then re-run extract")
+    for name, chunks in sorted(sc.damaged.items()):
+        missing = [i for i in chunks if sc.reasons[name][i].startswith("missing")]
+        unreadable = [i for i in chunks if i not in missing]
+        if missing:
+            rep.problems.append(f"{where}/{name}: chunk objects missing for marked chunks {missing[:10]}; re-run extract to recompute")
+        for i in unreadable[:20]:
+            rep.problems.append(f"{where}/{name}: chunk {i} (rows {i * gm.chunk_rows}-"
+                                f"{min((i + 1) * gm.chunk_rows, gm.n) - 1}) {sc.reasons[name][i]}")
+    if gm.n != smeta.n:
+        rep.problems.append(f"{where}: {gm.n} rows but split has {smeta.n}")
+    for name in ("valid", "error"):
+        if name in g and g[name].shape != (gm.n,):
+            rep.problems.append(f"{where}/{name}: shape {g[name].shape} != ({gm.n},)")
+    _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep)
+    bad = sorted(set(sc.bad_chunks) | set(todo))
+    if sc.missing_arrays and not ({"valid", "error", "done"} >= set(sc.missing_arrays)):
+        return  # a feature array itself is gone: only --overwrite can rebuild it
+    if bad or sc.missing_arrays:
+        rep.to_recompute[(b, d, s)] = list(range(gm.n_chunks)) if set(sc.missing_arrays) & {"valid", "error"} else bad
+        if repair:
+            _invalidate(cache, b, d, s, gm, sc)
+
+
+def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
+    where = f"features/{b}/{d}/{s}"
+    try:
+        valid = np.asarray(g["valid"][:], dtype=bool)
+    except Exception:  # noqa: BLE001 - already reported by the scan
+        valid = np.zeros(gm.n, bool)
+    ok = np.repeat(sc.done, gm.chunk_rows)[: gm.n]
+    for i in sc.bad_chunks:
+        ok[i * gm.chunk_rows:(i + 1) * gm.chunk_rows] = False
+    check = valid & ok
+    for kind in gm.kinds:
+        try:
+            prov = cache.provenance(b, d, s, kind)
+        except FeatcacheError as exc:
+            rep.problems.append(f"{where}/{kind}: {exc}")
+            continue
+        if kind not in g:
+            continue
+        arr = g[kind]
+        if arr.shape != (gm.n, prov.dim):
+            rep.problems.append(f"{where}/{kind}: shape {arr.shape} != ({gm.n}, {prov.dim})")
+            continue
+        if prov.dataset_fingerprint != smeta.fingerprint:
+            rep.problems.append(f"{where}/{kind}: computed on other rows of {d}/{s} (fingerprint mismatch)")
+        for start in range(0, gm.n, gm.chunk_rows):
+            stop = min(start + gm.chunk_rows, gm.n)
+            if not check[start:stop].any():
+                continue
+            x = np.asarray(arr[start:stop])[check[start:stop]]
+            bad = ~np.isfinite(x).all(axis=1)
+            if bad.any():
+                rows = (np.flatnonzero(check[start:stop])[bad] + start)[:5].tolist()
+                rep.problems.append(f"{where}/{kind}: {int(bad.sum())} valid row(s) with NaN/inf (rows {rows})")
+
+
+def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc) -> None:
+    """Store-side repair under the group's writer lock: lost aux arrays recreated, damaged
+    chunks marked not done. Features are recomputed by re-running the same extract."""
+    from featcache.store.writer import create_aux_array
+
+    path = f"features/{b}/{d}/{s}"
+    with StoreLock(cache.root, path, timeout=0, what=path):
+        g = cache._feature_group(b, d, s)
+        for name in sc.missing_arrays:
+            create_aux_array(g, name, gm.n, gm.chunk_rows, gm.n_chunks)
+        done = g["done"]
+        if set(sc.missing_arrays) & {"valid", "error"}:
+            done[:] = 0
+        for i in sc.bad_chunks:
+            done[i] = 0
+        log.info("%s: %d chunk(s) marked for recomputation", path, len(sc.bad_chunks))

@@ -10,7 +10,6 @@ distributed run own disjoint chunk sets, so no two writers ever touch the same o
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import numpy as np
@@ -18,12 +17,14 @@ import numpy as np
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store.cache import (
     FeatureCache,
+    checksummed,
     ensure_split,
     now_iso,
     open_cache,
     remove_group,
-    stored_row_chunks,
 )
+from featcache.store.integrity import scan_group
+from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
     PROVENANCE_KEY,
@@ -36,13 +37,20 @@ from featcache.store.schema import (
 log = logging.getLogger(__name__)
 
 DTYPES = ("float16", "float32")
-_PARTIAL_RE = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
 
-def _compressor():
-    from zarr.codecs import ZstdCodec
-
-    return ZstdCodec(level=3)
+def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
+    """(Re)create one of the ``valid``/``error``/``done`` arrays of a feature group."""
+    kw = {"compressors": checksummed(), "overwrite": True}
+    if name == "valid":
+        return g.create_array("valid", shape=(n,), dtype="bool", chunks=(chunk_rows,), fill_value=False,
+                              config={"write_empty_chunks": True}, **kw)
+    if name == "error":
+        return g.create_array("error", shape=(n,), dtype=str, chunks=(chunk_rows,),
+                              config={"write_empty_chunks": True}, **kw)
+    if name == "done":
+        return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
+    raise ValueError(f"not an auxiliary array: {name!r}")
 
 
 class FeatureWriter:
@@ -59,6 +67,8 @@ class FeatureWriter:
         dataset: str,
         split: str,
         provenances: dict[str, FeatureProvenance],
+        *,
+        lock_timeout: float = 0.0,
     ):
         if cache.mode != "a":
             raise SchemaMismatchError("open the cache with mode='a' to write features")
@@ -79,6 +89,8 @@ class FeatureWriter:
         self.n_chunks = max(1, -(-self.n // self.chunk_rows))
         self.group = None
         self._handles: dict = {}
+        self._lock: StoreLock | None = None
+        self.lock_timeout = lock_timeout
 
     @property
     def path(self) -> str:
@@ -97,7 +109,19 @@ class FeatureWriter:
         }
 
     def prepare(self, *, overwrite: bool = False) -> FeatureWriter:
-        """Create arrays, or validate and reuse existing ones (resume). Rank 0 only."""
+        """Take the group's writer lock, then create arrays, or validate and reuse existing
+        ones (resume; missing ``valid``/``error``/``done`` arrays are recreated and their
+        chunks recomputed). Rank 0 only; the lock is held until :meth:`mark_complete` or
+        :meth:`release`. Another job writing the same group gets a clear refusal
+        (:class:`~featcache.errors.StoreBusyError`) after ``lock_timeout`` seconds."""
+        self._lock = StoreLock(self.cache.root, self.path, timeout=self.lock_timeout, what=self.path).acquire()
+        try:
+            return self._prepare_locked(overwrite)
+        except BaseException:
+            self.release()
+            raise
+
+    def _prepare_locked(self, overwrite: bool) -> FeatureWriter:
         old = self.existing()
         if old is not None:
             diffs: dict[str, Any] = {}
@@ -117,11 +141,26 @@ class FeatureWriter:
                 remove_group(self.cache, "features", self.backbone, self.dataset, self.split)
             else:
                 self.group = self.cache.root[self.path]
-                self.remove_partial_files()
+                self._restore_aux_arrays()
                 return self
-        self.remove_partial_files()  # a run killed while creating the arrays
         self._create()
         return self
+
+    def _restore_aux_arrays(self) -> None:
+        """Recreate a lost ``valid``/``error``/``done`` array; every chunk is then recomputed
+        (``done`` is recreated as zeros, or reset when ``valid``/``error`` had to be)."""
+        lost = [name for name in ("valid", "error", "done") if name not in self.group]
+        for name in lost:
+            log.warning("%s: array %r is missing; recreating it (its chunks will be recomputed)", self.path, name)
+            create_aux_array(self.group, name, self.n, self.chunk_rows, self.n_chunks)
+        if ("valid" in lost or "error" in lost) and "done" not in lost:
+            self.group["done"][:] = 0
+
+    def release(self) -> None:
+        """Release the group's writer lock (idempotent)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
 
     def _create(self) -> None:
         g = self.cache.root.require_group(self.path)
@@ -134,44 +173,19 @@ class FeatureWriter:
                 dtype=prov.dtype,
                 chunks=(cr, prov.dim),
                 fill_value=np.nan,
-                compressors=_compressor(),
+                compressors=checksummed(),
                 config={"write_empty_chunks": True},
                 overwrite=True,
             )
             a.attrs[PROVENANCE_KEY] = prov.to_attrs()
-        g.create_array("valid", shape=(n,), dtype="bool", chunks=(cr,), fill_value=False,
-                       config={"write_empty_chunks": True}, overwrite=True)
-        g.create_array("error", shape=(n,), dtype=str, chunks=(cr,),
-                       config={"write_empty_chunks": True}, overwrite=True)
-        g.create_array("done", shape=(self.n_chunks,), dtype="uint8", chunks=(1,), fill_value=0,
-                       overwrite=True)
+        for name in ("valid", "error", "done"):
+            create_aux_array(g, name, n, cr, self.n_chunks)
         meta = FeatureGroupMeta(
             SCHEMA_VERSION, self.backbone, self.dataset, self.split, n, cr, self.n_chunks,
             tuple(self.provenances), now_iso(),
         )
         g.attrs[GROUP_KEY] = meta.to_attrs()  # last: marks the group as created
         self.group = g
-
-    def remove_partial_files(self) -> int:
-        """Delete temporary ``*.<hex>.partial`` files a killed run left in a local store.
-
-        zarr's LocalStore writes each chunk to such a file and renames it into place, so a
-        kill -9 mid-write leaves one behind (never a half-written chunk). Object stores write
-        whole objects and leave nothing. Call only while no writer is active (rank 0, before
-        the barrier)."""
-        if "://" in self.cache.path:
-            return 0
-        from pathlib import Path
-
-        root = Path(self.cache.path, self.path)
-        n = 0
-        for f in root.rglob("*.partial"):
-            if _PARTIAL_RE.search(f.name):
-                f.unlink(missing_ok=True)
-                n += 1
-        if n:
-            log.info("%s: removed %d temporary file(s) left by an interrupted run", self.path, n)
-        return n
 
     def attach(self) -> FeatureWriter:
         """Open arrays created by another rank; settings must match exactly."""
@@ -199,16 +213,13 @@ class FeatureWriter:
         return i * self.chunk_rows, min((i + 1) * self.chunk_rows, self.n)
 
     def pending_chunks(self) -> list[int]:
-        """Chunks not marked done, plus marked chunks whose objects have gone missing."""
-        done = np.asarray(self.group["done"][:], dtype=bool)
-        todo = set(np.flatnonzero(~done).tolist())
-        marked = set(np.flatnonzero(done).tolist())
-        if marked:
-            for name in (*self.provenances, "valid", "error"):
-                lost = marked - stored_row_chunks(self.group[name])
-                if lost:
-                    log.warning("%s: %d marked chunk(s) of %r are missing; recomputing them", self.path, len(lost), name)
-                todo |= lost
+        """Chunks not marked done, plus marked chunks that are damaged: missing, failing
+        their checksum, or contradicting the arrays beside them (read chunk by chunk)."""
+        sc = scan_group(self.group, self.n, self.chunk_rows, self.n_chunks, tuple(self.provenances))
+        todo = set(np.flatnonzero(~sc.done).tolist()) | set(sc.bad_chunks)
+        for name, chunks in sorted(sc.damaged.items()):
+            log.warning("%s: %d damaged chunk(s) of %r (%s); recomputing them", self.path, len(chunks), name,
+                        sc.reasons[name][chunks[0]])
         return sorted(int(i) for i in todo)
 
     def write_chunk(
@@ -235,8 +246,12 @@ class FeatureWriter:
             self._arr(kind)[start:stop] = x
         self._arr("valid")[start:stop] = valid
         errs = np.asarray([""] * rows if errors is None else [str(e) for e in errors], dtype=object)
+        errs[valid] = ""
+        errs[~valid & (errs == "")] = "marked invalid"  # invariant: invalid <=> error text
         self._arr("error")[start:stop] = errs.astype(str)
         self._arr("done")[i] = 1  # only after every array of the chunk is written
+        if self._lock is not None:
+            self._lock.renew()
 
     def mark_complete(self, **stats: Any) -> None:
         """Record run statistics (images/s, device, ...) in every kind's provenance."""
@@ -249,6 +264,7 @@ class FeatureWriter:
             d["completed"] = now_iso()
             FeatureProvenance.from_attrs(d, where=arr.path)  # validate before writing
             arr.attrs[PROVENANCE_KEY] = d
+        self.release()
 
 
 def make_provenance(
@@ -346,8 +362,11 @@ def write_features(
     )
     w = FeatureWriter(cache, backbone, dataset, split, {kind: prov}).prepare(overwrite=overwrite)
     valid = np.ones(len(X), bool) if valid is None else np.asarray(valid, bool)
-    for i in w.pending_chunks():
-        s, e = w.chunk_range(i)
-        w.write_chunk(i, {kind: X[s:e]}, valid[s:e])
-    w.mark_complete()
+    try:
+        for i in w.pending_chunks():
+            s, e = w.chunk_range(i)
+            w.write_chunk(i, {kind: X[s:e]}, valid[s:e])
+        w.mark_complete()
+    finally:
+        w.release()
     return cache

@@ -76,9 +76,11 @@ def test_nan_in_a_valid_row(store, capsys):
 
 
 def test_nan_in_an_invalid_row_is_fine(store, capsys):
-    """Rows whose image failed are NaN by design; marking one invalid keeps the store sound."""
+    """Rows whose image failed are NaN by design (with their error text); marking one invalid
+    keeps the store sound."""
     v = zarr.open_array(str(store / GROUP / "valid"), mode="r+")
     v[10] = False
+    zarr.open_array(str(store / GROUP / "error"), mode="r+")[10] = "OSError: cannot identify image file"
     a = zarr.open_array(str(store / GROUP / "pooled"), mode="r+")
     a[10] = np.full(a.shape[1], np.nan, a.dtype)
     rc, out = _verify_cli(store, capsys)

