@@ -20,7 +20,9 @@ def run_extract(args: argparse.Namespace) -> int:
     from featcache.extract.config import ExtractConfig
     from featcache.store.cli import parse_storage_options
 
-    cfg = ExtractConfig.from_args(args, storage_options=parse_storage_options(args.storage_options))
+    progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
+    cfg = ExtractConfig.from_args(args, storage_options=parse_storage_options(args.storage_options),
+                                  progress=progress)
     if _runs_on_cpu(cfg.device):
         from featcache.allocator import tune_cpu_allocator
 
