@@ -18,14 +18,15 @@ def register(subparsers) -> None:
         ),
     )
     RetrievalConfig.add_arguments(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (implied by -q)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from featcache.retrieval.run import run_retrieval
 
-    cfg = RetrievalConfig.from_args(args).with_(progress=not getattr(args, "no_progress", False))
+    cfg = RetrievalConfig.from_args(args)
+    if getattr(args, "no_progress", False):  # -q
+        cfg = cfg.with_(progress=False)
     frame = run_retrieval(cfg)
     shown = {"map", "mrr", "top1", "map_revisitop"} | {
         f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp_revisitop") for k in cfg.ks}
