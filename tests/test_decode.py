@@ -138,3 +138,9 @@ def test_extraction_is_bit_identical_and_recorded(tmp_path, capsys):
     assert (~a.valid).sum() == 1 and list(a.errors) == list(b.errors)
     np.testing.assert_array_equal(a.X, b.X)
     assert a.provenance["extra"]["decoder"] == "pil" and b.provenance["extra"]["decoder"] == "torchvision"
+    # resume: another explicit decoder is refused; auto takes either (same pixels)
+    (tmp_path / "pil.zarr" / "features" / LITE0 / "jpg" / "all" / "pooled" / "c" / "1" / "0").unlink()
+    assert _extract(man, tmp_path / "pil.zarr", "torchvision") == 1
+    assert "decoder: stored='pil' requested='torchvision'" in capsys.readouterr().err
+    assert _extract(man, tmp_path / "pil.zarr", "auto") == 0
+    np.testing.assert_array_equal(open_cache(tmp_path / "pil.zarr").load(LITE0, "jpg", "all").X, a.X)
