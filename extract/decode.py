@@ -104,13 +104,14 @@ def decode_jpeg_batch(datas: list[bytes], device: str = "cuda") -> list[Any]:
 
 
 def _calibration_jpeg() -> bytes:
-    """A deterministic 384x384 photo-like JPEG (smooth gradients plus texture)."""
+    """A deterministic 384x320 photo-like JPEG (smooth shading, mild texture, an edge)."""
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    y, x = np.mgrid[0:384, 0:384].astype(np.float32)
-    base = np.stack([x / 1.5, y / 1.5, (x + y) / 3.0], axis=-1)
-    img = np.clip(base + rng.normal(0, 24, base.shape), 0, 255).astype(np.uint8)
+    y, x = np.mgrid[0:320, 0:384].astype(np.float32)
+    base = np.stack([x / 1.6, y / 1.4, 128 + 60 * np.sin(x / 23.0) * np.cos(y / 17.0)], axis=-1)
+    base[y > x] *= 0.5
+    img = np.clip(base + rng.normal(0, 6, base.shape), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, "JPEG", quality=90)
     return buf.getvalue()
@@ -118,44 +119,40 @@ def _calibration_jpeg() -> bytes:
 
 @functools.lru_cache(maxsize=1)
 def torchvision_faster(repeats: int = 5, n: int = 8) -> bool:
-    """Whether torchvision decodes a JPEG at least 5 % faster than PIL on this CPU (best of
-    ``repeats`` timings of ``n`` decodes each, both ending in a PIL image); measured once."""
+    """Whether the torchvision path of :func:`~featcache.extract.data.decode_image` (decode plus
+    the hand-over to PIL for the shared resize) is at least 5 % faster than PIL's on this CPU:
+    best of ``repeats`` timings of ``n`` decodes each; measured once per process."""
     try:
         import torchvision.io  # noqa: F401
     except Exception as exc:  # pragma: no cover - torchvision is a dependency
         log.info("torchvision.io is unavailable (%s); decoding with PIL", exc)
         return False
-    from PIL import Image
+    from featcache.extract.data import ReadOptions, decode_image
 
     data = _calibration_jpeg()
-
-    def pil() -> None:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-
-    def tv() -> None:
-        with Image.open(io.BytesIO(data)) as im:
-            torchvision_decode(im, data)
-
-    best = {}
-    for f in (pil, tv) * repeats:
+    opts = {d: ReadOptions(decoder=d) for d in ("pil", "torchvision")}
+    best: dict[str, float] = {}
+    for d in ("pil", "torchvision") * repeats:
         t0 = time.perf_counter()
         for _ in range(n):
-            f()
+            decode_image(io.BytesIO(data), opts[d])
         dt = time.perf_counter() - t0
-        best[f.__name__] = min(dt, best.get(f.__name__, dt))
-    faster = best["tv"] < 0.95 * best["pil"]
+        best[d] = min(dt, best.get(d, dt))
+    faster = best["torchvision"] < 0.95 * best["pil"]
     log.info("JPEG decode calibration: torchvision %.2f ms, PIL %.2f ms per image -> %s",
-             best["tv"] / n * 1e3, best["pil"] / n * 1e3, "torchvision" if faster else "PIL")
+             best["torchvision"] / n * 1e3, best["pil"] / n * 1e3, "torchvision" if faster else "PIL")
     return faster
 
 
-def resolve_decoder(decoder: str) -> str:
-    """``pil`` or ``torchvision``: the decoder that ``auto`` stands for on this CPU."""
+def resolve_decoder(decoder: str, reads_files: bool = True) -> str:
+    """``pil`` or ``torchvision``: the decoder that ``auto`` stands for on this CPU (``pil``
+    without measuring when the data has no image files, e.g. digits or Fashion-MNIST arrays)."""
     if decoder not in DECODERS:
         from featcache.errors import ConfigError
 
         raise ConfigError(f"--decoder {decoder} is invalid: choose one of {', '.join(DECODERS)}")
     if decoder != "auto":
         return decoder
+    if not reads_files:
+        return "pil"
     return "torchvision" if torchvision_faster() else "pil"

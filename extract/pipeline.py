@@ -27,7 +27,7 @@ from typing import Any
 from featcache.errors import ConfigError, DataError, ProvenanceMismatchError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
-from featcache.extract.data import ReadOptions, SplitSource, open_dataset, select_splits
+from featcache.extract.data import ReadOptions, SplitSource, open_dataset, parse_spec, select_splits
 from featcache.extract.distributed import (
     agree,
     close_dist,
@@ -132,7 +132,8 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     from featcache.extract.decode import resolve_decoder
 
     cfg = config
-    decoder = resolve_decoder(cfg.decoder)
+    in_memory = parse_spec(cfg.data)[0] in ("digits", "fashion-mnist")  # no image files to decode
+    decoder = resolve_decoder(cfg.decoder, reads_files=not in_memory)
     opts = ReadOptions(cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder)
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
