@@ -11,7 +11,8 @@ children also check that both decoders give identical preprocessed arrays on eve
 
     python benchmarks/jpeg_decode.py --n 300 --rounds 3 --json benchmarks/results/jpeg_decode.json
 
-``--decode-only`` times the decode alone (no resize/crop). ``--cuda`` adds batched nvJPEG
+``--decode-only`` times the decode alone (no resize/crop), plus a ``tv-tensor`` arm: torchvision's
+decode to a tensor without the hand-over to PIL that the shared resize needs (files read beforehand). ``--cuda`` adds batched nvJPEG
 decode (decode only, device tensors; its pixels are not PIL's) when CUDA is available.
 """
 
@@ -88,6 +89,15 @@ def child(args) -> None:
             decode_jpeg_batch(blobs[i:i + 64])
         torch.cuda.synchronize()
         secs, digest = time.perf_counter() - t0, ""
+    elif args.arm == "tv-tensor":  # decode to a tensor only: no hand-over to PIL (not the pipeline's path)
+        from torchvision.io import decode_jpeg
+
+        blobs = [Path(p).read_bytes() for p in paths]
+        h = hashlib.sha256()
+        t0 = time.perf_counter()
+        for b in blobs:
+            h.update(decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8)).permute(1, 2, 0).numpy())
+        secs, digest = time.perf_counter() - t0, ""
     else:
         opts = ReadOptions(decoder=args.arm)
         import numpy as np
@@ -125,7 +135,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.arm:
         return child(args)
-    arms = ["pil", "torchvision"] + (["nvjpeg"] if args.cuda else [])
+    arms = ["pil", "torchvision"] + (["tv-tensor"] if args.decode_only else []) + (["nvjpeg"] if args.cuda else [])
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_jpegs(Path(tmp), args.n)
         files = Path(tmp) / "files.txt"
