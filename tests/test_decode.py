@@ -144,3 +144,17 @@ def test_extraction_is_bit_identical_and_recorded(tmp_path, capsys):
     assert "decoder: stored='pil' requested='torchvision'" in capsys.readouterr().err
     assert _extract(man, tmp_path / "pil.zarr", "auto") == 0
     np.testing.assert_array_equal(open_cache(tmp_path / "pil.zarr").load(LITE0, "jpg", "all").X, a.X)
+
+
+@pytest.mark.gpu
+def test_nvjpeg_batch_is_close_to_pil():
+    """nvJPEG (batched, on the GPU) is not libjpeg-turbo: same shapes, pixels within a few levels."""
+    from featcache.extract.decode import decode_jpeg_batch
+
+    blobs = [b for n, b in _real_jpegs().items() if "camera" not in n and "gray" not in n]
+    out = decode_jpeg_batch(blobs, "cuda")
+    for blob, t in zip(blobs, out):
+        ref = np.asarray(decode_image(io.BytesIO(blob), PIL_OPTS), dtype=np.int16)
+        got = t.permute(1, 2, 0).cpu().numpy().astype(np.int16)
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).mean() < 2.0
