@@ -79,6 +79,7 @@ def rank(
     resample: str = "tasks",
     provenance=None,
     plots: bool = True,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Which backbone should I choose, and would the answer change if I fine-tuned?
 
@@ -103,7 +104,7 @@ def rank(
     notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
     boot = rankings.bootstrap_aggregate(
         agg["matrix"], reduced=_ranked_rows(raw, agg["matrix"], metric, retrieval_metric), resample=resample,
-        n_boot=n_boot, seed=seed, ddof=ddof, seed_reduce=seed_reduce,
+        n_boot=n_boot, seed=seed, ddof=ddof, seed_reduce=seed_reduce, progress=progress,
     )
     out = _rank_result(raw, coverage, agg, boot, notes, resample)
     _add_secondary(out, reduced, agg, notes, metric=metric, ddof=ddof, provenance=provenance)
@@ -287,6 +288,7 @@ def shift(
     seed: int = 0,
     percent: bool | None = None,
     plots: bool = True,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Recht-style test-set shift between eval splits ``orig`` and ``new`` (see
     :mod:`featcache.analysis.shift`). With ``out_dir`` writes ``shift.{parquet,md}``,
@@ -298,7 +300,7 @@ def shift(
 
     tables = _as_tables(results, external, percent=percent, external_kind=None, groups=None)
     raw, _ = merge_tables(tables)
-    res = shift_analysis(raw, orig, new, metric=metric, kind=kind, n_boot=n_boot, seed=seed)
+    res = shift_analysis(raw, orig, new, metric=metric, kind=kind, n_boot=n_boot, seed=seed, progress=progress)
     files: list[Path] = []
     if out_dir is not None:
         from featcache.analysis import plots as P

@@ -48,6 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resample", choices=["tasks", "seeds"], default="tasks")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar for the bootstrap (implied by -q)")
     p.set_defaults(func=run_rank)
 
     p = subparsers.add_parser("shift", help="test-set shift between two eval splits (Recht et al.)",
@@ -61,6 +62,7 @@ def register(subparsers) -> None:
     p.add_argument("--n-boot", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar for the bootstrap (implied by -q)")
     p.set_defaults(func=run_shift)
 
     p = subparsers.add_parser("report", help="self-contained HTML report (catalog, results, rankings)",
@@ -88,7 +90,7 @@ def run_rank(args) -> int:
         args.results, args.external, args.out, metric=args.metric, retrieval_metric=args.retrieval_metric,
         kinds=args.kinds, eval_splits=args.eval_splits, groups=_groups(args.group), percent=args.percent, external_kind=args.external_kind,
         seed_reduce=args.seed_reduce, ddof=args.ddof, on_constant=args.on_constant, n_boot=args.n_boot,
-        seed=args.seed, resample=args.resample, plots=not args.no_plots,
+        seed=args.seed, resample=args.resample, plots=not args.no_plots, progress=not args.no_progress,
     )
     from featcache.analysis.format import format_table
 
@@ -109,7 +111,8 @@ def run_shift(args) -> int:
     from featcache.analysis.api import shift
 
     res = shift(args.results, args.orig, args.new, args.out, external=args.external, metric=args.metric,
-                kind=args.kind, n_boot=args.n_boot, seed=args.seed, percent=args.percent, plots=not args.no_plots)
+                kind=args.kind, n_boot=args.n_boot, seed=args.seed, percent=args.percent, plots=not args.no_plots,
+                progress=not args.no_progress)
     for r in res["fit"].iter_rows(named=True):
         if r["a"] is None:
             print(f"{r['dataset']}: no fit ({r['reason']})")

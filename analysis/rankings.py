@@ -396,8 +396,10 @@ def bootstrap_aggregate(
     ddof: int = 0,
     seed_reduce: str = "median",
     pairs_for: Sequence[str] = ("zscore", "mean"),
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Seeded paired bootstrap of the aggregate scores and of differences between backbones.
+    """Seeded paired bootstrap of the aggregate scores and of differences between backbones
+    (``progress``: a bar over the resamples, aggregated in chunks, then compared).
 
     ``resample="tasks"``: draw settings with replacement (the same draw for every backbone).
     ``resample="seeds"``: per setting, draw that setting's seeds with replacement (the same
@@ -416,8 +418,12 @@ def bootstrap_aggregate(
         boot_vals, boot_codes = _resample_tasks(sm, codes, rng, n_boot)
     else:
         boot_vals, boot_codes = _resample_seeds(sm, codes, rng, n_boot, reduced, seed_reduce), codes
+    from tqdm.auto import tqdm
+
     point = _aggregate_arrays(sm.values, codes, ddof)
-    boot = _aggregate_resamples(boot_vals, boot_codes, ddof)
+    with tqdm(total=2 * n_boot, desc="bootstrap", unit="resample", disable=not progress, leave=False) as bar:
+        boot = _aggregate_resamples(boot_vals, boot_codes, ddof, bar)
+        agreement = _agreement_rows(boot, (1 - level) / 2, n_boot, bar)
     q = (1 - level) / 2
     schema_s = {"backbone": pl.Utf8, "aggregation": pl.Utf8, "estimate": pl.Float64, "lo": pl.Float64, "hi": pl.Float64}
     schema_d = {"aggregation": pl.Utf8, "a": pl.Utf8, "b": pl.Utf8, "diff": pl.Float64, "lo": pl.Float64, "hi": pl.Float64, "p_le_0": pl.Float64}
@@ -425,7 +431,7 @@ def bootstrap_aggregate(
     return {
         "scores": pl.DataFrame(_interval_rows(sm.backbones, point, boot, q), schema=schema_s),
         "differences": pl.DataFrame(_difference_rows(sm.backbones, point, boot, q, pairs_for), schema=schema_d),
-        "agreement": pl.DataFrame(_agreement_rows(boot, q, n_boot), schema=schema_a),
+        "agreement": pl.DataFrame(agreement, schema=schema_a),
         "resample": resample,
         "n_boot": n_boot,
         "seed": seed,
@@ -466,7 +472,7 @@ def _resample_seeds(sm: ScoreMatrix, codes, rng, n_boot: int, reduced, seed_redu
     return boot_vals
 
 
-def _aggregate_resamples(boot_vals: np.ndarray, boot_codes, ddof: int) -> dict[str, np.ndarray]:
+def _aggregate_resamples(boot_vals: np.ndarray, boot_codes, ddof: int, bar=None) -> dict[str, np.ndarray]:
     """Every aggregation of every resample, chunked: average ranks compare every backbone pair
     (memory ~ B*B*T per resample)."""
     n_boot, B, T = boot_vals.shape
@@ -477,6 +483,8 @@ def _aggregate_resamples(boot_vals: np.ndarray, boot_codes, ddof: int) -> dict[s
         if bc is not None and bc.ndim == 3:
             bc = bc[c0 : c0 + step]
         parts.append(_aggregate_arrays(boot_vals[c0 : c0 + step], bc, ddof))
+        if bar is not None:
+            bar.update(min(step, n_boot - c0))
     return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
 
 
@@ -520,13 +528,17 @@ def _difference_rows(backbones, point, boot, q: float, pairs_for) -> list[dict]:
     return rows
 
 
-def _agreement_rows(boot, q: float, n_boot: int) -> list[dict]:
-    """Kendall tau-b between every two aggregations across resamples (VTAB Appendix E)."""
+def _agreement_rows(boot, q: float, n_boot: int, bar=None) -> list[dict]:
+    """Kendall tau-b between every two aggregations across resamples (VTAB Appendix E);
+    ``bar`` advances by ``n_boot`` over all pairs."""
     rows = []
-    for a, b in itertools.combinations([k for k in AGGREGATIONS if k in boot], 2):
+    pairs = list(itertools.combinations([k for k in AGGREGATIONS if k in boot], 2))
+    for i, (a, b) in enumerate(pairs):
         sa = 1 if HIGHER_IS_BETTER[a] else -1
         sb = 1 if HIGHER_IS_BETTER[b] else -1
         taus = np.array([stats.kendall_tau_b(sa * boot[a][k], sb * boot[b][k], method="asymptotic")[0] for k in range(n_boot)])
+        if bar is not None:
+            bar.update(n_boot * (i + 1) // len(pairs) - n_boot * i // len(pairs))
         ok = ~np.isnan(taus)
         rows.append({
             "a": a, "b": b,

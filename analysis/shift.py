@@ -112,8 +112,9 @@ def _with_intervals(t, metric: str, alpha: float):
     return t.with_columns(*(pl.Series(k, v).fill_nan(None) for k, v in cols.items()))
 
 
-def shift_fit(table, *, n_boot: int = 100_000, seed: int = 0, level: float = 0.95):
-    """Fit ``acc_new = a * acc_orig + b`` per (dataset, protocol) with bootstrap intervals."""
+def shift_fit(table, *, n_boot: int = 100_000, seed: int = 0, level: float = 0.95, progress: bool = False):
+    """Fit ``acc_new = a * acc_orig + b`` per (dataset, protocol) with bootstrap intervals
+    (``progress``: a bar per fit)."""
     import polars as pl
 
     rows = []
@@ -124,7 +125,8 @@ def shift_fit(table, *, n_boot: int = 100_000, seed: int = 0, level: float = 0.9
             continue
         try:
             fit = stats.bootstrap_linear_fit(
-                g["acc_orig"].to_numpy(), g["acc_new"].to_numpy(), n_boot=n_boot, seed=seed, level=level
+                g["acc_orig"].to_numpy(), g["acc_new"].to_numpy(), n_boot=n_boot, seed=seed, level=level,
+                progress=progress,
             )
         except ResultsError as exc:
             log.warning("shift fit on %s skipped: %s", ds, exc)
@@ -139,7 +141,8 @@ def shift_fit(table, *, n_boot: int = 100_000, seed: int = 0, level: float = 0.9
     return pl.DataFrame([{k: r.get(k) for k in schema} for r in rows], schema=schema)
 
 
-def shift_analysis(df, orig: str, new: str, *, n_boot: int = 100_000, seed: int = 0, **kw) -> dict[str, Any]:
+def shift_analysis(df, orig: str, new: str, *, n_boot: int = 100_000, seed: int = 0, progress: bool = False,
+                   **kw) -> dict[str, Any]:
     """:func:`shift_table` + :func:`shift_fit`; returns ``{"table", "fit", "missing"}``."""
     table, missing = shift_table(df, orig, new, **kw)
-    return {"table": table, "fit": shift_fit(table, n_boot=n_boot, seed=seed), "missing": missing}
+    return {"table": table, "fit": shift_fit(table, n_boot=n_boot, seed=seed, progress=progress), "missing": missing}

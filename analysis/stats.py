@@ -140,13 +140,17 @@ def bootstrap_linear_fit(
     seed: int = 0,
     level: float = 0.95,
     chunk: int = 20_000,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Fit ``y = a x + b`` and percentile bootstrap intervals on ``a`` and ``b`` (Recht et al.).
 
     Points are resampled with replacement; all ``n_boot`` fits are computed in vectorised chunks
     from resampled sums (no Python loop per sample). Resamples whose x values are all equal
     have no slope and are skipped (their count is returned as ``n_degenerate``).
+    ``progress``: a bar over the resample chunks.
     """
+    from tqdm.auto import tqdm
+
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
     a, b = linear_fit(x, y)
@@ -155,6 +159,7 @@ def bootstrap_linear_fit(
     a_s = np.empty(n_boot)
     b_s = np.empty(n_boot)
     done = 0
+    bar = tqdm(total=n_boot, desc="bootstrap fit", unit="resample", disable=not progress, leave=False)
     while done < n_boot:
         m = min(chunk, n_boot - done)
         idx = rng.integers(0, n, size=(m, n))
@@ -168,6 +173,8 @@ def bootstrap_linear_fit(
         a_s[done : done + m] = sl
         b_s[done : done + m] = ym[:, 0] - sl * xm[:, 0]
         done += m
+        bar.update(m)
+    bar.close()
     good = ~np.isnan(a_s)
     q = (1 - level) / 2
     if good.sum() == 0:

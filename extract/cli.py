@@ -27,6 +27,7 @@ def run_extract(args: argparse.Namespace) -> int:
     from featcache.store.cli import parse_storage_options
 
     opts = parse_storage_options(args.storage_options)
+    progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
     if args.suite:
         if args.data:
             raise ConfigError("give either --data (one dataset) or --suite with --data-root, not both")
@@ -37,6 +38,7 @@ def run_extract(args: argparse.Namespace) -> int:
         raise ConfigError("give --data SPEC (one dataset) or --suite NAME --data-root DIR (see `featcache suites`)")
     else:
         configs = [ExtractConfig.from_args(args, storage_options=opts)]
+    configs = [c.replace(progress=progress) for c in configs]
     if _runs_on_cpu(configs[0].device):
         from featcache.allocator import tune_cpu_allocator
 

@@ -83,6 +83,9 @@ class ExtractConfig:
     compile: bool = _opt(False, "torch.compile the forward pass", action="store_true")
     exif_transpose: bool = _opt(True, "keep the stored pixel orientation (ignore EXIF Orientation tags)",
                                 invert="--no-exif-transpose")
+    decoder: str = _opt("auto", "JPEG decoder: pil | torchvision (libjpeg-turbo, same pixels as PIL; CMYK, "
+                        "EXIF-rotated and undecodable JPEGs and other formats go to PIL) | auto (torchvision "
+                        "where measured faster on this CPU)", choices=["auto", "pil", "torchvision"])
     max_image_pixels: int = _opt(DEFAULT_MAX_IMAGE_PIXELS, "images with more pixels become invalid rows "
                                  "(decompression-bomb guard)", type=int)
     allow_empty_classes: bool = _opt(False, "imagefolder: keep class folders without images as classes",
@@ -123,6 +126,8 @@ class ExtractConfig:
             bad("--precision", self.amp, f"choose one of {', '.join(PRECISIONS)}")
         if self.resize not in ("timm", "whole"):
             bad("--resize", self.resize, "choose timm or whole")
+        if self.decoder not in ("auto", "pil", "torchvision"):
+            bad("--decoder", self.decoder, "choose auto, pil or torchvision")
         if not self.features:
             bad("--features", "''", "name at least one feature kind")
         for flag, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):

@@ -81,6 +81,7 @@ class ReadOptions:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     exif_transpose: bool = True
     allow_empty_classes: bool = False
+    decoder: str = "pil"  # pil | torchvision (JPEGs; resolved, see featcache.extract.decode)
 
 
 def escape_name(name: str) -> str:
@@ -195,6 +196,12 @@ def decode_image(fp, options: ReadOptions | None = None):
                 f"image is {w}x{h} = {w * h} pixels, above the limit of {opts.max_image_pixels} "
                 "(raise --max-image-pixels if it is genuine)"
             )
+        if opts.decoder == "torchvision":
+            from featcache.extract.decode import torchvision_decode
+
+            fast = torchvision_decode(im, fp, opts.exif_transpose)
+            if fast is not None:
+                return fast
         im.load()
         if opts.exif_transpose and im.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1):
             return to_rgb(ImageOps.exif_transpose(im))

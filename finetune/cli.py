@@ -19,7 +19,8 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
     """The :class:`FinetuneConfig` of parsed ``featcache finetune`` arguments."""
-    return from_namespace(FinetuneConfig, args)
+    progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
+    return from_namespace(FinetuneConfig, args, progress=progress)
 
 
 def run_finetune(args: argparse.Namespace) -> int:

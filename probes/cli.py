@@ -27,8 +27,9 @@ def register(subparsers) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ProbeConfig:
     """The :class:`ProbeConfig` of parsed ``featcache probe`` arguments."""
+    progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
     return from_namespace(ProbeConfig, args, cache=args.cache if len(args.cache) > 1 else args.cache[0],
-                          backbones="all" if args.all else args.backbone)
+                          backbones="all" if args.all else args.backbone, progress=progress)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,6 +27,8 @@ def run(args) -> int:
 
     cfg = RetrievalConfig.from_args(args)
     check_results_path(cfg.results)  # a bad --results fails before any compute
+    if getattr(args, "no_progress", False):  # -q
+        cfg = cfg.with_(progress=False)
     frame = run_retrieval(cfg)
     shown = {"map", "mrr", "top1", "map_revisitop"} | {
         f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp_revisitop") for k in cfg.ks}

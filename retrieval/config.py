@@ -91,7 +91,8 @@ class RetrievalConfig:
     kind: str = field(default="pooled", metadata=_cli("--kind", "feature kind in the store (default pooled)"))
     results: str | None = field(default=None, metadata=_cli(
         "--results", "results parquet to append to (rows of a rerun are replaced)", required=True))
-    progress: bool = field(default=True, metadata=_cli(None, "progress bars"))
+    progress: bool = field(default=True, metadata=_cli("--no-progress", "no progress bars (implied by -q)",
+                                                       negate=True))
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here

@@ -80,7 +80,7 @@ def evaluate(
         kmax = ks[-1]
         # one column more than needed: a tie group crossing rank kmax is seen (and excluded)
         sc, idx, backend = topk(Q, G, kmax + 1, metric, relevance=relevance, backend=backend,
-                                max_memory=mem, prepared=True)
+                                max_memory=mem, prepared=True, progress=progress)
         rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], idx.shape)
         rr = ranks_from_hits(relevance.is_positive(rows, idx), n_rel, scores=sc, depth=kmax)
         per_query = compute_metrics(rr, ks, full=False)
@@ -266,7 +266,7 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
     Qc, Gc = prepare(d.Xq, "cosine"), prepare(d.Xg, "cosine")
     sc, ix, used = topk(Qc, Gc, max(cfg.knn_ks), "cosine", relevance=sem, backend=cfg.backend,
-                        max_memory=mem, prepared=True)
+                        max_memory=mem, prepared=True, progress=cfg.progress)
     acc = knn_accuracy(sc, ix, d.yg, d.yq, d.n_classes, list(cfg.knn_ks), cfg.temperature)
     seconds = time.perf_counter() - t1
     rows = []

@@ -202,12 +202,19 @@ class exact_matmul:
         return False
 
 
-def _search_torch(Q, G, k, metric, device: str, max_memory: int):
+def _bar(n_queries: int, progress: bool):
+    """A tqdm bar over the queries (a no-op when ``progress`` is False)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=n_queries, desc="top-k search", unit="query", disable=not progress, leave=False)
+
+
+def _search_torch(Q, G, k, metric, device: str, max_memory: int, bar=None):
     with exact_matmul():
-        return _search_torch_inner(Q, G, k, metric, device, max_memory)
+        return _search_torch_inner(Q, G, k, metric, device, max_memory, bar)
 
 
-def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int):
+def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None):
     import torch
 
     dev = torch.device(device)
@@ -225,12 +232,14 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int):
         Ds.append(v.cpu().numpy().astype(np.float32))
         Is.append(i.cpu().numpy().astype(np.int64))
         del S
+        if bar is not None:
+            bar.update(Qb.shape[0])
     sc = np.concatenate(Ds) if Ds else np.zeros((0, kk), np.float32)
     ix = np.concatenate(Is) if Is else np.zeros((0, kk), np.int64)
     return _pad(sc, ix, k)
 
 
-def _search_numpy(Q, G, k, metric, max_memory: int):
+def _search_numpy(Q, G, k, metric, max_memory: int, bar=None):
     kk = min(k, G.shape[0])
     B = _rows_per_block(G.shape[0], max_memory, 12)
     g_sq = np.einsum("ij,ij->i", G, G) if metric == "l2" else None
@@ -245,26 +254,29 @@ def _search_numpy(Q, G, k, metric, max_memory: int):
         o = np.lexsort((part, -v), axis=1)
         Ds.append(np.take_along_axis(v, o, axis=1))
         Is.append(np.take_along_axis(part, o, axis=1).astype(np.int64))
+        if bar is not None:
+            bar.update(S.shape[0])
     sc = np.concatenate(Ds) if Ds else np.zeros((0, kk), np.float32)
     ix = np.concatenate(Is) if Is else np.zeros((0, kk), np.int64)
     return _pad(sc, ix, k)
 
 
-def raw_search(Q: np.ndarray, G: np.ndarray, k: int, metric: str, backend: str, max_memory: int = DEFAULT_MAX_MEMORY):
+def raw_search(Q: np.ndarray, G: np.ndarray, k: int, metric: str, backend: str,
+               max_memory: int = DEFAULT_MAX_MEMORY, progress: bool = False):
     """Backend top-k: scores [Q, k] (higher is better, -inf where missing) and gallery
     indices [Q, k] (-1 where missing, as FAISS returns for k > gallery). Order among equal
-    scores is backend-defined; :func:`topk` fixes it."""
-    if backend == "faiss-gpu":
-        return _search_faiss(Q, G, k, metric, gpu=True)
-    if backend == "faiss-cpu":
-        return _search_faiss(Q, G, k, metric, gpu=False)
-    if backend == "torch-cuda":
-        return _search_torch(Q, G, k, metric, "cuda", max_memory)
-    if backend == "torch-cpu":
-        return _search_torch(Q, G, k, metric, "cpu", max_memory)
-    if backend == "numpy":
-        return _search_numpy(Q, G, k, metric, max_memory)
-    raise DataError(f"unknown backend {backend!r}")
+    scores is backend-defined; :func:`topk` fixes it. ``progress``: a bar over the query
+    blocks (FAISS searches all queries in one call, so its bar moves once)."""
+    if backend not in ("faiss-gpu", "faiss-cpu", "torch-cuda", "torch-cpu", "numpy"):
+        raise DataError(f"unknown backend {backend!r}")
+    with _bar(Q.shape[0], progress) as bar:
+        if backend.startswith("faiss"):
+            out = _search_faiss(Q, G, k, metric, gpu=backend == "faiss-gpu")
+            bar.update(Q.shape[0])
+            return out
+        if backend.startswith("torch"):
+            return _search_torch(Q, G, k, metric, backend.split("-")[1], max_memory, bar)
+        return _search_numpy(Q, G, k, metric, max_memory, bar)
 
 
 def _policy_sort(sc: np.ndarray, ix: np.ndarray):
@@ -302,8 +314,10 @@ def topk(
     backend: str = "auto",
     max_memory: int = DEFAULT_MAX_MEMORY,
     prepared: bool = False,
+    progress: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, str]:
-    """Top-k gallery items of every query under the tie policy, excluded items removed.
+    """Top-k gallery items of every query under the tie policy, excluded items removed
+    (``progress``: a bar over the query blocks).
 
     Returns ``(scores [Q, k], indices [Q, k], backend)``; missing results (k larger than the
     gallery) have index -1 and score -inf.
@@ -318,7 +332,7 @@ def topk(
     n_ex = relevance.max_excluded() if relevance is not None else 0
     depth = min(n_g, k + n_ex + 1)
     backend = choose_backend(backend, depth)
-    sc, ix = raw_search(Q, G, depth, metric, backend, max_memory)
+    sc, ix = raw_search(Q, G, depth, metric, backend, max_memory, progress)
     sc, ix = _policy_sort(sc, ix)
     last = sc[:, -1].copy()  # every item scoring above this was returned
     if relevance is not None and n_ex:
