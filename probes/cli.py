@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from featcache.probes.runner import run_probes
     from featcache.results import check_results_path
 
-    check_results_path(args.results)  # a bad --results fails before any compute
+    check_results_path(args.results_path)  # a bad --results fails before any compute
 
     cfg = config_from_args(args)
     df = run_probes(cfg)
