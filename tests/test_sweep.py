@@ -258,7 +258,7 @@ def test_finetune_items_through_the_sweep(two_backbone_store, tmp_path, capsys):
     tuned = df.filter(pl.col("kind") == "finetune")
     assert tuned.height and set(tuned["backbone"]) == {RANDOM} and set(tuned["protocol"]) == {"full"}
     assert set(tuned["seed"]) == {0} and set(tuned["dataset"]) == {"digits"}
-    hp = json.loads(tuned["hparams"][0])
+    hp = json.loads(tuned.filter(pl.col("seed") == 0)["hparams"][0])
     assert hp["model"] == LITE0 and hp["weights"] == "random:0" and hp["scaled"]
     assert hp["data_config"]["input_size"] == [3, 32, 32]  # the extraction's input size
     probe = df.filter((pl.col("kind") == "probe") & (pl.col("protocol") == "full"))
@@ -267,3 +267,23 @@ def test_finetune_items_through_the_sweep(two_backbone_store, tmp_path, capsys):
     assert main([*base, *ft]) == 0
     assert "2 item(s): 0 ran, 2 already done, 0 failed" in capsys.readouterr().out  # nothing trained
     assert read_results(results).height == df.height
+
+
+def test_finetune_seed_items_get_the_median_row(tmp_path):
+    """Fine-tune seeds run as separate items; the sweep adds the median row over them that
+    `featcache finetune` adds when it runs the seeds together."""
+    from featcache.results import append_results, rows_to_frame
+    from featcache.sweep.executor import finish_medians
+    from featcache.sweep.planner import WorkItem
+
+    results = tmp_path / "r.parquet"
+    rows = [dict(run_id=f"ft{s}", kind="finetune", backbone=RANDOM, dataset="digits", protocol="full",
+                 train_split="train+val", eval_split="test", shots=-1, seed=s, metric="top1", value=v,
+                 n_eval=10, hparams={"finetune_protocol": "full"}, converged=True, fit_seconds=1.0,
+                 store_fingerprint="images:x") for s, v in ((0, 0.5), (1, 0.7), (2, 0.6))]
+    append_results(results, rows_to_frame(rows))
+    items = [(WorkItem("finetune", f"k{s}", None, (), RANDOM, "digits", "full", s), [f"ft{s}"]) for s in range(3)]
+    finish_medians(str(results), items)
+    med = read_results(results).filter(pl.col("seed") == -1)
+    assert med.height == 1 and med["value"][0] == 0.6 and med["kind"][0] == "finetune"
+    assert json.loads(med["hparams"][0])["run_ids"] == ["ft0", "ft1", "ft2"]
