@@ -43,8 +43,8 @@ class SplitData:
     ids: np.ndarray
     n_invalid: int
     fingerprint: str
-    Y: np.ndarray | None = None  # multi-label targets [N, C] bool, same row order
     rows: np.ndarray | None = None  # each row's position in the store (the dataset's own order)
+    Y: np.ndarray | None = None  # multi-label targets [N, C] bool, same row order
 
 
 @dataclass
