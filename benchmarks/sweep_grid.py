@@ -33,14 +33,14 @@ PROTOCOLS = ("full", "fewshot:5", "fewshot:10")
 
 
 def ensure_store(cache: str, n_train: int, n_test: int, input_size: int) -> None:
-    from featcache.extract import ExtractConfig, extract
+    from featcache.extract import ExtractConfig
+    from featcache.extract.pipeline import extract
 
     for name, weights in BACKBONES:
         kw = dict(backbone_name=name, input_size=input_size, progress=False, batch_size=128)
         extract(ExtractConfig("tf_efficientnet_lite0", weights, "digits", ["train", "test"], cache, **kw))
         extract(ExtractConfig("tf_efficientnet_lite0", weights, "fashion-mnist", ["train", "test"], cache,
-                              dataset_name="fashion-mnist-bench", limit={"train": n_train, "test": n_test},
-                              **kw))
+                              dataset_name="fashion-mnist-bench", limit={"train": n_train, "test": n_test}, **kw))
 
 
 def comparable(path: str) -> list[dict]:

@@ -156,3 +156,27 @@ class ProbeConfig:
         else:
             drop = (*lbfgs, "sgd_epochs", *elevater)
         return {k: v for k, v in opts.items() if k not in drop}
+
+    def val_split_used(self, proto, splits) -> str | None:
+        """The dataset's own val split when the protocol selects on it and ``splits`` has it."""
+        return self.val_split if self.val_split in splits and proto.uses_val_split(self.val_source) else None
+
+    def run_id(self, proto, backbone: str, seed: int, eval_split: str, store_fingerprint: str) -> str:
+        """The run id of one backbone, seed and eval split of this (resolved) config;
+        ``store_fingerprint`` combines the fingerprints of the splits read (runner)."""
+        from featcache.results import make_run_id
+
+        return make_run_id(kind="probe", backbone=backbone, dataset=self.dataset, protocol=proto.spec,
+                           seed=seed, eval_split=eval_split, options=self.run_options(proto),
+                           store_fingerprint=store_fingerprint)
+
+    def run_ids(self) -> dict[tuple[str, int, str], str]:
+        """``{(backbone, seed, eval split): run id}`` of every run this config makes, from the
+        store's provenance records alone (no feature is read): the ids :func:`run_probes`
+        skips when they are in the results."""
+        from featcache.probes.runner import store_fingerprints
+
+        proto, cfg = self.resolve()
+        return {(b, s, es): cfg.run_id(proto, b, s, es, fp)
+                for b, fps in store_fingerprints(cfg, proto).items() for s in cfg.seeds
+                for es, fp in fps.items()}

@@ -43,8 +43,8 @@ class SplitData:
     ids: np.ndarray
     n_invalid: int
     fingerprint: str
-    Y: np.ndarray | None = None  # multi-label targets [N, C] bool, same row order
     rows: np.ndarray | None = None  # each row's position in the store (the dataset's own order)
+    Y: np.ndarray | None = None  # multi-label targets [N, C] bool, same row order
 
 
 @dataclass
@@ -131,7 +131,7 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     tr = _load_split(c, b, ds, cfg.train_split, cfg.kind)
     names = list(c.split_meta(ds, cfg.train_split).class_names)
     va = None
-    if cfg.val_split in splits and proto.uses_val_split(cfg.val_source):
+    if cfg.val_split_used(proto, splits):
         va = _load_split(c, b, ds, cfg.val_split, cfg.kind, names)
     evals = {}
     for s in cfg.eval_splits:
@@ -433,16 +433,35 @@ def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
 
 def _run_ids(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data) -> dict[str, tuple[str, str]]:
     """Per eval split: (run id, store fingerprint) of one backbone and seed."""
-    from featcache.results import make_run_id
-
-    options = cfg.run_options(proto)
     val_fp = d.val.fingerprint if d.val is not None else ""
     out = {}
     for es, ev in d.evals.items():
         fp = _combine(d.train.fingerprint, val_fp, ev.fingerprint)
-        out[es] = (make_run_id(kind="probe", backbone=b, dataset=cfg.dataset, protocol=proto.spec,
-                               seed=seed, eval_split=es, options=options, store_fingerprint=fp), fp)
+        out[es] = (cfg.run_id(proto, b, seed, es, fp), fp)
     return out
+
+
+def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str, str]]:
+    """``{backbone: {eval split: store fingerprint}}`` of a resolved config, as
+    :func:`run_probes` computes them, from provenance records only (no feature is read)."""
+    caches = _open_caches(cfg.cache)
+    out = {}
+    for b in _resolve_backbones(caches, cfg):
+        c = _cache_for(caches, b, cfg.dataset)
+        val = cfg.val_split_used(proto, c.splits(cfg.dataset))
+        read = dict.fromkeys([cfg.train_split, *([val] if val else []), *cfg.eval_splits])
+        fp = {s: _stored_fingerprint(c, b, cfg.dataset, s, cfg.kind) for s in read}
+        out[b] = {es: _combine(fp[cfg.train_split], fp[val] if val else "", fp[es]) for es in cfg.eval_splits}
+    return out
+
+
+def _stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: str) -> str:
+    """:attr:`SplitData.fingerprint` from the provenance record (load() reads complete
+    features only)."""
+    from featcache.store.cache import features_fingerprint
+
+    prov = cache.provenance(backbone, dataset, split, kind).to_attrs()
+    return features_fingerprint(prov, cache.split_meta(dataset, split).fingerprint)
 
 
 def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, hi_matrix,

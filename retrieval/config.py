@@ -165,6 +165,26 @@ class RetrievalConfig:
                     query=self.query_split, gallery=self.gallery_split, T=self.temperature,
                     feature_kind=self.kind, store=store)
 
+    @staticmethod
+    def pair_fingerprint(query_fp: str, gallery_fp: str) -> str:
+        """The store fingerprint of a run: its query and gallery features' fingerprints."""
+        import hashlib
+
+        return hashlib.sha256((query_fp + "|" + gallery_fp).encode()).hexdigest()[:16]
+
+    def run_ids(self, backbone: str, store_fingerprint: str) -> list[str]:
+        """Run ids of the rows a semantic-relevance run of ``backbone`` writes (retrieval,
+        then one per k-NN k), without reading features; with ``relevance`` set they also
+        depend on that file, so this refuses (the stage computes them itself)."""
+        from featcache.results import make_run_id
+
+        if self.relevance is not None:
+            raise DataError("run_ids() covers semantic relevance only (relevance=None)")
+        ids = [make_run_id(**self.run_definition(backbone, "semantic", "", store_fingerprint))]
+        if self.knn:
+            ids += [make_run_id(**self.knn_definition(backbone, k, store_fingerprint)) for k in self.knn_ks]
+        return ids
+
     def hparams(self, *, backend: str, relevance_sha: str, **measured) -> dict:
         """Recorded hparams of a retrieval row: the config's settings plus what the run measured."""
         return {"similarity": self.metric, "gallery": self.gallery_split, "ks": list(self.ks),

@@ -216,7 +216,7 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
         )
     if Xg.shape[0] == 0 or Xq.shape[0] == 0:
         raise DataError(f"{b}/{cfg.dataset}: no valid query or gallery rows")
-    fp = hashlib.sha256((fq.fingerprint + "|" + fg.fingerprint).encode()).hexdigest()[:16]
+    fp = cfg.pair_fingerprint(fq.fingerprint, fg.fingerprint)
     return _Pair(b, Xq, yq, idq, Xg, yg, idg, bad_q + (0 if cfg.same_split else bad_g),
                  len(fg.class_names), fp, g_split, time.perf_counter() - t0)
 

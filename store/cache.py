@@ -87,18 +87,7 @@ class Features:
 
     def __post_init__(self) -> None:
         if not self.fingerprint:
-            blob = json.dumps(
-                {
-                    "identity": FeatureProvenance.from_attrs(self.provenance).identity()
-                    if self.provenance
-                    else {},
-                    "dataset": self.dataset_fingerprint,
-                    "complete": self.complete,
-                },
-                sort_keys=True,
-                default=str,
-            )
-            self.fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
+            self.fingerprint = features_fingerprint(self.provenance, self.dataset_fingerprint, self.complete)
 
     def __len__(self) -> int:
         return int(self.X.shape[0])
@@ -108,6 +97,22 @@ class Features:
             f"Features({self.backbone!r}, {self.dataset!r}, {self.split!r}, kind={self.kind!r}, "
             f"X={self.X.shape}, valid={int(self.valid.sum())}/{len(self.valid)})"
         )
+
+
+def features_fingerprint(provenance: dict[str, Any], dataset_fingerprint: str, complete: bool = True) -> str:
+    """:attr:`Features.fingerprint` from the provenance record (``to_attrs()``) and the split's
+    fingerprint alone, without reading the features (``complete``: every row chunk done, as
+    :meth:`FeatureCache.load` requires unless ``allow_partial``)."""
+    blob = json.dumps(
+        {
+            "identity": FeatureProvenance.from_attrs(provenance).identity() if provenance else {},
+            "dataset": dataset_fingerprint,
+            "complete": complete,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 class FeatureCache:

@@ -1,6 +1,7 @@
 """The evaluation grid on Dask: ``featcache sweep`` plans (backbones x datasets x protocols x
-seeds, plus retrieval setups) from the store catalog into idempotent work items and runs them
-on ``dask.distributed`` (an in-process LocalCluster by default, or an existing scheduler).
+seeds, plus retrieval setups and fine-tunes) from the store catalog into idempotent work items,
+each carrying its stage's own config and keyed by the stage's run ids, and runs them on
+``dask.distributed`` (an in-process LocalCluster by default, or an existing scheduler).
 
 >>> from featcache.sweep import SweepConfig, plan, run_sweep
 >>> report = run_sweep(SweepConfig(cache="cache.zarr", results="results.parquet",

@@ -7,8 +7,8 @@ import argparse
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "sweep", help="run the probe/retrieval grid on Dask",
-        description="Expand backbones x datasets x protocols x seeds (and retrieval setups) from the "
+        "sweep", help="run the probe/retrieval/fine-tune grid on Dask",
+        description="Expand backbones x datasets x protocols x seeds (and retrieval setups and fine-tunes) from the "
         "store catalog into work items and run the ones not yet in the results table on "
         "dask.distributed: an in-process LocalCluster by default, or an existing scheduler.")
     p.add_argument("--cache", required=True, help="feature store path or URL (workers read it themselves)")
@@ -20,6 +20,22 @@ def register(sub) -> None:
                    "or none with --retrieval)")
     p.add_argument("--seeds", help="comma-separated seeds (default: each protocol's defaults)")
     p.add_argument("--retrieval", action="store_true", help="add a retrieval + k-NN run per backbone and dataset")
+    ft = p.add_argument_group(
+        "fine-tunes", "one item per backbone, dataset and seed, with the model and weights the store's "
+        "provenance records for the backbone (backbones whose weights cannot be loaded again are left "
+        "out, with a warning) and the backbone's extraction input size unless --ft-input-size; the "
+        "paired probe protocol (protocol registry) is added to the probes")
+    ft.add_argument("--finetune", action="append", default=[], metavar="PROTOCOL",
+                    help="fine-tune protocol, e.g. vtab1k-light or full (repeatable)")
+    ft.add_argument("--data", action="append", default=[], metavar="NAME=SPEC",
+                    help="images of dataset NAME for the fine-tunes (required for each swept dataset: "
+                    "the store does not record where its images are), e.g. digits=digits, "
+                    "fmnist=fashion-mnist, pets=imagefolder:DIR")
+    ft.add_argument("--ft-steps", help="comma-separated schedule lengths (scaled-down run; default: the protocol's)")
+    ft.add_argument("--ft-lrs", help="comma-separated learning rates (default: the protocol's)")
+    ft.add_argument("--ft-batch-size", type=int, help="SGD batch (default: the protocol's)")
+    ft.add_argument("--ft-input-size", type=int, help="input resolution (default: the extraction's)")
+    ft.add_argument("--ft-limit", type=int, help="first N images of every split")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: $DASK_SCHEDULER_ADDRESS, "
                    "else an in-process LocalCluster)")
     p.add_argument("--workers", type=int, default=2,
@@ -40,6 +56,26 @@ def _seeds(text: str | None):
         raise SweepError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {text!r})") from None
 
 
+def _data(pairs: list[str]) -> dict[str, str]:
+    from featcache.errors import SweepError
+
+    out = {}
+    for text in pairs:
+        name, sep, spec = text.partition("=")
+        if not sep or not name.strip() or not spec.strip():
+            raise SweepError(f"--data takes NAME=SPEC, e.g. digits=digits (got {text!r})")
+        out[name.strip()] = spec.strip()
+    return out
+
+
+def _finetune_options(args: argparse.Namespace) -> dict:
+    from featcache.configs import float_list, int_list
+
+    opts = dict(steps=args.ft_steps and int_list(args.ft_steps), lrs=args.ft_lrs and float_list(args.ft_lrs),
+                batch_size=args.ft_batch_size, input_size=args.ft_input_size, limit=args.ft_limit)
+    return {k: v for k, v in opts.items() if v is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -51,11 +87,12 @@ def run(args: argparse.Namespace) -> int:
         import distributed  # noqa: F401
 
         logging.getLogger("distributed").setLevel(logging.WARNING)
-    protocols = tuple(args.protocol) or (() if args.retrieval else ("full",))
+    protocols = tuple(args.protocol) or (() if args.retrieval or args.finetune else ("full",))
     config = SweepConfig(cache=args.cache, results=args.results, backbones=tuple(args.backbone),
                          datasets=tuple(args.dataset), protocols=protocols, seeds=_seeds(args.seeds),
-                         retrieval=args.retrieval, scheduler=args.scheduler, workers=args.workers,
-                         force=args.force)
+                         retrieval=args.retrieval, finetune=tuple(args.finetune), data=_data(args.data),
+                         finetune_options=_finetune_options(args), scheduler=args.scheduler,
+                         workers=args.workers, force=args.force)
     if args.dry_run:
         p = plan(config)
         for it in p.items:

@@ -7,17 +7,15 @@ writers). A failing item is reported with its run id; the others go on.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 
 from featcache.errors import SweepError
-from featcache.sweep.planner import Plan, SweepConfig, WorkItem, ledger_dir, plan, produced_run_ids
+from featcache.sweep.planner import Plan, SweepConfig, WorkItem, plan
 
 log = logging.getLogger(__name__)
 
@@ -52,45 +50,41 @@ class SweepReport:
 
 
 def call_stage(item: WorkItem):
-    """The one adapter from a work item to a stage's public entry point; returns the rows of
-    the run (polars DataFrame in the results schema), appended to ``item.results``."""
+    """The one adapter from a work item to its stage's public entry point, called with the
+    item's own config; returns the rows of the run (polars DataFrame in the results schema),
+    which the stage appends to the results."""
     if item.kind == "probe":
-        from featcache.probes import ProbeConfig, run_probes
+        from featcache.probes import run_probes
 
-        return run_probes(ProbeConfig(item.cache, [item.backbone], item.dataset, item.protocol,
-                                      seeds=[item.seed], results_path=item.results, force=item.force,
-                                      eval_splits=(item.eval_split,), train_split=item.train_split,
-                                      kind=item.feature_kind, progress=False))
+        return run_probes(item.config)
     if item.kind == "retrieval":
-        from featcache.retrieval import RetrievalConfig, run_retrieval
+        from featcache.retrieval import run_retrieval
 
-        return run_retrieval(RetrievalConfig(cache=item.cache, dataset=item.dataset, backbones=(item.backbone,),
-                                             query_split=item.eval_split, gallery_split=item.train_split,
-                                             results=item.results, kind=item.feature_kind, progress=False))
+        return run_retrieval(item.config)
+    if item.kind == "finetune":
+        from featcache.finetune import finetune
+
+        return finetune(item.config)
     raise SweepError(f"unknown work item kind {item.kind!r}")
 
 
-def finish_probes(results: str, produced: dict[WorkItem, list[str]]) -> None:
+def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> None:
     """After every seed is in: the median-over-seeds rows (``seed=-1``) that ``featcache probe``
-    adds for the VTAB protocols when it runs their seeds together."""
+    adds for the VTAB protocols and ``featcache finetune`` for two or more seeds, when they
+    run their seeds together."""
     import polars as pl
 
+    from featcache.finetune.runner import MEDIAN_CARRY
     from featcache.protocols import get_protocol
     from featcache.results import add_median_rows, read_results
 
-    ids = {r for it, rs in produced.items() if get_protocol(it.protocol).median_over_seeds for r in rs}
-    if ids:
-        frame = read_results(results).filter(pl.col("run_id").is_in(sorted(ids)))
-        add_median_rows(frame, "probe", results, carry=("val_source",))
-
-
-def _mark_done(item: WorkItem, result_ids: list[str]) -> None:
-    ledger = ledger_dir(item.results)
-    ledger.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{item.run_id}.", suffix=".tmp", dir=ledger)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"label": item.label, "result_run_ids": result_ids}, fh)
-    os.replace(tmp, ledger / f"{item.run_id}.json")
+    probe = {r for it, rs in produced
+             if it.kind == "probe" and get_protocol(it.protocol).median_over_seeds for r in rs}
+    tuned = {r for it, rs in produced if it.kind == "finetune" for r in rs}
+    for kind, ids, carry in (("probe", probe, ("val_source",)), ("finetune", tuned, MEDIAN_CARRY)):
+        if ids:
+            frame = read_results(results).filter(pl.col("run_id").is_in(sorted(ids)) & (pl.col("seed") >= 0))
+            add_median_rows(frame, kind, results, carry=carry)
 
 
 def run_item(item: WorkItem) -> ItemOutcome:
@@ -100,10 +94,9 @@ def run_item(item: WorkItem) -> ItemOutcome:
     t0 = time.perf_counter()
     host = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        before = set() if item.force else existing_run_ids(item.results)
+        before = set() if getattr(item.config, "force", False) else existing_run_ids(item.results)
         rows = call_stage(item)
-        ids = sorted(set(rows["run_id"].to_list()))
-        _mark_done(item, ids)
+        ids = sorted(set(rows.filter(rows["seed"] >= 0)["run_id"].to_list()))
         status = "skipped" if ids and set(ids) <= before else "ran"
         return ItemOutcome(item.run_id, item.label, status, tuple(ids), time.perf_counter() - t0, host)
     except Exception as exc:  # noqa: BLE001 - one item's failure must not stop the sweep
@@ -180,10 +173,10 @@ def run_sweep(config: SweepConfig, *, progress: bool = True) -> SweepReport:
     p = plan(config)
     outcomes = execute(p.items, config, progress=progress)
     ok = {o.run_id: list(o.result_run_ids) for o in outcomes if o.status != "failed"}
-    if any(i.kind == "probe" and i.run_id in ok for i in p.items):
-        produced = {i: ok[i.run_id] for i in p.items if i.kind == "probe" and i.run_id in ok}
-        produced.update({i: produced_run_ids(i) for i in p.done if i.kind == "probe"})
-        finish_probes(config.results, produced)
+    if any(i.run_id in ok for i in p.items):
+        produced = [(i, ok[i.run_id]) for i in p.items if i.run_id in ok]
+        produced += [(i, list(i.run_ids)) for i in p.done]
+        finish_medians(config.results, produced)
     report = SweepReport(p, tuple(outcomes))
     log.info("sweep: %s", report.summary())
     return report

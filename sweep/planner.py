@@ -1,29 +1,38 @@
-"""Plan a sweep: expand backbones x datasets x protocols x seeds (+ retrieval setups) from
-the store catalog into small, frozen, idempotent work items.
+"""Plan a sweep: expand backbones x datasets x protocols x seeds (+ retrieval setups and
+fine-tunes) from the store catalog into small, frozen, idempotent work items.
 
-An item carries the arguments of ONE probe or retrieval run and the store path or URL, never
-arrays. Its ``run_id`` hashes those arguments with the provenance fingerprints of the
-features it reads, so it changes when the features change. A finished item leaves a marker
-``<run_id>.json`` (listing the result run ids it produced) in the ledger folder
-``<results>.sweep-done/``; the planner skips an item whose marker exists and whose result
-rows are all still in the results table. Items without a marker (e.g. runs written by a plain
-``featcache probe``) are dispatched, and the stage itself skips runs already in the results.
+An item carries the stage's own frozen config (:class:`~featcache.probes.ProbeConfig` for one
+backbone, dataset, protocol and seed; :class:`~featcache.retrieval.RetrievalConfig`;
+:class:`~featcache.finetune.FinetuneConfig`) and the store path or URL, never arrays. Its
+``run_ids`` are the ids the stage itself gives its rows, computed from the config and the
+store's provenance records without reading features (``ProbeConfig.run_ids``,
+``RetrievalConfig.run_ids``), so an item whose runs are all in the results, whoever wrote
+them (a plain ``featcache probe`` too), is skipped. A fine-tune's run ids depend on the built
+backbone (weights hash, resolved preprocessing): its item is always sent, and the stage skips
+the seeds already in the results before training.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from featcache.errors import SweepError
+from featcache.errors import NotInStoreError, SweepError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("probe", "retrieval")
+KINDS = ("probe", "retrieval", "finetune")
+#: FinetuneConfig fields the sweep's fine-tune options may set (its scaled-down runs)
+FINETUNE_OPTIONS = ("steps", "lrs", "batch_size", "micro_batch", "input_size", "limit", "device",
+                    "checkpoint_every", "memory_limit_gb")
+
+
+def _frozen_map(value) -> tuple[tuple[str, Any], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items))
 
 
 @dataclass(frozen=True)
@@ -31,7 +40,12 @@ class SweepConfig:
     """What to sweep and where. Empty ``backbones``/``datasets`` mean "all in the store".
     ``protocols`` are probe protocol specs (``full``, ``fewshot:5``, ...); ``seeds=None`` uses
     each protocol's default seeds. ``retrieval`` adds one retrieval (+ k-NN) run per
-    (backbone, dataset). ``scheduler``: address of a running Dask scheduler (default:
+    (backbone, dataset). ``finetune``: fine-tune protocols (``vtab1k-light``, ``full``), one
+    item per backbone, dataset and seed, with the model and weights the store's provenance
+    records for the backbone, the images of ``data[dataset]`` (a data spec: the store does
+    not record where the images are) and ``finetune_options`` (FinetuneConfig fields, e.g.
+    steps, lrs, batch_size, input_size, limit); their paired probe protocol is added to
+    ``protocols``. ``scheduler``: address of a running Dask scheduler (default:
     ``DASK_SCHEDULER_ADDRESS``, else an in-process LocalCluster of ``workers`` processes;
     ``workers=0`` runs the items one by one in this process, without Dask);
     ``connect_timeout``: seconds to wait for that scheduler."""
@@ -43,6 +57,9 @@ class SweepConfig:
     protocols: tuple[str, ...] = ("full",)
     seeds: tuple[int, ...] | None = None
     retrieval: bool = False
+    finetune: tuple[str, ...] = ()
+    data: tuple[tuple[str, str], ...] = ()
+    finetune_options: tuple[tuple[str, Any], ...] = ()
     scheduler: str | None = None
     workers: int = 2
     force: bool = False
@@ -53,39 +70,51 @@ class SweepConfig:
     connect_timeout: float = 30.0
 
     def __post_init__(self):
-        for name in ("backbones", "datasets", "protocols"):
+        for name in ("backbones", "datasets", "protocols", "finetune"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "cache", str(self.cache))
+        object.__setattr__(self, "results", str(self.results))
+        object.__setattr__(self, "data", _frozen_map(self.data))
+        object.__setattr__(self, "finetune_options", _frozen_map(self.finetune_options))
         if self.seeds is not None:
             object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
             if not self.seeds:
                 raise SweepError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if self.workers < 0:
             raise SweepError(f"workers must be >= 0 (0: run in this process), got {self.workers}")
-        if not self.protocols and not self.retrieval:
-            raise SweepError("nothing to sweep: give --protocol P and/or --retrieval")
+        unknown = sorted(set(dict(self.finetune_options)) - set(FINETUNE_OPTIONS))
+        if unknown:
+            raise SweepError(f"finetune_options {unknown} are not sweep fine-tune options; use {FINETUNE_OPTIONS}")
+        if not self.protocols and not self.retrieval and not self.finetune:
+            raise SweepError("nothing to sweep: give --protocol P, --retrieval and/or --finetune P")
 
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One probe run (one backbone, dataset, protocol, seed) or one retrieval run."""
+    """One stage run: ``config`` is the stage's own config, ``run_ids`` the ids of the rows
+    it writes (empty: known only once the stage runs), ``run_id`` the item's key (its one
+    run id, else a hash of them)."""
 
     kind: str
     run_id: str
-    cache: str
-    results: str
+    config: Any
+    run_ids: tuple[str, ...]
     backbone: str
     dataset: str
     protocol: str
-    seed: int
-    train_split: str
-    eval_split: str
-    feature_kind: str = "pooled"
-    force: bool = False
+    seed: int = 0
 
     @property
     def label(self) -> str:
-        extra = f" seed {self.seed}" if self.kind == "probe" else f" {self.eval_split}->{self.train_split}"
-        return f"{self.kind} {self.backbone}/{self.dataset} {self.protocol}{extra}"
+        if self.kind == "retrieval":
+            c = self.config
+            return f"retrieval {self.backbone}/{self.dataset} {self.protocol} {c.query_split}->{c.gallery_split}"
+        return f"{self.kind} {self.backbone}/{self.dataset} {self.protocol} seed {self.seed}"
+
+    @property
+    def results(self) -> str:
+        c = self.config
+        return c.results if self.kind == "retrieval" else c.results_path
 
 
 @dataclass(frozen=True)
@@ -97,17 +126,11 @@ class Plan:
     not_in_store: tuple[str, ...] = field(default=())
 
 
-def ledger_dir(results: str | os.PathLike) -> Path:
-    """Folder of the markers of finished items, beside the results table."""
-    p = Path(results)
-    return p.parent / f"{p.name}.sweep-done"
-
-
-def default_seeds(protocol: str) -> tuple[int, ...]:
-    """Seeds a probe protocol runs by default (from the protocol registry)."""
+def default_seeds(protocol: str, stage: str = "probe") -> tuple[int, ...]:
+    """Seeds a protocol runs by default (from the protocol registry)."""
     from featcache.protocols import get_protocol
 
-    return tuple(get_protocol(protocol).seeds)
+    return tuple(get_protocol(protocol, stage).seeds)
 
 
 def _select(requested: Sequence[str], present: Sequence[str], what: str) -> list[str]:
@@ -120,61 +143,129 @@ def _select(requested: Sequence[str], present: Sequence[str], what: str) -> list
     return list(dict.fromkeys(requested))
 
 
-def _fingerprints(cache, backbone: str, dataset: str, splits: Sequence[str], kind: str) -> list[str]:
-    """Hashes of the provenance records of the features an item reads (they change when the
-    features are re-extracted or the split's rows change)."""
+def _item(kind: str, config, run_ids, backbone: str, dataset: str, protocol: str, seed: int = 0) -> WorkItem:
     from featcache.results import make_run_id
 
-    return [make_run_id(**cache.provenance(backbone, dataset, s, kind).to_attrs()) for s in splits]
+    ids = tuple(run_ids)
+    key = ids[0] if len(ids) == 1 else make_run_id(kind=f"sweep-{kind}", runs=sorted(ids))
+    return WorkItem(kind, key, config, ids, backbone, dataset, protocol, seed)
 
 
-def produced_run_ids(item: WorkItem) -> list[str]:
-    """Result run ids a finished item recorded in its marker ([] without a readable marker)."""
-    try:
-        return list(json.loads((ledger_dir(item.results) / f"{item.run_id}.json").read_text())["result_run_ids"])
-    except (OSError, ValueError, KeyError, TypeError):
+def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) -> list[WorkItem]:
+    from featcache.probes import ProbeConfig
+
+    out = []
+    for p in protocols:
+        for s in config.seeds or default_seeds(p):
+            pc = ProbeConfig(config.cache, (b,), d, p, seeds=(s,), results_path=config.results,
+                             force=config.force, eval_splits=(config.eval_split,),
+                             train_split=config.train_split, kind=config.feature_kind, progress=False)
+            out.append(_item("probe", pc, pc.run_ids().values(), b, d, p, s))
+    return out
+
+
+def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
+    from featcache.retrieval import RetrievalConfig
+    from featcache.store.cache import features_fingerprint
+
+    rc = RetrievalConfig(cache=config.cache, dataset=d, backbones=(b,), query_split=config.eval_split,
+                         gallery_split=config.gallery_split, results=config.results,
+                         kind=config.feature_kind, progress=False)
+
+    def fp(split: str) -> str:  # the stage loads complete features only
+        prov = cache.provenance(b, d, split, config.feature_kind).to_attrs()
+        return features_fingerprint(prov, cache.split_meta(d, split).fingerprint)
+
+    q = fp(config.eval_split)
+    g = q if rc.same_split else fp(config.gallery_split)
+    return _item("retrieval", rc, rc.run_ids(b, rc.pair_fingerprint(q, g)), b, d, "semantic")
+
+
+def reproducible_weights(weights: str) -> bool:
+    """Whether a provenance ``weights_source`` can be loaded again (a registered scheme, or
+    a checkpoint file that still exists)."""
+    scheme = weights.split(":", 1)[0]
+    return scheme in ("random", "package", "timm") or Path(weights).is_file()
+
+
+def _finetune_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem]:
+    from featcache.finetune import FinetuneConfig
+    from featcache.results import make_run_id
+
+    prov = cache.provenance(b, d, config.train_split, config.feature_kind)
+    if not reproducible_weights(prov.weights_source):
+        log.warning("no fine-tune of %s: its weights %r cannot be loaded again", b, prov.weights_source)
         return []
+    opts = dict(config.finetune_options)
+    size = prov.data_config.get("input_size")
+    opts.setdefault("input_size", int(size[-1]) if size else None)
+    opts.setdefault("pre_resize", prov.data_config.get("pre_resize"))
+    out = []
+    for p in config.finetune:
+        for s in config.seeds or default_seeds(p, "finetune"):
+            fc = FinetuneConfig(model=prov.model_name, weights=prov.weights_source, data=dict(config.data)[d],
+                                protocol=p, seeds=(s,), results_path=config.results,
+                                eval_splits=(config.eval_split,), train_split=config.train_split,
+                                dataset_name=d, backbone_name=b, workers=0, force=config.force,
+                                progress=False, **opts)
+            key = make_run_id(kind="sweep-finetune", config={k: v for k, v in vars(fc).items()
+                                                              if k not in ("force", "progress")})
+            out.append(WorkItem("finetune", key, fc, (), b, d, p, s))
+    return out
 
 
-def _is_done(item: WorkItem, result_ids: set[str]) -> bool:
-    produced = [] if item.force else produced_run_ids(item)
-    return bool(produced) and set(produced) <= result_ids
+def _probe_protocols(config: SweepConfig) -> list[str]:
+    """The probe protocols, plus the one each fine-tune protocol pairs with (registry)."""
+    from featcache.protocols import get_protocol, parse_protocol
+
+    for p in config.protocols:
+        parse_protocol(p)  # an unknown protocol fails here, before anything runs
+    paired = [get_protocol(p, "finetune").pairs_with for p in config.finetune]
+    return list(dict.fromkeys([*config.protocols, *(p for p in paired if p)]))
+
+
+def _check_data(config: SweepConfig, datasets: Sequence[str]) -> None:
+    if not config.finetune:
+        return
+    missing = [d for d in datasets if d not in dict(config.data)]
+    if missing:
+        raise SweepError(f"fine-tunes read images, and the store does not record where they are: "
+                         f"pass --data NAME=SPEC for {missing} (e.g. --data digits=digits, "
+                         "--data fmnist=fashion-mnist) or restrict --dataset")
 
 
 def plan(config: SweepConfig) -> Plan:
     """Expand ``config`` against the store catalog into work items (see the module doc)."""
-    from featcache.protocols import parse_protocol
-    from featcache.results import existing_run_ids, make_run_id
+    from featcache.results import existing_run_ids
     from featcache.store import open_cache
 
-    for p in config.protocols:
-        parse_protocol(p)  # an unknown protocol fails here, before anything runs
+    protocols = _probe_protocols(config)
     cache = open_cache(config.cache)
     entries = set(cache.entries())
     datasets = _select(config.datasets, sorted({d for _, d, _ in entries}), "dataset(s)")
     backbones = _select(config.backbones, sorted({b for b, _, _ in entries}), "backbone(s)")
-    result_ids = existing_run_ids(config.results)
+    _check_data(config, datasets)
     items: list[WorkItem] = []
     lacking: list[str] = []
-    setups = [("probe", p, s, config.train_split) for p in config.protocols
-              for s in (config.seeds or default_seeds(p))]
-    if config.retrieval:
-        setups.append(("retrieval", "semantic", 0, config.gallery_split))
     for d in datasets:
         for b in backbones:
-            for kind, proto, seed, train in setups:
-                splits = [config.eval_split] + ([] if train == "same" else [train])
-                if not all((b, d, s) in entries for s in splits):
-                    lacking.append(f"{b}/{d} ({'+'.join(splits)})")
-                    continue
-                fps = _fingerprints(cache, b, d, splits, config.feature_kind)
-                rid = make_run_id(kind=f"sweep-{kind}", backbone=b, dataset=d, protocol=proto,
-                                  seed=seed, train_split=train, eval_split=config.eval_split,
-                                  feature_kind=config.feature_kind, features=fps)
-                items.append(WorkItem(kind, rid, str(config.cache), str(config.results), b, d, proto,
-                                      seed, train, config.eval_split, config.feature_kind, config.force))
-    done = tuple(i for i in items if _is_done(i, result_ids))
-    todo = tuple(i for i in items if i not in done)
+            gallery = [] if config.gallery_split == "same" else [config.gallery_split]
+            needs = [(bool(protocols or config.finetune), [config.train_split]), (config.retrieval, gallery)]
+            splits = [config.eval_split] + [s for want, ss in needs if want for s in ss]
+            if not all((b, d, s) in entries for s in splits):
+                lacking.append(f"{b}/{d} ({'+'.join(dict.fromkeys(splits))})")
+                continue
+            try:
+                items += _probe_items(config, b, d, protocols)
+                if config.retrieval:
+                    items.append(_retrieval_item(config, cache, b, d))
+                if config.finetune:
+                    items += _finetune_items(config, cache, b, d)
+            except NotInStoreError as exc:  # e.g. a val split the protocol reads is not extracted
+                lacking.append(f"{b}/{d} ({exc})")
+    result_ids = set() if config.force else existing_run_ids(config.results)
+    done = tuple(i for i in items if i.run_ids and set(i.run_ids) <= result_ids)
+    todo = tuple(i for i in items if not (i.run_ids and set(i.run_ids) <= result_ids))
     lacking = list(dict.fromkeys(lacking))
     if config.backbones and config.datasets and lacking:
         log.warning("the store lacks %d requested cell(s): %s", len(lacking), ", ".join(lacking[:10]))

@@ -31,7 +31,8 @@ def two_backbone_store(digits_cache, tmp_path_factory) -> str:
     """The digits fixture store plus a second backbone (lite0 with random:0 weights at 32 px,
     an explicit random baseline); kept beside the other fixtures when FEATCACHE_TEST_CACHE is
     set (the extraction is idempotent)."""
-    from featcache.extract import ExtractConfig, extract
+    from featcache.extract import ExtractConfig
+    from featcache.extract.pipeline import extract
 
     env = os.environ.get("FEATCACHE_TEST_CACHE")
     root = Path(env) if env else tmp_path_factory.mktemp("sweep-store")
@@ -208,3 +209,81 @@ def test_cli_dry_run_and_bad_results(two_backbone_store, tmp_path, capsys):
     (tmp_path / "r.csv").write_text("a\n")
     assert main(["sweep", "--cache", two_backbone_store, "--results", str(tmp_path / "r.csv")]) == 1
     assert "not a parquet file" in capsys.readouterr().err
+
+
+def test_items_keyed_by_stage_run_ids_skip_plain_runs(two_backbone_store, tmp_path):
+    """Runs written by a plain run_probes / run_retrieval are recognised from the stage's own
+    run ids (computed from provenance, no features read) and not sent to a worker."""
+    from featcache.probes import ProbeConfig, run_probes
+    from featcache.retrieval import RetrievalConfig, run_retrieval
+
+    results = tmp_path / "r.parquet"
+    pc = ProbeConfig(two_backbone_store, (RANDOM,), "digits", "fewshot:5", seeds=(0, 1),
+                     results_path=str(results), progress=False)
+    rows = run_probes(pc)
+    assert set(pc.run_ids().values()) == set(rows.filter(pl.col("seed") >= 0)["run_id"].to_list())
+    run_retrieval(RetrievalConfig(cache=two_backbone_store, dataset="digits", backbones=(RANDOM,),
+                                  results=str(results), progress=False))
+    config = _config(two_backbone_store, results, backbones=(LITE0, RANDOM), seeds=(0, 1), workers=0)
+    p = plan(config)
+    assert sorted(i.label for i in p.done) == [f"probe {RANDOM}/digits fewshot:5 seed 0",
+                                               f"probe {RANDOM}/digits fewshot:5 seed 1",
+                                               f"retrieval {RANDOM}/digits semantic test->train"]
+    assert all(i.backbone == LITE0 for i in p.items) and len(p.items) == 3
+    assert all(i.config.results_path == str(results) for i in p.items if i.kind == "probe")
+    assert not (tmp_path / "r.parquet.sweep-done").exists()
+    report = run_sweep(config, progress=False)
+    assert {o.label for o in report.outcomes} == {i.label for i in p.items}  # plain runs not re-sent
+    assert all(o.status == "ran" for o in report.outcomes)
+    assert all(set(i.run_ids) <= set(read_results(results)["run_id"]) for i in p.items)
+    assert not plan(config).items
+
+
+def test_finetune_items_through_the_sweep(two_backbone_store, tmp_path, capsys):
+    """`featcache sweep --finetune full`: the model and weights come from the store's
+    provenance of the backbone, the images from --data; the paired probe protocol runs too,
+    the rows pair by (backbone, dataset, protocol, eval split, seed), and a rerun trains nothing."""
+    from featcache.cli import main
+
+    results = tmp_path / "r.parquet"
+    base = ["sweep", "--cache", two_backbone_store, "--results", str(results), "--backbone", RANDOM,
+            "--finetune", "full", "--seeds", "0", "--workers", "0"]
+    with pytest.raises(SweepError, match="--data NAME=SPEC"):
+        plan(SweepConfig(cache=two_backbone_store, results=str(results), backbones=(RANDOM,),
+                         protocols=(), finetune=("full",)))
+    ft = ["--data", "digits=digits", "--ft-steps", "2", "--ft-lrs", "0.01", "--ft-batch-size", "16",
+          "--ft-limit", "100"]
+    assert main([*base, *ft]) == 0, capsys.readouterr()
+    df = read_results(results)
+    tuned = df.filter(pl.col("kind") == "finetune")
+    assert tuned.height and set(tuned["backbone"]) == {RANDOM} and set(tuned["protocol"]) == {"full"}
+    assert set(tuned["seed"]) == {0} and set(tuned["dataset"]) == {"digits"}
+    hp = json.loads(tuned.filter(pl.col("seed") == 0)["hparams"][0])
+    assert hp["model"] == LITE0 and hp["weights"] == "random:0" and hp["scaled"]
+    assert hp["data_config"]["input_size"] == [3, 32, 32]  # the extraction's input size
+    probe = df.filter((pl.col("kind") == "probe") & (pl.col("protocol") == "full"))
+    assert set(probe["backbone"]) == {RANDOM} and set(probe["seed"]) == {0}  # the paired probe
+    capsys.readouterr()
+    assert main([*base, *ft]) == 0
+    assert "2 item(s): 0 ran, 2 already done, 0 failed" in capsys.readouterr().out  # nothing trained
+    assert read_results(results).height == df.height
+
+
+def test_finetune_seed_items_get_the_median_row(tmp_path):
+    """Fine-tune seeds run as separate items; the sweep adds the median row over them that
+    `featcache finetune` adds when it runs the seeds together."""
+    from featcache.results import append_results, rows_to_frame
+    from featcache.sweep.executor import finish_medians
+    from featcache.sweep.planner import WorkItem
+
+    results = tmp_path / "r.parquet"
+    rows = [dict(run_id=f"ft{s}", kind="finetune", backbone=RANDOM, dataset="digits", protocol="full",
+                 train_split="train+val", eval_split="test", shots=-1, seed=s, metric="top1", value=v,
+                 n_eval=10, hparams={"finetune_protocol": "full"}, converged=True, fit_seconds=1.0,
+                 store_fingerprint="images:x") for s, v in ((0, 0.5), (1, 0.7), (2, 0.6))]
+    append_results(results, rows_to_frame(rows))
+    items = [(WorkItem("finetune", f"k{s}", None, (), RANDOM, "digits", "full", s), [f"ft{s}"]) for s in range(3)]
+    finish_medians(str(results), items)
+    med = read_results(results).filter(pl.col("seed") == -1)
+    assert med.height == 1 and med["value"][0] == 0.6 and med["kind"][0] == "finetune"
+    assert json.loads(med["hparams"][0])["run_ids"] == ["ft0", "ft1", "ft2"]
