@@ -239,7 +239,8 @@ def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: st
     from featcache.extract import create_backbone
 
     bb = create_backbone(cfg.model, cfg.weights, device="cpu", input_size=cfg.input_size,
-                         pre_resize=cfg.pre_resize, trainable=True)
+                         pre_resize=cfg.pre_resize, trainable=True,
+                         resize=None if cfg.resize == "timm" else cfg.resize)
     net = Net.build(bb.model, bb.feature_dim, len(data.class_names))
     ckdir = None
     if cfg.checkpoint_dir is not None:
