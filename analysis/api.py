@@ -41,7 +41,7 @@ def _as_tables(results, external, *, percent, external_kind, groups, declared: b
     for i, ext in enumerate(external or []):
         src = Path(ext).name if isinstance(ext, (str, os.PathLike)) else f"external[{i}]"
         t = load_table(ext, source=src, kind=external_kind, percent=percent, groups=groups)
-        tables.append(with_declared_rows(t) if declared else t)
+        tables.append(with_declared_rows(t, external=True) if declared else t)
     if not tables:
         raise ResultsError("nothing to analyse: pass a results table and/or --external tables")
     return tables
@@ -62,17 +62,17 @@ def declares_metrics(results) -> bool:
     return bool(results["hparams"].cast(pl.Utf8).str.json_path_match("$.task_metric").is_not_null().any())
 
 
-def with_declared_rows(frame):
+def with_declared_rows(frame, *, external: bool = False):
     """``frame`` plus, per run, a copy of its declared-metric row with ``metric="task"``
-    (:func:`~featcache.analysis.task_metric.declared_metric_rows`; tables without hparams,
-    e.g. external ones, declare top-1). The original rows stay (calibration reads ece/nll)."""
+    (:func:`~featcache.analysis.task_metric.declared_metric_rows`; ``external`` tables and
+    tables without hparams declare top-1). The original rows stay (calibration reads ece/nll)."""
     import polars as pl
 
     from featcache.analysis.task_metric import TASK, declared_metric_rows
 
     if (frame["metric"] == TASK).any():  # already chosen (declared_metric_rows by the caller)
         return frame
-    if "hparams" in frame.columns and "run_id" in frame.columns:
+    if not external and "hparams" in frame.columns and "run_id" in frame.columns:
         rows = declared_metric_rows(frame).drop("task_metric")
     else:
         rows = frame.filter((pl.col("metric") == "top1") & (pl.col("kind") != "retrieval"))
