@@ -36,9 +36,10 @@ def config_from_args(args: argparse.Namespace, **overrides) -> FinetuneConfig:
 def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
     """One :class:`FinetuneConfig` per task of ``--suite`` whose data is under ``--data-root``
     (dataset key = task name, or ``<--dataset-name>-<task>`` as extract); VTAB-1k file lists
-    train on train800 and select on val200; the missing tasks are named in one warning."""
+    train on train800 and select on val200; each selects on its task's metric (top1 or
+    mean_per_class; multi-label tasks are skipped); the missing tasks are named in one warning."""
     from featcache.errors import ConfigError
-    from featcache.suites import load_suite, present_tasks
+    from featcache.suites import load_suite, present_tasks, warn_missing
 
     if args.data:
         raise ConfigError("give either --data (one dataset) or --suite with --data-root, not both")
@@ -51,7 +52,11 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
         if spec.startswith("vtab1k:") and (args.train_split, args.val_split) == (
                 FinetuneConfig.train_split, FinetuneConfig.val_split):
             splits = dict(train_split="train800", val_split="val200", val_source="official-val")
-        configs.append(config_from_args(args, data=spec, dataset_name=prefix + task.name, **kw, **splits))
+        if task.metric not in ("top1", "mean_per_class"):
+            warn_missing(suite, [task.name], f"declare {task.metric}, which fine-tuning cannot select on")
+            continue
+        configs.append(config_from_args(args, data=spec, dataset_name=prefix + task.name,
+                                        metric=args.metric or task.metric, **kw, **splits))
     return configs
 
 

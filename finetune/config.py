@@ -91,6 +91,8 @@ class FinetuneConfig:
     workers: int | None = flag(None, "DataLoader workers (default: min(4, cpus))", type=int)
     memory_limit_gb: float = flag(4.0, "preprocess images once into memory up to this size, else stream them",
                                   type=float)
+    metric: str | None = flag(None, "the task's metric: selects the config on val and is recorded as "
+                              "hparams.task_metric (default top1)", choices=["top1", "mean_per_class"])
     force: bool = flag(False, "rerun seeds already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
 
@@ -133,6 +135,9 @@ class FinetuneConfig:
     def _check(self) -> None:
         if not self.data:
             raise DataError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
+        if self.metric not in (None, "top1", "mean_per_class"):
+            raise DataError(f"fine-tuning selects on top1 or mean_per_class, not {self.metric!r} "
+                            "(multi-label tasks: use the probes)")
         if self.resize not in ("timm", "whole"):
             raise DataError(f"resize must be timm or whole, got {self.resize!r}")
         if not self.steps or min(self.steps) < 1:
@@ -161,6 +166,7 @@ class FinetuneConfig:
             train_split=self.train_split, precision=precision,
             val_source=self.val_source if proto.split.startswith("vtab1k") else None, limit=self.limit,
             **({"resize": self.resize} if self.resize != "timm" else {}),  # existing run ids stay
+            **({"metric": self.metric} if self.metric not in (None, "top1") else {}),
         )
 
     def scaled_from(self, proto) -> dict[str, Any]:

@@ -112,6 +112,7 @@ def test_finetune_suite_one_config_per_task(suite_root, tmp_path, caplog):
     c = cfgs["s-dtd"]
     assert (c.train_split, c.val_split, c.val_source, c.resize) == ("train800", "val200", "official-val", "timm")
     assert c.data == f"vtab1k:{suite_root / 'dtd'}"
+    assert (c.metric, cfgs["s-fgvc_aircraft"].metric) == ("top1", "mean_per_class")  # each task's metric
     # vtab-1k holds dtd too: its whole-image resize, recorded in the run options (timm runs keep their ids)
     res = str(tmp_path / "ft.parquet")
     with caplog.at_level(logging.WARNING):
@@ -123,3 +124,23 @@ def test_finetune_suite_one_config_per_task(suite_root, tmp_path, caplog):
     assert set(df["dataset"]) == {"dtd"}
     hp = json.loads(df["hparams"][0])
     assert hp["resize"] == "whole" and hp["data_config"]["resize"] == "whole" and hp["train_split"] == "train800"
+    assert hp["task_metric"] == "top1" and "metric" not in hp  # top-1 tasks keep their run-id options
+
+
+def test_finetune_selects_on_the_declared_mean_per_class(suite_root, tmp_path):
+    from dataclasses import replace
+
+    from featcache.cli import build_parser
+    from featcache.finetune.cli import suite_configs
+    from featcache.finetune.runner import finetune
+
+    args = build_parser().parse_args(["finetune", "--model", LITE0, "--weights", W, "--results", "r.parquet",
+                                      "--suite", "salman-12", "--data-root", str(suite_root)])
+    cfg = next(c for c in suite_configs(args) if c.dataset_name == "fgvc_aircraft")
+    cfg = replace(cfg, protocol="full", steps=(1,), lrs=(0.1, 0.001), batch_size=8, seeds=(0,), input_size=32,
+                  workers=0, progress=False, results_path=str(tmp_path / "ft.parquet"))
+    hp = json.loads(finetune(cfg)["hparams"][0])
+    assert hp["task_metric"] == "mean_per_class" and hp["metric"] == "mean_per_class"
+    assert hp["selection"].startswith("val mean_per_class")
+    scores = [c["val_mean_per_class"] for c in hp["candidates"]]
+    assert hp["lr"] == hp["candidates"][int(np.argmax(scores))]["lr"]
