@@ -20,7 +20,9 @@ from featcache.errors import ResultsError
 log = logging.getLogger(__name__)
 
 
-def _as_tables(results, external, *, percent, external_kind, groups) -> list:
+def _as_tables(results, external, *, percent, external_kind, groups, declared: bool = False) -> list:
+    """Loaded tables; ``declared``: each table also gets its runs' declared-metric rows
+    relabelled ``task`` (:func:`with_declared_rows`)."""
     import polars as pl
 
     from featcache.analysis.tables import load_table
@@ -30,17 +32,62 @@ def _as_tables(results, external, *, percent, external_kind, groups) -> list:
         if isinstance(results, (str, os.PathLike)):
             from featcache.results import read_results
 
-            tables.append(load_table(read_results(results), source=Path(results).name, groups=groups))
+            frame, src = read_results(results), Path(results).name
         elif isinstance(results, pl.DataFrame):
-            tables.append(load_table(results, source="results", groups=groups))
+            frame, src = results, "results"
         else:
             raise ResultsError(f"results must be a path or a polars DataFrame, got {type(results).__name__}")
+        tables.append(load_table(with_declared_rows(frame) if declared else frame, source=src, groups=groups))
     for i, ext in enumerate(external or []):
         src = Path(ext).name if isinstance(ext, (str, os.PathLike)) else f"external[{i}]"
-        tables.append(load_table(ext, source=src, kind=external_kind, percent=percent, groups=groups))
+        t = load_table(ext, source=src, kind=external_kind, percent=percent, groups=groups)
+        tables.append(with_declared_rows(t, external=True) if declared else t)
     if not tables:
         raise ResultsError("nothing to analyse: pass a results table and/or --external tables")
     return tables
+
+
+def declares_metrics(results) -> bool:
+    """Whether a featcache results table (path or DataFrame) records ``hparams.task_metric``."""
+    import polars as pl
+
+    if results is None:
+        return False
+    if isinstance(results, (str, os.PathLike)):
+        from featcache.results import read_results
+
+        results = read_results(results)
+    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns:
+        return False
+    return bool(results["hparams"].cast(pl.Utf8).str.json_path_match("$.task_metric").is_not_null().any())
+
+
+def with_declared_rows(frame, *, external: bool = False):
+    """``frame`` plus, per run, a copy of its declared-metric row with ``metric="task"``
+    (:func:`~featcache.analysis.task_metric.declared_metric_rows`; ``external`` tables and
+    tables without hparams declare top-1). The original rows stay (calibration reads ece/nll)."""
+    import polars as pl
+
+    from featcache.analysis.task_metric import TASK, declared_metric_rows
+
+    if (frame["metric"] == TASK).any():  # already chosen (declared_metric_rows by the caller)
+        return frame
+    if not external and "hparams" in frame.columns and "run_id" in frame.columns:
+        rows = declared_metric_rows(frame).drop("task_metric")
+    else:
+        rows = frame.filter((pl.col("metric") == "top1") & (pl.col("kind") != "retrieval"))
+        rows = rows.with_columns(pl.lit(TASK).alias("metric"))
+    return pl.concat([frame, rows.filter(pl.col("kind") != "retrieval")], how="vertical_relaxed")
+
+
+def resolve_metric(metric: str, results) -> str:
+    """``auto``: ``task`` (each task on its declared metric) when the results record
+    ``hparams.task_metric``, else ``top1``; any other metric as given."""
+    if metric != "auto":
+        return metric
+    from featcache.analysis.task_metric import TASK
+
+    return TASK if declares_metrics(results) else "top1"
 
 
 def write_tables(tables: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
@@ -93,11 +140,18 @@ def rank(
     With ``out_dir``, writes every table as parquet + Markdown, the plots as PNG and
     ``summary.json``. Returns a dict with the tables, ``coverage``, ``mean_tau``, ``notes``
     and ``files``.
+
+    ``metric="auto"`` ranks each task on its declared metric (``hparams.task_metric``, e.g.
+    mean-per-class for Aircraft; rows without one count as top-1) when the results record
+    one, else on top-1; ``"task"`` always does; any other name ranks every task on it.
     """
     from featcache.analysis import rankings
+    from featcache.analysis.task_metric import TASK
 
+    metric = resolve_metric(metric, results)
     raw, reduced, coverage = _load_reduced(results, external, percent=percent, external_kind=external_kind,
-                                           groups=groups, eval_splits=eval_splits, seed_reduce=seed_reduce)
+                                           groups=groups, eval_splits=eval_splits, seed_reduce=seed_reduce,
+                                           declared=metric == TASK)
     sm = rankings.select_settings(reduced, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     _record_missing_cells(coverage, sm)
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
@@ -107,6 +161,7 @@ def rank(
         n_boot=n_boot, seed=seed, ddof=ddof, seed_reduce=seed_reduce, progress=progress,
     )
     out = _rank_result(raw, coverage, agg, boot, notes, resample)
+    out["metric"] = metric
     _add_secondary(out, reduced, agg, notes, metric=metric, ddof=ddof, provenance=provenance)
     for n in notes:
         log.info("rank: %s", n)
@@ -121,14 +176,16 @@ def rank(
     return out
 
 
-def _load_reduced(results, external, *, percent, external_kind, groups, eval_splits, seed_reduce):
+def _load_reduced(results, external, *, percent, external_kind, groups, eval_splits, seed_reduce,
+                  declared: bool = False):
     """Load + merge the tables, keep ``eval_splits`` (rows without a split are kept: typical of
     external tables) and reduce seeds. Returns ``(raw, reduced, coverage)``."""
     import polars as pl
 
     from featcache.analysis.tables import merge_tables, reduce_seeds
 
-    tables = _as_tables(results, external, percent=percent, external_kind=external_kind, groups=groups)
+    tables = _as_tables(results, external, percent=percent, external_kind=external_kind, groups=groups,
+                        declared=declared)
     raw, coverage = merge_tables(tables)
     if eval_splits:
         keep = pl.col("eval_split").is_in(list(eval_splits)) | (pl.col("eval_split") == "")
@@ -207,7 +264,7 @@ def _add_secondary(out, reduced, agg, notes, *, metric: str, ddof: int, provenan
     else:
         notes.append("linear vs fine-tune skipped: needs both probe and finetune rows (pass the fine-tuning table with --external)")
     try:
-        acc_metric = metric if metric not in LOWER_IS_BETTER else "top1"
+        acc_metric = metric if metric not in LOWER_IS_BETTER and metric != "task" else "top1"
         out["calibration"], out["calibration_corr"] = rankings.calibration_summary(reduced, accuracy_metric=acc_metric)
     except ResultsError as exc:
         out["calibration"] = out["calibration_corr"] = None

@@ -34,7 +34,10 @@ def register(subparsers) -> None:
                               description="Rank backbones across tasks from results tables; write tables and plots.")
     _common(p)
     p.add_argument("--out", required=True, help="output folder (tables as parquet + Markdown, PNG plots)")
-    p.add_argument("--metric", default="top1", help="classification metric to rank on (default top1)")
+    p.add_argument("--metric", default="auto",
+                   help="classification metric to rank on: auto (default) ranks each task on its declared metric "
+                   "(hparams.task_metric: top1, mean_per_class, map11, roc_auc_macro) where the results record "
+                   "one, else top1; or one metric for every task (top1, top5, mean_per_class, ...)")
     p.add_argument("--retrieval-metric", default="map", help="retrieval metric to rank on (default map)")
     p.add_argument("--kinds", nargs="+", choices=["probe", "knn", "retrieval", "finetune"], help="kinds of settings to rank on (default all)")
     p.add_argument("--eval-split", action="append", dest="eval_splits", metavar="SPLIT",

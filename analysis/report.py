@@ -341,7 +341,9 @@ def write_report(
         if catalog_df["images_per_s"].drop_nulls().len():
             provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
     load = {"percent": kw_in.get("percent"), "external_kind": kw_in.get("external_kind")}
-    raw, coverage = merge_tables(api._as_tables(results_df, external, groups=kw_in.get("groups"), **load))
+    kw_in["metric"] = api.resolve_metric(kw_in.get("metric", "auto"), results_df)  # auto: declared metrics
+    raw, coverage = merge_tables(api._as_tables(results_df, external, groups=kw_in.get("groups"),
+                                                declared=kw_in["metric"] == "task", **load))
     ctx: dict[str, Any] = {
         "title": title, "version": __version__, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "n_backbones": len(coverage.backbones), "n_tasks": len(coverage.tasks), "n_rows": raw.height,

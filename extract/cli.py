@@ -37,54 +37,44 @@ def run_extract(args: argparse.Namespace) -> int:
     elif not args.data:
         raise ConfigError("give --data SPEC (one dataset) or --suite NAME --data-root DIR (see `featcache suites`)")
     else:
-        configs = [ExtractConfig.from_args(args, storage_options=opts)]
-    configs = [c.replace(progress=progress) for c in configs]
-    if _runs_on_cpu(configs[0].device):
+        configs = [(ExtractConfig.from_args(args, storage_options=opts), None)]
+    configs = [(c.replace(progress=progress), task) for c, task in configs]
+    if _runs_on_cpu(configs[0][0].device):
         from featcache.allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
     from featcache.extract.pipeline import dist_info, extract
 
-    for cfg in configs:
+    for cfg, task in configs:
         reports = extract(cfg)
         if dist_info()[0] == 0:
+            if task is not None and cfg.write:
+                _record_task_metric(cfg, task)
             _print_reports(reports)
     return 0
 
 
 def suite_configs(args: argparse.Namespace, **overrides) -> list:
-    """One :class:`ExtractConfig` per task of ``--suite`` whose data is under ``--data-root``
-    (dataset key = task name); the missing tasks are named in one warning, and none present is
-    an error."""
-    import logging
-    from pathlib import Path
-
-    from featcache.errors import DataError
+    """``(ExtractConfig, Task)`` per task of ``--suite`` whose data is under ``--data-root``
+    (dataset key = task name, or ``<--dataset-name>-<task>``); the missing tasks are named in
+    one warning, and none present is an error."""
     from featcache.extract.config import ExtractConfig
-    from featcache.extract.formats import detect_spec
-    from featcache.suites import load_suite
+    from featcache.suites import load_suite, present_tasks
 
     suite = load_suite(args.suite)
-    if not args.data_root or not Path(args.data_root).is_dir():
-        raise DataError(f"--suite {suite.name} needs --data-root DIR, an existing folder with one entry per task")
-    found, missing = {}, []
-    for task in suite.tasks:
-        spec = next((s for n in task.dir_names for s in [detect_spec(Path(args.data_root) / n)] if s), None)
-        if spec:
-            found[task.name] = spec
-        else:
-            missing.append(task.name)
-    if not found:
-        raise DataError(f"no task of suite {suite.name} has data under {args.data_root}; expected e.g. "
-                        f"{args.data_root}/{suite.tasks[0].name}/ (names and aliases: `featcache suites {suite.name}`)")
-    if missing:
-        logging.getLogger(__name__).warning("suite %s: %d of %d tasks have no data under %s, skipped: %s",
-                                            suite.name, len(missing), len(suite.tasks), args.data_root,
-                                            ", ".join(missing))
     kw = {"resize": args.resize or suite.resize, "input_size": args.input_size or suite.input_size}
     prefix = f"{args.dataset_name}-" if args.dataset_name else ""
-    return [ExtractConfig.from_args(args, data=spec, dataset_name=prefix + name, **kw, **overrides)
-            for name, spec in found.items()]
+    return [(ExtractConfig.from_args(args, data=spec, dataset_name=prefix + task.name, **kw, **overrides), task)
+            for task, spec in present_tasks(suite, args.data_root)]
+
+
+def _record_task_metric(cfg, task) -> None:
+    """Declare the suite task's metric on its dataset in the store, so probes select on it."""
+    from featcache.store import open_cache
+    from featcache.store.tasks import write_task_metric
+
+    cache = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
+    write_task_metric(cache, cfg.dataset_name, task.metric)
 
 
 def _print_reports(reports) -> None:

@@ -15,21 +15,65 @@ from featcache.finetune.config import FinetuneConfig
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p, FinetuneConfig)
+    for action in p._actions:  # --suite gives the data per task
+        if action.dest == "data":
+            action.required = False
+    p.set_defaults(resize=None)  # None: the suite's (VTAB: whole), else timm
+    p.add_argument("--suite", default=None, help="fine-tune on every task of a suite (see `featcache suites`) whose "
+                   "data is under --data-root; the suite's resize and input size unless given")
+    p.add_argument("--data-root", default=None, help="with --suite: folder holding one entry per task (as extract)")
 
 
-def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
+def config_from_args(args: argparse.Namespace, **overrides) -> FinetuneConfig:
     """The :class:`FinetuneConfig` of parsed ``featcache finetune`` arguments."""
+    from featcache.errors import ConfigError
+
+    if not (overrides.get("data") or args.data):
+        raise ConfigError("give --data SPEC (one dataset) or --suite NAME --data-root DIR (see `featcache suites`)")
     progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
-    return from_namespace(FinetuneConfig, args, progress=progress)
+    return from_namespace(FinetuneConfig, args, **{"resize": args.resize or "timm", "progress": progress, **overrides})
+
+
+def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
+    """One :class:`FinetuneConfig` per task of ``--suite`` whose data is under ``--data-root``
+    (dataset key = task name, or ``<--dataset-name>-<task>`` as extract); VTAB-1k file lists
+    train on train800 and select on val200; each selects on its task's metric (top1 or
+    mean_per_class; multi-label tasks are skipped); the missing tasks are named in one warning."""
+    from featcache.errors import ConfigError
+    from featcache.suites import load_suite, present_tasks, warn_missing
+
+    if args.data:
+        raise ConfigError("give either --data (one dataset) or --suite with --data-root, not both")
+    suite = load_suite(args.suite)
+    kw = {"resize": args.resize or suite.resize, "input_size": args.input_size or suite.input_size}
+    prefix = f"{args.dataset_name}-" if args.dataset_name else ""
+    configs = []
+    for task, spec in present_tasks(suite, args.data_root):
+        splits = {}
+        if spec.startswith("vtab1k:") and (args.train_split, args.val_split) == (
+                FinetuneConfig.train_split, FinetuneConfig.val_split):
+            splits = dict(train_split="train800", val_split="val200", val_source="official-val")
+        if task.metric not in ("top1", "mean_per_class"):
+            warn_missing(suite, [task.name], f"declare {task.metric}, which fine-tuning cannot select on")
+            continue
+        configs.append(config_from_args(args, data=spec, dataset_name=prefix + task.name,
+                                        metric=args.metric or task.metric, **kw, **splits))
+    return configs
 
 
 def run_finetune(args: argparse.Namespace) -> int:
-    import json
-
     from featcache.finetune.runner import finetune
     from featcache.results import check_results_path
 
-    cfg = config_from_args(args)
+    if args.suite:
+        configs = suite_configs(args)
+    elif args.data_root:
+        from featcache.errors import ConfigError
+
+        raise ConfigError("--data-root goes with --suite NAME; for one dataset give --data SPEC")
+    else:
+        configs = [config_from_args(args)]
+    cfg = configs[0]
     check_results_path(cfg.results_path)  # a bad --results fails before any compute
     device = cfg.device
     if device == "auto":
@@ -40,7 +84,14 @@ def run_finetune(args: argparse.Namespace) -> int:
         from featcache.allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
-    out = finetune(cfg)
+    for cfg in configs:
+        _print_rows(finetune(cfg), cfg)
+    return 0
+
+
+def _print_rows(out, cfg: FinetuneConfig) -> None:
+    import json
+
     top = out.filter(out["metric"] == "top1").sort(["eval_split", "seed"])
     print(f"{'backbone':<28} {'dataset':<20} {'protocol':<9} {'split':<8} {'seed':>4} "
           f"{'top1':>7} {'lr':>7} {'steps':>6}")
@@ -53,7 +104,6 @@ def run_finetune(args: argparse.Namespace) -> int:
               f"{seed:>4} {r['value']:>7.4f} {lr if lr is not None else '':>7} "
               f"{steps if steps is not None and not isinstance(steps, list) else '':>6}")
     print(f"{out.height} row(s) in {cfg.results_path}")
-    return 0
 
 
 def register(sub) -> None:

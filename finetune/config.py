@@ -70,6 +70,8 @@ class FinetuneConfig:
                                       type=float)
     input_size: int | None = flag(None, "override the model's input resolution", type=int)
     pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
+    resize: str = flag("timm", "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
+                       "image to the input size (VTAB)", choices=["timm", "whole"])
     device: str = flag("auto", "auto | cpu | cuda[:N]")
     precision: str = flag("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16"])
     eval_splits: tuple[str, ...] = flag(("test",), "split(s) to test on (repeatable; default test)",
@@ -89,6 +91,8 @@ class FinetuneConfig:
     workers: int | None = flag(None, "DataLoader workers (default: min(4, cpus))", type=int)
     memory_limit_gb: float = flag(4.0, "preprocess images once into memory up to this size, else stream them",
                                   type=float)
+    metric: str | None = flag(None, "the task's metric: selects the config on val and is recorded as "
+                              "hparams.task_metric (default top1)", choices=["top1", "mean_per_class"])
     force: bool = flag(False, "rerun seeds already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
 
@@ -131,6 +135,11 @@ class FinetuneConfig:
     def _check(self) -> None:
         if not self.data:
             raise DataError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
+        if self.metric not in (None, "top1", "mean_per_class"):
+            raise DataError(f"fine-tuning selects on top1 or mean_per_class, not {self.metric!r} "
+                            "(multi-label tasks: use the probes)")
+        if self.resize not in ("timm", "whole"):
+            raise DataError(f"resize must be timm or whole, got {self.resize!r}")
         if not self.steps or min(self.steps) < 1:
             raise DataError(f"steps must be positive integers, got {self.steps!r}")
         if not self.lrs or min(self.lrs) <= 0:
@@ -156,6 +165,8 @@ class FinetuneConfig:
             weight_decay=self.weight_decay, data_config=_jsonable(backbone.data_config),
             train_split=self.train_split, precision=precision,
             val_source=self.val_source if proto.split.startswith("vtab1k") else None, limit=self.limit,
+            **({"resize": self.resize} if self.resize != "timm" else {}),  # existing run ids stay
+            **({"metric": self.metric} if self.metric not in (None, "top1") else {}),
         )
 
     def scaled_from(self, proto) -> dict[str, Any]:

@@ -239,7 +239,8 @@ def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: st
     from featcache.extract import create_backbone
 
     bb = create_backbone(cfg.model, cfg.weights, device="cpu", input_size=cfg.input_size,
-                         pre_resize=cfg.pre_resize, trainable=True)
+                         pre_resize=cfg.pre_resize, trainable=True,
+                         resize=None if cfg.resize == "timm" else cfg.resize)
     net = Net.build(bb.model, bb.feature_dim, len(data.class_names))
     ckdir = None
     if cfg.checkpoint_dir is not None:
@@ -326,8 +327,9 @@ def _select(run: _Run, s: int, plan: SplitPlan) -> tuple[int, list[dict]]:
             log.info("seed %d config %d/%d (lr=%g, steps=%d): val top1 %.4f", s, ci + 1, len(grid),
                      c.lr, c.steps, rec["val_top1"])
         cands.append(dict(lr=c.lr, steps=c.steps, val_top1=rec["val_top1"], finite=rec["finite"],
-                          seconds=rec.get("seconds")))
-    scores = np.array([c["val_top1"] for c in cands], np.float64)
+                          seconds=rec.get("seconds"),
+                          **{k: rec[k] for k in (_val_key(run),) if k in rec and k != "val_top1"}))
+    scores = np.array([c.get(_val_key(run), c["val_top1"]) for c in cands], np.float64)
     return int(np.flatnonzero(scores == scores.max())[0]), cands
 
 
@@ -343,11 +345,20 @@ def _select_one(run: _Run, s: int, plan: SplitPlan, c: TrainConfig, key: dict, k
         P = run.proba(run.pool, pva)
         score = float(np.mean(P.argmax(1) == run.pool.y[pva]))
     rec = {"val_top1": score, "finite": res.finite, "seconds": res.seconds}
+    if _val_key(run) != "val_top1":  # the task's metric selects (val_top1 stays for the record)
+        from featcache.metrics import mean_per_class
+
+        rec[_val_key(run)] = float(mean_per_class(run.pool.y[pva], P)) if res.finite else -1.0
     if outcome is not None:
         atomic_json(rec, outcome)
         if ck is not None and ck.exists():
             ck.unlink()
     return rec
+
+
+def _val_key(run: _Run) -> str:
+    """The candidates' selection score: ``val_top1``, or ``val_<metric>`` of the task's metric."""
+    return f"val_{run.cfg.metric or 'top1'}"
 
 
 def _finetune_seed(run: _Run, s: int, plan: SplitPlan, run_ids) -> list[dict]:
@@ -401,7 +412,7 @@ def _hparams(run: _Run, plan: SplitPlan, c: TrainConfig, cands: list[dict], best
                     "keys": ["backbone", "dataset", "protocol", "eval_split", "seed", "metric"]},
         lr=c.lr, steps=c.steps, milestones=list(c.milestones),
         selection=("single config" if len(run.grid) == 1
-                   else "val top1 (ties: first config, order steps then lr)"),
+                   else f"val {run.cfg.metric or 'top1'} (ties: first config, order steps then lr)"),
         val_top1=cands[best]["val_top1"], candidates=cands, n_train=int(plan.train.size),
         n_val=int(plan.val.size), n_train_final=int(plan.final.size),
         scaled=bool(run.scaled_from), scaled_from=run.scaled_from,
@@ -412,6 +423,8 @@ def _hparams(run: _Run, plan: SplitPlan, c: TrainConfig, cands: list[dict], best
         device=run.device, dataset_fingerprints=run.data.fingerprints(),
         final_loss=res.losses[-1] if res.losses else None,
     )
+    if run.cfg.metric is not None:
+        hp["task_metric"] = run.cfg.metric
     return hp
 
 

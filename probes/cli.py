@@ -22,25 +22,79 @@ def register(subparsers) -> None:
     who.add_argument("--backbone", action="append", help="backbone key (repeatable)")
     who.add_argument("--all", action="store_true", help="every backbone with features for --dataset")
     add_arguments(p, ProbeConfig)  # every other flag comes from the config's fields
+    optional_flag(p, "dataset")  # --suite names the datasets instead
+    p.add_argument("--suite", default=None, help="probe every task of a suite (see `featcache suites`) held in "
+                   "the cache, each selected on its declared metric; VTAB-1k lists: train800/val200")
+    p.add_argument("--dataset-name", default=None, metavar="PREFIX",
+                   help="with --suite: the prefix extract --suite --dataset-name used (datasets PREFIX-<task>)")
     p.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace) -> ProbeConfig:
+def optional_flag(p: argparse.ArgumentParser, dest: str) -> None:
+    """Make the config flag ``dest`` optional on the command line (``--suite`` fills it per task)."""
+    for action in p._actions:
+        if action.dest == dest:
+            action.required = False
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> ProbeConfig:
     """The :class:`ProbeConfig` of parsed ``featcache probe`` arguments."""
+    from featcache.errors import ConfigError
+
+    if getattr(args, "dataset", None) is None and "dataset" not in overrides:
+        raise ConfigError("give --dataset KEY (one dataset) or --suite NAME (every suite task in the cache)")
     progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
     return from_namespace(ProbeConfig, args, cache=args.cache if len(args.cache) > 1 else args.cache[0],
-                          backbones="all" if args.all else args.backbone, progress=progress)
+                          backbones="all" if args.all else args.backbone, **{"progress": progress, **overrides})
+
+
+def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
+    """One :class:`ProbeConfig` per task of ``--suite`` held in a ``--cache`` (dataset key =
+    task name or ``<--dataset-name>-<task>``): the task's metric (the one recorded in the
+    store, else the suite's; ``--metric`` forces one), VTAB-1k's train800/val200 where the
+    store holds them; the missing tasks are named in one warning, none present is an error."""
+    from featcache.errors import ConfigError, NotInStoreError
+    from featcache.store import open_cache
+    from featcache.store.tasks import task_metric
+    from featcache.suites import load_suite, warn_missing
+
+    if getattr(args, "dataset", None):
+        raise ConfigError("give either --dataset KEY or --suite NAME, not both (--dataset-name sets a prefix)")
+    suite = load_suite(args.suite)
+    held = {}
+    for c in map(open_cache, args.cache):
+        held.update({d: c for d in c.datasets() if d not in held})
+    prefix = f"{args.dataset_name}-" if args.dataset_name else ""
+    configs = []
+    for task in suite.tasks:
+        ds = prefix + task.name
+        if ds in held:
+            kw = {}
+            if {"train800", "val200"} <= set(held[ds].splits(ds)) and (args.train_split, args.val_split) == (
+                    ProbeConfig.train_split, ProbeConfig.val_split):
+                kw = dict(train_split="train800", val_split="val200", val_source="official-val")
+            metric = args.metric or (None if task_metric(held[ds], ds) else task.metric)
+            configs.append(config_from_args(args, dataset=ds, metric=metric, **kw))
+    if not configs:
+        raise NotInStoreError(f"no task of suite {suite.name} is in {', '.join(args.cache)} (expected datasets "
+                              f"{prefix}{suite.tasks[0].name}, ...); run `featcache extract --suite {suite.name}` first")
+    warn_missing(suite, [t.name for t in suite.tasks if prefix + t.name not in held],
+                 f"are not in {', '.join(args.cache)}")
+    return configs
 
 
 def run(args: argparse.Namespace) -> int:
     from featcache.probes.runner import run_probes
     from featcache.results import check_results_path
 
-    cfg = config_from_args(args)
-    check_results_path(cfg.results_path)  # a bad --results fails before any compute
-    df = run_probes(cfg)
-    print(format_table(df))
-    print(f"{df['run_id'].n_unique()} run(s) -> {cfg.results_path}")
+    configs = suite_configs(args) if args.suite else [config_from_args(args)]
+    check_results_path(configs[0].results_path)  # a bad --results fails before any compute
+    for cfg in configs:
+        df = run_probes(cfg)
+        if args.suite:
+            print(f"{cfg.dataset} (train {cfg.train_split}, metric {cfg.metric or 'from the store'}):")
+        print(format_table(df))
+        print(f"{df['run_id'].n_unique()} run(s) -> {cfg.results_path}")
     return 0
 
 

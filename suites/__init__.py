@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["METRICS", "Suite", "Task", "list_suites", "load_suite"]
+__all__ = ["METRICS", "Suite", "Task", "list_suites", "load_suite", "present_tasks", "warn_missing"]
 
 #: metrics a task may declare
 METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro")
@@ -129,3 +129,35 @@ def _task(t: dict[str, Any], groups: tuple[str, ...], where: str) -> Task:
         raise SuiteError(f"{where}: task {task.name} has {len(task.class_names)} class names for "
                          f"{task.num_classes} classes")
     return task
+
+
+def present_tasks(suite: Suite, data_root: str) -> list[tuple[Task, str]]:
+    """``(task, data spec)`` of each task of ``suite`` with data under ``data_root``
+    (``DIR/<task name or alias>`` in any supported layout); the missing ones named in one warning, none is an error."""
+    from pathlib import Path
+
+    from featcache.errors import DataError
+    from featcache.extract.formats import detect_spec
+
+    if not data_root or not Path(data_root).is_dir():
+        raise DataError(f"--suite {suite.name} needs --data-root DIR, an existing folder with one entry per task")
+    found = []
+    for task in suite.tasks:
+        spec = next((s for n in task.dir_names for s in [detect_spec(Path(data_root) / n)] if s), None)
+        if spec:
+            found.append((task, spec))
+    if not found:
+        raise DataError(f"no task of suite {suite.name} has data under {data_root}; expected e.g. "
+                        f"{data_root}/{suite.tasks[0].name}/ (names and aliases: `featcache suites {suite.name}`)")
+    have = {t.name for t, _ in found}
+    warn_missing(suite, [t.name for t in suite.tasks if t.name not in have], f"have no data under {data_root}")
+    return found
+
+
+def warn_missing(suite: Suite, missing: list[str], why: str) -> None:
+    """One warning line naming the tasks of ``suite`` that are skipped and why."""
+    if missing:
+        import logging
+
+        logging.getLogger(__name__).warning("suite %s: %d of %d tasks %s, skipped: %s", suite.name, len(missing),
+                                            len(suite.tasks), why, ", ".join(missing))

@@ -48,3 +48,29 @@ def test_a_run_without_its_declared_metric_row_is_an_error():
     frame = _rows({"voc": "map11"}, {("b1", "voc", "top1"): .5})
     with pytest.raises(ResultsError, match="declared metric"):
         declared_metric_rows(frame)
+
+
+def test_rank_auto_ranks_declared_metrics_else_top1():
+    """metric='auto' (the CLI default): declared metrics when the results record them (an
+    external table counts as top-1), else exactly the top-1 ranking."""
+    import polars as pl
+
+    from featcache.analysis.api import rank
+
+    vals = {}
+    for b, (t1, mpc, pt1, pmpc) in {"b1": (.9, .5, .7, .9), "b2": (.8, .7, .6, .1), "b3": (.1, .2, .5, .5)}.items():
+        vals |= {(b, "aircraft", "top1"): t1, (b, "aircraft", "mean_per_class"): mpc,
+                 (b, "pets", "top1"): pt1, (b, "pets", "mean_per_class"): pmpc}
+    ext = pl.DataFrame({"backbone": ["b1", "b2", "b3"], "dataset": ["ext"] * 3, "metric": ["top1"] * 3,
+                        "value": [.3, .2, .1], "kind": ["probe"] * 3})
+
+    def scores(frame, metric, external=()):
+        out = rank(frame, external, metric=metric, n_boot=20, plots=False)
+        return out["metric"], {r["backbone"]: r for r in out["scores"].iter_rows(named=True)}
+
+    metric, got = scores(_rows({"aircraft": "mean_per_class", "pets": None}, vals), "auto", [ext])
+    assert metric == TASK and got["b2"]["probe:aircraft"] == .7 and got["b1"]["probe:pets"] == .7
+    assert got["b1"]["probe:ext"] == .3
+    plain = _rows({"aircraft": None, "pets": None}, vals)
+    metric, got = scores(plain, "auto")
+    assert metric == "top1" and got == scores(plain, "top1")[1] and got["b1"]["probe:aircraft"] == .9

@@ -140,7 +140,7 @@ def test_finetune_plan_selects_the_same_images_as_the_probe_plan(digits_cache, d
 
     sd = R._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled")
     sd_pos = R.SplitData(sd.name, np.arange(sd.y.size, dtype=np.float64)[:, None], sd.y, sd.ids,
-                         sd.n_invalid, sd.fingerprint, sd.rows)  # rows: the store's order (vtab1k)
+                         sd.n_invalid, sd.fingerprint, rows=sd.rows)  # rows: the store's order (vtab1k)
     tr = digits_splits[0]
     assert np.array_equal(sd.ids, tr.ids) and np.array_equal(sd.y, tr.y)
     for proto, ftproto in (("vtab1k-sgd", "vtab1k-light"), ("full", "full")):

@@ -87,7 +87,7 @@ def test_vtab1k_pool_is_fixed_first_800_and_200_in_dataset_order(request, cache_
     cache = open_cache(request.getfixturevalue(cache_fixture))
     sd = PR._load_split(cache, "tf_efficientnet_lite0", dataset, "train", "pooled")
     store_ids = np.asarray(cache.split_rows(dataset, "train")[0]).astype(str)
-    pos = PR.SplitData(sd.name, np.arange(sd.y.size, dtype=np.float64)[:, None], sd.y, sd.ids, 0, "", sd.rows)
+    pos = PR.SplitData(sd.name, np.arange(sd.y.size, dtype=np.float64)[:, None], sd.y, sd.ids, 0, "", rows=sd.rows)
     src = open_dataset("digits" if limit is None else "fashion-mnist")["train"]
     src = src if limit is None else src.subset(limit)
     ft = FD.prepare_split(src, list(src.class_names))
