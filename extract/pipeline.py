@@ -179,33 +179,50 @@ def _extract_split(job: _Job, src: SplitSource) -> SplitReport:
     if world > 1:  # one thread count per job: every rank computes as rank 0 records
         threads = gather(world, threads)[0]
     writer = FeatureWriter(job.store, key, src.dataset, src.split, _provenances(job, src, meta, threads))
-    agree(world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite,
-          cfg.decoder == "auto")
-    pending_all = agree(world, rank, "set-up", _attach_and_read, writer, rank)
-    mine = [c for c in pending_all if c % world == rank]
-    if not pending_all:
-        log.info("%s/%s/%s is already complete (%d rows); nothing to do", key, src.dataset, src.split, len(src))
-        return SplitReport(key, src.dataset, src.split, len(src), writer.n_chunks, 0, 0, 0.0, None, skipped=True)
-    if len(pending_all) < writer.n_chunks:
-        log.info("resuming %s/%s/%s: %d of %d chunks left", key, src.dataset, src.split, len(pending_all), writer.n_chunks)
-    if world > 1:
-        log.info("rank %d computes %d of the %d pending chunks", rank, len(mine), len(pending_all))
-    if threads:
-        torch.set_num_threads(threads)
-    log.info("%d DataLoader worker(s), %d torch thread(s) on %s", job.workers, torch.get_num_threads(), job.bb.device)
-    rep = agree(world, rank, "extraction", run_split, src, job.bb, job.fwd, writer, mine, cfg, job.workers,
-                job.amp, rank)
-    if world > 1:  # rank 0 reports the whole job: gather every rank's failures and chunk counts
-        parts = gather(world, (rep.chunks_computed, rep.failures))
-        rep.chunks_computed = sum(p[0] for p in parts)
-        rep.failures = [f for p in parts for f in p[1]]
-        rep.n_invalid = len(rep.failures)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if job.bb.device.startswith("cuda") else None
-    # every rank's chunks are written (the gathers above); rank 0 marks the arrays complete
-    agree(world, rank, "finishing", writer.mark_complete if rank == 0 and cfg.write else None,
-          images_per_s=rep.images_per_s, peak_memory_mb=peak)
-    rep.chunks_total = writer.n_chunks
-    return rep
+    try:  # the writer lock is released on every way out (complete, nothing to do, failure)
+        agree(world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite,
+              cfg.decoder == "auto")
+        pending_all = agree(world, rank, "set-up", _attach_and_read, writer, rank)
+        mine = [c for c in pending_all if c % world == rank]
+        if not pending_all:
+            log.info("%s/%s/%s is already complete (%d rows); nothing to do", key, src.dataset, src.split, len(src))
+            return SplitReport(key, src.dataset, src.split, len(src), writer.n_chunks, 0, 0, 0.0, None, skipped=True)
+        if len(pending_all) < writer.n_chunks:
+            log.info("resuming %s/%s/%s: %d of %d chunks left", key, src.dataset, src.split, len(pending_all), writer.n_chunks)
+        if world > 1:
+            log.info("rank %d computes %d of the %d pending chunks", rank, len(mine), len(pending_all))
+        if threads:
+            torch.set_num_threads(threads)
+        log.info("%d DataLoader worker(s), %d torch thread(s) on %s", job.workers, torch.get_num_threads(), job.bb.device)
+        rep = agree(world, rank, "extraction", run_split, src, job.bb, job.fwd, writer, mine, cfg, job.workers,
+                    job.amp, rank)
+        if world > 1:  # rank 0 reports the whole job: gather every rank's failures and chunk counts
+            parts = gather(world, (rep.chunks_computed, rep.failures))
+            rep.chunks_computed = sum(p[0] for p in parts)
+            rep.failures = [f for p in parts for f in p[1]]
+            rep.n_invalid = len(rep.failures)
+        peak = _peak_memory_mb(job.bb.device)
+        # every rank's chunks are written (the gathers above); rank 0 marks the arrays complete
+        agree(world, rank, "finishing", writer.mark_complete if rank == 0 and cfg.write else None,
+              images_per_s=rep.images_per_s, peak_memory_mb=peak)
+        rep.chunks_total = writer.n_chunks
+        return rep
+    finally:
+        writer.release()
+
+
+def _peak_memory_mb(device: str) -> float | None:
+    """Peak memory of the extraction: the CUDA allocator's peak on a GPU, else this process's
+    peak resident set (``getrusage``; on a CPU the whole process, model and loaders included)."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict[str, Any]:

@@ -60,8 +60,12 @@ class StoreLock:
         self._local = _local_root(root_group.store)
 
     # ---------------------------------------------------------------- public
+    def _key(self) -> tuple:
+        # a local store is one folder however many times it is opened in this process
+        return (self._local if self._local is not None else id(self.root.store), self.name)
+
     def acquire(self) -> StoreLock:
-        key = (id(self.root.store), self.name)
+        key = self._key()
         with _held_lock:
             prev = _held.get(key)
         if prev is not None and prev is not self:
@@ -75,7 +79,7 @@ class StoreLock:
         return self
 
     def release(self) -> None:
-        key = (id(self.root.store), self.name)
+        key = self._key()
         with _held_lock:
             if _held.get(key) is self:
                 del _held[key]
