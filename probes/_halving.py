@@ -43,7 +43,7 @@ def _keep(alive: list[int], val: np.ndarray, eta: int) -> list[int]:
 
 
 def halving_sweep(fit: Callable, score: Callable, n_heads: int, *, max_iter: int,
-                  iter0: int = 10, eta: int = 2) -> HalvingOutcome:
+                  iter0: int = 10, eta: int = 3) -> HalvingOutcome:
     """Successive halving over heads ``0..n_heads-1`` (sorted by increasing C).
 
     ``fit(idx, W0, b0, iters)`` fits heads ``idx`` for at most ``iters`` iterations from

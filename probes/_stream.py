@@ -43,6 +43,13 @@ def use_streaming(n: int, d: int, k: int, heads: int, max_host_bytes: int | None
     return in_memory_bytes(n, d, k, heads) > limit
 
 
+def state_heads(d: int, k: int, max_host_bytes: int | None, history: int = 10) -> int:
+    """How many heads' L-BFGS state (``2 * history + 6`` vectors of ``(d + 1) k`` float32)
+    fit in half of ``max_host_bytes``."""
+    limit = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)
+    return int(limit // 2 // (4 * (2 * history + 6) * (d + 1) * k))
+
+
 def row_blocks(n: int, rows: int) -> Iterator[tuple[int, int]]:
     for s in range(0, n, max(1, int(rows))):
         yield s, min(n, s + rows)

@@ -30,7 +30,7 @@ from featcache.probes._estimator import (
     softmax_proba,
     validate_fit_data,
 )
-from featcache.probes._stream import use_streaming
+from featcache.probes._stream import state_heads, use_streaming
 from featcache.protocols import C_GRID
 
 log = logging.getLogger(__name__)
@@ -432,7 +432,7 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
             max_iter: int = 1000, tol: float = 1e-4, standardize: bool = True,
             head_init=None, sweep_tol: float | None = None, block: int | None | str = "auto",
             max_host_bytes: int | None = None, sweep: str = "exhaustive",
-            halving_iter0: int = 10, halving_eta: int = 2) -> SweepResult:
+            halving_iter0: int = 10, halving_eta: int = 3) -> SweepResult:
     """Fit every C on train, score top-1 on val (never test), return the selection.
 
     torch: all C values are one batched multi-head problem (one GEMM for all heads per
@@ -446,9 +446,11 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
     Fashion-MNIST features it moved the selection one grid point away from scikit-learn's.
 
     ``sweep="halving"`` (torch): successive halving on the warm-started path
-    (:mod:`featcache.probes._halving`; ``halving_iter0`` iterations in round 0, keep the
-    best ``1/halving_eta``). ``max_host_bytes``: stream the training rows in blocks above
-    this in-memory footprint (see :class:`LogisticProbe`).
+    (:mod:`featcache.probes._halving`): round 0 walks the C grid upwards one C at a time,
+    each from its neighbour's coefficients, for at most ``halving_iter0`` iterations; each
+    later round keeps the best ``1/halving_eta`` and multiplies the budget by it.
+    ``max_host_bytes``: stream the training rows in blocks above this in-memory footprint
+    (see :class:`LogisticProbe`).
     """
     if sweep not in ("exhaustive", "halving"):
         raise ProbeError(f"sweep must be 'exhaustive' or 'halving', got {sweep!r}")
@@ -460,11 +462,14 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
     if sweep == "halving" and name != "torch":
         raise ProbeError(f"sweep='halving' needs the torch backend (got {name!r}); pass "
                          "backend='torch' or sweep='exhaustive'")
-    if block == "auto":
+    auto = block == "auto"
+    if auto:
         block = 8 if device == "cpu" else None
     heads_at_once = len(Cs) if block is None else min(int(block), len(Cs))
     streamed = name == "torch" and use_streaming(X.shape[0], X.shape[1], K, heads_at_once,
                                                  max_host_bytes)
+    if streamed and auto:  # the per-head L-BFGS state must fit the memory bound too
+        block = max(1, min(heads_at_once, state_heads(X.shape[1], K, max_host_bytes)))
     scaler, Xs = _prepare(X, standardize, streamed, device)
     W0 = b0 = None
     if head_init is not None:
@@ -544,10 +549,10 @@ def _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block):
 def _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, iter0, eta):
     from featcache.probes._halving import halving_sweep
 
-    def fit(idx, Ws, bs, iters):
+    def fit(idx, Ws, bs, iters):  # round 0: one C at a time, each from its neighbour
         Wst, bst = (W0, b0) if Ws is None else (Ws, bs)
         W, b, n_iter, conv, _ = _fit_torch(Xs, yi, K, [Cs[i] for i in idx], device, iters,
-                                           stol, Wst, bst, block=block)
+                                           stol, Wst, bst, block=1 if Ws is None else block)
         return W, b, n_iter, conv
 
     return halving_sweep(fit, score, len(Cs), max_iter=max_iter, iter0=iter0, eta=eta)
