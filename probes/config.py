@@ -45,6 +45,11 @@ class ProbeConfig:
     Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
     max_iter: int = flag(1000, type=int)
     tol: float = flag(1e-4, type=float)
+    sweep: str = flag("exhaustive", "C selection: every C to convergence, or successive halving "
+                      "on the warm-started path (torch backend)", choices=["exhaustive", "halving"])
+    max_host_bytes: int | None = flag(
+        None, "stream training rows in blocks when an in-memory fit would allocate more than this "
+        "many bytes (default 1 GiB)", type=int)
     standardize: bool = flag(True, "fit on raw features (default: z-score with training statistics)",
                              negate="--no-standardize")
     eval_splits: tuple[str, ...] = flag(("test",), "split(s) to evaluate on (repeatable; default: test)",
@@ -111,19 +116,23 @@ class ProbeConfig:
         return dict(Cs=list(self.Cs), backend=self.backend, max_iter=int(self.max_iter),
                     tol=float(self.tol), standardize=bool(self.standardize),
                     sgd_epochs=opt(int, self.sgd_epochs), vtab_steps=opt(tuple, self.vtab_steps),
-                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize))
+                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize),
+                    sweep=str(self.sweep), max_host_bytes=opt(int, self.max_host_bytes))
 
     def run_options(self, proto) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the solver settings the
         protocol's solver reads plus the data choices (a resolved config)."""
-        opts = {k: v for k, v in self.solver_options().items() if k != "backend"}
+        # max_host_bytes changes float32 summation order only, like the backend; the default
+        # (exhaustive) sweep stays out so run ids of earlier results do not change
+        opts = {k: v for k, v in self.solver_options().items()
+                if k not in ("backend", "max_host_bytes") and not (k == "sweep" and v == "exhaustive")}
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
         if proto.split == "vtab1k":
             opts["val_source"] = self.val_source
         if proto.solver == "lbfgs":
             drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize")
         elif proto.grid.epochs is not None:
-            drop = ("Cs", "max_iter", "tol", "standardize", "vtab_steps", "last_decay")
+            drop = ("Cs", "max_iter", "tol", "standardize", "vtab_steps", "last_decay", "sweep")
         else:
-            drop = ("Cs", "max_iter", "tol", "standardize", "sgd_epochs")
+            drop = ("Cs", "max_iter", "tol", "standardize", "sgd_epochs", "sweep")
         return {k: v for k, v in opts.items() if k not in drop}

@@ -239,8 +239,10 @@ class FeatureCache:
         kind: str = "pooled",
         *,
         allow_partial: bool = False,
+        dtype=np.float32,
     ) -> Features:
-        """Load features as float32 with labels, ids, valid mask and provenance.
+        """Load features as float32 (``dtype=None``: the stored dtype, e.g. float16 for
+        out-of-core probes) with labels, ids, valid mask and provenance.
 
         Raises IncompleteStoreError when chunks are unfinished or missing, unless
         ``allow_partial`` (then unfinished rows have ``valid=False``).
@@ -273,7 +275,7 @@ class FeatureCache:
                 bad[lost] = True
             row_bad = np.repeat(bad, prov.chunk_rows)[: len(valid)]
             valid = valid & ~row_bad
-        X = np.asarray(g[kind][:], dtype=np.float32)
+        X = g[kind][:] if dtype is None else np.asarray(g[kind][:], dtype=dtype)
         errors = _as_str(g["error"][:])
         return Features(
             backbone=backbone,

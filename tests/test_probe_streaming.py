@@ -113,3 +113,25 @@ def test_halving_needs_torch(digits16):
         sweep_C(X[tr], y[tr], X[va], y[va], [1.0, 2.0], backend="sklearn", sweep="halving")
     with pytest.raises(ProbeError, match="exhaustive"):
         sweep_C(X[tr], y[tr], X[va], y[va], [1.0, 2.0], backend="torch", sweep="grid")
+
+
+def test_run_probes_streamed_halving_records_it(digits_cache, tmp_path, small_blocks):
+    import json
+
+    import polars as pl
+
+    from featcache.probes import ProbeConfig, run_probes
+
+    grid = list(DEFAULT_CS[12:30:3])
+    base = dict(results_path=tmp_path / "r.parquet", progress=False, Cs=grid, backend="torch")
+    ref = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", **base))
+    new = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", sweep="halving",
+                                 max_host_bytes=0, **base))
+    hr, hn = json.loads(ref["hparams"][0]), json.loads(new["hparams"][0])
+    assert "sweep" not in hr and "streamed" not in hr  # the default records as before
+    assert hn["sweep"] == "halving" and hn["streamed"] and hn["sweep_head_iters"] > 0
+    assert ref["run_id"][0] != new["run_id"][0]  # halving is another run; streaming is not
+    # selection quality is tested on the 45-value grid above; on this coarse 6-value grid
+    # (factor 5.6 between values) halving picked C=0.0056 vs 5.6, 2 of 135 val images worse
+    assert hn["C"] in grid and hn["val_top1"] >= hr["val_top1"] - 3 / 135
+    assert new.filter(pl.col("metric") == "top1")["value"][0] > 0.93
