@@ -131,7 +131,11 @@ class RowSource:
         import torch
 
         n, d = self.shape
-        for s, e in row_blocks(n, _rows_for(d, width, self.block_bytes)):
+        rows = _rows_for(d, width, self.block_bytes)
+        chunk = (getattr(self.X, "chunks", None) or (0,))[0]
+        if isinstance(chunk, int) and chunk > 0:  # whole stored chunks: each read once a pass
+            rows = max(chunk, rows // chunk * chunk)
+        for s, e in row_blocks(n, rows):
             raw = np.asarray(self.X[s:e])
             if self._on_gpu:  # the raw (float16) block goes to the device, standardised there
                 xb = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device, non_blocking=True)

@@ -110,17 +110,41 @@ def _check_Xy(X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return X, y_idx.astype(np.int64), classes
 
 
+def _is_lazy(X) -> bool:
+    """An array-like read by slicing (zarr.Array, dask, h5py) rather than a numpy array."""
+    return (not isinstance(X, np.ndarray) and hasattr(X, "dtype") and hasattr(X, "shape")
+            and hasattr(X, "__getitem__") and len(X.shape) == 2 and type(X).__module__.split(".")[0]
+            in ("zarr", "dask", "h5py"))
+
+
+def _validate_lazy(est, X, y):
+    """Checks of :func:`validate_fit_data` for a lazily read array, block by block."""
+    from featcache.probes._stream import check_finite_rows
+
+    y = np.asarray(y)
+    if y.ndim != 1 or y.shape[0] != X.shape[0]:
+        raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries (one per feature row), "
+                         f"got shape {y.shape}")
+    check_finite_rows(X)
+    classes, y_idx = np.unique(y, return_inverse=True)
+    if classes.size < 2:
+        raise ProbeError(f"the training labels hold a single class ({classes[0]!r}); a "
+                         "classifier needs at least two: check the split/label column")
+    est.n_features_in_ = int(X.shape[1])
+    return X, y_idx.astype(np.int64), classes
+
+
 def _prepare(X, standardize: bool, streamed: bool, device: str):
     """(scaler, solver input): standardised float32 features, or a row-block source over
     ``X`` in its stored dtype when ``streamed`` (statistics accumulated block by block)."""
     if not streamed:
-        X = np.asarray(X, np.float32)
+        X = np.asarray(X[:] if _is_lazy(X) else X, np.float32)
         scaler = _Scaler.fit(X, standardize)
         return scaler, scaler.transform(X)
     from featcache.probes._stream import RowSource, chunked_moments
 
     log.info("streaming %d x %d %s features in row blocks (in-memory fit would exceed "
-             "max_host_bytes)", X.shape[0], X.shape[1], np.asarray(X[:1]).dtype)
+             "max_host_bytes)", X.shape[0], X.shape[1], X.dtype)
     D = X.shape[1]
     if standardize:
         mu, sd = chunked_moments(X)
@@ -196,7 +220,8 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
     max_host_bytes : torch backend: when the in-memory fit would allocate more than this
         (float32 features + one-hot labels + logits, see :mod:`featcache.probes._stream`),
         ``X`` stays in its stored dtype (e.g. float16) and the solver streams it in row
-        blocks. ``None``: 1 GiB. The streamed fit agrees with the in-memory one to float32
+        blocks. ``X`` may also be a zarr array (e.g. a store's feature array): it is then
+        read chunk by chunk on every pass and never held whole. ``None``: 1 GiB. The streamed fit agrees with the in-memory one to float32
         summation order.
 
     Attributes
@@ -225,7 +250,10 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
         """
         if not self.C > 0:
             raise ProbeError(f"C must be > 0, got {self.C}")
-        X, yi, classes = validate_fit_data(self, X, y, cast=False)
+        if _is_lazy(X):  # a zarr/dask array: read row blocks on demand, never whole
+            X, yi, classes = _validate_lazy(self, X, y)
+        else:
+            X, yi, classes = validate_fit_data(self, X, y, cast=False)
         self.classes_ = classes
         K = classes.size
         self.backend_, self.device_ = resolve_backend(self.backend)

@@ -135,3 +135,17 @@ def test_run_probes_streamed_halving_records_it(digits_cache, tmp_path, small_bl
     # (factor 5.6 between values) halving picked C=0.0056 vs 5.6, 2 of 135 val images worse
     assert hn["C"] in grid and hn["val_top1"] >= hr["val_top1"] - 3 / 135
     assert new.filter(pl.col("metric") == "top1")["value"][0] > 0.93
+
+
+def test_fit_on_a_zarr_array_reads_chunks_on_demand(digits16, tmp_path, small_blocks):
+    import zarr
+
+    X, y, _, _ = digits16
+    z = zarr.open_array(str(tmp_path / "x.zarr"), mode="w", shape=X.shape, chunks=(100, X.shape[1]),
+                        dtype=X.dtype)
+    z[:] = X
+    a = LogisticProbe(C=1.0, backend="torch", max_host_bytes=0).fit(X, y)
+    b = LogisticProbe(C=1.0, backend="torch", max_host_bytes=0).fit(z, y)
+    assert b.streamed_ and b.n_features_in_ == X.shape[1]
+    assert np.abs(a.coef_ - b.coef_).max() <= 1e-3 * np.abs(a.coef_).max()
+    assert np.mean(a.predict(X) == b.predict(X)) >= 0.999
