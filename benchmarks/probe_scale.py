@@ -6,7 +6,7 @@ exhaustive vs successive-halving C sweep.
    --classes classes (default 200k x 2048 x 1000, 819 MB as float16).
 2. For each size N (the first N rows) and each arm, in a fresh subprocess (its own peak
    resident set, Linux ``VmHWM``; ``ru_maxrss`` is recorded too): ``memory`` = today's path (the split read as float32, in-memory solver,
-   max_host_bytes=inf); ``streamed`` = the split kept as float16 in memory, solver
+   max_host_bytes=inf); ``streamed`` (max_host_bytes=0) = the split kept as float16 in memory, solver
    streaming row blocks; ``zarr`` = the store's zarr array handed to the probe, chunks read
    on every pass (nothing held whole). Both fit one C for --max-iter L-BFGS iterations (peak memory is reached in the
    first loss/gradient pass; time per iteration is reported).
@@ -70,6 +70,9 @@ def arm_fit(store: str, n: int, arm: str, max_iter: int) -> dict:
 
     from featcache.probes import LogisticProbe
 
+    if arm == "baseline":  # the interpreter with torch, zarr and featcache imported
+        return dict(arm=arm, n=0, vm_hwm_bytes=_vm_hwm(),
+                    peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     t0 = time.perf_counter()
     g = zarr.open_group(store, mode="r")
     arr = g["features/synth/synth/train/pooled"]
@@ -81,7 +84,7 @@ def arm_fit(store: str, n: int, arm: str, max_iter: int) -> dict:
     else:  # "zarr": chunks read from the store on every pass, nothing held whole
         X = arr if n == arr.shape[0] else _rows_view(arr, n)
     t_read = time.perf_counter() - t0
-    big = 1 << 62 if arm == "memory" else None
+    big = 1 << 62 if arm == "memory" else 0  # force each path at every size
     p = LogisticProbe(C=1.0, backend="torch", max_iter=max_iter, tol=1e-6, max_host_bytes=big)
     t1 = time.perf_counter()
     p.fit(X, y)
@@ -90,7 +93,7 @@ def arm_fit(store: str, n: int, arm: str, max_iter: int) -> dict:
     return dict(vm_hwm_bytes=_vm_hwm(), arm=arm, n=n, dim=int(X.shape[1]), dtype=str(X.dtype), read_s=t_read,
                 fit_s=fit, n_iter=int(p.n_iter_), s_per_iter=fit / max(1, p.n_iter_),
                 peak_rss_bytes=int(rss), streamed=bool(p.streamed_),
-                train_top1=float(np.mean(p.predict(np.asarray(X[:5000], np.float32)) == y[:5000])))
+                train_top1=float(np.mean(p.predict(np.asarray(X[:2000], np.float32)) == y[:2000])))
 
 
 def _rows_view(arr, n: int):
@@ -186,7 +189,10 @@ def main(argv=None) -> int:
                     "--sep", str(a.sep)], check=True)
     print(f"wrote {max(sizes)} x {a.dim} float16 ({max(sizes) * a.dim * 2 / 1e6:.0f} MB), "
           f"{a.classes} classes in {time.perf_counter() - t0:.0f} s", flush=True)
-    runs = []
+    base = run_arm(store, 0, "baseline", a.max_iter)
+    print(f"baseline (python + torch + zarr + featcache imported): peak RSS "
+          f"{base['vm_hwm_bytes'] / 1e9:.2f} GB", flush=True)
+    runs = [base]
     for n in sizes:
         by_arm = {}
         for arm in a.arms.split(","):
@@ -194,8 +200,10 @@ def main(argv=None) -> int:
             by_arm[arm] = r
             runs.append(r)
             f16 = n * a.dim * 2
+            extra = r["vm_hwm_bytes"] - base["vm_hwm_bytes"]
             print(f"N={n:>7} {arm:9s} peak RSS {r['vm_hwm_bytes'] / 1e9:6.2f} GB "
-                  f"({r['vm_hwm_bytes'] / f16:4.2f}x the float16 split; ru_maxrss "
+                  f"({r['vm_hwm_bytes'] / f16:4.2f}x the float16 split; above the baseline "
+                  f"{extra / 1e9:.2f} GB = {extra / f16:.2f}x; ru_maxrss "
                   f"{r['peak_rss_bytes'] / 1e9:.2f} GB), fit {r['fit_s']:7.1f} s "
                   f"({r['s_per_iter']:.1f} s/iter, {r['n_iter']} iter), read {r['read_s']:.1f} s",
                   flush=True)

@@ -141,7 +141,11 @@ class RowSource:
                 xb = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device, non_blocking=True)
                 xb = ((xb.double() - self._mean_t) / self._scale_t).float()
             else:
-                xb = torch.from_numpy(((raw - self.mean) / self.scale).astype(np.float32))
+                x64 = raw.astype(np.float64)  # one float64 temporary, standardised in place
+                x64 -= self.mean
+                x64 /= self.scale
+                xb = torch.from_numpy(x64.astype(np.float32))
+                del x64
             yield s, e, xb
 
 
