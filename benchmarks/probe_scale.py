@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-shape", default="20000,256,100", help="N,D,K of the sweep arm ('' skips)")
     ap.add_argument("--store", default=None, help="synthetic store path (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--reuse-store", action="store_true", help="keep an existing --store as is")
     ap.add_argument("--write-store", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sweep-only", help=argparse.SUPPRESS)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
@@ -184,9 +185,10 @@ def main(argv=None) -> int:
     store = a.store or os.path.join(tmp.name, "synth.zarr")
     t0 = time.perf_counter()
     # every heavy step runs in a child, so no child inherits a large parent's peak RSS
-    subprocess.run([sys.executable, __file__, "--write-store", "--store", store, "--sizes", a.sizes,
-                    "--dim", str(a.dim), "--classes", str(a.classes), "--seed", str(a.seed),
-                    "--sep", str(a.sep)], check=True)
+    if not (a.reuse_store and os.path.exists(store)):
+        subprocess.run([sys.executable, __file__, "--write-store", "--store", store, "--sizes",
+                        a.sizes, "--dim", str(a.dim), "--classes", str(a.classes), "--seed", str(a.seed),
+                        "--sep", str(a.sep)], check=True)
     print(f"wrote {max(sizes)} x {a.dim} float16 ({max(sizes) * a.dim * 2 / 1e6:.0f} MB), "
           f"{a.classes} classes in {time.perf_counter() - t0:.0f} s", flush=True)
     base = run_arm(store, 0, "baseline", a.max_iter)

@@ -82,11 +82,12 @@ def chunked_moments(X, block_bytes: int | None = None) -> tuple[np.ndarray, np.n
     n, d = X.shape
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     count, mean, m2 = 0, np.zeros(d), np.zeros(d)
-    for s, e in row_blocks(n, _rows_for(d, 0, block_bytes)):
+    for s, e in row_blocks(n, _rows_for(2 * d, 0, block_bytes)):  # float64: half the rows
         xb = np.asarray(X[s:e], np.float64)
         nb = e - s
         mb = xb.mean(axis=0)
-        m2b = ((xb - mb) ** 2).sum(axis=0)
+        xb -= mb  # in place: one float64 temporary per block
+        m2b = np.einsum("ij,ij->j", xb, xb)
         delta = mb - mean
         tot = count + nb
         mean = mean + delta * (nb / tot)
