@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, __file__, "--write-store", "--store", store, "--sizes",
                         a.sizes, "--dim", str(a.dim), "--classes", str(a.classes), "--seed", str(a.seed),
                         "--sep", str(a.sep)], check=True)
-    print(f"wrote {max(sizes)} x {a.dim} float16 ({max(sizes) * a.dim * 2 / 1e6:.0f} MB), "
+    print(f"{'reused' if a.reuse_store else 'wrote'} {max(sizes)} x {a.dim} float16 ({max(sizes) * a.dim * 2 / 1e6:.0f} MB), "
           f"{a.classes} classes in {time.perf_counter() - t0:.0f} s", flush=True)
     base = run_arm(store, 0, "baseline", a.max_iter)
     print(f"baseline (python + torch + zarr + featcache imported): peak RSS "
