@@ -20,8 +20,11 @@ class ProbeNotFittedError(ProbeError, NotFittedError):
     """A probe was used before ``fit``; both featcache's ProbeError and sklearn's NotFittedError."""
 
 
-def validate_fit_data(est, X, y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def validate_fit_data(est, X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate ``X [n, D]`` and labels ``y``; returns (X float32, class index per row, classes).
+
+    ``cast=False`` keeps a floating ``X`` in its dtype (float16 for a streamed fit) and checks
+    finiteness block by block instead of with one [n, D] mask.
 
     Sets ``n_features_in_`` (and ``feature_names_in_`` for a DataFrame) through
     scikit-learn's ``validate_data``.
@@ -35,7 +38,11 @@ def validate_fit_data(est, X, y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             raise ProbeError(f"labels must be 1-D with {n} entries, got shape {y_arr.shape}; "
                              "multi-output targets are not supported")
     X, y = validate_data(est, X, y, ensure_all_finite=False)
-    if not np.isfinite(X).all():
+    if not cast:
+        from featcache.probes._stream import check_finite_rows
+
+        check_finite_rows(X)
+    elif not np.isfinite(X).all():
         bad = int((~np.isfinite(X)).any(axis=1).sum())
         raise ProbeError(
             f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
@@ -46,7 +53,9 @@ def validate_fit_data(est, X, y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ProbeError(
             f"the training labels hold a single class ({classes[0]!r}); one class is not enough, "
             "a classifier needs at least two: check the split/label column or sample more data")
-    return X.astype(np.float32, copy=False), y_idx.astype(np.int64), classes
+    if cast or X.dtype.kind != "f":
+        X = X.astype(np.float32, copy=False)
+    return X, y_idx.astype(np.int64), classes
 
 
 def validate_predict_data(est, X) -> np.ndarray:

@@ -77,9 +77,11 @@ def lbfgs_multihead(
     max_ls: int = 25,
     block: int | None = None,
 ) -> SolverResult:
-    """Fit one softmax head per value of ``Cs`` on ``X [n, D]`` (float32, any device).
+    """Fit one softmax head per value of ``Cs`` on ``X [n, D]`` (float32, any device), or on
+    a :class:`~featcache.probes._stream.RowSource` (row blocks accumulated one at a time).
 
-    ``theta0`` ([1, (D+1)K]) starts the heads (default zeros). ``block`` limits how many
+    ``theta0`` ([1, (D+1)K], or [H, (D+1)K]: one start per head, kept even when
+    ``block`` is set) starts the heads (default zeros). ``block`` limits how many
     heads iterate at once: heads are activated in increasing-C order and each newly
     activated head starts from the solution of the largest C already finished (a warm
     start along the regularisation path). ``None`` = all heads at once.
@@ -123,6 +125,9 @@ class _Problem:
     grad_max: torch.Tensor
     finished: torch.Tensor
 
+    streamed: bool = False
+    own_start: bool = False  # theta0 gave one start per head: no path warm start
+
     @property
     def dev(self):
         return self.X.device
@@ -139,17 +144,26 @@ class _Problem:
         Cs_t = torch.as_tensor(list(Cs), dtype=torch.float64)
         H = Cs_t.numel()
         lam_all = (1.0 / (Cs_t * n)).to(device=dev, dtype=dt)
-        Y1h = torch.zeros(n, K, device=dev, dtype=dt)
+        streamed = not isinstance(X, torch.Tensor)
         yidx = y.to(dev).long()
-        Y1h[torch.arange(n, device=dev), yidx] = 1.0
+        Y1h = None
+        if not streamed:  # the streamed loss indexes the labels per block instead
+            Y1h = torch.zeros(n, K, device=dev, dtype=dt)
+            Y1h[torch.arange(n, device=dev), yidx] = 1.0
+        own = theta0 is not None and theta0.reshape(-1, P).shape[0] == H > 1
         base = (torch.zeros(1, P, device=dev, dtype=dt) if theta0 is None
-                else theta0.to(device=dev, dtype=dt).reshape(1, P))
+                else theta0.to(device=dev, dtype=dt).reshape(-1, P))
         return cls(X=X, Y1h=Y1h, yidx=yidx, Cs=Cs_t, lam=lam_all, D=D, K=K,
                    theta=base.expand(H, P).clone(), n_iter=torch.zeros(H, dtype=torch.long),
                    converged=torch.zeros(H, dtype=torch.bool), loss=torch.zeros(H, dtype=dt),
-                   grad_max=torch.zeros(H, dtype=dt), finished=torch.zeros(H, dtype=torch.bool))
+                   grad_max=torch.zeros(H, dtype=dt), finished=torch.zeros(H, dtype=torch.bool),
+                   streamed=streamed, own_start=own)
 
     def loss_grad(self, theta, lam, need_grad=True):
+        if self.streamed:
+            from featcache.probes._stream import stream_loss_grad
+
+            return stream_loss_grad(self.X, self.yidx, theta, lam, self.D, self.K, need_grad)
         return _loss_grad(self.X, self.Y1h, self.yidx, theta, lam, self.D, self.K, need_grad)
 
     def result(self) -> SolverResult:
@@ -193,7 +207,7 @@ class _ActiveHeads:
         new = torch.tensor([self.queue.pop(0) for _ in range(min(room, len(self.queue)))],
                            dtype=torch.long)
         done_idx = torch.nonzero(pr.finished).flatten()
-        if done_idx.numel():  # warm start from the largest finished C
+        if done_idx.numel() and not pr.own_start:  # warm start from the largest finished C
             src = done_idx[torch.argmax(pr.Cs[done_idx])]
             th = pr.theta[src.to(dev)].reshape(1, P).expand(new.numel(), P).clone()
         else:

@@ -46,6 +46,11 @@ class ProbeConfig:
     Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
     max_iter: int = flag(1000, type=int)
     tol: float = flag(1e-4, type=float)
+    sweep: str = flag("exhaustive", "C selection: every C to convergence, or successive halving "
+                      "on the warm-started path (torch backend)", choices=["exhaustive", "halving"])
+    max_host_bytes: int | None = flag(
+        None, "stream training rows in blocks when an in-memory fit would allocate more than this "
+        "many bytes (default 1 GiB)", type=int)
     standardize: bool = flag(True, "fit on raw features (default: z-score with training statistics)",
                              negate="--no-standardize")
     eval_splits: tuple[str, ...] = flag(("test",), "split(s) to evaluate on (repeatable; default: test)",
@@ -133,12 +138,16 @@ class ProbeConfig:
                     sgd_epochs=opt(int, self.sgd_epochs), vtab_steps=opt(tuple, self.vtab_steps),
                     last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize),
                     metric=self.metric or "top1", search_epochs=opt(int, self.search_epochs),
-                    final_epochs=opt(int, self.final_epochs))
+                    final_epochs=opt(int, self.final_epochs), sweep=str(self.sweep),
+                    max_host_bytes=opt(int, self.max_host_bytes))
 
     def run_options(self, proto) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the solver settings the
         protocol's solver reads plus the data choices (a resolved config)."""
-        opts = {k: v for k, v in self.solver_options().items() if k != "backend"}
+        # max_host_bytes changes float32 summation order only, like the backend; the default
+        # (exhaustive) sweep stays out so run ids of earlier results do not change
+        opts = {k: v for k, v in self.solver_options().items()
+                if k not in ("backend", "max_host_bytes") and not (k == "sweep" and v == "exhaustive")}
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
@@ -149,12 +158,12 @@ class ProbeConfig:
         if proto.solver == "lbfgs":
             drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize", *elevater)
         elif proto.solver in ("elevater", "zeroshot"):
-            drop = (*lbfgs, "sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize",
+            drop = (*lbfgs, "sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize", "sweep",
                     *(elevater if proto.solver == "zeroshot" else ()))
         elif proto.grid.epochs is not None:
-            drop = (*lbfgs, "vtab_steps", "last_decay", *elevater)
+            drop = (*lbfgs, "vtab_steps", "last_decay", "sweep", *elevater)
         else:
-            drop = (*lbfgs, "sgd_epochs", *elevater)
+            drop = (*lbfgs, "sgd_epochs", "sweep", *elevater)
         return {k: v for k, v in opts.items() if k not in drop}
 
     def val_split_used(self, proto, splits) -> str | None:

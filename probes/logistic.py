@@ -30,6 +30,7 @@ from featcache.probes._estimator import (
     softmax_proba,
     validate_fit_data,
 )
+from featcache.probes._stream import state_heads, use_streaming
 from featcache.protocols import C_GRID
 
 log = logging.getLogger(__name__)
@@ -89,24 +90,69 @@ def resolve_backend(backend: str = "auto") -> tuple[str, str]:
     return ("sklearn", "cpu")
 
 
-def _check_Xy(X, y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _check_Xy(X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     X = np.asarray(X)
     if X.ndim != 2:
         raise ProbeError(f"features must be a 2-D array [n_samples, n_features], got shape {X.shape}")
     y = np.asarray(y)
     if y.ndim != 1 or y.shape[0] != X.shape[0]:
         raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries, got shape {y.shape}")
-    if not np.isfinite(X).all():
-        bad = int((~np.isfinite(X)).any(axis=1).sum())
-        raise ProbeError(
-            f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
-            "re-extract the features (`featcache verify` finds broken chunks)")
+    from featcache.probes._stream import check_finite_rows
+
+    check_finite_rows(X)
     classes, y_idx = np.unique(y, return_inverse=True)
     if classes.size < 2:
         raise ProbeError(
             f"the training labels hold a single class ({classes[0]!r}); a classifier needs at "
             "least two: check the split/label column or sample more data")
-    return X.astype(np.float32, copy=False), y_idx.astype(np.int64), classes
+    if cast or X.dtype.kind != "f":
+        X = X.astype(np.float32, copy=False)
+    return X, y_idx.astype(np.int64), classes
+
+
+def _is_lazy(X) -> bool:
+    """An array-like read by slicing (zarr.Array, dask, h5py) rather than a numpy array."""
+    return (not isinstance(X, np.ndarray) and hasattr(X, "dtype") and hasattr(X, "shape")
+            and hasattr(X, "__getitem__") and len(X.shape) == 2 and type(X).__module__.split(".")[0]
+            in ("zarr", "dask", "h5py"))
+
+
+def _validate_lazy(est, X, y):
+    """Checks of :func:`validate_fit_data` for a lazily read array, block by block."""
+    from featcache.probes._stream import check_finite_rows
+
+    y = np.asarray(y)
+    if y.ndim != 1 or y.shape[0] != X.shape[0]:
+        raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries (one per feature row), "
+                         f"got shape {y.shape}")
+    check_finite_rows(X)
+    classes, y_idx = np.unique(y, return_inverse=True)
+    if classes.size < 2:
+        raise ProbeError(f"the training labels hold a single class ({classes[0]!r}); a "
+                         "classifier needs at least two: check the split/label column")
+    est.n_features_in_ = int(X.shape[1])
+    return X, y_idx.astype(np.int64), classes
+
+
+def _prepare(X, standardize: bool, streamed: bool, device: str):
+    """(scaler, solver input): standardised float32 features, or a row-block source over
+    ``X`` in its stored dtype when ``streamed`` (statistics accumulated block by block)."""
+    if not streamed:
+        X = np.asarray(X[:] if _is_lazy(X) else X, np.float32)
+        scaler = _Scaler.fit(X, standardize)
+        return scaler, scaler.transform(X)
+    from featcache.probes._stream import RowSource, chunked_moments
+
+    log.info("streaming %d x %d %s features in row blocks (in-memory fit would exceed "
+             "max_host_bytes)", X.shape[0], X.shape[1], X.dtype)
+    D = X.shape[1]
+    if standardize:
+        mu, sd = chunked_moments(X)
+        sd[sd < 1e-12] = 1.0
+        scaler = _Scaler(mu, sd)
+    else:
+        scaler = _Scaler(np.zeros(D, np.float64), np.ones(D, np.float64))
+    return scaler, RowSource(X, scaler.mean, scaler.scale, device)
 
 
 @dataclass
@@ -171,21 +217,29 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
     head_init : optional [K, D] raw-feature-space class-embedding matrix (ELEVATER's
         language-initialised head): the solver starts from logits ``X @ head_init.T``.
         For a convex, converged fit it changes the path, not the optimum.
+    max_host_bytes : torch backend: when the in-memory fit would allocate more than this
+        (float32 features + one-hot labels + logits, see :mod:`featcache.probes._stream`),
+        ``X`` stays in its stored dtype (e.g. float16) and the solver streams it in row
+        blocks. ``X`` may also be a zarr array (e.g. a store's feature array): it is then
+        read chunk by chunk on every pass and never held whole. ``None``: 1 GiB. The streamed fit agrees with the in-memory one to float32
+        summation order.
 
     Attributes
     ----------
     classes_, n_features_in_, coef_ ([1, D] for two classes, else [K, D]), intercept_,
-    n_iter_, converged_, grad_max_, backend_, device_, fit_seconds_.
+    n_iter_, converged_, grad_max_, backend_, device_, fit_seconds_, streamed_.
     """
 
     def __init__(self, C: float = 1.0, backend: str = "auto", max_iter: int = 1000,
-                 tol: float = 1e-4, standardize: bool = True, head_init=None):
+                 tol: float = 1e-4, standardize: bool = True, head_init=None,
+                 max_host_bytes: int | None = None):
         self.C = C
         self.backend = backend
         self.max_iter = max_iter
         self.tol = tol
         self.standardize = standardize
         self.head_init = head_init
+        self.max_host_bytes = max_host_bytes
 
     # ------------------------------------------------------------------ fit
     def fit(self, X, y, *, init: tuple[np.ndarray, np.ndarray] | None = None) -> LogisticProbe:
@@ -196,12 +250,16 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
         """
         if not self.C > 0:
             raise ProbeError(f"C must be > 0, got {self.C}")
-        X, yi, classes = validate_fit_data(self, X, y)
+        if _is_lazy(X):  # a zarr/dask array: read row blocks on demand, never whole
+            X, yi, classes = _validate_lazy(self, X, y)
+        else:
+            X, yi, classes = validate_fit_data(self, X, y, cast=False)
         self.classes_ = classes
         K = classes.size
         self.backend_, self.device_ = resolve_backend(self.backend)
-        scaler = _Scaler.fit(X, self.standardize)
-        Xs = scaler.transform(X)
+        self.streamed_ = self.backend_ == "torch" and use_streaming(
+            X.shape[0], X.shape[1], K, 1, self.max_host_bytes)
+        scaler, Xs = _prepare(X, self.standardize, self.streamed_, self.device_)
         W0, b0 = self._initial_head(scaler, init, K, X.shape[1])
         t0 = time.perf_counter()
         W, b, n_iter, conv, gmax = self._solve(Xs, yi, K, W0, b0)
@@ -286,11 +344,14 @@ def _fit_torch(Xs, yi, K, Cs, device, max_iter, tol, W0=None, b0=None, block=Non
 
     from featcache.probes._solver import lbfgs_multihead
 
-    X_t = torch.from_numpy(np.ascontiguousarray(Xs)).to(device)
+    X_t = torch.from_numpy(np.ascontiguousarray(Xs)).to(device) if isinstance(Xs, np.ndarray) else Xs
     y_t = torch.from_numpy(yi).to(device)
     Cs_eff = [c / 2 if K == 2 else c for c in Cs]
     theta0 = None
-    if W0 is not None:
+    if W0 is not None and np.ndim(W0) == 3:  # one start per head: [H, D, K], [H, K]
+        theta0 = torch.from_numpy(np.concatenate([W0.reshape(len(W0), -1), b0], axis=1)
+                                  .astype(np.float32))
+    elif W0 is not None:
         theta0 = torch.from_numpy(np.concatenate([W0.reshape(-1), b0]).astype(np.float32))[None]
     with cpu_threads(device):
         r = lbfgs_multihead(X_t, y_t, Cs_eff, K, theta0=theta0, max_iter=max_iter, tol=tol,
@@ -384,6 +445,7 @@ class SweepResult:
     tol: float = 1e-3
     metric: str = "top1"  # the validation metric C was selected on
     val_scores: list[float] = field(default_factory=list)  # that metric per C
+    info: dict = field(default_factory=dict)  # sweep schedule: mode, head-iterations, rounds
 
     @property
     def best_C(self) -> float:
@@ -399,7 +461,8 @@ def select_index(val_scores) -> int:
 def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "auto",
             max_iter: int = 1000, tol: float = 1e-4, standardize: bool = True,
             head_init=None, sweep_tol: float | None = None, block: int | None | str = "auto",
-            metric: str = "top1") -> SweepResult:
+            metric: str = "top1", max_host_bytes: int | None = None, sweep: str = "exhaustive",
+            halving_iter0: int = 10, halving_eta: int = 3) -> SweepResult:
     """Fit every C on train, score ``metric`` (a single-label task metric, default top-1)
     on val (never test), return the selection.
 
@@ -412,12 +475,72 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
     ``sweep_tol`` (default ``tol``) is the stopping tolerance of the sweep heads. A looser
     one (e.g. ``10 * tol``) is faster but can flip near-tied validation scores: on lite0
     Fashion-MNIST features it moved the selection one grid point away from scikit-learn's.
+
+    ``sweep="halving"`` (torch): successive halving on the warm-started path
+    (:mod:`featcache.probes._halving`): round 0 walks the C grid upwards one C at a time,
+    each from its neighbour's coefficients, for at most ``halving_iter0`` iterations; each
+    later round keeps the best ``1/halving_eta`` and multiplies the budget by it.
+    ``max_host_bytes``: stream the training rows in blocks above this in-memory footprint
+    (see :class:`LogisticProbe`).
     """
+    if sweep not in ("exhaustive", "halving"):
+        raise ProbeError(f"sweep must be 'exhaustive' or 'halving', got {sweep!r}")
     Cs = sorted(float(c) for c in Cs)
-    score = _selection_scorer(metric)
-    X, yi, classes = _check_Xy(X_train, y_train)
-    Xv = np.asarray(X_val, np.float32)
-    if not np.isfinite(Xv).all():
+    metric_score = _selection_scorer(metric)
+    if sweep == "halving" and metric != "top1":
+        raise ProbeError(f"sweep='halving' selects on validation top-1, but the task metric is {metric!r}; "
+                         "use sweep='exhaustive'")
+    X, yi, classes = _check_Xy(X_train, y_train, cast=False)
+    Xv, yv = _check_val(X_val, y_val, classes)
+    K = classes.size
+    name, device = resolve_backend(backend)
+    if sweep == "halving" and name != "torch":
+        raise ProbeError(f"sweep='halving' needs the torch backend (got {name!r}); pass "
+                         "backend='torch' or sweep='exhaustive'")
+    auto = block == "auto"
+    if auto:
+        block = 8 if device == "cpu" else None
+    heads_at_once = len(Cs) if block is None else min(int(block), len(Cs))
+    streamed = name == "torch" and use_streaming(X.shape[0], X.shape[1], K, heads_at_once,
+                                                 max_host_bytes)
+    if streamed and auto:  # the per-head L-BFGS state must fit the memory bound too
+        block = max(1, min(heads_at_once, state_heads(X.shape[1], K, max_host_bytes)))
+    scaler, Xs = _prepare(X, standardize, streamed, device)
+    W0 = b0 = None
+    if head_init is not None:
+        c0, i0 = _softmax_init(np.asarray(head_init, np.float64), None, K)
+        W0, b0 = scaler.from_raw(c0, i0)
+    stol = tol if sweep_tol is None else float(sweep_tol)
+    score = _val_scorer(Xv, yv, scaler, streamed)
+    t0 = time.perf_counter()
+    info: dict = {"sweep": sweep, "streamed": bool(streamed)}
+    if sweep == "halving":
+        out = _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score,
+                       halving_iter0, halving_eta)
+        heads, n_iters, convs, val, best = (out.heads, out.n_iter, out.converged, out.val,
+                                            out.best_index)
+        scores = val
+        info.update(head_iters=out.head_iters, rounds=len(out.rounds),
+                    halving_iter0=int(halving_iter0), halving_eta=int(halving_eta))
+    else:
+        heads, n_iters, convs = _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0,
+                                           block)
+        val = score(range(len(heads)), heads)
+        scores = val if metric == "top1" else _metric_scores(Xv, yv, scaler, heads, metric_score)
+        best = select_index(scores)
+        info["head_iters"] = int(sum(n_iters))
+    seconds = time.perf_counter() - t0
+    raw = [scaler.to_raw(Wh, bh) for Wh, bh in heads]
+    return SweepResult(Cs=Cs, val_top1=val, best_index=best, n_iter=n_iters,
+                       converged=convs, backend=name, seconds=seconds, heads=raw, tol=stol,
+                       info=info, metric=metric, val_scores=list(scores))
+
+
+def _check_val(X_val, y_val, classes):
+    Xv = np.asarray(X_val)
+    if Xv.dtype.kind != "f":
+        Xv = Xv.astype(np.float32)
+    if not all(np.isfinite(np.asarray(Xv[s:s + 65536])).all() for s in range(0, len(Xv), 65536)):
         raise ProbeError("validation features contain NaN or inf; drop invalid rows first")
     pos = {c: i for i, c in enumerate(classes.tolist())}
     try:
@@ -425,45 +548,58 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
     except KeyError as exc:
         raise ProbeError(f"validation label {exc.args[0]!r} does not occur in train; the class "
                          "sets of the splits differ: resample the split so every class is in train") from None
-    K = classes.size
-    name, device = resolve_backend(backend)
-    scaler = _Scaler.fit(X, standardize)
-    Xs, Xvs = scaler.transform(X), scaler.transform(Xv)
-    W0 = b0 = None
-    if head_init is not None:
-        c0, i0 = _softmax_init(np.asarray(head_init, np.float64), None, K)
-        W0, b0 = scaler.from_raw(c0, i0)
-    stol = tol if sweep_tol is None else float(sweep_tol)
-    if block == "auto":
-        block = 8 if device == "cpu" else None
-    t0 = time.perf_counter()
+    return Xv, yv
+
+
+def _val_scorer(Xv, yv, scaler: _Scaler, streamed: bool):
+    """score(idx, heads) -> val top-1 per standardised-space head; blockwise when streamed."""
+    if streamed:
+        from featcache.probes._stream import scores_blockwise
+
+        return lambda idx, heads: scores_blockwise(Xv, scaler.mean, scaler.scale, heads, yv)
+    Xvs = scaler.transform(np.asarray(Xv, np.float32)).astype(np.float64)
+    return lambda idx, heads: [float(np.mean((Xvs @ Wh + bh).argmax(axis=1) == yv))
+                               for Wh, bh in heads]
+
+
+def _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block):
+    """Every C fitted to convergence: (standardised heads, n_iter, converged) per C."""
     heads, n_iters, convs = [], [], []
     if name == "torch":
         W, b, n_iter, conv, _ = _fit_torch(Xs, yi, K, Cs, device, max_iter, stol, W0, b0,
                                            block=block)
         for h in range(len(Cs)):
             heads.append((W[h], b[h]))
-        n_iters, convs = [int(v) for v in n_iter], [bool(v) for v in conv]
-    else:
-        for C in Cs:
-            if name == "sklearn":
-                Wh, bh, it, cv, _ = _fit_sklearn(Xs, yi, K, C, max_iter, stol, W0, b0)
-            else:
-                Wh, bh, it, cv, _ = _fit_cuml(Xs, yi, K, C, max_iter, stol)
-            W0, b0 = Wh, bh  # warm start along the path
-            heads.append((Wh, bh))
-            n_iters.append(it)
-            convs.append(cv)
-    seconds = time.perf_counter() - t0
-    val, scores = [], []
-    for Wh, bh in heads:
-        Z = Xvs.astype(np.float64) @ Wh + bh
-        val.append(float(np.mean(Z.argmax(axis=1) == yv)))
-        scores.append(val[-1] if metric == "top1" else score(yv, softmax_proba(Z)))
-    raw = [scaler.to_raw(Wh, bh) for Wh, bh in heads]
-    return SweepResult(Cs=Cs, val_top1=val, best_index=select_index(scores), n_iter=n_iters,
-                       converged=convs, backend=name, seconds=seconds, heads=raw, tol=stol,
-                       metric=metric, val_scores=scores)
+        return heads, [int(v) for v in n_iter], [bool(v) for v in conv]
+    for C in Cs:
+        if name == "sklearn":
+            Wh, bh, it, cv, _ = _fit_sklearn(Xs, yi, K, C, max_iter, stol, W0, b0)
+        else:
+            Wh, bh, it, cv, _ = _fit_cuml(Xs, yi, K, C, max_iter, stol)
+        W0, b0 = Wh, bh  # warm start along the path
+        heads.append((Wh, bh))
+        n_iters.append(it)
+        convs.append(cv)
+    return heads, n_iters, convs
+
+
+def _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, iter0, eta):
+    from featcache.probes._halving import halving_sweep
+
+    def fit(idx, Ws, bs, iters):  # round 0: one C at a time, each from its neighbour
+        Wst, bst = (W0, b0) if Ws is None else (Ws, bs)
+        W, b, n_iter, conv, _ = _fit_torch(Xs, yi, K, [Cs[i] for i in idx], device, iters,
+                                           stol, Wst, bst, block=1 if Ws is None else block)
+        return W, b, n_iter, conv
+
+    return halving_sweep(fit, score, len(Cs), max_iter=max_iter, iter0=iter0, eta=eta)
+
+
+def _metric_scores(Xv, yv, scaler: _Scaler, heads, metric_score) -> list[float]:
+    """Validation score of a non-top-1 task metric per standardised-space head (softmax
+    probabilities scored one-vs-rest, as result rows are)."""
+    Xvs = scaler.transform(np.asarray(Xv, np.float32)).astype(np.float64)
+    return [float(metric_score(yv, softmax_proba(Xvs @ Wh + bh))) for Wh, bh in heads]
 
 
 def _selection_scorer(metric: str):

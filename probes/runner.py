@@ -92,8 +92,9 @@ def _cache_for(caches, backbone: str, dataset: str):
         f"they hold backbones x datasets {held}; run `featcache extract` for it first")
 
 
-def _load_split(cache, backbone, dataset, split, kind, train_names=None) -> SplitData:
-    f = cache.load(backbone, dataset, split, kind=kind)
+def _load_split(cache, backbone, dataset, split, kind, train_names=None,
+                stored_dtype: bool = False) -> SplitData:
+    f = cache.load(backbone, dataset, split, kind=kind, dtype=None if stored_dtype else np.float32)
     valid = np.asarray(f.valid, bool)
     X = f.X[valid]
     bad = ~np.isfinite(X).all(axis=1)
@@ -128,7 +129,7 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     splits = c.splits(ds)
     if cfg.train_split not in splits:
         raise NotInStoreError(f"dataset {ds!r} has no split {cfg.train_split!r} (has {splits})")
-    tr = _load_split(c, b, ds, cfg.train_split, cfg.kind)
+    tr = _load_split(c, b, ds, cfg.train_split, cfg.kind, stored_dtype=_large(c, b, ds, cfg, proto))
     names = list(c.split_meta(ds, cfg.train_split).class_names)
     va = None
     if cfg.val_split_used(proto, splits):
@@ -174,6 +175,17 @@ def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
         sd.Y = M[order[np.searchsorted(store_ids[order], sd.ids)]]
         sd.fingerprint = _combine(sd.fingerprint, sha)
     data.label_names = names
+
+
+def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:
+    """Keep the train split in its stored dtype (float16) when the L-BFGS probe will stream
+    it: its float32 copy alone would exceed ``max_host_bytes``."""
+    from featcache.probes._stream import use_streaming
+
+    if proto.solver != "lbfgs":
+        return False
+    prov = cache.provenance(b, ds, cfg.train_split, cfg.kind)
+    return use_streaming(prov.n, prov.dim, 0, 0, cfg.max_host_bytes)
 
 
 def _check_alignment(per_backbone: dict[str, dict[str, SplitData]]) -> None:
@@ -231,9 +243,11 @@ def _fit_lbfgs(plan: _Plan, opts: dict, head_init) -> tuple[Any, dict, bool, flo
     Xtr, ytr = plan.tr
     hi = None if head_init is None else head_init[np.unique(ytr)]
     sw = sweep_C(Xtr, ytr, *plan.va, opts["Cs"], backend=opts["backend"], max_iter=opts["max_iter"],
-                 tol=opts["tol"], standardize=opts["standardize"], head_init=hi, metric=opts["metric"])
+                 tol=opts["tol"], standardize=opts["standardize"], head_init=hi, metric=opts["metric"],
+                 sweep=opts.get("sweep", "exhaustive"), max_host_bytes=opts.get("max_host_bytes"))
     probe = LogisticProbe(C=sw.best_C, backend=opts["backend"], max_iter=opts["max_iter"],
-                          tol=opts["tol"], standardize=opts["standardize"])
+                          tol=opts["tol"], standardize=opts["standardize"],
+                          max_host_bytes=opts.get("max_host_bytes"))
     same = np.array_equal(np.unique(plan.fin[1]), np.unique(ytr))
     probe.fit(*plan.fin, init=sw.heads[sw.best_index] if same else None)
     hp = {
@@ -246,6 +260,11 @@ def _fit_lbfgs(plan: _Plan, opts: dict, head_init) -> tuple[Any, dict, bool, flo
         "max_iter": opts["max_iter"], "tol": opts["tol"], "standardize": opts["standardize"],
         "warm_start": bool(same),
     }
+    if sw.info.get("sweep") == "halving":  # the default exhaustive sweep records as before
+        hp.update(sweep="halving", sweep_head_iters=sw.info["head_iters"],
+                  halving_iter0=sw.info["halving_iter0"], halving_eta=sw.info["halving_eta"])
+    if probe.streamed_ or sw.info.get("streamed"):
+        hp["streamed"] = True
     predict = probe.predict_proba
     classes = probe.classes_
     return (predict, classes), hp, probe.converged_, sw.seconds + probe.fit_seconds_

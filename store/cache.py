@@ -272,8 +272,10 @@ class FeatureCache:
         *,
         allow_partial: bool = False,
         check: bool = True,
+        dtype=np.float32,
     ) -> Features:
-        """Load features as float32 with labels, ids, valid mask and provenance.
+        """Load features as float32 (``dtype=None``: the stored dtype, e.g. float16 for
+        out-of-core probes) with labels, ids, valid mask and provenance.
 
         Every chunk is checksummed; ``check`` (default) also recomputes the split's
         fingerprint from its ids/labels and checks the row invariants. Raises
@@ -295,7 +297,7 @@ class FeatureCache:
                 f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
                 "re-extract with --overwrite"
             )
-        X, valid, errors, sc = self._read_group(g, gm, kind, check)
+        X, valid, errors, sc = self._read_group(g, gm, kind, check, dtype)
         if not sc.complete:
             msg = _damage_message(f"{backbone}/{dataset}/{split}", sc)
             if not allow_partial:
@@ -322,19 +324,19 @@ class FeatureCache:
             complete=sc.complete,
         )
 
-    def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool):
+    def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype=np.float32):
         """Whole-array reads; on any decode failure or broken invariant, a chunk-by-chunk scan
         names the damage (and the readable chunks are still returned)."""
         sc = GroupScan(gm.n_chunks, read_done(g, gm.n_chunks))
         try:
-            X = np.asarray(g[kind][:], dtype=np.float32)
+            X = np.asarray(g[kind][:], dtype=dtype or g[kind].dtype)
             valid = np.asarray(g["valid"][:], dtype=bool)
             errors = _as_str(g["error"][:])
             if "done" not in g:
                 raise KeyError("done")
         except Exception:  # noqa: BLE001 - missing array or checksum failure: find which chunks
             sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
-            return (*_read_chunks(g, gm, kind, sc), sc)
+            return (*_read_chunks(g, gm, kind, sc, dtype), sc)
         if check:
             rows = (~np.isnan(X).all(axis=1) != valid) | ((errors != "") == valid)
             chunks = np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist()
@@ -440,9 +442,9 @@ def _damage_message(where: str, sc: GroupScan) -> str:
     )
 
 
-def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan):
+def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype=np.float32):
     """Read what is readable, chunk by chunk (damaged chunks become NaN / invalid / "")."""
-    X = np.full((gm.n, g[kind].shape[1]), np.nan, np.float32)
+    X = np.full((gm.n, g[kind].shape[1]), np.nan, dtype or g[kind].dtype)
     valid = np.zeros(gm.n, bool)
     errors = np.full(gm.n, "", dtype=object)
     bad = set(sc.bad_chunks) | set(np.flatnonzero(~sc.done).tolist())

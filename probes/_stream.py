@@ -1,0 +1,197 @@
+"""Out-of-core probe data: a split read in row blocks instead of one ``[N, D]`` float32 copy.
+
+A :class:`RowSource` wraps the stored array (a float16 numpy array, a memmap or a zarr array
+read chunk by chunk) with the standardisation statistics. Each block is converted to float64,
+standardised and cast to float32 exactly as the in-memory path does for the whole array
+(``((X - mean) / scale).astype(float32)``), so the streamed solver sees bit-identical feature
+values; only the order of the float32 sums over rows differs. On a GPU the raw block moves to
+device memory first and is standardised there.
+
+Memory of a streamed fit: the stored array (or nothing, for a zarr array) plus one block of
+``block_bytes`` plus the solver state (``2 * history + 4`` vectors of ``(D + 1) K`` float32 per
+head iterating at once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from featcache.errors import ProbeError
+
+log = logging.getLogger(__name__)
+
+#: above this estimated in-memory footprint the probes stream (see :func:`in_memory_bytes`)
+DEFAULT_MAX_HOST_BYTES = 1 << 30
+#: float32 working memory of one row block (features + logits of every active head)
+DEFAULT_BLOCK_BYTES = 64 << 20
+
+
+def in_memory_bytes(n: int, d: int, k: int, heads: int = 1) -> int:
+    """Host bytes the in-memory solver allocates for ``n`` rows: the float32 features, the
+    one-hot labels and the logits/probabilities of ``heads`` heads ([n, heads, K], twice)."""
+    return 4 * int(n) * (int(d) + int(k) * (1 + 2 * int(heads)))
+
+
+def use_streaming(n: int, d: int, k: int, heads: int, max_host_bytes: int | None) -> bool:
+    """Stream when the in-memory footprint exceeds ``max_host_bytes`` (None: the default)."""
+    limit = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)
+    return in_memory_bytes(n, d, k, heads) > limit
+
+
+def state_heads(d: int, k: int, max_host_bytes: int | None, history: int = 10) -> int:
+    """How many heads' L-BFGS state (``2 * history + 6`` vectors of ``(d + 1) k`` float32)
+    fit in half of ``max_host_bytes``."""
+    limit = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)
+    return int(limit // 2 // (4 * (2 * history + 6) * (d + 1) * k))
+
+
+def row_blocks(n: int, rows: int) -> Iterator[tuple[int, int]]:
+    for s in range(0, n, max(1, int(rows))):
+        yield s, min(n, s + rows)
+
+
+def _rows_for(d: int, width: int, block_bytes: int) -> int:
+    """Rows per block so the float32 block ([rows, d]) plus logits ([rows, width], x2) fit."""
+    return int(np.clip(block_bytes // (4 * (d + 2 * width)), 64, 1 << 20))
+
+
+def check_finite_rows(X, block_bytes: int | None = None) -> None:
+    """ProbeError naming the count of rows with NaN/inf, checked block by block."""
+    n, d = X.shape
+    block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
+    bad = 0
+    for s, e in row_blocks(n, _rows_for(d, 0, block_bytes)):
+        bad += int((~np.isfinite(np.asarray(X[s:e]))).any(axis=1).sum())
+    if bad:
+        raise ProbeError(
+            f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
+            "re-extract the features (`featcache verify` finds broken chunks)")
+
+
+def chunked_moments(X, block_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Column mean and (population) std of ``X`` in float64, one row block at a time.
+
+    Blocks are merged with Chan et al.'s pairwise update, which is stable where the naive
+    ``E[x^2] - E[x]^2`` loses digits; agrees with ``X.mean(0)``/``X.std(0)`` to ~1e-12 relative.
+    """
+    n, d = X.shape
+    block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
+    count, mean, m2 = 0, np.zeros(d), np.zeros(d)
+    for s, e in row_blocks(n, _rows_for(2 * d, 0, block_bytes)):  # float64: half the rows
+        xb = np.asarray(X[s:e], np.float64)
+        nb = e - s
+        mb = xb.mean(axis=0)
+        xb -= mb  # in place: one float64 temporary per block
+        m2b = np.einsum("ij,ij->j", xb, xb)
+        delta = mb - mean
+        tot = count + nb
+        mean = mean + delta * (nb / tot)
+        m2 = m2 + m2b + delta**2 * (count * nb / tot)
+        count = tot
+    return mean, np.sqrt(m2 / max(count, 1))
+
+
+@dataclass
+class RowSource:
+    """Standardised float32 row blocks of a stored ``[n, D]`` array on ``device``."""
+
+    X: Any
+    mean: np.ndarray  # float64 [D]
+    scale: np.ndarray  # float64 [D]
+    device: Any = "cpu"
+    block_bytes: int | None = None  # None: DEFAULT_BLOCK_BYTES
+
+    def __post_init__(self) -> None:
+        import torch
+
+        if self.block_bytes is None:
+            self.block_bytes = DEFAULT_BLOCK_BYTES
+        self.device = torch.device(self.device)
+        self._on_gpu = self.device.type != "cpu"
+        if self._on_gpu:
+            self._mean_t = torch.as_tensor(self.mean, dtype=torch.float64, device=self.device)
+            self._scale_t = torch.as_tensor(self.scale, dtype=torch.float64, device=self.device)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.X.shape)
+
+    @property
+    def dtype(self):
+        import torch
+
+        return torch.float32
+
+    def blocks(self, width: int = 0):
+        """Yield ``(start, end, block)``; ``width`` = logit columns the caller keeps per row."""
+        import torch
+
+        n, d = self.shape
+        rows = _rows_for(d, width, self.block_bytes)
+        chunk = (getattr(self.X, "chunks", None) or (0,))[0]
+        if isinstance(chunk, int) and chunk > 0:  # whole stored chunks: each read once a pass
+            rows = max(chunk, rows // chunk * chunk)
+        for s, e in row_blocks(n, rows):
+            raw = np.asarray(self.X[s:e])
+            if self._on_gpu:  # the raw (float16) block goes to the device, standardised there
+                xb = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device, non_blocking=True)
+                xb = ((xb.double() - self._mean_t) / self._scale_t).float()
+            else:
+                x64 = raw.astype(np.float64)  # one float64 temporary, standardised in place
+                x64 -= self.mean
+                x64 /= self.scale
+                xb = torch.from_numpy(x64.astype(np.float32))
+                del x64
+            yield s, e, xb
+
+
+def stream_loss_grad(src: RowSource, yidx, theta, lam, D: int, K: int, need_grad: bool = True):
+    """:func:`featcache.probes._solver._loss_grad` accumulated over the row blocks of ``src``."""
+    import torch
+
+    h, (n, _) = theta.shape[0], src.shape
+    dev, dt = theta.device, theta.dtype
+    W = theta[:, : D * K].view(h, D, K)
+    b = theta[:, D * K :]
+    Wc = W.permute(1, 0, 2).reshape(D, h * K)
+    loss = torch.zeros(h, dtype=torch.float64, device=dev)
+    gW = torch.zeros(D, h * K, dtype=dt, device=dev) if need_grad else None
+    gb = torch.zeros(h, K, dtype=dt, device=dev) if need_grad else None
+    for s, e, xb in src.blocks(h * K):
+        nb = e - s
+        Z = (xb @ Wc).view(nb, h, K)
+        Z += b.unsqueeze(0)
+        m = Z.amax(dim=2, keepdim=True)
+        E = torch.exp(Z - m)
+        S = E.sum(dim=2, keepdim=True)
+        yb = yidx[s:e]
+        zy = Z.gather(2, yb.view(nb, 1, 1).expand(nb, h, 1)).squeeze(2)
+        loss += ((m + torch.log(S)).squeeze(2) - zy).sum(dim=0, dtype=torch.float64)
+        if need_grad:
+            E /= S
+            E[torch.arange(nb, device=dev), :, yb] -= 1.0  # dL/dZ (times n)
+            gW.addmm_(xb.T, E.reshape(nb, h * K))
+            gb += E.sum(dim=0)
+    loss = (loss / n).to(dt) + 0.5 * lam * (W * W).sum(dim=(1, 2))
+    if not need_grad:
+        return loss, None
+    gW = (gW / n).view(D, h, K).permute(1, 0, 2) + lam.view(h, 1, 1) * W
+    return loss, torch.cat([gW.reshape(h, D * K), gb / n], dim=1)
+
+
+def scores_blockwise(X, mean, scale, heads, y, block_bytes: int | None = None) -> list[float]:
+    """Top-1 of each standardised-space head ``(W [D, K], b [K])`` on ``X``, by row block."""
+    n, d = X.shape
+    block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
+    hits = np.zeros(len(heads))
+    width = max((W.shape[1] for W, _ in heads), default=0)
+    for s, e in row_blocks(n, _rows_for(2 * d, width, block_bytes)):
+        xb = ((np.asarray(X[s:e], np.float64) - mean) / scale).astype(np.float32).astype(np.float64)
+        for i, (W, b) in enumerate(heads):
+            hits[i] += np.sum((xb @ W + b).argmax(axis=1) == y[s:e])
+    return [float(h / max(n, 1)) for h in hits]
