@@ -285,7 +285,8 @@ def _todo(run: _Run, run_ids) -> list[int]:
 
 def _make_pools(run: _Run, plans: dict[int, SplitPlan], todo: list[int]) -> None:
     """The training pool over the rows any seed uses (plan positions map into it) and one
-    pool per eval split."""
+    pool per eval split; together they hold at most ``memory_limit_gb`` (a pool that does
+    not fit in what is left streams its images)."""
     d, cfg = run.data, run.cfg
     items: list[tuple[Split, int]] = [(d.train, i) for i in range(d.train.y.size)]
     if d.val is not None:
@@ -294,12 +295,17 @@ def _make_pools(run: _Run, plans: dict[int, SplitPlan], todo: list[int]) -> None
                                      for s in todo]))
     run.pos_in_pool = np.full(len(items), -1, np.int64)
     run.pos_in_pool[need] = np.arange(need.size)
-    limit_bytes = cfg.memory_limit_gb * 2**30
-    kw = dict(memory_limit=limit_bytes, workers=cfg.workers, progress=cfg.progress)
+    budget = cfg.memory_limit_gb * 2**30  # shared by all pools: the train pool first
+    kw = dict(workers=cfg.workers, progress=cfg.progress)
     run.pool = Pool([items[i] for i in need], run.transform, run.shape, what=f"{d.name} train",
-                    **kw).to(run.device)
-    run.eval_pools = {es: Pool([(ev, i) for i in range(ev.y.size)], run.transform, run.shape,
-                               what=f"{d.name}/{es}", **kw) for es, ev in d.evals.items()}
+                    memory_limit=budget, **kw).to(run.device)
+    budget -= run.pool.nbytes
+    run.eval_pools = {}
+    for es, ev in d.evals.items():
+        p = Pool([(ev, i) for i in range(ev.y.size)], run.transform, run.shape, what=f"{d.name}/{es}",
+                 memory_limit=budget, **kw)
+        budget -= p.nbytes
+        run.eval_pools[es] = p
 
 
 # ------------------------------------------------------------------ one seed

@@ -175,7 +175,7 @@ def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision
         stop = cfg.steps if ckpt_path is None else min(cfg.steps, (step // checkpoint_every + 1) * checkpoint_every)
         idx_lists = [positions[batch_positions(n, B, seed, s)] for s in range(step, stop)]
         chunks = [c for idx in idx_lists for c in np.array_split(idx, math.ceil(B / mb))]
-        it = pool.batches(chunks)
+        it = pool.batches(chunks, device)
         for s in range(step, stop):
             for g in opt.param_groups:
                 g["lr"] = lr_at(s, cfg.lr, cfg.milestones)
@@ -183,7 +183,6 @@ def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision
             total = 0.0
             for _ in range(math.ceil(B / mb)):
                 x, y = next(it)
-                x = x.to(device, non_blocking=True)
                 if device.startswith("cuda"):
                     x = x.contiguous(memory_format=torch.channels_last)
                 y = y.to(device, non_blocking=True)
@@ -248,8 +247,7 @@ def predict_proba(net, pool: Pool, positions: np.ndarray, *, device: str, precis
     out = []
     chunks = [positions[i : i + batch_size] for i in range(0, positions.size, batch_size)]
     with torch.inference_mode():
-        for x, _ in pool.batches(chunks):
-            x = x.to(device)
+        for x, _ in pool.batches(chunks, device):
             if device.startswith("cuda"):
                 x = x.contiguous(memory_format=torch.channels_last)
             with _autocast(device, precision):
