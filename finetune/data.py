@@ -100,6 +100,7 @@ class Pool:
         self.workers = workers
         c, h, w = (int(s) for s in shape)
         self.shape = (h, w, c) if self.fast is not None else (c, h, w)
+        self.pixels = h * w
         need = len(items) * c * h * w * (1 if self.fast is not None else 4)
         self.X = None
         self.nbytes = 0

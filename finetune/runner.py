@@ -80,6 +80,7 @@ from featcache.finetune.schedule import TrainConfig, make_configs
 from featcache.finetune.train import (
     Net,
     atomic_json,
+    eval_batch_size,
     key_hash,
     predict_proba,
     resolve_device,
@@ -411,7 +412,8 @@ def _hparams(run: _Run, plan: SplitPlan, c: TrainConfig, cands: list[dict], best
         reference="VTAB lightweight: SGD m=0.9, batch 512, lr {0.1,0.01} x {2500,10000} steps",
         head_init="zeros", augmentation="none (timm eval transform)",
         batchnorm="train mode: batch statistics and running averages update",
-        drop_rate=run.drop_rate, data_order="full batches from seeded epoch permutations",
+        drop_rate=run.drop_rate,
+        eval_batch=eval_batch_size(run.device, int(np.prod(run.shape[1:]))), data_order="full batches from seeded epoch permutations",
         device=run.device, dataset_fingerprints=run.data.fingerprints(),
         final_loss=res.losses[-1] if res.losses else None,
     )

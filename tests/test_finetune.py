@@ -266,6 +266,13 @@ def test_pool_keeps_uint8_and_gives_the_transforms_floats(digits_splits):
     assert torch.equal(torch.cat([x for x, _ in streamed.batches([np.arange(20)])]), ref)
 
 
+def test_cpu_eval_batch_bounded_by_pixels():
+    """256 images per eval batch up to 112 px (the tests' numbers), fewer above on the CPU."""
+    assert FT.eval_batch_size("cpu", 32 * 32) == FT.eval_batch_size("cpu", 112 * 112) == 256
+    assert FT.eval_batch_size("cpu", 224 * 224) == 64 and FT.eval_batch_size("cpu", 10**9) == 1
+    assert FT.eval_batch_size("cuda", 224 * 224) == FT.eval_batch_size("cuda:1", 512 * 512) == 256
+
+
 def test_streaming_images_equal_preprocessed_pool(one_thread, caplog):
     """Datasets too big for memory stream images through a DataLoader: same numbers."""
     kw = dict(steps=3, lrs=0.05, batch_size=4, input_size=32, limit={"train": 60, "test": 20},
