@@ -2,8 +2,9 @@
 
 >>> from featcache.extract import ExtractConfig, extract  # doctest: +SKIP
 
-``create_backbone``, ``open_dataset`` and ``default_name`` are public for the other stage that
-reads images (fine-tuning builds its backbone and reads its images with them).
+``create_backbone``, ``open_dataset``, ``default_name`` and ``split_transform`` are public for the
+other stage that reads images (fine-tuning builds its backbone, reads its images and keeps them
+as uint8 with them).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ExtractConfig", "create_backbone", "default_name", "extract", "open_dataset"]
+__all__ = ["ExtractConfig", "create_backbone", "default_name", "extract", "open_dataset", "split_transform"]
 
 #: imported on first use so ``featcache extract --help`` imports no torch/numpy stack
 _LAZY = {
@@ -20,6 +21,7 @@ _LAZY = {
     "create_backbone": "featcache.extract.backbones",
     "default_name": "featcache.extract.data",
     "open_dataset": "featcache.extract.data",
+    "split_transform": "featcache.extract.preprocess",
 }
 
 

@@ -89,8 +89,8 @@ class FinetuneConfig:
     checkpoint_dir: str | None = flag(None, "default: RESULTS.finetune-ckpt")
     checkpoint_every: int = flag(DEFAULT_CHECKPOINT_EVERY, "steps between checkpoints", type=int)
     workers: int | None = flag(None, "DataLoader workers (default: min(4, cpus))", type=int)
-    memory_limit_gb: float = flag(4.0, "preprocess images once into memory up to this size, else stream them",
-                                  type=float)
+    memory_limit_gb: float = flag(4.0, "preprocessed images (uint8) kept in memory, all pools together; "
+                                  "pools beyond it stream from disk each batch (same numbers)", type=float)
     metric: str | None = flag(None, "the task's metric: selects the config on val and is recorded as "
                               "hparams.task_metric (default top1)", choices=["top1", "mean_per_class"])
     force: bool = flag(False, "rerun seeds already in the results table", action="store_true")
@@ -154,6 +154,9 @@ class FinetuneConfig:
             raise DataError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if not self.seeds:
             raise DataError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
+        if not self.memory_limit_gb >= 0:  # NaN too
+            raise DataError(f"memory_limit_gb must be >= 0 (0 streams every image from disk), got "
+                            f"{self.memory_limit_gb}")
 
     def run_options(self, proto, backbone, precision: str) -> dict[str, Any]:
         """Options that enter the run id and the recorded hparams (a resolved config, the

@@ -82,6 +82,7 @@ from featcache.finetune.schedule import TrainConfig, make_configs
 from featcache.finetune.train import (
     Net,
     atomic_json,
+    eval_batch_size,
     key_hash,
     predict_proba,
     resolve_device,
@@ -289,7 +290,8 @@ def _todo(run: _Run, run_ids) -> list[int]:
 
 def _make_pools(run: _Run, plans: dict[int, SplitPlan], todo: list[int]) -> None:
     """The training pool over the rows any seed uses (plan positions map into it) and one
-    pool per eval split."""
+    pool per eval split; together they hold at most ``memory_limit_gb`` (a pool that does
+    not fit in what is left streams its images)."""
     d, cfg = run.data, run.cfg
     items: list[tuple[Split, int]] = [(d.train, i) for i in range(d.train.y.size)]
     if d.val is not None:
@@ -298,12 +300,17 @@ def _make_pools(run: _Run, plans: dict[int, SplitPlan], todo: list[int]) -> None
                                      for s in todo]))
     run.pos_in_pool = np.full(len(items), -1, np.int64)
     run.pos_in_pool[need] = np.arange(need.size)
-    limit_bytes = cfg.memory_limit_gb * 2**30
-    kw = dict(memory_limit=limit_bytes, workers=cfg.workers, progress=cfg.progress)
+    budget = cfg.memory_limit_gb * 2**30  # shared by all pools: the train pool first
+    kw = dict(workers=cfg.workers, progress=cfg.progress)
     run.pool = Pool([items[i] for i in need], run.transform, run.shape, what=f"{d.name} train",
-                    **kw).to(run.device)
-    run.eval_pools = {es: Pool([(ev, i) for i in range(ev.y.size)], run.transform, run.shape,
-                               what=f"{d.name}/{es}", **kw) for es, ev in d.evals.items()}
+                    memory_limit=budget, **kw).to(run.device)
+    budget -= run.pool.nbytes
+    run.eval_pools = {}
+    for es, ev in d.evals.items():
+        p = Pool([(ev, i) for i in range(ev.y.size)], run.transform, run.shape, what=f"{d.name}/{es}",
+                 memory_limit=budget, **kw)
+        budget -= p.nbytes
+        run.eval_pools[es] = p
 
 
 # ------------------------------------------------------------------ one seed
@@ -419,7 +426,8 @@ def _hparams(run: _Run, plan: SplitPlan, c: TrainConfig, cands: list[dict], best
         reference="VTAB lightweight: SGD m=0.9, batch 512, lr {0.1,0.01} x {2500,10000} steps",
         head_init="zeros", augmentation="none (timm eval transform)",
         batchnorm="train mode: batch statistics and running averages update",
-        drop_rate=run.drop_rate, data_order="full batches from seeded epoch permutations",
+        drop_rate=run.drop_rate,
+        eval_batch=eval_batch_size(run.device, int(np.prod(run.shape[1:]))), data_order="full batches from seeded epoch permutations",
         device=run.device, dataset_fingerprints=run.data.fingerprints(),
         final_loss=res.losses[-1] if res.losses else None,
     )

@@ -19,7 +19,7 @@ from featcache.errors import BackboneError
 from featcache.finetune.data import Pool
 from featcache.finetune.schedule import TrainConfig, batch_positions, lr_at
 
-__all__ = ["Net", "TrainResult", "train_run", "predict_proba", "resolve_device",
+__all__ = ["Net", "TrainResult", "train_run", "predict_proba", "eval_batch_size", "resolve_device",
            "resolve_precision", "atomic_json", "key_hash"]
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision
         stop = cfg.steps if ckpt_path is None else min(cfg.steps, (step // checkpoint_every + 1) * checkpoint_every)
         idx_lists = [positions[batch_positions(n, B, seed, s)] for s in range(step, stop)]
         chunks = [c for idx in idx_lists for c in np.array_split(idx, math.ceil(B / mb))]
-        it = pool.batches(chunks)
+        it = pool.batches(chunks, device)
         for s in range(step, stop):
             for g in opt.param_groups:
                 g["lr"] = lr_at(s, cfg.lr, cfg.milestones)
@@ -183,7 +183,6 @@ def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision
             total = 0.0
             for _ in range(math.ceil(B / mb)):
                 x, y = next(it)
-                x = x.to(device, non_blocking=True)
                 if device.startswith("cuda"):
                     x = x.contiguous(memory_format=torch.channels_last)
                 y = y.to(device, non_blocking=True)
@@ -239,17 +238,33 @@ def _resume(net, opt, ckpt_path: Path | None, run_key: dict, device: str, desc: 
     return start, finite, resumed, losses
 
 
+#: evaluation batch (images), and on the CPU at most this many pixels per batch: 256 images up
+#: to 112 px, 64 at 224 px (lite0's activations for 256 images at 224 px took 5.7 GB of RAM)
+EVAL_BATCH = 256
+CPU_EVAL_PIXELS = EVAL_BATCH * 112 * 112
+
+
+def eval_batch_size(device: str, pixels: int) -> int:
+    """Images per evaluation batch for images of ``pixels`` (H x W) on ``device``: bounds the
+    CPU's host memory; a GPU keeps :data:`EVAL_BATCH`."""
+    if device.startswith("cuda"):
+        return EVAL_BATCH
+    return max(1, min(EVAL_BATCH, CPU_EVAL_PIXELS // max(1, int(pixels))))
+
+
 def predict_proba(net, pool: Pool, positions: np.ndarray, *, device: str, precision: str,
-                  batch_size: int = 256) -> np.ndarray:
-    """Softmax probabilities ``[N, K]`` (float64) of ``net`` in eval mode."""
+                  batch_size: int | None = None) -> np.ndarray:
+    """Softmax probabilities ``[N, K]`` (float64) of ``net`` in eval mode, ``batch_size``
+    images at a time (default :func:`eval_batch_size`)."""
     import torch
 
+    if batch_size is None:
+        batch_size = eval_batch_size(device, pool.pixels)
     net.eval()
     out = []
     chunks = [positions[i : i + batch_size] for i in range(0, positions.size, batch_size)]
     with torch.inference_mode():
-        for x, _ in pool.batches(chunks):
-            x = x.to(device)
+        for x, _ in pool.batches(chunks, device):
             if device.startswith("cuda"):
                 x = x.contiguous(memory_format=torch.channels_last)
             with _autocast(device, precision):

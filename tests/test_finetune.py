@@ -244,6 +244,35 @@ def test_selection_grid_full_protocol(one_thread, tmp_path):
     assert not list(ck.iterdir())  # selection outcomes and checkpoints are cleaned up
 
 
+def test_pool_keeps_uint8_and_gives_the_transforms_floats(digits_splits):
+    """The pool holds uint8 (a quarter of float32) and normalises per batch: bit-identical to
+    the backbone's eval transform, held or streamed; the limit counts the uint8 bytes."""
+    import torch
+
+    from featcache.extract.backbones import create_backbone
+
+    bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
+    tr = digits_splits[0]
+    items = [(tr, i) for i in range(20)]
+    ref = torch.stack([bb.transform(tr.load(i)) for i in range(20)])
+    held = FD.Pool(items, bb.transform, (3, 32, 32), memory_limit=20 * 32 * 32 * 3, workers=0,
+                   progress=False, what="t")
+    assert held.X.dtype == torch.uint8 and held.nbytes == 20 * 32 * 32 * 3
+    got = torch.cat([x for x, _ in held.batches([np.arange(7), np.arange(7, 20)])])
+    assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, ref)
+    streamed = FD.Pool(items, bb.transform, (3, 32, 32), memory_limit=held.nbytes - 1, workers=0,
+                       progress=False, what="t")
+    assert streamed.X is None and streamed.nbytes == 0
+    assert torch.equal(torch.cat([x for x, _ in streamed.batches([np.arange(20)])]), ref)
+
+
+def test_cpu_eval_batch_bounded_by_pixels():
+    """256 images per eval batch up to 112 px (the tests' numbers), fewer above on the CPU."""
+    assert FT.eval_batch_size("cpu", 32 * 32) == FT.eval_batch_size("cpu", 112 * 112) == 256
+    assert FT.eval_batch_size("cpu", 224 * 224) == 64 and FT.eval_batch_size("cpu", 10**9) == 1
+    assert FT.eval_batch_size("cuda", 224 * 224) == FT.eval_batch_size("cuda:1", 512 * 512) == 256
+
+
 def test_streaming_images_equal_preprocessed_pool(one_thread, caplog):
     """Datasets too big for memory stream images through a DataLoader: same numbers."""
     kw = dict(steps=3, lrs=0.05, batch_size=4, input_size=32, limit={"train": 60, "test": 20},
@@ -427,6 +456,8 @@ def test_bad_input_errors(tmp_path, capsys):
         F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", batch_size=8, micro_batch=16, progress=False))
     with pytest.raises(DataError, match="no split 'test_v2'"):
         F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", eval_splits=["test_v2"], progress=False))
+    with pytest.raises(DataError, match="memory_limit_gb must be >= 0"):
+        F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", memory_limit_gb=-1, progress=False))
     with pytest.raises(DataError, match="official-val"):
         F.make_plan("vtab1k-light", 0, _tiny_split(), None, "official-val")
     rc = main(["finetune", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "digits",
