@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from featcache.errors import (  # noqa: E402
+from featcache.errors import (
     FeatcacheError,
     IncompleteStoreError,
     NotInStoreError,
@@ -17,12 +17,12 @@ from featcache.errors import (  # noqa: E402
 )
 
 __all__ = [
-    "__version__",
-    "open_cache",
     "FeatcacheError",
-    "SchemaMismatchError",
     "IncompleteStoreError",
     "NotInStoreError",
+    "SchemaMismatchError",
+    "__version__",
+    "open_cache",
 ]
 
 

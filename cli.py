@@ -36,10 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"featcache {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
-    parser.add_argument("-q", "--quiet", action="store_true",
-                        help="warnings and errors only, and no progress bars")
-    parser.add_argument("--log-file", metavar="PATH", default=None,
-                        help="also append the log to PATH (at INFO even with -q; DEBUG with -vv)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, and no progress bars")
+    parser.add_argument(
+        "--log-file",
+        metavar="PATH",
+        default=None,
+        help="also append the log to PATH (at INFO even with -q; DEBUG with -vv)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -52,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configure_logging(verbose: int = 0, quiet: bool = False,
-                      log_file: str | None = None) -> logging.Handler | None:
+def configure_logging(verbose: int = 0, quiet: bool = False, log_file: str | None = None) -> logging.Handler | None:
     """Logging for one CLI run: stderr at WARNING (``-q``), INFO or DEBUG (``-vv``); with
     ``log_file`` the same records, at INFO or finer, are also appended to that file, whose
     handler is returned (the CLI's own errors go to it too)."""
@@ -75,8 +77,7 @@ def configure_logging(verbose: int = 0, quiet: bool = False,
         try:
             fh = logging.FileHandler(log_file, mode="a", encoding="utf-8")
         except OSError as exc:
-            raise FeatcacheError(f"cannot open --log-file {log_file!r}: {exc.strerror}; "
-                                 "give a writable path") from exc
+            raise FeatcacheError(f"cannot open --log-file {log_file!r}: {exc.strerror}; give a writable path") from exc
         fh.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
         fh.setFormatter(logging.Formatter("%(asctime)s %(process)d " + fmt))
         fh.featcache_cli = True
@@ -92,8 +93,11 @@ def configure_logging(verbose: int = 0, quiet: bool = False,
 def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = False) -> None:
     """An error the CLI prints to stderr itself, also recorded in --log-file (not printed twice)."""
     if handler is not None:
-        handler.handle(logging.getLogger("featcache.cli").makeRecord(
-            "featcache.cli", logging.ERROR, __file__, 0, msg, (), sys.exc_info() if exc_info else None))
+        handler.handle(
+            logging.getLogger("featcache.cli").makeRecord(
+                "featcache.cli", logging.ERROR, __file__, 0, msg, (), sys.exc_info() if exc_info else None
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

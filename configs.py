@@ -15,14 +15,22 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["flag", "add_arguments", "from_namespace", "int_list", "float_list", "str_tuple"]
+__all__ = ["add_arguments", "flag", "float_list", "from_namespace", "int_list", "str_tuple"]
 
 _MISSING = dataclasses.MISSING
 
 
-def flag(default: Any = _MISSING, help: str | None = None, *, name: str | None = None,  # noqa: A002
-         cli: bool = True, negate: str | None = None, required: bool = False,
-         default_factory: Callable[[], Any] | None = None, **argparse_kw: Any):
+def flag(
+    default: Any = _MISSING,
+    help: str | None = None,
+    *,
+    name: str | None = None,
+    cli: bool = True,
+    negate: str | None = None,
+    required: bool = False,
+    default_factory: Callable[[], Any] | None = None,
+    **argparse_kw: Any,
+):
     """A dataclass field with its CLI description.
 
     ``name``: the flag (default ``--field-name``); ``cli=False``: not on the command line
@@ -31,8 +39,7 @@ def flag(default: Any = _MISSING, help: str | None = None, *, name: str | None =
     then has no default); other keywords go to ``add_argument`` (``type``, ``choices``,
     ``action``, ``metavar``, ``dest`` is always the field name).
     """
-    meta = {"help": help, "name": name, "cli": cli, "negate": negate, "required": required,
-            "argparse": argparse_kw}
+    meta = {"help": help, "name": name, "cli": cli, "negate": negate, "required": required, "argparse": argparse_kw}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     if default is _MISSING:
@@ -57,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         if shown and kw.get("action") is None:
             help_ = f"{help_ or ''} (default: {f.default})".strip().replace("%", "%%")
         if m["negate"]:
-            parser.add_argument(m["negate"], dest=f.name, action="store_false",
-                                default=argparse.SUPPRESS, help=help_)
+            parser.add_argument(m["negate"], dest=f.name, action="store_false", default=argparse.SUPPRESS, help=help_)
             continue
         name = m["name"] or "--" + f.name.replace("_", "-")
         if kw.get("action") not in ("store_true", "store_false") and "choices" not in kw:

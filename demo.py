@@ -123,7 +123,9 @@ class DemoSummary:
             for t in self.taus:
                 tau = "n/a" if t["tau"] is None else f"{t['tau']:+.3f}"
                 why = f" ({t['reason']})" if t.get("reason") else ""
-                out.append(f"  Kendall tau-b linear vs fine-tune, task {t['task']}: {tau} over {t['n_backbones']} backbones{why}")
+                out.append(
+                    f"  Kendall tau-b linear vs fine-tune, task {t['task']}: {tau} over {t['n_backbones']} backbones{why}"
+                )
         out.append(f"plots in the report: {self.n_plots}")
         out.append(f"report: {self.report}")
         out.append(f"wall time: {self.wall_s:.0f} s ({self.wall_s / 60:.1f} min)")
@@ -137,8 +139,9 @@ FMNIST_CPU_SIZE = 96  # 28x28 images: 96 px is where ImageNet features clearly b
 DIGITS_CPU_SIZE = 96
 
 
-def choose_data(want: str = "auto", train: int | None = None, test: int | None = None,
-                fmnist_dir: str | None = None) -> DemoData:
+def choose_data(
+    want: str = "auto", train: int | None = None, test: int | None = None, fmnist_dir: str | None = None
+) -> DemoData:
     """The demo's data: Fashion-MNIST when installed (``auto``), else digits with a warning.
     ``fashion-mnist[:DIR]`` insists (a missing folder is an error); ``digits`` forces digits."""
     from featcache.errors import DataError
@@ -156,8 +159,10 @@ def choose_data(want: str = "auto", train: int | None = None, test: int | None =
     except DataError as exc:
         if kind == "fashion-mnist":
             raise
-        note = (f"digits FALLBACK: Fashion-MNIST is not installed at {root} (`make demo` installs Debian's "
-                "dataset-fashion-mnist); on 8x8 digits a random-init network is a strong baseline")
+        note = (
+            f"digits FALLBACK: Fashion-MNIST is not installed at {root} (`make demo` installs Debian's "
+            "dataset-fashion-mnist); on 8x8 digits a random-init network is a strong baseline"
+        )
         log.warning("demo: %s (%s)", note, exc)
         return DemoData("digits", "digits", train, test, DIGITS_CPU_SIZE, note)
     tr = min(train or FMNIST_TRAIN, sizes["train"])
@@ -172,8 +177,9 @@ def finetune_settings(cfg: DemoConfig, cuda: bool) -> FinetuneSettings:
     size = cfg.finetune_input_size
     if cuda:
         return FinetuneSettings(cfg.finetune_steps or 500, 0.01, cfg.finetune_batch_size or 64, size or None)
-    return FinetuneSettings(cfg.finetune_steps or 30, 0.05, cfg.finetune_batch_size or 32,
-                            64 if size is None else (size or None))
+    return FinetuneSettings(
+        cfg.finetune_steps or 30, 0.05, cfg.finetune_batch_size or 32, 64 if size is None else (size or None)
+    )
 
 
 @contextmanager
@@ -199,30 +205,52 @@ def cpu_threads(n: int | None):
 
 
 # ------------------------------------------------------------------ stage calls (adapt here)
-def _stage_extract(cfg: DemoConfig, data: DemoData, model: str, weights: str, size: int | None,
-                   threads: int | None) -> str:
+def _stage_extract(
+    cfg: DemoConfig, data: DemoData, model: str, weights: str, size: int | None, threads: int | None
+) -> str:
     from featcache.extract import ExtractConfig, extract
 
-    reps = extract(ExtractConfig(model, weights, data.spec, ["train", "test"], cfg.cache,
-                                 dataset_name=data.name, batch_size=cfg.batch_size, workers=cfg.workers,
-                                 threads=threads, input_size=size, limit=data.limit,
-                                 progress=cfg.progress))
+    reps = extract(
+        ExtractConfig(
+            model,
+            weights,
+            data.spec,
+            ["train", "test"],
+            cfg.cache,
+            dataset_name=data.name,
+            batch_size=cfg.batch_size,
+            workers=cfg.workers,
+            threads=threads,
+            input_size=size,
+            limit=data.limit,
+            progress=cfg.progress,
+        )
+    )
     return reps[0].backbone
 
 
 def _stage_probes(cfg: DemoConfig, data: DemoData, keys: list[str], protocol: str, results: Path) -> None:
     from featcache.probes import ProbeConfig, run_probes
 
-    run_probes(ProbeConfig(cfg.cache, keys, data.name, protocol, seeds=[0], results_path=str(results),
-                           progress=cfg.progress))
+    run_probes(
+        ProbeConfig(cfg.cache, keys, data.name, protocol, seeds=[0], results_path=str(results), progress=cfg.progress)
+    )
 
 
 def _stage_retrieval(cfg: DemoConfig, data: DemoData, keys: list[str], results: Path) -> None:
     from featcache.retrieval import RetrievalConfig, run_retrieval
 
-    run_retrieval(RetrievalConfig(cache=cfg.cache, dataset=data.name, backbones=tuple(keys),
-                                  query_split="test", gallery_split="train", results=str(results),
-                                  progress=cfg.progress))
+    run_retrieval(
+        RetrievalConfig(
+            cache=cfg.cache,
+            dataset=data.name,
+            backbones=tuple(keys),
+            query_split="test",
+            gallery_split="train",
+            results=str(results),
+            progress=cfg.progress,
+        )
+    )
 
 
 def _paired_probe_protocol() -> str:
@@ -232,15 +260,30 @@ def _paired_probe_protocol() -> str:
     return get_protocol(FT_PROTOCOL, "finetune").pairs_with
 
 
-def _stage_finetune(cfg: DemoConfig, data: DemoData, model: str, weights: str, key: str,
-                    ft: FinetuneSettings, results: Path) -> None:
+def _stage_finetune(
+    cfg: DemoConfig, data: DemoData, model: str, weights: str, key: str, ft: FinetuneSettings, results: Path
+) -> None:
     from featcache.finetune import FinetuneConfig, finetune
 
-    finetune(FinetuneConfig(model=model, weights=weights, data=data.spec, protocol=FT_PROTOCOL,
-                            seeds=(0,), results_path=str(results), steps=(ft.steps,), lrs=(ft.lr,),
-                            batch_size=ft.batch_size, input_size=ft.input_size, dataset_name=data.name,
-                            backbone_name=key, limit=data.limit,
-                            checkpoint_dir=str(Path(cfg.out) / "checkpoints"), progress=cfg.progress))
+    finetune(
+        FinetuneConfig(
+            model=model,
+            weights=weights,
+            data=data.spec,
+            protocol=FT_PROTOCOL,
+            seeds=(0,),
+            results_path=str(results),
+            steps=(ft.steps,),
+            lrs=(ft.lr,),
+            batch_size=ft.batch_size,
+            input_size=ft.input_size,
+            dataset_name=data.name,
+            backbone_name=key,
+            limit=data.limit,
+            checkpoint_dir=str(Path(cfg.out) / "checkpoints"),
+            progress=cfg.progress,
+        )
+    )
 
 
 def _stage_rank(table, out_dir: Path) -> dict[str, Any]:
@@ -265,16 +308,21 @@ def probe_top1(table, protocol: str = "full", eval_split: str = "test") -> dict[
     """Median over seeds of each backbone's linear-probe top-1 under ``protocol``."""
     import polars as pl
 
-    sub = table.filter(pl.col("kind").eq("probe") & pl.col("protocol").eq(protocol)
-                       & pl.col("metric").eq("top1") & pl.col("seed").ge(0))
+    sub = table.filter(
+        pl.col("kind").eq("probe")
+        & pl.col("protocol").eq(protocol)
+        & pl.col("metric").eq("top1")
+        & pl.col("seed").ge(0)
+    )
     if "eval_split" in sub.columns:
         sub = sub.filter(pl.col("eval_split").eq(eval_split))
     agg = sub.group_by("backbone").agg(pl.col("value").median())
     return dict(zip(agg["backbone"].to_list(), agg["value"].to_list()))
 
 
-def check_pretrained_beat_random(acc: dict[str, float], pretrained: Sequence[str],
-                                 baseline: str) -> tuple[bool | None, str]:
+def check_pretrained_beat_random(
+    acc: dict[str, float], pretrained: Sequence[str], baseline: str
+) -> tuple[bool | None, str]:
     """Is every pretrained backbone's probe top-1 above the random baseline's? With a line that says so."""
     if baseline not in acc or not all(p in acc for p in pretrained):
         missing = [b for b in (*pretrained, baseline) if b not in acc]
@@ -283,19 +331,25 @@ def check_pretrained_beat_random(acc: dict[str, float], pretrained: Sequence[str
     losers = [p for p in pretrained if not acc[p] > base]
     vals = ", ".join(f"{p} {acc[p]:.3f}" for p in pretrained)
     if not losers:
-        return True, (f"pretrained beat random: YES, every pretrained backbone's probe top-1 ({vals}) "
-                      f"is above {baseline}'s {base:.3f}")
-    return False, (f"pretrained beat random: NO, {', '.join(losers)} not above {baseline}'s probe top-1 "
-                   f"{base:.3f} ({vals})")
+        return True, (
+            f"pretrained beat random: YES, every pretrained backbone's probe top-1 ({vals}) "
+            f"is above {baseline}'s {base:.3f}"
+        )
+    return False, (
+        f"pretrained beat random: NO, {', '.join(losers)} not above {baseline}'s probe top-1 {base:.3f} ({vals})"
+    )
 
 
 def _ranking_rows(r: dict[str, Any], acc: dict[str, float], baseline: str) -> list[dict[str, Any]]:
     ov = r["overall"].sort("position")
     return [
-        dict(position=int(row["position"]), backbone=row["backbone"],
-             role="random" if row["backbone"] == baseline else "pretrained",
-             zscore=None if row.get("zscore") is None else float(row["zscore"]),
-             probe_top1=acc.get(row["backbone"]))
+        {
+            "position": int(row["position"]),
+            "backbone": row["backbone"],
+            "role": "random" if row["backbone"] == baseline else "pretrained",
+            "zscore": None if row.get("zscore") is None else float(row["zscore"]),
+            "probe_top1": acc.get(row["backbone"]),
+        }
         for row in ov.iter_rows(named=True)
     ]
 
@@ -308,7 +362,9 @@ def _tau_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
     for row in lf["per_task"].iter_rows(named=True):
         tau = row.get("tau")
         tau = None if tau is None or tau != tau else float(tau)
-        out.append(dict(task=row["task"], tau=tau, n_backbones=row.get("n_backbones"), reason=row.get("reason")))
+        out.append(
+            {"task": row["task"], "tau": tau, "n_backbones": row.get("n_backbones"), "reason": row.get("reason")}
+        )
     return out
 
 
@@ -332,8 +388,10 @@ def run(cfg: DemoConfig, say=log.info) -> DemoSummary:
     chosen = cfg.backbones
     keys: list[str] = []
     with cpu_threads(cfg.threads) as threads:
-        say(f"[1/5] extracting {data.note} with {len(chosen)} backbones into {cfg.cache} "
-            f"({'model resolution' if size is None else f'{size} px'}, {'cuda' if cuda else 'cpu'})")
+        say(
+            f"[1/5] extracting {data.note} with {len(chosen)} backbones into {cfg.cache} "
+            f"({'model resolution' if size is None else f'{size} px'}, {'cuda' if cuda else 'cpu'})"
+        )
         for model, weights in chosen:
             keys.append(_stage_extract(cfg, data, model, weights, size, threads))
         catalog = open_cache(cfg.cache).catalog()  # lists every chunk: computed once, reused by the report
@@ -344,15 +402,19 @@ def run(cfg: DemoConfig, say=log.info) -> DemoSummary:
         if cfg.finetune:
             ft = finetune_settings(cfg, cuda)
             paired = _paired_probe_protocol()
-            say(f"[4/5] fine-tuning every backbone ({FT_PROTOCOL}: {ft.steps} steps, lr {ft.lr}, batch {ft.batch_size}, "
+            say(
+                f"[4/5] fine-tuning every backbone ({FT_PROTOCOL}: {ft.steps} steps, lr {ft.lr}, batch {ft.batch_size}, "
                 f"{'model resolution' if ft.input_size is None else f'{ft.input_size} px'}"
-                f"{', scaled down for the CPU' if not cuda else ''}) and '{paired}' probes on the same examples")
+                f"{', scaled down for the CPU' if not cuda else ''}) and '{paired}' probes on the same examples"
+            )
             _stage_probes(cfg, data, keys, paired, results)
             for (model, weights), key in zip(chosen, keys):
                 _stage_finetune(cfg, data, model, weights, key, ft, results)
-            ft_note = (f"{FT_PROTOCOL} paired with '{paired}' probes, {ft.steps} steps at "
-                       f"{'model resolution' if ft.input_size is None else f'{ft.input_size} px'}"
-                       f"{' (scaled down for the CPU; rows record scaled=true)' if not cuda else ''}")
+            ft_note = (
+                f"{FT_PROTOCOL} paired with '{paired}' probes, {ft.steps} steps at "
+                f"{'model resolution' if ft.input_size is None else f'{ft.input_size} px'}"
+                f"{' (scaled down for the CPU; rows record scaled=true)' if not cuda else ''}"
+            )
         else:
             say("[4/5] fine-tuning skipped (--finetune off)")
             ft_note = "skipped (--finetune off): no linear-vs-fine-tune comparison"
@@ -362,15 +424,23 @@ def run(cfg: DemoConfig, say=log.info) -> DemoSummary:
     report = _stage_report(out / "report.html", table, catalog, f"featcache demo: {data.name}")
     acc = probe_top1(table)
     key_of = dict(zip(chosen, keys))
-    beat, beat_line = check_pretrained_beat_random(acc, [key_of[b] for b in chosen if b != BASELINE],
-                                                   key_of[BASELINE])
+    beat, beat_line = check_pretrained_beat_random(acc, [key_of[b] for b in chosen if b != BASELINE], key_of[BASELINE])
     summary = DemoSummary(
-        data_note=data.note, ranking=_ranking_rows(r, acc, key_of[BASELINE]), pretrained_beat_random=beat,
-        beat_line=beat_line, finetune_note=ft_note, taus=_tau_rows(r),
-        n_plots=count_plots(report.read_text(encoding="utf-8")), report=str(report),
-        wall_s=time.perf_counter() - t0, fallback=data.spec == "digits" and cfg.data == "auto",
-        extra={"results": str(results), "rankings": str(out / "rank"),
-               "probe_table": table.filter(pl.col("kind").eq("probe")).height},
+        data_note=data.note,
+        ranking=_ranking_rows(r, acc, key_of[BASELINE]),
+        pretrained_beat_random=beat,
+        beat_line=beat_line,
+        finetune_note=ft_note,
+        taus=_tau_rows(r),
+        n_plots=count_plots(report.read_text(encoding="utf-8")),
+        report=str(report),
+        wall_s=time.perf_counter() - t0,
+        fallback=data.spec == "digits" and cfg.data == "auto",
+        extra={
+            "results": str(results),
+            "rankings": str(out / "rank"),
+            "probe_table": table.filter(pl.col("kind").eq("probe")).height,
+        },
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2, default=str), encoding="utf-8")
     if beat is False:
@@ -383,11 +453,21 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.n_backbones is not None and not 1 <= args.n_backbones <= len(PRETRAINED):
         raise SystemExit(f"--n-backbones must be between 1 and {len(PRETRAINED)} (the random:0 baseline always runs)")
     cfg = DemoConfig(
-        cache=args.cache, out=args.out, data=args.data, train_size=args.train_size, test_size=args.test_size,
-        n_pretrained=args.n_backbones or len(PRETRAINED), batch_size=args.batch_size, workers=args.workers,
-        threads=args.threads, input_size=args.input_size, finetune=args.finetune != "off",
-        finetune_steps=args.finetune_steps, finetune_input_size=args.finetune_input_size,
-        finetune_batch_size=args.finetune_batch_size, progress=not args.no_progress,
+        cache=args.cache,
+        out=args.out,
+        data=args.data,
+        train_size=args.train_size,
+        test_size=args.test_size,
+        n_pretrained=args.n_backbones or len(PRETRAINED),
+        batch_size=args.batch_size,
+        workers=args.workers,
+        threads=args.threads,
+        input_size=args.input_size,
+        finetune=args.finetune != "off",
+        finetune_steps=args.finetune_steps,
+        finetune_input_size=args.finetune_input_size,
+        finetune_batch_size=args.finetune_batch_size,
+        progress=not args.no_progress,
     )
     summary = run(cfg, say=print)
     print("summary:")
@@ -400,26 +480,59 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="extract, probe, retrieve, fine-tune and rank on Fashion-MNIST (or digits)")
     p.add_argument("--cache", default="featcache-demo.zarr")
     p.add_argument("--out", default="featcache-demo", help="folder for results, rankings, summary.json and the report")
-    p.add_argument("--data", default="auto",
-                   help="auto (Fashion-MNIST when installed, else digits), fashion-mnist[:DIR] or digits")
-    p.add_argument("--train-size", type=int, default=None,
-                   help=f"first N train images (default {FMNIST_TRAIN} of Fashion-MNIST; all of digits)")
-    p.add_argument("--test-size", type=int, default=None,
-                   help=f"first N test images (default {FMNIST_TEST} of Fashion-MNIST; all of digits)")
+    p.add_argument(
+        "--data", default="auto", help="auto (Fashion-MNIST when installed, else digits), fashion-mnist[:DIR] or digits"
+    )
+    p.add_argument(
+        "--train-size",
+        type=int,
+        default=None,
+        help=f"first N train images (default {FMNIST_TRAIN} of Fashion-MNIST; all of digits)",
+    )
+    p.add_argument(
+        "--test-size",
+        type=int,
+        default=None,
+        help=f"first N test images (default {FMNIST_TEST} of Fashion-MNIST; all of digits)",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: extract's choice; 1 when the machine is oversubscribed)")
-    p.add_argument("--input-size", type=int, default=None,
-                   help=f"extraction resolution (default: the model's on CUDA, {FMNIST_CPU_SIZE} on CPU; 0 = the model's)")
-    p.add_argument("--n-backbones", type=int, default=None,
-                   help="use only the first N pretrained backbones (the random:0 baseline always runs)")
-    p.add_argument("--finetune", choices=["on", "off", "auto"], default="on",
-                   help="fine-tune every backbone (default on; on a CPU scaled down, recorded as scaled; auto = on)")
-    p.add_argument("--finetune-steps", type=int, default=None,
-                   help="SGD steps of the VTAB lightweight schedule (default 500 on CUDA, 30 on CPU)")
-    p.add_argument("--finetune-input-size", type=int, default=None,
-                   help="fine-tuning resolution (default: the model's on CUDA, 64 on CPU; 0 = the model's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: extract's choice; 1 when the machine is oversubscribed)",
+    )
+    p.add_argument(
+        "--input-size",
+        type=int,
+        default=None,
+        help=f"extraction resolution (default: the model's on CUDA, {FMNIST_CPU_SIZE} on CPU; 0 = the model's)",
+    )
+    p.add_argument(
+        "--n-backbones",
+        type=int,
+        default=None,
+        help="use only the first N pretrained backbones (the random:0 baseline always runs)",
+    )
+    p.add_argument(
+        "--finetune",
+        choices=["on", "off", "auto"],
+        default="on",
+        help="fine-tune every backbone (default on; on a CPU scaled down, recorded as scaled; auto = on)",
+    )
+    p.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=None,
+        help="SGD steps of the VTAB lightweight schedule (default 500 on CUDA, 30 on CPU)",
+    )
+    p.add_argument(
+        "--finetune-input-size",
+        type=int,
+        default=None,
+        help="fine-tuning resolution (default: the model's on CUDA, 64 on CPU; 0 = the model's)",
+    )
     p.add_argument("--finetune-batch-size", type=int, default=None, help="default 64 on CUDA, 32 on CPU")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_demo)

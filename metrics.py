@@ -20,8 +20,21 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["top1", "top_k", "top5", "mean_per_class", "nll", "ece", "map11", "roc_auc_macro",
-           "METRICS", "TASK_METRICS", "MULTILABEL_METRICS", "compute_all", "metric_names"]
+__all__ = [
+    "METRICS",
+    "MULTILABEL_METRICS",
+    "TASK_METRICS",
+    "compute_all",
+    "ece",
+    "map11",
+    "mean_per_class",
+    "metric_names",
+    "nll",
+    "roc_auc_macro",
+    "top1",
+    "top5",
+    "top_k",
+]
 
 
 def _check(y_true, scores=None) -> tuple[np.ndarray, np.ndarray | None]:

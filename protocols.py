@@ -86,15 +86,15 @@ __all__ = [
     "STAGES",
     "VAL_SOURCES",
     "CGrid",
-    "SGDGrid",
     "ElevaterGrid",
-    "SplitPlan",
     "Protocol",
-    "register_protocol",
+    "SGDGrid",
+    "SplitPlan",
     "get_protocol",
     "list_protocols",
-    "parse_protocol",
     "pairs",
+    "parse_protocol",
+    "register_protocol",
 ]
 
 STAGES = ("probe", "finetune")
@@ -164,8 +164,15 @@ class ElevaterGrid:
 
 
 ELEVATER_SGD = ElevaterGrid()
-VTAB_SGD = SGDGrid(lrs=(0.1, 0.01), batch_size=512, momentum=0.9, weight_decay=0.0,
-                   steps=(2500, 10000), last_decay=0.9, drop_remainder=True)
+VTAB_SGD = SGDGrid(
+    lrs=(0.1, 0.01),
+    batch_size=512,
+    momentum=0.9,
+    weight_decay=0.0,
+    steps=(2500, 10000),
+    last_decay=0.9,
+    drop_remainder=True,
+)
 SALMAN_SGD = SGDGrid(lrs=(0.01, 0.001), batch_size=64, momentum=0.9, weight_decay=5e-4, epochs=150)
 
 
@@ -211,9 +218,18 @@ class Protocol:
             return False
         return not (self.split.startswith("vtab1k") and val_source == "split-800-200")
 
-    def plan(self, y, seed: int, *, n_val: int | None = None, val_source: str = "split-800-200",
-             train_name: str = "train", val_name: str = "val", rows=None,
-             val_rows=None) -> SplitPlan:
+    def plan(
+        self,
+        y,
+        seed: int,
+        *,
+        n_val: int | None = None,
+        val_source: str = "split-800-200",
+        train_name: str = "train",
+        val_name: str = "val",
+        rows=None,
+        val_rows=None,
+    ) -> SplitPlan:
         """The seeded split of labels ``y`` (canonical order). ``n_val``: size of the
         dataset's val split when the caller has one (``None``: no val split). ``rows`` /
         ``val_rows``: each canonical position's row in the dataset's own order (the store's
@@ -224,8 +240,7 @@ class Protocol:
         if n_val is not None and val_rows is None:
             val_rows = np.arange(n_val)
         planner = _PLANNERS[self.split]
-        return planner(self, y, int(seed), n_val, val_source, train_name, val_name,
-                       rows=rows, val_rows=val_rows)
+        return planner(self, y, int(seed), n_val, val_source, train_name, val_name, rows=rows, val_rows=val_rows)
 
 
 def _concat_val(idx: np.ndarray, n_train: int, n_val: int) -> np.ndarray:
@@ -251,8 +266,13 @@ def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **
 
 def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
     t, v = fewshot_split(y, p.shots, seed)
-    return SplitPlan(t, v, np.sort(np.concatenate([t, v])), f"{train_name}[{p.spec}]",
-                     {"val": "per-class-80/20", "shots_counted": "before-split"})
+    return SplitPlan(
+        t,
+        v,
+        np.sort(np.concatenate([t, v])),
+        f"{train_name}[{p.spec}]",
+        {"val": "per-class-80/20", "shots_counted": "before-split"},
+    )
 
 
 def _check_val_source(val_source: str) -> None:
@@ -260,23 +280,24 @@ def _check_val_source(val_source: str) -> None:
         raise SplitError(f"val_source must be one of {VAL_SOURCES}, got {val_source!r}")
 
 
-def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows,
-                 val_rows) -> SplitPlan:
+def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows, val_rows) -> SplitPlan:
     """VTAB's fixed subsets (seed-independent): train[:800] + the first 200 of the val
     source (``split-800-200``: train[800:1000]; ``official-val``: val[:200])."""
     _check_val_source(val_source)
     n_tr = VTAB_TOTAL - VTAB_VAL
     if val_source == "official-val":
         if n_val is None:
-            raise SplitError("val_source='official-val' needs a 'val' split; extract it or use "
-                             "val_source='split-800-200'")
+            raise SplitError(
+                "val_source='official-val' needs a 'val' split; extract it or use val_source='split-800-200'"
+            )
         t, v = vtab1k_fixed(rows, val_rows)
         label, val = f"{train_name}[:{n_tr}]+{val_name}[:{VTAB_VAL}]", f"{val_name}[:{VTAB_VAL}]"
     else:
         t, v = vtab1k_fixed(rows)
         label, val = f"{train_name}[:{VTAB_TOTAL}]", f"{train_name}[{n_tr}:{VTAB_TOTAL}]"
-    return SplitPlan(t, v, np.concatenate([t, v]), label,
-                     {"val": val, "val_source": val_source, "subset": "fixed, dataset order"})
+    return SplitPlan(
+        t, v, np.concatenate([t, v]), label, {"val": val, "val_source": val_source, "subset": "fixed, dataset order"}
+    )
 
 
 def _plan_none(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
@@ -284,25 +305,33 @@ def _plan_none(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **
     return SplitPlan(e, e, e, "none", {"trained": False})
 
 
-def _plan_vtab1k_stratified(p: Protocol, y, seed, n_val, val_source, train_name, val_name,
-                            **_) -> SplitPlan:
+def _plan_vtab1k_stratified(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
     _check_val_source(val_source)
     label = f"{train_name}[{VTAB_TOTAL}]"
     if val_source == "official-val":
         idx = stratified_sample(y, VTAB_TOTAL, seed)
         if n_val is None:
-            raise SplitError("val_source='official-val' needs a 'val' split; extract it or use "
-                             "val_source='split-800-200'")
-        return SplitPlan(idx, y.size + np.arange(n_val), idx, label,
-                         {"val": "official", "val_split": val_name, "val_source": val_source})
+            raise SplitError(
+                "val_source='official-val' needs a 'val' split; extract it or use val_source='split-800-200'"
+            )
+        return SplitPlan(
+            idx,
+            y.size + np.arange(n_val),
+            idx,
+            label,
+            {"val": "official", "val_split": val_name, "val_source": val_source},
+        )
     t, v = vtab1k_indices(y, seed)
-    return SplitPlan(t, v, np.sort(np.concatenate([t, v])), label,
-                     {"val": "split-800-200", "val_source": val_source})
+    return SplitPlan(t, v, np.sort(np.concatenate([t, v])), label, {"val": "split-800-200", "val_source": val_source})
 
 
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
-    "full": _plan_full, "subset": _plan_full, "fewshot": _plan_fewshot, "vtab1k": _plan_vtab1k,
-    "vtab1k-stratified": _plan_vtab1k_stratified, "none": _plan_none,
+    "full": _plan_full,
+    "subset": _plan_full,
+    "fewshot": _plan_fewshot,
+    "vtab1k": _plan_vtab1k,
+    "vtab1k-stratified": _plan_vtab1k_stratified,
+    "none": _plan_none,
 }
 
 
@@ -339,8 +368,9 @@ def get_protocol(spec: str, stage: str = "probe") -> Protocol:
     fn = _REGISTRY.get((stage, name))
     if fn is None:
         word = "unknown fine-tuning protocol" if stage == "finetune" else "unknown protocol"
-        raise ProtocolError(f"{word} {spec!r}; choose one of "
-                            f"{', '.join(_HELP.get((stage, n), n) for n in list_protocols(stage))}")
+        raise ProtocolError(
+            f"{word} {spec!r}; choose one of {', '.join(_HELP.get((stage, n), n) for n in list_protocols(stage))}"
+        )
     return fn(arg if sep else None)
 
 
@@ -351,12 +381,14 @@ def parse_protocol(spec: str) -> Protocol:
 
 def pairs(stage: str = "finetune") -> dict[str, str]:
     """``{protocol of stage: the protocol of the other stage it pairs with}``."""
-    return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage)
-            if (stage, n) not in _HELP}
+    return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage) if (stage, n) not in _HELP}
 
 
-_HELP = {("probe", "fewshot"): "fewshot:N (N >= 2)", ("probe", "elevater-fewshot"): "elevater-fewshot:N (N >= 2)",
-         ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)"}
+_HELP = {
+    ("probe", "fewshot"): "fewshot:N (N >= 2)",
+    ("probe", "elevater-fewshot"): "elevater-fewshot:N (N >= 2)",
+    ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)",
+}
 
 
 def _no_arg(name: str, arg: str | None) -> None:
@@ -367,8 +399,9 @@ def _no_arg(name: str, arg: str | None) -> None:
 @register_protocol("full")
 def full(arg: str | None = None) -> Protocol:
     _no_arg("full", arg)
-    return Protocol(spec="full", name="full", stage="probe", split="full", solver="lbfgs",
-                    grid=CGrid(), pairs_with="full")
+    return Protocol(
+        spec="full", name="full", stage="probe", split="full", solver="lbfgs", grid=CGrid(), pairs_with="full"
+    )
 
 
 @register_protocol("fewshot")
@@ -381,9 +414,18 @@ def fewshot(arg: str | None = None) -> Protocol:
         raise ProtocolError(
             f"fewshot:{n} cannot work: the 80/20 per-class split for selecting C needs at "
             "least one training and one validation example per class, so N >= 2 "
-            "(ELEVATER uses N = 5, 20, 50)")
-    return Protocol(spec=f"fewshot:{n}", name="fewshot", stage="probe", split="fewshot",
-                    solver="lbfgs", grid=CGrid(), seeds=(0, 1, 2), shots=n)
+            "(ELEVATER uses N = 5, 20, 50)"
+        )
+    return Protocol(
+        spec=f"fewshot:{n}",
+        name="fewshot",
+        stage="probe",
+        split="fewshot",
+        solver="lbfgs",
+        grid=CGrid(),
+        seeds=(0, 1, 2),
+        shots=n,
+    )
 
 
 def _shots(name: str, arg: str | None) -> int:
@@ -394,59 +436,90 @@ def _shots(name: str, arg: str | None) -> int:
         raise ProtocolError(
             f"{name}:{n} cannot work: the 80/20 per-class split for selecting hyper-parameters "
             "needs at least one training and one validation example per class, so N >= 2 "
-            "(ELEVATER uses N = 5, 20, 50)")
+            "(ELEVATER uses N = 5, 20, 50)"
+        )
     return n
 
 
 @register_protocol("elevater-fewshot")
 def elevater_fewshot(arg: str | None = None) -> Protocol:
     n = _shots("elevater-fewshot", arg)
-    return Protocol(spec=f"elevater-fewshot:{n}", name="elevater-fewshot", stage="probe",
-                    split="fewshot", solver="elevater", grid=ELEVATER_SGD, seeds=(0, 1, 2), shots=n)
+    return Protocol(
+        spec=f"elevater-fewshot:{n}",
+        name="elevater-fewshot",
+        stage="probe",
+        split="fewshot",
+        solver="elevater",
+        grid=ELEVATER_SGD,
+        seeds=(0, 1, 2),
+        shots=n,
+    )
 
 
 @register_protocol("elevater-full")
 def elevater_full(arg: str | None = None) -> Protocol:
     _no_arg("elevater-full", arg)
-    return Protocol(spec="elevater-full", name="elevater-full", stage="probe", split="full",
-                    solver="elevater", grid=ELEVATER_SGD)
+    return Protocol(
+        spec="elevater-full", name="elevater-full", stage="probe", split="full", solver="elevater", grid=ELEVATER_SGD
+    )
 
 
 @register_protocol("zeroshot")
 def zeroshot(arg: str | None = None) -> Protocol:
     _no_arg("zeroshot", arg)
-    return Protocol(spec="zeroshot", name="zeroshot", stage="probe", split="none",
-                    solver="zeroshot", grid=CGrid(Cs=()))
+    return Protocol(spec="zeroshot", name="zeroshot", stage="probe", split="none", solver="zeroshot", grid=CGrid(Cs=()))
 
 
 @register_protocol("vtab1k")
 def vtab1k(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k", arg)
-    return Protocol(spec="vtab1k", name="vtab1k", stage="probe", split="vtab1k", solver="lbfgs",
-                    grid=CGrid(), seeds=(0, 1, 2), median_over_seeds=True)
+    return Protocol(
+        spec="vtab1k",
+        name="vtab1k",
+        stage="probe",
+        split="vtab1k",
+        solver="lbfgs",
+        grid=CGrid(),
+        seeds=(0, 1, 2),
+        median_over_seeds=True,
+    )
 
 
 @register_protocol("vtab1k-stratified")
 def vtab1k_stratified(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-stratified", arg)
-    return Protocol(spec="vtab1k-stratified", name="vtab1k-stratified", stage="probe",
-                    split="vtab1k-stratified", solver="lbfgs", grid=CGrid(), seeds=(0, 1, 2),
-                    median_over_seeds=True)
+    return Protocol(
+        spec="vtab1k-stratified",
+        name="vtab1k-stratified",
+        stage="probe",
+        split="vtab1k-stratified",
+        solver="lbfgs",
+        grid=CGrid(),
+        seeds=(0, 1, 2),
+        median_over_seeds=True,
+    )
 
 
 @register_protocol("vtab1k-sgd")
 def vtab1k_sgd(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-sgd", arg)
-    return Protocol(spec="vtab1k-sgd", name="vtab1k-sgd", stage="probe", split="vtab1k",
-                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k-light",
-                    median_over_seeds=True)
+    return Protocol(
+        spec="vtab1k-sgd",
+        name="vtab1k-sgd",
+        stage="probe",
+        split="vtab1k",
+        solver="sgd",
+        grid=VTAB_SGD,
+        seeds=(0, 1, 2),
+        pairs_with="vtab1k-light",
+        median_over_seeds=True,
+    )
 
 
 @register_protocol("salman")
 def salman(arg: str | None = None) -> Protocol:
     _no_arg("salman", arg)
-    return Protocol(spec="salman", name="salman", stage="probe", split="full", solver="sgd",
-                    grid=SALMAN_SGD)
+    return Protocol(spec="salman", name="salman", stage="probe", split="full", solver="sgd", grid=SALMAN_SGD)
 
 
 @register_protocol("subset")
@@ -456,21 +529,36 @@ def subset(arg: str | None = None) -> Protocol:
         raise ProtocolError(f"subset needs a percentage, e.g. subset:10% (got {arg!r})")
     pct = float(m.group(1))
     if not 0 < pct < 100:
-        raise ProtocolError(f"subset fraction must lie in (0%, 100%), got subset:{arg}; use "
-                            "'full' for all data")
-    return Protocol(spec=f"subset:{m.group(1)}%", name="subset", stage="probe", split="subset",
-                    solver="lbfgs", grid=CGrid(), fraction=pct / 100)
+        raise ProtocolError(f"subset fraction must lie in (0%, 100%), got subset:{arg}; use 'full' for all data")
+    return Protocol(
+        spec=f"subset:{m.group(1)}%",
+        name="subset",
+        stage="probe",
+        split="subset",
+        solver="lbfgs",
+        grid=CGrid(),
+        fraction=pct / 100,
+    )
 
 
 @register_protocol("vtab1k-light", stage="finetune")
 def vtab1k_light(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-light", arg)
-    return Protocol(spec="vtab1k-light", name="vtab1k-light", stage="finetune", split="vtab1k",
-                    solver="sgd", grid=VTAB_SGD, seeds=(0, 1, 2), pairs_with="vtab1k-sgd")
+    return Protocol(
+        spec="vtab1k-light",
+        name="vtab1k-light",
+        stage="finetune",
+        split="vtab1k",
+        solver="sgd",
+        grid=VTAB_SGD,
+        seeds=(0, 1, 2),
+        pairs_with="vtab1k-sgd",
+    )
 
 
 @register_protocol("full", stage="finetune")
 def full_finetune(arg: str | None = None) -> Protocol:
     _no_arg("full", arg)
-    return Protocol(spec="full", name="full", stage="finetune", split="full", solver="sgd",
-                    grid=VTAB_SGD, pairs_with="full")
+    return Protocol(
+        spec="full", name="full", stage="finetune", split="full", solver="sgd", grid=VTAB_SGD, pairs_with="full"
+    )

@@ -106,9 +106,7 @@ def rows_to_frame(rows: Iterable[Mapping[str, Any]]):
     for r in rows:
         unknown = set(r) - set(RESULT_COLUMNS)
         if unknown:
-            raise ResultsError(
-                f"unknown result field(s) {sorted(unknown)}; allowed: {list(RESULT_COLUMNS)}"
-            )
+            raise ResultsError(f"unknown result field(s) {sorted(unknown)}; allowed: {list(RESULT_COLUMNS)}")
         missing = [c for c in required if r.get(c) is None]
         if missing:
             raise ResultsError(f"result row lacks required field(s) {missing}: {r}")
@@ -159,21 +157,26 @@ def check_results_path(path: str | os.PathLike) -> Path:
             raise ResultsError(
                 f"results path {p} exists but is not a parquet file (a CSV or other text?); featcache "
                 f"never overwrites it: {hint}, or convert it first, e.g. "
-                f"polars.read_csv('{p}').write_parquet('{p.with_suffix('.parquet')}')")
+                f"polars.read_csv('{p}').write_parquet('{p.with_suffix('.parquet')}')"
+            )
         import polars as pl
 
         missing = [c for c in RESULT_COLUMNS if c not in pl.read_parquet_schema(p)]
         if missing:
-            raise ResultsError(f"{p} is a parquet file but not a featcache results table "
-                               f"(missing columns {missing}); {hint}")
+            raise ResultsError(
+                f"{p} is a parquet file but not a featcache results table (missing columns {missing}); {hint}"
+            )
     elif p.suffix.lower() in _NOT_PARQUET_SUFFIXES:
-        raise ResultsError(f"results path {p} ends in {p.suffix!r}, but results tables are parquet; "
-                           f"use e.g. {p.with_suffix('.parquet')}")
+        raise ResultsError(
+            f"results path {p} ends in {p.suffix!r}, but results tables are parquet; "
+            f"use e.g. {p.with_suffix('.parquet')}"
+        )
     for anc in [p.parent, *p.parent.parents]:
         if anc.exists():
             if not anc.is_dir():
-                raise ResultsError(f"cannot write results to {p}: {anc} is a file, not a folder; "
-                                   "choose a results path inside a folder")
+                raise ResultsError(
+                    f"cannot write results to {p}: {anc} is a file, not a folder; choose a results path inside a folder"
+                )
             break
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -181,8 +184,10 @@ def check_results_path(path: str | os.PathLike) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ResultsError(f"cannot write results to {p}: {exc.strerror or exc}; choose a writable "
-                           "folder (or fix its permissions) before running") from exc
+        raise ResultsError(
+            f"cannot write results to {p}: {exc.strerror or exc}; choose a writable "
+            "folder (or fix its permissions) before running"
+        ) from exc
     return p
 
 
@@ -191,10 +196,14 @@ def _read_raw(p: Path):
     import polars as pl
 
     if not p.exists():
-        raise ResultsError(f"results table {p} does not exist; create it with `featcache probe` or `featcache retrieve`")
+        raise ResultsError(
+            f"results table {p} does not exist; create it with `featcache probe` or `featcache retrieve`"
+        )
     if p.is_dir() or not _is_parquet(p):
-        raise ResultsError(f"{p} is not a parquet results table (a folder or a CSV?); featcache "
-                           "results are parquet files written by probe/retrieve/finetune/sweep")
+        raise ResultsError(
+            f"{p} is not a parquet results table (a folder or a CSV?); featcache "
+            "results are parquet files written by probe/retrieve/finetune/sweep"
+        )
     df = pl.read_parquet(p)
     missing = [c for c in RESULT_COLUMNS if c not in df.columns]
     if missing:
@@ -275,13 +284,14 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
                 if os.path.exists(tmp):
                     os.unlink(tmp)
     except Timeout as exc:
-        raise ResultsError(f"another process has held the lock on {p} for over {LOCK_TIMEOUT:.0f} s; "
-                           f"if no featcache run is writing there, delete {exc.lock_file}") from exc
+        raise ResultsError(
+            f"another process has held the lock on {p} for over {LOCK_TIMEOUT:.0f} s; "
+            f"if no featcache run is writing there, delete {exc.lock_file}"
+        ) from exc
     return table.select(list(RESULT_COLUMNS))
 
 
-def median_rows(frame, kind: str, carry: Sequence[str] = (), *,
-                run_id: Callable[..., str] = make_run_id) -> list[dict]:
+def median_rows(frame, kind: str, carry: Sequence[str] = (), *, run_id: Callable[..., str] = make_run_id) -> list[dict]:
     """VTAB reporting: rows with ``seed=-1`` holding, per backbone, dataset, protocol, train
     split, eval split and store fingerprint with at least two seeds, the median over the
     seeds of every metric.
@@ -295,12 +305,20 @@ def median_rows(frame, kind: str, carry: Sequence[str] = (), *,
 
     rows = []
     seeded = frame.filter(frame["seed"] >= 0)
-    keys = seeded.select(["backbone", "dataset", "protocol", "eval_split", "train_split",
-                          "store_fingerprint"]).unique().rows()
+    keys = (
+        seeded.select(["backbone", "dataset", "protocol", "eval_split", "train_split", "store_fingerprint"])
+        .unique()
+        .rows()
+    )
     for b, ds, p, es, trs, fp in sorted(keys):
-        sub = seeded.filter((seeded["backbone"] == b) & (seeded["dataset"] == ds)
-                            & (seeded["protocol"] == p) & (seeded["eval_split"] == es)
-                            & (seeded["train_split"] == trs) & (seeded["store_fingerprint"] == fp))
+        sub = seeded.filter(
+            (seeded["backbone"] == b)
+            & (seeded["dataset"] == ds)
+            & (seeded["protocol"] == p)
+            & (seeded["eval_split"] == es)
+            & (seeded["train_split"] == trs)
+            & (seeded["store_fingerprint"] == fp)
+        )
         run_ids = sorted(set(sub["run_id"].to_list()))
         seeds = sorted(set(sub["seed"].to_list()))
         if len(seeds) < 2:
@@ -309,19 +327,35 @@ def median_rows(frame, kind: str, carry: Sequence[str] = (), *,
         rid = run_id(kind=kind, aggregate="median", runs=run_ids)
         for m in sorted(set(sub["metric"].to_list())):
             ms = sub.filter(sub["metric"] == m)
-            rows.append(dict(
-                run_id=rid, kind=kind, backbone=b, dataset=ds, protocol=p, train_split=trs,
-                eval_split=es, shots=int(ms["shots"][0]), seed=-1, metric=m,
-                value=float(np.median(ms["value"].to_numpy())), n_eval=int(ms["n_eval"][0]),
-                hparams={"aggregate": "median", "seeds": seeds, "run_ids": run_ids,
-                         **{k: hp0.get(k) for k in carry}},
-                converged=bool(ms["converged"].all()), fit_seconds=float(ms["fit_seconds"].sum()),
-                store_fingerprint=fp))
+            rows.append(
+                {
+                    "run_id": rid,
+                    "kind": kind,
+                    "backbone": b,
+                    "dataset": ds,
+                    "protocol": p,
+                    "train_split": trs,
+                    "eval_split": es,
+                    "shots": int(ms["shots"][0]),
+                    "seed": -1,
+                    "metric": m,
+                    "value": float(np.median(ms["value"].to_numpy())),
+                    "n_eval": int(ms["n_eval"][0]),
+                    "hparams": {
+                        "aggregate": "median",
+                        "seeds": seeds,
+                        "run_ids": run_ids,
+                        **{k: hp0.get(k) for k in carry},
+                    },
+                    "converged": bool(ms["converged"].all()),
+                    "fit_seconds": float(ms["fit_seconds"].sum()),
+                    "store_fingerprint": fp,
+                }
+            )
     return rows
 
 
-def add_median_rows(frame, kind: str, results_path: str | os.PathLike | None = None,
-                    carry: Sequence[str] = ()):
+def add_median_rows(frame, kind: str, results_path: str | os.PathLike | None = None, carry: Sequence[str] = ()):
     """``frame`` plus its :func:`median_rows` (also appended to ``results_path`` when given,
     replacing earlier medians of the same runs)."""
     import polars as pl

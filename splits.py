@@ -46,20 +46,20 @@ from featcache.errors import SplitError
 
 __all__ = [
     "HOLDOUT_FRACTION",
+    "VAL_SOURCES",
     "VTAB_TOTAL",
     "VTAB_VAL",
-    "VAL_SOURCES",
-    "canonical_order",
     "allocate",
-    "stratified_holdout",
-    "sample_per_class",
-    "stratified_sample",
-    "fewshot_split",
-    "vtab1k_indices",
-    "vtab1k_fixed",
     "batch_positions",
+    "canonical_order",
+    "fewshot_split",
     "full_holdout",
+    "sample_per_class",
+    "stratified_holdout",
+    "stratified_sample",
     "subset_indices",
+    "vtab1k_fixed",
+    "vtab1k_indices",
 ]
 
 HOLDOUT_FRACTION = 0.1
@@ -117,7 +117,8 @@ def stratified_holdout(y, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
         raise SplitError(
             f"{y.size} examples are too few to hold out {fraction:.0%} for validation and keep "
             f"every one of the {counts.size} classes in train; use more data or a dataset with "
-            "its own val split")
+            "its own val split"
+        )
     per = allocate(counts, n_val)
     per = np.minimum(per, counts - 1)  # keep >= 1 training example per class
     short = n_val - per.sum()
@@ -136,8 +137,10 @@ def sample_per_class(y, n: int, seed: int) -> np.ndarray:
     counts = np.array([i.size for i in _by_class(y)])
     if (counts < n).any():
         few = {str(c): int(k) for c, k in zip(classes, counts) if k < n}
-        raise SplitError(f"{n} examples per class requested but class(es) {few} have fewer "
-                         "valid training examples; lower N or drop those classes")
+        raise SplitError(
+            f"{n} examples per class requested but class(es) {few} have fewer "
+            "valid training examples; lower N or drop those classes"
+        )
     drawn, _ = _draw(y, np.full(classes.size, n), np.random.default_rng(seed))
     return drawn
 
@@ -160,15 +163,16 @@ def stratified_sample(y, total: int, seed: int, min_per_class: int = 0) -> np.nd
     y = np.asarray(y)
     counts = np.array([i.size for i in _by_class(y)])
     if total > y.size:
-        raise SplitError(f"the protocol needs {total} training examples but only {y.size} valid "
-                         "ones exist; use a larger train split or another protocol")
+        raise SplitError(
+            f"the protocol needs {total} training examples but only {y.size} valid "
+            "ones exist; use a larger train split or another protocol"
+        )
     per = np.maximum(allocate(counts, total), np.minimum(min_per_class, counts))
     drawn, _ = _draw(y, per, np.random.default_rng(seed))
     return drawn
 
 
-def vtab1k_indices(y, seed: int, total: int = VTAB_TOTAL,
-                   n_val: int = VTAB_VAL) -> tuple[np.ndarray, np.ndarray]:
+def vtab1k_indices(y, seed: int, total: int = VTAB_TOTAL, n_val: int = VTAB_VAL) -> tuple[np.ndarray, np.ndarray]:
     """``vtab1k-stratified``: a stratified, seeded draw of ``total`` (1,000) examples, split stratified
     into ``total - n_val`` train (800) and ``n_val`` validation (200) with the same seed.
 
@@ -184,13 +188,16 @@ def _first(rows, n: int, what: str) -> np.ndarray:
     """Positions of the ``n`` smallest ``rows`` (the first ``n`` in the dataset's order)."""
     rows = np.asarray(rows)
     if rows.size < n:
-        raise SplitError(f"the protocol needs {n} {what} examples but only {rows.size} valid ones "
-                         "exist; use a larger split or the protocol 'vtab1k-stratified'/'full'")
+        raise SplitError(
+            f"the protocol needs {n} {what} examples but only {rows.size} valid ones "
+            "exist; use a larger split or the protocol 'vtab1k-stratified'/'full'"
+        )
     return np.sort(np.argsort(rows, kind="stable")[:n])
 
 
-def vtab1k_fixed(rows, val_rows=None, n_train: int = VTAB_TOTAL - VTAB_VAL,
-                 n_val: int = VTAB_VAL) -> tuple[np.ndarray, np.ndarray]:
+def vtab1k_fixed(
+    rows, val_rows=None, n_train: int = VTAB_TOTAL - VTAB_VAL, n_val: int = VTAB_VAL
+) -> tuple[np.ndarray, np.ndarray]:
     """VTAB-1k as published: ``train[:800]`` and the first 200 of the val source, in the
     dataset's own order, identical for every seed (seeds vary only training randomness).
 

@@ -17,7 +17,7 @@ the bootstrap line fit), :mod:`featcache.analysis.rankings`, :mod:`featcache.ana
 
 from __future__ import annotations
 
-__all__ = ["rank", "shift", "write_report", "load_table", "merge_tables"]
+__all__ = ["load_table", "merge_tables", "rank", "shift", "write_report"]
 
 
 def __getattr__(name: str):

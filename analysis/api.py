@@ -149,16 +149,29 @@ def rank(
     from featcache.analysis.task_metric import TASK
 
     metric = resolve_metric(metric, results)
-    raw, reduced, coverage = _load_reduced(results, external, percent=percent, external_kind=external_kind,
-                                           groups=groups, eval_splits=eval_splits, seed_reduce=seed_reduce,
-                                           declared=metric == TASK)
+    raw, reduced, coverage = _load_reduced(
+        results,
+        external,
+        percent=percent,
+        external_kind=external_kind,
+        groups=groups,
+        eval_splits=eval_splits,
+        seed_reduce=seed_reduce,
+        declared=metric == TASK,
+    )
     sm = rankings.select_settings(reduced, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     _record_missing_cells(coverage, sm)
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
     notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
     boot = rankings.bootstrap_aggregate(
-        agg["matrix"], reduced=_ranked_rows(raw, agg["matrix"], metric, retrieval_metric), resample=resample,
-        n_boot=n_boot, seed=seed, ddof=ddof, seed_reduce=seed_reduce, progress=progress,
+        agg["matrix"],
+        reduced=_ranked_rows(raw, agg["matrix"], metric, retrieval_metric),
+        resample=resample,
+        n_boot=n_boot,
+        seed=seed,
+        ddof=ddof,
+        seed_reduce=seed_reduce,
+        progress=progress,
     )
     out = _rank_result(raw, coverage, agg, boot, notes, resample)
     out["metric"] = metric
@@ -168,30 +181,42 @@ def rank(
     files: list[Path] = []
     if out_dir is not None:
         options = {
-            "metric": metric, "retrieval_metric": retrieval_metric, "seed_reduce": seed_reduce,
-            "ddof": ddof, "n_boot": n_boot, "seed": seed, "resample": resample, "on_constant": on_constant,
+            "metric": metric,
+            "retrieval_metric": retrieval_metric,
+            "seed_reduce": seed_reduce,
+            "ddof": ddof,
+            "n_boot": n_boot,
+            "seed": seed,
+            "resample": resample,
+            "on_constant": on_constant,
         }
         files = _write_rank_outputs(out, Path(out_dir), options, plots=plots)
     out["files"] = files
     return out
 
 
-def _load_reduced(results, external, *, percent, external_kind, groups, eval_splits, seed_reduce,
-                  declared: bool = False):
+def _load_reduced(
+    results, external, *, percent, external_kind, groups, eval_splits, seed_reduce, declared: bool = False
+):
     """Load + merge the tables, keep ``eval_splits`` (rows without a split are kept: typical of
     external tables) and reduce seeds. Returns ``(raw, reduced, coverage)``."""
     import polars as pl
 
     from featcache.analysis.tables import merge_tables, reduce_seeds
 
-    tables = _as_tables(results, external, percent=percent, external_kind=external_kind, groups=groups,
-                        declared=declared)
+    tables = _as_tables(
+        results, external, percent=percent, external_kind=external_kind, groups=groups, declared=declared
+    )
     raw, coverage = merge_tables(tables)
     if eval_splits:
         keep = pl.col("eval_split").is_in(list(eval_splits)) | (pl.col("eval_split") == "")
         dropped = raw.filter(~keep)
         if dropped.height:
-            log.info("rank: ignoring %d row(s) on eval split(s) %s", dropped.height, sorted(set(dropped["eval_split"].to_list())))
+            log.info(
+                "rank: ignoring %d row(s) on eval split(s) %s",
+                dropped.height,
+                sorted(set(dropped["eval_split"].to_list())),
+            )
         raw = raw.filter(keep)
         if raw.height == 0:
             raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
@@ -223,7 +248,10 @@ def _ranked_rows(raw, sm_kept, metric: str, retrieval_metric: str):
     )
     if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:
         ranked = ranked.with_columns(
-            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER))).then(-pl.col("value")).otherwise(pl.col("value")).alias("value")
+            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER)))
+            .then(-pl.col("value"))
+            .otherwise(pl.col("value"))
+            .alias("value")
         )
     return ranked
 
@@ -262,7 +290,9 @@ def _add_secondary(out, reduced, agg, notes, *, metric: str, ddof: int, provenan
         out["lin_ft"] = lf
         out["mean_tau"] = lf["mean_tau"]
     else:
-        notes.append("linear vs fine-tune skipped: needs both probe and finetune rows (pass the fine-tuning table with --external)")
+        notes.append(
+            "linear vs fine-tune skipped: needs both probe and finetune rows (pass the fine-tuning table with --external)"
+        )
     try:
         acc_metric = metric if metric not in LOWER_IS_BETTER and metric != "task" else "top1"
         out["calibration"], out["calibration_corr"] = rankings.calibration_summary(reduced, accuracy_metric=acc_metric)
@@ -278,8 +308,20 @@ def _add_secondary(out, reduced, agg, notes, *, metric: str, ddof: int, provenan
 def _write_rank_outputs(out: dict[str, Any], outp: Path, options: dict[str, Any], *, plots: bool) -> list[Path]:
     """Every table as parquet + Markdown, the plots as PNG and ``summary.json``."""
 
-    names = ("overall", "scores", "zscores", "ranks", "agreement", "top3", "bootstrap", "differences",
-             "intervals", "calibration", "calibration_corr", "efficiency")
+    names = (
+        "overall",
+        "scores",
+        "zscores",
+        "ranks",
+        "agreement",
+        "top3",
+        "bootstrap",
+        "differences",
+        "intervals",
+        "calibration",
+        "calibration_corr",
+        "efficiency",
+    )
     tbls = {k: out[k] for k in names}
     lf = out["lin_ft"]
     if lf is not None:
@@ -306,8 +348,10 @@ def overall_with_intervals(out: dict[str, Any]):
     """The overall table with the z-score's bootstrap interval (``zscore_lo``, ``zscore_hi``)."""
     import polars as pl
 
-    boot = out["bootstrap"].filter(pl.col("aggregation") == "zscore").select(
-        "backbone", pl.col("lo").alias("zscore_lo"), pl.col("hi").alias("zscore_hi")
+    boot = (
+        out["bootstrap"]
+        .filter(pl.col("aggregation") == "zscore")
+        .select("backbone", pl.col("lo").alias("zscore_lo"), pl.col("hi").alias("zscore_hi"))
     )
     return out["overall"].join(boot, on="backbone", how="left").sort("position")
 

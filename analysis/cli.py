@@ -21,32 +21,61 @@ def _groups(items: list[str] | None) -> dict[str, str] | None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", help="featcache results parquet (probe/knn/retrieval rows)")
-    p.add_argument("--external", action="append", default=[], metavar="TABLE",
-                   help="extra CSV/parquet table (backbone, dataset, metric, value, kind[, n_eval, seed, group]); repeatable")
-    p.add_argument("--external-kind", choices=["probe", "knn", "retrieval", "finetune"],
-                   help="kind for external tables that have no kind column")
-    p.add_argument("--percent", action="store_true", default=None,
-                   help="external accuracies are percentages (divide by 100)")
+    p.add_argument(
+        "--external",
+        action="append",
+        default=[],
+        metavar="TABLE",
+        help="extra CSV/parquet table (backbone, dataset, metric, value, kind[, n_eval, seed, group]); repeatable",
+    )
+    p.add_argument(
+        "--external-kind",
+        choices=["probe", "knn", "retrieval", "finetune"],
+        help="kind for external tables that have no kind column",
+    )
+    p.add_argument(
+        "--percent", action="store_true", default=None, help="external accuracies are percentages (divide by 100)"
+    )
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("rank", help="rank backbones (z-scores, mean, avg rank; linear vs fine-tune)",
-                              description="Rank backbones across tasks from results tables; write tables and plots.")
+    p = subparsers.add_parser(
+        "rank",
+        help="rank backbones (z-scores, mean, avg rank; linear vs fine-tune)",
+        description="Rank backbones across tasks from results tables; write tables and plots.",
+    )
     _common(p)
     p.add_argument("--out", required=True, help="output folder (tables as parquet + Markdown, PNG plots)")
-    p.add_argument("--metric", default="auto",
-                   help="classification metric to rank on: auto (default) ranks each task on its declared metric "
-                   "(hparams.task_metric: top1, mean_per_class, map11, roc_auc_macro) where the results record "
-                   "one, else top1; or one metric for every task (top1, top5, mean_per_class, ...)")
+    p.add_argument(
+        "--metric",
+        default="auto",
+        help="classification metric to rank on: auto (default) ranks each task on its declared metric "
+        "(hparams.task_metric: top1, mean_per_class, map11, roc_auc_macro) where the results record "
+        "one, else top1; or one metric for every task (top1, top5, mean_per_class, ...)",
+    )
     p.add_argument("--retrieval-metric", default="map", help="retrieval metric to rank on (default map)")
-    p.add_argument("--kinds", nargs="+", choices=["probe", "knn", "retrieval", "finetune"], help="kinds of settings to rank on (default all)")
-    p.add_argument("--eval-split", action="append", dest="eval_splits", metavar="SPLIT",
-                   help="rank only on this eval split (repeatable; default: every split is its own setting)")
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=["probe", "knn", "retrieval", "finetune"],
+        help="kinds of settings to rank on (default all)",
+    )
+    p.add_argument(
+        "--eval-split",
+        action="append",
+        dest="eval_splits",
+        metavar="SPLIT",
+        help="rank only on this eval split (repeatable; default: every split is its own setting)",
+    )
     p.add_argument("--group", action="append", metavar="DATASET=GROUP", help="task group (repeatable)")
     p.add_argument("--seed-reduce", choices=["median", "mean"], default="median")
     p.add_argument("--ddof", type=int, choices=[0, 1], default=0, help="z-score std: 0 population, 1 sample")
-    p.add_argument("--on-constant", choices=["error", "drop"], default="error",
-                   help="a setting where all backbones score the same: error (default) or drop it")
+    p.add_argument(
+        "--on-constant",
+        choices=["error", "drop"],
+        default="error",
+        help="a setting where all backbones score the same: error (default) or drop it",
+    )
     p.add_argument("--n-boot", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resample", choices=["tasks", "seeds"], default="tasks")
@@ -54,8 +83,11 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar for the bootstrap (implied by -q)")
     p.set_defaults(func=run_rank)
 
-    p = subparsers.add_parser("shift", help="test-set shift between two eval splits (Recht et al.)",
-                              description="Accuracy on an original and a new test split per backbone, gap, rank change and linear fit.")
+    p = subparsers.add_parser(
+        "shift",
+        help="test-set shift between two eval splits (Recht et al.)",
+        description="Accuracy on an original and a new test split per backbone, gap, rank change and linear fit.",
+    )
     _common(p)
     p.add_argument("--orig", required=True, help="original eval split (e.g. test)")
     p.add_argument("--new", required=True, help="new eval split (e.g. test_v2)")
@@ -68,8 +100,11 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar for the bootstrap (implied by -q)")
     p.set_defaults(func=run_shift)
 
-    p = subparsers.add_parser("report", help="self-contained HTML report (catalog, results, rankings)",
-                              description="Write one HTML page with the store catalog, probe/retrieval results and rankings.")
+    p = subparsers.add_parser(
+        "report",
+        help="self-contained HTML report (catalog, results, rankings)",
+        description="Write one HTML page with the store catalog, probe/retrieval results and rankings.",
+    )
     _common(p)
     p.add_argument("--cache", help="feature cache root (its catalog goes into the report)")
     p.add_argument("--out", required=True, help="output .html file")
@@ -90,15 +125,31 @@ def run_rank(args) -> int:
     from featcache.analysis.api import rank
 
     out = rank(
-        args.results, args.external, args.out, metric=args.metric, retrieval_metric=args.retrieval_metric,
-        kinds=args.kinds, eval_splits=args.eval_splits, groups=_groups(args.group), percent=args.percent, external_kind=args.external_kind,
-        seed_reduce=args.seed_reduce, ddof=args.ddof, on_constant=args.on_constant, n_boot=args.n_boot,
-        seed=args.seed, resample=args.resample, plots=not args.no_plots, progress=not args.no_progress,
+        args.results,
+        args.external,
+        args.out,
+        metric=args.metric,
+        retrieval_metric=args.retrieval_metric,
+        kinds=args.kinds,
+        eval_splits=args.eval_splits,
+        groups=_groups(args.group),
+        percent=args.percent,
+        external_kind=args.external_kind,
+        seed_reduce=args.seed_reduce,
+        ddof=args.ddof,
+        on_constant=args.on_constant,
+        n_boot=args.n_boot,
+        seed=args.seed,
+        resample=args.resample,
+        plots=not args.no_plots,
+        progress=not args.no_progress,
     )
     from featcache.analysis.format import format_table
 
     ov = out["overall"]
-    groups = ["group_mean", *[c for c in ov.columns if c.startswith("mean[")]] if ov["group_mean"].drop_nulls().len() else []
+    groups = (
+        ["group_mean", *[c for c in ov.columns if c.startswith("mean[")]] if ov["group_mean"].drop_nulls().len() else []
+    )
     cols = ["position", "backbone", "zscore", "mean", "avg_rank", *groups, "n_settings"]
     print(format_table(ov.select(cols), "text", max_rows=10), end="")
     if out["mean_tau"] is not None:
@@ -113,15 +164,28 @@ def run_shift(args) -> int:
     _need_input(args)
     from featcache.analysis.api import shift
 
-    res = shift(args.results, args.orig, args.new, args.out, external=args.external, metric=args.metric,
-                kind=args.kind, n_boot=args.n_boot, seed=args.seed, percent=args.percent, plots=not args.no_plots,
-                progress=not args.no_progress)
+    res = shift(
+        args.results,
+        args.orig,
+        args.new,
+        args.out,
+        external=args.external,
+        metric=args.metric,
+        kind=args.kind,
+        n_boot=args.n_boot,
+        seed=args.seed,
+        percent=args.percent,
+        plots=not args.no_plots,
+        progress=not args.no_progress,
+    )
     for r in res["fit"].iter_rows(named=True):
         if r["a"] is None:
             print(f"{r['dataset']}: no fit ({r['reason']})")
         else:
-            print(f"{r['dataset']}: acc_new = {r['a']:.3f} [{r['a_lo']:.3f}, {r['a_hi']:.3f}] * acc_orig "
-                  f"{r['b']:+.4f} [{r['b_lo']:+.4f}, {r['b_hi']:+.4f}]  ({r['n_points']} backbones)")
+            print(
+                f"{r['dataset']}: acc_new = {r['a']:.3f} [{r['a_lo']:.3f}, {r['a_hi']:.3f}] * acc_orig "
+                f"{r['b']:+.4f} [{r['b_lo']:+.4f}, {r['b_hi']:+.4f}]  ({r['n_points']} backbones)"
+            )
     for m in res["missing"]:
         print(f"note: {m}")
     print(f"wrote {len(res['files'])} files to {args.out}")
@@ -140,8 +204,12 @@ def run_report(args) -> int:
         cache = open_cache(args.cache)
         catalog = cache.catalog()  # carries images_per_s / peak_memory_mb (used for efficiency)
     path = write_report(
-        args.out, args.results, catalog, external=args.external,
-        shift_splits=tuple(args.shift) if args.shift else None, title=args.title,
+        args.out,
+        args.results,
+        catalog,
+        external=args.external,
+        shift_splits=tuple(args.shift) if args.shift else None,
+        title=args.title,
         rank_kwargs={"percent": args.percent, "external_kind": args.external_kind},
     )
     print(f"report written to {path}")

@@ -89,13 +89,25 @@ def tau_bars(per_task, path) -> Path:
         if np.isnan(t):
             ax.text(i, 0.02, "n/a", ha="center", va="bottom", fontsize=8, rotation=90)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(x, [_short(t) for t in tasks], rotation=60 if len(tasks) > 3 else 0, ha="right" if len(tasks) > 3 else "center", fontsize=8)
+    ax.set_xticks(
+        x,
+        [_short(t) for t in tasks],
+        rotation=60 if len(tasks) > 3 else 0,
+        ha="right" if len(tasks) > 3 else "center",
+        fontsize=8,
+    )
     ax.set_ylim(-1.05, 1.05)
     ax.set_xlabel("task")
     ax.set_ylabel("Kendall tau-b")
     ax.set_title("Linear vs fine-tune ranking agreement per task")
-    ax.legend(handles=[Patch(color="tab:blue", label="same order (tau >= 0)"), Patch(color="tab:red", label="reversed (tau < 0)")],
-              fontsize=7, loc="lower right")
+    ax.legend(
+        handles=[
+            Patch(color="tab:blue", label="same order (tau >= 0)"),
+            Patch(color="tab:red", label="reversed (tau < 0)"),
+        ],
+        fontsize=7,
+        loc="lower right",
+    )
     return _save(fig, path)
 
 
@@ -186,8 +198,16 @@ def shift_scatter(table, fit_row, path, *, title: str = "") -> Path:
         hi = table[col_hi].fill_null(np.nan).to_numpy().astype(float)
         return np.vstack([np.nan_to_num(v - lo), np.nan_to_num(hi - v)])
 
-    ax.errorbar(x, y, xerr=err("orig_lo", "orig_hi", x), yerr=err("new_lo", "new_hi", y), fmt="o", ms=4, capsize=2,
-                label="backbone (95% interval)")
+    ax.errorbar(
+        x,
+        y,
+        xerr=err("orig_lo", "orig_hi", x),
+        yerr=err("new_lo", "new_hi", y),
+        fmt="o",
+        ms=4,
+        capsize=2,
+        label="backbone (95% interval)",
+    )
     for b, xi, yi in zip(table["backbone"].to_list(), x, y):
         ax.annotate(_short(b, 18), (xi, yi), fontsize=6, alpha=0.7)
     lo = float(min(x.min(), y.min())) - 0.02
@@ -223,7 +243,11 @@ def efficiency_scatter(table, path) -> Path:
 
 def cost_bars(table, path) -> Path:
     """Per backbone: extraction throughput and, where recorded, peak memory (MiB) and store size."""
-    cols = [c for c in ("images_per_s", "peak_memory_mib", "store_mib") if c in table.columns and table[c].drop_nulls().len()]
+    cols = [
+        c
+        for c in ("images_per_s", "peak_memory_mib", "store_mib")
+        if c in table.columns and table[c].drop_nulls().len()
+    ]
     labels = {"images_per_s": "images / s", "peak_memory_mib": "peak memory (MiB)", "store_mib": "store size (MiB)"}
     names = table["backbone"].to_list()
     colors = _colors(names)
@@ -279,10 +303,24 @@ def best_vs_rest(differences, best: str, path, *, aggregation: str = "zscore") -
     ax = fig.add_subplot()
     y = np.arange(len(other))
     sep = lo[order] > 0
-    ax.errorbar(diff[order][sep], y[sep], xerr=[diff[order][sep] - lo[order][sep], hi[order][sep] - diff[order][sep]],
-                fmt="o", color="tab:green", capsize=3, label="separated (interval > 0)")
-    ax.errorbar(diff[order][~sep], y[~sep], xerr=[diff[order][~sep] - lo[order][~sep], hi[order][~sep] - diff[order][~sep]],
-                fmt="o", color="tab:orange", capsize=3, label="not separated")
+    ax.errorbar(
+        diff[order][sep],
+        y[sep],
+        xerr=[diff[order][sep] - lo[order][sep], hi[order][sep] - diff[order][sep]],
+        fmt="o",
+        color="tab:green",
+        capsize=3,
+        label="separated (interval > 0)",
+    )
+    ax.errorbar(
+        diff[order][~sep],
+        y[~sep],
+        xerr=[diff[order][~sep] - lo[order][~sep], hi[order][~sep] - diff[order][~sep]],
+        fmt="o",
+        color="tab:orange",
+        capsize=3,
+        label="not separated",
+    )
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(y, [_short(other[i]) for i in order], fontsize=8)
     ax.set_xlabel(f"{_short(best)} minus backbone ({aggregation}, 95% bootstrap interval)")

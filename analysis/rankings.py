@@ -66,7 +66,9 @@ def linear_vs_finetune(
     rows = []
     zrows = []
     for task in tasks:
-        row, z = _task_agreement(task, pairs.filter(pl.col("task") == task).sort("backbone"), ddof, linear_kind, finetune_kind)
+        row, z = _task_agreement(
+            task, pairs.filter(pl.col("task") == task).sort("backbone"), ddof, linear_kind, finetune_kind
+        )
         rows.append(row)
         zrows += z
     per_task = pl.DataFrame(
@@ -76,8 +78,14 @@ def linear_vs_finetune(
     pairs_df = pl.DataFrame(
         zrows,
         schema={
-            "task": pl.Utf8, "backbone": pl.Utf8, "linear": pl.Float64, "finetune": pl.Float64,
-            "gain": pl.Float64, "z_linear": pl.Float64, "z_finetune": pl.Float64, "z_diff": pl.Float64,
+            "task": pl.Utf8,
+            "backbone": pl.Utf8,
+            "linear": pl.Float64,
+            "finetune": pl.Float64,
+            "gain": pl.Float64,
+            "z_linear": pl.Float64,
+            "z_finetune": pl.Float64,
+            "z_diff": pl.Float64,
         },
     ).with_columns(pl.col("z_linear", "z_finetune", "z_diff").fill_nan(None))
     per_backbone = (
@@ -155,8 +163,16 @@ def _task_agreement(task: str, p, ddof: int, linear_kind: str, finetune_kind: st
         zf = stats.zscores(y, ddof=ddof, label=f"{finetune_kind}:{task}")
     row = {"task": task, "tau": tau, "p_value": pv, "n_backbones": n, "reason": reason}
     zrows = [
-        {"task": task, "backbone": b, "linear": xl, "finetune": yf, "gain": yf - xl,
-         "z_linear": a, "z_finetune": c, "z_diff": c - a}
+        {
+            "task": task,
+            "backbone": b,
+            "linear": xl,
+            "finetune": yf,
+            "gain": yf - xl,
+            "z_linear": a,
+            "z_finetune": c,
+            "z_diff": c - a,
+        }
         for b, xl, yf, a, c in zip(p["backbone"].to_list(), x, y, zl, zf)
     ]
     return row, zrows
@@ -217,7 +233,10 @@ def select_settings(
         )
     if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:
         sub = sub.with_columns(
-            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER))).then(-pl.col("value")).otherwise(pl.col("value")).alias("value")
+            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER)))
+            .then(-pl.col("value"))
+            .otherwise(pl.col("value"))
+            .alias("value")
         )
     b, s, m = score_matrix(sub)
     g = {}
@@ -256,7 +275,11 @@ def _aggregate_arrays(values: np.ndarray, group_codes: np.ndarray | None, ddof: 
             gm = []
             for g in np.unique(group_codes[group_codes >= 0]):
                 sel = group_codes == g
-                gm.append(np.nanmean(np.where(sel, values, np.nan), axis=-1) if sel.ndim > 1 else np.nanmean(values[..., sel], axis=-1))
+                gm.append(
+                    np.nanmean(np.where(sel, values, np.nan), axis=-1)
+                    if sel.ndim > 1
+                    else np.nanmean(values[..., sel], axis=-1)
+                )
             out["group_mean"] = np.nanmean(np.stack(gm, axis=-1), axis=-1)
     return out
 
@@ -300,7 +323,12 @@ def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> 
             log.warning("dropping %s", exc)
     if not keep:
         raise ResultsError("no setting left to rank backbones on (all were constant)")
-    sm = ScoreMatrix(sm.backbones, [sm.settings[j] for j in keep], sm.values[:, keep], [sm.groups[j] for j in keep] if sm.groups else [])
+    sm = ScoreMatrix(
+        sm.backbones,
+        [sm.settings[j] for j in keep],
+        sm.values[:, keep],
+        [sm.groups[j] for j in keep] if sm.groups else [],
+    )
     codes, note = _group_codes(sm)
     agg = _aggregate_arrays(sm.values, codes, ddof)
     notes = [note] if note else []
@@ -329,8 +357,12 @@ def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> 
         xa = agg[a] if HIGHER_IS_BETTER[a] else -agg[a]
         xb = agg[b] if HIGHER_IS_BETTER[b] else -agg[b]
         tau, p = stats.kendall_tau_b(xa, xb)
-        rows.append({"a": a, "b": b, "tau": tau, "p_value": p, "n_backbones": int((~np.isnan(xa) & ~np.isnan(xb)).sum())})
-    agreement = pl.DataFrame(rows, schema={"a": pl.Utf8, "b": pl.Utf8, "tau": pl.Float64, "p_value": pl.Float64, "n_backbones": pl.Int64})
+        rows.append(
+            {"a": a, "b": b, "tau": tau, "p_value": p, "n_backbones": int((~np.isnan(xa) & ~np.isnan(xb)).sum())}
+        )
+    agreement = pl.DataFrame(
+        rows, schema={"a": pl.Utf8, "b": pl.Utf8, "tau": pl.Float64, "p_value": pl.Float64, "n_backbones": pl.Int64}
+    )
     return {
         "matrix": sm,
         "overall": overall,
@@ -382,7 +414,9 @@ def top3(sm: ScoreMatrix, overall=None, families: Mapping[str, tuple[np.ndarray,
         rows.append({"task": f"group {g} (z-score)", **pick(sm.backbones, zg)})
     if overall is not None:
         rows.append({"task": "overall (z-score)", **pick(overall["backbone"].to_list(), overall["zscore"].to_numpy())})
-    return pl.DataFrame(rows, schema={"task": pl.Utf8, "best": pl.Utf8, "better": pl.Utf8, "good": pl.Utf8, "ties": pl.Utf8})
+    return pl.DataFrame(
+        rows, schema={"task": pl.Utf8, "best": pl.Utf8, "better": pl.Utf8, "good": pl.Utf8, "ties": pl.Utf8}
+    )
 
 
 def bootstrap_aggregate(
@@ -426,7 +460,15 @@ def bootstrap_aggregate(
         agreement = _agreement_rows(boot, (1 - level) / 2, n_boot, bar)
     q = (1 - level) / 2
     schema_s = {"backbone": pl.Utf8, "aggregation": pl.Utf8, "estimate": pl.Float64, "lo": pl.Float64, "hi": pl.Float64}
-    schema_d = {"aggregation": pl.Utf8, "a": pl.Utf8, "b": pl.Utf8, "diff": pl.Float64, "lo": pl.Float64, "hi": pl.Float64, "p_le_0": pl.Float64}
+    schema_d = {
+        "aggregation": pl.Utf8,
+        "a": pl.Utf8,
+        "b": pl.Utf8,
+        "diff": pl.Float64,
+        "lo": pl.Float64,
+        "hi": pl.Float64,
+        "p_le_0": pl.Float64,
+    }
     schema_a = {"a": pl.Utf8, "b": pl.Utf8, "tau_mean": pl.Float64, "tau_lo": pl.Float64, "tau_hi": pl.Float64}
     return {
         "scores": pl.DataFrame(_interval_rows(sm.backbones, point, boot, q), schema=schema_s),
@@ -536,16 +578,21 @@ def _agreement_rows(boot, q: float, n_boot: int, bar=None) -> list[dict]:
     for i, (a, b) in enumerate(pairs):
         sa = 1 if HIGHER_IS_BETTER[a] else -1
         sb = 1 if HIGHER_IS_BETTER[b] else -1
-        taus = np.array([stats.kendall_tau_b(sa * boot[a][k], sb * boot[b][k], method="asymptotic")[0] for k in range(n_boot)])
+        taus = np.array(
+            [stats.kendall_tau_b(sa * boot[a][k], sb * boot[b][k], method="asymptotic")[0] for k in range(n_boot)]
+        )
         if bar is not None:
             bar.update(n_boot * (i + 1) // len(pairs) - n_boot * i // len(pairs))
         ok = ~np.isnan(taus)
-        rows.append({
-            "a": a, "b": b,
-            "tau_mean": float(taus[ok].mean()) if ok.any() else float("nan"),
-            "tau_lo": float(np.quantile(taus[ok], q)) if ok.any() else float("nan"),
-            "tau_hi": float(np.quantile(taus[ok], 1 - q)) if ok.any() else float("nan"),
-        })
+        rows.append(
+            {
+                "a": a,
+                "b": b,
+                "tau_mean": float(taus[ok].mean()) if ok.any() else float("nan"),
+                "tau_lo": float(np.quantile(taus[ok], q)) if ok.any() else float("nan"),
+                "tau_hi": float(np.quantile(taus[ok], 1 - q)) if ok.any() else float("nan"),
+            }
+        )
     return rows
 
 
@@ -601,7 +648,17 @@ def calibration_summary(reduced, *, accuracy_metric: str = "top1", metrics: Sequ
                 res = pearsonr(gg[accuracy_metric].to_numpy(), gg[m].to_numpy())
                 r, p = float(res.statistic), float(res.pvalue)
             rows.append({"kind": kind, "task": task, "metric": m, "r": r, "p_value": p, "n": gg.height})
-    corr = pl.DataFrame(rows, schema={"kind": pl.Utf8, "task": pl.Utf8, "metric": pl.Utf8, "r": pl.Float64, "p_value": pl.Float64, "n": pl.Int64})
+    corr = pl.DataFrame(
+        rows,
+        schema={
+            "kind": pl.Utf8,
+            "task": pl.Utf8,
+            "metric": pl.Utf8,
+            "r": pl.Float64,
+            "p_value": pl.Float64,
+            "n": pl.Int64,
+        },
+    )
     return table, corr
 
 

@@ -24,7 +24,19 @@ from featcache.errors import ResultsError
 log = logging.getLogger(__name__)
 
 #: columns of the store catalog shown in the report (the rest stay in the parquet catalog)
-CATALOG_COLUMNS = ("backbone", "dataset", "split", "kind", "n", "dim", "dtype", "complete", "n_invalid", "size_mib", "images_per_s")
+CATALOG_COLUMNS = (
+    "backbone",
+    "dataset",
+    "split",
+    "kind",
+    "n",
+    "dim",
+    "dtype",
+    "complete",
+    "n_invalid",
+    "size_mib",
+    "images_per_s",
+)
 #: pivot tables with more metric columns than this are split by cut-off (``recall@5`` -> recall, k=5)
 _MAX_METRIC_COLUMNS = 8
 
@@ -56,29 +68,48 @@ def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
     ov = overall_with_intervals(r)
     best = ov.row(0, named=True)
     shown = ov.select(
-        "position", "backbone",
-        pl.struct("zscore", "zscore_lo", "zscore_hi").map_elements(
+        "position",
+        "backbone",
+        pl.struct("zscore", "zscore_lo", "zscore_hi")
+        .map_elements(
             lambda s: _interval_cell(s["zscore"], s["zscore_lo"], s["zscore_hi"], "{:+.2f}"), return_dtype=pl.Utf8
-        ).alias("z-score [95% interval]"),
-        "mean", "avg_rank", "group_mean", *[c for c in ov.columns if c.startswith("mean[")], "n_settings",
+        )
+        .alias("z-score [95% interval]"),
+        "mean",
+        "avg_rank",
+        "group_mean",
+        *[c for c in ov.columns if c.startswith("mean[")],
+        "n_settings",
     )
     if shown["group_mean"].null_count() == shown.height:
         shown = shown.drop("group_mean")
     runner = ov.row(1, named=True) if ov.height > 1 else None
     answer = f"Use {best['backbone']}: first by mean z-score ({best['zscore']:+.2f})"
     if runner is not None:
-        sep = best["zscore_lo"] is not None and runner["zscore_hi"] is not None and best["zscore_lo"] > runner["zscore_hi"]
-        answer += (f"; its interval lies above the runner-up {runner['backbone']}'s." if sep else
-                   f"; its interval overlaps the runner-up {runner['backbone']}'s ({runner['zscore']:+.2f}), "
-                   "so the data do not separate them clearly.")
+        sep = (
+            best["zscore_lo"] is not None
+            and runner["zscore_hi"] is not None
+            and best["zscore_lo"] > runner["zscore_hi"]
+        )
+        answer += (
+            f"; its interval lies above the runner-up {runner['backbone']}'s."
+            if sep
+            else f"; its interval overlaps the runner-up {runner['backbone']}'s ({runner['zscore']:+.2f}), "
+            "so the data do not separate them clearly."
+        )
     return {
         "answer": answer,
         "n_settings": r["zscores"].width - 1,
         "resample": r["resample"],
         "overall": table_cells(shown, table_id="overall-table"),
         "top3": table_cells(r["top3"], table_id="top3-table"),
-        "figures": _figures(tmp, [("overall.png", "Overall ranking: mean z-score with its 95% bootstrap interval"),
-                                  ("zscore_heatmap.png", "z-score of every backbone on every setting")]),
+        "figures": _figures(
+            tmp,
+            [
+                ("overall.png", "Overall ranking: mean z-score with its 95% bootstrap interval"),
+                ("zscore_heatmap.png", "z-score of every backbone on every setting"),
+            ],
+        ),
     }
 
 
@@ -90,20 +121,30 @@ def _finetune(r: dict[str, Any], tmp: Path, ft_rows) -> dict[str, Any] | None:
     if lf["n_tasks"] == 0:
         answer = "Kendall tau-b is undefined on every task (see the reasons below)."
     else:
-        verdict = ("mostly keeps the linear-probe order" if tau >= 0.7 else "partly changes the order"
-                   if tau >= 0.3 else "changes the order")
-        answer = (f"Mean Kendall tau-b over {lf['n_tasks']} task(s): {tau:.2f}. Fine-tuning {verdict} "
-                  "of the backbones; see the tasks where the lines cross below.")
+        verdict = (
+            "mostly keeps the linear-probe order"
+            if tau >= 0.7
+            else "partly changes the order"
+            if tau >= 0.3
+            else "changes the order"
+        )
+        answer = (
+            f"Mean Kendall tau-b over {lf['n_tasks']} task(s): {tau:.2f}. Fine-tuning {verdict} "
+            "of the backbones; see the tasks where the lines cross below."
+        )
     return {
         "answer": answer,
         "per_task": table_cells(lf["per_task"], table_id="tau-table"),
         "per_backbone": table_cells(lf["per_backbone"]),
         "results": table_cells(ft_rows) if ft_rows is not None else None,
-        "figures": _figures(tmp, [
-            ("tau_per_task.png", "Kendall tau-b between linear-probe and fine-tune rankings per task"),
-            ("linear_vs_finetune_ranks.png", "Rank of each backbone under linear probing and under fine-tuning"),
-            ("linear_vs_finetune.png", "Linear-probe score vs fine-tune score per backbone"),
-        ]),
+        "figures": _figures(
+            tmp,
+            [
+                ("tau_per_task.png", "Kendall tau-b between linear-probe and fine-tune rankings per task"),
+                ("linear_vs_finetune_ranks.png", "Rank of each backbone under linear probing and under fine-tuning"),
+                ("linear_vs_finetune.png", "Linear-probe score vs fine-tune score per backbone"),
+            ],
+        ),
     }
 
 
@@ -111,9 +152,9 @@ def _certainty(r: dict[str, Any], tmp: Path, n_boot: int, seed: int) -> dict[str
     import polars as pl
 
     b = r["bootstrap"].with_columns(
-        pl.struct("estimate", "lo", "hi").map_elements(
-            lambda s: _interval_cell(s["estimate"], s["lo"], s["hi"]), return_dtype=pl.Utf8
-        ).alias("cell")
+        pl.struct("estimate", "lo", "hi")
+        .map_elements(lambda s: _interval_cell(s["estimate"], s["lo"], s["hi"]), return_dtype=pl.Utf8)
+        .alias("cell")
     )
     wide = b.pivot(on="aggregation", index="backbone", values="cell")
     order = r["overall"]["backbone"].to_list()
@@ -123,7 +164,15 @@ def _certainty(r: dict[str, Any], tmp: Path, n_boot: int, seed: int) -> dict[str
         from featcache.analysis import plots as P
 
         P.best_vs_rest(r["differences"], order[0], tmp / "best_vs_rest.png")
-        figs = _figures(tmp, [("best_vs_rest.png", f"Bootstrap interval of the z-score difference between {order[0]} and each other backbone")])
+        figs = _figures(
+            tmp,
+            [
+                (
+                    "best_vs_rest.png",
+                    f"Bootstrap interval of the z-score difference between {order[0]} and each other backbone",
+                )
+            ],
+        )
     return {
         "resample": r["resample"],
         "n_boot": n_boot,
@@ -147,27 +196,38 @@ def _cost(r: dict[str, Any] | None, catalog_df, tmp: Path) -> tuple[dict[str, An
         size = catalog_df.group_by("backbone").agg((pl.col("bytes").sum() / 2**20).alias("store_mib"))
     if eff is None and size is None:
         return None, "no store catalog or provenance was given (pass --cache to featcache report)."
-    table = eff.drop([c for c in eff.columns if c.startswith("peak_mem")]) if eff is not None else size.select("backbone")
+    table = (
+        eff.drop([c for c in eff.columns if c.startswith("peak_mem")]) if eff is not None else size.select("backbone")
+    )
     notes = []
     mem = [c for c in (eff.columns if eff is not None else []) if c.startswith("peak_mem")]
     if mem and eff[mem[0]].drop_nulls().len():
         table = table.join(eff.select("backbone", pl.col(mem[0]).alias("peak_memory_mib")), on="backbone", how="left")
     else:
-        notes.append("Peak memory: not recorded for these features (extraction records the CUDA peak on a GPU; "
-                     "CPU runs record none).")
+        notes.append(
+            "Peak memory: not recorded for these features (extraction records the CUDA peak on a GPU; "
+            "CPU runs record none)."
+        )
     if size is not None:
         table = table.join(size, on="backbone", how="left")
     if "zscore" in table.columns:
         table = table.sort("zscore", descending=True, nulls_last=True)
     if eff is not None and r.get("efficiency_rho") is not None:
-        notes.append(f"Spearman rho(throughput, z-score) = {format_cell(r['efficiency_rho'])} "
-                     "(Battle of the Backbones reports -0.41: faster backbones tend to rank lower).")
+        notes.append(
+            f"Spearman rho(throughput, z-score) = {format_cell(r['efficiency_rho'])} "
+            "(Battle of the Backbones reports -0.41: faster backbones tend to rank lower)."
+        )
     elif eff is None:
         notes.append("Throughput: not recorded (the catalog has no images_per_s).")
     if table.width > 1:
         P.cost_bars(table, tmp / "cost.png")
-    figs = _figures(tmp, [("cost.png", "Throughput, peak memory and store size per backbone"),
-                          ("efficiency.png", "Mean z-score vs extraction throughput")])
+    figs = _figures(
+        tmp,
+        [
+            ("cost.png", "Throughput, peak memory and store size per backbone"),
+            ("efficiency.png", "Mean z-score vs extraction throughput"),
+        ],
+    )
     return {"table": table_cells(table, table_id="efficiency-table"), "notes": notes, "figures": figs}, ""
 
 
@@ -210,8 +270,10 @@ def _pivots(long) -> list[tuple[str, Any]]:
         if len(metrics) > _MAX_METRIC_COLUMNS and any("@" in m for m in metrics):
             g = g.with_columns(
                 pl.col("metric").str.split("@").list.first().alias("metric family"),
-                pl.when(pl.col("metric").str.contains("@")).then(pl.lit("@") + pl.col("metric").str.split("@").list.last())
-                .otherwise(pl.lit("full")).alias("k"),
+                pl.when(pl.col("metric").str.contains("@"))
+                .then(pl.lit("@") + pl.col("metric").str.split("@").list.last())
+                .otherwise(pl.lit("full"))
+                .alias("k"),
             )
             t = g.pivot(on="k", index=["backbone", "metric family"], values="value").sort(["metric family", "backbone"])
             ks = sorted((c for c in t.columns if c.startswith("@")), key=lambda c: int(c[1:]) if c[1:].isdigit() else 0)
@@ -236,15 +298,32 @@ def _details(raw, r, rank_kwargs: Mapping[str, Any], tmp: Path) -> dict[str, Any
         w = _wide(probe, metric, "probe-wide")
         figs = []
         if w is not None:
-            num = probe.filter(pl.col("metric") == metric).pivot(on="setting", index="backbone", values="value").sort("backbone")
-            figs = [_figure(P.task_scores(num, tmp / "probe_scores.png", metric=metric), f"{metric} per probe/kNN setting and backbone")]
-        ctx["probe"] = {"metric": metric, "wide": table_cells(w[0], table_id=w[1]) if w else None,
-                        "pivots": _pivots(probe), "figures": figs}
+            num = (
+                probe.filter(pl.col("metric") == metric)
+                .pivot(on="setting", index="backbone", values="value")
+                .sort("backbone")
+            )
+            figs = [
+                _figure(
+                    P.task_scores(num, tmp / "probe_scores.png", metric=metric),
+                    f"{metric} per probe/kNN setting and backbone",
+                )
+            ]
+        ctx["probe"] = {
+            "metric": metric,
+            "wide": table_cells(w[0], table_id=w[1]) if w else None,
+            "pivots": _pivots(probe),
+            "figures": figs,
+        }
     ret = _reduced(raw, ["retrieval"])
     if ret is not None:
         rm = rank_kwargs.get("retrieval_metric", "map")
         w = _wide(ret, rm, "retrieval-wide")
-        ctx["retrieval"] = {"metric": rm, "wide": table_cells(w[0], table_id=w[1]) if w else None, "pivots": _pivots(ret)}
+        ctx["retrieval"] = {
+            "metric": rm,
+            "wide": table_cells(w[0], table_id=w[1]) if w else None,
+            "pivots": _pivots(ret),
+        }
     cal = r.get("calibration") if r else None
     if cal is not None:
         cal_cols = [c for c in ("ece", "nll") if c in cal.columns]
@@ -267,7 +346,10 @@ def _catalog(catalog_df) -> dict[str, Any] | None:
     t = t.select([c for c in CATALOG_COLUMNS if c in t.columns])
     if "images_per_s" in t.columns and t["images_per_s"].null_count() == t.height:
         t = t.drop("images_per_s")
-    return {"summary": f"{catalog_df.height} feature array(s) in the store", "table": table_cells(t, table_id="catalog-table")}
+    return {
+        "summary": f"{catalog_df.height} feature array(s) in the store",
+        "table": table_cells(t, table_id="catalog-table"),
+    }
 
 
 def _shift(results_df, external, shift_splits, tmp: Path) -> dict[str, Any]:
@@ -281,7 +363,11 @@ def _shift(results_df, external, shift_splits, tmp: Path) -> dict[str, Any]:
         return ctx
     ctx["table"] = table_cells(s["table"], table_id="shift-table")
     ctx["fit"] = table_cells(s["fit"])
-    ctx["figures"] = [_figure(f, f"Score on {shift_splits[1]} vs {shift_splits[0]} ({f.stem[6:]})") for f in s["files"] if f.suffix == ".png"]
+    ctx["figures"] = [
+        _figure(f, f"Score on {shift_splits[1]} vs {shift_splits[0]} ({f.stem[6:]})")
+        for f in s["files"]
+        if f.suffix == ".png"
+    ]
     return ctx
 
 
@@ -291,8 +377,13 @@ def _shift(results_df, external, shift_splits, tmp: Path) -> dict[str, Any]:
 def _render(context: dict[str, Any]) -> str:
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
-    env = Environment(loader=PackageLoader("featcache.analysis", "templates"), autoescape=True,
-                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = Environment(
+        loader=PackageLoader("featcache.analysis", "templates"),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     return env.get_template("report.html.j2").render(**context)
 
 
@@ -342,13 +433,26 @@ def write_report(
             provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
     load = {"percent": kw_in.get("percent"), "external_kind": kw_in.get("external_kind")}
     kw_in["metric"] = api.resolve_metric(kw_in.get("metric", "auto"), results_df)  # auto: declared metrics
-    raw, coverage = merge_tables(api._as_tables(results_df, external, groups=kw_in.get("groups"),
-                                                declared=kw_in["metric"] == "task", **load))
+    raw, coverage = merge_tables(
+        api._as_tables(results_df, external, groups=kw_in.get("groups"), declared=kw_in["metric"] == "task", **load)
+    )
     ctx: dict[str, Any] = {
-        "title": title, "version": __version__, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "n_backbones": len(coverage.backbones), "n_tasks": len(coverage.tasks), "n_rows": raw.height,
-        "rank_error": None, "choose": None, "finetune": None, "certainty": None, "cost": None,
-        "finetune_absent": "", "cost_absent": "", "catalog": _catalog(catalog_df), "shift": None, "notes": [],
+        "title": title,
+        "version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "n_backbones": len(coverage.backbones),
+        "n_tasks": len(coverage.tasks),
+        "n_rows": raw.height,
+        "rank_error": None,
+        "choose": None,
+        "finetune": None,
+        "certainty": None,
+        "cost": None,
+        "finetune_absent": "",
+        "cost_absent": "",
+        "catalog": _catalog(catalog_df),
+        "shift": None,
+        "notes": [],
     }
     kw = {"on_constant": "drop", "n_boot": 1000, **{k: v for k, v in kw_in.items() if k not in load}}
     with tempfile.TemporaryDirectory(prefix="featcache-report-") as tmpd:
@@ -366,9 +470,11 @@ def write_report(
             ctx["certainty"] = _certainty(r, tmp, kw["n_boot"], kw.get("seed", 0))
             ctx["notes"] = r["notes"] + coverage.lines()
         if ctx["finetune"] is None:
-            ctx["finetune_absent"] = ("the results hold no fine-tune rows (run `featcache finetune`, or pass its "
-                                      "table with --external)." if ft_rows is None else
-                                      "fine-tune rows are present but no ranking could be computed.")
+            ctx["finetune_absent"] = (
+                "the results hold no fine-tune rows (run `featcache finetune`, or pass its table with --external)."
+                if ft_rows is None
+                else "fine-tune rows are present but no ranking could be computed."
+            )
         ctx["cost"], ctx["cost_absent"] = _cost(r, catalog_df, tmp)
         ctx.update(_details(raw, r, kw, tmp))
         if shift_splits is not None:

@@ -50,9 +50,7 @@ def shift_table(
     splits = sorted(set(sub["eval_split"].to_list()))
     for s in (orig, new):
         if s not in splits:
-            raise ResultsError(
-                f"no {kind} rows with metric {metric!r} on eval split {s!r}; splits present: {splits}"
-            )
+            raise ResultsError(f"no {kind} rows with metric {metric!r} on eval split {s!r}; splits present: {splits}")
     sub = sub.filter(pl.col("eval_split").is_in([orig, new]))
     keys = ["dataset", "protocol", "backbone", "eval_split"]
     agg = pl.col("value").median() if seed_reduce == "median" else pl.col("value").mean()
@@ -72,7 +70,9 @@ def shift_table(
     if missing:
         log.warning("shift: backbones evaluated on one split only: %s", ", ".join(missing))
     higher = metric not in LOWER_IS_BETTER  # ranks and row order follow the metric's direction
-    t = full.drop_nulls(["acc_orig", "acc_new"]).sort(["dataset", "protocol", "acc_orig"], descending=[False, False, higher])
+    t = full.drop_nulls(["acc_orig", "acc_new"]).sort(
+        ["dataset", "protocol", "acc_orig"], descending=[False, False, higher]
+    )
     if t.height == 0:
         raise ResultsError(f"no backbone has {metric!r} on both {orig!r} and {new!r}")
     t = _with_intervals(t, metric, alpha).with_columns((pl.col("acc_orig") - pl.col("acc_new")).alias("gap"))
@@ -80,11 +80,26 @@ def shift_table(
     for _, g in t.group_by(["dataset", "protocol"], maintain_order=True):
         ro = stats.rankdata(g["acc_orig"].to_numpy(), descending=higher)
         rn = stats.rankdata(g["acc_new"].to_numpy(), descending=higher)
-        parts.append(g.with_columns(pl.Series("rank_orig", ro), pl.Series("rank_new", rn), pl.Series("delta_rank", ro - rn)))
+        parts.append(
+            g.with_columns(pl.Series("rank_orig", ro), pl.Series("rank_new", rn), pl.Series("delta_rank", ro - rn))
+        )
     t = pl.concat(parts)
     t = t.select(
-        "dataset", "protocol", "backbone", "acc_orig", "orig_lo", "orig_hi", "n_orig",
-        "acc_new", "new_lo", "new_hi", "n_new", "gap", "rank_orig", "rank_new", "delta_rank",
+        "dataset",
+        "protocol",
+        "backbone",
+        "acc_orig",
+        "orig_lo",
+        "orig_hi",
+        "n_orig",
+        "acc_new",
+        "new_lo",
+        "new_hi",
+        "n_new",
+        "gap",
+        "rank_orig",
+        "rank_new",
+        "delta_rank",
     )
     return t, missing
 
@@ -107,8 +122,11 @@ def _with_intervals(t, metric: str, alpha: float):
         cols[f"{side}_lo"] = lo
         cols[f"{side}_hi"] = hi
     if metric not in BINOMIAL_METRICS:
-        log.info("shift: no intervals for %r (Clopper-Pearson applies to binomial metrics %s only)",
-                 metric, sorted(BINOMIAL_METRICS))
+        log.info(
+            "shift: no intervals for %r (Clopper-Pearson applies to binomial metrics %s only)",
+            metric,
+            sorted(BINOMIAL_METRICS),
+        )
     return t.with_columns(*(pl.Series(k, v).fill_nan(None) for k, v in cols.items()))
 
 
@@ -125,7 +143,11 @@ def shift_fit(table, *, n_boot: int = 100_000, seed: int = 0, level: float = 0.9
             continue
         try:
             fit = stats.bootstrap_linear_fit(
-                g["acc_orig"].to_numpy(), g["acc_new"].to_numpy(), n_boot=n_boot, seed=seed, level=level,
+                g["acc_orig"].to_numpy(),
+                g["acc_new"].to_numpy(),
+                n_boot=n_boot,
+                seed=seed,
+                level=level,
                 progress=progress,
             )
         except ResultsError as exc:
@@ -134,15 +156,26 @@ def shift_fit(table, *, n_boot: int = 100_000, seed: int = 0, level: float = 0.9
             continue
         rows.append({"dataset": ds, "protocol": proto, **fit, "reason": None})
     schema = {
-        "dataset": pl.Utf8, "protocol": pl.Utf8, "a": pl.Float64, "a_lo": pl.Float64, "a_hi": pl.Float64,
-        "b": pl.Float64, "b_lo": pl.Float64, "b_hi": pl.Float64, "n_points": pl.Int64, "n_boot": pl.Int64,
-        "n_degenerate": pl.Int64, "seed": pl.Int64, "reason": pl.Utf8,
+        "dataset": pl.Utf8,
+        "protocol": pl.Utf8,
+        "a": pl.Float64,
+        "a_lo": pl.Float64,
+        "a_hi": pl.Float64,
+        "b": pl.Float64,
+        "b_lo": pl.Float64,
+        "b_hi": pl.Float64,
+        "n_points": pl.Int64,
+        "n_boot": pl.Int64,
+        "n_degenerate": pl.Int64,
+        "seed": pl.Int64,
+        "reason": pl.Utf8,
     }
     return pl.DataFrame([{k: r.get(k) for k in schema} for r in rows], schema=schema)
 
 
-def shift_analysis(df, orig: str, new: str, *, n_boot: int = 100_000, seed: int = 0, progress: bool = False,
-                   **kw) -> dict[str, Any]:
+def shift_analysis(
+    df, orig: str, new: str, *, n_boot: int = 100_000, seed: int = 0, progress: bool = False, **kw
+) -> dict[str, Any]:
     """:func:`shift_table` + :func:`shift_fit`; returns ``{"table", "fit", "missing"}``."""
     table, missing = shift_table(df, orig, new, **kw)
     return {"table": table, "fit": shift_fit(table, n_boot=n_boot, seed=seed, progress=progress), "missing": missing}

@@ -12,13 +12,13 @@ import numpy as np
 from featcache.errors import ResultsError
 
 __all__ = [
+    "average_ranks",
+    "bootstrap_linear_fit",
     "clopper_pearson",
     "kendall_tau_b",
-    "zscores",
-    "average_ranks",
-    "rankdata",
     "linear_fit",
-    "bootstrap_linear_fit",
+    "rankdata",
+    "zscores",
 ]
 
 
@@ -124,8 +124,7 @@ def linear_fit(x, y) -> tuple[float, float]:
     y = np.asarray(y, dtype=float)
     if len(x) < 2 or np.ptp(x) == 0:
         raise ResultsError(
-            f"a line fit needs at least two distinct x values, got {len(x)} point(s) "
-            f"with x={x.tolist()}"
+            f"a line fit needs at least two distinct x values, got {len(x)} point(s) with x={x.tolist()}"
         )
     xm, ym = x.mean(), y.mean()
     a = float(np.sum((x - xm) * (y - ym)) / np.sum((x - xm) ** 2))

@@ -276,7 +276,11 @@ def reduce_seeds(df, *, how: str = "median"):
     if how not in ("median", "mean"):
         raise ResultsError(f"seed reduction must be 'median' or 'mean', got {how!r}")
     keys = ["kind", "task", "setting", "backbone", "metric"]
-    dup = df.group_by([*keys, "seed"]).agg(pl.len().alias("n"), pl.col("source").unique().alias("sources")).filter(pl.col("n") > 1)
+    dup = (
+        df.group_by([*keys, "seed"])
+        .agg(pl.len().alias("n"), pl.col("source").unique().alias("sources"))
+        .filter(pl.col("n") > 1)
+    )
     if dup.height:
         ex = dup.row(0, named=True)
         raise ResultsError(
@@ -327,6 +331,4 @@ def with_intervals(df, *, alpha: float = 0.05):
     hi = np.full(len(v), np.nan)
     if ok.any():
         lo[ok], hi[ok] = clopper_pearson(v[ok] * n[ok], n[ok], alpha)
-    return df.with_columns(
-        pl.Series("ci_lo", lo).fill_nan(None), pl.Series("ci_hi", hi).fill_nan(None)
-    )
+    return df.with_columns(pl.Series("ci_lo", lo).fill_nan(None), pl.Series("ci_hi", hi).fill_nan(None))

@@ -32,8 +32,10 @@ def declared_metric_rows(frame, *, default: str = "top1", relabel: bool = True):
     out = frame.with_columns(declared.alias("task_metric")).filter(is_ret | (pl.col("metric") == pl.col("task_metric")))
     lost = set(frame.filter(~is_ret)["run_id"].to_list()) - set(out["run_id"].to_list())
     if lost:
-        raise ResultsError(f"{len(lost)} run(s) have no row of their declared metric (e.g. {sorted(lost)[0]!r}); "
-                           "re-run them without --metrics, which restricts the metrics written")
+        raise ResultsError(
+            f"{len(lost)} run(s) have no row of their declared metric (e.g. {sorted(lost)[0]!r}); "
+            "re-run them without --metrics, which restricts the metrics written"
+        )
     if relabel:
         out = out.with_columns(pl.when(is_ret).then(pl.col("metric")).otherwise(pl.lit(TASK)).alias("metric"))
     return out

@@ -76,12 +76,26 @@ def pipeline(args, input_size: int, write: bool, chunk_rows: int, root: Path) ->
 
     cache = root / f"bench-{input_size}-{chunk_rows}-{write}-{time.monotonic_ns()}.zarr"
     try:
-        (rep,) = extract(ExtractConfig(
-            args.model, args.weights, args.data, [args.split], str(cache), limit=args.n,
-            input_size=input_size, batch_size=args.batch_size, workers=args.workers, threads=args.threads,
-            device=args.device, chunk_rows=chunk_rows, amp=args.amp, channels_last=not args.no_channels_last,
-            write=write, progress=False,
-        ))
+        (rep,) = extract(
+            ExtractConfig(
+                args.model,
+                args.weights,
+                args.data,
+                [args.split],
+                str(cache),
+                limit=args.n,
+                input_size=input_size,
+                batch_size=args.batch_size,
+                workers=args.workers,
+                threads=args.threads,
+                device=args.device,
+                chunk_rows=chunk_rows,
+                amp=args.amp,
+                channels_last=not args.no_channels_last,
+                write=write,
+                progress=False,
+            )
+        )
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return rep.n / rep.seconds
@@ -103,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-channels-last", action="store_true")
     p.add_argument("--chunk-rows", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3, help="rounds of (a, b, c), order rotated; best of each")
-    p.add_argument("--chunk-rows-sweep", type=int, nargs="*", default=[],
-                   help="also time (b) for these chunk sizes")
-    p.add_argument("--malloc", default="tuned", choices=["tuned", "system"],
-                   help="tuned: featcache.allocator.tune_cpu_allocator() for every arm (what `featcache extract` "
-                        "does on CPU); system: glibc defaults (what a library call gets)")
+    p.add_argument("--chunk-rows-sweep", type=int, nargs="*", default=[], help="also time (b) for these chunk sizes")
+    p.add_argument(
+        "--malloc",
+        default="tuned",
+        choices=["tuned", "system"],
+        help="tuned: featcache.allocator.tune_cpu_allocator() for every arm (what `featcache extract` "
+        "does on CPU); system: glibc defaults (what a library call gets)",
+    )
     p.add_argument("--tmp", default=None, help="folder for the throw-away stores")
     p.add_argument("--json", default=None, help="write the figures here as JSON")
     args = p.parse_args(argv)
@@ -142,23 +159,34 @@ def main(argv: list[str] | None = None) -> int:
         best = {"a": 0.0, "b": 0.0, "c": 0.0}
         measure = {
             "a": lambda bb=bb, head=head, amp=amp: bare_forward(
-                bb, head, args.n, args.batch_size, not args.no_channels_last, amp),
+                bb, head, args.n, args.batch_size, not args.no_channels_last, amp
+            ),
             "b": lambda size=size: pipeline(args, size, True, chunk_rows, root),
             "c": lambda size=size: pipeline(args, size, False, chunk_rows, root),
         }
         order = ["a", "c", "b"]
         samples: dict[str, list[float]] = {k: [] for k in order}
         for r in range(args.repeats):  # rotate the order so load drift hits each equally
-            for k in order[r % 3:] + order[: r % 3]:
+            for k in order[r % 3 :] + order[: r % 3]:
                 samples[k].append(measure[k]())
                 best[k] = max(best[k], samples[k][-1])
         row = {
-            "model": args.model, "input_size": size, "n": args.n, "batch_size": args.batch_size,
-            "device": bb.device, "workers": workers, "torch_threads": torch.get_num_threads(), "amp": amp,
-            "channels_last": not args.no_channels_last, "chunk_rows": chunk_rows, "malloc_tuned": bool(tuned),
-            "a_bare_forward_ips": round(best["a"], 1), "b_pipeline_ips": round(best["b"], 1),
+            "model": args.model,
+            "input_size": size,
+            "n": args.n,
+            "batch_size": args.batch_size,
+            "device": bb.device,
+            "workers": workers,
+            "torch_threads": torch.get_num_threads(),
+            "amp": amp,
+            "channels_last": not args.no_channels_last,
+            "chunk_rows": chunk_rows,
+            "malloc_tuned": bool(tuned),
+            "a_bare_forward_ips": round(best["a"], 1),
+            "b_pipeline_ips": round(best["b"], 1),
             "c_no_write_ips": round(best["c"], 1),
-            "b_over_a": round(best["b"] / best["a"], 3), "b_over_c": round(best["b"] / best["c"], 3),
+            "b_over_a": round(best["b"] / best["a"], 3),
+            "b_over_c": round(best["b"] / best["c"], 3),
             "samples_ips": {k: [round(v, 1) for v in vs] for k, vs in samples.items()},
             # the same ratios per round (samples close in time), median over rounds
             "b_over_a_median_round": round(float(np.median(np.divide(samples["b"], samples["a"]))), 3),
@@ -181,9 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             f"  (b) full pipeline    {row['b_pipeline_ips']:9.1f} img/s   b/a = {row['b_over_a']:.3f} (target >= 0.90)\n"
             f"  (c) without writes   {row['c_no_write_ips']:9.1f} img/s   b/c = {row['b_over_c']:.3f} (target >= 0.95)"
         )
-        print(f"  per-round ratios, median of {args.repeats}: b/a = {row['b_over_a_median_round']:.3f}, "
-              f"b/c = {row['b_over_c_median_round']:.3f}")
-        print("  samples (img/s): " + "; ".join(f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in samples.items()))
+        print(
+            f"  per-round ratios, median of {args.repeats}: b/a = {row['b_over_a_median_round']:.3f}, "
+            f"b/c = {row['b_over_c_median_round']:.3f}"
+        )
+        print(
+            "  samples (img/s): " + "; ".join(f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in samples.items())
+        )
         for cr, ips in sweep.items():
             print(f"  (b) chunk_rows={cr:<6d} {ips:9.1f} img/s")
         sys.stdout.flush()

@@ -57,10 +57,37 @@ sys.exit(main(sys.argv[2:]))
 
 
 def run_arm(arm: str, size: int, args, results: Path, env_extra: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-c", CHILD, arm, "-q", "finetune", "--model", args.model, "--weights",
-           args.weights, "--data", args.data, "--protocol", "vtab1k-light", "--seeds", "0",
-           "--steps", str(args.steps), "--lrs", "0.01", "--batch-size", "16", "--input-size",
-           str(size), "--workers", str(args.workers), "--results", str(results), "--force"]
+    cmd = [
+        sys.executable,
+        "-c",
+        CHILD,
+        arm,
+        "-q",
+        "finetune",
+        "--model",
+        args.model,
+        "--weights",
+        args.weights,
+        "--data",
+        args.data,
+        "--protocol",
+        "vtab1k-light",
+        "--seeds",
+        "0",
+        "--steps",
+        str(args.steps),
+        "--lrs",
+        "0.01",
+        "--batch-size",
+        "16",
+        "--input-size",
+        str(size),
+        "--workers",
+        str(args.workers),
+        "--results",
+        str(results),
+        "--force",
+    ]
     env = dict(os.environ, **env_extra)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
@@ -72,8 +99,14 @@ def run_arm(arm: str, size: int, args, results: Path, env_extra: dict[str, str])
     import polars as pl
 
     df = pl.read_parquet(results).filter(pl.col("metric") == "top1")
-    return dict(arm=arm, size=size, peak_rss_mb=ru.ru_maxrss / 1024, wall_s=wall,
-                top1=float(df["value"][-1]), malloc=env_extra.get("FEATCACHE_MALLOC", "tuned"))
+    return {
+        "arm": arm,
+        "size": size,
+        "peak_rss_mb": ru.ru_maxrss / 1024,
+        "wall_s": wall,
+        "top1": float(df["value"][-1]),
+        "malloc": env_extra.get("FEATCACHE_MALLOC", "tuned"),
+    }
 
 
 def main(argv=None) -> int:
@@ -100,9 +133,11 @@ def main(argv=None) -> int:
                 ref = ref or r
                 r["ratio"] = r["peak_rss_mb"] / ref["peak_rss_mb"]
                 rows.append(r)
-                print(f"{size:>4} px  {arm:<9}  malloc={r['malloc']:<6}  peak RSS {r['peak_rss_mb']:8.0f} MB"
-                      f"  ({r['ratio']:.2f}x the reference)  wall {r['wall_s']:6.1f} s  top1 {r['top1']:.4f}",
-                      flush=True)
+                print(
+                    f"{size:>4} px  {arm:<9}  malloc={r['malloc']:<6}  peak RSS {r['peak_rss_mb']:8.0f} MB"
+                    f"  ({r['ratio']:.2f}x the reference)  wall {r['wall_s']:6.1f} s  top1 {r['top1']:.4f}",
+                    flush=True,
+                )
             tops = {r["top1"] for r in rows if r["size"] == size}
             if len(tops) != 1:
                 print(f"WARNING: arms disagree on top1 at {size} px: {sorted(tops)}")

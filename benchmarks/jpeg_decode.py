@@ -86,7 +86,7 @@ def child(args) -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for i in range(0, len(blobs), 64):
-            decode_jpeg_batch(blobs[i:i + 64])
+            decode_jpeg_batch(blobs[i : i + 64])
         torch.cuda.synchronize()
         secs, digest = time.perf_counter() - t0, ""
     elif args.arm == "tv-tensor":  # decode to a tensor only: no hand-over to PIL (not the pipeline's path)
@@ -111,14 +111,22 @@ def child(args) -> None:
             h.update(np.ascontiguousarray(prep(decode_image(p, opts))))
         secs, digest = time.perf_counter() - t0, h.hexdigest()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"arm": args.arm, "seconds": secs, "images_per_s": len(paths) / secs,
-                      "peak_rss_mb": round(peak, 1), "digest": digest}))
+    print(
+        json.dumps(
+            {
+                "arm": args.arm,
+                "seconds": secs,
+                "images_per_s": len(paths) / secs,
+                "peak_rss_mb": round(peak, 1),
+                "digest": digest,
+            }
+        )
+    )
 
 
 def run_arm(arm: str, files: Path, input_size: int, decode_only: bool) -> dict:
     cmd = [sys.executable, __file__, "--child", arm, "--files", str(files), "--input-size", str(input_size)]
-    out = subprocess.run(cmd + (["--decode-only"] if decode_only else []), capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(cmd + (["--decode-only"] if decode_only else []), capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -142,15 +150,19 @@ def main() -> None:
         files.write_text("\n".join(paths))
         samples: dict[str, list[dict]] = {a: [] for a in arms}
         for r in range(args.rounds):
-            for a in (arms if r % 2 == 0 else arms[::-1]):
+            for a in arms if r % 2 == 0 else arms[::-1]:
                 samples[a].append(run_arm(a, files, args.input_size, args.decode_only))
                 print(f"round {r} {a}: {samples[a][-1]['images_per_s']:.0f} img/s", file=sys.stderr)
     best = {a: max(s, key=lambda d: d["images_per_s"]) for a, s in samples.items()}
     digests = {s["digest"] for a in ("pil", "torchvision") for s in samples[a]}
     result = {
-        "benchmark": "jpeg_decode", "n_files": args.n, "rounds": args.rounds, "input_size": args.input_size,
+        "benchmark": "jpeg_decode",
+        "n_files": args.n,
+        "rounds": args.rounds,
+        "input_size": args.input_size,
         "measures": "decode" if args.decode_only else "decode + resize/crop (lite0 eval transform)",
-        "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
         "images_per_s": {a: round(b["images_per_s"], 1) for a, b in best.items()},
         "ratio_vs_pil": {a: round(b["images_per_s"] / best["pil"]["images_per_s"], 3) for a, b in best.items()},
         "peak_rss_mb": {a: max(s["peak_rss_mb"] for s in samples[a]) for a in arms},

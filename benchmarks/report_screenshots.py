@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from cdp import PAGE_FACTS, SECTION_RECTS, Browser, find_chromium  # noqa: E402
+from cdp import PAGE_FACTS, SECTION_RECTS, Browser, find_chromium
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as prof, Browser(exe, prof) as b:
         b.open(args.report.resolve().as_uri(), width=args.width)
         facts = b.evaluate(PAGE_FACTS)
-        print(f"page: scrollWidth {facts['scrollWidth']} (window {args.width}), "
-              f"{sum(i['w'] > 0 for i in facts['images'])}/{len(facts['images'])} images decoded, "
-              f"console errors: {b.errors() or 'none'}")
+        print(
+            f"page: scrollWidth {facts['scrollWidth']} (window {args.width}), "
+            f"{sum(i['w'] > 0 for i in facts['images'])}/{len(facts['images'])} images decoded, "
+            f"console errors: {b.errors() or 'none'}"
+        )
         b.screenshot(args.out / "page.png")
         for r in b.evaluate(SECTION_RECTS):
             clip = {k: r[k] for k in ("x", "y", "width", "height")}

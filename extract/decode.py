@@ -139,8 +139,12 @@ def torchvision_faster(repeats: int = 5, n: int = 8) -> bool:
         dt = time.perf_counter() - t0
         best[d] = min(dt, best.get(d, dt))
     faster = best["torchvision"] < 0.95 * best["pil"]
-    log.info("JPEG decode calibration: torchvision %.2f ms, PIL %.2f ms per image -> %s",
-             best["torchvision"] / n * 1e3, best["pil"] / n * 1e3, "torchvision" if faster else "PIL")
+    log.info(
+        "JPEG decode calibration: torchvision %.2f ms, PIL %.2f ms per image -> %s",
+        best["torchvision"] / n * 1e3,
+        best["pil"] / n * 1e3,
+        "torchvision" if faster else "PIL",
+    )
     return faster
 
 

@@ -46,7 +46,9 @@ class FeatureHead:
                 out[k] = m.forward_head(final, pre_logits=True)
             elif k in ("tokens_mean", "cls"):
                 if final.ndim != 3:
-                    raise FeatcacheError(f"{k} needs a token (transformer) backbone; {self.bb.name} outputs {tuple(final.shape)}")
+                    raise FeatcacheError(
+                        f"{k} needs a token (transformer) backbone; {self.bb.name} outputs {tuple(final.shape)}"
+                    )
                 if k == "cls":
                     if self.n_prefix < 1:
                         raise FeatcacheError(f"{self.bb.name} has no class token; use pooled or tokens_mean")

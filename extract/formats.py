@@ -88,8 +88,10 @@ def clip_benchmark(root: str, name: str, options: ReadOptions) -> dict[str, Spli
     d = Path(root)
     split_dirs = sorted(p for p in d.iterdir() if p.is_dir() and any(p.glob("*.tar"))) if d.is_dir() else []
     if not split_dirs:
-        raise DataError(f"{root} holds no <split>/*.tar shards; expected CLIP_benchmark's layout "
-                        "TASK/<split>/0.tar ... with TASK/classnames.txt")
+        raise DataError(
+            f"{root} holds no <split>/*.tar shards; expected CLIP_benchmark's layout "
+            "TASK/<split>/0.tar ... with TASK/classnames.txt"
+        )
     cn = d / "classnames.txt"
     names = _lines(cn) if cn.is_file() else None
     tf = d / "zeroshot_classification_templates.txt"
@@ -123,8 +125,10 @@ def vtab1k(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]
     d = Path(root)
     files = [(s, d / f"{s}.txt") for s in VTAB1K_SPLIT_FILES if (d / f"{s}.txt").is_file()]
     if not files:
-        raise DataError(f"{root} has none of {', '.join(s + '.txt' for s in VTAB1K_SPLIT_FILES)}; "
-                        "expected the VTAB-1k layout TASK/images/... with TASK/train800.txt etc.")
+        raise DataError(
+            f"{root} has none of {', '.join(s + '.txt' for s in VTAB1K_SPLIT_FILES)}; "
+            "expected the VTAB-1k layout TASK/images/... with TASK/train800.txt etc."
+        )
     parsed = {s: _path_label_lines(f) for s, f in files}
     all_labels = np.concatenate([lab for _, lab in parsed.values()])
     classes = integer_classes(all_labels, f"vtab1k {root}")
@@ -132,8 +136,16 @@ def vtab1k(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]
     out = {}
     for s, (paths, labels) in parsed.items():
         full = StringColumn.from_polars(_series([p if p.startswith("/") else base + p for p in paths]))
-        out[s] = SplitSource(name, s, np.array([escape_name(p) for p in paths]), labels, classes,
-                             _PathLoader(full, options), f"vtab1k:{d.resolve()}/{s}.txt", extra={"paths": full})
+        out[s] = SplitSource(
+            name,
+            s,
+            np.array([escape_name(p) for p in paths]),
+            labels,
+            classes,
+            _PathLoader(full, options),
+            f"vtab1k:{d.resolve()}/{s}.txt",
+            extra={"paths": full},
+        )
     return out
 
 
@@ -227,11 +239,19 @@ def _hf_columns(table, features: dict[str, Any], where: str) -> tuple[str, str |
 
     image = next((c for c, f in features.items() if isinstance(f, dict) and f.get("_type") == "Image"), None)
     if image is None:
-        image = next((c for c in table.column_names if pa.types.is_struct(table.schema.field(c).type)
-                      and table.schema.field(c).type.get_field_index("bytes") >= 0), None)
+        image = next(
+            (
+                c
+                for c in table.column_names
+                if pa.types.is_struct(table.schema.field(c).type)
+                and table.schema.field(c).type.get_field_index("bytes") >= 0
+            ),
+            None,
+        )
     if image is None:
-        raise DataError(f"{where}: no image column (an Image feature or a struct with 'bytes'); "
-                        f"columns are {table.column_names}")
+        raise DataError(
+            f"{where}: no image column (an Image feature or a struct with 'bytes'); columns are {table.column_names}"
+        )
     label = next((c for c, f in features.items() if isinstance(f, dict) and f.get("_type") == "ClassLabel"), None)
     if label is None:
         label = next((c for c in ("label", "labels", "fine_label") if c in table.column_names), None)
@@ -253,8 +273,11 @@ def _hf_source(table, features, paths, name: str, split: str, options: ReadOptio
         classes = list(names) if names else integer_classes(labels, where)
         if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
             raise DataError(f"{where}: label values outside 0..{len(classes) - 1} (e.g. -1 = unlabeled)")
-    ids = (np.asarray(table.column("id").cast("string").to_pylist(), dtype=str) if "id" in table.column_names
-           else np.array([f"{split}-{i:06d}" for i in range(n)]))
+    ids = (
+        np.asarray(table.column("id").cast("string").to_pylist(), dtype=str)
+        if "id" in table.column_names
+        else np.array([f"{split}-{i:06d}" for i in range(n)])
+    )
     loader = _HFImageLoader([str(p) for p in paths], image, Path(paths[0]).parent, options)
     return SplitSource(name, split, ids, labels, classes, loader, f"hf:{paths[0].parent.resolve()}/{split}")
 
@@ -300,8 +323,11 @@ def detect_spec(path: str | Path) -> str | None:
     if any(any(d.glob("*.tar")) for d in subdirs):
         return f"clip-benchmark:{p}"
     shallow = ("*.parquet", "*/*.parquet", "*.arrow", "*/*.arrow")  # never walk a whole image tree
-    if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or \
-            any(next(p.glob(g), None) for g in shallow):
+    if (
+        (p / "dataset_dict.json").is_file()
+        or (p / "state.json").is_file()
+        or any(next(p.glob(g), None) for g in shallow)
+    ):
         return f"hf:{p}"
     if (p / "manifest.csv").is_file():
         return f"manifest:{p / 'manifest.csv'}"

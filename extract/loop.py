@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -48,8 +49,9 @@ def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
         ds,
         batch_sampler=BatchSampler(chunks, writer.chunk_rows, len(src), cfg.batch_size),
         num_workers=workers,
-        collate_fn=functools.partial(collate, channels_last=cfg.channels_last and not cuda,
-                                     fast=None if cuda else fast),
+        collate_fn=functools.partial(
+            collate, channels_last=cfg.channels_last and not cuda, fast=None if cuda else fast
+        ),
         pin_memory=cuda,
         prefetch_factor=4 if workers > 0 else None,
         persistent_workers=False,
@@ -81,7 +83,7 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
 
     def flush():
         feats = {k: np.concatenate(v) for k, v in buf["f"].items()}
-        bg.put(cur, feats, np.concatenate(buf["ok"]), sum(buf["err"], []))
+        bg.put(cur, feats, np.concatenate(buf["ok"]), functools.reduce(operator.iadd, buf["err"], []))
 
     try:
         with torch.inference_mode():
@@ -125,7 +127,24 @@ def _report(src, writer, chunks, n_rows: int, failures: list[tuple[str, str]], s
         log.warning("unreadable image %s: %s", sid, err)
     if len(failures) > 20:
         log.warning("... and %d more unreadable images", len(failures) - 20)
-    log.info("%s %s/%s: %d rows in %d chunk(s), %d unreadable (valid=False, error text stored)",
-             writer.backbone, src.dataset, src.split, n_rows, len(chunks), len(failures))
-    return SplitReport(writer.backbone, src.dataset, src.split, len(src), writer.n_chunks, len(chunks),
-                       len(failures), secs, ips, failures=failures)
+    log.info(
+        "%s %s/%s: %d rows in %d chunk(s), %d unreadable (valid=False, error text stored)",
+        writer.backbone,
+        src.dataset,
+        src.split,
+        n_rows,
+        len(chunks),
+        len(failures),
+    )
+    return SplitReport(
+        writer.backbone,
+        src.dataset,
+        src.split,
+        len(src),
+        writer.n_chunks,
+        len(chunks),
+        len(failures),
+        secs,
+        ips,
+        failures=failures,
+    )

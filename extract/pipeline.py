@@ -43,8 +43,18 @@ log = logging.getLogger(__name__)
 
 # torchrun tests and older call sites use the underscored names
 _agree, _init_dist, _close_dist = agree, init_dist, close_dist
-__all__ = ["DEFAULT_CHUNK_ROWS", "FEATURE_KINDS_HELP", "ExtractConfig", "FeatureHead", "SplitReport",
-           "chunk_batches", "default_parallelism", "dist_info", "extract", "resolve_precision"]
+__all__ = [
+    "DEFAULT_CHUNK_ROWS",
+    "FEATURE_KINDS_HELP",
+    "ExtractConfig",
+    "FeatureHead",
+    "SplitReport",
+    "chunk_batches",
+    "default_parallelism",
+    "dist_info",
+    "extract",
+    "resolve_precision",
+]
 
 
 def available_cpus() -> int:
@@ -137,8 +147,14 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     opts = ReadOptions(cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder)
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
-    bb = create_backbone(cfg.model, cfg.weights, device=rank_device(cfg.device), input_size=cfg.input_size,
-                         pre_resize=cfg.pre_resize, resize=cfg.resize)
+    bb = create_backbone(
+        cfg.model,
+        cfg.weights,
+        device=rank_device(cfg.device),
+        input_size=cfg.input_size,
+        pre_resize=cfg.pre_resize,
+        resize=cfg.resize,
+    )
     dev = bb.device
     rank, world, own_group = init_dist(dev)
     old_threads = torch.get_num_threads()
@@ -150,8 +166,21 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         dims = head.dims(tuple(bb.data_config["input_size"]))
         fwd = torch.compile(head.__call__) if cfg.compile else head.__call__
         workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
-        job = _Job(cfg, store, bb, head, fwd, dims, cfg.backbone_name or bb.default_key, rank, world,
-                   workers, threads, amp, decoder)
+        job = _Job(
+            cfg,
+            store,
+            bb,
+            head,
+            fwd,
+            dims,
+            cfg.backbone_name or bb.default_key,
+            rank,
+            world,
+            workers,
+            threads,
+            amp,
+            decoder,
+        )
         return [_extract_split(job, src) for src in sources]
     finally:
         torch.set_num_threads(old_threads)
@@ -180,22 +209,33 @@ def _extract_split(job: _Job, src: SplitSource) -> SplitReport:
         threads = gather(world, threads)[0]
     writer = FeatureWriter(job.store, key, src.dataset, src.split, _provenances(job, src, meta, threads))
     try:  # the writer lock is released on every way out (complete, nothing to do, failure)
-        agree(world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite,
-              cfg.decoder == "auto")
+        agree(
+            world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite, cfg.decoder == "auto"
+        )
         pending_all = agree(world, rank, "set-up", _attach_and_read, writer, rank)
         mine = [c for c in pending_all if c % world == rank]
         if not pending_all:
             log.info("%s/%s/%s is already complete (%d rows); nothing to do", key, src.dataset, src.split, len(src))
             return SplitReport(key, src.dataset, src.split, len(src), writer.n_chunks, 0, 0, 0.0, None, skipped=True)
         if len(pending_all) < writer.n_chunks:
-            log.info("resuming %s/%s/%s: %d of %d chunks left", key, src.dataset, src.split, len(pending_all), writer.n_chunks)
+            log.info(
+                "resuming %s/%s/%s: %d of %d chunks left",
+                key,
+                src.dataset,
+                src.split,
+                len(pending_all),
+                writer.n_chunks,
+            )
         if world > 1:
             log.info("rank %d computes %d of the %d pending chunks", rank, len(mine), len(pending_all))
         if threads:
             torch.set_num_threads(threads)
-        log.info("%d DataLoader worker(s), %d torch thread(s) on %s", job.workers, torch.get_num_threads(), job.bb.device)
-        rep = agree(world, rank, "extraction", run_split, src, job.bb, job.fwd, writer, mine, cfg, job.workers,
-                    job.amp, rank)
+        log.info(
+            "%d DataLoader worker(s), %d torch thread(s) on %s", job.workers, torch.get_num_threads(), job.bb.device
+        )
+        rep = agree(
+            world, rank, "extraction", run_split, src, job.bb, job.fwd, writer, mine, cfg, job.workers, job.amp, rank
+        )
         if world > 1:  # rank 0 reports the whole job: gather every rank's failures and chunk counts
             parts = gather(world, (rep.chunks_computed, rep.failures))
             rep.chunks_computed = sum(p[0] for p in parts)
@@ -203,8 +243,14 @@ def _extract_split(job: _Job, src: SplitSource) -> SplitReport:
             rep.n_invalid = len(rep.failures)
         peak = _peak_memory_mb(job.bb.device)
         # every rank's chunks are written (the gathers above); rank 0 marks the arrays complete
-        agree(world, rank, "finishing", writer.mark_complete if rank == 0 and cfg.write else None,
-              images_per_s=rep.images_per_s, peak_memory_mb=peak)
+        agree(
+            world,
+            rank,
+            "finishing",
+            writer.mark_complete if rank == 0 and cfg.write else None,
+            images_per_s=rep.images_per_s,
+            peak_memory_mb=peak,
+        )
         rep.chunks_total = writer.n_chunks
         return rep
     finally:
@@ -234,11 +280,25 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
     extra = {**cfg.recorded(), "threads": threads, "decoder": job.decoder}
     return {
         k: make_provenance(
-            backbone=job.key, dataset=src.dataset, split=src.split, kind=k, dim=job.dims[k], n=len(src),
-            dataset_fingerprint=meta.fingerprint, chunk_rows=cfg.chunk_rows, dtype=cfg.dtype,
-            model_name=bb.name, weights_source=bb.weights_source, weights_sha256=bb.weights_sha256,
-            data_config=_jsonable(bb.data_config), pooling=k, device=bb.device, batch_size=cfg.batch_size,
-            amp=job.amp, channels_last=bool(cfg.channels_last), extra=extra,
+            backbone=job.key,
+            dataset=src.dataset,
+            split=src.split,
+            kind=k,
+            dim=job.dims[k],
+            n=len(src),
+            dataset_fingerprint=meta.fingerprint,
+            chunk_rows=cfg.chunk_rows,
+            dtype=cfg.dtype,
+            model_name=bb.name,
+            weights_source=bb.weights_source,
+            weights_sha256=bb.weights_sha256,
+            data_config=_jsonable(bb.data_config),
+            pooling=k,
+            device=bb.device,
+            batch_size=cfg.batch_size,
+            amp=job.amp,
+            channels_last=bool(cfg.channels_last),
+            extra=extra,
         )
         for k in job.head.kinds
     }
@@ -298,8 +358,11 @@ def _prepare(writer, stored, overwrite: bool, auto_decoder: bool = False) -> Non
     old = compute_settings(stored)
     diffs = {k: (old[k], new[k]) for k in old if None not in (old[k], new[k]) and old[k] != new[k]}
     if auto_decoder and diffs.pop("decoder", None):
-        log.info("resuming with --decoder auto = %s; the stored chunks were decoded with %s (same pixels)",
-                 new["decoder"], old["decoder"])
+        log.info(
+            "resuming with --decoder auto = %s; the stored chunks were decoded with %s (same pixels)",
+            new["decoder"],
+            old["decoder"],
+        )
     if diffs and writer.pending_chunks():
         lines = "\n".join(f"  {k}: stored={a!r} requested={b!r}" for k, (a, b) in sorted(diffs.items()))
         raise ProvenanceMismatchError(
@@ -337,8 +400,9 @@ def _split_rows(store, src: SplitSource, rank: int):
         if "label_matrix" in src.extra:  # multi-label targets (a manifest's `labels` column)
             from featcache.store.tasks import write_label_matrix
 
-            write_label_matrix(store, src.dataset, src.split, src.extra["label_matrix"][: len(src)],
-                               src.extra["label_names"])  # [:n]: SplitSource.subset keeps a prefix
+            write_label_matrix(
+                store, src.dataset, src.split, src.extra["label_matrix"][: len(src)], src.extra["label_names"]
+            )  # [:n]: SplitSource.subset keeps a prefix
         return meta
     return None
 

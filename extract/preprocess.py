@@ -40,8 +40,9 @@ class FastPreprocess:
     """PIL image -> ``uint8 [H, W, 3]`` (picklable for DataLoader workers), and the batched
     normalisation that completes the transform."""
 
-    def __init__(self, to_rgb: Any, geometric: list[Any], mean: tuple[float, ...], std: tuple[float, ...],
-                 gray_first: bool):
+    def __init__(
+        self, to_rgb: Any, geometric: list[Any], mean: tuple[float, ...], std: tuple[float, ...], gray_first: bool
+    ):
         self.to_rgb = to_rgb
         self.geometric = geometric
         self.mean = mean

@@ -82,11 +82,9 @@ def load_checkpoint_file(
     from timm.models import load_checkpoint
 
     p = _check_file(path)
-    filt = functools.partial(checkpoint_filter, keep_head=keep_head, classifier=classifier,
-                             source=f"checkpoint {p}")
+    filt = functools.partial(checkpoint_filter, keep_head=keep_head, classifier=classifier, source=f"checkpoint {p}")
     try:
-        load_checkpoint(model, str(p), use_ema=True, device="cpu", strict=True, filter_fn=filt,
-                        weights_only=True)
+        load_checkpoint(model, str(p), use_ema=True, device="cpu", strict=True, filter_fn=filt, weights_only=True)
     except BackboneError:
         raise
     except Exception as exc:  # reading failed (the filter has checked every key before loading)
@@ -171,9 +169,7 @@ def _flat_blocks(model: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def convert_lukemelas_state_dict(
-    sd: Mapping[str, Any], model: Any, classifier: str = "classifier"
-) -> dict[str, Any]:
+def convert_lukemelas_state_dict(sd: Mapping[str, Any], model: Any, classifier: str = "classifier") -> dict[str, Any]:
     """Rename lukemelas ``efficientnet_pytorch`` keys to the timm EfficientNet ``model``'s keys.
 
     Flat block ``_blocks.N`` maps onto the N-th block of ``model.blocks`` (stages flattened in
@@ -183,9 +179,7 @@ def convert_lukemelas_state_dict(
     """
     flat = _flat_blocks(model)
     out: dict[str, Any] = {}
-    expand_blocks = {
-        int(k.split(".")[1]) for k in sd if k.startswith("_blocks.") and "._expand_conv." in k
-    }
+    expand_blocks = {int(k.split(".")[1]) for k in sd if k.startswith("_blocks.") and "._expand_conv." in k}
     for key, value in sd.items():
         parts = key.split(".")
         if parts[0] == "_blocks":
@@ -246,9 +240,7 @@ def checkpoint_filter(
         logger.info("%s uses lukemelas efficientnet_pytorch naming; converting to timm", source)
         sd = convert_lukemelas_state_dict(sd, model, classifier=classifier)
     if not keep_head:
-        sd = {
-            k: v for k, v in sd.items() if not (k == classifier or k.startswith(classifier + "."))
-        }
+        sd = {k: v for k, v in sd.items() if not (k == classifier or k.startswith(classifier + "."))}
     target = model.state_dict()
     missing = [k for k in target if k not in sd and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in sd if k not in target]
@@ -301,12 +293,7 @@ def find_package_checkpoint(package: str) -> Path:
     roots = list(spec.submodule_search_locations or [])
     if not roots and spec.origin:
         roots = [str(Path(spec.origin).parent)]
-    found = sorted(
-        p
-        for r in roots
-        for p in Path(r).rglob("*")
-        if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES
-    )
+    found = sorted(p for r in roots for p in Path(r).rglob("*") if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES)
     if not found:
         raise WeightsNotFoundError(
             f"package {package!r} (at {', '.join(roots)}) contains no checkpoint file "
@@ -332,9 +319,7 @@ def _hf_cache_dir() -> Path:
 
 def _torch_hub_dir() -> Path:
     env = os.environ
-    home = env.get("TORCH_HOME") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch"
-    )
+    home = env.get("TORCH_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch")
     return Path(home) / "hub" / "checkpoints"
 
 

@@ -19,8 +19,12 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
         if action.dest == "data":
             action.required = False
     p.set_defaults(resize=None)  # None: the suite's (VTAB: whole), else timm
-    p.add_argument("--suite", default=None, help="fine-tune on every task of a suite (see `featcache suites`) whose "
-                   "data is under --data-root; the suite's resize and input size unless given")
+    p.add_argument(
+        "--suite",
+        default=None,
+        help="fine-tune on every task of a suite (see `featcache suites`) whose "
+        "data is under --data-root; the suite's resize and input size unless given",
+    )
     p.add_argument("--data-root", default=None, help="with --suite: folder holding one entry per task (as extract)")
 
 
@@ -51,13 +55,18 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
     for task, spec in present_tasks(suite, args.data_root):
         splits = {}
         if spec.startswith("vtab1k:") and (args.train_split, args.val_split) == (
-                FinetuneConfig.train_split, FinetuneConfig.val_split):
-            splits = dict(train_split="train800", val_split="val200", val_source="official-val")
+            FinetuneConfig.train_split,
+            FinetuneConfig.val_split,
+        ):
+            splits = {"train_split": "train800", "val_split": "val200", "val_source": "official-val"}
         if task.metric not in ("top1", "mean_per_class"):
             warn_missing(suite, [task.name], f"declare {task.metric}, which fine-tuning cannot select on")
             continue
-        configs.append(config_from_args(args, data=spec, dataset_name=prefix + task.name,
-                                        metric=args.metric or task.metric, **kw, **splits))
+        configs.append(
+            config_from_args(
+                args, data=spec, dataset_name=prefix + task.name, metric=args.metric or task.metric, **kw, **splits
+            )
+        )
     return configs
 
 
@@ -93,16 +102,19 @@ def _print_rows(out, cfg: FinetuneConfig) -> None:
     import json
 
     top = out.filter(out["metric"] == "top1").sort(["eval_split", "seed"])
-    print(f"{'backbone':<28} {'dataset':<20} {'protocol':<9} {'split':<8} {'seed':>4} "
-          f"{'top1':>7} {'lr':>7} {'steps':>6}")
+    print(
+        f"{'backbone':<28} {'dataset':<20} {'protocol':<9} {'split':<8} {'seed':>4} {'top1':>7} {'lr':>7} {'steps':>6}"
+    )
     for r in top.iter_rows(named=True):
         hp = json.loads(r["hparams"])
         lr = hp.get("lr")
         steps = hp.get("steps")
         seed = "med" if r["seed"] < 0 else str(r["seed"])
-        print(f"{r['backbone']:<28} {r['dataset']:<20} {r['protocol']:<9} {r['eval_split']:<8} "
-              f"{seed:>4} {r['value']:>7.4f} {lr if lr is not None else '':>7} "
-              f"{steps if steps is not None and not isinstance(steps, list) else '':>6}")
+        print(
+            f"{r['backbone']:<28} {r['dataset']:<20} {r['protocol']:<9} {r['eval_split']:<8} "
+            f"{seed:>4} {r['value']:>7.4f} {lr if lr is not None else '':>7} "
+            f"{steps if steps is not None and not isinstance(steps, list) else '':>6}"
+        )
     print(f"{out.height} row(s) in {cfg.results_path}")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from featcache.configs import flag, float_list, int_list, str_tuple
 from featcache.errors import DataError
 
-__all__ = ["FinetuneConfig", "DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE", "FinetuneConfig"]
 
 DEFAULT_CHECKPOINT_EVERY = 250
 #: the input resolution of the published protocol (other sizes are a scaled-down run)
@@ -52,47 +52,77 @@ class FinetuneConfig:
     model: str = flag(required=True, help="timm model name, e.g. tf_efficientnet_lite0")
     weights: str = flag("timm", "timm (local cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
     data: str = flag(None, "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE", required=True)
-    protocol: str = flag("vtab1k-light", "vtab1k-light: 1000 examples (800/200 selection), rows pair with "
-                         "probe protocol vtab1k-sgd (VTAB Fig. 16); full: all of train, pairs with probe protocol full")
-    seeds: tuple[int, ...] | None = flag(None, "comma-separated seeds (default 0,1,2 for vtab1k-light, 0 for full)",
-                                         type=int_list)
+    protocol: str = flag(
+        "vtab1k-light",
+        "vtab1k-light: 1000 examples (800/200 selection), rows pair with "
+        "probe protocol vtab1k-sgd (VTAB Fig. 16); full: all of train, pairs with probe protocol full",
+    )
+    seeds: tuple[int, ...] | None = flag(
+        None, "comma-separated seeds (default 0,1,2 for vtab1k-light, 0 for full)", type=int_list
+    )
     results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
-    steps: tuple[int, ...] | None = flag(None, "schedule lengths searched (VTAB: 2500,10000; fewer = scaled-down run)",
-                                         type=int_list)
+    steps: tuple[int, ...] | None = flag(
+        None, "schedule lengths searched (VTAB: 2500,10000; fewer = scaled-down run)", type=int_list
+    )
     lrs: tuple[float, ...] | None = flag(None, "learning rates searched (VTAB: 0.1,0.01)", type=float_list)
     batch_size: int | None = flag(None, "SGD batch (VTAB: 512)", type=int)
-    micro_batch: int | None = flag(None, "gradient-accumulation chunk when a full batch does not fit in memory",
-                                   type=int)
-    last_decay: float | None = flag(None, "fraction of the steps at which the third lr/10 drop happens "
-                                    "(VTAB: 0.9; the paper says 'shortly before the end')", type=float)
+    micro_batch: int | None = flag(
+        None, "gradient-accumulation chunk when a full batch does not fit in memory", type=int
+    )
+    last_decay: float | None = flag(
+        None,
+        "fraction of the steps at which the third lr/10 drop happens "
+        "(VTAB: 0.9; the paper says 'shortly before the end')",
+        type=float,
+    )
     momentum: float | None = flag(None, "SGD momentum (VTAB: 0.9)", type=float)
-    weight_decay: float | None = flag(None, "0 for fine-tuning (VTAB); VTAB's from-scratch runs use 0.01 x lr",
-                                      type=float)
+    weight_decay: float | None = flag(
+        None, "0 for fine-tuning (VTAB); VTAB's from-scratch runs use 0.01 x lr", type=float
+    )
     input_size: int | None = flag(None, "override the model's input resolution", type=int)
     pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
-    resize: str = flag("timm", "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-                       "image to the input size (VTAB)", choices=["timm", "whole"])
+    resize: str = flag(
+        "timm",
+        "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
+        "image to the input size (VTAB)",
+        choices=["timm", "whole"],
+    )
     device: str = flag("auto", "auto | cpu | cuda[:N]")
     precision: str = flag("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16"])
-    eval_splits: tuple[str, ...] = flag(("test",), "split(s) to test on (repeatable; default test)",
-                                        name="--eval-split", action="append")
+    eval_splits: tuple[str, ...] = flag(
+        ("test",), "split(s) to test on (repeatable; default test)", name="--eval-split", action="append"
+    )
     train_split: str = flag("train")
     val_split: str = flag("val")
-    val_source: str = flag("split-800-200", "vtab1k-light selection data: the 200 held out of the 1000, or "
-                           "the dataset's val split", choices=["split-800-200", "official-val"])
-    dataset_name: str | None = flag(None, "dataset key written to the rows (default: derived from --data; "
-                                    "must match the probe rows' dataset to pair)")
-    backbone_name: str | None = flag(None, "backbone key written to the rows (default as extract: NAME, "
-                                     "NAME@random<SEED>, NAME@<ckpt stem>)")
-    limit: int | dict[str, int] | None = flag(None, "first N rows of every split, or SPLIT=N[,SPLIT=N]",
-                                              type=parse_limit)
+    val_source: str = flag(
+        "split-800-200",
+        "vtab1k-light selection data: the 200 held out of the 1000, or the dataset's val split",
+        choices=["split-800-200", "official-val"],
+    )
+    dataset_name: str | None = flag(
+        None,
+        "dataset key written to the rows (default: derived from --data; must match the probe rows' dataset to pair)",
+    )
+    backbone_name: str | None = flag(
+        None, "backbone key written to the rows (default as extract: NAME, NAME@random<SEED>, NAME@<ckpt stem>)"
+    )
+    limit: int | dict[str, int] | None = flag(
+        None, "first N rows of every split, or SPLIT=N[,SPLIT=N]", type=parse_limit
+    )
     checkpoint_dir: str | None = flag(None, "default: RESULTS.finetune-ckpt")
     checkpoint_every: int = flag(DEFAULT_CHECKPOINT_EVERY, "steps between checkpoints", type=int)
     workers: int | None = flag(None, "DataLoader workers (default: min(4, cpus))", type=int)
-    memory_limit_gb: float = flag(4.0, "preprocessed images (uint8) kept in memory, all pools together; "
-                                  "pools beyond it stream from disk each batch (same numbers)", type=float)
-    metric: str | None = flag(None, "the task's metric: selects the config on val and is recorded as "
-                              "hparams.task_metric (default top1)", choices=["top1", "mean_per_class"])
+    memory_limit_gb: float = flag(
+        4.0,
+        "preprocessed images (uint8) kept in memory, all pools together; "
+        "pools beyond it stream from disk each batch (same numbers)",
+        type=float,
+    )
+    metric: str | None = flag(
+        None,
+        "the task's metric: selects the config on val and is recorded as hparams.task_metric (default top1)",
+        choices=["top1", "mean_per_class"],
+    )
     force: bool = flag(False, "rerun seeds already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
 
@@ -136,8 +166,10 @@ class FinetuneConfig:
         if not self.data:
             raise DataError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
         if self.metric not in (None, "top1", "mean_per_class"):
-            raise DataError(f"fine-tuning selects on top1 or mean_per_class, not {self.metric!r} "
-                            "(multi-label tasks: use the probes)")
+            raise DataError(
+                f"fine-tuning selects on top1 or mean_per_class, not {self.metric!r} "
+                "(multi-label tasks: use the probes)"
+            )
         if self.resize not in ("timm", "whole"):
             raise DataError(f"resize must be timm or whole, got {self.resize!r}")
         if not self.steps or min(self.steps) < 1:
@@ -146,8 +178,7 @@ class FinetuneConfig:
             raise DataError(f"learning rates must be positive, got {self.lrs!r}")
         mb = self.micro_batch
         if self.batch_size < 1 or (mb is not None and not 1 <= mb <= self.batch_size):
-            raise DataError(f"need batch_size >= 1 and 1 <= micro_batch <= batch_size; got "
-                            f"{self.batch_size} and {mb}")
+            raise DataError(f"need batch_size >= 1 and 1 <= micro_batch <= batch_size; got {self.batch_size} and {mb}")
         if not 0 < self.last_decay < 1:
             raise DataError(f"last_decay must lie in (0, 1) (a fraction of the steps), got {self.last_decay}")
         if self.checkpoint_every < 1:
@@ -155,19 +186,30 @@ class FinetuneConfig:
         if not self.seeds:
             raise DataError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not self.memory_limit_gb >= 0:  # NaN too
-            raise DataError(f"memory_limit_gb must be >= 0 (0 streams every image from disk), got "
-                            f"{self.memory_limit_gb}")
+            raise DataError(
+                f"memory_limit_gb must be >= 0 (0 streams every image from disk), got {self.memory_limit_gb}"
+            )
 
     def run_options(self, proto, backbone, precision: str) -> dict[str, Any]:
         """Options that enter the run id and the recorded hparams (a resolved config, the
         built backbone and the resolved precision)."""
         return dict(
-            finetune_protocol=proto.spec, weights=self.weights, weights_sha256=backbone.weights_sha256,
-            model=self.model, steps=list(self.steps), lrs=list(self.lrs), batch_size=self.batch_size,
-            micro_batch=self.micro_batch, last_decay=self.last_decay, momentum=self.momentum,
-            weight_decay=self.weight_decay, data_config=_jsonable(backbone.data_config),
-            train_split=self.train_split, precision=precision,
-            val_source=self.val_source if proto.split.startswith("vtab1k") else None, limit=self.limit,
+            finetune_protocol=proto.spec,
+            weights=self.weights,
+            weights_sha256=backbone.weights_sha256,
+            model=self.model,
+            steps=list(self.steps),
+            lrs=list(self.lrs),
+            batch_size=self.batch_size,
+            micro_batch=self.micro_batch,
+            last_decay=self.last_decay,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            data_config=_jsonable(backbone.data_config),
+            train_split=self.train_split,
+            precision=precision,
+            val_source=self.val_source if proto.split.startswith("vtab1k") else None,
+            limit=self.limit,
             **({"resize": self.resize} if self.resize != "timm" else {}),  # existing run ids stay
             **({"metric": self.metric} if self.metric not in (None, "top1") else {}),
         )
@@ -175,10 +217,17 @@ class FinetuneConfig:
     def scaled_from(self, proto) -> dict[str, Any]:
         """The published values this (resolved) config departs from."""
         g = proto.grid
-        out = {k: ref for k, v, ref in (("steps", self.steps, g.steps), ("lrs", self.lrs, g.lrs),
-                                         ("batch_size", self.batch_size, g.batch_size),
-                                         ("momentum", self.momentum, g.momentum),
-                                         ("weight_decay", self.weight_decay, g.weight_decay)) if v != ref}
+        out = {
+            k: ref
+            for k, v, ref in (
+                ("steps", self.steps, g.steps),
+                ("lrs", self.lrs, g.lrs),
+                ("batch_size", self.batch_size, g.batch_size),
+                ("momentum", self.momentum, g.momentum),
+                ("weight_decay", self.weight_decay, g.weight_decay),
+            )
+            if v != ref
+        }
         if self.input_size is not None and self.input_size != VTAB_INPUT_SIZE:
             out["input_size"] = VTAB_INPUT_SIZE
         return out

@@ -13,7 +13,7 @@ import numpy as np
 
 from featcache.errors import DataError
 
-__all__ = ["Split", "Pool", "prepare_split"]
+__all__ = ["Pool", "Split", "prepare_split"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,10 @@ def prepare_split(src, train_names: list[str]) -> Split:
     pos = {n: i for i, n in enumerate(train_names)}
     unknown = sorted({str(n) for n in names if n not in pos})
     if unknown:
-        raise DataError(f"{src.dataset}/{src.split} has classes {unknown[:10]} that the train split "
-                        "does not define; give splits with the same class list")
+        raise DataError(
+            f"{src.dataset}/{src.split} has classes {unknown[:10]} that the train split "
+            "does not define; give splits with the same class list"
+        )
     y = np.fromiter((pos[n] for n in names), np.int64, count=names.size)
     fp = dataset_fingerprint(ids[order], y, train_names)
     return Split(src.split, src, order, y, ids[order], fp)
@@ -68,8 +70,10 @@ class _Rows:
         try:
             img = sp.load(p)
         except Exception as exc:  # a broken file: name it, never train on a placeholder
-            raise DataError(f"{sp.source.dataset}/{sp.name}: cannot load image {sp.ids[p]!r}: {exc}; "
-                            "fix or remove the file (extract records it as invalid)") from exc
+            raise DataError(
+                f"{sp.source.dataset}/{sp.name}: cannot load image {sp.ids[p]!r}: {exc}; "
+                "fix or remove the file (extract records it as invalid)"
+            ) from exc
         return self.transform(img), torch.tensor(int(sp.y[p]))
 
 
@@ -89,8 +93,17 @@ class Pool:
     streaming).
     """
 
-    def __init__(self, items: list[tuple[Split, int]], transform, shape, *, memory_limit: float,
-                 workers: int, progress: bool, what: str):
+    def __init__(
+        self,
+        items: list[tuple[Split, int]],
+        transform,
+        shape,
+        *,
+        memory_limit: float,
+        workers: int,
+        progress: bool,
+        what: str,
+    ):
         from featcache.extract import split_transform
 
         self.items = items
@@ -108,15 +121,21 @@ class Pool:
             self.X = self._materialise(progress, what)
             self.nbytes = need
         else:
-            log.info("%s: %d images (%.2f GB as %s) exceed memory_limit (%.2f GB left); loading per "
-                     "batch", what, len(items), need / 2**30,
-                     "uint8" if self.fast is not None else "float32", max(memory_limit, 0) / 2**30)
+            log.info(
+                "%s: %d images (%.2f GB as %s) exceed memory_limit (%.2f GB left); loading per batch",
+                what,
+                len(items),
+                need / 2**30,
+                "uint8" if self.fast is not None else "float32",
+                max(memory_limit, 0) / 2**30,
+            )
 
     def _loader(self, batches):
         from torch.utils.data import DataLoader
 
-        return DataLoader(_Rows(self.items, self.transform), batch_sampler=batches,
-                          num_workers=self.workers, persistent_workers=False)
+        return DataLoader(
+            _Rows(self.items, self.transform), batch_sampler=batches, num_workers=self.workers, persistent_workers=False
+        )
 
     def _materialise(self, progress: bool, what: str):
         import torch
@@ -126,8 +145,9 @@ class Pool:
         X = torch.empty((len(self.items), *self.shape), dtype=dtype)
         bs = _PREPROCESS_BATCH
         batches = [list(range(i, min(i + bs, len(self.items)))) for i in range(0, len(self.items), bs)]
-        for b, (x, _) in zip(batches, tqdm(self._loader(batches), total=len(batches),
-                                            desc=f"preprocess {what}", disable=not progress)):
+        for b, (x, _) in zip(
+            batches, tqdm(self._loader(batches), total=len(batches), desc=f"preprocess {what}", disable=not progress)
+        ):
             X[b[0] : b[-1] + 1] = x
             del x  # the worker's shared-memory batch goes before the next one arrives
         return X

@@ -101,16 +101,21 @@ METRIC_NAMES = ("top1", "top5", "mean_per_class", "nll", "ece")
 
 
 # ------------------------------------------------------------------ plans
-def make_plan(protocol: str | Protocol, seed: int, train: Split, val: Split | None,
-              val_source: str) -> SplitPlan:
+def make_plan(protocol: str | Protocol, seed: int, train: Split, val: Split | None, val_source: str) -> SplitPlan:
     """Seeded split of a fine-tune ``protocol`` (:meth:`featcache.protocols.Protocol.plan`,
     the paired probe protocol's plan). Positions: train rows ``0..n_train-1``, then the val
     rows (``n_train + i``), as in the training pool."""
     proto = protocol if isinstance(protocol, Protocol) else get_protocol(protocol, "finetune")
-    return proto.plan(train.y, seed, n_val=None if val is None else val.y.size,
-                      val_source=val_source, train_name=train.name,
-                      val_name="val" if val is None else val.name, rows=train.order,
-                      val_rows=None if val is None else val.order)
+    return proto.plan(
+        train.y,
+        seed,
+        n_val=None if val is None else val.y.size,
+        val_source=val_source,
+        train_name=train.name,
+        val_name="val" if val is None else val.name,
+        rows=train.order,
+        val_rows=None if val is None else val.order,
+    )
 
 
 @dataclass
@@ -124,9 +129,11 @@ class _Data:
     class_names: list[str]
 
     def fingerprints(self) -> dict[str, str]:
-        return {self.train.name: self.train.fingerprint,
-                **({self.val.name: self.val.fingerprint} if self.val else {}),
-                **{es: ev.fingerprint for es, ev in self.evals.items()}}
+        return {
+            self.train.name: self.train.fingerprint,
+            **({self.val.name: self.val.fingerprint} if self.val else {}),
+            **{es: ev.fingerprint for es, ev in self.evals.items()},
+        }
 
 
 def _open_data(cfg: FinetuneConfig, proto: Protocol) -> _Data:
@@ -141,8 +148,10 @@ def _open_data(cfg: FinetuneConfig, proto: Protocol) -> _Data:
         raise DataError(f"{cfg.data} has no split {cfg.train_split!r}; it has {sorted(splits)}")
     for es in cfg.eval_splits:
         if es not in splits:
-            raise DataError(f"{cfg.data} has no split {es!r} to evaluate on (has {sorted(splits)}); "
-                            "pass --eval-split with one of them")
+            raise DataError(
+                f"{cfg.data} has no split {es!r} to evaluate on (has {sorted(splits)}); "
+                "pass --eval-split with one of them"
+            )
     names = list(splits[cfg.train_split].class_names)
     tr = prepare_split(splits[cfg.train_split], names)
     use_val = cfg.val_split in splits and proto.uses_val_split(cfg.val_source)
@@ -152,8 +161,10 @@ def _open_data(cfg: FinetuneConfig, proto: Protocol) -> _Data:
         for other in [tr] + ([va] if va is not None else []):
             both = np.intersect1d(other.ids, ev.ids)
             if both.size:
-                raise DataError(f"{both.size} sample ids occur in both {other.name!r} and {es!r} "
-                                f"(e.g. {both[0]!r}); evaluating on training images is invalid")
+                raise DataError(
+                    f"{both.size} sample ids occur in both {other.name!r} and {es!r} "
+                    f"(e.g. {both[0]!r}); evaluating on training images is invalid"
+                )
     if np.unique(tr.y).size < 2:
         raise DataError(f"{dname}/{cfg.train_split} holds a single class; fine-tuning needs at least two")
     return _Data(dname, tr, va, evs, names)
@@ -185,18 +196,27 @@ class _Run:
 
     @property
     def base_key(self) -> dict[str, Any]:
-        return dict(self.options, backbone=self.bkey, dataset=self.data.name,
-                    fingerprints=self.data.fingerprints())
+        return dict(self.options, backbone=self.bkey, dataset=self.data.name, fingerprints=self.data.fingerprints())
 
     def key(self, phase: str, seed: int, c: TrainConfig, rows: np.ndarray) -> dict[str, Any]:
         return dict(self.base_key, phase=phase, seed=seed, cfg=asdict(c), rows=_hash_idx(rows))
 
-    def train(self, positions: np.ndarray, c: TrainConfig, seed: int, key: dict, ck: Path | None,
-              desc: str):
-        return train_run(self.net, self.init_state, self.pool, self.pos_in_pool[positions], c,
-                         seed=seed, device=self.device, precision=self.precision, ckpt_path=ck,
-                         checkpoint_every=self.cfg.checkpoint_every, run_key=key,
-                         progress=self.cfg.progress, desc=desc)
+    def train(self, positions: np.ndarray, c: TrainConfig, seed: int, key: dict, ck: Path | None, desc: str):
+        return train_run(
+            self.net,
+            self.init_state,
+            self.pool,
+            self.pos_in_pool[positions],
+            c,
+            seed=seed,
+            device=self.device,
+            precision=self.precision,
+            ckpt_path=ck,
+            checkpoint_every=self.cfg.checkpoint_every,
+            run_key=key,
+            progress=self.cfg.progress,
+            desc=desc,
+        )
 
     def proba(self, pool: Pool, positions: np.ndarray) -> np.ndarray:
         return predict_proba(self.net, pool, positions, device=self.device, precision=self.precision)
@@ -239,23 +259,46 @@ def finetune(config: FinetuneConfig):
 def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: str) -> _Run:
     from featcache.extract import create_backbone
 
-    bb = create_backbone(cfg.model, cfg.weights, device="cpu", input_size=cfg.input_size,
-                         pre_resize=cfg.pre_resize, trainable=True,
-                         resize=None if cfg.resize == "timm" else cfg.resize)
+    bb = create_backbone(
+        cfg.model,
+        cfg.weights,
+        device="cpu",
+        input_size=cfg.input_size,
+        pre_resize=cfg.pre_resize,
+        trainable=True,
+        resize=None if cfg.resize == "timm" else cfg.resize,
+    )
     net = Net.build(bb.model, bb.feature_dim, len(data.class_names))
     ckdir = None
     if cfg.checkpoint_dir is not None:
         ckdir = Path(cfg.checkpoint_dir)
     elif cfg.results_path is not None:
         ckdir = Path(f"{cfg.results_path}.finetune-ckpt")
-    run = _Run(cfg, proto, data, cfg.backbone_name or bb.default_key, net,
-               {k: v.detach().clone() for k, v in net.state_dict().items()},
-               make_configs(cfg.steps, cfg.lrs, cfg.batch_size, last_decay=cfg.last_decay,
-                            momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                            micro_batch=cfg.micro_batch),
-               cfg.run_options(proto, bb, prec), cfg.scaled_from(proto), dev, prec, ckdir,
-               float(getattr(bb.model, "drop_rate", 0.0) or 0.0), transform=bb.transform,
-               shape=tuple(int(s) for s in bb.data_config["input_size"]))
+    run = _Run(
+        cfg,
+        proto,
+        data,
+        cfg.backbone_name or bb.default_key,
+        net,
+        {k: v.detach().clone() for k, v in net.state_dict().items()},
+        make_configs(
+            cfg.steps,
+            cfg.lrs,
+            cfg.batch_size,
+            last_decay=cfg.last_decay,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            micro_batch=cfg.micro_batch,
+        ),
+        cfg.run_options(proto, bb, prec),
+        cfg.scaled_from(proto),
+        dev,
+        prec,
+        ckdir,
+        float(getattr(bb.model, "drop_rate", 0.0) or 0.0),
+        transform=bb.transform,
+        shape=tuple(int(s) for s in bb.data_config["input_size"]),
+    )
     return run
 
 
@@ -267,9 +310,19 @@ def _run_ids(run: _Run) -> dict[tuple[int, str], tuple[str, str]]:
     for s in run.cfg.seeds:
         for es, ev in d.evals.items():
             fp = "images:" + _combine(d.train.fingerprint, d.val.fingerprint if d.val else "", ev.fingerprint)
-            out[(s, es)] = (make_run_id(kind="finetune", backbone=run.bkey, dataset=d.name,
-                                        protocol=run.proto.row_protocol, seed=s, eval_split=es,
-                                        options=run.options, store_fingerprint=fp), fp)
+            out[(s, es)] = (
+                make_run_id(
+                    kind="finetune",
+                    backbone=run.bkey,
+                    dataset=d.name,
+                    protocol=run.proto.row_protocol,
+                    seed=s,
+                    eval_split=es,
+                    options=run.options,
+                    store_fingerprint=fp,
+                ),
+                fp,
+            )
     return out
 
 
@@ -281,8 +334,14 @@ def _todo(run: _Run, run_ids) -> list[int]:
     todo = [s for s in cfg.seeds if not all(run_ids[(s, es)][0] in done for es in cfg.eval_splits)]
     for s in cfg.seeds:
         if s not in todo:
-            log.info("skip %s/%s %s seed %d: already in %s (force=True reruns)", run.bkey,
-                     run.data.name, run.proto.spec, s, cfg.results_path)
+            log.info(
+                "skip %s/%s %s seed %d: already in %s (force=True reruns)",
+                run.bkey,
+                run.data.name,
+                run.proto.spec,
+                s,
+                cfg.results_path,
+            )
     if run.ckdir is not None and todo:
         run.ckdir.mkdir(parents=True, exist_ok=True)
     return todo
@@ -296,19 +355,25 @@ def _make_pools(run: _Run, plans: dict[int, SplitPlan], todo: list[int]) -> None
     items: list[tuple[Split, int]] = [(d.train, i) for i in range(d.train.y.size)]
     if d.val is not None:
         items += [(d.val, i) for i in range(d.val.y.size)]
-    need = np.unique(np.concatenate([np.concatenate([plans[s].train, plans[s].val, plans[s].final])
-                                     for s in todo]))
+    need = np.unique(np.concatenate([np.concatenate([plans[s].train, plans[s].val, plans[s].final]) for s in todo]))
     run.pos_in_pool = np.full(len(items), -1, np.int64)
     run.pos_in_pool[need] = np.arange(need.size)
     budget = cfg.memory_limit_gb * 2**30  # shared by all pools: the train pool first
-    kw = dict(workers=cfg.workers, progress=cfg.progress)
-    run.pool = Pool([items[i] for i in need], run.transform, run.shape, what=f"{d.name} train",
-                    memory_limit=budget, **kw).to(run.device)
+    kw = {"workers": cfg.workers, "progress": cfg.progress}
+    run.pool = Pool(
+        [items[i] for i in need], run.transform, run.shape, what=f"{d.name} train", memory_limit=budget, **kw
+    ).to(run.device)
     budget -= run.pool.nbytes
     run.eval_pools = {}
     for es, ev in d.evals.items():
-        p = Pool([(ev, i) for i in range(ev.y.size)], run.transform, run.shape, what=f"{d.name}/{es}",
-                 memory_limit=budget, **kw)
+        p = Pool(
+            [(ev, i) for i in range(ev.y.size)],
+            run.transform,
+            run.shape,
+            what=f"{d.name}/{es}",
+            memory_limit=budget,
+            **kw,
+        )
         budget -= p.nbytes
         run.eval_pools[es] = p
 
@@ -319,7 +384,7 @@ def _select(run: _Run, s: int, plan: SplitPlan) -> tuple[int, list[dict]]:
     (finished configs are read back from their outcome file); (best index, candidates)."""
     grid = run.grid
     if len(grid) == 1:
-        return 0, [dict(lr=grid[0].lr, steps=grid[0].steps, val_top1=None)]
+        return 0, [{"lr": grid[0].lr, "steps": grid[0].steps, "val_top1": None}]
     cands = []
     for ci, c in enumerate(grid):
         key = run.key("select", s, c, plan.train)
@@ -327,21 +392,41 @@ def _select(run: _Run, s: int, plan: SplitPlan) -> tuple[int, list[dict]]:
         outcome = run.ckdir / f"{kh}.json" if run.ckdir is not None else None
         if outcome is not None and outcome.exists() and not run.cfg.force:
             rec = json.loads(outcome.read_text())
-            log.info("seed %d config %d/%d (lr=%g, steps=%d): finished earlier, val top1 %.4f",
-                     s, ci + 1, len(grid), c.lr, c.steps, rec["val_top1"])
+            log.info(
+                "seed %d config %d/%d (lr=%g, steps=%d): finished earlier, val top1 %.4f",
+                s,
+                ci + 1,
+                len(grid),
+                c.lr,
+                c.steps,
+                rec["val_top1"],
+            )
         else:
             rec = _select_one(run, s, plan, c, key, kh, outcome)
-            log.info("seed %d config %d/%d (lr=%g, steps=%d): val top1 %.4f", s, ci + 1, len(grid),
-                     c.lr, c.steps, rec["val_top1"])
-        cands.append(dict(lr=c.lr, steps=c.steps, val_top1=rec["val_top1"], finite=rec["finite"],
-                          seconds=rec.get("seconds"),
-                          **{k: rec[k] for k in (_val_key(run),) if k in rec and k != "val_top1"}))
+            log.info(
+                "seed %d config %d/%d (lr=%g, steps=%d): val top1 %.4f",
+                s,
+                ci + 1,
+                len(grid),
+                c.lr,
+                c.steps,
+                rec["val_top1"],
+            )
+        cands.append(
+            dict(
+                lr=c.lr,
+                steps=c.steps,
+                val_top1=rec["val_top1"],
+                finite=rec["finite"],
+                seconds=rec.get("seconds"),
+                **{k: rec[k] for k in (_val_key(run),) if k in rec and k != "val_top1"},
+            )
+        )
     scores = np.array([c.get(_val_key(run), c["val_top1"]) for c in cands], np.float64)
     return int(np.flatnonzero(scores == scores.max())[0]), cands
 
 
-def _select_one(run: _Run, s: int, plan: SplitPlan, c: TrainConfig, key: dict, kh: str,
-                outcome: Path | None) -> dict:
+def _select_one(run: _Run, s: int, plan: SplitPlan, c: TrainConfig, key: dict, kh: str, outcome: Path | None) -> dict:
     ck = run.ckdir / f"{kh}.pt" if run.ckdir is not None else None
     if run.cfg.force and ck is not None and ck.exists():
         ck.unlink()
@@ -385,13 +470,38 @@ def _finetune_seed(run: _Run, s: int, plan: SplitPlan, run_ids) -> list[dict]:
     for es, ev in run.data.evals.items():
         vals = _evaluate(run, es, ev, res.finite)
         rid, fp = run_ids[(s, es)]
-        rows += [dict(run_id=rid, kind="finetune", backbone=run.bkey, dataset=run.data.name,
-                      protocol=run.proto.row_protocol, train_split=plan.train_split, eval_split=es,
-                      shots=-1, seed=s, metric=m, value=float(v), n_eval=int(ev.y.size), hparams=hp,
-                      converged=bool(res.finite), fit_seconds=float(secs), store_fingerprint=fp)
-                 for m, v in vals.items()]
-        log.info("finetune %s %s %s seed %d %s: top1=%.4f (lr=%g, steps=%d)", run.bkey, run.data.name,
-                 run.proto.spec, s, es, vals.get("top1", float("nan")), c.lr, c.steps)
+        rows += [
+            {
+                "run_id": rid,
+                "kind": "finetune",
+                "backbone": run.bkey,
+                "dataset": run.data.name,
+                "protocol": run.proto.row_protocol,
+                "train_split": plan.train_split,
+                "eval_split": es,
+                "shots": -1,
+                "seed": s,
+                "metric": m,
+                "value": float(v),
+                "n_eval": int(ev.y.size),
+                "hparams": hp,
+                "converged": bool(res.finite),
+                "fit_seconds": float(secs),
+                "store_fingerprint": fp,
+            }
+            for m, v in vals.items()
+        ]
+        log.info(
+            "finetune %s %s %s seed %d %s: top1=%.4f (lr=%g, steps=%d)",
+            run.bkey,
+            run.data.name,
+            run.proto.spec,
+            s,
+            es,
+            vals.get("top1", float("nan")),
+            c.lr,
+            c.steps,
+        )
     if run.cfg.results_path is not None:  # rows of each finished seed are safe at once
         append_results(run.cfg.results_path, rows_to_frame(rows), replace_runs=True)
     if ck is not None and ck.exists():
@@ -415,20 +525,35 @@ def _hparams(run: _Run, plan: SplitPlan, c: TrainConfig, cands: list[dict], best
     hp = dict(run.options)
     hp.update(plan.info)
     hp.update(
-        pairs_with={"kind": "probe", "protocol": run.proto.row_protocol,
-                    "keys": ["backbone", "dataset", "protocol", "eval_split", "seed", "metric"]},
-        lr=c.lr, steps=c.steps, milestones=list(c.milestones),
-        selection=("single config" if len(run.grid) == 1
-                   else f"val {run.cfg.metric or 'top1'} (ties: first config, order steps then lr)"),
-        val_top1=cands[best]["val_top1"], candidates=cands, n_train=int(plan.train.size),
-        n_val=int(plan.val.size), n_train_final=int(plan.final.size),
-        scaled=bool(run.scaled_from), scaled_from=run.scaled_from,
+        pairs_with={
+            "kind": "probe",
+            "protocol": run.proto.row_protocol,
+            "keys": ["backbone", "dataset", "protocol", "eval_split", "seed", "metric"],
+        },
+        lr=c.lr,
+        steps=c.steps,
+        milestones=list(c.milestones),
+        selection=(
+            "single config"
+            if len(run.grid) == 1
+            else f"val {run.cfg.metric or 'top1'} (ties: first config, order steps then lr)"
+        ),
+        val_top1=cands[best]["val_top1"],
+        candidates=cands,
+        n_train=int(plan.train.size),
+        n_val=int(plan.val.size),
+        n_train_final=int(plan.final.size),
+        scaled=bool(run.scaled_from),
+        scaled_from=run.scaled_from,
         reference="VTAB lightweight: SGD m=0.9, batch 512, lr {0.1,0.01} x {2500,10000} steps",
-        head_init="zeros", augmentation="none (timm eval transform)",
+        head_init="zeros",
+        augmentation="none (timm eval transform)",
         batchnorm="train mode: batch statistics and running averages update",
         drop_rate=run.drop_rate,
-        eval_batch=eval_batch_size(run.device, int(np.prod(run.shape[1:]))), data_order="full batches from seeded epoch permutations",
-        device=run.device, dataset_fingerprints=run.data.fingerprints(),
+        eval_batch=eval_batch_size(run.device, int(np.prod(run.shape[1:]))),
+        data_order="full batches from seeded epoch permutations",
+        device=run.device,
+        dataset_fingerprints=run.data.fingerprints(),
         final_loss=res.losses[-1] if res.losses else None,
     )
     if run.cfg.metric is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from featcache.protocols import VTAB_SGD
 from featcache.splits import batch_positions  # the one SGD data order (shared with the probes)
 
-__all__ = ["TrainConfig", "milestones_for", "lr_at", "batch_positions", "make_configs"]
+__all__ = ["TrainConfig", "batch_positions", "lr_at", "make_configs", "milestones_for"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,27 @@ def lr_at(step: int, lr: float, milestones: Sequence[int]) -> float:
     return lr * 0.1 ** sum(1 for m in milestones if m <= step)
 
 
-def make_configs(steps: Sequence[int], lrs: Sequence[float], batch_size: int, *,
-                 last_decay: float = VTAB_SGD.last_decay, momentum: float = VTAB_SGD.momentum,
-                 weight_decay: float = 0.0, micro_batch: int | None = None) -> list[TrainConfig]:
+def make_configs(
+    steps: Sequence[int],
+    lrs: Sequence[float],
+    batch_size: int,
+    *,
+    last_decay: float = VTAB_SGD.last_decay,
+    momentum: float = VTAB_SGD.momentum,
+    weight_decay: float = 0.0,
+    micro_batch: int | None = None,
+) -> list[TrainConfig]:
     """The selection grid in its tie-break order: for each schedule length, for each lr."""
-    return [TrainConfig(lr=float(lr), steps=int(s), batch_size=int(batch_size),
-                        milestones=milestones_for(int(s), last_decay), momentum=float(momentum),
-                        weight_decay=float(weight_decay), micro_batch=micro_batch)
-            for s in steps for lr in lrs]
+    return [
+        TrainConfig(
+            lr=float(lr),
+            steps=int(s),
+            batch_size=int(batch_size),
+            milestones=milestones_for(int(s), last_decay),
+            momentum=float(momentum),
+            weight_decay=float(weight_decay),
+            micro_batch=micro_batch,
+        )
+        for s in steps
+        for lr in lrs
+    ]

@@ -19,8 +19,17 @@ from featcache.errors import BackboneError
 from featcache.finetune.data import Pool
 from featcache.finetune.schedule import TrainConfig, batch_positions, lr_at
 
-__all__ = ["Net", "TrainResult", "train_run", "predict_proba", "eval_batch_size", "resolve_device",
-           "resolve_precision", "atomic_json", "key_hash"]
+__all__ = [
+    "Net",
+    "TrainResult",
+    "atomic_json",
+    "eval_batch_size",
+    "key_hash",
+    "predict_proba",
+    "resolve_device",
+    "resolve_precision",
+    "train_run",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +66,9 @@ def resolve_device(device: str) -> str:
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         from featcache.errors import BackendUnavailableError
 
-        raise BackendUnavailableError(f"device={device!r} requested but CUDA is not available; "
-                                      "use device='cpu' or 'auto'")
+        raise BackendUnavailableError(
+            f"device={device!r} requested but CUDA is not available; use device='cpu' or 'auto'"
+        )
     return str(device)
 
 
@@ -76,8 +86,7 @@ def _autocast(device: str, precision: str):
     import torch
 
     if precision == "bf16":
-        return torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu",
-                              dtype=torch.bfloat16)
+        return torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -133,14 +142,39 @@ def train_run(
 
     devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
     with torch.random.fork_rng(devices=devices):  # the caller's RNG state is left untouched
-        return _train_run(net, init_state, pool, positions, cfg, seed=seed, device=device,
-                          precision=precision, ckpt_path=ckpt_path,
-                          checkpoint_every=checkpoint_every, run_key=run_key, progress=progress,
-                          desc=desc)
+        return _train_run(
+            net,
+            init_state,
+            pool,
+            positions,
+            cfg,
+            seed=seed,
+            device=device,
+            precision=precision,
+            ckpt_path=ckpt_path,
+            checkpoint_every=checkpoint_every,
+            run_key=run_key,
+            progress=progress,
+            desc=desc,
+        )
 
 
-def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision, ckpt_path,
-               checkpoint_every, run_key, progress, desc) -> TrainResult:
+def _train_run(
+    net,
+    init_state,
+    pool,
+    positions,
+    cfg,
+    *,
+    seed,
+    device,
+    precision,
+    ckpt_path,
+    checkpoint_every,
+    run_key,
+    progress,
+    desc,
+) -> TrainResult:
     import torch
     from tqdm.auto import tqdm
 
@@ -149,20 +183,28 @@ def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision
     net.to(device)
     if device.startswith("cuda"):
         net.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay)
-    torch.manual_seed(int(hashlib.sha256(json.dumps(run_key, sort_keys=True, default=str).encode())
-                          .hexdigest()[:8], 16))
+    opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    torch.manual_seed(
+        int(hashlib.sha256(json.dumps(run_key, sort_keys=True, default=str).encode()).hexdigest()[:8], 16)
+    )
     start, finite, resumed, losses = _resume(net, opt, ckpt_path, run_key, device, desc, cfg.steps)
 
     def save(step: int) -> None:
         if ckpt_path is None:
             return
-        _atomic_torch_save({
-            "key": run_key, "step": step, "finite": finite, "model": net.state_dict(),
-            "optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "losses": losses,
-            "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
-        }, ckpt_path)
+        _atomic_torch_save(
+            {
+                "key": run_key,
+                "step": step,
+                "finite": finite,
+                "model": net.state_dict(),
+                "optimizer": opt.state_dict(),
+                "rng": torch.get_rng_state(),
+                "losses": losses,
+                "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
+            },
+            ckpt_path,
+        )
         log.info("checkpoint saved: %s step %d/%d -> %s", desc, step, cfg.steps, ckpt_path)
 
     n = positions.size
@@ -208,8 +250,9 @@ def _train_run(net, init_state, pool, positions, cfg, *, seed, device, precision
     return TrainResult(net, finite, time.perf_counter() - t0, resumed, losses)
 
 
-def _resume(net, opt, ckpt_path: Path | None, run_key: dict, device: str, desc: str,
-            steps: int) -> tuple[int, bool, int | None, list[float]]:
+def _resume(
+    net, opt, ckpt_path: Path | None, run_key: dict, device: str, desc: str, steps: int
+) -> tuple[int, bool, int | None, list[float]]:
     """Load ``ckpt_path`` into ``net``/``opt``/the RNGs when it holds a checkpoint of
     ``run_key``: (start step, finite, resumed-from step or None, losses so far)."""
     import torch
@@ -232,8 +275,7 @@ def _resume(net, opt, ckpt_path: Path | None, run_key: dict, device: str, desc: 
             losses = list(ck.get("losses", []))
             log.info("resuming %s from checkpoint %s at step %d/%d", desc, ckpt_path, start, steps)
         elif ck is not None:
-            log.warning("checkpoint %s belongs to another run definition; training from step 0",
-                        ckpt_path)
+            log.warning("checkpoint %s belongs to another run definition; training from step 0", ckpt_path)
 
     return start, finite, resumed, losses
 
@@ -252,8 +294,9 @@ def eval_batch_size(device: str, pixels: int) -> int:
     return max(1, min(EVAL_BATCH, CPU_EVAL_PIXELS // max(1, int(pixels))))
 
 
-def predict_proba(net, pool: Pool, positions: np.ndarray, *, device: str, precision: str,
-                  batch_size: int | None = None) -> np.ndarray:
+def predict_proba(
+    net, pool: Pool, positions: np.ndarray, *, device: str, precision: str, batch_size: int | None = None
+) -> np.ndarray:
     """Softmax probabilities ``[N, K]`` (float64) of ``net`` in eval mode, ``batch_size``
     images at a time (default :func:`eval_batch_size`)."""
     import torch

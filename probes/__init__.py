@@ -17,8 +17,16 @@ from featcache.probes.logistic import (
 )
 from featcache.probes.sgd import SGDProbe
 
-__all__ = ["DEFAULT_CS", "LogisticProbe", "ProbeConfig", "SGDProbe", "SweepResult", "resolve_backend",
-           "sweep_C", "run_probes"]
+__all__ = [
+    "DEFAULT_CS",
+    "LogisticProbe",
+    "ProbeConfig",
+    "SGDProbe",
+    "SweepResult",
+    "resolve_backend",
+    "run_probes",
+    "sweep_C",
+]
 
 
 def run_probes(config: ProbeConfig):

@@ -32,11 +32,11 @@ def validate_fit_data(est, X, y, cast: bool = True) -> tuple[np.ndarray, np.ndar
     if y is not None and not hasattr(X, "toarray"):  # length mismatch: featcache's message
         y_arr, n = np.asarray(y), len(X) if hasattr(X, "__len__") else None
         if n is not None and y_arr.ndim >= 1 and y_arr.shape[0] != n:
-            raise ProbeError(f"labels must be 1-D with {n} entries (one per feature row), "
-                             f"got shape {y_arr.shape}")
+            raise ProbeError(f"labels must be 1-D with {n} entries (one per feature row), got shape {y_arr.shape}")
         if y_arr.ndim > 2 or (y_arr.ndim == 2 and y_arr.shape[1] != 1):
-            raise ProbeError(f"labels must be 1-D with {n} entries, got shape {y_arr.shape}; "
-                             "multi-output targets are not supported")
+            raise ProbeError(
+                f"labels must be 1-D with {n} entries, got shape {y_arr.shape}; multi-output targets are not supported"
+            )
     X, y = validate_data(est, X, y, ensure_all_finite=False)
     if not cast:
         from featcache.probes._stream import check_finite_rows
@@ -46,13 +46,15 @@ def validate_fit_data(est, X, y, cast: bool = True) -> tuple[np.ndarray, np.ndar
         bad = int((~np.isfinite(X)).any(axis=1).sum())
         raise ProbeError(
             f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
-            "re-extract the features (`featcache verify` finds broken chunks)")
+            "re-extract the features (`featcache verify` finds broken chunks)"
+        )
     check_classification_targets(y)
     classes, y_idx = np.unique(y, return_inverse=True)
     if classes.size < 2:
         raise ProbeError(
             f"the training labels hold a single class ({classes[0]!r}); one class is not enough, "
-            "a classifier needs at least two: check the split/label column or sample more data")
+            "a classifier needs at least two: check the split/label column or sample more data"
+        )
     if cast or X.dtype.kind != "f":
         X = X.astype(np.float32, copy=False)
     return X, y_idx.astype(np.int64), classes
@@ -63,8 +65,7 @@ def validate_predict_data(est, X) -> np.ndarray:
     try:
         check_is_fitted(est)
     except NotFittedError as exc:
-        raise ProbeNotFittedError(
-            f"this {type(est).__name__} is not fitted yet; call fit(X, y) first") from exc
+        raise ProbeNotFittedError(f"this {type(est).__name__} is not fitted yet; call fit(X, y) first") from exc
     return validate_data(est, X, reset=False, dtype=np.float64)
 
 

@@ -42,8 +42,9 @@ def _keep(alive: list[int], val: np.ndarray, eta: int) -> list[int]:
     return sorted(order[: max(1, -(-len(alive) // eta))])
 
 
-def halving_sweep(fit: Callable, score: Callable, n_heads: int, *, max_iter: int,
-                  iter0: int = 10, eta: int = 3) -> HalvingOutcome:
+def halving_sweep(
+    fit: Callable, score: Callable, n_heads: int, *, max_iter: int, iter0: int = 10, eta: int = 3
+) -> HalvingOutcome:
     """Successive halving over heads ``0..n_heads-1`` (sorted by increasing C).
 
     ``fit(idx, W0, b0, iters)`` fits heads ``idx`` for at most ``iters`` iterations from
@@ -60,22 +61,30 @@ def halving_sweep(fit: Callable, score: Callable, n_heads: int, *, max_iter: int
     while True:
         run = [i for i in alive if not conv[i] and n_it[i] < target]
         if run:
-            start = None if heads[run[0]] is None else (
-                np.stack([heads[i][0] for i in run]), np.stack([heads[i][1] for i in run]))
+            start = (
+                None
+                if heads[run[0]] is None
+                else (np.stack([heads[i][0] for i in run]), np.stack([heads[i][1] for i in run]))
+            )
             W, b, it, cv = fit(run, *(start or (None, None)), int(target - n_it[run].max()))
             for j, i in enumerate(run):
                 heads[i] = (W[j], b[j])
                 n_it[i] += int(it[j])
                 conv[i] = bool(cv[j])
         val[alive] = score(alive, [heads[i] for i in alive])
-        rounds.append(dict(target=int(target), alive=len(alive), ran=len(run)))
-        log.debug("halving round %d: %d alive, %d fitted to %d iterations", len(rounds),
-                  len(alive), len(run), target)
+        rounds.append({"target": int(target), "alive": len(alive), "ran": len(run)})
+        log.debug("halving round %d: %d alive, %d fitted to %d iterations", len(rounds), len(alive), len(run), target)
         if conv[alive].all() or target >= max_iter:
             break
         if len(alive) > 1:
             alive = _keep(alive, val, eta)
         target = min(max_iter, target * eta)
     best = min(alive, key=lambda i: (-val[i], i))
-    return HalvingOutcome(heads=heads, n_iter=n_it.tolist(), converged=conv.tolist(),
-                          val=val.tolist(), best_index=int(best), rounds=rounds)
+    return HalvingOutcome(
+        heads=heads,
+        n_iter=n_it.tolist(),
+        converged=conv.tolist(),
+        val=val.tolist(),
+        best_index=int(best),
+        rounds=rounds,
+    )

@@ -151,13 +151,28 @@ class _Problem:
             Y1h = torch.zeros(n, K, device=dev, dtype=dt)
             Y1h[torch.arange(n, device=dev), yidx] = 1.0
         own = theta0 is not None and theta0.reshape(-1, P).shape[0] == H > 1
-        base = (torch.zeros(1, P, device=dev, dtype=dt) if theta0 is None
-                else theta0.to(device=dev, dtype=dt).reshape(-1, P))
-        return cls(X=X, Y1h=Y1h, yidx=yidx, Cs=Cs_t, lam=lam_all, D=D, K=K,
-                   theta=base.expand(H, P).clone(), n_iter=torch.zeros(H, dtype=torch.long),
-                   converged=torch.zeros(H, dtype=torch.bool), loss=torch.zeros(H, dtype=dt),
-                   grad_max=torch.zeros(H, dtype=dt), finished=torch.zeros(H, dtype=torch.bool),
-                   streamed=streamed, own_start=own)
+        base = (
+            torch.zeros(1, P, device=dev, dtype=dt)
+            if theta0 is None
+            else theta0.to(device=dev, dtype=dt).reshape(-1, P)
+        )
+        return cls(
+            X=X,
+            Y1h=Y1h,
+            yidx=yidx,
+            Cs=Cs_t,
+            lam=lam_all,
+            D=D,
+            K=K,
+            theta=base.expand(H, P).clone(),
+            n_iter=torch.zeros(H, dtype=torch.long),
+            converged=torch.zeros(H, dtype=torch.bool),
+            loss=torch.zeros(H, dtype=dt),
+            grad_max=torch.zeros(H, dtype=dt),
+            finished=torch.zeros(H, dtype=torch.bool),
+            streamed=streamed,
+            own_start=own,
+        )
 
     def loss_grad(self, theta, lam, need_grad=True):
         if self.streamed:
@@ -170,8 +185,9 @@ class _Problem:
         H, D, K = self.Cs.numel(), self.D, self.K
         W = self.theta[:, : D * K].view(H, D, K)
         b = self.theta[:, D * K :]
-        return SolverResult(W=W, b=b, n_iter=self.n_iter, converged=self.converged,
-                            loss=self.loss, grad_max=self.grad_max)
+        return SolverResult(
+            W=W, b=b, n_iter=self.n_iter, converged=self.converged, loss=self.loss, grad_max=self.grad_max
+        )
 
 
 class _ActiveHeads:
@@ -204,8 +220,7 @@ class _ActiveHeads:
         room = self.block - self.act.numel()
         if room <= 0 or not self.queue:
             return
-        new = torch.tensor([self.queue.pop(0) for _ in range(min(room, len(self.queue)))],
-                           dtype=torch.long)
+        new = torch.tensor([self.queue.pop(0) for _ in range(min(room, len(self.queue)))], dtype=torch.long)
         done_idx = torch.nonzero(pr.finished).flatten()
         if done_idx.numel() and not pr.own_start:  # warm start from the largest finished C
             src = done_idx[torch.argmax(pr.Cs[done_idx])]
@@ -250,9 +265,7 @@ class _ActiveHeads:
             alpha[:, j] = a
             q = q - a.unsqueeze(1) * Yh[:, j]
         # first step of a head: scale like torch.optim.LBFGS (min(1, 1/|g|_1))
-        init_scale = torch.where(
-            self.first, torch.clamp(1.0 / g.abs().sum(dim=1), max=1.0), self.gamma
-        )
+        init_scale = torch.where(self.first, torch.clamp(1.0 / g.abs().sum(dim=1), max=1.0), self.gamma)
         d = q * init_scale.unsqueeze(1)
         for j in reversed(order):
             beta = rho[:, j] * (Yh[:, j] * d).sum(dim=1)

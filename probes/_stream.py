@@ -70,7 +70,8 @@ def check_finite_rows(X, block_bytes: int | None = None) -> None:
     if bad:
         raise ProbeError(
             f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
-            "re-extract the features (`featcache verify` finds broken chunks)")
+            "re-extract the features (`featcache verify` finds broken chunks)"
+        )
 
 
 def chunked_moments(X, block_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:

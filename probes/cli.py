@@ -15,18 +15,29 @@ def register(subparsers) -> None:
         description="Fit linear probes on cached features (C selected on validation only, "
         "test read once per final fit) and append one row per (run, metric) to a results table.",
     )
-    p.add_argument("--cache", required=True, action="append",
-                   help="feature cache path or URL (repeatable: each backbone is read from the "
-                   "first cache holding it)")
+    p.add_argument(
+        "--cache",
+        required=True,
+        action="append",
+        help="feature cache path or URL (repeatable: each backbone is read from the first cache holding it)",
+    )
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--backbone", action="append", help="backbone key (repeatable)")
     who.add_argument("--all", action="store_true", help="every backbone with features for --dataset")
     add_arguments(p, ProbeConfig)  # every other flag comes from the config's fields
     optional_flag(p, "dataset")  # --suite names the datasets instead
-    p.add_argument("--suite", default=None, help="probe every task of a suite (see `featcache suites`) held in "
-                   "the cache, each selected on its declared metric; VTAB-1k lists: train800/val200")
-    p.add_argument("--dataset-name", default=None, metavar="PREFIX",
-                   help="with --suite: the prefix extract --suite --dataset-name used (datasets PREFIX-<task>)")
+    p.add_argument(
+        "--suite",
+        default=None,
+        help="probe every task of a suite (see `featcache suites`) held in "
+        "the cache, each selected on its declared metric; VTAB-1k lists: train800/val200",
+    )
+    p.add_argument(
+        "--dataset-name",
+        default=None,
+        metavar="PREFIX",
+        help="with --suite: the prefix extract --suite --dataset-name used (datasets PREFIX-<task>)",
+    )
     p.set_defaults(func=run)
 
 
@@ -44,8 +55,13 @@ def config_from_args(args: argparse.Namespace, **overrides) -> ProbeConfig:
     if getattr(args, "dataset", None) is None and "dataset" not in overrides:
         raise ConfigError("give --dataset KEY (one dataset) or --suite NAME (every suite task in the cache)")
     progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
-    return from_namespace(ProbeConfig, args, cache=args.cache if len(args.cache) > 1 else args.cache[0],
-                          backbones="all" if args.all else args.backbone, **{"progress": progress, **overrides})
+    return from_namespace(
+        ProbeConfig,
+        args,
+        cache=args.cache if len(args.cache) > 1 else args.cache[0],
+        backbones="all" if args.all else args.backbone,
+        **{"progress": progress, **overrides},
+    )
 
 
 def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
@@ -71,15 +87,20 @@ def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
         if ds in held:
             kw = {}
             if {"train800", "val200"} <= set(held[ds].splits(ds)) and (args.train_split, args.val_split) == (
-                    ProbeConfig.train_split, ProbeConfig.val_split):
-                kw = dict(train_split="train800", val_split="val200", val_source="official-val")
+                ProbeConfig.train_split,
+                ProbeConfig.val_split,
+            ):
+                kw = {"train_split": "train800", "val_split": "val200", "val_source": "official-val"}
             metric = args.metric or (None if task_metric(held[ds], ds) else task.metric)
             configs.append(config_from_args(args, dataset=ds, metric=metric, **kw))
     if not configs:
-        raise NotInStoreError(f"no task of suite {suite.name} is in {', '.join(args.cache)} (expected datasets "
-                              f"{prefix}{suite.tasks[0].name}, ...); run `featcache extract --suite {suite.name}` first")
-    warn_missing(suite, [t.name for t in suite.tasks if prefix + t.name not in held],
-                 f"are not in {', '.join(args.cache)}")
+        raise NotInStoreError(
+            f"no task of suite {suite.name} is in {', '.join(args.cache)} (expected datasets "
+            f"{prefix}{suite.tasks[0].name}, ...); run `featcache extract --suite {suite.name}` first"
+        )
+    warn_missing(
+        suite, [t.name for t in suite.tasks if prefix + t.name not in held], f"are not in {', '.join(args.cache)}"
+    )
     return configs
 
 
@@ -107,11 +128,17 @@ def format_table(df) -> str:
     if df.height == 0:
         return "(no results)"
     sel = df.with_columns(
-        pl.col("hparams").map_elements(
-            lambda h: _hp_short(json.loads(h)), return_dtype=pl.Utf8).alias("selected"))
-    wide = sel.pivot(on="metric", index=["backbone", "protocol", "eval_split", "seed", "selected",
-                                         "converged"], values="value", aggregate_function="first")
-    metric_cols = [c for c in ("top1", "top5", "mean_per_class", "map11", "roc_auc_macro", "nll", "ece") if c in wide.columns]
+        pl.col("hparams").map_elements(lambda h: _hp_short(json.loads(h)), return_dtype=pl.Utf8).alias("selected")
+    )
+    wide = sel.pivot(
+        on="metric",
+        index=["backbone", "protocol", "eval_split", "seed", "selected", "converged"],
+        values="value",
+        aggregate_function="first",
+    )
+    metric_cols = [
+        c for c in ("top1", "top5", "mean_per_class", "map11", "roc_auc_macro", "nll", "ece") if c in wide.columns
+    ]
     wide = wide.sort(["backbone", "eval_split", "seed"])
     cols = ["backbone", "protocol", "eval_split", "seed", "selected", "converged", *metric_cols]
     rows = [cols] + [[_fmt(v) for v in r] for r in wide.select(cols).rows()]

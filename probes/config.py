@@ -36,51 +36,72 @@ class ProbeConfig:
     cache: str | tuple[str, ...] = flag(cli=False)
     backbones: str | tuple[str, ...] = flag(cli=False)
     dataset: str = flag(required=True, help="dataset key in the cache")
-    protocol: str = flag("full", "full | fewshot:N | vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
-                          "elevater-fewshot:N | elevater-full | zeroshot")
+    protocol: str = flag(
+        "full",
+        "full | fewshot:N | vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
+        "elevater-fewshot:N | elevater-full | zeroshot",
+    )
     seeds: tuple[int, ...] | None = flag(
-        None, "comma-separated seeds (default: the protocol's, 0,1,2 for fewshot/vtab1k, else 0)")
+        None, "comma-separated seeds (default: the protocol's, 0,1,2 for fewshot/vtab1k, else 0)"
+    )
     results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
     force: bool = flag(False, "re-run runs already in the results table", action="store_true")
     backend: str = flag("auto", choices=["auto", "sklearn", "cuml", "torch"])
     Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
     max_iter: int = flag(1000, type=int)
     tol: float = flag(1e-4, type=float)
-    sweep: str = flag("exhaustive", "C selection: every C to convergence, or successive halving "
-                      "on the warm-started path (torch backend)", choices=["exhaustive", "halving"])
+    sweep: str = flag(
+        "exhaustive",
+        "C selection: every C to convergence, or successive halving on the warm-started path (torch backend)",
+        choices=["exhaustive", "halving"],
+    )
     max_host_bytes: int | None = flag(
-        None, "stream training rows in blocks when an in-memory fit would allocate more than this "
-        "many bytes (default 1 GiB)", type=int)
-    standardize: bool = flag(True, "fit on raw features (default: z-score with training statistics)",
-                             negate="--no-standardize")
-    eval_splits: tuple[str, ...] = flag(("test",), "split(s) to evaluate on (repeatable; default: test)",
-                                        name="--eval-split", action="append")
+        None,
+        "stream training rows in blocks when an in-memory fit would allocate more than this many bytes (default 1 GiB)",
+        type=int,
+    )
+    standardize: bool = flag(
+        True, "fit on raw features (default: z-score with training statistics)", negate="--no-standardize"
+    )
+    eval_splits: tuple[str, ...] = flag(
+        ("test",), "split(s) to evaluate on (repeatable; default: test)", name="--eval-split", action="append"
+    )
     train_split: str = flag("train")
     val_split: str = flag("val", "the dataset's own validation split, used when present")
     kind: str = flag("pooled", "feature kind in the cache")
-    val_source: str = flag("split-800-200", "vtab1k selection data (the paper's two readings)",
-                           choices=["split-800-200", "official-val"])
-    head_init: str | None = flag(None, "class-embedding matrix the head starts from (ELEVATER: 'text', stored "
-                                       "per backbone x dataset); zeroshot: the classifier itself (default text)")
+    val_source: str = flag(
+        "split-800-200", "vtab1k selection data (the paper's two readings)", choices=["split-800-200", "official-val"]
+    )
+    head_init: str | None = flag(
+        None,
+        "class-embedding matrix the head starts from (ELEVATER: 'text', stored "
+        "per backbone x dataset); zeroshot: the classifier itself (default text)",
+    )
     sgd_epochs: int | None = flag(None, "salman: SGD epochs (paper: 150)", name="--epochs", type=int)
     search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
-    final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)",
-                                    type=int)
+    final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int)
     vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
     last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
     sgd_standardize: bool = flag(False, cli=False)
     metrics: tuple[str, ...] | None = flag(None, cli=False)  # None: every metric
     metric: str | None = flag(
-        None, "the task's metric, used to select hyper-parameters (default: the metric recorded "
-        "for the dataset in the store, else top1)", choices=["top1", "mean_per_class", "map11", "roc_auc_macro"])
+        None,
+        "the task's metric, used to select hyper-parameters (default: the metric recorded "
+        "for the dataset in the store, else top1)",
+        choices=["top1", "mean_per_class", "map11", "roc_auc_macro"],
+    )
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("cache", str(self.cache) if isinstance(self.cache, str) or hasattr(self.cache, "__fspath__")
-            else tuple(str(c) for c in self.cache))
+        put(
+            "cache",
+            str(self.cache)
+            if isinstance(self.cache, str) or hasattr(self.cache, "__fspath__")
+            else tuple(str(c) for c in self.cache),
+        )
         put("backbones", str_tuple(self.backbones))
         put("seeds", _seeds(self.seeds))
         put("eval_splits", str_tuple(self.eval_splits))
@@ -130,24 +151,37 @@ class ProbeConfig:
 
     def solver_options(self) -> dict[str, Any]:
         """The solver settings ``_fit_lbfgs``/``_fit_sgd`` read (a resolved config)."""
+
         def opt(cast, v):  # grid fields a protocol does not use stay None
             return None if v is None else cast(v)
 
-        return dict(Cs=list(self.Cs), backend=self.backend, max_iter=int(self.max_iter),
-                    tol=float(self.tol), standardize=bool(self.standardize),
-                    sgd_epochs=opt(int, self.sgd_epochs), vtab_steps=opt(tuple, self.vtab_steps),
-                    last_decay=opt(float, self.last_decay), sgd_standardize=bool(self.sgd_standardize),
-                    metric=self.metric or "top1", search_epochs=opt(int, self.search_epochs),
-                    final_epochs=opt(int, self.final_epochs), sweep=str(self.sweep),
-                    max_host_bytes=opt(int, self.max_host_bytes))
+        return {
+            "Cs": list(self.Cs),
+            "backend": self.backend,
+            "max_iter": int(self.max_iter),
+            "tol": float(self.tol),
+            "standardize": bool(self.standardize),
+            "sgd_epochs": opt(int, self.sgd_epochs),
+            "vtab_steps": opt(tuple, self.vtab_steps),
+            "last_decay": opt(float, self.last_decay),
+            "sgd_standardize": bool(self.sgd_standardize),
+            "metric": self.metric or "top1",
+            "search_epochs": opt(int, self.search_epochs),
+            "final_epochs": opt(int, self.final_epochs),
+            "sweep": str(self.sweep),
+            "max_host_bytes": opt(int, self.max_host_bytes),
+        }
 
     def run_options(self, proto) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the solver settings the
         protocol's solver reads plus the data choices (a resolved config)."""
         # max_host_bytes changes float32 summation order only, like the backend; the default
         # (exhaustive) sweep stays out so run ids of earlier results do not change
-        opts = {k: v for k, v in self.solver_options().items()
-                if k not in ("backend", "max_host_bytes") and not (k == "sweep" and v == "exhaustive")}
+        opts = {
+            k: v
+            for k, v in self.solver_options().items()
+            if k not in ("backend", "max_host_bytes") and not (k == "sweep" and v == "exhaustive")
+        }
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
@@ -158,8 +192,15 @@ class ProbeConfig:
         if proto.solver == "lbfgs":
             drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize", *elevater)
         elif proto.solver in ("elevater", "zeroshot"):
-            drop = (*lbfgs, "sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize", "sweep",
-                    *(elevater if proto.solver == "zeroshot" else ()))
+            drop = (
+                *lbfgs,
+                "sgd_epochs",
+                "vtab_steps",
+                "last_decay",
+                "sgd_standardize",
+                "sweep",
+                *(elevater if proto.solver == "zeroshot" else ()),
+            )
         elif proto.grid.epochs is not None:
             drop = (*lbfgs, "vtab_steps", "last_decay", "sweep", *elevater)
         else:
@@ -175,9 +216,16 @@ class ProbeConfig:
         ``store_fingerprint`` combines the fingerprints of the splits read (runner)."""
         from featcache.results import make_run_id
 
-        return make_run_id(kind="probe", backbone=backbone, dataset=self.dataset, protocol=proto.spec,
-                           seed=seed, eval_split=eval_split, options=self.run_options(proto),
-                           store_fingerprint=store_fingerprint)
+        return make_run_id(
+            kind="probe",
+            backbone=backbone,
+            dataset=self.dataset,
+            protocol=proto.spec,
+            seed=seed,
+            eval_split=eval_split,
+            options=self.run_options(proto),
+            store_fingerprint=store_fingerprint,
+        )
 
     def run_ids(self) -> dict[tuple[str, int, str], str]:
         """``{(backbone, seed, eval split): run id}`` of every run this config makes, from the
@@ -186,6 +234,9 @@ class ProbeConfig:
         from featcache.probes.runner import store_fingerprints
 
         proto, cfg = self.resolve()
-        return {(b, s, es): cfg.run_id(proto, b, s, es, fp)
-                for b, fps in store_fingerprints(cfg, proto).items() for s in cfg.seeds
-                for es, fp in fps.items()}
+        return {
+            (b, s, es): cfg.run_id(proto, b, s, es, fp)
+            for b, fps in store_fingerprints(cfg, proto).items()
+            for s in cfg.seeds
+            for es, fp in fps.items()
+        }

@@ -22,7 +22,7 @@ import numpy as np
 
 from featcache.errors import ProbeError
 
-__all__ = ["l2_normalise", "search_weight_decay", "fit_elevater", "zeroshot_logits"]
+__all__ = ["fit_elevater", "l2_normalise", "search_weight_decay", "zeroshot_logits"]
 
 
 def l2_normalise(X: np.ndarray) -> np.ndarray:
@@ -71,8 +71,10 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
     Xva, yva = plan.va
     classes = np.unique(ytr)
     if np.setdiff1d(np.concatenate([yva, plan.fin[1]]), classes).size:
-        raise ProbeError("validation/final training data hold classes absent from the selection "
-                         "train data; resample the split so every class is in train")
+        raise ProbeError(
+            "validation/final training data hold classes absent from the selection "
+            "train data; resample the split so every class is in train"
+        )
     hi = None if head_init is None else l2_normalise(np.asarray(head_init)[classes])
     se, fe = opts["search_epochs"], opts["final_epochs"]
 
@@ -80,9 +82,18 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
         """(probe, channel standardiser) trained on (X, y)."""
         bn = _ChannelBN(X, grid.features, grid.logit_scale)
         steps = epochs * math.ceil(y.size / grid.batch_size)
-        p = SGDProbe(lr=lr, steps=steps, batch_size=grid.batch_size, momentum=grid.momentum,
-                     nesterov=grid.nesterov, weight_decay=wd, standardize=False, head_init=hi,
-                     random_state=seed, device=device)
+        p = SGDProbe(
+            lr=lr,
+            steps=steps,
+            batch_size=grid.batch_size,
+            momentum=grid.momentum,
+            nesterov=grid.nesterov,
+            weight_decay=wd,
+            standardize=False,
+            head_init=hi,
+            random_state=seed,
+            device=device,
+        )
         return p.fit(bn(X), y, classes=classes), bn
 
     tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
@@ -90,31 +101,57 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
 
     def val_top1(lr, wd) -> float:
         steps = se * math.ceil(ytr.size / grid.batch_size)
-        p = SGDProbe(lr=lr, steps=steps, batch_size=grid.batch_size, momentum=grid.momentum,
-                     nesterov=grid.nesterov, weight_decay=wd, standardize=False, head_init=hi,
-                     random_state=seed, device=device).fit(Xtr_s, ytr, classes=classes)
+        p = SGDProbe(
+            lr=lr,
+            steps=steps,
+            batch_size=grid.batch_size,
+            momentum=grid.momentum,
+            nesterov=grid.nesterov,
+            weight_decay=wd,
+            standardize=False,
+            head_init=hi,
+            random_state=seed,
+            device=device,
+        ).fit(Xtr_s, ytr, classes=classes)
         return float(np.mean(p.predict(Xva_s) == yva)) if p.finite_ else -1.0
 
     t0 = time.perf_counter()
     best = (-math.inf, None, None)
     trials, per_lr = 0, []
     for lr in grid.lrs:
-        i, sc, n = search_weight_decay(lambda k, lr=lr: val_top1(lr, grid.wds[k]), len(grid.wds),
-                                       grid.coarse, grid.spans)
+        i, sc, n = search_weight_decay(
+            lambda k, lr=lr: val_top1(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans
+        )
         trials += n
         per_lr.append({"lr": lr, "weight_decay": grid.wds[i], "val_top1": sc, "trials": n})
         if sc > best[0]:
             best = (sc, lr, grid.wds[i])
     sc, lr, wd = best
     probe, bn = fit(*plan.fin, lr, wd, fe)
-    hp = {"solver": "elevater-sgd", "device": device, "lr": lr, "weight_decay": wd, "val_top1": sc,
-          "selection": "val top1 after the last search epoch (ties: smaller lr, earlier probe)",
-          "trials": trials, "per_lr": per_lr, "search_epochs": se, "final_epochs": fe,
-          "batch_size": grid.batch_size, "momentum": grid.momentum, "nesterov": grid.nesterov,
-          "features": grid.features, "logit_scale": grid.logit_scale, "head": "text-initialised" if hi is not None else "zeros",
-          "report": "final epoch (not the best test epoch)"}
-    scaled = {k: v for k, v, pub in (("search_epochs", se, grid.search_epochs),
-                                     ("final_epochs", fe, grid.final_epochs)) if v != pub}
+    hp = {
+        "solver": "elevater-sgd",
+        "device": device,
+        "lr": lr,
+        "weight_decay": wd,
+        "val_top1": sc,
+        "selection": "val top1 after the last search epoch (ties: smaller lr, earlier probe)",
+        "trials": trials,
+        "per_lr": per_lr,
+        "search_epochs": se,
+        "final_epochs": fe,
+        "batch_size": grid.batch_size,
+        "momentum": grid.momentum,
+        "nesterov": grid.nesterov,
+        "features": grid.features,
+        "logit_scale": grid.logit_scale,
+        "head": "text-initialised" if hi is not None else "zeros",
+        "report": "final epoch (not the best test epoch)",
+    }
+    scaled = {
+        k: v
+        for k, v, pub in (("search_epochs", se, grid.search_epochs), ("final_epochs", fe, grid.final_epochs))
+        if v != pub
+    }
     if scaled:
         hp["scaled"] = True
         hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}

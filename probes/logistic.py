@@ -72,18 +72,24 @@ def resolve_backend(backend: str = "auto") -> tuple[str, str]:
             choice = ("torch", "cuda")
         else:
             choice = ("torch", "cpu")
-        log.info("probe backend auto -> %s on %s%s", choice[0], choice[1],
-                 "" if cuda else " (no CUDA GPU found; CPU fallback)")
+        log.info(
+            "probe backend auto -> %s on %s%s",
+            choice[0],
+            choice[1],
+            "" if cuda else " (no CUDA GPU found; CPU fallback)",
+        )
         return choice
     if backend == "cuml":
         if not cuda:
             raise BackendUnavailableError(
                 "backend='cuml' needs a CUDA GPU and none is visible; use backend='torch' or "
-                "'sklearn' (or 'auto', which falls back to the CPU)")
+                "'sklearn' (or 'auto', which falls back to the CPU)"
+            )
         if not _cuml_available():
             raise BackendUnavailableError(
                 "backend='cuml' needs RAPIDS cuML: pip install 'featcache[gpu]' (cuml-cu12), "
-                "or use backend='torch', which also runs on the GPU")
+                "or use backend='torch', which also runs on the GPU"
+            )
         return ("cuml", "cuda")
     if backend == "torch":
         return ("torch", "cuda" if cuda else "cpu")
@@ -104,7 +110,8 @@ def _check_Xy(X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarr
     if classes.size < 2:
         raise ProbeError(
             f"the training labels hold a single class ({classes[0]!r}); a classifier needs at "
-            "least two: check the split/label column or sample more data")
+            "least two: check the split/label column or sample more data"
+        )
     if cast or X.dtype.kind != "f":
         X = X.astype(np.float32, copy=False)
     return X, y_idx.astype(np.int64), classes
@@ -112,9 +119,14 @@ def _check_Xy(X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def _is_lazy(X) -> bool:
     """An array-like read by slicing (zarr.Array, dask, h5py) rather than a numpy array."""
-    return (not isinstance(X, np.ndarray) and hasattr(X, "dtype") and hasattr(X, "shape")
-            and hasattr(X, "__getitem__") and len(X.shape) == 2 and type(X).__module__.split(".")[0]
-            in ("zarr", "dask", "h5py"))
+    return (
+        not isinstance(X, np.ndarray)
+        and hasattr(X, "dtype")
+        and hasattr(X, "shape")
+        and hasattr(X, "__getitem__")
+        and len(X.shape) == 2
+        and type(X).__module__.split(".")[0] in ("zarr", "dask", "h5py")
+    )
 
 
 def _validate_lazy(est, X, y):
@@ -123,13 +135,14 @@ def _validate_lazy(est, X, y):
 
     y = np.asarray(y)
     if y.ndim != 1 or y.shape[0] != X.shape[0]:
-        raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries (one per feature row), "
-                         f"got shape {y.shape}")
+        raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries (one per feature row), got shape {y.shape}")
     check_finite_rows(X)
     classes, y_idx = np.unique(y, return_inverse=True)
     if classes.size < 2:
-        raise ProbeError(f"the training labels hold a single class ({classes[0]!r}); a "
-                         "classifier needs at least two: check the split/label column")
+        raise ProbeError(
+            f"the training labels hold a single class ({classes[0]!r}); a "
+            "classifier needs at least two: check the split/label column"
+        )
     est.n_features_in_ = int(X.shape[1])
     return X, y_idx.astype(np.int64), classes
 
@@ -143,8 +156,12 @@ def _prepare(X, standardize: bool, streamed: bool, device: str):
         return scaler, scaler.transform(X)
     from featcache.probes._stream import RowSource, chunked_moments
 
-    log.info("streaming %d x %d %s features in row blocks (in-memory fit would exceed "
-             "max_host_bytes)", X.shape[0], X.shape[1], X.dtype)
+    log.info(
+        "streaming %d x %d %s features in row blocks (in-memory fit would exceed max_host_bytes)",
+        X.shape[0],
+        X.shape[1],
+        X.dtype,
+    )
     D = X.shape[1]
     if standardize:
         mu, sd = chunked_moments(X)
@@ -194,8 +211,10 @@ def _softmax_init(coef, intercept, K: int) -> tuple[np.ndarray, np.ndarray]:
     if K == 2 and coef.shape[0] == 1:
         return np.vstack([-coef / 2, coef / 2]), np.array([-intercept[0] / 2, intercept[0] / 2])
     if coef.shape[0] != K:
-        raise ProbeError(f"initial head has {coef.shape[0]} rows but the labels hold {K} classes; "
-                         "give one row per class, in the order of classes_")
+        raise ProbeError(
+            f"initial head has {coef.shape[0]} rows but the labels hold {K} classes; "
+            "give one row per class, in the order of classes_"
+        )
     return coef, intercept
 
 
@@ -230,9 +249,16 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
     n_iter_, converged_, grad_max_, backend_, device_, fit_seconds_, streamed_.
     """
 
-    def __init__(self, C: float = 1.0, backend: str = "auto", max_iter: int = 1000,
-                 tol: float = 1e-4, standardize: bool = True, head_init=None,
-                 max_host_bytes: int | None = None):
+    def __init__(
+        self,
+        C: float = 1.0,
+        backend: str = "auto",
+        max_iter: int = 1000,
+        tol: float = 1e-4,
+        standardize: bool = True,
+        head_init=None,
+        max_host_bytes: int | None = None,
+    ):
         self.C = C
         self.backend = backend
         self.max_iter = max_iter
@@ -257,8 +283,7 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
         self.classes_ = classes
         K = classes.size
         self.backend_, self.device_ = resolve_backend(self.backend)
-        self.streamed_ = self.backend_ == "torch" and use_streaming(
-            X.shape[0], X.shape[1], K, 1, self.max_host_bytes)
+        self.streamed_ = self.backend_ == "torch" and use_streaming(X.shape[0], X.shape[1], K, 1, self.max_host_bytes)
         scaler, Xs = _prepare(X, self.standardize, self.streamed_, self.device_)
         W0, b0 = self._initial_head(scaler, init, K, X.shape[1])
         t0 = time.perf_counter()
@@ -271,9 +296,15 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
         self.converged_ = conv
         self.grad_max_ = gmax
         if not conv:
-            log.warning("LogisticProbe(C=%g, backend=%s) did not converge in %d iterations "
-                        "(max|grad|=%.3g > tol=%g); raise max_iter or tol", self.C, self.backend_,
-                        n_iter, gmax, self.tol)
+            log.warning(
+                "LogisticProbe(C=%g, backend=%s) did not converge in %d iterations "
+                "(max|grad|=%.3g > tol=%g); raise max_iter or tol",
+                self.C,
+                self.backend_,
+                n_iter,
+                gmax,
+                self.tol,
+            )
         return self
 
     def _initial_head(self, scaler: _Scaler, init, K: int, D: int):
@@ -284,14 +315,15 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
             return None, None
         coef0, int0 = _softmax_init(init[0], init[1], K)
         if coef0.shape[1] != D:
-            raise ProbeError(f"initial head has dimension {coef0.shape[1]} but the features "
-                             f"have {D}; use a class-embedding matrix of the same backbone")
+            raise ProbeError(
+                f"initial head has dimension {coef0.shape[1]} but the features "
+                f"have {D}; use a class-embedding matrix of the same backbone"
+            )
         return scaler.from_raw(coef0, int0)
 
     def _solve(self, Xs, yi, K, W0, b0):
         if self.backend_ == "torch":
-            W, b, n_iter, conv, gmax = _fit_torch(Xs, yi, K, [self.C], self.device_,
-                                                  self.max_iter, self.tol, W0, b0)
+            W, b, n_iter, conv, gmax = _fit_torch(Xs, yi, K, [self.C], self.device_, self.max_iter, self.tol, W0, b0)
             return W[0], b[0], int(n_iter[0]), bool(conv[0]), float(gmax[0])
         if self.backend_ == "sklearn":
             return _fit_sklearn(Xs, yi, K, self.C, self.max_iter, self.tol, W0, b0)
@@ -349,23 +381,25 @@ def _fit_torch(Xs, yi, K, Cs, device, max_iter, tol, W0=None, b0=None, block=Non
     Cs_eff = [c / 2 if K == 2 else c for c in Cs]
     theta0 = None
     if W0 is not None and np.ndim(W0) == 3:  # one start per head: [H, D, K], [H, K]
-        theta0 = torch.from_numpy(np.concatenate([W0.reshape(len(W0), -1), b0], axis=1)
-                                  .astype(np.float32))
+        theta0 = torch.from_numpy(np.concatenate([W0.reshape(len(W0), -1), b0], axis=1).astype(np.float32))
     elif W0 is not None:
         theta0 = torch.from_numpy(np.concatenate([W0.reshape(-1), b0]).astype(np.float32))[None]
     with cpu_threads(device):
-        r = lbfgs_multihead(X_t, y_t, Cs_eff, K, theta0=theta0, max_iter=max_iter, tol=tol,
-                            block=block)
-    return (r.W.double().cpu().numpy(), r.b.double().cpu().numpy(), r.n_iter.numpy(),
-            r.converged.numpy(), r.grad_max.double().cpu().numpy())
+        r = lbfgs_multihead(X_t, y_t, Cs_eff, K, theta0=theta0, max_iter=max_iter, tol=tol, block=block)
+    return (
+        r.W.double().cpu().numpy(),
+        r.b.double().cpu().numpy(),
+        r.n_iter.numpy(),
+        r.converged.numpy(),
+        r.grad_max.double().cpu().numpy(),
+    )
 
 
 def _fit_sklearn(Xs, yi, K, C, max_iter, tol, W0=None, b0=None):
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
-    clf = LogisticRegression(C=C, max_iter=max_iter, tol=tol, solver="lbfgs",
-                             warm_start=W0 is not None)
+    clf = LogisticRegression(C=C, max_iter=max_iter, tol=tol, solver="lbfgs", warm_start=W0 is not None)
     if W0 is not None:
         coef, inter = _softmax_to_sklearn(W0.T, b0)
         clf.coef_, clf.intercept_ = coef.copy(), inter.copy()
@@ -397,8 +431,14 @@ def _fit_cuml(Xs, yi, K, C, max_iter, tol):  # pragma: no cover - needs a GPU wi
     import cuml
     from cuml.linear_model import LogisticRegression
 
-    clf = LogisticRegression(C=cuml_C(C, Xs.shape[0], cuml.__version__), penalty="l2",
-                             max_iter=max_iter, tol=tol, fit_intercept=True, output_type="numpy")
+    clf = LogisticRegression(
+        C=cuml_C(C, Xs.shape[0], cuml.__version__),
+        penalty="l2",
+        max_iter=max_iter,
+        tol=tol,
+        fit_intercept=True,
+        output_type="numpy",
+    )
     clf.fit(Xs, yi.astype(np.int32))
     coef = np.asarray(clf.coef_, np.float64).reshape(-1, Xs.shape[1])
     inter = np.asarray(clf.intercept_, np.float64).reshape(-1)
@@ -410,9 +450,13 @@ def _fit_cuml(Xs, yi, K, C, max_iter, tol):  # pragma: no cover - needs a GPU wi
     # the adapter's own check that cuML solved featcache's problem (catches a C scale mismatch)
     conv = n_iter < max_iter and gmax <= 10 * tol
     if gmax > 10 * tol:
-        log.warning("cuML solution is not stationary for featcache's objective at C=%g "
-                    "(max|grad|=%.3g); its C scaling may differ in cuML %s", C, gmax,
-                    cuml.__version__)
+        log.warning(
+            "cuML solution is not stationary for featcache's objective at C=%g "
+            "(max|grad|=%.3g); its C scaling may differ in cuML %s",
+            C,
+            gmax,
+            cuml.__version__,
+        )
     return W, b, n_iter, conv, gmax
 
 
@@ -458,11 +502,26 @@ def select_index(val_scores) -> int:
     return int(np.flatnonzero(s == s.max())[0])
 
 
-def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "auto",
-            max_iter: int = 1000, tol: float = 1e-4, standardize: bool = True,
-            head_init=None, sweep_tol: float | None = None, block: int | None | str = "auto",
-            metric: str = "top1", max_host_bytes: int | None = None, sweep: str = "exhaustive",
-            halving_iter0: int = 10, halving_eta: int = 3) -> SweepResult:
+def sweep_C(
+    X_train,
+    y_train,
+    X_val,
+    y_val,
+    Cs=DEFAULT_CS,
+    *,
+    backend: str = "auto",
+    max_iter: int = 1000,
+    tol: float = 1e-4,
+    standardize: bool = True,
+    head_init=None,
+    sweep_tol: float | None = None,
+    block: int | str | None = "auto",
+    metric: str = "top1",
+    max_host_bytes: int | None = None,
+    sweep: str = "exhaustive",
+    halving_iter0: int = 10,
+    halving_eta: int = 3,
+) -> SweepResult:
     """Fit every C on train, score ``metric`` (a single-label task metric, default top-1)
     on val (never test), return the selection.
 
@@ -488,21 +547,22 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
     Cs = sorted(float(c) for c in Cs)
     metric_score = _selection_scorer(metric)
     if sweep == "halving" and metric != "top1":
-        raise ProbeError(f"sweep='halving' selects on validation top-1, but the task metric is {metric!r}; "
-                         "use sweep='exhaustive'")
+        raise ProbeError(
+            f"sweep='halving' selects on validation top-1, but the task metric is {metric!r}; use sweep='exhaustive'"
+        )
     X, yi, classes = _check_Xy(X_train, y_train, cast=False)
     Xv, yv = _check_val(X_val, y_val, classes)
     K = classes.size
     name, device = resolve_backend(backend)
     if sweep == "halving" and name != "torch":
-        raise ProbeError(f"sweep='halving' needs the torch backend (got {name!r}); pass "
-                         "backend='torch' or sweep='exhaustive'")
+        raise ProbeError(
+            f"sweep='halving' needs the torch backend (got {name!r}); pass backend='torch' or sweep='exhaustive'"
+        )
     auto = block == "auto"
     if auto:
         block = 8 if device == "cpu" else None
     heads_at_once = len(Cs) if block is None else min(int(block), len(Cs))
-    streamed = name == "torch" and use_streaming(X.shape[0], X.shape[1], K, heads_at_once,
-                                                 max_host_bytes)
+    streamed = name == "torch" and use_streaming(X.shape[0], X.shape[1], K, heads_at_once, max_host_bytes)
     if streamed and auto:  # the per-head L-BFGS state must fit the memory bound too
         block = max(1, min(heads_at_once, state_heads(X.shape[1], K, max_host_bytes)))
     scaler, Xs = _prepare(X, standardize, streamed, device)
@@ -515,39 +575,53 @@ def sweep_C(X_train, y_train, X_val, y_val, Cs=DEFAULT_CS, *, backend: str = "au
     t0 = time.perf_counter()
     info: dict = {"sweep": sweep, "streamed": bool(streamed)}
     if sweep == "halving":
-        out = _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score,
-                       halving_iter0, halving_eta)
-        heads, n_iters, convs, val, best = (out.heads, out.n_iter, out.converged, out.val,
-                                            out.best_index)
+        out = _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, halving_iter0, halving_eta)
+        heads, n_iters, convs, val, best = (out.heads, out.n_iter, out.converged, out.val, out.best_index)
         scores = val
-        info.update(head_iters=out.head_iters, rounds=len(out.rounds),
-                    halving_iter0=int(halving_iter0), halving_eta=int(halving_eta))
+        info.update(
+            head_iters=out.head_iters,
+            rounds=len(out.rounds),
+            halving_iter0=int(halving_iter0),
+            halving_eta=int(halving_eta),
+        )
     else:
-        heads, n_iters, convs = _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0,
-                                           block)
+        heads, n_iters, convs = _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block)
         val = score(range(len(heads)), heads)
         scores = val if metric == "top1" else _metric_scores(Xv, yv, scaler, heads, metric_score)
         best = select_index(scores)
         info["head_iters"] = int(sum(n_iters))
     seconds = time.perf_counter() - t0
     raw = [scaler.to_raw(Wh, bh) for Wh, bh in heads]
-    return SweepResult(Cs=Cs, val_top1=val, best_index=best, n_iter=n_iters,
-                       converged=convs, backend=name, seconds=seconds, heads=raw, tol=stol,
-                       info=info, metric=metric, val_scores=list(scores))
+    return SweepResult(
+        Cs=Cs,
+        val_top1=val,
+        best_index=best,
+        n_iter=n_iters,
+        converged=convs,
+        backend=name,
+        seconds=seconds,
+        heads=raw,
+        tol=stol,
+        info=info,
+        metric=metric,
+        val_scores=list(scores),
+    )
 
 
 def _check_val(X_val, y_val, classes):
     Xv = np.asarray(X_val)
     if Xv.dtype.kind != "f":
         Xv = Xv.astype(np.float32)
-    if not all(np.isfinite(np.asarray(Xv[s:s + 65536])).all() for s in range(0, len(Xv), 65536)):
+    if not all(np.isfinite(np.asarray(Xv[s : s + 65536])).all() for s in range(0, len(Xv), 65536)):
         raise ProbeError("validation features contain NaN or inf; drop invalid rows first")
     pos = {c: i for i, c in enumerate(classes.tolist())}
     try:
         yv = np.array([pos[v] for v in np.asarray(y_val).tolist()], np.int64)
     except KeyError as exc:
-        raise ProbeError(f"validation label {exc.args[0]!r} does not occur in train; the class "
-                         "sets of the splits differ: resample the split so every class is in train") from None
+        raise ProbeError(
+            f"validation label {exc.args[0]!r} does not occur in train; the class "
+            "sets of the splits differ: resample the split so every class is in train"
+        ) from None
     return Xv, yv
 
 
@@ -558,16 +632,14 @@ def _val_scorer(Xv, yv, scaler: _Scaler, streamed: bool):
 
         return lambda idx, heads: scores_blockwise(Xv, scaler.mean, scaler.scale, heads, yv)
     Xvs = scaler.transform(np.asarray(Xv, np.float32)).astype(np.float64)
-    return lambda idx, heads: [float(np.mean((Xvs @ Wh + bh).argmax(axis=1) == yv))
-                               for Wh, bh in heads]
+    return lambda idx, heads: [float(np.mean((Xvs @ Wh + bh).argmax(axis=1) == yv)) for Wh, bh in heads]
 
 
 def _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block):
     """Every C fitted to convergence: (standardised heads, n_iter, converged) per C."""
     heads, n_iters, convs = [], [], []
     if name == "torch":
-        W, b, n_iter, conv, _ = _fit_torch(Xs, yi, K, Cs, device, max_iter, stol, W0, b0,
-                                           block=block)
+        W, b, n_iter, conv, _ = _fit_torch(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block=block)
         for h in range(len(Cs)):
             heads.append((W[h], b[h]))
         return heads, [int(v) for v in n_iter], [bool(v) for v in conv]
@@ -588,8 +660,9 @@ def _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, iter0,
 
     def fit(idx, Ws, bs, iters):  # round 0: one C at a time, each from its neighbour
         Wst, bst = (W0, b0) if Ws is None else (Ws, bs)
-        W, b, n_iter, conv, _ = _fit_torch(Xs, yi, K, [Cs[i] for i in idx], device, iters,
-                                           stol, Wst, bst, block=1 if Ws is None else block)
+        W, b, n_iter, conv, _ = _fit_torch(
+            Xs, yi, K, [Cs[i] for i in idx], device, iters, stol, Wst, bst, block=1 if Ws is None else block
+        )
         return W, b, n_iter, conv
 
     return halving_sweep(fit, score, len(Cs), max_iter=max_iter, iter0=iter0, eta=eta)

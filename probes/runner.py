@@ -70,15 +70,16 @@ class _Data:
     label_names: list[str] | None = None  # columns of the multi-label targets, when present
 
     def splits(self) -> dict[str, SplitData]:
-        return {self.train.name: self.train, **({self.val.name: self.val} if self.val else {}),
-                **self.evals}
+        return {self.train.name: self.train, **({self.val.name: self.val} if self.val else {}), **self.evals}
 
 
 # ------------------------------------------------------------------ loading
 def _open_caches(cache_path) -> list:
     from featcache.store import open_cache
 
-    paths = [cache_path] if isinstance(cache_path, (str, bytes)) or hasattr(cache_path, "__fspath__") else list(cache_path)
+    paths = (
+        [cache_path] if isinstance(cache_path, (str, bytes)) or hasattr(cache_path, "__fspath__") else list(cache_path)
+    )
     return [open_cache(str(p)) for p in paths]
 
 
@@ -89,11 +90,11 @@ def _cache_for(caches, backbone: str, dataset: str):
     held = sorted({(b, d) for c in caches for b in c.backbones() for d in c.datasets()})
     raise NotInStoreError(
         f"no features for backbone {backbone!r} on dataset {dataset!r} in the given cache(s); "
-        f"they hold backbones x datasets {held}; run `featcache extract` for it first")
+        f"they hold backbones x datasets {held}; run `featcache extract` for it first"
+    )
 
 
-def _load_split(cache, backbone, dataset, split, kind, train_names=None,
-                stored_dtype: bool = False) -> SplitData:
+def _load_split(cache, backbone, dataset, split, kind, train_names=None, stored_dtype: bool = False) -> SplitData:
     f = cache.load(backbone, dataset, split, kind=kind, dtype=None if stored_dtype else np.float32)
     valid = np.asarray(f.valid, bool)
     X = f.X[valid]
@@ -102,7 +103,8 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None,
         raise ProbeError(
             f"{backbone}/{dataset}/{split}: {int(bad.sum())} rows marked valid hold NaN or inf "
             f"features (first id {f.ids[valid][bad][0]!r}); re-extract them with `featcache "
-            "extract ... --overwrite` or check the backbone's numerics (e.g. fp16 overflow)")
+            "extract ... --overwrite` or check the backbone's numerics (e.g. fp16 overflow)"
+        )
     names = np.asarray(f.class_names, dtype=object)
     labels = np.asarray(f.labels)[valid]
     ids = np.asarray(f.ids)[valid].astype(str)
@@ -116,10 +118,12 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None,
         raise ProbeError(
             f"{dataset}/{split} has classes {unknown[:10]} that the train split does not define; "
             "the class sets of the splits differ: extract both splits from the same dataset "
-            "spec (same class list)")
+            "spec (same class list)"
+        )
     y = np.fromiter((pos[n] for n in y_names), np.int64, count=y_names.size)
-    return SplitData(split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint,
-                     rows=np.flatnonzero(valid)[order])
+    return SplitData(
+        split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint, rows=np.flatnonzero(valid)[order]
+    )
 
 
 def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
@@ -137,15 +141,17 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     evals = {}
     for s in cfg.eval_splits:
         if s not in splits:
-            raise NotInStoreError(f"dataset {ds!r} has no split {s!r} to evaluate on "
-                                  f"(has {splits}); pass --eval-split with one of them")
+            raise NotInStoreError(
+                f"dataset {ds!r} has no split {s!r} to evaluate on (has {splits}); pass --eval-split with one of them"
+            )
         evals[s] = _load_split(c, b, ds, s, cfg.kind, names)
         _check_disjoint(tr, evals[s])
         if va is not None:
             _check_disjoint(va, evals[s])
     if len(np.unique(tr.y)) < 2:
-        raise ProbeError(f"{b}/{ds}/{cfg.train_split} holds a single class among its valid "
-                         "rows; a probe needs at least two classes")
+        raise ProbeError(
+            f"{b}/{ds}/{cfg.train_split} holds a single class among its valid rows; a probe needs at least two classes"
+        )
     data = _Data(tr, va, evals, names)
     _attach_label_matrices(c, ds, data)
     return data
@@ -161,15 +167,19 @@ def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
     if not held:
         return
     if len(held) != len(found):
-        raise ProbeError(f"{ds}: splits {held} have multi-label targets but "
-                         f"{sorted(set(found) - set(held))} do not; write a label matrix for every "
-                         "split (featcache.store.tasks.write_label_matrix)")
+        raise ProbeError(
+            f"{ds}: splits {held} have multi-label targets but "
+            f"{sorted(set(found) - set(held))} do not; write a label matrix for every "
+            "split (featcache.store.tasks.write_label_matrix)"
+        )
     names = found[data.train.name][1]
     for s, sd in data.splits().items():
         M, cols, sha = found[s]
         if cols != names:
-            raise ProbeError(f"{ds}/{s}: label-matrix classes {cols[:5]}... differ from the train "
-                             f"split's {names[:5]}...; write every split with the same class list")
+            raise ProbeError(
+                f"{ds}/{s}: label-matrix classes {cols[:5]}... differ from the train "
+                f"split's {names[:5]}...; write every split with the same class list"
+            )
         store_ids = cache.split_rows(ds, s)[0]
         order = np.argsort(store_ids, kind="stable")
         sd.Y = M[order[np.searchsorted(store_ids[order], sd.ids)]]
@@ -199,7 +209,8 @@ def _check_alignment(per_backbone: dict[str, dict[str, SplitData]]) -> None:
                     f"split {s!r}: the valid rows of backbones {ref_b!r} and {b!r} do not align "
                     f"by id ({only} ids in one but not the other); extract both backbones from "
                     "the same dataset spec into one cache (or re-run the failed images) so "
-                    "every backbone is evaluated on the same images")
+                    "every backbone is evaluated on the same images"
+                )
 
 
 def _check_disjoint(train: SplitData, other: SplitData) -> None:
@@ -207,7 +218,8 @@ def _check_disjoint(train: SplitData, other: SplitData) -> None:
     if both.size:
         raise ProbeError(
             f"{both.size} sample ids occur in both {train.name!r} and {other.name!r} (e.g. "
-            f"{both[0]!r}); evaluation on training images is invalid: fix the split definitions")
+            f"{both[0]!r}); evaluation on training images is invalid: fix the split definitions"
+        )
 
 
 # ------------------------------------------------------------------ planning
@@ -223,46 +235,82 @@ def _take(train: SplitData, val: SplitData | None, pos: np.ndarray) -> tuple[np.
     return np.concatenate([train.X[a], val.X[b]]), np.concatenate([train.y[a], val.y[b]])
 
 
-def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None,
-          val_source: str) -> _Plan:
+def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, val_source: str) -> _Plan:
     """The protocol's seeded plan (:meth:`Protocol.plan`) as the arrays the fits use."""
-    sp: SplitPlan = proto.plan(train.y, seed, n_val=None if val is None else val.y.size,
-                               val_source=val_source, train_name=train.name,
-                               val_name=None if val is None else val.name, rows=train.rows,
-                               val_rows=None if val is None else val.rows)
+    sp: SplitPlan = proto.plan(
+        train.y,
+        seed,
+        n_val=None if val is None else val.y.size,
+        val_source=val_source,
+        train_name=train.name,
+        val_name=None if val is None else val.name,
+        rows=train.rows,
+        val_rows=None if val is None else val.rows,
+    )
     Y = None
     if train.Y is not None:
         rows = train.Y if val is None else np.concatenate([train.Y, val.Y])
         Y = (rows[sp.train], rows[sp.val], rows[sp.final])
-    return _Plan(_take(train, val, sp.train), _take(train, val, sp.val),
-                 _take(train, val, sp.final), sp.train_split, sp.info, Y)
+    return _Plan(
+        _take(train, val, sp.train), _take(train, val, sp.val), _take(train, val, sp.final), sp.train_split, sp.info, Y
+    )
 
 
 # ------------------------------------------------------------------ fitting
 def _fit_lbfgs(plan: _Plan, opts: dict, head_init) -> tuple[Any, dict, bool, float]:
     Xtr, ytr = plan.tr
     hi = None if head_init is None else head_init[np.unique(ytr)]
-    sw = sweep_C(Xtr, ytr, *plan.va, opts["Cs"], backend=opts["backend"], max_iter=opts["max_iter"],
-                 tol=opts["tol"], standardize=opts["standardize"], head_init=hi, metric=opts["metric"],
-                 sweep=opts.get("sweep", "exhaustive"), max_host_bytes=opts.get("max_host_bytes"))
-    probe = LogisticProbe(C=sw.best_C, backend=opts["backend"], max_iter=opts["max_iter"],
-                          tol=opts["tol"], standardize=opts["standardize"],
-                          max_host_bytes=opts.get("max_host_bytes"))
+    sw = sweep_C(
+        Xtr,
+        ytr,
+        *plan.va,
+        opts["Cs"],
+        backend=opts["backend"],
+        max_iter=opts["max_iter"],
+        tol=opts["tol"],
+        standardize=opts["standardize"],
+        head_init=hi,
+        metric=opts["metric"],
+        sweep=opts.get("sweep", "exhaustive"),
+        max_host_bytes=opts.get("max_host_bytes"),
+    )
+    probe = LogisticProbe(
+        C=sw.best_C,
+        backend=opts["backend"],
+        max_iter=opts["max_iter"],
+        tol=opts["tol"],
+        standardize=opts["standardize"],
+        max_host_bytes=opts.get("max_host_bytes"),
+    )
     same = np.array_equal(np.unique(plan.fin[1]), np.unique(ytr))
     probe.fit(*plan.fin, init=sw.heads[sw.best_index] if same else None)
     hp = {
-        "C": sw.best_C, "selection": f"val {sw.metric} (ties: smaller C)",
-        "val_top1": sw.val_top1[sw.best_index], f"val_{sw.metric}": sw.val_scores[sw.best_index],
+        "C": sw.best_C,
+        "selection": f"val {sw.metric} (ties: smaller C)",
+        "val_top1": sw.val_top1[sw.best_index],
+        f"val_{sw.metric}": sw.val_scores[sw.best_index],
         "n_grid": len(sw.Cs),
-        "grid": [min(sw.Cs), max(sw.Cs)], "sweep_not_converged": int(sum(not c for c in sw.converged)),
-        "sweep_seconds": round(sw.seconds, 4), "sweep_tol": sw.tol, "backend": probe.backend_, "device": probe.device_,
-        "solver": "lbfgs", "n_iter": probe.n_iter_, "grad_max": probe.grad_max_,
-        "max_iter": opts["max_iter"], "tol": opts["tol"], "standardize": opts["standardize"],
+        "grid": [min(sw.Cs), max(sw.Cs)],
+        "sweep_not_converged": int(sum(not c for c in sw.converged)),
+        "sweep_seconds": round(sw.seconds, 4),
+        "sweep_tol": sw.tol,
+        "backend": probe.backend_,
+        "device": probe.device_,
+        "solver": "lbfgs",
+        "n_iter": probe.n_iter_,
+        "grad_max": probe.grad_max_,
+        "max_iter": opts["max_iter"],
+        "tol": opts["tol"],
+        "standardize": opts["standardize"],
         "warm_start": bool(same),
     }
     if sw.info.get("sweep") == "halving":  # the default exhaustive sweep records as before
-        hp.update(sweep="halving", sweep_head_iters=sw.info["head_iters"],
-                  halving_iter0=sw.info["halving_iter0"], halving_eta=sw.info["halving_eta"])
+        hp.update(
+            sweep="halving",
+            sweep_head_iters=sw.info["head_iters"],
+            halving_iter0=sw.info["halving_iter0"],
+            halving_eta=sw.info["halving_eta"],
+        )
     if probe.streamed_ or sw.info.get("streamed"):
         hp["streamed"] = True
     predict = probe.predict_proba
@@ -278,14 +326,32 @@ def _sgd_configs(proto: Protocol, n: int, opts: dict) -> list[dict]:
         e, bs = opts["sgd_epochs"], g.batch_size
         spe = math.ceil(n / bs)
         dec = g.decay_epochs(e)
-        return [dict(lr=lr, steps=e * spe, batch_size=bs, momentum=g.momentum,
-                     weight_decay=g.weight_decay, milestones=[d * spe for d in dec], epochs=e,
-                     lr_decay_epochs=dec)
-                for lr in g.lrs]
-    return [dict(lr=lr, steps=steps, batch_size=g.batch_size, momentum=g.momentum,
-                 weight_decay=g.weight_decay, milestones=list(g.milestones(steps, opts["last_decay"])),
-                 drop_remainder=g.drop_remainder)
-            for steps in opts["vtab_steps"] for lr in g.lrs]
+        return [
+            {
+                "lr": lr,
+                "steps": e * spe,
+                "batch_size": bs,
+                "momentum": g.momentum,
+                "weight_decay": g.weight_decay,
+                "milestones": [d * spe for d in dec],
+                "epochs": e,
+                "lr_decay_epochs": dec,
+            }
+            for lr in g.lrs
+        ]
+    return [
+        {
+            "lr": lr,
+            "steps": steps,
+            "batch_size": g.batch_size,
+            "momentum": g.momentum,
+            "weight_decay": g.weight_decay,
+            "milestones": list(g.milestones(steps, opts["last_decay"])),
+            "drop_remainder": g.drop_remainder,
+        }
+        for steps in opts["vtab_steps"]
+        for lr in g.lrs
+    ]
 
 
 def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
@@ -297,8 +363,10 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
     pos = np.full(int(max(ytr.max(), plan.va[1].max(), plan.fin[1].max())) + 1, -1)
     pos[classes] = np.arange(classes.size)
     if (pos[plan.va[1]] < 0).any() or (pos[plan.fin[1]] < 0).any():
-        raise ProbeError("validation/final training data hold classes absent from the selection "
-                         "train data; resample the split so every class is in train")
+        raise ProbeError(
+            "validation/final training data hold classes absent from the selection "
+            "train data; resample the split so every class is in train"
+        )
     hi = None if head_init is None else head_init[classes]
 
     def fit(X, y, cfg, n_for_cfg) -> SGDProbe:
@@ -307,8 +375,7 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
             spe = math.ceil(n_for_cfg / cfg["batch_size"])
             kw["steps"] = cfg["epochs"] * spe
             kw["milestones"] = [e * spe for e in cfg["lr_decay_epochs"]]
-        probe = SGDProbe(**kw, standardize=opts["sgd_standardize"], head_init=hi,
-                         random_state=seed, device=device)
+        probe = SGDProbe(**kw, standardize=opts["sgd_standardize"], head_init=hi, random_state=seed, device=device)
         return probe.fit(X, y, classes=classes)
 
     t0 = time.perf_counter()
@@ -322,9 +389,15 @@ def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
     cfg = cfgs[best]
     probe = fit(*plan.fin, cfg, plan.fin[1].size)
     seconds = time.perf_counter() - t0
-    hp = {"solver": "sgd", "device": device, f"val_{opts['metric']}": scores[best],
-          "selection": f"val {opts['metric']} (ties: first config)", "candidates": len(cfgs),
-          "standardize": opts["sgd_standardize"], **{k: v for k, v in cfg.items() if k != "milestones"}}
+    hp = {
+        "solver": "sgd",
+        "device": device,
+        f"val_{opts['metric']}": scores[best],
+        "selection": f"val {opts['metric']} (ties: first config)",
+        "candidates": len(cfgs),
+        "standardize": opts["sgd_standardize"],
+        **{k: v for k, v in cfg.items() if k != "milestones"},
+    }
     if proto.name == "salman":
         hp.pop("steps", None)  # steps follow from epochs and the size of each fit's data
     if proto.name == "vtab1k-sgd":
@@ -356,27 +429,54 @@ def _fit_ovr(plan: _Plan, opts: dict) -> tuple[Any, dict, bool, float]:
     for name, Y in (("selection train", Ytr), ("final train", Yfin)):
         one = [c for c in range(Y.shape[1]) if Y[:, c].all() or not Y[:, c].any()]
         if one:
-            raise ProbeError(f"multi-label classes {one[:10]} are all positive or all negative in "
-                             f"the {name} data; a one-vs-rest probe needs both: drop those "
-                             "columns or use a larger training sample")
+            raise ProbeError(
+                f"multi-label classes {one[:10]} are all positive or all negative in "
+                f"the {name} data; a one-vs-rest probe needs both: drop those "
+                "columns or use a larger training sample"
+            )
     t0 = time.perf_counter()
     margins = []  # per class: [n_val, n_C] validation margins of every C
     for c in range(Ytr.shape[1]):
-        sw = sweep_C(Xtr, Ytr[:, c], Xva, Yva[:, c], opts["Cs"], backend=opts["backend"],
-                     max_iter=opts["max_iter"], tol=opts["tol"], standardize=opts["standardize"])
+        sw = sweep_C(
+            Xtr,
+            Ytr[:, c],
+            Xva,
+            Yva[:, c],
+            opts["Cs"],
+            backend=opts["backend"],
+            max_iter=opts["max_iter"],
+            tol=opts["tol"],
+            standardize=opts["standardize"],
+        )
         margins.append(np.stack([Xva @ (co[1] - co[0]) + (b[1] - b[0]) for co, b in sw.heads], 1))
     Cs, metric = sw.Cs, opts["metric"]
     scores = [float(METRICS[metric](Yva, np.stack([m[:, h] for m in margins], 1))) for h in range(len(Cs))]
     best = select_index(scores)
-    ovr = OneVsRestClassifier(LogisticProbe(C=Cs[best], backend=opts["backend"], max_iter=opts["max_iter"],
-                                            tol=opts["tol"], standardize=opts["standardize"]))
+    ovr = OneVsRestClassifier(
+        LogisticProbe(
+            C=Cs[best],
+            backend=opts["backend"],
+            max_iter=opts["max_iter"],
+            tol=opts["tol"],
+            standardize=opts["standardize"],
+        )
+    )
     ovr.fit(Xfin, Yfin)
     conv = all(e.converged_ for e in ovr.estimators_)
-    hp = {"C": Cs[best], "selection": f"val {metric} (one C for all classes; ties: smaller C)",
-          f"val_{metric}": scores[best], "n_grid": len(Cs), "grid": [min(Cs), max(Cs)],
-          "solver": "lbfgs-ovr", "n_labels": int(Yfin.shape[1]), "max_iter": opts["max_iter"],
-          "tol": opts["tol"], "standardize": opts["standardize"],
-          "backend": ovr.estimators_[0].backend_, "device": ovr.estimators_[0].device_}
+    hp = {
+        "C": Cs[best],
+        "selection": f"val {metric} (one C for all classes; ties: smaller C)",
+        f"val_{metric}": scores[best],
+        "n_grid": len(Cs),
+        "grid": [min(Cs), max(Cs)],
+        "solver": "lbfgs-ovr",
+        "n_labels": int(Yfin.shape[1]),
+        "max_iter": opts["max_iter"],
+        "tol": opts["tol"],
+        "standardize": opts["standardize"],
+        "backend": ovr.estimators_[0].backend_,
+        "device": ovr.estimators_[0].device_,
+    }
     return (ovr.predict_proba, None), hp, conv, time.perf_counter() - t0
 
 
@@ -394,8 +494,12 @@ def _zeroshot(text: np.ndarray):
     from featcache.probes.elevater import zeroshot_logits
 
     hp = {"solver": "zeroshot", "logit_scale": ZEROSHOT_SCALE, "trained": False}
-    return (lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1),
-            np.arange(text.shape[0])), hp, True, 0.0
+    return (
+        (lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1), np.arange(text.shape[0])),
+        hp,
+        True,
+        0.0,
+    )
 
 
 ZEROSHOT_SCALE = 100.0
@@ -421,8 +525,10 @@ def run_probes(config: ProbeConfig):
     _check_alignment({b: d.splits() for b, d in data.items()})
     cfg = _task_metric(caches, backbones, cfg, data)
     if data[backbones[0]].train.Y is not None and (proto.solver != "lbfgs" or cfg.head_init):
-        raise ProbeError(f"multi-label targets run one-vs-rest L-BFGS probes without head_init; "
-                         f"{proto.spec} is not supported for them: use full, fewshot:N or subset:F%")
+        raise ProbeError(
+            f"multi-label targets run one-vs-rest L-BFGS probes without head_init; "
+            f"{proto.spec} is not supported for them: use full, fewshot:N or subset:F%"
+        )
     hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
 
     done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
@@ -433,8 +539,14 @@ def run_probes(config: ProbeConfig):
         run_ids = _run_ids(cfg, proto, b, seed, data[b])
         wanted += [r for r, _ in run_ids.values()]
         if all(r in done for r, _ in run_ids.values()):
-            log.info("skip %s/%s %s seed %d: already in %s (force=True reruns)", b, cfg.dataset,
-                     proto.spec, seed, cfg.results_path)
+            log.info(
+                "skip %s/%s %s seed %d: already in %s (force=True reruns)",
+                b,
+                cfg.dataset,
+                proto.spec,
+                seed,
+                cfg.results_path,
+            )
             continue
         new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids)
     return _collect(cfg, proto, new_rows, wanted)
@@ -443,8 +555,14 @@ def run_probes(config: ProbeConfig):
 def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
     backbones = list(cfg.backbones)
     if backbones == ["all"]:
-        backbones = sorted({b for c in caches for b in c.backbones()
-                            if cfg.dataset in c.datasets() and _has(c, b, cfg.dataset, cfg.train_split)})
+        backbones = sorted(
+            {
+                b
+                for c in caches
+                for b in c.backbones()
+                if cfg.dataset in c.datasets() and _has(c, b, cfg.dataset, cfg.train_split)
+            }
+        )
         if not backbones:
             raise NotInStoreError(f"no backbone in the cache has features for dataset {cfg.dataset!r}")
     return backbones
@@ -483,15 +601,17 @@ def _stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: st
     return features_fingerprint(prov, cache.split_meta(dataset, split).fingerprint)
 
 
-def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, hi_matrix,
-               run_ids: dict[str, tuple[str, str]]) -> list[dict]:
+def _probe_one(
+    cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, hi_matrix, run_ids: dict[str, tuple[str, str]]
+) -> list[dict]:
     """Plan, select, refit and evaluate one backbone and seed; its result rows."""
     if hi_matrix is not None and hi_matrix.shape != (len(d.names), d.train.X.shape[1]):
         raise ProbeError(
             f"class embeddings {cfg.head_init!r} have shape {hi_matrix.shape} but {b} on "
             f"{cfg.dataset} needs ({len(d.names)}, {d.train.X.shape[1]}): one row per class "
             "of the dataset, in its class order, with the backbone's feature dimension; store "
-            f"{b}'s own with write_class_embeddings(..., backbone={b!r})")
+            f"{b}'s own with write_class_embeddings(..., backbone={b!r})"
+        )
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
     opts = cfg.solver_options()
     if plan.Y is not None:
@@ -503,14 +623,19 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
     elif proto.solver == "elevater":
         from featcache.probes.elevater import fit_elevater
 
-        (predict, classes), hp, conv, secs = fit_elevater(proto.grid, plan, opts, hi_matrix, seed,
-                                                          resolve_backend("torch")[1])
+        (predict, classes), hp, conv, secs = fit_elevater(
+            proto.grid, plan, opts, hi_matrix, seed, resolve_backend("torch")[1]
+        )
     else:
         (predict, classes), hp, conv, secs = _fit_sgd(proto, plan, opts, hi_matrix, seed)
     hp.update(plan.info)
-    hp.update(n_train=int(plan.tr[1].size), n_val=int(plan.va[1].size),
-              n_train_final=int(plan.fin[1].size), head_init=cfg.head_init,
-              n_invalid={s: v.n_invalid for s, v in d.splits().items()})
+    hp.update(
+        n_train=int(plan.tr[1].size),
+        n_val=int(plan.va[1].size),
+        n_train_final=int(plan.fin[1].size),
+        head_init=cfg.head_init,
+        n_invalid={s: v.n_invalid for s, v in d.splits().items()},
+    )
     if proto.split.startswith("vtab1k"):
         hp.setdefault("val_source", cfg.val_source)
     hp["task_metric"] = opts["metric"]
@@ -518,18 +643,42 @@ def _probe_one(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, h
     for es, ev in d.evals.items():
         vals = _evaluate(cfg, d, plan, predict, classes, es, ev)
         rid, fp = run_ids[es]
-        rows += [dict(run_id=rid, kind="probe", backbone=b, dataset=cfg.dataset, protocol=proto.spec,
-                      train_split=plan.train_split, eval_split=es, shots=proto.shots, seed=seed,
-                      metric=m, value=float(v), n_eval=int(ev.y.size), hparams=hp,
-                      converged=bool(conv), fit_seconds=float(secs), store_fingerprint=fp)
-                 for m, v in vals.items()]
-        log.info("%s %s %s seed %d %s: top1=%.4f (C/lr=%s, converged=%s)", b, cfg.dataset,
-                 proto.spec, seed, es, vals.get("top1", float("nan")), hp.get("C", hp.get("lr")), conv)
+        rows += [
+            {
+                "run_id": rid,
+                "kind": "probe",
+                "backbone": b,
+                "dataset": cfg.dataset,
+                "protocol": proto.spec,
+                "train_split": plan.train_split,
+                "eval_split": es,
+                "shots": proto.shots,
+                "seed": seed,
+                "metric": m,
+                "value": float(v),
+                "n_eval": int(ev.y.size),
+                "hparams": hp,
+                "converged": bool(conv),
+                "fit_seconds": float(secs),
+                "store_fingerprint": fp,
+            }
+            for m, v in vals.items()
+        ]
+        log.info(
+            "%s %s %s seed %d %s: top1=%.4f (C/lr=%s, converged=%s)",
+            b,
+            cfg.dataset,
+            proto.spec,
+            seed,
+            es,
+            vals.get("top1", float("nan")),
+            hp.get("C", hp.get("lr")),
+            conv,
+        )
     return rows
 
 
-def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str,
-              ev: SplitData) -> dict[str, float]:
+def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str, ev: SplitData) -> dict[str, float]:
     """The metrics of one eval split (read once per final fit): multi-label targets get the
     ranking metrics of the per-class scores; single-label ones ``metric_names`` of the task."""
     if plan.Y is not None:
@@ -539,7 +688,8 @@ def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str
         raise ProbeError(
             f"{es} holds classes {[d.names[i] for i in missing[:10]]} that the probe never "
             f"saw in training ({plan.train_split}); the class sets differ between splits: "
-            "use a protocol or seed whose training sample covers every class")
+            "use a protocol or seed whose training sample covers every class"
+        )
     P = predict(ev.X)
     return compute_all(np.searchsorted(classes, ev.y), P, cfg.metrics or metric_names(P.shape[1], cfg.metric))
 
@@ -554,9 +704,11 @@ def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str,
     metric = cfg.metric or task_metric(_cache_for(caches, backbones[0], cfg.dataset), cfg.dataset) or "top1"
     multilabel = next(iter(data.values())).train.Y is not None
     if multilabel and metric not in MULTILABEL_METRICS:
-        raise ProbeError(f"{cfg.dataset} has multi-label targets; its task metric must be one of "
-                         f"{MULTILABEL_METRICS} (got {metric!r}): pass --metric map11 or record it "
-                         "with featcache.store.tasks.write_task_metric")
+        raise ProbeError(
+            f"{cfg.dataset} has multi-label targets; its task metric must be one of "
+            f"{MULTILABEL_METRICS} (got {metric!r}): pass --metric map11 or record it "
+            "with featcache.store.tasks.write_task_metric"
+        )
     log.info("%s: task metric %s (hyper-parameters are selected on it)", cfg.dataset, metric)
     return replace(cfg, metric=metric)
 

@@ -66,8 +66,7 @@ def train_sgd_head(
         else:
             lin.weight.copy_(torch.as_tensor(np.asarray(init[0]).T, dtype=torch.float32))
             lin.bias.copy_(torch.as_tensor(np.asarray(init[1]), dtype=torch.float32))
-    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay,
-                          nesterov=nesterov)
+    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=sorted(set(milestones)), gamma=0.1)
     step = 0
     finite = True
@@ -130,10 +129,21 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
     intercept_ [K], finite_ (False when the loss diverged: the head is unusable), device_.
     """
 
-    def __init__(self, lr: float = 0.1, steps: int = 200, batch_size: int = 64,
-                 momentum: float = 0.9, weight_decay: float = 0.0, milestones=(),
-                 standardize: bool = True, head_init=None, random_state: int = 0,
-                 device: str = "auto", drop_remainder: bool = False, nesterov: bool = False):
+    def __init__(
+        self,
+        lr: float = 0.1,
+        steps: int = 200,
+        batch_size: int = 64,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        milestones=(),
+        standardize: bool = True,
+        head_init=None,
+        random_state: int = 0,
+        device: str = "auto",
+        drop_remainder: bool = False,
+        nesterov: bool = False,
+    ):
         self.lr = lr
         self.steps = steps
         self.batch_size = batch_size
@@ -151,8 +161,10 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
         """Fit on ``X [n, D]`` and labels ``y``; ``classes`` (default: those in ``y``) fixes
         the head's classes when ``y`` may lack some of them (e.g. a refit split)."""
         if not (self.lr > 0 and self.steps >= 0 and self.batch_size >= 1):
-            raise ProbeError(f"SGDProbe needs lr > 0, steps >= 0, batch_size >= 1; got lr={self.lr}, "
-                             f"steps={self.steps}, batch_size={self.batch_size}")
+            raise ProbeError(
+                f"SGDProbe needs lr > 0, steps >= 0, batch_size >= 1; got lr={self.lr}, "
+                f"steps={self.steps}, batch_size={self.batch_size}"
+            )
         X, yi, seen = validate_fit_data(self, X, y)
         classes, yi = _with_classes(seen, yi, classes)
         self.classes_ = classes
@@ -163,16 +175,28 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
         if self.head_init is not None:
             head = np.asarray(self.head_init, np.float64)
             if head.ndim != 2 or head.shape != (K, X.shape[1]):
-                raise ProbeError(f"head_init has shape {head.shape} but the head needs [{K}, "
-                                 f"{X.shape[1]}] (one row per class of classes_, the backbone's width)")
+                raise ProbeError(
+                    f"head_init has shape {head.shape} but the head needs [{K}, "
+                    f"{X.shape[1]}] (one row per class of classes_, the backbone's width)"
+                )
             init = scaler.from_raw(head, np.zeros(K))
         with cpu_threads(self.device_):
             W, b, ok = train_sgd_head(
-                scaler.transform(X), yi, K, lr=self.lr, steps=self.steps,
-                batch_size=self.batch_size, momentum=self.momentum,
-                weight_decay=self.weight_decay, milestones=list(self.milestones),
-                seed=self.random_state, device=self.device_, init=init,
-                drop_remainder=self.drop_remainder, nesterov=self.nesterov)
+                scaler.transform(X),
+                yi,
+                K,
+                lr=self.lr,
+                steps=self.steps,
+                batch_size=self.batch_size,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+                milestones=list(self.milestones),
+                seed=self.random_state,
+                device=self.device_,
+                init=init,
+                drop_remainder=self.drop_remainder,
+                nesterov=self.nesterov,
+            )
         self.coef_, self.intercept_ = scaler.to_raw(W, b)
         self._softmax_coef, self._softmax_intercept = self.coef_, self.intercept_
         self.finite_ = ok
@@ -198,6 +222,7 @@ def _with_classes(seen: np.ndarray, yi: np.ndarray, classes) -> tuple[np.ndarray
     idx = np.searchsorted(classes, seen)
     if (idx >= classes.size).any() or not np.array_equal(classes[np.minimum(idx, classes.size - 1)], seen):
         missing = np.setdiff1d(seen, classes)[:10].tolist()
-        raise ProbeError(f"labels {missing} are not in the given classes; pass every class that "
-                         "occurs in y (or classes=None)")
+        raise ProbeError(
+            f"labels {missing} are not in the given classes; pass every class that occurs in y (or classes=None)"
+        )
     return classes, idx[yi]

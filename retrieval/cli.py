@@ -31,7 +31,8 @@ def run(args) -> int:
         cfg = cfg.with_(progress=False)
     frame = run_retrieval(cfg)
     shown = {"map", "mrr", "top1", "map_revisitop"} | {
-        f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp_revisitop") for k in cfg.ks}
+        f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp_revisitop") for k in cfg.ks
+    }
     for (kind, backbone, protocol), g in frame.group_by(["kind", "backbone", "protocol"], maintain_order=True):
         vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(g["metric"], g["value"]) if m in shown)
         print(f"{backbone}  {cfg.dataset}  {kind}:{protocol}  {vals}")

@@ -17,7 +17,7 @@ from featcache.errors import DataError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.revisited import REVISITED_SETUPS
 
-__all__ = ["DEFAULT_KS", "METRICS", "BACKENDS", "TIE_POLICY", "RetrievalConfig"]
+__all__ = ["BACKENDS", "DEFAULT_KS", "METRICS", "TIE_POLICY", "RetrievalConfig"]
 
 DEFAULT_KS = (1, 5, 10, 100)
 METRICS = ("cosine", "ip", "l2")
@@ -66,33 +66,54 @@ class RetrievalConfig:
     dataset: str = field(metadata=_cli("--dataset", "dataset key in the store", required=True))
     backbones: tuple[str, ...] | None = field(default=None, metadata=_cli(None, "backbones; None = all"))
     query_split: str = field(default="test", metadata=_cli("--query", "query split, e.g. test", required=True))
-    gallery_split: str = field(default="train", metadata=_cli(
-        "--gallery", "gallery split, or 'same' for leave-one-out within --query", required=True))
-    metric: str = field(default="cosine", metadata=_cli(
-        "--metric", "similarity (default cosine)", choices=METRICS))
-    ks: tuple[int, ...] = field(default=DEFAULT_KS, metadata=_cli(
-        "--k", "cut-offs for @k metrics (default 1,5,10,100)", type=_ks))
-    relevance: str | None = field(default=None, metadata=_cli(
-        "--relevance", "parquet/CSV with query_id, gallery_id, relevance in {positive, junk} "
-        "(or revisitop's {easy, hard, junk} for revisited Oxford/Paris)"))
-    revisited: tuple[str, ...] = field(default=("medium", "hard"), metadata=_cli(
-        "--revisited", "setups scored for an easy/hard/junk relevance file (repeatable; "
-        "default medium and hard, as published)", action="append", choices=REVISITED_SETUPS))
-    full: bool = field(default=True, metadata=_cli(
-        "--top-k-only", "skip the full ranking: only @k metrics (and mrr@K) from a top-K search",
-        negate=True))
-    knn: bool = field(default=True, metadata=_cli(
-        "--no-knn", "skip k-NN classification (k=10,20,100,200, T=0.07)", negate=True))
+    gallery_split: str = field(
+        default="train",
+        metadata=_cli("--gallery", "gallery split, or 'same' for leave-one-out within --query", required=True),
+    )
+    metric: str = field(default="cosine", metadata=_cli("--metric", "similarity (default cosine)", choices=METRICS))
+    ks: tuple[int, ...] = field(
+        default=DEFAULT_KS, metadata=_cli("--k", "cut-offs for @k metrics (default 1,5,10,100)", type=_ks)
+    )
+    relevance: str | None = field(
+        default=None,
+        metadata=_cli(
+            "--relevance",
+            "parquet/CSV with query_id, gallery_id, relevance in {positive, junk} "
+            "(or revisitop's {easy, hard, junk} for revisited Oxford/Paris)",
+        ),
+    )
+    revisited: tuple[str, ...] = field(
+        default=("medium", "hard"),
+        metadata=_cli(
+            "--revisited",
+            "setups scored for an easy/hard/junk relevance file (repeatable; default medium and hard, as published)",
+            action="append",
+            choices=REVISITED_SETUPS,
+        ),
+    )
+    full: bool = field(
+        default=True,
+        metadata=_cli(
+            "--top-k-only", "skip the full ranking: only @k metrics (and mrr@K) from a top-K search", negate=True
+        ),
+    )
+    knn: bool = field(
+        default=True, metadata=_cli("--no-knn", "skip k-NN classification (k=10,20,100,200, T=0.07)", negate=True)
+    )
     knn_ks: tuple[int, ...] = field(default=KNN_KS, metadata=_cli(None, "k values of the k-NN classifier"))
     temperature: float = field(default=KNN_TEMPERATURE, metadata=_cli(None, "k-NN vote temperature"))
-    max_memory: str | int = field(default="2GB", metadata=_cli(
-        "--max-memory", "memory bound for score blocks (default 2GB)"))
+    max_memory: str | int = field(
+        default="2GB", metadata=_cli("--max-memory", "memory bound for score blocks (default 2GB)")
+    )
     backend: str = field(default="auto", metadata=_cli("--backend", "search backend", choices=BACKENDS))
     kind: str = field(default="pooled", metadata=_cli("--kind", "feature kind in the store (default pooled)"))
-    results: str | None = field(default=None, metadata=_cli(
-        "--results", "results parquet to append to (rows of a rerun are replaced)", required=True))
-    progress: bool = field(default=True, metadata=_cli("--no-progress", "no progress bars (implied by -q)",
-                                                       negate=True))
+    results: str | None = field(
+        default=None,
+        metadata=_cli("--results", "results parquet to append to (rows of a rerun are replaced)", required=True),
+    )
+    progress: bool = field(
+        default=True, metadata=_cli("--no-progress", "no progress bars (implied by -q)", negate=True)
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -140,8 +161,11 @@ class RetrievalConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RetrievalConfig:
         """The config of a parsed ``featcache retrieve`` command line."""
-        kw = {f.name: getattr(args, f.name) for f in fields(cls)
-              if f.metadata.get("flag") and getattr(args, f.name, None) is not None}
+        kw = {
+            f.name: getattr(args, f.name)
+            for f in fields(cls)
+            if f.metadata.get("flag") and getattr(args, f.name, None) is not None
+        }
         return cls(backbones=None if args.all else tuple(args.backbone), **kw)
 
     def with_(self, **changes) -> RetrievalConfig:
@@ -154,16 +178,34 @@ class RetrievalConfig:
 
     def run_definition(self, backbone: str, protocol: str, relevance_sha: str, store: str) -> dict:
         """What identifies a retrieval run (its run id is the hash of this)."""
-        d = dict(kind="retrieval", backbone=backbone, dataset=self.dataset, protocol=protocol,
-                 query=self.query_split, gallery=self.gallery_split, metric=self.metric,
-                 ks=list(self.ks), full=self.full, relevance=relevance_sha, feature_kind=self.kind,
-                 store=store)
+        d = {
+            "kind": "retrieval",
+            "backbone": backbone,
+            "dataset": self.dataset,
+            "protocol": protocol,
+            "query": self.query_split,
+            "gallery": self.gallery_split,
+            "metric": self.metric,
+            "ks": list(self.ks),
+            "full": self.full,
+            "relevance": relevance_sha,
+            "feature_kind": self.kind,
+            "store": store,
+        }
         return d
 
     def knn_definition(self, backbone: str, k: int, store: str) -> dict:
-        return dict(kind="knn", backbone=backbone, dataset=self.dataset, protocol=f"knn-k{k}",
-                    query=self.query_split, gallery=self.gallery_split, T=self.temperature,
-                    feature_kind=self.kind, store=store)
+        return {
+            "kind": "knn",
+            "backbone": backbone,
+            "dataset": self.dataset,
+            "protocol": f"knn-k{k}",
+            "query": self.query_split,
+            "gallery": self.gallery_split,
+            "T": self.temperature,
+            "feature_kind": self.kind,
+            "store": store,
+        }
 
     @staticmethod
     def pair_fingerprint(query_fp: str, gallery_fp: str) -> str:
@@ -187,15 +229,30 @@ class RetrievalConfig:
 
     def hparams(self, *, backend: str, relevance_sha: str, **measured) -> dict:
         """Recorded hparams of a retrieval row: the config's settings plus what the run measured."""
-        return {"similarity": self.metric, "gallery": self.gallery_split, "ks": list(self.ks),
-                "full_ranking": self.full, "backend": backend, "tie_policy": TIE_POLICY,
-                "feature_kind": self.kind, **measured, "relevance_sha256": relevance_sha}
+        return {
+            "similarity": self.metric,
+            "gallery": self.gallery_split,
+            "ks": list(self.ks),
+            "full_ranking": self.full,
+            "backend": backend,
+            "tie_policy": TIE_POLICY,
+            "feature_kind": self.kind,
+            **measured,
+            "relevance_sha256": relevance_sha,
+        }
 
     def knn_hparams(self, k: int, *, backend: str, n_gallery: int) -> dict:
-        return {"k": k, "temperature": self.temperature, "similarity": "cosine",
-                "gallery": self.gallery_split, "backend": backend, "tie_policy": TIE_POLICY,
-                "feature_kind": self.kind, "n_gallery": n_gallery,
-                "k_effective": int(min(k, n_gallery - (1 if self.same_split else 0)))}
+        return {
+            "k": k,
+            "temperature": self.temperature,
+            "similarity": "cosine",
+            "gallery": self.gallery_split,
+            "backend": backend,
+            "tie_policy": TIE_POLICY,
+            "feature_kind": self.kind,
+            "n_gallery": n_gallery,
+            "k_effective": int(min(k, n_gallery - (1 if self.same_split else 0))),
+        }
 
 
 def legacy_config(cache_path, backbones: str | Sequence[str] | None, dataset: str, *args, **kwargs) -> RetrievalConfig:

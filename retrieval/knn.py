@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["KNN_KS", "KNN_TEMPERATURE", "knn_votes", "knn_predict", "knn_accuracy"]
+__all__ = ["KNN_KS", "KNN_TEMPERATURE", "knn_accuracy", "knn_predict", "knn_votes"]
 
 KNN_KS = (10, 20, 100, 200)
 KNN_TEMPERATURE = 0.07
 
 
-def knn_votes(scores: np.ndarray, indices: np.ndarray, gallery_labels: np.ndarray, n_classes: int,
-              k: int, temperature: float = KNN_TEMPERATURE) -> np.ndarray:
+def knn_votes(
+    scores: np.ndarray,
+    indices: np.ndarray,
+    gallery_labels: np.ndarray,
+    n_classes: int,
+    k: int,
+    temperature: float = KNN_TEMPERATURE,
+) -> np.ndarray:
     """Votes [Q, C] from the first k neighbours (columns of ``scores``/``indices``)."""
     if k > scores.shape[1]:
         raise ValueError(f"k={k} exceeds the {scores.shape[1]} neighbours searched")
@@ -39,8 +45,9 @@ def knn_predict(votes: np.ndarray, top: int = 5) -> np.ndarray:
     return order[:, :top]
 
 
-def knn_accuracy(scores, indices, gallery_labels, query_labels, n_classes: int,
-                 ks=KNN_KS, temperature: float = KNN_TEMPERATURE) -> dict[int, dict[str, float]]:
+def knn_accuracy(
+    scores, indices, gallery_labels, query_labels, n_classes: int, ks=KNN_KS, temperature: float = KNN_TEMPERATURE
+) -> dict[int, dict[str, float]]:
     """``{k: {"top1": acc, "top5": acc}}`` (top5 only when there are more than 5 classes)."""
     y = np.asarray(query_labels)
     out: dict[int, dict[str, float]] = {}

@@ -43,14 +43,14 @@ import numpy as np
 
 __all__ = [
     "RankedRelevance",
-    "ranks_from_hits",
-    "ranks_from_scores",
-    "precision_at_k",
-    "recall_at_k",
-    "hit_at_k",
-    "reciprocal_rank",
     "average_precision",
     "compute_metrics",
+    "hit_at_k",
+    "precision_at_k",
+    "ranks_from_hits",
+    "ranks_from_scores",
+    "recall_at_k",
+    "reciprocal_rank",
     "summarize",
 ]
 
@@ -64,7 +64,7 @@ class RankedRelevance:
     ``tp=None`` means no ties: tp is the position among the query's entries (1, 2, ...).
     """
 
-    __slots__ = ("indptr", "ranks", "tp", "n_relevant", "depth")
+    __slots__ = ("depth", "indptr", "n_relevant", "ranks", "tp")
 
     def __init__(self, indptr, ranks, n_relevant, depth: int | None = None, tp=None):
         self.indptr = np.asarray(indptr, dtype=np.int64)
@@ -141,10 +141,7 @@ def ranks_from_hits(
     if depth is None:
         depth = K
     cum = np.cumsum(hits, axis=1)
-    if scores is None:
-        end = np.broadcast_to(np.arange(K), hits.shape)
-    else:
-        end = _group_end(np.asarray(scores))
+    end = np.broadcast_to(np.arange(K), hits.shape) if scores is None else _group_end(np.asarray(scores))
     rank = end + 1
     tp = np.take_along_axis(cum, end, axis=1)
     keep = hits & (rank <= depth)
@@ -267,7 +264,5 @@ def summarize(per_query: dict[str, np.ndarray], n_relevant: np.ndarray) -> tuple
     n_relevant = np.asarray(n_relevant)
     scored = n_relevant > 0
     n_scored = int(scored.sum())
-    means = {
-        name: (float(np.mean(v[scored])) if n_scored else float("nan")) for name, v in per_query.items()
-    }
+    means = {name: (float(np.mean(v[scored])) if n_scored else float("nan")) for name, v in per_query.items()}
     return means, n_scored, int((~scored).sum())

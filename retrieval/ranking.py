@@ -16,6 +16,7 @@ each a binary search (the query itself and junk items are the excluded ones).
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -196,8 +197,13 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
         Gt = torch.from_numpy(G).to(dev)
         g_sq_t = (Gt * Gt).sum(1) if metric == "l2" else None
     g_sq = np.einsum("ij,ij->i", G, G) if metric == "l2" and dev is None else None
-    log.info("full ranking: %d queries x %d gallery, blocks of %d rows (%s)", n_q, n_g, B,
-             "torch " + str(dev) if dev is not None else "numpy")
+    log.info(
+        "full ranking: %d queries x %d gallery, blocks of %d rows (%s)",
+        n_q,
+        n_g,
+        B,
+        "torch " + str(dev) if dev is not None else "numpy",
+    )
     n_relevant = relevance.n_relevant()
     all_ranks: list[np.ndarray] = []
     all_tp: list[np.ndarray] = []
@@ -213,11 +219,14 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
             r, tp = r[:cut], tp[:cut]
         all_ranks.append(r)
         all_tp.append(tp)
+
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
+
         def tqdm(x, **_):
             return x
+
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -239,7 +248,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
             b = stop - start
             S = score_block(Q[start:stop], G, metric, g_sq, out=buf[:b])
             bounds = np.linspace(0, b, n_threads + 1).astype(int)
-            parts = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+            parts = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
             futures = [pool.submit(_rank_rows, S, lo, hi, relevance, start) for lo, hi in parts]
             results = [f.result() for f in futures]
             i = start

@@ -13,7 +13,7 @@ from featcache.errors import DataError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Relevance", "SemanticRelevance", "ExplicitRelevance", "self_exclusion", "load_relevance_table"]
+__all__ = ["ExplicitRelevance", "Relevance", "SemanticRelevance", "load_relevance_table", "self_exclusion"]
 
 
 def _csr_from_pairs(rows: np.ndarray, cols: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,9 +101,7 @@ class SemanticRelevance(Relevance):
             np.flatnonzero(has).astype(np.int64), own[has], self.n_queries
         )
         self._own = own
-        self._by_label = {
-            int(c): np.flatnonzero(self.gallery_labels == c) for c in np.unique(self.query_labels)
-        }
+        self._by_label = {int(c): np.flatnonzero(self.gallery_labels == c) for c in np.unique(self.query_labels)}
         top = max(int(self.query_labels.max(initial=0)), int(self.gallery_labels.max(initial=0)))
         counts = np.bincount(self.gallery_labels, minlength=top + 1)
         nr = counts[self.query_labels] if self.n_queries else np.zeros(0, np.int64)
@@ -142,8 +140,10 @@ class ExplicitRelevance(Relevance):
         rel = np.asarray(table_relevance).astype(str)
         bad = sorted(set(np.unique(rel).tolist()) - {"positive", "junk"})
         if bad:
-            raise DataError(f"relevance values must be 'positive' or 'junk' (a revisited Oxford/Paris "
-                            f"file: 'easy', 'hard' or 'junk'), found {bad[:5]}")
+            raise DataError(
+                f"relevance values must be 'positive' or 'junk' (a revisited Oxford/Paris "
+                f"file: 'easy', 'hard' or 'junk'), found {bad[:5]}"
+            )
         qpos = _gallery_positions(query_ids, tq)
         gpos = _gallery_positions(gallery_ids, tg)
         unknown_q = np.unique(tq[qpos < 0])
@@ -162,23 +162,29 @@ class ExplicitRelevance(Relevance):
             log.warning("%d query id(s) of the relevance table are not in the query split; ignored", unknown_q.size)
         ok = qpos >= 0
         qpos, gpos, rel = qpos[ok], gpos[ok], rel[ok]
-        both = np.isin(qpos * (self.n_gallery + 1) + gpos,
-                       (qpos * (self.n_gallery + 1) + gpos)[rel == "junk"]) & (rel == "positive")
+        both = np.isin(qpos * (self.n_gallery + 1) + gpos, (qpos * (self.n_gallery + 1) + gpos)[rel == "junk"]) & (
+            rel == "positive"
+        )
         if both.any():
-            raise DataError(f"{int(both.sum())} (query, gallery) pair(s) are both positive and junk in the relevance table")
+            raise DataError(
+                f"{int(both.sum())} (query, gallery) pair(s) are both positive and junk in the relevance table"
+            )
         own = self_exclusion(query_ids, gallery_ids)
         has = own >= 0
         junk = rel == "junk"
         ex_rows = np.concatenate([qpos[junk], np.flatnonzero(has)])
         ex_cols = np.concatenate([gpos[junk], own[has]])
-        self.excl_indptr, self.excl_cols = _csr_from_pairs(ex_rows.astype(np.int64), ex_cols.astype(np.int64), self.n_queries)
+        self.excl_indptr, self.excl_cols = _csr_from_pairs(
+            ex_rows.astype(np.int64), ex_cols.astype(np.int64), self.n_queries
+        )
         pos = rel == "positive"
         prow, pcol = qpos[pos].astype(np.int64), gpos[pos].astype(np.int64)
         not_self = pcol != own[prow]
         self.pos_indptr, self.pos_cols = _csr_from_pairs(prow[not_self], pcol[not_self], self.n_queries)
-        self._pos_keys = np.repeat(np.arange(self.n_queries, dtype=np.int64), np.diff(self.pos_indptr)) * (
-            self.n_gallery + 1
-        ) + self.pos_cols
+        self._pos_keys = (
+            np.repeat(np.arange(self.n_queries, dtype=np.int64), np.diff(self.pos_indptr)) * (self.n_gallery + 1)
+            + self.pos_cols
+        )
 
     def positives(self, i: int) -> np.ndarray:
         return self.pos_cols[self.pos_indptr[i] : self.pos_indptr[i + 1]]

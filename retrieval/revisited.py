@@ -36,8 +36,15 @@ import numpy as np
 from featcache.errors import DataError
 from featcache.retrieval.metrics import RankedRelevance
 
-__all__ = ["REVISITED_SETUPS", "REVISITED_VALUES", "is_revisited_table", "revisited_ap",
-           "revisited_precision_at_k", "revisited_table", "table_from_revisitop_gnd"]
+__all__ = [
+    "REVISITED_SETUPS",
+    "REVISITED_VALUES",
+    "is_revisited_table",
+    "revisited_ap",
+    "revisited_precision_at_k",
+    "revisited_table",
+    "table_from_revisitop_gnd",
+]
 
 REVISITED_SETUPS = ("easy", "medium", "hard")
 REVISITED_VALUES = ("easy", "hard", "junk")
@@ -57,8 +64,10 @@ def revisited_table(query_ids, gallery_ids, relevance_values, setup: str):
     rel = np.asarray(relevance_values).astype(str)
     bad = sorted(set(np.unique(rel).tolist()) - set(REVISITED_VALUES))
     if bad:
-        raise DataError(f"a revisited Oxford/Paris relevance file holds only {REVISITED_VALUES}, "
-                        f"found {bad[:5]}; use 'positive'/'junk' files without a revisited setup")
+        raise DataError(
+            f"a revisited Oxford/Paris relevance file holds only {REVISITED_VALUES}, "
+            f"found {bad[:5]}; use 'positive'/'junk' files without a revisited setup"
+        )
     out = np.where(np.isin(rel, _POSITIVE[setup]), "positive", "junk")
     return np.asarray(query_ids).astype(str), np.asarray(gallery_ids).astype(str), out
 
@@ -74,8 +83,10 @@ def table_from_revisitop_gnd(gnd: dict) -> tuple[np.ndarray, np.ndarray, np.ndar
     try:
         qnames, gnames, entries = gnd["qimlist"], gnd["imlist"], gnd["gnd"]
     except (KeyError, TypeError) as exc:
-        raise DataError("expected revisitop's ground truth: a dict with 'qimlist', 'imlist' "
-                        "and 'gnd' (load gnd_roxford5k.pkl / gnd_rparis6k.pkl)") from exc
+        raise DataError(
+            "expected revisitop's ground truth: a dict with 'qimlist', 'imlist' "
+            "and 'gnd' (load gnd_roxford5k.pkl / gnd_rparis6k.pkl)"
+        ) from exc
     if len(entries) != len(qnames):
         raise DataError(f"ground truth holds {len(entries)} entries for {len(qnames)} queries")
     q, g, r = [], [], []

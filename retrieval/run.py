@@ -39,7 +39,7 @@ from featcache.retrieval.search import choose_backend, parse_memory, prepare, to
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TIE_POLICY", "evaluate", "run_retrieval", "DEFAULT_KS", "RetrievalConfig"]
+__all__ = ["DEFAULT_KS", "TIE_POLICY", "RetrievalConfig", "evaluate", "run_retrieval"]
 
 
 def _check_ks(ks: Iterable[int]) -> list[int]:
@@ -74,13 +74,23 @@ def evaluate(
     n_rel = relevance.n_relevant()
     if full:
         backend = _ranking_backend(backend)
-        per_query = full_ranking_metrics(Q, G, relevance, metric, ks, max_memory=mem, backend=backend,
-                                         progress=progress)
+        per_query = full_ranking_metrics(
+            Q, G, relevance, metric, ks, max_memory=mem, backend=backend, progress=progress
+        )
     else:
         kmax = ks[-1]
         # one column more than needed: a tie group crossing rank kmax is seen (and excluded)
-        sc, idx, backend = topk(Q, G, kmax + 1, metric, relevance=relevance, backend=backend,
-                                max_memory=mem, prepared=True, progress=progress)
+        sc, idx, backend = topk(
+            Q,
+            G,
+            kmax + 1,
+            metric,
+            relevance=relevance,
+            backend=backend,
+            max_memory=mem,
+            prepared=True,
+            progress=progress,
+        )
         rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], idx.shape)
         rr = ranks_from_hits(relevance.is_positive(rows, idx), n_rel, scores=sc, depth=kmax)
         per_query = compute_metrics(rr, ks, full=False)
@@ -217,8 +227,20 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
     if Xg.shape[0] == 0 or Xq.shape[0] == 0:
         raise DataError(f"{b}/{cfg.dataset}: no valid query or gallery rows")
     fp = cfg.pair_fingerprint(fq.fingerprint, fg.fingerprint)
-    return _Pair(b, Xq, yq, idq, Xg, yg, idg, bad_q + (0 if cfg.same_split else bad_g),
-                 len(fg.class_names), fp, g_split, time.perf_counter() - t0)
+    return _Pair(
+        b,
+        Xq,
+        yq,
+        idq,
+        Xg,
+        yg,
+        idg,
+        bad_q + (0 if cfg.same_split else bad_g),
+        len(fg.class_names),
+        fp,
+        g_split,
+        time.perf_counter() - t0,
+    )
 
 
 def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_hash: str) -> list[dict]:
@@ -227,22 +249,55 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
     t0 = time.perf_counter()
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
     rel = sem if table is None else ExplicitRelevance(d.idq, d.idg, *table)
-    res = evaluate(d.Xq, d.Xg, rel, metric=cfg.metric, ks=cfg.ks, full=cfg.full, backend=cfg.backend,
-                   max_memory=cfg.max_memory, progress=cfg.progress)
+    res = evaluate(
+        d.Xq,
+        d.Xg,
+        rel,
+        metric=cfg.metric,
+        ks=cfg.ks,
+        full=cfg.full,
+        backend=cfg.backend,
+        max_memory=cfg.max_memory,
+        progress=cfg.progress,
+    )
     means = res["means"]
     if protocol.startswith("revisited-"):
         means = {**means, **_revisited_means(cfg, d, rel)}
     seconds = d.seconds + time.perf_counter() - t0
-    hp = cfg.hparams(backend=res["backend"], relevance_sha=rel_hash, n_queries=res["n_queries"],
-                     n_without_relevant=res["n_without_relevant"], n_gallery=int(d.Xg.shape[0]),
-                     n_invalid_dropped=d.n_dropped)
+    hp = cfg.hparams(
+        backend=res["backend"],
+        relevance_sha=rel_hash,
+        n_queries=res["n_queries"],
+        n_without_relevant=res["n_without_relevant"],
+        n_gallery=int(d.Xg.shape[0]),
+        n_invalid_dropped=d.n_dropped,
+    )
     run_id = make_run_id(**cfg.run_definition(d.backbone, protocol, rel_hash, d.fingerprint))
-    log.info("%s %s %s: %s", d.backbone, cfg.dataset, protocol, ", ".join(
-        f"{k}={v:.4f}" for k, v in means.items() if k in ("map", "mrr", "map_revisitop") or k.endswith("@5")))
-    return [dict(run_id=run_id, kind="retrieval", backbone=d.backbone, dataset=cfg.dataset, protocol=protocol,
-                 train_split=d.g_split, eval_split=cfg.query_split, metric=name, value=value,
-                 n_eval=res["n_scored"], hparams=hp, fit_seconds=seconds, store_fingerprint=d.fingerprint)
-            for name, value in means.items()]
+    log.info(
+        "%s %s %s: %s",
+        d.backbone,
+        cfg.dataset,
+        protocol,
+        ", ".join(f"{k}={v:.4f}" for k, v in means.items() if k in ("map", "mrr", "map_revisitop") or k.endswith("@5")),
+    )
+    return [
+        {
+            "run_id": run_id,
+            "kind": "retrieval",
+            "backbone": d.backbone,
+            "dataset": cfg.dataset,
+            "protocol": protocol,
+            "train_split": d.g_split,
+            "eval_split": cfg.query_split,
+            "metric": name,
+            "value": value,
+            "n_eval": res["n_scored"],
+            "hparams": hp,
+            "fit_seconds": seconds,
+            "store_fingerprint": d.fingerprint,
+        }
+        for name, value in means.items()
+    ]
 
 
 def _revisited_means(cfg: RetrievalConfig, d: _Pair, rel) -> dict[str, float]:
@@ -250,8 +305,15 @@ def _revisited_means(cfg: RetrievalConfig, d: _Pair, rel) -> dict[str, float]:
     if not cfg.full:
         raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
     Q, G = prepare(d.Xq, cfg.metric), prepare(d.Xg, cfg.metric)
-    rr = full_ranking(Q, G, rel, cfg.metric, max_memory=parse_memory(cfg.max_memory),
-                      backend=_ranking_backend(cfg.backend), progress=cfg.progress)
+    rr = full_ranking(
+        Q,
+        G,
+        rel,
+        cfg.metric,
+        max_memory=parse_memory(cfg.max_memory),
+        backend=_ranking_backend(cfg.backend),
+        progress=cfg.progress,
+    )
     per_query = {"map_revisitop": revisited_ap(rr)}
     for k in cfg.ks:
         per_query[f"mp_revisitop@{k}"] = revisited_precision_at_k(rr, k)
@@ -265,8 +327,17 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
     mem = parse_memory(cfg.max_memory)
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
     Qc, Gc = prepare(d.Xq, "cosine"), prepare(d.Xg, "cosine")
-    sc, ix, used = topk(Qc, Gc, max(cfg.knn_ks), "cosine", relevance=sem, backend=cfg.backend,
-                        max_memory=mem, prepared=True, progress=cfg.progress)
+    sc, ix, used = topk(
+        Qc,
+        Gc,
+        max(cfg.knn_ks),
+        "cosine",
+        relevance=sem,
+        backend=cfg.backend,
+        max_memory=mem,
+        prepared=True,
+        progress=cfg.progress,
+    )
     acc = knn_accuracy(sc, ix, d.yg, d.yq, d.n_classes, list(cfg.knn_ks), cfg.temperature)
     seconds = time.perf_counter() - t1
     rows = []
@@ -274,9 +345,22 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
         hpk = cfg.knn_hparams(k, backend=used, n_gallery=int(d.Xg.shape[0]))
         rid = make_run_id(**cfg.knn_definition(d.backbone, k, d.fingerprint))
         for name, value in vals.items():
-            rows.append(dict(run_id=rid, kind="knn", backbone=d.backbone, dataset=cfg.dataset,
-                             protocol=f"knn-k{k}", train_split=d.g_split, eval_split=cfg.query_split,
-                             metric=name, value=value, n_eval=int(d.Xq.shape[0]), hparams=hpk,
-                             fit_seconds=seconds, store_fingerprint=d.fingerprint))
+            rows.append(
+                {
+                    "run_id": rid,
+                    "kind": "knn",
+                    "backbone": d.backbone,
+                    "dataset": cfg.dataset,
+                    "protocol": f"knn-k{k}",
+                    "train_split": d.g_split,
+                    "eval_split": cfg.query_split,
+                    "metric": name,
+                    "value": value,
+                    "n_eval": int(d.Xq.shape[0]),
+                    "hparams": hpk,
+                    "fit_seconds": seconds,
+                    "store_fingerprint": d.fingerprint,
+                }
+            )
     log.info("%s %s: kNN top1 %s", d.backbone, cfg.dataset, {k: round(v["top1"], 4) for k, v in acc.items()})
     return rows

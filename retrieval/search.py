@@ -23,14 +23,14 @@ from featcache.optional import import_faiss
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "METRICS",
     "BACKENDS",
     "FAISS_GPU_MAX_K",
+    "METRICS",
+    "choose_backend",
     "parse_memory",
     "prepare",
-    "choose_backend",
-    "score_block",
     "raw_search",
+    "score_block",
     "topk",
 ]
 
@@ -142,8 +142,9 @@ def _rows_per_block(n_gallery: int, max_memory: int, bytes_per_cell: int = 12) -
     return max(1, int(max_memory // max(1, n_gallery * bytes_per_cell)))
 
 
-def score_block(Qb: np.ndarray, G: np.ndarray, metric: str, g_sq: np.ndarray | None = None,
-                out: np.ndarray | None = None) -> np.ndarray:
+def score_block(
+    Qb: np.ndarray, G: np.ndarray, metric: str, g_sq: np.ndarray | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
     """Exact scores [B, G] (numpy float32): similarity, or ``-||q-g||^2`` for l2.
 
     ``out``: a float32 [B, G] buffer to write into (reused across blocks, so a large block
@@ -261,8 +262,15 @@ def _search_numpy(Q, G, k, metric, max_memory: int, bar=None):
     return _pad(sc, ix, k)
 
 
-def raw_search(Q: np.ndarray, G: np.ndarray, k: int, metric: str, backend: str,
-               max_memory: int = DEFAULT_MAX_MEMORY, progress: bool = False):
+def raw_search(
+    Q: np.ndarray,
+    G: np.ndarray,
+    k: int,
+    metric: str,
+    backend: str,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    progress: bool = False,
+):
     """Backend top-k: scores [Q, k] (higher is better, -inf where missing) and gallery
     indices [Q, k] (-1 where missing, as FAISS returns for k > gallery). Order among equal
     scores is backend-defined; :func:`topk` fixes it. ``progress``: a bar over the query

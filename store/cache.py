@@ -192,9 +192,7 @@ class FeatureCache:
             )
         return SplitMeta.from_attrs(dict(g.attrs.get(SPLIT_KEY, {})), where=g.path)
 
-    def split_rows(
-        self, dataset: str, split: str, *, check: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, SplitMeta]:
+    def split_rows(self, dataset: str, split: str, *, check: bool = False) -> tuple[np.ndarray, np.ndarray, SplitMeta]:
         """ids, labels and metadata of a split; ``check`` recomputes the fingerprint."""
         meta = self.split_meta(dataset, split)
         g = self._group("datasets", dataset, split)
@@ -206,7 +204,7 @@ class FeatureCache:
             raise CorruptStoreError(
                 f"{where}: array {exc} is missing; re-run the same `featcache extract` to rewrite it"
             ) from None
-        except Exception as exc:  # noqa: BLE001 - checksum / decode failure of ids or labels
+        except Exception as exc:
             raise CorruptStoreError(
                 f"{where}: ids/labels unreadable ({type(exc).__name__}: {exc}); re-run the same "
                 "`featcache extract` to rewrite them"
@@ -334,7 +332,7 @@ class FeatureCache:
             errors = _as_str(g["error"][:])
             if "done" not in g:
                 raise KeyError("done")
-        except Exception:  # noqa: BLE001 - missing array or checksum failure: find which chunks
+        except Exception:
             sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
             return (*_read_chunks(g, gm, kind, sc, dtype), sc)
         if check:
@@ -358,7 +356,7 @@ class FeatureCache:
             except SchemaMismatchError as exc:
                 log.warning("skipping %s/%s/%s: %s", b, d, s, exc)
                 continue
-            except Exception as exc:  # noqa: BLE001 - a damaged aux array: listed, not fatal
+            except Exception as exc:
                 log.warning("%s/%s/%s is damaged (%s); run `featcache verify`", b, d, s, type(exc).__name__)
                 complete, n_invalid = False, None
             for kind in self.kinds(b, d, s):
@@ -403,7 +401,9 @@ class FeatureCache:
     def load_class_embeddings(self, dataset: str, name: str = "text", backbone: str | None = None) -> np.ndarray:
         """A [C, D] class-embedding matrix: ``backbone``'s own (its text tower's) when stored,
         else the dataset-level one (backbone-agnostic, older stores)."""
-        for parts in ((("class_embeddings", dataset, backbone),) if backbone else ()) + (("class_embeddings", dataset),):
+        for parts in ((("class_embeddings", dataset, backbone),) if backbone else ()) + (
+            ("class_embeddings", dataset),
+        ):
             g = self._group(*parts)
             if g is not None and name in {k for k, _ in g.arrays()}:
                 return np.asarray(g[name][:], dtype=np.float32)
@@ -501,7 +501,7 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
             if ROOT_KEY not in root.attrs:
                 with warnings.catch_warnings():  # the lock folder is not a zarr node
                     warnings.simplefilter("ignore")
-                    foreign = [k for k in root.keys() if k != "locks"]
+                    foreign = [k for k in root if k != "locks"]
                 if foreign:
                     raise SchemaMismatchError(
                         f"{label} is a non-empty zarr group that is not a featcache store; choose a new --cache path"
@@ -591,14 +591,16 @@ def _write_rows(g, ids: np.ndarray, labels: np.ndarray, chunk_rows: int) -> None
     a = g.create_array("ids", shape=(len(ids),), dtype=str, chunks=chunks, compressors=checksummed(), overwrite=True)
     if len(ids):
         a[:] = ids
-    b = g.create_array("labels", shape=(len(ids),), dtype="int64", chunks=chunks, compressors=checksummed(),
-                       overwrite=True)
+    b = g.create_array(
+        "labels", shape=(len(ids),), dtype="int64", chunks=chunks, compressors=checksummed(), overwrite=True
+    )
     if len(ids):
         b[:] = labels
 
 
-def write_class_embeddings(path_or_cache, dataset: str, matrix: np.ndarray, name: str = "text",
-                           backbone: str | None = None) -> None:
+def write_class_embeddings(
+    path_or_cache, dataset: str, matrix: np.ndarray, name: str = "text", backbone: str | None = None
+) -> None:
     """Store a [C, D] class-embedding matrix beside ``dataset`` (ELEVATER language-initialised
     head, zero-shot). With ``backbone`` (its text tower's embeddings) it is stored for that
     backbone x dataset, under ``class_embeddings/<dataset>/<backbone>/<name>``, and refused
@@ -615,8 +617,7 @@ def write_class_embeddings(path_or_cache, dataset: str, matrix: np.ndarray, name
         _check_embedding_width(cache, backbone, dataset, m.shape[1])
         where += f"/{backbone}"
     g = cache.root.require_group(where)
-    a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(),
-                       overwrite=True)
+    a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(), overwrite=True)
     a[:] = m
 
 
@@ -629,5 +630,6 @@ def _check_embedding_width(cache: FeatureCache, backbone: str, dataset: str, wid
                 raise SchemaMismatchError(
                     f"class embeddings of width {width} do not match {backbone}'s {dim}-d features "
                     f"of {dataset!r}; store the matrix of this backbone's own text tower "
-                    f"(one row per class, {dim} columns)")
+                    f"(one row per class, {dim} columns)"
+                )
             return

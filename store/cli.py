@@ -33,9 +33,14 @@ def parse_storage_options(pairs: list[str] | None) -> dict | None:
 
 
 def add_storage_option_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-option", action="append", dest="storage_options", metavar="KEY=VALUE",
-                   help="fsspec option for an s3://... cache (repeatable), e.g. endpoint_url=http://host:9000, "
-                        "key=..., secret=...; or env FEATCACHE_STORAGE_OPTIONS='{json}'")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        dest="storage_options",
+        metavar="KEY=VALUE",
+        help="fsspec option for an s3://... cache (repeatable), e.g. endpoint_url=http://host:9000, "
+        "key=..., secret=...; or env FEATCACHE_STORAGE_OPTIONS='{json}'",
+    )
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -71,11 +76,15 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"  datasets/{d}/{s}: re-run any `featcache extract` of this split (ids/labels are rewritten)")
         cache = open_cache(args.path, storage_options=opts)
         for (b, d, s), chunks in sorted(rep.to_recompute.items()):
-            print(f"  features/{b}/{d}/{s}: {len(chunks)} chunk(s) {chunks[:10]} -> re-run "
-                  f"{_extract_hint(cache, b, d, s, args.path)}")
+            print(
+                f"  features/{b}/{d}/{s}: {len(chunks)} chunk(s) {chunks[:10]} -> re-run "
+                f"{_extract_hint(cache, b, d, s, args.path)}"
+            )
         if not args.repair:
-            print("`featcache verify --repair` marks them for recomputation first (needed when done/valid/error "
-                  "arrays are missing); the re-run then recomputes exactly those chunks")
+            print(
+                "`featcache verify --repair` marks them for recomputation first (needed when done/valid/error "
+                "arrays are missing); the re-run then recomputes exactly those chunks"
+            )
     return 1
 
 
@@ -85,11 +94,13 @@ def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
         kind = cache.kinds(b, d, s)[0]
         p = cache.provenance(b, d, s, kind)
         size = p.data_config.get("input_size", [0, 0, 0])[-1]
-        return (f"`featcache extract --model {p.model_name} --weights {p.weights_source} --data <source of "
-                f"{d}> --dataset-name {d} --split {s} --backbone-name {b} --input-size {size} --chunk-rows "
-                f"{p.chunk_rows} --dtype {p.dtype} --features {','.join(cache.kinds(b, d, s))} --cache {path}` "
-                "(the same command that wrote it)")
-    except Exception:  # noqa: BLE001 - provenance itself damaged
+        return (
+            f"`featcache extract --model {p.model_name} --weights {p.weights_source} --data <source of "
+            f"{d}> --dataset-name {d} --split {s} --backbone-name {b} --input-size {size} --chunk-rows "
+            f"{p.chunk_rows} --dtype {p.dtype} --features {','.join(cache.kinds(b, d, s))} --cache {path}` "
+            "(the same command that wrote it)"
+        )
+    except Exception:
         return "the `featcache extract` command that wrote it"
 
 
@@ -101,8 +112,11 @@ def register(sub) -> None:
     p.set_defaults(func=run_ls)
     p = sub.add_parser("verify", help="re-check every chunk (checksums), fingerprint, shape and provenance")
     p.add_argument("path")
-    p.add_argument("--repair", action="store_true",
-                   help="mark damaged chunks for recomputation and recreate lost done/valid/error arrays; "
-                        "then re-run the same extract to recompute exactly those chunks")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="mark damaged chunks for recomputation and recreate lost done/valid/error arrays; "
+        "then re-run the same extract to recompute exactly those chunks",
+    )
     add_storage_option_argument(p)
     p.set_defaults(func=run_verify)

@@ -68,12 +68,12 @@ def read_done(g, n_chunks: int, scan: GroupScan | None = None) -> np.ndarray:
         return np.zeros(n_chunks, bool)
     try:
         return np.asarray(arr[:], dtype=bool)
-    except Exception:  # noqa: BLE001 - a corrupt marker chunk: read one by one
+    except Exception:
         out = np.zeros(n_chunks, bool)
         for i in range(n_chunks):
             try:
                 out[i] = bool(arr[i])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if scan is not None:
                     scan.add("done", i, _short(exc))
         return out
@@ -97,7 +97,7 @@ def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None)
         for name, arr in arrays.items():
             try:
                 data[name] = np.asarray(arr[s:e])
-            except Exception as exc:  # noqa: BLE001 - checksum / decode failures name the chunk
+            except Exception as exc:
                 scan.add(name, i, f"unreadable ({_short(exc)})")
         _check_rows(scan, i, data, kinds)
     for name in scan.damaged:

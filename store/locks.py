@@ -172,4 +172,3 @@ class StoreLock:
 
     def __repr__(self) -> str:
         return f"StoreLock({self.name!r}, {'file' if self._local else 'lease'})"
-

@@ -40,8 +40,7 @@ def check_name(what: str, name: str) -> str:
     """Backbone, dataset, split and kind names become zarr path segments."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise SchemaMismatchError(
-            f"invalid {what} name {name!r}: use letters, digits and _ . @ + = , : % - "
-            "(no '/', no leading dot or dash)"
+            f"invalid {what} name {name!r}: use letters, digits and _ . @ + = , : % - (no '/', no leading dot or dash)"
         )
     if name in RESERVED_NAMES or name.lower().endswith(".json"):
         raise SchemaMismatchError(

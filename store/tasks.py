@@ -59,20 +59,26 @@ def write_label_matrix(path_or_cache, dataset: str, split: str, matrix, class_na
     """Store multi-label targets ``[N, C]`` (bool/0-1) of an existing split; returns their
     sha256 prefix. Rows follow the split's rows; one column per name in ``class_names``."""
     cache = _cache(path_or_cache)
-    ids, _, meta = cache.split_rows(dataset, split)
+    ids, _, _meta = cache.split_rows(dataset, split)
     m = np.asarray(matrix)
     names = [str(n) for n in class_names]
     if m.ndim != 2 or m.shape != (len(ids), len(names)):
         raise SchemaMismatchError(
             f"label matrix of {dataset}/{split} must be [{len(ids)}, {len(names)}] (one row per "
-            f"sample of the split, one column per class name), got shape {m.shape}")
+            f"sample of the split, one column per class name), got shape {m.shape}"
+        )
     if m.dtype != bool and not np.isin(m, (0, 1)).all():
         raise SchemaMismatchError("label matrix entries must be bool or 0/1")
     m = m.astype(bool)
     g = cache._group("datasets", dataset, split)
-    a = g.create_array(LABEL_MATRIX, shape=m.shape, dtype="bool",
-                       chunks=(min(65536, max(len(ids), 1)), max(len(names), 1)), compressors=checksummed(),
-                       overwrite=True)
+    a = g.create_array(
+        LABEL_MATRIX,
+        shape=m.shape,
+        dtype="bool",
+        chunks=(min(65536, max(len(ids), 1)), max(len(names), 1)),
+        compressors=checksummed(),
+        overwrite=True,
+    )
     a[:] = m
     sha = _sha(m, names)
     a.attrs["class_names"] = names

@@ -32,8 +32,9 @@ class VerifyReport:
     repaired: bool = False
 
 
-def verify(path, storage_options: dict | None = None, *, repair: bool = False,
-           report: VerifyReport | None = None) -> list[str]:
+def verify(
+    path, storage_options: dict | None = None, *, repair: bool = False, report: VerifyReport | None = None
+) -> list[str]:
     """Return a list of problems (empty when the store is sound). Never raises for damage:
     every exception while checking becomes a problem line naming where it happened."""
     rep = report if report is not None else VerifyReport()
@@ -49,7 +50,7 @@ def verify(path, storage_options: dict | None = None, *, repair: bool = False,
         where = f"features/{b}/{d}/{s}"
         try:
             _check_group(cache, b, d, s, rep, repair)
-        except Exception as exc:  # noqa: BLE001 - verify names damage, never prints a traceback
+        except Exception as exc:
             rep.problems.append(f"{where}: {type(exc).__name__}: {exc}")
     rep.repaired = repair
     for p in rep.problems:
@@ -60,15 +61,15 @@ def verify(path, storage_options: dict | None = None, *, repair: bool = False,
 def _safe(rep: VerifyReport, where: str, fn, *args):
     try:
         return fn(*args)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         rep.problems.append(f"{where}: {type(exc).__name__}: {exc}")
         return None
 
 
 def _check_split(cache: FeatureCache, d: str, s: str, rep: VerifyReport) -> None:
     try:
-        ids, labels, meta = cache.split_rows(d, s, check=True)
-    except Exception as exc:  # noqa: BLE001
+        _ids, labels, meta = cache.split_rows(d, s, check=True)
+    except Exception as exc:
         rep.problems.append(f"datasets/{d}/{s}: {exc}")
         rep.bad_splits.append((d, s))
         return
@@ -85,17 +86,25 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
     sc = cache.scan(b, d, s)
     todo = np.flatnonzero(~sc.done).tolist()
     if todo:
-        rep.problems.append(f"{where}: {len(todo)} of {gm.n_chunks} chunks not marked done (e.g. {todo[:5]}); re-run extract")
+        rep.problems.append(
+            f"{where}: {len(todo)} of {gm.n_chunks} chunks not marked done (e.g. {todo[:5]}); re-run extract"
+        )
     for name in sc.missing_arrays:
-        rep.problems.append(f"{where}/{name}: array missing; `featcache verify --repair` recreates it, then re-run extract")
+        rep.problems.append(
+            f"{where}/{name}: array missing; `featcache verify --repair` recreates it, then re-run extract"
+        )
     for name, chunks in sorted(sc.damaged.items()):
         missing = [i for i in chunks if sc.reasons[name][i].startswith("missing")]
         unreadable = [i for i in chunks if i not in missing]
         if missing:
-            rep.problems.append(f"{where}/{name}: chunk objects missing for marked chunks {missing[:10]}; re-run extract to recompute")
+            rep.problems.append(
+                f"{where}/{name}: chunk objects missing for marked chunks {missing[:10]}; re-run extract to recompute"
+            )
         for i in unreadable[:20]:
-            rep.problems.append(f"{where}/{name}: chunk {i} (rows {i * gm.chunk_rows}-"
-                                f"{min((i + 1) * gm.chunk_rows, gm.n) - 1}) {sc.reasons[name][i]}")
+            rep.problems.append(
+                f"{where}/{name}: chunk {i} (rows {i * gm.chunk_rows}-"
+                f"{min((i + 1) * gm.chunk_rows, gm.n) - 1}) {sc.reasons[name][i]}"
+            )
     if gm.n != smeta.n:
         rep.problems.append(f"{where}: {gm.n} rows but split has {smeta.n}")
     for name in ("valid", "error"):
@@ -115,11 +124,11 @@ def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
     where = f"features/{b}/{d}/{s}"
     try:
         valid = np.asarray(g["valid"][:], dtype=bool)
-    except Exception:  # noqa: BLE001 - already reported by the scan
+    except Exception:
         valid = np.zeros(gm.n, bool)
     ok = np.repeat(sc.done, gm.chunk_rows)[: gm.n]
     for i in sc.bad_chunks:
-        ok[i * gm.chunk_rows:(i + 1) * gm.chunk_rows] = False
+        ok[i * gm.chunk_rows : (i + 1) * gm.chunk_rows] = False
     check = valid & ok
     for kind in gm.kinds:
         try:

@@ -43,11 +43,19 @@ def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
     """(Re)create one of the ``valid``/``error``/``done`` arrays of a feature group."""
     kw = {"compressors": checksummed(), "overwrite": True}
     if name == "valid":
-        return g.create_array("valid", shape=(n,), dtype="bool", chunks=(chunk_rows,), fill_value=False,
-                              config={"write_empty_chunks": True}, **kw)
+        return g.create_array(
+            "valid",
+            shape=(n,),
+            dtype="bool",
+            chunks=(chunk_rows,),
+            fill_value=False,
+            config={"write_empty_chunks": True},
+            **kw,
+        )
     if name == "error":
-        return g.create_array("error", shape=(n,), dtype=str, chunks=(chunk_rows,),
-                              config={"write_empty_chunks": True}, **kw)
+        return g.create_array(
+            "error", shape=(n,), dtype=str, chunks=(chunk_rows,), config={"write_empty_chunks": True}, **kw
+        )
     if name == "done":
         return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
     raise ValueError(f"not an auxiliary array: {name!r}")
@@ -181,8 +189,15 @@ class FeatureWriter:
         for name in ("valid", "error", "done"):
             create_aux_array(g, name, n, cr, self.n_chunks)
         meta = FeatureGroupMeta(
-            SCHEMA_VERSION, self.backbone, self.dataset, self.split, n, cr, self.n_chunks,
-            tuple(self.provenances), now_iso(),
+            SCHEMA_VERSION,
+            self.backbone,
+            self.dataset,
+            self.split,
+            n,
+            cr,
+            self.n_chunks,
+            tuple(self.provenances),
+            now_iso(),
         )
         g.attrs[GROUP_KEY] = meta.to_attrs()  # last: marks the group as created
         self.group = g
@@ -218,8 +233,13 @@ class FeatureWriter:
         sc = scan_group(self.group, self.n, self.chunk_rows, self.n_chunks, tuple(self.provenances))
         todo = set(np.flatnonzero(~sc.done).tolist()) | set(sc.bad_chunks)
         for name, chunks in sorted(sc.damaged.items()):
-            log.warning("%s: %d damaged chunk(s) of %r (%s); recomputing them", self.path, len(chunks), name,
-                        sc.reasons[name][chunks[0]])
+            log.warning(
+                "%s: %d damaged chunk(s) of %r (%s); recomputing them",
+                self.path,
+                len(chunks),
+                name,
+                sc.reasons[name][chunks[0]],
+            )
         return sorted(int(i) for i in todo)
 
     def write_chunk(
@@ -356,8 +376,15 @@ def write_features(
         class_names = [str(c) for c in range(int(labels.max()) + 1 if len(labels) else 0)]
     meta = ensure_split(cache, dataset, split, np.asarray(ids), labels, list(class_names), source)
     prov = make_provenance(
-        backbone=backbone, dataset=dataset, split=split, kind=kind, dim=X.shape[1], n=X.shape[0],
-        dataset_fingerprint=meta.fingerprint, chunk_rows=chunk_rows, dtype=dtype,
+        backbone=backbone,
+        dataset=dataset,
+        split=split,
+        kind=kind,
+        dim=X.shape[1],
+        n=X.shape[0],
+        dataset_fingerprint=meta.fingerprint,
+        chunk_rows=chunk_rows,
+        dtype=dtype,
         **provenance_fields,
     )
     w = FeatureWriter(cache, backbone, dataset, split, {kind: prov}).prepare(overwrite=overwrite)

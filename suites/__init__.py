@@ -35,8 +35,18 @@ __all__ = ["METRICS", "Suite", "Task", "list_suites", "load_suite", "present_tas
 
 #: metrics a task may declare
 METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro")
-_TASK_KEYS = {"name", "group", "source", "aliases", "metric", "num_classes", "class_names", "label",
-              "multilabel", "splits"}
+_TASK_KEYS = {
+    "name",
+    "group",
+    "source",
+    "aliases",
+    "metric",
+    "num_classes",
+    "class_names",
+    "label",
+    "multilabel",
+    "splits",
+}
 
 
 class SuiteError(ConfigError):
@@ -102,8 +112,16 @@ def _suite(raw: dict[str, Any], where: str) -> Suite:
     try:
         groups = tuple(raw["groups"])
         tasks = tuple(_task(t, groups, where) for t in raw["tasks"])
-        suite = Suite(raw["name"], raw["title"], raw["paper"], groups, tasks, raw.get("resize", "timm"),
-                      raw.get("input_size"), MappingProxyType(dict(raw.get("subsets", {}))))
+        suite = Suite(
+            raw["name"],
+            raw["title"],
+            raw["paper"],
+            groups,
+            tasks,
+            raw.get("resize", "timm"),
+            raw.get("input_size"),
+            MappingProxyType(dict(raw.get("subsets", {}))),
+        )
     except KeyError as exc:
         raise SuiteError(f"{where}: missing key {exc}") from exc
     names = [n for t in tasks for n in t.dir_names]
@@ -118,16 +136,26 @@ def _task(t: dict[str, Any], groups: tuple[str, ...], where: str) -> Task:
     unknown = set(t) - _TASK_KEYS
     if unknown:
         raise SuiteError(f"{where}: task {t.get('name')!r} has unknown keys {sorted(unknown)}")
-    task = Task(t["name"], t["group"], t["source"], t["metric"], int(t["num_classes"]),
-                MappingProxyType(dict(t.get("splits", {}))), tuple(t.get("aliases", ())),
-                tuple(t["class_names"]) if "class_names" in t else None, t.get("label"), bool(t.get("multilabel")))
+    task = Task(
+        t["name"],
+        t["group"],
+        t["source"],
+        t["metric"],
+        int(t["num_classes"]),
+        MappingProxyType(dict(t.get("splits", {}))),
+        tuple(t.get("aliases", ())),
+        tuple(t["class_names"]) if "class_names" in t else None,
+        t.get("label"),
+        bool(t.get("multilabel")),
+    )
     if task.metric not in METRICS:
         raise SuiteError(f"{where}: task {task.name} metric {task.metric!r} is not one of {', '.join(METRICS)}")
     if task.group not in groups:
         raise SuiteError(f"{where}: task {task.name} group {task.group!r} is not one of {groups}")
     if task.class_names is not None and len(task.class_names) != task.num_classes:
-        raise SuiteError(f"{where}: task {task.name} has {len(task.class_names)} class names for "
-                         f"{task.num_classes} classes")
+        raise SuiteError(
+            f"{where}: task {task.name} has {len(task.class_names)} class names for {task.num_classes} classes"
+        )
     return task
 
 
@@ -147,8 +175,10 @@ def present_tasks(suite: Suite, data_root: str) -> list[tuple[Task, str]]:
         if spec:
             found.append((task, spec))
     if not found:
-        raise DataError(f"no task of suite {suite.name} has data under {data_root}; expected e.g. "
-                        f"{data_root}/{suite.tasks[0].name}/ (names and aliases: `featcache suites {suite.name}`)")
+        raise DataError(
+            f"no task of suite {suite.name} has data under {data_root}; expected e.g. "
+            f"{data_root}/{suite.tasks[0].name}/ (names and aliases: `featcache suites {suite.name}`)"
+        )
     have = {t.name for t, _ in found}
     warn_missing(suite, [t.name for t in suite.tasks if t.name not in have], f"have no data under {data_root}")
     return found
@@ -159,5 +189,11 @@ def warn_missing(suite: Suite, missing: list[str], why: str) -> None:
     if missing:
         import logging
 
-        logging.getLogger(__name__).warning("suite %s: %d of %d tasks %s, skipped: %s", suite.name, len(missing),
-                                            len(suite.tasks), why, ", ".join(missing))
+        logging.getLogger(__name__).warning(
+            "suite %s: %d of %d tasks %s, skipped: %s",
+            suite.name,
+            len(missing),
+            len(suite.tasks),
+            why,
+            ", ".join(missing),
+        )

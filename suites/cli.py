@@ -16,8 +16,10 @@ def run_suites(args: argparse.Namespace) -> int:
         print("details: featcache suites NAME [--data-root DIR]")
         return 0
     s = load_suite(args.name)
-    print(f"{s.name}: {s.title}\n  paper: {s.paper}\n  preprocessing: resize {s.resize}"
-          + (f", {s.input_size} px" if s.input_size else ""))
+    print(
+        f"{s.name}: {s.title}\n  paper: {s.paper}\n  preprocessing: resize {s.resize}"
+        + (f", {s.input_size} px" if s.input_size else "")
+    )
     for k, v in s.subsets.items():
         print(f"  subset {k}: {v}")
     present = _present(s, args.data_root) if args.data_root else {}
@@ -38,14 +40,21 @@ def _present(suite, root: str) -> dict[str, str | None]:
 
     from featcache.extract.formats import detect_spec
 
-    return {t.name: next((s for n in t.dir_names for s in [detect_spec(Path(root) / n)] if s), None)
-            for t in suite.tasks}
+    return {
+        t.name: next((s for n in t.dir_names for s in [detect_spec(Path(root) / n)] if s), None) for t in suite.tasks
+    }
 
 
 def register(sub) -> None:
     p = sub.add_parser("suites", help="list the benchmark suites (vtab-1k, elevater-ic, salman-12) and their tasks")
     p.add_argument("name", nargs="?", help="a suite: list its tasks (group, metric, classes)")
-    p.add_argument("--data-root", default=None, help="show which tasks have data under this folder (and in which layout)")
-    p.add_argument("--splits", dest="verbose_tasks", action="store_true",
-                   help="also show each task's split rules, label definition, source and folder names")
+    p.add_argument(
+        "--data-root", default=None, help="show which tasks have data under this folder (and in which layout)"
+    )
+    p.add_argument(
+        "--splits",
+        dest="verbose_tasks",
+        action="store_true",
+        help="also show each task's split rules, label definition, source and folder names",
+    )
     p.set_defaults(func=run_suites)

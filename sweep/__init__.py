@@ -13,5 +13,4 @@ from __future__ import annotations
 from featcache.sweep.executor import ItemOutcome, SweepReport, execute, run_item, run_sweep
 from featcache.sweep.planner import Plan, SweepConfig, WorkItem, plan
 
-__all__ = ["ItemOutcome", "Plan", "SweepConfig", "SweepReport", "WorkItem", "execute", "plan",
-           "run_item", "run_sweep"]
+__all__ = ["ItemOutcome", "Plan", "SweepConfig", "SweepReport", "WorkItem", "execute", "plan", "run_item", "run_sweep"]

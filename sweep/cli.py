@@ -7,39 +7,62 @@ import argparse
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "sweep", help="run the probe/retrieval/fine-tune grid on Dask",
+        "sweep",
+        help="run the probe/retrieval/fine-tune grid on Dask",
         description="Expand backbones x datasets x protocols x seeds (and retrieval setups and fine-tunes) from the "
         "store catalog into work items and run the ones not yet in the results table on "
-        "dask.distributed: an in-process LocalCluster by default, or an existing scheduler.")
+        "dask.distributed: an in-process LocalCluster by default, or an existing scheduler.",
+    )
     p.add_argument("--cache", required=True, help="feature store path or URL (workers read it themselves)")
     p.add_argument("--results", required=True, help="results parquet to append to")
     p.add_argument("--backbone", action="append", default=[], help="backbone key (repeatable; default: all)")
     p.add_argument("--dataset", action="append", default=[], help="dataset (repeatable; default: all)")
-    p.add_argument("--protocol", action="append", default=[],
-                   help="probe protocol, e.g. full, fewshot:5, vtab1k (repeatable; default: full, "
-                   "or none with --retrieval)")
+    p.add_argument(
+        "--protocol",
+        action="append",
+        default=[],
+        help="probe protocol, e.g. full, fewshot:5, vtab1k (repeatable; default: full, or none with --retrieval)",
+    )
     p.add_argument("--seeds", help="comma-separated seeds (default: each protocol's defaults)")
     p.add_argument("--retrieval", action="store_true", help="add a retrieval + k-NN run per backbone and dataset")
     ft = p.add_argument_group(
-        "fine-tunes", "one item per backbone, dataset and seed, with the model and weights the store's "
+        "fine-tunes",
+        "one item per backbone, dataset and seed, with the model and weights the store's "
         "provenance records for the backbone (backbones whose weights cannot be loaded again are left "
         "out, with a warning) and the backbone's extraction input size unless --ft-input-size; the "
-        "paired probe protocol (protocol registry) is added to the probes")
-    ft.add_argument("--finetune", action="append", default=[], metavar="PROTOCOL",
-                    help="fine-tune protocol, e.g. vtab1k-light or full (repeatable)")
-    ft.add_argument("--data", action="append", default=[], metavar="NAME=SPEC",
-                    help="images of dataset NAME for the fine-tunes (required for each swept dataset: "
-                    "the store does not record where its images are), e.g. digits=digits, "
-                    "fmnist=fashion-mnist, pets=imagefolder:DIR")
+        "paired probe protocol (protocol registry) is added to the probes",
+    )
+    ft.add_argument(
+        "--finetune",
+        action="append",
+        default=[],
+        metavar="PROTOCOL",
+        help="fine-tune protocol, e.g. vtab1k-light or full (repeatable)",
+    )
+    ft.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="images of dataset NAME for the fine-tunes (required for each swept dataset: "
+        "the store does not record where its images are), e.g. digits=digits, "
+        "fmnist=fashion-mnist, pets=imagefolder:DIR",
+    )
     ft.add_argument("--ft-steps", help="comma-separated schedule lengths (scaled-down run; default: the protocol's)")
     ft.add_argument("--ft-lrs", help="comma-separated learning rates (default: the protocol's)")
     ft.add_argument("--ft-batch-size", type=int, help="SGD batch (default: the protocol's)")
     ft.add_argument("--ft-input-size", type=int, help="input resolution (default: the extraction's)")
     ft.add_argument("--ft-limit", type=int, help="first N images of every split")
-    p.add_argument("--scheduler", help="address of a running Dask scheduler (default: $DASK_SCHEDULER_ADDRESS, "
-                   "else an in-process LocalCluster)")
-    p.add_argument("--workers", type=int, default=2,
-                   help="LocalCluster worker processes (default 2; 0: run here, one item at a time)")
+    p.add_argument(
+        "--scheduler",
+        help="address of a running Dask scheduler (default: $DASK_SCHEDULER_ADDRESS, else an in-process LocalCluster)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="LocalCluster worker processes (default 2; 0: run here, one item at a time)",
+    )
     p.add_argument("--force", action="store_true", help="rerun items already done")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.set_defaults(func=run)
@@ -71,8 +94,13 @@ def _data(pairs: list[str]) -> dict[str, str]:
 def _finetune_options(args: argparse.Namespace) -> dict:
     from featcache.configs import float_list, int_list
 
-    opts = dict(steps=args.ft_steps and int_list(args.ft_steps), lrs=args.ft_lrs and float_list(args.ft_lrs),
-                batch_size=args.ft_batch_size, input_size=args.ft_input_size, limit=args.ft_limit)
+    opts = {
+        "steps": args.ft_steps and int_list(args.ft_steps),
+        "lrs": args.ft_lrs and float_list(args.ft_lrs),
+        "batch_size": args.ft_batch_size,
+        "input_size": args.ft_input_size,
+        "limit": args.ft_limit,
+    }
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -88,11 +116,21 @@ def run(args: argparse.Namespace) -> int:
 
         logging.getLogger("distributed").setLevel(logging.WARNING)
     protocols = tuple(args.protocol) or (() if args.retrieval or args.finetune else ("full",))
-    config = SweepConfig(cache=args.cache, results=args.results, backbones=tuple(args.backbone),
-                         datasets=tuple(args.dataset), protocols=protocols, seeds=_seeds(args.seeds),
-                         retrieval=args.retrieval, finetune=tuple(args.finetune), data=_data(args.data),
-                         finetune_options=_finetune_options(args), scheduler=args.scheduler,
-                         workers=args.workers, force=args.force)
+    config = SweepConfig(
+        cache=args.cache,
+        results=args.results,
+        backbones=tuple(args.backbone),
+        datasets=tuple(args.dataset),
+        protocols=protocols,
+        seeds=_seeds(args.seeds),
+        retrieval=args.retrieval,
+        finetune=tuple(args.finetune),
+        data=_data(args.data),
+        finetune_options=_finetune_options(args),
+        scheduler=args.scheduler,
+        workers=args.workers,
+        force=args.force,
+    )
     if args.dry_run:
         p = plan(config)
         for it in p.items:

@@ -45,8 +45,10 @@ class SweepReport:
 
     def summary(self) -> str:
         n = {s: sum(o.status == s for o in self.outcomes) for s in ("ran", "skipped", "failed")}
-        return (f"{len(self.plan.items) + len(self.plan.done)} item(s): {n['ran']} ran, "
-                f"{len(self.plan.done) + n['skipped']} already done, {n['failed']} failed")
+        return (
+            f"{len(self.plan.items) + len(self.plan.done)} item(s): {n['ran']} ran, "
+            f"{len(self.plan.done) + n['skipped']} already done, {n['failed']} failed"
+        )
 
 
 def call_stage(item: WorkItem):
@@ -78,8 +80,7 @@ def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> 
     from featcache.protocols import get_protocol
     from featcache.results import add_median_rows, read_results
 
-    probe = {r for it, rs in produced
-             if it.kind == "probe" and get_protocol(it.protocol).median_over_seeds for r in rs}
+    probe = {r for it, rs in produced if it.kind == "probe" and get_protocol(it.protocol).median_over_seeds for r in rs}
     tuned = {r for it, rs in produced if it.kind == "finetune" for r in rs}
     for kind, ids, carry in (("probe", probe, ("val_source",)), ("finetune", tuned, MEDIAN_CARRY)):
         if ids:
@@ -99,10 +100,11 @@ def run_item(item: WorkItem) -> ItemOutcome:
         ids = sorted(set(rows.filter(rows["seed"] >= 0)["run_id"].to_list()))
         status = "skipped" if ids and set(ids) <= before else "ran"
         return ItemOutcome(item.run_id, item.label, status, tuple(ids), time.perf_counter() - t0, host)
-    except Exception as exc:  # noqa: BLE001 - one item's failure must not stop the sweep
+    except Exception as exc:
         log.debug("item %s failed:\n%s", item.run_id, traceback.format_exc())
-        return ItemOutcome(item.run_id, item.label, "failed", (), time.perf_counter() - t0, host,
-                           f"{type(exc).__name__}: {exc}")
+        return ItemOutcome(
+            item.run_id, item.label, "failed", (), time.perf_counter() - t0, host, f"{type(exc).__name__}: {exc}"
+        )
 
 
 def _client(config: SweepConfig):
@@ -114,11 +116,14 @@ def _client(config: SweepConfig):
         try:
             return Client(address, timeout=f"{config.connect_timeout}s"), None
         except (OSError, TimeoutError) as exc:
-            raise SweepError(f"no Dask scheduler answers at {address} ({exc}); start one with "
-                             "`dask scheduler` + `dask worker ADDRESS`, or drop --scheduler to use "
-                             "a local cluster") from exc
-    cluster = LocalCluster(n_workers=config.workers, threads_per_worker=1, processes=True,
-                           host="127.0.0.1", dashboard_address=None)
+            raise SweepError(
+                f"no Dask scheduler answers at {address} ({exc}); start one with "
+                "`dask scheduler` + `dask worker ADDRESS`, or drop --scheduler to use "
+                "a local cluster"
+            ) from exc
+    cluster = LocalCluster(
+        n_workers=config.workers, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+    )
     return Client(cluster), cluster
 
 
@@ -147,13 +152,12 @@ def execute(items, config: SweepConfig, *, progress: bool = True) -> list[ItemOu
 
         client, cluster = _client(config)
         try:
-            futures = client.map(run_item, items, key=[f"sweep-{i.run_id}" for i in items],
-                                 pure=False, retries=0)
+            futures = client.map(run_item, items, key=[f"sweep-{i.run_id}" for i in items], pure=False, retries=0)
             by_key = {f.key: it for f, it in zip(futures, items)}
             for fut in as_completed(futures):
                 try:
                     done(fut.result())
-                except Exception as exc:  # noqa: BLE001 - a worker died under this item
+                except Exception as exc:
                     it = by_key[fut.key]
                     done(ItemOutcome(it.run_id, it.label, "failed", error=f"{type(exc).__name__}: {exc}"))
         finally:

@@ -26,8 +26,17 @@ log = logging.getLogger(__name__)
 
 KINDS = ("probe", "retrieval", "finetune")
 #: FinetuneConfig fields the sweep's fine-tune options may set (its scaled-down runs)
-FINETUNE_OPTIONS = ("steps", "lrs", "batch_size", "micro_batch", "input_size", "limit", "device",
-                    "checkpoint_every", "memory_limit_gb")
+FINETUNE_OPTIONS = (
+    "steps",
+    "lrs",
+    "batch_size",
+    "micro_batch",
+    "input_size",
+    "limit",
+    "device",
+    "checkpoint_every",
+    "memory_limit_gb",
+)
 
 
 def _frozen_map(value) -> tuple[tuple[str, Any], ...]:
@@ -138,8 +147,9 @@ def _select(requested: Sequence[str], present: Sequence[str], what: str) -> list
         return sorted(present)
     unknown = [r for r in requested if r not in present]
     if unknown:
-        raise SweepError(f"{what} {unknown} not in the store; it holds {sorted(present)} "
-                         "(run `featcache ls` to see the catalog)")
+        raise SweepError(
+            f"{what} {unknown} not in the store; it holds {sorted(present)} (run `featcache ls` to see the catalog)"
+        )
     return list(dict.fromkeys(requested))
 
 
@@ -157,9 +167,19 @@ def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) 
     out = []
     for p in protocols:
         for s in config.seeds or default_seeds(p):
-            pc = ProbeConfig(config.cache, (b,), d, p, seeds=(s,), results_path=config.results,
-                             force=config.force, eval_splits=(config.eval_split,),
-                             train_split=config.train_split, kind=config.feature_kind, progress=False)
+            pc = ProbeConfig(
+                config.cache,
+                (b,),
+                d,
+                p,
+                seeds=(s,),
+                results_path=config.results,
+                force=config.force,
+                eval_splits=(config.eval_split,),
+                train_split=config.train_split,
+                kind=config.feature_kind,
+                progress=False,
+            )
             out.append(_item("probe", pc, pc.run_ids().values(), b, d, p, s))
     return out
 
@@ -168,9 +188,16 @@ def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
     from featcache.retrieval import RetrievalConfig
     from featcache.store.cache import features_fingerprint
 
-    rc = RetrievalConfig(cache=config.cache, dataset=d, backbones=(b,), query_split=config.eval_split,
-                         gallery_split=config.gallery_split, results=config.results,
-                         kind=config.feature_kind, progress=False)
+    rc = RetrievalConfig(
+        cache=config.cache,
+        dataset=d,
+        backbones=(b,),
+        query_split=config.eval_split,
+        gallery_split=config.gallery_split,
+        results=config.results,
+        kind=config.feature_kind,
+        progress=False,
+    )
 
     def fp(split: str) -> str:  # the stage loads complete features only
         prov = cache.provenance(b, d, split, config.feature_kind).to_attrs()
@@ -203,13 +230,25 @@ def _finetune_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem
     out = []
     for p in config.finetune:
         for s in config.seeds or default_seeds(p, "finetune"):
-            fc = FinetuneConfig(model=prov.model_name, weights=prov.weights_source, data=dict(config.data)[d],
-                                protocol=p, seeds=(s,), results_path=config.results,
-                                eval_splits=(config.eval_split,), train_split=config.train_split,
-                                dataset_name=d, backbone_name=b, workers=0, force=config.force,
-                                progress=False, **opts)
-            key = make_run_id(kind="sweep-finetune", config={k: v for k, v in vars(fc).items()
-                                                              if k not in ("force", "progress")})
+            fc = FinetuneConfig(
+                model=prov.model_name,
+                weights=prov.weights_source,
+                data=dict(config.data)[d],
+                protocol=p,
+                seeds=(s,),
+                results_path=config.results,
+                eval_splits=(config.eval_split,),
+                train_split=config.train_split,
+                dataset_name=d,
+                backbone_name=b,
+                workers=0,
+                force=config.force,
+                progress=False,
+                **opts,
+            )
+            key = make_run_id(
+                kind="sweep-finetune", config={k: v for k, v in vars(fc).items() if k not in ("force", "progress")}
+            )
             out.append(WorkItem("finetune", key, fc, (), b, d, p, s))
     return out
 
@@ -229,9 +268,11 @@ def _check_data(config: SweepConfig, datasets: Sequence[str]) -> None:
         return
     missing = [d for d in datasets if d not in dict(config.data)]
     if missing:
-        raise SweepError(f"fine-tunes read images, and the store does not record where they are: "
-                         f"pass --data NAME=SPEC for {missing} (e.g. --data digits=digits, "
-                         "--data fmnist=fashion-mnist) or restrict --dataset")
+        raise SweepError(
+            f"fine-tunes read images, and the store does not record where they are: "
+            f"pass --data NAME=SPEC for {missing} (e.g. --data digits=digits, "
+            "--data fmnist=fashion-mnist) or restrict --dataset"
+        )
 
 
 def plan(config: SweepConfig) -> Plan:

@@ -8,6 +8,7 @@ Used by the report's browser test and by ``benchmarks/report_screenshots.py``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -16,8 +17,16 @@ import subprocess
 import time
 from pathlib import Path
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--remote-debugging-pipe")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--remote-debugging-pipe",
+)
 
 
 def find_chromium() -> str | None:
@@ -46,9 +55,13 @@ class Browser:
 
         # close_fds=False: subprocess would close fds 3/4 after preexec_fn; every other fd of
         # this process is close-on-exec already (PEP 446)
-        self.proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                     preexec_fn=wire, close_fds=False,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            preexec_fn=wire,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         self._buf = b""
@@ -96,10 +109,15 @@ class Browser:
     def open(self, url: str, *, width: int = 1280, height: int = 900) -> None:
         """A new tab at ``width`` x ``height`` CSS px, console and log collected, ``url`` loaded."""
         target = self.send("Target.createTarget", {"url": "about:blank"}, session=False)["targetId"]
-        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True}, session=False)["sessionId"]
+        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True}, session=False)[
+            "sessionId"
+        ]
         for domain in ("Page", "Runtime", "Log"):
             self.send(f"{domain}.enable")
-        self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
         self.send("Page.navigate", {"url": url})
         self.wait_event("Page.loadEventFired")
 
@@ -132,10 +150,8 @@ class Browser:
         return p
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.send("Browser.close", session=False)
-        except Exception:  # noqa: BLE001 - the browser may already be gone
-            pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

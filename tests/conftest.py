@@ -45,8 +45,20 @@ def digits_cache(tmp_path_factory) -> str:
     from featcache.extract import ExtractConfig, extract
 
     path = str(_fixture_root(tmp_path_factory) / "digits.zarr")
-    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["train", "test"], path, input_size=FIXTURE_INPUT_SIZE,
-            batch_size=64, workers=1, progress=False, chunk_rows=512))
+    extract(
+        ExtractConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "digits",
+            ["train", "test"],
+            path,
+            input_size=FIXTURE_INPUT_SIZE,
+            batch_size=64,
+            workers=1,
+            progress=False,
+            chunk_rows=512,
+        )
+    )
     return path
 
 
@@ -57,7 +69,20 @@ def fmnist_cache(tmp_path_factory) -> str:
     from featcache.extract import ExtractConfig, extract
 
     path = str(_fixture_root(tmp_path_factory) / "fmnist.zarr")
-    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train", "test"], path,
-            dataset_name="fashion-mnist-small", limit={"train": 2000, "test": 1000},
-            input_size=FIXTURE_INPUT_SIZE, batch_size=64, workers=1, progress=False, chunk_rows=512))
+    extract(
+        ExtractConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "fashion-mnist",
+            ["train", "test"],
+            path,
+            dataset_name="fashion-mnist-small",
+            limit={"train": 2000, "test": 1000},
+            input_size=FIXTURE_INPUT_SIZE,
+            batch_size=64,
+            workers=1,
+            progress=False,
+            chunk_rows=512,
+        )
+    )
     return path

@@ -3,6 +3,7 @@ results computed here on scikit-learn's digits (real probes on real images)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -51,7 +52,7 @@ def _ece(prob, y, bins=15):
     pred = prob.argmax(1)
     edges = np.linspace(0, 1, bins + 1)
     e = 0.0
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         m = (conf > lo) & (conf <= hi)
         if m.any():
             e += m.mean() * abs((pred[m] == y[m]).mean() - conf[m].mean())
@@ -96,8 +97,17 @@ def digits_results(tmp_path_factory):
             clf = LogisticRegression(C=0.5, max_iter=300).fit(Ftr[sub], ytr[sub])
             for split, F in (("test", Fte), ("test_v2", Fte2)):
                 prob = clf.predict_proba(F)
-                base = dict(kind="probe", backbone=b, dataset="digits", protocol="full", train_split="train",
-                            eval_split=split, shots=-1, seed=seed, n_eval=len(yte))
+                base = {
+                    "kind": "probe",
+                    "backbone": b,
+                    "dataset": "digits",
+                    "protocol": "full",
+                    "train_split": "train",
+                    "eval_split": split,
+                    "shots": -1,
+                    "seed": seed,
+                    "n_eval": len(yte),
+                }
                 rid = make_run_id(**base)
                 rows += [
                     {**base, "run_id": rid, "metric": "top1", "value": float((prob.argmax(1) == yte).mean())},
@@ -105,15 +115,31 @@ def digits_results(tmp_path_factory):
                     {**base, "run_id": rid, "metric": "ece", "value": _ece(prob, yte)},
                 ]
         knn = KNeighborsClassifier(5).fit(Ftr, ytr)
-        base = dict(kind="knn", backbone=b, dataset="digits", protocol="full", eval_split="test", n_eval=len(yte))
+        base = {
+            "kind": "knn",
+            "backbone": b,
+            "dataset": "digits",
+            "protocol": "full",
+            "eval_split": "test",
+            "n_eval": len(yte),
+        }
         rows.append({**base, "run_id": make_run_id(**base), "metric": "top1", "value": float(knn.score(Fte, yte))})
         m, nq = _map_same_label(Fte, yte)
-        base = dict(kind="retrieval", backbone=b, dataset="digits", eval_split="test", n_eval=nq)
+        base = {"kind": "retrieval", "backbone": b, "dataset": "digits", "eval_split": "test", "n_eval": nq}
         rows.append({**base, "run_id": make_run_id(**base), "metric": "map", "value": m})
         # "finetune" stand-in: a non-linear head on the same features (an external table)
         head = SVC(C=3.0, gamma="scale").fit(Ftr, ytr)
-        ft_rows.append({"backbone": b, "dataset": "digits", "metric": "top1", "kind": "finetune",
-                        "value": float(head.score(Fte, yte)), "n_eval": len(yte), "seed": 0})
+        ft_rows.append(
+            {
+                "backbone": b,
+                "dataset": "digits",
+                "metric": "top1",
+                "kind": "finetune",
+                "value": float(head.score(Fte, yte)),
+                "n_eval": len(yte),
+                "seed": 0,
+            }
+        )
     d = tmp_path_factory.mktemp("digits_results")
     path = d / "results.parquet"
     append_results(path, rows_to_frame(rows))
@@ -135,7 +161,8 @@ def test_load_table_requires_percent_statement_and_drops_missing_with_a_log(capl
         df = tables.load_table(T9, percent=True)
     assert "7 missing value(s) dropped" in caplog.text
     assert df.height == 30 * 6 - 7
-    assert df["value"].max() <= 1 and df["group"].null_count() == 0
+    assert df["value"].max() <= 1
+    assert df["group"].null_count() == 0
     row = df.filter((pl.col("backbone") == "ViT-Base CLIP (LAION-2B)") & (pl.col("dataset") == "Aircraft"))
     assert row["value"].item() == pytest.approx(0.7638)
 
@@ -145,7 +172,9 @@ def test_load_table_error_paths(tmp_path):
     pl.DataFrame({"backbone": ["a"], "dataset": ["d"], "value": [0.5], "kind": ["finetune"]}).write_csv(bad)
     with pytest.raises(ResultsError, match=r"missing column\(s\) \['metric'\]"):
         tables.load_table(bad)
-    pl.DataFrame({"backbone": ["a"], "dataset": ["d"], "metric": ["top1"], "value": [0.5], "kind": ["linear"]}).write_csv(bad)
+    pl.DataFrame(
+        {"backbone": ["a"], "dataset": ["d"], "metric": ["top1"], "value": [0.5], "kind": ["linear"]}
+    ).write_csv(bad)
     with pytest.raises(ResultsError, match="unknown kind"):
         tables.load_table(bad)
     with pytest.raises(ResultsError, match="kind must be one of"):
@@ -160,19 +189,43 @@ def test_load_table_error_paths(tmp_path):
     with pytest.raises(ResultsError, match="parquet, .csv"):
         tables.load_table(tmp_path / "x.json")
     with pytest.raises(ResultsError, match="wrong type"):
-        tables.load_table(pl.DataFrame({"backbone": ["a"], "dataset": ["d"], "metric": ["top1"], "value": ["high"], "kind": ["probe"]}))
+        tables.load_table(
+            pl.DataFrame(
+                {"backbone": ["a"], "dataset": ["d"], "metric": ["top1"], "value": ["high"], "kind": ["probe"]}
+            )
+        )
     with pytest.raises(ResultsError, match="percent=False"):
-        tables.load_table(pl.DataFrame({"backbone": ["a"], "dataset": ["d"], "metric": ["top1"], "value": [55.0], "kind": ["probe"]}), percent=False)
+        tables.load_table(
+            pl.DataFrame({"backbone": ["a"], "dataset": ["d"], "metric": ["top1"], "value": [55.0], "kind": ["probe"]}),
+            percent=False,
+        )
 
 
 def test_merge_lists_missing_backbones_and_tasks(digits_results, caplog):
     ft = digits_results["ft"].filter(pl.col("backbone") != "pca:4")
-    ft = pl.concat([ft, pl.DataFrame({"backbone": ["pixels"], "dataset": ["letters"], "metric": ["top1"], "kind": ["finetune"], "value": [0.5], "n_eval": [100], "seed": [0]})])
+    ft = pl.concat(
+        [
+            ft,
+            pl.DataFrame(
+                {
+                    "backbone": ["pixels"],
+                    "dataset": ["letters"],
+                    "metric": ["top1"],
+                    "kind": ["finetune"],
+                    "value": [0.5],
+                    "n_eval": [100],
+                    "seed": [0],
+                }
+            ),
+        ]
+    )
     with caplog.at_level("WARNING"):
-        df, cov = tables.merge_tables([
-            tables.load_table(digits_results["df"], source="results"),
-            tables.load_table(ft, source="ft"),
-        ])
+        df, cov = tables.merge_tables(
+            [
+                tables.load_table(digits_results["df"], source="results"),
+                tables.load_table(ft, source="ft"),
+            ]
+        )
     assert cov.missing_backbones["ft"] == ["pca:4"]
     assert cov.missing_tasks["results"] == ["letters"]
     assert "lacks backbone(s) pca:4" in caplog.text
@@ -213,7 +266,10 @@ def test_intervals_are_clopper_pearson_per_accuracy(digits_results):
     r = top1.row(0, named=True)
     ref = ss.binomtest(round(r["value"] * r["n_eval"]), r["n_eval"]).proportion_ci()
     assert (r["ci_lo"], r["ci_hi"]) == pytest.approx((ref.low, ref.high))
-    assert df.filter(pl.col("metric").is_in(["ece", "nll", "map"]))["ci_lo"].null_count() == df.filter(pl.col("metric").is_in(["ece", "nll", "map"])).height
+    assert (
+        df.filter(pl.col("metric").is_in(["ece", "nll", "map"]))["ci_lo"].null_count()
+        == df.filter(pl.col("metric").is_in(["ece", "nll", "map"])).height
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +349,11 @@ def test_bob_table9_agrees_with_the_papers_statements(bob9):
     # the one extra backbone above it on this table alone)
     above = set(order[: order.index("ViT-Base CLIP (LAION-2B)")])
     assert {"SwinV2-Base Supervised (ImageNet-21k-1k)", "ConvNeXt-Base Supervised (ImageNet-21k)"} <= above
-    assert above <= {"SwinV2-Base Supervised (ImageNet-21k-1k)", "ConvNeXt-Base Supervised (ImageNet-21k)", "SwinV2-Base MiDaS (MiDaS)"}
+    assert above <= {
+        "SwinV2-Base Supervised (ImageNet-21k-1k)",
+        "ConvNeXt-Base Supervised (ImageNet-21k)",
+        "SwinV2-Base MiDaS (MiDaS)",
+    }
     # pretraining beats random initialisation: every Rand Init baseline ranks below all others
     rand = [i for i, b in enumerate(order) if "Rand Init" in b]
     assert rand == list(range(len(order) - 7, len(order)))
@@ -302,7 +362,8 @@ def test_bob_table9_agrees_with_the_papers_statements(bob9):
     assert t3["finetune:Aircraft"]["best"] == "SwinV2-Base MiDaS (MiDaS)"
     assert t3["finetune:Flower"]["ties"]  # 99.61 twice: the tie is reported, not hidden
     gm = bob9["bootstrap"].filter(pl.col("aggregation") == "group_mean")
-    assert gm.height == 30 and ((gm["lo"] <= gm["estimate"]) & (gm["estimate"] <= gm["hi"])).all()
+    assert gm.height == 30
+    assert ((gm["lo"] <= gm["estimate"]) & (gm["estimate"] <= gm["hi"])).all()
     assert t3["overall (z-score)"]["best"] == order[0]
     # aggregations agree strongly on this table; missing ImageNet cells are listed
     assert bob9["agreement"]["tau"].min() > 0.6
@@ -345,17 +406,20 @@ def test_bob_table10_calibration_correlations_match_the_paper():
     # correlation (r=-0.4876). In both cases, we observe p-values under 0.05."
     assert corr["nll"]["r"] == pytest.approx(-0.8278, abs=5e-4)
     assert corr["ece"]["r"] == pytest.approx(-0.4876, abs=5e-4)
-    assert corr["nll"]["p_value"] < 0.05 and corr["ece"]["p_value"] < 0.05
+    assert corr["nll"]["p_value"] < 0.05
+    assert corr["ece"]["p_value"] < 0.05
     assert corr["nll"]["n"] == 20
 
 
 def test_bob_table8_linear_probe_vs_finetune():
     lf = api.rank(None, [T8], percent=True, n_boot=50)["lin_ft"]
     pt = lf["per_task"].row(0, named=True)
-    assert pt["task"] == "ImageNet" and pt["n_backbones"] == 11
+    assert pt["task"] == "ImageNet"
+    assert pt["n_backbones"] == 11
     pairs = lf["pairs"]
     ref = ss.kendalltau(pairs["linear"].to_numpy(), pairs["finetune"].to_numpy())
-    assert pt["tau"] == pytest.approx(ref.statistic) and pt["p_value"] == pytest.approx(ref.pvalue)
+    assert pt["tau"] == pytest.approx(ref.statistic)
+    assert pt["p_value"] == pytest.approx(ref.pvalue)
     assert lf["mean_tau"] == pytest.approx(pt["tau"])
     clip = pairs.filter(pl.col("backbone") == "ViT-Base CLIP (LAION-2B)").row(0, named=True)
     assert clip["gain"] == pytest.approx(0.8519 - 0.7974)
@@ -379,47 +443,75 @@ def test_rank_digits_with_external_finetune_writes_tables_and_plots(digits_resul
     row = lf["per_task"].filter(pl.col("task") == "digits").row(0, named=True)
     pairs = lf["pairs"].filter(pl.col("task") == "digits").sort("backbone")
     probe_med = (
-        digits_results["df"].filter((pl.col("kind") == "probe") & (pl.col("metric") == "top1") & (pl.col("eval_split") == "test"))
-        .group_by("backbone").agg(pl.col("value").median()).sort("backbone")
+        digits_results["df"]
+        .filter((pl.col("kind") == "probe") & (pl.col("metric") == "top1") & (pl.col("eval_split") == "test"))
+        .group_by("backbone")
+        .agg(pl.col("value").median())
+        .sort("backbone")
     )
     assert pairs["linear"].to_list() == pytest.approx(probe_med["value"].to_list())
     ref = ss.kendalltau(pairs["linear"].to_numpy(), pairs["finetune"].to_numpy())
-    assert row["tau"] == pytest.approx(ref.statistic) and row["n_backbones"] == len(BACKBONES)
+    assert row["tau"] == pytest.approx(ref.statistic)
+    assert row["n_backbones"] == len(BACKBONES)
     assert lf["missing"]["probe_only_tasks"] == ["digits @test_v2"]
     # the real outcome on digits: random features rank last everywhere; raw pixels are best on
     # the clean test split but not overall, because they collapse on the noisy split
     order = out["overall"]["backbone"].to_list()
-    assert order[-1] == "random:0" and out["overall"]["avg_rank"][-1] == 5.0
+    assert order[-1] == "random:0"
+    assert out["overall"]["avg_rank"][-1] == 5.0
     t3 = {r["task"]: r for r in out["top3"].iter_rows(named=True)}
-    assert t3["probe:digits"]["best"] == "pixels" and t3["probe:digits @test_v2"]["best"] != "pixels"
+    assert t3["probe:digits"]["best"] == "pixels"
+    assert t3["probe:digits @test_v2"]["best"] != "pixels"
     assert order[0] != "pixels"
     settings = out["scores"].columns[1:]
-    assert {"probe:digits", "probe:digits @test_v2", "knn:digits", "retrieval:digits", "finetune:digits"} == set(settings)
+    assert {"probe:digits", "probe:digits @test_v2", "knn:digits", "retrieval:digits", "finetune:digits"} == set(
+        settings
+    )
     files = {p.name for p in out["files"]}
-    for name in ("overall", "zscores", "top3", "agreement", "bootstrap", "differences", "lin_ft_per_task", "calibration"):
-        assert f"{name}.parquet" in files and f"{name}.md" in files
+    for name in (
+        "overall",
+        "zscores",
+        "top3",
+        "agreement",
+        "bootstrap",
+        "differences",
+        "lin_ft_per_task",
+        "calibration",
+    ):
+        assert f"{name}.parquet" in files
+        assert f"{name}.md" in files
         assert pl.read_parquet(tmp_path / "rank" / f"{name}.parquet").height > 0
     assert (tmp_path / "rank" / "overall.md").read_text().startswith("# overall\n\n| position | backbone |")
     for png in ("zscore_heatmap.png", "tau_per_task.png", "linear_vs_finetune.png"):
         data = (tmp_path / "rank" / png).read_bytes()
-        assert data[:8] == PNG_MAGIC and len(data) > 5000
+        assert data[:8] == PNG_MAGIC
+        assert len(data) > 5000
         import matplotlib.image as mpimg
 
         img = mpimg.imread(tmp_path / "rank" / png)
-        assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0.01  # not blank
+        assert img.shape[0] > 100
+        assert img.shape[1] > 100
+        assert img.std() > 0.01
     summary = json.loads((tmp_path / "rank" / "summary.json").read_text())
-    assert summary["options"]["seed"] == 3 and summary["top3_overall"]["best"] == order[0]
+    assert summary["options"]["seed"] == 3
+    assert summary["top3_overall"]["best"] == order[0]
 
 
 def test_bootstrap_is_paired_deterministic_and_covers_the_estimate(digits_results):
     a = api.rank(digits_results["path"], n_boot=400, seed=11)
     b = api.rank(digits_results["path"], n_boot=400, seed=11)
     c = api.rank(digits_results["path"], n_boot=400, seed=12)
-    assert a["bootstrap"].equals(b["bootstrap"]) and a["differences"].equals(b["differences"])
+    assert a["bootstrap"].equals(b["bootstrap"])
+    assert a["differences"].equals(b["differences"])
     assert not a["bootstrap"].equals(c["bootstrap"])
     bs = a["bootstrap"].drop_nulls()
-    assert (bs["lo"] <= bs["estimate"] + 1e-12).all() and (bs["estimate"] <= bs["hi"] + 1e-12).all()
-    d = a["differences"].filter((pl.col("aggregation") == "mean") & (pl.col("a") == "pixels") & (pl.col("b") == "random:0")).row(0, named=True)
+    assert (bs["lo"] <= bs["estimate"] + 1e-12).all()
+    assert (bs["estimate"] <= bs["hi"] + 1e-12).all()
+    d = (
+        a["differences"]
+        .filter((pl.col("aggregation") == "mean") & (pl.col("a") == "pixels") & (pl.col("b") == "random:0"))
+        .row(0, named=True)
+    )
     assert d["lo"] > 0  # pixels beat random features on every resample of tasks
     # paired: the difference interval is the interval of per-resample differences
     ov = dict(a["overall"].select("backbone", "mean").iter_rows())
@@ -428,7 +520,8 @@ def test_bootstrap_is_paired_deterministic_and_covers_the_estimate(digits_result
     s2 = api.rank(digits_results["path"], n_boot=300, seed=1, resample="seeds")
     assert s["bootstrap"].equals(s2["bootstrap"])
     z = s["bootstrap"].filter(pl.col("aggregation") == "zscore").drop_nulls()
-    assert z.height == len(BACKBONES) and ((z["hi"] - z["lo"]) >= 0).all()
+    assert z.height == len(BACKBONES)
+    assert ((z["hi"] - z["lo"]) >= 0).all()
     with pytest.raises(ResultsError, match="resample"):
         api.rank(digits_results["path"], n_boot=10, resample="backbones")
 
@@ -439,15 +532,21 @@ def test_bootstrap_chunking_agreement_and_lower_is_better(digits_results, monkey
     monkeypatch.setattr(rankings, "_BOOT_CHUNK_ELEMS", 200)  # forces ~1 resample per chunk
     b = api.rank(digits_results["path"], n_boot=250, seed=5)
     sb = api.rank(digits_results["path"], n_boot=120, seed=5, resample="seeds")
-    assert a["bootstrap"].equals(b["bootstrap"]) and a["agreement"].equals(b["agreement"])
-    assert sa["bootstrap"].equals(sb["bootstrap"]) and sa["differences"].equals(sb["differences"])
+    assert a["bootstrap"].equals(b["bootstrap"])
+    assert a["agreement"].equals(b["agreement"])
+    assert sa["bootstrap"].equals(sb["bootstrap"])
+    assert sa["differences"].equals(sb["differences"])
     ag = a["agreement"].row(0, named=True)
-    assert {"tau", "tau_mean", "tau_lo", "tau_hi"} <= set(ag) and -1 <= ag["tau_lo"] <= ag["tau_hi"] <= 1
+    assert {"tau", "tau_mean", "tau_lo", "tau_hi"} <= set(ag)
+    assert -1 <= ag["tau_lo"] <= ag["tau_hi"] <= 1
     # ranking on a lower-is-better metric: smallest ECE first, in the bootstrap too
     e = api.rank(digits_results["path"], metric="ece", kinds=["probe"], n_boot=100, resample="seeds")
     ece = (
-        digits_results["df"].filter((pl.col("metric") == "ece") & (pl.col("eval_split") == "test"))
-        .group_by("backbone").agg(pl.col("value").median()).sort("value")
+        digits_results["df"]
+        .filter((pl.col("metric") == "ece") & (pl.col("eval_split") == "test"))
+        .group_by("backbone")
+        .agg(pl.col("value").median())
+        .sort("value")
     )
     t3 = {r["task"]: r for r in e["top3"].iter_rows(named=True)}
     assert t3["probe:digits"]["best"] == ece["backbone"][0]
@@ -465,11 +564,15 @@ def test_constant_side_gives_nan_tau_with_reason():
     raw, _ = tables.merge_tables([tables.load_table(pl.DataFrame(rows))])
     lf = rankings.linear_vs_finetune(tables.reduce_seeds(raw))
     pt = {r["task"]: r for r in lf["per_task"].iter_rows(named=True)}
-    assert pt["t1"]["tau"] == pytest.approx(-1.0) and pt["t1"]["reason"] is None
-    assert math.isnan(pt["t2"]["tau"]) and "fine-tune scores are constant" in pt["t2"]["reason"]
-    assert lf["mean_tau"] == pytest.approx(-1.0) and lf["n_tasks"] == 1
+    assert pt["t1"]["tau"] == pytest.approx(-1.0)
+    assert pt["t1"]["reason"] is None
+    assert math.isnan(pt["t2"]["tau"])
+    assert "fine-tune scores are constant" in pt["t2"]["reason"]
+    assert lf["mean_tau"] == pytest.approx(-1.0)
+    assert lf["n_tasks"] == 1
     gains = lf["pairs"].filter(pl.col("task") == "t2")
-    assert gains["z_diff"].null_count() == 4 and gains["gain"].null_count() == 0
+    assert gains["z_diff"].null_count() == 4
+    assert gains["gain"].null_count() == 0
     with pytest.raises(ResultsError, match="finetune"):
         rankings.linear_vs_finetune(tables.reduce_seeds(raw.filter(pl.col("kind") == "probe")))
 
@@ -493,7 +596,15 @@ def test_zero_variance_setting_is_an_error_or_dropped_explicitly():
 def test_group_errors_and_metric_selection(digits_results):
     df = tables.load_table(digits_results["df"], groups={"digits": "natural"})
     assert set(df["group"].to_list()) == {"natural"}
-    ext = pl.DataFrame({"backbone": ["pixels", "pca:8"], "dataset": ["eurosat"] * 2, "metric": ["top1"] * 2, "kind": ["finetune"] * 2, "value": [0.9, 0.8]})
+    ext = pl.DataFrame(
+        {
+            "backbone": ["pixels", "pca:8"],
+            "dataset": ["eurosat"] * 2,
+            "metric": ["top1"] * 2,
+            "kind": ["finetune"] * 2,
+            "value": [0.9, 0.8],
+        }
+    )
     with pytest.raises(ResultsError, match="groups are given for some settings"):
         api.rank(digits_results["path"], [ext], groups={"digits": "natural"}, n_boot=10, on_constant="drop")
     with pytest.raises(ResultsError, match="rows with metric 'top7'"):
@@ -504,15 +615,18 @@ def test_group_errors_and_metric_selection(digits_results):
 
 def test_efficiency_summary_from_a_catalog_frame(digits_results):
     r = api.rank(digits_results["path"], n_boot=20)
-    cat = pl.DataFrame({
-        "backbone": ["pixels", "pixels", "pca:32", "pca:8", "pca:4", "random:0"],
-        "split": ["train", "test", "test", "test", "test", "test"],
-        "images_per_s": [900.0, 1100.0, 800.0, 1500.0, 2000.0, None],
-        "peak_memory_mb": [10.0, 12.0, 20.0, 8.0, 6.0, None],
-    })
-    eff, rho, p = rankings.efficiency_summary(cat, r["overall"])
+    cat = pl.DataFrame(
+        {
+            "backbone": ["pixels", "pixels", "pca:32", "pca:8", "pca:4", "random:0"],
+            "split": ["train", "test", "test", "test", "test", "test"],
+            "images_per_s": [900.0, 1100.0, 800.0, 1500.0, 2000.0, None],
+            "peak_memory_mb": [10.0, 12.0, 20.0, 8.0, 6.0, None],
+        }
+    )
+    eff, rho, _p = rankings.efficiency_summary(cat, r["overall"])
     d = {row["backbone"]: row for row in eff.iter_rows(named=True)}
-    assert d["pixels"]["images_per_s"] == 1000.0 and d["pixels"]["peak_memory_mb"] == 12.0
+    assert d["pixels"]["images_per_s"] == 1000.0
+    assert d["pixels"]["peak_memory_mb"] == 12.0
     t = eff.drop_nulls(["images_per_s", "zscore"])
     assert rho == pytest.approx(ss.spearmanr(t["images_per_s"], t["zscore"]).statistic)
     with pytest.raises(ResultsError, match="images_per_s"):
@@ -536,10 +650,13 @@ def test_shift_on_digits_noisy_split(digits_results, tmp_path):
     assert (t["delta_rank"] == t["rank_orig"] - t["rank_new"]).all()
     fit = res["fit"].row(0, named=True)
     lr = ss.linregress(t["acc_orig"].to_numpy(), t["acc_new"].to_numpy())
-    assert fit["a"] == pytest.approx(lr.slope) and fit["b"] == pytest.approx(lr.intercept)
-    assert fit["a_lo"] <= fit["a"] <= fit["a_hi"] and fit["n_boot"] == 20_000
+    assert fit["a"] == pytest.approx(lr.slope)
+    assert fit["b"] == pytest.approx(lr.intercept)
+    assert fit["a_lo"] <= fit["a"] <= fit["a_hi"]
+    assert fit["n_boot"] == 20_000
     png = tmp_path / "shift" / "shift_digits_full.png"
-    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert png.stat().st_size > 5000
     assert (tmp_path / "shift" / "shift.md").read_text().count("\n") >= 2 + len(BACKBONES)
 
 
@@ -548,8 +665,23 @@ def test_shift_ece_ranks_lower_first_and_gets_no_binomial_interval(digits_result
     ECE/NLL (not binomial proportions) get no Clopper-Pearson interval; top-1 keeps its."""
     from featcache.cli import main
 
-    rc = main(["shift", "--results", str(digits_results["path"]), "--orig", "test", "--new", "test_v2",
-               "--metric", "ece", "--out", str(tmp_path / "s"), "--n-boot", "200"])
+    rc = main(
+        [
+            "shift",
+            "--results",
+            str(digits_results["path"]),
+            "--orig",
+            "test",
+            "--new",
+            "test_v2",
+            "--metric",
+            "ece",
+            "--out",
+            str(tmp_path / "s"),
+            "--n-boot",
+            "200",
+        ]
+    )
     assert rc == 0
     capsys.readouterr()
     t = pl.read_parquet(tmp_path / "s" / "shift.parquet")
@@ -567,7 +699,8 @@ def test_shift_ece_ranks_lower_first_and_gets_no_binomial_interval(digits_result
     nll = api.shift(digits_results["path"], "test", "test_v2", metric="nll", n_boot=100)["table"]
     assert nll["new_lo"].null_count() == nll.height
     top1 = api.shift(digits_results["path"], "test", "test_v2", metric="top1", n_boot=100)["table"]
-    assert top1["new_lo"].null_count() == 0 and top1.sort("rank_orig")["acc_orig"].is_sorted(descending=True)
+    assert top1["new_lo"].null_count() == 0
+    assert top1.sort("rank_orig")["acc_orig"].is_sorted(descending=True)
 
 
 def test_shift_fit_recovers_known_line_from_generated_results(tmp_path):
@@ -578,13 +711,16 @@ def test_shift_fit_recovers_known_line_from_generated_results(tmp_path):
         acc_n = 1.11 * acc_o - 0.202 + rng.normal(0, 0.003)  # Recht et al.'s ImageNet line
         for split, acc, n in (("val", acc_o, 50_000), ("v2", acc_n, 10_000)):
             k = round(acc * n)
-            base = dict(kind="probe", backbone=f"m{i:02d}", dataset="imagenet", eval_split=split, n_eval=n)
+            base = {"kind": "probe", "backbone": f"m{i:02d}", "dataset": "imagenet", "eval_split": split, "n_eval": n}
             rows.append({**base, "run_id": make_run_id(**base), "metric": "top1", "value": k / n})
     res = api.shift(rows_to_frame(rows), "val", "v2", n_boot=100_000, seed=0, plots=False)
     fit = res["fit"].row(0, named=True)
-    assert fit["a"] == pytest.approx(1.11, abs=0.02) and fit["b"] == pytest.approx(-0.202, abs=0.02)
-    assert fit["a_lo"] <= fit["a"] <= fit["a_hi"] and fit["a_hi"] - fit["a_lo"] < 0.05
-    assert fit["b_lo"] <= fit["b"] <= fit["b_hi"] and fit["n_boot"] == 100_000
+    assert fit["a"] == pytest.approx(1.11, abs=0.02)
+    assert fit["b"] == pytest.approx(-0.202, abs=0.02)
+    assert fit["a_lo"] <= fit["a"] <= fit["a_hi"]
+    assert fit["a_hi"] - fit["a_lo"] < 0.05
+    assert fit["b_lo"] <= fit["b"] <= fit["b_hi"]
+    assert fit["n_boot"] == 100_000
 
 
 def test_shift_fit_intervals_cover_the_true_line_about_95_percent():
@@ -600,7 +736,8 @@ def test_shift_fit_intervals_cover_the_true_line_about_95_percent():
         hits_a += f["a_lo"] < 1.11 < f["a_hi"]
         hits_b += f["b_lo"] < -0.202 < f["b_hi"]
     # percentile bootstrap on 30 points: close to nominal 95 %, a little under is expected
-    assert 0.82 <= hits_a / reps <= 1.0 and 0.82 <= hits_b / reps <= 1.0
+    assert 0.82 <= hits_a / reps <= 1.0
+    assert 0.82 <= hits_b / reps <= 1.0
 
 
 def test_shift_error_paths(digits_results):
@@ -610,7 +747,8 @@ def test_shift_error_paths(digits_results):
         api.shift(digits_results["path"], "test", "test_v9")
     one = digits_results["df"].filter(~((pl.col("eval_split") == "test_v2") & (pl.col("backbone") != "pixels")))
     res = api.shift(one, "test", "test_v2", n_boot=100, plots=False)
-    assert res["table"].height == 1 and res["fit"]["reason"].item() == "fewer than 2 backbones"
+    assert res["table"].height == 1
+    assert res["fit"]["reason"].item() == "fewer than 2 backbones"
     assert len(res["missing"]) == len(BACKBONES) - 1
 
 
@@ -638,40 +776,79 @@ def _retrieval_rows(ks=(1, 5, 10)) -> list[dict]:
         hits = y[1000:][order] == y[1000:][q][:, None]
         rr = ranks_from_hits(hits, hits.sum(axis=1), scores=np.take_along_axis(S, order, axis=1), full=True)
         means, n_scored, _ = summarize(compute_metrics(rr, ks), hits.sum(axis=1))
-        base = dict(kind="retrieval", backbone=b, dataset="digits-all-metrics", eval_split="test", n_eval=n_scored)
+        base = {
+            "kind": "retrieval",
+            "backbone": b,
+            "dataset": "digits-all-metrics",
+            "eval_split": "test",
+            "n_eval": n_scored,
+        }
         rows += [{**base, "run_id": make_run_id(**base), "metric": m, "value": v} for m, v in means.items()]
     return rows
 
 
 @pytest.fixture(scope="module")
 def report_html(digits_results, tmp_path_factory):
-    cat = pl.DataFrame({"backbone": list(BACKBONES), "dataset": ["digits"] * 5, "split": ["test"] * 5,
-                        "kind": ["pooled"] * 5, "n": [797] * 5, "images_per_s": [1000.0, 900.0, 1200.0, 1500.0, 3000.0],
-                        "bytes": [40_000, 100_000, 30_000, 20_000, 50_000], "weights": ["x" * 90] * 5,
-                        "peak_memory_mb": [None] * 5})
+    cat = pl.DataFrame(
+        {
+            "backbone": list(BACKBONES),
+            "dataset": ["digits"] * 5,
+            "split": ["test"] * 5,
+            "kind": ["pooled"] * 5,
+            "n": [797] * 5,
+            "images_per_s": [1000.0, 900.0, 1200.0, 1500.0, 3000.0],
+            "bytes": [40_000, 100_000, 30_000, 20_000, 50_000],
+            "weights": ["x" * 90] * 5,
+            "peak_memory_mb": [None] * 5,
+        }
+    )
     d = tmp_path_factory.mktemp("report")
     shutil.copy(digits_results["path"], d / "results.parquet")
     append_results(d / "results.parquet", rows_to_frame(_retrieval_rows()))
     out = d / "report.html"
-    write_report(out, read_results(d / "results.parquet"), cat, external=[digits_results["ft_path"]],
-                 shift_splits=("test", "test_v2"), rank_kwargs={"n_boot": 200})
+    write_report(
+        out,
+        read_results(d / "results.parquet"),
+        cat,
+        external=[digits_results["ft_path"]],
+        shift_splits=("test", "test_v2"),
+        rank_kwargs={"n_boot": 200},
+    )
     return out
 
 
 def test_report_is_self_contained(report_html):
     text = report_html.read_text()
-    for anchor in ('id="catalog-table"', 'id="probe-table"', 'id="probe-wide"', 'id="retrieval-wide"', 'id="retrieval-table"', 'id="overall-table"',
-                   'id="top3-table"', "Linear probe vs fine-tune", "Calibration", "Efficiency", "Test-set shift"):
+    for anchor in (
+        'id="catalog-table"',
+        'id="probe-table"',
+        'id="probe-wide"',
+        'id="retrieval-wide"',
+        'id="retrieval-table"',
+        'id="overall-table"',
+        'id="top3-table"',
+        "Linear probe vs fine-tune",
+        "Calibration",
+        "Efficiency",
+        "Test-set shift",
+    ):
         assert anchor in text, anchor
     # the questions come first, in this order, then the details
-    heads = ["Which backbone should I use?", "Would fine-tuning change the answer?", "How sure are we?",
-             "What did it cost?", "Details"]
+    heads = [
+        "Which backbone should I use?",
+        "Would fine-tuning change the answer?",
+        "How sure are we?",
+        "What did it cost?",
+        "Details",
+    ]
     pos = [text.index(f"<h2>{h}</h2>") for h in heads]
     assert pos == sorted(pos)
     assert text.count("data:image/png;base64,") >= 5
     # retrieval metrics with cut-offs are a pivot (backbone x family rows, one column per k), not a flat list
     assert "metric family</th><th>full</th><th>@1</th><th>@5</th><th>@10</th>" in text
-    assert "http://" not in text and "https://" not in text and "<script" not in text
+    assert "http://" not in text
+    assert "https://" not in text
+    assert "<script" not in text
 
 
 def test_report_renders_in_headless_chromium(report_html, tmp_path):
@@ -686,8 +863,12 @@ def test_report_renders_in_headless_chromium(report_html, tmp_path):
         b.open(report_html.as_uri(), width=1280, height=900)
         facts = b.evaluate(PAGE_FACTS)
         assert facts["sections"] == ["choose", "finetune", "certainty", "cost", "details", "shift"]
-        assert facts["headings"][:4] == ["Which backbone should I use?", "Would fine-tuning change the answer?",
-                                         "How sure are we?", "What did it cost?"]
+        assert facts["headings"][:4] == [
+            "Which backbone should I use?",
+            "Would fine-tuning change the answer?",
+            "How sure are we?",
+            "What did it cost?",
+        ]
         assert len(facts["images"]) >= 4
         for img in facts["images"]:
             assert img["complete"] and img["w"] > 0 and img["h"] > 0, img
@@ -729,7 +910,8 @@ def test_report_without_catalog_and_with_a_single_backbone(tmp_path, digits_resu
     one = digits_results["df"].filter(pl.col("backbone") == "pixels")
     out = write_report(tmp_path / "r.html", one)
     text = out.read_text()
-    assert "No store catalog was given" in text and "No ranking could be computed" in text
+    assert "No store catalog was given" in text
+    assert "No ranking could be computed" in text
     with pytest.raises(ResultsError, match=".html"):
         write_report(tmp_path / "r.txt", one)
 
@@ -737,29 +919,74 @@ def test_report_without_catalog_and_with_a_single_backbone(tmp_path, digits_resu
 def test_cli_rank_shift_report(digits_results, tmp_path, capsys):
     from featcache.cli import main
 
-    rc = main(["rank", "--results", str(digits_results["path"]), "--external", str(digits_results["ft_path"]),
-               "--out", str(tmp_path / "r"), "--n-boot", "100"])
+    rc = main(
+        [
+            "rank",
+            "--results",
+            str(digits_results["path"]),
+            "--external",
+            str(digits_results["ft_path"]),
+            "--out",
+            str(tmp_path / "r"),
+            "--n-boot",
+            "100",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
-    assert "linear vs fine-tune: mean Kendall tau-b" in out and (tmp_path / "r" / "overall.parquet").exists()
-    rc = main(["rank", "--results", str(digits_results["path"]), "--eval-split", "test", "--out", str(tmp_path / "r2"), "--n-boot", "50"])
-    assert rc == 0 and "@test_v2" not in pl.read_parquet(tmp_path / "r2" / "scores.parquet").columns.__str__()
+    assert "linear vs fine-tune: mean Kendall tau-b" in out
+    assert (tmp_path / "r" / "overall.parquet").exists()
+    rc = main(
+        [
+            "rank",
+            "--results",
+            str(digits_results["path"]),
+            "--eval-split",
+            "test",
+            "--out",
+            str(tmp_path / "r2"),
+            "--n-boot",
+            "50",
+        ]
+    )
+    assert rc == 0
+    assert "@test_v2" not in pl.read_parquet(tmp_path / "r2" / "scores.parquet").columns.__str__()
     capsys.readouterr()
     rc = main(["rank", "--results", str(digits_results["path"]), "--eval-split", "val", "--out", str(tmp_path / "r3")])
-    assert rc == 1 and "no rows on eval split" in capsys.readouterr().err
-    rc = main(["shift", "--results", str(digits_results["path"]), "--orig", "test", "--new", "test_v2",
-               "--out", str(tmp_path / "s"), "--n-boot", "1000"])
-    assert rc == 0 and "acc_new = " in capsys.readouterr().out
+    assert rc == 1
+    assert "no rows on eval split" in capsys.readouterr().err
+    rc = main(
+        [
+            "shift",
+            "--results",
+            str(digits_results["path"]),
+            "--orig",
+            "test",
+            "--new",
+            "test_v2",
+            "--out",
+            str(tmp_path / "s"),
+            "--n-boot",
+            "1000",
+        ]
+    )
+    assert rc == 0
+    assert "acc_new = " in capsys.readouterr().out
     rc = main(["report", "--results", str(digits_results["path"]), "--out", str(tmp_path / "rep.html")])
-    assert rc == 0 and (tmp_path / "rep.html").stat().st_size > 10_000
+    assert rc == 0
+    assert (tmp_path / "rep.html").stat().st_size > 10_000
     # user errors: a clear message and exit 1, nothing written
     rc = main(["rank", "--external", str(T9), "--out", str(tmp_path / "bad")])
     err = capsys.readouterr().err
-    assert rc == 1 and "--percent" in err and not (tmp_path / "bad").exists()
+    assert rc == 1
+    assert "--percent" in err
+    assert not (tmp_path / "bad").exists()
     rc = main(["rank", "--out", str(tmp_path / "bad")])
-    assert rc == 1 and "--results" in capsys.readouterr().err
+    assert rc == 1
+    assert "--results" in capsys.readouterr().err
     rc = main(["rank", "--external", str(T9), "--percent", "--group", "nogroup", "--out", str(tmp_path / "bad")])
-    assert rc == 1 and "DATASET=GROUP" in capsys.readouterr().err
+    assert rc == 1
+    assert "DATASET=GROUP" in capsys.readouterr().err
 
 
 def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
@@ -771,10 +998,22 @@ def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
     X, y = load_digits(return_X_y=True)
     cache = tmp_path / "c.zarr"
     for b, ips in (("pixels", 5000.0), ("pca:8", 3000.0), ("pca:32", 2000.0)):
-        store.write_features(cache, backbone=b, dataset="digits", split="test", X=X[1000:, :8].astype("float32"),
-                             ids=np.array([f"d{i}" for i in range(1000, len(y))]), labels=y[1000:], images_per_s=ips)
-    rc = main(["report", "--cache", str(cache), "--results", str(digits_results["path"]), "--out", str(tmp_path / "rep.html")])
+        store.write_features(
+            cache,
+            backbone=b,
+            dataset="digits",
+            split="test",
+            X=X[1000:, :8].astype("float32"),
+            ids=np.array([f"d{i}" for i in range(1000, len(y))]),
+            labels=y[1000:],
+            images_per_s=ips,
+        )
+    rc = main(
+        ["report", "--cache", str(cache), "--results", str(digits_results["path"]), "--out", str(tmp_path / "rep.html")]
+    )
     assert rc == 0
     text = (tmp_path / "rep.html").read_text()
-    assert 'id="catalog-table"' in text and "pca:8" in text
-    assert "Efficiency" in text and "Spearman rho(throughput, z-score)" in text
+    assert 'id="catalog-table"' in text
+    assert "pca:8" in text
+    assert "Efficiency" in text
+    assert "Spearman rho(throughput, z-score)" in text

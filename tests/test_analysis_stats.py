@@ -19,7 +19,8 @@ from featcache.errors import ResultsError
 
 def test_clopper_pearson_golden_binomtest():
     lo, hi = stats.clopper_pearson(7, 50)
-    assert round(float(lo), 4) == 0.0582 and round(float(hi), 4) == 0.2674
+    assert round(float(lo), 4) == 0.0582
+    assert round(float(hi), 4) == 0.2674
     ref = ss.binomtest(7, 50).proportion_ci(confidence_level=0.95, method="exact")
     assert float(lo) == pytest.approx(ref.low, abs=1e-12)
     assert float(hi) == pytest.approx(ref.high, abs=1e-12)
@@ -36,11 +37,12 @@ def test_clopper_pearson_matches_scipy_vectorised_including_edges():
         ref = ss.binomtest(int(k[i]), int(n[i])).proportion_ci(confidence_level=0.9)
         assert lo[i] == pytest.approx(ref.low, abs=1e-10)
         assert hi[i] == pytest.approx(ref.high, abs=1e-10)
-    assert np.all(lo[:3] == 0) and np.all(hi[3:6] == 1)
+    assert np.all(lo[:3] == 0)
+    assert np.all(hi[3:6] == 1)
 
 
 @pytest.mark.parametrize(
-    "acc, n, published",
+    ("acc", "n", "published"),
     [  # Recht et al. Table 3.1 (CIFAR-10: 10,000 original / 2,000 new; ImageNet: 50,000 / 10,000)
         (0.984, 10_000, (98.1, 98.6)),
         (0.955, 2_000, (94.5, 96.4)),
@@ -57,7 +59,7 @@ def test_clopper_pearson_reproduces_recht_table(acc, n, published):
     assert 100 * float(hi) == pytest.approx(published[1], abs=0.1)
 
 
-@pytest.mark.parametrize("k, n, alpha", [(5, 3, 0.05), (1, 0, 0.05), (-1, 10, 0.05), (3, 10, 1.5)])
+@pytest.mark.parametrize(("k", "n", "alpha"), [(5, 3, 0.05), (1, 0, 0.05), (-1, 10, 0.05), (3, 10, 1.5)])
 def test_clopper_pearson_rejects_bad_input(k, n, alpha):
     with pytest.raises(ResultsError):
         stats.clopper_pearson(k, n, alpha)
@@ -94,7 +96,8 @@ def test_kendall_golden_against_scipy():
     tau, p = stats.kendall_tau_b(x, y)
     ref = ss.kendalltau(x, y)
     assert tau == pytest.approx(-0.47140452079103173)
-    assert tau == pytest.approx(ref.statistic) and p == pytest.approx(ref.pvalue)
+    assert tau == pytest.approx(ref.statistic)
+    assert p == pytest.approx(ref.pvalue)
     # untied, small n: exact permutation p-value like scipy
     x = np.array([0.1, 0.4, 0.35, 0.8, 0.6, 0.9, 0.2])
     y = np.array([0.2, 0.3, 0.5, 0.7, 0.9, 0.8, 0.1])
@@ -113,7 +116,8 @@ def test_kendall_tau_b_matches_brute_force_and_scipy_on_ties(pairs):
     tau, p = stats.kendall_tau_b(x, y)
     bf = brute_tau_b(x, y)
     if math.isnan(bf):
-        assert math.isnan(tau) and math.isnan(p)
+        assert math.isnan(tau)
+        assert math.isnan(p)
         return
     assert tau == pytest.approx(bf, abs=1e-12)
     ref = ss.kendalltau(x, y)
@@ -152,7 +156,7 @@ def test_zscores_by_hand_and_errors():
     assert math.isnan(z[3])
     z1 = stats.zscores(v, ddof=1)
     assert z1[2] == pytest.approx(0.2 / math.sqrt(0.08 / 2))
-    assert z == pytest.approx(ss.zscore([0.5, 0.7, 0.9]).tolist() + [np.nan], nan_ok=True)
+    assert z == pytest.approx([*ss.zscore([0.5, 0.7, 0.9]).tolist(), np.nan], nan_ok=True)
     with pytest.raises(ResultsError, match="zero variance"):
         stats.zscores([0.8, 0.8, 0.8], label="setting 'x'")
     with pytest.raises(ResultsError, match="at least two"):
@@ -174,7 +178,8 @@ def test_average_ranks_columns():
     m = np.array([[0.9, 0.1], [0.5, 0.1], [0.7, np.nan]])
     r = stats.average_ranks(m)
     assert r[:, 0].tolist() == [1.0, 3.0, 2.0]
-    assert r[:2, 1].tolist() == [1.5, 1.5] and math.isnan(r[2, 1])
+    assert r[:2, 1].tolist() == [1.5, 1.5]
+    assert math.isnan(r[2, 1])
 
 
 # ------------------------------------------------------------------ bootstrap and line fit
@@ -189,10 +194,12 @@ def test_bootstrap_linear_fit_recovers_known_slope_and_offset():
     assert fit["n_boot"] == 100_000
     assert fit["a"] == pytest.approx(1.69, abs=0.05)
     assert fit["b"] == pytest.approx(-0.727, abs=0.05)
-    assert fit["a_lo"] < 1.69 < fit["a_hi"] and fit["b_lo"] < -0.727 < fit["b_hi"]
+    assert fit["a_lo"] < 1.69 < fit["a_hi"]
+    assert fit["b_lo"] < -0.727 < fit["b_hi"]
     assert fit["a_hi"] - fit["a_lo"] < 0.2
     ref = ss.linregress(x, y)
-    assert fit["a"] == pytest.approx(ref.slope) and fit["b"] == pytest.approx(ref.intercept)
+    assert fit["a"] == pytest.approx(ref.slope)
+    assert fit["b"] == pytest.approx(ref.intercept)
     again = stats.bootstrap_linear_fit(x, y, seed=0, n_boot=5000)
     assert again == stats.bootstrap_linear_fit(x, y, seed=0, n_boot=5000)
 

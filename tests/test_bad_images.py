@@ -61,9 +61,20 @@ def _build(root: Path) -> tuple[list[str], dict[str, str]]:
     for name, blob in files.items():
         if blob is not None:
             (root / name).write_bytes(blob)
-    names = ["astronaut.jpg", "truncated.jpg", "chelsea.png", "camera8.png", "zero.jpg", "camera16.png",
-             "astronaut_rgb.png", "astronaut_rgba.png", "text.jpg", "chelsea_palette.png", "coffee_cmyk.jpg",
-             "missing.jpg"] + [f"fmnist{i}.png" for i in range(6)]
+    names = [
+        "astronaut.jpg",
+        "truncated.jpg",
+        "chelsea.png",
+        "camera8.png",
+        "zero.jpg",
+        "camera16.png",
+        "astronaut_rgb.png",
+        "astronaut_rgba.png",
+        "text.jpg",
+        "chelsea_palette.png",
+        "coffee_cmyk.jpg",
+        "missing.jpg",
+    ] + [f"fmnist{i}.png" for i in range(6)]
     assert Image.open(root / "camera16.png").mode.startswith("I")
     assert Image.open(root / "coffee_cmyk.jpg").mode == "CMYK"
     assert Image.open(root / "chelsea_palette.png").mode == "P"
@@ -77,9 +88,32 @@ def _manifest(path: Path, names: list[str], files: list[str]) -> Path:
 
 
 def _extract(manifest: Path, cache: Path) -> int:
-    return main(["extract", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", f"manifest:{manifest}",
-                 "--dataset-name", "odd", "--input-size", "32", "--batch-size", "8", "--chunk-rows", "8",
-                 "--dtype", "float32", "--no-progress", "--workers", "0", "--cache", str(cache)])
+    return main(
+        [
+            "extract",
+            "--model",
+            LITE0,
+            "--weights",
+            LITE0_WEIGHTS,
+            "--data",
+            f"manifest:{manifest}",
+            "--dataset-name",
+            "odd",
+            "--input-size",
+            "32",
+            "--batch-size",
+            "8",
+            "--chunk-rows",
+            "8",
+            "--dtype",
+            "float32",
+            "--no-progress",
+            "--workers",
+            "0",
+            "--cache",
+            str(cache),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +135,8 @@ def test_bad_images_keep_their_rows(runs, capsys, monkeypatch):
     monkeypatch.setattr("time.sleep", no_sleep)
     assert _extract(dirty, root / "dirty.zarr") == 0
     out = capsys.readouterr().out
-    assert f"{len(names)} rows" in out and f"{len(BROKEN)} unreadable" in out
+    assert f"{len(names)} rows" in out
+    assert f"{len(BROKEN)} unreadable" in out
     assert ImageFile.LOAD_TRUNCATED_IMAGES is False
     monkeypatch.undo()
     assert _extract(clean, root / "clean.zarr") == 0
@@ -132,7 +167,7 @@ def test_bad_images_keep_their_rows(runs, capsys, monkeypatch):
 
 
 def test_rerun_of_a_finished_store_with_bad_rows_does_nothing(runs, capsys):
-    root, names, *_ = runs
+    root, _names, *_ = runs
     if not (root / "dirty.zarr").exists():
         pytest.skip("needs the first test's store")
     assert _extract(runs[3], root / "dirty.zarr") == 0
@@ -142,6 +177,21 @@ def test_rerun_of_a_finished_store_with_bad_rows_does_nothing(runs, capsys):
 def test_unreadable_manifest_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "m.csv"
     bad.write_text("file,label\na.jpg,1\n")
-    assert main(["extract", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", f"manifest:{bad}",
-                 "--cache", str(tmp_path / "c.zarr"), "--no-progress"]) == 1
+    assert (
+        main(
+            [
+                "extract",
+                "--model",
+                LITE0,
+                "--weights",
+                LITE0_WEIGHTS,
+                "--data",
+                f"manifest:{bad}",
+                "--cache",
+                str(tmp_path / "c.zarr"),
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     assert "lacks column(s) ['path']" in capsys.readouterr().err

@@ -54,7 +54,8 @@ def test_nan_and_fractional_labels_are_refused(tmp_path):
 
 def test_integral_float_labels_are_integers(tmp_path):
     (s,) = open_dataset(_manifest(tmp_path, [1.0, 0.0, 2.0])).values()
-    assert s.labels.dtype == np.int64 and s.labels.tolist() == [1, 0, 2]
+    assert s.labels.dtype == np.int64
+    assert s.labels.tolist() == [1, 0, 2]
     assert s.class_names == ["0", "1", "2"]
 
 
@@ -102,7 +103,8 @@ def test_error_texts_show_plain_paths(tmp_path):
     (s,) = open_dataset(f"imagefolder:{root}").values()
     with pytest.raises(Exception) as e:
         s.load(0)
-    assert "np.str_" not in str(e.value) and str(root) in str(e.value)
+    assert "np.str_" not in str(e.value)
+    assert str(root) in str(e.value)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -160,10 +162,25 @@ def test_bad_settings_are_refused_on_construction(kw, match):
 
 def test_cli_refuses_bad_limit_in_one_line_and_touches_nothing(tmp_path, capsys):
     cache = tmp_path / "c.zarr"
-    rc = main(["extract", "--model", LITE0, "--weights", "random:0", "--data", "digits", "--cache", str(cache),
-               "--limit", "-5"])
+    rc = main(
+        [
+            "extract",
+            "--model",
+            LITE0,
+            "--weights",
+            "random:0",
+            "--data",
+            "digits",
+            "--cache",
+            str(cache),
+            "--limit",
+            "-5",
+        ]
+    )
     err = capsys.readouterr().err
-    assert rc != 0 and "--limit -5 is invalid" in err and "Traceback" not in err
+    assert rc != 0
+    assert "--limit -5 is invalid" in err
+    assert "Traceback" not in err
     assert not cache.exists()
 
 
@@ -173,20 +190,46 @@ def test_cli_flags_come_from_the_config():
 
     p = argparse.ArgumentParser()
     ExtractConfig.add_arguments(p)
-    args = p.parse_args(["--model", "m", "--data", "digits", "--cache", "c", "--precision", "fp32",
-                         "--no-channels-last", "--features", "pooled,cls", "--split", "test", "--threads", "3",
-                         "--no-exif-transpose", "--max-image-pixels", "1000", "--allow-empty-classes"])
+    args = p.parse_args(
+        [
+            "--model",
+            "m",
+            "--data",
+            "digits",
+            "--cache",
+            "c",
+            "--precision",
+            "fp32",
+            "--no-channels-last",
+            "--features",
+            "pooled,cls",
+            "--split",
+            "test",
+            "--threads",
+            "3",
+            "--no-exif-transpose",
+            "--max-image-pixels",
+            "1000",
+            "--allow-empty-classes",
+        ]
+    )
     cfg = ExtractConfig.from_args(args)
-    assert (cfg.amp, cfg.channels_last, cfg.features, cfg.splits, cfg.threads) == ("fp32", False, ("pooled", "cls"),
-                                                                                   ("test",), 3)
+    assert (cfg.amp, cfg.channels_last, cfg.features, cfg.splits, cfg.threads) == (
+        "fp32",
+        False,
+        ("pooled", "cls"),
+        ("test",),
+        3,
+    )
     assert (cfg.exif_transpose, cfg.max_image_pixels, cfg.allow_empty_classes) == (False, 1000, True)
-    assert cfg.chunk_rows == 1024 and cfg.progress
+    assert cfg.chunk_rows == 1024
+    assert cfg.progress
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.limit = 3  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------- provenance, allocator
-KW = dict(limit=16, input_size=32, batch_size=8, chunk_rows=8, workers=0, device="cpu", progress=False)
+KW = {"limit": 16, "input_size": 32, "batch_size": 8, "chunk_rows": 8, "workers": 0, "device": "cpu", "progress": False}
 
 
 def test_cpu_bf16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tmp_path, caplog, monkeypatch):
@@ -201,8 +244,10 @@ def test_cpu_bf16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tm
         extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="bf16", threads=1, **KW))
     assert "applies on CUDA only" in caplog.text
     prov = open_cache(cache).provenance(f"{LITE0}@random0", "digits", "test")
-    assert prov.amp == "none" and prov.device == "cpu"
-    assert prov.extra["precision_requested"] == "bf16" and prov.extra["threads"] == 1
+    assert prov.amp == "none"
+    assert prov.device == "cpu"
+    assert prov.extra["precision_requested"] == "bf16"
+    assert prov.extra["threads"] == 1
     assert prov.extra["exif_transpose"] is True
 
 

@@ -14,7 +14,8 @@ from featcache import cli
 def probe_command(tmp_path, monkeypatch):
     """A stage module registered the way every stage registers (``register(subparsers)``),
     whose command records what the CLI handed it."""
-    (tmp_path / "fc_flagprobe.py").write_text(textwrap.dedent('''
+    (tmp_path / "fc_flagprobe.py").write_text(
+        textwrap.dedent("""
         import logging
         seen = {}
         def register(sub):
@@ -26,7 +27,8 @@ def probe_command(tmp_path, monkeypatch):
             logging.getLogger("featcache.flagprobe").info("working on it")
             logging.getLogger("featcache.flagprobe").debug("fine detail")
             return 0
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "fc_flagprobe"))
     yield sys.modules.get("fc_flagprobe") or __import__("fc_flagprobe")

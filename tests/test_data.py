@@ -25,25 +25,29 @@ def fmnist_arrays():
 
 def test_digits_split_is_deterministic_and_stratified():
     a, b = open_dataset("digits"), open_dataset("digits")
-    assert len(a["train"]) == 1347 and len(a["test"]) == 450
+    assert len(a["train"]) == 1347
+    assert len(a["test"]) == 450
     assert a["train"].ids.tolist() == b["train"].ids.tolist()
     assert not set(a["train"].ids) & set(a["test"].ids)
     tr = np.bincount(a["train"].labels) / len(a["train"])
     te = np.bincount(a["test"].labels) / len(a["test"])
     assert np.abs(tr - te).max() < 0.01
     img = a["test"].load(0)
-    assert img.mode == "L" and img.size == (8, 8)  # grayscale kept; the transform converts
+    assert img.mode == "L"
+    assert img.size == (8, 8)
     assert a["train"].class_names == [str(i) for i in range(10)]
 
 
 def test_fashion_mnist_reader(fmnist_arrays):
     ds = open_dataset("fashion-mnist")
-    assert len(ds["train"]) == 60000 and len(ds["test"]) == 10000
+    assert len(ds["train"]) == 60000
+    assert len(ds["test"]) == 10000
     assert ds["test"].class_names == list(FASHION_MNIST_CLASSES)
     images, labels = fmnist_arrays
     np.testing.assert_array_equal(ds["test"].labels, labels)
     img = ds["test"].load(7)
-    assert img.mode == "L" and img.size == (28, 28)
+    assert img.mode == "L"
+    assert img.size == (28, 28)
     np.testing.assert_array_equal(np.asarray(img), images[7])
     assert ds["test"].ids[7] == "test-00007"
 
@@ -66,7 +70,8 @@ def test_imagefolder_flat_and_split(tmp_path, fmnist_arrays):
     ds = open_dataset(f"imagefolder:{tmp_path / 'flat'}")
     assert list(ds) == ["all"]
     s = ds["all"]
-    assert len(s) == 12 and s.dataset == "flat"
+    assert len(s) == 12
+    assert s.dataset == "flat"
     assert s.class_names == sorted({names[labels[i]].replace("/", "-") for i in range(12)})
     i = s.ids.tolist().index(next(x for x in s.ids if x.endswith("img000.png")))
     assert s.class_names[s.labels[i]] == names[labels[0]].replace("/", "-")
@@ -75,7 +80,9 @@ def test_imagefolder_flat_and_split(tmp_path, fmnist_arrays):
     _write_pngs(tmp_path / "sp" / "train", images, labels, names, n=10)
     _write_pngs(tmp_path / "sp" / "test", images[10:], labels[10:], names, n=5)
     ds = open_dataset(f"imagefolder:{tmp_path / 'sp'}", name="mine")
-    assert sorted(ds) == ["test", "train"] and len(ds["train"]) == 10 and len(ds["test"]) == 5
+    assert sorted(ds) == ["test", "train"]
+    assert len(ds["train"]) == 10
+    assert len(ds["test"]) == 5
     assert ds["train"].class_names == ds["test"].class_names  # union of class folders
     assert ds["test"].dataset == "mine"
     with pytest.raises(DataError, match="do not exist in this dataset; available: \\['test', 'train'\\]"):
@@ -88,15 +95,18 @@ def test_manifest_csv_and_parquet(tmp_path, fmnist_arrays):
     images, labels = fmnist_arrays
     names = list(FASHION_MNIST_CLASSES)
     paths = _write_pngs(tmp_path / "imgs", images, labels, names, n=8)
-    df = pl.DataFrame({
-        "path": [str(p.relative_to(tmp_path)) for p in paths],
-        "label": [names[labels[i]] for i in range(8)],
-        "split": ["train"] * 6 + ["test"] * 2,
-        "id": [f"sample-{i}" for i in range(8)],
-    })
+    df = pl.DataFrame(
+        {
+            "path": [str(p.relative_to(tmp_path)) for p in paths],
+            "label": [names[labels[i]] for i in range(8)],
+            "split": ["train"] * 6 + ["test"] * 2,
+            "id": [f"sample-{i}" for i in range(8)],
+        }
+    )
     df.write_csv(tmp_path / "m.csv")
     ds = open_dataset(f"manifest:{tmp_path / 'm.csv'}")
-    assert sorted(ds) == ["test", "train"] and ds["train"].dataset == "m"
+    assert sorted(ds) == ["test", "train"]
+    assert ds["train"].dataset == "m"
     assert ds["test"].ids.tolist() == ["sample-6", "sample-7"]
     assert ds["train"].class_names == sorted(set(df["label"].to_list()))
     np.testing.assert_array_equal(np.asarray(ds["test"].load(1).convert("RGB"))[..., 2], images[7])

@@ -68,10 +68,11 @@ def _exif_rotated(orientation: int) -> bytes:
 
 @pytest.mark.parametrize("kind", ["cmyk", "exif6", "png"])
 def test_images_the_codecs_may_disagree_on_go_to_pil(kind):
-    blob = {"cmyk": lambda: _jpeg(Image.fromarray(skdata.coffee()).convert("CMYK"), quality=90),
-            "exif6": lambda: _exif_rotated(6),
-            "png": lambda: (lambda b: (Image.fromarray(skdata.astronaut()).save(b, "PNG"), b.getvalue())[1])(
-                io.BytesIO())}[kind]()
+    blob = {
+        "cmyk": lambda: _jpeg(Image.fromarray(skdata.coffee()).convert("CMYK"), quality=90),
+        "exif6": lambda: _exif_rotated(6),
+        "png": lambda: (lambda b: (Image.fromarray(skdata.astronaut()).save(b, "PNG"), b.getvalue())[1])(io.BytesIO()),
+    }[kind]()
     with Image.open(io.BytesIO(blob)) as im:
         assert torchvision_decode(im, io.BytesIO(blob)) is None
     ref = decode_image(io.BytesIO(blob), PIL_OPTS)
@@ -106,17 +107,42 @@ def test_broken_jpegs_still_raise(blob):
 
 
 def test_decoder_setting_is_validated():
-    assert resolve_decoder("pil") == "pil" and resolve_decoder("torchvision") == "torchvision"
+    assert resolve_decoder("pil") == "pil"
+    assert resolve_decoder("torchvision") == "torchvision"
     assert resolve_decoder("auto") in ("pil", "torchvision")
     with pytest.raises(ConfigError, match="--decoder"):
         ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", cache="x.zarr", decoder="nvjpeg")
 
 
 def _extract(manifest: Path, cache: Path, decoder: str) -> int:
-    return main(["extract", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", f"manifest:{manifest}",
-                 "--dataset-name", "jpg", "--input-size", "32", "--batch-size", "8", "--chunk-rows", "8",
-                 "--dtype", "float32", "--no-progress", "--workers", "0", "--cache", str(cache),
-                 "--decoder", decoder])
+    return main(
+        [
+            "extract",
+            "--model",
+            LITE0,
+            "--weights",
+            LITE0_WEIGHTS,
+            "--data",
+            f"manifest:{manifest}",
+            "--dataset-name",
+            "jpg",
+            "--input-size",
+            "32",
+            "--batch-size",
+            "8",
+            "--chunk-rows",
+            "8",
+            "--dtype",
+            "float32",
+            "--no-progress",
+            "--workers",
+            "0",
+            "--cache",
+            str(cache),
+            "--decoder",
+            decoder,
+        ]
+    )
 
 
 def test_extraction_is_bit_identical_and_recorded(tmp_path, capsys):
@@ -135,9 +161,11 @@ def test_extraction_is_bit_identical_and_recorded(tmp_path, capsys):
     a = open_cache(tmp_path / "pil.zarr").load(LITE0, "jpg", "all")
     b = open_cache(tmp_path / "tv.zarr").load(LITE0, "jpg", "all")
     np.testing.assert_array_equal(a.valid, b.valid)
-    assert (~a.valid).sum() == 1 and list(a.errors) == list(b.errors)
+    assert (~a.valid).sum() == 1
+    assert list(a.errors) == list(b.errors)
     np.testing.assert_array_equal(a.X, b.X)
-    assert a.provenance["extra"]["decoder"] == "pil" and b.provenance["extra"]["decoder"] == "torchvision"
+    assert a.provenance["extra"]["decoder"] == "pil"
+    assert b.provenance["extra"]["decoder"] == "torchvision"
     # resume: another explicit decoder is refused; auto takes either (same pixels)
     (tmp_path / "pil.zarr" / "features" / LITE0 / "jpg" / "all" / "pooled" / "c" / "1" / "0").unlink()
     assert _extract(man, tmp_path / "pil.zarr", "torchvision") == 1

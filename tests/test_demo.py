@@ -26,11 +26,28 @@ from featcache.errors import DataError
 from featcache.extract.data import FASHION_MNIST_DIR
 
 LITE0, RANDOM = "tf_efficientnet_lite0", "tf_efficientnet_lite0@random0"
-TINY = ["--train-size", "1100", "--test-size", "300", "--input-size", "64", "--n-backbones", "1",
-        "--finetune-steps", "4", "--finetune-input-size", "32", "--finetune-batch-size", "16",
-        "--no-progress", "--workers", "0"]
-needs_fmnist = pytest.mark.skipif(not Path(FASHION_MNIST_DIR).is_dir(),
-                                  reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+TINY = [
+    "--train-size",
+    "1100",
+    "--test-size",
+    "300",
+    "--input-size",
+    "64",
+    "--n-backbones",
+    "1",
+    "--finetune-steps",
+    "4",
+    "--finetune-input-size",
+    "32",
+    "--finetune-batch-size",
+    "16",
+    "--no-progress",
+    "--workers",
+    "0",
+]
+needs_fmnist = pytest.mark.skipif(
+    not Path(FASHION_MNIST_DIR).is_dir(), reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)"
+)
 
 
 def _summary(printed: str) -> list[str]:
@@ -48,7 +65,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     table = pl.read_parquet(out / "results.parquet")
 
     # data: Fashion-MNIST, the requested prefix
-    assert lines[0].startswith("data: Fashion-MNIST") and "1100 train / 300 test" in lines[0]
+    assert lines[0].startswith("data: Fashion-MNIST")
+    assert "1100 train / 300 test" in lines[0]
     assert set(table["dataset"].unique()) == {"fashion-mnist"}
 
     # ranking lists both backbones with their role, in rank order
@@ -62,7 +80,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     holds = acc[LITE0] > acc[RANDOM]
     beat = next(ln for ln in lines if ln.startswith("pretrained beat random:"))
     assert beat.startswith("pretrained beat random: YES" if holds else "pretrained beat random: NO"), (beat, acc)
-    assert f"{acc[RANDOM]:.3f}" in beat and f"{acc[LITE0]:.3f}" in beat
+    assert f"{acc[RANDOM]:.3f}" in beat
+    assert f"{acc[LITE0]:.3f}" in beat
 
     # fine-tuning ran for every backbone, scaled down, paired with the matching probe protocol
     paired = _paired_probe_protocol()  # what the fine-tune stage pairs vtab1k-light with
@@ -74,7 +93,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert all(h["scaled_from"].get("input_size") == 224 for h in hp)
     probes = table.filter((pl.col("kind") == "probe") & (pl.col("protocol") == paired))
     assert set(probes["backbone"].unique()) == {LITE0, RANDOM}
-    assert "scaled down for the CPU" in text and "scaled=true" in text
+    assert "scaled down for the CPU" in text
+    assert "scaled=true" in text
 
     # Kendall tau per task, for the paired task
     taus = [ln for ln in lines if "Kendall tau-b linear vs fine-tune" in ln]
@@ -84,7 +104,8 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     # plots, report path, wall time; the report has the linear-vs-fine-tune section filled
     html = (out / "report.html").read_text(encoding="utf-8")
     n_plots = int(re.search(r"^plots in the report: (\d+)$", text, re.M).group(1))
-    assert n_plots == count_plots(html) and n_plots >= 3
+    assert n_plots == count_plots(html)
+    assert n_plots >= 3
     assert f"report: {out / 'report.html'}" in lines
     assert re.search(r"^wall time: \d+ s \(\d+\.\d min\)$", text, re.M)
     section = re.search(r"Linear probe vs fine-tune(.*?)(<h[23][ >]|$)", html, re.S)
@@ -95,7 +116,9 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert "Kendall tau-b" in section.group(1)
 
     saved = json.loads((out / "summary.json").read_text())
-    assert saved["n_plots"] == n_plots and saved["pretrained_beat_random"] == holds and not saved["fallback"]
+    assert saved["n_plots"] == n_plots
+    assert saved["pretrained_beat_random"] == holds
+    assert not saved["fallback"]
 
     # --finetune off still skips it (features reused from the store)
     out2 = tmp_path / "off"
@@ -109,8 +132,10 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
 def test_fallback_to_digits_says_so(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="featcache.demo"):
         data = choose_data("auto", fmnist_dir=str(tmp_path / "no-fashion-mnist"))
-    assert data.spec == "digits" and data.name == "digits"
-    assert data.note.startswith("digits FALLBACK") and str(tmp_path / "no-fashion-mnist") in data.note
+    assert data.spec == "digits"
+    assert data.name == "digits"
+    assert data.note.startswith("digits FALLBACK")
+    assert str(tmp_path / "no-fashion-mnist") in data.note
     assert any("FALLBACK" in r.getMessage() for r in caplog.records)
     # asked for explicitly, a missing Fashion-MNIST is an error, not a silent fallback
     with pytest.raises(DataError, match="dataset-fashion-mnist"):
@@ -122,20 +147,28 @@ def test_fallback_to_digits_says_so(tmp_path, caplog):
 @needs_fmnist
 def test_fashion_mnist_sizes_are_clamped():
     data = choose_data("auto", train=10**9, test=500)
-    assert data.name == "fashion-mnist" and data.limit == {"train": 60000, "test": 500}
+    assert data.name == "fashion-mnist"
+    assert data.limit == {"train": 60000, "test": 500}
 
 
 def test_pretrained_vs_random_check():
     ok, line = check_pretrained_beat_random({"a": 0.9, "b": 0.8, "r": 0.7}, ["a", "b"], "r")
-    assert ok is True and line.startswith("pretrained beat random: YES")
+    assert ok is True
+    assert line.startswith("pretrained beat random: YES")
     bad, line = check_pretrained_beat_random({"a": 0.9, "b": 0.7, "r": 0.7}, ["a", "b"], "r")
-    assert bad is False and "NO" in line and "b not above" in line  # a tie is not a win
+    assert bad is False
+    assert "NO" in line
+    assert "b not above" in line
     unk, line = check_pretrained_beat_random({"a": 0.9}, ["a"], "r")
-    assert unk is None and "CANNOT CHECK" in line and "r" in line
+    assert unk is None
+    assert "CANNOT CHECK" in line
+    assert "r" in line
     assert BASELINE[1] == "random:0"
 
 
 def test_count_plots():
-    html = ('<img alt="x" src="data:image/png;base64,AAAA"><img src="a.png">'
-            "<IMG class=y src='data:image/svg+xml;base64,BB'> data:image/png;base64, in text")
+    html = (
+        '<img alt="x" src="data:image/png;base64,AAAA"><img src="a.png">'
+        "<IMG class=y src='data:image/svg+xml;base64,BB'> data:image/png;base64, in text"
+    )
     assert count_plots(html) == 2  # embedded images only, any case

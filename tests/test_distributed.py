@@ -30,10 +30,37 @@ TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or sh
 
 
 def _extract_args(cache: Path, *extra: str) -> list[str]:
-    return ["-m", "featcache", "extract",
-            "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "fashion-mnist", "--split", "train",
-            "--limit", str(N), "--input-size", "32", "--chunk-rows", str(CHUNK), "--batch-size", str(BATCH),
-            "--workers", "1", "--threads", "1", "--device", "cpu", "--no-progress", "--cache", str(cache), *extra]
+    return [
+        "-m",
+        "featcache",
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        LITE0_WEIGHTS,
+        "--data",
+        "fashion-mnist",
+        "--split",
+        "train",
+        "--limit",
+        str(N),
+        "--input-size",
+        "32",
+        "--chunk-rows",
+        str(CHUNK),
+        "--batch-size",
+        str(BATCH),
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--cache",
+        str(cache),
+        *extra,
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -59,8 +86,23 @@ def _files(root: Path) -> dict[str, bytes]:
 def reference(tmp_path_factory) -> Path:
     """A complete single-process extraction (float16, 32 px), shared by the tests here."""
     ref = tmp_path_factory.mktemp("distributed") / "single.zarr"
-    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(ref), limit=N, input_size=32, chunk_rows=CHUNK,
-            batch_size=BATCH, workers=1, threads=1, device="cpu", progress=False))
+    extract(
+        ExtractConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "fashion-mnist",
+            ["train"],
+            str(ref),
+            limit=N,
+            input_size=32,
+            chunk_rows=CHUNK,
+            batch_size=BATCH,
+            workers=1,
+            threads=1,
+            device="cpu",
+            progress=False,
+        )
+    )
     return ref
 
 
@@ -82,7 +124,8 @@ def test_torchrun_two_ranks_equal_single_process(tmp_path, reference):
     run = _torchrun(cache)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
-    assert "rank 0/2 joined (gloo)" in log and "rank 1/2 joined (gloo)" in log
+    assert "rank 0/2 joined (gloo)" in log
+    assert "rank 1/2 joined (gloo)" in log
     assert "rank 0 computes 3 of the 6 pending chunks" in log
     assert "rank 1 computes 3 of the 6 pending chunks" in log
     assert re.search(r"240 rows, 6/6 chunks computed", run.stdout), run.stdout  # rank 0 reports all ranks
@@ -101,7 +144,8 @@ def test_torchrun_two_ranks_equal_single_process(tmp_path, reference):
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     assert "2 of 6 chunks left" in log
-    assert "rank 0 computes 1 of the 2 pending chunks" in log and "rank 1 computes 1 of the 2 pending chunks" in log
+    assert "rank 0 computes 1 of the 2 pending chunks" in log
+    assert "rank 1 computes 1 of the 2 pending chunks" in log
     assert re.search(r"240 rows, 2/6 chunks computed", run.stdout), run.stdout
     got = _arrays(cache)
     for k in want:
@@ -156,20 +200,29 @@ def test_agree_two_ranks_report_the_failing_rank(tmp_path):
     script = tmp_path / "agree.py"
     script.write_text(textwrap.dedent(_AGREE_SCRIPT))
     logs = tmp_path / "logs"
-    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs),
-                          "--redirects", "1", str(script)], capture_output=True, text=True, timeout=300, env=_env())
+    run = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     out = {int(f.parent.name): f.read_text().splitlines() for f in logs.rglob("stdout.log")}
     fix = "; fix that and re-run the same command"
     assert out == {
-        0: ["R0 ok 0",
+        0: [
+            "R0 ok 0",
             "R0 DataError True: rank 1 failed during set-up: rank 1 sees different rows for train than rank 0" + fix,
             "R0 OSError False: No space left on device",  # the failing rank keeps its own exception
-            "R0 after 0"],
-        1: ["R1 ok 10",
+            "R0 after 0",
+        ],
+        1: [
+            "R1 ok 10",
             "R1 DataError True: rank 1 sees different rows for train than rank 0",
             "R1 FeatcacheError True: rank 0 failed during finishing: OSError: No space left on device" + fix,
-            "R1 after 10"],
+            "R1 after 10",
+        ],
     }, out
 
 
@@ -182,8 +235,17 @@ def test_rank0_setup_failure_stops_every_rank(tmp_path, reference):
     shutil.copytree(reference, cache)
     before = _files(cache)
     logs = tmp_path / "logs"
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3",
-           *_extract_args(cache, "--dtype", "float32")]
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        *_extract_args(cache, "--dtype", "float32"),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
     assert run.returncode != 0, (run.stdout + run.stderr)[-4000:]
     err = {int(f.parent.name): f.read_text() for f in logs.rglob("stderr.log")}
@@ -233,9 +295,26 @@ def _two_nodes(cache: Path, *extra: str, timeout: int = 900) -> list[tuple[int, 
     """Two torchrun agents, one rank each: (exit code, stdout, stderr) per node."""
     port = _free_port()
     procs = [
-        subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                          "--master-addr", "127.0.0.1", "--master-port", str(port), *_extract_args(cache, *extra)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        subprocess.Popen(
+            [
+                TORCHRUN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *_extract_args(cache, *extra),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         for node in (0, 1)
     ]
     try:

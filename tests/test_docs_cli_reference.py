@@ -31,4 +31,5 @@ def test_every_command_and_option_is_in_the_reference():
         for action in p._actions:
             for opt in action.option_strings:
                 assert opt in page, (name, opt)
-    assert "--log-file" in page and "--quiet" in page
+    assert "--log-file" in page
+    assert "--quiet" in page

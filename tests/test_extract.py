@@ -31,10 +31,30 @@ def test_stored_features_equal_direct_forward(tmp_path, photo_folder):
     from featcache.extract.data import load_image_file
 
     cache = tmp_path / "c.zarr"
-    assert main(["extract", "--model", LITE0, "--weights", W, "--data", f"imagefolder:{photo_folder}", "--dataset-name", "photos",
-                 "--cache", str(cache), "--no-progress", "--workers", "0"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                "--model",
+                LITE0,
+                "--weights",
+                W,
+                "--data",
+                f"imagefolder:{photo_folder}",
+                "--dataset-name",
+                "photos",
+                "--cache",
+                str(cache),
+                "--no-progress",
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     f = open_cache(cache).load(LITE0, "photos", "all")
-    assert f.X.shape == (3, 1280) and f.valid.all()
+    assert f.X.shape == (3, 1280)
+    assert f.valid.all()
     bb = create_backbone(LITE0, W)
     for i, sid in enumerate(f.ids):
         with torch.inference_mode():
@@ -43,21 +63,48 @@ def test_stored_features_equal_direct_forward(tmp_path, photo_folder):
     assert f.provenance["weights_sha256"] == bb.weights_sha256
     assert f.provenance["data_config"]["input_size"] == [3, 224, 224]
     assert f.provenance["data_config"]["mean"] == list(bb.data_config["mean"])
-    assert f.provenance["images_per_s"] > 0 and f.provenance["completed"]
+    assert f.provenance["images_per_s"] > 0
+    assert f.provenance["completed"]
     assert f.class_names == ["astronaut", "cat", "coffee"]
 
 
 def test_fashion_mnist_subset_cli_rerun_is_noop(tmp_path, capsys):
     cache = tmp_path / "fm.zarr"
-    args = ["extract", "--model", LITE0, "--weights", W, "--data", "fashion-mnist", "--split", "test",
-            "--limit", "96", "--input-size", "64", "--chunk-rows", "32", "--batch-size", "16",
-            "--cache", str(cache), "--no-progress", "--workers", "0", "--dtype", "float32"]
+    args = [
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        W,
+        "--data",
+        "fashion-mnist",
+        "--split",
+        "test",
+        "--limit",
+        "96",
+        "--input-size",
+        "64",
+        "--chunk-rows",
+        "32",
+        "--batch-size",
+        "16",
+        "--cache",
+        str(cache),
+        "--no-progress",
+        "--workers",
+        "0",
+        "--dtype",
+        "float32",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "96 rows, 3/3 chunks computed" in out
     f = open_cache(cache).load(LITE0, "fashion-mnist", "test")
-    assert f.X.shape == (96, 1280) and np.isfinite(f.X).all() and f.X.dtype == np.float32
-    assert f.ids[0] == "test-00000" and f.provenance["dtype"] == "float32"
+    assert f.X.shape == (96, 1280)
+    assert np.isfinite(f.X).all()
+    assert f.X.dtype == np.float32
+    assert f.ids[0] == "test-00000"
+    assert f.provenance["dtype"] == "float32"
     # a linear read-out of real pretrained features separates classes well above chance
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import cross_val_score
@@ -74,7 +121,7 @@ def test_fashion_mnist_subset_cli_rerun_is_noop(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "extra, message",
+    ("extra", "message"),
     [
         (["--model", "tf_efficientnet_lite", "--data", "digits"], "did you mean .*tf_efficientnet_lite0"),
         (["--model", LITE0, "--data", "imagefolder:/definitely/missing"], "does not exist"),

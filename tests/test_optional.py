@@ -24,7 +24,8 @@ def test_cpu_and_gpu_builds_together_are_refused(tmp_path, monkeypatch):
     assert faiss_conflict() == ["faiss-cpu", "faiss-gpu-cu12"]
     with pytest.raises(DependencyConflictError, match="pip uninstall -y faiss-cpu") as exc:
         import_faiss()
-    assert isinstance(exc.value, ImportError) and isinstance(exc.value, FeatcacheError)
+    assert isinstance(exc.value, ImportError)
+    assert isinstance(exc.value, FeatcacheError)
 
 
 def test_missing_faiss_says_what_to_install(monkeypatch):

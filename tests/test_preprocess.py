@@ -14,10 +14,22 @@ from featcache.extract.backbones import make_transform
 from featcache.extract.data import open_dataset, select_splits
 from featcache.extract.preprocess import split_transform
 
-LITE0_CFG = {"input_size": (3, 224, 224), "interpolation": "bicubic", "crop_pct": 0.875, "crop_mode": "center",
-             "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5)}
-IMAGENET_CFG = {"input_size": (3, 224, 224), "interpolation": "bilinear", "crop_pct": 0.95, "crop_mode": "center",
-                "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+LITE0_CFG = {
+    "input_size": (3, 224, 224),
+    "interpolation": "bicubic",
+    "crop_pct": 0.875,
+    "crop_mode": "center",
+    "mean": (0.5, 0.5, 0.5),
+    "std": (0.5, 0.5, 0.5),
+}
+IMAGENET_CFG = {
+    "input_size": (3, 224, 224),
+    "interpolation": "bilinear",
+    "crop_pct": 0.95,
+    "crop_mode": "center",
+    "mean": (0.485, 0.456, 0.406),
+    "std": (0.229, 0.224, 0.225),
+}
 
 
 def _real_images() -> list[Image.Image]:
@@ -33,15 +45,21 @@ def _real_images() -> list[Image.Image]:
     arr16 = (np.asarray(fm.load(11), np.uint16) * 257).astype("<u2")
     img16 = Image.frombytes("I;16", arr16.shape[::-1], arr16.tobytes())
     extra = [
-        big, rgb, jpeg,
-        rgb.convert("RGBA"), rgb.convert("P", palette=Image.ADAPTIVE), rgb.convert("CMYK"),
-        img16, big.convert("1"), big.convert("LA"),
+        big,
+        rgb,
+        jpeg,
+        rgb.convert("RGBA"),
+        rgb.convert("P", palette=Image.ADAPTIVE),
+        rgb.convert("CMYK"),
+        img16,
+        big.convert("1"),
+        big.convert("LA"),
     ]
     return base + extra
 
 
 @pytest.mark.parametrize("cfg", [LITE0_CFG, IMAGENET_CFG], ids=["lite0", "imagenet"])
-@pytest.mark.parametrize("size,pre_resize", [(32, None), (112, None), (224, None), (112, 32)])
+@pytest.mark.parametrize(("size", "pre_resize"), [(32, None), (112, None), (224, None), (112, 32)])
 def test_fast_path_is_bit_identical_to_the_transform(cfg, size, pre_resize):
     t = make_transform(cfg, input_size=size, pre_resize=pre_resize)
     fast = split_transform(t)
@@ -49,10 +67,12 @@ def test_fast_path_is_bit_identical_to_the_transform(cfg, size, pre_resize):
     imgs = _real_images()
     want = torch.stack([t(im) for im in imgs])
     u8 = torch.stack([torch.from_numpy(fast(im)) for im in imgs])
-    assert u8.dtype == torch.uint8 and tuple(u8.shape) == (len(imgs), size, size, 3)
+    assert u8.dtype == torch.uint8
+    assert tuple(u8.shape) == (len(imgs), size, size, 3)
     for channels_last in (True, False):
         got = fast.normalize(u8, channels_last)
-        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert got.dtype == torch.float32
+        assert got.shape == want.shape
         assert got.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         assert torch.equal(got, want)  # bit for bit, every image and mode
 

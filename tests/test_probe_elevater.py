@@ -18,7 +18,9 @@ LITE0 = "tf_efficientnet_lite0"
 def test_grid_is_the_toolkits():
     g = P.get_protocol("elevater-fewshot:5").grid
     np.testing.assert_allclose(g.lrs, [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1])
-    assert len(g.wds) == 97 and g.wds[0] == pytest.approx(1e-6) and g.wds[-1] == pytest.approx(1e6)
+    assert len(g.wds) == 97
+    assert g.wds[0] == pytest.approx(1e-6)
+    assert g.wds[-1] == pytest.approx(1e6)
     np.testing.assert_allclose([g.wds[i] for i in g.coarse], np.logspace(-6, 6, 7))
     assert (g.search_epochs, g.final_epochs, g.batch_size, g.momentum, g.nesterov) == (10, 50, 32, 0.9, True)
     fs, full = P.get_protocol("elevater-fewshot:20"), P.get_protocol("elevater-full")
@@ -43,21 +45,37 @@ def test_weight_decay_search_is_coarse_to_fine():
 
 
 def test_elevater_fewshot_on_real_features(digits_cache):
-    df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "elevater-fewshot:5", seeds=[0],
-                                search_epochs=3, final_epochs=20, progress=False))
+    df = run_probes(
+        ProbeConfig(
+            digits_cache,
+            LITE0,
+            "digits",
+            "elevater-fewshot:5",
+            seeds=[0],
+            search_epochs=3,
+            final_epochs=20,
+            progress=False,
+        )
+    )
     top = df.filter(df["metric"] == "top1")
     hp = json.loads(top["hparams"][0])
-    assert top["protocol"][0] == "elevater-fewshot:5" and top["train_split"][0] == "train[elevater-fewshot:5]"
+    assert top["protocol"][0] == "elevater-fewshot:5"
+    assert top["train_split"][0] == "train[elevater-fewshot:5]"
     assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (40, 10, 50)
-    assert hp["solver"] == "elevater-sgd" and hp["lr"] in P.ELEVATER_SGD.lrs and hp["weight_decay"] in P.ELEVATER_SGD.wds
-    assert 6 * 7 <= hp["trials"] <= 6 * 15 and len(hp["per_lr"]) == 6
-    assert hp["scaled_from"] == {"search_epochs": 10, "final_epochs": 50} and hp["head"] == "zeros"
+    assert hp["solver"] == "elevater-sgd"
+    assert hp["lr"] in P.ELEVATER_SGD.lrs
+    assert hp["weight_decay"] in P.ELEVATER_SGD.wds
+    assert 6 * 7 <= hp["trials"] <= 6 * 15
+    assert len(hp["per_lr"]) == 6
+    assert hp["scaled_from"] == {"search_epochs": 10, "final_epochs": 50}
+    assert hp["head"] == "zeros"
     assert top["value"][0] > 0.5  # chance 0.1; zero head, 3 + 20 epochs: measured 0.76
 
 
 def test_lbfgs_protocols_say_they_are_dinov2_style():
     doc = P.__doc__
-    assert "DINOv2" in doc and "elevater-fewshot" in doc
+    assert "DINOv2" in doc
+    assert "elevater-fewshot" in doc
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +111,17 @@ def _top1_hp(df):
 
 def test_language_initialised_head_matters_and_is_not_worse_than_zeroshot(digits_with_text):
     zs, hz = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "zeroshot", progress=False)))
-    assert hz["solver"] == "zeroshot" and hz["n_train"] == 0 and hz["head_init"] == "text"
+    assert hz["solver"] == "zeroshot"
+    assert hz["n_train"] == 0
+    assert hz["head_init"] == "text"
     assert zs > 0.5  # the held-out class means are an informative text head
-    kw = dict(seeds=[0], search_epochs=3, final_epochs=20, progress=False)
-    lang, hl = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "elevater-fewshot:5",
-                                               head_init="text", **kw)))
+    kw = {"seeds": [0], "search_epochs": 3, "final_epochs": 20, "progress": False}
+    lang, hl = _top1_hp(
+        run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "elevater-fewshot:5", head_init="text", **kw))
+    )
     zero, h0 = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "elevater-fewshot:5", **kw)))
-    assert hl["head"] == "text-initialised" and h0["head"] == "zeros"
+    assert hl["head"] == "text-initialised"
+    assert h0["head"] == "zeros"
     assert lang != zero or hl["per_lr"] != h0["per_lr"]  # the starting point is not forgotten
     assert lang >= zs, (lang, zs, zero)
 

@@ -35,7 +35,8 @@ def standardized(digits):
 
 def test_default_grid():
     assert len(DEFAULT_CS) == 45
-    assert DEFAULT_CS[0] == pytest.approx(1e-6) and DEFAULT_CS[-1] == pytest.approx(1e5)
+    assert DEFAULT_CS[0] == pytest.approx(1e-6)
+    assert DEFAULT_CS[-1] == pytest.approx(1e5)
     assert np.allclose(np.diff(np.log10(DEFAULT_CS)), 0.25)
 
 
@@ -87,7 +88,8 @@ def test_standardize_is_folded_into_coef(digits):
     Z = Xte.astype(np.float64) @ p.coef_.T + p.intercept_
     assert np.allclose(Z, p.decision_function(Xte))
     P = p.predict_proba(Xte)
-    assert np.allclose(P.sum(1), 1) and np.array_equal(P.argmax(1), Z.argmax(1))
+    assert np.allclose(P.sum(1), 1)
+    assert np.array_equal(P.argmax(1), Z.argmax(1))
 
 
 def test_sweep_heads_equal_individual_fits(digits):
@@ -95,7 +97,8 @@ def test_sweep_heads_equal_individual_fits(digits):
     tr, va = np.arange(1100), np.arange(1100, 1347)
     Cs = [1e-4, 1e-2, 1.0, 100.0]
     sw = sweep_C(Xtr[tr], ytr[tr], Xtr[va], ytr[va], Cs, backend="torch", sweep_tol=1e-4)
-    assert sw.Cs == Cs and len(sw.val_top1) == 4
+    assert sw.Cs == Cs
+    assert len(sw.val_top1) == 4
     for i, C in enumerate(Cs):
         single = LogisticProbe(C=C, backend="torch").fit(Xtr[tr], ytr[tr])
         coef, inter = sw.heads[i]
@@ -112,7 +115,8 @@ def test_sweep_sklearn_backend_selects_like_torch(digits):
     a = sweep_C(Xtr[tr], ytr[tr], Xtr[va], ytr[va], Cs, backend="torch")
     b = sweep_C(Xtr[tr], ytr[tr], Xtr[va], ytr[va], Cs, backend="sklearn")
     assert np.allclose(a.val_top1, b.val_top1, atol=0.01)
-    assert a.backend == "torch" and b.backend == "sklearn"
+    assert a.backend == "torch"
+    assert b.backend == "sklearn"
 
 
 def test_head_init_is_used(digits):
@@ -124,7 +128,8 @@ def test_head_init_is_used(digits):
     z0 = LogisticProbe(C=1.0, backend="torch", max_iter=0).fit(Xtr, ytr)
     assert p0.score(Xte, yte) > 0.5
     assert z0.score(Xte, yte) < 0.2
-    assert not p0.converged_ and not z0.converged_
+    assert not p0.converged_
+    assert not z0.converged_
     # a converged fit reaches the same optimum from either start (convex problem)
     a = LogisticProbe(C=0.1, backend="torch", head_init=protos).fit(Xtr, ytr)
     b = LogisticProbe(C=0.1, backend="torch").fit(Xtr, ytr)
@@ -140,7 +145,8 @@ def test_non_convergence_is_recorded_and_logged(digits, caplog):
     with caplog.at_level(logging.WARNING, logger="featcache.probes.logistic"):
         p = LogisticProbe(C=100.0, backend="torch", max_iter=3).fit(Xtr, ytr)
         q = LogisticProbe(C=100.0, backend="sklearn", max_iter=3).fit(Xtr, ytr)
-    assert p.converged_ is False and p.n_iter_ == 3
+    assert p.converged_ is False
+    assert p.n_iter_ == 3
     assert q.converged_ is False
     assert "did not converge" in caplog.text
 
@@ -233,7 +239,15 @@ def test_sgd_drop_remainder_trains_on_full_batches_only(standardized):
 
     Xtr, ytr, _, _ = standardized
     X, y = Xtr[:50].astype(np.float64), ytr[:50]  # 50 rows, batch 16: epochs end mid-batch
-    kw = dict(lr=0.05, steps=7, batch_size=16, momentum=0.9, standardize=False, device="cpu", random_state=3)
+    kw = {
+        "lr": 0.05,
+        "steps": 7,
+        "batch_size": 16,
+        "momentum": 0.9,
+        "standardize": False,
+        "device": "cpu",
+        "random_state": 3,
+    }
     full = SGDProbe(**kw, drop_remainder=True).fit(X, y)
     partial = SGDProbe(**kw).fit(X, y)
     classes = np.unique(y)

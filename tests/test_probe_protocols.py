@@ -79,7 +79,7 @@ def test_seeds_are_deterministic_and_differ(y):
     assert np.array_equal(stratified_sample(y, 1000, 2), stratified_sample(y, 1000, 2))
 
 
-@pytest.mark.parametrize("n,n_tr,n_va", [(2, 1, 1), (5, 4, 1), (20, 16, 4), (50, 40, 10)])
+@pytest.mark.parametrize(("n", "n_tr", "n_va"), [(2, 1, 1), (5, 4, 1), (20, 16, 4), (50, 40, 10)])
 def test_fewshot_counts_before_the_split(y, n, n_tr, n_va):
     tr, va = fewshot_split(y, n, seed=0)
     assert np.all(_class_counts(y, tr) == n_tr)
@@ -96,7 +96,8 @@ def test_fewshot_needs_enough_per_class(y):
 
 def test_vtab_1000_then_800_200(y):
     idx = stratified_sample(y, 1000, seed=0)
-    assert idx.size == 1000 and np.unique(idx).size == 1000
+    assert idx.size == 1000
+    assert np.unique(idx).size == 1000
     assert np.all(np.abs(_class_counts(y, idx) - 1000 * np.bincount(y) / y.size) < 1)
     tr, va = stratified_holdout(y[idx], 0.2, seed=0)
     assert (tr.size, va.size) == (800, 200)

@@ -44,7 +44,7 @@ def test_streamed_loss_grad_matches_in_memory(digits16, small_blocks):
     from featcache.probes._solver import _loss_grad
 
     X, y, _, _ = digits16
-    n, D = X.shape
+    _n, D = X.shape
     K = int(y.max()) + 1
     mu, sd = _stream.chunked_moments(X)
     sd[sd < 1e-12] = 1.0
@@ -66,7 +66,10 @@ def test_streamed_fit_matches_in_memory(digits16, small_blocks):
     X, y, _, _ = digits16
     a = LogisticProbe(C=1.0, backend="torch").fit(X, y)
     b = LogisticProbe(C=1.0, backend="torch", max_host_bytes=0).fit(X, y)
-    assert not a.streamed_ and b.streamed_ and a.converged_ and b.converged_
+    assert not a.streamed_
+    assert b.streamed_
+    assert a.converged_
+    assert b.converged_
     # both stop at max|grad| <= 1e-4 from float32 objectives that differ in summation
     # order only: the solutions agree to 1e-3 of the largest coefficient
     scale = np.abs(a.coef_).max()
@@ -79,7 +82,8 @@ def test_streamed_sweep_selects_the_same_C(digits16, small_blocks):
     Cs = DEFAULT_CS[12:30:3]
     a = sweep_C(X[tr], y[tr], X[va], y[va], Cs, backend="torch")
     b = sweep_C(X[tr], y[tr], X[va], y[va], Cs, backend="torch", max_host_bytes=0)
-    assert not a.info["streamed"] and b.info["streamed"]
+    assert not a.info["streamed"]
+    assert b.info["streamed"]
     assert b.best_C == a.best_C
     assert np.abs(np.subtract(a.val_top1, b.val_top1)).max() <= 1.0 / va.size + 1e-12
 
@@ -98,7 +102,8 @@ def test_halving_matches_exhaustive_sweep(digits16):
     X, y, tr, va = digits16
     ex = sweep_C(X[tr], y[tr], X[va], y[va], DEFAULT_CS, backend="torch", block=1)
     hv = sweep_C(X[tr], y[tr], X[va], y[va], DEFAULT_CS, backend="torch", sweep="halving")
-    assert hv.info["sweep"] == "halving" and hv.info["rounds"] >= 2
+    assert hv.info["sweep"] == "halving"
+    assert hv.info["rounds"] >= 2
     # the same C, or one whose (exhaustive, converged) validation top-1 is within 0.1 point
     assert hv.best_C == ex.best_C or ex.val_top1[hv.best_index] >= max(ex.val_top1) - 1e-3
     assert hv.converged[hv.best_index]
@@ -123,17 +128,20 @@ def test_run_probes_streamed_halving_records_it(digits_cache, tmp_path, small_bl
     from featcache.probes import ProbeConfig, run_probes
 
     grid = list(DEFAULT_CS[12:30:3])
-    base = dict(results_path=tmp_path / "r.parquet", progress=False, Cs=grid, backend="torch")
+    base = {"results_path": tmp_path / "r.parquet", "progress": False, "Cs": grid, "backend": "torch"}
     ref = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", **base))
-    new = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", sweep="halving",
-                                 max_host_bytes=0, **base))
+    new = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", sweep="halving", max_host_bytes=0, **base))
     hr, hn = json.loads(ref["hparams"][0]), json.loads(new["hparams"][0])
-    assert "sweep" not in hr and "streamed" not in hr  # the default records as before
-    assert hn["sweep"] == "halving" and hn["streamed"] and hn["sweep_head_iters"] > 0
+    assert "sweep" not in hr
+    assert "streamed" not in hr
+    assert hn["sweep"] == "halving"
+    assert hn["streamed"]
+    assert hn["sweep_head_iters"] > 0
     assert ref["run_id"][0] != new["run_id"][0]  # halving is another run; streaming is not
     # selection quality is tested on the 45-value grid above; on this coarse 6-value grid
     # (factor 5.6 between values) halving picked C=0.0056 vs 5.6, 2 of 135 val images worse
-    assert hn["C"] in grid and hn["val_top1"] >= hr["val_top1"] - 3 / 135
+    assert hn["C"] in grid
+    assert hn["val_top1"] >= hr["val_top1"] - 3 / 135
     assert new.filter(pl.col("metric") == "top1")["value"][0] > 0.93
 
 
@@ -141,11 +149,11 @@ def test_fit_on_a_zarr_array_reads_chunks_on_demand(digits16, tmp_path, small_bl
     import zarr
 
     X, y, _, _ = digits16
-    z = zarr.open_array(str(tmp_path / "x.zarr"), mode="w", shape=X.shape, chunks=(100, X.shape[1]),
-                        dtype=X.dtype)
+    z = zarr.open_array(str(tmp_path / "x.zarr"), mode="w", shape=X.shape, chunks=(100, X.shape[1]), dtype=X.dtype)
     z[:] = X
     a = LogisticProbe(C=1.0, backend="torch", max_host_bytes=0).fit(X, y)
     b = LogisticProbe(C=1.0, backend="torch", max_host_bytes=0).fit(z, y)
-    assert b.streamed_ and b.n_features_in_ == X.shape[1]
+    assert b.streamed_
+    assert b.n_features_in_ == X.shape[1]
     assert np.abs(a.coef_ - b.coef_).max() <= 1e-3 * np.abs(a.coef_).max()
     assert np.mean(a.predict(X) == b.predict(X)) >= 0.999

@@ -56,7 +56,8 @@ def test_every_finetune_protocol_pairs_with_a_probe_protocol_on_the_same_example
                 for seed in seeds:
                     pp = PR._plan(probe, seed, ptr, pva, vs)
                     fp = FR.make_plan(ft, seed, ftr, fva, vs)
-                    assert pp.train_split == fp.train_split and pp.info == fp.info
+                    assert pp.train_split == fp.train_split
+                    assert pp.info == fp.info
                     for (pX, py), pos in ((pp.tr, fp.train), (pp.va, fp.val), (pp.fin, fp.final)):
                         probe_pos = pX[:, 0].astype(np.int64)
                         # the same rows in the same order, and the labels the probe fits on
@@ -72,11 +73,15 @@ def test_different_seeds_select_different_examples(digits):
     vt = P.get_protocol("vtab1k-stratified")
     a, b = vt.plan(ty, 0), vt.plan(ty, 1)
     assert not np.array_equal(a.train, b.train)  # the seeded draw: a new 1,000 per seed
-    assert a.train.size == 800 and a.val.size == 200 and a.final.size == 1000
+    assert a.train.size == 800
+    assert a.val.size == 200
+    assert a.final.size == 1000
 
 
-@pytest.mark.parametrize("cache_fixture,dataset,limit", [("digits_cache", "digits", None),
-                                                         ("fmnist_cache", "fashion-mnist-small", 2000)])
+@pytest.mark.parametrize(
+    ("cache_fixture", "dataset", "limit"),
+    [("digits_cache", "digits", None), ("fmnist_cache", "fashion-mnist-small", 2000)],
+)
 def test_vtab1k_pool_is_fixed_first_800_and_200_in_dataset_order(request, cache_fixture, dataset, limit):
     """VTAB-1k as published: train[:800] and train[800:1000] in the store's row order (the
     reader's order), identical for seeds 0, 1, 2, on the probe side (store) and the fine-tune
@@ -95,9 +100,11 @@ def test_vtab1k_pool_is_fixed_first_800_and_200_in_dataset_order(request, cache_
     for seed in (0, 1, 2):
         pp = PR._plan(P.get_protocol("vtab1k"), seed, pos, None, "split-800-200")
         probe_ids = [sd.ids[a[0][:, 0].astype(int)] for a in (pp.tr, pp.va)]
-        assert set(probe_ids[0]) == set(store_ids[:800]) and set(probe_ids[1]) == set(store_ids[800:1000])
+        assert set(probe_ids[0]) == set(store_ids[:800])
+        assert set(probe_ids[1]) == set(store_ids[800:1000])
         fp = FR.make_plan("vtab1k-light", seed, ft, None, "split-800-200")
-        assert set(ft.ids[fp.train]) == set(store_ids[:800]) and set(ft.ids[fp.val]) == set(store_ids[800:1000])
+        assert set(ft.ids[fp.train]) == set(store_ids[:800])
+        assert set(ft.ids[fp.val]) == set(store_ids[800:1000])
         pools.append(sorted(probe_ids[0]) + sorted(probe_ids[1]))
         assert pp.train_split == fp.train_split == "train[:1000]"
     assert pools[0] == pools[1] == pools[2]
@@ -111,13 +118,17 @@ def test_parametrised_specs_and_defaults():
     fs = P.get_protocol("FewShot:20")
     assert (fs.name, fs.spec, fs.shots, fs.seeds, fs.solver) == ("fewshot", "fewshot:20", 20, (0, 1, 2), "lbfgs")
     sub = P.get_protocol("subset:2.5%")
-    assert sub.spec == "subset:2.5%" and sub.fraction == pytest.approx(0.025) and sub.seeds == (0,)
+    assert sub.spec == "subset:2.5%"
+    assert sub.fraction == pytest.approx(0.025)
+    assert sub.seeds == (0,)
     assert P.get_protocol("salman").grid.decay_epochs() == [50, 100]
     assert P.get_protocol("vtab1k-sgd").grid.milestones(2500) == (833, 1666, 2250)
-    assert P.get_protocol("full").grid.Cs == P.C_GRID and len(P.C_GRID) == 45
+    assert P.get_protocol("full").grid.Cs == P.C_GRID
+    assert len(P.C_GRID) == 45
     # VTAB Figure 16: lightweight fine-tuning pairs with the lightweight SGD linear probe
     assert P.pairs("finetune") == {"full": "full", "vtab1k-light": "vtab1k-sgd"}
-    assert P.get_protocol("vtab1k-sgd").grid.drop_remainder and not P.get_protocol("salman").grid.drop_remainder
+    assert P.get_protocol("vtab1k-sgd").grid.drop_remainder
+    assert not P.get_protocol("salman").grid.drop_remainder
     with pytest.raises(ProtocolError, match="unknown fine-tuning protocol"):
         P.get_protocol("vtab1k", "finetune")
     with pytest.raises(ProbeError, match="takes no argument"):
@@ -132,9 +143,16 @@ def test_register_a_protocol(monkeypatch):
     @P.register_protocol("fewshot-sgd")
     def fewshot_sgd(arg):
         base = P.get_protocol(f"fewshot:{arg}")
-        return P.Protocol(spec=f"fewshot-sgd:{base.shots}", name="fewshot-sgd", stage="probe",
-                          split="fewshot", solver="sgd", grid=P.SALMAN_SGD, seeds=base.seeds,
-                          shots=base.shots)
+        return P.Protocol(
+            spec=f"fewshot-sgd:{base.shots}",
+            name="fewshot-sgd",
+            stage="probe",
+            split="fewshot",
+            solver="sgd",
+            grid=P.SALMAN_SGD,
+            seeds=base.seeds,
+            shots=base.shots,
+        )
 
     assert "fewshot-sgd" in P.list_protocols()
     p = P.get_protocol("fewshot-sgd:5")
@@ -148,24 +166,65 @@ def test_probe_config_from_the_cli_and_its_run_options():
     from featcache.cli import build_parser
     from featcache.probes.cli import config_from_args
 
-    args = build_parser().parse_args(["probe", "--cache", "a.zarr", "--cache", "b.zarr", "--all",
-                                      "--dataset", "digits", "--protocol", "vtab1k-sgd", "--seeds", "3,4",
-                                      "--results", "r.parquet", "--eval-split", "test", "--eval-split",
-                                      "test_v2", "--no-standardize", "--epochs", "9"])
+    args = build_parser().parse_args(
+        [
+            "probe",
+            "--cache",
+            "a.zarr",
+            "--cache",
+            "b.zarr",
+            "--all",
+            "--dataset",
+            "digits",
+            "--protocol",
+            "vtab1k-sgd",
+            "--seeds",
+            "3,4",
+            "--results",
+            "r.parquet",
+            "--eval-split",
+            "test",
+            "--eval-split",
+            "test_v2",
+            "--no-standardize",
+            "--epochs",
+            "9",
+        ]
+    )
     cfg = config_from_args(args)
-    assert cfg == ProbeConfig(("a.zarr", "b.zarr"), "all", "digits", "vtab1k-sgd", seeds=(3, 4),
-                              results_path="r.parquet", eval_splits=("test", "test_v2"),
-                              standardize=False, sgd_epochs=9)
+    assert cfg == ProbeConfig(
+        ("a.zarr", "b.zarr"),
+        "all",
+        "digits",
+        "vtab1k-sgd",
+        seeds=(3, 4),
+        results_path="r.parquet",
+        eval_splits=("test", "test_v2"),
+        standardize=False,
+        sgd_epochs=9,
+    )
     proto, res = cfg.resolve()
-    assert res.vtab_steps == (2500, 10000) and res.last_decay == 0.9 and res.seeds == (3, 4)
+    assert res.vtab_steps == (2500, 10000)
+    assert res.last_decay == 0.9
+    assert res.seeds == (3, 4)
     # the run id options of the SGD protocol name only what its solver reads
-    assert set(res.run_options(proto)) == {"vtab_steps", "last_decay", "sgd_standardize", "kind",
-                                           "head_init", "train_split", "val_source"}
-    plain = config_from_args(build_parser().parse_args(
-        ["probe", "--cache", "a", "--backbone", "x", "--dataset", "d", "--results", "r"]))
+    assert set(res.run_options(proto)) == {
+        "vtab_steps",
+        "last_decay",
+        "sgd_standardize",
+        "kind",
+        "head_init",
+        "train_split",
+        "val_source",
+    }
+    plain = config_from_args(
+        build_parser().parse_args(["probe", "--cache", "a", "--backbone", "x", "--dataset", "d", "--results", "r"])
+    )
     assert plain == ProbeConfig("a", "x", "d", results_path="r")
     _, res = plain.resolve()
-    assert res.seeds == (0,) and res.Cs == P.C_GRID and res.eval_splits == ("test",)
+    assert res.seeds == (0,)
+    assert res.Cs == P.C_GRID
+    assert res.eval_splits == ("test",)
     with pytest.raises(ProbeError, match="--seeds"):
         ProbeConfig("a", "x", "d", seeds="a,b")
 
@@ -174,14 +233,37 @@ def test_finetune_config_from_the_cli_and_scaled_from():
     from featcache.cli import build_parser
     from featcache.finetune.cli import config_from_args
 
-    args = build_parser().parse_args(["finetune", "--model", "m", "--data", "digits", "--results", "r",
-                                      "--steps", "10,20", "--lrs", "0.1", "--workers", "0"])
+    args = build_parser().parse_args(
+        [
+            "finetune",
+            "--model",
+            "m",
+            "--data",
+            "digits",
+            "--results",
+            "r",
+            "--steps",
+            "10,20",
+            "--lrs",
+            "0.1",
+            "--workers",
+            "0",
+        ]
+    )
     cfg = config_from_args(args)
     assert cfg == FinetuneConfig("m", "timm", "digits", results_path="r", steps=(10, 20), lrs=(0.1,), workers=0)
     proto, res = cfg.resolve()
-    assert (res.batch_size, res.momentum, res.weight_decay, res.last_decay, res.seeds) == (512, 0.9, 0.0, 0.9, (0, 1, 2))
+    assert (res.batch_size, res.momentum, res.weight_decay, res.last_decay, res.seeds) == (
+        512,
+        0.9,
+        0.0,
+        0.9,
+        (0, 1, 2),
+    )
     assert res.scaled_from(proto) == {"steps": (2500, 10000), "lrs": (0.1, 0.01)}
     _, full = FinetuneConfig("m", data="digits", protocol="full").resolve()
-    assert full.seeds == (0,) and full.steps == (2500, 10000) and full.scaled_from(P.get_protocol("full", "finetune")) == {}
+    assert full.seeds == (0,)
+    assert full.steps == (2500, 10000)
+    assert full.scaled_from(P.get_protocol("full", "finetune")) == {}
     with pytest.raises(DataError, match="last_decay"):
         FinetuneConfig("m", data="digits", last_decay=1.5).resolve()

@@ -76,8 +76,24 @@ def test_whole_resize_recorded_and_resume_refused(tmp_path, capsys):
         (root / cls).mkdir(parents=True)
         Image.fromarray(img).save(root / cls / f"{cls}.png")
     cache = tmp_path / "c.zarr"
-    base = ["extract", "--model", LITE0, "--weights", W, "--data", f"imagefolder:{root}", "--dataset-name", "p",
-            "--cache", str(cache), "--no-progress", "--workers", "0", "--input-size", "64"]
+    base = [
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        W,
+        "--data",
+        f"imagefolder:{root}",
+        "--dataset-name",
+        "p",
+        "--cache",
+        str(cache),
+        "--no-progress",
+        "--workers",
+        "0",
+        "--input-size",
+        "64",
+    ]
     assert main([*base, "--resize", "whole"]) == 0
     f = open_cache(cache).load(LITE0, "p", "all")
     assert f.provenance["data_config"]["resize"] == "whole"
@@ -89,10 +105,13 @@ def test_whole_resize_recorded_and_resume_refused(tmp_path, capsys):
     capsys.readouterr()
     assert main(base) == 1  # the default crop must not reuse or resume whole-resize features
     err = capsys.readouterr().err
-    assert "--resize whole" in err and "--resize timm" in err and "--overwrite" in err
+    assert "--resize whole" in err
+    assert "--resize timm" in err
+    assert "--overwrite" in err
     assert main([*base, "--backbone-name", "lite0-crop"]) == 0
     g = open_cache(cache).load("lite0-crop", "p", "all")
-    assert "resize" not in g.provenance["data_config"] and g.provenance["extra"]["resize"] == "timm"
+    assert "resize" not in g.provenance["data_config"]
+    assert g.provenance["extra"]["resize"] == "timm"
     assert not np.allclose(g.X, f.X, atol=1e-2)
     capsys.readouterr()
     assert main([*base, "--backbone-name", "lite0-crop", "--resize", "whole"]) == 1

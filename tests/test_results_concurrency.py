@@ -25,8 +25,18 @@ RUNS_PER_APPEND = 3
 
 def _rows(writer: int, rep: int, run: int) -> list[dict]:
     rid = f"w{writer}-r{rep}-run{run}"
-    return [dict(run_id=rid, kind="probe", backbone=f"b{writer}", dataset="d", metric=m,
-                 value=float(writer * 1000 + rep * 10 + run), seed=run) for m in ("top1", "top5")]
+    return [
+        {
+            "run_id": rid,
+            "kind": "probe",
+            "backbone": f"b{writer}",
+            "dataset": "d",
+            "metric": m,
+            "value": float(writer * 1000 + rep * 10 + run),
+            "seed": run,
+        }
+        for m in ("top1", "top5")
+    ]
 
 
 def _writer(root: str, writer: int, barrier) -> None:
@@ -53,8 +63,12 @@ def test_concurrent_appends_lose_no_rows(tmp_path):
     lost = dup = 0
     for rep in range(N_REPS):
         df = read_results(tmp_path / f"rep{rep}" / "results.parquet")
-        expected = {(r["run_id"], r["metric"]) for w in range(N_WRITERS)
-                    for run in range(RUNS_PER_APPEND) for r in _rows(w, rep, run)}
+        expected = {
+            (r["run_id"], r["metric"])
+            for w in range(N_WRITERS)
+            for run in range(RUNS_PER_APPEND)
+            for r in _rows(w, rep, run)
+        }
         expected |= {(r["run_id"], r["metric"]) for r in _rows(99, rep, 0)}
         got = list(zip(df["run_id"].to_list(), df["metric"].to_list()))
         lost += len(expected - set(got))
@@ -112,8 +126,9 @@ def test_unwritable_folder_is_refused(tmp_path):
 
 def test_missing_parents_are_created(tmp_path):
     p = check_results_path(tmp_path / "a" / "b" / "results.parquet")
-    assert p.parent.is_dir() and not p.exists()
-    assert not [x for x in p.parent.iterdir()]  # the write probe leaves nothing behind
+    assert p.parent.is_dir()
+    assert not p.exists()
+    assert not list(p.parent.iterdir())  # the write probe leaves nothing behind
 
 
 def test_extra_user_columns_survive_appends(tmp_path):
@@ -138,16 +153,31 @@ def test_orphan_temp_files_are_cleaned_on_next_write(tmp_path):
     unrelated = tmp_path / ".other.parquet.x.tmp"
     unrelated.write_bytes(b"")
     append_results(p, _rows(1, 0, 0))
-    assert not orphan.exists() and unrelated.exists()
+    assert not orphan.exists()
+    assert unrelated.exists()
     assert len(read_results(p)) == 4
 
 
-@pytest.mark.parametrize("command", [
-    ["probe", "--cache", "CACHE", "--backbone", "b", "--dataset", "digits"],
-    ["retrieve", "--cache", "CACHE", "--backbone", "b", "--dataset", "digits", "--query", "test",
-     "--gallery", "train"],
-    ["finetune", "--model", "tf_efficientnet_lite0", "--data", "CACHE"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["probe", "--cache", "CACHE", "--backbone", "b", "--dataset", "digits"],
+        [
+            "retrieve",
+            "--cache",
+            "CACHE",
+            "--backbone",
+            "b",
+            "--dataset",
+            "digits",
+            "--query",
+            "test",
+            "--gallery",
+            "train",
+        ],
+        ["finetune", "--model", "tf_efficientnet_lite0", "--data", "CACHE"],
+    ],
+)
 def test_commands_refuse_a_bad_results_path_before_computing(tmp_path, capsys, command):
     from featcache.cli import main
 

@@ -27,10 +27,35 @@ GROUP = f"features/{LITE0}/fashion-mnist/train"
 
 
 def _argv(cache: Path) -> list[str]:
-    return [sys.executable, "-m", "featcache", "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS,
-            "--data", "fashion-mnist", "--split", "train", "--limit", str(N), "--input-size", "32",
-            "--chunk-rows", str(CHUNK), "--batch-size", str(BATCH), "--workers", "1", "--threads", "1",
-            "--no-progress", "--cache", str(cache)]
+    return [
+        sys.executable,
+        "-m",
+        "featcache",
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        LITE0_WEIGHTS,
+        "--data",
+        "fashion-mnist",
+        "--split",
+        "train",
+        "--limit",
+        str(N),
+        "--input-size",
+        "32",
+        "--chunk-rows",
+        str(CHUNK),
+        "--batch-size",
+        str(BATCH),
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--cache",
+        str(cache),
+    ]
 
 
 def _marked(cache: Path) -> int:
@@ -41,8 +66,9 @@ def _marked(cache: Path) -> int:
 def _kill_when(cache: Path, min_done: int, extra_delay: float) -> int:
     """Start the command, SIGKILL it once >= min_done chunks are marked (+ a random delay so
     the kill lands anywhere: mid-forward, mid-write, between arrays). Returns marks at kill."""
-    p = subprocess.Popen(_argv(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    p = subprocess.Popen(
+        _argv(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     try:
         deadline = time.monotonic() + 300
         while _marked(cache) < min_done and p.poll() is None and time.monotonic() < deadline:
@@ -63,18 +89,36 @@ def _arrays(cache: Path) -> dict[str, np.ndarray]:
 
 def _chunk_bytes(cache: Path) -> dict[str, bytes]:
     base = cache / GROUP
-    return {str(f.relative_to(base)): f.read_bytes()
-            for name in ("pooled", "valid", "error", "done") for f in sorted((base / name / "c").rglob("*"))
-            if f.is_file()}
+    return {
+        str(f.relative_to(base)): f.read_bytes()
+        for name in ("pooled", "valid", "error", "done")
+        for f in sorted((base / name / "c").rglob("*"))
+        if f.is_file()
+    }
 
 
 @pytest.mark.slow
 def test_kill9_and_resume_is_byte_identical(tmp_path):
     ref = tmp_path / "ref.zarr"
-    extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(ref), limit=N, input_size=32,
-            chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False))
+    extract(
+        ExtractConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "fashion-mnist",
+            ["train"],
+            str(ref),
+            limit=N,
+            input_size=32,
+            chunk_rows=CHUNK,
+            batch_size=BATCH,
+            workers=1,
+            threads=1,
+            progress=False,
+        )
+    )
     ref_arrays = _arrays(ref)
-    assert ref_arrays["done"].all() and ref_arrays["valid"].all()
+    assert ref_arrays["done"].all()
+    assert ref_arrays["valid"].all()
 
     cache = tmp_path / "killed.zarr"
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
@@ -91,8 +135,11 @@ def test_kill9_and_resume_is_byte_identical(tmp_path):
                 np.testing.assert_array_equal(got[k][rows], want[k][rows])
         assert marked < N_CHUNKS
 
-    pending = N_CHUNKS - int(np.asarray(zarr.open_array(str(cache / GROUP / "done"), mode="r")[:]).sum()) \
-        if (cache / GROUP / "done").exists() else N_CHUNKS
+    pending = (
+        N_CHUNKS - int(np.asarray(zarr.open_array(str(cache / GROUP / "done"), mode="r")[:]).sum())
+        if (cache / GROUP / "done").exists()
+        else N_CHUNKS
+    )
     run = subprocess.run(_argv(cache), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     m = re.search(r"(\d+)/(\d+) chunks computed", run.stdout)
@@ -106,22 +153,47 @@ def test_kill9_and_resume_is_byte_identical(tmp_path):
     assert _chunk_bytes(cache) == _chunk_bytes(ref)  # byte-identical chunk objects
     assert open_cache(cache).load(LITE0, "fashion-mnist", "train").complete
 
-    (again,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), limit=N, input_size=32,
-                       chunk_rows=CHUNK, batch_size=BATCH, workers=1, threads=1, progress=False))
-    assert again.skipped and again.chunks_computed == 0
+    (again,) = extract(
+        ExtractConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            "fashion-mnist",
+            ["train"],
+            str(cache),
+            limit=N,
+            input_size=32,
+            chunk_rows=CHUNK,
+            batch_size=BATCH,
+            workers=1,
+            threads=1,
+            progress=False,
+        )
+    )
+    assert again.skipped
+    assert again.chunks_computed == 0
 
 
 def test_marked_chunk_with_a_lost_file_is_recomputed(tmp_path, caplog):
     """A done marker whose chunk object vanished (e.g. a partial copy) does not count as done."""
     cache = tmp_path / "c.zarr"
-    kw = dict(limit=120, input_size=32, chunk_rows=40, batch_size=20, workers=0, threads=1, progress=False)
+    kw = {
+        "limit": 120,
+        "input_size": 32,
+        "chunk_rows": 40,
+        "batch_size": 20,
+        "workers": 0,
+        "threads": 1,
+        "progress": False,
+    }
     extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw))
     before = _arrays(cache)
     (cache / GROUP / "pooled" / "c" / "1" / "0").unlink()
     with caplog.at_level("INFO"):
         (rep,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw))
-    assert rep.chunks_computed == 1 and rep.chunks_total == 3
-    assert "1 of 3 chunks left" in caplog.text and "1 damaged chunk(s) of 'pooled'" in caplog.text
+    assert rep.chunks_computed == 1
+    assert rep.chunks_total == 3
+    assert "1 of 3 chunks left" in caplog.text
+    assert "1 damaged chunk(s) of 'pooled'" in caplog.text
     after = _arrays(cache)
     for k in before:
         np.testing.assert_array_equal(after[k], before[k])

@@ -36,10 +36,26 @@ def pix_cache(tmp_path_factory):
     ids = np.array([f"d{i:04d}" for i in range(len(y))])
     names = [str(i) for i in range(10)]
     path = str(tmp_path_factory.mktemp("pix") / "cache.zarr")
-    write_features(path, backbone="pix", dataset="digits", split="train", X=X[:1347], ids=ids[:1347],
-                   labels=y[:1347], class_names=names)
-    write_features(path, backbone="pix", dataset="digits", split="test", X=X[1347:], ids=ids[1347:],
-                   labels=y[1347:], class_names=names)
+    write_features(
+        path,
+        backbone="pix",
+        dataset="digits",
+        split="train",
+        X=X[:1347],
+        ids=ids[:1347],
+        labels=y[:1347],
+        class_names=names,
+    )
+    write_features(
+        path,
+        backbone="pix",
+        dataset="digits",
+        split="test",
+        X=X[1347:],
+        ids=ids[1347:],
+        labels=y[1347:],
+        class_names=names,
+    )
     return path, X, y, ids
 
 
@@ -62,7 +78,7 @@ def dino_knn_reference(Xq, yq, Xg, yg, k, T=0.07, exclude_self=False):
 
 
 def test_run_retrieval_rows_and_values(pix_cache, tmp_path):
-    path, X, y, ids = pix_cache
+    path, X, y, _ids = pix_cache
     out = tmp_path / "results.parquet"
     df = run_retrieval(path, "pix", "digits", "test", "train", results_path=out, progress=False)
     ret = df.filter(df["kind"] == "retrieval")
@@ -70,7 +86,9 @@ def test_run_retrieval_rows_and_values(pix_cache, tmp_path):
     assert {"map", "mrr", "map@100", "recall@5", "hit@5", "precision@5", "mrr@10"} <= names
     assert set(ret["n_eval"].to_list()) == {450}
     hp = json.loads(ret["hparams"][0])
-    assert hp["n_without_relevant"] == 0 and hp["n_gallery"] == 1347 and hp["similarity"] == "cosine"
+    assert hp["n_without_relevant"] == 0
+    assert hp["n_gallery"] == 1347
+    assert hp["similarity"] == "cosine"
     vals = dict(zip(ret["metric"], ret["value"]))
     # mean AP equals a plain sklearn loop on the same real features
     Q, G = prepare(X[1347:], "cosine"), prepare(X[:1347], "cosine")
@@ -91,7 +109,7 @@ def test_run_retrieval_rows_and_values(pix_cache, tmp_path):
 
 
 def test_leave_one_out_excludes_query_by_id(pix_cache):
-    path, X, y, ids = pix_cache
+    path, X, y, _ids = pix_cache
     df = run_retrieval(path, None, "digits", "test", "same", ks=(1, 5), knn_ks=(10,), progress=False)
     ret = df.filter(df["kind"] == "retrieval")
     vals = dict(zip(ret["metric"], ret["value"]))
@@ -122,7 +140,7 @@ def _relevance_table(y_q, ids_q, y_g, ids_g):
 def test_content_retrieval_removes_junk_before_scoring(pix_cache, tmp_path):
     path, X, y, ids = pix_cache
     qn = 40  # first 40 test queries have entries; the others have none (excluded, counted)
-    rows = _relevance_table(y[1347:1347 + qn], ids[1347:1347 + qn], y[:1347], ids[:1347])
+    rows = _relevance_table(y[1347 : 1347 + qn], ids[1347 : 1347 + qn], y[:1347], ids[:1347])
     f = tmp_path / "rel.csv"
     f.write_text("query_id,gallery_id,relevance\n" + "\n".join(",".join(r) for r in rows) + "\n")
     df = run_retrieval(path, "pix", "digits", "test", "train", ks=(5,), relevance=f, knn=False, progress=False)
@@ -130,7 +148,7 @@ def test_content_retrieval_removes_junk_before_scoring(pix_cache, tmp_path):
     assert set(df["protocol"].to_list()) == {"content"}
     assert json.loads(df["hparams"][0])["n_without_relevant"] == 450 - qn
     assert df["n_eval"][0] == qn
-    S = score_block(prepare(X[1347:1347 + qn], "cosine"), prepare(X[:1347], "cosine"), "cosine")
+    S = score_block(prepare(X[1347 : 1347 + qn], "cosine"), prepare(X[:1347], "cosine"), "cosine")
     aps, hits = [], []
     for qi in range(qn):
         same = np.flatnonzero(y[:1347] == y[1347 + qi])
@@ -146,7 +164,7 @@ def test_content_retrieval_removes_junk_before_scoring(pix_cache, tmp_path):
 
 
 def test_relevance_table_errors(pix_cache, tmp_path):
-    path, X, y, ids = pix_cache
+    path, _X, _y, ids = pix_cache
     bad = tmp_path / "bad.csv"
     bad.write_text(f"query_id,gallery_id,relevance\n{ids[1347]},{ids[0]},maybe\n")
     with pytest.raises(DataError, match="positive' or 'junk"):
@@ -172,7 +190,8 @@ def test_knn_votes_formula_and_tie_rule():
     # classes 0 and 1 tie exactly: the lower class index wins
     assert knn_predict(knn_votes(scores, idx, glab, 3, 3)[:, :2], 1)[0, 0] == 0
     acc = knn_accuracy(scores, idx, glab, np.array([2]), 3, ks=(1, 4))
-    assert acc[1]["top1"] == 1.0 and "top5" not in acc[1]
+    assert acc[1]["top1"] == 1.0
+    assert "top5" not in acc[1]
 
 
 def test_backend_choice(monkeypatch, caplog):
@@ -216,18 +235,73 @@ def test_cli_retrieve(pix_cache, tmp_path, capsys):
 
     path, *_ = pix_cache
     out = tmp_path / "r.parquet"
-    rc = main(["retrieve", "--cache", path, "--backbone", "pix", "--dataset", "digits", "--query", "test",
-               "--gallery", "train", "--metric", "l2", "--k", "1,5", "--max-memory", "100MB", "--results", str(out)])
+    rc = main(
+        [
+            "retrieve",
+            "--cache",
+            path,
+            "--backbone",
+            "pix",
+            "--dataset",
+            "digits",
+            "--query",
+            "test",
+            "--gallery",
+            "train",
+            "--metric",
+            "l2",
+            "--k",
+            "1,5",
+            "--max-memory",
+            "100MB",
+            "--results",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
-    assert "map=" in text and "hit@5=" in text and "knn-k200" in text and out.exists()
-    rc = main(["retrieve", "--cache", path, "--backbone", "nope", "--dataset", "digits", "--query", "test",
-               "--gallery", "train", "--results", str(out)])
+    assert "map=" in text
+    assert "hit@5=" in text
+    assert "knn-k200" in text
+    assert out.exists()
+    rc = main(
+        [
+            "retrieve",
+            "--cache",
+            path,
+            "--backbone",
+            "nope",
+            "--dataset",
+            "digits",
+            "--query",
+            "test",
+            "--gallery",
+            "train",
+            "--results",
+            str(out),
+        ]
+    )
     assert rc == 1
     assert "error" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["retrieve", "--cache", path, "--all", "--dataset", "digits", "--query", "test",
-              "--gallery", "train", "--k", "0,5", "--results", str(out)])
+        main(
+            [
+                "retrieve",
+                "--cache",
+                path,
+                "--all",
+                "--dataset",
+                "digits",
+                "--query",
+                "test",
+                "--gallery",
+                "train",
+                "--k",
+                "0,5",
+                "--results",
+                str(out),
+            ]
+        )
 
 
 def test_evaluate_topk_mode_matches_full(pix_cache):
@@ -237,7 +311,8 @@ def test_evaluate_topk_mode_matches_full(pix_cache):
     rel = SemanticRelevance(y[1347:], y[:1347], ids[1347:], ids[:1347])
     a = evaluate(X[1347:], X[:1347], rel, ks=(1, 5, 100), full=False, backend="faiss-cpu")
     b = evaluate(X[1347:], X[:1347], rel, ks=(1, 5, 100), full=True)
-    assert "map" not in a["means"] and "mrr@100" in a["means"]
+    assert "map" not in a["means"]
+    assert "mrr@100" in a["means"]
     # faiss and numpy round float32 dot products differently: near-equal similarities of
     # these integer pixel vectors may swap, moving means at the 1e-7 level, never more
     for name, v in a["means"].items():
@@ -250,13 +325,15 @@ def test_evaluate_topk_mode_matches_full(pix_cache):
 
 
 def test_knn_accuracy_floor_on_lite0_digits(digits_cache):
-    df = run_retrieval(digits_cache, "tf_efficientnet_lite0", "digits", "test", "train", ks=(1, 5, 100),
-                       progress=False)
+    df = run_retrieval(digits_cache, "tf_efficientnet_lite0", "digits", "test", "train", ks=(1, 5, 100), progress=False)
     knn = {p: v for p, m, v in zip(df["protocol"], df["metric"], df["value"]) if m == "top1"}
     ret = {m: v for k, m, v in zip(df["kind"], df["metric"], df["value"]) if k == "retrieval"}
     # measured 0.887 / 0.871 (112 px input); broken weights or votes fall far below
-    assert knn["knn-k10"] >= 0.8 and knn["knn-k20"] >= 0.8 and knn["knn-k200"] < knn["knn-k10"] + 0.05
-    assert ret["hit@5"] >= 0.9 and ret["map"] > 0.3
+    assert knn["knn-k10"] >= 0.8
+    assert knn["knn-k20"] >= 0.8
+    assert knn["knn-k200"] < knn["knn-k10"] + 0.05
+    assert ret["hit@5"] >= 0.9
+    assert ret["map"] > 0.3
 
 
 # ---------------------------------------------------------------- GPU paths
@@ -280,17 +357,24 @@ def test_gpu_paths_match_cpu(pix_cache):
     Q, G = prepare(X[1347:], "cosine"), prepare(X[:1347], "cosine")
     _, i_cpu, _ = topk(Q, G, 50, relevance=rel, backend="faiss-cpu", prepared=True)
     _, i_torch, used = topk(Q, G, 50, relevance=rel, backend="torch-cuda", prepared=True)
-    assert used == "torch-cuda" and (i_cpu == i_torch).mean() > 0.999
+    assert used == "torch-cuda"
+    assert (i_cpu == i_torch).mean() > 0.999
     _, i_big, _ = topk(Q, G, 1300, relevance=rel, backend="auto", prepared=True)  # k > 2048 path below
     assert (i_big[:, :50] == i_cpu).mean() > 0.999
     if search_mod._faiss_gpus() > 0:
         _, i_fg, used = topk(Q, G, 50, relevance=rel, backend="faiss-gpu", prepared=True)
-        assert used == "faiss-gpu" and (i_fg == i_cpu).mean() > 0.999
+        assert used == "faiss-gpu"
+        assert (i_fg == i_cpu).mean() > 0.999
     big_g = np.concatenate([G] * 3)
-    rel3 = SemanticRelevance(y[1347:], np.concatenate([y[:1347]] * 3), ids[1347:],
-                             np.array([f"{i}-{r}" for r in range(3) for i in ids[:1347]]))
+    rel3 = SemanticRelevance(
+        y[1347:],
+        np.concatenate([y[:1347]] * 3),
+        ids[1347:],
+        np.array([f"{i}-{r}" for r in range(3) for i in ids[:1347]]),
+    )
     _, i3, used = topk(Q, big_g, 3000, relevance=rel3, backend="auto", prepared=True)
-    assert used in ("torch-cuda", "faiss-cpu") and (i3 >= 0).all()
+    assert used in ("torch-cuda", "faiss-cpu")
+    assert (i3 >= 0).all()
     a = full_ranking(Q, G, rel, "cosine", backend="torch-cuda", progress=False)
     b = full_ranking(Q, G, rel, "cosine", backend="numpy", progress=False)
     assert np.mean(a.ranks == b.ranks) > 0.999
@@ -329,4 +413,5 @@ def test_metrics_on_lite0_fashion_mnist_match_sklearn_and_brute_force(fmnist_cac
     assert m["map@100"] == pytest.approx(np.mean(ap100), abs=1e-9)
     for name, v in top["means"].items():  # FAISS top-k path agrees with the full ranking
         assert v == pytest.approx(m[name], abs=1e-4), name
-    assert 0.4 < m["map"] < 1 and m["hit@5"] > 0.8  # lite0 features separate Fashion-MNIST classes
+    assert 0.4 < m["map"] < 1
+    assert m["hit@5"] > 0.8

@@ -20,24 +20,60 @@ def _parse(argv):
 
 
 def test_cli_builds_the_config():
-    args = _parse(["--cache", "c.zarr", "--backbone", "a", "--backbone", "b", "--dataset", "d",
-                   "--query", "test", "--gallery", "same", "--metric", "l2", "--k", "5,1,5",
-                   "--top-k-only", "--no-knn", "--revisited", "hard", "--results", "r.parquet"])
+    args = _parse(
+        [
+            "--cache",
+            "c.zarr",
+            "--backbone",
+            "a",
+            "--backbone",
+            "b",
+            "--dataset",
+            "d",
+            "--query",
+            "test",
+            "--gallery",
+            "same",
+            "--metric",
+            "l2",
+            "--k",
+            "5,1,5",
+            "--top-k-only",
+            "--no-knn",
+            "--revisited",
+            "hard",
+            "--results",
+            "r.parquet",
+        ]
+    )
     cfg = RetrievalConfig.from_args(args)
-    assert cfg == RetrievalConfig(cache="c.zarr", dataset="d", backbones=("a", "b"), query_split="test",
-                                  gallery_split="same", metric="l2", ks=(1, 5), full=False, knn=False,
-                                  revisited=("hard",), results="r.parquet")
-    dflt = RetrievalConfig.from_args(_parse(["--cache", "c", "--all", "--dataset", "d", "--query", "q",
-                                             "--gallery", "g", "--results", "r"]))
-    assert dflt.backbones is None and dflt.full and dflt.knn and dflt.ks == (1, 5, 10, 100)
+    assert cfg == RetrievalConfig(
+        cache="c.zarr",
+        dataset="d",
+        backbones=("a", "b"),
+        query_split="test",
+        gallery_split="same",
+        metric="l2",
+        ks=(1, 5),
+        full=False,
+        knn=False,
+        revisited=("hard",),
+        results="r.parquet",
+    )
+    dflt = RetrievalConfig.from_args(
+        _parse(["--cache", "c", "--all", "--dataset", "d", "--query", "q", "--gallery", "g", "--results", "r"])
+    )
+    assert dflt.backbones is None
+    assert dflt.full
+    assert dflt.knn
+    assert dflt.ks == (1, 5, 10, 100)
     assert dflt.revisited == ("medium", "hard")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.metric = "ip"
 
 
 def test_every_cli_flag_is_a_config_field():
-    args = vars(_parse(["--cache", "c", "--all", "--dataset", "d", "--query", "q", "--gallery", "g",
-                        "--results", "r"]))
+    args = vars(_parse(["--cache", "c", "--all", "--dataset", "d", "--query", "q", "--gallery", "g", "--results", "r"]))
     names = {f.name for f in dataclasses.fields(RetrievalConfig)}
     assert set(args) - {"backbone", "all", "func"} <= names
 
@@ -48,18 +84,36 @@ def test_run_ids_and_hparams_come_from_the_config():
     assert a == b
     d = a.run_definition("b", "semantic", "", "fp")
     # the keys and values of the run definition used before the config existed (ids unchanged)
-    assert d == dict(kind="retrieval", backbone="b", dataset="d", protocol="semantic", query="test",
-                     gallery="train", metric="cosine", ks=[1, 5, 10, 100], full=True, relevance="",
-                     feature_kind="pooled", store="fp")
+    assert d == {
+        "kind": "retrieval",
+        "backbone": "b",
+        "dataset": "d",
+        "protocol": "semantic",
+        "query": "test",
+        "gallery": "train",
+        "metric": "cosine",
+        "ks": [1, 5, 10, 100],
+        "full": True,
+        "relevance": "",
+        "feature_kind": "pooled",
+        "store": "fp",
+    }
     hp = a.hparams(backend="numpy", relevance_sha="x", n_queries=3)
-    assert hp["ks"] == [1, 5, 10, 100] and hp["similarity"] == "cosine" and hp["n_queries"] == 3
+    assert hp["ks"] == [1, 5, 10, 100]
+    assert hp["similarity"] == "cosine"
+    assert hp["n_queries"] == 3
     assert a.with_(metric="l2").run_definition("b", "semantic", "", "fp") != d
 
 
-@pytest.mark.parametrize("kw, match", [(dict(ks=(0, 5)), "positive integers"),
-                                       (dict(metric="hamming"), "similarity"),
-                                       (dict(backend="annoy"), "backend"),
-                                       (dict(revisited=("extreme",)), "revisited")])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"ks": (0, 5)}, "positive integers"),
+        ({"metric": "hamming"}, "similarity"),
+        ({"backend": "annoy"}, "backend"),
+        ({"revisited": ("extreme",)}, "revisited"),
+    ],
+)
 def test_bad_config_is_a_clear_error(kw, match):
     with pytest.raises(DataError, match=match):
         RetrievalConfig(cache="c", dataset="d", **kw)

@@ -194,13 +194,15 @@ def test_hypothesis_full_and_topk_vs_reference(case):
     rel = SemanticRelevance(yq, yg, qids, gids)
     S = score_block(Xq, Xg, metric)
     ref, none = ref_all(S, yq, yg, qids, gids, ks)
-    full, rr = ours_full(Xq, Xg, rel, metric, ks, max_memory=1024**2)
+    full, _rr = ours_full(Xq, Xg, rel, metric, ks, max_memory=1024**2)
     assert_matches_ref(full, ref, rel.n_relevant())
     _, n_scored, n_none = summarize(full, rel.n_relevant())
-    assert n_none == none and n_scored + n_none == len(yq)
+    assert n_none == none
+    assert n_scored + n_none == len(yq)
     for backend in ("numpy", "faiss-cpu", "torch-cpu"):
-        assert_matches_ref(ours_topk(Xq, Xg, rel, metric, ks, backend), {k: v for k, v in ref.items() if "@" in k},
-                           rel.n_relevant())
+        assert_matches_ref(
+            ours_topk(Xq, Xg, rel, metric, ks, backend), {k: v for k, v in ref.items() if "@" in k}, rel.n_relevant()
+        )
 
 
 @settings(max_examples=100, deadline=None)
@@ -230,9 +232,11 @@ def test_hypothesis_metric_invariants(rel_list, k):
     for name, v in m.items():
         assert 0.0 <= v[0] <= 1.0, name
     assert m[f"hit@{k}"][0] == float(m[f"recall@{k}"][0] > 0)
-    assert m[f"map@{k}"][0] <= 1.0 and m["mrr"][0] >= m[f"mrr@{k}"][0]
+    assert m[f"map@{k}"][0] <= 1.0
+    assert m["mrr"][0] >= m[f"mrr@{k}"][0]
     if k >= len(rel_list):
-        assert m[f"recall@{k}"][0] == 1.0 and m[f"map@{k}"][0] == pytest.approx(m["map"][0] * n_rel[0] / min(n_rel[0], k))
+        assert m[f"recall@{k}"][0] == 1.0
+        assert m[f"map@{k}"][0] == pytest.approx(m["map"][0] * n_rel[0] / min(n_rel[0], k))
     # sklearn on the strict order
     assert average_precision_score(hits[0], -np.arange(hits.shape[1])) == pytest.approx(m["map"][0], abs=1e-12)
 
@@ -247,10 +251,13 @@ def test_all_equal_scores_form_one_tie_group():
     yg[[2, 5]] = 1
     rel = SemanticRelevance(np.array([1]), yg, np.array(["q"]), np.array([f"g{i}" for i in range(10)]))
     full, rr = ours_full(Q, G, rel, "cosine", [1, 3, 5, 10, 20])
-    assert rr.ranks.tolist() == [10, 10] and rr.tp.tolist() == [2, 2]
+    assert rr.ranks.tolist() == [10, 10]
+    assert rr.tp.tolist() == [2, 2]
     assert full["map"][0] == pytest.approx(2 / 10) == average_precision_score(yg == 1, np.ones(10))
     assert full["mrr"][0] == pytest.approx(1 / 10)
-    assert full["hit@5"][0] == 0 and full["recall@5"][0] == 0 and full["hit@10"][0] == 1
+    assert full["hit@5"][0] == 0
+    assert full["recall@5"][0] == 0
+    assert full["hit@10"][0] == 1
     assert full["precision@20"][0] == pytest.approx(2 / 20)  # denominator k, even with 10 items
     for backend in ("numpy", "faiss-cpu", "torch-cpu"):
         tk = ours_topk(Q, G, rel, "cosine", [1, 3, 5, 10, 20], backend)
@@ -274,10 +281,12 @@ def test_duplicate_of_query_in_gallery_is_a_match_and_self_is_excluded_by_id(dig
     rel = SemanticRelevance(yg[[q]], yg, gids[[q]], gids)
     Q, Gp = prepare(G[[q]], "cosine"), prepare(G, "cosine")
     full, rr = ours_full(Q, Gp, rel, "cosine", [1])
-    assert rr.ranks[0] == 1 and full["mrr"][0] == 1.0  # the duplicate, not the query itself
+    assert rr.ranks[0] == 1
+    assert full["mrr"][0] == 1.0
     assert rel.n_relevant()[0] == int((yg == yg[q]).sum()) - 1
     _, idx, _ = topk(Q, Gp, 3, "cosine", relevance=rel, backend="faiss-cpu", prepared=True)
-    assert idx[0, 0] == dup and q not in idx[0]
+    assert idx[0, 0] == dup
+    assert q not in idx[0]
 
 
 def test_k_larger_than_gallery_and_minus_one_never_hits():
@@ -291,13 +300,15 @@ def test_k_larger_than_gallery_and_minus_one_never_hits():
     rel = SemanticRelevance(yq, yg, np.array(["a", "b", "c"]), np.array([f"g{i}" for i in range(6)]))
     for backend in ("numpy", "faiss-cpu", "torch-cpu"):
         sc, idx, _ = topk(Q, G, 10, "cosine", relevance=rel, backend=backend)
-        assert (idx[:, 6:] == -1).all() and np.isneginf(sc[:, 6:]).all()
+        assert (idx[:, 6:] == -1).all()
+        assert np.isneginf(sc[:, 6:]).all()
         rows = np.broadcast_to(np.arange(3)[:, None], idx.shape)
         hits = rel.is_positive(rows, idx)
         assert not hits[:, 6:].any()
         assert (hits.sum(1) == rel.n_relevant()).all()
         m = compute_metrics(ranks_from_hits(hits, rel.n_relevant()), [10])
-        assert np.allclose(m["recall@10"], 1.0) and np.allclose(m["precision@10"], rel.n_relevant() / 10)
+        assert np.allclose(m["recall@10"], 1.0)
+        assert np.allclose(m["precision@10"], rel.n_relevant() / 10)
 
 
 def test_queries_without_relevant_items_are_excluded_and_counted(digits):
@@ -332,7 +343,8 @@ def test_blockwise_memory_bound_gives_identical_ranks(digits):
     big = full_ranking(Q, G, rel, "cosine", max_memory=2 * 1024**3, progress=False)
     small = full_ranking(Q, G, rel, "cosine", max_memory=1024**2 + 1, progress=False)  # ~100 rows/block
     tiny = full_ranking(Q, G, rel, "cosine", max_memory=1024**2, backend="torch-cpu", progress=False)
-    assert np.array_equal(big.ranks, small.ranks) and np.array_equal(big.indptr, small.indptr)
+    assert np.array_equal(big.ranks, small.ranks)
+    assert np.array_equal(big.indptr, small.indptr)
     assert np.array_equal(big.ranks, tiny.ranks)
 
 
@@ -356,7 +368,9 @@ def test_torch_block_path_equals_numpy_with_junk_and_self(digits, metric):
     Q, G = prepare(qx, metric), prepare(gx, metric)
     a = full_ranking(Q, G, rel, metric, backend="numpy", progress=False)
     b = full_ranking(Q, G, rel, metric, backend="torch-cpu", max_memory=2**20, progress=False)
-    assert np.array_equal(a.indptr, b.indptr) and np.array_equal(a.ranks, b.ranks) and np.array_equal(a.tp, b.tp)
+    assert np.array_equal(a.indptr, b.indptr)
+    assert np.array_equal(a.ranks, b.ranks)
+    assert np.array_equal(a.tp, b.tp)
     S = score_block(Q, G, metric)
     for q in range(0, 40, 5):
         ex = set(rel.excluded(q).tolist())

@@ -25,7 +25,7 @@ from featcache.retrieval import (
 )
 from featcache.retrieval.revisited import is_revisited_table
 
-_trapezoid = getattr(np, "trapezoid", None) or np.trapz
+_trapezoid = getattr(np, "trapezoid", None) or np.trapezoid
 
 
 def test_positive_at_rank_two_is_a_quarter():
@@ -73,8 +73,9 @@ def test_against_brute_force_and_formula(setup):
     labels = rng.choice(["easy", "hard", "junk", "none", "none"], size=(n_q, n_g))
     labels[:, 0] = "easy"
     labels[:, 1] = "hard"  # every query has positives in every setup
-    tq, tg, tr = zip(*[(qids[i], gids[j], labels[i, j]) for i in range(n_q) for j in range(n_g)
-                       if labels[i, j] != "none"])
+    tq, tg, tr = zip(
+        *[(qids[i], gids[j], labels[i, j]) for i in range(n_q) for j in range(n_g) if labels[i, j] != "none"]
+    )
     rel = ExplicitRelevance(qids, gids, *revisited_table(tq, tg, tr, setup))
     Qp, Gp = prepare(Q, "cosine"), prepare(G, "cosine")
     rr = full_ranking(Qp, Gp, rel, "cosine", progress=False)
@@ -94,7 +95,8 @@ def test_against_brute_force_and_formula(setup):
 
 def test_setup_tables_and_detection():
     q, g, r = ["q", "q", "q"], ["a", "b", "c"], ["easy", "hard", "junk"]
-    assert is_revisited_table(r) and not is_revisited_table(["positive", "junk"])
+    assert is_revisited_table(r)
+    assert not is_revisited_table(["positive", "junk"])
     assert list(revisited_table(q, g, r, "easy")[2]) == ["positive", "junk", "junk"]
     assert list(revisited_table(q, g, r, "medium")[2]) == ["positive", "positive", "junk"]
     assert list(revisited_table(q, g, r, "hard")[2]) == ["junk", "positive", "junk"]
@@ -113,10 +115,26 @@ def small_pix(tmp_path_factory):
     ids = np.array([f"d{i:04d}" for i in range(len(y))])
     names = [str(i) for i in range(10)]
     path = str(tmp_path_factory.mktemp("rpix") / "cache.zarr")
-    write_features(path, backbone="pix", dataset="digits", split="train", X=X[:300], ids=ids[:300],
-                   labels=y[:300], class_names=names)
-    write_features(path, backbone="pix", dataset="digits", split="test", X=X[300:], ids=ids[300:],
-                   labels=y[300:], class_names=names)
+    write_features(
+        path,
+        backbone="pix",
+        dataset="digits",
+        split="train",
+        X=X[:300],
+        ids=ids[:300],
+        labels=y[:300],
+        class_names=names,
+    )
+    write_features(
+        path,
+        backbone="pix",
+        dataset="digits",
+        split="test",
+        X=X[300:],
+        ids=ids[300:],
+        labels=y[300:],
+        class_names=names,
+    )
     return path, X, y, ids
 
 
@@ -128,8 +146,16 @@ def test_run_retrieval_revisited_file(small_pix, tmp_path):
         rows += [(ids[qi], ids[j], ["easy", "hard", "junk"][n % 3]) for n, j in enumerate(same)]
     f = tmp_path / "gnd.csv"
     f.write_text("query_id,gallery_id,relevance\n" + "\n".join(",".join(r) for r in rows) + "\n")
-    cfg = RetrievalConfig(cache=path, dataset="digits", backbones=("pix",), relevance=f, ks=(1, 5),
-                          knn=False, progress=False, revisited=("medium", "hard"))
+    cfg = RetrievalConfig(
+        cache=path,
+        dataset="digits",
+        backbones=("pix",),
+        relevance=f,
+        ks=(1, 5),
+        knn=False,
+        progress=False,
+        revisited=("medium", "hard"),
+    )
     df = run_retrieval(cfg)
     assert set(df["protocol"].to_list()) == {"revisited-medium", "revisited-hard"}
     assert len(set(df["run_id"].to_list())) == 2
@@ -158,12 +184,19 @@ def test_run_retrieval_revisited_file(small_pix, tmp_path):
 def test_table_from_revisitop_ground_truth():
     from featcache.retrieval import table_from_revisitop_gnd
 
-    gnd = {"qimlist": ["q0", "q1"], "imlist": ["a", "b", "c"],
-           "gnd": [{"easy": [0], "hard": [2], "junk": [1], "bbx": [0, 0, 9, 9]},
-                   {"easy": [], "hard": [1, 0], "junk": []}]}
+    gnd = {
+        "qimlist": ["q0", "q1"],
+        "imlist": ["a", "b", "c"],
+        "gnd": [{"easy": [0], "hard": [2], "junk": [1], "bbx": [0, 0, 9, 9]}, {"easy": [], "hard": [1, 0], "junk": []}],
+    }
     q, g, r = table_from_revisitop_gnd(gnd)
-    assert list(zip(q, g, r)) == [("q0", "a", "easy"), ("q0", "c", "hard"), ("q0", "b", "junk"),
-                                  ("q1", "b", "hard"), ("q1", "a", "hard")]
+    assert list(zip(q, g, r)) == [
+        ("q0", "a", "easy"),
+        ("q0", "c", "hard"),
+        ("q0", "b", "junk"),
+        ("q1", "b", "hard"),
+        ("q1", "a", "hard"),
+    ]
     assert is_revisited_table(r)
     with pytest.raises(DataError, match="outside imlist"):
         table_from_revisitop_gnd({**gnd, "gnd": [{"easy": [5]}, {}]})

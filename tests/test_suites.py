@@ -22,29 +22,45 @@ def test_every_suite_loads_with_its_counts_groups_and_metrics():
     counts = {"vtab-1k": 19, "elevater-ic": 20, "salman-12": 12}
     for name, n in counts.items():
         s = load_suite(name)
-        assert len(s.tasks) == n and len({t.name for t in s.tasks}) == n
+        assert len(s.tasks) == n
+        assert len({t.name for t in s.tasks}) == n
         assert {t.metric for t in s.tasks} <= set(METRICS)
-        assert {t.group for t in s.tasks} <= set(s.groups) and s.paper
+        assert {t.group for t in s.tasks} <= set(s.groups)
+        assert s.paper
         for t in s.tasks:
-            assert t.num_classes >= 2 and t.splits and t.source
+            assert t.num_classes >= 2
+            assert t.splits
+            assert t.source
             assert t.class_names is None or len(t.class_names) == t.num_classes
 
 
 def test_vtab_groups_splits_and_derived_labels():
     s = load_suite("vtab-1k")
-    assert s.resize == "whole" and s.input_size == 224
+    assert s.resize == "whole"
+    assert s.input_size == 224
     by_group = {g: [t.name for t in s.tasks if t.group == g] for g in s.groups}
     assert {g: len(v) for g, v in by_group.items()} == {"natural": 7, "specialized": 4, "structured": 8}
     for t in s.tasks:  # VTAB-1k: first 800 of train, first 200 of val (the dataset's order)
-        assert t.splits["train800"] == "train[:800]" and t.metric == "top1"
+        assert t.splits["train800"] == "train[:800]"
+        assert t.metric == "top1"
         assert t.splits["train800val200"] == f"{t.splits['train800']}+{t.splits['val200']}"
     assert s.task("clevr_count").splits["val200"] == "train[63000:63200]"
     assert s.task("smallnorb_azimuth").splits["val200"] == "test[:200]"
-    derived = ("dsprites_location", "dsprites_orientation", "smallnorb_azimuth", "smallnorb_elevation", "clevr_count",
-               "clevr_distance", "kitti_distance", "diabetic_retinopathy", "patch_camelyon")
+    derived = (
+        "dsprites_location",
+        "dsprites_orientation",
+        "smallnorb_azimuth",
+        "smallnorb_elevation",
+        "clevr_count",
+        "clevr_distance",
+        "kitti_distance",
+        "diabetic_retinopathy",
+        "patch_camelyon",
+    )
     assert all(s.task(n).label for n in derived)
     assert s.task("kitti").name == "kitti_distance"  # aliases: the folder names of VTAB-1k releases
-    assert s.task("dsprites_loc").num_classes == 16 and s.task("clevr_dist").num_classes == 6
+    assert s.task("dsprites_loc").num_classes == 16
+    assert s.task("clevr_dist").num_classes == 6
 
 
 def test_per_dataset_metrics_of_salman_and_elevater():
@@ -54,7 +70,8 @@ def test_per_dataset_metrics_of_salman_and_elevater():
     assert {t.metric for t in sal.tasks if t.name not in mpc} == {"top1"}
     ele = load_suite("elevater-ic")
     assert {t.name for t in ele.tasks if t.metric == "mean_per_class"} == mpc
-    assert ele.task("voc2007").metric == "map11" and ele.task("voc2007").multilabel
+    assert ele.task("voc2007").metric == "map11"
+    assert ele.task("voc2007").multilabel
     assert ele.task("hateful_memes").metric == "roc_auc_macro"
 
 
@@ -89,22 +106,43 @@ def test_extract_suite_runs_present_tasks_and_names_missing(tmp_path, capsys, ca
     root = tmp_path / "vtab"
     root.mkdir()
     cache = tmp_path / "c.zarr"
-    base = ["extract", "--model", LITE0, "--weights", W, "--cache", str(cache), "--no-progress", "--workers", "0",
-            "--input-size", "32", "--suite", "vtab-1k", "--data-root", str(root)]
+    base = [
+        "extract",
+        "--model",
+        LITE0,
+        "--weights",
+        W,
+        "--cache",
+        str(cache),
+        "--no-progress",
+        "--workers",
+        "0",
+        "--input-size",
+        "32",
+        "--suite",
+        "vtab-1k",
+        "--data-root",
+        str(root),
+    ]
     assert main(base) == 1  # nothing present: an error naming the expected layout
     assert "no task of suite vtab-1k has data" in capsys.readouterr().err
     _task_data(root)
     assert main(["suites", "vtab-1k", "--data-root", str(root)]) == 0
     out = capsys.readouterr().out
-    assert f"[vtab1k:{root / 'dsprites_loc'}]" in out and f"[imagefolder:{root / 'dtd'}]" in out
+    assert f"[vtab1k:{root / 'dsprites_loc'}]" in out
+    assert f"[imagefolder:{root / 'dtd'}]" in out
     assert out.count("[missing]") == 17
     with caplog.at_level(logging.WARNING):
         assert main(base) == 0
     warn = [r.getMessage() for r in caplog.records if "have no data" in r.getMessage()]
-    assert len(warn) == 1 and "17 of 19" in warn[0] and "caltech101" in warn[0] and "dtd," not in warn[0]
+    assert len(warn) == 1
+    assert "17 of 19" in warn[0]
+    assert "caltech101" in warn[0]
+    assert "dtd," not in warn[0]
     store = open_cache(cache)
     loc = store.load(LITE0, "dsprites_location", "train800")
-    assert len(loc.ids) == 6 and loc.provenance["data_config"]["resize"] == "whole"  # the suite's resize
+    assert len(loc.ids) == 6
+    assert loc.provenance["data_config"]["resize"] == "whole"
     assert len(store.load(LITE0, "dsprites_location", "val200").ids) == 3
     assert len(store.load(LITE0, "dtd", "test").ids) == 4
     assert "dsprites_location/train800: 6 rows" in capsys.readouterr().out
@@ -112,7 +150,8 @@ def test_extract_suite_runs_present_tasks_and_names_missing(tmp_path, capsys, ca
 
 def test_extract_data_or_suite(tmp_path, capsys):
     base = ["extract", "--model", LITE0, "--cache", str(tmp_path / "c.zarr")]
-    assert main(base) == 1 and "--suite NAME --data-root DIR" in capsys.readouterr().err
+    assert main(base) == 1
+    assert "--suite NAME --data-root DIR" in capsys.readouterr().err
     assert main([*base, "--data", "digits", "--suite", "vtab-1k"]) == 1
     assert "not both" in capsys.readouterr().err
     assert main([*base, "--suite", "vtab-1k", "--data-root", str(tmp_path / "none")]) == 1

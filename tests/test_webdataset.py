@@ -57,7 +57,8 @@ def test_shards_become_splits_with_keys_as_ids(shards):
     assert sorted(ds) == ["test", "train"]
     fm = open_dataset("fashion-mnist")
     tr, te = ds["train"], ds["test"]
-    assert list(tr.ids) == [f"fm{i:05d}" for i in range(60)] and tr.ids.dtype.kind == "U"
+    assert list(tr.ids) == [f"fm{i:05d}" for i in range(60)]
+    assert tr.ids.dtype.kind == "U"
     np.testing.assert_array_equal(tr.labels, fm["train"].labels[:60])
     np.testing.assert_array_equal(te.labels, fm["test"].labels[:20])
     top = int(max(fm["train"].labels[:60].max(), fm["test"].labels[:20].max()))
@@ -86,11 +87,28 @@ def test_glob_and_errors(shards):
 
 
 def test_extract_from_shards_equals_extract_from_the_arrays(shards, tmp_path):
-    kw = dict(input_size=32, chunk_rows=20, batch_size=10, workers=1, threads=1, dtype="float32", progress=False)
+    kw = {
+        "input_size": 32,
+        "chunk_rows": 20,
+        "batch_size": 10,
+        "workers": 1,
+        "threads": 1,
+        "dtype": "float32",
+        "progress": False,
+    }
     cache = str(tmp_path / "c.zarr")
     # two workers read the shards through descriptors inherited from the parent (pread, no race)
-    reps = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, f"webdataset:{shards}/train-{{000000..000001}}.tar::{shards}/test-000000.tar",
-                   None, cache, dataset_name="fm-wds", **{**kw, "workers": 2}))
+    reps = extract(
+        ExtractConfig(
+            LITE0,
+            LITE0_WEIGHTS,
+            f"webdataset:{shards}/train-{{000000..000001}}.tar::{shards}/test-000000.tar",
+            None,
+            cache,
+            dataset_name="fm-wds",
+            **{**kw, "workers": 2},
+        )
+    )
     assert {r.split: r.n_invalid for r in reps} == {"train": 0, "test": 1}
     extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", None, cache, limit={"train": 60, "test": 20}, **kw))
     c = open_cache(cache)
@@ -99,7 +117,8 @@ def test_extract_from_shards_equals_extract_from_the_arrays(shards, tmp_path):
         b = c.load(LITE0, "fashion-mnist", split)
         np.testing.assert_array_equal(a.X[a.valid], b.X[a.valid])  # same pixels, same batches
     t = c.load(LITE0, "fm-wds", "test")
-    assert not t.valid[7] and "no image member" in t.errors[7]
+    assert not t.valid[7]
+    assert "no image member" in t.errors[7]
 
 
 def test_million_row_manifest_opens_compactly(tmp_path):
@@ -107,7 +126,9 @@ def test_million_row_manifest_opens_compactly(tmp_path):
     i = np.arange(n)
     f = tmp_path / "big.parquet"
     pl.DataFrame({"i": i, "label": i % 1000, "split": np.where(i % 10 == 0, "val", "train")}).select(
-        ("img/" + pl.col("i").cast(pl.Utf8).str.zfill(7) + ".jpg").alias("path"), "label", "split",
+        ("img/" + pl.col("i").cast(pl.Utf8).str.zfill(7) + ".jpg").alias("path"),
+        "label",
+        "split",
     ).write_parquet(f)
     blocks0 = sys.getallocatedblocks()
     ds = open_dataset(f"manifest:{f}")  # no image is read: none of these files exist
@@ -115,12 +136,17 @@ def test_million_row_manifest_opens_compactly(tmp_path):
     tr, va = ds["train"], ds["val"]
     assert (len(tr), len(va)) == (900_000, 100_000)
     # ids: one fixed-width numpy buffer; paths: bytes + offsets; no Python object per row
-    assert tr.ids.dtype == np.dtype("<U15") and tr.ids[0] == "img/0000001.jpg" and va.ids[1] == "img/0000010.jpg"
+    assert tr.ids.dtype == np.dtype("<U15")
+    assert tr.ids[0] == "img/0000001.jpg"
+    assert va.ids[1] == "img/0000010.jpg"
     paths = tr.extra["paths"]
-    assert isinstance(paths, StringColumn) and paths.data.dtype == np.uint8
-    assert paths[899_999].endswith("/img/0999999.jpg") and paths[899_999].startswith(str(tmp_path))
+    assert isinstance(paths, StringColumn)
+    assert paths.data.dtype == np.uint8
+    assert paths[899_999].endswith("/img/0999999.jpg")
+    assert paths[899_999].startswith(str(tmp_path))
     assert held < 50_000, f"{held} Python objects kept per manifest"
-    assert paths.data.nbytes == paths.offsets[-1] and len(paths.offsets) == len(tr) + 1  # bytes, no slack
+    assert paths.data.nbytes == paths.offsets[-1]
+    assert len(paths.offsets) == len(tr) + 1
     np.testing.assert_array_equal(va.labels[:3], [0, 10, 20])
     with pytest.raises(FileNotFoundError):
         tr.load(0)

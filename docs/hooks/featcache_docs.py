@@ -139,7 +139,7 @@ def _command_section(name: str, parser: argparse.ArgumentParser, summary: str | 
     if parser.description and parser.description != summary:
         out += [_text(parser.description), ""]
     out += ["```text", parser.format_usage().strip(), "```", ""]
-    out += _options_table(parser) + [""]
+    out += [*_options_table(parser), ""]
     if parser.epilog:
         out += ["```text", parser.epilog.strip(), "```", ""]
     for sub_name, sub_help, sub in _subparsers(parser):
