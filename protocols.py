@@ -130,7 +130,7 @@ class SGDGrid:
     def milestones(self, steps: int, last_decay: float | None = None) -> tuple[int, ...]:
         """Steps at which the lr drops: 1/3, 2/3 and ``last_decay`` of ``steps``."""
         ld = self.last_decay if last_decay is None else last_decay
-        return tuple(sorted({steps // 3, 2 * steps // 3, int(round(ld * steps))}))
+        return tuple(sorted({steps // 3, 2 * steps // 3, round(ld * steps)}))
 
     def decay_epochs(self, epochs: int | None = None) -> list[int]:
         """Epochs-based grids: lr /10 every ``epochs // 3`` epochs (at 1/3 and 2/3)."""

@@ -112,7 +112,7 @@ def stratified_holdout(y, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
     """
     y = np.asarray(y)
     counts = np.array([i.size for i in _by_class(y)])
-    n_val = int(round(fraction * y.size))
+    n_val = round(fraction * y.size)
     if n_val < 1 or y.size - n_val < counts.size:
         raise SplitError(
             f"{y.size} examples are too few to hold out {fraction:.0%} for validation and keep "
@@ -152,7 +152,7 @@ def fewshot_split(y, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         raise SplitError(f"fewshot:{n} leaves no training example after the 80/20 split; use N >= 2")
     y = np.asarray(y)
     idx = sample_per_class(y, n, seed)
-    n_val = max(1, int(round(0.2 * n)))
+    n_val = max(1, round(0.2 * n))
     val, train = _draw(y[idx], np.full(np.unique(y).size, n_val), np.random.default_rng([seed, 1]))
     return idx[train], idx[val]
 
@@ -244,4 +244,4 @@ def subset_indices(y, fraction: float, seed: int) -> np.ndarray:
     y = np.asarray(y)
     if not 0 < fraction < 1:
         raise SplitError(f"subset fraction must lie in (0, 1), got {fraction!r}")
-    return stratified_sample(y, max(1, int(round(fraction * y.size))), seed, min_per_class=1)
+    return stratified_sample(y, max(1, round(fraction * y.size)), seed, min_per_class=1)

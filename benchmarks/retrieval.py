@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "b_topk_metrics_s": t_b,
         "c_full_ranking_s": t_c,
         "d_naive_sklearn_scaled_s": t_d,
-        "d_sample_queries": int(len(sample)),
+        "d_sample_queries": len(sample),
         "d_sample_s": t_d_sample,
         "b_over_a": t_b / t_a,
         "d_over_c": t_d / t_c,

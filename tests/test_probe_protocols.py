@@ -107,7 +107,7 @@ def test_vtab_1000_then_800_200(y):
 
 @pytest.mark.parametrize("frac", [0.01, 0.1])
 def test_subset_keeps_label_distribution(y, frac):
-    n = int(round(frac * y.size))
+    n = round(frac * y.size)
     idx = stratified_sample(y, n, seed=0, min_per_class=1)
     counts = _class_counts(y, idx)
     assert counts.min() >= 1

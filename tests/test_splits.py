@@ -96,7 +96,7 @@ def test_holdout_invariants(counts, frac, seed):
     y = np.repeat(np.arange(len(counts)), counts)
     rng = np.random.default_rng(seed)
     y = y[rng.permutation(y.size)]
-    n_val = int(round(frac * y.size))
+    n_val = round(frac * y.size)
     if n_val < 1 or y.size - n_val < len(counts):
         with pytest.raises(SplitError):
             S.stratified_holdout(y, frac, seed)
