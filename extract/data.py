@@ -619,14 +619,38 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
     ``webdataset``'s own key splitting); the id of a row is its ``__key__``. The split is the
     shard name's prefix (``train-000.tar`` -> ``train``; ``val``/``test`` likewise), else ``all``.
     """
-    import tarfile
-
     try:
         from webdataset.shardlists import expand_urls
         from webdataset.tariterators import base_plus_ext
     except ImportError as exc:
         raise DataError("--data webdataset:... needs the webdataset package: pip install 'featcache[bulk]'") from exc
 
+    shards = _wds_shards(pattern, expand_urls)
+    idx = _wds_index(shards, base_plus_ext)
+    if not idx["keys"]:
+        raise DataError(f"webdataset shards {shards[:3]} hold no samples")
+    classes, labels_all = _wds_labels(idx.pop("raw_labels"), idx["keys"], pattern)
+    ids_all = np.asarray(idx.pop("keys"), dtype=str)
+    splits_arr = np.asarray(idx["split_of"])
+    shard_a = np.frombuffer(idx["shard_i"], dtype=np.int32)
+    off_a, size_a = np.frombuffer(idx["off"], dtype=np.int64), np.frombuffer(idx["size"], dtype=np.int64)
+    out = {}
+    for s in dict.fromkeys(idx["split_of"]):
+        rows = np.flatnonzero(splits_arr == s)
+        out[s] = SplitSource(
+            name,
+            s,
+            ids_all[rows],
+            labels_all[rows],
+            classes,
+            _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows], options),
+            f"webdataset:{pattern}",
+        )
+    return out
+
+
+def _wds_shards(pattern: str, expand_urls) -> list[str]:
+    """The local tar files a webdataset pattern names (brace ranges and globs expanded)."""
     shards = []
     for u in expand_urls(pattern):
         if any(ch in u for ch in "*?["):
@@ -646,12 +670,19 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
         raise DataError(
             f"webdataset shard(s) not found: {lost[:5]} (of {len(shards)}); only local .tar files are supported"
         )
-    keys: list[str] = []
-    split_of: list[str] = []
+    return shards
+
+
+def _wds_index(shards: list[str], base_plus_ext) -> dict:
+    """One entry per sample: key, split, shard, image member offset/size and raw label
+    (compact ``array`` columns: a million-row index holds no per-row Python objects but keys)."""
+    import tarfile
     from array import array
 
-    shard_i, off, size = array("i"), array("q"), array("q")
-    raw_labels: list = []
+    idx = {"keys": [], "split_of": [], "shard_i": array("i"), "off": array("q"), "size": array("q"), "raw_labels": []}
+    keys, split_of, shard_i, off, size, raw_labels = (
+        idx[k] for k in ("keys", "split_of", "shard_i", "off", "size", "raw_labels")
+    )
     for si, path in enumerate(shards):
         m = _WDS_SPLIT_RE.match(Path(path).name)
         split = m.group(1) if m else "all"
@@ -684,50 +715,34 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
                         raw_labels[-1] = _wds_label(ext, fh.read())
                     except (ValueError, UnicodeDecodeError) as exc:
                         raise DataError(f"{path}: cannot parse label member {mem.name}: {exc}") from exc
-    if not keys:
-        raise DataError(f"webdataset shards {shards[:3]} hold no samples")
+    return idx
+
+
+def _wds_labels(raw_labels: list, keys: list[str], pattern: str) -> tuple[list[str], np.ndarray]:
+    """Class names and label indices of the samples' raw .cls/.json labels (integers >= 0
+    or class-name strings; none at all: one class 'unlabeled')."""
     nolabel = sum(v is None for v in raw_labels)
     if nolabel == len(raw_labels):
-        classes, labels_all = ["unlabeled"], np.zeros(len(keys), np.int64)
         log.info("webdataset %s: no .cls/.json labels; all rows get class 'unlabeled'", pattern)
-    elif nolabel:
+        return ["unlabeled"], np.zeros(len(keys), np.int64)
+    if nolabel:
         first = keys[next(i for i, v in enumerate(raw_labels) if v is None)]
         raise DataError(f"webdataset {pattern}: {nolabel} samples lack a .cls/.json label (e.g. {first!r})")
-    elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw_labels):
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw_labels):
         where = f"webdataset {pattern}"
         labels_all = (
             np.asarray(raw_labels, np.int64)
             if all(isinstance(v, int) for v in raw_labels)
             else integral_labels(np.asarray(raw_labels, np.float64), where)
         )
-        classes = integer_classes(labels_all, where)
-    elif not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in raw_labels):
+        return integer_classes(labels_all, where), labels_all
+    if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in raw_labels):
         odd = next(v for v in raw_labels if isinstance(v, bool) or not isinstance(v, (int, str)))
         raise DataError(f"webdataset {pattern}: label {odd!r} is neither an integer >= 0 nor a class-name string")
-    else:
-        strs = [str(v) for v in raw_labels]
-        classes = sorted(set(strs))
-        index = {c: i for i, c in enumerate(classes)}
-        labels_all = np.fromiter((index[v] for v in strs), np.int64, len(strs))
-    del raw_labels
-    ids_all = np.asarray(keys, dtype=str)
-    del keys
-    splits_arr = np.asarray(split_of)
-    shard_a = np.frombuffer(shard_i, dtype=np.int32)
-    off_a, size_a = np.frombuffer(off, dtype=np.int64), np.frombuffer(size, dtype=np.int64)
-    out = {}
-    for s in dict.fromkeys(split_of):
-        rows = np.flatnonzero(splits_arr == s)
-        out[s] = SplitSource(
-            name,
-            s,
-            ids_all[rows],
-            labels_all[rows],
-            classes,
-            _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows], options),
-            f"webdataset:{pattern}",
-        )
-    return out
+    strs = [str(v) for v in raw_labels]
+    classes = sorted(set(strs))
+    index = {c: i for i, c in enumerate(classes)}
+    return classes, np.fromiter((index[v] for v in strs), np.int64, len(strs))
 
 
 # --------------------------------------------------------------------------- entry point
