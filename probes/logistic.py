@@ -542,29 +542,14 @@ def sweep_C(
     ``max_host_bytes``: stream the training rows in blocks above this in-memory footprint
     (see :class:`LogisticProbe`).
     """
-    if sweep not in ("exhaustive", "halving"):
-        raise ProbeError(f"sweep must be 'exhaustive' or 'halving', got {sweep!r}")
     Cs = sorted(float(c) for c in Cs)
     metric_score = _selection_scorer(metric)
-    if sweep == "halving" and metric != "top1":
-        raise ProbeError(
-            f"sweep='halving' selects on validation top-1, but the task metric is {metric!r}; use sweep='exhaustive'"
-        )
+    name, device = resolve_backend(backend)
+    _check_sweep_mode(sweep, metric, name)
     X, yi, classes = _check_Xy(X_train, y_train, cast=False)
     Xv, yv = _check_val(X_val, y_val, classes)
     K = classes.size
-    name, device = resolve_backend(backend)
-    if sweep == "halving" and name != "torch":
-        raise ProbeError(
-            f"sweep='halving' needs the torch backend (got {name!r}); pass backend='torch' or sweep='exhaustive'"
-        )
-    auto = block == "auto"
-    if auto:
-        block = 8 if device == "cpu" else None
-    heads_at_once = len(Cs) if block is None else min(int(block), len(Cs))
-    streamed = name == "torch" and use_streaming(X.shape[0], X.shape[1], K, heads_at_once, max_host_bytes)
-    if streamed and auto:  # the per-head L-BFGS state must fit the memory bound too
-        block = max(1, min(heads_at_once, state_heads(X.shape[1], K, max_host_bytes)))
+    block, streamed = _blocks(block, device, name, X.shape, K, len(Cs), max_host_bytes)
     scaler, Xs = _prepare(X, standardize, streamed, device)
     W0 = b0 = None
     if head_init is not None:
@@ -606,6 +591,32 @@ def sweep_C(
         metric=metric,
         val_scores=list(scores),
     )
+
+
+def _check_sweep_mode(sweep: str, metric: str, backend: str) -> None:
+    if sweep not in ("exhaustive", "halving"):
+        raise ProbeError(f"sweep must be 'exhaustive' or 'halving', got {sweep!r}")
+    if sweep == "halving" and metric != "top1":
+        raise ProbeError(
+            f"sweep='halving' selects on validation top-1, but the task metric is {metric!r}; use sweep='exhaustive'"
+        )
+    if sweep == "halving" and backend != "torch":
+        raise ProbeError(
+            f"sweep='halving' needs the torch backend (got {backend!r}); pass backend='torch' or sweep='exhaustive'"
+        )
+
+
+def _blocks(block, device: str, backend: str, shape, K: int, n_C: int, max_host_bytes) -> tuple:
+    """Heads iterated at once (``auto``: 8 on CPU, all on a GPU) and whether the rows stream
+    (then, with ``auto``, the per-head L-BFGS state must fit the memory bound too)."""
+    auto = block == "auto"
+    if auto:
+        block = 8 if device == "cpu" else None
+    heads_at_once = n_C if block is None else min(int(block), n_C)
+    streamed = backend == "torch" and use_streaming(shape[0], shape[1], K, heads_at_once, max_host_bytes)
+    if streamed and auto:
+        block = max(1, min(heads_at_once, state_heads(shape[1], K, max_host_bytes)))
+    return block, streamed
 
 
 def _check_val(X_val, y_val, classes):
