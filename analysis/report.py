@@ -428,9 +428,13 @@ def write_report(
     if out.suffix.lower() not in (".html", ".htm"):
         raise ResultsError(f"report path {out} should end in .html")
     kw_in = dict(rank_kwargs or {})
-    if provenance is None and catalog_df is not None and "images_per_s" in catalog_df.columns:
-        if catalog_df["images_per_s"].drop_nulls().len():
-            provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
+    if (
+        provenance is None
+        and catalog_df is not None
+        and "images_per_s" in catalog_df.columns
+        and catalog_df["images_per_s"].drop_nulls().len()
+    ):
+        provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
     load = {"percent": kw_in.get("percent"), "external_kind": kw_in.get("external_kind")}
     kw_in["metric"] = api.resolve_metric(kw_in.get("metric", "auto"), results_df)  # auto: declared metrics
     raw, coverage = merge_tables(

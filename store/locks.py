@@ -17,6 +17,7 @@ may take it again: locks are per process, not per call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -90,10 +91,8 @@ class StoreLock:
             self._renewed = 0.0
             g = self._lease_group()
             if g is not None and g.attrs.get("owner") == _OWNER:
-                try:
+                with contextlib.suppress(KeyError):  # already gone
                     del self.root[f"{LEASE_GROUP}/{_lock_name(self.name)}"]
-                except KeyError:  # pragma: no cover - already gone
-                    pass
 
     def renew(self) -> None:
         """Keep a lease alive (no-op for file locks); call between chunk writes."""

@@ -101,7 +101,7 @@ def test_error_texts_show_plain_paths(tmp_path):
     (root / "cat").mkdir(parents=True)
     (root / "cat" / "text.png").write_text("not an image")
     (s,) = open_dataset(f"imagefolder:{root}").values()
-    with pytest.raises(Exception) as e:
+    with pytest.raises(OSError, match="cannot identify image file") as e:  # PIL.UnidentifiedImageError
         s.load(0)
     assert "np.str_" not in str(e.value)
     assert str(root) in str(e.value)

@@ -131,7 +131,7 @@ def test_bad_specs(tmp_path):
         open_dataset(f"manifest:{tmp_path / 'missing.csv'}")
     with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
         open_dataset(f"fashion-mnist:{tmp_path / 'nope'}")
-    with pytest.raises(DataError, match="train-images-idx3-ubyte.gz missing"):
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte\.gz missing"):
         open_dataset(f"fashion-mnist:{tmp_path}")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no class subfolders"):

@@ -252,10 +252,12 @@ def test_rank0_setup_failure_stops_every_rank(tmp_path, reference):
     assert sorted(err) == [0, 1], (sorted(err), run.stderr[-4000:])
     stated = "pooled.dtype: stored='float16' requested='float32'"
     # rank 0 refuses with the provenance difference; rank 1 repeats it, naming rank 0
-    assert "featcache extract: error: " in err[0] and stated in err[0], err[0][-4000:]
+    assert "featcache extract: error: " in err[0], err[0][-4000:]
+    assert stated in err[0], err[0][-4000:]
     assert "rank 0 failed" not in err[0]
     assert "featcache extract: error: rank 0 failed during set-up: " in err[1], err[1][-4000:]
-    assert stated in err[1] and "fix that and re-run the same command" in err[1], err[1][-4000:]
+    assert stated in err[1], err[1][-4000:]
+    assert "fix that and re-run the same command" in err[1], err[1][-4000:]
     assert "Traceback" not in err[1]  # rank 1 ends with a clean error line, not a traceback
     assert _files(cache) == before
 
@@ -284,7 +286,8 @@ def test_two_nodes_static_rendezvous_equal_single_process(tmp_path, reference):
     before = _files(cache)
     outs = _two_nodes(cache, "--dtype", "float32", timeout=300)
     stated = "pooled.dtype: stored='float16' requested='float32'"
-    assert outs[0][0] != 0 and stated in outs[0][2], outs[0][2][-4000:]
+    assert outs[0][0] != 0, outs[0][2][-4000:]
+    assert stated in outs[0][2], outs[0][2][-4000:]
     assert outs[1][0] != 0, outs[1][2][-4000:]
     assert "featcache extract: error: rank 0 failed during set-up: " in outs[1][2], outs[1][2][-4000:]
     assert stated in outs[1][2], outs[1][2][-4000:]

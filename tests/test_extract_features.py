@@ -236,7 +236,10 @@ def test_rerun_with_other_settings_is_refused_until_overwrite(tmp_path, capsys):
             rc = _cli(cache, *args)
         err = capsys.readouterr().err
         assert rc == 1, extra
-        assert "different settings" in err and field in err and "stored=" in err and "--overwrite" in err, (extra, err)
+        assert "different settings" in err, (extra, err)
+        assert field in err, (extra, err)
+        assert "stored=" in err, (extra, err)
+        assert "--overwrite" in err, (extra, err)
     # nothing already written was touched by the refused runs
     again = open_cache(cache).load(LITE0, "digits", "test")
     np.testing.assert_array_equal(again.X, before.X)

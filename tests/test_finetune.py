@@ -592,7 +592,8 @@ def test_resume_after_sigkill(tmp_path):
     import re
 
     m = re.search(r"resuming .* from checkpoint .* at step (\d+)/12", text)
-    assert m and 6 <= int(m.group(1)) <= 12, text
+    assert m, text
+    assert 6 <= int(m.group(1)) <= 12, text
     assert "top1" in out or "row(s)" in out
     resumed = read_results(res)
     assert not list(ck.glob("*.pt"))  # cleaned up once the rows are written

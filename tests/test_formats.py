@@ -189,15 +189,15 @@ def test_clip_benchmark_templates_and_bad_layouts(tmp_path):
     assert src.dataset == "task"
     assert src.class_names == ["a", "b", "c"]
     assert src.extra["templates"] == ["a photo of a {c}."]
-    with pytest.raises(DataError, match="<split>/\\*.tar"):
+    with pytest.raises(DataError, match=r"<split>/\*\.tar"):
         open_dataset(f"clip-benchmark:{tmp_path / 'nothing'}")
     (tmp_path / "vt").mkdir()
     (tmp_path / "vt" / "test.txt").write_text("images/x.png cat\n")
     with pytest.raises(DataError, match="line 1"):
         open_dataset(f"vtab1k:{tmp_path / 'vt'}")
-    with pytest.raises(DataError, match="train800.txt"):
+    with pytest.raises(DataError, match=r"train800\.txt"):
         open_dataset(f"vtab1k:{tmp_path}")
-    with pytest.raises(DataError, match="no dataset_dict.json"):
+    with pytest.raises(DataError, match=r"no dataset_dict\.json"):
         open_dataset(f"hf:{tmp_path / 'vt'}")
 
 

@@ -90,7 +90,7 @@ def test_existing_csv_is_refused_and_untouched(tmp_path):
     other.write_bytes(b"not parquet at all")
     with pytest.raises(ResultsError, match="not a parquet file"):
         check_results_path(other)
-    with pytest.raises(ResultsError, match="ends in '.csv'"):
+    with pytest.raises(ResultsError, match=r"ends in '\.csv'"):
         check_results_path(tmp_path / "new.csv")
 
 

@@ -143,7 +143,9 @@ def test_kill9_and_resume_is_byte_identical(tmp_path):
     run = subprocess.run(_argv(cache), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     m = re.search(r"(\d+)/(\d+) chunks computed", run.stdout)
-    assert m and int(m.group(1)) == pending and int(m.group(2)) == N_CHUNKS, (run.stdout, pending)
+    assert m, (run.stdout, pending)
+    assert int(m.group(1)) == pending, (run.stdout, pending)
+    assert int(m.group(2)) == N_CHUNKS, (run.stdout, pending)
     if pending < N_CHUNKS:
         assert f"{pending} of {N_CHUNKS} chunks left" in run.stderr
 

@@ -209,7 +209,7 @@ def test_refuses_other_settings_and_split_changes(tmp_path, digits_pixels):
     assert open_cache(path).load("pix", "digits", "train").provenance["dtype"] == "float16"
     y2 = y.copy()
     y2[0] = (y2[0] + 1) % 10
-    with pytest.raises(SchemaMismatchError, match="already exists .* with different rows"):
+    with pytest.raises(SchemaMismatchError, match=r"already exists .* with different rows"):
         _write(tmp_path, X, y2, names)
     with pytest.raises(SchemaMismatchError, match="not unique"):
         write_features(path, backbone="pix", dataset="dup", split="train", X=X[:2], ids=["a", "a"], labels=[0, 1])

@@ -156,8 +156,8 @@ def test_extract_data_or_suite(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
     assert main([*base, "--suite", "vtab-1k", "--data-root", str(tmp_path / "none")]) == 1
     assert "existing folder" in capsys.readouterr().err
-    with pytest.raises(DataError):
-        from featcache.extract.data import ReadOptions
-        from featcache.extract.formats import open_format
+    from featcache.extract.data import ReadOptions
+    from featcache.extract.formats import open_format
 
+    with pytest.raises(DataError):
         open_format("vtab1k", str(tmp_path), "x", ReadOptions())

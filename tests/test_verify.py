@@ -120,7 +120,8 @@ def test_bad_provenance(store, capsys, edit, expect):
     a.attrs[PROVENANCE_KEY] = d
     rc, out = _verify_cli(store, capsys)
     assert rc == 1
-    assert f"{GROUP}/pooled" in out and expect in out, out
+    assert f"{GROUP}/pooled" in out, out
+    assert expect in out, out
 
 
 def test_not_a_store(tmp_path, capsys):
