@@ -182,9 +182,9 @@ def main(argv=None) -> int:
 
 
 def _threads() -> int:
-    from featcache.probes.logistic import _cpu_threads
+    from featcache.probes.logistic import solver_threads
 
-    return _cpu_threads()
+    return solver_threads()
 
 
 if __name__ == "__main__":

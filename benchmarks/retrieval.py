@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # the exact similarity GEMM alone, in the blocks (c) uses: the floor of any exact full ranking
     Q, G = prepare(Xq, "cosine"), prepare(Xg, "cosine")
-    from featcache.retrieval.search import _rows_per_block, parse_memory
+    from featcache.retrieval.search import parse_memory, rows_per_block
 
-    B = _rows_per_block(ng, parse_memory(args.max_memory), 12)
+    B = rows_per_block(ng, parse_memory(args.max_memory), 12)
     t = time.perf_counter()
     for s0 in range(0, nq, B):
         Q[s0 : s0 + B] @ G.T

@@ -76,7 +76,7 @@ class Backbone:
 # --------------------------------------------------------------------------- preprocessing
 
 
-class _ToRGB:
+class ToRGB:
     """PIL image -> RGB PIL image (grayscale/RGBA/palette datasets). Picklable for workers."""
 
     def __call__(self, img: Any) -> Any:
@@ -146,7 +146,7 @@ def make_transform(
     from torchvision import transforms as T
 
     cfg = make_data_config(data_config, input_size=input_size, pre_resize=pre_resize, resize=resize)
-    steps: list[Any] = [_ToRGB()]
+    steps: list[Any] = [ToRGB()]
     if cfg["pre_resize"]:
         interp = T.InterpolationMode(cfg["interpolation"] or "bilinear")
         steps.append(T.Resize((cfg["pre_resize"], cfg["pre_resize"]), interpolation=interp))

@@ -98,10 +98,10 @@ def split_transform(transform: Any) -> FastPreprocess | None:
     eval configs), else ``None``."""
     from torchvision import transforms as T
 
-    from featcache.extract.backbones import _ToRGB
+    from featcache.extract.backbones import ToRGB
 
     steps = _flatten(transform)
-    if len(steps) < 3 or not isinstance(steps[0], _ToRGB):
+    if len(steps) < 3 or not isinstance(steps[0], ToRGB):
         return None
     *middle, to_tensor, norm = steps[1:]
     if not isinstance(to_tensor, T.ToTensor) or not isinstance(norm, T.Normalize):

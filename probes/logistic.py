@@ -152,7 +152,7 @@ def _prepare(X, standardize: bool, streamed: bool, device: str):
     ``X`` in its stored dtype when ``streamed`` (statistics accumulated block by block)."""
     if not streamed:
         X = np.asarray(X[:] if _is_lazy(X) else X, np.float32)
-        scaler = _Scaler.fit(X, standardize)
+        scaler = Scaler.fit(X, standardize)
         return scaler, scaler.transform(X)
     from featcache.probes._stream import RowSource, chunked_moments
 
@@ -166,19 +166,19 @@ def _prepare(X, standardize: bool, streamed: bool, device: str):
     if standardize:
         mu, sd = chunked_moments(X)
         sd[sd < 1e-12] = 1.0
-        scaler = _Scaler(mu, sd)
+        scaler = Scaler(mu, sd)
     else:
-        scaler = _Scaler(np.zeros(D, np.float64), np.ones(D, np.float64))
+        scaler = Scaler(np.zeros(D, np.float64), np.ones(D, np.float64))
     return scaler, RowSource(X, scaler.mean, scaler.scale, device)
 
 
 @dataclass
-class _Scaler:
+class Scaler:
     mean: np.ndarray
     scale: np.ndarray
 
     @classmethod
-    def fit(cls, X: np.ndarray, enabled: bool) -> _Scaler:
+    def fit(cls, X: np.ndarray, enabled: bool) -> Scaler:
         D = X.shape[1]
         if not enabled:
             return cls(np.zeros(D, np.float64), np.ones(D, np.float64))
@@ -307,7 +307,7 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
             )
         return self
 
-    def _initial_head(self, scaler: _Scaler, init, K: int, D: int):
+    def _initial_head(self, scaler: Scaler, init, K: int, D: int):
         """Standardised-space (W0, b0) from ``init`` or ``head_init``; (None, None) = zeros."""
         if init is None and self.head_init is not None:
             init = (np.asarray(self.head_init, np.float64), None)
@@ -343,7 +343,7 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
 
 
 # ---------------------------------------------------------------- backends
-def _cpu_threads() -> int:
+def solver_threads() -> int:
     """Intra-op threads for the CPU solver: FEATCACHE_PROBE_THREADS, else half the cores.
 
     Small float32 GEMMs gain little from more threads, and on a shared machine torch's
@@ -358,12 +358,12 @@ def _cpu_threads() -> int:
 
 @contextlib.contextmanager
 def cpu_threads(device: str):
-    """Limit torch's intra-op threads to :func:`_cpu_threads` while fitting on the CPU."""
+    """Limit torch's intra-op threads to :func:`solver_threads` while fitting on the CPU."""
     import torch
 
     prev = torch.get_num_threads()
     if device == "cpu":
-        torch.set_num_threads(min(prev, _cpu_threads()))
+        torch.set_num_threads(min(prev, solver_threads()))
     try:
         yield
     finally:
@@ -636,7 +636,7 @@ def _check_val(X_val, y_val, classes):
     return Xv, yv
 
 
-def _val_scorer(Xv, yv, scaler: _Scaler, streamed: bool):
+def _val_scorer(Xv, yv, scaler: Scaler, streamed: bool):
     """score(idx, heads) -> val top-1 per standardised-space head; blockwise when streamed."""
     if streamed:
         from featcache.probes._stream import scores_blockwise
@@ -679,7 +679,7 @@ def _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, iter0,
     return halving_sweep(fit, score, len(Cs), max_iter=max_iter, iter0=iter0, eta=eta)
 
 
-def _metric_scores(Xv, yv, scaler: _Scaler, heads, metric_score) -> list[float]:
+def _metric_scores(Xv, yv, scaler: Scaler, heads, metric_score) -> list[float]:
     """Validation score of a non-top-1 task metric per standardised-space head (softmax
     probabilities scored one-vs-rest, as result rows are)."""
     Xvs = scaler.transform(np.asarray(Xv, np.float32)).astype(np.float64)

@@ -21,7 +21,7 @@ from featcache.probes._estimator import (
     softmax_proba,
     validate_fit_data,
 )
-from featcache.probes.logistic import _Scaler, cpu_threads, resolve_backend
+from featcache.probes.logistic import Scaler, cpu_threads, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
         self.classes_ = classes
         K = classes.size
         self.device_ = resolve_backend("torch")[1] if self.device == "auto" else self.device
-        scaler = _Scaler.fit(X, self.standardize)
+        scaler = Scaler.fit(X, self.standardize)
         init = None
         if self.head_init is not None:
             head = np.asarray(self.head_init, np.float64)

@@ -24,8 +24,8 @@ import numpy as np
 from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.search import (
     DEFAULT_MAX_MEMORY,
-    _rows_per_block,
     exact_matmul,
+    rows_per_block,
     score_block,
 )
 
@@ -112,9 +112,9 @@ NUMPY_MAX_BLOCK_ROWS = 2048  # the GEMM runs at full speed from ~512 rows on; mo
 
 def _block_rows(n_q: int, n_g: int, max_memory: int, dev) -> int:
     if dev is None:  # scores (4 B/cell) + per-thread row buffers and temporaries (~64 B x G)
-        rows = _rows_per_block(n_g, max(1, max_memory - 64 * n_g), 4)
+        rows = rows_per_block(n_g, max(1, max_memory - 64 * n_g), 4)
         return max(1, min(n_q, rows, NUMPY_MAX_BLOCK_ROWS))
-    return max(1, min(n_q, _rows_per_block(n_g, max_memory, 44)))
+    return max(1, min(n_q, rows_per_block(n_g, max_memory, 44)))
 
 
 def _torch_device(backend: str):

@@ -138,7 +138,7 @@ def choose_backend(backend: str = "auto", k: int | None = None) -> str:
     return backend
 
 
-def _rows_per_block(n_gallery: int, max_memory: int, bytes_per_cell: int = 12) -> int:
+def rows_per_block(n_gallery: int, max_memory: int, bytes_per_cell: int = 12) -> int:
     return max(1, int(max_memory // max(1, n_gallery * bytes_per_cell)))
 
 
@@ -222,7 +222,7 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None)
     Gt = torch.from_numpy(G).to(dev)
     g_sq = (Gt * Gt).sum(1) if metric == "l2" else None
     kk = min(k, G.shape[0])
-    B = _rows_per_block(G.shape[0], max_memory, 8)
+    B = rows_per_block(G.shape[0], max_memory, 8)
     Ds, Is = [], []
     for s in range(0, Q.shape[0], B):
         Qb = torch.from_numpy(Q[s : s + B]).to(dev)
@@ -242,7 +242,7 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None)
 
 def _search_numpy(Q, G, k, metric, max_memory: int, bar=None):
     kk = min(k, G.shape[0])
-    B = _rows_per_block(G.shape[0], max_memory, 12)
+    B = rows_per_block(G.shape[0], max_memory, 12)
     g_sq = np.einsum("ij,ij->i", G, G) if metric == "l2" else None
     Ds, Is = [], []
     for s in range(0, Q.shape[0], B):
@@ -297,7 +297,7 @@ def _exact_rows(Q, G, rows, k, metric, relevance, max_memory):
     """Exact top-k of some query rows with the tie policy (numpy, full rows)."""
     sc = np.full((rows.size, k), -np.inf, np.float32)
     ix = np.full((rows.size, k), -1, np.int64)
-    B = _rows_per_block(G.shape[0], max_memory, 12)
+    B = rows_per_block(G.shape[0], max_memory, 12)
     for s in range(0, rows.size, B):
         rb = rows[s : s + B]
         S = score_block(Q[rb], G, metric)
