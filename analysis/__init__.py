@@ -11,7 +11,7 @@ Lower-level pieces: :mod:`featcache.analysis.tables` (load/merge/coverage),
 :mod:`featcache.analysis.stats` (Clopper-Pearson, Kendall tau-b and ranks via scipy, z-scores,
 the bootstrap line fit), :mod:`featcache.analysis.rankings`, :mod:`featcache.analysis.shift`,
 :mod:`featcache.analysis.plots` (matplotlib ``Figure``, no backend switch),
-:mod:`featcache.analysis.format` (the one table formatter) and
+:mod:`featcache.formatting` (the one table formatter) and
 :mod:`featcache.analysis.report` (jinja2 template ``templates/report.html.j2``).
 """
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from featcache.analysis.format import format_table
 from featcache.errors import ResultsError
+from featcache.formatting import format_table
 
 log = logging.getLogger(__name__)
 

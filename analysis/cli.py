@@ -144,7 +144,7 @@ def run_rank(args) -> int:
         plots=not args.no_plots,
         progress=not args.no_progress,
     )
-    from featcache.analysis.format import format_table
+    from featcache.formatting import format_table
 
     ov = out["overall"]
     groups = (

@@ -18,8 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from featcache.analysis.format import format_cell, table_cells
 from featcache.errors import ResultsError
+from featcache.formatting import format_cell, table_cells
 
 log = logging.getLogger(__name__)
 

@@ -101,20 +101,20 @@ def run_finetune(args: argparse.Namespace) -> int:
 def _print_rows(out, cfg: FinetuneConfig) -> None:
     import json
 
+    import polars as pl
+
+    from featcache.formatting import format_table
+
     top = out.filter(out["metric"] == "top1").sort(["eval_split", "seed"])
-    print(
-        f"{'backbone':<28} {'dataset':<20} {'protocol':<9} {'split':<8} {'seed':>4} {'top1':>7} {'lr':>7} {'steps':>6}"
+    hp = [json.loads(h) for h in top["hparams"]]
+    steps = [h.get("steps") for h in hp]
+    table = top.select("backbone", "dataset", "protocol", pl.col("eval_split").alias("split")).with_columns(
+        seed=pl.Series([("med" if s < 0 else str(s)) for s in top["seed"]], dtype=pl.Utf8),
+        top1=top["value"],
+        lr=pl.Series([h.get("lr") for h in hp], dtype=pl.Float64),
+        steps=pl.Series([s if isinstance(s, int) else None for s in steps], dtype=pl.Int64),
     )
-    for r in top.iter_rows(named=True):
-        hp = json.loads(r["hparams"])
-        lr = hp.get("lr")
-        steps = hp.get("steps")
-        seed = "med" if r["seed"] < 0 else str(r["seed"])
-        print(
-            f"{r['backbone']:<28} {r['dataset']:<20} {r['protocol']:<9} {r['eval_split']:<8} "
-            f"{seed:>4} {r['value']:>7.4f} {lr if lr is not None else '':>7} "
-            f"{steps if steps is not None and not isinstance(steps, list) else '':>6}"
-        )
+    print(format_table(table, "text", floatfmt="{:.4f}"), end="")
     print(f"{out.height} row(s) in {cfg.results_path}")
 
 

@@ -125,6 +125,8 @@ def format_table(df) -> str:
 
     import polars as pl
 
+    from featcache.formatting import format_table as render
+
     if df.height == 0:
         return "(no results)"
     sel = df.with_columns(
@@ -141,9 +143,7 @@ def format_table(df) -> str:
     ]
     wide = wide.sort(["backbone", "eval_split", "seed"])
     cols = ["backbone", "protocol", "eval_split", "seed", "selected", "converged", *metric_cols]
-    rows = [cols] + [[_fmt(v) for v in r] for r in wide.select(cols).rows()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows)
+    return render(wide.select(cols), "text", floatfmt="{:.4f}").rstrip("\n")
 
 
 def _hp_short(h: dict) -> str:
@@ -154,9 +154,3 @@ def _hp_short(h: dict) -> str:
     if "lr" in h:
         return f"lr={h['lr']:g}"
     return ""
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4f}"
-    return str(v)

@@ -1,4 +1,4 @@
-"""The one table formatter of the analysis stage: a polars DataFrame as aligned text (CLI),
+"""The one table formatter (neutral: the analysis stage and the stages' commands use it): a polars DataFrame as aligned text (CLI),
 GitHub Markdown (``NAME.md`` beside each parquet table) or cells for the report's HTML
 template (:func:`table_cells`; the template escapes them).
 
