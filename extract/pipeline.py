@@ -155,8 +155,6 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
 
 def _extract_split(job: _Job, src: SplitSource) -> SplitReport:
     """One split: set-up steps that every rank agrees on, this rank's chunks, the final mark."""
-    import torch
-
     from featcache.store import FeatureWriter
 
     cfg, rank, world, key = job.cfg, job.rank, job.world, job.key
@@ -174,6 +172,19 @@ def _extract_split(job: _Job, src: SplitSource) -> SplitReport:
     if world > 1:  # one thread count per job: every rank computes as rank 0 records
         threads = gather(world, threads)[0]
     writer = FeatureWriter(job.store, key, src.dataset, src.split, _provenances(job, src, meta, threads))
+    try:  # the writer lock is released however this ends (skipped, refused, failed): a library
+        # caller that retries in the same process must not find its own stale lock
+        return _write_split(job, src, writer, stored, threads)
+    finally:
+        writer.release()
+
+
+def _write_split(job: _Job, src: SplitSource, writer, stored, threads: int | None) -> SplitReport:
+    """Create or validate the arrays (rank 0, under the writer lock), then compute this rank's
+    pending chunks and mark the arrays complete."""
+    import torch
+
+    cfg, rank, world, key = job.cfg, job.rank, job.world, job.key
     agree(world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite)
     pending_all = agree(world, rank, "set-up", _attach_and_read, writer, rank)
     mine = [c for c in pending_all if c % world == rank]
