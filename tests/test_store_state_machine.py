@@ -243,14 +243,18 @@ class StoreMachine(RuleBasedStateMachine):
           delay=st.floats(0.0, 1.5), marks=st.integers(0, N_CHUNKS - 1), extra=st.floats(0.0, 0.1))
     def kill9(self, bb: str, how: str, delay: float, marks: int, extra: float) -> None:
         """A real `featcache extract` killed with SIGKILL after a random delay, or once
-        ``marks`` more chunks are marked done (plus up to 0.1 s: mid-forward, mid-write)."""
+        ``marks`` more chunks are marked done (plus up to 0.1 s: mid-forward, mid-write). A
+        finished group is extracted with --overwrite (a kill mid-overwrite)."""
         done_dir = self.cache / _group(bb) / "done" / "c"
 
         def marked() -> int:
             return sum(1 for f in done_dir.iterdir() if f.name.isdigit()) if done_dir.is_dir() else 0
 
-        target = marked() + marks
-        pid = self.zygote.start(_argv(bb, self.cache), self.dir / "kill.log")
+        # a finished group is rewritten with --overwrite, so that the kill lands in real work
+        again = ["--overwrite"] if bb in self.finished else []
+        target = (0 if again else marked()) + marks
+        (self.dir / "kill.log").unlink(missing_ok=True)
+        pid = self.zygote.start([*_argv(bb, self.cache), *again], self.dir / "kill.log")
         t0 = time.monotonic()
         try:
             while not self.zygote.finished(0.002) and time.monotonic() - t0 < 120:
@@ -262,8 +266,8 @@ class StoreMachine(RuleBasedStateMachine):
                     break
         finally:
             rc = self.zygote.result()
-        out = (self.dir / "kill.log").read_text()
-        self._step(f"kill -9 {bb} ({how} {delay:.2f}s / {marks} marks): rc={rc}, {marked()} marked")
+        out = (self.dir / "kill.log").read_text() if (self.dir / "kill.log").exists() else ""  # killed at once
+        self._step(f"kill -9 {bb} {' '.join(again)} ({how} {delay:.2f}s / {marks} marks): rc={rc}, {marked()} marked")
         assert "Traceback" not in out, out[-3000:]
         self.started.add(bb)
         if rc == 0:  # finished before the kill landed
@@ -309,38 +313,44 @@ class StoreMachine(RuleBasedStateMachine):
             extract(_cfg(bb, self.cache))
             self._extracted(bb)
 
-    @precondition(lambda self: any(self._groups_on_disk()))
-    @rule(data=st.data(), how=st.sampled_from(["flip", "truncate", "delete chunk", "delete array"]))
-    def damage(self, data, how: str) -> None:
-        bb = data.draw(st.sampled_from(self._groups_on_disk()), label="backbone")
+    # Damage parameters are drawn up front, whatever the store holds, and mapped onto what is on
+    # disk at run time (that depends on where a kill landed): replays draw the same data.
+    @precondition(lambda self: self.started)
+    @rule(bb=st.sampled_from(sorted(WEIGHTS)), how=st.sampled_from(["flip", "truncate", "delete chunk", "delete array"]),
+          pick=st.integers(0, 2**16), pos=st.floats(0.0, 1.0, exclude_max=True))
+    def damage(self, bb: str, how: str, pick: int, pos: float) -> None:
+        on_disk = self._groups_on_disk()
+        if not on_disk:
+            return
+        bb = bb if bb in on_disk else on_disk[0]
         gdir = self.cache / _group(bb)
         done_before = self._done(bb)
         if how == "delete array":
             present = [a for a in AUX if (gdir / a).is_dir()]
             if not present:
                 return
-            name = data.draw(st.sampled_from(present), label="array")
+            name, chunk = present[pick % len(present)], None
             shutil.rmtree(gdir / name)
             self._step(f"delete {_group(bb)}/{name}")
-            chunk = None
         else:
             arrays = ["pooled"] if how == "flip" else [*ROW_ARRAYS, "done"]
             files = sorted(p for a in arrays if (gdir / a / "c").is_dir() for p in (gdir / a / "c").rglob("*")
                            if p.is_file() and p.name.isdigit())
             if not files:
                 return
-            f = data.draw(st.sampled_from(files), label="chunk file")
+            f = files[pick % len(files)]
             name, chunk = f.relative_to(gdir).parts[0], int(f.relative_to(gdir).parts[2])
+            before = self._array(bb, name)
             raw = bytearray(f.read_bytes())
             if how == "flip":
-                bit = data.draw(st.integers(0, len(raw) * 8 - 1), label="bit")
+                bit = int(pos * len(raw) * 8)
                 raw[bit // 8] ^= 1 << (bit % 8)
                 f.write_bytes(bytes(raw))
             elif how == "truncate":
-                f.write_bytes(bytes(raw[: data.draw(st.integers(0, len(raw) - 1), label="length")]))
+                f.write_bytes(bytes(raw[: int(pos * len(raw))]))
             else:
                 f.unlink()
-            self._step(f"{how} {f.relative_to(self.cache)}")
+            self._step(f"{how} {f.relative_to(self.cache)} at {pos:.3f}")
         self.finished.discard(bb)
         rc, out = _cli(["verify", str(self.cache)])
         assert rc in (0, 1) and "Traceback" not in out, out
@@ -349,26 +359,34 @@ class StoreMachine(RuleBasedStateMachine):
             return
         if chunk is None:
             assert f"{_group(bb)}/{name}: array missing" in out, out
+        elif before is not None and self._array(bb, name) == before:
+            pass  # decodes as before (a lost all-"" error chunk): nothing to report
         elif done_before is not None and done_before[chunk]:
             named = re.compile(rf"PROBLEM {re.escape(_group(bb))}\S*: (.*chunk {chunk} \(|.*\[(\d+, )*{chunk}(, \d+)*\])")
             assert named.search(out) or (name == "done" and "not marked done (e.g. [" in out
                                          and int((~done_before).sum()) >= 4), out
 
-    @precondition(lambda self: (self.cache / SPLIT / "labels").is_dir())
-    @rule(data=st.data())
-    def change_labels(self, data) -> None:
+    @precondition(lambda self: self.started)
+    @rule(row=st.integers(0, N - 1))
+    def change_labels(self, row: int) -> None:
         """Labels changed after they were written (same fingerprint): verify and load refuse."""
-        a = zarr.open_array(str(self.cache / SPLIT / "labels"), mode="r+")
-        row = data.draw(st.integers(0, a.shape[0] - 1), label="row")
         try:
+            a = zarr.open_array(str(self.cache / SPLIT / "labels"), mode="r+")
             a[row] = (int(a[row]) + 1) % 10
-        except Exception:  # noqa: BLE001 - the labels chunk is already damaged
+        except Exception:  # noqa: BLE001 - no labels yet (killed early) or their chunk is damaged
             return
         self._step(f"change label of row {row}")
         self.split_damaged = True
         self.finished.clear()
         rc, out = _cli(["verify", str(self.cache)])
         assert rc == 1 and f"{SPLIT}: " in out, out
+
+    def _array(self, bb: str, name: str) -> bytes | None:
+        try:
+            a = np.asarray(zarr.open_array(str(self.cache / _group(bb) / name), mode="r")[:])
+            return a.tobytes() if a.dtype.kind in "biuf" else "\n".join(map(str, a.tolist())).encode()
+        except Exception:  # noqa: BLE001 - already damaged
+            return None
 
     def _done(self, bb: str):
         try:
