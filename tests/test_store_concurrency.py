@@ -59,7 +59,7 @@ def test_synchronised_extracts_share_a_fresh_store(tmp_path):
     twice: the second job waits for nothing and is refused (or finds the work done)."""
     ref = tmp_path / "solo.zarr"
     for w in (WEIGHTS, "random:0"):
-        extract(LITE0, w, "digits", ["test"], str(ref), **KW)
+        extract(ExtractConfig(LITE0, w, "digits", ["test"], str(ref), **KW))
     shared = tmp_path / "shared.zarr"
     runs = _pair(shared, (WEIGHTS, "random:0"))
     for rc, err in runs:
