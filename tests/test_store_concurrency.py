@@ -14,6 +14,7 @@ import pytest
 import zarr
 
 from featcache.errors import StoreBusyError
+from featcache.extract import ExtractConfig
 from featcache.extract.pipeline import extract
 from featcache.store import FeatureWriter, make_provenance, open_cache, write_features
 from featcache.store import locks as locks_mod
@@ -91,7 +92,7 @@ def test_synchronised_extracts_share_a_fresh_store(tmp_path):
     twice: the second job waits for nothing and is refused (or finds the work done)."""
     ref = tmp_path / "solo.zarr"
     for w in (WEIGHTS, "random:0"):
-        extract(LITE0, w, "digits", ["test"], str(ref), **KW)
+        extract(ExtractConfig(LITE0, w, "digits", ["test"], str(ref), **KW))
     shared = tmp_path / "shared.zarr"
     runs = _pair(shared, (WEIGHTS, "random:0"))
     for rc, err in runs:
@@ -186,3 +187,24 @@ def test_lease_on_other_stores(monkeypatch):
     assert cache.root["locks/features~pix~d~s"].attrs["owner"] == locks_mod._OWNER
     w.release()
     assert "features~pix~d~s" not in cache.root["locks"]
+
+
+def test_library_extract_releases_its_lock(tmp_path):
+    """A finished extract called again in the same process (a notebook) skips and releases
+    the writer lock: a third call is not refused by the process's own stale lock, and other
+    processes are not blocked while this one lives. (Found by the state machine.)"""
+    cache = tmp_path / "c.zarr"
+    cfg = ExtractConfig(LITE0, "random:0", "digits", ["test"], str(cache), **KW)
+    extract(cfg)
+    for _ in range(2):
+        (rep,) = extract(cfg)
+        assert rep.skipped
+        assert not locks_mod._held
+    other = subprocess.run(
+        [sys.executable, "-m", "featcache", "extract", *_argv(cache, "random:0")[1:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert "already complete" in other.stderr, other.stderr[-2000:]
