@@ -4,19 +4,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # PyPI's torchvision imports only beside torch 2.14.1 on the CI/dev machines (see README).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# Every other package pinned to a set that resolves and passes together (pip's resolver can
+# otherwise backtrack for many minutes through boto3/botocore/aiobotocore versions).
+CONSTRAINTS ?= constraints.txt
 
 .PHONY: setup system-deps demo-deps demo test lint docs docs-serve
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PINS)
-	$(PY) -m pip install -q -e ".[cpu,test]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,test]"
 	touch $@
 
 # the documentation site's tools (the `docs` extra), on first `make docs`
 $(VENV)/.docs-installed: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[cpu,test,docs]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,test,docs]"
 	touch $@
 
 setup: $(VENV)/.installed
