@@ -229,11 +229,22 @@ def _stage_extract(
     return reps[0].backbone
 
 
-def _stage_probes(cfg: DemoConfig, data: DemoData, keys: list[str], protocol: str, results: Path) -> None:
+def _stage_probes(
+    cfg: DemoConfig, data: DemoData, keys: list[str], protocol: str, results: Path, vtab_steps=None
+) -> None:
     from featcache.probes import ProbeConfig, run_probes
 
     run_probes(
-        ProbeConfig(cfg.cache, keys, data.name, protocol, seeds=[0], results_path=str(results), progress=cfg.progress)
+        ProbeConfig(
+            cfg.cache,
+            keys,
+            data.name,
+            protocol,
+            seeds=[0],
+            results_path=str(results),
+            vtab_steps=vtab_steps,
+            progress=cfg.progress,
+        )
     )
 
 
@@ -406,8 +417,11 @@ def run(cfg: DemoConfig, say=log.info) -> DemoSummary:
                 f"[4/5] fine-tuning every backbone ({FT_PROTOCOL}: {ft.steps} steps, lr {ft.lr}, batch {ft.batch_size}, "
                 f"{'model resolution' if ft.input_size is None else f'{ft.input_size} px'}"
                 f"{', scaled down for the CPU' if not cuda else ''}) and '{paired}' probes on the same examples"
+                f"{f' ({10 * ft.steps} SGD steps)' if not cuda else ''}"
             )
-            _stage_probes(cfg, data, keys, paired, results)
+            # on a CPU the SGD probe's schedule is scaled down like the fine-tune's (VTAB: 2,500 and
+            # 10,000 steps of batch 512 take about a minute per backbone here); recorded in its run options
+            _stage_probes(cfg, data, keys, paired, results, vtab_steps=None if cuda else (10 * ft.steps,))
             for (model, weights), key in zip(chosen, keys):
                 _stage_finetune(cfg, data, model, weights, key, ft, results)
             ft_note = (
