@@ -78,13 +78,11 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
     hi = None if head_init is None else l2_normalise(np.asarray(head_init)[classes])
     se, fe = opts["search_epochs"], opts["final_epochs"]
 
-    def fit(X, y, lr, wd, epochs):
-        """(probe, channel standardiser) trained on (X, y)."""
-        bn = _ChannelBN(X, grid.features, grid.logit_scale)
-        steps = epochs * math.ceil(y.size / grid.batch_size)
-        p = SGDProbe(
+    def head(lr, wd, n: int, epochs: int) -> SGDProbe:
+        """The SGD head of one trial or the final run: ``epochs`` passes over ``n`` rows."""
+        return SGDProbe(
             lr=lr,
-            steps=steps,
+            steps=epochs * math.ceil(n / grid.batch_size),
             batch_size=grid.batch_size,
             momentum=grid.momentum,
             nesterov=grid.nesterov,
@@ -94,25 +92,17 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
             random_state=seed,
             device=device,
         )
-        return p.fit(bn(X), y, classes=classes), bn
+
+    def fit(X, y, lr, wd, epochs):
+        """(probe, channel standardiser) trained on (X, y)."""
+        bn = _ChannelBN(X, grid.features, grid.logit_scale)
+        return head(lr, wd, y.size, epochs).fit(bn(X), y, classes=classes), bn
 
     tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
     Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
 
     def val_top1(lr, wd) -> float:
-        steps = se * math.ceil(ytr.size / grid.batch_size)
-        p = SGDProbe(
-            lr=lr,
-            steps=steps,
-            batch_size=grid.batch_size,
-            momentum=grid.momentum,
-            nesterov=grid.nesterov,
-            weight_decay=wd,
-            standardize=False,
-            head_init=hi,
-            random_state=seed,
-            device=device,
-        ).fit(Xtr_s, ytr, classes=classes)
+        p = head(lr, wd, ytr.size, se).fit(Xtr_s, ytr, classes=classes)
         return float(np.mean(p.predict(Xva_s) == yva)) if p.finite_ else -1.0
 
     t0 = time.perf_counter()
