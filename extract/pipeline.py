@@ -27,7 +27,7 @@ from typing import Any
 from featcache.errors import ConfigError, DataError, ProvenanceMismatchError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
-from featcache.extract.data import ReadOptions, SplitSource, open_dataset, select_splits
+from featcache.extract.data import ReadOptions, SplitSource, open_dataset, parse_spec, select_splits
 from featcache.extract.distributed import (
     agree,
     close_dist,
@@ -122,6 +122,7 @@ class _Job:
     workers: int
     threads: int | None
     amp: str
+    decoder: str = "pil"
 
 
 def extract(config: ExtractConfig) -> list[SplitReport]:
@@ -138,8 +139,12 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
 
     if not isinstance(config, ExtractConfig):
         raise TypeError("extract() takes an ExtractConfig: extract(ExtractConfig(model, weights, data, ...))")
+    from featcache.extract.decode import resolve_decoder
+
     cfg = config
-    opts = ReadOptions(cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes)
+    in_memory = parse_spec(cfg.data)[0] in ("digits", "fashion-mnist")  # no image files to decode
+    decoder = resolve_decoder(cfg.decoder, reads_files=not in_memory)
+    opts = ReadOptions(cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder)
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     bb = create_backbone(
@@ -162,7 +167,19 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         fwd = torch.compile(head.__call__) if cfg.compile else head.__call__
         workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
         job = _Job(
-            cfg, store, bb, head, fwd, dims, cfg.backbone_name or bb.default_key, rank, world, workers, threads, amp
+            cfg,
+            store,
+            bb,
+            head,
+            fwd,
+            dims,
+            cfg.backbone_name or bb.default_key,
+            rank,
+            world,
+            workers,
+            threads,
+            amp,
+            decoder,
         )
         return [_extract_split(job, src) for src in sources]
     finally:
@@ -202,7 +219,7 @@ def _write_split(job: _Job, src: SplitSource, writer, stored, threads: int | Non
     import torch
 
     cfg, rank, world, key = job.cfg, job.rank, job.world, job.key
-    agree(world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite)
+    agree(world, rank, "set-up", _prepare if rank == 0 else None, writer, stored, cfg.overwrite, cfg.decoder == "auto")
     pending_all = agree(world, rank, "set-up", _attach_and_read, writer, rank)
     mine = [c for c in pending_all if c % world == rank]
     if not pending_all:
@@ -210,7 +227,12 @@ def _write_split(job: _Job, src: SplitSource, writer, stored, threads: int | Non
         return SplitReport(key, src.dataset, src.split, len(src), writer.n_chunks, 0, 0, 0.0, None, skipped=True)
     if len(pending_all) < writer.n_chunks:
         log.info(
-            "resuming %s/%s/%s: %d of %d chunks left", key, src.dataset, src.split, len(pending_all), writer.n_chunks
+            "resuming %s/%s/%s: %d of %d chunks left",
+            key,
+            src.dataset,
+            src.split,
+            len(pending_all),
+            writer.n_chunks,
         )
     if world > 1:
         log.info("rank %d computes %d of the %d pending chunks", rank, len(mine), len(pending_all))
@@ -259,7 +281,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
     from featcache.store import make_provenance
 
     bb, cfg = job.bb, job.cfg
-    extra = {**cfg.recorded(), "threads": threads}
+    extra = {**cfg.recorded(), "threads": threads, "decoder": job.decoder}
     return {
         k: make_provenance(
             backbone=job.key,
@@ -299,6 +321,7 @@ def compute_settings(prov) -> dict[str, Any]:
         "threads": extra.get("threads") if device == "cpu" else None,
         "exif_transpose": extra.get("exif_transpose"),
         "max_image_pixels": extra.get("max_image_pixels"),
+        "decoder": extra.get("decoder"),
     }
 
 
@@ -325,9 +348,11 @@ def _job_threads(job: _Job, stored) -> int | None:
     return recorded or job.threads
 
 
-def _prepare(writer, stored, overwrite: bool) -> None:
+def _prepare(writer, stored, overwrite: bool, auto_decoder: bool = False) -> None:
     """Set-up step 3 (rank 0): create or validate the arrays; a resume with chunks still to
-    compute is refused if the compute settings differ from the recorded ones."""
+    compute is refused if the compute settings differ from the recorded ones. With
+    ``--decoder auto`` another decoder than the recorded one is accepted (logged): the
+    torchvision path only decodes the JPEGs whose pixels equal PIL's, so both give the same bits."""
     if not overwrite and stored is not None:
         _check_resize(writer, stored)
     writer.prepare(overwrite=overwrite)
@@ -336,11 +361,17 @@ def _prepare(writer, stored, overwrite: bool) -> None:
     new = compute_settings(next(iter(writer.provenances.values())))
     old = compute_settings(stored)
     diffs = {k: (old[k], new[k]) for k in old if None not in (old[k], new[k]) and old[k] != new[k]}
+    if auto_decoder and diffs.pop("decoder", None):
+        log.info(
+            "resuming with --decoder auto = %s; the stored chunks were decoded with %s (same pixels)",
+            new["decoder"],
+            old["decoder"],
+        )
     if diffs and writer.pending_chunks():
         lines = "\n".join(f"  {k}: stored={a!r} requested={b!r}" for k, (a, b) in sorted(diffs.items()))
         raise ProvenanceMismatchError(
             f"{writer.path} was partly computed with other settings, so resuming would mix their bits:\n{lines}\n"
-            "Re-run with the stored settings (--device, --precision, --threads), use another --backbone-name, "
+            "Re-run with the stored settings (--device, --precision, --threads, --decoder), use another --backbone-name, "
             "or --overwrite to start over."
         )
 
