@@ -48,6 +48,7 @@ test: setup system-deps
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # the MkDocs site (docs/, mkdocs.yml) into site/; --strict turns every warning into an error
 docs: $(VENV)/.docs-installed
