@@ -85,3 +85,19 @@ def softmax_proba(Z: np.ndarray) -> np.ndarray:
     Z = Z - Z.max(axis=1, keepdims=True)
     P = np.exp(Z)
     return P / P.sum(axis=1, keepdims=True)
+
+
+class SoftmaxPredictMixin:
+    """``decision_function``/``predict_proba``/``predict`` of a fitted softmax head
+    (``classes_``, ``_softmax_coef``, ``_softmax_intercept``), shared by the probes."""
+
+    def decision_function(self, X) -> np.ndarray:
+        """Softmax logits [n, K]; for two classes the margin [n], as scikit-learn's."""
+        return softmax_decision(self, X)
+
+    def predict_proba(self, X) -> np.ndarray:
+        return softmax_proba(softmax_logits(self, X))
+
+    def predict(self, X) -> np.ndarray:
+        Z = softmax_logits(self, X)  # checks fitted first
+        return self.classes_[Z.argmax(axis=1)]

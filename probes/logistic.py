@@ -25,8 +25,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 
 from featcache.errors import BackendUnavailableError, ProbeError
 from featcache.probes._estimator import (
-    softmax_decision,
-    softmax_logits,
+    SoftmaxPredictMixin,
     softmax_proba,
     validate_fit_data,
 )
@@ -224,7 +223,7 @@ def _softmax_to_sklearn(coef: np.ndarray, intercept: np.ndarray):
     return coef, intercept
 
 
-class LogisticProbe(ClassifierMixin, BaseEstimator):
+class LogisticProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
     """L2-regularised logistic regression on frozen features: a scikit-learn classifier.
 
     Parameters
@@ -328,18 +327,6 @@ class LogisticProbe(ClassifierMixin, BaseEstimator):
         if self.backend_ == "sklearn":
             return _fit_sklearn(Xs, yi, K, self.C, self.max_iter, self.tol, W0, b0)
         return _fit_cuml(Xs, yi, K, self.C, self.max_iter, self.tol)
-
-    # -------------------------------------------------------------- predict
-    def decision_function(self, X) -> np.ndarray:
-        """Softmax logits [n, K]; for two classes the margin [n], as scikit-learn's."""
-        return softmax_decision(self, X)
-
-    def predict_proba(self, X) -> np.ndarray:
-        return softmax_proba(softmax_logits(self, X))
-
-    def predict(self, X) -> np.ndarray:
-        Z = softmax_logits(self, X)  # checks fitted first
-        return self.classes_[Z.argmax(axis=1)]
 
 
 # ---------------------------------------------------------------- backends

@@ -16,9 +16,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 
 from featcache.errors import ProbeError
 from featcache.probes._estimator import (
-    softmax_decision,
-    softmax_logits,
-    softmax_proba,
+    SoftmaxPredictMixin,
     validate_fit_data,
 )
 from featcache.probes.logistic import Scaler, cpu_threads, resolve_backend
@@ -107,7 +105,7 @@ def _epochs(n: int, batch_size: int, steps: int, seed: int, gen, drop_remainder:
         yield out
 
 
-class SGDProbe(ClassifierMixin, BaseEstimator):
+class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
     """Softmax linear head trained by mini-batch SGD on frozen features (scikit-learn classifier).
 
     Parameters
@@ -201,17 +199,6 @@ class SGDProbe(ClassifierMixin, BaseEstimator):
         self._softmax_coef, self._softmax_intercept = self.coef_, self.intercept_
         self.finite_ = ok
         return self
-
-    def decision_function(self, X) -> np.ndarray:
-        """Softmax logits [n, K]; for two classes the margin [n], as scikit-learn's."""
-        return softmax_decision(self, X)
-
-    def predict_proba(self, X) -> np.ndarray:
-        return softmax_proba(softmax_logits(self, X))
-
-    def predict(self, X) -> np.ndarray:
-        Z = softmax_logits(self, X)  # checks fitted first
-        return self.classes_[Z.argmax(axis=1)]
 
 
 def _with_classes(seen: np.ndarray, yi: np.ndarray, classes) -> tuple[np.ndarray, np.ndarray]:
