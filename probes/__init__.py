@@ -7,15 +7,11 @@ the stage config. Entry points: :class:`LogisticProbe`, :class:`SGDProbe`, :func
 
 from __future__ import annotations
 
-from featcache.probes.config import ProbeConfig
-from featcache.probes.logistic import (
-    DEFAULT_CS,
-    LogisticProbe,
-    SweepResult,
-    resolve_backend,
-    sweep_C,
-)
-from featcache.probes.sgd import SGDProbe
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from featcache.probes.config import ProbeConfig
 
 __all__ = [
     "DEFAULT_CS",
@@ -27,6 +23,24 @@ __all__ = [
     "run_probes",
     "sweep_C",
 ]
+
+#: imported on first use: `featcache --help` / `featcache extract` must not pay for
+#: scikit-learn (the estimators import it at module level)
+_LAZY = {
+    "ProbeConfig": "featcache.probes.config",
+    "DEFAULT_CS": "featcache.probes.logistic",
+    "LogisticProbe": "featcache.probes.logistic",
+    "SweepResult": "featcache.probes.logistic",
+    "resolve_backend": "featcache.probes.logistic",
+    "sweep_C": "featcache.probes.logistic",
+    "SGDProbe": "featcache.probes.sgd",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run_probes(config: ProbeConfig):
