@@ -3,13 +3,16 @@ exhaustive vs successive-halving C sweep.
 
 1. Writes a synthetic store through featcache's writer (fixed seed; class-dependent means,
    so the problem is learnable): split ``train`` of max(--sizes) x --dim float16 rows,
-   --classes classes (default 200k x 2048 x 1000, 819 MB as float16).
+   --classes classes (default 200k x 2048 x 1000, 819 MB as float16), and a ``test`` split.
 2. For each size N (the first N rows) and each arm, in a fresh subprocess (its own peak
    resident set, Linux ``VmHWM``; ``ru_maxrss`` is recorded too): ``memory`` = today's path (the split read as float32, in-memory solver,
    max_host_bytes=inf); ``streamed`` (max_host_bytes=0) = the split kept as float16 in memory, solver
    streaming row blocks; ``zarr`` = the store's zarr array handed to the probe, chunks read
-   on every pass (nothing held whole). Both fit one C for --max-iter L-BFGS iterations (peak memory is reached in the
-   first loss/gradient pass; time per iteration is reported).
+   on every pass (nothing held whole). Each fits one C for --max-iter L-BFGS iterations (peak memory is reached in the
+   first loss/gradient pass; time per iteration is reported). ``runner`` (largest size only) =
+   ``featcache probe``'s own path, ``run_probes`` with protocol ``full`` and one C at the default
+   memory bound: the split is loaded lazily (``load(..., lazy=True)``), a 10 % holdout selects,
+   the refit streams all rows, and a --test-rows ``test`` split is evaluated.
 3. The C sweep at a reduced shape (--sweep-shape N,D,K, same generator): exhaustive (the
    warm path, one C at a time) vs halving over the 45-value grid, and one fit at the
    selected C; cost ratios in head-iterations and wall time, and the validation top-1.
@@ -32,23 +35,36 @@ import time
 import numpy as np
 
 
+def synth_labels(seed: int, s: int, e: int, classes: int) -> np.ndarray:
+    return np.random.default_rng([seed, 1]).integers(0, classes, size=e)[s:]
+
+
 def synth_rows(seed: int, s: int, e: int, dim: int, classes: int, sep: float):
-    """Rows s..e of the synthetic split: labels round-robin-shuffled, x = mu[y] + N(0, 1)."""
+    """Rows s..e of the synthetic data: labels uniform at random, x = mu[y] + N(0, 1)."""
     means = np.random.default_rng(seed).normal(0.0, sep, (classes, dim)).astype(np.float32)
-    y = np.random.default_rng([seed, 1]).integers(0, classes, size=e)[s:]
+    y = synth_labels(seed, s, e, classes)
     noise = np.random.default_rng([seed, 2, s]).standard_normal((e - s, dim), np.float32)
     return (means[y] + noise).astype(np.float16), y
 
 
 def write_store(
-    path: str, n: int, dim: int, classes: int, seed: int, sep: float, split: str = "train", chunk_rows: int = 8192
+    path: str,
+    n: int,
+    dim: int,
+    classes: int,
+    seed: int,
+    sep: float,
+    split: str = "train",
+    chunk_rows: int = 8192,
+    offset: int = 0,
 ) -> None:
+    """Split ``split`` of the synthetic store: generator rows ``offset .. offset + n``."""
     from featcache.store import open_cache
     from featcache.store.cache import ensure_split
     from featcache.store.writer import FeatureWriter, make_provenance
 
     cache = open_cache(path, "a")
-    y = np.random.default_rng([seed, 1]).integers(0, classes, size=n)
+    y = synth_labels(seed, offset, offset + n, classes)
     ids = np.array([f"{split}-{i:07d}" for i in range(n)])
     meta = ensure_split(cache, "synth", split, ids, y, [f"c{k}" for k in range(classes)], "synthetic")
     prov = make_provenance(
@@ -65,7 +81,7 @@ def write_store(
     w = FeatureWriter(cache, "synth", "synth", split, {"pooled": prov}).prepare(overwrite=True)
     for i in w.pending_chunks():
         s, e = w.chunk_range(i)
-        X, _ = synth_rows(seed, s, e, dim, classes, sep)
+        X, _ = synth_rows(seed, offset + s, offset + e, dim, classes, sep)
         w.write_chunk(i, {"pooled": X}, np.ones(e - s, bool))
     w.mark_complete()
 
@@ -86,6 +102,8 @@ def arm_fit(store: str, n: int, arm: str, max_iter: int) -> dict:
             "vm_hwm_bytes": _vm_hwm(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
+    if arm == "runner":
+        return runner_fit(store, max_iter)
     t0 = time.perf_counter()
     g = zarr.open_group(store, mode="r")
     arr = g["features/synth/synth/train/pooled"]
@@ -121,6 +139,50 @@ def arm_fit(store: str, n: int, arm: str, max_iter: int) -> dict:
         "peak_rss_bytes": int(rss),
         "streamed": bool(p.streamed_),
         "train_top1": top1,
+    }
+
+
+def runner_fit(store: str, max_iter: int) -> dict:
+    """``featcache probe``'s own path (:func:`run_probes`, protocol ``full``: a 10 % holdout
+    of train for the selection, refit on all of train, evaluation on ``test``) with one C and
+    the default memory bound: the train split stays in the store and streams."""
+    import resource
+
+    from featcache.probes import ProbeConfig, run_probes
+
+    res = tempfile.mkdtemp(prefix="probe-scale-runner-")
+    cfg = ProbeConfig(
+        store,
+        ("synth",),
+        "synth",
+        "full",
+        results_path=os.path.join(res, "r.parquet"),
+        Cs=(1.0,),
+        max_iter=max_iter,
+        tol=1e-6,
+        backend="torch",
+        progress=False,
+    )
+    t0 = time.perf_counter()
+    out = run_probes(cfg)
+    fit = time.perf_counter() - t0
+    hp = json.loads(out["hparams"][0])
+    import shutil
+
+    shutil.rmtree(res, ignore_errors=True)
+    n = int(hp["n_train_final"])
+    return {
+        "vm_hwm_bytes": _vm_hwm(),
+        "arm": "runner",
+        "n": n,
+        "dtype": "float16",
+        "read_s": 0.0,
+        "fit_s": fit,
+        "n_iter": int(hp["n_iter"]),
+        "s_per_iter": fit / max(1, 2 * int(hp["n_iter"])),  # two fits: selection and refit
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "streamed": bool(hp.get("streamed")),
+        "test_top1": float(out.filter(out["metric"] == "top1")["value"][0]),
     }
 
 
@@ -193,7 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sep", type=float, default=0.15, help="std of the class means")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-iter", type=int, default=2)
-    ap.add_argument("--arms", default="memory,streamed,zarr")
+    ap.add_argument(
+        "--arms", default="memory,streamed,zarr,runner", help="runner: featcache probe's path, at the largest size only"
+    )
+    ap.add_argument("--test-rows", type=int, default=10000, help="rows of the synthetic test split")
     ap.add_argument("--sweep-shape", default="20000,256,100", help="N,D,K of the sweep arm ('' skips)")
     ap.add_argument("--store", default=None, help="synthetic store path (default: a temp dir)")
     ap.add_argument("--json", default=None)
@@ -212,6 +277,7 @@ def main(argv=None) -> int:
         return 0
     if a.write_store:
         write_store(a.store, max(sizes), a.dim, a.classes, a.seed, a.sep)
+        write_store(a.store, a.test_rows, a.dim, a.classes, a.seed, a.sep, split="test", offset=max(sizes))
         return 0
     tmp = tempfile.TemporaryDirectory(prefix="featcache-probe-scale-")
     store = a.store or os.path.join(tmp.name, "synth.zarr")
@@ -235,6 +301,8 @@ def main(argv=None) -> int:
                 str(a.seed),
                 "--sep",
                 str(a.sep),
+                "--test-rows",
+                str(a.test_rows),
             ],
             check=True,
         )
@@ -252,6 +320,8 @@ def main(argv=None) -> int:
     for n in sizes:
         by_arm = {}
         for arm in a.arms.split(","):
+            if arm == "runner" and n != max(sizes):  # the runner probes the whole stored split
+                continue
             r = run_arm(store, n, arm, a.max_iter)
             by_arm[arm] = r
             runs.append(r)

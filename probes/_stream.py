@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_HOST_BYTES = 1 << 30
 #: float32 working memory of one row block (features + logits of every active head)
 DEFAULT_BLOCK_BYTES = 64 << 20
+#: a stored chunk up to this size is decoded once per pass and cut into blocks
+MAX_CHUNK_BYTES = 128 << 20
 
 
 def in_memory_bytes(n: int, d: int, k: int, heads: int = 1) -> int:
@@ -60,13 +62,34 @@ def _rows_for(d: int, width: int, block_bytes: int) -> int:
     return int(np.clip(block_bytes // (4 * (d + 2 * width)), 64, 1 << 20))
 
 
+def raw_blocks(X, rows: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(start, end, rows of X as stored)``, each stored chunk decoded once per pass.
+
+    A chunked array (zarr) is read one stored chunk at a time (a chunk above
+    :data:`MAX_CHUNK_BYTES` is read in blocks instead, so the decode buffer stays bounded)
+    and cut into blocks of ``rows``; a numpy array yields views, no copy.
+    """
+    if hasattr(X, "iter_raw"):  # a StoredRows view gathers its rows chunk by chunk
+        yield from X.iter_raw(rows)
+        return
+    n = X.shape[0]
+    chunk = (getattr(X, "chunks", None) or (0,))[0]
+    chunk_bytes = int(chunk) * int(np.prod(X.shape[1:])) * np.dtype(X.dtype).itemsize if chunk else 0
+    unit = chunk if isinstance(chunk, int) and chunk > 0 and chunk_bytes <= MAX_CHUNK_BYTES else rows
+    for s0, e0 in row_blocks(n, unit):
+        raw = np.asarray(X[s0:e0])
+        for s, e in row_blocks(e0 - s0, rows):
+            yield s0 + s, s0 + e, raw[s:e]
+        del raw
+
+
 def check_finite_rows(X, block_bytes: int | None = None) -> None:
     """ProbeError naming the count of rows with NaN/inf, checked block by block."""
-    n, d = X.shape
+    _n, d = X.shape
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     bad = 0
-    for s, e in row_blocks(n, _rows_for(d, 0, block_bytes)):
-        bad += int((~np.isfinite(np.asarray(X[s:e]))).any(axis=1).sum())
+    for _s, _e, raw in raw_blocks(X, _rows_for(d, 0, block_bytes // 4)):
+        bad += int((~np.isfinite(raw)).any(axis=1).sum())
     if bad:
         raise ProbeError(
             f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "
@@ -80,11 +103,11 @@ def chunked_moments(X, block_bytes: int | None = None) -> tuple[np.ndarray, np.n
     Blocks are merged with Chan et al.'s pairwise update, which is stable where the naive
     ``E[x^2] - E[x]^2`` loses digits; agrees with ``X.mean(0)``/``X.std(0)`` to ~1e-12 relative.
     """
-    n, d = X.shape
+    _n, d = X.shape
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     count, mean, m2 = 0, np.zeros(d), np.zeros(d)
-    for s, e in row_blocks(n, _rows_for(2 * d, 0, block_bytes)):  # float64: half the rows
-        xb = np.asarray(X[s:e], np.float64)
+    for s, e, raw in raw_blocks(X, _rows_for(2 * d, 0, block_bytes // 4)):  # float64: half the rows
+        xb = np.asarray(raw, np.float64)
         nb = e - s
         mb = xb.mean(axis=0)
         xb -= mb  # in place: one float64 temporary per block
@@ -95,6 +118,24 @@ def chunked_moments(X, block_bytes: int | None = None) -> tuple[np.ndarray, np.n
         m2 = m2 + m2b + delta**2 * (count * nb / tot)
         count = tot
     return mean, np.sqrt(m2 / max(count, 1))
+
+
+#: rows standardised per float64 step (a 1 MB-per-100-features temporary)
+_STEP_ROWS = 512
+
+
+def standardize_into(raw: np.ndarray, mean: np.ndarray, scale: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[:m] = ((raw - mean) / scale).astype(float32)`` for ``m = len(raw)``, in float64
+    steps of :data:`_STEP_ROWS` rows (bit-identical to the whole-array expression, without its
+    ``[m, D]`` float64 temporary)."""
+    m = raw.shape[0]
+    tmp = np.empty((min(m, _STEP_ROWS), raw.shape[1]), np.float64)
+    for s, e in row_blocks(m, _STEP_ROWS):
+        t = tmp[: e - s]
+        np.subtract(raw[s:e], mean, out=t)
+        np.divide(t, scale, out=t)
+        out[s:e] = t
+    return out[:m]
 
 
 @dataclass
@@ -129,25 +170,22 @@ class RowSource:
         return torch.float32
 
     def blocks(self, width: int = 0):
-        """Yield ``(start, end, block)``; ``width`` = logit columns the caller keeps per row."""
+        """Yield ``(start, end, block)``; ``width`` = logit columns the caller keeps per row.
+
+        On the CPU every block is written into one reused float32 buffer: a block is valid
+        until the next one is requested (the caller accumulates and drops it).
+        """
         import torch
 
         n, d = self.shape
         rows = _rows_for(d, width, self.block_bytes)
-        chunk = (getattr(self.X, "chunks", None) or (0,))[0]
-        if isinstance(chunk, int) and chunk > 0:  # whole stored chunks: each read once a pass
-            rows = max(chunk, rows // chunk * chunk)
-        for s, e in row_blocks(n, rows):
-            raw = np.asarray(self.X[s:e])
+        buf = None if self._on_gpu else np.empty((min(rows, n), d), np.float32)
+        for s, e, raw in raw_blocks(self.X, rows):
             if self._on_gpu:  # the raw (float16) block goes to the device, standardised there
                 xb = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device, non_blocking=True)
                 xb = ((xb.double() - self._mean_t) / self._scale_t).float()
             else:
-                x64 = raw.astype(np.float64)  # one float64 temporary, standardised in place
-                x64 -= self.mean
-                x64 /= self.scale
-                xb = torch.from_numpy(x64.astype(np.float32))
-                del x64
+                xb = torch.from_numpy(standardize_into(raw, self.mean, self.scale, buf))
             yield s, e, xb
 
 
@@ -163,15 +201,18 @@ def stream_loss_grad(src: RowSource, yidx, theta, lam, D: int, K: int, need_grad
     loss = torch.zeros(h, dtype=torch.float64, device=dev)
     gW = torch.zeros(D, h * K, dtype=dt, device=dev) if need_grad else None
     gb = torch.zeros(h, K, dtype=dt, device=dev) if need_grad else None
+    Zbuf = None  # the logits of every block, one reused [rows, h K] buffer
     for s, e, xb in src.blocks(h * K):
         nb = e - s
-        Z = (xb @ Wc).view(nb, h, K)
+        if Zbuf is None or Zbuf.shape[0] < nb:
+            Zbuf = torch.empty(nb, h * K, dtype=dt, device=dev)
+        Z = torch.mm(xb, Wc, out=Zbuf[:nb]).view(nb, h, K)
         Z += b.unsqueeze(0)
-        m = Z.amax(dim=2, keepdim=True)
-        E = torch.exp(Z - m)
-        S = E.sum(dim=2, keepdim=True)
         yb = yidx[s:e]
         zy = Z.gather(2, yb.view(nb, 1, 1).expand(nb, h, 1)).squeeze(2)
+        m = Z.amax(dim=2, keepdim=True)
+        E = Z.sub_(m).exp_()  # in place: exp(Z - m)
+        S = E.sum(dim=2, keepdim=True)
         loss += ((m + torch.log(S)).squeeze(2) - zy).sum(dim=0, dtype=torch.float64)
         if need_grad:
             E /= S
@@ -191,8 +232,10 @@ def scores_blockwise(X, mean, scale, heads, y, block_bytes: int | None = None) -
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     hits = np.zeros(len(heads))
     width = max((W.shape[1] for W, _ in heads), default=0)
-    for s, e in row_blocks(n, _rows_for(2 * d, width, block_bytes)):
-        xb = ((np.asarray(X[s:e], np.float64) - mean) / scale).astype(np.float32).astype(np.float64)
+    rows = _rows_for(2 * d, width, block_bytes)
+    buf = np.empty((min(rows, n), d), np.float32)
+    for s, e, raw in raw_blocks(X, rows):
+        xb = standardize_into(raw, mean, scale, buf).astype(np.float64)
         for i, (W, b) in enumerate(heads):
             hits[i] += np.sum((xb @ W + b).argmax(axis=1) == y[s:e])
     return [float(h / max(n, 1)) for h in hits]

@@ -117,24 +117,30 @@ def _check_Xy(X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _is_lazy(X) -> bool:
-    """An array-like read by slicing (zarr.Array, dask, h5py) rather than a numpy array."""
+    """An array-like read by slicing (zarr.Array, dask, h5py, featcache's StoredRows) rather
+    than a numpy array."""
     return (
         not isinstance(X, np.ndarray)
         and hasattr(X, "dtype")
         and hasattr(X, "shape")
         and hasattr(X, "__getitem__")
         and len(X.shape) == 2
-        and type(X).__module__.split(".")[0] in ("zarr", "dask", "h5py")
+        and type(X).__module__.split(".")[0] in ("zarr", "dask", "h5py", "featcache")
     )
 
 
-def _validate_lazy(est, X, y):
-    """Checks of :func:`validate_fit_data` for a lazily read array, block by block."""
+def _lazy_Xy(X, y):
+    """(X, y_idx, classes) of a lazily read array, checked block by block; a view with a
+    store order (StoredRows) is put in that order, labels alike, so every stored chunk is
+    decoded once per pass (the objective is a sum over rows: the order changes nothing)."""
     from featcache.probes._stream import check_finite_rows
 
     y = np.asarray(y)
     if y.ndim != 1 or y.shape[0] != X.shape[0]:
         raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries (one per feature row), got shape {y.shape}")
+    if hasattr(X, "sorted_order"):
+        order = X.sorted_order()
+        X, y = X.take(order), y[order]
     check_finite_rows(X)
     classes, y_idx = np.unique(y, return_inverse=True)
     if classes.size < 2:
@@ -142,8 +148,14 @@ def _validate_lazy(est, X, y):
             f"the training labels hold a single class ({classes[0]!r}); a "
             "classifier needs at least two: check the split/label column"
         )
-    est.n_features_in_ = int(X.shape[1])
     return X, y_idx.astype(np.int64), classes
+
+
+def _validate_lazy(est, X, y):
+    """Checks of :func:`validate_fit_data` for a lazily read array, block by block."""
+    X, y_idx, classes = _lazy_Xy(X, y)
+    est.n_features_in_ = int(X.shape[1])
+    return X, y_idx, classes
 
 
 def _prepare(X, standardize: bool, streamed: bool, device: str):
@@ -533,7 +545,7 @@ def sweep_C(
     metric_score = _selection_scorer(metric)
     name, device = resolve_backend(backend)
     _check_sweep_mode(sweep, metric, name)
-    X, yi, classes = _check_Xy(X_train, y_train, cast=False)
+    X, yi, classes = _lazy_Xy(X_train, y_train) if _is_lazy(X_train) else _check_Xy(X_train, y_train, cast=False)
     Xv, yv = _check_val(X_val, y_val, classes)
     K = classes.size
     block, streamed = _blocks(block, device, name, X.shape, K, len(Cs), max_host_bytes)

@@ -94,11 +94,13 @@ def _cache_for(caches, backbone: str, dataset: str):
     )
 
 
-def _load_split(cache, backbone, dataset, split, kind, train_names=None, stored_dtype: bool = False) -> SplitData:
-    f = cache.load(backbone, dataset, split, kind=kind, dtype=None if stored_dtype else np.float32)
+def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: bool = False) -> SplitData:
+    """A split's valid rows in id order; ``lazy``: features stay in the store (a
+    :class:`~featcache.store.rows.StoredRows` view in the stored dtype, read block by block)."""
+    f = cache.load(backbone, dataset, split, kind=kind, lazy=lazy)
     valid = np.asarray(f.valid, bool)
     X = f.X[valid]
-    bad = ~np.isfinite(X).all(axis=1)
+    bad = _nonfinite_rows(X)
     if bad.any():
         raise ProbeError(
             f"{backbone}/{dataset}/{split}: {int(bad.sum())} rows marked valid hold NaN or inf "
@@ -133,11 +135,12 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     splits = c.splits(ds)
     if cfg.train_split not in splits:
         raise NotInStoreError(f"dataset {ds!r} has no split {cfg.train_split!r} (has {splits})")
-    tr = _load_split(c, b, ds, cfg.train_split, cfg.kind, stored_dtype=_large(c, b, ds, cfg, proto))
+    lazy = _large(c, b, ds, cfg, proto)
+    tr = _load_split(c, b, ds, cfg.train_split, cfg.kind, lazy=lazy)
     names = list(c.split_meta(ds, cfg.train_split).class_names)
     va = None
-    if cfg.val_split_used(proto, splits):
-        va = _load_split(c, b, ds, cfg.val_split, cfg.kind, names)
+    if cfg.val_split_used(proto, splits):  # lazy with train: the final fit is on train+val
+        va = _load_split(c, b, ds, cfg.val_split, cfg.kind, names, lazy=lazy)
     evals = {}
     for s in cfg.eval_splits:
         if s not in splits:
@@ -187,9 +190,21 @@ def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
     data.label_names = names
 
 
+def _nonfinite_rows(X) -> np.ndarray:
+    """Mask of the rows holding NaN or inf (a lazy view is checked block by block)."""
+    if isinstance(X, np.ndarray):
+        return ~np.isfinite(X).all(axis=1)
+    from featcache.probes._stream import raw_blocks
+
+    bad = np.zeros(len(X), bool)
+    for s, e, raw in raw_blocks(X, 4096):
+        bad[s:e] = ~np.isfinite(raw).all(axis=1)
+    return bad
+
+
 def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:
-    """Keep the train split in its stored dtype (float16) when the L-BFGS probe will stream
-    it: its float32 copy alone would exceed ``max_host_bytes``."""
+    """Leave the train split in the store, read block by block in its stored dtype, when
+    the L-BFGS probe will stream it: its float32 copy alone would exceed ``max_host_bytes``."""
     from featcache.probes._stream import use_streaming
 
     if proto.solver != "lbfgs":
@@ -232,7 +247,17 @@ def _take(train: SplitData, val: SplitData | None, pos: np.ndarray) -> tuple[np.
     a, b = pos[~in_val], pos[in_val] - n
     if not a.size:
         return val.X[b], val.y[b]
-    return np.concatenate([train.X[a], val.X[b]]), np.concatenate([train.y[a], val.y[b]])
+    parts = [train.X[a], val.X[b]]
+    if all(isinstance(p, np.ndarray) for p in parts):
+        X = np.concatenate(parts)
+    else:  # the lazy train rows stay lazy; in-memory val rows would be read again: both lazy
+        from featcache.store.rows import StoredRows
+
+        if not all(isinstance(p, StoredRows) for p in parts):
+            X = np.concatenate([np.asarray(p) for p in parts])
+        else:
+            X = StoredRows.concatenate(parts)
+    return X, np.concatenate([train.y[a], val.y[b]])
 
 
 def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, val_source: str) -> _Plan:
@@ -424,7 +449,8 @@ def _fit_ovr(plan: _Plan, opts: dict) -> tuple[Any, dict, bool, float]:
 
     from featcache.metrics import METRICS
 
-    (Xtr, _), (Xva, _), (Xfin, _) = plan.tr, plan.va, plan.fin
+    # one-vs-rest fits are in memory: a lazily loaded split is read here (stored dtype)
+    (Xtr, _), (Xva, _), (Xfin, _) = ((np.asarray(X), y) for X, y in (plan.tr, plan.va, plan.fin))
     Ytr, Yva, Yfin = plan.Y
     for name, Y in (("selection train", Ytr), ("final train", Yfin)):
         one = [c for c in range(Y.shape[1]) if Y[:, c].all() or not Y[:, c].any()]

@@ -271,9 +271,15 @@ class FeatureCache:
         allow_partial: bool = False,
         check: bool = True,
         dtype=np.float32,
+        lazy: bool = False,
     ) -> Features:
         """Load features as float32 (``dtype=None``: the stored dtype, e.g. float16 for
         out-of-core probes) with labels, ids, valid mask and provenance.
+
+        ``lazy``: ``X`` is a :class:`~featcache.store.rows.StoredRows` view in the stored
+        dtype, read on demand (for splits larger than memory); the chunks are scanned
+        once, one at a time, for the same damage checks. Rows that ``allow_partial`` marks
+        invalid keep whatever they store (drop them with ``valid``).
 
         Every chunk is checksummed; ``check`` (default) also recomputes the split's
         fingerprint from its ids/labels and checks the row invariants. Raises
@@ -295,7 +301,10 @@ class FeatureCache:
                 f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
                 "re-extract with --overwrite"
             )
-        X, valid, errors, sc = self._read_group(g, gm, kind, check, dtype)
+        if lazy:
+            X, valid, errors, sc = self._scan_group_lazy(g, gm, kind, check)
+        else:
+            X, valid, errors, sc = self._read_group(g, gm, kind, check, dtype)
         if not sc.complete:
             msg = _damage_message(f"{backbone}/{dataset}/{split}", sc)
             if not allow_partial:
@@ -305,7 +314,8 @@ class FeatureCache:
             bad[sc.bad_chunks] = True
             row_bad = np.repeat(bad, gm.chunk_rows)[: gm.n]
             valid = valid & ~row_bad
-            X[row_bad] = np.nan
+            if not lazy:
+                X[row_bad] = np.nan
         return Features(
             backbone=backbone,
             dataset=dataset,
@@ -321,6 +331,19 @@ class FeatureCache:
             errors=errors,
             complete=sc.complete,
         )
+
+    def _scan_group_lazy(self, g, gm: FeatureGroupMeta, kind: str, check: bool):
+        """(StoredRows view, valid, errors, scan): with ``check``, every marked chunk is
+        read once, one at a time, and checked as :func:`scan_group` does."""
+        from featcache.store.rows import StoredRows
+
+        if check:
+            sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
+        else:
+            sc = GroupScan(gm.n_chunks, read_done(g, gm.n_chunks))
+        valid = np.asarray(g["valid"][:], dtype=bool)
+        errors = _as_str(g["error"][:])
+        return StoredRows([g[kind]]), valid, errors, sc
 
     def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype=np.float32):
         """Whole-array reads; on any decode failure or broken invariant, a chunk-by-chunk scan
