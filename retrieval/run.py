@@ -35,7 +35,7 @@ from featcache.retrieval.revisited import (
     revisited_precision_at_k,
     revisited_table,
 )
-from featcache.retrieval.search import choose_backend, parse_memory, prepare, topk
+from featcache.retrieval.search import choose_backend, parse_memory, prepare_pair, topk
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def evaluate(
     mem = parse_memory(max_memory)
     if Xq.shape[0] != relevance.n_queries or Xg.shape[0] != relevance.n_gallery:
         raise DataError("relevance does not match the query/gallery sizes")
-    Q, G = prepare(Xq, metric), prepare(Xg, metric)
+    Q, G = prepare_pair(Xq, Xg, metric)
     if Q.shape[1] != G.shape[1]:
         raise DataError(f"query dim {Q.shape[1]} != gallery dim {G.shape[1]}; use one backbone's features")
     n_rel = relevance.n_relevant()
@@ -128,7 +128,8 @@ def _valid(f, what: str):
     ok = np.asarray(f.valid, bool)
     if not ok.all():
         log.warning("%s: dropping %d invalid row(s) (images that failed to decode)", what, int((~ok).sum()))
-    return f.X[ok], np.asarray(f.labels)[ok], np.asarray(f.ids).astype(str)[ok], int((~ok).sum())
+    X = f.X if ok.all() else f.X[ok]  # no copy when every row is valid
+    return X, np.asarray(f.labels)[ok], np.asarray(f.ids).astype(str)[ok], int((~ok).sum())
 
 
 def _file_hash(path) -> str:
@@ -215,8 +216,9 @@ def _relevance_setups(cfg: RetrievalConfig) -> list[tuple[str, tuple | None, str
 def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
     t0 = time.perf_counter()
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
-    fq = cache.load(b, cfg.dataset, cfg.query_split, cfg.kind)
-    fg = fq if cfg.same_split else cache.load(b, cfg.dataset, g_split, cfg.kind)
+    # the stored dtype (float16): prepare() makes the one float32 copy the search needs
+    fq = cache.load(b, cfg.dataset, cfg.query_split, cfg.kind, dtype=None)
+    fg = fq if cfg.same_split else cache.load(b, cfg.dataset, g_split, cfg.kind, dtype=None)
     Xq, yq, idq, bad_q = _valid(fq, f"{b}/{cfg.dataset}/{cfg.query_split}")
     Xg, yg, idg, bad_g = (Xq, yq, idq, bad_q) if cfg.same_split else _valid(fg, f"{b}/{cfg.dataset}/{g_split}")
     if list(fq.class_names) != list(fg.class_names) and not explicit:
@@ -304,7 +306,7 @@ def _revisited_means(cfg: RetrievalConfig, d: _Pair, rel) -> dict[str, float]:
     """revisitop's trapezoidal mAP and mP@k over the full ranking (needs it: not --top-k-only)."""
     if not cfg.full:
         raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
-    Q, G = prepare(d.Xq, cfg.metric), prepare(d.Xg, cfg.metric)
+    Q, G = prepare_pair(d.Xq, d.Xg, cfg.metric)
     rr = full_ranking(
         Q,
         G,
@@ -326,7 +328,7 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
     t1 = time.perf_counter()
     mem = parse_memory(cfg.max_memory)
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
-    Qc, Gc = prepare(d.Xq, "cosine"), prepare(d.Xg, "cosine")
+    Qc, Gc = prepare_pair(d.Xq, d.Xg, "cosine")
     sc, ix, used = topk(
         Qc,
         Gc,

@@ -59,9 +59,13 @@ def parse_memory(text: str | int | float | None) -> int:
 
 
 def prepare(X: np.ndarray, metric: str) -> np.ndarray:
-    """float32, C-contiguous, L2-normalised rows for cosine. Non-finite values are an error."""
+    """float32, C-contiguous, L2-normalised rows for cosine. Non-finite values are an error.
+
+    The caller's array is never modified; a float16 input is converted once and normalised
+    in place (one float32 copy at peak)."""
     if metric not in METRICS:
         raise DataError(f"unknown similarity {metric!r}; choose one of {METRICS}")
+    given = X
     X = np.ascontiguousarray(X, dtype=np.float32)
     if X.ndim != 2:
         raise DataError(f"features must be 2-sc [N, D], got shape {X.shape}")
@@ -72,9 +76,18 @@ def prepare(X: np.ndarray, metric: str) -> np.ndarray:
         zero = norms[:, 0] == 0
         if zero.any():
             log.warning("%d all-zero feature vector(s): their cosine similarity is 0 to everything", int(zero.sum()))
-        X = X / np.where(norms == 0, 1, norms)
+        if X is given or np.shares_memory(X, given):
+            X = X / np.where(norms == 0, 1, norms)
+        else:  # our own copy: normalised in place (the same float32 division)
+            X /= np.where(norms == 0, 1, norms)
         X = np.ascontiguousarray(X, dtype=np.float32)
     return X
+
+
+def prepare_pair(Xq: np.ndarray, Xg: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`prepare` of queries and gallery; one array when they are the same rows."""
+    Q = prepare(Xq, metric)
+    return Q, (Q if Xg is Xq else prepare(Xg, metric))
 
 
 def _faiss():
@@ -333,7 +346,7 @@ def topk(
     if k < 1:
         raise DataError(f"k must be >= 1, got {k}")
     if not prepared:
-        Q, G = prepare(Q, metric), prepare(G, metric)
+        Q, G = prepare_pair(Q, G, metric)
     if Q.shape[1] != G.shape[1]:
         raise DataError(f"query dim {Q.shape[1]} != gallery dim {G.shape[1]}; use features of one backbone")
     n_g = G.shape[0]
