@@ -68,13 +68,14 @@ _as_str = as_str
 
 @dataclass
 class Features:
-    """Features of one backbone x dataset x split x kind, loaded into memory."""
+    """Features of one backbone x dataset x split x kind: ``X`` in memory, or a
+    :class:`~featcache.store.rows.StoredRows` view read on demand (``load(..., lazy=True)``)."""
 
     backbone: str
     dataset: str
     split: str
     kind: str
-    X: np.ndarray
+    X: Any  # np.ndarray, or StoredRows when loaded lazily
     labels: np.ndarray
     ids: np.ndarray
     valid: np.ndarray
