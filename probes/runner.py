@@ -99,19 +99,19 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: b
     :class:`~featcache.store.rows.StoredRows` view in the stored dtype, read block by block)."""
     f = cache.load(backbone, dataset, split, kind=kind, lazy=lazy)
     valid = np.asarray(f.valid, bool)
-    X = f.X[valid]
+    ids = np.asarray(f.ids)[valid].astype(str)
+    order = np.argsort(ids, kind="stable")
+    rows = np.flatnonzero(valid)[order]
+    X = f.X[rows]  # the valid rows in id order: one copy (a view when lazy)
     bad = _nonfinite_rows(X)
     if bad.any():
         raise ProbeError(
             f"{backbone}/{dataset}/{split}: {int(bad.sum())} rows marked valid hold NaN or inf "
-            f"features (first id {f.ids[valid][bad][0]!r}); re-extract them with `featcache "
+            f"features (first id {ids[order][bad][0]!r}); re-extract them with `featcache "
             "extract ... --overwrite` or check the backbone's numerics (e.g. fp16 overflow)"
         )
     names = np.asarray(f.class_names, dtype=object)
-    labels = np.asarray(f.labels)[valid]
-    ids = np.asarray(f.ids)[valid].astype(str)
-    order = np.argsort(ids, kind="stable")
-    y_names = names[labels[order]]
+    y_names = names[np.asarray(f.labels)[rows]]
     if train_names is None:
         train_names = list(f.class_names)
     pos = {n: i for i, n in enumerate(train_names)}
@@ -123,9 +123,7 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: b
             "spec (same class list)"
         )
     y = np.fromiter((pos[n] for n in y_names), np.int64, count=y_names.size)
-    return SplitData(
-        split, X[order], y, ids[order], int((~valid).sum()), f.fingerprint, rows=np.flatnonzero(valid)[order]
-    )
+    return SplitData(split, X, y, ids[order], int((~valid).sum()), f.fingerprint, rows=rows)
 
 
 def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
@@ -147,7 +145,7 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
             raise NotInStoreError(
                 f"dataset {ds!r} has no split {s!r} to evaluate on (has {splits}); pass --eval-split with one of them"
             )
-        evals[s] = _load_split(c, b, ds, s, cfg.kind, names)
+        evals[s] = _load_split(c, b, ds, s, cfg.kind, names, lazy=lazy)  # lazy: read after the fits
         _check_disjoint(tr, evals[s])
         if va is not None:
             _check_disjoint(va, evals[s])
@@ -707,8 +705,9 @@ def _probe_one(
 def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str, ev: SplitData) -> dict[str, float]:
     """The metrics of one eval split (read once per final fit): multi-label targets get the
     ranking metrics of the per-class scores; single-label ones ``metric_names`` of the task."""
+    X = ev.X if isinstance(ev.X, np.ndarray) else np.asarray(ev.X, np.float32)  # a lazy split is read now
     if plan.Y is not None:
-        return compute_all(ev.Y, predict(ev.X), cfg.metrics or metric_names(0, cfg.metric, multilabel=True))
+        return compute_all(ev.Y, predict(X), cfg.metrics or metric_names(0, cfg.metric, multilabel=True))
     missing = np.setdiff1d(np.unique(ev.y), classes)
     if missing.size:
         raise ProbeError(
@@ -716,7 +715,7 @@ def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str
             f"saw in training ({plan.train_split}); the class sets differ between splits: "
             "use a protocol or seed whose training sample covers every class"
         )
-    P = predict(ev.X)
+    P = predict(X)
     return compute_all(np.searchsorted(classes, ev.y), P, cfg.metrics or metric_names(P.shape[1], cfg.metric))
 
 

@@ -132,4 +132,4 @@ def _check_rows(scan: GroupScan, i: int, data: dict, kinds) -> None:
 
 
 def _present(x: np.ndarray) -> np.ndarray:
-    return ~np.isnan(x.astype(np.float32, copy=False)).all(axis=1)
+    return ~np.isnan(x if x.dtype.kind == "f" else x.astype(np.float32)).all(axis=1)
