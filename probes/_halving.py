@@ -93,8 +93,9 @@ def _scan(fit: Callable, score: Callable, n_heads: int, tol: float, patience: in
     return list(range(n_heads))
 
 
-def _refine(fit, score, st, i: int, src: int, tol: float) -> None:
-    """Fit C index ``i`` to ``tol`` from the head of ``src``; record its cost and score."""
+def _refine(fit, score, st, i: int, src: int, tol: float) -> int:
+    """Fit C index ``i`` to ``tol`` from the head of ``src``; record its cost and score and
+    return the iterations it took."""
     heads = st["heads"]
     W, b, it, cv = fit([i], heads[src][0][None], heads[src][1][None], tol)
     heads[i] = (W[0], b[0])
@@ -102,28 +103,35 @@ def _refine(fit, score, st, i: int, src: int, tol: float) -> None:
     st["conv"][i] = bool(cv[0])
     st["val"][i] = float(score([i], [heads[i]])[0])
     st["status"][i] = KEPT
+    return int(it[0])
 
 
-def _climb(fit, score, st, p: int, tol: float, patience: int) -> int:
+def _climb(fit, score, st, p: int, tol: float, patience: int, margin: float) -> int:
     """Round 1: refine the scan's best ``p`` to ``tol``, then walk the path from it at
-    ``tol`` (each C from its refined neighbour), upwards while the best validation top-1
-    improves (at most ``patience`` C values without improvement), then, if nothing above
-    ``p`` won, downwards likewise (ties: smaller C). Returns the best refined index."""
+    ``tol``, each C from its refined neighbour: upwards while validation top-1 beats the
+    best so far by more than ``margin`` (stopping after ``patience`` C values that do not),
+    then, if nothing above ``p`` won, downwards while it stays within ``margin`` of the
+    best. A C whose warm start already met ``tol`` (0 iterations: its neighbour's head) is
+    no evidence and costs no patience. Returns the smallest refined C within ``margin`` of
+    the best refined validation top-1."""
     n, val = len(st["heads"]), st["val"]
     _refine(fit, score, st, p, p, tol)
-    best = p
+    done, top = [p], p
     for step in (1, -1):
-        i, since = best, 0
+        i, since = top, 0
         while since < patience and 0 <= i + step < n:
-            _refine(fit, score, st, i + step, i, tol)
+            moved = _refine(fit, score, st, i + step, i, tol)
             i += step
-            if val[i] > val[best] or (step < 0 and val[i] == val[best]):
-                best, since = i, 0
-            else:
+            done.append(i)
+            best = max(val[j] for j in done)
+            if (step > 0 and val[i] > val[top] + margin) or (step < 0 and val[i] >= best - margin):
+                top, since = i, 0
+            elif moved:
                 since += 1
-        if best != p:  # the side above won: below p is the losing side of a peak
+        if top != p:  # the side above won: below p is the losing side of a peak
             break
-    return best
+    best = max(val[j] for j in done)
+    return min(j for j in done if val[j] >= best - margin)
 
 
 def halving_sweep(
@@ -135,13 +143,17 @@ def halving_sweep(
     scan_tol: float,
     patience: int | None = 4,
     climb_patience: int = 2,
+    margin: float = 1e-3,
 ) -> HalvingOutcome:
     """Scan, then climb from the scan's best, over heads ``0..n_heads-1`` (increasing C).
 
     ``fit(idx, W0, b0, tol)`` fits heads ``idx`` to tolerance ``tol`` (within the caller's
     ``max_iter``) from per-head starts (``W0 [h, D, K]``, ``b0 [h, K]``; ``None`` = the
     sweep's initial head) and returns ``(W, b, n_iter, converged)``; ``score(idx, heads)``
-    returns validation top-1 per head. ``patience=None`` scans the whole grid.
+    returns validation top-1 per head. ``patience=None`` scans the whole grid. The
+    selection is the smallest refined C within ``margin`` (default 0.1 point of top-1) of
+    the best refined one: near the best C, heads converged to ``tol`` from different
+    starting points differ by about that much on validation.
     """
     check_schedule(climb_patience, patience, scan_tol, tol)
     st = {
@@ -158,7 +170,7 @@ def halving_sweep(
     rounds = [
         {"round": "scan", "tol": scan_tol, "fitted": len(scanned), "best": p, "head_iters": int(st["n_it"].sum())}
     ]
-    best = _climb(fit, score, st, p, tol, climb_patience)
+    best = _climb(fit, score, st, p, tol, climb_patience, margin)
     refined = [i for i, s in enumerate(st["status"]) if s == KEPT and st["heads"][i] is not None]
     rounds.append({"round": "climb", "tol": tol, "fitted": len(refined), "head_iters": int(st["n_it"].sum())})
     log.debug("sweep: scan best C index %d, climb refined %s, selected %d", p, refined, best)
