@@ -83,7 +83,7 @@ def _scan(fit: Callable, score: Callable, n_heads: int, tol: float, patience: in
         W, b, it, _cv = fit([i], *start, tol)
         st["heads"][i] = (W[0], b[0])
         st["n_it"][i] += int(it[0])
-        st["val"][i] = v = float(score([i], [st["heads"][i]])[0])
+        st["val"][i] = v = _score(score, st, i, i - 1 if prev is not None and not it[0] else None)
         best, since = (v, 0) if v > best else (best, since + 1)
         if patience is not None and since >= patience and i + 1 < n_heads:
             for j in range(i + 1, n_heads):
@@ -91,6 +91,14 @@ def _scan(fit: Callable, score: Callable, n_heads: int, tol: float, patience: in
             log.debug("sweep scan stopped at C index %d, %d C values past the best", i, since)
             return list(range(i + 1))
     return list(range(n_heads))
+
+
+def _score(score: Callable, st: dict, i: int, same_as: int | None) -> float:
+    """Validation top-1 of head ``i``; a head that took 0 iterations from the head of
+    ``same_as`` is that head (the solver returns its start unchanged): its score is copied."""
+    if same_as is not None:
+        return float(st["val"][same_as])
+    return float(score([i], [st["heads"][i]])[0])
 
 
 def _refine(fit, score, st, i: int, src: int, tol: float) -> int:
@@ -101,7 +109,7 @@ def _refine(fit, score, st, i: int, src: int, tol: float) -> int:
     heads[i] = (W[0], b[0])
     st["n_it"][i] += int(it[0])
     st["conv"][i] = bool(cv[0])
-    st["val"][i] = float(score([i], [heads[i]])[0])
+    st["val"][i] = _score(score, st, i, src if src != i and not it[0] else None)
     st["status"][i] = KEPT
     return int(it[0])
 

@@ -181,6 +181,8 @@ def test_halving_selects_the_exhaustive_C_on_digits(digits_split):
     X, y, tr, va = digits_split
     ex, hv = _check_against_exhaustive(X[tr], y[tr], X[va], y[va])
     assert hv.info["head_iters"] < 0.8 * ex.info["head_iters"]
+    again = sweep_C(X[tr], y[tr], X[va], y[va], DEFAULT_CS, backend="torch", sweep="halving")
+    assert (again.best_index, again.n_iter, again.info["status"]) == (hv.best_index, hv.n_iter, hv.info["status"])
 
 
 def test_halving_selects_the_exhaustive_C_on_fashion_mnist(fmnist_split):
