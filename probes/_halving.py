@@ -1,5 +1,5 @@
-"""A C sweep that costs a few fits: a loose, early-stopped scan of the warm-started
-regularisation path, then the best few C values refined to full tolerance.
+"""A C sweep that costs about two fits: a loose, early-stopped scan of the warm-started
+regularisation path, then a climb along the path at full tolerance from the scan's best.
 
 Round 0 *scans* the path: C values are fitted one at a time in increasing order, each
 from its smaller neighbour's coefficients, to a loose tolerance (``scan_tol``, e.g. 10x
@@ -9,14 +9,20 @@ consecutive C values have not improved the best validation top-1 seen so far; th
 C values are dropped unfitted ("past the scan's peak"): they are the expensive end of the
 path (weak regularisation, ill-conditioned) and lose on a curve that has turned over.
 
-Round 1 keeps the ``keep`` best scanned C values by validation top-1 (ties: smaller C) and
-continues them, in one batched fit, from their own scan coefficients to the full tolerance;
-the best of them by validation top-1 is selected (ties: smaller C).
+Round 1 *climbs*: the scan's best C continues from its own coefficients to the full
+tolerance; then the path is walked from it at full tolerance, each C from its refined
+neighbour, upwards while validation top-1 beats the best by more than ``margin`` (0.1
+point), stopping after ``climb_patience`` C values that do not, and downwards instead when
+nothing above won. The loose scan tends to peak a C value or two low (a loose head at large
+C is under-fitted), which the climb corrects at the price of a few neighbour fits. A C whose
+warm start already meets the tolerance (0 iterations: its neighbour's head, the same
+score) is no evidence and costs no patience. The selection is the smallest refined C within
+``margin`` of the best refined score.
 
-Cost is counted in head-iterations (one head, one pass over the training rows): at
-ImageNet scale the GEMMs ``X @ W`` dominate, so head-iterations are wall time up to a
-constant. The exhaustive sweep converges every C to the full tolerance, which near and
-above the best C costs a large fraction of a fit per C.
+Cost is counted in head-iterations (one head, one L-BFGS iteration over the training
+rows): at ImageNet scale the GEMMs ``X @ W`` dominate, so head-iterations are wall time up
+to a constant. The exhaustive sweep converges every C to the full tolerance, and near and
+above the best C each of them costs a large fraction of a fit.
 """
 
 from __future__ import annotations
