@@ -523,12 +523,16 @@ def sweep_C(
     one (e.g. ``10 * tol``) is faster but can flip near-tied validation scores: on lite0
     Fashion-MNIST features it moved the selection one grid point away from scikit-learn's.
 
-    ``sweep="halving"`` (torch, top-1): a scan and one halving round
-    (:mod:`featcache.probes._halving`): the C grid is walked upwards one C at a time, each
-    from its neighbour's coefficients, to the loose tolerance ``halving_scan_tol`` (default
-    ``10 * sweep_tol``), stopping ``halving_patience`` C values after the best validation
-    top-1 (``None``: the whole grid); the ``halving_keep`` best then continue to
-    ``sweep_tol``. C values never fitted have ``val_top1`` nan and ``heads`` None.
+    ``sweep="halving"`` (torch, top-1; :mod:`featcache.probes._halving`): a scan, then a
+    climb. The C grid is walked upwards one C at a time, each from its neighbour's
+    coefficients, to the loose tolerance ``halving_scan_tol`` (default ``10 * sweep_tol``),
+    stopping ``halving_patience`` C values after the best validation top-1 (``None``: the
+    whole grid); the scan's best then continues to ``sweep_tol`` and the path is walked
+    from it at ``sweep_tol`` while validation top-1 improves by more than 0.1 point
+    (``halving_climb`` C values without improvement end the walk). The selection is the
+    smallest refined C within 0.1 point of the best refined one. C values never fitted
+    have ``val_top1`` nan and ``heads`` None; ``info["status"]`` says, per C, whether it
+    was refined, only scanned or never fitted.
     ``max_host_bytes``: stream the training rows in blocks above this in-memory footprint
     (see :class:`LogisticProbe`).
     """
