@@ -518,8 +518,9 @@ def sweep_C(
     metric: str = "top1",
     max_host_bytes: int | None = None,
     sweep: str = "exhaustive",
-    halving_iter0: int = 10,
-    halving_eta: int = 3,
+    halving_climb: int = 2,
+    halving_patience: int | None = 4,
+    halving_scan_tol: float | None = None,
 ) -> SweepResult:
     """Fit every C on train, score ``metric`` (a single-label task metric, default top-1)
     on val (never test), return the selection.
@@ -534,10 +535,16 @@ def sweep_C(
     one (e.g. ``10 * tol``) is faster but can flip near-tied validation scores: on lite0
     Fashion-MNIST features it moved the selection one grid point away from scikit-learn's.
 
-    ``sweep="halving"`` (torch): successive halving on the warm-started path
-    (:mod:`featcache.probes._halving`): round 0 walks the C grid upwards one C at a time,
-    each from its neighbour's coefficients, for at most ``halving_iter0`` iterations; each
-    later round keeps the best ``1/halving_eta`` and multiplies the budget by it.
+    ``sweep="halving"`` (torch, top-1; :mod:`featcache.probes._halving`): a scan, then a
+    climb. The C grid is walked upwards one C at a time, each from its neighbour's
+    coefficients, to the loose tolerance ``halving_scan_tol`` (default ``10 * sweep_tol``),
+    stopping ``halving_patience`` C values after the best validation top-1 (``None``: the
+    whole grid); the scan's best then continues to ``sweep_tol`` and the path is walked
+    from it at ``sweep_tol`` while validation top-1 improves by more than 0.1 point
+    (``halving_climb`` C values without improvement end the walk). The selection is the
+    smallest refined C within 0.1 point of the best refined one. C values never fitted
+    have ``val_top1`` nan and ``heads`` None; ``info["status"]`` says, per C, whether it
+    was refined, only scanned or never fitted.
     ``max_host_bytes``: stream the training rows in blocks above this in-memory footprint
     (see :class:`LogisticProbe`).
     """
@@ -545,6 +552,12 @@ def sweep_C(
     metric_score = _selection_scorer(metric)
     name, device = resolve_backend(backend)
     _check_sweep_mode(sweep, metric, name)
+    stol = tol if sweep_tol is None else float(sweep_tol)
+    scan_tol = 10 * stol if halving_scan_tol is None else float(halving_scan_tol)
+    if sweep == "halving":
+        from featcache.probes._halving import check_schedule
+
+        check_schedule(halving_climb, halving_patience, scan_tol, stol)
     X, yi, classes = _lazy_Xy(X_train, y_train) if _is_lazy(X_train) else _check_Xy(X_train, y_train, cast=False)
     Xv, yv = _check_val(X_val, y_val, classes)
     K = classes.size
@@ -554,19 +567,22 @@ def sweep_C(
     if head_init is not None:
         c0, i0 = _softmax_init(np.asarray(head_init, np.float64), None, K)
         W0, b0 = scaler.from_raw(c0, i0)
-    stol = tol if sweep_tol is None else float(sweep_tol)
     score = _val_scorer(Xv, yv, scaler, streamed)
     t0 = time.perf_counter()
     info: dict = {"sweep": sweep, "streamed": bool(streamed)}
     if sweep == "halving":
-        out = _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, halving_iter0, halving_eta)
+        sched = (halving_climb, halving_patience, scan_tol)
+        out = _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, sched)
         heads, n_iters, convs, val, best = (out.heads, out.n_iter, out.converged, out.val, out.best_index)
         scores = val
         info.update(
             head_iters=out.head_iters,
             rounds=len(out.rounds),
-            halving_iter0=int(halving_iter0),
-            halving_eta=int(halving_eta),
+            halving_climb=int(halving_climb),
+            halving_patience=halving_patience,
+            halving_scan_tol=scan_tol,
+            round_log=out.rounds,
+            status=out.status,
         )
     else:
         heads, n_iters, convs = _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block)
@@ -575,7 +591,7 @@ def sweep_C(
         best = select_index(scores)
         info["head_iters"] = int(sum(n_iters))
     seconds = time.perf_counter() - t0
-    raw = [scaler.to_raw(Wh, bh) for Wh, bh in heads]
+    raw = [None if h is None else scaler.to_raw(*h) for h in heads]
     return SweepResult(
         Cs=Cs,
         val_top1=val,
@@ -665,17 +681,18 @@ def _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block):
     return heads, n_iters, convs
 
 
-def _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, iter0, eta):
+def _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, sched):
     from featcache.probes._halving import halving_sweep
 
-    def fit(idx, Ws, bs, iters):  # round 0: one C at a time, each from its neighbour
+    def fit(idx, Ws, bs, tol):  # Ws None: the scan's first C, from the initial head
         Wst, bst = (W0, b0) if Ws is None else (Ws, bs)
         W, b, n_iter, conv, _ = _fit_torch(
-            Xs, yi, K, [Cs[i] for i in idx], device, iters, stol, Wst, bst, block=1 if Ws is None else block
+            Xs, yi, K, [Cs[i] for i in idx], device, max_iter, tol, Wst, bst, block=block
         )
         return W, b, n_iter, conv
 
-    return halving_sweep(fit, score, len(Cs), max_iter=max_iter, iter0=iter0, eta=eta)
+    climb, patience, scan_tol = sched
+    return halving_sweep(fit, score, len(Cs), tol=stol, scan_tol=scan_tol, patience=patience, climb_patience=climb)
 
 
 def _metric_scores(Xv, yv, scaler: Scaler, heads, metric_score) -> list[float]:

@@ -331,8 +331,7 @@ def _fit_lbfgs(plan: _Plan, opts: dict, head_init) -> tuple[Any, dict, bool, flo
         hp.update(
             sweep="halving",
             sweep_head_iters=sw.info["head_iters"],
-            halving_iter0=sw.info["halving_iter0"],
-            halving_eta=sw.info["halving_eta"],
+            **{k: v for k, v in sw.info.items() if k.startswith("halving_")},
         )
     if probe.streamed_ or sw.info.get("streamed"):
         hp["streamed"] = True
