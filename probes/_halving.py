@@ -79,9 +79,15 @@ def check_schedule(climb_patience: int, patience: int | None, scan_tol: float, t
         )
 
 
-def _scan(fit: Callable, score: Callable, n_heads: int, tol: float, patience: int | None, st: dict) -> list[int]:
+def _scan(
+    fit: Callable, score: Callable, n_heads: int, tol: float, patience: int | None, st: dict, margin: float
+) -> list[int]:
     """Round 0: walk the path upwards to tolerance ``tol``, each C started from its
-    smaller neighbour; returns the scanned C (the rest are past the scan's peak)."""
+    smaller neighbour; returns the scanned C (the rest are past the scan's peak).
+
+    Only a C that scores more than ``margin`` below the best so far counts against the
+    patience: a flat stretch (the smallest C values all predict the majority class; a
+    plateau at the top) never stops the scan."""
     best, since = -np.inf, 0
     for i in range(n_heads):
         prev = st["heads"][i - 1] if i else None
@@ -90,7 +96,10 @@ def _scan(fit: Callable, score: Callable, n_heads: int, tol: float, patience: in
         st["heads"][i] = (W[0], b[0])
         st["n_it"][i] += int(it[0])
         st["val"][i] = v = _score(score, st, i, i - 1 if prev is not None and not it[0] else None)
-        best, since = (v, 0) if v > best else (best, since + 1)
+        if v > best:
+            best, since = v, 0
+        elif v < best - margin:
+            since += 1
         if patience is not None and since >= patience and i + 1 < n_heads:
             for j in range(i + 1, n_heads):
                 st["status"][j] = PAST_PEAK
@@ -177,7 +186,7 @@ def halving_sweep(
         "conv": np.zeros(n_heads, bool),
         "status": [KEPT] * n_heads,
     }
-    scanned = _scan(fit, score, n_heads, scan_tol, patience, st)
+    scanned = _scan(fit, score, n_heads, scan_tol, patience, st, margin)
     for i in scanned:
         st["status"][i] = SCANNED
     p = best_of(scanned, st["val"])

@@ -116,6 +116,16 @@ def test_scan_stops_after_patience_and_starts_from_the_initial_head():
     assert Toy(curve).run(patience=None, climb_patience=1).best_index == 6
 
 
+def test_a_flat_start_or_plateau_does_not_stop_the_scan():
+    """The smallest C values all predict the majority class (a flat start), and a plateau
+    within the margin of the best is no loss: only clearly worse C values count."""
+    curve = [0.1] * 10 + [0.1 + 0.04 * k for k in range(1, 11)] + [0.5, 0.5, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1]
+    out = Toy(curve).run(patience=2, climb_patience=1)
+    assert out.best_index == 19
+    assert out.status[10:20].count(PAST_PEAK) == 0
+    assert out.status[-2:] == [PAST_PEAK, PAST_PEAK]  # stopped 2 clearly worse C values past the plateau
+
+
 def test_climb_walks_through_heads_that_did_not_move():
     """A C whose warm start already meets the tolerance (0 iterations) is a copy of its
     neighbour: it costs no patience, so the climb reaches the later, real improvement;
