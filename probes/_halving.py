@@ -5,7 +5,8 @@ Round 0 *scans* the path: C values are fitted one at a time in increasing order,
 from its smaller neighbour's coefficients, to a loose tolerance (``scan_tol``, e.g. 10x
 the sweep's). Along the path this is a continuation method: each C starts close to its
 (loose) optimum, so the whole scan costs about one fit. The scan stops once ``patience``
-consecutive C values have not improved the best validation top-1 seen so far; the larger
+C values have scored clearly (more than ``margin``) below the best validation top-1 seen so
+far (a flat stretch, such as the smallest C values all predicting one class, does not count); the larger
 C values are dropped unfitted ("past the scan's peak"): they are the expensive end of the
 path (weak regularisation, ill-conditioned) and lose on a curve that has turned over.
 

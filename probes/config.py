@@ -52,7 +52,7 @@ class ProbeConfig:
     tol: float = flag(1e-4, type=float)
     sweep: str = flag(
         "exhaustive",
-        "C selection: every C to convergence, or successive halving on the warm-started path (torch backend)",
+        "C selection: every C to convergence, or a loose early-stopped scan of the warm-started path, then a climb from its best at full tolerance (torch backend)",
         choices=["exhaustive", "halving"],
     )
     max_host_bytes: int | None = flag(

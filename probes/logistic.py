@@ -538,8 +538,8 @@ def sweep_C(
     ``sweep="halving"`` (torch, top-1; :mod:`featcache.probes._halving`): a scan, then a
     climb. The C grid is walked upwards one C at a time, each from its neighbour's
     coefficients, to the loose tolerance ``halving_scan_tol`` (default ``10 * sweep_tol``),
-    stopping ``halving_patience`` C values after the best validation top-1 (``None``: the
-    whole grid); the scan's best then continues to ``sweep_tol`` and the path is walked
+    stopping once ``halving_patience`` C values have scored more than 0.1 point below the
+    best validation top-1 (a flat stretch does not count; ``None``: the whole grid); the scan's best then continues to ``sweep_tol`` and the path is walked
     from it at ``sweep_tol`` while validation top-1 improves by more than 0.1 point
     (``halving_climb`` C values without improvement end the walk). The selection is the
     smallest refined C within 0.1 point of the best refined one. C values never fitted
