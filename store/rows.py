@@ -71,6 +71,8 @@ class StoredRows:
                     raise IndexError(f"boolean mask of {idx.size} entries for {len(self)} rows")
                 idx = np.flatnonzero(idx)
             return StoredRows(self._arrays, self._part[idx], self._pos[idx])
+        if isinstance(key, (int, np.integer)):  # one row: read just its chunk
+            return np.asarray(self[np.array([key])])[0]
         if isinstance(key, tuple) and key and not isinstance(key[0], (int, np.integer)):
             return np.asarray(self[key[0]])[(slice(None), *key[1:])]
         return np.asarray(self)[key]

@@ -86,6 +86,11 @@ def test_store_order_decodes_each_chunk_once(tmp_path):
     assert counted.reads == len(np.unique(np.sort(perm) // 10))
     with pytest.raises(IndexError, match="boolean mask"):
         v[np.ones(3, bool)]
+    counted.reads = 0
+    np.testing.assert_array_equal(v[-1], ref[0][perm[-1]])  # one row reads one chunk
+    assert counted.reads == 1
+    with pytest.raises(IndexError):
+        v[70]
 
 
 def test_lazy_load_matches_eager_and_finds_damage(digits_cache, tmp_path):
