@@ -13,18 +13,6 @@ LITE0 = "tf_efficientnet_lite0"
 SMALL_BLOCKS = 200_000  # bytes: ~64-row blocks on 1,280-d features, so every fit has >20 blocks
 
 
-@pytest.fixture(scope="module")
-def digits16(digits_cache):
-    """lite0 digits train features as stored (float16), and a fixed train/val split."""
-    from featcache.store import open_cache
-
-    tr = open_cache(digits_cache).load(LITE0, "digits", "train")
-    X, y = tr.X.astype(np.float16), np.asarray(tr.labels)
-    p = np.random.default_rng(0).permutation(y.size)
-    k = int(0.75 * y.size)
-    return X, y, p[:k], p[k:]
-
-
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(_stream, "DEFAULT_BLOCK_BYTES", SMALL_BLOCKS)

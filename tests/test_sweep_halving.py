@@ -141,8 +141,8 @@ def test_climb_walks_through_heads_that_did_not_move():
     assert Toy([0.1, 0.9, 0.9011, 0.2]).run(patience=None, climb_patience=2).best_index == 2
 
 
-def test_schedule_errors_say_what_to_change(digits_split):
-    X, y, tr, va = digits_split
+def test_schedule_errors_say_what_to_change(digits16):
+    X, y, tr, va = digits16
     args = (X[tr], y[tr], X[va], y[va], [1.0, 2.0])
     with pytest.raises(ProbeError, match="halving_climb"):
         sweep_C(*args, backend="torch", sweep="halving", halving_climb=0)
@@ -150,17 +150,6 @@ def test_schedule_errors_say_what_to_change(digits_split):
         sweep_C(*args, backend="torch", sweep="halving", halving_patience=0)
     with pytest.raises(ProbeError, match="halving_scan_tol"):
         sweep_C(*args, backend="torch", sweep="halving", halving_scan_tol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def digits_split(digits_cache):
-    from featcache.store import open_cache
-
-    tr = open_cache(digits_cache).load(LITE0, "digits", "train")
-    X, y = tr.X.astype(np.float16), np.asarray(tr.labels)
-    p = np.random.default_rng(0).permutation(y.size)
-    k = int(0.75 * y.size)
-    return X, y, p[:k], p[k:]
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +176,8 @@ def _check_against_exhaustive(Xt, yt, Xv, yv):
     return ex, hv
 
 
-def test_halving_selects_the_exhaustive_C_on_digits(digits_split):
-    X, y, tr, va = digits_split
+def test_halving_selects_the_exhaustive_C_on_digits(digits16):
+    X, y, tr, va = digits16
     ex, hv = _check_against_exhaustive(X[tr], y[tr], X[va], y[va])
     assert hv.info["head_iters"] < 0.8 * ex.info["head_iters"]
     again = sweep_C(X[tr], y[tr], X[va], y[va], DEFAULT_CS, backend="torch", sweep="halving")
