@@ -551,13 +551,9 @@ def sweep_C(
     Cs = sorted(float(c) for c in Cs)
     metric_score = _selection_scorer(metric)
     name, device = resolve_backend(backend)
-    _check_sweep_mode(sweep, metric, name)
     stol = tol if sweep_tol is None else float(sweep_tol)
-    scan_tol = 10 * stol if halving_scan_tol is None else float(halving_scan_tol)
-    if sweep == "halving":
-        from featcache.probes._halving import check_schedule
-
-        check_schedule(halving_climb, halving_patience, scan_tol, stol)
+    sched = (halving_climb, halving_patience, 10 * stol if halving_scan_tol is None else float(halving_scan_tol))
+    _check_sweep_mode(sweep, metric, name, sched, stol)
     X, yi, classes = _lazy_Xy(X_train, y_train) if _is_lazy(X_train) else _check_Xy(X_train, y_train, cast=False)
     Xv, yv = _check_val(X_val, y_val, classes)
     K = classes.size
@@ -571,19 +567,10 @@ def sweep_C(
     t0 = time.perf_counter()
     info: dict = {"sweep": sweep, "streamed": bool(streamed)}
     if sweep == "halving":
-        sched = (halving_climb, halving_patience, scan_tol)
         out = _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, sched)
         heads, n_iters, convs, val, best = (out.heads, out.n_iter, out.converged, out.val, out.best_index)
         scores = val
-        info.update(
-            head_iters=out.head_iters,
-            rounds=len(out.rounds),
-            halving_climb=int(halving_climb),
-            halving_patience=halving_patience,
-            halving_scan_tol=scan_tol,
-            round_log=out.rounds,
-            status=out.status,
-        )
+        info.update(_halving_info(out, sched))
     else:
         heads, n_iters, convs = _sweep_all(name, Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block)
         val = score(range(len(heads)), heads)
@@ -608,7 +595,9 @@ def sweep_C(
     )
 
 
-def _check_sweep_mode(sweep: str, metric: str, backend: str) -> None:
+def _check_sweep_mode(sweep: str, metric: str, backend: str, sched=None, stol: float | None = None) -> None:
+    """ProbeError for a sweep mode the task or backend cannot run (and, for halving, a
+    schedule ``(climb, patience, scan_tol)`` it cannot run), before any fitting."""
     if sweep not in ("exhaustive", "halving"):
         raise ProbeError(f"sweep must be 'exhaustive' or 'halving', got {sweep!r}")
     if sweep == "halving" and metric != "top1":
@@ -619,6 +608,10 @@ def _check_sweep_mode(sweep: str, metric: str, backend: str) -> None:
         raise ProbeError(
             f"sweep='halving' needs the torch backend (got {backend!r}); pass backend='torch' or sweep='exhaustive'"
         )
+    if sweep == "halving" and sched is not None:
+        from featcache.probes._halving import check_schedule
+
+        check_schedule(sched[0], sched[1], sched[2], stol)
 
 
 def _blocks(block, device: str, backend: str, shape, K: int, n_C: int, max_host_bytes) -> tuple:
@@ -693,6 +686,20 @@ def _halving(Xs, yi, K, Cs, device, max_iter, stol, W0, b0, block, score, sched)
 
     climb, patience, scan_tol = sched
     return halving_sweep(fit, score, len(Cs), tol=stol, scan_tol=scan_tol, patience=patience, climb_patience=climb)
+
+
+def _halving_info(out, sched) -> dict:
+    """What a halving sweep records (hparams ``halving_*`` and the per-round log)."""
+    climb, patience, scan_tol = sched
+    return {
+        "head_iters": out.head_iters,
+        "rounds": len(out.rounds),
+        "halving_climb": int(climb),
+        "halving_patience": patience,
+        "halving_scan_tol": scan_tol,
+        "round_log": out.rounds,
+        "status": out.status,
+    }
 
 
 def _metric_scores(Xv, yv, scaler: Scaler, heads, metric_score) -> list[float]:
