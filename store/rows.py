@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from featcache.errors import SchemaMismatchError
+
 
 class StoredRows:
     """Rows ``pos`` of stored arrays ``arrays[part]``, in this order (nothing read yet)."""
@@ -26,11 +28,15 @@ class StoredRows:
     def __init__(self, arrays: Sequence[Any], part: np.ndarray | None = None, pos: np.ndarray | None = None):
         self._arrays = tuple(arrays)
         if not self._arrays:
-            raise ValueError("StoredRows needs at least one stored array")
+            raise SchemaMismatchError("StoredRows needs at least one stored array")
         d = {tuple(a.shape[1:]) for a in self._arrays}
         dt = {np.dtype(a.dtype) for a in self._arrays}
         if len(d) != 1 or len(dt) != 1:
-            raise ValueError(f"stored arrays differ in row shape or dtype: {sorted(d)}, {sorted(map(str, dt))}")
+            raise SchemaMismatchError(
+                f"cannot join stored rows of different shapes or dtypes ({sorted(d)}, {sorted(map(str, dt))}): "
+                "the splits come from different backbones, feature kinds or precisions; use one backbone's "
+                "features of one kind, extracted with the same --precision"
+            )
         if pos is None:
             n = self._arrays[0].shape[0]
             pos, part = np.arange(n, dtype=np.int64), np.zeros(n, np.int16)

@@ -75,6 +75,16 @@ def test_views_compose_like_numpy(tmp_path_factory, first, second, rows):
     np.testing.assert_array_equal(np.asarray(v.take(order)), x[order])
 
 
+def test_rows_of_different_shapes_or_dtypes_do_not_join(tmp_path):
+    from featcache.errors import SchemaMismatchError
+
+    arrays, _ = _arrays(tmp_path, shapes=((10, 4), (10, 5)))
+    with pytest.raises(SchemaMismatchError, match="one backbone's features of one kind"):
+        StoredRows.concatenate([StoredRows([arrays[0]]), StoredRows([arrays[1]])])
+    with pytest.raises(SchemaMismatchError, match="at least one"):
+        StoredRows([])
+
+
 def test_store_order_decodes_each_chunk_once(tmp_path):
     arrays, ref = _arrays(tmp_path, shapes=((100, 4),), chunk=10)
     counted = _Counting(arrays[0])
