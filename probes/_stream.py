@@ -83,13 +83,20 @@ def raw_blocks(X, rows: int) -> Iterator[tuple[int, int, np.ndarray]]:
         del raw
 
 
+def nonfinite_rows(X, block_bytes: int | None = None) -> np.ndarray:
+    """Mask of the rows of ``X`` holding NaN or inf, checked block by block (a lazily read
+    array is never held whole)."""
+    n, d = X.shape
+    block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
+    bad = np.zeros(n, bool)
+    for s, e, raw in raw_blocks(X, _rows_for(d, 0, block_bytes // 4)):
+        bad[s:e] = ~np.isfinite(raw).all(axis=1)
+    return bad
+
+
 def check_finite_rows(X, block_bytes: int | None = None) -> None:
     """ProbeError naming the count of rows with NaN/inf, checked block by block."""
-    _n, d = X.shape
-    block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
-    bad = 0
-    for _s, _e, raw in raw_blocks(X, _rows_for(d, 0, block_bytes // 4)):
-        bad += int((~np.isfinite(raw)).any(axis=1).sum())
+    bad = int(nonfinite_rows(X, block_bytes).sum())
     if bad:
         raise ProbeError(
             f"{bad} feature rows contain NaN or inf; drop them (rows with valid=False) or "

@@ -539,8 +539,9 @@ def sweep_C(
     climb. The C grid is walked upwards one C at a time, each from its neighbour's
     coefficients, to the loose tolerance ``halving_scan_tol`` (default ``10 * sweep_tol``),
     stopping once ``halving_patience`` C values have scored more than 0.1 point below the
-    best validation top-1 (a flat stretch does not count; ``None``: the whole grid); the scan's best then continues to ``sweep_tol`` and the path is walked
-    from it at ``sweep_tol`` while validation top-1 improves by more than 0.1 point
+    best validation top-1 (a flat stretch does not count; ``None``: the whole grid); the
+    scan's best then continues to ``sweep_tol`` and the path is walked from it at
+    ``sweep_tol`` while validation top-1 improves by more than 0.1 point
     (``halving_climb`` C values without improvement end the walk). The selection is the
     smallest refined C within 0.1 point of the best refined one. C values never fitted
     have ``val_top1`` nan and ``heads`` None; ``info["status"]`` says, per C, whether it
@@ -595,7 +596,7 @@ def sweep_C(
     )
 
 
-def _check_sweep_mode(sweep: str, metric: str, backend: str, sched=None, stol: float | None = None) -> None:
+def _check_sweep_mode(sweep: str, metric: str, backend: str, sched: tuple, stol: float) -> None:
     """ProbeError for a sweep mode the task or backend cannot run (and, for halving, a
     schedule ``(climb, patience, scan_tol)`` it cannot run), before any fitting."""
     if sweep not in ("exhaustive", "halving"):
@@ -608,7 +609,7 @@ def _check_sweep_mode(sweep: str, metric: str, backend: str, sched=None, stol: f
         raise ProbeError(
             f"sweep='halving' needs the torch backend (got {backend!r}); pass backend='torch' or sweep='exhaustive'"
         )
-    if sweep == "halving" and sched is not None:
+    if sweep == "halving":
         from featcache.probes._halving import check_schedule
 
         check_schedule(sched[0], sched[1], sched[2], stol)

@@ -21,6 +21,7 @@ import numpy as np
 
 from featcache.errors import NotInStoreError, ProbeError
 from featcache.metrics import MULTILABEL_METRICS, compute_all, metric_names
+from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
 from featcache.probes.logistic import (
     LogisticProbe,
@@ -29,6 +30,7 @@ from featcache.probes.logistic import (
     sweep_C,
 )
 from featcache.protocols import Protocol, SplitPlan
+from featcache.store.rows import StoredRows
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: b
     order = np.argsort(ids, kind="stable")
     rows = np.flatnonzero(valid)[order]
     X = f.X[rows]  # the valid rows in id order: one copy (a view when lazy)
-    bad = _nonfinite_rows(X)
+    bad = nonfinite_rows(X)
     if bad.any():
         raise ProbeError(
             f"{backbone}/{dataset}/{split}: {int(bad.sum())} rows marked valid hold NaN or inf "
@@ -188,18 +190,6 @@ def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
     data.label_names = names
 
 
-def _nonfinite_rows(X) -> np.ndarray:
-    """Mask of the rows holding NaN or inf (a lazy view is checked block by block)."""
-    if isinstance(X, np.ndarray):
-        return ~np.isfinite(X).all(axis=1)
-    from featcache.probes._stream import raw_blocks
-
-    bad = np.zeros(len(X), bool)
-    for s, e, raw in raw_blocks(X, 4096):
-        bad[s:e] = ~np.isfinite(raw).all(axis=1)
-    return bad
-
-
 def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:
     """Leave the train split in the store, read block by block in its stored dtype, when
     the L-BFGS probe will stream it: its float32 copy alone would exceed ``max_host_bytes``."""
@@ -245,16 +235,8 @@ def _take(train: SplitData, val: SplitData | None, pos: np.ndarray) -> tuple[np.
     a, b = pos[~in_val], pos[in_val] - n
     if not a.size:
         return val.X[b], val.y[b]
-    parts = [train.X[a], val.X[b]]
-    if all(isinstance(p, np.ndarray) for p in parts):
-        X = np.concatenate(parts)
-    else:  # the lazy train rows stay lazy; in-memory val rows would be read again: both lazy
-        from featcache.store.rows import StoredRows
-
-        if not all(isinstance(p, StoredRows) for p in parts):
-            X = np.concatenate([np.asarray(p) for p in parts])
-        else:
-            X = StoredRows.concatenate(parts)
+    parts = [train.X[a], val.X[b]]  # lazily loaded splits (both or neither) stay lazy
+    X = StoredRows.concatenate(parts) if isinstance(parts[0], StoredRows) else np.concatenate(parts)
     return X, np.concatenate([train.y[a], val.y[b]])
 
 

@@ -76,7 +76,7 @@ def prepare(X: np.ndarray, metric: str) -> np.ndarray:
         zero = norms[:, 0] == 0
         if zero.any():
             log.warning("%d all-zero feature vector(s): their cosine similarity is 0 to everything", int(zero.sum()))
-        if X is given or np.shares_memory(X, given):
+        if np.may_share_memory(X, given):
             X = X / np.where(norms == 0, 1, norms)
         else:  # our own copy: normalised in place (the same float32 division)
             X /= np.where(norms == 0, 1, norms)

@@ -23,7 +23,7 @@ from featcache.errors import SchemaMismatchError
 class StoredRows:
     """Rows ``pos`` of stored arrays ``arrays[part]``, in this order (nothing read yet)."""
 
-    __slots__ = ("_arrays", "_last", "_part", "_pos")
+    __slots__ = ("_arrays", "_part", "_pos")
 
     def __init__(self, arrays: Sequence[Any], part: np.ndarray | None = None, pos: np.ndarray | None = None):
         self._arrays = tuple(arrays)
@@ -42,7 +42,6 @@ class StoredRows:
             pos, part = np.arange(n, dtype=np.int64), np.zeros(n, np.int16)
         self._pos = np.asarray(pos, np.int64)
         self._part = np.zeros(self._pos.size, np.int16) if part is None else np.asarray(part, np.int16)
-        self._last: tuple[tuple[int, int], np.ndarray] | None = None  # the last decoded chunk
 
     # ------------------------------------------------------------------ array protocol
     @property
@@ -111,15 +110,6 @@ class StoredRows:
         """The permutation that puts the rows in store order (each chunk read once a pass)."""
         return np.lexsort((self._pos, self._part))
 
-    def _chunk(self, part: int, c: int, rows: int) -> np.ndarray:
-        if self._last is not None and self._last[0] == (part, c):
-            return self._last[1]
-        self._last = None  # drop the previous chunk before decoding the next
-        arr = self._arrays[part]
-        data = np.asarray(arr[c * rows : min(arr.shape[0], (c + 1) * rows)])
-        self._last = ((part, c), data)
-        return data
-
     def iter_raw(self, rows: int) -> Iterator[tuple[int, int, np.ndarray]]:
         """``(start, end, rows start..end of the view as stored)`` in blocks of ``rows``.
 
@@ -128,23 +118,25 @@ class StoredRows:
         correct, only slower).
         """
         n, rows = len(self), max(1, int(rows))
-        try:
-            for s in range(0, n, rows):
-                e = min(n, s + rows)
-                part, pos = self._part[s:e], self._pos[s:e]
-                out = np.empty((e - s, *self.shape[1:]), self.dtype)
-                for p in np.unique(part):
-                    cr = _chunk_rows(self._arrays[p])
-                    sel = np.flatnonzero(part == p)
-                    chunk = pos[sel] // cr
-                    # chunks in order of first use, so a sorted view reuses the kept chunk
-                    _, first = np.unique(chunk, return_index=True)
-                    for c in chunk[np.sort(first)]:
-                        m = sel[chunk == c]
-                        out[m] = self._chunk(int(p), int(c), cr)[pos[m] - c * cr]
-                yield s, e, out
-        finally:
-            self._last = None
+        last_key, last = None, None  # the last decoded chunk of this pass
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            part, pos = self._part[s:e], self._pos[s:e]
+            out = np.empty((e - s, *self.shape[1:]), self.dtype)
+            for p in np.unique(part):
+                arr = self._arrays[p]
+                cr = _chunk_rows(arr)
+                sel = np.flatnonzero(part == p)
+                chunk = pos[sel] // cr
+                # chunks in order of first use, so a sorted view reuses the kept chunk
+                _, first = np.unique(chunk, return_index=True)
+                for c in chunk[np.sort(first)]:
+                    if last_key != (p, c):
+                        last = None  # drop the previous chunk before decoding the next
+                        last, last_key = np.asarray(arr[c * cr : min(arr.shape[0], (c + 1) * cr)]), (p, c)
+                    m = sel[chunk == c]
+                    out[m] = last[pos[m] - c * cr]
+            yield s, e, out
 
 
 def _chunk_rows(arr) -> int:
