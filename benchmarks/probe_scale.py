@@ -1,5 +1,5 @@
-"""Benchmark: the probe on ImageNet-shaped float16 splits, in memory vs streamed, and the
-exhaustive vs successive-halving C sweep.
+"""Benchmark: the probe on ImageNet-shaped float16 splits, in memory vs streamed (the C
+sweep's cost is benchmarked by ``probe_sweep_halving.py``).
 
 1. Writes a synthetic store through featcache's writer (fixed seed; class-dependent means,
    so the problem is learnable): split ``train`` of max(--sizes) x --dim float16 rows,
@@ -13,10 +13,6 @@ exhaustive vs successive-halving C sweep.
    ``featcache probe``'s own path, ``run_probes`` with protocol ``full`` and one C at the default
    memory bound: the split is loaded lazily (``load(..., lazy=True)``), a 10 % holdout selects,
    the refit streams all rows, and a --test-rows ``test`` split is evaluated.
-3. The C sweep at a reduced shape (--sweep-shape N,D,K, same generator): exhaustive (the
-   warm path, one C at a time) vs halving over the 45-value grid, and one fit at the
-   selected C; cost ratios in head-iterations and wall time, and the validation top-1.
-
 Prints ratios against the reference measured in the same run and writes JSON.
 
     python benchmarks/probe_scale.py --sizes 25000,50000,200000 --json benchmarks/results/probe_scale.json
@@ -218,35 +214,6 @@ def run_arm(store: str, n: int, arm: str, max_iter: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def sweep_bench(shape: tuple[int, int, int], seed: int, sep: float) -> dict:
-    from featcache.probes import DEFAULT_CS, LogisticProbe, sweep_C
-
-    n, dim, classes = shape
-    X, y = synth_rows(seed, 0, n, dim, classes, sep)
-    nv = n // 5
-    Xt, yt, Xv, yv = X[nv:], y[nv:], X[:nv], y[:nv]
-    out = {"shape": list(shape), "grid": len(DEFAULT_CS)}
-    for mode in ("exhaustive", "halving"):
-        t0 = time.perf_counter()
-        kw = {"block": 1} if mode == "exhaustive" else {}
-        sw = sweep_C(Xt, yt, Xv, yv, DEFAULT_CS, backend="torch", sweep=mode, **kw)
-        out[mode] = {
-            "seconds": time.perf_counter() - t0,
-            "best_C": sw.best_C,
-            "val_top1": sw.val_top1[sw.best_index],
-            "head_iters": sw.info["head_iters"],
-            "val_all": sw.val_top1,
-        }
-    best = out["exhaustive"]["best_C"]
-    t0 = time.perf_counter()
-    p = LogisticProbe(C=best, backend="torch").fit(Xt, yt)
-    out["one_fit"] = {"seconds": time.perf_counter() - t0, "n_iter": int(p.n_iter_), "C": best}
-    ex_val = dict(zip(DEFAULT_CS, out["exhaustive"].pop("val_all")))
-    out["halving"]["exhaustive_val_at_its_C"] = ex_val[out["halving"]["best_C"]]
-    out["halving"].pop("val_all")
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="25000,50000,200000")
@@ -259,21 +226,16 @@ def main(argv=None) -> int:
         "--arms", default="memory,streamed,zarr,runner", help="runner: featcache probe's path, at the largest size only"
     )
     ap.add_argument("--test-rows", type=int, default=10000, help="rows of the synthetic test split")
-    ap.add_argument("--sweep-shape", default="20000,256,100", help="N,D,K of the sweep arm ('' skips)")
     ap.add_argument("--store", default=None, help="synthetic store path (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--reuse-store", action="store_true", help="keep an existing --store as is")
     ap.add_argument("--write-store", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--sweep-only", help=argparse.SUPPRESS)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--arm-n", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     if a.arm:
         print(json.dumps(arm_fit(a.store, a.arm_n, a.arm, a.max_iter)))
-        return 0
-    if a.sweep_only:
-        print(json.dumps(sweep_bench(tuple(int(v) for v in a.sweep_only.split(",")), a.seed, a.sep)))
         return 0
     if a.write_store:
         write_store(a.store, max(sizes), a.dim, a.classes, a.seed, a.sep)
@@ -349,28 +311,6 @@ def main(argv=None) -> int:
         "runs": runs,
         "threads": os.environ.get("FEATCACHE_PROBE_THREADS", "default (half the cores)"),
     }
-    if a.sweep_shape:
-        out = subprocess.run(
-            [sys.executable, __file__, "--sweep-only", a.sweep_shape, "--seed", str(a.seed), "--sep", str(a.sep)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        sw = json.loads(out.stdout.strip().splitlines()[-1])
-        result["sweep"] = sw
-        ex, hv, one = sw["exhaustive"], sw["halving"], sw["one_fit"]
-        print(
-            f"sweep {sw['shape']} x {sw['grid']} C: exhaustive {ex['seconds']:.1f} s "
-            f"({ex['head_iters']} head-iter, C={ex['best_C']:.3g}, val {ex['val_top1']:.4f}); "
-            f"halving {hv['seconds']:.1f} s ({hv['head_iters']} head-iter, C={hv['best_C']:.3g}, "
-            f"val {hv['val_top1']:.4f}, exhaustive val at that C {hv['exhaustive_val_at_its_C']:.4f}); "
-            f"one fit {one['seconds']:.1f} s ({one['n_iter']} iter)"
-        )
-        print(
-            f"sweep cost / one fit: exhaustive {ex['seconds'] / one['seconds']:.1f}x time, "
-            f"{ex['head_iters'] / one['n_iter']:.1f}x iter; halving {hv['seconds'] / one['seconds']:.1f}x "
-            f"time, {hv['head_iters'] / one['n_iter']:.1f}x iter"
-        )
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as fh:

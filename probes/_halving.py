@@ -57,10 +57,6 @@ class HalvingOutcome:
     def head_iters(self) -> int:
         return int(sum(self.n_iter))
 
-    @property
-    def fitted(self) -> list[int]:
-        return [i for i, h in enumerate(self.heads) if h is not None]
-
 
 def best_of(idx, val) -> int:
     """The index of ``idx`` with the highest ``val`` (ties: the smallest index = smaller C)."""
