@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,17 +30,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
 def arm(store: str, which: str, max_memory: str) -> dict:
     import numpy as np
     import torch  # noqa: F401  (imported before the clock, as in every arm)
+    from probe_scale import _vm_hwm  # this script's folder is on sys.path
 
     from featcache.retrieval import RetrievalConfig, run_retrieval
 
@@ -61,6 +55,7 @@ def arm(store: str, which: str, max_memory: str) -> dict:
         )
         out = run_retrieval(cfg)
         vals = {"map": float(out.filter(out["metric"] == "map")["value"][0])}
+        shutil.rmtree(res, ignore_errors=True)
     else:
         from featcache.retrieval import SemanticRelevance, evaluate
         from featcache.store import open_cache
@@ -124,8 +119,6 @@ def main(argv=None) -> int:
             f"{s['vm_hwm_bytes'] / f['vm_hwm_bytes']:.2f}x, mAP equal: {s['map'] == f['map']}",
             flush=True,
         )
-        import shutil
-
         shutil.rmtree(store, ignore_errors=True)
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

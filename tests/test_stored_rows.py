@@ -59,10 +59,8 @@ def test_views_compose_like_numpy(tmp_path_factory, first, second, rows):
     arrays, ref = _arrays(tmp_path_factory.mktemp("rows"))
     v = StoredRows.concatenate([StoredRows([arrays[0]]), StoredRows([arrays[1]])])
     x = np.concatenate(ref)
-    if isinstance(first, np.ndarray) and first.dtype == bool:
-        pass
-    elif isinstance(first, np.ndarray):
-        first = first.astype(np.int64)
+    if isinstance(first, np.ndarray) and first.dtype != bool:
+        first = first.astype(np.int64)  # an empty list becomes float64
     v, x = v[first], x[first]
     if second is not None and len(x):
         idx = np.asarray(second, np.int64) % len(x)
