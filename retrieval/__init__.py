@@ -28,6 +28,7 @@ from featcache.retrieval.metrics import (
     reciprocal_rank,
     summarize,
 )
+from featcache.retrieval.prepared import PreparedRows
 from featcache.retrieval.ranking import full_ranking, full_ranking_metrics
 from featcache.retrieval.relevance import (
     ExplicitRelevance,
@@ -52,6 +53,7 @@ __all__ = [
     "REVISITED_SETUPS",
     "TIE_POLICY",
     "ExplicitRelevance",
+    "PreparedRows",
     "RankedRelevance",
     "Relevance",
     "RetrievalConfig",

@@ -22,6 +22,7 @@ import logging
 import numpy as np
 
 from featcache.retrieval.metrics import RankedRelevance
+from featcache.retrieval.prepared import PreparedRows, as_prepared
 from featcache.retrieval.search import (
     DEFAULT_MAX_MEMORY,
     exact_matmul,
@@ -131,8 +132,8 @@ def _torch_device(backend: str):
 
 
 def full_ranking(
-    Q: np.ndarray,
-    G: np.ndarray,
+    Q: np.ndarray | PreparedRows,
+    G: np.ndarray | PreparedRows,
     relevance,
     metric: str,
     *,
@@ -142,7 +143,9 @@ def full_ranking(
 ) -> RankedRelevance:
     """Ranks of every relevant item of every query over the whole gallery.
 
-    ``Q``, ``G``: features already prepared (:func:`featcache.retrieval.search.prepare`).
+    ``Q``, ``G``: features already prepared (:func:`featcache.retrieval.search.prepare`),
+    or :class:`~featcache.retrieval.prepared.PreparedRows` (a streamed gallery is scored
+    block by block; on a GPU its blocks fill one device tensor).
     ``backend``: ``torch-cuda``/``faiss-gpu`` score, sort and count each block on the GPU
     (torch; ``torch-cpu`` runs that code on the CPU), anything else on the CPU with numpy.
     Memory: about 4 (numpy: one reused float32 score block of at most 2048 rows, plus a few
@@ -160,8 +163,8 @@ def full_ranking(
 
 
 def full_ranking_metrics(
-    Q: np.ndarray,
-    G: np.ndarray,
+    Q: np.ndarray | PreparedRows,
+    G: np.ndarray | PreparedRows,
     relevance,
     metric: str,
     ks,
@@ -190,13 +193,14 @@ def full_ranking_metrics(
 
 
 def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = None):
+    Q, G = as_prepared(Q, metric), as_prepared(G, metric)
     n_q, n_g = Q.shape[0], G.shape[0]
     if dev is not None:
         import torch
 
-        Gt = torch.from_numpy(G).to(dev)
+        Gt = G.to_torch(dev)
         g_sq_t = (Gt * Gt).sum(1) if metric == "l2" else None
-    g_sq = np.einsum("ij,ij->i", G, G) if metric == "l2" and dev is None else None
+    g_sq = G.sq_norms() if metric == "l2" and dev is None else None
     log.info(
         "full ranking: %d queries x %d gallery, blocks of %d rows (%s)",
         n_q,
@@ -236,7 +240,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
         for start in tqdm(range(0, n_q, B), desc="full ranking", unit="block", disable=not progress):
             stop = min(n_q, start + B)
             if dev is not None:
-                Qb = torch.from_numpy(Q[start:stop]).to(dev)
+                Qb = torch.from_numpy(Q.block(start, stop)).to(dev)
                 St = Qb @ Gt.T
                 if metric == "l2":
                     St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
@@ -246,7 +250,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                 del St
                 continue
             b = stop - start
-            S = score_block(Q[start:stop], G, metric, g_sq, out=buf[:b])
+            S = score_block(Q.block(start, stop), G, metric, g_sq, out=buf[:b])
             bounds = np.linspace(0, b, n_threads + 1).astype(int)
             parts = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
             futures = [pool.submit(_rank_rows, S, lo, hi, relevance, start) for lo, hi in parts]

@@ -35,7 +35,7 @@ from featcache.retrieval.revisited import (
     revisited_precision_at_k,
     revisited_table,
 )
-from featcache.retrieval.search import choose_backend, parse_memory, prepare_pair, topk
+from featcache.retrieval.search import choose_backend, parse_memory, prepared_pair, topk
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +62,15 @@ def evaluate(
 
     ``full=True``: exact full ranking (``map``, ``mrr`` and every @k metric) by blockwise
     scoring; ``full=False``: top-max(ks) search only (@k metrics incl. ``mrr@K``).
+    ``max_memory`` bounds the score blocks; features whose float32 copy exceeds a quarter of
+    it stay in their dtype and are converted block by block as they are scored.
     Returns ``{"means", "per_query", "n_queries", "n_scored", "n_without_relevant", "backend"}``.
     """
     ks = _check_ks(ks)
     mem = parse_memory(max_memory)
     if Xq.shape[0] != relevance.n_queries or Xg.shape[0] != relevance.n_gallery:
         raise DataError("relevance does not match the query/gallery sizes")
-    Q, G = prepare_pair(Xq, Xg, metric)
+    Q, G = prepared_pair(Xq, Xg, metric, cache_bytes=mem // 4)
     if Q.shape[1] != G.shape[1]:
         raise DataError(f"query dim {Q.shape[1]} != gallery dim {G.shape[1]}; use one backbone's features")
     n_rel = relevance.n_relevant()
@@ -216,7 +218,7 @@ def _relevance_setups(cfg: RetrievalConfig) -> list[tuple[str, tuple | None, str
 def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
     t0 = time.perf_counter()
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
-    # the stored dtype (float16): prepare() makes the one float32 copy the search needs
+    # the stored dtype (float16): PreparedRows converts it, whole or block by block
     fq = cache.load(b, cfg.dataset, cfg.query_split, cfg.kind, dtype=None)
     fg = fq if cfg.same_split else cache.load(b, cfg.dataset, g_split, cfg.kind, dtype=None)
     Xq, yq, idq, bad_q = _valid(fq, f"{b}/{cfg.dataset}/{cfg.query_split}")
@@ -306,13 +308,14 @@ def _revisited_means(cfg: RetrievalConfig, d: _Pair, rel) -> dict[str, float]:
     """revisitop's trapezoidal mAP and mP@k over the full ranking (needs it: not --top-k-only)."""
     if not cfg.full:
         raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
-    Q, G = prepare_pair(d.Xq, d.Xg, cfg.metric)
+    mem = parse_memory(cfg.max_memory)
+    Q, G = prepared_pair(d.Xq, d.Xg, cfg.metric, cache_bytes=mem // 4)
     rr = full_ranking(
         Q,
         G,
         rel,
         cfg.metric,
-        max_memory=parse_memory(cfg.max_memory),
+        max_memory=mem,
         backend=_ranking_backend(cfg.backend),
         progress=cfg.progress,
     )
@@ -328,7 +331,7 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
     t1 = time.perf_counter()
     mem = parse_memory(cfg.max_memory)
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
-    Qc, Gc = prepare_pair(d.Xq, d.Xg, "cosine")
+    Qc, Gc = prepared_pair(d.Xq, d.Xg, "cosine", cache_bytes=mem // 4)
     sc, ix, used = topk(
         Qc,
         Gc,

@@ -19,6 +19,7 @@ import numpy as np
 
 from featcache.errors import BackendUnavailableError, DataError
 from featcache.optional import import_faiss
+from featcache.retrieval.prepared import METRICS, PreparedRows, as_prepared, prepare, prepared_pair
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,12 @@ __all__ = [
     "choose_backend",
     "parse_memory",
     "prepare",
+    "prepared_pair",
     "raw_search",
     "score_block",
     "topk",
 ]
 
-METRICS = ("cosine", "ip", "l2")
 BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
 #: largest k faiss-gpu's exact search selects (GPU_MAX_SELECTION_K)
 FAISS_GPU_MAX_K = 2048
@@ -56,38 +57,6 @@ def parse_memory(text: str | int | float | None) -> int:
     if val < 1024**2:
         raise DataError(f"max memory {text!r} is below 1 MB; give at least a few hundred MB, e.g. 2GB")
     return val
-
-
-def prepare(X: np.ndarray, metric: str) -> np.ndarray:
-    """float32, C-contiguous, L2-normalised rows for cosine. Non-finite values are an error.
-
-    The caller's array is never modified; a float16 input is converted once and normalised
-    in place (one float32 copy at peak)."""
-    if metric not in METRICS:
-        raise DataError(f"unknown similarity {metric!r}; choose one of {METRICS}")
-    given = X
-    X = np.ascontiguousarray(X, dtype=np.float32)
-    if X.ndim != 2:
-        raise DataError(f"features must be 2-sc [N, D], got shape {X.shape}")
-    if not np.isfinite(X).all():
-        raise DataError("features contain NaN/inf; drop invalid rows (Features.valid) before retrieval")
-    if metric == "cosine":
-        norms = np.linalg.norm(X, axis=1, keepdims=True)
-        zero = norms[:, 0] == 0
-        if zero.any():
-            log.warning("%d all-zero feature vector(s): their cosine similarity is 0 to everything", int(zero.sum()))
-        if np.may_share_memory(X, given):
-            X = X / np.where(norms == 0, 1, norms)
-        else:  # our own copy: normalised in place (the same float32 division)
-            X /= np.where(norms == 0, 1, norms)
-        X = np.ascontiguousarray(X, dtype=np.float32)
-    return X
-
-
-def prepare_pair(Xq: np.ndarray, Xg: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`prepare` of queries and gallery; one array when they are the same rows."""
-    Q = prepare(Xq, metric)
-    return Q, (Q if Xg is Xq else prepare(Xg, metric))
 
 
 def _faiss():
@@ -156,16 +125,30 @@ def rows_per_block(n_gallery: int, max_memory: int, bytes_per_cell: int = 12) ->
 
 
 def score_block(
-    Qb: np.ndarray, G: np.ndarray, metric: str, g_sq: np.ndarray | None = None, out: np.ndarray | None = None
+    Qb: np.ndarray,
+    G: np.ndarray | PreparedRows,
+    metric: str,
+    g_sq: np.ndarray | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Exact scores [B, G] (numpy float32): similarity, or ``-||q-g||^2`` for l2.
 
-    ``out``: a float32 [B, G] buffer to write into (reused across blocks, so a large block
-    is not page-faulted in afresh each time)."""
-    S = np.matmul(Qb, G.T, out=out)
-    if metric == "l2":
-        if g_sq is None:
+    ``G``: prepared float32 rows, or :class:`PreparedRows` (a streamed gallery is scored
+    block by block into the columns of the result). ``out``: a float32 [B, G] buffer to
+    write into (reused across blocks, so a large block is not page-faulted in afresh)."""
+    if isinstance(G, PreparedRows):
+        if out is None:
+            out = np.empty((Qb.shape[0], G.shape[0]), np.float32)
+        for lo, hi, Gb in G.blocks():
+            np.matmul(Qb, Gb.T, out=out[:, lo:hi])
+        S = out
+        if metric == "l2" and g_sq is None:
+            g_sq = G.sq_norms()
+    else:
+        S = np.matmul(Qb, G.T, out=out)
+        if metric == "l2" and g_sq is None:
             g_sq = np.einsum("ij,ij->i", G, G)
+    if metric == "l2":
         q_sq = np.einsum("ij,ij->i", Qb, Qb)
         S *= 2
         S -= q_sq[:, None]
@@ -182,7 +165,10 @@ def _pad(sc: np.ndarray, ix: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
     return sc, ix
 
 
-def _search_faiss(Q, G, k, metric, gpu: bool):
+def _search_faiss(Q: PreparedRows, G: PreparedRows, k, metric, gpu: bool):
+    """FAISS flat search. The index holds its own float32 copy of the gallery (added block
+    by block), and the queries go in one call: FAISS's scores depend on how many queries
+    a call holds, so blocks of them would change the last bits."""
     faiss = _faiss()
     d = G.shape[1]
     index = faiss.IndexFlatL2(d) if metric == "l2" else faiss.IndexFlatIP(d)
@@ -191,8 +177,10 @@ def _search_faiss(Q, G, k, metric, gpu: bool):
             raise BackendUnavailableError("faiss sees no GPU")
         res = faiss.StandardGpuResources()
         index = faiss.index_cpu_to_gpu(res, 0, index)
-    index.add(G)
-    sc, ix = index.search(Q, min(k, G.shape[0]))
+    for _, _, Gb in G.blocks():
+        index.add(Gb)
+    kk = min(k, G.shape[0])
+    sc, ix = index.search(Q.array(), kk)
     ix = ix.astype(np.int64)
     sc = -sc if metric == "l2" else sc
     sc = np.where(ix < 0, -np.inf, sc).astype(np.float32)
@@ -232,13 +220,13 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None)
     import torch
 
     dev = torch.device(device)
-    Gt = torch.from_numpy(G).to(dev)
+    Gt = G.to_torch(dev)
     g_sq = (Gt * Gt).sum(1) if metric == "l2" else None
     kk = min(k, G.shape[0])
     B = rows_per_block(G.shape[0], max_memory, 8)
     Ds, Is = [], []
     for s in range(0, Q.shape[0], B):
-        Qb = torch.from_numpy(Q[s : s + B]).to(dev)
+        Qb = torch.from_numpy(Q.block(s, s + B)).to(dev)
         S = Qb @ Gt.T
         if metric == "l2":
             S = 2 * S - (Qb * Qb).sum(1)[:, None] - g_sq[None, :]
@@ -256,10 +244,10 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None)
 def _search_numpy(Q, G, k, metric, max_memory: int, bar=None):
     kk = min(k, G.shape[0])
     B = rows_per_block(G.shape[0], max_memory, 12)
-    g_sq = np.einsum("ij,ij->i", G, G) if metric == "l2" else None
+    g_sq = G.sq_norms() if metric == "l2" else None
     Ds, Is = [], []
     for s in range(0, Q.shape[0], B):
-        S = score_block(Q[s : s + B], G, metric, g_sq)
+        S = score_block(Q.block(s, s + B), G, metric, g_sq)
         if kk < S.shape[1]:
             part = np.argpartition(-S, kk - 1, axis=1)[:, :kk]
         else:
@@ -276,8 +264,8 @@ def _search_numpy(Q, G, k, metric, max_memory: int, bar=None):
 
 
 def raw_search(
-    Q: np.ndarray,
-    G: np.ndarray,
+    Q: np.ndarray | PreparedRows,
+    G: np.ndarray | PreparedRows,
     k: int,
     metric: str,
     backend: str,
@@ -287,7 +275,9 @@ def raw_search(
     """Backend top-k: scores [Q, k] (higher is better, -inf where missing) and gallery
     indices [Q, k] (-1 where missing, as FAISS returns for k > gallery). Order among equal
     scores is backend-defined; :func:`topk` fixes it. ``progress``: a bar over the query
-    blocks (FAISS searches all queries in one call, so its bar moves once)."""
+    blocks (FAISS searches all queries in one call, so its bar moves once). ``Q``, ``G``:
+    prepared float32 arrays or :class:`PreparedRows`."""
+    Q, G = as_prepared(Q, metric), as_prepared(G, metric)
     if backend not in ("faiss-gpu", "faiss-cpu", "torch-cuda", "torch-cpu", "numpy"):
         raise DataError(f"unknown backend {backend!r}")
     with _bar(Q.shape[0], progress) as bar:
@@ -313,7 +303,7 @@ def _exact_rows(Q, G, rows, k, metric, relevance, max_memory):
     B = rows_per_block(G.shape[0], max_memory, 12)
     for s in range(0, rows.size, B):
         rb = rows[s : s + B]
-        S = score_block(Q[rb], G, metric)
+        S = score_block(Q.take(rb), G, metric)
         for j, r in enumerate(rb):
             keep = np.ones(G.shape[0], bool)
             if relevance is not None:
@@ -325,34 +315,47 @@ def _exact_rows(Q, G, rows, k, metric, relevance, max_memory):
     return sc, ix
 
 
+def _streaming_backend(chosen: str, requested: str, Q: PreparedRows, G: PreparedRows) -> str:
+    """``auto`` on the CPU searches streamed rows with numpy: FAISS would hold the whole
+    float32 copies the streaming avoids."""
+    if requested == "auto" and chosen == "faiss-cpu" and (Q.streamed or G.streamed):
+        log.info("features streamed: searching with numpy (FAISS would hold them whole in float32)")
+        return "numpy"
+    return chosen
+
+
 def topk(
-    Q: np.ndarray,
-    G: np.ndarray,
+    Q: np.ndarray | PreparedRows,
+    G: np.ndarray | PreparedRows,
     k: int,
     metric: str = "cosine",
     *,
     relevance=None,
     backend: str = "auto",
-    max_memory: int = DEFAULT_MAX_MEMORY,
+    max_memory: int | str = DEFAULT_MAX_MEMORY,
     prepared: bool = False,
     progress: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Top-k gallery items of every query under the tie policy, excluded items removed
     (``progress``: a bar over the query blocks).
 
-    Returns ``(scores [Q, k], indices [Q, k], backend)``; missing results (k larger than the
-    gallery) have index -1 and score -inf.
+    ``Q``, ``G``: features (``prepared=True``: already :func:`prepare`-d float32), or
+    :class:`PreparedRows`; a gallery whose float32 copy exceeds a quarter of ``max_memory``
+    is streamed block by block. Returns ``(scores [Q, k], indices [Q, k], backend)``;
+    missing results (k larger than the gallery) have index -1 and score -inf.
     """
     if k < 1:
         raise DataError(f"k must be >= 1, got {k}")
+    max_memory = parse_memory(max_memory)
     if not prepared:
-        Q, G = prepare_pair(Q, G, metric)
+        Q, G = prepared_pair(Q, G, metric, cache_bytes=max_memory // 4)
+    Q, G = as_prepared(Q, metric), as_prepared(G, metric)
     if Q.shape[1] != G.shape[1]:
         raise DataError(f"query dim {Q.shape[1]} != gallery dim {G.shape[1]}; use features of one backbone")
     n_g = G.shape[0]
     n_ex = relevance.max_excluded() if relevance is not None else 0
     depth = min(n_g, k + n_ex + 1)
-    backend = choose_backend(backend, depth)
+    backend = _streaming_backend(choose_backend(backend, depth), backend, Q, G)
     sc, ix = raw_search(Q, G, depth, metric, backend, max_memory, progress)
     sc, ix = _policy_sort(sc, ix)
     last = sc[:, -1].copy()  # every item scoring above this was returned
