@@ -5,10 +5,13 @@ the synthetic generator of ``probe_scale.py``, written through featcache's write
 process each (its own peak resident set, Linux ``VmHWM``):
 
 - ``store``: ``run_retrieval`` on the store, the user's path (full ranking: mAP, MRR,
-  Recall/precision@k; no k-NN, so both arms compute the same metrics). Features load in the stored dtype; the gallery's one
-  float32 copy is made by ``prepare`` and normalised in place.
-- ``float32``: the reference, ``retrieval.evaluate`` (same metrics) on float32 arrays the
-  caller already holds (the split read as float32 first, as ``run_retrieval`` did before).
+  Recall/precision@k; no k-NN, so both arms compute the same metrics). Features load in
+  the stored dtype; a gallery whose float32 copy exceeds a quarter of ``--max-memory`` is
+  streamed (``PreparedRows``: float32 blocks made as they are scored), a smaller one is
+  prepared once and held.
+- ``float32``: the reference, the path before streaming: the splits read as float32,
+  ``prepare`` makes the whole normalised float32 copy, ``full_ranking_metrics`` scores it
+  (same metrics, same score-block bound).
 
 Prints time and peak RSS per arm and N, the peak relative to the gallery's float16 size and
 above the imports-only baseline, and the store/float32 ratios; writes JSON.
@@ -57,14 +60,18 @@ def arm(store: str, which: str, max_memory: str) -> dict:
         vals = {"map": float(out.filter(out["metric"] == "map")["value"][0])}
         shutil.rmtree(res, ignore_errors=True)
     else:
-        from featcache.retrieval import SemanticRelevance, evaluate
+        from featcache.retrieval import DEFAULT_KS, SemanticRelevance, full_ranking_metrics, prepare, summarize
+        from featcache.retrieval.search import parse_memory
         from featcache.store import open_cache
 
         c = open_cache(store)
         q, g = c.load("synth", "synth", "test"), c.load("synth", "synth", "train")
         rel = SemanticRelevance(q.labels, g.labels, np.asarray(q.ids).astype(str), np.asarray(g.ids).astype(str))
-        r = evaluate(q.X, g.X, rel, metric="cosine", full=True, max_memory=max_memory)
-        vals = {"map": float(r["means"]["map"])}
+        Q, G = prepare(q.X, "cosine"), prepare(g.X, "cosine")
+        per_query = full_ranking_metrics(
+            Q, G, rel, "cosine", DEFAULT_KS, max_memory=parse_memory(max_memory), progress=False
+        )
+        vals = {"map": float(summarize(per_query, rel.n_relevant())[0]["map"])}
     return {"arm": which, "seconds": time.perf_counter() - t0, "vm_hwm_bytes": _vm_hwm(), **vals}
 
 
