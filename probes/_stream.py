@@ -85,7 +85,10 @@ def raw_blocks(X, rows: int) -> Iterator[tuple[int, int, np.ndarray]]:
 
 def nonfinite_rows(X, block_bytes: int | None = None) -> np.ndarray:
     """Mask of the rows of ``X`` holding NaN or inf, checked block by block (a lazily read
-    array is never held whole)."""
+    array is never held whole); a store view whose load scanned it answers without a read."""
+    known = X.known_nonfinite() if hasattr(X, "known_nonfinite") else None
+    if known is not None:
+        return known
     n, d = X.shape
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     bad = np.zeros(n, bool)

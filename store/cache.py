@@ -344,7 +344,7 @@ class FeatureCache:
             sc = GroupScan(gm.n_chunks, read_done(g, gm.n_chunks))
         valid = np.asarray(g["valid"][:], dtype=bool)
         errors = _as_str(g["error"][:])
-        return StoredRows([g[kind]]), valid, errors, sc
+        return StoredRows([g[kind]], finite=[sc.finite.get(kind)]), valid, errors, sc
 
     def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype=np.float32):
         """Whole-array reads; on any decode failure or broken invariant, a chunk-by-chunk scan

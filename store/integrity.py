@@ -38,6 +38,8 @@ class GroupScan:
     damaged: dict[str, list[int]] = field(default_factory=dict)
     reasons: dict[str, dict[int, str]] = field(default_factory=dict)
     missing_arrays: list[str] = field(default_factory=list)
+    #: per feature kind, rows read and found all finite (False: NaN/inf, or not read)
+    finite: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def bad_chunks(self) -> list[int]:
@@ -90,6 +92,7 @@ def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None)
         except KeyError:
             scan.missing_arrays.append(name)
     todo = np.flatnonzero(scan.done) if chunks is None else [i for i in chunks if scan.done[i]]
+    scan.finite = {k: np.zeros(n, bool) for k in kinds if k in arrays}
     for i in todo:
         i = int(i)
         s, e = i * chunk_rows, min((i + 1) * chunk_rows, n)
@@ -99,6 +102,9 @@ def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None)
                 data[name] = np.asarray(arr[s:e])
             except Exception as exc:
                 scan.add(name, i, f"unreadable ({_short(exc)})")
+        for k, fin in scan.finite.items():
+            if k in data:
+                fin[s:e] = np.isfinite(data[k]).all(axis=1)
         _check_rows(scan, i, data, kinds)
     for name in scan.damaged:
         scan.damaged[name].sort()

@@ -8,6 +8,8 @@ decodes each stored chunk once per pass when the view's rows are in store order
 (:meth:`StoredRows.sorted_order` gives that order).
 
 Every chunk read is checked against its crc32c checksum by the zarr codec, as in ``load``.
+What ``load``'s integrity scan learnt of each row (all values finite or not) travels with
+the views: :meth:`StoredRows.known_nonfinite` answers without reading the rows again.
 """
 
 from __future__ import annotations
@@ -21,12 +23,24 @@ from featcache.errors import SchemaMismatchError
 
 
 class StoredRows:
-    """Rows ``pos`` of stored arrays ``arrays[part]``, in this order (nothing read yet)."""
+    """Rows ``pos`` of stored arrays ``arrays[part]``, in this order (nothing read yet).
 
-    __slots__ = ("_arrays", "_part", "_pos")
+    ``finite``: per array, a mask of its rows known to hold only finite values (from a scan
+    that read them), or None where that is unknown."""
 
-    def __init__(self, arrays: Sequence[Any], part: np.ndarray | None = None, pos: np.ndarray | None = None):
+    __slots__ = ("_arrays", "_finite", "_part", "_pos")
+
+    def __init__(
+        self,
+        arrays: Sequence[Any],
+        part: np.ndarray | None = None,
+        pos: np.ndarray | None = None,
+        finite: Sequence[np.ndarray | None] | None = None,
+    ):
         self._arrays = tuple(arrays)
+        self._finite = tuple(finite) if finite is not None else (None,) * len(self._arrays)
+        if len(self._finite) != len(self._arrays):
+            raise ValueError("finite needs one mask (or None) per stored array")
         if not self._arrays:
             raise SchemaMismatchError("StoredRows needs at least one stored array")
         d = {tuple(a.shape[1:]) for a in self._arrays}
@@ -75,7 +89,7 @@ class StoredRows:
                 if idx.size != len(self):
                     raise IndexError(f"boolean mask of {idx.size} entries for {len(self)} rows")
                 idx = np.flatnonzero(idx)
-            return StoredRows(self._arrays, self._part[idx], self._pos[idx])
+            return StoredRows(self._arrays, self._part[idx], self._pos[idx], self._finite)
         if isinstance(key, (int, np.integer)):  # one row: read just its chunk
             return np.asarray(self[np.array([key])])[0]
         if isinstance(key, tuple) and key and not isinstance(key[0], (int, np.integer)):
@@ -94,16 +108,30 @@ class StoredRows:
     @classmethod
     def concatenate(cls, views: Sequence[StoredRows]) -> StoredRows:
         """The rows of ``views`` one after the other (one view over all their arrays)."""
-        arrays, parts, poss = [], [], []
+        arrays, finite, parts, poss = [], [], [], []
         for v in views:
             ids = [next((j for j, a in enumerate(arrays) if a is b), None) for b in v._arrays]
             for j, b in enumerate(v._arrays):
                 if ids[j] is None:
                     ids[j] = len(arrays)
                     arrays.append(b)
+                    finite.append(v._finite[j])
+                elif finite[ids[j]] is not v._finite[j]:
+                    finite[ids[j]] = None  # two views disagree on what is known: unknown
             parts.append(np.asarray(ids, np.int16)[v._part] if len(v) else v._part)
             poss.append(v._pos)
-        return cls(arrays, np.concatenate(parts), np.concatenate(poss))
+        return cls(arrays, np.concatenate(parts), np.concatenate(poss), finite)
+
+    def known_nonfinite(self) -> np.ndarray | None:
+        """Mask of this view's rows holding NaN/inf (or unread by the scan), from what the
+        load's integrity scan found, without reading; None when no scan covered the rows."""
+        if any(f is None for f in self._finite):
+            return None
+        out = np.zeros(len(self), bool)
+        for p, fin in enumerate(self._finite):
+            sel = self._part == p
+            out[sel] = ~fin[self._pos[sel]]
+        return out
 
     # ------------------------------------------------------------------ block reads
     def sorted_order(self) -> np.ndarray:

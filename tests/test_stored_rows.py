@@ -153,3 +153,31 @@ def test_runner_on_a_lazy_split_matches_in_memory(digits_cache, tmp_path):
     grid = list(DEFAULT_CS[14:26:2])
     (_, hm, _), (_, hl, _) = (run(f"{i}.parquet", grid, max_host_bytes=m) for i, m in ((3, None), (4, 0)))
     assert hl["val_top1"] >= hm["val_top1"] - 1 / hm["n_val"] - 1e-12
+
+
+def test_load_scan_tells_which_rows_are_finite_without_reading(digits_cache, tmp_path):
+    from featcache.errors import ProbeError
+    from featcache.probes import ProbeConfig, run_probes
+
+    p = tmp_path / "copy.zarr"
+    shutil.copytree(digits_cache, p)
+    arr = zarr.open_group(str(p), mode="r+")[f"features/{LITE0}/digits/train/pooled"]
+    arr[700, 3] = np.inf  # a valid row with one bad value (its checksum rewritten by zarr)
+    lazy = open_cache(str(p)).load(LITE0, "digits", "train", lazy=True)
+    known = lazy.X.known_nonfinite()
+    np.testing.assert_array_equal(known, ~np.isfinite(np.asarray(lazy.X)).all(axis=1))
+    assert known[700]
+    assert known.sum() == 1
+    counted = _Counting(arr)  # what a view of known rows answers comes from the scan
+    sel = StoredRows([counted], finite=[~known])[::-7]
+    both = StoredRows.concatenate([sel, sel[:5]])
+    np.testing.assert_array_equal(both.known_nonfinite(), np.concatenate([known[::-7], known[::-7][:5]]))
+    assert counted.reads == 0
+    assert StoredRows([arr])[:10].known_nonfinite() is None  # no scan: unknown
+    assert StoredRows.concatenate([sel, StoredRows([counted])]).known_nonfinite() is None
+    unchecked = open_cache(str(p)).load(LITE0, "digits", "train", lazy=True, check=False)
+    assert unchecked.X.known_nonfinite() is None
+    for m in (0, None):  # streamed (lazy split) and in memory: the same refusal
+        cfg = ProbeConfig(str(p), [LITE0], "digits", "full", Cs=[0.3], max_host_bytes=m, progress=False)
+        with pytest.raises(ProbeError, match="1 rows marked valid hold NaN or inf"):
+            run_probes(cfg)
