@@ -1,6 +1,6 @@
 """Benchmark: how retrieval's time and peak memory grow with the gallery size N.
 
-For each N (default 20k, 40k, 80k gallery rows x 2048 float16, 100 classes, 2,000 queries;
+For each N (default 50k, 100k, 200k gallery rows x 2048 float16, 100 classes, 2,000 queries;
 the synthetic generator of ``probe_scale.py``, written through featcache's writer), in a fresh
 process each (its own peak resident set, Linux ``VmHWM``):
 
@@ -17,6 +17,10 @@ Prints time and peak RSS per arm and N, the peak relative to the gallery's float
 above the imports-only baseline, and the store/float32 ratios; writes JSON.
 
     python benchmarks/retrieval_scale.py --json benchmarks/results/retrieval_scale.json
+
+``--store PATH`` measures an existing synthetic store instead (``probe_scale.py``'s: splits
+``train`` = gallery, ``test`` = queries), e.g. ImageNet's 1.28M x 2048 with ``--arms store``
+(the float32 arm would need ~21 GB there).
 """
 
 from __future__ import annotations
@@ -81,16 +85,27 @@ def run_arm(store: str, which: str, max_memory: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _shape(store: str, split: str) -> tuple[int, int]:
+    import zarr
+
+    return tuple(zarr.open_group(store, mode="r")[f"features/synth/synth/{split}/pooled"].shape)
+
+
+def _sizes(a) -> list[int]:
+    return [_shape(a.store, "train")[0]] if a.store else [int(s) for s in a.sizes.split(",")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="20000,40000,80000", help="gallery rows")
+    ap.add_argument("--sizes", default="50000,100000,200000", help="gallery rows")
     ap.add_argument("--queries", type=int, default=2000)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--max-memory", default="512MB", help="score-block bound of the search")
+    ap.add_argument("--arms", default="store,float32")
+    ap.add_argument("--store", default=None, help="measure this existing store (train = gallery, test = queries)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
-    ap.add_argument("--store", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.arm:
         print(json.dumps(arm(a.store, a.arm, a.max_memory)))
@@ -102,15 +117,17 @@ def main(argv=None) -> int:
     base = run_arm(os.path.join(tmp.name, "none"), "baseline", a.max_memory)
     print(f"baseline (python + torch + featcache imported): peak RSS {base['vm_hwm_bytes'] / 1e9:.2f} GB", flush=True)
     runs = [base]
-    for n in (int(s) for s in a.sizes.split(",")):
-        store = os.path.join(tmp.name, f"synth{n}.zarr")
-        write_store(store, n, a.dim, a.classes, 0, 0.15)
-        write_store(store, a.queries, a.dim, a.classes, 0, 0.15, split="test", offset=n)
-        f16 = n * a.dim * 2
+    for n in _sizes(a):
+        store = a.store or os.path.join(tmp.name, f"synth{n}.zarr")
+        if not a.store:
+            write_store(store, n, a.dim, a.classes, 0, 0.15)
+            write_store(store, a.queries, a.dim, a.classes, 0, 0.15, split="test", offset=n)
+        dim, queries = _shape(store, "train")[1], _shape(store, "test")[0]
+        f16 = n * dim * 2
         by = {}
-        for which in ("store", "float32"):
+        for which in a.arms.split(","):
             r = run_arm(store, which, a.max_memory)
-            r.update(n=n, dim=a.dim, queries=a.queries, gallery_f16_bytes=f16)
+            r.update(n=n, dim=dim, queries=queries, gallery_f16_bytes=f16)
             runs.append(r)
             by[which] = r
             above = r["vm_hwm_bytes"] - base["vm_hwm_bytes"]
@@ -120,13 +137,15 @@ def main(argv=None) -> int:
                 f"{above / 1e9:.2f} GB = {above / f16:.2f}x)  mAP {r['map']:.4f}",
                 flush=True,
             )
-        s, f = by["store"], by["float32"]
-        print(
-            f"N={n:>6} store/float32: time {s['seconds'] / f['seconds']:.2f}x, peak RSS "
-            f"{s['vm_hwm_bytes'] / f['vm_hwm_bytes']:.2f}x, mAP equal: {s['map'] == f['map']}",
-            flush=True,
-        )
-        shutil.rmtree(store, ignore_errors=True)
+        if {"store", "float32"} <= set(by):
+            s, f = by["store"], by["float32"]
+            print(
+                f"N={n:>6} store/float32: time {s['seconds'] / f['seconds']:.2f}x, peak RSS "
+                f"{s['vm_hwm_bytes'] / f['vm_hwm_bytes']:.2f}x, mAP equal: {s['map'] == f['map']}",
+                flush=True,
+            )
+        if not a.store:
+            shutil.rmtree(store, ignore_errors=True)
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as fh:
