@@ -51,7 +51,7 @@ def prepare(X: np.ndarray, metric: str) -> np.ndarray:
     _check(X, metric)
     given = X
     X = np.ascontiguousarray(X, dtype=np.float32)
-    if not np.isfinite(X).all():
+    if not all(np.isfinite(X[s : s + 8192]).all() for s in range(0, X.shape[0], 8192)):  # bounded mask
         raise DataError(_NONFINITE)
     if metric == "cosine":
         norms = np.linalg.norm(X, axis=1, keepdims=True)

@@ -20,7 +20,7 @@ from featcache.errors import (
     NotInStoreError,
     SchemaMismatchError,
 )
-from featcache.store.integrity import AUX_ARRAYS, GroupScan, as_str, read_done, scan_group
+from featcache.store.integrity import AUX_ARRAYS, GroupScan, as_str, present_rows, read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
@@ -360,7 +360,7 @@ class FeatureCache:
             sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
             return (*_read_chunks(g, gm, kind, sc, dtype), sc)
         if check:
-            rows = (~np.isnan(X).all(axis=1) != valid) | ((errors != "") == valid)
+            rows = (present_rows(X) != valid) | ((errors != "") == valid)
             chunks = np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist()
             if chunks:
                 sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), chunks=chunks)
