@@ -86,8 +86,8 @@ class PreparedRows:
         self._step = max(MIN_BLOCK_ROWS, min(cache_bytes, BLOCK_BYTES) // max(1, 4 * self.shape[1]))
         self._div = self._scan()
         log.info(
-            "gallery of %d x %d streamed in float32 blocks of <= %d rows (its float32 copy, %.2f GB, "
-            "exceeds the %.2f GB held whole)",
+            "features of %d x %d streamed in float32 blocks of <= %d rows (their float32 copy, %.2f GB, "
+            "exceeds the %.2f GB held whole; a larger --max-memory holds more)",
             *self.shape,
             self._step,
             f32_bytes / 1e9,
