@@ -23,11 +23,14 @@ log = logging.getLogger(__name__)
 __all__ = ["METRICS", "PreparedRows", "as_prepared", "prepare", "prepared_pair"]
 
 METRICS = ("cosine", "ip", "l2")
-#: float32 bytes of one streamed block (at most; never fewer than MIN_BLOCK_ROWS rows)
+#: float32 bytes of one streamed block (at most, unless MIN_BLOCK_ROWS rows are more)
 BLOCK_BYTES = 32 * 1024**2
-#: BLAS multiplies one-row operands by another kernel (GEMV) whose sums differ in the last
-#: bit; blocks stay GEMM-sized so a streamed search scores exactly as a held one
-MIN_BLOCK_ROWS = 256
+#: BLAS multiplies small operands with other kernels (GEMV for one row, small-matrix kernels
+#: below a few thousand output cells) whose sums differ in the last bit from its large-GEMM
+#: kernels. Streamed blocks are cut evenly from steps of at least this many rows (so each
+#: has >= MIN_BLOCK_ROWS / 2), and score_block pads query blocks to 16 rows: a score is then
+#: the same whichever blocks its query and gallery rows fall in.
+MIN_BLOCK_ROWS = 1024
 _NONFINITE = "features contain NaN/inf; drop invalid rows (Features.valid) before retrieval"
 
 
@@ -107,7 +110,7 @@ class PreparedRows:
         div = np.empty((self.shape[0], 1), np.float32) if self.metric == "cosine" else None
         n_zero = 0
         for lo, hi in self.bounds():
-            Xb = np.asarray(self._raw[lo:hi], dtype=np.float32)
+            Xb = np.ascontiguousarray(self._raw[lo:hi], dtype=np.float32)  # row sums as prepare() does
             if not np.isfinite(Xb).all():
                 raise DataError(_NONFINITE)
             if div is not None:

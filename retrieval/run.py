@@ -63,7 +63,8 @@ def evaluate(
     ``full=True``: exact full ranking (``map``, ``mrr`` and every @k metric) by blockwise
     scoring; ``full=False``: top-max(ks) search only (@k metrics incl. ``mrr@K``).
     ``max_memory`` bounds the score blocks; features whose float32 copy exceeds a quarter of
-    it stay in their dtype and are converted block by block as they are scored.
+    it stay in their dtype and are converted block by block as they are scored (host memory
+    stays bounded with the numpy and CUDA backends; see :func:`~featcache.retrieval.topk`).
     Returns ``{"means", "per_query", "n_queries", "n_scored", "n_without_relevant", "backend"}``.
     """
     ks = _check_ks(ks)

@@ -39,6 +39,8 @@ __all__ = [
 BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
 #: largest k faiss-gpu's exact search selects (GPU_MAX_SELECTION_K)
 FAISS_GPU_MAX_K = 2048
+#: query blocks scored on the CPU are padded to this many rows (see score_block)
+MIN_QUERY_ROWS = 16
 DEFAULT_MAX_MEMORY = 2 * 1024**3
 
 
@@ -135,7 +137,17 @@ def score_block(
 
     ``G``: prepared float32 rows, or :class:`PreparedRows` (a streamed gallery is scored
     block by block into the columns of the result). ``out``: a float32 [B, G] buffer to
-    write into (reused across blocks, so a large block is not page-faulted in afresh)."""
+    write into (reused across blocks, so a large block is not page-faulted in afresh).
+    Fewer than 16 query rows are padded with zero rows: BLAS would take its one-row or
+    small-matrix kernels, whose sums differ in the last bit from a large block's."""
+    if 0 < Qb.shape[0] < MIN_QUERY_ROWS:
+        padded = np.zeros((MIN_QUERY_ROWS, Qb.shape[1]), np.float32)
+        padded[: Qb.shape[0]] = Qb
+        S = score_block(padded, G, metric, g_sq)[: Qb.shape[0]]
+        if out is None:
+            return S
+        out[...] = S
+        return out
     if isinstance(G, PreparedRows):
         if out is None:
             out = np.empty((Qb.shape[0], G.shape[0]), np.float32)
@@ -340,8 +352,10 @@ def topk(
     (``progress``: a bar over the query blocks).
 
     ``Q``, ``G``: features (``prepared=True``: already :func:`prepare`-d float32), or
-    :class:`PreparedRows`; a gallery whose float32 copy exceeds a quarter of ``max_memory``
-    is streamed block by block. Returns ``(scores [Q, k], indices [Q, k], backend)``;
+    :class:`PreparedRows`; features whose float32 copy exceeds a quarter of ``max_memory``
+    are streamed block by block (host memory bounded with ``numpy`` and the CUDA backends;
+    ``torch-cpu`` and ``faiss-cpu`` hold one whole float32 copy in host memory, so ``auto``
+    then takes ``numpy`` on a CPU). Returns ``(scores [Q, k], indices [Q, k], backend)``;
     missing results (k larger than the gallery) have index -1 and score -inf.
     """
     if k < 1:

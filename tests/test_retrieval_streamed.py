@@ -117,3 +117,28 @@ def test_nonfinite_streamed_rows_are_an_error_and_input_is_untouched(digits_cach
     P = PreparedRows(X[:10], "cosine")
     with pytest.raises(DataError, match="prepared for 'cosine'"):
         topk(P, P, 3, "l2", backend="numpy")
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_a_score_does_not_depend_on_its_blocks(digits_cache, metric):
+    """BLAS sums one-row and small products with other kernels; padded query blocks and
+    evenly cut gallery blocks keep every score equal to the large block's."""
+    from featcache.retrieval.search import score_block
+
+    X, _, _ = _load(digits_cache, "digits", "train")
+    held, streamed = PreparedRows(X, metric), PreparedRows(X, metric, cache_bytes=0)
+    assert len(streamed.bounds()) == 2
+    Q = held.block(0, 200)
+    ref = score_block(Q, held, metric)
+    for m in (1, 2, 3, 5, 15, 17):
+        for G in (held, streamed):
+            np.testing.assert_array_equal(score_block(Q[m : 2 * m], G, metric), ref[m : 2 * m], err_msg=str(m))
+    out = np.empty((3, len(held)), np.float32)
+    assert score_block(Q[:3], streamed, metric, out=out) is out
+    np.testing.assert_array_equal(out, ref[:3])
+
+
+def test_streamed_blocks_of_fortran_ordered_rows_equal_prepare():
+    X = np.asfortranarray(np.random.default_rng(0).standard_normal((3000, 200)).astype(np.float16))
+    P = PreparedRows(X, "cosine", cache_bytes=0)
+    np.testing.assert_array_equal(P.array(), prepare(X, "cosine"))
