@@ -89,9 +89,10 @@ def _faiss_gpus() -> int:
     return int(get()) if get else 0
 
 
-def choose_backend(backend: str = "auto", k: int | None = None) -> str:
+def choose_backend(backend: str = "auto", k: int | None = None, streamed: bool = False) -> str:
     """Resolve ``auto``: faiss-gpu if faiss sees a GPU (and k <= 2048), else torch on CUDA,
-    else faiss on the CPU. Explicit choices are checked; the choice is logged."""
+    else faiss on the CPU, or numpy for ``streamed`` features (a flat FAISS index would hold
+    their whole float32 copy). Explicit choices are checked; the choice is logged."""
     if backend not in BACKENDS:
         raise DataError(f"unknown search backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
@@ -106,6 +107,9 @@ def choose_backend(backend: str = "auto", k: int | None = None) -> str:
                 _faiss()
                 chosen = "faiss-cpu"
             except BackendUnavailableError:
+                chosen = "numpy"
+            if chosen == "faiss-cpu" and streamed:
+                log.info("features streamed: searching with numpy (FAISS would hold them whole in float32)")
                 chosen = "numpy"
         no_gpu = " (no CUDA GPU found; CPU fallback)" if chosen in ("faiss-cpu", "numpy") else ""
         log.info("retrieval search backend: %s%s", chosen, no_gpu)
@@ -327,15 +331,6 @@ def _exact_rows(Q, G, rows, k, metric, relevance, max_memory):
     return sc, ix
 
 
-def _streaming_backend(chosen: str, requested: str, Q: PreparedRows, G: PreparedRows) -> str:
-    """``auto`` on the CPU searches streamed rows with numpy: FAISS would hold the whole
-    float32 copies the streaming avoids."""
-    if requested == "auto" and chosen == "faiss-cpu" and (Q.streamed or G.streamed):
-        log.info("features streamed: searching with numpy (FAISS would hold them whole in float32)")
-        return "numpy"
-    return chosen
-
-
 def topk(
     Q: np.ndarray | PreparedRows,
     G: np.ndarray | PreparedRows,
@@ -369,7 +364,7 @@ def topk(
     n_g = G.shape[0]
     n_ex = relevance.max_excluded() if relevance is not None else 0
     depth = min(n_g, k + n_ex + 1)
-    backend = _streaming_backend(choose_backend(backend, depth), backend, Q, G)
+    backend = choose_backend(backend, depth, streamed=Q.streamed or G.streamed)
     sc, ix = raw_search(Q, G, depth, metric, backend, max_memory, progress)
     sc, ix = _policy_sort(sc, ix)
     last = sc[:, -1].copy()  # every item scoring above this was returned
