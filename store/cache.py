@@ -484,6 +484,18 @@ def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype=np.flo
     return X, valid, errors.astype(str)
 
 
+def _open_or_create(store, kwargs: dict):
+    """``zarr.open_group(mode="a")``, which checks for a group and then creates one: a job
+    that creates the same new store between the two makes it raise ContainsGroupError. The
+    group exists then, and a second open finds it."""
+    import zarr
+
+    try:
+        return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
+    except zarr.errors.ContainsGroupError:
+        return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
+
+
 def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> FeatureCache:
     """Open a featcache root.
 
@@ -509,7 +521,7 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
             ) from None
         return FeatureCache(root, label, "r")
     try:
-        root = zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
+        root = _open_or_create(store, kwargs)
     except NotADirectoryError as exc:
         raise CacheNotWritableError(
             f"cache path {label} cannot be created: a parent of it is a file, not a directory ({exc}); "
