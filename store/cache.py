@@ -339,7 +339,7 @@ class FeatureCache:
         from featcache.store.rows import StoredRows
 
         if check:
-            sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
+            sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), finite=True)
         else:
             sc = GroupScan(gm.n_chunks, read_done(g, gm.n_chunks))
         valid = np.asarray(g["valid"][:], dtype=bool)

@@ -81,8 +81,9 @@ def read_done(g, n_chunks: int, scan: GroupScan | None = None) -> np.ndarray:
         return out
 
 
-def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None) -> GroupScan:
-    """Read every marked row chunk of every array of a feature group and check it."""
+def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None, finite: bool = False) -> GroupScan:
+    """Read every marked row chunk of every array of a feature group and check it;
+    ``finite``: also record which rows are all finite (``GroupScan.finite``)."""
     scan = GroupScan(n_chunks, np.zeros(n_chunks, bool))
     scan.done = read_done(g, n_chunks, scan)
     arrays = {}
@@ -92,7 +93,8 @@ def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None)
         except KeyError:
             scan.missing_arrays.append(name)
     todo = np.flatnonzero(scan.done) if chunks is None else [i for i in chunks if scan.done[i]]
-    scan.finite = {k: np.zeros(n, bool) for k in kinds if k in arrays}
+    if finite:
+        scan.finite = {k: np.zeros(n, bool) for k in kinds if k in arrays}
     for i in todo:
         i = int(i)
         s, e = i * chunk_rows, min((i + 1) * chunk_rows, n)
