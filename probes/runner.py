@@ -34,6 +34,9 @@ from featcache.store.rows import StoredRows
 
 log = logging.getLogger(__name__)
 
+# the hparams a median-over-seeds row carries from its seed rows (the sweep adds the same rows)
+MEDIAN_CARRY = ("val_source", "task_metric")
+
 
 @dataclass
 class SplitData:
@@ -735,7 +738,7 @@ def _collect(cfg: ProbeConfig, proto: Protocol, new_rows: list[dict], wanted: li
         table = frame
     out = rows_to_frame([]) if table is None else table.filter(pl.col("run_id").is_in(wanted))
     if proto.median_over_seeds and out.height:
-        out = add_median_rows(out, "probe", cfg.results_path, carry=("val_source", "task_metric"))
+        out = add_median_rows(out, "probe", cfg.results_path, carry=MEDIAN_CARRY)
     return out
 
 

@@ -77,12 +77,13 @@ def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> 
     import polars as pl
 
     from featcache.finetune.runner import MEDIAN_CARRY
+    from featcache.probes.runner import MEDIAN_CARRY as PROBE_CARRY
     from featcache.protocols import get_protocol
     from featcache.results import add_median_rows, read_results
 
     probe = {r for it, rs in produced if it.kind == "probe" and get_protocol(it.protocol).median_over_seeds for r in rs}
     tuned = {r for it, rs in produced if it.kind == "finetune" for r in rs}
-    for kind, ids, carry in (("probe", probe, ("val_source",)), ("finetune", tuned, MEDIAN_CARRY)):
+    for kind, ids, carry in (("probe", probe, PROBE_CARRY), ("finetune", tuned, MEDIAN_CARRY)):
         if ids:
             frame = read_results(results).filter(pl.col("run_id").is_in(sorted(ids)) & (pl.col("seed") >= 0))
             add_median_rows(frame, kind, results, carry=carry)

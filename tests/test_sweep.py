@@ -420,3 +420,31 @@ def test_finetune_seed_items_get_the_median_row(tmp_path):
     assert med["value"][0] == 0.6
     assert med["kind"][0] == "finetune"
     assert json.loads(med["hparams"][0])["run_ids"] == ["ft0", "ft1", "ft2"]
+
+
+def test_sweep_median_rows_equal_probe_median_rows(digits_cache, tmp_path):
+    """A sweep runs VTAB seeds as separate items and adds the median rows afterwards; they equal
+    the rows `featcache probe` writes when it runs the seeds together, hparams included (the
+    sweep's rows once lost `task_metric`)."""
+    from featcache.probes import ProbeConfig, run_probes
+    from featcache.results import append_results
+    from featcache.sweep.executor import finish_medians
+    from featcache.sweep.planner import WorkItem
+
+    together = tmp_path / "together.parquet"
+    cfg = ProbeConfig(digits_cache, LITE0, "digits", "vtab1k", results_path=together, Cs=[1e-2, 1.0], progress=False)
+    df = run_probes(cfg)
+    seeds = df.filter(pl.col("seed") >= 0)
+    assert "task_metric" in json.loads(df.filter(pl.col("seed") == -1)["hparams"][0])
+    swept = tmp_path / "swept.parquet"
+    append_results(swept, seeds)
+    items = [
+        (WorkItem("probe", f"k{s}", None, (), LITE0, "digits", "vtab1k", s), sorted(set(g["run_id"].to_list())))
+        for (s,), g in seeds.group_by("seed")
+    ]
+    finish_medians(str(swept), items)
+
+    def medians(path):
+        return read_results(path).filter(pl.col("seed") == -1).sort("run_id", "metric").to_dicts()
+
+    assert medians(swept) == medians(together)
