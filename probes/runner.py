@@ -72,7 +72,6 @@ class _Data:
     val: SplitData | None
     evals: dict[str, SplitData]
     names: list[str]
-    label_names: list[str] | None = None  # columns of the multi-label targets, when present
 
     def splits(self) -> dict[str, SplitData]:
         return {self.train.name: self.train, **({self.val.name: self.val} if self.val else {}), **self.evals}
@@ -190,7 +189,6 @@ def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
         order = np.argsort(store_ids, kind="stable")
         sd.Y = M[order[np.searchsorted(store_ids[order], sd.ids)]]
         sd.fingerprint = _combine(sd.fingerprint, sha)
-    data.label_names = names
 
 
 def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:

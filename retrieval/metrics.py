@@ -37,7 +37,7 @@ and counted (:func:`summarize`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -227,13 +227,6 @@ def average_precision(rr: RankedRelevance, k: int | None = None) -> np.ndarray:
     s = np.bincount(rr.query_index(), weights=w, minlength=rr.n_queries)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(rr.n_relevant > 0, s / denom, np.nan)
-
-
-def _metric_names(ks: Sequence[int], full: bool) -> list[str]:
-    names = ["map", "mrr"] if full else []
-    for k in ks:
-        names += [f"map@{k}", f"mrr@{k}", f"recall@{k}", f"hit@{k}", f"precision@{k}"]
-    return names
 
 
 def compute_metrics(rr: RankedRelevance, ks: Iterable[int], *, full: bool | None = None) -> dict[str, np.ndarray]:
