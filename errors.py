@@ -85,3 +85,15 @@ class DependencyConflictError(FeatcacheError, ImportError):
 
 class SweepError(FeatcacheError, ValueError):
     """A sweep cannot be planned or started (nothing to run, no scheduler at the address...)."""
+
+
+class MetricInputError(FeatcacheError, ValueError):
+    """A metric function was given arrays of the wrong shape or kind (labels, scores, ranks)."""
+
+
+class UsageError(FeatcacheError, TypeError):
+    """A library function was called the wrong way (a wrong argument type, a duplicate argument)."""
+
+
+class InternalError(FeatcacheError, RuntimeError):
+    """An invariant featcache relies on does not hold: a bug to report, not a usage error."""

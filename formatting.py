@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from featcache.errors import ConfigError
+
 STYLES = ("text", "markdown")
 
 
@@ -54,7 +56,7 @@ def format_table(df, style: str = "markdown", *, floatfmt: str = "{:.4g}", max_r
     """Render ``df`` as ``"markdown"`` (GitHub) or ``"text"`` (aligned columns for the CLI);
     ``max_rows`` keeps the first rows and says how many were left out."""
     if style not in STYLES:
-        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+        raise ConfigError(f"style must be one of {STYLES}, got {style!r}")
     if df is None or df.height == 0:
         return "(empty)\n"
     t = table_cells(df, floatfmt=floatfmt, max_rows=max_rows)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from featcache.errors import MetricInputError
+
 __all__ = [
     "METRICS",
     "MULTILABEL_METRICS",
@@ -40,16 +42,16 @@ __all__ = [
 def _check(y_true, scores=None) -> tuple[np.ndarray, np.ndarray | None]:
     y = np.asarray(y_true)
     if y.ndim != 1:
-        raise ValueError(f"y_true must be 1-D, got shape {y.shape}")
+        raise MetricInputError(f"y_true must be 1-D, got shape {y.shape}")
     if not np.issubdtype(y.dtype, np.integer):
-        raise ValueError("y_true must hold integer class indices (encode labels first)")
+        raise MetricInputError("y_true must hold integer class indices (encode labels first)")
     if scores is None:
         return y, None
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2 or s.shape[0] != y.shape[0]:
-        raise ValueError(f"scores must be [N, K] with N={y.shape[0]}, got {s.shape}")
+        raise MetricInputError(f"scores must be [N, K] with N={y.shape[0]}, got {s.shape}")
     if y.size and (y.min() < 0 or y.max() >= s.shape[1]):
-        raise ValueError(f"labels must lie in [0, {s.shape[1]}) to index the score columns")
+        raise MetricInputError(f"labels must lie in [0, {s.shape[1]}) to index the score columns")
     return y, s
 
 
@@ -87,7 +89,7 @@ def mean_per_class(y_true, y_pred_or_scores) -> float:
     if p.ndim == 2:
         p = p.argmax(axis=1)
     if p.shape != y.shape:
-        raise ValueError(f"predictions shape {p.shape} != y_true shape {y.shape}")
+        raise MetricInputError(f"predictions shape {p.shape} != y_true shape {y.shape}")
     if y.size == 0:
         return float("nan")
     classes, inv, counts = np.unique(y, return_inverse=True, return_counts=True)
@@ -128,16 +130,16 @@ def _check_multilabel(y_true, scores) -> tuple[np.ndarray, np.ndarray]:
     """(targets [N, C] bool, scores [N, C] float64); integer labels [N] are one-hot encoded."""
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2:
-        raise ValueError(f"scores must be [N, C], got shape {s.shape}")
+        raise MetricInputError(f"scores must be [N, C], got shape {s.shape}")
     y = np.asarray(y_true)
     if y.ndim == 1:
         y, _ = _check(y, s)
         y = np.arange(s.shape[1])[None, :] == y[:, None]
     if y.shape != s.shape:
-        raise ValueError(f"targets {y.shape} and scores {s.shape} must both be [N, C]")
+        raise MetricInputError(f"targets {y.shape} and scores {s.shape} must both be [N, C]")
     if y.dtype != bool:
         if not np.isin(y, (0, 1)).all():
-            raise ValueError("multi-label targets must be 0/1 or bool (one column per class)")
+            raise MetricInputError("multi-label targets must be 0/1 or bool (one column per class)")
         y = y.astype(bool)
     return y, s
 

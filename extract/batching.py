@@ -7,6 +7,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 
+from featcache.errors import DataError
 from featcache.extract.data import SplitSource
 
 
@@ -37,7 +38,7 @@ class ImageRows:
                 return i, self.transform(img), True, ""
             a = self.fast(img)
             if a.shape != (h, w, c):
-                raise ValueError(f"transform produced {a.shape[1]}x{a.shape[0]}x{a.shape[2]}, expected {w}x{h}x{c}")
+                raise DataError(f"transform produced {a.shape[1]}x{a.shape[0]}x{a.shape[2]}, expected {w}x{h}x{c}")
             return i, torch.from_numpy(a), True, ""
         except Exception as exc:  # any decode/transform failure becomes an invalid row
             blank = torch.zeros(self.shape) if self.fast is None else torch.zeros((h, w, c), dtype=torch.uint8)

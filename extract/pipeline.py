@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from featcache.errors import ConfigError, DataError, ProvenanceMismatchError
+from featcache.errors import ConfigError, DataError, ProvenanceMismatchError, UsageError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
 from featcache.extract.data import ReadOptions, SplitSource, open_dataset, parse_spec, select_splits
@@ -138,7 +138,7 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     from featcache.store import open_cache
 
     if not isinstance(config, ExtractConfig):
-        raise TypeError("extract() takes an ExtractConfig: extract(ExtractConfig(model, weights, data, ...))")
+        raise UsageError("extract() takes an ExtractConfig: extract(ExtractConfig(model, weights, data, ...))")
     from featcache.extract.decode import resolve_decoder
 
     cfg = config

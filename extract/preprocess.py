@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from featcache.errors import DataError
+
 __all__ = ["FastPreprocess", "split_transform"]
 
 
@@ -59,7 +61,7 @@ class FastPreprocess:
         for step in self.geometric:
             img = step(img)
         if getattr(img, "mode", None) != "RGB":
-            raise ValueError(f"expected an RGB image after the transform, got mode {img.mode!r}")
+            raise DataError(f"expected an RGB image after the transform, got mode {img.mode!r}")
         return np.array(img, dtype=np.uint8)  # a writable copy (torch.from_numpy)
 
     def normalize(self, x: Any, channels_last: bool = True) -> Any:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from featcache.errors import DataError
+from featcache.errors import DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.revisited import REVISITED_SETUPS
 
@@ -261,7 +261,7 @@ def legacy_config(cache_path, backbones: str | Sequence[str] | None, dataset: st
     kw = dict(zip(names, args))
     overlap = set(kw) & set(kwargs)
     if overlap:
-        raise TypeError(f"run_retrieval() got multiple values for {sorted(overlap)}")
+        raise UsageError(f"run_retrieval() got multiple values for {sorted(overlap)}")
     kw.update(kwargs)
     if "results_path" in kw:
         kw["results"] = kw.pop("results_path")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from featcache.errors import MetricInputError
+
 __all__ = ["KNN_KS", "KNN_TEMPERATURE", "knn_accuracy", "knn_predict", "knn_votes"]
 
 KNN_KS = (10, 20, 100, 200)
@@ -27,7 +29,7 @@ def knn_votes(
 ) -> np.ndarray:
     """Votes [Q, C] from the first k neighbours (columns of ``scores``/``indices``)."""
     if k > scores.shape[1]:
-        raise ValueError(f"k={k} exceeds the {scores.shape[1]} neighbours searched")
+        raise MetricInputError(f"k={k} exceeds the {scores.shape[1]} neighbours searched")
     s = scores[:, :k].astype(np.float64)
     idx = indices[:, :k]
     ok = idx >= 0

@@ -41,6 +41,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from featcache.errors import MetricInputError
+
 __all__ = [
     "RankedRelevance",
     "average_precision",
@@ -72,26 +74,26 @@ class RankedRelevance:
         self.n_relevant = np.asarray(n_relevant, dtype=np.int64)
         self.depth = depth
         if self.indptr.ndim != 1 or self.indptr.size != self.n_relevant.size + 1:
-            raise ValueError("indptr must have one entry more than n_relevant")
+            raise MetricInputError("indptr must have one entry more than n_relevant")
         if self.indptr[-1] != self.ranks.size:
-            raise ValueError("indptr[-1] must equal the number of ranks")
+            raise MetricInputError("indptr[-1] must equal the number of ranks")
         counts = np.diff(self.indptr)
         if np.any(counts > self.n_relevant):
-            raise ValueError("a query has more ranked relevant items than n_relevant")
+            raise MetricInputError("a query has more ranked relevant items than n_relevant")
         if depth is None and np.any(counts != self.n_relevant):
-            raise ValueError("a full ranking must rank every relevant item (counts != n_relevant)")
+            raise MetricInputError("a full ranking must rank every relevant item (counts != n_relevant)")
         if tp is None:
             tp = np.arange(self.ranks.size) - np.repeat(self.indptr[:-1], counts) + 1
         self.tp = np.asarray(tp, dtype=np.int64)
         if self.tp.shape != self.ranks.shape:
-            raise ValueError("tp must have one entry per rank")
+            raise MetricInputError("tp must have one entry per rank")
         if self.ranks.size:
             same_q = np.repeat(np.arange(counts.size), counts)
             step = np.diff(self.ranks)
             if np.any((step < 0) & (np.diff(same_q) == 0)):
-                raise ValueError("ranks must be non-decreasing within each query")
+                raise MetricInputError("ranks must be non-decreasing within each query")
             if np.any(self.tp > self.ranks) or np.any(self.ranks < 1):
-                raise ValueError("need 1 <= tp <= rank for every entry")
+                raise MetricInputError("need 1 <= tp <= rank for every entry")
 
     @property
     def n_queries(self) -> int:
@@ -103,7 +105,7 @@ class RankedRelevance:
 
     def _need(self, k: int | None, name: str) -> None:
         if self.depth is not None and (k is None or k > self.depth):
-            raise ValueError(
+            raise MetricInputError(
                 f"{name} needs ranks up to {k or 'the end'} but only the top {self.depth} were "
                 "searched; search deeper or use the full ranking"
             )
@@ -136,7 +138,7 @@ def ranks_from_hits(
     """
     hits = np.asarray(hits, dtype=bool)
     if hits.ndim != 2:
-        raise ValueError("hits must be 2-D [queries, ranks]")
+        raise MetricInputError("hits must be 2-D [queries, ranks]")
     Q, K = hits.shape
     if depth is None:
         depth = K
@@ -235,7 +237,7 @@ def compute_metrics(rr: RankedRelevance, ks: Iterable[int], *, full: bool | None
     queries without relevant items."""
     ks = sorted({int(k) for k in ks})
     if any(k < 1 for k in ks):
-        raise ValueError(f"k must be >= 1, got {ks}")
+        raise MetricInputError(f"k must be >= 1, got {ks}")
     full = rr.depth is None if full is None else full
     out: dict[str, np.ndarray] = {}
     if full:

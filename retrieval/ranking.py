@@ -21,6 +21,7 @@ import logging
 
 import numpy as np
 
+from featcache.errors import InternalError
 from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.prepared import PreparedRows, as_prepared
 from featcache.retrieval.search import (
@@ -262,7 +263,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                     i += 1
     counts = np.array([r.size for r in all_ranks], np.int64)
     if keep is None and np.any(counts != n_relevant):
-        raise RuntimeError("internal error: ranked relevant items != number of relevant items")
+        raise InternalError("internal error: ranked relevant items != number of relevant items")
     indptr = np.zeros(n_q + 1, np.int64)
     np.cumsum(counts, out=indptr[1:])
     ranks = np.concatenate(all_ranks) if all_ranks else np.zeros(0, np.int64)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from featcache.errors import DataError
+from featcache.errors import DataError, UsageError
 from featcache.retrieval.config import (
     DEFAULT_KS,
     TIE_POLICY,
@@ -158,7 +158,7 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
     from featcache.results import append_results, rows_to_frame
 
     if isinstance(config, RetrievalConfig) and (args or kwargs):
-        raise TypeError("run_retrieval(config) takes no further arguments; use config.with_(...)")
+        raise UsageError("run_retrieval(config) takes no further arguments; use config.with_(...)")
     cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
     cache, backbones = _open_backbones(cfg)
     setups = _relevance_setups(cfg)

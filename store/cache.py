@@ -15,6 +15,7 @@ import numpy as np
 
 from featcache.errors import (
     CacheNotWritableError,
+    ConfigError,
     CorruptStoreError,
     IncompleteStoreError,
     NotInStoreError,
@@ -355,7 +356,7 @@ class FeatureCache:
             valid = np.asarray(g["valid"][:], dtype=bool)
             errors = _as_str(g["error"][:])
             if "done" not in g:
-                raise KeyError("done")
+                raise IncompleteStoreError("the group has no done array")  # read chunk by chunk below
         except Exception:
             sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
             return (*_read_chunks(g, gm, kind, sc, dtype), sc)
@@ -507,7 +508,7 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
     import zarr
 
     if mode not in ("r", "a"):
-        raise ValueError("mode must be 'r' or 'a'")
+        raise ConfigError(f"open_cache(mode={mode!r}): mode must be 'r' (read) or 'a' (read and write)")
     label = str(store) if not isinstance(store, str) else store
     if hasattr(store, "__fspath__"):
         store = str(store)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import SchemaMismatchError
+from featcache.errors import InternalError, SchemaMismatchError
 
 
 class StoredRows:
@@ -40,7 +40,7 @@ class StoredRows:
         self._arrays = tuple(arrays)
         self._finite = tuple(finite) if finite is not None else (None,) * len(self._arrays)
         if len(self._finite) != len(self._arrays):
-            raise ValueError("finite needs one mask (or None) per stored array")
+            raise InternalError("finite needs one mask (or None) per stored array")
         if not self._arrays:
             raise SchemaMismatchError("StoredRows needs at least one stored array")
         d = {tuple(a.shape[1:]) for a in self._arrays}

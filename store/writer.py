@@ -58,7 +58,7 @@ def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
         )
     if name == "done":
         return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
-    raise ValueError(f"not an auxiliary array: {name!r}")
+    raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
 
 
 class FeatureWriter:
@@ -253,14 +253,14 @@ class FeatureWriter:
         rows = stop - start
         valid = np.asarray(valid, dtype=bool)
         if valid.shape != (rows,):
-            raise ValueError(f"chunk {i}: valid has shape {valid.shape}, expected ({rows},)")
+            raise SchemaMismatchError(f"chunk {i}: valid has shape {valid.shape}, expected ({rows},)")
         if set(features) != set(self.provenances):
-            raise ValueError(f"chunk {i}: kinds {sorted(features)} != {sorted(self.provenances)}")
+            raise SchemaMismatchError(f"chunk {i}: kinds {sorted(features)} != {sorted(self.provenances)}")
         for kind, x in features.items():
             x = np.asarray(x)
             prov = self.provenances[kind]
             if x.shape != (rows, prov.dim):
-                raise ValueError(f"chunk {i}: {kind} has shape {x.shape}, expected ({rows}, {prov.dim})")
+                raise SchemaMismatchError(f"chunk {i}: {kind} has shape {x.shape}, expected ({rows}, {prov.dim})")
             x = x.astype(prov.dtype, copy=True)
             x[~valid] = np.nan
             self._arr(kind)[start:stop] = x
