@@ -173,6 +173,8 @@ def register_weights_source(scheme: str) -> Callable[[WeightsLoader], WeightsLoa
     """Decorator registering a loader for weights strings ``scheme`` or ``scheme:ARG``."""
 
     def deco(fn: WeightsLoader) -> WeightsLoader:
+        if scheme in _WEIGHTS_SOURCES and _WEIGHTS_SOURCES[scheme] is not fn:
+            raise BackboneError(f"weights source {scheme!r} is already registered; register yours under another scheme")
         _WEIGHTS_SOURCES[scheme] = fn
         return fn
 

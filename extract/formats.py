@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import DataError
+from featcache.errors import ConfigError, DataError
 from featcache.extract.data import (
     ReadOptions,
     SplitSource,
@@ -61,6 +61,11 @@ def register_format(*kinds: str) -> Callable[[Reader], Reader]:
 
     def deco(fn: Reader) -> Reader:
         for k in kinds:
+            if k in FORMATS and FORMATS[k] is not fn:
+                raise ConfigError(
+                    f"data format {k!r} is already registered (by {FORMATS[k].__module__}."
+                    f"{FORMATS[k].__qualname__}); register yours under another name"
+                )
             FORMATS[k] = fn
         return fn
 

@@ -8,7 +8,7 @@ with the probe row of the same backbone, dataset, protocol, eval split and seed.
 
 Protocols
 ---------
-``vtab1k-light`` (VTAB lightweight fine-tuning, PROTOCOLS.md section 1)
+``vtab1k-light`` (VTAB lightweight fine-tuning, Zhai et al.'s VTAB paper; docs/protocols.md, VTAB)
     VTAB's fixed 1,000 training examples, the same for every seed (seeds vary only the
     training randomness): the first 800 of train and the first 200 of the val source in
     the dataset's own order, the reader's row order = the store's

@@ -1,4 +1,4 @@
-"""Retrieval on cached features (Battle of the Backbones protocol, PROTOCOLS.md section 5).
+"""Retrieval on cached features (Battle of the Backbones protocol, Goldblum et al. 2023; docs/protocols.md).
 
 Semantic retrieval (a match shares the query's label) or content retrieval (explicit
 positive/junk table); cosine, inner-product or L2 similarity; exact FAISS / torch search and
