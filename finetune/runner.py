@@ -90,6 +90,7 @@ from featcache.finetune.train import (
     train_run,
 )
 from featcache.protocols import Protocol, SplitPlan, get_protocol
+from featcache.store import combine_fingerprints
 
 __all__ = ["MEDIAN_CARRY", "finetune", "make_plan"]
 
@@ -309,7 +310,9 @@ def _run_ids(run: _Run) -> dict[tuple[int, str], tuple[str, str]]:
     out = {}
     for s in run.cfg.seeds:
         for es, ev in d.evals.items():
-            fp = "images:" + _combine(d.train.fingerprint, d.val.fingerprint if d.val else "", ev.fingerprint)
+            fp = "images:" + combine_fingerprints(
+                d.train.fingerprint, d.val.fingerprint if d.val else "", ev.fingerprint
+            )
             out[(s, es)] = (
                 make_run_id(
                     kind="finetune",
@@ -574,10 +577,6 @@ def _collect(cfg: FinetuneConfig, run_ids, new_rows: list[dict]):
     if len(cfg.seeds) >= 2 and out.height:
         out = add_median_rows(out, "finetune", cfg.results_path, carry=MEDIAN_CARRY)
     return out
-
-
-def _combine(*fps: str) -> str:
-    return hashlib.sha256("|".join(fps).encode()).hexdigest()[:16]
 
 
 def _hash_idx(idx: np.ndarray) -> str:

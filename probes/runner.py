@@ -10,7 +10,6 @@ once, and writes one row per (run, metric).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ from featcache.probes.logistic import (
     sweep_C,
 )
 from featcache.protocols import Protocol, SplitPlan
+from featcache.store import combine_fingerprints
 from featcache.store.rows import StoredRows
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
         store_ids = cache.split_rows(ds, s)[0]
         order = np.argsort(store_ids, kind="stable")
         sd.Y = M[order[np.searchsorted(store_ids[order], sd.ids)]]
-        sd.fingerprint = _combine(sd.fingerprint, sha)
+        sd.fingerprint = combine_fingerprints(sd.fingerprint, sha)
 
 
 def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:
@@ -579,7 +579,7 @@ def _run_ids(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data) -> 
     val_fp = d.val.fingerprint if d.val is not None else ""
     out = {}
     for es, ev in d.evals.items():
-        fp = _combine(d.train.fingerprint, val_fp, ev.fingerprint)
+        fp = combine_fingerprints(d.train.fingerprint, val_fp, ev.fingerprint)
         out[es] = (cfg.run_id(proto, b, seed, es, fp), fp)
     return out
 
@@ -594,7 +594,9 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
         val = cfg.val_split_used(proto, c.splits(cfg.dataset))
         read = dict.fromkeys([cfg.train_split, *([val] if val else []), *cfg.eval_splits])
         fp = {s: _stored_fingerprint(c, b, cfg.dataset, s, cfg.kind) for s in read}
-        out[b] = {es: _combine(fp[cfg.train_split], fp[val] if val else "", fp[es]) for es in cfg.eval_splits}
+        out[b] = {
+            es: combine_fingerprints(fp[cfg.train_split], fp[val] if val else "", fp[es]) for es in cfg.eval_splits
+        }
     return out
 
 
@@ -748,7 +750,3 @@ def _exists(path) -> bool:
     from pathlib import Path
 
     return Path(path).exists()
-
-
-def _combine(*fps: str) -> str:
-    return hashlib.sha256("|".join(fps).encode()).hexdigest()[:16]

@@ -3,6 +3,7 @@
 from featcache.store.cache import (
     FeatureCache,
     Features,
+    combine_fingerprints,
     dataset_fingerprint,
     ensure_split,
     open_cache,
@@ -18,6 +19,7 @@ __all__ = [
     "FeatureWriter",
     "Features",
     "SplitMeta",
+    "combine_fingerprints",
     "dataset_fingerprint",
     "ensure_split",
     "make_provenance",

@@ -64,6 +64,11 @@ def dataset_fingerprint(ids: np.ndarray, labels: np.ndarray, class_names: list[s
     return h.hexdigest()
 
 
+def combine_fingerprints(*fps: str) -> str:
+    """One 16-hex-digit fingerprint of several (train, val, eval split...), in order."""
+    return hashlib.sha256("|".join(fps).encode()).hexdigest()[:16]
+
+
 _as_str = as_str
 
 
