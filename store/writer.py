@@ -34,6 +34,8 @@ from featcache.store.schema import (
     check_name,
 )
 
+from featcache.store.summary import clear_summary, write_summary
+
 log = logging.getLogger(__name__)
 
 DTYPES = ("float16", "float32")
@@ -150,6 +152,8 @@ class FeatureWriter:
             else:
                 self.group = self.cache.root[self.path]
                 self._restore_aux_arrays()
+                if self.pending_chunks():  # chunks will be written: the summary no longer holds
+                    clear_summary(self.group)
                 return self
         self._create()
         return self
@@ -275,7 +279,8 @@ class FeatureWriter:
 
     def mark_complete(self, **stats: Any) -> None:
         """Record run statistics (images/s, device, ...) in every kind's provenance."""
-        n_invalid = int((~np.asarray(self.group["valid"][:], dtype=bool)).sum())
+        valid = np.asarray(self.group["valid"][:], dtype=bool)
+        n_invalid = int((~valid).sum())
         for kind in self.provenances:
             arr = self.group[kind]
             d = dict(arr.attrs[PROVENANCE_KEY])
@@ -284,6 +289,8 @@ class FeatureWriter:
             d["completed"] = now_iso()
             FeatureProvenance.from_attrs(d, where=arr.path)  # validate before writing
             arr.attrs[PROVENANCE_KEY] = d
+        if self._lock is not None:  # the lock holder (rank 0) records what ls reads
+            write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)
         self.release()
 
 
