@@ -23,7 +23,7 @@ from featcache.store.cache import (
     open_cache,
     remove_group,
 )
-from featcache.store.integrity import scan_group
+from featcache.store.integrity import read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
@@ -33,7 +33,6 @@ from featcache.store.schema import (
     FeatureProvenance,
     check_name,
 )
-
 from featcache.store.summary import clear_summary, write_summary
 
 log = logging.getLogger(__name__)
@@ -152,7 +151,7 @@ class FeatureWriter:
             else:
                 self.group = self.cache.root[self.path]
                 self._restore_aux_arrays()
-                if self.pending_chunks():  # chunks will be written: the summary no longer holds
+                if not read_done(self.group, self.n_chunks).all():  # chunks will be written
                     clear_summary(self.group)
                 return self
         self._create()
