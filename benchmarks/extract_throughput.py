@@ -7,7 +7,10 @@ and memory format, measures
 (b) the full pipeline: dataset -> decode/resize in workers -> forward -> background zarr writes,
 (c) the same pipeline with writes disabled (``extract(ExtractConfig(..., write=False))``),
 
-and prints images/s for each and the ratios b/a (target >= 0.90) and b/c (target >= 0.95).
+and prints images/s for each and the ratios b/a (target >= 0.90) and b/c (target >= 0.95),
+each with its roofline: FLOPs per image (``torch.utils.flop_counter``), the achieved FLOP/s
+and "x % of peak", this CPU's fp32 (or, with ``--amp bf16``, bf16) peak read from ``lscpu``
+(see :func:`cpu_peak`).
 Each measurement is repeated ``--repeats`` times, interleaved with the order rotated (a c b,
 c b a, b a c, ...), and the best of each is reported: on a shared machine, other processes
 only ever slow a run down. The ratios are also given per round (a, b, c measured back to
@@ -55,7 +58,10 @@ def bare_forward(bb, head, n: int, batch_size: int, channels_last: bool, amp: st
     sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
 
     def run(sz: list[int]) -> None:
-        with torch.inference_mode(), torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None and cuda):
+        with (
+            torch.inference_mode(),
+            torch.autocast("cuda" if cuda else "cpu", dtype=amp_dtype, enabled=amp_dtype is not None),
+        ):
             for i, s in enumerate(sz):
                 out = head(batches[i % 2][:s])
                 for v in out.values():  # the pipeline copies features to host too
@@ -69,6 +75,61 @@ def bare_forward(bb, head, n: int, batch_size: int, channels_last: bool, amp: st
     if cuda:
         torch.cuda.synchronize()
     return n / (time.perf_counter() - t)
+
+
+def flops_per_image(head, shape: tuple[int, ...], channels_last: bool) -> float:
+    """FLOPs of one image's feature forward, from ``torch.utils.flop_counter`` (a multiply-add
+    counts 2; convolutions and matmuls only, which is where the time goes)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn((1, *shape))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode(), FlopCounterMode(display=False) as fc:
+        head(x)
+    return float(fc.get_total_flops())
+
+
+def _lscpu() -> dict[str, str]:
+    import subprocess
+
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in text.splitlines() if ":" in ln)}
+
+
+def cpu_peak(cores: int) -> dict[str, float | str]:
+    """This CPU's peak FLOP/s over ``cores`` cores, read from ``lscpu``: fp32 = FMA width
+    (16 lanes with avx512f, 8 with AVX2 FMA) x 2 (multiply + add) x FMA units (2: server
+    cores' two 512-bit FMA ports; lscpu does not say, so assumed) x cores x clock ("CPU max
+    MHz", else the current MHz); bf16 = AMX's 1024 FLOP/cycle/core with amx_bf16, else
+    avx512_bf16's VDPBF16PS (32 pairs = 64 FLOP) x 2 units, else the fp32 peak."""
+    info = _lscpu()
+    flags = set(info.get("Flags", "").split())
+    mhz = info.get("CPU max MHz") or info.get("CPU MHz")
+    if not mhz:  # a VM often hides the clock: BogoMIPS is twice it on Intel
+        mhz = str(float(info.get("BogoMIPS", "0")) / 2)
+    ghz = float(mhz) / 1000
+    lanes = 16 if "avx512f" in flags else 8 if "fma" in flags else 4
+    units = 2
+    fp32 = lanes * 2 * units * cores * ghz * 1e9
+    if "amx_bf16" in flags:
+        bf16, how = 1024 * cores * ghz * 1e9, "AMX 1024 FLOP/cycle/core"
+    elif "avx512_bf16" in flags:
+        bf16, how = 64 * units * cores * ghz * 1e9, "avx512_bf16 64 FLOP x 2 units"
+    else:
+        bf16, how = fp32, "no bf16 hardware: the fp32 peak"
+    return {"fp32": fp32, "bf16": bf16, "ghz": ghz, "cores": cores, "lanes": lanes, "units": units, "bf16_how": how}
+
+
+def roof(ips: float, flops: float, peak_flops: float | None) -> str:
+    """Achieved FLOP/s of ``ips`` images/s, and its share of the peak."""
+    if peak_flops is None:
+        return f"{ips * flops / 1e9:.1f} GFLOP/s"
+    return f"{ips * flops / 1e9:.1f} GFLOP/s = {100 * ips * flops / peak_flops:.1f} % of peak"
 
 
 def pipeline(args, input_size: int, write: bool, chunk_rows: int, root: Path) -> float:
@@ -170,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             for k in order[r % 3 :] + order[: r % 3]:
                 samples[k].append(measure[k]())
                 best[k] = max(best[k], samples[k][-1])
+        flops = flops_per_image(head, tuple(bb.data_config["input_size"]), not args.no_channels_last)
+        peak = cpu_peak(torch.get_num_threads()) if bb.device == "cpu" else None
+        peak_flops = None if peak is None else peak["bf16" if amp == "bf16" else "fp32"]
+
         row = {
             "model": args.model,
             "input_size": size,
@@ -191,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             # the same ratios per round (samples close in time), median over rounds
             "b_over_a_median_round": round(float(np.median(np.divide(samples["b"], samples["a"]))), 3),
             "b_over_c_median_round": round(float(np.median(np.divide(samples["b"], samples["c"]))), 3),
+            "flops_per_image": flops,
+            "peak_flops": peak_flops,
+            "peak": peak,
+            "a_pct_of_peak": None if peak_flops is None else round(100 * best["a"] * flops / peak_flops, 2),
+            "b_pct_of_peak": None if peak_flops is None else round(100 * best["b"] * flops / peak_flops, 2),
         }
         sweep = {}
         for cr in args.chunk_rows_sweep:
@@ -205,9 +275,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.model} @ {size}px, batch {args.batch_size}, {bb.device}, {workers} worker(s), "
             f"{row['torch_threads']} thread(s), amp={amp}, channels_last={row['channels_last']}, "
             f"malloc={'tuned' if tuned else 'system'}, n={args.n}\n"
-            f"  (a) bare forward     {row['a_bare_forward_ips']:9.1f} img/s\n"
-            f"  (b) full pipeline    {row['b_pipeline_ips']:9.1f} img/s   b/a = {row['b_over_a']:.3f} (target >= 0.90)\n"
+            f"  {flops / 1e9:.3f} GFLOP/image; peak {'n/a' if peak_flops is None else f'{peak_flops / 1e9:.0f}'} "
+            f"GFLOP/s ({amp}, {row['torch_threads']} core(s); {peak and peak['bf16_how'] if amp == 'bf16' else 'FMA'})\n"
+            f"  (a) bare forward     {row['a_bare_forward_ips']:9.1f} img/s   {roof(best['a'], flops, peak_flops)}\n"
+            f"  (b) full pipeline    {row['b_pipeline_ips']:9.1f} img/s   b/a = {row['b_over_a']:.3f} (target >= 0.90)"
+            f"   {roof(best['b'], flops, peak_flops)}\n"
             f"  (c) without writes   {row['c_no_write_ips']:9.1f} img/s   b/c = {row['b_over_c']:.3f} (target >= 0.95)"
+            f"   {roof(best['c'], flops, peak_flops)}"
         )
         print(
             f"  per-round ratios, median of {args.repeats}: b/a = {row['b_over_a_median_round']:.3f}, "

@@ -101,8 +101,8 @@ class ExtractConfig:
     limit: int | Mapping[str, int] | None = _opt(None, "first N rows of each split only (N > 0)", type=int)
     amp: str = _opt(
         "auto",
-        "compute precision (auto: bf16 autocast on CUDA, fp32 on CPU; bf16/fp16 apply "
-        "on CUDA only, CPU computes and records fp32)",
+        "compute precision (auto: bf16 autocast on CUDA, fp32 on CPU; bf16 autocasts on a CPU "
+        "with avx512_bf16/AMX and is refused on one without; fp16 applies on CUDA only)",
         flag="--precision",
         choices=list(PRECISIONS),
     )

@@ -98,7 +98,7 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
                     x = fast.normalize(x, channels_last)
                 elif channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
-                with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None and cuda):
+                with torch.autocast("cuda" if cuda else "cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
                     out = fwd(x)
                 okn = ok.numpy()
                 if not buf:

@@ -92,14 +92,26 @@ def default_parallelism(device: str, workers: int | None = None, threads: int | 
 
 def resolve_precision(amp: str, device: str) -> str:
     """The precision the forward actually runs in (recorded as ``amp``): ``none`` (fp32),
-    ``bf16`` or ``fp16``. Autocast applies on CUDA only, so CPU always computes fp32: a bf16/fp16
-    request on CPU is logged and recorded as ``none``, never as the precision asked for."""
+    ``bf16`` or ``fp16``. ``auto`` is bf16 on CUDA and fp32 on CPU (measured: see
+    docs/benchmarks.md, "bf16 on CPU"). ``bf16`` on a CPU autocasts where the CPU has bf16
+    hardware (avx512_bf16 / AMX: one log line says which) and is refused, with the reason,
+    where it has none. ``fp16`` applies on CUDA only: on CPU it is logged and recorded as fp32."""
     amp = {"fp32": "none", "auto": "bf16" if device.startswith("cuda") else "none"}.get(amp, amp)
     if amp not in ("none", "bf16", "fp16"):
         raise ConfigError(f"--precision {amp} is invalid: choose auto, fp32, bf16 or fp16")
-    if amp != "none" and not device.startswith("cuda"):
+    if device.startswith("cuda") or amp == "none":
+        return amp
+    if amp == "fp16" or not device.startswith("cpu"):
         log.warning("--precision %s applies on CUDA only; %s computes (and records) fp32", amp, device)
         return "none"
+    from featcache.cpu import bf16_support, cpu_isa
+
+    ok, why = bf16_support()
+    if not ok:
+        raise ConfigError(
+            f"--precision bf16 on {device}: {why}; use --precision fp32 (Python: amp='fp32') or a CUDA device"
+        )
+    log.info("bf16 autocast on %s: %s, ISA %s", device, why, cpu_isa())
     return amp
 
 
@@ -129,8 +141,8 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     """Extract features for every requested split of ``config.data`` into ``config.cache``.
 
     Re-running a finished extraction does nothing; an interrupted one recomputes only its
-    unfinished chunks (refused, with the differences, if the device kind, precision or CPU
-    thread count differ from the recorded ones). Returns one :class:`SplitReport` per split.
+    unfinished chunks (refused, with the differences, if the device kind, precision, CPU
+    thread count or CPU ISA differ from the recorded ones). Returns one :class:`SplitReport` per split.
     """
     import torch
 
@@ -282,6 +294,10 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
 
     bb, cfg = job.bb, job.cfg
     extra = {**cfg.recorded(), "threads": threads, "decoder": job.decoder}
+    if bb.device.startswith("cpu"):
+        from featcache.cpu import cpu_isa
+
+        extra["cpu_isa"] = cpu_isa()
     return {
         k: make_provenance(
             backbone=job.key,
@@ -311,14 +327,17 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
 # --------------------------------------------------------------------------- compute settings
 def compute_settings(prov) -> dict[str, Any]:
     """The settings besides the identity that decide a feature's bits: device kind, applied
-    precision, CPU thread count and the decode settings (None: not recorded, e.g. an older
-    store). A CPU forward never autocasts, so a CPU store's precision is fp32 whatever it says."""
+    precision, CPU thread count and ISA, and the decode settings (None: not recorded, e.g. an
+    older store). A CPU store without a recorded ISA predates CPU autocast, so its precision
+    is fp32 whatever it says."""
     device = prov.device.split(":")[0] if prov.device else None
     extra = prov.extra or {}
+    cpu = device == "cpu"
     return {
         "device": device,
-        "precision": "none" if device == "cpu" else prov.amp,
-        "threads": extra.get("threads") if device == "cpu" else None,
+        "precision": "none" if cpu and "cpu_isa" not in extra else prov.amp,
+        "threads": extra.get("threads") if cpu else None,
+        "cpu_isa": extra.get("cpu_isa") if cpu else None,
         "exif_transpose": extra.get("exif_transpose"),
         "max_image_pixels": extra.get("max_image_pixels"),
         "decoder": extra.get("decoder"),
@@ -371,8 +390,8 @@ def _prepare(writer, stored, overwrite: bool, auto_decoder: bool = False) -> Non
         lines = "\n".join(f"  {k}: stored={a!r} requested={b!r}" for k, (a, b) in sorted(diffs.items()))
         raise ProvenanceMismatchError(
             f"{writer.path} was partly computed with other settings, so resuming would mix their bits:\n{lines}\n"
-            "Re-run with the stored settings (--device, --precision, --threads, --decoder), use another --backbone-name, "
-            "or --overwrite to start over."
+            "Re-run with the stored settings (--device, --precision, --threads, --decoder) on a CPU of the stored ISA, "
+            "use another --backbone-name, or --overwrite to start over."
         )
 
 

@@ -212,6 +212,7 @@ class FinetuneConfig:
             limit=self.limit,
             **({"resize": self.resize} if self.resize != "timm" else {}),  # existing run ids stay
             **({"metric": self.metric} if self.metric not in (None, "top1") else {}),
+            **_cpu_isa(backbone, precision),  # CPU bf16 only: existing run ids stay
         )
 
     def scaled_from(self, proto) -> dict[str, Any]:
@@ -235,3 +236,12 @@ class FinetuneConfig:
 
 def _jsonable(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+
+
+def _cpu_isa(backbone, precision: str) -> dict[str, str]:
+    """The CPU ISA of a bf16 run on CPU (its bits depend on the bf16 kernels), else nothing."""
+    if precision != "bf16" or not str(getattr(backbone, "device", "")).startswith("cpu"):
+        return {}
+    from featcache.cpu import cpu_isa
+
+    return {"cpu_isa": cpu_isa()}

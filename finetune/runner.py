@@ -50,7 +50,8 @@ augmentation). Batches are full: an endless stream of seeded epoch permutations 
 ``e`` of seed ``s`` uses ``numpy.random.default_rng([s, e])``), cut into ``batch_size``
 slices; ``micro_batch`` splits each into gradient-accumulation chunks (loss scaled by the
 full batch; BatchNorm then sees micro-batches). On CUDA the forward runs under bf16
-autocast (``precision="auto"``) in channels-last layout; CPU runs in fp32.
+autocast (``precision="auto"``) in channels-last layout; CPU runs in fp32 unless
+``precision="bf16"`` on a CPU with bf16 hardware (the run id then records the CPU ISA).
 
 Checkpoints and resume
 ----------------------
@@ -236,8 +237,6 @@ def finetune(config: FinetuneConfig):
     proto, cfg = config.resolve()
     dev = resolve_device(cfg.device)
     prec = resolve_precision(cfg.precision, dev)
-    if prec == "bf16" and not dev.startswith("cuda"):
-        log.info("bf16 autocast requested on CPU")
     data = _open_data(cfg, proto)
     # seeded plans before the backbone loads: too little data fails fast
     plans = {s: make_plan(proto, s, data.train, data.val, cfg.val_source) for s in cfg.seeds}

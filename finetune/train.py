@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import BackboneError
+from featcache.errors import BackboneError, BackendUnavailableError
 from featcache.finetune.data import Pool
 from featcache.finetune.schedule import TrainConfig, batch_positions, lr_at
 
@@ -73,10 +73,21 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_precision(precision: str, device: str) -> str:
+    """``auto``: bf16 autocast on CUDA, fp32 on CPU. ``bf16`` on a CPU runs where the CPU has
+    bf16 hardware (avx512_bf16 / AMX; one log line) and is refused, with the reason, elsewhere."""
     if precision not in ("auto", "fp32", "bf16"):
         raise BackboneError(f"precision must be auto, fp32 or bf16; got {precision!r}")
     if precision == "auto":
         return "bf16" if device.startswith("cuda") else "fp32"
+    if precision == "bf16" and device.startswith("cpu"):
+        from featcache.cpu import bf16_support, cpu_isa
+
+        ok, why = bf16_support()
+        if not ok:
+            raise BackendUnavailableError(
+                f"precision bf16 on {device}: {why}; use --precision fp32 (Python: precision='fp32') or a CUDA device"
+            )
+        log.info("bf16 autocast on %s: %s, ISA %s", device, why, cpu_isa())
     return precision
 
 

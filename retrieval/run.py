@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -191,6 +191,16 @@ class _Pair:
     fingerprint: str
     g_split: str
     seconds: float
+    _prepared: dict = field(default_factory=dict, repr=False)
+
+    def prepared(self, metric: str, max_memory) -> tuple:
+        """Queries and gallery as PreparedRows for ``metric``, made once and shared by every
+        scored setup of this backbone x split (each revisited setup, revisited AP, k-NN)."""
+        mem = parse_memory(max_memory)
+        key = (metric, mem)
+        if key not in self._prepared:
+            self._prepared[key] = prepared_pair(self.Xq, self.Xg, metric, cache_bytes=mem // 4)
+        return self._prepared[key]
 
 
 def _open_backbones(cfg: RetrievalConfig):
@@ -254,9 +264,10 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
     t0 = time.perf_counter()
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
     rel = sem if table is None else ExplicitRelevance(d.idq, d.idg, *table)
+    Q, G = d.prepared(cfg.metric, cfg.max_memory)
     res = evaluate(
-        d.Xq,
-        d.Xg,
+        Q,
+        G,
         rel,
         metric=cfg.metric,
         ks=cfg.ks,
@@ -310,7 +321,7 @@ def _revisited_means(cfg: RetrievalConfig, d: _Pair, rel) -> dict[str, float]:
     if not cfg.full:
         raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
     mem = parse_memory(cfg.max_memory)
-    Q, G = prepared_pair(d.Xq, d.Xg, cfg.metric, cache_bytes=mem // 4)
+    Q, G = d.prepared(cfg.metric, cfg.max_memory)
     rr = full_ranking(
         Q,
         G,
@@ -332,7 +343,7 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
     t1 = time.perf_counter()
     mem = parse_memory(cfg.max_memory)
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
-    Qc, Gc = prepared_pair(d.Xq, d.Xg, "cosine", cache_bytes=mem // 4)
+    Qc, Gc = d.prepared("cosine", cfg.max_memory)
     sc, ix, used = topk(
         Qc,
         Gc,

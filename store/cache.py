@@ -373,6 +373,19 @@ class FeatureCache:
         return X, valid, errors, sc
 
     # ------------------------------------------------------------------ catalog
+    def _completeness(self, b: str, d: str, s: str, g) -> tuple[bool, int]:
+        """(complete, invalid rows) of a feature group: from its summary while that matches the
+        chunk markers and checksums (:mod:`.summary`), else by reading every marked chunk (a
+        lost or corrupt chunk makes the group incomplete)."""
+        from featcache.store.summary import trusted_summary
+
+        gm = self.group_meta(b, d, s)
+        summ = trusted_summary(g, gm.n, gm.n_chunks, gm.kinds)
+        if summ is not None:
+            return True, summ["rows"] - summ["valid"]
+        complete = self.scan(b, d, s).complete
+        return complete, int((~np.asarray(g["valid"][:], dtype=bool)).sum())
+
     def catalog(self):
         """One row per backbone x dataset x split x kind, as a polars DataFrame."""
         import polars as pl
@@ -380,9 +393,8 @@ class FeatureCache:
         rows = []
         for b, d, s in self.entries():
             g = self._group("features", b, d, s)
-            try:  # reads every marked chunk: a lost or corrupt chunk makes the group incomplete
-                complete = self.scan(b, d, s).complete
-                n_invalid = int((~np.asarray(g["valid"][:], dtype=bool)).sum())
+            try:  # the writer's summary while it matches the stored chunks, else read every marked chunk
+                complete, n_invalid = self._completeness(b, d, s, g)
             except SchemaMismatchError as exc:
                 log.warning("skipping %s/%s/%s: %s", b, d, s, exc)
                 continue

@@ -23,7 +23,7 @@ from featcache.store.cache import (
     open_cache,
     remove_group,
 )
-from featcache.store.integrity import scan_group
+from featcache.store.integrity import read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
@@ -33,6 +33,7 @@ from featcache.store.schema import (
     FeatureProvenance,
     check_name,
 )
+from featcache.store.summary import clear_summary, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ class FeatureWriter:
             else:
                 self.group = self.cache.root[self.path]
                 self._restore_aux_arrays()
+                if not read_done(self.group, self.n_chunks).all():  # chunks will be written
+                    clear_summary(self.group)
                 return self
         self._create()
         return self
@@ -275,7 +278,8 @@ class FeatureWriter:
 
     def mark_complete(self, **stats: Any) -> None:
         """Record run statistics (images/s, device, ...) in every kind's provenance."""
-        n_invalid = int((~np.asarray(self.group["valid"][:], dtype=bool)).sum())
+        valid = np.asarray(self.group["valid"][:], dtype=bool)
+        n_invalid = int((~valid).sum())
         for kind in self.provenances:
             arr = self.group[kind]
             d = dict(arr.attrs[PROVENANCE_KEY])
@@ -284,6 +288,8 @@ class FeatureWriter:
             d["completed"] = now_iso()
             FeatureProvenance.from_attrs(d, where=arr.path)  # validate before writing
             arr.attrs[PROVENANCE_KEY] = d
+        if self._lock is not None:  # the lock holder (rank 0) records what ls reads
+            write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)
         self.release()
 
 

@@ -232,7 +232,7 @@ def test_cli_flags_come_from_the_config():
 KW = {"limit": 16, "input_size": 32, "batch_size": 8, "chunk_rows": 8, "workers": 0, "device": "cpu", "progress": False}
 
 
-def test_cpu_bf16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tmp_path, caplog, monkeypatch):
+def test_cpu_fp16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tmp_path, caplog, monkeypatch):
     import featcache.allocator as allocator
 
     def refuse():
@@ -241,14 +241,66 @@ def test_cpu_bf16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tm
     monkeypatch.setattr(allocator, "tune_cpu_allocator", refuse)
     cache = str(tmp_path / "c.zarr")
     with caplog.at_level(logging.WARNING):
-        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="bf16", threads=1, **KW))
+        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="fp16", threads=1, **KW))
     assert "applies on CUDA only" in caplog.text
     prov = open_cache(cache).provenance(f"{LITE0}@random0", "digits", "test")
     assert prov.amp == "none"
     assert prov.device == "cpu"
-    assert prov.extra["precision_requested"] == "bf16"
+    assert prov.extra["precision_requested"] == "fp16"
     assert prov.extra["threads"] == 1
     assert prov.extra["exif_transpose"] is True
+
+
+needs_bf16 = pytest.mark.skipif(not __import__("featcache.cpu").cpu.bf16_support()[0], reason="no CPU bf16 hardware")
+
+
+@needs_bf16
+def test_cpu_bf16_autocasts_and_records_precision_and_isa(tmp_path, caplog):
+    """On a CPU with avx512_bf16/AMX, --precision bf16 computes in bf16: features close to the
+    fp32 ones but not equal, provenance says bf16 and the ISA, one log line says which kernels."""
+    from featcache.cpu import cpu_isa
+
+    cache = str(tmp_path / "c.zarr")
+    with caplog.at_level(logging.INFO, logger="featcache.extract.pipeline"):
+        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="bf16", threads=1, **KW))
+    assert len([r for r in caplog.records if "bf16 autocast on cpu" in r.getMessage()]) == 1
+    extract(
+        ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="fp32", threads=1, backbone_name="f32", **KW)
+    )
+    s = open_cache(cache)
+    prov = s.provenance(f"{LITE0}@random0", "digits", "test")
+    assert prov.amp == "bf16"
+    assert prov.extra["cpu_isa"] == cpu_isa()
+    assert "bf16" in prov.extra["cpu_isa"]
+    assert s.provenance("f32", "digits", "test").amp == "none"
+    a = s.load(f"{LITE0}@random0", "digits", "test").X.astype(np.float64)
+    b = s.load("f32", "digits", "test").X.astype(np.float64)
+    assert not np.array_equal(a, b)  # bf16 arithmetic really ran
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert cos.min() > 0.99
+
+
+def test_cpu_bf16_is_refused_on_a_cpu_without_bf16_hardware(tmp_path, monkeypatch):
+    import featcache.cpu as fcpu
+
+    monkeypatch.setattr(fcpu, "bf16_flags", lambda: ())
+    cache = tmp_path / "c.zarr"
+    with pytest.raises(ConfigError, match=r"neither amx_bf16 nor avx512_bf16.*--precision fp32"):
+        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], str(cache), amp="bf16", threads=1, **KW))
+    assert not cache.exists() or not open_cache(str(cache)).backbones()
+
+
+@needs_bf16
+def test_resume_refuses_another_precision_or_cpu_isa(tmp_path, monkeypatch):
+    import featcache.cpu as fcpu
+
+    cache = str(tmp_path / "c.zarr")
+    extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, threads=1, write=False, **KW))
+    with pytest.raises(ProvenanceMismatchError, match=r"precision: stored='none' requested='bf16'"):
+        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="bf16", threads=1, **KW))
+    monkeypatch.setattr(fcpu, "bf16_flags", lambda: ())
+    with pytest.raises(ProvenanceMismatchError, match=r"cpu_isa: stored='\w+\+"):
+        extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, threads=1, **KW))
 
 
 def test_resume_keeps_recorded_threads_and_refuses_other_settings(tmp_path):

@@ -287,6 +287,30 @@ def test_bf16_autocast_training_step(one_thread, digits_splits):
     np.testing.assert_allclose(P.sum(1), 1.0, rtol=1e-6)
 
 
+def test_cpu_bf16_precision_needs_bf16_hardware_and_records_the_isa(monkeypatch, caplog):
+    """precision='bf16' on a CPU without avx512_bf16/AMX is refused with the reason; with it,
+    one log line names the kernels and the run options carry the CPU ISA (fp32: unchanged ids)."""
+    import logging
+    from types import SimpleNamespace
+
+    import featcache.cpu as fcpu
+    from featcache.errors import BackendUnavailableError
+
+    assert FT.resolve_precision("auto", "cpu") == "fp32"
+    monkeypatch.setattr(fcpu, "bf16_flags", lambda: ("avx512_bf16",))
+    with caplog.at_level(logging.INFO, logger="featcache.finetune.train"):
+        assert FT.resolve_precision("bf16", "cpu") == "bf16"
+    assert "bf16 autocast on cpu: oneDNN bf16 kernels (avx512_bf16)" in caplog.text
+    bb = SimpleNamespace(device="cpu", weights_sha256="x", data_config={"input_size": (3, 32, 32)})
+    cfg = FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", steps=(2,), lrs=(0.1,))
+    proto = SimpleNamespace(spec="full", split="full")
+    assert cfg.run_options(proto, bb, "bf16")["cpu_isa"].endswith("+avx512_bf16")
+    assert "cpu_isa" not in cfg.run_options(proto, bb, "fp32")
+    monkeypatch.setattr(fcpu, "bf16_flags", lambda: ())
+    with pytest.raises(BackendUnavailableError, match=r"neither amx_bf16 nor avx512_bf16.*precision='fp32'"):
+        FT.resolve_precision("bf16", "cpu")
+
+
 def test_selection_grid_full_protocol(one_thread, tmp_path):
     """Several configs: each trains on train minus the seeded 10% holdout, is scored on the
     holdout, the best (ties: first) is refit on all of train."""

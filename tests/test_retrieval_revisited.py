@@ -202,3 +202,41 @@ def test_table_from_revisitop_ground_truth():
         table_from_revisitop_gnd({**gnd, "gnd": [{"easy": [5]}, {}]})
     with pytest.raises(DataError, match="qimlist"):
         table_from_revisitop_gnd({"gnd": []})
+
+
+def test_run_retrieval_prepares_features_once_per_backbone_and_split(small_pix, tmp_path, monkeypatch):
+    """Every scored setup (each revisited setup, its revisitop AP, k-NN) shares one prepared
+    copy of the query and gallery features: two PreparedRows per backbone x split, not 2 per
+    setup (the numbers are the file's other tests')."""
+    from featcache.retrieval import prepared as P
+
+    path, _X, y, ids = small_pix
+    rows = []
+    for qi in range(300, 330):
+        same = np.flatnonzero(y[:300] == y[qi])
+        rows += [(ids[qi], ids[j], ["easy", "hard", "junk"][n % 3]) for n, j in enumerate(same)]
+    f = tmp_path / "gnd.csv"
+    f.write_text("query_id,gallery_id,relevance\n" + "\n".join(",".join(r) for r in rows) + "\n")
+    made = []
+    real = P.PreparedRows.__init__
+
+    def counting(self, *a, **kw):
+        made.append(1)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(P.PreparedRows, "__init__", counting)
+    cfg = RetrievalConfig(
+        cache=path,
+        dataset="digits",
+        backbones=("pix",),
+        relevance=f,
+        ks=(1, 5),
+        knn=True,
+        progress=False,
+        revisited=("easy", "medium", "hard"),
+    )
+    df = run_retrieval(cfg)
+    protocols = set(df["protocol"].to_list())
+    assert {"revisited-easy", "revisited-medium", "revisited-hard"} <= protocols
+    assert any(p.startswith("knn-k") for p in protocols)
+    assert len(made) == 2

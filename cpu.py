@@ -1,0 +1,61 @@
+"""What this CPU can compute fast: its vector ISA and whether bf16 matmuls run in hardware.
+
+A bf16 forward on a CPU is worth running only where oneDNN has bf16 kernels in hardware:
+``avx512_bf16`` (Cooper Lake and later) or AMX (``amx_bf16``, Sapphire Rapids and later).
+Elsewhere oneDNN emulates bf16 through fp32 and runs slower than fp32, so the stages refuse
+a bf16 request there (see :func:`bf16_support`). The flags come from ``/proc/cpuinfo`` (Linux);
+without it, torch's own oneDNN check answers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_flags() -> tuple[str, ...]:
+    """The bf16 ISA extensions this CPU has (AMX first), from its flags or, without
+    ``/proc/cpuinfo``, torch's oneDNN check (reported as ``avx512_bf16``)."""
+    flags = cpu_flags()
+    if flags:
+        return tuple(f for f in BF16_FLAGS if f in flags)
+    try:
+        import torch
+
+        return ("avx512_bf16",) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
+    except (ImportError, AttributeError, RuntimeError):  # pragma: no cover - old or odd torch
+        return ()
+
+
+def cpu_isa() -> str:
+    """This CPU's ISA as it decides a forward's bits and speed: torch's vector capability
+    (``AVX512``, ``AVX2``, ...) plus the bf16 extensions, e.g. ``AVX512+amx_bf16+avx512_bf16``.
+    Recorded in provenance; a resume compares it."""
+    import torch
+
+    return "+".join((torch.backends.cpu.get_cpu_capability(), *bf16_flags()))
+
+
+def bf16_support() -> tuple[bool, str]:
+    """(True, what runs it) where bf16 matmuls run in hardware, else (False, why not)."""
+    have = bf16_flags()
+    if have:
+        return True, f"oneDNN bf16 kernels ({', '.join(have)})"
+    return False, f"this CPU has neither {' nor '.join(BF16_FLAGS)}, so oneDNN would emulate bf16 slower than fp32"
