@@ -51,6 +51,10 @@ class CacheNotWritableError(FeatcacheError, PermissionError):
     """The cache path cannot be written."""
 
 
+class LockStateError(CacheNotWritableError):
+    """The store's lock folder is unusable: a file where the folder belongs, or not writable."""
+
+
 class ProbeError(FeatcacheError, ValueError):
     """Probe input is unusable (too few samples, a single class, non-finite features...)."""
 
