@@ -144,7 +144,9 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     cfg = config
     in_memory = parse_spec(cfg.data)[0] in ("digits", "fashion-mnist")  # no image files to decode
     decoder = resolve_decoder(cfg.decoder, reads_files=not in_memory)
-    opts = ReadOptions(cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder)
+    opts = ReadOptions(
+        cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder, follow_symlinks=cfg.follow_symlinks
+    )
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     bb = create_backbone(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 
@@ -86,3 +87,121 @@ def test_unwritable_lock_folder_is_named_and_reading_needs_no_lock(tmp_path, dig
         from featcache.store.verify import verify
 
         assert verify(path) == []
+
+
+# ---------------------------------------------------------------- hostile image folders
+def _png(path, size=(6, 4)):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (10, 200, 30)).save(path, "PNG")
+    return path
+
+
+# unresolvable where /proc/1 is another user's (or hidden), outside the folder where it resolves
+PROC_LINK = r"cannot be followed \(Permission denied\)|points outside the image folder"
+
+
+def _hostile_folder(root):
+    """cat/ok.png, cat/sub/deep.png; links: into /proc, out of the folder, a file loop, a
+    folder loop and a folder link named like an image."""
+    _png(root / "cat" / "ok.png")
+    _png(root / "cat" / "sub" / "deep.png")
+    _png(root / "dog" / "ok.png")
+    outside = _png(root.parent / "outside.png")
+    os.symlink("/proc/1/cwd", root / "cat" / "proc.png")
+    os.symlink(outside, root / "dog" / "out.png")
+    os.symlink("loop2.png", root / "dog" / "loop1.png")
+    os.symlink("loop1.png", root / "dog" / "loop2.png")
+    os.symlink("..", root / "cat" / "sub" / "up")  # a folder loop: never walked
+    os.symlink("/proc", root / "cat" / "sub" / "proc")  # not walked either
+    os.symlink(root / "cat" / "sub", root / "dog" / "dir.png")  # a folder named like an image
+    return {
+        "cat/proc.png": PROC_LINK,
+        "dog/loop1.png": "cannot be followed (Too many levels of symbolic links)",
+        "dog/loop2.png": "cannot be followed (Too many levels of symbolic links)",
+        "dog/out.png": "points outside the image folder",
+    }
+
+
+def test_hostile_folder_links_are_invalid_rows_never_followed_outside(tmp_path):
+    from featcache.errors import DataError
+    from featcache.extract.data import ReadOptions, open_dataset
+
+    root = tmp_path / "folder"
+    bad = _hostile_folder(root)
+    (s,) = open_dataset(f"imagefolder:{root}").values()
+    assert s.ids.tolist() == ["cat/ok.png", "cat/proc.png", "cat/sub/deep.png", *sorted([*[*bad][1:], "dog/ok.png"])]
+    for i, rid in enumerate(s.ids.tolist()):
+        if rid in bad:
+            with pytest.raises(DataError, match=bad[rid] if rid == "cat/proc.png" else re.escape(bad[rid])):
+                s.load(i)
+        else:
+            assert s.load(i).size == (6, 4)
+    (f,) = open_dataset(f"imagefolder:{root}", options=ReadOptions(follow_symlinks=True)).values()
+    assert f.load(f.ids.tolist().index("dog/out.png")).size == (6, 4)  # asked for: followed
+
+
+def test_hostile_class_folders_and_walk_errors_are_one_refusal(tmp_path, monkeypatch):
+    from featcache.errors import DataError
+    from featcache.extract.data import open_dataset
+
+    root = tmp_path / "folder"
+    _png(root / "cat" / "ok.png")
+    _png(root / "cat" / "sub" / "a.png")
+    _png(root / "cat" / "gone" / "b.png")
+    os.symlink("/proc", root / "proc")
+    with pytest.raises(
+        DataError, match=r"class folder symlink .*/proc points outside the image folder.*remove the link"
+    ):
+        open_dataset(f"imagefolder:{root}")
+    os.remove(root / "proc")
+    os.symlink("proc2", root / "proc")
+    os.symlink("proc", root / "proc2")
+    with pytest.raises(DataError, match=r"class folder symlink .*cannot be followed \(Too many levels"):
+        open_dataset(f"imagefolder:{root}")
+    os.remove(root / "proc")
+    os.remove(root / "proc2")
+    real_scandir = os.scandir
+
+    def hostile(path):
+        if str(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", str(path))
+        if str(path).endswith("gone"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", hostile)
+    with pytest.raises(
+        DataError, match=r"cannot list image subfolder .*/cat/sub \(Permission denied\); make it readable"
+    ):
+        open_dataset(f"imagefolder:{root}")
+    shutil.rmtree(root / "cat" / "sub")
+    (s,) = open_dataset(f"imagefolder:{root}").values()  # a subfolder vanished mid-walk: skipped
+    assert s.ids.tolist() == ["cat/ok.png"]
+
+
+def test_hostile_folder_extracts_with_invalid_rows_and_no_traceback(tmp_path, capsys):
+    from featcache.cli import main
+
+    root = tmp_path / "folder"
+    bad = _hostile_folder(root)
+    argv = ["extract", "--model", "tf_efficientnet_lite0", "--weights", "random:0", "--data", f"imagefolder:{root}"]
+    argv += [
+        "--input-size",
+        "32",
+        "--chunk-rows",
+        "4",
+        "--workers",
+        "0",
+        "--no-progress",
+        "--cache",
+        str(tmp_path / "c"),
+    ]
+    assert main(argv) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    f = open_cache(tmp_path / "c").load("tf_efficientnet_lite0@random0", "folder", "all")
+    for rid, err, ok in zip(f.ids.tolist(), f.errors.tolist(), f.valid.tolist(), strict=True):
+        assert ok == (rid not in bad), rid
+        if rid in bad:
+            assert re.search(bad[rid] if rid == "cat/proc.png" else re.escape(bad[rid]), err), (rid, err)
