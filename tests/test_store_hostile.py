@@ -205,3 +205,95 @@ def test_hostile_folder_extracts_with_invalid_rows_and_no_traceback(tmp_path, ca
         assert ok == (rid not in bad), rid
         if rid in bad:
             assert re.search(bad[rid] if rid == "cat/proc.png" else re.escape(bad[rid]), err), (rid, err)
+
+
+# ---------------------------------------------------------------- a full disk
+KEY = "tf_efficientnet_lite0@random0"
+NO_SPACE = (
+    r"^no space left on the device of .*{} while writing {} \(needs about [\d,]+ bytes more; [\d,]+ bytes free there\)"
+)
+
+
+def _cfg(cache, n=32, chunk=8):
+    from featcache.extract import ExtractConfig
+
+    return ExtractConfig(
+        "tf_efficientnet_lite0",
+        "random:0",
+        "digits",
+        ["test"],
+        str(cache),
+        limit={"test": n},
+        input_size=32,
+        batch_size=chunk,
+        workers=0,
+        progress=False,
+        chunk_rows=chunk,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from featcache.extract import extract
+
+    path = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    extract(_cfg(path))
+    return open_cache(path).load(KEY, "digits", "test").X
+
+
+def _finished_chunks_intact(path, ref, chunk=8) -> int:
+    """Every chunk marked done holds exactly the reference rows; no temporary file is left."""
+    import zarr
+
+    assert not [f for _, _, fs in os.walk(path) for f in fs if f.endswith(".partial")]
+    try:
+        g = zarr.open_group(str(path), mode="r")[f"features/{KEY}/digits/test"]
+        done = np.asarray(g["done"][:])
+    except (KeyError, FileNotFoundError):
+        return 0
+    for i in np.flatnonzero(done):
+        np.testing.assert_array_equal(
+            np.asarray(g["pooled"][i * chunk : (i + 1) * chunk]), ref[i * chunk : (i + 1) * chunk]
+        )
+    return int(done.sum())
+
+
+@contextlib.contextmanager
+def _tmpfs(path, size):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    ).returncode:
+        pytest.skip("mount -t tmpfs refused here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def test_full_disk_extract_is_one_line_and_resumes_exactly(tmp_path, capsys):
+    from featcache.cli import main
+    from featcache.extract import extract
+
+    extract(_cfg(tmp_path / "ref96.zarr", n=96, chunk=16))
+    ref = open_cache(tmp_path / "ref96.zarr").load(KEY, "digits", "test").X
+    argv = ["extract", "--model", "tf_efficientnet_lite0", "--weights", "random:0", "--data", "digits", "--split"]
+    argv += ["test", "--limit", "96", "--input-size", "32", "--chunk-rows", "16", "--workers", "0", "--no-progress"]
+    with _tmpfs(tmp_path / "small", "160k") as small:
+        cache = small / "c.zarr"
+        capsys.readouterr()
+        assert main([*argv, "--cache", str(cache)]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        line = err.strip().splitlines()[-1].split("error: ", 1)[1]
+        assert re.search(NO_SPACE.format(f"{KEY}/digits/test", r"chunk \d+ \(rows \d+-\d+\)"), line), line
+        assert "re-run the same command" in line
+        done = _finished_chunks_intact(cache, ref, chunk=16)
+        assert 0 < done < 6
+        subprocess.run(["mount", "-o", "remount,size=4m", str(small)], check=True)
+        assert main([*argv, "--cache", str(cache)]) == 0
+        assert f"{6 - done}/6 chunks computed" in capsys.readouterr().out
+        X = open_cache(cache).load(KEY, "digits", "test").X
+    np.testing.assert_array_equal(X, ref)
