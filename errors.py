@@ -51,6 +51,42 @@ class CacheNotWritableError(FeatcacheError, PermissionError):
     """The cache path cannot be written."""
 
 
+class LockStateError(CacheNotWritableError):
+    """The store's lock folder is unusable: a file where the folder belongs, or not writable."""
+
+
+class NoSpaceError(FeatcacheError, OSError):
+    """The disk (or quota) holding the store or a results table is full; nothing finished is lost."""
+
+    @staticmethod
+    def caused_by(exc: BaseException) -> bool:
+        """Whether ``exc`` is a full disk or quota (an ``OSError`` ENOSPC/EDQUOT, or a library
+        error wrapping one, such as polars' ``ComputeError: ... No space left on device``)."""
+        import errno
+
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        return "No space left on device" in text or "Disk quota exceeded" in text
+
+    @classmethod
+    def about(cls, path, what: str, need: int, then: str) -> NoSpaceError:
+        """The one-line error: where, what was being written, about how much it needs, what to do."""
+        import os
+        import shutil
+
+        probe = os.fspath(path)
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        try:
+            free = f"{shutil.disk_usage(probe or '.').free:,} bytes free there"
+        except OSError:
+            free = "free space unknown"
+        return cls(
+            f"no space left on the device of {path} while writing {what} (needs about {need:,} bytes more; {free}). {then}"
+        )
+
+
 class ProbeError(FeatcacheError, ValueError):
     """Probe input is unusable (too few samples, a single class, non-finite features...)."""
 

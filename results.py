@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import ResultsError
+from featcache.errors import NoSpaceError, ResultsError
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +288,13 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
             f"another process has held the lock on {p} for over {LOCK_TIMEOUT:.0f} s; "
             f"if no featcache run is writing there, delete {exc.lock_file}"
         ) from exc
+    except Exception as exc:  # a full disk: the temporary file is gone, the table unchanged
+        if not NoSpaceError.caused_by(exc):
+            raise
+        need = (p.stat().st_size if p.exists() else 0) + new.estimated_size()
+        raise NoSpaceError.about(
+            p, f"{len(new)} new result rows", need, "The table is unchanged; free space, then re-run."
+        ) from None
     return table.select(list(RESULT_COLUMNS))
 
 

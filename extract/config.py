@@ -124,6 +124,9 @@ class ExtractConfig:
     allow_empty_classes: bool = _opt(
         False, "imagefolder: keep class folders without images as classes", action="store_true"
     )
+    follow_symlinks: bool = _opt(
+        False, "imagefolder: read symlinks that point outside the folder (else invalid rows)", action="store_true"
+    )
     write: bool = _opt(True, "write to the store (False: benchmark everything but the writes)", cli=False)
     progress: bool = _opt(True, "hide the progress bar", invert="--no-progress")
     storage_options: Mapping[str, Any] | None = _opt(None, "fsspec options", cli=False)

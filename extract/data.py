@@ -90,6 +90,7 @@ class ReadOptions:
     exif_transpose: bool = True
     allow_empty_classes: bool = False
     decoder: str = "pil"  # pil | torchvision (JPEGs; resolved, see featcache.extract.decode)
+    follow_symlinks: bool = False  # imagefolder: read symlinks that point outside the folder
 
 
 def escape_name(name: str) -> str:
@@ -315,34 +316,123 @@ def _fashion_mnist(root: str | None) -> dict[str, SplitSource]:
 
 
 # --------------------------------------------------------------------------- imagefolder
-def _list_images(d: Path) -> list[Path]:
-    """Image files under ``d``; a dangling symlink is listed too (it becomes an invalid row)."""
-    return sorted(
-        p
-        for p in d.rglob("*")
-        if p.suffix.lower() in IMAGE_EXTENSIONS and (p.is_file() or (p.is_symlink() and not p.exists()))
-    )
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _link_problem(p: str, root: str, follow: bool) -> str | None:
+    """Why the symlink ``p`` is not read (outside ``root``, a loop, not stat-able), or None
+    (a dangling link inside ``root`` is read and fails with FileNotFoundError as a plain file)."""
+    try:
+        target = os.path.realpath(p)
+    except OSError as exc:  # a link into /proc that this user may not resolve
+        return f"symlink {escape_name(p)} -> {_readlink(p)} cannot be followed ({exc.strerror or exc})"
+    if not follow and not _inside(target, root):
+        return (
+            f"symlink {escape_name(p)} points outside the image folder (to {escape_name(target)}); not followed "
+            "(pass --follow-symlinks / follow_symlinks=True to read it)"
+        )
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"symlink {escape_name(p)} -> {_readlink(p)} cannot be followed ({exc.strerror or exc})"
+    return None
+
+
+def _readlink(p: str) -> str:
+    try:
+        return os.readlink(p)
+    except OSError:
+        return "?"
+
+
+def _list_images(d: Path, root: str, follow: bool, refused: dict[str, str]) -> list[Path]:
+    """Image files under ``d`` (subfolder symlinks are not walked, so no loop); a file symlink
+    that dangles, loops, cannot be stat-ed or points outside ``root`` is listed with its reason
+    in ``refused`` (it becomes an invalid row). Entries that vanish during the walk are skipped;
+    a subfolder that cannot be listed is refused with one DataError."""
+    out: list[Path] = []
+    stack = [str(d)]
+    while stack:
+        top = stack.pop()
+        try:
+            with os.scandir(top) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            continue  # vanished during the walk
+        except OSError as exc:
+            raise DataError(
+                f"cannot list image subfolder {escape_name(top)} ({exc.strerror or exc}); make it readable "
+                "or move it out of the image folder, then re-run"
+            ) from None
+        for e in entries:
+            try:
+                link = e.is_symlink()
+                is_dir = not link and e.is_dir(follow_symlinks=False)
+            except OSError:
+                continue  # vanished between listing and lstat
+            if is_dir:
+                stack.append(e.path)
+            elif os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS:
+                if link:
+                    why = _link_problem(e.path, root, follow)
+                    if why is None and os.path.isdir(e.path):
+                        continue  # a link to a folder named like an image
+                    if why is not None:
+                        refused[e.path] = why
+                elif not e.is_file(follow_symlinks=False):
+                    continue  # a fifo, socket or device named like an image
+                out.append(Path(e.path))
+    return sorted(out)
 
 
 class _FileLoader:
-    """Loader of row ``i`` from an array of file paths (picklable)."""
+    """Loader of row ``i`` from an array of file paths (picklable); ``refused`` maps the paths
+    that are not read to the reason (stored as the invalid row's error text)."""
 
-    def __init__(self, paths: np.ndarray, options: ReadOptions):
-        self.paths, self.options = paths, options
+    def __init__(self, paths: np.ndarray, options: ReadOptions, refused: dict[str, str] | None = None):
+        self.paths, self.options, self.refused = paths, options, refused or {}
 
     def __call__(self, i: int):
-        return load_image_file(str(self.paths[i]), self.options)
+        p = str(self.paths[i])
+        if p in self.refused:
+            raise DataError(self.refused[p])
+        return load_image_file(p, self.options)
+
+
+def _class_dirs(base: Path, root: str, follow: bool) -> list[str]:
+    """Class folder names in ``base``; a symlinked class folder is followed only inside ``root``
+    (or when asked), else refused with one DataError."""
+    try:
+        with os.scandir(base) as it:
+            entries = [e for e in it if not e.name.startswith(".")]
+    except OSError as exc:
+        raise DataError(f"cannot list image folder {base} ({exc.strerror or exc}); make it readable") from None
+    names = []
+    for e in entries:
+        try:
+            if e.is_symlink():
+                why = _link_problem(e.path, root, follow)
+                if why is not None:
+                    raise DataError(f"class folder {why}; remove the link or copy the images in")
+            if e.is_dir():
+                names.append(e.name)
+        except FileNotFoundError:
+            continue  # vanished during the walk
+    return names
 
 
 def _imagefolder(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     d = Path(root)
     if not d.is_dir():
         raise DataError(f"image folder {root} does not exist or is not a directory")
+    real = os.path.realpath(d)
+    follow = options.follow_symlinks
     split_dirs = [s for s in SPLIT_DIRS if (d / s).is_dir()]
     layout = {s: d / s for s in split_dirs} if split_dirs else {"all": d}
-    classes = sorted(
-        {c.name for base in layout.values() for c in base.iterdir() if c.is_dir() and not c.name.startswith(".")}
-    )
+    classes = sorted({c for base in layout.values() for c in _class_dirs(base, real, follow)})
     if not classes:
         raise DataError(
             f"{root} has no class subfolders; expected {root}/<class>/<image> (or train/val/test/<class>/...)"
@@ -350,10 +440,10 @@ def _imagefolder(root: str, name: str, options: ReadOptions) -> dict[str, SplitS
     index = {c: i for i, c in enumerate(classes)}
     out, empty = {}, []
     for split, base in layout.items():
-        paths, labels = [], []
+        paths, labels, refused = [], [], {}
         for c in classes:
             if (base / c).is_dir():
-                found = _list_images(base / c)
+                found = _list_images(base / c, real, follow, refused)
                 if not found:
                     empty.append(escape_name(str(base / c)))
                 for p in found:
@@ -361,6 +451,10 @@ def _imagefolder(root: str, name: str, options: ReadOptions) -> dict[str, SplitS
                     labels.append(index[c])
         if not paths:
             raise DataError(f"{base} holds no images with extensions {IMAGE_EXTENSIONS}")
+        if refused:
+            log.warning(
+                "%s: %d symlink(s) not followed (invalid rows): %s", base, len(refused), next(iter(refused.values()))
+            )
         ids = np.array([escape_name(p.relative_to(d).as_posix()) for p in paths])
         path_arr = np.array([str(p) for p in paths])
         out[split] = SplitSource(
@@ -369,7 +463,7 @@ def _imagefolder(root: str, name: str, options: ReadOptions) -> dict[str, SplitS
             ids,
             np.array(labels, np.int64),
             classes,
-            _FileLoader(path_arr, options),
+            _FileLoader(path_arr, options, refused),
             f"imagefolder:{d.resolve()}",
         )
     if empty and not options.allow_empty_classes:

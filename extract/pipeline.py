@@ -156,7 +156,9 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     cfg = config
     in_memory = parse_spec(cfg.data)[0] in ("digits", "fashion-mnist")  # no image files to decode
     decoder = resolve_decoder(cfg.decoder, reads_files=not in_memory)
-    opts = ReadOptions(cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder)
+    opts = ReadOptions(
+        cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder, follow_symlinks=cfg.follow_symlinks
+    )
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     bb = create_backbone(
@@ -419,7 +421,11 @@ def _split_rows(store, src: SplitSource, rank: int):
     if len(src) == 0:
         raise DataError(f"split {src.split!r} of {src.dataset} is empty")
     if rank == 0:
-        meta = ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
+        from featcache.store.writer import no_space
+
+        need = 16 * len(src) + sum(len(str(i)) for i in src.ids[:1000]) * max(1, len(src) // 1000)
+        with no_space(f"{store.path}/datasets/{src.dataset}/{src.split}", "the split's ids and labels", need):
+            meta = ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
         if "label_matrix" in src.extra:  # multi-label targets (a manifest's `labels` column)
             from featcache.store.tasks import write_label_matrix
 

@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Any
 
-from featcache.errors import StoreBusyError
+from featcache.errors import LockStateError, StoreBusyError
 
 log = logging.getLogger(__name__)
 
@@ -120,15 +120,28 @@ class StoreLock:
         import filelock
 
         d = os.path.join(self._local, LOCK_DIR)
-        os.makedirs(d, exist_ok=True)
+        if os.path.lexists(d) and not os.path.isdir(d):
+            raise LockStateError(
+                f"{d} is a file, not the store's lock folder: writing {self.what} needs that folder. "
+                "Move the file away (nothing featcache needs is in it), then re-run this command; "
+                "reading the store needs no lock."
+            )
         path = os.path.join(d, _lock_name(self.name) + ".lock")
-        lock = filelock.FileLock(path, thread_local=False)
         try:
+            os.makedirs(d, exist_ok=True)
+            lock = filelock.FileLock(path, thread_local=False)
             lock.acquire(timeout=self.timeout)
         except filelock.Timeout:
             raise StoreBusyError(
                 f"{self.what} is being written by another job (lock {path} held). Wait for that job to "
                 "finish, then re-run this command: finished chunks are kept and only missing ones computed."
+            ) from None
+        except OSError as exc:
+            raise LockStateError(
+                f"cannot take the writer lock {path} for {self.what} ({exc.strerror or exc}): this user "
+                f"cannot write the store's lock folder {d} (read-only mount or another user's store). "
+                "Writing needs write permission there (fix the permissions, or extract into a store of "
+                "your own); reading this store needs no lock and works as it is."
             ) from None
         self._file = lock
 

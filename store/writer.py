@@ -9,12 +9,13 @@ distributed run own disjoint chunk sets, so no two writers ever touch the same o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 import numpy as np
 
-from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
+from featcache.errors import NoSpaceError, ProvenanceMismatchError, SchemaMismatchError
 from featcache.store.cache import (
     FeatureCache,
     checksummed,
@@ -38,6 +39,10 @@ from featcache.store.summary import clear_summary, write_summary
 log = logging.getLogger(__name__)
 
 DTYPES = ("float16", "float32")
+NO_SPACE_THEN = (
+    "Free space (or extract into another --cache / cache=), then re-run the same command: finished "
+    "chunks are kept and only the missing ones are computed."
+)
 
 
 def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
@@ -60,6 +65,20 @@ def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
     if name == "done":
         return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
     raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
+
+
+@contextlib.contextmanager
+def no_space(path: str, what: str, need: int, then: str = NO_SPACE_THEN):
+    """A full disk (or quota) while writing ``what`` under ``path`` becomes one
+    :class:`~featcache.errors.NoSpaceError` naming it and about how many bytes it needs."""
+    try:
+        yield
+    except NoSpaceError:
+        raise
+    except Exception as exc:
+        if not NoSpaceError.caused_by(exc):
+            raise
+        raise NoSpaceError.about(path, what, need, then) from None
 
 
 class FeatureWriter:
@@ -125,7 +144,8 @@ class FeatureWriter:
         (:class:`~featcache.errors.StoreBusyError`) after ``lock_timeout`` seconds."""
         self._lock = StoreLock(self.cache.root, self.path, timeout=self.lock_timeout, what=self.path).acquire()
         try:
-            return self._prepare_locked(overwrite)
+            with self.no_space("its arrays' metadata", 4096 * (3 + len(self.provenances))):
+                return self._prepare_locked(overwrite)
         except BaseException:
             self.release()
             raise
@@ -259,22 +279,32 @@ class FeatureWriter:
             raise SchemaMismatchError(f"chunk {i}: valid has shape {valid.shape}, expected ({rows},)")
         if set(features) != set(self.provenances):
             raise SchemaMismatchError(f"chunk {i}: kinds {sorted(features)} != {sorted(self.provenances)}")
+        xs = {}
         for kind, x in features.items():
             x = np.asarray(x)
             prov = self.provenances[kind]
             if x.shape != (rows, prov.dim):
                 raise SchemaMismatchError(f"chunk {i}: {kind} has shape {x.shape}, expected ({rows}, {prov.dim})")
-            x = x.astype(prov.dtype, copy=True)
+            xs[kind] = x = x.astype(prov.dtype, copy=True)
             x[~valid] = np.nan
-            self._arr(kind)[start:stop] = x
-        self._arr("valid")[start:stop] = valid
         errs = np.asarray([""] * rows if errors is None else [str(e) for e in errors], dtype=object)
         errs[valid] = ""
         errs[~valid & (errs == "")] = "marked invalid"  # invariant: invalid <=> error text
-        self._arr("error")[start:stop] = errs.astype(str)
-        self._arr("done")[i] = 1  # only after every array of the chunk is written
+        errs = errs.astype(str)
+        need = sum(x.nbytes for x in xs.values()) + valid.nbytes + errs.nbytes
+        with self.no_space(f"chunk {i} (rows {start}-{stop - 1})", need):
+            for kind, x in xs.items():
+                self._arr(kind)[start:stop] = x
+            self._arr("valid")[start:stop] = valid
+            self._arr("error")[start:stop] = errs
+            self._arr("done")[i] = 1  # only after every array of the chunk is written
         if self._lock is not None:
             self._lock.renew()
+
+    def no_space(self, what: str, need: int):
+        """:func:`no_space` for ``what`` of this group (zarr writes each object atomically, so
+        nothing half-written stays, and ``done`` is set only after the chunk's arrays)."""
+        return no_space(f"{self.cache.path}/{self.path}", what, need)
 
     def mark_complete(self, **stats: Any) -> None:
         """Record run statistics (images/s, device, ...) in every kind's provenance."""
@@ -287,9 +317,11 @@ class FeatureWriter:
             d["n_invalid"] = n_invalid
             d["completed"] = now_iso()
             FeatureProvenance.from_attrs(d, where=arr.path)  # validate before writing
-            arr.attrs[PROVENANCE_KEY] = d
+            with self.no_space(f"{kind}'s provenance", 4096):
+                arr.attrs[PROVENANCE_KEY] = d
         if self._lock is not None:  # the lock holder (rank 0) records what ls reads
-            write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)
+            with self.no_space("the group summary", 4096):
+                write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)
         self.release()
 
 
