@@ -287,12 +287,12 @@ def _aggregate_arrays(values: np.ndarray, group_codes: np.ndarray | None, ddof: 
 def _group_codes(sm: ScoreMatrix) -> tuple[np.ndarray | None, str | None]:
     gs = sm.groups
     if not gs or all(g is None for g in gs):
-        return None, "no task groups given (add a 'group' column or pass groups=)"
+        return None, "no task groups given (add a 'group' column, or --group DATASET=GROUP / groups={dataset: group})"
     lacking = [s for s, g in zip(sm.settings, gs) if g is None]
     if lacking:
         raise ResultsError(
             f"task groups are given for some settings but not for {lacking}; give every task a "
-            "group (the 'group' column or groups={dataset: group}) or none"
+            "group (the 'group' column, --group DATASET=GROUP or groups={dataset: group}) or none"
         )
     names = sorted(set(gs))
     return np.array([names.index(g) for g in gs]), None

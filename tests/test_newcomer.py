@@ -215,3 +215,83 @@ def test_a_different_limit_says_how_to_go_on(tmp_path):
     assert "does not grow or shrink in place" in msg
     assert "--limit 40" in msg
     assert "for 80 rows, extract every backbone again under another dataset name" in msg
+
+
+# --------------------------------------------------------------------------- the report's headline
+def _digits_rows(ks, extra_k_at_mean=()):
+    """Real digits results for fixed feature maps: a logistic probe, retrieval mAP and a kNN
+    per k in ``ks`` (sklearn); ``extra_k_at_mean``: more k rows whose score is the mean of ``ks``'."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neighbors import KNeighborsClassifier
+
+    from featcache.results import make_run_id
+
+    X, y = load_digits(return_X_y=True)
+    X = X / 16.0
+    Xtr, ytr, Xte, yte = X[:1000], y[:1000], X[1000:], y[1000:]
+    feats = {"pixels": (Xtr, Xte)}
+    for d in (2, 3, 6):
+        p = PCA(d, random_state=0).fit(Xtr)
+        feats[f"pca:{d}"] = (p.transform(Xtr), p.transform(Xte))
+    rows = []
+    for b, (Ftr, Fte) in feats.items():
+        base = {"backbone": b, "dataset": "digits", "eval_split": "test", "n_eval": len(yte), "seed": 0}
+        acc = LogisticRegression(C=0.5, max_iter=500).fit(Ftr, ytr).score(Fte, yte)
+        rows.append({**base, "kind": "probe", "protocol": "full", "metric": "top1", "value": float(acc)})
+        knn = {k: KNeighborsClassifier(k).fit(Ftr, ytr).score(Fte, yte) for k in ks}
+        for k in extra_k_at_mean:
+            knn[k] = float(np.mean([knn[j] for j in ks]))
+        for k, v in knn.items():
+            rows.append({**base, "kind": "knn", "protocol": f"knn-k{k}", "metric": "top1", "value": float(v)})
+        F = Fte / np.linalg.norm(Fte, axis=1, keepdims=True)
+        S = F @ F.T
+        np.fill_diagonal(S, -np.inf)
+        p1 = float((yte[S.argmax(1)] == yte).mean())
+        rows.append({**base, "kind": "retrieval", "protocol": "semantic", "metric": "map", "value": p1})
+    for r in rows:
+        r["run_id"] = make_run_id(**{k: v for k, v in r.items() if k not in ("metric", "value")})
+    return rows
+
+
+def _rank(tmp_path, rows, name):
+    from featcache.analysis import rank
+    from featcache.results import append_results, read_results, rows_to_frame
+
+    path = tmp_path / f"{name}.parquet"
+    append_results(path, rows_to_frame(rows))
+    return rank(read_results(path), n_boot=50)
+
+
+def test_more_k_values_do_not_change_the_rankings_weights(tmp_path):
+    few = _rank(tmp_path, _digits_rows((1, 5)), "few")
+    many = _rank(tmp_path, _digits_rows((1, 5), extra_k_at_mean=(3, 9, 15, 25, 50, 100)), "many")
+    for r in (few, many):
+        w = r["weights"]
+        assert w["setting"].to_list() == ["knn:digits (knn)", "probe:digits", "retrieval:digits (semantic)"]
+        assert w["weight"].to_list() == pytest.approx([1 / 3] * 3)
+    assert "knn-k100" in many["weights"]["pools"][0]
+    # the added k values score the family's mean: every aggregate is unchanged
+    a, b = few["overall"].sort("backbone"), many["overall"].sort("backbone")
+    assert a["backbone"].to_list() == b["backbone"].to_list()
+    for col in ("zscore", "mean", "avg_rank"):
+        assert b[col].to_list() == pytest.approx(a[col].to_list(), abs=1e-12), col
+    assert any("the mean over 8 k values" in n for n in many["notes"])
+
+
+def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
+    from featcache.analysis.report import write_report
+    from featcache.results import append_results, read_results, rows_to_frame
+
+    rows = [r for r in _digits_rows((1, 5)) if r["backbone"] in ("pixels", "pca:2")]
+    path = tmp_path / "two.parquet"
+    append_results(path, rows_to_frame(rows))
+    out = write_report(tmp_path / "report.html", read_results(path), rank_kwargs={"n_boot": 50})
+    text = out.read_text()
+    assert "interval lies above the runner-up" not in text
+    assert "with 2 backbones every z-score is +1 or -1" in text
+    assert 'id="gaps-table"' in text
+    assert 'id="weights-table"' in text
+    assert (out.stat().st_mode & 0o777) == 0o644
