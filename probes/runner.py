@@ -538,8 +538,7 @@ def run_probes(config: ProbeConfig):
     unless ``config.force``. Protocols with ``median_over_seeds`` (vtab1k) add the median
     row over seeds (``seed=-1``).
     """
-    from tqdm.auto import tqdm
-
+    from featcache.progress import tqdm
     from featcache.results import existing_run_ids
 
     proto, cfg = config.resolve()
