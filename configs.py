@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         kw = dict(m["argparse"])
         shown = f.default is not _MISSING and f.default is not None and not isinstance(f.default, (bool, tuple))
         if shown and kw.get("action") is None:
-            help_ = f"{help_ or ''} (default: {f.default})".strip().replace("%", "%%")
+            help_ = f"{help_ or ''} (default: {str(f.default).replace('%', '%%')})".strip()
         if m["negate"]:
             parser.add_argument(m["negate"], dest=f.name, action="store_false", default=argparse.SUPPRESS, help=help_)
             continue

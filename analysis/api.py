@@ -159,13 +159,15 @@ def rank(
         seed_reduce=seed_reduce,
         declared=metric == TASK,
     )
-    sm = rankings.select_settings(reduced, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
+    ranked_raw, ranked, weights = _pooled(raw, reduced, seed_reduce)
+    sm = rankings.select_settings(ranked, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     _record_missing_cells(coverage, sm)
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
     notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
+    notes += [f"{s} is one setting: the mean over {len(frm)} k values ({', '.join(frm)})" for s, frm in weights.items()]
     boot = rankings.bootstrap_aggregate(
         agg["matrix"],
-        reduced=_ranked_rows(raw, agg["matrix"], metric, retrieval_metric),
+        reduced=_ranked_rows(ranked_raw, agg["matrix"], metric, retrieval_metric),
         resample=resample,
         n_boot=n_boot,
         seed=seed,
@@ -174,6 +176,7 @@ def rank(
         progress=progress,
     )
     out = _rank_result(raw, coverage, agg, boot, notes, resample)
+    out["weights"] = _setting_weights(agg["matrix"], weights)
     out["metric"] = metric
     _add_secondary(out, reduced, agg, notes, metric=metric, ddof=ddof, provenance=provenance)
     for n in notes:
@@ -221,6 +224,32 @@ def _load_reduced(
         if raw.height == 0:
             raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
     return raw, reduce_seeds(raw, how=seed_reduce), coverage
+
+
+def _pooled(raw, reduced, seed_reduce: str):
+    """The rows the ranking uses: kNN's k values pooled into one setting per task
+    (:func:`~featcache.analysis.tables.pool_hyperparameters`). Returns ``(raw, reduced, pooled)``."""
+    from featcache.analysis.tables import pool_hyperparameters, reduce_seeds
+
+    ranked_raw, pooled = pool_hyperparameters(raw)
+    if not pooled:
+        return raw, reduced, pooled
+    return ranked_raw, reduce_seeds(ranked_raw, how=seed_reduce), pooled
+
+
+def _setting_weights(sm, pooled: dict[str, list[str]]):
+    """Each ranked setting's weight in the mean z-score (1/T each) and what it stands for."""
+    import polars as pl
+
+    T = len(sm.settings)
+    return pl.DataFrame(
+        {
+            "setting": sm.settings,
+            "weight": [1.0 / T] * T,
+            "pools": [", ".join(pooled.get(s, [])) or None for s in sm.settings],
+        },
+        schema={"setting": pl.Utf8, "weight": pl.Float64, "pools": pl.Utf8},
+    )
 
 
 def _record_missing_cells(coverage, sm) -> None:

@@ -68,7 +68,12 @@ def register(subparsers) -> None:
         help="rank only on this eval split (repeatable; default: every split is its own setting)",
     )
     p.add_argument("--group", action="append", metavar="DATASET=GROUP", help="task group (repeatable)")
-    p.add_argument("--seed-reduce", choices=["median", "mean"], default="median")
+    p.add_argument(
+        "--seed-reduce",
+        choices=["median", "mean"],
+        default="median",
+        help="how a setting's seeds are reduced to one score per backbone (default median)",
+    )
     p.add_argument("--ddof", type=int, choices=[0, 1], default=0, help="z-score std: 0 population, 1 sample")
     p.add_argument(
         "--on-constant",
@@ -76,10 +81,15 @@ def register(subparsers) -> None:
         default="error",
         help="a setting where all backbones score the same: error (default) or drop it",
     )
-    p.add_argument("--n-boot", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resample", choices=["tasks", "seeds"], default="tasks")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the intervals (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the bootstrap (default 0)")
+    p.add_argument(
+        "--resample",
+        choices=["tasks", "seeds"],
+        default="tasks",
+        help="what the bootstrap draws with replacement: tasks (settings, default) or each setting's seeds",
+    )
+    p.add_argument("--no-plots", action="store_true", help="write the tables only, no PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for the bootstrap (implied by -q)")
     p.set_defaults(func=run_rank)
 
@@ -92,11 +102,13 @@ def register(subparsers) -> None:
     p.add_argument("--orig", required=True, help="original eval split (e.g. test)")
     p.add_argument("--new", required=True, help="new eval split (e.g. test_v2)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--metric", default="top1")
-    p.add_argument("--kind", default="probe", choices=["probe", "knn", "finetune"])
-    p.add_argument("--n-boot", type=int, default=100_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--metric", default="top1", help="classification metric to compare (default top1)")
+    p.add_argument(
+        "--kind", default="probe", choices=["probe", "knn", "finetune"], help="kind of result rows (default probe)"
+    )
+    p.add_argument("--n-boot", type=int, default=100_000, help="bootstrap resamples for the intervals (default 100000)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the bootstrap (default 0)")
+    p.add_argument("--no-plots", action="store_true", help="write the tables only, no PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for the bootstrap (implied by -q)")
     p.set_defaults(func=run_shift)
 

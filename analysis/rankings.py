@@ -287,12 +287,12 @@ def _aggregate_arrays(values: np.ndarray, group_codes: np.ndarray | None, ddof: 
 def _group_codes(sm: ScoreMatrix) -> tuple[np.ndarray | None, str | None]:
     gs = sm.groups
     if not gs or all(g is None for g in gs):
-        return None, "no task groups given (add a 'group' column or pass groups=)"
+        return None, "no task groups given (add a 'group' column, or --group DATASET=GROUP / groups={dataset: group})"
     lacking = [s for s, g in zip(sm.settings, gs) if g is None]
     if lacking:
         raise ResultsError(
             f"task groups are given for some settings but not for {lacking}; give every task a "
-            "group (the 'group' column or groups={dataset: group}) or none"
+            "group (the 'group' column, --group DATASET=GROUP or groups={dataset: group}) or none"
         )
     names = sorted(set(gs))
     return np.array([names.index(g) for g in gs]), None
@@ -452,7 +452,7 @@ def bootstrap_aggregate(
         boot_vals, boot_codes = _resample_tasks(sm, codes, rng, n_boot)
     else:
         boot_vals, boot_codes = _resample_seeds(sm, codes, rng, n_boot, reduced, seed_reduce), codes
-    from tqdm.auto import tqdm
+    from featcache.progress import tqdm
 
     point = _aggregate_arrays(sm.values, codes, ddof)
     with tqdm(total=2 * n_boot, desc="bootstrap", unit="resample", disable=not progress, leave=False) as bar:

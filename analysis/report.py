@@ -85,7 +85,9 @@ def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
         shown = shown.drop("group_mean")
     runner = ov.row(1, named=True) if ov.height > 1 else None
     answer = f"Use {best['backbone']}: first by mean z-score ({best['zscore']:+.2f})"
-    if runner is not None:
+    if 1 < ov.height <= 3:
+        answer += "; " + _few_backbones(ov.height, best["backbone"])
+    elif runner is not None:
         sep = (
             best["zscore_lo"] is not None
             and runner["zscore_hi"] is not None
@@ -103,6 +105,8 @@ def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
         "resample": r["resample"],
         "overall": table_cells(shown, table_id="overall-table"),
         "top3": table_cells(r["top3"], table_id="top3-table"),
+        "weights": table_cells(r["weights"], table_id="weights-table") if r.get("weights") is not None else None,
+        "per_setting": table_cells(_per_setting_gaps(r), table_id="gaps-table") if 1 < ov.height <= 3 else None,
         "figures": _figures(
             tmp,
             [
@@ -111,6 +115,55 @@ def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
             ],
         ),
     }
+
+
+def _few_backbones(n: int, best: str) -> str:
+    """What a ranking of two or three backbones can and cannot say."""
+    if n == 2:
+        what = (
+            "with 2 backbones every z-score is +1 or -1, so the mean z-score only counts the settings "
+            f"where {best} is ahead, its interval cannot separate the two and rank correlations are undefined"
+        )
+    else:
+        what = "with 3 backbones the z-scores take few values and their intervals say little"
+    return (
+        f"{what}. Nothing about backbones in general follows from so few; judge by the per-setting "
+        "differences below, each with the scores' own intervals."
+    )
+
+
+def _per_setting_gaps(r: dict[str, Any]):
+    """Per ranked setting: each backbone's score and its gap to the first backbone."""
+    import polars as pl
+
+    order = r["overall"]["backbone"].to_list()
+    scores = r["scores"]
+    long = scores.unpivot(index="backbone", variable_name="setting", value_name="score")
+    first = long.filter(pl.col("backbone") == order[0]).select("setting", pl.col("score").alias("_first"))
+    out = long.join(first, on="setting").with_columns((pl.col("score") - pl.col("_first")).alias("gap_to_first"))
+    ci = _score_intervals(r)
+    if ci is not None:
+        out = out.join(ci, on=["setting", "backbone"], how="left")
+    return out.drop("_first").sort("setting", "backbone")
+
+
+def _score_intervals(r: dict[str, Any]):
+    """95% interval of each (setting, backbone) score: the per-row binomial interval of a single
+    seed's proportion (Clopper-Pearson), where the results give it; None when none do."""
+    import polars as pl
+
+    iv = r.get("intervals")
+    if iv is None or iv.height == 0:
+        return None
+    metric = r.get("metric") if r.get("metric") not in (None, "auto", "task") else "top1"
+    one = iv.filter(pl.col("ci_lo").is_not_null() & (pl.col("metric") == metric))
+    if one.height == 0:
+        return None
+    return (
+        one.with_columns((pl.col("kind") + pl.lit(":") + pl.col("task")).alias("setting"))
+        .group_by("setting", "backbone")
+        .agg(pl.col("ci_lo").median(), pl.col("ci_hi").median())
+    )
 
 
 def _finetune(r: dict[str, Any], tmp: Path, ft_rows) -> dict[str, Any] | None:
@@ -393,6 +446,7 @@ def _write_atomic(out: Path, doc: str) -> None:
     os.close(fd)
     try:
         Path(tmpf).write_text(doc, encoding="utf-8")
+        os.chmod(tmpf, out.stat().st_mode & 0o777 if out.exists() else 0o644)  # not mkstemp's 0600 (as results.py)
         os.replace(tmpf, out)
     finally:
         if os.path.exists(tmpf):

@@ -148,7 +148,7 @@ def bootstrap_linear_fit(
     have no slope and are skipped (their count is returned as ``n_degenerate``).
     ``progress``: a bar over the resample chunks.
     """
-    from tqdm.auto import tqdm
+    from featcache.progress import tqdm
 
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)

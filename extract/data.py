@@ -897,12 +897,26 @@ def open_dataset(spec: str, name: str | None = None, *, options: ReadOptions | N
         out = open_format(kind, arg, dname, options)
     else:
         raise DataError(
-            f"unknown data spec {spec!r}; use digits, fashion-mnist[:DIR], imagefolder:DIR, manifest:FILE, "
-            "webdataset:PATTERN, clip-benchmark:DIR, hf:PATH or vtab1k:DIR"
+            f"unknown data spec {spec!r}; {_path_hint(spec)}use digits, fashion-mnist[:DIR], imagefolder:DIR, "
+            "manifest:FILE, webdataset:PATTERN, clip-benchmark:DIR, hf:PATH or vtab1k:DIR"
         )
     for s in out.values():
         s.dataset = dname
     return out
+
+
+def _path_hint(spec: str) -> str:
+    """A bare path given as a data spec: the scheme it most likely needs, as a suggestion."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        if any(c.is_dir() for c in p.iterdir()):
+            return f"{spec!r} is a folder of folders: for class (or split/class) folders pass imagefolder:{spec}; "
+        return f"{spec!r} is a folder without class folders: put images in one folder per class and pass imagefolder:{spec}; "
+    if p.is_file() and p.suffix.lower() in (".csv", ".parquet"):
+        return f"{spec!r} is a table: as a manifest (path, label[, split] columns) pass manifest:{spec}; "
+    if p.is_file() and p.suffix.lower() == ".tar":
+        return f"{spec!r} is a tar shard: pass webdataset:{spec}; "
+    return ""
 
 
 def select_splits(splits: dict[str, SplitSource], wanted: Sequence[str] | None) -> list[SplitSource]:

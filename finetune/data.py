@@ -139,7 +139,8 @@ class Pool:
 
     def _materialise(self, progress: bool, what: str):
         import torch
-        from tqdm.auto import tqdm
+
+        from featcache.progress import tqdm
 
         dtype = torch.uint8 if self.fast is not None else torch.float32
         X = torch.empty((len(self.items), *self.shape), dtype=dtype)

@@ -337,7 +337,7 @@ def _todo(run: _Run, run_ids) -> list[int]:
     for s in cfg.seeds:
         if s not in todo:
             log.info(
-                "skip %s/%s %s seed %d: already in %s (force=True reruns)",
+                "skip %s/%s %s seed %d: already in %s (--force, or force=True in Python, reruns it)",
                 run.bkey,
                 run.data.name,
                 run.proto.spec,

@@ -187,7 +187,8 @@ def _train_run(
     desc,
 ) -> TrainResult:
     import torch
-    from tqdm.auto import tqdm
+
+    from featcache.progress import tqdm
 
     t0 = time.perf_counter()
     net.load_state_dict(init_state)

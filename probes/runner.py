@@ -87,15 +87,34 @@ def _open_caches(cache_path) -> list:
     return [open_cache(str(p)) for p in paths]
 
 
+def _held(caches) -> dict[str, list[str]]:
+    """Dataset -> the backbones with features for it (pairs actually extracted)."""
+    out: dict[str, set[str]] = {}
+    for c in caches:
+        for b, d, _ in c.entries():
+            out.setdefault(d, set()).add(b)
+    return {d: sorted(bs) for d, bs in sorted(out.items())}
+
+
+def _not_held(caches, dataset: str, what: str) -> NotInStoreError:
+    held = _held(caches)
+    if dataset not in held:
+        have = f"datasets with features: {list(held)}" if held else "the cache(s) hold no features yet"
+        return NotInStoreError(
+            f"no dataset {dataset!r} in the given cache(s); {have}. Pass one of them as --dataset "
+            "(dataset=), or run `featcache extract` for it first"
+        )
+    return NotInStoreError(
+        f"{what} in the given cache(s); backbones with features for {dataset!r}: {held[dataset]} "
+        f"(extracted backbone/dataset pairs: {held}); run `featcache extract` for it first"
+    )
+
+
 def _cache_for(caches, backbone: str, dataset: str):
     for c in caches:
-        if backbone in c.backbones() and dataset in c.datasets():
+        if any(b == backbone and d == dataset for b, d, _ in c.entries()):
             return c
-    held = sorted({(b, d) for c in caches for b in c.backbones() for d in c.datasets()})
-    raise NotInStoreError(
-        f"no features for backbone {backbone!r} on dataset {dataset!r} in the given cache(s); "
-        f"they hold backbones x datasets {held}; run `featcache extract` for it first"
-    )
+    raise _not_held(caches, dataset, f"no features for backbone {backbone!r} on dataset {dataset!r}")
 
 
 def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: bool = False) -> SplitData:
@@ -520,8 +539,7 @@ def run_probes(config: ProbeConfig):
     unless ``config.force``. Protocols with ``median_over_seeds`` (vtab1k) add the median
     row over seeds (``seed=-1``).
     """
-    from tqdm.auto import tqdm
-
+    from featcache.progress import tqdm
     from featcache.results import existing_run_ids
 
     proto, cfg = config.resolve()
@@ -546,7 +564,7 @@ def run_probes(config: ProbeConfig):
         wanted += [r for r, _ in run_ids.values()]
         if all(r in done for r, _ in run_ids.values()):
             log.info(
-                "skip %s/%s %s seed %d: already in %s (force=True reruns)",
+                "skip %s/%s %s seed %d: already in %s (--force, or force=True in Python, reruns it)",
                 b,
                 cfg.dataset,
                 proto.spec,
@@ -570,7 +588,7 @@ def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
             }
         )
         if not backbones:
-            raise NotInStoreError(f"no backbone in the cache has features for dataset {cfg.dataset!r}")
+            raise _not_held(caches, cfg.dataset, f"no backbone has features for {cfg.dataset}/{cfg.train_split}")
     return backbones
 
 

@@ -226,7 +226,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
         all_tp.append(tp)
 
     try:
-        from tqdm.auto import tqdm
+        from featcache.progress import tqdm
     except ImportError:  # pragma: no cover
 
         def tqdm(x, **_):

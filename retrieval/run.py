@@ -211,8 +211,24 @@ def _open_backbones(cfg: RetrievalConfig):
         return cache, list(cfg.backbones)
     found = list(dict.fromkeys(b for b, d, s in cache.entries() if d == cfg.dataset and s == cfg.query_split))
     if not found:
-        raise DataError(f"no backbone in {cfg.cache} holds dataset {cfg.dataset!r}; run `featcache extract` first")
+        raise DataError(_not_held(cache, cfg))
     return cache, found
+
+
+def _not_held(cache, cfg: RetrievalConfig) -> str:
+    """Why no backbone holds the query split: the dataset is missing, or only that split."""
+    ents = cache.entries()
+    splits = sorted({s for _, d, s in ents if d == cfg.dataset})
+    if not splits:
+        have = sorted({d for _, d, _ in ents})
+        return (
+            f"no backbone in {cfg.cache} holds dataset {cfg.dataset!r} (datasets with features: {have}); "
+            "pass one of them as --dataset (dataset=), or run `featcache extract` first"
+        )
+    return (
+        f"dataset {cfg.dataset!r} in {cfg.cache} has no {cfg.query_split!r} split with features "
+        f"(its splits: {splits}); pass one of them as --query (query_split=), or extract that split"
+    )
 
 
 def _relevance_setups(cfg: RetrievalConfig) -> list[tuple[str, tuple | None, str]]:

@@ -222,7 +222,7 @@ class exact_matmul:
 
 def _bar(n_queries: int, progress: bool):
     """A tqdm bar over the queries (a no-op when ``progress`` is False)."""
-    from tqdm.auto import tqdm
+    from featcache.progress import tqdm
 
     return tqdm(total=n_queries, desc="top-k search", unit="query", disable=not progress, leave=False)
 

@@ -620,6 +620,18 @@ def ensure_split(
     return meta
 
 
+def _split_fix(stored: int, n: int) -> str:
+    """How to go on when a split's rows differ from the stored ones (a --limit change)."""
+    if stored == n:
+        return "use another dataset name (--dataset-name / dataset_name=) or a new cache"
+    return (
+        f"a stored split does not grow or shrink in place (a different --limit / limit=?): to reuse "
+        f"its features keep its {stored} rows (--limit {stored}, or the limit it was written with); "
+        f"for {n} rows, extract every backbone again under another dataset name "
+        "(--dataset-name / dataset_name=) or into a new cache"
+    )
+
+
 def _existing_split(cache: FeatureCache, dataset: str, split: str, fp: str, n: int) -> SplitMeta | None:
     """The stored split's metadata when it is finished, sound and identical; None to (re)write."""
     g = cache._group("datasets", dataset, split)
@@ -629,8 +641,7 @@ def _existing_split(cache: FeatureCache, dataset: str, split: str, fp: str, n: i
     if meta.fingerprint != fp:
         raise SchemaMismatchError(
             f"dataset {dataset!r} split {split!r} already exists in {cache.path} with different "
-            f"rows (fingerprint {meta.fingerprint[:12]} vs {fp[:12]}, n {meta.n} vs {n}); "
-            "use another dataset name (--dataset-name) or a new cache"
+            f"rows (fingerprint {meta.fingerprint[:12]} vs {fp[:12]}, n {meta.n} vs {n}); " + _split_fix(meta.n, n)
         )
     try:
         cache.split_rows(dataset, split, check=True)

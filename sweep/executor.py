@@ -130,7 +130,7 @@ def _client(config: SweepConfig):
 
 def execute(items, config: SweepConfig, *, progress: bool = True) -> list[ItemOutcome]:
     """Run ``items``; returns one outcome per item (in completion order)."""
-    from tqdm.auto import tqdm
+    from featcache.progress import tqdm
 
     items = list(items)
     if not items:

