@@ -65,9 +65,17 @@ class Backbone:
     keep_head: bool = False
     weights_file: str | None = None
     device: str = "cpu"
+    #: non-timm sources: ``features_fn(x, kinds) -> {kind: [B, D]}`` and the kinds it offers
+    features_fn: Callable[[Any, Any], dict[str, Any]] | None = None
+    kinds: tuple[str, ...] = ()
+    source: str = "timm"
+    #: a text tower (``encode(list[str]) -> [N, D]``) where the source has one
+    text_tower: Any = None
 
     def embed(self, x: Any) -> Any:
         """Pooled pre-logits features ``[B, feature_dim]`` for a preprocessed batch ``x``."""
+        if self.features_fn is not None:
+            return self.features_fn(x, ["pooled"])["pooled"]
         if self.keep_head:
             return self.model.forward_head(self.model.forward_features(x), pre_logits=True)
         return self.model(x)
@@ -315,7 +323,7 @@ def _resolve_device(device: str) -> str:
 
 
 def create_backbone(
-    name: str,
+    name: Any,
     weights: str = "timm",
     *,
     keep_head: bool = False,
@@ -332,7 +340,16 @@ def create_backbone(
     still gives features). ``device`` is ``"cpu"``, ``"cuda[:N]"`` or ``"auto"``.
     ``input_size``/``pre_resize``/``resize`` change the transform and are recorded in
     ``data_config``. The model is in eval mode with ``requires_grad=False`` unless ``trainable``.
+
+    ``name`` may name another model source (``open_clip:ARCH``, ``torchvision:NAME``,
+    ``hf:DIR``, ``python:MODULE:CALLABLE``, see :mod:`featcache.extract.sources`) or be an
+    ``nn.Module``; a bare name (or ``timm:NAME``) is a timm model.
     """
+    from featcache.extract import sources
+
+    source, name = sources.parse_model(name)
+    if source != "timm":
+        return _other_source(source, name, weights, keep_head, device, input_size, pre_resize, trainable, resize)
     import timm.data
 
     check_model_name(name)
@@ -359,3 +376,24 @@ def create_backbone(
         weights_file=wfile,
         device=dev,
     )
+
+
+def _other_source(
+    source: str, name: Any, weights: str, keep_head: bool, device: str, input_size: Any, pre_resize: Any,
+    trainable: bool, resize: Any,
+) -> Backbone:
+    from featcache.extract import sources
+
+    given = [f for f, v in (("input_size", input_size), ("pre_resize", pre_resize), ("keep_head", keep_head)) if v]
+    if resize not in (None, "timm"):
+        given.append("resize")
+    if given:
+        raise BackboneError(
+            f"{', '.join(given)} apply to timm models only; model source {source!r} uses its library's "
+            "own preprocessing (drop the option, or wrap the model with python:MODULE:CALLABLE and a transform)"
+        )
+    if source == "module":
+        from featcache.extract.sources.python_source import from_module
+
+        return from_module(name, weights, device=device, trainable=trainable)
+    return sources.builder(source)(name, weights, device=device, trainable=trainable)

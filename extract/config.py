@@ -56,7 +56,12 @@ class ExtractConfig:
     flag), before any data is read or the store is touched.
     """
 
-    model: str = _opt(None, "timm model name, e.g. tf_efficientnet_lite0", required=True)
+    model: Any = _opt(
+        None,
+        "timm model name (e.g. tf_efficientnet_lite0) | timm:NAME | torchvision:NAME | open_clip:ARCH | "
+        "hf:DIR (save_pretrained) | python:MODULE:CALLABLE (an nn.Module factory); in Python also an nn.Module",
+        required=True,
+    )
     weights: str = _opt("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
     data: str = _opt(
         "digits",
@@ -145,7 +150,7 @@ class ExtractConfig:
         def bad(flag: str, value: Any, want: str) -> None:
             raise ConfigError(f"{flag} {value!s} is invalid: {want}")
 
-        if not self.model:
+        if self.model is None or (isinstance(self.model, str) and not self.model):
             bad("--model", repr(self.model), "give a timm model name")
         for flag, v, lo in (
             ("--batch-size", self.batch_size, 1),

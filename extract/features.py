@@ -21,6 +21,12 @@ class FeatureHead:
         self.kinds = list(dict.fromkeys(kinds))
         if not self.kinds:
             raise FeatcacheError(f"no feature kinds requested; choose from {FEATURE_KINDS_HELP}")
+        self.features_fn = getattr(backbone, "features_fn", None)
+        if self.features_fn is not None:  # a non-timm source computes its own kinds
+            bad = [k for k in self.kinds if k not in backbone.kinds]
+            if bad:
+                raise FeatcacheError(f"{backbone.name} offers {', '.join(backbone.kinds)}; not {', '.join(bad)}")
+            return
         self.stages = []
         for k in self.kinds:
             m = _STAGE_RE.match(k)
@@ -33,6 +39,8 @@ class FeatureHead:
         self.n_prefix = int(getattr(self.model, "num_prefix_tokens", 1 if hasattr(self.model, "cls_token") else 0))
 
     def __call__(self, x) -> dict[str, Any]:
+        if self.features_fn is not None:
+            return self.features_fn(x, self.kinds)
         m = self.model
         inter = {}
         if self.stages:

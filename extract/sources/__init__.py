@@ -1,0 +1,238 @@
+"""Model sources: where a backbone comes from (``--model SOURCE:NAME``).
+
+A bare name (or ``timm:NAME``) is a timm model, built exactly as before; every other source
+is one module here plus its :func:`register_source` entry:
+
+``torchvision:NAME``
+    a ``torchvision.models`` builder; preprocessing from the weights enum's ``transforms()``.
+``open_clip:ARCH``
+    open_clip's image tower (``encode_image``) with open_clip's own eval transform; its text
+    tower embeds class names (``featcache embed-classes``).
+``hf:DIR``
+    a ``transformers`` model saved with ``save_pretrained`` (``CLIPModel``, ``Dinov2Model``,
+    any ``AutoModel`` vision model) with the directory's image processor.
+``python:MODULE:CALLABLE``
+    a user factory returning an ``nn.Module`` (or ``(module, transform)``,
+    ``(module, transform, width)`` or a dict with those keys).
+
+In Python, ``ExtractConfig(model=<nn.Module>)`` uses the module itself.
+
+Each source builds a :class:`~featcache.extract.backbones.Backbone` whose ``features_fn``
+computes the feature kinds it declares and whose ``data_config`` records the source, the
+architecture, the library and its version (part of the stored identity, so a resume with
+another source or library version is refused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from featcache.errors import BackboneError
+
+SourceBuilder = Callable[..., Any]
+_SOURCES: dict[str, tuple[str, SourceBuilder | None]] = {}
+_EXTRAS = {"open_clip": "clip", "hf": "hf"}
+_KEY_BAD = re.compile(r"[^A-Za-z0-9_.@+=-]")
+
+
+def register_source(name: str, module: str) -> None:
+    """Register source ``name`` whose ``build(name, weights, device=...)`` lives in ``module``
+    (imported only when the source is used, so ``--help`` stays fast)."""
+    _SOURCES[name] = (module, None)
+
+
+def list_sources() -> list[str]:
+    """Registered model sources (``timm`` included)."""
+    return sorted(["timm", *_SOURCES])
+
+
+def parse_model(model: Any) -> tuple[str, Any]:
+    """``(source, name)`` of a ``--model`` value: ``"timm"`` for a bare name, ``"module"``
+    for an ``nn.Module`` object."""
+    if not isinstance(model, str):
+        return "module", model
+    prefix, sep, rest = model.partition(":")
+    if sep and prefix == "timm":
+        return "timm", rest
+    if sep and prefix in _SOURCES:
+        if not rest:
+            raise BackboneError(f"--model {model!r} names no model after '{prefix}:'")
+        return prefix, rest
+    return "timm", model
+
+
+def builder(source: str) -> SourceBuilder:
+    mod_name, _ = _SOURCES[source]
+    return importlib.import_module(mod_name).build
+
+
+def require(module: str, source: str) -> Any:
+    """Import an optional library, or one line naming the ``pip install`` to run."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        extra = _EXTRAS.get(source)
+        what = f"featcache[{extra}]" if extra else module
+        raise BackboneError(f"model source {source!r} needs {module}: pip install '{what}'") from None
+
+
+def store_key(source: str, name: str, weights_tag: str) -> str:
+    """A store-safe default backbone key, e.g. ``open_clip-ViT-B-32@random0``."""
+    return _KEY_BAD.sub("_", f"{source}-{name}") + weights_tag
+
+
+def state_sha256(model: Any) -> str:
+    """SHA-256 over a module's state dict (names, dtypes, shapes, bytes), in key order."""
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        t = v.detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(-1).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def seed_of(weights: str, source: str) -> int | None:
+    """The seed of a ``random:SEED`` weights string, else None."""
+    if not weights.startswith("random:"):
+        return None
+    try:
+        return int(weights.split(":", 1)[1])
+    except ValueError:
+        raise BackboneError(f"random weights need an integer seed, e.g. 'random:0'; got {weights!r}") from None
+
+
+def load_weights(model: Any, weights: str, source: str, name: str) -> tuple[str, str, str | None]:
+    """Apply ``weights`` (a ``random:SEED`` model is built seeded by the caller; a checkpoint
+    path is loaded strictly) -> ``(sha256, key tag, weights file)``."""
+    from pathlib import Path
+
+    from featcache.extract import weights as _w
+
+    if seed_of(weights, source) is not None:
+        seed = seed_of(weights, source)
+        return hashlib.sha256(f"random:{seed}".encode()).hexdigest(), f"@random{seed}", None
+    p = Path(weights).expanduser()
+    if p.is_file():
+        sd = _w.unwrap_state_dict(_w.read_state_dict(p), str(p))
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise BackboneError(
+                f"{p} does not fit {source}:{name} (missing {list(missing)[:5]}, unexpected "
+                f"{list(unexpected)[:5]}); pass the checkpoint of this architecture"
+            )
+        return _w.file_sha256(p), f"@{p.stem}", str(p)
+    raise BackboneError(
+        f"{source}:{name} needs weights='random:SEED' or a checkpoint file (.pth/.safetensors); "
+        f"got {weights!r} (featcache never downloads)"
+    )
+
+
+def data_config(source: str, arch: str, library: str, input_size: Any, transform: Any, **more: Any) -> dict[str, Any]:
+    """The recorded preprocessing and provenance of a non-timm backbone."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        lib_version = version(library)
+    except PackageNotFoundError:
+        lib_version = ""
+    return {
+        "source": source,
+        "arch": arch,
+        "library": library,
+        "library_version": lib_version,
+        "input_size": tuple(int(s) for s in input_size),
+        "transform": repr(transform),
+        **more,
+    }
+
+
+def seeded(seed: int | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` under ``torch.manual_seed(seed)`` (global RNG restored), or plainly."""
+    import torch
+
+    if seed is None:
+        return fn()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return fn()
+
+
+def check_kinds(kinds: Any, offered: tuple[str, ...], name: str) -> None:
+    bad = [k for k in kinds if k not in offered]
+    if bad:
+        raise BackboneError(f"{name} offers feature kinds {', '.join(offered)}; not {', '.join(bad)}")
+
+
+def input_size_of(transform: Any, default: int = 224) -> tuple[int, int, int]:
+    """(3, H, W) from a transform's CenterCrop / Resize size."""
+    for step in getattr(transform, "transforms", [transform]):
+        size = getattr(step, "size", None) or getattr(step, "crop_size", None)
+        if type(step).__name__ in ("CenterCrop", "ImageClassification") and size:
+            s = size if isinstance(size, (list, tuple)) else (size, size)
+            s = tuple(s) * (2 if len(s) == 1 else 1)
+            return (3, int(s[0]), int(s[1]))
+    return (3, default, default)
+
+
+def as_mapping(obj: Any) -> Mapping[str, Any]:
+    return obj if isinstance(obj, Mapping) else {}
+
+
+for _name in ("torchvision", "open_clip", "hf", "python"):
+    register_source(_name, f"featcache.extract.sources.{_name}_source")
+
+
+def finish(
+    *,
+    source: str,
+    name: str,
+    model: Any,
+    transform: Any,
+    weights: str,
+    device: str,
+    trainable: bool,
+    features_fn: Callable[[Any, Any], dict[str, Any]],
+    kinds: tuple[str, ...],
+    library: str,
+    sha: str,
+    tag: str,
+    wfile: str | None,
+    text_tower: Any = None,
+    input_size: Any = None,
+    **more: Any,
+) -> Any:
+    """The :class:`Backbone` of a non-timm source: eval mode, ``requires_grad=trainable``,
+    transform ``ToRGB`` + the library's own, feature width from one forward."""
+    import torch
+    from torchvision import transforms as T
+
+    from featcache.extract.backbones import Backbone, ToRGB, _resolve_device
+
+    dev = _resolve_device(device)
+    model = model.to(dev).eval()
+    for p in model.parameters():
+        p.requires_grad_(trainable)
+    size = tuple(input_size) if input_size is not None else input_size_of(transform)
+    cfg = data_config(source, name, library, size, transform, **more)
+    with torch.inference_mode():
+        dim = int(features_fn(torch.zeros((1, *size), device=dev), ["pooled"])["pooled"].shape[-1])
+    return Backbone(
+        name=f"{source}:{name}",
+        model=model,
+        data_config=cfg,
+        transform=T.Compose([ToRGB(), transform]),
+        weights_source=weights,
+        weights_sha256=sha,
+        feature_dim=dim,
+        default_key=store_key(source, name, tag),
+        weights_file=wfile,
+        device=dev,
+        features_fn=features_fn,
+        kinds=kinds,
+        source=source,
+        text_tower=text_tower,
+    )

@@ -1,0 +1,100 @@
+"""``hf:DIR``: a ``transformers`` model saved with ``save_pretrained`` (``CLIPModel``: its
+vision tower and text tower; ``Dinov2Model`` or any ``AutoModel`` vision model), with the
+directory's own image processor. Kinds: ``pooled`` (``CLIPModel``: ``get_image_features``,
+the projected embedding; others: ``pooler_output``), ``pooler`` (``pooler_output``), ``cls``
+(token 0 of ``last_hidden_state``), ``tokens_mean`` (mean of the other tokens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from featcache.errors import BackboneError
+from featcache.extract import sources as S
+
+KINDS = ("pooled", "pooler", "cls", "tokens_mean")
+
+
+class HFProcessorTransform:
+    """PIL image -> ``pixel_values[0]`` of the directory's image processor (picklable)."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+
+    def __call__(self, img: Any) -> Any:
+        return self.processor(images=img, return_tensors="pt")["pixel_values"][0]
+
+    def __repr__(self) -> str:
+        return f"HFProcessorTransform({self.processor.to_dict()})"
+
+
+class HFClipText:
+    """HF ``CLIPModel``'s text tower: prompts -> ``get_text_features``."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str):
+        self.model, self.tokenizer, self.name = model, tokenizer, f"hf:{name}"
+
+    def encode(self, texts: list[str]) -> Any:
+        import torch
+
+        dev = next(self.model.parameters()).device
+        tok = self.tokenizer(texts, padding=True, return_tensors="pt").to(dev)
+        with torch.inference_mode():
+            out = self.model.get_text_features(**tok)
+        return (out if torch.is_tensor(out) else out.pooler_output).float()
+
+
+def _size(processor: Any) -> tuple[int, int, int]:
+    s = getattr(processor, "crop_size", None) or getattr(processor, "size", None) or {}
+    h = s.get("height") or s.get("shortest_edge")
+    w = s.get("width") or s.get("shortest_edge")
+    return (3, int(h), int(w))
+
+
+def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = False, **_: Any) -> Any:
+    transformers = S.require("transformers", "hf")
+    d = Path(name).expanduser()
+    if not (d / "config.json").is_file():
+        raise BackboneError(f"hf:{name} is not a directory written by save_pretrained (no config.json)")
+    try:
+        processor = transformers.AutoImageProcessor.from_pretrained(d, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise BackboneError(
+            f"hf:{name} has no image processor; save one beside the model "
+            f"(processor.save_pretrained({str(d)!r})): {e}"
+        ) from None
+    if weights not in ("timm", "dir") and S.seed_of(weights, "hf") is None:
+        raise BackboneError(f"hf:{name} reads the directory's own weights (weights='dir'); got {weights!r}")
+    model = transformers.AutoModel.from_pretrained(d, local_files_only=True)
+    files = sorted(d.glob("*.safetensors")) + sorted(d.glob("*.bin"))
+    from featcache.extract import weights as _w
+
+    sha = S.state_sha256(model) if not files else _w.file_sha256(files[0])
+    is_clip = hasattr(model, "get_image_features")
+    vision = model.vision_model if is_clip else model
+
+    def features(x: Any, kinds: Any) -> dict[str, Any]:
+        S.check_kinds(kinds, KINDS, f"hf:{name}")
+        out = vision(pixel_values=x)
+        res: dict[str, Any] = {}
+        for k in kinds:
+            if k == "pooled":
+                res[k] = model.visual_projection(out.pooler_output) if is_clip else out.pooler_output
+            elif k == "pooler":
+                res[k] = out.pooler_output
+            elif k == "cls":
+                res[k] = out.last_hidden_state[:, 0]
+            else:
+                res[k] = out.last_hidden_state[:, 1:].mean(dim=1)
+        return res
+
+    text = None
+    if is_clip:
+        text = HFClipText(model, transformers.AutoTokenizer.from_pretrained(d, local_files_only=True), name)
+    transform = HFProcessorTransform(processor)
+    return S.finish(
+        source="hf", name=d.name, model=model, transform=transform, weights="dir", device=device,
+        trainable=trainable, features_fn=features, kinds=KINDS, library="transformers", sha=sha, tag="",
+        wfile=str(files[0]) if files else None, input_size=_size(processor), text_tower=text,
+        model_class=type(model).__name__,
+    )
