@@ -695,6 +695,10 @@ class _TarMemberLoader:
 
 
 def _wds_label(ext: str, payload: bytes):
+    if ext == "npy":  # CLIP_benchmark's multi-label exports: one [C] vector per sample
+        import io
+
+        return np.load(io.BytesIO(payload), allow_pickle=False)
     if ext == "cls":
         return int(payload.decode().strip())
     import json
@@ -723,7 +727,12 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
     idx = _wds_index(shards, base_plus_ext)
     if not idx["keys"]:
         raise DataError(f"webdataset shards {shards[:3]} hold no samples")
-    classes, labels_all = _wds_labels(idx.pop("raw_labels"), idx["keys"], pattern)
+    raw = idx.pop("raw_labels")
+    matrix = _wds_label_matrix(raw, idx["keys"], pattern)
+    if matrix is None:
+        classes, labels_all = _wds_labels(raw, idx["keys"], pattern)
+    else:  # multi-label: the [N, C] matrix; the label column holds each row's first class
+        classes, labels_all = [str(c) for c in range(matrix.shape[1])], matrix.argmax(axis=1).astype(np.int64)
     ids_all = np.asarray(idx.pop("keys"), dtype=str)
     splits_arr = np.asarray(idx["split_of"])
     shard_a = np.frombuffer(idx["shard_i"], dtype=np.int32)
@@ -739,8 +748,27 @@ def _webdataset(pattern: str, name: str, options: ReadOptions) -> dict[str, Spli
             classes,
             _TarMemberLoader(shards, shard_a[rows], off_a[rows], size_a[rows], options),
             f"webdataset:{pattern}",
+            {} if matrix is None else {"label_matrix": matrix[rows], "label_names": classes},
         )
     return out
+
+
+def _wds_label_matrix(raw_labels: list, keys: list[str], pattern: str) -> np.ndarray | None:
+    """The [N, C] bool label matrix of ``.npy`` label members (CLIP_benchmark's multi-label
+    exports), or None when no sample has one. Every sample needs a 1-D vector of one length C."""
+    if not any(isinstance(v, np.ndarray) for v in raw_labels):
+        return None
+    vec = [v for v in raw_labels if isinstance(v, np.ndarray)]
+    n_cls = vec[0].size
+    for key, v in zip(keys, raw_labels):
+        ok = isinstance(v, np.ndarray) and v.ndim == 1 and v.size == n_cls and v.dtype.kind in "biuf"
+        if not ok or not np.all(np.isfinite(v)):
+            got = "no .npy label" if not isinstance(v, np.ndarray) else f"a {v.dtype} array of shape {v.shape}"
+            raise DataError(
+                f"webdataset {pattern}: sample {key!r} has {got}; a multi-label export needs a .npy "
+                f"vector of {n_cls} numbers (0/1) for every sample: re-export that sample or drop it"
+            )
+    return np.stack(vec) > 0
 
 
 def _wds_shards(pattern: str, expand_urls) -> list[str]:
@@ -803,11 +831,11 @@ def _wds_index(shards: list[str], base_plus_ext) -> dict:
                     raw_labels.append(None)
                 if ext in WDS_IMAGE_EXTS and size[-1] < 0:
                     off[-1], size[-1] = mem.offset_data, mem.size
-                elif ext in ("cls", "json") and raw_labels[-1] is None:
+                elif ext in ("cls", "json", "npy") and raw_labels[-1] is None:
                     fh = tf.extractfile(mem)
                     try:
                         raw_labels[-1] = _wds_label(ext, fh.read())
-                    except (ValueError, UnicodeDecodeError) as exc:
+                    except (ValueError, UnicodeDecodeError, EOFError) as exc:
                         raise DataError(f"{path}: cannot parse label member {mem.name}: {exc}") from exc
     return idx
 

@@ -8,7 +8,9 @@ spec                            source
                                 ``s0000000.webp|png|jpg`` + ``.cls``), ``DIR/classnames.txt``
                                 (one name per line, indexed by the ``.cls`` label) and
                                 ``DIR/zeroshot_classification_templates.txt`` (kept in the
-                                split's ``extra["templates"]``). Ids are the ``__key__``.
+                                split's ``extra["templates"]``). Ids are ``<split>/<__key__>``
+                                (the export restarts ``s%07d`` in every split). Multi-label
+                                exports (``.npy`` label vectors) give the [N, C] label matrix.
 ``hf:PATH``                     Hugging Face ``datasets`` on disk, read with pyarrow (no
                                 ``datasets`` import, never a download): a ``save_to_disk``
                                 folder (``dataset_dict.json`` + one folder per split, or one
@@ -109,16 +111,26 @@ def clip_benchmark(root: str, name: str, options: ReadOptions) -> dict[str, Spli
             raise DataError(f"{sd}: shards named for several splits; CLIP_benchmark names them 0.tar, 1.tar, ...")
         src = parts[0]
         src.split, src.source = sd.name, f"clip-benchmark:{d.resolve()}/{sd.name}"
+        # the export restarts its s%07d keys in every split: ids unique per split (test/s0000000)
+        src.ids = np.char.add(f"{sd.name}/", np.asarray(src.ids, str))
+        multi = "label_matrix" in src.extra
         if names is not None:
+            if multi and src.extra["label_matrix"].shape[1] != len(names):
+                n_vec = src.extra["label_matrix"].shape[1]
+                raise DataError(f"{sd}: .npy labels have {n_vec} entries but {cn} names {len(names)} classes")
             if len(src.class_names) > len(names):
                 raise DataError(f"{sd}: label {len(src.class_names) - 1} but {cn} names only {len(names)} classes")
             src.class_names = list(names)
+            if multi:
+                src.extra["label_names"] = list(names)
         src.extra["templates"] = templates
         out[sd.name] = src
     if names is None:  # integer labels of every split share one class list
         k = max(len(s.class_names) for s in out.values())
         for s in out.values():
             s.class_names = [str(i) for i in range(k)]
+            if "label_matrix" in s.extra:
+                s.extra["label_names"] = list(s.class_names)
         log.warning("%s has no classnames.txt; classes are named by their integer label", root)
     return out
 

@@ -67,7 +67,9 @@ class ProbeConfig:
         ("test",), "split(s) to evaluate on (repeatable; default: test)", name="--eval-split", action="append"
     )
     train_split: str = flag("train")
-    val_split: str = flag("val", "the dataset's own validation split, used when present")
+    val_split: str = flag(
+        "val", "the dataset's own validation split, used when present (default: 'val', else 'validation')"
+    )
     kind: str = flag("pooled", "feature kind in the cache")
     val_source: str = flag(
         "split-800-200", "vtab1k selection data (the paper's two readings)", choices=["split-800-200", "official-val"]
@@ -208,8 +210,15 @@ class ProbeConfig:
         return {k: v for k, v in opts.items() if k not in drop}
 
     def val_split_used(self, proto, splits) -> str | None:
-        """The dataset's own val split when the protocol selects on it and ``splits`` has it."""
-        return self.val_split if self.val_split in splits and proto.uses_val_split(self.val_source) else None
+        """The dataset's own val split when the protocol selects on it and ``splits`` has it. The
+        default name ``val`` also finds a Hugging Face dataset's ``validation`` split."""
+        if not proto.uses_val_split(self.val_source):
+            return None
+        if self.val_split in splits:
+            return self.val_split
+        if self.val_split == "val" and "validation" in splits:
+            return "validation"
+        return None
 
     def run_id(self, proto, backbone: str, seed: int, eval_split: str, store_fingerprint: str) -> str:
         """The run id of one backbone, seed and eval split of this (resolved) config;

@@ -160,8 +160,12 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     tr = _load_split(c, b, ds, cfg.train_split, cfg.kind, lazy=lazy)
     names = list(c.split_meta(ds, cfg.train_split).class_names)
     va = None
-    if cfg.val_split_used(proto, splits):  # lazy with train: the final fit is on train+val
-        va = _load_split(c, b, ds, cfg.val_split, cfg.kind, names, lazy=lazy)
+    val_name = cfg.val_split_used(proto, splits)
+    if val_name:  # lazy with train: the final fit is on train+val
+        va = _load_split(c, b, ds, val_name, cfg.kind, names, lazy=lazy)
+        log.info("%s %s: selecting on the dataset's own %r split", b, ds, val_name)
+    elif proto.uses_val_split(cfg.val_source):
+        log.info("%s %s: no %r split; selecting on a holdout of %r", b, ds, cfg.val_split, cfg.train_split)
     evals = {}
     for s in cfg.eval_splits:
         if s not in splits:

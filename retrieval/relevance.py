@@ -49,6 +49,15 @@ def self_exclusion(query_ids: np.ndarray, gallery_ids: np.ndarray) -> np.ndarray
     return _gallery_positions(gallery_ids, query_ids)
 
 
+def _own_positions(query_ids, gallery_ids, exclude_self: bool) -> np.ndarray:
+    """:func:`self_exclusion`, or no exclusion (all -1) when query and gallery are different
+    splits: an equal id there is another image (e.g. WebDataset keys restarting per split)."""
+    if exclude_self:
+        return self_exclusion(query_ids, gallery_ids)
+    _gallery_positions(gallery_ids, np.zeros(0, str))  # still checks the gallery ids are unique
+    return np.full(np.asarray(query_ids).size, -1, np.int64)
+
+
 class Relevance:
     """Base: positives and exclusions of Q queries over a gallery of G items."""
 
@@ -88,14 +97,16 @@ class Relevance:
 
 class SemanticRelevance(Relevance):
     """A gallery item is relevant to a query when both carry the same label. The query's own
-    id in the gallery (leave-one-out) is excluded; duplicates under other ids stay."""
+    id in the gallery (leave-one-out) is excluded when ``exclude_self`` (query and gallery
+    are one split); duplicates under other ids stay."""
 
-    def __init__(self, query_labels, gallery_labels, query_ids, gallery_ids):
+    def __init__(self, query_labels, gallery_labels, query_ids, gallery_ids, *, exclude_self: bool = True):
         self.query_labels = np.asarray(query_labels, np.int64)
         self.gallery_labels = np.asarray(gallery_labels, np.int64)
         self.n_queries = self.query_labels.size
         self.n_gallery = self.gallery_labels.size
-        own = self_exclusion(query_ids, gallery_ids)
+        self.exclude_self = exclude_self
+        own = _own_positions(query_ids, gallery_ids, exclude_self)
         has = own >= 0
         self.excl_indptr, self.excl_cols = _csr_from_pairs(
             np.flatnonzero(has).astype(np.int64), own[has], self.n_queries
@@ -129,9 +140,20 @@ class SemanticRelevance(Relevance):
 
 class ExplicitRelevance(Relevance):
     """Relevance from (query, gallery, relevance) triples: ``positive`` items are relevant,
-    ``junk`` items are removed from the ranking, everything else is non-relevant."""
+    ``junk`` items are removed from the ranking, everything else is non-relevant. The query's
+    own id in the gallery is removed too when ``exclude_self`` (query and gallery are one split)."""
 
-    def __init__(self, query_ids, gallery_ids, table_query_ids, table_gallery_ids, table_relevance):
+    def __init__(
+        self,
+        query_ids,
+        gallery_ids,
+        table_query_ids,
+        table_gallery_ids,
+        table_relevance,
+        *,
+        exclude_self: bool = True,
+    ):
+        self.exclude_self = exclude_self
         query_ids = np.asarray(query_ids).astype(str)
         gallery_ids = np.asarray(gallery_ids).astype(str)
         self.n_queries, self.n_gallery = query_ids.size, gallery_ids.size
@@ -169,7 +191,7 @@ class ExplicitRelevance(Relevance):
             raise DataError(
                 f"{int(both.sum())} (query, gallery) pair(s) are both positive and junk in the relevance table"
             )
-        own = self_exclusion(query_ids, gallery_ids)
+        own = _own_positions(query_ids, gallery_ids, exclude_self)
         has = own >= 0
         junk = rel == "junk"
         ex_rows = np.concatenate([qpos[junk], np.flatnonzero(has)])

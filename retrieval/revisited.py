@@ -39,6 +39,7 @@ from featcache.retrieval.metrics import RankedRelevance
 __all__ = [
     "REVISITED_SETUPS",
     "REVISITED_VALUES",
+    "bob_mrr",
     "is_revisited_table",
     "revisited_ap",
     "revisited_precision_at_k",
@@ -125,3 +126,19 @@ def revisited_precision_at_k(rr: RankedRelevance, k: int) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         val = within / np.maximum(kq, 1)
     return np.where(rr.n_relevant > 0, val, np.nan)
+
+
+def bob_mrr(rr_with_junk: RankedRelevance) -> float:
+    """Battle of the Backbones' MRR (bob-retrieval ``retrieval/utils.py``, ``compute_map``):
+    1 / (rank of the first positive) in the ranking **before** junk is removed, summed over
+    the queries with a positive and divided by **all** queries (one without positives adds 0).
+
+    ``rr_with_junk``: the full ranking with only the query itself removed (junk kept)."""
+    rr_with_junk._need(None, "bob mrr")
+    n_q = rr_with_junk.n_queries
+    if n_q == 0:
+        return float("nan")
+    counts = np.diff(rr_with_junk.indptr)
+    has = counts > 0
+    first = rr_with_junk.ranks[rr_with_junk.indptr[:-1][has]]
+    return float(np.sum(1.0 / first) / n_q)

@@ -30,6 +30,7 @@ from featcache.retrieval.relevance import (
     load_relevance_table,
 )
 from featcache.retrieval.revisited import (
+    bob_mrr,
     is_revisited_table,
     revisited_ap,
     revisited_precision_at_k,
@@ -191,6 +192,7 @@ class _Pair:
     fingerprint: str
     g_split: str
     seconds: float
+    same_split: bool = True  # query and gallery are one split: a query's own id is excluded
     _prepared: dict = field(default_factory=dict, repr=False)
 
     def prepared(self, metric: str, max_memory) -> tuple:
@@ -271,6 +273,7 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
         fp,
         g_split,
         time.perf_counter() - t0,
+        cfg.same_split or g_split == cfg.query_split,
     )
 
 
@@ -278,8 +281,9 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
     from featcache.results import make_run_id
 
     t0 = time.perf_counter()
-    sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
-    rel = sem if table is None else ExplicitRelevance(d.idq, d.idg, *table)
+    one = d.same_split
+    sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg, exclude_self=one)
+    rel = sem if table is None else ExplicitRelevance(d.idq, d.idg, *table, exclude_self=one)
     Q, G = d.prepared(cfg.metric, cfg.max_memory)
     res = evaluate(
         Q,
@@ -293,8 +297,12 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
         progress=cfg.progress,
     )
     means = res["means"]
-    if protocol.startswith("revisited-"):
-        means = {**means, **_revisited_means(cfg, d, rel)}
+    if cfg.full:
+        means = {**means, **_bob_means(cfg, d, rel, table, protocol.startswith("revisited-"))}
+    elif protocol.startswith("revisited-"):
+        raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
+    else:
+        log.info("--top-k-only: Battle of the Backbones' map_bob, mp@k and mrr_bob need the full ranking; skipped")
     seconds = d.seconds + time.perf_counter() - t0
     hp = cfg.hparams(
         backend=res["backend"],
@@ -332,25 +340,33 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
     ]
 
 
-def _revisited_means(cfg: RetrievalConfig, d: _Pair, rel) -> dict[str, float]:
-    """revisitop's trapezoidal mAP and mP@k over the full ranking (needs it: not --top-k-only)."""
-    if not cfg.full:
-        raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
+def _bob_means(cfg: RetrievalConfig, d: _Pair, rel, table, revisited: bool) -> dict[str, float]:
+    """Battle of the Backbones' definitions (bob-retrieval ``compute_map``, revisitop's code)
+    over the full ranking: ``map_bob`` (revisitop's trapezoidal AP), ``mp@k`` (revisitop's
+    mP@k), ``mrr_bob`` (before junk removal, over all queries). Revisited Oxford/Paris keeps
+    its older names ``map_revisitop`` and ``mp_revisitop@k`` (the same values) too."""
     mem = parse_memory(cfg.max_memory)
     Q, G = d.prepared(cfg.metric, cfg.max_memory)
-    rr = full_ranking(
-        Q,
-        G,
-        rel,
-        cfg.metric,
-        max_memory=mem,
-        backend=_ranking_backend(cfg.backend),
-        progress=cfg.progress,
-    )
-    per_query = {"map_revisitop": revisited_ap(rr)}
+
+    def rank(r):
+        backend = _ranking_backend(cfg.backend)
+        return full_ranking(Q, G, r, cfg.metric, max_memory=mem, backend=backend, progress=cfg.progress)
+
+    rr = rank(rel)
+    per_query = {"map_bob": revisited_ap(rr)}
     for k in cfg.ks:
-        per_query[f"mp_revisitop@{k}"] = revisited_precision_at_k(rr, k)
-    return summarize(per_query, rr.n_relevant)[0]
+        per_query[f"mp@{k}"] = revisited_precision_at_k(rr, k)
+    if revisited:
+        per_query["map_revisitop"] = per_query["map_bob"]
+        per_query.update({f"mp_revisitop@{k}": per_query[f"mp@{k}"] for k in cfg.ks})
+    means = summarize(per_query, rr.n_relevant)[0]
+    has_junk = table is not None and bool(np.any(np.asarray(table[2]) == "junk"))
+    if has_junk:  # BoB's MRR ranks junk items too
+        keep = np.asarray(table[2]) != "junk"
+        rel = ExplicitRelevance(d.idq, d.idg, *(np.asarray(c)[keep] for c in table), exclude_self=rel.exclude_self)
+        rr = rank(rel)
+    means["mrr_bob"] = bob_mrr(rr)
+    return means
 
 
 def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
@@ -358,7 +374,7 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
 
     t1 = time.perf_counter()
     mem = parse_memory(cfg.max_memory)
-    sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg)
+    sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg, exclude_self=d.same_split)
     Qc, Gc = d.prepared("cosine", cfg.max_memory)
     sc, ix, used = topk(
         Qc,

@@ -165,7 +165,7 @@ def test_format_metadata(extracted):
     n = len(imgs["train"])
     cb = store.load(LITE0, "clipbench", "train")
     assert cb.class_names == CLASSES
-    assert list(cb.ids) == [f"s{i:07d}" for i in range(n)]  # shards 0..10 read in numeric order
+    assert list(cb.ids) == [f"train/s{i:07d}" for i in range(n)]  # shards 0..10 in numeric order, ids per split
     assert store.load(LITE0, "hf_disk", "train").class_names == CLASSES
     assert list(store.load(LITE0, "hf_parquet", "test").ids) == [f"test-{i:06d}" for i in range(len(imgs["test"]))]
     vt = store.load(LITE0, "vtab", "train800")
