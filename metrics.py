@@ -29,6 +29,7 @@ __all__ = [
     "compute_all",
     "ece",
     "map11",
+    "map11_elevater",
     "mean_per_class",
     "metric_names",
     "nll",
@@ -144,30 +145,57 @@ def _check_multilabel(y_true, scores) -> tuple[np.ndarray, np.ndarray]:
     return y, s
 
 
-def _ap11_column(pos: np.ndarray, score: np.ndarray) -> float:
-    """VOC2007 11-point interpolated AP of one class; tied scores enter as one threshold."""
+def _ap11_terms(pos: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """The 11 terms ``max_{recall >= k/10} precision`` (k = 0..10) of one class; tied scores
+    enter as one threshold; recall compared exactly in integers (10*tp >= k*n_pos)."""
     order = np.argsort(-score, kind="stable")
     sc, tp = score[order], pos[order].astype(np.float64)
     last = np.r_[np.flatnonzero(np.diff(sc) != 0), sc.size - 1]  # end of each tie group
     ctp = np.cumsum(tp)[last]
     prec = ctp / (last + 1)
-    total = 0.0
-    for k in range(11):  # recall >= k/10, compared exactly in integers (10*tp >= k*n_pos)
+    terms = np.zeros(11)
+    for k in range(11):
         p = prec[10 * ctp >= k * pos.sum()]
-        total += p.max() if p.size else 0.0
-    return float(total / 11.0)
+        terms[k] = p.max() if p.size else 0.0
+    return terms
+
+
+def _ap11_column(pos: np.ndarray, score: np.ndarray) -> float:
+    """VOC2007 11-point interpolated AP of one class (the mean of :func:`_ap11_terms`)."""
+    return float(sum(_ap11_terms(pos, score).tolist()) / 11.0)
 
 
 def map11(y_true, scores) -> float:
-    """Mean over classes with a positive of VOC2007's 11-point interpolated AP
-    (``AP = 1/11 sum_{t in 0, .1, .., 1} max_{recall >= t} precision``; ELEVATER's VOC 2007
-    metric). Tied scores form one threshold (as ``sklearn.metrics.precision_recall_curve``),
+    """The VOC07 devkit's 11-point mAP (``voc_ap(use_07_metric=True)``): mean over classes
+    with a positive of ``AP = 1/11 sum_{t in 0, .1, .., 1} max_{recall >= t} precision``
+    (ELEVATER's own differs: :func:`map11_elevater`). Tied scores form one threshold (as ``sklearn.metrics.precision_recall_curve``),
     so the value does not depend on row order. Recall >= k/10 is compared exactly (the devkit's
     float grid ``np.arange(0, 1.1, .1)`` misses recall 3/10 by one ulp). NaN when no class
     has a positive."""
     y, s = _check_multilabel(y_true, scores)
     aps = [_ap11_column(y[:, c], s[:, c]) for c in range(y.shape[1]) if y[:, c].any()]
     return float(np.mean(aps)) if aps else float("nan")
+
+
+def _ap11_elevater_column(pos: np.ndarray, score: np.ndarray) -> float:
+    """ELEVATER's 11-point AP of one class: the devkit's terms but a recall-0 term of 1
+    (sklearn's ``precision_recall_curve`` ends with precision 1 at recall 0)."""
+    terms = _ap11_terms(pos, score)
+    terms[0] = 1.0
+    return float(sum(terms.tolist()) / 11.0)
+
+
+def map11_elevater(y_true, scores) -> float:
+    """ELEVATER's 11-point mAP (vision-evaluation's ``MeanAveragePrecisionNPointsEvaluator(11)``,
+    which ELEVATER's ``map_11_points`` calls): per class ``1/11 sum_t max_{recall >= t}
+    precision`` over sklearn's precision-recall curve, whose appended point (recall 0,
+    precision 1) makes the t=0 term 1, so per class it is :func:`map11`'s AP plus ``(1 - max precision)/11``.
+    The mean runs over every score column; a class without a positive scores 1/11 (sklearn
+    >= 1.1 sets its recall to 1; older sklearn gave NaN recall and the toolkit 0)."""
+    y, s = _check_multilabel(y_true, scores)
+    if y.shape[1] == 0:
+        return float("nan")
+    return float(np.mean([_ap11_elevater_column(y[:, c], s[:, c]) for c in range(y.shape[1])]))
 
 
 def _average_ranks(a: np.ndarray) -> np.ndarray:
@@ -207,13 +235,14 @@ METRICS = {
     "nll": nll,
     "ece": ece,
     "map11": map11,
+    "map11_elevater": map11_elevater,
     "roc_auc_macro": roc_auc_macro,
 }
 
 #: the metrics a task can declare (hyper-parameters are selected on it; higher is better)
-TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro")
+TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater")
 #: the metrics defined for multi-label targets [N, C]
-MULTILABEL_METRICS = ("map11", "roc_auc_macro")
+MULTILABEL_METRICS = ("map11", "roc_auc_macro", "map11_elevater")
 
 
 def metric_names(n_classes: int, task_metric: str = "top1", multilabel: bool = False) -> list[str]:

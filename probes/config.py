@@ -90,7 +90,7 @@ class ProbeConfig:
         None,
         "the task's metric, used to select hyper-parameters (default: the metric recorded "
         "for the dataset in the store, else top1)",
-        choices=["top1", "mean_per_class", "map11", "roc_auc_macro"],
+        choices=["top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater"],
     )
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
 

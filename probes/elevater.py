@@ -78,7 +78,7 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
     hi = None if head_init is None else l2_normalise(np.asarray(head_init)[classes])
     se, fe = opts["search_epochs"], opts["final_epochs"]
 
-    def head(lr, wd, n: int, epochs: int) -> SGDProbe:
+    def head(lr, wd, n: int, epochs: int, on_epoch=None) -> SGDProbe:
         """The SGD head of one trial or the final run: ``epochs`` passes over ``n`` rows."""
         return SGDProbe(
             lr=lr,
@@ -91,6 +91,7 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
             head_init=hi,
             random_state=seed,
             device=device,
+            epoch_callback=on_epoch,
         )
 
     def fit(X, y, lr, wd, epochs):
@@ -101,19 +102,40 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
     tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
     Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
 
-    def val_top1(lr, wd) -> float:
-        p = head(lr, wd, ytr.size, se).fit(Xtr_s, ytr, classes=classes)
-        return float(np.mean(p.predict(Xva_s) == yva)) if p.finite_ else -1.0
+    metric = opts.get("metric") or "top1"
+    yva_i = np.searchsorted(classes, yva)
+    epochs_of: dict[tuple[float, float], int] = {}
+
+    def val_score(lr, wd) -> float:
+        """The trial's best epoch on the task metric (the toolkit's SEARCH_RESULT_ON_LAST_EPOCH
+        =False: it validates after every epoch and keeps the first strict maximum, from 0)."""
+        scores: list[float] = []
+        p = head(lr, wd, ytr.size, se, lambda W, b: scores.append(_epoch_score(metric, yva_i, Xva_s, W, b)))
+        p.fit(Xtr_s, ytr, classes=classes)
+        best, at = 0.0, 0
+        for e, v in enumerate(scores, 1):
+            if v > best:
+                best, at = v, e
+        epochs_of[(lr, wd)] = at
+        return best if p.finite_ or at else -1.0
 
     t0 = time.perf_counter()
     best = (-math.inf, None, None)
     trials, per_lr = 0, []
     for lr in grid.lrs:
         i, sc, n = search_weight_decay(
-            lambda k, lr=lr: val_top1(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans
+            lambda k, lr=lr: val_score(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans
         )
         trials += n
-        per_lr.append({"lr": lr, "weight_decay": grid.wds[i], "val_top1": sc, "trials": n})
+        per_lr.append(
+            {
+                "lr": lr,
+                "weight_decay": grid.wds[i],
+                f"val_{metric}": sc,
+                "best_epoch": epochs_of[(lr, grid.wds[i])],
+                "trials": n,
+            }
+        )
         if sc > best[0]:
             best = (sc, lr, grid.wds[i])
     sc, lr, wd = best
@@ -123,8 +145,9 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
         "device": device,
         "lr": lr,
         "weight_decay": wd,
-        "val_top1": sc,
-        "selection": "val top1 after the last search epoch (ties: smaller lr, earlier probe)",
+        f"val_{metric}": sc,
+        "best_epoch": epochs_of[(lr, wd)],
+        "selection": f"val {metric} at each trial's best search epoch (ties: earlier epoch, smaller lr, earlier probe)",
         "trials": trials,
         "per_lr": per_lr,
         "search_epochs": se,
@@ -147,6 +170,18 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
         hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}
     seconds = time.perf_counter() - t0
     return (lambda X: probe.predict_proba(bn(X)), classes), hp, probe.finite_, seconds
+
+
+def _epoch_score(metric: str, y: np.ndarray, X: np.ndarray, coef: np.ndarray, intercept: np.ndarray) -> float:
+    """The task metric of one epoch's head on (X, y) from its softmax probabilities, as the
+    toolkit's ``validate`` scores ``outputs.softmax(-1)``; -1 when the head is not finite."""
+    from featcache.metrics import METRICS
+
+    z = X @ coef.T + intercept
+    if not np.isfinite(z).all():
+        return -1.0
+    z = np.exp(z - z.max(1, keepdims=True))
+    return float(METRICS[metric](y, z / z.sum(1, keepdims=True)))
 
 
 class _ChannelBN:

@@ -40,6 +40,7 @@ def train_sgd_head(
     init: tuple[np.ndarray, np.ndarray] | None = None,
     drop_remainder: bool = False,
     nesterov: bool = False,
+    on_epoch=None,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Train ``logits = X @ W + b`` for ``steps`` updates; returns (W [D, K], b [K], finite).
 
@@ -48,7 +49,8 @@ def train_sgd_head(
     exactly ``epochs`` epochs. ``drop_remainder``: every batch is full, cut from the stream
     of seeded epoch permutations of :func:`featcache.splits.batch_positions` (VTAB's
     ``repeat`` + ``batch(drop_remainder=True)``; the batches featcache's fine-tuning uses).
-    ``finite`` is False when the loss diverged (the head is then unusable).
+    ``finite`` is False when the loss diverged (the head is then unusable). ``on_epoch(W, b)``,
+    when given, is called with the head after each full epoch (ELEVATER scores every epoch).
     """
     import torch
 
@@ -81,6 +83,8 @@ def train_sgd_head(
             finite = False
             log.warning("SGD head diverged at step %d (lr=%g)", step, lr)
             break
+        if on_epoch is not None:
+            on_epoch(lin.weight.detach().double().cpu().numpy().T, lin.bias.detach().double().cpu().numpy())
     W = lin.weight.detach().double().cpu().numpy().T
     b = lin.bias.detach().double().cpu().numpy()
     return W, b, finite and bool(np.isfinite(W).all())
@@ -118,7 +122,9 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
     random_state : seed of the batch order (runs repeat bit for bit on one device).
     drop_remainder : every batch full, from :func:`featcache.splits.batch_positions`
         (VTAB; fine-tuning's batches); default: per-epoch permutations with a partial last batch.
-    nesterov : Nesterov momentum (ELEVATER's toolkit default).
+    nesterov : Nesterov momentum (ELEVATER's config default, off in its shipped model configs).
+    epoch_callback : optional ``f(coef [K, D], intercept [K])`` called after each epoch with
+        the head in raw-feature space (ELEVATER scores every epoch on its val rows).
     device : ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
 
     Attributes
@@ -141,6 +147,7 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         device: str = "auto",
         drop_remainder: bool = False,
         nesterov: bool = False,
+        epoch_callback=None,
     ):
         self.lr = lr
         self.steps = steps
@@ -154,6 +161,7 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         self.device = device
         self.drop_remainder = drop_remainder
         self.nesterov = nesterov
+        self.epoch_callback = epoch_callback
 
     def fit(self, X, y, *, classes=None) -> SGDProbe:
         """Fit on ``X [n, D]`` and labels ``y``; ``classes`` (default: those in ``y``) fixes
@@ -194,11 +202,21 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
                 init=init,
                 drop_remainder=self.drop_remainder,
                 nesterov=self.nesterov,
+                on_epoch=None if self.epoch_callback is None else self._raw_callback(scaler),
             )
         self.coef_, self.intercept_ = scaler.to_raw(W, b)
         self._softmax_coef, self._softmax_intercept = self.coef_, self.intercept_
         self.finite_ = ok
         return self
+
+    def _raw_callback(self, scaler):
+        """``epoch_callback`` fed the head in raw space, softmax layout [K, D]."""
+
+        def cb(W: np.ndarray, b: np.ndarray) -> None:
+            coef, intercept = scaler.to_raw(W, b)
+            self.epoch_callback(coef, intercept)
+
+        return cb
 
 
 def _with_classes(seen: np.ndarray, yi: np.ndarray, classes) -> tuple[np.ndarray, np.ndarray]:

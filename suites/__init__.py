@@ -34,7 +34,7 @@ else:  # pragma: no cover - Python 3.10
 __all__ = ["METRICS", "Suite", "Task", "list_suites", "load_suite", "present_tasks", "warn_missing"]
 
 #: metrics a task may declare
-METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro")
+METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater")
 _TASK_KEYS = {
     "name",
     "group",

@@ -115,7 +115,7 @@ def test_metric_names_keep_single_label_rows_and_add_the_task_metric():
     assert metric_names(10) == ["top1", "top5", "mean_per_class", "nll", "ece"]
     assert metric_names(3) == ["top1", "mean_per_class", "nll", "ece"]
     assert metric_names(2, "roc_auc_macro")[-1] == "roc_auc_macro"
-    assert metric_names(5, "map11", multilabel=True) == ["map11", "roc_auc_macro"]
+    assert metric_names(5, "map11", multilabel=True) == ["map11", "roc_auc_macro", "map11_elevater"]
     P = np.full((4, 3), 1 / 3)
     assert set(compute_all(np.array([0, 1, 2, 0]), P)) == {"top1", "mean_per_class", "nll", "ece"}
 

@@ -139,3 +139,55 @@ def test_class_embeddings_are_per_backbone_and_width_checked(digits_with_text):
     write_class_embeddings(digits_with_text, "digits", np.ones((10, 512)), name="narrow")  # dataset-level
     with pytest.raises(ProbeError, match="backbone='tf_efficientnet_lite0'"):
         run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "zeroshot", head_init="narrow", progress=False))
+
+
+def test_search_trial_scores_its_best_val_epoch_on_the_task_metric(digits_cache):
+    """The toolkit's ``train_task`` (Elevater_Toolkit_IC vision_benchmark/evaluation/
+    full_model_finetune.py) validates after every epoch and, with SEARCH_RESULT_ON_LAST_EPOCH
+    =False, returns ``best_acc1`` (the first strict maximum from 0) on the config's metric."""
+    import math
+
+    from featcache.metrics import mean_per_class
+    from featcache.probes import runner as PR
+    from featcache.probes.elevater import _ChannelBN
+    from featcache.probes.sgd import SGDProbe
+    from featcache.store import open_cache
+
+    cfg = ProbeConfig(
+        digits_cache,
+        LITE0,
+        "digits",
+        "elevater-fewshot:5",
+        seeds=[0],
+        search_epochs=4,
+        final_epochs=4,
+        metric="mean_per_class",
+        progress=False,
+    )
+    _, hp = _top1_hp(run_probes(cfg))
+    assert hp["selection"].startswith("val mean_per_class at each trial's best search epoch")
+    proto = P.get_protocol("elevater-fewshot:5")
+    plan = PR._plan(
+        proto, 0, PR._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled"), None, "auto"
+    )
+    (Xtr, ytr), (Xva, yva) = plan.tr, plan.va
+    g = proto.grid
+    bn = _ChannelBN(Xtr, g.features, g.logit_scale)
+    lr, wd = hp["lr"], hp["weight_decay"]
+    per_epoch = []
+    for e in range(1, 5):  # e epochs of the same seeded batch order = the first e of 4
+        p = SGDProbe(
+            lr=lr,
+            steps=e * math.ceil(ytr.size / g.batch_size),
+            batch_size=g.batch_size,
+            momentum=g.momentum,
+            nesterov=g.nesterov,
+            weight_decay=wd,
+            standardize=False,
+            random_state=0,
+            device="cpu",
+        ).fit(bn(Xtr), ytr)
+        per_epoch.append(mean_per_class(yva, p.predict(bn(Xva))))
+    assert hp["val_mean_per_class"] == pytest.approx(max(per_epoch), abs=1e-12)
+    assert hp["best_epoch"] == 1 + int(np.argmax(per_epoch))
+    assert all(0 <= r["best_epoch"] <= 4 for r in hp["per_lr"])  # 0: no epoch beat 0
