@@ -300,9 +300,13 @@ def find_package_checkpoint(package: str) -> Path:
             f"Python package {package!r} is not installed; {package_install_hint(package)} "
             "(or pass a checkpoint path instead)"
         )
-    roots = list(spec.submodule_search_locations or [])
-    if not roots and spec.origin:
-        roots = [str(Path(spec.origin).parent)]
+    roots = [r for r in (spec.submodule_search_locations or []) if os.path.isabs(r) and os.path.isdir(r)]
+    if not roots:
+        kind = f"a {spec.origin} module" if spec.origin in ("built-in", "frozen") else "a single-file module"
+        raise WeightsNotFoundError(
+            f"weights package:{package}: {package!r} is {kind}, not an installed package with a folder of "
+            "its own to hold a checkpoint; name a package that ships one (package:NAME) or pass a checkpoint path"
+        )
     found = sorted(p for r in roots for p in Path(r).rglob("*") if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES)
     if not found:
         raise WeightsNotFoundError(

@@ -331,3 +331,18 @@ def test_lukemelas_mapping_follows_timm_block_structure():
     assert torch.equal(out["bn2.weight"], sd["_bn1.weight"])
     assert torch.equal(out["classifier.weight"], sd["_fc.weight"])
     assert not W.is_lukemelas_state_dict(out)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [("sys", "built-in"), ("_frozen_importlib", "frozen"), ("six", "single-file")]
+)
+def test_package_weights_without_own_folder_are_refused(tmp_path, monkeypatch, name, kind):
+    """A built-in, frozen or one-file module has no folder: nothing around the current folder is searched."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} not importable here")
+    (tmp_path / "stray.pth").write_bytes(b"not a checkpoint")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(WeightsNotFoundError, match=f"{kind}.*not an installed package"):
+        W.find_package_checkpoint(name)
