@@ -99,6 +99,10 @@ class ResultsError(FeatcacheError, ValueError):
     """A results table is malformed or inconsistent."""
 
 
+class CorruptResultsError(ResultsError):
+    """A results table's bytes fail their checksum or do not decode (damaged on disk)."""
+
+
 class SplitError(DataError, ProbeError):
     """A seeded protocol split cannot be drawn (too few examples, a class too small...).
 

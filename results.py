@@ -35,16 +35,18 @@ created_at         str        ISO-8601 UTC timestamp
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import NoSpaceError, ResultsError
+from featcache.errors import CorruptResultsError, NoSpaceError, ResultsError
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +137,93 @@ _NOT_PARQUET_SUFFIXES = (".csv", ".tsv", ".txt", ".json", ".jsonl", ".xlsx", ".x
 LOCK_TIMEOUT = 600.0
 
 
+#: parquet key-value metadata entry holding the table's checksum: ``featcache-sha256:<hex>``,
+#: the sha256 of the whole file with the hex digits read as zeros
+CHECKSUM_KEY = "featcache_checksum"
+_CHECKSUM_PREFIX = b"featcache-sha256:"
+_CHECKSUM_RE = re.compile(re.escape(_CHECKSUM_PREFIX) + rb"([0-9a-f]{64})")
+_ZEROS = b"0" * 64
+
+
+def _looks_like_parquet(data: bytes) -> bool:
+    """A parquet file, or a featcache table whose first bytes are damaged (its checksum
+    entry is still in the footer)."""
+    return data[:4] == b"PAR1" or _CHECKSUM_PREFIX in data[-4096:]
+
+
 def _is_parquet(p: Path) -> bool:
     with open(p, "rb") as fh:
-        return fh.read(4) == b"PAR1"
+        head = fh.read(4)
+        fh.seek(max(0, os.fstat(fh.fileno()).st_size - 4096))
+        return _looks_like_parquet(head + fh.read())
+
+
+def _damaged(p: Path, why: str) -> CorruptResultsError:
+    return CorruptResultsError(
+        f"results table {p} is damaged ({why}); featcache neither reads nor rewrites it. Restore it "
+        "from a copy, or move it aside: the next run starts a new table and recomputes the runs it held"
+    )
+
+
+def table_bytes(table) -> bytes:
+    """``table`` as parquet bytes carrying their own checksum (:data:`CHECKSUM_KEY`)."""
+    buf = io.BytesIO()
+    table.write_parquet(buf, metadata={CHECKSUM_KEY: (_CHECKSUM_PREFIX + _ZEROS).decode()})
+    data = bytearray(buf.getvalue())
+    at = data.rfind(_CHECKSUM_PREFIX + _ZEROS) + len(_CHECKSUM_PREFIX)
+    data[at : at + 64] = hashlib.sha256(data).hexdigest().encode()
+    return bytes(data)
+
+
+def verify_table_bytes(data: bytes, p: Path) -> bool:
+    """Check the checksum of a results table's bytes; False for a table written without one
+    (before featcache kept checksums, or by hand). Raises CorruptResultsError on damage."""
+    if len(data) < 12 or data[:4] != b"PAR1" or data[-4:] != b"PAR1":
+        raise _damaged(p, "not a whole parquet file: its start or end marker is wrong")
+    flen = int.from_bytes(data[-8:-4], "little")
+    if not 0 < flen <= len(data) - 12:
+        raise _damaged(p, "its footer length is wrong")
+    start = len(data) - 8 - flen
+    footer = data[start:-8]
+    found = list(_CHECKSUM_RE.finditer(footer))
+    if not found:
+        if CHECKSUM_KEY.encode() in footer or _CHECKSUM_PREFIX in footer:
+            raise _damaged(p, "its checksum entry is unreadable")
+        return False
+    m = found[-1]
+    at = start + m.start(1)
+    zeroed = data[:at] + _ZEROS + data[at + 64 :]
+    if hashlib.sha256(zeroed).hexdigest().encode() != m.group(1):
+        raise _damaged(p, "its bytes do not match their sha256 checksum")
+    return True
+
+
+def _read_bytes(p: Path) -> bytes:
+    """The bytes of the table at ``p``, read through one open file handle (an append's
+    ``os.replace`` between two opens would mix two files), checksum verified."""
+    with open(p, "rb") as fh:
+        data = fh.read()
+    if not _looks_like_parquet(data):
+        raise ResultsError(
+            f"{p} is not a parquet results table (a CSV?); featcache "
+            "results are parquet files written by probe/retrieve/finetune/sweep"
+        )
+    if not verify_table_bytes(data, p):
+        log.debug("%s has no checksum (written before featcache kept one, or by hand)", p)
+    return data
+
+
+def read_parquet_checked(path: str | os.PathLike):
+    """Any parquet table at ``path`` (all columns, no schema check), read through one file
+    handle with its checksum verified; damage is a :class:`CorruptResultsError`."""
+    import polars as pl
+
+    p = Path(path)
+    data = _read_bytes(p)
+    try:
+        return pl.read_parquet(io.BytesIO(data))
+    except Exception as exc:
+        raise _damaged(p, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
 
 
 def check_results_path(path: str | os.PathLike) -> Path:
@@ -159,9 +245,7 @@ def check_results_path(path: str | os.PathLike) -> Path:
                 f"never overwrites it: {hint}, or convert it first, e.g. "
                 f"polars.read_csv('{p}').write_parquet('{p.with_suffix('.parquet')}')"
             )
-        import polars as pl
-
-        missing = [c for c in RESULT_COLUMNS if c not in pl.read_parquet_schema(p)]
+        missing = [c for c in RESULT_COLUMNS if c not in read_parquet_checked(p).columns]
         if missing:
             raise ResultsError(
                 f"{p} is a parquet file but not a featcache results table (missing columns {missing}); {hint}"
@@ -199,12 +283,12 @@ def _read_raw(p: Path):
         raise ResultsError(
             f"results table {p} does not exist; create it with `featcache probe` or `featcache retrieve`"
         )
-    if p.is_dir() or not _is_parquet(p):
+    if p.is_dir():
         raise ResultsError(
-            f"{p} is not a parquet results table (a folder or a CSV?); featcache "
+            f"{p} is not a parquet results table but a folder; featcache "
             "results are parquet files written by probe/retrieve/finetune/sweep"
         )
-    df = pl.read_parquet(p)
+    df = read_parquet_checked(p)
     missing = [c for c in RESULT_COLUMNS if c not in df.columns]
     if missing:
         raise ResultsError(f"{p} is not a featcache results table: missing columns {missing}")
@@ -216,7 +300,9 @@ def read_results(path: str | os.PathLike, *, extra_columns: bool = False):
 
     Returns the schema columns in schema order, plus any extra user columns after them
     when ``extra_columns``. Safe to call while other processes append (appends replace the
-    file atomically, so a reader sees the table before or after an append, never between).
+    file atomically and the file is read through one handle, so a reader sees the table
+    before or after an append, never between). The table's checksum is verified: a damaged
+    table raises :class:`~featcache.errors.CorruptResultsError`.
     """
     df = _read_raw(Path(path))
     cols = list(RESULT_COLUMNS)
@@ -255,8 +341,9 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
     and renamed over the old one, so readers never see a partial table; temporary files of
     killed appends are removed by the next append. Rows of a run_id already in the table
     are replaced when ``replace_runs`` (``--force``), so a table never holds a run twice.
-    Extra user columns of the table are kept (null in the new rows). Returns the full
-    table (schema columns).
+    Extra user columns of the table are kept (null in the new rows). A table that fails its
+    checksum is refused (:class:`~featcache.errors.CorruptResultsError`), never rewritten.
+    Returns the full table (schema columns).
     """
     import polars as pl
     from filelock import Timeout
@@ -277,7 +364,8 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
             fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
             os.close(fd)
             try:
-                table.write_parquet(tmp)
+                with open(tmp, "wb") as fh:
+                    fh.write(table_bytes(table))
                 os.chmod(tmp, p.stat().st_mode & 0o777 if p.exists() else 0o644)  # not mkstemp's 0600
                 os.replace(tmp, p)
             finally:

@@ -34,9 +34,13 @@ MAX_CHUNK_BYTES = 128 << 20
 
 
 def in_memory_bytes(n: int, d: int, k: int, heads: int = 1) -> int:
-    """Host bytes the in-memory solver allocates for ``n`` rows: the float32 features, the
-    one-hot labels and the logits/probabilities of ``heads`` heads ([n, heads, K], twice)."""
-    return 4 * int(n) * (int(d) + int(k) * (1 + 2 * int(heads)))
+    """Peak host bytes the in-memory fit allocates for ``n`` rows: the float32 features
+    (``4d`` a row), the float64 temporaries of their standardisation (``X - mean`` and its
+    quotient, alive together: ``16d``), the one-hot labels and the logits/probabilities of
+    ``heads`` heads ([n, heads, K], twice). Counted as a sum although the temporaries are
+    freed before the solver runs, so the bound errs towards streaming. Measured on
+    40,000 x 512 float16 rows, 100 classes: the peak rose 10.3 kB a row (this: 11.4 kB)."""
+    return 4 * int(n) * (5 * int(d) + int(k) * (1 + 2 * int(heads)))
 
 
 def use_streaming(n: int, d: int, k: int, heads: int, max_host_bytes: int | None) -> bool:

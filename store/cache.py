@@ -37,6 +37,8 @@ from featcache.store.schema import (
 )
 
 log = logging.getLogger(__name__)
+#: attempts of a whole-group read before a load says the group keeps changing under it
+SNAPSHOT_TRIES = 5
 
 __all__ = ["AUX_ARRAYS", "FeatureCache", "Features", "open_cache"]
 
@@ -170,7 +172,7 @@ class FeatureCache:
 
     def kinds(self, backbone: str, dataset: str, split: str) -> list[str]:
         g = self._group("features", backbone, dataset, split)
-        if g is None:
+        if g is None or GROUP_KEY not in g.attrs:
             return []
         return list(FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=g.path).kinds)
 
@@ -232,6 +234,11 @@ class FeatureCache:
             raise NotInStoreError(
                 f"no features for backbone {backbone!r}, dataset {dataset!r}, split {split!r} in "
                 f"{self.path}; {self._holdings()}. Run `featcache extract` to add them."
+            )
+        if GROUP_KEY not in g.attrs:  # written last by the writer's create
+            raise IncompleteStoreError(
+                f"{backbone}/{dataset}/{split} in {self.path} is being created by an extract (or one "
+                "was killed while creating it); wait for it to finish, or re-run the same `featcache extract`"
             )
         return g
 
@@ -353,9 +360,24 @@ class FeatureCache:
         return StoredRows([g[kind]], finite=[sc.finite.get(kind)]), valid, errors, sc
 
     def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype=np.float32):
-        """Whole-array reads; on any decode failure or broken invariant, a chunk-by-chunk scan
-        names the damage (and the readable chunks are still returned)."""
-        sc = GroupScan(gm.n_chunks, read_done(g, gm.n_chunks))
+        """A consistent snapshot of a feature group: ``done`` is read before and after the
+        arrays, and the read is retried while they differ or while a chunk marked done breaks
+        an invariant that a re-read no longer shows (an extract wrote it meanwhile), so the
+        chunks the scan calls done are exactly the rows read. On a decode failure or an
+        invariant broken for good, a chunk-by-chunk scan names the damage (the readable
+        chunks are still returned)."""
+        for _ in range(SNAPSHOT_TRIES):
+            got = self._read_once(g, gm, kind, check, dtype)
+            if got is not None:
+                return got
+        raise IncompleteStoreError(
+            f"{g.path} changed during {SNAPSHOT_TRIES} reads in a row (an extract is writing it); "
+            "load it again when that extract has finished"
+        )
+
+    def _read_once(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype):
+        """One snapshot attempt of :meth:`_read_group`; None when the group changed under it."""
+        done = read_done(g, gm.n_chunks)
         try:
             X = np.asarray(g[kind][:], dtype=dtype or g[kind].dtype)
             valid = np.asarray(g["valid"][:], dtype=bool)
@@ -364,12 +386,18 @@ class FeatureCache:
                 raise IncompleteStoreError("the group has no done array")  # read chunk by chunk below
         except Exception:
             sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
-            return (*_read_chunks(g, gm, kind, sc, dtype), sc)
+            got = _read_chunks(g, gm, kind, sc, dtype)
+            return (*got, sc) if np.array_equal(read_done(g, gm.n_chunks), sc.done) else None
+        if not np.array_equal(read_done(g, gm.n_chunks), done):
+            return None
+        sc = GroupScan(gm.n_chunks, done)
         if check:
             rows = (present_rows(X) != valid) | ((errors != "") == valid)
-            chunks = np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist()
+            chunks = [i for i in np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist() if done[i]]
             if chunks:
                 sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), chunks=chunks)
+                if not np.array_equal(sc.done, done) or not set(chunks) <= set(sc.bad_chunks):
+                    return None  # what was read is not what is stored now: read again
         return X, valid, errors, sc
 
     # ------------------------------------------------------------------ catalog
