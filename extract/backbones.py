@@ -248,10 +248,11 @@ def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, 
 def _random_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     import torch
 
-    try:
-        seed = int(arg)
-    except ValueError:
-        raise BackboneError(f"random weights need an integer seed, e.g. 'random:0'; got 'random:{arg}'") from None
+    if not arg.isdecimal() or not arg.isascii() or int(arg) >= 2**63:
+        raise BackboneError(
+            f"random weights need an integer seed 0 <= SEED < 2**63, e.g. 'random:0'; got 'random:{arg}'"
+        )
+    seed = int(arg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _new_model(name, keep_head)

@@ -23,6 +23,9 @@ from featcache.extract.data import DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_CHUNK_ROWS = 1024
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+#: largest --input-size / --pre-resize side: one 3 x 4096 x 4096 float32 image is 200 MB already
+MAX_INPUT_SIDE = 4096
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _AMP_ALIASES = {"none": "fp32"}
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
 
@@ -167,6 +170,11 @@ class ExtractConfig:
         for split, v in limits:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad("--limit", f"{split}={v}" if split else v, "must be a positive number of rows (or omit it)")
+        for flag, v in (("--input-size", self.input_size), ("--pre-resize", self.pre_resize)):
+            if v is not None and v > MAX_INPUT_SIDE:
+                bad(flag, v, f"must be at most {MAX_INPUT_SIDE} pixels a side")
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            bad("--device", repr(self.device), "choose auto, cpu, cuda or cuda:N")
         if self.dtype not in ("float16", "float32"):
             bad("--dtype", self.dtype, "choose float16 or float32")
         if self.amp not in PRECISIONS:

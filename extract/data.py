@@ -50,8 +50,10 @@ import logging
 import os
 import re
 import struct
+import threading
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,15 +197,53 @@ def to_rgb(img):
     return img.convert("RGB")
 
 
+_PIL_LIMIT_LOCK = threading.Lock()
+_pil_limit_state: dict[str, Any] = {"users": 0, "saved": None}
+
+
+@contextmanager
+def _pil_pixel_limit(limit: int):
+    """PIL refuses images above ``2 * Image.MAX_IMAGE_PIXELS`` at open, before our own check;
+    while a decode with a higher ``--max-image-pixels`` runs, its bound is raised just enough and
+    restored when the last such decode ends (our own check, not PIL's, enforces the limit)."""
+    from PIL import Image
+
+    cur = Image.MAX_IMAGE_PIXELS
+    if cur is None or 2 * cur >= limit:
+        yield
+        return
+    with _PIL_LIMIT_LOCK:
+        st = _pil_limit_state
+        if st["users"] == 0:
+            st["saved"] = cur
+        st["users"] += 1
+        Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, limit)  # PIL refuses above twice this
+    try:
+        yield
+    finally:
+        with _PIL_LIMIT_LOCK:
+            st["users"] -= 1
+            if st["users"] == 0:
+                Image.MAX_IMAGE_PIXELS = st["saved"]
+
+
 def decode_image(fp, options: ReadOptions | None = None):
     """Open, check the pixel count, fully decode, apply EXIF orientation and convert to RGB
     (or 8-bit grayscale); raises on any broken or oversized image."""
+    opts = options or ReadOptions()
+    with _pil_pixel_limit(opts.max_image_pixels):
+        return _decode_opened(fp, opts)
+
+
+def _decode_opened(fp, opts: ReadOptions):
     from PIL import Image, ImageOps
 
-    opts = options or ReadOptions()
     with warnings.catch_warnings():  # the limit below replaces PIL's DecompressionBombWarning
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        im = Image.open(fp)
+        try:
+            im = Image.open(fp)
+        except Image.DecompressionBombError as exc:
+            raise DataError(f"{exc} (above --max-image-pixels {opts.max_image_pixels}; raise it if genuine)") from exc
     with im:
         w, h = im.size
         if w * h > opts.max_image_pixels:
@@ -579,6 +619,8 @@ def _manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSour
         raise DataError(
             f"manifest {file} lacks column(s) {missing}; it has {df.columns} (need path,label[,split][,id])"
         )
+    if df.height == 0:
+        raise DataError(f"manifest {file} has a header but no rows; add one row per image (path,label[,split][,id])")
     if df["path"].null_count() or df["label"].null_count():
         raise DataError(f"manifest {file} has empty path or label cells")
     dt = df["label"].dtype
@@ -802,42 +844,73 @@ def _wds_index(shards: list[str], base_plus_ext) -> dict:
     from array import array
 
     idx = {"keys": [], "split_of": [], "shard_i": array("i"), "off": array("q"), "size": array("q"), "raw_labels": []}
-    keys, split_of, shard_i, off, size, raw_labels = (
-        idx[k] for k in ("keys", "split_of", "shard_i", "off", "size", "raw_labels")
-    )
     for si, path in enumerate(shards):
         m = _WDS_SPLIT_RE.match(Path(path).name)
         split = m.group(1) if m else "all"
-        cur = None
         try:
             tf = tarfile.open(path, "r:")  # noqa: SIM115 - closed below
         except (tarfile.TarError, OSError) as exc:
             raise DataError(f"{path} is not a readable (uncompressed) tar shard: {exc}") from exc
-        with tf:
-            for mem in tf:
-                if not mem.isfile():
-                    continue
-                key, ext = base_plus_ext(mem.name)
-                if key is None or Path(mem.name).name.startswith("__"):
-                    continue
-                ext = ext.lower()
-                if key != cur:
-                    cur = key
-                    keys.append(escape_name(key))
-                    split_of.append(split)
-                    shard_i.append(si)
-                    off.append(0)
-                    size.append(-1)
-                    raw_labels.append(None)
-                if ext in WDS_IMAGE_EXTS and size[-1] < 0:
-                    off[-1], size[-1] = mem.offset_data, mem.size
-                elif ext in ("cls", "json", "npy") and raw_labels[-1] is None:
-                    fh = tf.extractfile(mem)
-                    try:
-                        raw_labels[-1] = _wds_label(ext, fh.read())
-                    except (ValueError, UnicodeDecodeError, EOFError) as exc:
-                        raise DataError(f"{path}: cannot parse label member {mem.name}: {exc}") from exc
+        try:
+            with tf:
+                _wds_index_shard(tf, si, split, base_plus_ext, idx)
+                end = tf.offset
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise DataError(
+                f"{path}: tar shard is damaged or truncated ({type(exc).__name__}: {exc}); "
+                "re-copy or re-write the shard"
+            ) from exc
+        _wds_check_sizes(path, si, idx, end)
     return idx
+
+
+def _wds_check_sizes(path: str, si: int, idx: dict, end: int) -> None:
+    """A shard cut inside its last member's data, or at a member boundary (no end-of-archive
+    block left), reads as a clean end of archive in ``tarfile``: catch both."""
+    total = os.path.getsize(path)
+    if total < end + 512:
+        raise DataError(
+            f"{path}: tar shard is truncated (no end-of-archive block after byte {end}, file has "
+            f"{total} bytes); re-copy or re-write the shard"
+        )
+    for k in range(len(idx["shard_i"]) - 1, -1, -1):
+        if idx["shard_i"][k] != si:
+            break
+        if idx["size"][k] >= 0 and idx["off"][k] + idx["size"][k] > total:
+            raise DataError(
+                f"{path}: tar shard is truncated (member of sample {idx['keys'][k]!r} ends at byte "
+                f"{idx['off'][k] + idx['size'][k]}, the file has {total}); re-copy or re-write the shard"
+            )
+
+
+def _wds_index_shard(tf, si: int, split: str, base_plus_ext, idx: dict) -> None:
+    keys, split_of, shard_i, off, size, raw_labels = (
+        idx[k] for k in ("keys", "split_of", "shard_i", "off", "size", "raw_labels")
+    )
+    path, cur = tf.name, None
+    for mem in tf:
+        if not mem.isfile():
+            continue
+        key, ext = base_plus_ext(mem.name)
+        if key is None or Path(mem.name).name.startswith("__"):
+            continue
+        ext = ext.lower()
+        if key != cur:
+            cur = key
+            keys.append(escape_name(key))
+            split_of.append(split)
+            shard_i.append(si)
+            off.append(0)
+            size.append(-1)
+            raw_labels.append(None)
+        if ext in WDS_IMAGE_EXTS and size[-1] < 0:
+            off[-1], size[-1] = mem.offset_data, mem.size
+        elif ext in ("cls", "json", "npy") and raw_labels[-1] is None:
+            fh = tf.extractfile(mem)
+            try:
+                raw_labels[-1] = _wds_label(ext, fh.read())
+            except (ValueError, UnicodeDecodeError, EOFError) as exc:
+                raise DataError(f"{path}: cannot parse label member {mem.name}: {exc}") from exc
 
 
 def _wds_labels(raw_labels: list, keys: list[str], pattern: str) -> tuple[list[str], np.ndarray]:

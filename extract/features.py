@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from featcache.errors import FeatcacheError
+from featcache.errors import ConfigError, FeatcacheError
 
 FEATURE_KINDS_HELP = "pooled, tokens_mean, cls, stageN_avg (N = stage index)"
 _STAGE_RE = re.compile(r"^stage(\d+)_avg$")
@@ -73,4 +73,20 @@ class FeatureHead:
 
         with torch.inference_mode():
             x = torch.zeros((1, *shape), device=self.bb.device)
+            if self.stages:
+                self._check_stages(x)
             return {k: int(v.shape[-1]) for k, v in self(x).items()}
+
+    def _check_stages(self, x) -> None:
+        """timm asserts on a stage index out of range; name the kind and the stages there are."""
+        stages = sorted(set(self.stages))
+        try:
+            n = len(self.model.forward_intermediates(x, indices=None, intermediates_only=True))
+        except TypeError:  # a model whose forward_intermediates takes no intermediates_only
+            return
+        bad = [i for i in stages if i >= n]
+        if bad:
+            raise ConfigError(
+                f"feature kind(s) {', '.join(f'stage{i}_avg' for i in bad)}: {self.bb.name} has stages "
+                f"0..{n - 1}; choose stageN_avg with N in 0..{n - 1} (--features / features=)"
+            )

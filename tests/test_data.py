@@ -152,3 +152,26 @@ def test_to_rgb_modes():
     out = np.asarray(to_rgb(g16))
     assert to_rgb(g16).mode == "L"
     np.testing.assert_allclose(out, np.asarray(cat.convert("L")), atol=1)  # rescaled, not clipped
+
+
+def test_header_only_manifest_is_an_error(tmp_path):
+    (tmp_path / "empty.csv").write_text("path,label\n")
+    with pytest.raises(DataError, match="header but no rows"):
+        open_dataset(f"manifest:{tmp_path / 'empty.csv'}")
+
+
+def test_max_image_pixels_above_pils_own_bound_decodes(tmp_path, monkeypatch, fmnist_arrays):
+    """PIL refuses images above 2 * Image.MAX_IMAGE_PIXELS at open: a higher --max-image-pixels
+    must still decode them, and PIL's own bound is back afterwards (no process-wide change).
+    PIL's bound is scaled down here so that a real photo-sized image stands for a 180 MP one."""
+    from featcache.extract.data import ReadOptions, decode_image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)
+    img = Image.fromarray(fmnist_arrays[0][0]).resize((56, 56))  # 3136 px > 2 * 500
+    img.save(tmp_path / "big.png")
+    out = decode_image(tmp_path / "big.png", ReadOptions(max_image_pixels=4000))
+    assert out.size == (56, 56)
+    assert Image.MAX_IMAGE_PIXELS == 500
+    with pytest.raises(DataError, match="above the limit of 3000"):
+        decode_image(tmp_path / "big.png", ReadOptions(max_image_pixels=3000))
+    assert Image.MAX_IMAGE_PIXELS == 500

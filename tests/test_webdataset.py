@@ -150,3 +150,31 @@ def test_million_row_manifest_opens_compactly(tmp_path):
     np.testing.assert_array_equal(va.labels[:3], [0, 10, 20])
     with pytest.raises(FileNotFoundError):
         tr.load(0)
+
+
+def test_truncated_shard_is_a_data_error_at_every_cut(shards, tmp_path):
+    """A shard cut anywhere (header, image data, label data, a member boundary) is named, not a
+    raw tarfile.ReadError and not a silently shorter split."""
+    import tarfile
+
+    src = shards / "train-000000.tar"
+    data = src.read_bytes()
+    with tarfile.open(src) as tf:
+        mems = tf.getmembers()
+    boundary = mems[6].offset  # a header starts here: everything before it is whole
+    cuts = [
+        100,
+        700,
+        mems[2].offset_data + 10,
+        mems[3].offset + 200,
+        boundary,
+        mems[-1].offset_data + 1,
+        mems[-1].offset_data + mems[-1].size,
+    ]
+    for cut in cuts:
+        (tmp_path / "train-000000.tar").write_bytes(data[:cut])
+        with pytest.raises(DataError, match=r"truncated|not a readable") as err:
+            open_dataset(f"webdataset:{tmp_path / 'train-000000.tar'}")
+        assert "train-000000.tar" in str(err.value), cut
+    (tmp_path / "train-000000.tar").write_bytes(data)
+    assert len(open_dataset(f"webdataset:{tmp_path / 'train-000000.tar'}")["train"]) == 35
