@@ -295,3 +295,90 @@ def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
     assert 'id="gaps-table"' in text
     assert 'id="weights-table"' in text
     assert (out.stat().st_mode & 0o777) == 0o644
+
+
+# --------------------------------------------------------------------------- the README snippet
+def _readme_python_snippet() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## In Python") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("\n```", start)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist").is_dir(),
+    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)",
+)
+def test_readme_snippet_ranks_pretrained_above_random(tmp_path, monkeypatch, capsys):
+    import polars as pl
+
+    code = _readme_python_snippet()
+    assert "fashion-mnist" in code
+    assert "input_size=64" in code
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    from featcache.analysis import rank
+    from featcache.results import read_results
+
+    overall = rank(read_results("results.parquet"), n_boot=50)["overall"]
+    random_ = overall.filter(pl.col("backbone").str.contains("@random"))
+    pretrained = overall.filter(~pl.col("backbone").str.contains("@random"))
+    assert random_.height >= 1
+    assert pretrained.height >= 1
+    assert pretrained["zscore"].min() > random_["zscore"].max()
+    assert pretrained["mean"].min() > random_["mean"].max()
+    assert "tf_efficientnet_lite0" in capsys.readouterr().out  # the snippet printed the ranking
+
+
+# --------------------------------------------------------------------------- make demo and the dpkg lock
+@pytest.mark.parametrize("target", ["demo-deps", "system-deps"])
+def test_make_waits_for_the_dpkg_lock(tmp_path, target):
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("make not installed")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "apt.log"
+    (fake / "apt-get").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (fake / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    root = Path(__file__).parents[1]
+    subprocess.run(
+        ["make", "-s", "-C", str(root), target, f"FASHION_MNIST_DIR={tmp_path / 'absent'}"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    calls = log.read_text().splitlines()
+    assert [c.split()[2] for c in calls] == ["update", "install"], calls
+    assert all(c.startswith("-o DPkg::Lock::Timeout=600 ") for c in calls), calls
+
+
+# --------------------------------------------------------------------------- results in pandas
+def test_read_results_pandas_backend(tmp_path):
+    import importlib.util
+
+    from featcache.errors import BackendUnavailableError
+    from featcache.results import append_results, read_results, rows_to_frame
+
+    path = tmp_path / "r.parquet"
+    append_results(path, rows_to_frame(_digits_rows((1,))[:3]))
+    if importlib.util.find_spec("pandas") is None:
+        with pytest.raises(BackendUnavailableError, match=r"pip install 'featcache\[pandas\]'"):
+            read_results(path, backend="pandas")
+    else:
+        pdf = read_results(path, backend="pandas")
+        assert list(pdf.columns) == read_results(path).columns
+        assert len(pdf) == 3
+    with pytest.raises(ValueError, match="backend must be 'polars' or 'pandas'"):
+        read_results(path, backend="arrow")
