@@ -382,3 +382,59 @@ def test_read_results_pandas_backend(tmp_path):
         assert len(pdf) == 3
     with pytest.raises(ValueError, match="backend must be 'polars' or 'pandas'"):
         read_results(path, backend="arrow")
+
+
+# --------------------------------------------------------------------------- plots
+def _capture(monkeypatch):
+    from featcache.analysis import plots
+
+    figs = []
+    real = plots._save
+
+    def keep(fig, path):
+        figs.append(fig)
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figs
+
+
+def _label_boxes(fig, axis):
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    return [t.get_window_extent(r) for t in axis.get_ticklabels(which="both") if t.get_visible() and t.get_text()]
+
+
+@pytest.mark.parametrize("speeds", [[1000.0, 900.0, 1200.0, 1500.0, 3000.0], [12.0, 300.0, 4500.0, 90_000.0]])
+def test_speed_plot_tick_labels_do_not_overlap_and_names_are_whole(tmp_path, monkeypatch, speeds):
+    import polars as pl
+
+    from featcache.analysis import plots
+
+    figs = _capture(monkeypatch)
+    names = ["tf_efficientnet_lite0", "tf_efficientnet_lite0@random0", "vit_base_patch16_224.augreg_in21k", "pca:8"]
+    names = [*names, "resnet50.a1_in1k"][: len(speeds)]
+    table = pl.DataFrame(
+        {"backbone": names, "images_per_s": speeds, "zscore": [0.5, -1.0, 0.2, 0.3, 0.0][: len(speeds)]}
+    )
+    plots.efficiency_scatter(table, tmp_path / "eff.png")
+    (fig,) = figs
+    ax = fig.axes[0]
+    boxes = _label_boxes(fig, ax.xaxis)
+    assert len(boxes) >= 2
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(names)
+
+
+def test_overall_plot_keeps_backbone_names_whole(tmp_path, monkeypatch):
+    import polars as pl
+
+    from featcache.analysis import plots
+
+    figs = _capture(monkeypatch)
+    names = ["tf_efficientnet_lite0", "tf_efficientnet_lite0@random0"]
+    plots.overall_intervals(pl.DataFrame({"backbone": names, "zscore": [1.0, -1.0]}), tmp_path / "o.png")
+    labels = [t.get_text() for t in figs[0].axes[0].get_yticklabels()]
+    assert labels == names
