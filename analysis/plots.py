@@ -295,7 +295,7 @@ def task_scores(wide, path, *, metric: str) -> Path:
     y0 = np.arange(len(cols))[::-1]
     for i, b in enumerate(names):
         ax.barh(y0 + 0.4 - (i + 0.5) * h, np.nan_to_num(m[i]), height=h, color=colors[b], label=_short(b))
-    ax.set_yticks(y0, [_short(c, 28) for c in cols], fontsize=7)
+    ax.set_yticks(y0, [_short(c) for c in cols], fontsize=7)
     ax.set_xlabel(metric)
     ax.set_ylabel("setting (kind:task)")
     ax.set_title(f"{metric} per setting")
