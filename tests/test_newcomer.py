@@ -332,6 +332,7 @@ def test_readme_snippet_ranks_pretrained_above_random(tmp_path, monkeypatch, cap
     assert pretrained["zscore"].min() > random_["zscore"].max()
     assert pretrained["mean"].min() > random_["mean"].max()
     assert "tf_efficientnet_lite0" in capsys.readouterr().out  # the snippet printed the ranking
+    assert (tmp_path / "rank-out" / "weights.parquet").exists()  # what each setting weighs
 
 
 # --------------------------------------------------------------------------- make demo and the dpkg lock
