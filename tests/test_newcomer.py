@@ -282,14 +282,29 @@ def test_more_k_values_do_not_change_the_rankings_weights(tmp_path):
 
 
 def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
+    import polars as pl
+
     from featcache.analysis.report import write_report
     from featcache.results import append_results, read_results, rows_to_frame
 
     rows = [r for r in _digits_rows((1, 5)) if r["backbone"] in ("pixels", "pca:2")]
     path = tmp_path / "two.parquet"
     append_results(path, rows_to_frame(rows))
-    out = write_report(tmp_path / "report.html", read_results(path), rank_kwargs={"n_boot": 50})
+    cat = pl.DataFrame(
+        {
+            "backbone": ["pixels", "pca:2"],
+            "dataset": ["digits"] * 2,
+            "split": ["test"] * 2,
+            "kind": ["pooled"] * 2,
+            "n": [797] * 2,
+            "images_per_s": [900.0, 1500.0],
+            "bytes": [40_000, 20_000],
+        }
+    )
+    out = write_report(tmp_path / "report.html", read_results(path), cat, rank_kwargs={"n_boot": 50})
     text = out.read_text()
+    assert "is not computed from 2 backbone(s)" in text
+    assert "Spearman rho(throughput, z-score) = nan" not in text
     assert "interval lies above the runner-up" not in text
     assert "with 2 backbones every z-score is +1 or -1" in text
     assert 'id="gaps-table"' in text
