@@ -7,6 +7,11 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 # Every other package pinned to a set that resolves and passes together (pip's resolver can
 # otherwise backtrack for many minutes through boto3/botocore/aiobotocore versions).
 CONSTRAINTS ?= constraints.txt
+# Fashion-MNIST's Debian location; apt waits this long for the dpkg lock (a fresh cloud VM's
+# unattended upgrades hold it for minutes) before giving up
+FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
+APT_LOCK_TIMEOUT ?= 600
+APT_GET := apt-get -o DPkg::Lock::Timeout=$(APT_LOCK_TIMEOUT)
 
 .PHONY: setup system-deps demo-deps demo test lint docs docs-serve
 
@@ -26,17 +31,17 @@ setup: $(VENV)/.installed
 
 # Fashion-MNIST (Debian package) and Chromium (renders the HTML report in a test)
 system-deps:
-	@if [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v chromium >/dev/null; then \
+	@if [ ! -d $(FASHION_MNIST_DIR) ] || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq dataset-fashion-mnist chromium >/dev/null; \
+	  $$SUDO $(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO $(APT_GET) install -y -qq dataset-fashion-mnist chromium >/dev/null; \
 	fi
 
 # Only what the demo needs: Fashion-MNIST (Debian package). If it cannot be installed the demo
 # still runs, on digits, and says so.
 demo-deps:
-	@if [ ! -d /usr/share/datasets/fashion-mnist ]; then \
+	@if [ ! -d $(FASHION_MNIST_DIR) ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  ( $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null ) \
+	  ( $$SUDO $(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO $(APT_GET) install -y -qq dataset-fashion-mnist >/dev/null ) \
 	    || echo "make demo: could not install dataset-fashion-mnist; the demo falls back to digits"; \
 	fi
 

@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import CorruptResultsError, NoSpaceError, ResultsError
+from featcache.errors import BackendUnavailableError, CorruptResultsError, NoSpaceError, ResultsError
 
 log = logging.getLogger(__name__)
 
@@ -295,20 +295,37 @@ def _read_raw(p: Path):
     return df.with_columns([pl.col(c).cast(t) for c, t in _schema().items()])
 
 
-def read_results(path: str | os.PathLike, *, extra_columns: bool = False):
+def read_results(path: str | os.PathLike, *, extra_columns: bool = False, backend: str = "polars"):
     """Read a results parquet; validates that every schema column is present.
 
     Returns the schema columns in schema order, plus any extra user columns after them
-    when ``extra_columns``. Safe to call while other processes append (appends replace the
-    file atomically and the file is read through one handle, so a reader sees the table
+    when ``extra_columns``, as a polars DataFrame, or a pandas one with ``backend="pandas"``
+    (needs the ``pandas`` extra). Safe to call while other processes append (appends replace
+    the file atomically and the file is read through one handle, so a reader sees the table
     before or after an append, never between). The table's checksum is verified: a damaged
     table raises :class:`~featcache.errors.CorruptResultsError`.
     """
+    if backend not in ("polars", "pandas"):
+        raise ResultsError(f"backend must be 'polars' or 'pandas', got {backend!r}")
+    if backend == "pandas":
+        _need_pandas()
     df = _read_raw(Path(path))
     cols = list(RESULT_COLUMNS)
     if extra_columns:
         cols += [c for c in df.columns if c not in RESULT_COLUMNS]
-    return df.select(cols)
+    df = df.select(cols)
+    return df.to_pandas() if backend == "pandas" else df
+
+
+def _need_pandas() -> None:
+    """pandas, or an error naming the extra that installs it (polars' to_pandas needs it too)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pandas") is None:
+        raise BackendUnavailableError(
+            "backend='pandas' needs pandas, which featcache does not install by default: "
+            "pip install 'featcache[pandas]' (the same makes polars' DataFrame.to_pandas() work)"
+        )
 
 
 def existing_run_ids(path: str | os.PathLike) -> set[str]:

@@ -344,6 +344,7 @@ def _write_rank_outputs(out: dict[str, Any], outp: Path, options: dict[str, Any]
         "ranks",
         "agreement",
         "top3",
+        "weights",
         "bootstrap",
         "differences",
         "intervals",

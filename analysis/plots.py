@@ -41,8 +41,23 @@ def _colors(names) -> dict[str, tuple]:
     return {b: cmap(i % cmap.N) for i, b in enumerate(names)}
 
 
-def _short(name: str, n: int = 24) -> str:
+def _short(name: str, n: int = 64) -> str:
+    """A label as is up to ``n`` characters (backbone keys such as
+    ``tf_efficientnet_lite0@random0`` stay whole; the saved figure grows to fit them)."""
     return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def _log_axis(axis, values) -> None:
+    """A log axis labelled at 1, 2 and 5 per decade (at each decade only when the data span more
+    than two); matplotlib's default also labels minor ticks inside a decade, and those overlap."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v) & (v > 0)]
+    span = math.log10(v.max() / v.min()) if v.size else 0.0
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if span <= 2 else (1.0,)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _backbone_legend(ax, colors: dict, names, **kw) -> None:
@@ -234,6 +249,7 @@ def efficiency_scatter(table, path) -> Path:
     for b, xi, yi in zip(names, t["images_per_s"].to_numpy(), t["zscore"].to_numpy()):
         ax.scatter([xi], [yi], color=colors[b], s=30)
     ax.set_xscale("log")
+    _log_axis(ax.xaxis, t["images_per_s"].to_numpy())
     ax.set_xlabel("extraction throughput (images / s, log scale)")
     ax.set_ylabel("mean z-score")
     ax.set_title("Performance vs speed")
@@ -279,7 +295,7 @@ def task_scores(wide, path, *, metric: str) -> Path:
     y0 = np.arange(len(cols))[::-1]
     for i, b in enumerate(names):
         ax.barh(y0 + 0.4 - (i + 0.5) * h, np.nan_to_num(m[i]), height=h, color=colors[b], label=_short(b))
-    ax.set_yticks(y0, [_short(c, 28) for c in cols], fontsize=7)
+    ax.set_yticks(y0, [_short(c) for c in cols], fontsize=7)
     ax.set_xlabel(metric)
     ax.set_ylabel("setting (kind:task)")
     ax.set_title(f"{metric} per setting")

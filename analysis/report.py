@@ -265,7 +265,13 @@ def _cost(r: dict[str, Any] | None, catalog_df, tmp: Path) -> tuple[dict[str, An
         table = table.join(size, on="backbone", how="left")
     if "zscore" in table.columns:
         table = table.sort("zscore", descending=True, nulls_last=True)
-    if eff is not None and r.get("efficiency_rho") is not None:
+    n_eff = table.height if eff is not None else 0
+    if eff is not None and n_eff < 3:
+        notes.append(
+            f"Spearman rho(throughput, z-score) is not computed from {n_eff} backbone(s): a rank "
+            "correlation needs at least 3 (and says little below 5)."
+        )
+    elif eff is not None and r.get("efficiency_rho") is not None:
         notes.append(
             f"Spearman rho(throughput, z-score) = {format_cell(r['efficiency_rho'])} "
             "(Battle of the Backbones reports -0.41: faster backbones tend to rank lower)."

@@ -876,6 +876,14 @@ def test_report_renders_in_headless_chromium(report_html, tmp_path):
             assert img["w"] > 0, img
             assert img["h"] > 0, img
         assert facts["scrollWidth"] <= 1280, facts["wide"]
+        # backbone names shown whole: every backbone's full key is a cell of the ranking table,
+        # and no cell of the ranking or weights tables clips its text
+        cells = b.evaluate(
+            "(() => [...document.querySelectorAll('#overall-table td, #weights-table td')].map(td => "
+            "({text: td.textContent.trim(), clipped: td.scrollWidth > td.clientWidth + 1})))()"
+        )
+        assert set(BACKBONES) <= {c["text"] for c in cells}
+        assert [c["text"] for c in cells if c["clipped"]] == []
         assert b.errors() == []
         import matplotlib.image as mpimg
 

@@ -282,16 +282,175 @@ def test_more_k_values_do_not_change_the_rankings_weights(tmp_path):
 
 
 def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
+    import polars as pl
+
     from featcache.analysis.report import write_report
     from featcache.results import append_results, read_results, rows_to_frame
 
     rows = [r for r in _digits_rows((1, 5)) if r["backbone"] in ("pixels", "pca:2")]
     path = tmp_path / "two.parquet"
     append_results(path, rows_to_frame(rows))
-    out = write_report(tmp_path / "report.html", read_results(path), rank_kwargs={"n_boot": 50})
+    cat = pl.DataFrame(
+        {
+            "backbone": ["pixels", "pca:2"],
+            "dataset": ["digits"] * 2,
+            "split": ["test"] * 2,
+            "kind": ["pooled"] * 2,
+            "n": [797] * 2,
+            "images_per_s": [900.0, 1500.0],
+            "bytes": [40_000, 20_000],
+        }
+    )
+    out = write_report(tmp_path / "report.html", read_results(path), cat, rank_kwargs={"n_boot": 50})
     text = out.read_text()
+    assert "is not computed from 2 backbone(s)" in text
+    assert "Spearman rho(throughput, z-score) = nan" not in text
     assert "interval lies above the runner-up" not in text
     assert "with 2 backbones every z-score is +1 or -1" in text
     assert 'id="gaps-table"' in text
     assert 'id="weights-table"' in text
     assert (out.stat().st_mode & 0o777) == 0o644
+
+
+# --------------------------------------------------------------------------- the README snippet
+def _readme_python_snippet() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## In Python") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("\n```", start)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist").is_dir(),
+    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)",
+)
+def test_readme_snippet_ranks_pretrained_above_random(tmp_path, monkeypatch, capsys):
+    import polars as pl
+
+    code = _readme_python_snippet()
+    assert "fashion-mnist" in code
+    assert "input_size=64" in code
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    from featcache.analysis import rank
+    from featcache.results import read_results
+
+    overall = rank(read_results("results.parquet"), n_boot=50)["overall"]
+    random_ = overall.filter(pl.col("backbone").str.contains("@random"))
+    pretrained = overall.filter(~pl.col("backbone").str.contains("@random"))
+    assert random_.height >= 1
+    assert pretrained.height >= 1
+    assert pretrained["zscore"].min() > random_["zscore"].max()
+    assert pretrained["mean"].min() > random_["mean"].max()
+    assert "tf_efficientnet_lite0" in capsys.readouterr().out  # the snippet printed the ranking
+    assert (tmp_path / "rank-out" / "weights.parquet").exists()  # what each setting weighs
+
+
+# --------------------------------------------------------------------------- make demo and the dpkg lock
+@pytest.mark.parametrize("target", ["demo-deps", "system-deps"])
+def test_make_waits_for_the_dpkg_lock(tmp_path, target):
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("make not installed")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "apt.log"
+    (fake / "apt-get").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (fake / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    root = Path(__file__).parents[1]
+    subprocess.run(
+        ["make", "-s", "-C", str(root), target, f"FASHION_MNIST_DIR={tmp_path / 'absent'}"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    calls = log.read_text().splitlines()
+    assert [c.split()[2] for c in calls] == ["update", "install"], calls
+    assert all(c.startswith("-o DPkg::Lock::Timeout=600 ") for c in calls), calls
+
+
+# --------------------------------------------------------------------------- results in pandas
+def test_read_results_pandas_backend(tmp_path):
+    import importlib.util
+
+    from featcache.errors import BackendUnavailableError
+    from featcache.results import append_results, read_results, rows_to_frame
+
+    path = tmp_path / "r.parquet"
+    append_results(path, rows_to_frame(_digits_rows((1,))[:3]))
+    if importlib.util.find_spec("pandas") is None:
+        with pytest.raises(BackendUnavailableError, match=r"pip install 'featcache\[pandas\]'"):
+            read_results(path, backend="pandas")
+    else:
+        pdf = read_results(path, backend="pandas")
+        assert list(pdf.columns) == read_results(path).columns
+        assert len(pdf) == 3
+    with pytest.raises(ValueError, match="backend must be 'polars' or 'pandas'"):
+        read_results(path, backend="arrow")
+
+
+# --------------------------------------------------------------------------- plots
+def _capture(monkeypatch):
+    from featcache.analysis import plots
+
+    figs = []
+    real = plots._save
+
+    def keep(fig, path):
+        figs.append(fig)
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figs
+
+
+def _label_boxes(fig, axis):
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    return [t.get_window_extent(r) for t in axis.get_ticklabels(which="both") if t.get_visible() and t.get_text()]
+
+
+@pytest.mark.parametrize("speeds", [[1000.0, 900.0, 1200.0, 1500.0, 3000.0], [12.0, 300.0, 4500.0, 90_000.0]])
+def test_speed_plot_tick_labels_do_not_overlap_and_names_are_whole(tmp_path, monkeypatch, speeds):
+    import polars as pl
+
+    from featcache.analysis import plots
+
+    figs = _capture(monkeypatch)
+    names = ["tf_efficientnet_lite0", "tf_efficientnet_lite0@random0", "vit_base_patch16_224.augreg_in21k", "pca:8"]
+    names = [*names, "resnet50.a1_in1k"][: len(speeds)]
+    table = pl.DataFrame(
+        {"backbone": names, "images_per_s": speeds, "zscore": [0.5, -1.0, 0.2, 0.3, 0.0][: len(speeds)]}
+    )
+    plots.efficiency_scatter(table, tmp_path / "eff.png")
+    (fig,) = figs
+    ax = fig.axes[0]
+    boxes = _label_boxes(fig, ax.xaxis)
+    assert len(boxes) >= 2
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(names)
+
+
+def test_overall_plot_keeps_backbone_names_whole(tmp_path, monkeypatch):
+    import polars as pl
+
+    from featcache.analysis import plots
+
+    figs = _capture(monkeypatch)
+    names = ["tf_efficientnet_lite0", "tf_efficientnet_lite0@random0"]
+    plots.overall_intervals(pl.DataFrame({"backbone": names, "zscore": [1.0, -1.0]}), tmp_path / "o.png")
+    labels = [t.get_text() for t in figs[0].axes[0].get_yticklabels()]
+    assert labels == names
