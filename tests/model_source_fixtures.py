@@ -58,7 +58,8 @@ def _tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     words = "a an the of photo picture drawing digit number zero one two three four five six seven eight nine "
-    words += "bad good small big close-up cropped bright dark rendition sketch tattoo origami toy plastic"
+    words += "bad good small big close-up cropped bright dark rendition sketch tattoo origami toy plastic "
+    words += "0 1 2 3 4 5 6 7 8 9"
     vocab = {"<pad>": 0, "<|startoftext|>": 1, "<|endoftext|>": 2, "<unk>": 3}
     for w in [*words.split(), ".", ",", "'", "{", "}", "-"]:
         vocab.setdefault(w, len(vocab))
