@@ -158,3 +158,54 @@ def test_timm_options_are_refused_for_other_sources(models):
 
     with pytest.raises(BackboneError, match="input_size apply to timm models only"):
         create_backbone(models["module"][0], "timm", input_size=64)
+
+
+@pytest.mark.slow
+def test_user_module_probed_and_reported_beside_timm(models, tmp_path):
+    """A user's module from the CLI (python:) and from Python (ExtractConfig(model=module)),
+    probed beside a timm backbone, all three in one results table and one report."""
+    import polars as pl
+
+    from featcache.cli import main
+
+    cache, res = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
+    common = ["--data", "digits", "--cache", cache, "--limit", "60", "--no-progress", "--device", "cpu"]
+    assert main(["extract", "--model", "python:featcache_user_net:make", "--weights", "random:2", *common]) == 0
+    assert main(["extract", "--model", "test_resnet", "--weights", "random:0", *common]) == 0
+    extract(
+        ExtractConfig(
+            models["module"][0],
+            "module",
+            "digits",
+            cache=cache,
+            limit=60,
+            progress=False,
+            backbone_name="mine",
+            device="cpu",
+        )
+    )
+    assert main(["probe", "--cache", cache, "--all", "--dataset", "digits", "--results", res]) == 0
+    got = set(pl.read_parquet(res)["backbone"].unique())
+    assert got == {"python-featcache_user_net_make@" + _key_tag(cache), "test_resnet@random0", "mine"}
+    out = tmp_path / "report.html"
+    assert main(["report", "--results", res, "--cache", cache, "--out", str(out)]) == 0
+    html = out.read_text()
+    assert all(b in html for b in got)
+
+
+def _key_tag(cache):
+    (key,) = [b for b in open_cache(cache, "r").backbones() if b.startswith("python-")]
+    return key.split("@", 1)[1]
+
+
+def test_extract_help_imports_no_model_library():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from featcache.cli import build_parser; build_parser().parse_args(['extract', '--model', 'x', "
+        "'--cache', 'c']); print(sorted(m for m in ('open_clip', 'transformers', 'torchvision', 'timm', 'torch') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
