@@ -57,7 +57,7 @@ def models(tmp_path_factory):
     user = featcache_user_net.make().eval()
     torch.manual_seed(2)
     user2 = featcache_user_net.make().eval()
-    return {
+    yield {
         "timm": ("timm:test_resnet", "random:0", None),
         "torchvision": ("torchvision:resnet18", "random:0", tv_ref),
         "open_clip": (f"open_clip:{oc}", "random:0", oc_ref),
@@ -74,6 +74,8 @@ def models(tmp_path_factory):
         "python": ("python:featcache_user_net:make", "random:2", lambda x: user2(x)),
         "module": (user, "timm", lambda x: user(x)),
     }
+    sys.path.remove(str(tmp / "usermods"))
+    sys.modules.pop("featcache_user_net", None)
 
 
 def _tensor(out):
