@@ -380,8 +380,15 @@ def create_backbone(
 
 
 def _other_source(
-    source: str, name: Any, weights: str, keep_head: bool, device: str, input_size: Any, pre_resize: Any,
-    trainable: bool, resize: Any,
+    source: str,
+    name: Any,
+    weights: str,
+    keep_head: bool,
+    device: str,
+    input_size: Any,
+    pre_resize: Any,
+    trainable: bool,
+    resize: Any,
 ) -> Backbone:
     from featcache.extract import sources
 

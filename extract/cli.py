@@ -112,7 +112,44 @@ def _runs_on_cpu(device: str) -> bool:
     return not torch.cuda.is_available()
 
 
+def run_embed_classes(args: argparse.Namespace) -> int:
+    """``featcache embed-classes``: class names x templates through the text tower, stored."""
+    from featcache.extract.text import run
+
+    key, m = run(
+        args.cache,
+        args.model,
+        args.weights,
+        args.dataset,
+        args.templates,
+        backbone=args.backbone,
+        name=args.name,
+        overwrite=args.overwrite,
+        device=args.device,
+    )
+    print(f"class embeddings {args.dataset}/{key}/{args.name}: {m.shape[0]} classes, {m.shape[1]}-d")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("extract", help="run a backbone over a dataset into the feature cache")
     add_extract_arguments(p)
     p.set_defaults(func=run_extract)
+    e = sub.add_parser(
+        "embed-classes", help="class embeddings from a backbone's text tower (zeroshot, --head-init text)"
+    )
+    e.add_argument("--cache", required=True, help="feature cache holding --dataset")
+    e.add_argument("--model", required=True, help="open_clip:ARCH | hf:DIR (a CLIPModel), as for extract")
+    e.add_argument("--weights", default="timm", help="as for extract (random:SEED, a checkpoint; hf: the directory's)")
+    e.add_argument("--dataset", required=True, help="dataset key in the store (its class names are embedded)")
+    e.add_argument(
+        "--templates",
+        default="clip-imagenet",
+        help="clip-imagenet (CLIP's 80 prompts) | simple | FILE (one template per line with {}, a JSON "
+        "list, or CLIP_benchmark's zeroshot_classification_templates.json)",
+    )
+    e.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
+    e.add_argument("--name", default="text", help="embedding name (--head-init NAME)")
+    e.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    e.add_argument("--overwrite", action="store_true", help="replace embeddings made with another tower/templates")
+    e.set_defaults(func=run_embed_classes)

@@ -59,7 +59,7 @@ class ExtractConfig:
     flag), before any data is read or the store is touched.
     """
 
-    model: Any = _opt(
+    model: Any = _opt(  # noqa: RUF009 - a str, or an nn.Module from Python
         None,
         "timm model name (e.g. tf_efficientnet_lite0) | timm:NAME | torchvision:NAME | open_clip:ARCH | "
         "hf:DIR (save_pretrained) | python:MODULE:CALLABLE (an nn.Module factory); in Python also an nn.Module",

@@ -60,8 +60,7 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         processor = transformers.AutoImageProcessor.from_pretrained(d, local_files_only=True)
     except (OSError, ValueError) as e:
         raise BackboneError(
-            f"hf:{name} has no image processor; save one beside the model "
-            f"(processor.save_pretrained({str(d)!r})): {e}"
+            f"hf:{name} has no image processor; save one beside the model (processor.save_pretrained({str(d)!r})): {e}"
         ) from None
     if weights not in ("timm", "dir") and S.seed_of(weights, "hf") is None:
         raise BackboneError(f"hf:{name} reads the directory's own weights (weights='dir'); got {weights!r}")
@@ -93,8 +92,20 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         text = HFClipText(model, transformers.AutoTokenizer.from_pretrained(d, local_files_only=True), name)
     transform = HFProcessorTransform(processor)
     return S.finish(
-        source="hf", name=d.name, model=model, transform=transform, weights="dir", device=device,
-        trainable=trainable, features_fn=features, kinds=KINDS, library="transformers", sha=sha, tag="",
-        wfile=str(files[0]) if files else None, input_size=_size(processor), text_tower=text,
+        source="hf",
+        name=d.name,
+        model=model,
+        transform=transform,
+        weights="dir",
+        device=device,
+        trainable=trainable,
+        features_fn=features,
+        kinds=KINDS,
+        library="transformers",
+        sha=sha,
+        tag="",
+        wfile=str(files[0]) if files else None,
+        input_size=_size(processor),
+        text_tower=text,
         model_class=type(model).__name__,
     )

@@ -38,7 +38,19 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         return {"pooled": model.encode_image(x)}
 
     return S.finish(
-        source="open_clip", name=name, model=model, transform=transform, weights=weights, device=device,
-        trainable=trainable, features_fn=features, kinds=KINDS, library="open_clip_torch", sha=sha, tag=tag,
-        wfile=wfile, input_size=size, text_tower=OpenClipText(model, open_clip.get_tokenizer(name), name),
+        source="open_clip",
+        name=name,
+        model=model,
+        transform=transform,
+        weights=weights,
+        device=device,
+        trainable=trainable,
+        features_fn=features,
+        kinds=KINDS,
+        library="open_clip_torch",
+        sha=sha,
+        tag=tag,
+        wfile=wfile,
+        input_size=size,
+        text_tower=OpenClipText(model, open_clip.get_tokenizer(name), name),
     )

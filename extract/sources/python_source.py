@@ -51,8 +51,19 @@ def from_module(obj: Any, weights: str, *, device: str = "cpu", trainable: bool 
         return {"pooled": model(x)}
 
     return S.finish(
-        source=source, name=name, model=model, transform=transform, weights=weights, device=device,
-        trainable=trainable, features_fn=features, kinds=KINDS, library="torch", sha=sha, tag=tag, wfile=wfile,
+        source=source,
+        name=name,
+        model=model,
+        transform=transform,
+        weights=weights,
+        device=device,
+        trainable=trainable,
+        features_fn=features,
+        kinds=KINDS,
+        library="torch",
+        sha=sha,
+        tag=tag,
+        wfile=wfile,
         module_class=f"{type(model).__module__}.{type(model).__qualname__}",
     )
 

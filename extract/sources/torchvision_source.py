@@ -30,9 +30,7 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
     try:
         enum = torchvision.models.get_model_weights(name)
     except ValueError:
-        raise BackboneError(
-            f"unknown torchvision model {name!r}; see torchvision.models.list_models()"
-        ) from None
+        raise BackboneError(f"unknown torchvision model {name!r}; see torchvision.models.list_models()") from None
     transform = enum.DEFAULT.transforms()
     seed = S.seed_of(weights, "torchvision")
     model = strip_head(S.seeded(seed, lambda: torchvision.models.get_model(name, weights=None)))
@@ -45,7 +43,19 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         return {"pooled": model(x)}
 
     return S.finish(
-        source="torchvision", name=name, model=model, transform=transform, weights=weights, device=device,
-        trainable=trainable, features_fn=features, kinds=KINDS, library="torchvision", sha=sha, tag=tag,
-        wfile=wfile, input_size=size, weights_enum=str(enum.DEFAULT),
+        source="torchvision",
+        name=name,
+        model=model,
+        transform=transform,
+        weights=weights,
+        device=device,
+        trainable=trainable,
+        features_fn=features,
+        kinds=KINDS,
+        library="torchvision",
+        sha=sha,
+        tag=tag,
+        wfile=wfile,
+        input_size=size,
+        weights_enum=str(enum.DEFAULT),
     )

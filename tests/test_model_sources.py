@@ -1,0 +1,213 @@
+"""Contract test over every registered model source: extract -> store -> load round trip,
+provenance, and features equal to the library's own forward on the same preprocessed batch
+(bit-identical on CPU fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from featcache.extract import ExtractConfig, create_backbone, extract, open_dataset
+from featcache.extract.sources import list_sources
+from featcache.store import open_cache
+
+pytest.importorskip("open_clip")
+pytest.importorskip("transformers")
+
+from model_source_fixtures import (
+    USER_MODULE,
+    register_tiny_open_clip,
+    save_tiny_hf_clip,
+    save_tiny_hf_dinov2,
+)
+
+N = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """source -> (model spec, weights, the library's own reference forward on a batch)."""
+    import open_clip
+    import torchvision
+    from transformers import CLIPModel, Dinov2Model
+
+    tmp = tmp_path_factory.mktemp("sources")
+    oc = register_tiny_open_clip(tmp / "oc")
+    clip_dir, dino_dir = save_tiny_hf_clip(tmp / "hfclip"), save_tiny_hf_dinov2(tmp / "dino")
+    (tmp / "usermods").mkdir()
+    (tmp / "usermods" / "featcache_user_net.py").write_text(USER_MODULE)
+    import sys
+
+    sys.path.insert(0, str(tmp / "usermods"))
+
+    def tv_ref(x):
+        torch.manual_seed(0)
+        m = torchvision.models.get_model("resnet18", weights=None).eval()
+        m.fc = torch.nn.Identity()
+        return m(x)
+
+    def oc_ref(x):
+        torch.manual_seed(0)
+        return open_clip.create_model(oc, pretrained=None).eval().encode_image(x)
+
+    import featcache_user_net
+
+    torch.manual_seed(1)
+    user = featcache_user_net.make().eval()
+    torch.manual_seed(2)
+    user2 = featcache_user_net.make().eval()
+    yield {
+        "timm": ("timm:test_resnet", "random:0", None),
+        "torchvision": ("torchvision:resnet18", "random:0", tv_ref),
+        "open_clip": (f"open_clip:{oc}", "random:0", oc_ref),
+        "hf": (
+            f"hf:{clip_dir}",
+            "dir",
+            lambda x: _tensor(CLIPModel.from_pretrained(clip_dir).eval().get_image_features(pixel_values=x)),
+        ),
+        "hf-dinov2": (
+            f"hf:{dino_dir}",
+            "dir",
+            lambda x: Dinov2Model.from_pretrained(dino_dir).eval()(pixel_values=x).pooler_output,
+        ),
+        "python": ("python:featcache_user_net:make", "random:2", lambda x: user2(x)),
+        "module": (user, "timm", lambda x: user(x)),
+    }
+    sys.path.remove(str(tmp / "usermods"))
+    sys.modules.pop("featcache_user_net", None)
+
+
+def _tensor(out):
+    """transformers >= 5 returns a model output whose pooler_output is the projected embedding."""
+    return out if torch.is_tensor(out) else out.pooler_output
+
+
+def _batch(bb, n=N):
+    src = open_dataset("digits")["test"]
+    return torch.stack([bb.transform(src.load(i)) for i in range(n)])
+
+
+def test_every_registered_source_is_covered(models):
+    assert set(list_sources()) | {"module"} <= {k.split("-")[0] for k in models}
+
+
+@pytest.mark.parametrize("source", ["timm", "torchvision", "open_clip", "hf", "hf-dinov2", "python", "module"])
+def test_source_contract(models, source, tmp_path):
+    spec, weights, ref = models[source]
+    cache = str(tmp_path / "c.zarr")
+    cfg = ExtractConfig(
+        spec,
+        weights,
+        "digits",
+        cache=cache,
+        splits=("test",),
+        limit=N,
+        batch_size=N,
+        dtype="float32",
+        channels_last=False,
+        progress=False,
+        device="cpu",
+        threads=1,
+    )
+    extract(cfg)
+    bb = create_backbone(spec, weights)
+    fc = open_cache(cache, "r")
+    (key,) = {b for b, _, _ in fc.entries()}
+    assert key == bb.default_key
+    f = fc.load(key, "digits", "test")
+    assert f.X.shape == (N, bb.feature_dim)
+    prov = fc.provenance(key, "digits", "test", "pooled")
+    assert prov.weights_sha256 == bb.weights_sha256
+    if source == "timm":  # timm:NAME is the bare name: same key, same provenance
+        assert key == "test_resnet@random0"
+        assert prov.model_name == "test_resnet"
+        return
+    assert prov.data_config["source"] == bb.source
+    assert prov.data_config["library_version"]
+    assert prov.model_name == bb.name
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        want = ref(_batch(bb)).float().numpy()
+    np.testing.assert_array_equal(f.X, want)
+    # a re-run resumes (nothing to do); another source under the same key is refused
+    assert extract(cfg)[0].chunks_computed == 0
+
+
+def test_resume_refuses_another_source(models, tmp_path):
+    from featcache.errors import FeatcacheError
+
+    cache = str(tmp_path / "c.zarr")
+    base = {"data": "digits", "cache": cache, "splits": ("test",), "limit": N, "progress": False, "device": "cpu"}
+    base["backbone_name"] = "bb"
+    extract(ExtractConfig(models["python"][0], "random:2", **base))
+    with pytest.raises(FeatcacheError, match=r"model_name|data_config"):
+        extract(ExtractConfig(models["module"][0], "timm", **base))
+
+
+def test_missing_extra_names_the_pip_install(monkeypatch):
+    import sys
+
+    from featcache.errors import BackboneError
+
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # import open_clip -> ImportError
+    with pytest.raises(BackboneError, match=r"pip install 'featcache\[clip\]'"):
+        create_backbone("open_clip:ViT-S-32", "random:0")
+
+
+def test_timm_options_are_refused_for_other_sources(models):
+    from featcache.errors import BackboneError
+
+    with pytest.raises(BackboneError, match="input_size apply to timm models only"):
+        create_backbone(models["module"][0], "timm", input_size=64)
+
+
+@pytest.mark.slow
+def test_user_module_probed_and_reported_beside_timm(models, tmp_path):
+    """A user's module from the CLI (python:) and from Python (ExtractConfig(model=module)),
+    probed beside a timm backbone, all three in one results table and one report."""
+    import polars as pl
+
+    from featcache.cli import main
+
+    cache, res = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
+    common = ["--data", "digits", "--cache", cache, "--limit", "60", "--no-progress", "--device", "cpu"]
+    assert main(["extract", "--model", "python:featcache_user_net:make", "--weights", "random:2", *common]) == 0
+    assert main(["extract", "--model", "test_resnet", "--weights", "random:0", *common]) == 0
+    extract(
+        ExtractConfig(
+            models["module"][0],
+            "module",
+            "digits",
+            cache=cache,
+            limit=60,
+            progress=False,
+            backbone_name="mine",
+            device="cpu",
+        )
+    )
+    assert main(["probe", "--cache", cache, "--all", "--dataset", "digits", "--results", res]) == 0
+    got = set(pl.read_parquet(res)["backbone"].unique())
+    assert got == {"python-featcache_user_net_make@" + _key_tag(cache), "test_resnet@random0", "mine"}
+    out = tmp_path / "report.html"
+    assert main(["report", "--results", res, "--cache", cache, "--out", str(out)]) == 0
+    html = out.read_text()
+    assert all(b in html for b in got)
+
+
+def _key_tag(cache):
+    (key,) = [b for b in open_cache(cache, "r").backbones() if b.startswith("python-")]
+    return key.split("@", 1)[1]
+
+
+def test_extract_help_imports_no_model_library():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from featcache.cli import build_parser; build_parser().parse_args(['extract', '--model', 'x', "
+        "'--cache', 'c']); print(sorted(m for m in ('open_clip', 'transformers', 'torchvision', 'timm', 'torch') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
