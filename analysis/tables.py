@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import ResultsError
-from featcache.results import KINDS
+from featcache.results import KINDS, read_parquet_checked
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ def _read_any(path: str | os.PathLike):
     if not p.exists():
         raise ResultsError(f"results table {p} does not exist; check the path")
     suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        return pl.read_parquet(p)
+    if suffix == ".parquet":  # one file handle (appends replace the file), checksum verified
+        return read_parquet_checked(p)
     if suffix in (".csv", ".tsv"):
         return pl.read_csv(
             p,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -38,7 +39,7 @@ from featcache.store.schema import (
 
 log = logging.getLogger(__name__)
 #: attempts of a whole-group read before a load says the group keeps changing under it
-SNAPSHOT_TRIES = 5
+SNAPSHOT_TRIES = 8
 
 __all__ = ["AUX_ARRAYS", "FeatureCache", "Features", "open_cache"]
 
@@ -360,16 +361,17 @@ class FeatureCache:
         return StoredRows([g[kind]], finite=[sc.finite.get(kind)]), valid, errors, sc
 
     def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype=np.float32):
-        """A consistent snapshot of a feature group: ``done`` is read before and after the
-        arrays, and the read is retried while they differ or while a chunk marked done breaks
-        an invariant that a re-read no longer shows (an extract wrote it meanwhile), so the
-        chunks the scan calls done are exactly the rows read. On a decode failure or an
-        invariant broken for good, a chunk-by-chunk scan names the damage (the readable
-        chunks are still returned)."""
-        for _ in range(SNAPSHOT_TRIES):
+        """A consistent snapshot of a feature group: the chunks marked done before the arrays
+        are read are the chunks the scan calls done (a writer marks a chunk only after its
+        arrays, so their rows read afterwards are final). The read is retried when a chunk
+        marked done is no longer marked after it (rewritten: ``--overwrite``) or breaks an
+        invariant that a re-read no longer shows. On a decode failure or an invariant broken
+        for good, a chunk-by-chunk scan names the damage (readable chunks are returned)."""
+        for attempt in range(SNAPSHOT_TRIES):
             got = self._read_once(g, gm, kind, check, dtype)
             if got is not None:
                 return got
+            time.sleep(0.01 * 2**attempt)  # let the writer finish its chunk
         raise IncompleteStoreError(
             f"{g.path} changed during {SNAPSHOT_TRIES} reads in a row (an extract is writing it); "
             "load it again when that extract has finished"
@@ -387,17 +389,18 @@ class FeatureCache:
         except Exception:
             sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
             got = _read_chunks(g, gm, kind, sc, dtype)
-            return (*got, sc) if np.array_equal(read_done(g, gm.n_chunks), sc.done) else None
-        if not np.array_equal(read_done(g, gm.n_chunks), done):
-            return None
+            return (*got, sc) if read_done(g, gm.n_chunks)[sc.done].all() else None
+        if not read_done(g, gm.n_chunks)[done].all():
+            return None  # a chunk marked done was reset meanwhile (the group is being rewritten)
         sc = GroupScan(gm.n_chunks, done)
         if check:
             rows = (present_rows(X) != valid) | ((errors != "") == valid)
             chunks = [i for i in np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist() if done[i]]
             if chunks:
                 sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), chunks=chunks)
-                if not np.array_equal(sc.done, done) or not set(chunks) <= set(sc.bad_chunks):
+                if not sc.done[done].all() or not set(chunks) <= set(sc.bad_chunks):
                     return None  # what was read is not what is stored now: read again
+                sc.done = done  # chunks marked since the first read were not read whole
         return X, valid, errors, sc
 
     # ------------------------------------------------------------------ catalog

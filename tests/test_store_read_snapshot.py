@@ -146,7 +146,7 @@ def test_loads_during_an_extract_are_snapshots(tmp_path):
     """Loads in a loop while a writer process writes every chunk (the figure in
     docs/store.md): no load returns rows other than those it covers."""
     path = tmp_path / "s.zarr"
-    proc, go, ack = _start_writer(path, pause=0.01)
+    proc, go, _ack = _start_writer(path, pause=0.15)
     go.put(0)
     reads = wrong = incomplete = 0
     while proc.is_alive() and reads < 400:
