@@ -27,11 +27,13 @@ from featcache.store.integrity import scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
+    PROVENANCE_DIGEST_KEY,
     PROVENANCE_KEY,
     SCHEMA_VERSION,
     FeatureGroupMeta,
     FeatureProvenance,
     check_name,
+    provenance_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -185,7 +187,8 @@ class FeatureWriter:
                 config={"write_empty_chunks": True},
                 overwrite=True,
             )
-            a.attrs[PROVENANCE_KEY] = prov.to_attrs()
+            doc = prov.to_attrs()
+            a.update_attributes({PROVENANCE_KEY: doc, PROVENANCE_DIGEST_KEY: provenance_digest(doc)})
         for name in ("valid", "error", "done"):
             create_aux_array(g, name, n, cr, self.n_chunks)
         meta = FeatureGroupMeta(
@@ -283,7 +286,7 @@ class FeatureWriter:
             d["n_invalid"] = n_invalid
             d["completed"] = now_iso()
             FeatureProvenance.from_attrs(d, where=arr.path)  # validate before writing
-            arr.attrs[PROVENANCE_KEY] = d
+            arr.update_attributes({PROVENANCE_KEY: d, PROVENANCE_DIGEST_KEY: provenance_digest(d)})
         self.release()
 
 
