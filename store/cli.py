@@ -64,6 +64,8 @@ def run_verify(args: argparse.Namespace) -> int:
     opts = parse_storage_options(args.storage_options)
     rep = VerifyReport()
     problems = verify(args.path, storage_options=opts, repair=args.repair, report=rep)
+    for note in rep.notes:
+        print(f"NOTE {note}")
     if not problems:
         print(f"{args.path}: OK")
         return 0

@@ -17,6 +17,8 @@ Layout (schema version 1; readable with plain ``zarr.open_group``)::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ ROOT_KEY = "featcache"
 SPLIT_KEY = "featcache_split"
 GROUP_KEY = "featcache_features"
 PROVENANCE_KEY = "featcache_provenance"
+#: sha256 of the canonical JSON of the provenance document, written beside it by the writer
+PROVENANCE_DIGEST_KEY = "featcache_provenance_sha256"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+=,:%-]*$")
 
@@ -86,7 +90,48 @@ class _Schema:
         for f in dataclasses.fields(cls):
             if f.name in kwargs and isinstance(kwargs[f.name], list) and f.type in ("tuple[str, ...]",):
                 kwargs[f.name] = tuple(kwargs[f.name])
-        return cls(**kwargs)
+            if f.name in kwargs and not _type_ok(f.type, kwargs[f.name]):
+                raise SchemaMismatchError(
+                    f"{where}: metadata field {f.name!r} = {kwargs[f.name]!r} is not of type {f.type}; "
+                    "the document is damaged (`featcache verify` names the damage)"
+                )
+        obj = cls(**kwargs)
+        obj._check_values(where)
+        return obj
+
+    def _check_values(self, where: str) -> None:
+        """Per-schema value checks beyond types (overridden where a schema has any)."""
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "str": (str,),
+    "bool": (bool,),
+    "float | None": (int, float, type(None)),
+    "int | None": (int, type(None)),
+    "str | None": (str, type(None)),
+    "dict[str, Any]": (dict,),
+    "tuple[str, ...]": (tuple,),
+}
+
+
+def _type_ok(annotation: str, value: Any) -> bool:
+    want = _TYPES.get(str(annotation))
+    if want is None:
+        return True
+    if isinstance(value, bool) and bool not in want:
+        return False  # JSON true is not a row count
+    if want == (tuple,):
+        return isinstance(value, tuple) and all(isinstance(x, str) for x in value)
+    return isinstance(value, want)
+
+
+def provenance_digest(attrs: dict[str, Any]) -> str:
+    """sha256 of a provenance document's canonical JSON (key order and tuples/lists do not matter)."""
+    return hashlib.sha256(json.dumps(_jsonable(attrs), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+_DEVICE_RE = re.compile(r"^(|cpu|mps|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -162,6 +207,23 @@ class FeatureProvenance(_Schema):
         "n",
         "chunk_rows",
     )
+
+    def _check_values(self, where: str) -> None:
+        bad = []
+        if self.dtype not in ("float16", "float32"):
+            bad.append(f"dtype {self.dtype!r} (float16 or float32)")
+        if not _DEVICE_RE.match(self.device):
+            bad.append(f"device {self.device!r} (cpu, cuda, cuda:N or mps)")
+        for name, lo in (("dim", 1), ("n", 0), ("chunk_rows", 1), ("batch_size", 0)):
+            if getattr(self, name) < lo:
+                bad.append(f"{name} {getattr(self, name)} (>= {lo})")
+        if self.n_invalid is not None and not 0 <= self.n_invalid <= self.n:
+            bad.append(f"n_invalid {self.n_invalid} (0..n={self.n})")
+        if bad:
+            raise SchemaMismatchError(
+                f"{where}: provenance has impossible values: {'; '.join(bad)}; the document is damaged "
+                "(`featcache verify` names the damage; re-extract with --overwrite to rewrite it)"
+            )
 
     def identity(self) -> dict[str, Any]:
         return {k: _jsonable(getattr(self, k)) for k in self.IDENTITY}

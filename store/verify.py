@@ -30,6 +30,8 @@ class VerifyReport:
     #: splits whose ids/labels must be rewritten by re-running extract
     bad_splits: list[tuple[str, str]] = field(default_factory=list)
     repaired: bool = False
+    #: facts that are no damage (e.g. an old store without provenance digests)
+    notes: list[str] = field(default_factory=list)
 
 
 def verify(
@@ -55,6 +57,8 @@ def verify(
     rep.repaired = repair
     for p in rep.problems:
         log.warning("verify: %s", p)
+    for p in rep.notes:
+        log.warning("verify: note: %s", p)
     return rep.problems
 
 
@@ -142,6 +146,7 @@ def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
         if arr.shape != (gm.n, prov.dim):
             rep.problems.append(f"{where}/{kind}: shape {arr.shape} != ({gm.n}, {prov.dim})")
             continue
+        _check_provenance_against(arr, prov, gm, f"{where}/{kind}", rep)
         if prov.dataset_fingerprint != smeta.fingerprint:
             rep.problems.append(f"{where}/{kind}: computed on other rows of {d}/{s} (fingerprint mismatch)")
         for start in range(0, gm.n, gm.chunk_rows):
@@ -153,6 +158,29 @@ def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
             if bad.any():
                 rows = (np.flatnonzero(check[start:stop])[bad] + start)[:5].tolist()
                 rep.problems.append(f"{where}/{kind}: {int(bad.sum())} valid row(s) with NaN/inf (rows {rows})")
+
+
+def _check_provenance_against(arr, prov, gm, where: str, rep: VerifyReport) -> None:
+    """The provenance document against the array it describes, and against its digest."""
+    from featcache.store.schema import PROVENANCE_DIGEST_KEY, PROVENANCE_KEY, provenance_digest
+
+    if str(arr.dtype) != prov.dtype:
+        rep.problems.append(f"{where}: provenance says dtype {prov.dtype!r}, the array is {arr.dtype}")
+    if prov.n != arr.shape[0]:
+        rep.problems.append(f"{where}: provenance says n {prov.n}, the array has {arr.shape[0]} rows")
+    if prov.chunk_rows != arr.chunks[0] or prov.chunk_rows != gm.chunk_rows:
+        rep.problems.append(
+            f"{where}: provenance says chunk_rows {prov.chunk_rows}, the array's chunks hold {arr.chunks[0]} rows"
+        )
+    attrs = arr.attrs
+    stored = attrs.get(PROVENANCE_DIGEST_KEY)
+    if stored is None:
+        rep.notes.append(f"{where}: provenance digest absent (store written before digests); values checked only")
+    elif stored != provenance_digest(dict(attrs[PROVENANCE_KEY])):
+        rep.problems.append(
+            f"{where}/zarr.json: provenance does not match its digest (a field was changed after writing); "
+            "re-extract with --overwrite"
+        )
 
 
 def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc) -> None:

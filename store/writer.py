@@ -28,11 +28,13 @@ from featcache.store.integrity import read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
+    PROVENANCE_DIGEST_KEY,
     PROVENANCE_KEY,
     SCHEMA_VERSION,
     FeatureGroupMeta,
     FeatureProvenance,
     check_name,
+    provenance_digest,
 )
 from featcache.store.summary import clear_summary, write_summary
 
@@ -208,7 +210,8 @@ class FeatureWriter:
                 config={"write_empty_chunks": True},
                 overwrite=True,
             )
-            a.attrs[PROVENANCE_KEY] = prov.to_attrs()
+            doc = prov.to_attrs()
+            a.update_attributes({PROVENANCE_KEY: doc, PROVENANCE_DIGEST_KEY: provenance_digest(doc)})
         for name in ("valid", "error", "done"):
             create_aux_array(g, name, n, cr, self.n_chunks)
         meta = FeatureGroupMeta(
@@ -318,7 +321,7 @@ class FeatureWriter:
             d["completed"] = now_iso()
             FeatureProvenance.from_attrs(d, where=arr.path)  # validate before writing
             with self.no_space(f"{kind}'s provenance", 4096):
-                arr.attrs[PROVENANCE_KEY] = d
+                arr.update_attributes({PROVENANCE_KEY: d, PROVENANCE_DIGEST_KEY: provenance_digest(d)})
         if self._lock is not None:  # the lock holder (rank 0) records what ls reads
             with self.no_space("the group summary", 4096):
                 write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)

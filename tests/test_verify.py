@@ -111,6 +111,17 @@ def test_nan_in_an_invalid_row_is_fine(store, capsys):
         (lambda d: d.update(colour="blue"), "unknown ['colour']"),
         (lambda d: d.update(dim=7), "shape (64, 1280) != (64, 7)"),
         (lambda d: d.update(dataset_fingerprint="0" * 64), "fingerprint mismatch"),
+        (lambda d: d.update(dtype="float17"), "dtype 'float17' (float16 or float32)"),
+        (lambda d: d.update(device="cpt"), "device 'cpt'"),
+        (lambda d: d.update(n=d["n"] + 1), "provenance says n 65, the array has 64 rows"),
+        (lambda d: d.update(chunk_rows=d["chunk_rows"] + 1), "provenance says chunk_rows 17"),
+        (lambda d: d.update(n="64"), "'n' = '64' is not of type int"),
+        (lambda d: d.update(dtype="float32"), "provenance says dtype 'float32', the array is float16"),
+        (lambda d: d.update(weights_source="timm"), "provenance does not match its digest"),
+        (lambda d: d.update(model_name="resnet18"), "provenance does not match its digest"),
+        (lambda d: d.update(weights_sha256="0" * 64), "provenance does not match its digest"),
+        (lambda d: d["data_config"].update(input_size=[3, 64, 64]), "provenance does not match its digest"),
+        (lambda d: d["data_config"].update(mean=[0.4, 0.4, 0.4]), "provenance does not match its digest"),
     ],
 )
 def test_bad_provenance(store, capsys, edit, expect):
@@ -128,3 +139,15 @@ def test_not_a_store(tmp_path, capsys):
     rc, out = _verify_cli(tmp_path / "nothing.zarr", capsys)
     assert rc == 1
     assert "no feature cache" in out
+
+
+def test_store_without_provenance_digest_opens_and_verify_says_so(store, capsys):
+    from featcache.store import open_cache
+    from featcache.store.schema import PROVENANCE_DIGEST_KEY
+
+    a = zarr.open_array(str(store / GROUP / "pooled"), mode="r+")
+    a.attrs.pop(PROVENANCE_DIGEST_KEY)
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 0, out
+    assert f"NOTE {GROUP}/pooled: provenance digest absent" in out
+    assert open_cache(str(store)).load(LITE0, "digits", "test").X.shape == (64, 1280)
