@@ -10,9 +10,13 @@ in separate namespaces (``stage``), so ``full`` exists for both.
 =============  ======  =====================================================================
 spec           stage   meaning
 =============  ======  =====================================================================
-full           probe   DINOv2/Kornblith-style L-BFGS logistic regression: C selected on
+full           probe   DINOv2/Kornblith-style L-BFGS logistic regression on **standardised**
+                       features (z-score with training statistics): C selected on
                        validation (the dataset's ``val`` split if it has one, else a
                        stratified, seeded 10% of train), refit on train+val, test once.
+dinov2         probe   DINOv2's ``log_regression.py`` exactly: raw features, tol 1e-12,
+                       max_iter 1000, its C grid, a plain random 10% (torch ``randperm``
+                       seeded like ``torch.manual_seed(seed)``) unless the dataset has val.
 fewshot:N      probe   ELEVATER's few-shot splits with the DINOv2-style L-BFGS C sweep (not
                        ELEVATER's search: see ``elevater-fewshot``): N examples per class
                        drawn from train (N counts *before* the 80/20 split), each class
@@ -101,7 +105,9 @@ STAGES = ("probe", "finetune")
 #: the L-BFGS probes' C grid (Kornblith et al. / DINOv2): 45 values log-spaced over 1e-6 .. 1e5
 C_GRID = tuple(float(c) for c in np.logspace(-6, 5, 45))
 #: split plans a protocol can name
-SPLITS = ("full", "fewshot", "vtab1k", "vtab1k-stratified", "subset", "none")
+SPLITS = ("full", "fewshot", "vtab1k", "vtab1k-stratified", "subset", "none", "dinov2")
+#: DINOv2's C grid (dinov2/eval/log_regression.py: ``10 ** torch.linspace(-6, 5, 45)``, float32)
+DINOV2_C_GRID = tuple(float(c) for c in np.float32(10) ** np.linspace(-6, 5, 45, dtype=np.float32))
 
 
 # ------------------------------------------------------------------ grids
@@ -325,7 +331,25 @@ def _plan_vtab1k_stratified(p: Protocol, y, seed, n_val, val_source, train_name,
     return SplitPlan(t, v, np.sort(np.concatenate([t, v])), label, {"val": "split-800-200", "val_source": val_source})
 
 
+def _plan_dinov2(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows, **_) -> SplitPlan:
+    """DINOv2's ``eval_log_regression``: the dataset's val split when it has one (its
+    ``finetune_dataset``), else a plain random 10 %: ``torch.manual_seed(seed)``,
+    ``randperm(n)`` over the dataset's own row order, the first ``n // 10`` for selection."""
+    if n_val is not None:
+        return _plan_full(p, y, seed, n_val, val_source, train_name, val_name)
+    import torch
+
+    perm = torch.randperm(y.size, generator=torch.Generator().manual_seed(int(seed))).numpy()
+    pos_of_row = np.empty(y.size, np.int64)
+    pos_of_row[np.asarray(rows)] = np.arange(y.size)  # dataset row -> canonical position
+    k = y.size // 10
+    v, t = pos_of_row[perm[:k]], pos_of_row[perm[k:]]
+    info = {"val": f"dinov2-random-{k}-of-{train_name}"}
+    return SplitPlan(t, v, np.arange(y.size), train_name, info)
+
+
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
+    "dinov2": _plan_dinov2,
     "full": _plan_full,
     "subset": _plan_full,
     "fewshot": _plan_fewshot,
@@ -401,6 +425,16 @@ def full(arg: str | None = None) -> Protocol:
     _no_arg("full", arg)
     return Protocol(
         spec="full", name="full", stage="probe", split="full", solver="lbfgs", grid=CGrid(), pairs_with="full"
+    )
+
+
+@register_protocol("dinov2")
+def dinov2(arg: str | None = None) -> Protocol:
+    """DINOv2's logistic regression as published: raw features (no standardisation), tol
+    1e-12, at most 1000 iterations, its 45-value C grid, selection on a random 10 %."""
+    _no_arg("dinov2", arg)
+    return Protocol(
+        spec="dinov2", name="dinov2", stage="probe", split="dinov2", solver="lbfgs", grid=CGrid(DINOV2_C_GRID)
     )
 
 

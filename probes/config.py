@@ -38,7 +38,8 @@ class ProbeConfig:
     dataset: str = flag(required=True, help="dataset key in the cache")
     protocol: str = flag(
         "full",
-        "full | fewshot:N | vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
+        "full (z-scored features) | dinov2 (raw features, DINOv2's exact selection) | fewshot:N | "
+        "vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
         "elevater-fewshot:N | elevater-full | zeroshot",
     )
     seeds: tuple[int, ...] | None = flag(
@@ -141,6 +142,8 @@ class ProbeConfig:
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeError(f"{f} must be >= 1 (got {getattr(out, f)})")
+        if proto.name == "dinov2":  # its log_regression.py: raw float64 features, tol 1e-12
+            out = replace(out, standardize=False, tol=1e-12, max_iter=1000)
         if proto.solver == "zeroshot" and out.head_init is None:
             out = replace(out, head_init="text")  # the text head is the whole classifier
         if not out.seeds:

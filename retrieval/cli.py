@@ -14,7 +14,10 @@ def register(subparsers) -> None:
             "Semantic retrieval (a match shares the query's label) unless --relevance gives "
             "explicit positives/junk (or revisitop's easy/hard/junk: revisited Oxford/Paris, "
             "scored per --revisited setup, with revisitop's trapezoidal AP as map_revisitop). "
-            "Ties are broken by gallery index; the query itself (same id) is never its own match."
+            "Battle of the Backbones' definitions are written beside featcache's: map_bob "
+            "(revisitop's trapezoidal AP), mp@k (revisitop's mP@k), mrr_bob (before junk removal). "
+            "Ties are broken by gallery index; within one split the query itself (same id) is "
+            "never its own match."
         ),
     )
     RetrievalConfig.add_arguments(p)
@@ -30,8 +33,8 @@ def run(args) -> int:
     if getattr(args, "no_progress", False):  # -q
         cfg = cfg.with_(progress=False)
     frame = run_retrieval(cfg)
-    shown = {"map", "mrr", "top1", "map_revisitop"} | {
-        f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp_revisitop") for k in cfg.ks
+    shown = {"map", "mrr", "top1", "map_revisitop", "map_bob", "mrr_bob"} | {
+        f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp", "mp_revisitop") for k in cfg.ks
     }
     for (kind, backbone, protocol), g in frame.group_by(["kind", "backbone", "protocol"], maintain_order=True):
         vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(g["metric"], g["value"]) if m in shown)
