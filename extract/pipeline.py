@@ -402,7 +402,7 @@ def _split_rows(store, src: SplitSource, rank: int):
     if len(src) == 0:
         raise DataError(f"split {src.split!r} of {src.dataset} is empty")
     if rank == 0:
-        from featcache.store.writer import no_space
+        from featcache.store.space import no_space
 
         need = 16 * len(src) + sum(len(str(i)) for i in src.ids[:1000]) * max(1, len(src) // 1000)
         with no_space(f"{store.path}/datasets/{src.dataset}/{src.split}", "the split's ids and labels", need):

@@ -297,3 +297,101 @@ def test_full_disk_extract_is_one_line_and_resumes_exactly(tmp_path, capsys):
         assert f"{6 - done}/6 chunks computed" in capsys.readouterr().out
         X = open_cache(cache).load(KEY, "digits", "test").X
     np.testing.assert_array_equal(X, ref)
+
+
+def _inject_enospc(monkeypatch, at: int) -> list[str]:
+    """The store's I/O layer (zarr's LocalStore.set) fails with ENOSPC at its ``at``-th write."""
+    import errno
+
+    import zarr.storage
+
+    seen: list[str] = []
+    orig = zarr.storage.LocalStore.set
+
+    async def full(self, key, value):
+        seen.append(key)
+        if len(seen) == at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await orig(self, key, value)
+
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", full)
+    return seen
+
+
+def test_enospc_at_every_store_write_site(tmp_path, monkeypatch, digits_pixels):
+    """Each write the store makes fails in turn: one NoSpaceError naming the path, nothing
+    half-written, every chunk marked done intact, and a plain re-run byte-identical."""
+    import zarr
+
+    from featcache.errors import NoSpaceError
+
+    X, y, names = digits_pixels
+    with monkeypatch.context() as m:
+        sites = _inject_enospc(m, 0)
+        _write(tmp_path / "ref.zarr", X, y, names)
+    assert len(sites) > 15
+    resumed = 0
+    for k in range(1, len(sites) + 1):
+        path = tmp_path / f"k{k}.zarr"
+        with monkeypatch.context() as m:
+            _inject_enospc(m, k)
+            with pytest.raises(
+                NoSpaceError, match=r"^no space left on the device of .*k\d+\.zarr.* while writing .*re-run"
+            ):
+                _write(path, X, y, names)
+        assert not [f for _, _, fs in os.walk(path) for f in fs if f.endswith(".partial")], sites[k - 1]
+        with contextlib.suppress(KeyError, FileNotFoundError):
+            g = zarr.open_group(str(path), mode="r")["features/pix/digits/train"]
+            for i in np.flatnonzero(np.asarray(g["done"][:])):
+                np.testing.assert_array_equal(g["pooled"][i * 64 : (i + 1) * 64], X[i * 64 : (i + 1) * 64])
+        _write(path, X, y, names)  # space freed: a plain re-run
+        got = open_cache(path).load("pix", "digits", "train")
+        np.testing.assert_array_equal(got.X, X)
+        assert got.ids.tolist() == [f"d{i}" for i in range(len(y))]
+        resumed += 1
+    assert resumed == len(sites), resumed
+
+
+def test_full_disk_results_append_is_one_line_and_keeps_the_table(tmp_path):
+    import polars as pl
+
+    from featcache.errors import NoSpaceError
+    from featcache.results import append_results, read_results
+
+    def rows(run: int) -> list[dict]:
+        rng = np.random.default_rng(run)  # incompressible text: the disk fills in a few appends
+        return [
+            {
+                "run_id": f"r{run}",
+                "kind": "probe",
+                "backbone": "b",
+                "dataset": "d",
+                "metric": f"m{i}",
+                "value": float(i),
+                "seed": run,
+                "hparams": f'{{"h": "{rng.bytes(200).hex()}"}}',
+            }
+            for i in range(50)
+        ]
+
+    with _tmpfs(tmp_path / "small", "256k") as small:
+        table = small / "results.parquet"
+        before = None
+        for run in range(40):
+            try:
+                append_results(table, rows(run))
+            except NoSpaceError as exc:
+                msg = str(exc)
+                break
+            before = read_results(table)
+        else:
+            pytest.fail("the disk never filled")
+        assert re.match(NO_SPACE.format("results.parquet", r"50 new result rows"), msg), msg
+        assert "The table is unchanged" in msg
+        assert before is not None
+        assert read_results(table).equals(before)  # intact, not a partial parquet
+        assert sorted(os.listdir(small)) == [".results.parquet.lock", "results.parquet"]  # no orphan temp file
+        subprocess.run(["mount", "-o", "remount,size=8m", str(small)], check=True)
+        after = append_results(table, rows(run))
+        assert after.equals(pl.concat([before, read_results(table).filter(pl.col("run_id") == f"r{run}")]))
+        assert len(after) == len(before) + 50
