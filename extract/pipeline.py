@@ -148,7 +148,14 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder, follow_symlinks=cfg.follow_symlinks
     )
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
-    store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
+    try:
+        store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
+    except Exception as exc:
+        from featcache.store.metadata import is_metadata_error, named_metadata_error
+
+        if not is_metadata_error(exc):
+            raise
+        raise named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc) from None
     bb = create_backbone(
         cfg.model,
         cfg.weights,
@@ -184,6 +191,12 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
             decoder,
         )
         return [_extract_split(job, src) for src in sources]
+    except Exception as exc:
+        from featcache.store.metadata import is_metadata_error, named_metadata_error
+
+        if not is_metadata_error(exc):
+            raise
+        raise named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc) from None
     finally:
         torch.set_num_threads(old_threads)
         close_dist(own_group)

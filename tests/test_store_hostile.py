@@ -395,3 +395,71 @@ def test_full_disk_results_append_is_one_line_and_keeps_the_table(tmp_path):
         after = append_results(table, rows(run))
         assert after.equals(pl.concat([before, read_results(table).filter(pl.col("run_id") == f"r{run}")]))
         assert len(after) == len(before) + 50
+
+
+# ---------------------------------------------------------------- damaged metadata
+DOCS = {  # document -> (what verify says to run, verify --repair rebuilds it)
+    "": ("restore it from a backup", False),
+    "datasets/digits/train": ("delete datasets/digits/train and features/*/digits/train", False),
+    "features/pix/digits/train": ("delete the folder features/pix/digits/train", False),
+    "features/pix/digits/train/pooled": ("delete the folder features/pix/digits/train", False),
+    "features/pix/digits/train/done": ("featcache verify --repair", True),
+    "features/pix/digits/train/valid": ("featcache verify --repair", True),
+}
+
+
+def _damage(doc, how: str) -> None:
+    raw = doc.read_bytes()
+    if how == "truncate":
+        doc.write_bytes(raw[: len(raw) // 2])
+    else:  # one bit flipped in a key: valid JSON that zarr refuses
+        key = b'"codecs"' if b'"codecs"' in raw else b'"node_type"'
+        i = raw.index(key) + 2
+        doc.write_bytes(raw[:i] + bytes([raw[i] ^ 0x04]) + raw[i + 1 :])
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_metadata_is_named_per_document(tmp_path, digits_pixels, capsys, how):
+    from featcache.cli import main
+
+    X, y, names = digits_pixels
+    ref = tmp_path / "ref.zarr"
+    _write(ref, X, y, names)
+    for i, (node, (advice, repairable)) in enumerate(DOCS.items()):
+        path = tmp_path / f"c{i}.zarr"
+        shutil.copytree(ref, path)
+        _damage(path / node / "zarr.json", how)
+        capsys.readouterr()
+        assert main(["verify", str(path)]) == 1
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err
+        doc = f"{node + '/' if node else ''}zarr.json (metadata of {node or 'the store root'}): not valid"
+        assert f"PROBLEM {doc}" in out.out, (node, out.out)
+        assert advice in out.out
+        assert main(["verify", "--repair", str(path)]) == 1
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err
+        assert ("repaired the store side" in out.out) == repairable, (node, out.out)
+        if repairable:  # the array is recreated, its chunks are recomputed by re-running
+            _write(path, X, y, names)
+            assert main(["verify", str(path)]) == 0
+            np.testing.assert_array_equal(open_cache(path).load("pix", "digits", "train").X, X)
+
+
+def test_extract_rerun_on_damaged_metadata_is_one_line(tmp_path, capsys):
+    from featcache.cli import main
+    from featcache.extract import extract
+
+    path = tmp_path / "c.zarr"
+    extract(_cfg(path))
+    _damage(path / "features" / KEY / "digits" / "test" / "zarr.json", "truncate")
+    argv = ["extract", "--model", "tf_efficientnet_lite0", "--weights", "random:0", "--data", "digits", "--split"]
+    argv += ["test", "--limit", "32", "--input-size", "32", "--chunk-rows", "8", "--workers", "0", "--no-progress"]
+    capsys.readouterr()
+    assert main([*argv, "--cache", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"damaged metadata document features/{KEY}/digits/test/zarr.json" in err
+    assert f"delete the folder features/{KEY}/digits/test, then re-run" in err
+    shutil.rmtree(path / "features" / KEY / "digits" / "test")  # what it says to do
+    assert main([*argv, "--cache", str(path)]) == 0
