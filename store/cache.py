@@ -19,6 +19,7 @@ from featcache.errors import (
     ConfigError,
     CorruptStoreError,
     IncompleteStoreError,
+    NoSpaceError,
     NotInStoreError,
     SchemaMismatchError,
 )
@@ -36,6 +37,7 @@ from featcache.store.schema import (
     SplitMeta,
     check_name,
 )
+from featcache.store.space import NO_SPACE_THEN, no_space
 
 log = logging.getLogger(__name__)
 #: attempts of a whole-group read before a load says the group keeps changing under it
@@ -577,24 +579,35 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
             "choose another --cache"
         ) from None
     except OSError as exc:
+        if NoSpaceError.caused_by(exc):
+            raise NoSpaceError.about(label, "the store's root metadata", 4096, NO_SPACE_THEN) from None
         raise CacheNotWritableError(
             f"cache path {label} is not writable ({exc}); choose a writable --cache or fix the permissions"
         ) from None
     if ROOT_KEY not in root.attrs:
-        with StoreLock(root, "root", timeout=60, what=f"creating {label}"):
-            root = zarr.open_group(root.store, mode="a", zarr_format=3)  # re-read: another job may have won
-            if ROOT_KEY not in root.attrs:
-                with warnings.catch_warnings():  # the lock folder is not a zarr node
-                    warnings.simplefilter("ignore")
-                    foreign = [k for k in root if k != "locks"]
-                if foreign:
-                    raise SchemaMismatchError(
-                        f"{label} is a non-empty zarr group that is not a featcache store; choose a new --cache path"
-                    )
-                from featcache import __version__
-
-                root.attrs[ROOT_KEY] = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+        with no_space(label, "the store's root metadata", 4096):
+            root = _create_root(root, label)
     return FeatureCache(root, label, "a")
+
+
+def _create_root(root, label: str):
+    """Write the featcache root attributes once, under the root lock (another job may win)."""
+    import zarr
+
+    with StoreLock(root, "root", timeout=60, what=f"creating {label}"):
+        root = zarr.open_group(root.store, mode="a", zarr_format=3)  # re-read: another job may have won
+        if ROOT_KEY not in root.attrs:
+            with warnings.catch_warnings():  # the lock folder is not a zarr node
+                warnings.simplefilter("ignore")
+                foreign = [k for k in root if k != "locks"]
+            if foreign:
+                raise SchemaMismatchError(
+                    f"{label} is a non-empty zarr group that is not a featcache store; choose a new --cache path"
+                )
+            from featcache import __version__
+
+            root.attrs[ROOT_KEY] = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+    return root
 
 
 def remove_group(cache: FeatureCache, *parts: str) -> None:

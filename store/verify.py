@@ -40,6 +40,8 @@ def verify(
     """Return a list of problems (empty when the store is sound). Never raises for damage:
     every exception while checking becomes a problem line naming where it happened."""
     rep = report if report is not None else VerifyReport()
+    if _damaged_metadata(path, rep, repair):
+        return rep.problems
     try:
         cache = open_cache(path, "a" if repair else "r", storage_options=storage_options)
     except FeatcacheError as exc:
@@ -60,6 +62,31 @@ def verify(
     for p in rep.notes:
         log.warning("verify: note: %s", p)
     return rep.problems
+
+
+def _damaged_metadata(path, rep: VerifyReport, repair: bool) -> bool:
+    """Damaged zarr.json documents of a local store, one named problem each. With ``repair``,
+    a damaged ``done``/``valid``/``error`` array is removed (under its group's lock) so the
+    checks below recreate it; any other damage stops the check (zarr cannot open it)."""
+    import os
+    import shutil
+
+    from featcache.store.metadata import damaged, repairable
+
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        return False
+    found = damaged(os.fspath(path))
+    if repair and found and all(repairable(rel) for rel, _ in found):
+        for rel, line in found:
+            group = rel.rsplit("/", 1)[0]
+            with StoreLock(open_cache(path, "a").root, group, timeout=0, what=group):
+                shutil.rmtree(os.path.join(os.fspath(path), *rel.split("/")))
+            log.warning("verify --repair: %s: removed, recreated below", line)
+        return False
+    for _, line in found:
+        log.warning("verify: %s", line)
+    rep.problems.extend(line for _, line in found)
+    return bool(found)
 
 
 def _safe(rep: VerifyReport, where: str, fn, *args):

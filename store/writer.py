@@ -9,13 +9,12 @@ distributed run own disjoint chunk sets, so no two writers ever touch the same o
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
 import numpy as np
 
-from featcache.errors import NoSpaceError, ProvenanceMismatchError, SchemaMismatchError
+from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store.cache import (
     FeatureCache,
     checksummed,
@@ -36,15 +35,12 @@ from featcache.store.schema import (
     check_name,
     provenance_digest,
 )
+from featcache.store.space import no_space
 from featcache.store.summary import clear_summary, write_summary
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("float16", "float32")
-NO_SPACE_THEN = (
-    "Free space (or extract into another --cache / cache=), then re-run the same command: finished "
-    "chunks are kept and only the missing ones are computed."
-)
 
 
 def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
@@ -67,20 +63,6 @@ def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
     if name == "done":
         return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
     raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
-
-
-@contextlib.contextmanager
-def no_space(path: str, what: str, need: int, then: str = NO_SPACE_THEN):
-    """A full disk (or quota) while writing ``what`` under ``path`` becomes one
-    :class:`~featcache.errors.NoSpaceError` naming it and about how many bytes it needs."""
-    try:
-        yield
-    except NoSpaceError:
-        raise
-    except Exception as exc:
-        if not NoSpaceError.caused_by(exc):
-            raise
-        raise NoSpaceError.about(path, what, need, then) from None
 
 
 class FeatureWriter:
@@ -415,7 +397,8 @@ def write_features(
     labels = np.asarray(labels, dtype=np.int64)
     if class_names is None:
         class_names = [str(c) for c in range(int(labels.max()) + 1 if len(labels) else 0)]
-    meta = ensure_split(cache, dataset, split, np.asarray(ids), labels, list(class_names), source)
+    with no_space(f"{cache.path}/datasets/{dataset}/{split}", "the split's ids and labels", 64 * len(labels)):
+        meta = ensure_split(cache, dataset, split, np.asarray(ids), labels, list(class_names), source)
     prov = make_provenance(
         backbone=backbone,
         dataset=dataset,

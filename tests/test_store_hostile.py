@@ -297,3 +297,169 @@ def test_full_disk_extract_is_one_line_and_resumes_exactly(tmp_path, capsys):
         assert f"{6 - done}/6 chunks computed" in capsys.readouterr().out
         X = open_cache(cache).load(KEY, "digits", "test").X
     np.testing.assert_array_equal(X, ref)
+
+
+def _inject_enospc(monkeypatch, at: int) -> list[str]:
+    """The store's I/O layer (zarr's LocalStore.set) fails with ENOSPC at its ``at``-th write."""
+    import errno
+
+    import zarr.storage
+
+    seen: list[str] = []
+    orig = zarr.storage.LocalStore.set
+
+    async def full(self, key, value):
+        seen.append(key)
+        if len(seen) == at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await orig(self, key, value)
+
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", full)
+    return seen
+
+
+def test_enospc_at_every_store_write_site(tmp_path, monkeypatch, digits_pixels):
+    """Each write the store makes fails in turn: one NoSpaceError naming the path, nothing
+    half-written, every chunk marked done intact, and a plain re-run byte-identical."""
+    import zarr
+
+    from featcache.errors import NoSpaceError
+
+    X, y, names = digits_pixels
+    with monkeypatch.context() as m:
+        sites = _inject_enospc(m, 0)
+        _write(tmp_path / "ref.zarr", X, y, names)
+    assert len(sites) > 15
+    resumed = 0
+    for k in range(1, len(sites) + 1):
+        path = tmp_path / f"k{k}.zarr"
+        with monkeypatch.context() as m:
+            _inject_enospc(m, k)
+            with pytest.raises(
+                NoSpaceError, match=r"^no space left on the device of .*k\d+\.zarr.* while writing .*re-run"
+            ):
+                _write(path, X, y, names)
+        assert not [f for _, _, fs in os.walk(path) for f in fs if f.endswith(".partial")], sites[k - 1]
+        with contextlib.suppress(KeyError, FileNotFoundError):
+            g = zarr.open_group(str(path), mode="r")["features/pix/digits/train"]
+            for i in np.flatnonzero(np.asarray(g["done"][:])):
+                np.testing.assert_array_equal(g["pooled"][i * 64 : (i + 1) * 64], X[i * 64 : (i + 1) * 64])
+        _write(path, X, y, names)  # space freed: a plain re-run
+        got = open_cache(path).load("pix", "digits", "train")
+        np.testing.assert_array_equal(got.X, X)
+        assert got.ids.tolist() == [f"d{i}" for i in range(len(y))]
+        resumed += 1
+    assert resumed == len(sites), resumed
+
+
+def test_full_disk_results_append_is_one_line_and_keeps_the_table(tmp_path):
+    import polars as pl
+
+    from featcache.errors import NoSpaceError
+    from featcache.results import append_results, read_results
+
+    def rows(run: int) -> list[dict]:
+        rng = np.random.default_rng(run)  # incompressible text: the disk fills in a few appends
+        return [
+            {
+                "run_id": f"r{run}",
+                "kind": "probe",
+                "backbone": "b",
+                "dataset": "d",
+                "metric": f"m{i}",
+                "value": float(i),
+                "seed": run,
+                "hparams": f'{{"h": "{rng.bytes(200).hex()}"}}',
+            }
+            for i in range(50)
+        ]
+
+    with _tmpfs(tmp_path / "small", "256k") as small:
+        table = small / "results.parquet"
+        before = None
+        for run in range(40):
+            try:
+                append_results(table, rows(run))
+            except NoSpaceError as exc:
+                msg = str(exc)
+                break
+            before = read_results(table)
+        else:
+            pytest.fail("the disk never filled")
+        assert re.match(NO_SPACE.format("results.parquet", r"50 new result rows"), msg), msg
+        assert "The table is unchanged" in msg
+        assert before is not None
+        assert read_results(table).equals(before)  # intact, not a partial parquet
+        assert sorted(os.listdir(small)) == [".results.parquet.lock", "results.parquet"]  # no orphan temp file
+        subprocess.run(["mount", "-o", "remount,size=8m", str(small)], check=True)
+        after = append_results(table, rows(run))
+        assert after.equals(pl.concat([before, read_results(table).filter(pl.col("run_id") == f"r{run}")]))
+        assert len(after) == len(before) + 50
+
+
+# ---------------------------------------------------------------- damaged metadata
+DOCS = {  # document -> (what verify says to run, verify --repair rebuilds it)
+    "": ("restore it from a backup", False),
+    "datasets/digits/train": ("delete datasets/digits/train and features/*/digits/train", False),
+    "features/pix/digits/train": ("delete the folder features/pix/digits/train", False),
+    "features/pix/digits/train/pooled": ("delete the folder features/pix/digits/train", False),
+    "features/pix/digits/train/done": ("featcache verify --repair", True),
+    "features/pix/digits/train/valid": ("featcache verify --repair", True),
+}
+
+
+def _damage(doc, how: str) -> None:
+    raw = doc.read_bytes()
+    if how == "truncate":
+        doc.write_bytes(raw[: len(raw) // 2])
+    else:  # one bit flipped in a key: valid JSON that zarr refuses
+        key = b'"codecs"' if b'"codecs"' in raw else b'"node_type"'
+        i = raw.index(key) + 2
+        doc.write_bytes(raw[:i] + bytes([raw[i] ^ 0x04]) + raw[i + 1 :])
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_metadata_is_named_per_document(tmp_path, digits_pixels, capsys, how):
+    from featcache.cli import main
+
+    X, y, names = digits_pixels
+    ref = tmp_path / "ref.zarr"
+    _write(ref, X, y, names)
+    for i, (node, (advice, repairable)) in enumerate(DOCS.items()):
+        path = tmp_path / f"c{i}.zarr"
+        shutil.copytree(ref, path)
+        _damage(path / node / "zarr.json", how)
+        capsys.readouterr()
+        assert main(["verify", str(path)]) == 1
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err
+        doc = f"{node + '/' if node else ''}zarr.json (metadata of {node or 'the store root'}): not valid"
+        assert f"PROBLEM {doc}" in out.out, (node, out.out)
+        assert advice in out.out
+        assert main(["verify", "--repair", str(path)]) == 1
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err
+        assert ("repaired the store side" in out.out) == repairable, (node, out.out)
+        if repairable:  # the array is recreated, its chunks are recomputed by re-running
+            _write(path, X, y, names)
+            assert main(["verify", str(path)]) == 0
+            np.testing.assert_array_equal(open_cache(path).load("pix", "digits", "train").X, X)
+
+
+def test_extract_rerun_on_damaged_metadata_is_one_line(tmp_path, capsys):
+    from featcache.cli import main
+    from featcache.extract import extract
+
+    path = tmp_path / "c.zarr"
+    extract(_cfg(path))
+    _damage(path / "features" / KEY / "digits" / "test" / "zarr.json", "truncate")
+    argv = ["extract", "--model", "tf_efficientnet_lite0", "--weights", "random:0", "--data", "digits", "--split"]
+    argv += ["test", "--limit", "32", "--input-size", "32", "--chunk-rows", "8", "--workers", "0", "--no-progress"]
+    capsys.readouterr()
+    assert main([*argv, "--cache", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"damaged metadata document features/{KEY}/digits/test/zarr.json" in err
+    assert f"delete the folder features/{KEY}/digits/test, then re-run" in err
+    shutil.rmtree(path / "features" / KEY / "digits" / "test")  # what it says to do
+    assert main([*argv, "--cache", str(path)]) == 0
