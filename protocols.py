@@ -77,6 +77,7 @@ from featcache.splits import (
     VAL_SOURCES,
     VTAB_TOTAL,
     VTAB_VAL,
+    elevater_holdout,
     fewshot_split,
     full_holdout,
     stratified_sample,
@@ -105,7 +106,17 @@ STAGES = ("probe", "finetune")
 #: the L-BFGS probes' C grid (Kornblith et al. / DINOv2): 45 values log-spaced over 1e-6 .. 1e5
 C_GRID = tuple(float(c) for c in np.logspace(-6, 5, 45))
 #: split plans a protocol can name
-SPLITS = ("full", "fewshot", "vtab1k", "vtab1k-stratified", "subset", "none", "dinov2")
+SPLITS = (
+    "full",
+    "fewshot",
+    "vtab1k",
+    "vtab1k-stratified",
+    "subset",
+    "none",
+    "dinov2",
+    "elevater-full",
+    "elevater-fewshot",
+)
 #: DINOv2's C grid (dinov2/eval/log_regression.py: ``10 ** torch.linspace(-6, 5, 45)``, float32)
 DINOV2_C_GRID = tuple(float(c) for c in np.float32(10) ** np.linspace(-6, 5, 45, dtype=np.float32))
 
@@ -150,7 +161,7 @@ class ElevaterGrid:
     """ELEVATER's image-classification linear-probe search (paper section 4.1; values from
     the public toolkit Elevater_Toolkit_IC, ``full_model_finetune.py``
     ``hyperparameter_sweep_lr`` / ``hyperparameter_sweep`` and ``config/default.py``): SGD
-    (momentum 0.9, Nesterov, constant lr, batch 32) over 6 learning rates log-spaced
+    (momentum 0.9, no Nesterov, constant lr, batch 64, channel BatchNorm, logit scale 1) over 6 learning rates log-spaced
     1e-6 .. 1e-1; for each, a coarse-to-fine weight-decay search over 97 values log-spaced
     1e-6 .. 1e6: the 7 coarse points (every 16th), then the neighbours at ``spans`` 8, 4,
     2, 1 around the best so far; ``search_epochs`` (10) per trial, the selected (lr, wd)
@@ -162,11 +173,11 @@ class ElevaterGrid:
     spans: tuple[int, ...] = (8, 4, 2, 1)
     search_epochs: int = 10
     final_epochs: int = 50
-    batch_size: int = 32
+    batch_size: int = 64  # the toolkit's feature loader (get_dataloader's default)
     momentum: float = 0.9
-    nesterov: bool = True
-    features: str = "l2"  # "l2": L2-normalised x logit_scale; "bn": channel-standardised
-    logit_scale: float = 1 / 0.07
+    nesterov: bool = False  # NESTEROV: False in every shipped model config
+    features: str = "bn"  # USE_CHANNEL_BN default; "l2": L2-normalised x logit_scale
+    logit_scale: float = 1.0  # LOGIT_SCALE_INIT 'none': exp(0)
 
 
 ELEVATER_SGD = ElevaterGrid()
@@ -220,7 +231,7 @@ class Protocol:
 
     def uses_val_split(self, val_source: str = "split-800-200") -> bool:
         """Whether the plan selects on the dataset's own ``val`` split when it has one."""
-        if self.split in ("fewshot", "none"):
+        if self.split in ("fewshot", "none", "elevater-full", "elevater-fewshot"):
             return False
         return not (self.split.startswith("vtab1k") and val_source == "split-800-200")
 
@@ -279,6 +290,23 @@ def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name,
         f"{train_name}[{p.spec}]",
         {"val": "per-class-80/20", "shots_counted": "before-split"},
     )
+
+
+def _plan_elevater_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+    """ELEVATER's full-data split: select on the first ceil(20%) per class of train (the
+    toolkit's ``get_dataloader(val_split=0.2)``; a dataset val split is not used), refit on all of train."""
+    t, v = elevater_holdout(y)
+    return SplitPlan(t, v, np.arange(y.size), train_name, {"val": f"first-ceil-20%-per-class-of-{train_name}"})
+
+
+def _plan_elevater_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+    """``fewshot`` as ELEVATER's ``linear_probe.py`` runs it: N = 1 draws 2 per class and
+    does not merge train and val for the final run (MERGE_TRAIN_VAL_FINAL_RUN=False)."""
+    if p.shots != 1:
+        return _plan_fewshot(p, y, seed, n_val, val_source, train_name, val_name)
+    t, v = fewshot_split(y, 2, seed)
+    info = {"val": "per-class-80/20", "shots_counted": "before-split", "shots_drawn": 2, "final": "train only"}
+    return SplitPlan(t, v, t, f"{train_name}[{p.spec}]", info)
 
 
 def _check_val_source(val_source: str) -> None:
@@ -351,6 +379,8 @@ def _plan_dinov2(p: Protocol, y, seed, n_val, val_source, train_name, val_name, 
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
     "dinov2": _plan_dinov2,
     "full": _plan_full,
+    "elevater-full": _plan_elevater_full,
+    "elevater-fewshot": _plan_elevater_fewshot,
     "subset": _plan_full,
     "fewshot": _plan_fewshot,
     "vtab1k": _plan_vtab1k,
@@ -410,7 +440,7 @@ def pairs(stage: str = "finetune") -> dict[str, str]:
 
 _HELP = {
     ("probe", "fewshot"): "fewshot:N (N >= 2)",
-    ("probe", "elevater-fewshot"): "elevater-fewshot:N (N >= 2)",
+    ("probe", "elevater-fewshot"): "elevater-fewshot:N (N >= 1)",
     ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)",
 }
 
@@ -477,12 +507,12 @@ def _shots(name: str, arg: str | None) -> int:
 
 @register_protocol("elevater-fewshot")
 def elevater_fewshot(arg: str | None = None) -> Protocol:
-    n = _shots("elevater-fewshot", arg)
+    n = 1 if arg == "1" else _shots("elevater-fewshot", arg)  # N = 1: the toolkit draws 2
     return Protocol(
         spec=f"elevater-fewshot:{n}",
         name="elevater-fewshot",
         stage="probe",
-        split="fewshot",
+        split="elevater-fewshot",
         solver="elevater",
         grid=ELEVATER_SGD,
         seeds=(0, 1, 2),
@@ -494,7 +524,12 @@ def elevater_fewshot(arg: str | None = None) -> Protocol:
 def elevater_full(arg: str | None = None) -> Protocol:
     _no_arg("elevater-full", arg)
     return Protocol(
-        spec="elevater-full", name="elevater-full", stage="probe", split="full", solver="elevater", grid=ELEVATER_SGD
+        spec="elevater-full",
+        name="elevater-full",
+        stage="probe",
+        split="elevater-full",
+        solver="elevater",
+        grid=ELEVATER_SGD,
     )
 
 

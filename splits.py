@@ -40,6 +40,8 @@ shared by fine-tuning and the probes' ``vtab1k-sgd`` head.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from featcache.errors import SplitError
@@ -52,6 +54,7 @@ __all__ = [
     "allocate",
     "batch_positions",
     "canonical_order",
+    "elevater_holdout",
     "fewshot_split",
     "full_holdout",
     "sample_per_class",
@@ -236,6 +239,15 @@ def full_holdout(y, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[np.n
     """``full`` protocol without a dataset val split: (train, val) with a stratified, seeded
     ``fraction`` (10%) of train held out for selection; the final fit uses all of train."""
     return stratified_holdout(y, fraction, seed)
+
+
+def elevater_holdout(y, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+    """ELEVATER's validation split of a train set (Elevater_Toolkit_IC ``get_dataloader``,
+    ``val_split=0.2``): per class the first ``ceil(fraction * count)`` positions (no
+    randomness), the rest train. Returns (train, val), sorted."""
+    val = [idx[: math.ceil(idx.size * fraction)] for idx in _by_class(np.asarray(y))]
+    val = np.sort(np.concatenate(val)) if val else np.zeros(0, np.int64)
+    return np.setdiff1d(np.arange(np.asarray(y).size), val), val
 
 
 def subset_indices(y, fraction: float, seed: int) -> np.ndarray:

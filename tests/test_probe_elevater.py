@@ -22,12 +22,67 @@ def test_grid_is_the_toolkits():
     assert g.wds[0] == pytest.approx(1e-6)
     assert g.wds[-1] == pytest.approx(1e6)
     np.testing.assert_allclose([g.wds[i] for i in g.coarse], np.logspace(-6, 6, 7))
-    assert (g.search_epochs, g.final_epochs, g.batch_size, g.momentum, g.nesterov) == (10, 50, 32, 0.9, True)
+    # batch 64: get_dataloader's default; NESTEROV False in every shipped model config;
+    # USE_CHANNEL_BN True, NORMALIZE_VISUAL_FEATURE False, LOGIT_SCALE_INIT 'none' (exp(0))
+    assert (g.search_epochs, g.final_epochs, g.batch_size, g.momentum, g.nesterov) == (10, 50, 64, 0.9, False)
+    assert (g.features, g.logit_scale) == ("bn", 1.0)
     fs, full = P.get_protocol("elevater-fewshot:20"), P.get_protocol("elevater-full")
-    assert (fs.split, fs.shots, fs.seeds, fs.solver) == ("fewshot", 20, (0, 1, 2), "elevater")
-    assert (full.split, full.seeds, full.solver) == ("full", (0,), "elevater")
+    assert (fs.split, fs.shots, fs.seeds, fs.solver) == ("elevater-fewshot", 20, (0, 1, 2), "elevater")
+    assert (full.split, full.seeds, full.solver) == ("elevater-full", (0,), "elevater")
     with pytest.raises(P.ProtocolError, match="N >= 2"):
-        P.get_protocol("elevater-fewshot:1")
+        P.get_protocol("fewshot:1")
+
+
+def toolkit_train_val_split(labels, val_split=0.2):
+    """Single-label branch of ``train_val_dataset`` in ``get_dataloader``
+    (Computer-Vision-in-the-Wild/Elevater_Toolkit_IC vision_benchmark/evaluation/feature.py)."""
+    import math
+    from collections import Counter
+
+    cls_to_count = Counter(labels)
+    val_indices = []
+    for label in cls_to_count:
+        n_samples = math.ceil(cls_to_count[label] * val_split)
+        samples = np.where(labels == label)[0][:n_samples]
+        val_indices.append(samples)
+    val_idx = set(np.concatenate(val_indices).tolist())
+    train_idx = set(range(len(labels))) - val_idx
+    return list(train_idx), list(val_idx)
+
+
+def test_full_data_holds_out_the_toolkits_first_ceil_20_percent_per_class(digits_cache):
+    from featcache.probes import runner as PR
+    from featcache.store import open_cache
+
+    y = PR._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled").y
+    sp = P.get_protocol("elevater-full").plan(y, 0, n_val=100)  # a dataset val split is not used
+    ref_t, ref_v = toolkit_train_val_split(y)
+    assert sp.val.tolist() == sorted(ref_v)
+    assert sp.train.tolist() == sorted(ref_t)
+    assert sp.final.tolist() == list(range(y.size))
+    assert sp.val.size == sum(int(np.ceil(0.2 * (y == c).sum())) for c in np.unique(y))
+    assert sp.info["val"] == "first-ceil-20%-per-class-of-train"
+
+
+def test_one_shot_draws_two_and_does_not_merge_like_the_toolkit(digits_cache):
+    """linear_probe.py: NUM_SAMPLES_PER_CLASS 1 -> 2 and MERGE_TRAIN_VAL_FINAL_RUN False."""
+    df = run_probes(
+        ProbeConfig(
+            digits_cache,
+            LITE0,
+            "digits",
+            "elevater-fewshot:1",
+            seeds=[0],
+            search_epochs=2,
+            final_epochs=5,
+            progress=False,
+        )
+    )
+    v, hp = _top1_hp(df)
+    assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (10, 10, 10)
+    assert hp["shots_drawn"] == 2
+    assert hp["final"] == "train only"
+    assert 0.1 < v <= 1
 
 
 def test_weight_decay_search_is_coarse_to_fine():
@@ -109,7 +164,16 @@ def _top1_hp(df):
     return float(t["value"][0]), json.loads(t["hparams"][0])
 
 
-def test_language_initialised_head_matters_and_is_not_worse_than_zeroshot(digits_with_text):
+def test_language_initialised_head_matters_and_is_not_worse_than_zeroshot(digits_with_text, monkeypatch):
+    """With the toolkit's NORMALIZE_VISUAL_FEATURE and LOGIT_SCALE_INIT='clip' (features "l2",
+    scale 1/0.07) the text-initialised head starts as the zero-shot classifier; the
+    default channel BatchNorm input starts elsewhere, so that setting (with featcache's
+    earlier batch 32 and Nesterov, under which this comparison was measured) is patched in."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(
+        P, "ELEVATER_SGD", replace(P.ELEVATER_SGD, features="l2", logit_scale=1 / 0.07, batch_size=32, nesterov=True)
+    )
     zs, hz = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "zeroshot", progress=False)))
     assert hz["solver"] == "zeroshot"
     assert hz["n_train"] == 0
