@@ -21,13 +21,13 @@ class FeatureHead:
         self.kinds = list(dict.fromkeys(kinds))
         if not self.kinds:
             raise FeatcacheError(f"no feature kinds requested; choose from {FEATURE_KINDS_HELP}")
+        self.stages: list[int] = []
         self.features_fn = getattr(backbone, "features_fn", None)
         if self.features_fn is not None:  # a non-timm source computes its own kinds
             bad = [k for k in self.kinds if k not in backbone.kinds]
             if bad:
                 raise FeatcacheError(f"{backbone.name} offers {', '.join(backbone.kinds)}; not {', '.join(bad)}")
             return
-        self.stages = []
         for k in self.kinds:
             m = _STAGE_RE.match(k)
             if m:
