@@ -80,10 +80,14 @@ class FeatureHead:
     def _check_stages(self, x) -> None:
         """timm asserts on a stage index out of range; name the kind and the stages there are."""
         stages = sorted(set(self.stages))
-        try:
-            n = len(self.model.forward_intermediates(x, indices=None, intermediates_only=True))
-        except TypeError:  # a model whose forward_intermediates takes no intermediates_only
-            return
+        info = getattr(self.model, "feature_info", None)
+        if info:  # timm's stage list: no extra forward pass
+            n = len(info)
+        else:
+            try:
+                n = len(self.model.forward_intermediates(x, indices=None, intermediates_only=True))
+            except TypeError:  # a model whose forward_intermediates takes no intermediates_only
+                return
         bad = [i for i in stages if i >= n]
         if bad:
             raise ConfigError(
