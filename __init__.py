@@ -9,12 +9,18 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
+from featcache._lazy import lazy_exports
 from featcache.errors import (
     FeatcacheError,
     IncompleteStoreError,
     NotInStoreError,
     SchemaMismatchError,
 )
+
+if TYPE_CHECKING:
+    from featcache.store.cache import open_cache
 
 __all__ = [
     "FeatcacheError",
@@ -25,10 +31,5 @@ __all__ = [
     "open_cache",
 ]
 
-
-def open_cache(store, mode: str = "r", storage_options: dict | None = None):
-    """Open a feature cache root: a path, an fsspec URL or a zarr Store
-    (see :func:`featcache.store.open_cache`)."""
-    from featcache.store import open_cache as _open
-
-    return _open(store, mode, storage_options=storage_options)
+#: ``open_cache`` (:func:`featcache.store.open_cache`) imports zarr on first use
+__getattr__, __dir__ = lazy_exports(__name__, {"open_cache": "featcache.store.cache"})

@@ -17,20 +17,25 @@ the bootstrap line fit), :mod:`featcache.analysis.rankings`, :mod:`featcache.ana
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from featcache._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from featcache.analysis.api import rank, shift
+    from featcache.analysis.report import write_report
+    from featcache.analysis.tables import load_table, merge_tables
+
 __all__ = ["load_table", "merge_tables", "rank", "shift", "write_report"]
 
-
-def __getattr__(name: str):
-    if name in ("rank", "shift"):
-        from featcache.analysis import api
-
-        return getattr(api, name)
-    if name == "write_report":
-        from featcache.analysis.report import write_report
-
-        return write_report
-    if name in ("load_table", "merge_tables"):
-        from featcache.analysis import tables
-
-        return getattr(tables, name)
-    raise AttributeError(f"module 'featcache.analysis' has no attribute {name!r}")
+#: imported on first use (polars, scipy, matplotlib, jinja2)
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "rank": "featcache.analysis.api",
+        "shift": "featcache.analysis.api",
+        "write_report": "featcache.analysis.report",
+        "load_table": "featcache.analysis.tables",
+        "merge_tables": "featcache.analysis.tables",
+    },
+)

@@ -9,23 +9,28 @@ as uint8 with them).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+from featcache._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from featcache.extract.backbones import create_backbone
+    from featcache.extract.config import ExtractConfig
+    from featcache.extract.data import default_name, open_dataset
+    from featcache.extract.pipeline import extract
+    from featcache.extract.preprocess import split_transform
 
 __all__ = ["ExtractConfig", "create_backbone", "default_name", "extract", "open_dataset", "split_transform"]
 
 #: imported on first use so ``featcache extract --help`` imports no torch/numpy stack
-_LAZY = {
-    "ExtractConfig": "featcache.extract.config",
-    "extract": "featcache.extract.pipeline",
-    "create_backbone": "featcache.extract.backbones",
-    "default_name": "featcache.extract.data",
-    "open_dataset": "featcache.extract.data",
-    "split_transform": "featcache.extract.preprocess",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "ExtractConfig": "featcache.extract.config",
+        "extract": "featcache.extract.pipeline",
+        "create_backbone": "featcache.extract.backbones",
+        "default_name": "featcache.extract.data",
+        "open_dataset": "featcache.extract.data",
+        "split_transform": "featcache.extract.preprocess",
+    },
+)

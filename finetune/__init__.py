@@ -10,13 +10,15 @@ CLI flags), :mod:`~featcache.finetune.schedule` (SGD grid, lr steps, batch strea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from featcache._lazy import lazy_exports
 from featcache.finetune.config import FinetuneConfig
+
+if TYPE_CHECKING:
+    from featcache.finetune.runner import finetune
 
 __all__ = ["FinetuneConfig", "finetune"]
 
-
-def finetune(config: FinetuneConfig):
-    """Run fine-tuning (see :func:`featcache.finetune.runner.finetune`)."""
-    from featcache.finetune.runner import finetune as _run
-
-    return _run(config)
+#: the runner imports torch on first use
+__getattr__, __dir__ = lazy_exports(__name__, {"finetune": "featcache.finetune.runner"})

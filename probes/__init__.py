@@ -7,11 +7,15 @@ the stage config. Entry points: :class:`LogisticProbe`, :class:`SGDProbe`, :func
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from featcache._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from featcache.probes.config import ProbeConfig
+    from featcache.probes.logistic import DEFAULT_CS, LogisticProbe, SweepResult, resolve_backend, sweep_C
+    from featcache.probes.runner import run_probes
+    from featcache.probes.sgd import SGDProbe
 
 __all__ = [
     "DEFAULT_CS",
@@ -26,25 +30,16 @@ __all__ = [
 
 #: imported on first use: `featcache --help` / `featcache extract` must not pay for
 #: scikit-learn (the estimators import it at module level)
-_LAZY = {
-    "ProbeConfig": "featcache.probes.config",
-    "DEFAULT_CS": "featcache.probes.logistic",
-    "LogisticProbe": "featcache.probes.logistic",
-    "SweepResult": "featcache.probes.logistic",
-    "resolve_backend": "featcache.probes.logistic",
-    "sweep_C": "featcache.probes.logistic",
-    "SGDProbe": "featcache.probes.sgd",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def run_probes(config: ProbeConfig):
-    """Run probes from a feature cache into a results table (see :func:`featcache.probes.runner.run_probes`)."""
-    from featcache.probes.runner import run_probes as _run
-
-    return _run(config)
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "ProbeConfig": "featcache.probes.config",
+        "DEFAULT_CS": "featcache.probes.logistic",
+        "LogisticProbe": "featcache.probes.logistic",
+        "SweepResult": "featcache.probes.logistic",
+        "resolve_backend": "featcache.probes.logistic",
+        "sweep_C": "featcache.probes.logistic",
+        "SGDProbe": "featcache.probes.sgd",
+        "run_probes": "featcache.probes.runner",
+    },
+)

@@ -34,6 +34,25 @@ from typing import Any
 from featcache.errors import BackboneError
 
 SourceBuilder = Callable[..., Any]
+
+__all__ = [
+    "SourceBuilder",
+    "as_mapping",
+    "builder",
+    "check_kinds",
+    "data_config",
+    "finish",
+    "input_size_of",
+    "list_sources",
+    "load_weights",
+    "parse_model",
+    "register_source",
+    "require",
+    "seed_of",
+    "seeded",
+    "state_sha256",
+    "store_key",
+]
 _SOURCES: dict[str, tuple[str, SourceBuilder | None]] = {}
 _EXTRAS = {"open_clip": "clip", "hf": "hf"}
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_.@+=-]")
