@@ -126,6 +126,8 @@ def run_embed_classes(args: argparse.Namespace) -> int:
         name=args.name,
         overwrite=args.overwrite,
         device=args.device,
+        classnames=args.classnames,
+        prompt_dataset=args.prompt_dataset,
     )
     print(f"class embeddings {args.dataset}/{key}/{args.name}: {m.shape[0]} classes, {m.shape[1]}-d")
     return 0
@@ -145,8 +147,22 @@ def register(sub) -> None:
     e.add_argument(
         "--templates",
         default="clip-imagenet",
-        help="clip-imagenet (CLIP's 80 prompts) | simple | FILE (one template per line with {}, a JSON "
-        "list, or CLIP_benchmark's zeroshot_classification_templates.json)",
+        help="clip-imagenet (CLIP's 80 prompts) | simple | elevater (ELEVATER's per dataset) | clip-benchmark "
+        "(CLIP_benchmark's per dataset) | FILE (one template per line with {} or {c}, as CLIP_benchmark's "
+        "zeroshot_classification_templates.txt; a JSON list; a JSON object dataset -> list)",
+    )
+    e.add_argument(
+        "--classnames",
+        default=None,
+        help="store | elevater | clip-benchmark | FILE (one name per line, as CLIP_benchmark's classnames.txt; "
+        "or JSON); default: ELEVATER's with --templates elevater, CLIP_benchmark's with --templates "
+        "clip-benchmark where it names the dataset, else the store's",
+    )
+    e.add_argument(
+        "--prompt-dataset",
+        default=None,
+        help="the dataset's name in ELEVATER's / CLIP_benchmark's sets (default: --dataset, matched by letters "
+        "and digits and by the elevater-ic suite's task names)",
     )
     e.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
     e.add_argument("--name", default="text", help="embedding name (--head-init NAME)")
