@@ -56,10 +56,11 @@ def embed_classes(encode: Callable[[list[str]], Any], class_names: Sequence[str]
 def write_embeddings(cache: Any, dataset: str, backbone: str, m: np.ndarray, prov: dict, name: str, overwrite: bool):
     """Store ``m`` with ``prov``; refuse other provenance already stored (unless ``overwrite``)."""
     from featcache.store import write_class_embeddings
+    from featcache.store.schema import TEXT_PROVENANCE_KEY
 
     g = cache._group("class_embeddings", dataset, backbone)
     if g is not None and name in {k for k, _ in g.arrays()} and not overwrite:
-        old = dict(g[name].attrs.get("featcache_text", {}))
+        old = cache.class_embeddings_provenance(dataset, name, backbone)
         diff = {k: (old.get(k), v) for k, v in prov.items() if old.get(k) != v and (k in old or not old)}
         if diff:
             raise SchemaMismatchError(
@@ -67,7 +68,7 @@ def write_embeddings(cache: Any, dataset: str, backbone: str, m: np.ndarray, pro
                 "pass --overwrite (Python: overwrite=True) to replace them"
             )
     write_class_embeddings(cache, dataset, m, name, backbone=backbone)
-    cache.root[f"class_embeddings/{dataset}/{backbone}/{name}"].attrs["featcache_text"] = prov
+    cache.root[f"class_embeddings/{dataset}/{backbone}/{name}"].attrs[TEXT_PROVENANCE_KEY] = prov
 
 
 def run(

@@ -31,6 +31,7 @@ from featcache.store.schema import (
     ROOT_KEY,
     SCHEMA_VERSION,
     SPLIT_KEY,
+    TEXT_PROVENANCE_KEY,
     FeatureGroupMeta,
     FeatureProvenance,
     RootMeta,
@@ -491,6 +492,18 @@ class FeatureCache:
             + f" (present: {have}; backbones with their own: {per_bb}); store them with "
             "featcache.store.write_class_embeddings(path, dataset, matrix, name, backbone=...)"
         )
+
+    def class_embeddings_provenance(self, dataset: str, name: str = "text", backbone: str | None = None) -> dict:
+        """What made the matrix :meth:`load_class_embeddings` returns (tower, weights hash,
+        templates and their hash, as ``featcache embed-classes`` records it); ``{}`` when nothing
+        was recorded (a matrix written with :func:`write_class_embeddings`)."""
+        for parts in ((("class_embeddings", dataset, backbone),) if backbone else ()) + (
+            ("class_embeddings", dataset),
+        ):
+            g = self._group(*parts)
+            if g is not None and name in {k for k, _ in g.arrays()}:
+                return dict(g[name].attrs.get(TEXT_PROVENANCE_KEY, {}))
+        return {}
 
     def __repr__(self) -> str:
         return f"FeatureCache({self.path!r}, {len(self.entries())} feature groups)"

@@ -30,6 +30,8 @@ ROOT_KEY = "featcache"
 SPLIT_KEY = "featcache_split"
 GROUP_KEY = "featcache_features"
 PROVENANCE_KEY = "featcache_provenance"
+#: what made a class-embedding matrix (tower, weights hash, templates), beside the array
+TEXT_PROVENANCE_KEY = "featcache_text"
 #: sha256 of the canonical JSON of the provenance document, written beside it by the writer
 PROVENANCE_DIGEST_KEY = "featcache_provenance_sha256"
 

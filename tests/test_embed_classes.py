@@ -36,14 +36,14 @@ class _HFAsOpenClip:
         return torch.nn.functional.normalize(out, dim=-1) if normalize else out
 
 
-def _image_features(model_spec, weights, cache, key):
+def _image_features(model_spec, weights, cache, key, splits=("test",)):
     extract(
         ExtractConfig(
             model_spec,
             weights,
             "digits",
             cache=cache,
-            splits=("test",),
+            splits=splits,
             limit=N,
             batch_size=N,
             dtype="float32",
@@ -163,7 +163,7 @@ def test_hf_clip_zeroshot_equals_open_clip_classifier(tiny, tmp_path):
 def oc_store(tiny, tmp_path_factory):
     """digits test images through the tiny open_clip (random:0) under key ``oc``, extracted once."""
     cache = str(tmp_path_factory.mktemp("ocstore") / "c.zarr")
-    _image_features(f"open_clip:{tiny[0]}", "random:0", cache, "oc")
+    _image_features(f"open_clip:{tiny[0]}", "random:0", cache, "oc", splits=("train", "test"))
     return cache
 
 
@@ -257,3 +257,33 @@ def test_clip_benchmark_classnames_and_templates_files(tiny, oc_store, tmp_path)
     # a class-name file of another length is refused (the store's digits have 10 classes)
     (tmp_path / "short.txt").write_text("zero\none\n")
     assert _embed(cache, arch, *files, "--classnames", str(tmp_path / "short.txt"), "--overwrite") != 0
+
+
+def test_zeroshot_refuses_embeddings_of_another_tower_or_template_set(tiny, oc_store, tmp_path, capsys):
+    """probe --protocol zeroshot / --head-init text check what made the class embeddings."""
+    arch = tiny[0]
+    cache = _store_copy(oc_store, tmp_path)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("a photo of the number {}.\n")
+    b.write_text("a drawing of a {}.\n")
+    res = str(tmp_path / "r.parquet")
+    probe = ["probe", "--cache", cache, "--backbone", "oc", "--dataset", "digits"]
+    probe += ["--protocol", "zeroshot", "--results", res, "--no-progress"]
+    assert _embed(cache, arch, "--templates", str(a)) == 0
+    assert main([*probe, "--templates", str(a)]) == 0
+    capsys.readouterr()
+    # another template set than asked: stored vs asked, and how to regenerate
+    assert main([*probe, "--templates", str(b), "--force"]) != 0
+    err = capsys.readouterr().err
+    assert "templates: stored a.txt" in err
+    assert "asked b.txt" in err
+    assert "featcache embed-classes" in err
+    # embeddings from another tower (random:1 weights) than the one that extracted `oc`
+    argv = ["embed-classes", "--cache", cache, "--model", f"open_clip:{arch}", "--weights", "random:1"]
+    assert main([*argv, "--dataset", "digits", "--backbone", "oc", "--templates", str(a), "--overwrite"]) == 0
+    capsys.readouterr()
+    for extra in ([], ["--protocol", "full", "--head-init", "text"]):
+        assert main([*probe, "--force", *extra]) != 0
+        err = capsys.readouterr().err
+        assert "tower weights sha256: stored" in err
+        assert "--weights random:0" in err  # the regeneration command names the features' weights
