@@ -133,6 +133,24 @@ def run_embed_classes(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_embed_captions(args: argparse.Namespace) -> int:
+    """``featcache embed-captions``: the captions of stored images through the text tower."""
+    from featcache.extract.captions import run
+
+    key, n_img, n_txt = run(
+        args.cache,
+        args.model,
+        args.weights,
+        args.dataset,
+        args.split,
+        args.captions,
+        backbone=args.backbone,
+        device=args.device,
+    )
+    print(f"caption embeddings {args.dataset}/{args.split}/{key}: {n_txt} captions of {n_img} images")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("extract", help="run a backbone over a dataset into the feature cache")
     add_extract_arguments(p)
@@ -169,3 +187,20 @@ def register(sub) -> None:
     e.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     e.add_argument("--overwrite", action="store_true", help="replace embeddings made with another tower/templates")
     e.set_defaults(func=run_embed_classes)
+    c = sub.add_parser(
+        "embed-captions", help="caption embeddings from a backbone's text tower (featcache retrieve-text)"
+    )
+    c.add_argument("--cache", required=True, help="feature cache holding the images' features")
+    c.add_argument("--model", required=True, help="open_clip:ARCH | hf:DIR (a CLIPModel), as for extract")
+    c.add_argument("--weights", default="timm", help="as for extract (random:SEED, a checkpoint; hf: the directory's)")
+    c.add_argument("--dataset", required=True, help="dataset key in the store")
+    c.add_argument("--split", default="test", help="split of the captioned images (default test)")
+    c.add_argument(
+        "--captions",
+        required=True,
+        help="CLIP_benchmark's retrieval export DIR (<split>/*.tar with .txt captions, one per line) or a "
+        "manifest CSV/parquet with a caption column and id (or path); several rows or lines = several captions",
+    )
+    c.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
+    c.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    c.set_defaults(func=run_embed_captions)
