@@ -287,3 +287,28 @@ def test_zeroshot_refuses_embeddings_of_another_tower_or_template_set(tiny, oc_s
         err = capsys.readouterr().err
         assert "tower weights sha256: stored" in err
         assert "--weights random:0" in err  # the regeneration command names the features' weights
+
+
+def test_zeroshot_is_a_protocol_row_and_a_report_setting(tiny, oc_store, tmp_path):
+    """ELEVATER's zero-shot column: zeroshot rows (0 shots, nothing trained) beside the full
+    probe's, a setting of their own in the report's tables (``probe:digits (zero-shot)``)."""
+    import polars as pl
+
+    from featcache.analysis.tables import load_table, merge_tables
+    from featcache.probes import ProbeConfig, run_probes
+    from featcache.results import read_results
+
+    cache = _store_copy(oc_store, tmp_path)
+    tmpl = tmp_path / "t.txt"
+    tmpl.write_text("a photo of the number {}.\na drawing of a {}.\n")
+    assert _embed(cache, tiny[0], "--templates", str(tmpl)) == 0
+    res = str(tmp_path / "r.parquet")
+    for proto in ("zeroshot", "full"):
+        run_probes(ProbeConfig(cache, "oc", "digits", proto, results_path=res, Cs=(1.0,), progress=False))
+    df = read_results(res)
+    zs = df.filter(pl.col("protocol") == "zeroshot")
+    assert zs.height > 0
+    assert set(zs["shots"]) == {0}
+    assert set(zs["train_split"]) == {"none"}
+    merged, _ = merge_tables([load_table(df)])
+    assert set(merged["setting"]) == {"probe:digits (zero-shot)", "probe:digits"}
