@@ -98,9 +98,6 @@ def run(
     from featcache.prompts import templates_sha256
     from featcache.store import open_cache, write_caption_embeddings
 
-    bb = create_backbone(model, weights, device=device)
-    if bb.text_tower is None:
-        raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
     cache = open_cache(cache_path, "a")
     if dataset not in cache.datasets() or split not in cache.splits(dataset):
         raise ConfigError(f"{dataset}/{split} is not in {cache_path}; extract its images first (featcache extract)")
@@ -112,6 +109,9 @@ def run(
             f"{len(missing)} captioned images are not in {dataset}/{split} of the store (e.g. {missing[0]!r}); "
             "extract the same images (same --data) first"
         )
+    bb = create_backbone(model, weights, device=device)  # after the captions are read and matched
+    if bb.text_tower is None:
+        raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
     image_ids = [i for i, cs in caps.items() for _ in cs]
     texts = [c for cs in caps.values() for c in cs]
     with torch.no_grad():

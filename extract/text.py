@@ -94,16 +94,16 @@ def run(
     from featcache.extract.backbones import create_backbone
     from featcache.store import open_cache
 
-    bb = create_backbone(model, weights, device=device)
-    if bb.text_tower is None:
-        raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
     cache = open_cache(cache_path, "a")
     if dataset not in cache.datasets():
         raise ConfigError(f"--dataset {dataset!r} is not in {cache_path} (has {cache.datasets()}); extract it first")
     stored = list(cache.split_meta(dataset, cache.splits(dataset)[0]).class_names)
     pd = prompt_dataset or dataset
-    classes = _class_names(classnames, templates, pd, stored)
+    classes = _class_names(classnames, templates, pd, stored)  # bad names/templates fail before the model
     tmpl = load_templates(templates, pd)
+    bb = create_backbone(model, weights, device=device)
+    if bb.text_tower is None:
+        raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
     m = embed_classes(bb.text_tower.encode, classes, tmpl)
     key = backbone or bb.default_key
     prov = {

@@ -74,6 +74,15 @@ def run_text_retrieval(
     cache = open_cache(cache_path, "r")
     f = cache.load(backbone, dataset, split)
     emb, image_ids, prov = cache.load_caption_embeddings(dataset, split, backbone)
+    w_img, w_txt = f.provenance.get("weights_sha256", ""), prov.get("weights_sha256", "")
+    if w_txt and w_img and w_txt != w_img:
+        raise DataError(
+            f"caption embeddings of {dataset}/{split} came from another tower than {backbone}'s image features: "
+            f"stored weights sha256 {w_txt[:16]} ({prov.get('tower')}), features' {w_img[:16]} "
+            f"({f.provenance.get('model_name')}, weights {f.provenance.get('weights_source')}); regenerate them: "
+            f"featcache embed-captions --cache {cache_path} --model {f.provenance.get('model_name')} --weights "
+            f"{f.provenance.get('weights_source')} --dataset {dataset} --split {split} --backbone {backbone} --captions SPEC"
+        )
     row = {str(i): r for r, i in enumerate(np.asarray(f.ids).astype(str)) if f.valid[r]}
     lost = sorted({i for i in image_ids if i not in row})
     if lost:

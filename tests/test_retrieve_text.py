@@ -168,6 +168,25 @@ def test_recall_equals_clip_benchmark_on_its_export_and_a_manifest(data):
     assert ours_m == pytest.approx(ours, abs=1e-6)
 
 
+def test_captions_of_other_images_or_another_tower_are_refused(data, capsys):
+    tmp, arch, rows = data
+    cache = str(tmp / "b.zarr")  # the manifest store of the test above, or a fresh one
+    m = _manifest(tmp / "manifest2", rows)
+    if not (tmp / "b.zarr").exists():
+        _run(arch, f"manifest:{m}", m, cache, "all", str(tmp / "b2.parquet"))
+    model = ["--model", f"open_clip:{arch}"]
+    emb = ["embed-captions", "--cache", cache, "--dataset", "caps", "--split", "all", "--backbone", "oc"]
+    (tmp / "other.csv").write_text('id,caption\nnot-extracted.png,"a photo"\n')
+    assert main([*emb, *model, "--weights", "random:0", "--captions", str(tmp / "other.csv")]) != 0
+    assert "not in caps/all of the store" in capsys.readouterr().err
+    assert main([*emb, *model, "--weights", "random:1", "--captions", m]) == 0
+    capsys.readouterr()
+    assert main(["retrieve-text", "--cache", cache, "--backbone", "oc", "--dataset", "caps", "--split", "all"]) != 0
+    err = capsys.readouterr().err
+    assert "another tower" in err
+    assert "--weights random:0" in err
+
+
 def test_text_image_recall_against_brute_force():
     """Any-hit recall by definition, with several captions per image (random embeddings)."""
     rng = np.random.default_rng(0)
