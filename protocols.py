@@ -536,7 +536,9 @@ def elevater_full(arg: str | None = None) -> Protocol:
 @register_protocol("zeroshot")
 def zeroshot(arg: str | None = None) -> Protocol:
     _no_arg("zeroshot", arg)
-    return Protocol(spec="zeroshot", name="zeroshot", stage="probe", split="none", solver="zeroshot", grid=CGrid(Cs=()))
+    return Protocol(
+        spec="zeroshot", name="zeroshot", stage="probe", split="none", solver="zeroshot", grid=CGrid(Cs=()), shots=0
+    )
 
 
 @register_protocol("vtab1k")

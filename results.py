@@ -15,10 +15,10 @@ run_id             str        stable hash of the run definition (see :func:`make
 kind               str        ``probe`` | ``knn`` | ``retrieval`` | ``finetune``
 backbone           str        backbone key in the store
 dataset            str        dataset name (the task)
-protocol           str        ``full``, ``fewshot:5``, ``vtab1k``, ``salman``, ...
+protocol           str        ``full``, ``fewshot:5``, ``vtab1k``, ``salman``, ``zeroshot``, ``image-text``...
 train_split        str        split(s) fitted on (``train+val`` when refit on both)
 eval_split         str        split the metric was computed on
-shots              int        examples per class (-1 for "all")
+shots              int        examples per class (-1 for "all", 0 for zero-shot)
 seed               int        seed of the sample/split/initialisation
 metric             str        ``top1``, ``top5``, ``mean_per_class``, ``nll``, ``ece``, ``map``...
 value              float      metric value (accuracies as fractions in [0, 1])

@@ -14,7 +14,7 @@ n_eval      no        evaluated samples (enables Clopper-Pearson intervals)
 seed        no        repetition seed (default 0); seeds are reduced by median per task
 group       no        task group (``natural`` / ``specialized`` / ``structured`` ...)
 protocol    no        ``full``, ``fewshot:5``, ``vtab1k``... (part of the task name)
-shots       no        examples per class (-1: all)
+shots       no        examples per class (-1: all, 0: zero-shot)
 eval_split  no        split evaluated (``test``, ``test_v2``...; part of the task name)
 ==========  ========  =====================================================================
 
@@ -216,10 +216,11 @@ class Coverage:
 
 def task_expr():
     """Polars expression naming a task: dataset, plus protocol and eval split when they
-    are not the defaults (``cifar10``, ``cifar10 (fewshot:5)``, ``cifar10 @test_v2``)."""
+    are not the defaults (``cifar10``, ``cifar10 (fewshot:5)``, ``cifar10 @test_v2``); the
+    zero-shot protocol reads ``cifar10 (zero-shot)``, ELEVATER's name for its column."""
     import polars as pl
 
-    proto = pl.col("protocol")
+    proto = pl.when(pl.col("protocol") == "zeroshot").then(pl.lit("zero-shot")).otherwise(pl.col("protocol"))
     split = pl.col("eval_split")
     return (
         pl.col("dataset")

@@ -126,8 +126,28 @@ def run_embed_classes(args: argparse.Namespace) -> int:
         name=args.name,
         overwrite=args.overwrite,
         device=args.device,
+        classnames=args.classnames,
+        prompt_dataset=args.prompt_dataset,
     )
     print(f"class embeddings {args.dataset}/{key}/{args.name}: {m.shape[0]} classes, {m.shape[1]}-d")
+    return 0
+
+
+def run_embed_captions(args: argparse.Namespace) -> int:
+    """``featcache embed-captions``: the captions of stored images through the text tower."""
+    from featcache.extract.captions import run
+
+    key, n_img, n_txt = run(
+        args.cache,
+        args.model,
+        args.weights,
+        args.dataset,
+        args.split,
+        args.captions,
+        backbone=args.backbone,
+        device=args.device,
+    )
+    print(f"caption embeddings {args.dataset}/{args.split}/{key}: {n_txt} captions of {n_img} images")
     return 0
 
 
@@ -145,11 +165,42 @@ def register(sub) -> None:
     e.add_argument(
         "--templates",
         default="clip-imagenet",
-        help="clip-imagenet (CLIP's 80 prompts) | simple | FILE (one template per line with {}, a JSON "
-        "list, or CLIP_benchmark's zeroshot_classification_templates.json)",
+        help="clip-imagenet (CLIP's 80 prompts) | simple | elevater (ELEVATER's per dataset) | clip-benchmark "
+        "(CLIP_benchmark's per dataset) | FILE (one template per line with {} or {c}, as CLIP_benchmark's "
+        "zeroshot_classification_templates.txt; a JSON list; a JSON object dataset -> list)",
+    )
+    e.add_argument(
+        "--classnames",
+        default=None,
+        help="store | elevater | clip-benchmark | FILE (one name per line, as CLIP_benchmark's classnames.txt; "
+        "or JSON); default: ELEVATER's with --templates elevater, CLIP_benchmark's with --templates "
+        "clip-benchmark where it names the dataset, else the store's",
+    )
+    e.add_argument(
+        "--prompt-dataset",
+        default=None,
+        help="the dataset's name in ELEVATER's / CLIP_benchmark's sets (default: --dataset, matched by letters "
+        "and digits and by the elevater-ic suite's task names)",
     )
     e.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
     e.add_argument("--name", default="text", help="embedding name (--head-init NAME)")
     e.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     e.add_argument("--overwrite", action="store_true", help="replace embeddings made with another tower/templates")
     e.set_defaults(func=run_embed_classes)
+    c = sub.add_parser(
+        "embed-captions", help="caption embeddings from a backbone's text tower (featcache retrieve-text)"
+    )
+    c.add_argument("--cache", required=True, help="feature cache holding the images' features")
+    c.add_argument("--model", required=True, help="open_clip:ARCH | hf:DIR (a CLIPModel), as for extract")
+    c.add_argument("--weights", default="timm", help="as for extract (random:SEED, a checkpoint; hf: the directory's)")
+    c.add_argument("--dataset", required=True, help="dataset key in the store")
+    c.add_argument("--split", default="test", help="split of the captioned images (default test)")
+    c.add_argument(
+        "--captions",
+        required=True,
+        help="CLIP_benchmark's retrieval export DIR (<split>/*.tar with .txt captions, one per line) or a "
+        "manifest CSV/parquet with a caption column and id (or path); several rows or lines = several captions",
+    )
+    c.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
+    c.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    c.set_defaults(func=run_embed_captions)

@@ -614,6 +614,8 @@ def _manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSour
         raise DataError(
             f"cannot read manifest {file}: {exc}; give a CSV or parquet with columns path,label[,split][,id]"
         ) from exc
+    if "label" not in df.columns and "caption" in df.columns:  # a captions manifest (image-text retrieval)
+        df = df.with_columns(pl.lit("unlabeled").alias("label"))
     missing = [c for c in ("path", "label") if c not in df.columns]
     if missing:
         raise DataError(

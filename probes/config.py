@@ -80,6 +80,12 @@ class ProbeConfig:
         "class-embedding matrix the head starts from (ELEVATER: 'text', stored "
         "per backbone x dataset); zeroshot: the classifier itself (default text)",
     )
+    templates: str | None = flag(
+        None,
+        "the template set the class embeddings must come from (as embed-classes --templates); "
+        "embeddings made with another set are refused (default: any set; the tower is always checked)",
+    )
+    prompt_dataset: str | None = flag(None, "with --templates: the dataset's name in that set (as embed-classes)")
     sgd_epochs: int | None = flag(None, "salman: SGD epochs (paper: 150)", name="--epochs", type=int)
     search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
     final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int)

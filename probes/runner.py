@@ -510,9 +510,40 @@ def _fit_ovr(plan: _Plan, opts: dict) -> tuple[Any, dict, bool, float]:
 
 
 def _class_embeddings(caches, b: str, cfg: ProbeConfig) -> np.ndarray:
-    """``b``'s class embeddings for the dataset (its text tower's; else dataset-level)."""
+    """``b``'s class embeddings for the dataset (its text tower's; else dataset-level), checked
+    against the tower that extracted ``b``'s features and the templates asked for."""
     c = _cache_for(caches, b, cfg.dataset)
-    return np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init, backbone=b), np.float64)
+    m = np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init, backbone=b), np.float64)
+    _check_text_provenance(c, b, cfg)
+    return m
+
+
+def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
+    """Refuse class embeddings from another tower (weights hash) than ``b``'s image features,
+    or from another template set than ``cfg.templates``, stating stored vs asked."""
+    prov = cache.class_embeddings_provenance(cfg.dataset, cfg.head_init, backbone=b)
+    feat = cache.provenance(b, cfg.dataset, cfg.train_split, cfg.kind)
+    diff = {}
+    if prov.get("weights_sha256") and prov["weights_sha256"] != feat.weights_sha256:
+        diff["tower weights sha256"] = (
+            f"{prov['weights_sha256'][:16]} ({prov.get('tower')})",
+            f"{feat.weights_sha256[:16]} ({feat.model_name}, weights {feat.weights_source})",
+        )
+    if cfg.templates is not None:
+        from featcache.prompts import load_templates, template_label, templates_sha256
+
+        sha = templates_sha256(load_templates(cfg.templates, cfg.prompt_dataset or cfg.dataset))
+        if prov.get("templates_sha256") != sha:
+            stored = f"{prov['templates']} ({prov['templates_sha256'][:16]})" if prov else "not recorded"
+            diff["templates"] = (stored, f"{template_label(cfg.templates)} ({sha[:16]})")
+    if diff:
+        what = "; ".join(f"{k}: stored {v[0]}, asked {v[1]}" for k, v in diff.items())
+        raise ProbeError(
+            f"class embeddings {cfg.head_init!r} of {b}/{cfg.dataset} do not match: {what}. Regenerate them "
+            f"with the tower that extracted {b}: featcache embed-classes --cache {cache.path} --model "
+            f"{feat.model_name} --weights {feat.weights_source} --dataset {cfg.dataset} --backbone {b} "
+            f"--name {cfg.head_init} --templates {cfg.templates or prov.get('templates', 'SET')} --overwrite"
+        )
 
 
 def _zeroshot(text: np.ndarray):

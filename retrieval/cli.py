@@ -22,6 +22,35 @@ def register(subparsers) -> None:
     )
     RetrievalConfig.add_arguments(p)
     p.set_defaults(func=run)
+    t = subparsers.add_parser(
+        "retrieve-text",
+        help="image->text and text->image recall@k (CLIP_benchmark's zeroshot_retrieval) from stored "
+        "image features and caption embeddings",
+    )
+    t.add_argument("--cache", required=True, help="feature cache with the images' features and caption embeddings")
+    t.add_argument("--backbone", required=True, help="backbone key in the store")
+    t.add_argument("--dataset", required=True, help="dataset key in the store")
+    t.add_argument("--split", default="test", help="split of the captioned images (default test)")
+    t.add_argument("--recall-k", default="1,5,10", help="comma-separated k values (default 1,5,10)")
+    t.add_argument("--results", default=None, help="results table (parquet) the rows are appended to")
+    t.set_defaults(func=run_text)
+
+
+def run_text(args) -> int:
+    from featcache.errors import ConfigError
+    from featcache.results import check_results_path
+    from featcache.retrieval.text import run_text_retrieval
+
+    if args.results:
+        check_results_path(args.results)
+    try:
+        ks = [int(k) for k in args.recall_k.split(",") if k.strip()]
+    except ValueError:
+        raise ConfigError(f"--recall-k {args.recall_k!r}: give comma-separated integers, e.g. 1,5,10") from None
+    frame = run_text_retrieval(args.cache, args.backbone, args.dataset, args.split, ks, args.results)
+    vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(frame["metric"], frame["value"]))
+    print(f"{args.backbone}  {args.dataset}/{args.split}  image-text  {vals}")
+    return 0
 
 
 def run(args) -> int:

@@ -7,6 +7,7 @@ from featcache.store.cache import (
     dataset_fingerprint,
     ensure_split,
     open_cache,
+    write_caption_embeddings,
     write_class_embeddings,
 )
 from featcache.store.schema import SCHEMA_VERSION, FeatureProvenance, SplitMeta
@@ -24,6 +25,7 @@ __all__ = [
     "ensure_split",
     "make_provenance",
     "open_cache",
+    "write_caption_embeddings",
     "write_class_embeddings",
     "write_features",
 ]

@@ -31,6 +31,7 @@ from featcache.store.schema import (
     ROOT_KEY,
     SCHEMA_VERSION,
     SPLIT_KEY,
+    TEXT_PROVENANCE_KEY,
     FeatureGroupMeta,
     FeatureProvenance,
     RootMeta,
@@ -492,6 +493,30 @@ class FeatureCache:
             "featcache.store.write_class_embeddings(path, dataset, matrix, name, backbone=...)"
         )
 
+    def class_embeddings_provenance(self, dataset: str, name: str = "text", backbone: str | None = None) -> dict:
+        """What made the matrix :meth:`load_class_embeddings` returns (tower, weights hash,
+        templates and their hash, as ``featcache embed-classes`` records it); ``{}`` when nothing
+        was recorded (a matrix written with :func:`write_class_embeddings`)."""
+        for parts in ((("class_embeddings", dataset, backbone),) if backbone else ()) + (
+            ("class_embeddings", dataset),
+        ):
+            g = self._group(*parts)
+            if g is not None and name in {k for k, _ in g.arrays()}:
+                return dict(g[name].attrs.get(TEXT_PROVENANCE_KEY, {}))
+        return {}
+
+    def load_caption_embeddings(self, dataset: str, split: str, backbone: str) -> tuple[np.ndarray, np.ndarray, dict]:
+        """``(embeddings [T, D] float32, image ids [T], provenance)`` of the captions of
+        ``dataset``/``split`` embedded by ``backbone``'s text tower (:func:`write_caption_embeddings`)."""
+        g = self._group("caption_embeddings", dataset, split, backbone)
+        if g is None or "embeddings" not in {k for k, _ in g.arrays()}:
+            raise NotInStoreError(
+                f"no caption embeddings of {dataset}/{split} for backbone {backbone!r} in {self.path}; "
+                "make them with `featcache embed-captions --captions SPEC ...`"
+            )
+        emb = np.asarray(g["embeddings"][:], dtype=np.float32)
+        return emb, _as_str(g["image_ids"][:]), dict(g["embeddings"].attrs.get(TEXT_PROVENANCE_KEY, {}))
+
     def __repr__(self) -> str:
         return f"FeatureCache({self.path!r}, {len(self.entries())} feature groups)"
 
@@ -728,6 +753,30 @@ def write_class_embeddings(
     g = cache.root.require_group(where)
     a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(), overwrite=True)
     a[:] = m
+
+
+def write_caption_embeddings(
+    cache: FeatureCache, dataset: str, split: str, backbone: str, emb: np.ndarray, image_ids, prov: dict
+) -> None:
+    """Store caption embeddings ``[T, D]`` and the id of each caption's image (several captions
+    may share one image) under ``caption_embeddings/<dataset>/<split>/<backbone>``, with ``prov``."""
+    for what, v in (("dataset", dataset), ("split", split), ("backbone", backbone)):
+        check_name(what, v)
+    m = np.asarray(emb, dtype=np.float32)
+    ids = np.asarray(image_ids).astype(str)
+    if m.ndim != 2 or m.shape[0] != ids.shape[0] or m.shape[0] == 0:
+        raise SchemaMismatchError(f"caption embeddings {m.shape} need one image id per row (got {ids.shape[0]})")
+    _check_embedding_width(cache, backbone, dataset, m.shape[1])
+    g = cache.root.require_group(f"caption_embeddings/{dataset}/{split}/{backbone}")
+    a = g.create_array(
+        "embeddings", shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(), overwrite=True
+    )
+    a[:] = m
+    b = g.create_array(
+        "image_ids", shape=ids.shape, dtype=str, chunks=ids.shape, compressors=checksummed(), overwrite=True
+    )
+    b[:] = ids
+    a.attrs[TEXT_PROVENANCE_KEY] = prov
 
 
 def _check_embedding_width(cache: FeatureCache, backbone: str, dataset: str, width: int) -> None:

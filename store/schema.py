@@ -7,6 +7,10 @@ Layout (schema version 1; readable with plain ``zarr.open_group``)::
           ids      [N]    string              stable sample ids (row order of every backbone)
           labels   [N]    int64               index into SplitMeta.class_names
       class_embeddings/<dataset>/<name>     [C, D] float32 (e.g. text embeddings per class)
+      class_embeddings/<dataset>/<backbone>/<name>  a backbone's own; attrs["featcache_text"]
+      caption_embeddings/<dataset>/<split>/<backbone>/  attrs["featcache_text"] on embeddings
+          embeddings [T, D] float32           one row per caption (the text tower's output)
+          image_ids  [T]    string            the id of each caption's image (several per image)
       features/<backbone>/<dataset>/<split>/ attrs["featcache_features"] -> FeatureGroupMeta
           <kind>   [N, D] float16|float32     e.g. ``pooled``; attrs["featcache_provenance"]
           valid    [N]    bool                False where the image failed to decode
@@ -30,6 +34,8 @@ ROOT_KEY = "featcache"
 SPLIT_KEY = "featcache_split"
 GROUP_KEY = "featcache_features"
 PROVENANCE_KEY = "featcache_provenance"
+#: what made a class-embedding matrix (tower, weights hash, templates), beside the array
+TEXT_PROVENANCE_KEY = "featcache_text"
 #: sha256 of the canonical JSON of the provenance document, written beside it by the writer
 PROVENANCE_DIGEST_KEY = "featcache_provenance_sha256"
 

@@ -36,14 +36,14 @@ class _HFAsOpenClip:
         return torch.nn.functional.normalize(out, dim=-1) if normalize else out
 
 
-def _image_features(model_spec, weights, cache, key):
+def _image_features(model_spec, weights, cache, key, splits=("test",)):
     extract(
         ExtractConfig(
             model_spec,
             weights,
             "digits",
             cache=cache,
-            splits=("test",),
+            splits=splits,
             limit=N,
             batch_size=N,
             dtype="float32",
@@ -157,3 +157,158 @@ def test_hf_clip_zeroshot_equals_open_clip_classifier(tiny, tmp_path):
     theirs = (torch.nn.functional.normalize(torch.from_numpy(X), dim=-1) @ clf).numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
     assert np.ptp(theirs) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def oc_store(tiny, tmp_path_factory):
+    """digits test images through the tiny open_clip (random:0) under key ``oc``, extracted once."""
+    cache = str(tmp_path_factory.mktemp("ocstore") / "c.zarr")
+    _image_features(f"open_clip:{tiny[0]}", "random:0", cache, "oc", splits=("train", "test"))
+    return cache
+
+
+def _store_copy(src, tmp_path):
+    import shutil
+
+    shutil.copytree(src, tmp_path / "c.zarr")
+    return str(tmp_path / "c.zarr")
+
+
+def _embed(cache, arch, *extra):
+    argv = ["embed-classes", "--cache", cache, "--model", f"open_clip:{arch}", "--weights", "random:0"]
+    return main([*argv, "--dataset", "digits", "--backbone", "oc", *extra])
+
+
+def _elevater_text_features(model, tokenizer, class_names, templates):
+    """Elevater_Toolkit_IC vision_benchmark/evaluation/feature.py extract_text_features, its loop
+    (no knowledge sources): per class, format every template, encode, normalise, mean, renormalise."""
+    zeroshot_weights = []
+    with torch.no_grad():
+        for classname in class_names:
+            if type(classname) == list:  # noqa: E721 (as the toolkit writes it)
+                classname = classname[0]
+            texts = tokenizer([template.format(classname) for template in templates])
+            class_embeddings = model.encode_text(texts)
+            class_embeddings /= class_embeddings.norm(dim=-1, keepdim=True)
+            class_embedding = class_embeddings.mean(dim=0)
+            class_embedding /= class_embedding.norm()
+            zeroshot_weights.append(class_embedding)
+    return torch.stack(zeroshot_weights, dim=1).numpy()
+
+
+#: Elevater_Toolkit_IC vision_benchmark/datasets/prompts.py: mnist_classes, mnist_templates
+ELEVATER_MNIST = ([str(i) for i in range(10)], ['a photo of the number: "{}".'])
+
+
+def test_elevater_templates_and_class_names_are_elevaters(tiny, oc_store, tmp_path):
+    import open_clip
+
+    from featcache.prompts import load_classnames, load_templates
+
+    arch = tiny[0]
+    cache = _store_copy(oc_store, tmp_path)
+    # the store's digits are not an ELEVATER dataset: its templates fall back to ELEVATER's
+    # default, its class names are not ELEVATER's, so the dataset is named
+    assert _embed(cache, arch, "--templates", "elevater") != 0
+    assert _embed(cache, arch, "--templates", "elevater", "--prompt-dataset", "mnist") == 0
+    ours = open_cache(cache, "r").load_class_embeddings("digits", backbone="oc")
+    torch.manual_seed(0)
+    model = open_clip.create_model(arch, pretrained=None).eval()
+    theirs = _elevater_text_features(model, open_clip.get_tokenizer(arch), *ELEVATER_MNIST).T
+    np.testing.assert_allclose(ours, theirs, atol=1e-6, rtol=0)
+    # the toolkit's own quirks: cifar-10 uses cifar100_templates; fer-2013 names are lists
+    assert load_templates("elevater", "cifar-10") == load_templates("elevater", "cifar_100")
+    assert len(load_templates("elevater", "cifar-10")) == 18
+    assert load_classnames("elevater", "fer-2013")[:2] == ["angry", "disgusted"]
+    # suite task names and aliases resolve (eurosat_clip is the toolkit's key)
+    assert load_templates("elevater", "eurosat-clip")[0] == "a centered satellite photo of {}."
+    assert load_templates("elevater", "unknown-set") == ["a photo of a {}"]  # its default
+
+
+def _clip_benchmark_zero_shot_classifier(model, tokenizer, classnames, templates):
+    """CLIP_benchmark clip_benchmark/metrics/zeroshot_classification.py zero_shot_classifier (amp off)."""
+    zeroshot_weights = []
+    with torch.no_grad():
+        for classname in classnames:
+            texts = tokenizer([template.format(c=classname) for template in templates])
+            class_embedding = torch.nn.functional.normalize(model.encode_text(texts), dim=-1).mean(dim=0)
+            class_embedding /= class_embedding.norm()
+            zeroshot_weights.append(class_embedding)
+    return torch.stack(zeroshot_weights, dim=1).numpy()
+
+
+def test_clip_benchmark_classnames_and_templates_files(tiny, oc_store, tmp_path):
+    """CLIP_benchmark's export layout: classnames.txt and zeroshot_classification_templates.txt ({c})."""
+    import open_clip
+
+    arch = tiny[0]
+    cache = _store_copy(oc_store, tmp_path)
+    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    (tmp_path / "classnames.txt").write_text("\n".join(names) + "\n")
+    tmpl = ["a photo of the number: {c}.", "a drawing of a {c}."]
+    (tmp_path / "zeroshot_classification_templates.txt").write_text("\n".join(tmpl) + "\n")
+    files = ["--templates", str(tmp_path / "zeroshot_classification_templates.txt")]
+    assert _embed(cache, arch, *files, "--classnames", str(tmp_path / "classnames.txt")) == 0
+    ours = open_cache(cache, "r").load_class_embeddings("digits", backbone="oc")
+    torch.manual_seed(0)
+    model = open_clip.create_model(arch, pretrained=None).eval()
+    theirs = _clip_benchmark_zero_shot_classifier(model, open_clip.get_tokenizer(arch), names, tmpl).T
+    np.testing.assert_allclose(ours, theirs, atol=1e-6, rtol=0)
+    # a class-name file of another length is refused (the store's digits have 10 classes)
+    (tmp_path / "short.txt").write_text("zero\none\n")
+    assert _embed(cache, arch, *files, "--classnames", str(tmp_path / "short.txt"), "--overwrite") != 0
+
+
+def test_zeroshot_refuses_embeddings_of_another_tower_or_template_set(tiny, oc_store, tmp_path, capsys):
+    """probe --protocol zeroshot / --head-init text check what made the class embeddings."""
+    arch = tiny[0]
+    cache = _store_copy(oc_store, tmp_path)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("a photo of the number {}.\n")
+    b.write_text("a drawing of a {}.\n")
+    res = str(tmp_path / "r.parquet")
+    probe = ["probe", "--cache", cache, "--backbone", "oc", "--dataset", "digits"]
+    probe += ["--protocol", "zeroshot", "--results", res, "--no-progress"]
+    assert _embed(cache, arch, "--templates", str(a)) == 0
+    assert main([*probe, "--templates", str(a)]) == 0
+    capsys.readouterr()
+    # another template set than asked: stored vs asked, and how to regenerate
+    assert main([*probe, "--templates", str(b), "--force"]) != 0
+    err = capsys.readouterr().err
+    assert "templates: stored a.txt" in err
+    assert "asked b.txt" in err
+    assert "featcache embed-classes" in err
+    # embeddings from another tower (random:1 weights) than the one that extracted `oc`
+    argv = ["embed-classes", "--cache", cache, "--model", f"open_clip:{arch}", "--weights", "random:1"]
+    assert main([*argv, "--dataset", "digits", "--backbone", "oc", "--templates", str(a), "--overwrite"]) == 0
+    capsys.readouterr()
+    for extra in ([], ["--protocol", "full", "--head-init", "text"]):
+        assert main([*probe, "--force", *extra]) != 0
+        err = capsys.readouterr().err
+        assert "tower weights sha256: stored" in err
+        assert "--weights random:0" in err  # the regeneration command names the features' weights
+
+
+def test_zeroshot_is_a_protocol_row_and_a_report_setting(tiny, oc_store, tmp_path):
+    """ELEVATER's zero-shot column: zeroshot rows (0 shots, nothing trained) beside the full
+    probe's, a setting of their own in the report's tables (``probe:digits (zero-shot)``)."""
+    import polars as pl
+
+    from featcache.analysis.tables import load_table, merge_tables
+    from featcache.probes import ProbeConfig, run_probes
+    from featcache.results import read_results
+
+    cache = _store_copy(oc_store, tmp_path)
+    tmpl = tmp_path / "t.txt"
+    tmpl.write_text("a photo of the number {}.\na drawing of a {}.\n")
+    assert _embed(cache, tiny[0], "--templates", str(tmpl)) == 0
+    res = str(tmp_path / "r.parquet")
+    for proto in ("zeroshot", "full"):
+        run_probes(ProbeConfig(cache, "oc", "digits", proto, results_path=res, Cs=(1.0,), progress=False))
+    df = read_results(res)
+    zs = df.filter(pl.col("protocol") == "zeroshot")
+    assert zs.height > 0
+    assert set(zs["shots"]) == {0}
+    assert set(zs["train_split"]) == {"none"}
+    merged, _ = merge_tables([load_table(df)])
+    assert set(merged["setting"]) == {"probe:digits (zero-shot)", "probe:digits"}

@@ -1,0 +1,201 @@
+"""``featcache embed-captions`` + ``retrieve-text``: image->text and text->image recall@k equal
+CLIP_benchmark's own computation (clip_benchmark/metrics/zeroshot_retrieval.py: ``evaluate``'s
+positive-pair matrix over ``dataloader_with_indices``, ``recall_at_k`` through ``batchify``,
+"any hit" > 0) on the same embeddings: real Fashion-MNIST images with made-up captions (one to
+three per image), through a tiny random-weights open_clip model, from CLIP_benchmark's retrieval
+export (``<split>/0.tar`` with ``.txt`` captions) and from a manifest with a caption column."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("open_clip")
+pytest.importorskip("webdataset")
+
+from model_source_fixtures import register_tiny_open_clip
+
+from featcache.cli import main
+from featcache.extract.data import open_dataset
+from featcache.results import read_results
+from featcache.retrieval.text import text_image_recall
+from featcache.store import open_cache
+
+N = 16
+FM = ["T-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
+
+
+# --- CLIP_benchmark clip_benchmark/metrics/zeroshot_retrieval.py (ported; amp and device dropped)
+def dataloader_with_indices(dataloader):
+    start = 0
+    for x, y in dataloader:
+        end = start + len(x)
+        inds = torch.arange(start, end)
+        yield x, y, inds
+        start = end
+
+
+def recall_at_k(scores, positive_pairs, k):
+    nb_texts, nb_images = scores.shape
+    topk_indices = torch.topk(scores, k, dim=1)[1]
+    nb_positive = positive_pairs.sum(dim=1)
+    topk_indices_onehot = torch.nn.functional.one_hot(topk_indices, num_classes=nb_images)
+    positive_pairs_reshaped = positive_pairs.view(nb_texts, 1, nb_images)
+    nb_true_positive = (topk_indices_onehot * positive_pairs_reshaped).sum(dim=(1, 2))
+    return nb_true_positive / nb_positive
+
+
+def batchify(func, X, Y, batch_size, *args, **kwargs):
+    results = []
+    for start in range(0, len(X), batch_size):
+        end = start + batch_size
+        results.append(func(X[start:end], Y[start:end], *args, **kwargs))
+    return torch.cat(results)
+
+
+def clip_benchmark_recall(batches, encode_text, recall_k_list):
+    """``evaluate`` with the image embeddings given: ``batches`` of (image embeddings, captions)."""
+    batch_images_emb_list, batch_texts_emb_list, texts_image_index = [], [], []
+    for batch_images, batch_texts, inds in dataloader_with_indices(batches):
+        batch_texts_image_index = [ind for ind, texts in zip(inds, batch_texts) for text in texts]
+        batch_images_emb = F.normalize(batch_images, dim=-1)
+        batch_texts_emb = F.normalize(encode_text([t for texts in batch_texts for t in texts]), dim=-1)
+        batch_images_emb_list.append(batch_images_emb)
+        batch_texts_emb_list.append(batch_texts_emb)
+        texts_image_index.extend(batch_texts_image_index)
+    batch_size = len(batch_images_emb_list[0])
+    images_emb, texts_emb = torch.cat(batch_images_emb_list), torch.cat(batch_texts_emb_list)
+    scores = texts_emb @ images_emb.t()
+    positive_pairs = torch.zeros_like(scores, dtype=bool)
+    positive_pairs[torch.arange(len(scores)), texts_image_index] = True
+    metrics = {}
+    for k in recall_k_list:
+        t2i = (batchify(recall_at_k, scores, positive_pairs, batch_size, k=k) > 0).float().mean().item()
+        i2t = (batchify(recall_at_k, scores.T, positive_pairs.T, batch_size, k=k) > 0).float().mean().item()
+        metrics[f"image_retrieval_recall@{k}"], metrics[f"text_retrieval_recall@{k}"] = t2i, i2t
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+def _captions(i: int, label: int) -> list[str]:
+    out = [f"a photo of a {FM[label]}", f"picture number {i}"]
+    return out + ([f"a small {FM[label]} on black"] if i % 3 == 0 else [])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """(tmp, open_clip arch, [(PIL image, captions)]) for N Fashion-MNIST test images."""
+    tmp = tmp_path_factory.mktemp("captions")
+    src = open_dataset("fashion-mnist")["test"]
+    rows = [(src.load(i), _captions(i, int(src.labels[i]))) for i in range(N)]
+    return tmp, register_tiny_open_clip(tmp / "oc"), rows
+
+
+def _png(im) -> bytes:
+    b = io.BytesIO()
+    im.save(b, format="PNG")
+    return b.getvalue()
+
+
+def _clip_benchmark_export(root, rows) -> str:
+    """webdataset_builder.convert_retrieval_dataset's layout: test/0.tar of png + txt, dataset_type.txt."""
+    import webdataset as wds
+
+    (root / "test").mkdir(parents=True)
+    with wds.TarWriter(str(root / "test" / "0.tar")) as w:
+        for i, (im, caps) in enumerate(rows):
+            w.write({"__key__": f"s{i:07d}", "png": _png(im), "txt": "\n".join(caps)})
+    (root / "test" / "nshards.txt").write_text("1\n")
+    (root / "dataset_type.txt").write_text("retrieval\n")
+    return str(root)
+
+
+def _manifest(root, rows) -> str:
+    import polars as pl
+
+    root.mkdir(parents=True)
+    for i, (im, _) in enumerate(rows):
+        im.save(root / f"{i:03d}.png")
+    paths = [f"{i:03d}.png" for i in range(len(rows))]
+    pl.DataFrame({"path": paths, "caption": ["\n".join(c) for _, c in rows]}).write_csv(root / "m.csv")
+    return str(root / "m.csv")
+
+
+def _run(arch, data_spec, captions, cache, split, results):
+    model = ["--model", f"open_clip:{arch}", "--weights", "random:0"]
+    ex = ["extract", *model, "--data", data_spec, "--cache", cache, "--dataset-name", "caps"]
+    assert main([*ex, "--backbone-name", "oc", "--no-progress", "--workers", "0"]) == 0
+    emb = ["embed-captions", "--cache", cache, *model, "--dataset", "caps", "--split", split]
+    assert main([*emb, "--captions", captions, "--backbone", "oc"]) == 0
+    rt = ["retrieve-text", "--cache", cache, "--backbone", "oc", "--dataset", "caps", "--split", split]
+    assert main([*rt, "--recall-k", "1,2,5", "--results", results]) == 0
+    df = read_results(results)
+    return dict(zip(df["metric"], df["value"])), open_cache(cache, "r").load("oc", "caps", split).X
+
+
+def _reference(arch, rows, X):
+    import open_clip
+
+    torch.manual_seed(0)
+    model = open_clip.create_model(arch, pretrained=None).eval()
+    tok = open_clip.get_tokenizer(arch)
+    batches = [(torch.from_numpy(X[i : i + 5]), [c for _, c in rows[i : i + 5]]) for i in range(0, len(rows), 5)]
+    with torch.no_grad():
+        return clip_benchmark_recall(batches, lambda t: model.encode_text(tok(t)), [1, 2, 5])
+
+
+def test_recall_equals_clip_benchmark_on_its_export_and_a_manifest(data):
+    tmp, arch, rows = data
+    spec = _clip_benchmark_export(tmp / "export", rows)
+    ours, X = _run(arch, f"clip-benchmark:{spec}", spec, str(tmp / "a.zarr"), "test", str(tmp / "a.parquet"))
+    ref = _reference(arch, rows, X)
+    for k in (1, 2, 5):
+        assert ours[f"t2i_recall@{k}"] == pytest.approx(ref[f"image_retrieval_recall@{k}"], abs=1e-6)
+        assert ours[f"i2t_recall@{k}"] == pytest.approx(ref[f"text_retrieval_recall@{k}"], abs=1e-6)
+    assert 0 < ours["t2i_recall@2"] < 1  # neither degenerate nor trivial
+    df = read_results(str(tmp / "a.parquet"))
+    assert set(df["kind"]) == {"retrieval"}
+    assert set(df["protocol"]) == {"image-text"}
+    assert dict(zip(df["metric"], df["n_eval"]))["t2i_recall@1"] == sum(len(c) for _, c in rows)
+
+    # the same images and captions from a manifest with a caption column (several lines per cell)
+    m = _manifest(tmp / "manifest", rows)
+    ours_m, _ = _run(arch, f"manifest:{m}", m, str(tmp / "b.zarr"), "all", str(tmp / "b.parquet"))
+    assert ours_m == pytest.approx(ours, abs=1e-6)
+
+
+def test_captions_of_other_images_or_another_tower_are_refused(data, capsys):
+    tmp, arch, rows = data
+    cache = str(tmp / "b.zarr")  # the manifest store of the test above, or a fresh one
+    m = _manifest(tmp / "manifest2", rows)
+    if not (tmp / "b.zarr").exists():
+        _run(arch, f"manifest:{m}", m, cache, "all", str(tmp / "b2.parquet"))
+    model = ["--model", f"open_clip:{arch}"]
+    emb = ["embed-captions", "--cache", cache, "--dataset", "caps", "--split", "all", "--backbone", "oc"]
+    (tmp / "other.csv").write_text('id,caption\nnot-extracted.png,"a photo"\n')
+    assert main([*emb, *model, "--weights", "random:0", "--captions", str(tmp / "other.csv")]) != 0
+    assert "not in caps/all of the store" in capsys.readouterr().err
+    assert main([*emb, *model, "--weights", "random:1", "--captions", m]) == 0
+    capsys.readouterr()
+    assert main(["retrieve-text", "--cache", cache, "--backbone", "oc", "--dataset", "caps", "--split", "all"]) != 0
+    err = capsys.readouterr().err
+    assert "another tower" in err
+    assert "--weights random:0" in err
+
+
+def test_text_image_recall_against_brute_force():
+    """Any-hit recall by definition, with several captions per image (random embeddings)."""
+    rng = np.random.default_rng(0)
+    img, txt = rng.normal(size=(7, 4)), rng.normal(size=(15, 4))
+    t_img = np.r_[np.arange(7), rng.integers(0, 7, 8)]
+    got = text_image_recall(img, txt, t_img, [1, 3])
+    s = (txt / np.linalg.norm(txt, axis=1, keepdims=True)) @ (img / np.linalg.norm(img, axis=1, keepdims=True)).T
+    for k in (1, 3):
+        t2i = np.mean([t_img[t] in set(np.argsort(-s[t])[:k]) for t in range(15)])
+        i2t = np.mean([bool(set(np.argsort(-s[:, i])[:k]) & set(np.flatnonzero(t_img == i))) for i in range(7)])
+        assert got[f"t2i_recall@{k}"] == t2i
+        assert got[f"i2t_recall@{k}"] == i2t
