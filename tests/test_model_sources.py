@@ -173,7 +173,7 @@ def test_user_module_probed_and_reported_beside_timm(models, tmp_path):
     cache, res = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
     common = ["--data", "digits", "--cache", cache, "--limit", "60", "--no-progress", "--device", "cpu"]
     assert main(["extract", "--model", "python:featcache_user_net:make", "--weights", "random:2", *common]) == 0
-    assert main(["extract", "--model", "test_resnet", "--weights", "random:0", *common]) == 0
+    assert main(["extract", "--model", "test_resnet", "--weights", "random:0", "--input-size", "32", *common]) == 0
     extract(
         ExtractConfig(
             models["module"][0],
@@ -189,6 +189,10 @@ def test_user_module_probed_and_reported_beside_timm(models, tmp_path):
     assert main(["probe", "--cache", cache, "--all", "--dataset", "digits", "--results", res]) == 0
     got = set(pl.read_parquet(res)["backbone"].unique())
     assert got == {"python-featcache_user_net_make@" + _key_tag(cache), "test_resnet@random0", "mine"}
+    from featcache.analysis import rank
+
+    overall = rank(res, plots=False, n_boot=50)["overall"]  # ranked beside each other
+    assert set(overall["backbone"]) == got
     out = tmp_path / "report.html"
     assert main(["report", "--results", res, "--cache", cache, "--out", str(out)]) == 0
     html = out.read_text()
