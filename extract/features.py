@@ -26,7 +26,10 @@ class FeatureHead:
         if self.features_fn is not None:  # a non-timm source computes its own kinds
             bad = [k for k in self.kinds if k not in backbone.kinds]
             if bad:
-                raise FeatcacheError(f"{backbone.name} offers {', '.join(backbone.kinds)}; not {', '.join(bad)}")
+                raise ConfigError(
+                    f"{backbone.name} offers {', '.join(backbone.kinds)}; not {', '.join(bad)}: choose from those "
+                    "(--features / features=)"
+                )
             return
         for k in self.kinds:
             m = _STAGE_RE.match(k)

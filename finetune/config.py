@@ -49,8 +49,16 @@ class FinetuneConfig:
     (``hparams["scaled_from"]``).
     """
 
-    model: str = flag(required=True, help="timm model name, e.g. tf_efficientnet_lite0")
-    weights: str = flag("timm", "timm (local cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
+    model: Any = flag(
+        required=True,
+        help="timm model name (e.g. tf_efficientnet_lite0) | timm:NAME | torchvision:NAME | open_clip:ARCH | "
+        "hf:DIR (save_pretrained) | python:MODULE:CALLABLE (an nn.Module factory); in Python also an nn.Module",
+    )
+    weights: str = flag(
+        "timm",
+        "timm (local cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED "
+        "(hf:DIR: dir, its own weights; an nn.Module: module, as it is)",
+    )
     data: str = flag(None, "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE", required=True)
     protocol: str = flag(
         "vtab1k-light",
@@ -197,7 +205,7 @@ class FinetuneConfig:
             finetune_protocol=proto.spec,
             weights=self.weights,
             weights_sha256=backbone.weights_sha256,
-            model=self.model,
+            model=self.model if isinstance(self.model, str) else backbone.name,
             steps=list(self.steps),
             lrs=list(self.lrs),
             batch_size=self.batch_size,

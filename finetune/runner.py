@@ -257,10 +257,12 @@ def finetune(config: FinetuneConfig):
 
 
 def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: str) -> _Run:
+    import copy
+
     from featcache.extract import create_backbone
 
-    bb = create_backbone(
-        cfg.model,
+    bb = create_backbone(  # any model source; an nn.Module is copied, the caller's stays as it is
+        cfg.model if isinstance(cfg.model, str) else copy.deepcopy(cfg.model),
         cfg.weights,
         device="cpu",
         input_size=cfg.input_size,
@@ -268,7 +270,7 @@ def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: st
         trainable=True,
         resize=None if cfg.resize == "timm" else cfg.resize,
     )
-    net = Net.build(bb.model, bb.feature_dim, len(data.class_names))
+    net = Net.build(bb.model, bb.feature_dim, len(data.class_names), embed=_embed(bb))
     ckdir = None
     if cfg.checkpoint_dir is not None:
         ckdir = Path(cfg.checkpoint_dir)
@@ -300,6 +302,14 @@ def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: st
         shape=tuple(int(s) for s in bb.data_config["input_size"]),
     )
     return run
+
+
+def _embed(bb):
+    """The pooled-feature forward of a non-timm source (None: timm, the model's own output)."""
+    if bb.features_fn is None:
+        return None
+    fn = bb.features_fn
+    return lambda x: fn(x, ["pooled"])["pooled"]
 
 
 def _run_ids(run: _Run) -> dict[tuple[int, str], tuple[str, str]]:
@@ -549,7 +559,9 @@ def _hparams(run: _Run, plan: SplitPlan, c: TrainConfig, cands: list[dict], best
         scaled_from=run.scaled_from,
         reference="VTAB lightweight: SGD m=0.9, batch 512, lr {0.1,0.01} x {2500,10000} steps",
         head_init="zeros",
-        augmentation="none (timm eval transform)",
+        augmentation="none (timm eval transform)"
+        if "source" not in run.options["data_config"]
+        else f"none ({run.options['data_config']['source']}'s eval transform)",
         batchnorm="train mode: batch statistics and running averages update",
         drop_rate=run.drop_rate,
         eval_batch=eval_batch_size(run.device, int(np.prod(run.shape[1:]))),

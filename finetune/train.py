@@ -38,7 +38,9 @@ class Net:
     """Backbone (pooled features) + linear head as one torch module (built lazily)."""
 
     @staticmethod
-    def build(backbone_model, feature_dim: int, n_classes: int):
+    def build(backbone_model, feature_dim: int, n_classes: int, embed=None):
+        """``embed(x)``: the pooled features of a batch (a non-timm source's own forward, e.g.
+        open_clip's ``encode_image``); ``None``: the model's output (timm, ``num_classes=0``)."""
         import torch
 
         class Net(torch.nn.Module):
@@ -50,7 +52,7 @@ class Net:
                 torch.nn.init.zeros_(self.head.bias)
 
             def forward(self, x):
-                return self.head(self.backbone(x))
+                return self.head(self.backbone(x) if embed is None else embed(x))
 
         return Net()
 

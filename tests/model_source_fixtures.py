@@ -115,3 +115,123 @@ class TinyNet(nn.Module):
 def make():
     return TinyNet()
 """
+
+
+# ------------------------------------------------------------------ contract runs in other processes
+#: every registered source plus an nn.Module object, as the kill and torchrun contract tests run them
+PROCESS_SOURCES = ("timm", "torchvision", "open_clip", "hf", "python", "module")
+#: digits test rows in chunks of 8 (6 chunks): 32-px timm, the libraries' own sizes elsewhere
+ROWS, CHUNK = 48, 8
+
+
+def make_assets(tmp: Path) -> dict[str, str]:
+    """The tiny models on disk (open_clip config, HF CLIP directory, user module), by path."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    oc = tmp / "oc"
+    oc.mkdir(exist_ok=True)
+    (oc / "featcache-tiny-vit.json").write_text(json.dumps(TINY_OPEN_CLIP))
+    (tmp / "usermods").mkdir(exist_ok=True)
+    (tmp / "usermods" / "featcache_user_net.py").write_text(USER_MODULE)
+    clip = tmp / "hfclip"
+    if not (clip / "config.json").exists():
+        save_tiny_hf_clip(clip)
+    return {
+        "open_clip_json": str(oc / "featcache-tiny-vit.json"),
+        "hf_clip": str(clip),
+        "usermods": str(tmp / "usermods"),
+    }
+
+
+def activate(assets: dict[str, str]) -> None:
+    """Make the assets usable in this process (open_clip knows the config; the user module imports)."""
+    import sys
+
+    import open_clip
+
+    open_clip.add_model_config(assets["open_clip_json"])
+    if assets["usermods"] not in sys.path:
+        sys.path.insert(0, assets["usermods"])
+
+
+def source_config(source: str, assets: dict[str, str], cache: str, **kw):
+    """The ExtractConfig of ``source`` on the contract's rows (``activate`` first)."""
+    import torch
+
+    from featcache.extract import ExtractConfig
+
+    if source == "module":
+        import featcache_user_net
+
+        torch.manual_seed(1)
+        spec, weights = featcache_user_net.make().eval(), "module"
+    else:
+        spec, weights = {
+            "timm": ("timm:test_resnet", "random:0"),
+            "torchvision": ("torchvision:mobilenet_v3_small", "random:0"),
+            "open_clip": ("open_clip:featcache-tiny-vit", "random:0"),
+            "hf": (f"hf:{assets['hf_clip']}", "dir"),
+            "python": ("python:featcache_user_net:make", "random:2"),
+        }[source]
+    if source == "timm":
+        kw.setdefault("input_size", 32)
+    return ExtractConfig(
+        spec,
+        weights,
+        "digits",
+        cache=cache,
+        splits=("test",),
+        limit=ROWS,
+        chunk_rows=CHUNK,
+        batch_size=CHUNK,
+        dtype="float32",
+        backbone_name="bb",
+        workers=0,
+        threads=1,
+        device="cpu",
+        progress=False,
+        **kw,
+    )
+
+
+def extract_slowly(source: str, assets: dict[str, str], cache: str, pause: float) -> None:
+    """Extract ``source`` with a pause before each batch's forward, so a kill lands mid-way
+    (run in a child process: the test SIGKILLs it)."""
+    import time
+
+    from featcache.extract import extract
+    from featcache.extract.pipeline import FeatureHead
+
+    activate(assets)
+    forward = FeatureHead.__call__
+
+    def slow(self, *a, **k):
+        time.sleep(pause)
+        return forward(self, *a, **k)
+
+    FeatureHead.__call__ = slow
+    extract(source_config(source, assets, cache))
+
+
+def _torchrun_main(assets_json: str, out: str) -> None:
+    """Under torchrun: every source of PROCESS_SOURCES into ``out/SOURCE.zarr``, in one process group."""
+    import logging
+
+    import torch.distributed as dist
+
+    from featcache.extract import extract
+
+    logging.basicConfig(level=logging.INFO)
+    assets = json.loads(Path(assets_json).read_text())
+    activate(assets)
+    dist.init_process_group("gloo")
+    try:
+        for source in PROCESS_SOURCES:
+            extract(source_config(source, assets, str(Path(out) / f"{source}.zarr")))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _torchrun_main(*sys.argv[1:3])

@@ -173,7 +173,7 @@ def test_user_module_probed_and_reported_beside_timm(models, tmp_path):
     cache, res = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
     common = ["--data", "digits", "--cache", cache, "--limit", "60", "--no-progress", "--device", "cpu"]
     assert main(["extract", "--model", "python:featcache_user_net:make", "--weights", "random:2", *common]) == 0
-    assert main(["extract", "--model", "test_resnet", "--weights", "random:0", *common]) == 0
+    assert main(["extract", "--model", "test_resnet", "--weights", "random:0", "--input-size", "32", *common]) == 0
     extract(
         ExtractConfig(
             models["module"][0],
@@ -189,6 +189,10 @@ def test_user_module_probed_and_reported_beside_timm(models, tmp_path):
     assert main(["probe", "--cache", cache, "--all", "--dataset", "digits", "--results", res]) == 0
     got = set(pl.read_parquet(res)["backbone"].unique())
     assert got == {"python-featcache_user_net_make@" + _key_tag(cache), "test_resnet@random0", "mine"}
+    from featcache.analysis import rank
+
+    overall = rank(res, plots=False, n_boot=50)["overall"]  # ranked beside each other
+    assert set(overall["backbone"]) == got
     out = tmp_path / "report.html"
     assert main(["report", "--results", res, "--cache", cache, "--out", str(out)]) == 0
     html = out.read_text()
@@ -211,3 +215,83 @@ def test_extract_help_imports_no_model_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _stage_refs(models):
+    """source -> (kinds to extract, the library's own intermediate features of a batch)."""
+    import open_clip
+    import torchvision
+    from torchvision.models.feature_extraction import create_feature_extractor
+    from transformers import CLIPModel
+
+    def tv(x):
+        torch.manual_seed(0)
+        m = torchvision.models.get_model("mobilenet_v3_small", weights=None).eval()
+        m.classifier = torch.nn.Identity()
+        out = create_feature_extractor(m, {"features.0": "a", "features.12": "b"})(x)
+        return {"stage0_avg": out["a"].mean(dim=(2, 3)), "stage12_avg": out["b"].mean(dim=(2, 3)), "pooled": m(x)}
+
+    def oc(x):
+        torch.manual_seed(0)
+        m = open_clip.create_model(models["open_clip"][0].split(":", 1)[1], pretrained=None).eval()
+        a, b = m.visual.forward_intermediates(x, indices=[0, 1], intermediates_only=True)["image_intermediates"]
+        return {"stage0_avg": a.mean(dim=(2, 3)), "stage1_avg": b.mean(dim=(2, 3))}  # NCHW: another sum order
+
+    def hf(x):
+        m = CLIPModel.from_pretrained(models["hf"][0].split(":", 1)[1]).eval()
+        hs = m.vision_model(pixel_values=x, output_hidden_states=True).hidden_states
+        return {"stage0_avg": hs[1][:, 1:].mean(dim=1), "stage1_avg": hs[2][:, 1:].mean(dim=1)}
+
+    return {"torchvision": tv, "open_clip": oc, "hf": hf}
+
+
+@pytest.mark.parametrize("source", ["torchvision", "open_clip", "hf"])
+def test_stage_kinds_equal_the_librarys_intermediates(models, source, tmp_path):
+    """Intermediate stages where the library exposes them (torchvision's
+    create_feature_extractor, open_clip's forward_intermediates, HF hidden_states), extracted in
+    the same forward as pooled, which stays what the library's own forward gives."""
+    spec, weights, ref = models[source]
+    if source == "torchvision":  # a small torchvision trunk with 13 stages (the children of features)
+        spec, ref = "torchvision:mobilenet_v3_small", None
+    want_fn = _stage_refs(models)[source]
+    cache = str(tmp_path / "c.zarr")
+    kinds = ("pooled", *sorted(k for k in want_fn(_batch(create_backbone(spec, weights), 1)) if k != "pooled"))
+    base = {
+        "splits": ("test",),
+        "limit": N,
+        "batch_size": N,
+        "dtype": "float32",
+        "progress": False,
+        "channels_last": False,
+    }
+    extract(ExtractConfig(spec, weights, "digits", cache=cache, features=kinds, threads=1, device="cpu", **base))
+    fc = open_cache(cache, "r")
+    (key,) = {b for b, _, _ in fc.entries()}
+    bb = create_backbone(spec, weights)
+    assert set(kinds) <= set(bb.kinds)
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        x = _batch(bb)
+        want = {k: v.float().numpy() for k, v in want_fn(x).items()}
+        if ref is not None:
+            want["pooled"] = ref(x).float().numpy()
+    for k in kinds:
+        got = fc.load(key, "digits", "test", kind=k).X
+        if source == "open_clip" and k != "pooled":
+            np.testing.assert_allclose(got, want[k], rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(got, want[k])
+
+
+def test_a_kind_a_source_lacks_names_what_it_offers(models, tmp_path):
+    from featcache.errors import FeatcacheError
+
+    base = {"cache": str(tmp_path / "c.zarr"), "splits": ("test",), "limit": N, "progress": False}
+    with pytest.raises(FeatcacheError, match=r"offers pooled; not stage0_avg"):
+        extract(ExtractConfig(models["module"][0], "module", "digits", features=("stage0_avg",), **base))
+    with pytest.raises(
+        FeatcacheError, match=r"offers pooled, stage0_avg, stage1_avg, stage2_avg, stage3_avg; not stage4"
+    ):
+        extract(ExtractConfig("torchvision:resnet18", "random:0", "digits", features=("stage4_avg",), **base))
+    with pytest.raises(FeatcacheError, match=r"offers pooled, pooler, cls, tokens_mean, stage0_avg, stage1_avg; not"):
+        extract(ExtractConfig(models["hf"][0], "dir", "digits", features=("stage2_avg",), **base))

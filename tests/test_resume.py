@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zarr
+from kill9 import kill_when, marked_chunks
 
 from featcache.extract import ExtractConfig, extract
 from featcache.store import open_cache
@@ -59,8 +58,7 @@ def _argv(cache: Path) -> list[str]:
 
 
 def _marked(cache: Path) -> int:
-    d = cache / GROUP / "done" / "c"
-    return sum(1 for f in d.iterdir() if f.name.isdigit()) if d.is_dir() else 0
+    return marked_chunks(cache / GROUP)
 
 
 def _kill_when(cache: Path, min_done: int, extra_delay: float) -> int:
@@ -69,17 +67,7 @@ def _kill_when(cache: Path, min_done: int, extra_delay: float) -> int:
     p = subprocess.Popen(
         _argv(cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
-    try:
-        deadline = time.monotonic() + 300
-        while _marked(cache) < min_done and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(extra_delay)
-    finally:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-        p.wait()
-    assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed; raise N"
-    return _marked(cache)
+    return kill_when(p, lambda: _marked(cache), min_done, extra_delay)
 
 
 def _arrays(cache: Path) -> dict[str, np.ndarray]:

@@ -2,7 +2,8 @@
 vision tower and text tower; ``Dinov2Model`` or any ``AutoModel`` vision model), with the
 directory's own image processor. Kinds: ``pooled`` (``CLIPModel``: ``get_image_features``,
 the projected embedding; others: ``pooler_output``), ``pooler`` (``pooler_output``), ``cls``
-(token 0 of ``last_hidden_state``), ``tokens_mean`` (mean of the other tokens)."""
+(token 0 of ``last_hidden_state``), ``tokens_mean`` (mean of the other tokens), ``stageN_avg``
+(mean of the non-CLS tokens of layer N's output, ``hidden_states[N + 1]``, N = 0..layers-1)."""
 
 from __future__ import annotations
 
@@ -72,12 +73,18 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
     is_clip = hasattr(model, "get_image_features")
     vision = model.vision_model if is_clip else model
 
+    layers = int(getattr(model.config, "vision_config", model.config).num_hidden_layers)
+    kinds_all = (*KINDS, *(f"stage{i}_avg" for i in range(layers)))
+
     def features(x: Any, kinds: Any) -> dict[str, Any]:
-        S.check_kinds(kinds, KINDS, f"hf:{name}")
-        out = vision(pixel_values=x)
+        S.check_kinds(kinds, kinds_all, f"hf:{name}")
+        stages = any(k.startswith("stage") for k in kinds)
+        out = vision(pixel_values=x, output_hidden_states=True) if stages else vision(pixel_values=x)
         res: dict[str, Any] = {}
         for k in kinds:
-            if k == "pooled":
+            if k.startswith("stage"):
+                res[k] = out.hidden_states[int(k[5:-4]) + 1][:, 1:].mean(dim=1)
+            elif k == "pooled":
                 res[k] = model.visual_projection(out.pooler_output) if is_clip else out.pooler_output
             elif k == "pooler":
                 res[k] = out.pooler_output
@@ -100,7 +107,7 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         device=device,
         trainable=trainable,
         features_fn=features,
-        kinds=KINDS,
+        kinds=kinds_all,
         library="transformers",
         sha=sha,
         tag="",
