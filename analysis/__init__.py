@@ -2,10 +2,12 @@
 
 Public API (heavy libraries are imported lazily inside the functions)::
 
-    from featcache.analysis import rank, shift, write_report
-    out = rank(results_df, external=["finetune.csv"], out_dir="analysis-out")
-    out["overall"]          # per backbone: zscore, mean, avg_rank, group_mean, n_settings
-    out["lin_ft"]["per_task"]  # Kendall tau-b linear vs fine-tune per task
+    from featcache.analysis import load_results, rank, shift, write_report
+    loaded = load_results("results.parquet", external=["finetune.csv"])  # each file read once
+    out = rank(loaded, out_dir="analysis-out")  # a Ranking
+    out.overall          # per backbone: zscore, mean, avg_rank, group_mean, n_settings
+    out.lin_ft.per_task  # Kendall tau-b linear vs fine-tune per task
+    shift(loaded, "test", "test_v2")  # the same loaded rows
 
 Lower-level pieces: :mod:`featcache.analysis.tables` (load/merge/coverage),
 :mod:`featcache.analysis.stats` (Clopper-Pearson, Kendall tau-b and ranks via scipy, z-scores,
@@ -17,11 +19,20 @@ the bootstrap line fit), :mod:`featcache.analysis.rankings`, :mod:`featcache.ana
 
 from __future__ import annotations
 
-__all__ = ["load_table", "merge_tables", "rank", "shift", "write_report"]
+__all__ = [
+    "LoadedResults",
+    "Ranking",
+    "load_results",
+    "load_table",
+    "merge_tables",
+    "rank",
+    "shift",
+    "write_report",
+]
 
 
 def __getattr__(name: str):
-    if name in ("rank", "shift"):
+    if name in ("rank", "shift", "load_results", "LoadedResults", "Ranking"):
         from featcache.analysis import api
 
         return getattr(api, name)

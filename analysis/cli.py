@@ -158,17 +158,17 @@ def run_rank(args) -> int:
     )
     from featcache.formatting import format_table
 
-    ov = out["overall"]
+    ov = out.overall
     groups = (
         ["group_mean", *[c for c in ov.columns if c.startswith("mean[")]] if ov["group_mean"].drop_nulls().len() else []
     )
     cols = ["position", "backbone", "zscore", "mean", "avg_rank", *groups, "n_settings"]
     print(format_table(ov.select(cols), "text", max_rows=10), end="")
-    if out["mean_tau"] is not None:
-        print(f"linear vs fine-tune: mean Kendall tau-b {out['mean_tau']:.3f} over {out['lin_ft']['n_tasks']} task(s)")
-    for line in out["coverage"].lines() + out["notes"]:
+    if out.mean_tau is not None and out.lin_ft is not None:
+        print(f"linear vs fine-tune: mean Kendall tau-b {out.mean_tau:.3f} over {out.lin_ft.n_tasks} task(s)")
+    for line in out.coverage.lines() + out.notes:
         print(f"note: {line}")
-    print(f"wrote {len(out['files'])} files to {args.out}")
+    print(f"wrote {len(out.files)} files to {args.out}")
     return 0
 
 

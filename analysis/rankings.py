@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,40 @@ _BOOT_CHUNK_ELEMS = 2e7
 AGGREGATIONS = ("zscore", "mean", "avg_rank", "group_mean")
 #: aggregation -> True when higher is better
 HIGHER_IS_BETTER = {"zscore": True, "mean": True, "avg_rank": False, "group_mean": True}
+
+
+class ItemAccess:
+    """``r["name"]`` reads ``r.name``: the dict-style access the analysis results offered
+    before they were dataclasses (``r.get(name)``, ``name in r`` and ``r.keys()`` too)."""
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]  # type: ignore[arg-type]
+
+    def __getitem__(self, name: str):
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.keys()
+
+    def get(self, name: str, default=None):
+        return getattr(self, name) if name in self.keys() else default
+
+
+@dataclass(frozen=True)
+class LinearVsFinetune(ItemAccess):
+    """:func:`linear_vs_finetune`'s tables: ``per_task`` (task, tau, p_value, n_backbones,
+    reason), ``per_backbone`` (mean gain and z change), ``pairs`` (task, backbone, linear,
+    finetune, gain, z_linear, z_finetune, z_diff); the mean tau over ``n_tasks`` tasks where it
+    is defined; ``missing``: what one side lacks."""
+
+    per_task: Any
+    per_backbone: Any
+    pairs: Any
+    mean_tau: float
+    n_tasks: int
+    missing: dict[str, list[str]]
 
 
 def _pl():
@@ -51,11 +85,11 @@ def linear_vs_finetune(
     linear_kind: str = "probe",
     finetune_kind: str = "finetune",
     ddof: int = 0,
-) -> dict[str, Any]:
+) -> LinearVsFinetune:
     """Compare the ranking of backbones under linear probing and under fine-tuning per task.
 
     ``reduced`` is a seed-reduced table (:func:`featcache.analysis.tables.reduce_seeds`).
-    Returns ``{"per_task", "per_backbone", "pairs", "mean_tau", "n_tasks", "missing"}``:
+    Returns a :class:`LinearVsFinetune`:
     ``per_task`` has task, tau, p_value, n_backbones, reason (why tau is NaN, else null);
     ``pairs`` the matched (task, backbone, linear, finetune, gain, z_linear, z_finetune, z_diff);
     ``per_backbone`` the mean gain and mean z difference over tasks. Tasks present on one
@@ -99,14 +133,14 @@ def linear_vs_finetune(
     )
     taus = per_task["tau"].to_numpy()
     valid = ~np.isnan(taus)
-    return {
-        "per_task": per_task,
-        "per_backbone": per_backbone,
-        "pairs": pairs_df,
-        "mean_tau": float(np.mean(taus[valid])) if valid.any() else float("nan"),
-        "n_tasks": int(valid.sum()),
-        "missing": missing,
-    }
+    return LinearVsFinetune(
+        per_task,
+        per_backbone,
+        pairs_df,
+        float(np.mean(taus[valid])) if valid.any() else float("nan"),
+        int(valid.sum()),
+        missing,
+    )
 
 
 def _paired_scores(reduced, metric: str, linear_kind: str, finetune_kind: str):

@@ -1028,3 +1028,92 @@ def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
     assert "pca:8" in text
     assert "Efficiency" in text
     assert "Spearman rho(throughput, z-score)" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs loaded once into a typed result (issue 20 item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_report_reads_the_results_parquet_once(digits_results, tmp_path, monkeypatch):
+    """write_report from a path (declared-metric check, ranking, shift) reads the file once."""
+    import featcache.results as R
+
+    real, reads = R.read_results, []
+
+    def counting(path, *a, **k):
+        reads.append(Path(path).name)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(R, "read_results", counting)
+    out = write_report(
+        tmp_path / "r.html",
+        digits_results["path"],
+        external=[digits_results["ft_path"]],
+        shift_splits=("test", "test_v2"),
+        rank_kwargs={"n_boot": 20},
+    )
+    assert "Test-set shift" in out.read_text()
+    assert reads == ["results.parquet"]
+
+
+def test_rank_and_shift_take_loaded_results(digits_results):
+    """rank()/shift() on LoadedResults equal them on the path; the ranking is a frozen
+    dataclass whose fields are the tables earlier callers read by key."""
+    import dataclasses
+
+    loaded = api.load_results(digits_results["path"], [digits_results["ft_path"]])
+    assert isinstance(loaded, api.LoadedResults)
+    assert loaded.metric == "top1"
+    assert not loaded.declares
+    a = api.rank(loaded, n_boot=60, seed=2)
+    b = api.rank(digits_results["path"], [digits_results["ft_path"]], n_boot=60, seed=2)
+    assert isinstance(a, api.Ranking)
+    for name in api.TABLES:
+        if a[name] is not None:
+            assert a[name].equals(b[name]), name
+    assert a.overall is a["overall"]
+    assert a.lin_ft.per_task.equals(b["lin_ft"]["per_task"])
+    assert a.mean_tau == b.mean_tau
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.overall = None  # type: ignore[misc]
+    with pytest.raises(KeyError):
+        a["no such table"]
+    # loading options go to load_results, not with loaded results
+    with pytest.raises(ResultsError, match="load_results"):
+        api.rank(loaded, [digits_results["ft_path"]], n_boot=10)
+    s1 = api.shift(loaded, "test", "test_v2", n_boot=200, plots=False)
+    s2 = api.shift(digits_results["path"], "test", "test_v2", n_boot=200, plots=False)
+    assert s1["table"].equals(s2["table"])
+    assert s1["fit"].equals(s2["fit"])
+
+
+def test_analysis_modules_call_no_private_name_of_another_module():
+    """No ``from featcache.x import _y`` and no ``module._y`` across the analysis modules."""
+    import ast
+
+    root = Path(api.__file__).parent
+    found = []
+    for f in sorted(root.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("featcache"):
+                found += [
+                    f"{f.name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+                modules |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name.split(".")[0] for a in node.names}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{f.name}: {node.value.id}.{node.attr}")
+    assert found == []
