@@ -20,6 +20,7 @@ from featcache.analysis.loaded import (
     declares_metrics,
     load_results,
     resolve_metric,
+    resolve_retrieval_metric,
     with_declared_rows,
 )
 from featcache.analysis.rankings import ItemAccess, LinearVsFinetune
@@ -35,6 +36,7 @@ __all__ = [
     "overall_with_intervals",
     "rank",
     "resolve_metric",
+    "resolve_retrieval_metric",
     "shift",
     "with_declared_rows",
     "write_tables",
@@ -80,9 +82,13 @@ class Ranking(ItemAccess):
     #: every row with its Clopper-Pearson interval where the metric is binomial
     intervals: Any
     weights: Any
+    #: per setting: each backbone's score minus the first's, with a paired seed bootstrap interval
+    setting_differences: Any
     metric: str
     retrieval_metric: str
     seed_reduce: str
+    #: per ranked setting: seed_reduce (the rule applied: median or mean) and n_seeds (most seeds of a backbone)
+    seed_rules: Any
     resample: str
     n_boot: int
     seed: int
@@ -109,7 +115,7 @@ def rank(
     groups: Mapping[str, str] | None = None,
     percent: bool | None = None,
     external_kind: str | None = None,
-    seed_reduce: str = "median",
+    seed_reduce: str = "auto",
     ddof: int = 0,
     on_constant: str = "error",
     n_boot: int = 1000,
@@ -133,6 +139,12 @@ def rank(
     With ``out_dir``, writes every table as parquet + Markdown, the plots as PNG and
     ``summary.json``. Returns a :class:`Ranking` (``files``: what was written).
 
+    ``seed_reduce``: ``auto`` reduces each setting's seeds as its paper does (ELEVATER's
+    protocols: mean, shown with the std; the rest: the median, VTAB's rule), or ``median`` /
+    ``mean`` for every setting. ``retrieval_metric="auto"`` ranks retrieval on Battle of the
+    Backbones' ``map_bob`` (revisitop's trapezoidal AP) where every retrieval setting records
+    it, else on ``map`` (the scikit-learn-style AP).
+
     ``metric`` (default ``top1``, or the metric :class:`LoadedResults` were loaded for):
     ``"auto"`` ranks each task on its declared metric (``hparams.task_metric``, e.g.
     mean-per-class for Aircraft; rows without one count as top-1) when the results record
@@ -144,29 +156,42 @@ def rank(
     metric, groups = loaded.metric, loaded.groups
     raw = _restrict(loaded.rows, eval_splits)
     reduced = _reduce(raw, seed_reduce)
+    retrieval_metric, why = resolve_retrieval_metric(retrieval_metric, raw)
     coverage = replace(loaded.coverage)  # missing cells are this ranking's, not the loaded inputs'
     ranked_raw, ranked, weights = _pooled(raw, reduced, seed_reduce)
     sm = rankings.select_settings(ranked, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     _record_missing_cells(coverage, sm)
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
     notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
+    notes += [why] if why else []
+    rules = _seed_rules(ranked, agg["matrix"], metric, retrieval_metric)
     notes += [f"{s} is one setting: the mean over {len(frm)} k values ({', '.join(frm)})" for s, frm in weights.items()]
+    ranked_rows = _ranked_rows(ranked_raw, agg["matrix"], metric, retrieval_metric)
     boot = rankings.bootstrap_aggregate(
         agg["matrix"],
-        reduced=_ranked_rows(ranked_raw, agg["matrix"], metric, retrieval_metric),
+        reduced=ranked_rows,
         resample=resample,
         n_boot=n_boot,
         seed=seed,
         ddof=ddof,
-        seed_reduce=seed_reduce,
+        seed_reduce=dict(zip(rules["setting"].to_list(), rules["seed_reduce"].to_list())),
         progress=progress,
     )
     out = _rank_result(raw, coverage, agg, boot, notes)
+    out["setting_differences"] = rankings.setting_differences(
+        ranked_rows,
+        agg["matrix"],
+        agg["overall"]["backbone"][0],
+        rules=dict(zip(rules["setting"].to_list(), rules["seed_reduce"].to_list())),
+        n_boot=n_boot,
+        seed=seed,
+    )
     out.update(
         weights=_setting_weights(agg["matrix"], weights),
         metric=metric,
         retrieval_metric=retrieval_metric,
         seed_reduce=seed_reduce,
+        seed_rules=rules,
         resample=resample,
         n_boot=n_boot,
         seed=seed,
@@ -221,6 +246,21 @@ def _restrict(raw, eval_splits):
     if raw.height == 0:
         raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
     return raw
+
+
+def _seed_rules(ranked, sm, metric: str, retrieval_metric: str):
+    """setting, seed_reduce (the rule applied) and n_seeds (most of any backbone) per ranked setting."""
+    import polars as pl
+
+    is_ret = pl.col("kind") == "retrieval"
+    want = (is_ret & (pl.col("metric") == retrieval_metric)) | (~is_ret & (pl.col("metric") == metric))
+    rules = (
+        ranked.filter(want & pl.col("setting").is_in(sm.settings))
+        .group_by("setting")
+        .agg(pl.col("seed_reduce").first(), pl.col("n_seeds").max())
+    )
+    order = pl.DataFrame({"setting": sm.settings, "_o": range(len(sm.settings))})
+    return order.join(rules, on="setting", how="left").sort("_o").drop("_o")
 
 
 def _reduce(raw, seed_reduce: str):
@@ -345,6 +385,7 @@ TABLES = (
     "weights",
     "bootstrap",
     "differences",
+    "setting_differences",
     "intervals",
     "calibration",
     "calibration_corr",

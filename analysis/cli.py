@@ -53,7 +53,13 @@ def register(subparsers) -> None:
         "(hparams.task_metric: top1, mean_per_class, map11, roc_auc_macro) where the results record "
         "one, else top1; or one metric for every task (top1, top5, mean_per_class, ...)",
     )
-    p.add_argument("--retrieval-metric", default="map", help="retrieval metric to rank on (default map)")
+    p.add_argument(
+        "--retrieval-metric",
+        default="auto",
+        help="retrieval metric to rank on: auto (default) ranks on map_bob (Battle of the Backbones' mAP, "
+        "revisitop's trapezoidal AP) where every retrieval setting records it, else map (the "
+        "scikit-learn-style AP); or any metric the retrieval rows hold (map, mrr, recall@5, mp@10, ...)",
+    )
     p.add_argument(
         "--kinds",
         nargs="+",
@@ -70,9 +76,10 @@ def register(subparsers) -> None:
     p.add_argument("--group", action="append", metavar="DATASET=GROUP", help="task group (repeatable)")
     p.add_argument(
         "--seed-reduce",
-        choices=["median", "mean"],
-        default="median",
-        help="how a setting's seeds are reduced to one score per backbone (default median)",
+        choices=["auto", "median", "mean"],
+        default="auto",
+        help="how a setting's seeds are reduced to one score per backbone: auto (default) as its paper "
+        "does (ELEVATER protocols: mean, shown +/- std; the rest: median, VTAB's rule), or one rule for all",
     )
     p.add_argument("--ddof", type=int, choices=[0, 1], default=0, help="z-score std: 0 population, 1 sample")
     p.add_argument(

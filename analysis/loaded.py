@@ -15,7 +15,15 @@ from typing import Any
 from featcache.analysis.tables import Coverage, load_table, merge_tables
 from featcache.errors import ResultsError
 
-__all__ = ["LoadedResults", "declares_metrics", "load_results", "resolve_metric", "with_declared_rows"]
+__all__ = [
+    "RETRIEVAL_METRIC_TEXT",
+    "LoadedResults",
+    "declares_metrics",
+    "load_results",
+    "resolve_metric",
+    "resolve_retrieval_metric",
+    "with_declared_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,34 @@ def resolve_metric(metric: str, results) -> str:
     from featcache.analysis.task_metric import TASK
 
     return TASK if declares_metrics(results) else "top1"
+
+
+#: what each retrieval AP is, as the report names it
+RETRIEVAL_METRIC_TEXT = {
+    "map_bob": "map_bob: Battle of the Backbones' mAP (revisitop's trapezoidal AP, bob-retrieval's compute_map)",
+    "map": "map: scikit-learn-style AP (mean precision at each relevant item)",
+}
+
+
+def resolve_retrieval_metric(metric: str, rows) -> tuple[str, str | None]:
+    """``auto``: ``map_bob`` (Battle of the Backbones' definition, written by ``featcache
+    retrieve``) when every retrieval setting of ``rows`` records it, else ``map`` (the
+    scikit-learn-style AP) with a note saying why; any other metric as given (no note)."""
+    import polars as pl
+
+    if metric != "auto":
+        return metric, None
+    ret = rows.filter(pl.col("kind") == "retrieval")
+    if ret.height == 0:
+        return "map", None
+    have = set(ret.filter(pl.col("metric") == "map_bob")["setting"].to_list())
+    lacking = sorted(set(ret["setting"].to_list()) - have)
+    if not lacking:
+        return "map_bob", None
+    return "map", (
+        f"retrieval ranked on map (scikit-learn-style AP), not Battle of the Backbones' map_bob: "
+        f"{', '.join(lacking)} record no map_bob (re-run featcache retrieve without --top-k-only)"
+    )
 
 
 def with_declared_rows(frame, *, external: bool = False):

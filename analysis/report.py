@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from featcache.analysis.api import Ranking, load_results, overall_with_intervals, rank, shift
-from featcache.analysis.loaded import LoadedResults
+from featcache.analysis.loaded import RETRIEVAL_METRIC_TEXT, LoadedResults, resolve_retrieval_metric
 from featcache.errors import ResultsError
 from featcache.formatting import format_cell, table_cells
 
@@ -102,6 +102,8 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
     return {
         "answer": answer,
         "n_settings": r.zscores.width - 1,
+        "seeds": _seed_statement(r),
+        "retrieval": _retrieval_statement(r),
         "resample": r.resample,
         "overall": table_cells(shown, table_id="overall-table"),
         "top3": table_cells(r.top3, table_id="top3-table"),
@@ -117,6 +119,13 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
     }
 
 
+def _retrieval_statement(r: Ranking) -> str | None:
+    """Which AP the retrieval settings are ranked on (None without retrieval settings)."""
+    if not any(s.startswith("retrieval:") for s in r.scores.columns):
+        return None
+    return f"Retrieval settings are ranked on {RETRIEVAL_METRIC_TEXT.get(r.retrieval_metric, r.retrieval_metric)}."
+
+
 def _few_backbones(n: int, best: str) -> str:
     """What a ranking of two or three backbones can and cannot say."""
     if n == 2:
@@ -128,23 +137,30 @@ def _few_backbones(n: int, best: str) -> str:
         what = "with 3 backbones the z-scores take few values and their intervals say little"
     return (
         f"{what}. Nothing about backbones in general follows from so few; judge by the per-setting "
-        "differences below, each with the scores' own intervals."
+        "differences below, each with its own paired interval over seeds."
     )
 
 
 def _per_setting_gaps(r: Ranking):
-    """Per ranked setting: each backbone's score and its gap to the first backbone."""
+    """Per ranked setting: each backbone's score (with its binomial interval where the results
+    give one), its difference to the first backbone and that difference's paired seed
+    bootstrap interval (:func:`~featcache.analysis.rankings.setting_differences`)."""
     import polars as pl
 
     order = r.overall["backbone"].to_list()
-    scores = r.scores
-    long = scores.unpivot(index="backbone", variable_name="setting", value_name="score")
-    first = long.filter(pl.col("backbone") == order[0]).select("setting", pl.col("score").alias("_first"))
-    out = long.join(first, on="setting").with_columns((pl.col("score") - pl.col("_first")).alias("gap_to_first"))
+    long = r.scores.unpivot(index="backbone", variable_name="setting", value_name="score")
     ci = _score_intervals(r)
     if ci is not None:
-        out = out.join(ci, on=["setting", "backbone"], how="left")
-    return out.drop("_first").sort("setting", "backbone")
+        long = long.join(ci, on=["setting", "backbone"], how="left")
+    d = r.setting_differences.select(
+        "setting",
+        "backbone",
+        pl.struct("diff", "lo", "hi")
+        .map_elements(lambda x: _interval_cell(x["diff"], x["lo"], x["hi"], "{:+.4f}"), return_dtype=pl.Utf8)
+        .alias(f"minus {order[0]} [95% interval]"),
+        pl.col("interval").alias("difference interval"),
+    )
+    return long.join(d, on=["setting", "backbone"], how="left").sort("setting", "backbone")
 
 
 def _score_intervals(r: Ranking):
@@ -293,15 +309,55 @@ def _cost(r: Ranking | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | No
 # ----------------------------------------------------------------------------- detail tables
 
 
-def _reduced(raw, kinds: Sequence[str]):
-    """Median per (kind, task, backbone, metric) with Clopper-Pearson intervals where the metric
-    is a proportion with a known n_eval."""
+def _reduced(raw, kinds: Sequence[str], seed_reduce: str = "auto"):
+    """Seeds reduced per (kind, task, backbone, metric) as the ranking reduces them, with
+    Clopper-Pearson intervals where the metric is a proportion with a known n_eval."""
     import polars as pl
 
     from featcache.analysis.tables import reduce_seeds, with_intervals
 
     sub = raw.filter(pl.col("kind").is_in(list(kinds)))
-    return with_intervals(reduce_seeds(sub)) if sub.height else None
+    return with_intervals(reduce_seeds(sub, how=seed_reduce)) if sub.height else None
+
+
+def _seed_caption(setting: str, g) -> str:
+    """A setting's name with how its seeds were reduced (median of n, or mean +/- std of n)."""
+    n = int(g["n_seeds"].max())
+    if n <= 1:
+        return setting
+    if (g["seed_reduce"] == "mean").all():
+        return f"{setting} (mean +/- std of {n} seeds, as ELEVATER reports)"
+    return f"{setting} (median of {n} seed(s))"
+
+
+def _with_std(g):
+    """``value`` as "mean +/- std" text where the setting's seeds are averaged (ELEVATER)."""
+    import polars as pl
+
+    if not (g["seed_reduce"] == "mean").all() or int(g["n_seeds"].max()) <= 1:
+        return g
+    cell = pl.struct("value", "seed_std").map_elements(
+        lambda s: format_cell(s["value"]) + ("" if s["seed_std"] is None else f" +/- {format_cell(s['seed_std'])}"),
+        return_dtype=pl.Utf8,
+    )
+    return g.with_columns(cell.alias("value"))
+
+
+def _seed_statement(r: Ranking) -> str:
+    """How the seeds of the ranked settings were reduced, per rule (the report says it)."""
+    from featcache.analysis.tables import SEED_RULE_TEXT
+
+    parts = []
+    multi = r.seed_rules.filter(r.seed_rules["n_seeds"] > 1)
+    for rule in ("median", "mean"):
+        n = multi.filter(multi["seed_reduce"] == rule).height
+        if n:
+            parts.append(f"{SEED_RULE_TEXT[rule]} on {n} setting(s)")
+    single = r.seed_rules.height - multi.height
+    if single:
+        parts.append(f"{single} setting(s) have one seed")
+    how = "each setting as its paper reports it" if r.seed_reduce == "auto" else f"--seed-reduce {r.seed_reduce}"
+    return f"Seeds ({how}): " + "; ".join(parts) + "."
 
 
 def _wide(long, metric: str, table_id: str):
@@ -326,6 +382,7 @@ def _pivots(long) -> list[tuple[str, Any]]:
     out = []
     for (setting,), g in long.sort("setting").group_by(["setting"], maintain_order=True):
         metrics = sorted(set(g["metric"].to_list()))
+        caption, g = _seed_caption(setting, g), _with_std(g)
         if len(metrics) > _MAX_METRIC_COLUMNS and any("@" in m for m in metrics):
             g = g.with_columns(
                 pl.col("metric").str.split("@").list.first().alias("metric family"),
@@ -340,8 +397,7 @@ def _pivots(long) -> list[tuple[str, Any]]:
         else:
             t = g.pivot(on="metric", index="backbone", values="value").sort("backbone")
             t = t.select("backbone", *[m for m in metrics if m in t.columns])
-        n = int(g["n_seeds"].max())
-        out.append((f"{setting} (median of {n} seed(s))" if n > 1 else setting, table_cells(t)))
+        out.append((caption, table_cells(t)))
     return out
 
 
@@ -352,7 +408,8 @@ def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) 
 
     ctx: dict[str, Any] = {"probe": None, "retrieval": None, "calibration": None, "calibration_absent": ""}
     metric = rank_kwargs.get("metric", "top1")
-    probe = _reduced(raw, ["probe", "knn"])
+    seed_reduce = r.seed_reduce if r else rank_kwargs.get("seed_reduce", "auto")
+    probe = _reduced(raw, ["probe", "knn"], seed_reduce)
     if probe is not None:
         w = _wide(probe, metric, "probe-wide")
         figs = []
@@ -374,12 +431,13 @@ def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) 
             "pivots": _pivots(probe),
             "figures": figs,
         }
-    ret = _reduced(raw, ["retrieval"])
+    ret = _reduced(raw, ["retrieval"], seed_reduce)
     if ret is not None:
-        rm = rank_kwargs.get("retrieval_metric", "map")
+        rm = r.retrieval_metric if r else resolve_retrieval_metric(rank_kwargs.get("retrieval_metric", "auto"), raw)[0]
         w = _wide(ret, rm, "retrieval-wide")
         ctx["retrieval"] = {
             "metric": rm,
+            "metric_text": RETRIEVAL_METRIC_TEXT.get(rm, rm),
             "wide": table_cells(w[0], table_id=w[1]) if w else None,
             "pivots": _pivots(ret),
         }
@@ -512,7 +570,7 @@ def write_report(
         "shift": None,
         "notes": [],
     }
-    kw = {"on_constant": "drop", "n_boot": 1000, **kw_in}
+    kw = {"on_constant": "drop", "n_boot": 1000, "retrieval_metric": "auto", **kw_in}
     with tempfile.TemporaryDirectory(prefix="featcache-report-") as tmpd:
         tmp = Path(tmpd)
         r = None
@@ -521,10 +579,12 @@ def write_report(
         except ResultsError as exc:
             log.warning("report: no ranking: %s", exc)
             ctx["rank_error"] = str(exc)
-        ft_rows = _reduced(raw, ["finetune"])
+        ft_rows = _reduced(raw, ["finetune"], r.seed_reduce if r else kw.get("seed_reduce", "auto"))
         if r is not None:
             ctx["choose"] = _choose(r, tmp)
-            ctx["finetune"] = _finetune(r, tmp, ft_rows.drop("setting") if ft_rows is not None else None)
+            ctx["finetune"] = _finetune(
+                r, tmp, ft_rows.drop("setting", "seed_std", "seed_reduce") if ft_rows is not None else None
+            )
             ctx["certainty"] = _certainty(r, tmp)
             ctx["notes"] = [*r.notes, *coverage.lines()]
         if ctx["finetune"] is None:
