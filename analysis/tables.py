@@ -11,7 +11,7 @@ metric      yes       ``top1``, ``map``, ``ece``, ``nll`` ...
 value       yes       metric value (accuracies as fractions; ``percent=True`` converts %)
 kind        yes       ``probe`` | ``knn`` | ``retrieval`` | ``finetune``
 n_eval      no        evaluated samples (enables Clopper-Pearson intervals)
-seed        no        repetition seed (default 0); seeds are reduced by median per task
+seed        no        repetition seed (default 0); seeds are reduced per setting (reduce_seeds)
 group       no        task group (``natural`` / ``specialized`` / ``structured`` ...)
 protocol    no        ``full``, ``fewshot:5``, ``vtab1k``... (part of the task name)
 shots       no        examples per class (-1: all)
