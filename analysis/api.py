@@ -11,83 +11,38 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from featcache.analysis.loaded import (
+    LoadedResults,
+    declares_metrics,
+    load_results,
+    resolve_metric,
+    resolve_retrieval_metric,
+    with_declared_rows,
+)
+from featcache.analysis.rankings import ItemAccess, LinearVsFinetune
+from featcache.analysis.tables import Coverage
 from featcache.errors import ResultsError
 from featcache.formatting import format_table
 
+__all__ = [
+    "LoadedResults",
+    "Ranking",
+    "declares_metrics",
+    "load_results",
+    "overall_with_intervals",
+    "rank",
+    "resolve_metric",
+    "resolve_retrieval_metric",
+    "shift",
+    "with_declared_rows",
+    "write_tables",
+]
+
 log = logging.getLogger(__name__)
-
-
-def _as_tables(results, external, *, percent, external_kind, groups, declared: bool = False) -> list:
-    """Loaded tables; ``declared``: each table also gets its runs' declared-metric rows
-    relabelled ``task`` (:func:`with_declared_rows`)."""
-    import polars as pl
-
-    from featcache.analysis.tables import load_table
-
-    tables = []
-    if results is not None:
-        if isinstance(results, (str, os.PathLike)):
-            from featcache.results import read_results
-
-            frame, src = read_results(results), Path(results).name
-        elif isinstance(results, pl.DataFrame):
-            frame, src = results, "results"
-        else:
-            raise ResultsError(f"results must be a path or a polars DataFrame, got {type(results).__name__}")
-        tables.append(load_table(with_declared_rows(frame) if declared else frame, source=src, groups=groups))
-    for i, ext in enumerate(external or []):
-        src = Path(ext).name if isinstance(ext, (str, os.PathLike)) else f"external[{i}]"
-        t = load_table(ext, source=src, kind=external_kind, percent=percent, groups=groups)
-        tables.append(with_declared_rows(t, external=True) if declared else t)
-    if not tables:
-        raise ResultsError("nothing to analyse: pass a results table and/or --external tables")
-    return tables
-
-
-def declares_metrics(results) -> bool:
-    """Whether a featcache results table (path or DataFrame) records ``hparams.task_metric``."""
-    import polars as pl
-
-    if results is None:
-        return False
-    if isinstance(results, (str, os.PathLike)):
-        from featcache.results import read_results
-
-        results = read_results(results)
-    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns:
-        return False
-    return bool(results["hparams"].cast(pl.Utf8).str.json_path_match("$.task_metric").is_not_null().any())
-
-
-def with_declared_rows(frame, *, external: bool = False):
-    """``frame`` plus, per run, a copy of its declared-metric row with ``metric="task"``
-    (:func:`~featcache.analysis.task_metric.declared_metric_rows`; ``external`` tables and
-    tables without hparams declare top-1). The original rows stay (calibration reads ece/nll)."""
-    import polars as pl
-
-    from featcache.analysis.task_metric import TASK, declared_metric_rows
-
-    if (frame["metric"] == TASK).any():  # already chosen (declared_metric_rows by the caller)
-        return frame
-    if not external and "hparams" in frame.columns and "run_id" in frame.columns:
-        rows = declared_metric_rows(frame).drop("task_metric")
-    else:
-        rows = frame.filter((pl.col("metric") == "top1") & (pl.col("kind") != "retrieval"))
-        rows = rows.with_columns(pl.lit(TASK).alias("metric"))
-    return pl.concat([frame, rows.filter(pl.col("kind") != "retrieval")], how="vertical_relaxed")
-
-
-def resolve_metric(metric: str, results) -> str:
-    """``auto``: ``task`` (each task on its declared metric) when the results record
-    ``hparams.task_metric``, else ``top1``; any other metric as given."""
-    if metric != "auto":
-        return metric
-    from featcache.analysis.task_metric import TASK
-
-    return TASK if declares_metrics(results) else "top1"
 
 
 def write_tables(tables: Mapping[str, Any], out_dir: str | os.PathLike) -> list[Path]:
@@ -106,19 +61,61 @@ def write_tables(tables: Mapping[str, Any], out_dir: str | os.PathLike) -> list[
     return paths
 
 
+@dataclass(frozen=True)
+class Ranking(ItemAccess):
+    """What :func:`rank` found: the tables (polars DataFrames), the linear-vs-fine-tune
+    comparison, the calibration and efficiency summaries where their data are present, and
+    the notes. ``r.overall`` and ``r["overall"]`` are the same table."""
+
+    coverage: Coverage
+    #: per backbone: position, zscore, mean, avg_rank, group_mean, mean[group]..., n_settings
+    overall: Any
+    #: backbone x setting score matrix, z-scores and ranks of the ranked settings
+    scores: Any
+    zscores: Any
+    ranks: Any
+    agreement: Any
+    top3: Any
+    #: bootstrap intervals of every aggregation and of the pairwise differences
+    bootstrap: Any
+    differences: Any
+    #: every row with its Clopper-Pearson interval where the metric is binomial
+    intervals: Any
+    weights: Any
+    #: per setting: each backbone's score minus the first's, with a paired seed bootstrap interval
+    setting_differences: Any
+    metric: str
+    retrieval_metric: str
+    seed_reduce: str
+    #: per ranked setting: seed_reduce (the rule applied: median or mean) and n_seeds (most seeds of a backbone)
+    seed_rules: Any
+    resample: str
+    n_boot: int
+    seed: int
+    notes: list[str] = field(default_factory=list)
+    lin_ft: LinearVsFinetune | None = None
+    mean_tau: float | None = None
+    calibration: Any = None
+    calibration_corr: Any = None
+    efficiency: Any = None
+    efficiency_rho: float | None = None
+    efficiency_p: float | None = None
+    files: list[Path] = field(default_factory=list)
+
+
 def rank(
     results=None,
     external: Sequence = (),
     out_dir: str | os.PathLike | None = None,
     *,
-    metric: str = "top1",
+    metric: str | None = None,
     retrieval_metric: str = "map",
     kinds: Sequence[str] | None = None,
     eval_splits: Sequence[str] | None = None,
     groups: Mapping[str, str] | None = None,
     percent: bool | None = None,
     external_kind: str | None = None,
-    seed_reduce: str = "median",
+    seed_reduce: str = "auto",
     ddof: int = 0,
     on_constant: str = "error",
     n_boot: int = 1000,
@@ -127,10 +124,12 @@ def rank(
     provenance=None,
     plots: bool = True,
     progress: bool = False,
-) -> dict[str, Any]:
+) -> Ranking:
     """Which backbone should I choose, and would the answer change if I fine-tuned?
 
-    Loads and merges the tables (coverage gaps are listed and logged), reduces seeds
+    ``results``: a featcache results table (path or DataFrame) or a :class:`LoadedResults`
+    (:func:`load_results`; then ``external``, ``percent``, ``external_kind`` and ``groups``
+    were given there). Loads and merges the tables (coverage gaps are listed and logged), reduces seeds
     (median), ranks backbones across settings (``eval_splits`` restricts the eval splits used;
     by default every split is its own setting, e.g. ``probe:digits @test_v2``) (z-score, mean, average rank, group mean),
     bootstraps the aggregates and pairwise differences, compares linear probing with
@@ -138,50 +137,69 @@ def rank(
     efficiency (``provenance``: DataFrame with backbone, images_per_s[, peak_mem*]).
 
     With ``out_dir``, writes every table as parquet + Markdown, the plots as PNG and
-    ``summary.json``. Returns a dict with the tables, ``coverage``, ``mean_tau``, ``notes``
-    and ``files``.
+    ``summary.json``. Returns a :class:`Ranking` (``files``: what was written).
 
-    ``metric="auto"`` ranks each task on its declared metric (``hparams.task_metric``, e.g.
+    ``seed_reduce``: ``auto`` reduces each setting's seeds as its paper does (ELEVATER's
+    protocols: mean, shown with the std; the rest: the median, VTAB's rule), or ``median`` /
+    ``mean`` for every setting. ``retrieval_metric="auto"`` ranks retrieval on Battle of the
+    Backbones' ``map_bob`` (revisitop's trapezoidal AP) where every retrieval setting records
+    it, else on ``map`` (the scikit-learn-style AP).
+
+    ``metric`` (default ``top1``, or the metric :class:`LoadedResults` were loaded for):
+    ``"auto"`` ranks each task on its declared metric (``hparams.task_metric``, e.g.
     mean-per-class for Aircraft; rows without one count as top-1) when the results record
     one, else on top-1; ``"task"`` always does; any other name ranks every task on it.
     """
     from featcache.analysis import rankings
-    from featcache.analysis.task_metric import TASK
 
-    metric = resolve_metric(metric, results)
-    raw, reduced, coverage = _load_reduced(
-        results,
-        external,
-        percent=percent,
-        external_kind=external_kind,
-        groups=groups,
-        eval_splits=eval_splits,
-        seed_reduce=seed_reduce,
-        declared=metric == TASK,
-    )
+    loaded = _loaded(results, external, metric, groups=groups, percent=percent, external_kind=external_kind)
+    metric, groups = loaded.metric, loaded.groups
+    raw = _restrict(loaded.rows, eval_splits)
+    reduced = _reduce(raw, seed_reduce)
+    retrieval_metric, why = resolve_retrieval_metric(retrieval_metric, raw)
+    coverage = replace(loaded.coverage)  # missing cells are this ranking's, not the loaded inputs'
     ranked_raw, ranked, weights = _pooled(raw, reduced, seed_reduce)
     sm = rankings.select_settings(ranked, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     _record_missing_cells(coverage, sm)
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
     notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
+    notes += [why] if why else []
+    rules = _seed_rules(ranked, agg["matrix"], metric, retrieval_metric)
     notes += [f"{s} is one setting: the mean over {len(frm)} k values ({', '.join(frm)})" for s, frm in weights.items()]
+    ranked_rows = _ranked_rows(ranked_raw, agg["matrix"], metric, retrieval_metric)
     boot = rankings.bootstrap_aggregate(
         agg["matrix"],
-        reduced=_ranked_rows(ranked_raw, agg["matrix"], metric, retrieval_metric),
+        reduced=ranked_rows,
         resample=resample,
         n_boot=n_boot,
         seed=seed,
         ddof=ddof,
-        seed_reduce=seed_reduce,
+        seed_reduce=dict(zip(rules["setting"].to_list(), rules["seed_reduce"].to_list())),
         progress=progress,
     )
-    out = _rank_result(raw, coverage, agg, boot, notes, resample)
-    out["weights"] = _setting_weights(agg["matrix"], weights)
-    out["metric"] = metric
-    _add_secondary(out, reduced, agg, notes, metric=metric, ddof=ddof, provenance=provenance)
+    out = _rank_result(raw, coverage, agg, boot, notes)
+    out["setting_differences"] = rankings.setting_differences(
+        ranked_rows,
+        agg["matrix"],
+        agg["overall"]["backbone"][0],
+        rules=dict(zip(rules["setting"].to_list(), rules["seed_reduce"].to_list())),
+        n_boot=n_boot,
+        seed=seed,
+    )
+    out.update(
+        weights=_setting_weights(agg["matrix"], weights),
+        metric=metric,
+        retrieval_metric=retrieval_metric,
+        seed_reduce=seed_reduce,
+        seed_rules=rules,
+        resample=resample,
+        n_boot=n_boot,
+        seed=seed,
+    )
+    out.update(_secondary(reduced, agg, notes, metric=metric, ddof=ddof, provenance=provenance))
+    r = Ranking(**out)
     for n in notes:
         log.info("rank: %s", n)
-    files: list[Path] = []
     if out_dir is not None:
         options = {
             "metric": metric,
@@ -193,37 +211,62 @@ def rank(
             "resample": resample,
             "on_constant": on_constant,
         }
-        files = _write_rank_outputs(out, Path(out_dir), options, plots=plots)
-    out["files"] = files
-    return out
+        r = replace(r, files=_write_rank_outputs(r, Path(out_dir), options, plots=plots))
+    return r
 
 
-def _load_reduced(
-    results, external, *, percent, external_kind, groups, eval_splits, seed_reduce, declared: bool = False
-):
-    """Load + merge the tables, keep ``eval_splits`` (rows without a split are kept: typical of
-    external tables) and reduce seeds. Returns ``(raw, reduced, coverage)``."""
+def _loaded(results, external, metric: str | None, **load) -> LoadedResults:
+    """``results`` loaded (once) for ``metric``: a :class:`LoadedResults` as given (loading
+    options belong to :func:`load_results`), anything else through :func:`load_results`."""
+    if not isinstance(results, LoadedResults):
+        return load_results(results, external, metric=metric or "top1", **load)
+    given = [k for k, v in {"external": external, **load}.items() if v and v != getattr(results, k, None)]
+    if given:
+        raise ResultsError(
+            f"{', '.join(given)} are options of load_results(); pass them there, not with loaded results"
+        )
+    return results.for_metric(metric or results.metric)
+
+
+def _restrict(raw, eval_splits):
+    """Keep ``eval_splits`` (rows without a split are kept: typical of external tables)."""
     import polars as pl
 
-    from featcache.analysis.tables import merge_tables, reduce_seeds
+    if not eval_splits:
+        return raw
+    keep = pl.col("eval_split").is_in(list(eval_splits)) | (pl.col("eval_split") == "")
+    dropped = raw.filter(~keep)
+    if dropped.height:
+        log.info(
+            "rank: ignoring %d row(s) on eval split(s) %s",
+            dropped.height,
+            sorted(set(dropped["eval_split"].to_list())),
+        )
+    raw = raw.filter(keep)
+    if raw.height == 0:
+        raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
+    return raw
 
-    tables = _as_tables(
-        results, external, percent=percent, external_kind=external_kind, groups=groups, declared=declared
+
+def _seed_rules(ranked, sm, metric: str, retrieval_metric: str):
+    """setting, seed_reduce (the rule applied) and n_seeds (most of any backbone) per ranked setting."""
+    import polars as pl
+
+    is_ret = pl.col("kind") == "retrieval"
+    want = (is_ret & (pl.col("metric") == retrieval_metric)) | (~is_ret & (pl.col("metric") == metric))
+    rules = (
+        ranked.filter(want & pl.col("setting").is_in(sm.settings))
+        .group_by("setting")
+        .agg(pl.col("seed_reduce").first(), pl.col("n_seeds").max())
     )
-    raw, coverage = merge_tables(tables)
-    if eval_splits:
-        keep = pl.col("eval_split").is_in(list(eval_splits)) | (pl.col("eval_split") == "")
-        dropped = raw.filter(~keep)
-        if dropped.height:
-            log.info(
-                "rank: ignoring %d row(s) on eval split(s) %s",
-                dropped.height,
-                sorted(set(dropped["eval_split"].to_list())),
-            )
-        raw = raw.filter(keep)
-        if raw.height == 0:
-            raise ResultsError(f"no rows on eval split(s) {list(eval_splits)}")
-    return raw, reduce_seeds(raw, how=seed_reduce), coverage
+    order = pl.DataFrame({"setting": sm.settings, "_o": range(len(sm.settings))})
+    return order.join(rules, on="setting", how="left").sort("_o").drop("_o")
+
+
+def _reduce(raw, seed_reduce: str):
+    from featcache.analysis.tables import reduce_seeds
+
+    return reduce_seeds(raw, how=seed_reduce)
 
 
 def _pooled(raw, reduced, seed_reduce: str):
@@ -285,7 +328,7 @@ def _ranked_rows(raw, sm_kept, metric: str, retrieval_metric: str):
     return ranked
 
 
-def _rank_result(raw, coverage, agg, boot, notes, resample) -> dict[str, Any]:
+def _rank_result(raw, coverage, agg, boot, notes) -> dict[str, Any]:
     from featcache.analysis.tables import with_intervals
 
     return {
@@ -301,23 +344,20 @@ def _rank_result(raw, coverage, agg, boot, notes, resample) -> dict[str, Any]:
         "intervals": with_intervals(raw).select(
             "source", "kind", "task", "backbone", "metric", "seed", "value", "n_eval", "ci_lo", "ci_hi"
         ),
-        "lin_ft": None,
-        "mean_tau": None,
         "notes": notes,
-        "resample": resample,
     }
 
 
-def _add_secondary(out, reduced, agg, notes, *, metric: str, ddof: int, provenance) -> None:
+def _secondary(reduced, agg, notes, *, metric: str, ddof: int, provenance) -> dict[str, Any]:
     """Linear vs fine-tune, calibration and efficiency, each where its data are present (a note
     says why one is skipped)."""
     from featcache.analysis import rankings
     from featcache.analysis.tables import LOWER_IS_BETTER
 
+    out: dict[str, Any] = {}
     if {"probe", "finetune"} <= set(reduced["kind"].to_list()):
         lf = rankings.linear_vs_finetune(reduced, metric=metric, ddof=ddof)
-        out["lin_ft"] = lf
-        out["mean_tau"] = lf["mean_tau"]
+        out["lin_ft"], out["mean_tau"] = lf, lf.mean_tau
     else:
         notes.append(
             "linear vs fine-tune skipped: needs both probe and finetune rows (pass the fine-tuning table with --external)"
@@ -326,81 +366,82 @@ def _add_secondary(out, reduced, agg, notes, *, metric: str, ddof: int, provenan
         acc_metric = metric if metric not in LOWER_IS_BETTER and metric != "task" else "top1"
         out["calibration"], out["calibration_corr"] = rankings.calibration_summary(reduced, accuracy_metric=acc_metric)
     except ResultsError as exc:
-        out["calibration"] = out["calibration_corr"] = None
         notes.append(f"calibration skipped: {exc}")
-    out["efficiency"] = None
     if provenance is not None:
-        eff, rho, p = rankings.efficiency_summary(provenance, agg["overall"])
-        out["efficiency"], out["efficiency_rho"], out["efficiency_p"] = eff, rho, p
+        out["efficiency"], out["efficiency_rho"], out["efficiency_p"] = rankings.efficiency_summary(
+            provenance, agg["overall"]
+        )
+    return out
 
 
-def _write_rank_outputs(out: dict[str, Any], outp: Path, options: dict[str, Any], *, plots: bool) -> list[Path]:
+#: the tables of a :class:`Ranking` written by :func:`rank` with ``out_dir``
+TABLES = (
+    "overall",
+    "scores",
+    "zscores",
+    "ranks",
+    "agreement",
+    "top3",
+    "weights",
+    "bootstrap",
+    "differences",
+    "setting_differences",
+    "intervals",
+    "calibration",
+    "calibration_corr",
+    "efficiency",
+)
+
+
+def _write_rank_outputs(r: Ranking, outp: Path, options: dict[str, Any], *, plots: bool) -> list[Path]:
     """Every table as parquet + Markdown, the plots as PNG and ``summary.json``."""
-
-    names = (
-        "overall",
-        "scores",
-        "zscores",
-        "ranks",
-        "agreement",
-        "top3",
-        "weights",
-        "bootstrap",
-        "differences",
-        "intervals",
-        "calibration",
-        "calibration_corr",
-        "efficiency",
-    )
-    tbls = {k: out[k] for k in names}
-    lf = out["lin_ft"]
+    tbls = {k: getattr(r, k) for k in TABLES}
+    lf = r.lin_ft
     if lf is not None:
-        tbls["lin_ft_per_task"] = lf["per_task"]
-        tbls["lin_ft_per_backbone"] = lf["per_backbone"]
-        tbls["lin_ft_pairs"] = lf["pairs"]
+        tbls["lin_ft_per_task"] = lf.per_task
+        tbls["lin_ft_per_backbone"] = lf.per_backbone
+        tbls["lin_ft_pairs"] = lf.pairs
     files = write_tables(tbls, outp)
     if plots:
-        files += rank_plots(out, outp)
+        files += rank_plots(r, outp)
     summary = {
-        "coverage": out["coverage"].as_dict(),
-        "mean_tau": out["mean_tau"],
-        "n_tau_tasks": lf["n_tasks"] if lf else 0,
-        "lin_ft_missing": lf["missing"] if lf else None,
-        "top3_overall": out["top3"].row(-1, named=True),
-        "notes": out["notes"],
+        "coverage": r.coverage.as_dict(),
+        "mean_tau": r.mean_tau,
+        "n_tau_tasks": lf.n_tasks if lf else 0,
+        "lin_ft_missing": lf.missing if lf else None,
+        "top3_overall": r.top3.row(-1, named=True),
+        "notes": r.notes,
         "options": options,
     }
     (outp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return [*files, outp / "summary.json"]
 
 
-def overall_with_intervals(out: dict[str, Any]):
+def overall_with_intervals(r: Ranking):
     """The overall table with the z-score's bootstrap interval (``zscore_lo``, ``zscore_hi``)."""
     import polars as pl
 
-    boot = (
-        out["bootstrap"]
-        .filter(pl.col("aggregation") == "zscore")
-        .select("backbone", pl.col("lo").alias("zscore_lo"), pl.col("hi").alias("zscore_hi"))
+    boot = r.bootstrap.filter(pl.col("aggregation") == "zscore").select(
+        "backbone", pl.col("lo").alias("zscore_lo"), pl.col("hi").alias("zscore_hi")
     )
-    return out["overall"].join(boot, on="backbone", how="left").sort("position")
+    return r.overall.join(boot, on="backbone", how="left").sort("position")
 
 
-def rank_plots(out: dict[str, Any], outp: Path) -> list[Path]:
+def rank_plots(r: Ranking, outp: Path) -> list[Path]:
     """The ranking's plots (PNG) in ``outp``; each only where its data are present."""
     from featcache.analysis import plots as P
 
     files = [
-        P.overall_intervals(overall_with_intervals(out), outp / "overall.png"),
-        P.zscore_heatmap(out["zscores"], outp / "zscore_heatmap.png", order=out["overall"]["backbone"].to_list()),
+        P.overall_intervals(overall_with_intervals(r), outp / "overall.png"),
+        P.zscore_heatmap(r.zscores, outp / "zscore_heatmap.png", order=r.overall["backbone"].to_list()),
     ]
-    lf = out["lin_ft"]
-    if lf is not None and lf["per_task"].height:
-        files.append(P.tau_bars(lf["per_task"], outp / "tau_per_task.png"))
-        if lf["pairs"].height:
-            files.append(P.linear_vs_finetune_ranks(lf["pairs"], outp / "linear_vs_finetune_ranks.png"))
-            files.append(P.linear_vs_finetune_scatter(lf["pairs"], outp / "linear_vs_finetune.png"))
-    eff = out["efficiency"]
+    lf = r.lin_ft
+    if lf is not None and lf.per_task.height:
+        files.append(P.tau_bars(lf.per_task, outp / "tau_per_task.png"))
+        if lf.pairs.height:
+            files.append(P.linear_vs_finetune_ranks(lf.pairs, outp / "linear_vs_finetune_ranks.png"))
+            files.append(P.linear_vs_finetune_scatter(lf.pairs, outp / "linear_vs_finetune.png"))
+    eff = r.efficiency
     if eff is not None and eff.drop_nulls(["images_per_s", "zscore"]).height:
         files.append(P.efficiency_scatter(eff, outp / "efficiency.png"))
     return files
@@ -422,15 +463,18 @@ def shift(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Recht-style test-set shift between eval splits ``orig`` and ``new`` (see
-    :mod:`featcache.analysis.shift`). With ``out_dir`` writes ``shift.{parquet,md}``,
+    :mod:`featcache.analysis.shift`); ``results`` as for :func:`rank`. With ``out_dir`` writes ``shift.{parquet,md}``,
     ``shift_fit.{parquet,md}`` and one ``shift_<dataset>.png`` per dataset."""
     import polars as pl
 
     from featcache.analysis.shift import shift_analysis
-    from featcache.analysis.tables import merge_tables
 
-    tables = _as_tables(results, external, percent=percent, external_kind=None, groups=None)
-    raw, _ = merge_tables(tables)
+    if isinstance(results, LoadedResults):
+        if external or percent is not None:
+            raise ResultsError("external and percent are options of load_results(); pass them there")
+        raw = results.rows
+    else:
+        raw = load_results(results, external, metric="top1", percent=percent).rows
     res = shift_analysis(raw, orig, new, metric=metric, kind=kind, n_boot=n_boot, seed=seed, progress=progress)
     files: list[Path] = []
     if out_dir is not None:

@@ -53,7 +53,13 @@ def register(subparsers) -> None:
         "(hparams.task_metric: top1, mean_per_class, map11, roc_auc_macro) where the results record "
         "one, else top1; or one metric for every task (top1, top5, mean_per_class, ...)",
     )
-    p.add_argument("--retrieval-metric", default="map", help="retrieval metric to rank on (default map)")
+    p.add_argument(
+        "--retrieval-metric",
+        default="auto",
+        help="retrieval metric to rank on: auto (default) ranks on map_bob (Battle of the Backbones' mAP, "
+        "revisitop's trapezoidal AP) where every retrieval setting records it, else map (the "
+        "scikit-learn-style AP); or any metric the retrieval rows hold (map, mrr, recall@5, mp@10, ...)",
+    )
     p.add_argument(
         "--kinds",
         nargs="+",
@@ -70,9 +76,10 @@ def register(subparsers) -> None:
     p.add_argument("--group", action="append", metavar="DATASET=GROUP", help="task group (repeatable)")
     p.add_argument(
         "--seed-reduce",
-        choices=["median", "mean"],
-        default="median",
-        help="how a setting's seeds are reduced to one score per backbone (default median)",
+        choices=["auto", "median", "mean"],
+        default="auto",
+        help="how a setting's seeds are reduced to one score per backbone: auto (default) as its paper "
+        "does (ELEVATER protocols: mean, shown +/- std; the rest: median, VTAB's rule), or one rule for all",
     )
     p.add_argument("--ddof", type=int, choices=[0, 1], default=0, help="z-score std: 0 population, 1 sample")
     p.add_argument(
@@ -158,17 +165,17 @@ def run_rank(args) -> int:
     )
     from featcache.formatting import format_table
 
-    ov = out["overall"]
+    ov = out.overall
     groups = (
         ["group_mean", *[c for c in ov.columns if c.startswith("mean[")]] if ov["group_mean"].drop_nulls().len() else []
     )
     cols = ["position", "backbone", "zscore", "mean", "avg_rank", *groups, "n_settings"]
     print(format_table(ov.select(cols), "text", max_rows=10), end="")
-    if out["mean_tau"] is not None:
-        print(f"linear vs fine-tune: mean Kendall tau-b {out['mean_tau']:.3f} over {out['lin_ft']['n_tasks']} task(s)")
-    for line in out["coverage"].lines() + out["notes"]:
+    if out.mean_tau is not None and out.lin_ft is not None:
+        print(f"linear vs fine-tune: mean Kendall tau-b {out.mean_tau:.3f} over {out.lin_ft.n_tasks} task(s)")
+    for line in out.coverage.lines() + out.notes:
         print(f"note: {line}")
-    print(f"wrote {len(out['files'])} files to {args.out}")
+    print(f"wrote {len(out.files)} files to {args.out}")
     return 0
 
 

@@ -107,8 +107,7 @@ def tau_bars(per_task, path) -> Path:
     ax.set_xticks(
         x,
         [_short(t) for t in tasks],
-        rotation=60 if len(tasks) > 3 else 0,
-        ha="right" if len(tasks) > 3 else "center",
+        rotation=90 if len(tasks) > 3 else 0,
         fontsize=8,
     )
     ax.set_ylim(-1.05, 1.05)
@@ -188,11 +187,13 @@ def zscore_heatmap(zscores, path, *, order=None) -> Path:
     names = df["backbone"].to_list()
     cols = [c for c in df.columns if c != "backbone"]
     m = df.select(cols).fill_null(np.nan).to_numpy().astype(float)
-    fig = _figure(min(10.5, max(4.5, 0.6 * len(cols) + 3.5)), max(2.5, 0.32 * len(names) + 2.0))
+    # setting names whole and upright-rotated (90 degrees: each label's extent is its own column,
+    # so neighbours never overlap); the figure widens with the settings instead
+    fig = _figure(max(4.5, 0.25 * len(cols) + 3.5), max(2.5, 0.32 * len(names) + 2.0))
     ax = fig.add_subplot()
     lim = max(1e-9, float(np.nanmax(np.abs(m)))) if np.isfinite(m).any() else 1.0
     im = ax.imshow(np.ma.masked_invalid(m), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
-    ax.set_xticks(np.arange(len(cols)), [_short(c, 28) for c in cols], rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(np.arange(len(cols)), [_short(c) for c in cols], rotation=90, fontsize=7)
     ax.set_yticks(np.arange(len(names)), [_short(b) for b in names], fontsize=7)
     ax.set_xlabel("setting (kind:task)")
     ax.set_ylabel("backbone")
@@ -213,18 +214,20 @@ def shift_scatter(table, fit_row, path, *, title: str = "") -> Path:
         hi = table[col_hi].fill_null(np.nan).to_numpy().astype(float)
         return np.vstack([np.nan_to_num(v - lo), np.nan_to_num(hi - v)])
 
-    ax.errorbar(
-        x,
-        y,
-        xerr=err("orig_lo", "orig_hi", x),
-        yerr=err("new_lo", "new_hi", y),
-        fmt="o",
-        ms=4,
-        capsize=2,
-        label="backbone (95% interval)",
-    )
-    for b, xi, yi in zip(table["backbone"].to_list(), x, y):
-        ax.annotate(_short(b, 18), (xi, yi), fontsize=6, alpha=0.7)
+    names = table["backbone"].to_list()
+    colors = _colors(names)
+    xerr, yerr = err("orig_lo", "orig_hi", x), err("new_lo", "new_hi", y)
+    for i, b in enumerate(names):  # one colour per backbone, named whole in the legend (no labels on points)
+        ax.errorbar(
+            x[i : i + 1],
+            y[i : i + 1],
+            xerr=xerr[:, i : i + 1],
+            yerr=yerr[:, i : i + 1],
+            fmt="o",
+            ms=4,
+            capsize=2,
+            color=colors[b],
+        )
     lo = float(min(x.min(), y.min())) - 0.02
     hi = float(max(x.max(), y.max())) + 0.02
     grid = np.linspace(lo, hi, 50)
@@ -235,7 +238,11 @@ def shift_scatter(table, fit_row, path, *, title: str = "") -> Path:
     ax.set_xlabel("score on original test split")
     ax.set_ylabel("score on new test split")
     ax.set_title(title or "Test-set shift")
-    ax.legend(fontsize=8)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], marker="o", ls="-", color="0.5", label="backbone (95% interval)")]
+    ax.add_artist(ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="lower right"))
+    _backbone_legend(ax, colors, names, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return _save(fig, path)
 
 

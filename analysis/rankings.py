@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,40 @@ _BOOT_CHUNK_ELEMS = 2e7
 AGGREGATIONS = ("zscore", "mean", "avg_rank", "group_mean")
 #: aggregation -> True when higher is better
 HIGHER_IS_BETTER = {"zscore": True, "mean": True, "avg_rank": False, "group_mean": True}
+
+
+class ItemAccess:
+    """``r["name"]`` reads ``r.name``: the dict-style access the analysis results offered
+    before they were dataclasses (``r.get(name)``, ``name in r`` and ``r.keys()`` too)."""
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]  # type: ignore[arg-type]
+
+    def __getitem__(self, name: str):
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.keys()
+
+    def get(self, name: str, default=None):
+        return getattr(self, name) if name in self.keys() else default
+
+
+@dataclass(frozen=True)
+class LinearVsFinetune(ItemAccess):
+    """:func:`linear_vs_finetune`'s tables: ``per_task`` (task, tau, p_value, n_backbones,
+    reason), ``per_backbone`` (mean gain and z change), ``pairs`` (task, backbone, linear,
+    finetune, gain, z_linear, z_finetune, z_diff); the mean tau over ``n_tasks`` tasks where it
+    is defined; ``missing``: what one side lacks."""
+
+    per_task: Any
+    per_backbone: Any
+    pairs: Any
+    mean_tau: float
+    n_tasks: int
+    missing: dict[str, list[str]]
 
 
 def _pl():
@@ -51,11 +85,11 @@ def linear_vs_finetune(
     linear_kind: str = "probe",
     finetune_kind: str = "finetune",
     ddof: int = 0,
-) -> dict[str, Any]:
+) -> LinearVsFinetune:
     """Compare the ranking of backbones under linear probing and under fine-tuning per task.
 
     ``reduced`` is a seed-reduced table (:func:`featcache.analysis.tables.reduce_seeds`).
-    Returns ``{"per_task", "per_backbone", "pairs", "mean_tau", "n_tasks", "missing"}``:
+    Returns a :class:`LinearVsFinetune`:
     ``per_task`` has task, tau, p_value, n_backbones, reason (why tau is NaN, else null);
     ``pairs`` the matched (task, backbone, linear, finetune, gain, z_linear, z_finetune, z_diff);
     ``per_backbone`` the mean gain and mean z difference over tasks. Tasks present on one
@@ -99,14 +133,14 @@ def linear_vs_finetune(
     )
     taus = per_task["tau"].to_numpy()
     valid = ~np.isnan(taus)
-    return {
-        "per_task": per_task,
-        "per_backbone": per_backbone,
-        "pairs": pairs_df,
-        "mean_tau": float(np.mean(taus[valid])) if valid.any() else float("nan"),
-        "n_tasks": int(valid.sum()),
-        "missing": missing,
-    }
+    return LinearVsFinetune(
+        per_task,
+        per_backbone,
+        pairs_df,
+        float(np.mean(taus[valid])) if valid.any() else float("nan"),
+        int(valid.sum()),
+        missing,
+    )
 
 
 def _paired_scores(reduced, metric: str, linear_kind: str, finetune_kind: str):
@@ -428,7 +462,7 @@ def bootstrap_aggregate(
     seed: int = 0,
     level: float = 0.95,
     ddof: int = 0,
-    seed_reduce: str = "median",
+    seed_reduce: str | Mapping[str, str] = "median",
     pairs_for: Sequence[str] = ("zscore", "mean"),
     progress: bool = False,
 ) -> dict[str, Any]:
@@ -437,7 +471,8 @@ def bootstrap_aggregate(
 
     ``resample="tasks"``: draw settings with replacement (the same draw for every backbone).
     ``resample="seeds"``: per setting, draw that setting's seeds with replacement (the same
-    seed indices for every backbone), re-reduce (median) and re-aggregate; needs ``reduced``'s
+    seed indices for every backbone), re-reduce (``seed_reduce``: median, mean, or a rule per
+    setting) and re-aggregate; needs ``reduced``'s
     source rows, passed as ``reduced`` = the *unreduced* table with a ``setting`` column.
     Returns ``{"scores": (backbone, aggregation, estimate, lo, hi), "differences":
     (aggregation, a, b, diff, lo, hi, p_le_0), "agreement": (a, b, tau_mean, tau_lo, tau_hi)
@@ -489,9 +524,13 @@ def _resample_tasks(sm: ScoreMatrix, codes, rng, n_boot: int):
     return boot_vals, boot_codes
 
 
-def _resample_seeds(sm: ScoreMatrix, codes, rng, n_boot: int, reduced, seed_reduce: str) -> np.ndarray:
-    """Per setting, that setting's seeds drawn with replacement and re-reduced: ``[n_boot, B, T]``."""
+def _resample_seeds(sm: ScoreMatrix, codes, rng, n_boot: int, reduced, seed_reduce) -> np.ndarray:
+    """Per setting, that setting's seeds drawn with replacement and re-reduced by its rule
+    (``seed_reduce``: ``median``/``mean``, or setting -> rule): ``[n_boot, B, T]``."""
     import warnings
+
+    rules = [seed_reduce.get(s, "median") if isinstance(seed_reduce, Mapping) else seed_reduce for s in sm.settings]
+    use_mean = np.array([r == "mean" for r in rules])  # [T], broadcast over [chunk, B, T]
 
     if reduced is None or "seed" not in reduced.columns:
         raise ResultsError("resample='seeds' needs the unreduced table (with a seed column)")
@@ -510,7 +549,7 @@ def _resample_seeds(sm: ScoreMatrix, codes, rng, n_boot: int, reduced, seed_redu
         warnings.simplefilter("ignore", RuntimeWarning)
         for c0 in range(0, n_boot, gstep):
             g = cube[bi, ti, pick[c0 : c0 + gstep, None, :, :]]  # [chunk, B, T, S]
-            boot_vals[c0 : c0 + gstep] = np.nanmedian(g, axis=-1) if seed_reduce == "median" else np.nanmean(g, axis=-1)
+            boot_vals[c0 : c0 + gstep] = np.where(use_mean, np.nanmean(g, axis=-1), np.nanmedian(g, axis=-1))
     return boot_vals
 
 
@@ -686,3 +725,70 @@ def efficiency_summary(provenance, overall=None):
             res = spearmanr(t["images_per_s"].to_numpy(), t["zscore"].to_numpy())
             rho, p = float(res.statistic), float(res.pvalue)
     return table, rho, p
+
+
+# ---------------------------------------------------------------------------------------------
+# per-setting differences between backbones
+# ---------------------------------------------------------------------------------------------
+
+#: settings with at most this many paired seeds get the exact bootstrap (all S**S draws)
+EXACT_SEED_DRAWS = 5
+
+
+def setting_differences(
+    rows,
+    sm: ScoreMatrix,
+    reference: str,
+    *,
+    rules: Mapping[str, str] | None = None,
+    level: float = 0.95,
+    n_boot: int = 1000,
+    seed: int = 0,
+):
+    """Per setting, each backbone's score minus ``reference``'s with a paired seed bootstrap
+    interval: the two backbones' seeds drawn with the same indices (seed k with seed k), each
+    side reduced by the setting's rule (``rules``: setting -> median/mean), the difference's
+    ``level`` quantiles. Up to :data:`EXACT_SEED_DRAWS` paired seeds every one of the S**S draws
+    is used (the exact bootstrap), above that ``n_boot`` seeded draws. ``rows``: the unreduced
+    rows of the ranked metric (setting, backbone, seed, value). With one paired seed there is
+    nothing to resample: no interval, and ``interval`` says so."""
+    pl = _pl()
+    q = (1 - level) / 2
+    ref = sm.backbones.index(reference)
+    out = []
+    for j, s in enumerate(sm.settings):
+        sub = rows.filter(pl.col("setting") == s)
+        per = {b: dict(zip(g["seed"].to_list(), g["value"].to_list())) for (b,), g in sub.group_by(["backbone"])}
+        reduce = np.mean if (rules or {}).get(s, "median") == "mean" else np.median
+        for i, b in enumerate(sm.backbones):
+            if i == ref:
+                continue
+            common = sorted(set(per.get(b, {})) & set(per.get(reference, {})))
+            row = {"setting": s, "backbone": b, "reference": reference, "diff": sm.values[i, j] - sm.values[ref, j]}
+            row |= {"lo": None, "hi": None, "n_seeds": len(common)}
+            if len(common) < 2:
+                row["interval"] = f"none: {len(common)} paired seed(s), nothing to resample"
+            else:
+                a = np.array([per[b][k] for k in common])
+                r = np.array([per[reference][k] for k in common])
+                S = len(common)
+                if S <= EXACT_SEED_DRAWS:
+                    draws = np.array(list(itertools.product(range(S), repeat=S)))
+                    row["interval"] = f"paired seed bootstrap, exact (all {S**S} draws of {S} seeds)"
+                else:
+                    draws = np.random.default_rng(seed).integers(0, S, size=(n_boot, S))
+                    row["interval"] = f"paired seed bootstrap ({n_boot} draws of {S} seeds, seed {seed})"
+                d = reduce(a[draws], axis=1) - reduce(r[draws], axis=1)
+                row["lo"], row["hi"] = float(np.quantile(d, q)), float(np.quantile(d, 1 - q))
+            out.append(row)
+    schema = {
+        "setting": pl.Utf8,
+        "backbone": pl.Utf8,
+        "reference": pl.Utf8,
+        "diff": pl.Float64,
+        "lo": pl.Float64,
+        "hi": pl.Float64,
+        "n_seeds": pl.Int64,
+        "interval": pl.Utf8,
+    }
+    return pl.DataFrame(out, schema=schema)

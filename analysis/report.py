@@ -18,6 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from featcache.analysis.api import Ranking, load_results, overall_with_intervals, rank, shift
+from featcache.analysis.loaded import RETRIEVAL_METRIC_TEXT, LoadedResults, resolve_retrieval_metric
 from featcache.errors import ResultsError
 from featcache.formatting import format_cell, table_cells
 
@@ -60,10 +62,8 @@ def _interval_cell(v, lo, hi, fmt: str = "{:.3f}") -> str:
 # ----------------------------------------------------------------------------- ranking sections
 
 
-def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
+def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
     import polars as pl
-
-    from featcache.analysis.api import overall_with_intervals
 
     ov = overall_with_intervals(r)
     best = ov.row(0, named=True)
@@ -101,11 +101,13 @@ def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
         )
     return {
         "answer": answer,
-        "n_settings": r["zscores"].width - 1,
-        "resample": r["resample"],
+        "n_settings": r.zscores.width - 1,
+        "seeds": _seed_statement(r),
+        "retrieval": _retrieval_statement(r),
+        "resample": r.resample,
         "overall": table_cells(shown, table_id="overall-table"),
-        "top3": table_cells(r["top3"], table_id="top3-table"),
-        "weights": table_cells(r["weights"], table_id="weights-table") if r.get("weights") is not None else None,
+        "top3": table_cells(r.top3, table_id="top3-table"),
+        "weights": table_cells(r.weights, table_id="weights-table") if r.weights is not None else None,
         "per_setting": table_cells(_per_setting_gaps(r), table_id="gaps-table") if 1 < ov.height <= 3 else None,
         "figures": _figures(
             tmp,
@@ -115,6 +117,13 @@ def _choose(r: dict[str, Any], tmp: Path) -> dict[str, Any]:
             ],
         ),
     }
+
+
+def _retrieval_statement(r: Ranking) -> str | None:
+    """Which AP the retrieval settings are ranked on (None without retrieval settings)."""
+    if not any(s.startswith("retrieval:") for s in r.scores.columns):
+        return None
+    return f"Retrieval settings are ranked on {RETRIEVAL_METRIC_TEXT.get(r.retrieval_metric, r.retrieval_metric)}."
 
 
 def _few_backbones(n: int, best: str) -> str:
@@ -128,34 +137,41 @@ def _few_backbones(n: int, best: str) -> str:
         what = "with 3 backbones the z-scores take few values and their intervals say little"
     return (
         f"{what}. Nothing about backbones in general follows from so few; judge by the per-setting "
-        "differences below, each with the scores' own intervals."
+        "differences below, each with its own paired interval over seeds."
     )
 
 
-def _per_setting_gaps(r: dict[str, Any]):
-    """Per ranked setting: each backbone's score and its gap to the first backbone."""
+def _per_setting_gaps(r: Ranking):
+    """Per ranked setting: each backbone's score (with its binomial interval where the results
+    give one), its difference to the first backbone and that difference's paired seed
+    bootstrap interval (:func:`~featcache.analysis.rankings.setting_differences`)."""
     import polars as pl
 
-    order = r["overall"]["backbone"].to_list()
-    scores = r["scores"]
-    long = scores.unpivot(index="backbone", variable_name="setting", value_name="score")
-    first = long.filter(pl.col("backbone") == order[0]).select("setting", pl.col("score").alias("_first"))
-    out = long.join(first, on="setting").with_columns((pl.col("score") - pl.col("_first")).alias("gap_to_first"))
+    order = r.overall["backbone"].to_list()
+    long = r.scores.unpivot(index="backbone", variable_name="setting", value_name="score")
     ci = _score_intervals(r)
     if ci is not None:
-        out = out.join(ci, on=["setting", "backbone"], how="left")
-    return out.drop("_first").sort("setting", "backbone")
+        long = long.join(ci, on=["setting", "backbone"], how="left")
+    d = r.setting_differences.select(
+        "setting",
+        "backbone",
+        pl.struct("diff", "lo", "hi")
+        .map_elements(lambda x: _interval_cell(x["diff"], x["lo"], x["hi"], "{:+.4f}"), return_dtype=pl.Utf8)
+        .alias(f"minus {order[0]} [95% interval]"),
+        pl.col("interval").alias("difference interval"),
+    )
+    return long.join(d, on=["setting", "backbone"], how="left").sort("setting", "backbone")
 
 
-def _score_intervals(r: dict[str, Any]):
+def _score_intervals(r: Ranking):
     """95% interval of each (setting, backbone) score: the per-row binomial interval of a single
     seed's proportion (Clopper-Pearson), where the results give it; None when none do."""
     import polars as pl
 
-    iv = r.get("intervals")
+    iv = r.intervals
     if iv is None or iv.height == 0:
         return None
-    metric = r.get("metric") if r.get("metric") not in (None, "auto", "task") else "top1"
+    metric = r.metric if r.metric not in ("auto", "task") else "top1"
     one = iv.filter(pl.col("ci_lo").is_not_null() & (pl.col("metric") == metric))
     if one.height == 0:
         return None
@@ -166,12 +182,12 @@ def _score_intervals(r: dict[str, Any]):
     )
 
 
-def _finetune(r: dict[str, Any], tmp: Path, ft_rows) -> dict[str, Any] | None:
-    lf = r.get("lin_ft")
+def _finetune(r: Ranking, tmp: Path, ft_rows) -> dict[str, Any] | None:
+    lf = r.lin_ft
     if lf is None:
         return None
-    tau = lf["mean_tau"]
-    if lf["n_tasks"] == 0:
+    tau = lf.mean_tau
+    if lf.n_tasks == 0:
         answer = "Kendall tau-b is undefined on every task (see the reasons below)."
     else:
         verdict = (
@@ -182,13 +198,13 @@ def _finetune(r: dict[str, Any], tmp: Path, ft_rows) -> dict[str, Any] | None:
             else "changes the order"
         )
         answer = (
-            f"Mean Kendall tau-b over {lf['n_tasks']} task(s): {tau:.2f}. Fine-tuning {verdict} "
+            f"Mean Kendall tau-b over {lf.n_tasks} task(s): {tau:.2f}. Fine-tuning {verdict} "
             "of the backbones; see the tasks where the lines cross below."
         )
     return {
         "answer": answer,
-        "per_task": table_cells(lf["per_task"], table_id="tau-table"),
-        "per_backbone": table_cells(lf["per_backbone"]),
+        "per_task": table_cells(lf.per_task, table_id="tau-table"),
+        "per_backbone": table_cells(lf.per_backbone),
         "results": table_cells(ft_rows) if ft_rows is not None else None,
         "figures": _figures(
             tmp,
@@ -201,22 +217,22 @@ def _finetune(r: dict[str, Any], tmp: Path, ft_rows) -> dict[str, Any] | None:
     }
 
 
-def _certainty(r: dict[str, Any], tmp: Path, n_boot: int, seed: int) -> dict[str, Any]:
+def _certainty(r: Ranking, tmp: Path) -> dict[str, Any]:
     import polars as pl
 
-    b = r["bootstrap"].with_columns(
+    b = r.bootstrap.with_columns(
         pl.struct("estimate", "lo", "hi")
         .map_elements(lambda s: _interval_cell(s["estimate"], s["lo"], s["hi"]), return_dtype=pl.Utf8)
         .alias("cell")
     )
     wide = b.pivot(on="aggregation", index="backbone", values="cell")
-    order = r["overall"]["backbone"].to_list()
+    order = r.overall["backbone"].to_list()
     wide = wide.join(pl.DataFrame({"backbone": order, "_o": range(len(order))}), on="backbone").sort("_o").drop("_o")
     figs = []
-    if len(order) > 1 and r["differences"].height:
+    if len(order) > 1 and r.differences.height:
         from featcache.analysis import plots as P
 
-        P.best_vs_rest(r["differences"], order[0], tmp / "best_vs_rest.png")
+        P.best_vs_rest(r.differences, order[0], tmp / "best_vs_rest.png")
         figs = _figures(
             tmp,
             [
@@ -227,23 +243,23 @@ def _certainty(r: dict[str, Any], tmp: Path, n_boot: int, seed: int) -> dict[str
             ],
         )
     return {
-        "resample": r["resample"],
-        "n_boot": n_boot,
-        "seed": seed,
+        "resample": r.resample,
+        "n_boot": r.n_boot,
+        "seed": r.seed,
         "intervals": table_cells(wide, table_id="bootstrap-table"),
-        "agreement": table_cells(r["agreement"]),
-        "differences": table_cells(r["differences"]),
+        "agreement": table_cells(r.agreement),
+        "differences": table_cells(r.differences),
         "figures": figs,
     }
 
 
-def _cost(r: dict[str, Any] | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | None, str]:
+def _cost(r: Ranking | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | None, str]:
     """Throughput and peak memory (provenance) with the store size per backbone (catalog)."""
     import polars as pl
 
     from featcache.analysis import plots as P
 
-    eff = r.get("efficiency") if r else None
+    eff = r.efficiency if r else None
     size = None
     if catalog_df is not None and "bytes" in catalog_df.columns and catalog_df.height:
         size = catalog_df.group_by("backbone").agg((pl.col("bytes").sum() / 2**20).alias("store_mib"))
@@ -271,9 +287,9 @@ def _cost(r: dict[str, Any] | None, catalog_df, tmp: Path) -> tuple[dict[str, An
             f"Spearman rho(throughput, z-score) is not computed from {n_eff} backbone(s): a rank "
             "correlation needs at least 3 (and says little below 5)."
         )
-    elif eff is not None and r.get("efficiency_rho") is not None:
+    elif eff is not None and r is not None and r.efficiency_rho is not None:
         notes.append(
-            f"Spearman rho(throughput, z-score) = {format_cell(r['efficiency_rho'])} "
+            f"Spearman rho(throughput, z-score) = {format_cell(r.efficiency_rho)} "
             "(Battle of the Backbones reports -0.41: faster backbones tend to rank lower)."
         )
     elif eff is None:
@@ -293,15 +309,55 @@ def _cost(r: dict[str, Any] | None, catalog_df, tmp: Path) -> tuple[dict[str, An
 # ----------------------------------------------------------------------------- detail tables
 
 
-def _reduced(raw, kinds: Sequence[str]):
-    """Median per (kind, task, backbone, metric) with Clopper-Pearson intervals where the metric
-    is a proportion with a known n_eval."""
+def _reduced(raw, kinds: Sequence[str], seed_reduce: str = "auto"):
+    """Seeds reduced per (kind, task, backbone, metric) as the ranking reduces them, with
+    Clopper-Pearson intervals where the metric is a proportion with a known n_eval."""
     import polars as pl
 
     from featcache.analysis.tables import reduce_seeds, with_intervals
 
     sub = raw.filter(pl.col("kind").is_in(list(kinds)))
-    return with_intervals(reduce_seeds(sub)) if sub.height else None
+    return with_intervals(reduce_seeds(sub, how=seed_reduce)) if sub.height else None
+
+
+def _seed_caption(setting: str, g) -> str:
+    """A setting's name with how its seeds were reduced (median of n, or mean +/- std of n)."""
+    n = int(g["n_seeds"].max())
+    if n <= 1:
+        return setting
+    if (g["seed_reduce"] == "mean").all():
+        return f"{setting} (mean +/- std of {n} seeds, as ELEVATER reports)"
+    return f"{setting} (median of {n} seed(s))"
+
+
+def _with_std(g):
+    """``value`` as "mean +/- std" text where the setting's seeds are averaged (ELEVATER)."""
+    import polars as pl
+
+    if not (g["seed_reduce"] == "mean").all() or int(g["n_seeds"].max()) <= 1:
+        return g
+    cell = pl.struct("value", "seed_std").map_elements(
+        lambda s: format_cell(s["value"]) + ("" if s["seed_std"] is None else f" +/- {format_cell(s['seed_std'])}"),
+        return_dtype=pl.Utf8,
+    )
+    return g.with_columns(cell.alias("value"))
+
+
+def _seed_statement(r: Ranking) -> str:
+    """How the seeds of the ranked settings were reduced, per rule (the report says it)."""
+    from featcache.analysis.tables import SEED_RULE_TEXT
+
+    parts = []
+    multi = r.seed_rules.filter(r.seed_rules["n_seeds"] > 1)
+    for rule in ("median", "mean"):
+        n = multi.filter(multi["seed_reduce"] == rule).height
+        if n:
+            parts.append(f"{SEED_RULE_TEXT[rule]} on {n} setting(s)")
+    single = r.seed_rules.height - multi.height
+    if single:
+        parts.append(f"{single} setting(s) have one seed")
+    how = "each setting as its paper reports it" if r.seed_reduce == "auto" else f"--seed-reduce {r.seed_reduce}"
+    return f"Seeds ({how}): " + "; ".join(parts) + "."
 
 
 def _wide(long, metric: str, table_id: str):
@@ -326,6 +382,7 @@ def _pivots(long) -> list[tuple[str, Any]]:
     out = []
     for (setting,), g in long.sort("setting").group_by(["setting"], maintain_order=True):
         metrics = sorted(set(g["metric"].to_list()))
+        caption, g = _seed_caption(setting, g), _with_std(g)
         if len(metrics) > _MAX_METRIC_COLUMNS and any("@" in m for m in metrics):
             g = g.with_columns(
                 pl.col("metric").str.split("@").list.first().alias("metric family"),
@@ -340,19 +397,19 @@ def _pivots(long) -> list[tuple[str, Any]]:
         else:
             t = g.pivot(on="metric", index="backbone", values="value").sort("backbone")
             t = t.select("backbone", *[m for m in metrics if m in t.columns])
-        n = int(g["n_seeds"].max())
-        out.append((f"{setting} (median of {n} seed(s))" if n > 1 else setting, table_cells(t)))
+        out.append((caption, table_cells(t)))
     return out
 
 
-def _details(raw, r, rank_kwargs: Mapping[str, Any], tmp: Path) -> dict[str, Any]:
+def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) -> dict[str, Any]:
     import polars as pl
 
     from featcache.analysis import plots as P
 
     ctx: dict[str, Any] = {"probe": None, "retrieval": None, "calibration": None, "calibration_absent": ""}
     metric = rank_kwargs.get("metric", "top1")
-    probe = _reduced(raw, ["probe", "knn"])
+    seed_reduce = r.seed_reduce if r else rank_kwargs.get("seed_reduce", "auto")
+    probe = _reduced(raw, ["probe", "knn"], seed_reduce)
     if probe is not None:
         w = _wide(probe, metric, "probe-wide")
         figs = []
@@ -374,20 +431,21 @@ def _details(raw, r, rank_kwargs: Mapping[str, Any], tmp: Path) -> dict[str, Any
             "pivots": _pivots(probe),
             "figures": figs,
         }
-    ret = _reduced(raw, ["retrieval"])
+    ret = _reduced(raw, ["retrieval"], seed_reduce)
     if ret is not None:
-        rm = rank_kwargs.get("retrieval_metric", "map")
+        rm = r.retrieval_metric if r else resolve_retrieval_metric(rank_kwargs.get("retrieval_metric", "auto"), raw)[0]
         w = _wide(ret, rm, "retrieval-wide")
         ctx["retrieval"] = {
             "metric": rm,
+            "metric_text": RETRIEVAL_METRIC_TEXT.get(rm, rm),
             "wide": table_cells(w[0], table_id=w[1]) if w else None,
             "pivots": _pivots(ret),
         }
-    cal = r.get("calibration") if r else None
+    cal = r.calibration if r else None
     if cal is not None:
         cal_cols = [c for c in ("ece", "nll") if c in cal.columns]
         cal = cal.filter(pl.any_horizontal(pl.col(c).is_not_null() for c in cal_cols))  # kNN has no probabilities
-        corr = r["calibration_corr"].filter(pl.col("n") > 0)  # settings without ece/nll (kNN) say nothing
+        corr = r.calibration_corr.filter(pl.col("n") > 0)  # settings without ece/nll (kNN) say nothing
         ctx["calibration"] = {"table": table_cells(cal, table_id="calibration-table"), "corr": table_cells(corr)}
     else:
         ctx["calibration_absent"] = "the results hold no ece/nll rows." if r else "no ranking was computed."
@@ -411,12 +469,10 @@ def _catalog(catalog_df) -> dict[str, Any] | None:
     }
 
 
-def _shift(results_df, external, shift_splits, tmp: Path) -> dict[str, Any]:
-    from featcache.analysis import api
-
+def _shift(loaded: LoadedResults, shift_splits, tmp: Path) -> dict[str, Any]:
     ctx: dict[str, Any] = {"orig": shift_splits[0], "new": shift_splits[1], "error": None}
     try:
-        s = api.shift(results_df, shift_splits[0], shift_splits[1], tmp / "shift", external=external)
+        s = shift(loaded, shift_splits[0], shift_splits[1], tmp / "shift")
     except ResultsError as exc:
         ctx["error"] = str(exc)
         return ctx
@@ -481,8 +537,6 @@ def write_report(
     aborting the report. Returns the path written (atomically).
     """
     from featcache import __version__
-    from featcache.analysis import api
-    from featcache.analysis.tables import merge_tables
 
     out = Path(out_html)
     if out.suffix.lower() not in (".html", ".htm"):
@@ -495,11 +549,9 @@ def write_report(
         and catalog_df["images_per_s"].drop_nulls().len()
     ):
         provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
-    load = {"percent": kw_in.get("percent"), "external_kind": kw_in.get("external_kind")}
-    kw_in["metric"] = api.resolve_metric(kw_in.get("metric", "auto"), results_df)  # auto: declared metrics
-    raw, coverage = merge_tables(
-        api._as_tables(results_df, external, groups=kw_in.get("groups"), declared=kw_in["metric"] == "task", **load)
-    )
+    load = {k: kw_in.pop(k, None) for k in ("percent", "external_kind", "groups")}
+    loaded = load_results(results_df, external, metric=kw_in.pop("metric", "auto"), **load)  # auto: declared metrics
+    raw, coverage = loaded.rows, loaded.coverage
     ctx: dict[str, Any] = {
         "title": title,
         "version": __version__,
@@ -518,21 +570,23 @@ def write_report(
         "shift": None,
         "notes": [],
     }
-    kw = {"on_constant": "drop", "n_boot": 1000, **{k: v for k, v in kw_in.items() if k not in load}}
+    kw = {"on_constant": "drop", "n_boot": 1000, "retrieval_metric": "auto", **kw_in}
     with tempfile.TemporaryDirectory(prefix="featcache-report-") as tmpd:
         tmp = Path(tmpd)
         r = None
         try:
-            r = api.rank(results_df, external, tmp, provenance=provenance, **load, **kw)
+            r = rank(loaded, out_dir=tmp, provenance=provenance, **kw)
         except ResultsError as exc:
             log.warning("report: no ranking: %s", exc)
             ctx["rank_error"] = str(exc)
-        ft_rows = _reduced(raw, ["finetune"])
+        ft_rows = _reduced(raw, ["finetune"], r.seed_reduce if r else kw.get("seed_reduce", "auto"))
         if r is not None:
             ctx["choose"] = _choose(r, tmp)
-            ctx["finetune"] = _finetune(r, tmp, ft_rows.drop("setting") if ft_rows is not None else None)
-            ctx["certainty"] = _certainty(r, tmp, kw["n_boot"], kw.get("seed", 0))
-            ctx["notes"] = r["notes"] + coverage.lines()
+            ctx["finetune"] = _finetune(
+                r, tmp, ft_rows.drop("setting", "seed_std", "seed_reduce") if ft_rows is not None else None
+            )
+            ctx["certainty"] = _certainty(r, tmp)
+            ctx["notes"] = [*r.notes, *coverage.lines()]
         if ctx["finetune"] is None:
             ctx["finetune_absent"] = (
                 "the results hold no fine-tune rows (run `featcache finetune`, or pass its table with --external)."
@@ -540,9 +594,9 @@ def write_report(
                 else "fine-tune rows are present but no ranking could be computed."
             )
         ctx["cost"], ctx["cost_absent"] = _cost(r, catalog_df, tmp)
-        ctx.update(_details(raw, r, kw, tmp))
+        ctx.update(_details(raw, r, {"metric": loaded.metric, **kw}, tmp))
         if shift_splits is not None:
-            ctx["shift"] = _shift(results_df, external, shift_splits, tmp)
+            ctx["shift"] = _shift(loaded, shift_splits, tmp)
         doc = _render(ctx)
     _write_atomic(out, doc)
     log.info("report written to %s", out)

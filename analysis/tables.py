@@ -11,7 +11,7 @@ metric      yes       ``top1``, ``map``, ``ece``, ``nll`` ...
 value       yes       metric value (accuracies as fractions; ``percent=True`` converts %)
 kind        yes       ``probe`` | ``knn`` | ``retrieval`` | ``finetune``
 n_eval      no        evaluated samples (enables Clopper-Pearson intervals)
-seed        no        repetition seed (default 0); seeds are reduced by median per task
+seed        no        repetition seed (default 0); seeds are reduced per setting (reduce_seeds)
 group       no        task group (``natural`` / ``specialized`` / ``structured`` ...)
 protocol    no        ``full``, ``fewshot:5``, ``vtab1k``... (part of the task name)
 shots       no        examples per class (-1: all, 0: zero-shot)
@@ -266,16 +266,39 @@ def merge_tables(tables: Sequence) -> tuple[Any, Coverage]:
     return df, cov
 
 
-def reduce_seeds(df, *, how: str = "median"):
-    """One value per (kind, task, setting, backbone, metric): median (VTAB) or mean over seeds.
+#: how each paper aggregates a setting's seeds, by protocol-name prefix (``how="auto"``):
+#: ELEVATER's tables give mean +/- std over its three few-shot seeds (Li et al. 2022, Table 2);
+#: every other protocol takes the median (VTAB: the median of 3 runs; featcache's default)
+SEED_RULES: tuple[tuple[str, str], ...] = (("elevater-", "mean"),)
+#: what each rule reports, as the report states it
+SEED_RULE_TEXT = {
+    "median": "median over seeds (VTAB's rule)",
+    "mean": "mean +/- sample std over seeds (ELEVATER's tables)",
+}
+SEED_REDUCTIONS = ("auto", "median", "mean")
 
-    Keeps ``n_seeds``, ``n_eval`` (smallest over seeds) and ``group``. Two rows of the same
-    seed for one cell are an error (the table holds a run twice or mixes options).
+
+def seed_rule(protocol: str | None, how: str = "auto") -> str:
+    """``median`` or ``mean`` for a setting of ``protocol``: ``how`` itself unless ``auto``,
+    which follows the protocol's paper (:data:`SEED_RULES`)."""
+    if how != "auto":
+        return how
+    return next((rule for prefix, rule in SEED_RULES if (protocol or "").startswith(prefix)), "median")
+
+
+def reduce_seeds(df, *, how: str = "median"):
+    """One value per (kind, task, setting, backbone, metric): median (VTAB) or mean over seeds;
+    ``auto``: each setting by its protocol's paper (:func:`seed_rule`: ELEVATER's mean, else
+    the median).
+
+    Keeps ``n_seeds``, ``n_eval`` (smallest over seeds) and ``group``, and adds ``seed_std``
+    (sample std over seeds, null for one seed) and ``seed_reduce`` (the rule applied). Two rows
+    of the same seed for one cell are an error (the table holds a run twice or mixes options).
     """
     import polars as pl
 
-    if how not in ("median", "mean"):
-        raise ResultsError(f"seed reduction must be 'median' or 'mean', got {how!r}")
+    if how not in SEED_REDUCTIONS:
+        raise ResultsError(f"seed reduction must be one of {', '.join(SEED_REDUCTIONS)}, got {how!r}")
     keys = ["kind", "task", "setting", "backbone", "metric"]
     dup = (
         df.group_by([*keys, "seed"])
@@ -289,17 +312,26 @@ def reduce_seeds(df, *, how: str = "median"):
             f"{ex['setting']} ({ex['metric']}, seed {ex['seed']}, sources {ex['sources']}); "
             "deduplicate the tables or give the runs distinct protocols/seeds"
         )
-    agg = pl.col("value").median() if how == "median" else pl.col("value").mean()
-    return (
+    rule = pl.lit(how if how != "auto" else "median")
+    for prefix, r in reversed(SEED_RULES if how == "auto" else ()):
+        rule = pl.when(pl.col("protocol").fill_null("").str.starts_with(prefix)).then(pl.lit(r)).otherwise(rule)
+    out = (
         df.group_by(keys, maintain_order=True)
         .agg(
-            agg.alias("value"),
+            pl.col("value").median().alias("_median"),
+            pl.col("value").mean().alias("_mean"),
+            pl.col("value").std(ddof=1).alias("seed_std"),
             pl.len().alias("n_seeds"),
             pl.col("n_eval").min().alias("n_eval"),
             pl.col("group").drop_nulls().first().alias("group"),
             pl.col("dataset").first().alias("dataset"),
+            rule.first().alias("seed_reduce"),
         )
         .sort(keys)
+    )
+    value = pl.when(pl.col("seed_reduce") == "mean").then(pl.col("_mean")).otherwise(pl.col("_median"))
+    return out.with_columns(value.alias("value")).select(
+        *keys, "value", "n_seeds", "n_eval", "group", "dataset", "seed_std", "seed_reduce"
     )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import shutil
 import statistics
 import subprocess
 from pathlib import Path
@@ -788,11 +787,29 @@ def _retrieval_rows(ks=(1, 5, 10)) -> list[dict]:
     return rows
 
 
+#: the report's backbones under names as long as timm's (kept whole in every table and plot)
+REPORT_NAMES = {
+    "pixels": "pixels",
+    "pca:32": "vit_base_patch16_224.augreg2_in21k_ft_in1k",
+    "pca:8": "pca:8",
+    "pca:4": "tf_efficientnet_lite0@random0",
+    "random:0": "random:0",
+}
+#: every matplotlib Figure the report_html fixture's report drew
+REPORT_FIGURES: list = []
+
+
+def _renamed(df):
+    return df.with_columns(pl.col("backbone").replace_strict(REPORT_NAMES))
+
+
 @pytest.fixture(scope="module")
 def report_html(digits_results, tmp_path_factory):
+    from featcache.analysis import plots
+
     cat = pl.DataFrame(
         {
-            "backbone": list(BACKBONES),
+            "backbone": [REPORT_NAMES[b] for b in BACKBONES],
             "dataset": ["digits"] * 5,
             "split": ["test"] * 5,
             "kind": ["pooled"] * 5,
@@ -804,17 +821,26 @@ def report_html(digits_results, tmp_path_factory):
         }
     )
     d = tmp_path_factory.mktemp("report")
-    shutil.copy(digits_results["path"], d / "results.parquet")
-    append_results(d / "results.parquet", rows_to_frame(_retrieval_rows()))
+    append_results(d / "results.parquet", _renamed(digits_results["df"]))
+    append_results(d / "results.parquet", _renamed(rows_to_frame(_retrieval_rows())))
+    _renamed(digits_results["ft"]).write_csv(d / "finetune.csv")
     out = d / "report.html"
-    write_report(
-        out,
-        read_results(d / "results.parquet"),
-        cat,
-        external=[digits_results["ft_path"]],
-        shift_splits=("test", "test_v2"),
-        rank_kwargs={"n_boot": 200},
-    )
+    real_save = plots._save
+
+    def keep(fig, path):
+        REPORT_FIGURES.append(fig)
+        return real_save(fig, path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plots, "_save", keep)
+        write_report(
+            out,
+            read_results(d / "results.parquet"),
+            cat,
+            external=[d / "finetune.csv"],
+            shift_splits=("test", "test_v2"),
+            rank_kwargs={"n_boot": 200},
+        )
     return out
 
 
@@ -882,15 +908,56 @@ def test_report_renders_in_headless_chromium(report_html, tmp_path):
             "(() => [...document.querySelectorAll('#overall-table td, #weights-table td')].map(td => "
             "({text: td.textContent.trim(), clipped: td.scrollWidth > td.clientWidth + 1})))()"
         )
-        assert set(BACKBONES) <= {c["text"] for c in cells}
+        assert set(REPORT_NAMES.values()) <= {c["text"] for c in cells}
         assert [c["text"] for c in cells if c["clipped"]] == []
         assert b.errors() == []
+        assert len(REPORT_FIGURES) == len(facts["images"])  # every plot in the page was checked below
+        _assert_plot_labels_clear(REPORT_FIGURES, set(REPORT_NAMES.values()))
         import matplotlib.image as mpimg
 
         for r in b.evaluate(SECTION_RECTS):
             shot = b.screenshot(tmp_path / f"{r['id']}.png", {k: r[k] for k in ("x", "y", "width", "height")})
             assert shot.read_bytes()[:8] == PNG_MAGIC
             assert mpimg.imread(shot).std() > 0.02, r["id"]  # not a blank section
+
+
+def _assert_plot_labels_clear(figures, backbones: set[str]) -> None:
+    """In every figure: no two tick labels of one axis overlap (their rendered extents, from
+    matplotlib's renderer before saving), no label is shortened, every backbone appears whole."""
+    seen = set()
+    for fig in figures:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text")) if _visible(t)]
+        assert not [t for t in texts if "…" in t], texts
+        seen |= set(texts) & backbones
+        for ax in fig.axes:
+            for axis in (ax.xaxis, ax.yaxis):
+                boxes = [
+                    t.get_window_extent(renderer)
+                    for t in axis.get_ticklabels(which="both")
+                    if t.get_visible() and t.get_text()
+                ]
+                for i, a in enumerate(boxes):
+                    for b in boxes[i + 1 :]:
+                        assert not a.overlaps(b), (ax.get_title(), axis.axis_name, a, b)
+    assert seen == backbones
+
+
+def _visible(artist) -> bool:
+    return artist.get_visible() and bool(artist.get_text())
+
+
+def test_report_plots_label_settings_as_settings_and_tasks_as_tasks(report_html):
+    labels = {}
+    for fig in REPORT_FIGURES:
+        for ax in fig.axes:
+            labels.setdefault(ax.get_title(), set()).update({ax.get_xlabel(), ax.get_ylabel()})
+    per_setting = [t for t in labels if "setting" in t]
+    assert per_setting
+    for title in per_setting:
+        assert "setting (kind:task)" in labels[title]
+    assert "task" in labels["Linear vs fine-tune ranking agreement per task"]  # tau is per task (both kinds)
 
 
 def test_rank_two_backbones_bootstraps_agreement(digits_results):
@@ -1028,3 +1095,92 @@ def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
     assert "pca:8" in text
     assert "Efficiency" in text
     assert "Spearman rho(throughput, z-score)" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs loaded once into a typed result (issue 20 item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_report_reads_the_results_parquet_once(digits_results, tmp_path, monkeypatch):
+    """write_report from a path (declared-metric check, ranking, shift) reads the file once."""
+    import featcache.results as R
+
+    real, reads = R.read_results, []
+
+    def counting(path, *a, **k):
+        reads.append(Path(path).name)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(R, "read_results", counting)
+    out = write_report(
+        tmp_path / "r.html",
+        digits_results["path"],
+        external=[digits_results["ft_path"]],
+        shift_splits=("test", "test_v2"),
+        rank_kwargs={"n_boot": 20},
+    )
+    assert "Test-set shift" in out.read_text()
+    assert reads == ["results.parquet"]
+
+
+def test_rank_and_shift_take_loaded_results(digits_results):
+    """rank()/shift() on LoadedResults equal them on the path; the ranking is a frozen
+    dataclass whose fields are the tables earlier callers read by key."""
+    import dataclasses
+
+    loaded = api.load_results(digits_results["path"], [digits_results["ft_path"]])
+    assert isinstance(loaded, api.LoadedResults)
+    assert loaded.metric == "top1"
+    assert not loaded.declares
+    a = api.rank(loaded, n_boot=60, seed=2)
+    b = api.rank(digits_results["path"], [digits_results["ft_path"]], n_boot=60, seed=2)
+    assert isinstance(a, api.Ranking)
+    for name in api.TABLES:
+        if a[name] is not None:
+            assert a[name].equals(b[name]), name
+    assert a.overall is a["overall"]
+    assert a.lin_ft.per_task.equals(b["lin_ft"]["per_task"])
+    assert a.mean_tau == b.mean_tau
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.overall = None  # type: ignore[misc]
+    with pytest.raises(KeyError):
+        a["no such table"]
+    # loading options go to load_results, not with loaded results
+    with pytest.raises(ResultsError, match="load_results"):
+        api.rank(loaded, [digits_results["ft_path"]], n_boot=10)
+    s1 = api.shift(loaded, "test", "test_v2", n_boot=200, plots=False)
+    s2 = api.shift(digits_results["path"], "test", "test_v2", n_boot=200, plots=False)
+    assert s1["table"].equals(s2["table"])
+    assert s1["fit"].equals(s2["fit"])
+
+
+def test_analysis_modules_call_no_private_name_of_another_module():
+    """No ``from featcache.x import _y`` and no ``module._y`` across the analysis modules."""
+    import ast
+
+    root = Path(api.__file__).parent
+    found = []
+    for f in sorted(root.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("featcache"):
+                found += [
+                    f"{f.name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+                modules |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name.split(".")[0] for a in node.names}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{f.name}: {node.value.id}.{node.attr}")
+    assert found == []

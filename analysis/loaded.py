@@ -1,0 +1,180 @@
+"""The analysis' inputs, read once: :func:`load_results` reads a featcache results table and any
+external tables (each file once), resolves the ranked metric and merges them into a
+:class:`LoadedResults` that :func:`~featcache.analysis.api.rank`,
+:func:`~featcache.analysis.api.shift` and :func:`~featcache.analysis.report.write_report` take.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from featcache.analysis.tables import Coverage, load_table, merge_tables
+from featcache.errors import ResultsError
+
+__all__ = [
+    "RETRIEVAL_METRIC_TEXT",
+    "LoadedResults",
+    "declares_metrics",
+    "load_results",
+    "resolve_metric",
+    "resolve_retrieval_metric",
+    "with_declared_rows",
+]
+
+
+@dataclass(frozen=True)
+class LoadedResults:
+    """Merged analysis rows (:func:`~featcache.analysis.tables.merge_tables`: ``task`` and
+    ``setting`` columns) for one ranked ``metric``, with the coverage report and what they were
+    loaded from. ``metric`` is resolved: ``task`` (each run's declared metric, whose rows are
+    added relabelled ``task``) or the metric named."""
+
+    rows: Any  # polars DataFrame
+    coverage: Coverage
+    metric: str
+    #: the featcache results table as read (hparams kept), or None, and its rows' source name
+    results: Any = None
+    results_source: str = "results"
+    #: the external tables as loaded (analysis schema), with their source names
+    external: tuple[Any, ...] = ()
+    groups: Mapping[str, str] | None = None
+    percent: bool | None = None
+    external_kind: str | None = None
+
+    @property
+    def declares(self) -> bool:
+        """Whether the featcache results record ``hparams.task_metric``."""
+        return declares_metrics(self.results)
+
+    def for_metric(self, metric: str) -> LoadedResults:
+        """The same inputs merged for ``metric`` (no file is read again); ``self`` when equal."""
+        metric = resolve_metric(metric, self.results)
+        if metric == self.metric:
+            return self
+        return _merged(
+            self.results, self.results_source, self.external, metric, self.groups, self.percent, self.external_kind
+        )
+
+
+def declares_metrics(results) -> bool:
+    """Whether a featcache results table (path or DataFrame) records ``hparams.task_metric``."""
+    import polars as pl
+
+    if results is None:
+        return False
+    if isinstance(results, LoadedResults):
+        results = results.results
+    if isinstance(results, (str, os.PathLike)):
+        results = _read_results(results)
+    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns:
+        return False
+    return bool(results["hparams"].cast(pl.Utf8).str.json_path_match("$.task_metric").is_not_null().any())
+
+
+def resolve_metric(metric: str, results) -> str:
+    """``auto``: ``task`` (each task on its declared metric) when the results record
+    ``hparams.task_metric``, else ``top1``; any other metric as given."""
+    if metric != "auto":
+        return metric
+    from featcache.analysis.task_metric import TASK
+
+    return TASK if declares_metrics(results) else "top1"
+
+
+#: what each retrieval AP is, as the report names it
+RETRIEVAL_METRIC_TEXT = {
+    "map_bob": "map_bob: Battle of the Backbones' mAP (revisitop's trapezoidal AP, bob-retrieval's compute_map)",
+    "map": "map: scikit-learn-style AP (mean precision at each relevant item)",
+}
+
+
+def resolve_retrieval_metric(metric: str, rows) -> tuple[str, str | None]:
+    """``auto``: ``map_bob`` (Battle of the Backbones' definition, written by ``featcache
+    retrieve``) when every retrieval setting of ``rows`` records it, else ``map`` (the
+    scikit-learn-style AP) with a note saying why; any other metric as given (no note)."""
+    import polars as pl
+
+    if metric != "auto":
+        return metric, None
+    ret = rows.filter(pl.col("kind") == "retrieval")
+    if ret.height == 0:
+        return "map", None
+    have = set(ret.filter(pl.col("metric") == "map_bob")["setting"].to_list())
+    lacking = sorted(set(ret["setting"].to_list()) - have)
+    if not lacking:
+        return "map_bob", None
+    return "map", (
+        f"retrieval ranked on map (scikit-learn-style AP), not Battle of the Backbones' map_bob: "
+        f"{', '.join(lacking)} record no map_bob (re-run featcache retrieve without --top-k-only)"
+    )
+
+
+def with_declared_rows(frame, *, external: bool = False):
+    """``frame`` plus, per run, a copy of its declared-metric row with ``metric="task"``
+    (:func:`~featcache.analysis.task_metric.declared_metric_rows`; ``external`` tables and
+    tables without hparams declare top-1). The original rows stay (calibration reads ece/nll)."""
+    import polars as pl
+
+    from featcache.analysis.task_metric import TASK, declared_metric_rows
+
+    if (frame["metric"] == TASK).any():  # already chosen (declared_metric_rows by the caller)
+        return frame
+    if not external and "hparams" in frame.columns and "run_id" in frame.columns:
+        rows = declared_metric_rows(frame).drop("task_metric")
+    else:
+        rows = frame.filter((pl.col("metric") == "top1") & (pl.col("kind") != "retrieval"))
+        rows = rows.with_columns(pl.lit(TASK).alias("metric"))
+    return pl.concat([frame, rows.filter(pl.col("kind") != "retrieval")], how="vertical_relaxed")
+
+
+def load_results(
+    results=None,
+    external: Sequence = (),
+    *,
+    metric: str = "auto",
+    percent: bool | None = None,
+    external_kind: str | None = None,
+    groups: Mapping[str, str] | None = None,
+) -> LoadedResults:
+    """Read ``results`` (a featcache results parquet or DataFrame) and ``external`` tables
+    (paths or DataFrames; ``percent``/``external_kind`` apply to them) once and merge them for
+    ``metric`` (``auto``: declared metrics where the results record them, else top-1)."""
+    if isinstance(results, LoadedResults):
+        return results.for_metric(metric)
+    import polars as pl
+
+    frame, source = results, "results"
+    if isinstance(results, (str, os.PathLike)):
+        frame, source = _read_results(results), Path(results).name
+    elif results is not None and not isinstance(results, pl.DataFrame):
+        raise ResultsError(f"results must be a path or a polars DataFrame, got {type(results).__name__}")
+    ext = []
+    for i, e in enumerate(external or []):
+        src = Path(e).name if isinstance(e, (str, os.PathLike)) else f"external[{i}]"
+        ext.append(load_table(e, source=src, kind=external_kind, percent=percent, groups=groups))
+    if frame is None and not ext:
+        raise ResultsError("nothing to analyse: pass a results table and/or --external tables")
+    return _merged(frame, source, tuple(ext), resolve_metric(metric, frame), groups, percent, external_kind)
+
+
+def _read_results(path):
+    from featcache.results import read_results
+
+    return read_results(path)
+
+
+def _merged(results, source, external, metric, groups, percent, external_kind) -> LoadedResults:
+    from featcache.analysis.task_metric import TASK
+
+    declared = metric == TASK
+    tables = []
+    if results is not None:
+        f = with_declared_rows(results) if declared else results
+        tables.append(load_table(f, source=source, groups=groups))
+    tables += [with_declared_rows(t, external=True) if declared else t for t in external]
+    rows, coverage = merge_tables(tables)
+    return LoadedResults(rows, coverage, metric, results, source, tuple(external), groups, percent, external_kind)
