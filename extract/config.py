@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from featcache.errors import ConfigError
-from featcache.extract.data import DEFAULT_MAX_IMAGE_PIXELS
+from featcache.extract.readers import format_help
+from featcache.extract.source import DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_CHUNK_ROWS = 1024
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -68,9 +69,7 @@ class ExtractConfig:
     weights: str = _opt("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
     data: str = _opt(
         "digits",
-        "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE "
-        "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN | clip-benchmark:DIR "
-        "(CLIP_benchmark wds export) | hf:PATH (datasets on disk) | vtab1k:DIR (train800.txt ...)",
+        format_help(),
         required=True,
     )
     splits: tuple[str, ...] | None = _opt(

@@ -27,7 +27,6 @@ from typing import Any
 from featcache.errors import ConfigError, DataError, ProvenanceMismatchError, UsageError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
-from featcache.extract.data import ReadOptions, SplitSource, open_dataset, parse_spec, select_splits
 from featcache.extract.distributed import (
     agree,
     close_dist,
@@ -38,6 +37,8 @@ from featcache.extract.distributed import (
 )
 from featcache.extract.features import FEATURE_KINDS_HELP, FeatureHead
 from featcache.extract.loop import SplitReport, run_split
+from featcache.extract.readers import open_dataset, parse_spec, select_splits
+from featcache.extract.source import ReadOptions, SplitSource
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import pytest
 
 from featcache.errors import BackboneError, ConfigError, ProtocolError
 from featcache.extract.backbones import list_weights_sources, register_weights_source
-from featcache.extract.formats import FORMATS, register_format
+from featcache.extract.readers.registry import FORMATS, register_format
 from featcache.protocols import register_protocol
 
 
@@ -21,7 +21,8 @@ def test_data_formats_refuse_duplicates(kind):
     with pytest.raises(ConfigError, match=f"data format '{kind}' is already registered"):
         register_format(kind)(_other)
     assert FORMATS[kind] is first
-    assert register_format(kind)(first) is first  # the same function again is harmless
+    assert register_format(kind)(first.reader) is first.reader  # the same function again is harmless
+    assert FORMATS[kind] is first
 
 
 @pytest.mark.parametrize("scheme", list_weights_sources())
