@@ -44,7 +44,7 @@ from featcache.extract.source import ReadOptions, SplitSource, StringColumn, esc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VTAB1K_SPLIT_FILES", "detect_spec"]
+__all__ = ["VTAB1K_SPLIT_FILES", "clip_benchmark", "detect_spec", "huggingface", "vtab1k"]
 
 VTAB1K_SPLIT_FILES = ("train800", "val200", "train800val200", "test")
 

@@ -50,7 +50,17 @@ from featcache.extract.source import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FASHION_MNIST_CLASSES", "FASHION_MNIST_DIR", "IMAGE_EXTENSIONS", "manifest_label_matrix", "read_idx"]
+__all__ = [
+    "FASHION_MNIST_CLASSES",
+    "FASHION_MNIST_DIR",
+    "IMAGE_EXTENSIONS",
+    "digits",
+    "fashion_mnist",
+    "imagefolder",
+    "manifest",
+    "manifest_label_matrix",
+    "read_idx",
+]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = (

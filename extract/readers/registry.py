@@ -75,7 +75,10 @@ def register_format(
 
 def _formats() -> list[DataFormat]:
     """Each registered format once, in registration order."""
-    return list({id(f): f for f in FORMATS.values()}.values())
+    out: dict[str, DataFormat] = {}
+    for f in FORMATS.values():
+        out.setdefault(f.kind, f)
+    return list(out.values())
 
 
 def format_help() -> str:
