@@ -119,6 +119,11 @@ class ConfigError(FeatcacheError, ValueError):
     """A stage configuration value is invalid (a negative --limit, --chunk-rows 0, ...)."""
 
 
+class PrecisionUnavailableError(BackendUnavailableError, ConfigError):
+    """A requested precision this machine cannot compute in (bf16 on a CPU without bf16
+    hardware): both a missing backend and a setting to change."""
+
+
 class DependencyConflictError(FeatcacheError, ImportError):
     """Two installed distributions provide the same module (e.g. faiss-cpu and faiss-gpu)."""
 

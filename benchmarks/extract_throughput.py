@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     from featcache.extract.pipeline import (
         DEFAULT_CHUNK_ROWS,
         FeatureHead,
-        _resolve_amp,
         default_parallelism,
+        recorded_precision,
     )
 
     chunk_rows = args.chunk_rows or DEFAULT_CHUNK_ROWS
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workers, args.threads = workers, threads
         if threads:
             torch.set_num_threads(threads)
-        amp = _resolve_amp(args.amp, bb.device)
+        amp = recorded_precision(args.amp, bb.device)
         if not args.no_channels_last:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, ["pooled"])

@@ -38,7 +38,7 @@ def write_jpegs(root: Path, n: int, quality: int = 90) -> list[str]:
     from PIL import Image
     from skimage import data as skdata
 
-    from featcache.extract.data import open_dataset
+    from featcache.extract.readers import open_dataset
 
     fm = open_dataset("fashion-mnist")["test"]
     photos = [Image.fromarray(getattr(skdata, p)()) for p in PHOTOS]
@@ -73,7 +73,8 @@ def child(args) -> None:
 
     import torch
 
-    from featcache.extract.data import ReadOptions, decode_image
+    from featcache.extract.decode import decode_image
+    from featcache.extract.source import ReadOptions
 
     torch.set_num_threads(1)
     paths = Path(args.files).read_text().split("\n")

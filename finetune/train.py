@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import BackboneError, BackendUnavailableError
+from featcache import devices
 from featcache.finetune.data import Pool
 from featcache.finetune.schedule import TrainConfig, batch_positions, lr_at
 
@@ -57,40 +57,21 @@ class Net:
         return Net()
 
 
+#: the words ``--precision`` takes for fine-tuning (fp16 is not offered)
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
 def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        log.info("no CUDA device: fine-tuning runs on CPU (fp32); use a scaled-down schedule")
-        return "cpu"
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        from featcache.errors import BackendUnavailableError
-
-        raise BackendUnavailableError(
-            f"device={device!r} requested but CUDA is not available; use device='cpu' or 'auto'"
-        )
-    return str(device)
+    """The device fine-tuning runs on (:func:`featcache.devices.resolve_device`)."""
+    note = "no CUDA device: fine-tuning runs on CPU (fp32); use a scaled-down schedule"
+    return devices.resolve_device(device, cpu_note=note, logger=log)
 
 
 def resolve_precision(precision: str, device: str) -> str:
     """``auto``: bf16 autocast on CUDA, fp32 on CPU. ``bf16`` on a CPU runs where the CPU has
-    bf16 hardware (avx512_bf16 / AMX; one log line) and is refused, with the reason, elsewhere."""
-    if precision not in ("auto", "fp32", "bf16"):
-        raise BackboneError(f"precision must be auto, fp32 or bf16; got {precision!r}")
-    if precision == "auto":
-        return "bf16" if device.startswith("cuda") else "fp32"
-    if precision == "bf16" and device.startswith("cpu"):
-        from featcache.cpu import bf16_support, cpu_isa
-
-        ok, why = bf16_support()
-        if not ok:
-            raise BackendUnavailableError(
-                f"precision bf16 on {device}: {why}; use --precision fp32 (Python: precision='fp32') or a CUDA device"
-            )
-        log.info("bf16 autocast on %s: %s, ISA %s", device, why, cpu_isa())
-    return precision
+    bf16 hardware (avx512_bf16 / AMX; one log line) and is refused, with the reason, elsewhere
+    (:func:`featcache.devices.resolve_precision`)."""
+    return devices.resolve_precision(precision, device, choices=PRECISIONS, logger=log)
 
 
 def _autocast(device: str, precision: str):

@@ -165,7 +165,7 @@ def present_tasks(suite: Suite, data_root: str) -> list[tuple[Task, str]]:
     from pathlib import Path
 
     from featcache.errors import DataError
-    from featcache.extract.formats import detect_spec
+    from featcache.extract import detect_spec
 
     if not data_root or not Path(data_root).is_dir():
         raise DataError(f"--suite {suite.name} needs --data-root DIR, an existing folder with one entry per task")

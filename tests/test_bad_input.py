@@ -15,7 +15,8 @@ from PIL import Image
 from featcache.cli import main
 from featcache.errors import ConfigError, DataError, ProvenanceMismatchError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.data import ReadOptions, escape_name, open_dataset
+from featcache.extract.readers import open_dataset
+from featcache.extract.source import ReadOptions, escape_name
 from featcache.store import dataset_fingerprint, open_cache
 
 LITE0 = "tf_efficientnet_lite0"

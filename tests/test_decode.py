@@ -16,8 +16,9 @@ from skimage import data as skdata
 from featcache.cli import main
 from featcache.errors import ConfigError
 from featcache.extract import ExtractConfig
-from featcache.extract.data import ReadOptions, decode_image, open_dataset
-from featcache.extract.decode import resolve_decoder, torchvision_decode
+from featcache.extract.decode import decode_image, resolve_decoder, torchvision_decode
+from featcache.extract.readers import open_dataset
+from featcache.extract.source import ReadOptions
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

@@ -23,7 +23,7 @@ from featcache.demo import (
     probe_top1,
 )
 from featcache.errors import DataError
-from featcache.extract.data import FASHION_MNIST_DIR
+from featcache.extract.readers.folders import FASHION_MNIST_DIR
 
 LITE0, RANDOM = "tf_efficientnet_lite0", "tf_efficientnet_lite0@random0"
 TINY = [

@@ -28,7 +28,7 @@ def test_stored_features_equal_direct_forward(tmp_path, photo_folder):
     import torch
 
     from featcache.extract.backbones import create_backbone
-    from featcache.extract.data import load_image_file
+    from featcache.extract.decode import load_image_file
 
     cache = tmp_path / "c.zarr"
     assert (

@@ -8,7 +8,7 @@ import torch
 
 from featcache.cli import main
 from featcache.extract import ExtractConfig, backbones, extract
-from featcache.extract.data import open_dataset
+from featcache.extract.readers import open_dataset
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

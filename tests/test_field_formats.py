@@ -13,7 +13,7 @@ import pytest
 
 from featcache.errors import DataError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.data import open_dataset
+from featcache.extract.readers import open_dataset
 from featcache.probes import ProbeConfig, run_probes
 
 LITE0 = "tf_efficientnet_lite0"

@@ -43,7 +43,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def digits_splits():
-    from featcache.extract.data import open_dataset
+    from featcache.extract.readers import open_dataset
 
     sp = open_dataset("digits")
     names = list(sp["train"].class_names)

@@ -13,7 +13,7 @@ from PIL import Image
 
 from featcache.errors import DataError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.data import open_dataset
+from featcache.extract.readers import open_dataset
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -202,7 +202,7 @@ def test_clip_benchmark_templates_and_bad_layouts(tmp_path):
 
 
 def test_detect_spec_names_each_layout(tmp_path):
-    from featcache.extract.formats import detect_spec
+    from featcache.extract.readers import detect_spec
 
     (tmp_path / "hub" / "data").mkdir(parents=True)
     (tmp_path / "hub" / "data" / "train-00000-of-00001.parquet").write_bytes(b"")

@@ -154,7 +154,7 @@ def test_bare_path_as_data_suggests_the_scheme(tmp_path):
     from PIL import Image
 
     from featcache.errors import DataError
-    from featcache.extract.data import open_dataset
+    from featcache.extract.readers import open_dataset
 
     for c in ("cat", "dog"):
         (tmp_path / "imgs" / c).mkdir(parents=True)

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from featcache.extract.backbones import make_transform
-from featcache.extract.data import open_dataset, select_splits
 from featcache.extract.preprocess import split_transform
+from featcache.extract.readers import open_dataset, select_splits
 
 LITE0_CFG = {
     "input_size": (3, 224, 224),

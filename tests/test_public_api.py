@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INITS = sorted(p for p in ROOT.rglob("__init__.py") if not ({"tests", ".venv", "site", "docs", "benchmarks"} & set(p.relative_to(ROOT).parts)))
+INITS = sorted(
+    p
+    for p in ROOT.rglob("__init__.py")
+    if not ({"tests", ".venv", "site", "docs", "benchmarks"} & set(p.relative_to(ROOT).parts))
+)
 
 
 def _module(path: Path) -> str:
@@ -56,7 +60,11 @@ def test_lazy_names_one_mechanism(path):
     assert "__getattr__" not in funcs, f"{path}: a hand-written __getattr__; use featcache._lazy.lazy_exports"
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
-            imports = [n for n in ast.walk(node) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(_module(path))]
+            imports = [
+                n
+                for n in ast.walk(node)
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(_module(path))
+            ]
             assert not imports, f"{path}: {node.name} wraps its own submodule; export it with lazy_exports"
     lazy = _lazy_mapping(tree)
     all_names = set(importlib.import_module(_module(path)).__all__)

@@ -1,13 +1,24 @@
 """Every registry refuses a second registration under a taken name (as protocols always did),
-rather than silently replacing the first."""
+rather than silently replacing the first; every registered data format reads a real small
+dataset and gives the images and labels the image-folder route gives."""
 
 from __future__ import annotations
 
+import gzip
+import io
+import json
+import struct
+import tarfile
+from pathlib import Path
+
+import numpy as np
 import pytest
+from PIL import Image
 
 from featcache.errors import BackboneError, ConfigError, ProtocolError
 from featcache.extract.backbones import list_weights_sources, register_weights_source
-from featcache.extract.formats import FORMATS, register_format
+from featcache.extract.readers import open_dataset
+from featcache.extract.readers.registry import FORMATS, register_format
 from featcache.protocols import register_protocol
 
 
@@ -21,7 +32,8 @@ def test_data_formats_refuse_duplicates(kind):
     with pytest.raises(ConfigError, match=f"data format '{kind}' is already registered"):
         register_format(kind)(_other)
     assert FORMATS[kind] is first
-    assert register_format(kind)(first) is first  # the same function again is harmless
+    assert register_format(kind)(first.reader) is first.reader  # the same function again is harmless
+    assert FORMATS[kind] is first
 
 
 @pytest.mark.parametrize("scheme", list_weights_sources())
@@ -33,3 +45,231 @@ def test_weight_sources_refuse_duplicates(scheme):
 def test_protocols_refuse_duplicates():
     with pytest.raises(ProtocolError, match="already registered"):
         register_protocol("full")(_other)
+
+
+# --------------------------------------------------------------------------- data formats
+# Every registered format reads a real small dataset written in its layout, and gives the
+# images and labels the image-folder route gives for the same images. A format registered
+# without a writer here fails test_every_format_has_a_contract_dataset.
+DIGIT_CLASSES = (0, 1, 2)
+FMNIST_CLASSES = (1, 2, 3)  # Trouser, Pullover, Dress: class names that can be folder names
+
+
+def _digits_rows() -> dict[str, list[tuple[str, np.ndarray]]]:
+    """{split: [(class name, uint8 image)]}: real sklearn digits, 3 train + 2 test per class."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    out: dict[str, list] = {"train": [], "test": []}
+    for c in DIGIT_CLASSES:
+        rows = np.flatnonzero(d.target == c)[:5]
+        for j, r in enumerate(rows):
+            img = (d.images[r] * (255.0 / 16.0)).round().astype(np.uint8)
+            out["train" if j < 3 else "test"].append((str(c), img))
+    return out
+
+
+def _png(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _tar(path: Path, members: dict[str, bytes]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def _write_imagefolder(root: Path, rows) -> str:
+    for split, items in rows.items():
+        for i, (c, img) in enumerate(items):
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(root / split / c / f"{i:03d}.png")
+    return f"imagefolder:{root}"
+
+
+def _write_manifest(root: Path, rows) -> str:
+    lines = ["path,label,split"]
+    for split, items in rows.items():
+        for i, (c, img) in enumerate(items):
+            (root / "img").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(root / "img" / f"{split}{i:03d}.png")
+            lines.append(f"img/{split}{i:03d}.png,{c},{split}")
+    (root / "m.csv").write_text("\n".join(lines) + "\n")
+    return f"manifest:{root / 'm.csv'}"
+
+
+def _write_webdataset(root: Path, rows) -> str:
+    for split, items in rows.items():  # string labels in .json members
+        members = {}
+        for i, (c, img) in enumerate(items):
+            members[f"{split}{i:04d}.png"] = _png(img)
+            members[f"{split}{i:04d}.json"] = json.dumps({"label": c}).encode()
+        _tar(root / f"{split}-000000.tar", members)
+    return f"webdataset:{root}/{{train,test}}-000000.tar"
+
+
+def _write_clip_benchmark(root: Path, rows) -> str:
+    names = sorted({c for items in rows.values() for c, _ in items})
+    for split, items in rows.items():  # integer .cls members, class names in classnames.txt
+        members = {}
+        for i, (c, img) in enumerate(items):
+            members[f"s{i:07d}.png"] = _png(img)
+            members[f"s{i:07d}.cls"] = str(names.index(c)).encode()
+        _tar(root / split / "0.tar", members)
+    (root / "classnames.txt").write_text("\n".join(names) + "\n")
+    return f"clip-benchmark:{root}"
+
+
+def _write_hf(root: Path, rows) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = sorted({c for items in rows.values() for c, _ in items})
+    features = {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": names}}
+    meta = {"huggingface": json.dumps({"info": {"features": features}})}
+    (root / "data").mkdir(parents=True)
+    for split, items in rows.items():
+        img = pa.array(
+            [{"bytes": _png(im), "path": f"{i}.png"} for i, (_, im) in enumerate(items)],
+            pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+        )
+        lab = pa.array([names.index(c) for c, _ in items], pa.int64())
+        table = pa.table({"image": img, "label": lab}).replace_schema_metadata(meta)
+        pq.write_table(table, root / "data" / f"{split}-00000-of-00001.parquet")
+    return f"hf:{root}"
+
+
+def _write_vtab1k(root: Path, rows) -> str:
+    for split, lst in (("train", "train800"), ("test", "test")):
+        lines = []
+        for i, (c, img) in enumerate(rows[split]):
+            (root / "images").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(root / "images" / f"{split}{i:03d}.png")
+            lines.append(f"images/{split}{i:03d}.png {c}")
+        (root / f"{lst}.txt").write_text("\n".join(lines) + "\n")
+    return f"vtab1k:{root}"
+
+
+def _fmnist_rows() -> dict[str, list[tuple[str, np.ndarray]]]:
+    """Real Fashion-MNIST test images (read from the IDX bytes directly), 3 train + 2 test per class."""
+    from featcache.extract.readers.folders import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR
+
+    d = Path(FASHION_MNIST_DIR)
+    if not (d / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.skip("Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+    images = np.frombuffer(gzip.decompress((d / "t10k-images-idx3-ubyte.gz").read_bytes()), np.uint8, offset=16)
+    labels = np.frombuffer(gzip.decompress((d / "t10k-labels-idx1-ubyte.gz").read_bytes()), np.uint8, offset=8)
+    images = images.reshape(-1, 28, 28)
+    out: dict[str, list] = {"train": [], "test": []}
+    for c in FMNIST_CLASSES:
+        for j, r in enumerate(np.flatnonzero(labels == c)[:5]):
+            out["train" if j < 3 else "test"].append((FASHION_MNIST_CLASSES[c], images[r]))
+    return out
+
+
+def _write_fashion_mnist(root: Path, rows) -> str:
+    from featcache.extract.readers.folders import FASHION_MNIST_CLASSES
+
+    root.mkdir(parents=True)
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        imgs = np.stack([im for _, im in rows[split]])
+        labs = np.array([FASHION_MNIST_CLASSES.index(c) for c, _ in rows[split]], np.uint8)
+        head_i = struct.pack(">IIII", 0x803, len(imgs), 28, 28)
+        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(head_i + imgs.tobytes()))
+        (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(
+            gzip.compress(struct.pack(">II", 0x801, len(labs)) + labs.tobytes())
+        )
+    return f"fashion-mnist:{root}"
+
+
+def _digits_spec(root: Path, rows) -> str:
+    return "digits"  # built in: nothing to write; _digits_full_rows are the rows it must give
+
+
+def _digits_full_rows(n: int = 40) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """The first ``n`` rows of each split of sklearn's digits in the documented split
+    (train_test_split, test_size 0.25, random_state 0, stratified; rows in index order)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    idx = np.arange(len(d.target))
+    tr, te = train_test_split(idx, test_size=0.25, random_state=0, stratify=d.target)
+    img = (d.images * (255.0 / 16.0)).round().astype(np.uint8)
+    return {s: [(str(d.target[r]), img[r]) for r in sorted(rows)[:n]] for s, rows in (("train", tr), ("test", te))}
+
+
+#: kind -> (the real rows, a writer of those rows in the format's layout, {format split: split})
+CONTRACT = {
+    "digits": (_digits_full_rows, _digits_spec, {"train": "train", "test": "test"}),
+    "fashion-mnist": (_fmnist_rows, _write_fashion_mnist, {"train": "train", "test": "test"}),
+    "imagefolder": (_digits_rows, _write_imagefolder, {"train": "train", "test": "test"}),
+    "manifest": (_digits_rows, _write_manifest, {"train": "train", "test": "test"}),
+    "webdataset": (_digits_rows, _write_webdataset, {"train": "train", "test": "test"}),
+    "clip-benchmark": (_digits_rows, _write_clip_benchmark, {"train": "train", "test": "test"}),
+    "hf": (_digits_rows, _write_hf, {"train": "train", "test": "test"}),
+    "vtab1k": (_digits_rows, _write_vtab1k, {"train800": "train", "test": "test"}),
+}
+
+
+def _canonical_kinds() -> list[str]:
+    return list(dict.fromkeys(f.kind for f in FORMATS.values()))
+
+
+def test_every_format_has_a_contract_dataset():
+    assert _canonical_kinds() == list(CONTRACT)
+
+
+def _read(spec: str, splits: dict[str, str], first: int | None = None) -> dict[str, list[tuple[str, bytes]]]:
+    """{split: [(class name, pixels)]} in the reader's row order (the ``first`` rows only,
+    when given), with mode and id checks."""
+    out = {}
+    got = open_dataset(spec, "contract")
+    assert sorted(got) == sorted(splits)
+    for fsplit, split in splits.items():
+        s = got[fsplit]
+        assert s.dataset == "contract"
+        assert len(s) == len(s.labels) == len(set(s.ids.tolist()))
+        rows = []
+        for i in range(min(len(s), first or len(s))):
+            im = s.load(i)
+            assert im.mode in ("L", "RGB")
+            rows.append((s.class_names[int(s.labels[i])], np.asarray(im).tobytes()))
+        out[split] = rows
+    return out
+
+
+@pytest.mark.parametrize("kind", list(CONTRACT))
+def test_every_format_reads_what_the_image_folder_route_reads(kind, tmp_path):
+    make_rows, write, splits = CONTRACT[kind]
+    rows = make_rows()
+    spec = write(tmp_path / "fmt", rows)
+    via_folder = _read(_write_imagefolder(tmp_path / "folder", rows), {"train": "train", "test": "test"})
+    got = _read(spec, splits, first=len(rows["train"]) if kind == "digits" else None)
+    expected = {s: [(c, img.tobytes()) for c, img in r] for s, r in rows.items()}
+    for split in ("train", "test"):
+        assert sorted(via_folder[split]) == sorted(expected[split])  # the reference route reads the rows back
+        if kind == "digits":  # built in, a prefix: its rows in the documented order
+            got[split] = got[split][: len(expected[split])]
+            assert got[split] == expected[split]
+        assert sorted(got[split]) == sorted(via_folder[split]), (kind, split)
+
+
+def test_data_help_and_errors_list_every_registered_format():
+    """--data's help (extract and finetune) and the unknown-spec error are built from the registry."""
+    from featcache.errors import DataError
+    from featcache.extract import ExtractConfig
+    from featcache.finetune.config import FinetuneConfig
+
+    helps = [c.__dataclass_fields__["data"].metadata["help"] for c in (ExtractConfig, FinetuneConfig)]
+    with pytest.raises(DataError, match="unknown data spec") as err:
+        open_dataset("no-such-format:x")
+    for kind in _canonical_kinds():
+        usage = FORMATS[kind].usage
+        assert all(usage in h for h in helps), (kind, helps)
+        assert usage in str(err.value)

@@ -11,8 +11,8 @@ from PIL import Image
 
 from featcache.cli import main
 from featcache.extract.backbones import create_backbone, make_transform
-from featcache.extract.data import open_dataset, select_splits
 from featcache.extract.preprocess import split_transform
+from featcache.extract.readers import open_dataset, select_splits
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

@@ -126,7 +126,8 @@ def _hostile_folder(root):
 
 def test_hostile_folder_links_are_invalid_rows_never_followed_outside(tmp_path):
     from featcache.errors import DataError
-    from featcache.extract.data import ReadOptions, open_dataset
+    from featcache.extract.readers import open_dataset
+    from featcache.extract.source import ReadOptions
 
     root = tmp_path / "folder"
     bad = _hostile_folder(root)
@@ -144,7 +145,7 @@ def test_hostile_folder_links_are_invalid_rows_never_followed_outside(tmp_path):
 
 def test_hostile_class_folders_and_walk_errors_are_one_refusal(tmp_path, monkeypatch):
     from featcache.errors import DataError
-    from featcache.extract.data import open_dataset
+    from featcache.extract.readers import open_dataset
 
     root = tmp_path / "folder"
     _png(root / "cat" / "ok.png")

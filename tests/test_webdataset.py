@@ -14,7 +14,8 @@ import webdataset as wds
 
 from featcache.errors import DataError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.data import StringColumn, open_dataset
+from featcache.extract.readers import open_dataset
+from featcache.extract.source import StringColumn
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

@@ -17,7 +17,7 @@ is one module here plus its :func:`register_source` entry:
 
 In Python, ``ExtractConfig(model=<nn.Module>)`` uses the module itself.
 
-Each source builds a :class:`~featcache.extract.backbones.Backbone` whose ``features_fn``
+Each source builds a :class:`~featcache.extract.model.Backbone` whose ``features_fn``
 computes the feature kinds it declares and whose ``data_config`` records the source, the
 architecture, the library and its version (part of the stored identity, so a resume with
 another source or library version is refused).
@@ -229,9 +229,9 @@ def finish(
     import torch
     from torchvision import transforms as T
 
-    from featcache.extract.backbones import Backbone, ToRGB, _resolve_device
+    from featcache.extract.model import Backbone, ToRGB, backbone_device
 
-    dev = _resolve_device(device)
+    dev = backbone_device(device)
     model = model.to(dev).eval()
     for p in model.parameters():
         p.requires_grad_(trainable)

@@ -18,7 +18,7 @@ KINDS = ("pooled",)
 def _default_transform() -> Any:
     import timm.data
 
-    from featcache.extract.backbones import make_transform
+    from featcache.extract.model import make_transform
 
     return make_transform(timm.data.resolve_data_config(args={"crop_pct": timm.data.DEFAULT_CROP_PCT}))
 

@@ -31,53 +31,22 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from featcache.errors import ConfigError, DataError
-from featcache.extract.data import (
-    ReadOptions,
-    SplitSource,
-    StringColumn,
-    _PathLoader,
-    _webdataset,
-    decode_image,
-    escape_name,
-    integer_classes,
-)
+from featcache.errors import DataError
+from featcache.extract.decode import PathLoader, decode_image
+from featcache.extract.readers.registry import register_format
+from featcache.extract.readers.webdataset import read_webdataset
+from featcache.extract.source import ReadOptions, SplitSource, StringColumn, escape_name, integer_classes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMATS", "VTAB1K_SPLIT_FILES", "open_format", "register_format"]
+__all__ = ["VTAB1K_SPLIT_FILES", "clip_benchmark", "detect_spec", "huggingface", "vtab1k"]
 
-Reader = Callable[[str, str, ReadOptions], dict[str, SplitSource]]
-FORMATS: dict[str, Reader] = {}
 VTAB1K_SPLIT_FILES = ("train800", "val200", "train800val200", "test")
-
-
-def register_format(*kinds: str) -> Callable[[Reader], Reader]:
-    """Register a reader ``(arg, dataset name, options) -> {split: SplitSource}`` for spec kinds."""
-
-    def deco(fn: Reader) -> Reader:
-        for k in kinds:
-            if k in FORMATS and FORMATS[k] is not fn:
-                raise ConfigError(
-                    f"data format {k!r} is already registered (by {FORMATS[k].__module__}."
-                    f"{FORMATS[k].__qualname__}); register yours under another name"
-                )
-            FORMATS[k] = fn
-        return fn
-
-    return deco
-
-
-def open_format(kind: str, arg: str | None, name: str, options: ReadOptions) -> dict[str, SplitSource]:
-    if not arg:
-        raise DataError(f"{kind} needs a path: --data {kind}:PATH")
-    return FORMATS[kind](arg, name, options)
 
 
 def _natural_key(p: Path) -> list:
@@ -89,7 +58,7 @@ def _lines(path: Path) -> list[str]:
 
 
 # --------------------------------------------------------------------------- CLIP_benchmark wds
-@register_format("clip-benchmark", "clip_benchmark")
+@register_format("clip-benchmark", "clip_benchmark", usage="clip-benchmark:DIR", note="CLIP_benchmark wds export")
 def clip_benchmark(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     """One task exported by CLIP_benchmark's ``webdataset_builder`` (see the module table)."""
     d = Path(root)
@@ -106,7 +75,7 @@ def clip_benchmark(root: str, name: str, options: ReadOptions) -> dict[str, Spli
     out = {}
     for sd in split_dirs:
         shards = sorted(sd.glob("*.tar"), key=_natural_key)
-        parts = list(_webdataset("::".join(str(s) for s in shards), name, options).values())
+        parts = list(read_webdataset("::".join(str(s) for s in shards), name, options).values())
         if len(parts) != 1:
             raise DataError(f"{sd}: shards named for several splits; CLIP_benchmark names them 0.tar, 1.tar, ...")
         src = parts[0]
@@ -135,63 +104,11 @@ def clip_benchmark(root: str, name: str, options: ReadOptions) -> dict[str, Spli
     return out
 
 
-# --------------------------------------------------------------------------- VTAB-1k file lists
-@register_format("vtab1k", "vtab-1k")
-def vtab1k(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
-    """One task in the VTAB-1k file-list layout (see the module table)."""
-    d = Path(root)
-    files = [(s, d / f"{s}.txt") for s in VTAB1K_SPLIT_FILES if (d / f"{s}.txt").is_file()]
-    if not files:
-        raise DataError(
-            f"{root} has none of {', '.join(s + '.txt' for s in VTAB1K_SPLIT_FILES)}; "
-            "expected the VTAB-1k layout TASK/images/... with TASK/train800.txt etc."
-        )
-    parsed = {s: _path_label_lines(f) for s, f in files}
-    all_labels = np.concatenate([lab for _, lab in parsed.values()])
-    classes = integer_classes(all_labels, f"vtab1k {root}")
-    base = str(d.resolve()).rstrip("/") + "/"
-    out = {}
-    for s, (paths, labels) in parsed.items():
-        full = StringColumn.from_polars(_series([p if p.startswith("/") else base + p for p in paths]))
-        out[s] = SplitSource(
-            name,
-            s,
-            np.array([escape_name(p) for p in paths]),
-            labels,
-            classes,
-            _PathLoader(full, options),
-            f"vtab1k:{d.resolve()}/{s}.txt",
-            extra={"paths": full},
-        )
-    return out
-
-
-def _series(values: list[str]):
-    import polars as pl
-
-    return pl.Series(values, dtype=pl.Utf8)
-
-
-def _path_label_lines(f: Path) -> tuple[list[str], np.ndarray]:
-    paths, labels = [], []
-    for n, ln in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-        if not ln.strip():
-            continue
-        path, _, lab = ln.strip().rpartition(" ")
-        if not path or not re.fullmatch(r"\d+", lab):
-            raise DataError(f"{f} line {n}: {ln.strip()!r} is not 'path label' with an integer label >= 0")
-        paths.append(path.strip())
-        labels.append(int(lab))
-    if not paths:
-        raise DataError(f"{f} lists no images")
-    return paths, np.asarray(labels, np.int64)
-
-
 # --------------------------------------------------------------------------- Hugging Face on disk
 _HF_SPLIT_RE = re.compile(r"^(?:.*-)?(train|validation|valid|val|test)(?:[-.].*)?$")
 
 
-@register_format("hf", "huggingface")
+@register_format("hf", "huggingface", usage="hf:PATH", note="datasets on disk")
 def huggingface(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     """Hugging Face ``datasets`` saved or cached on disk (see the module table)."""
     files = _hf_split_files(Path(root))
@@ -322,6 +239,58 @@ class _HFImageLoader:
             return decode_image(io.BytesIO(cell["bytes"]), self.options)
         p = Path(cell.get("path") or "")
         return decode_image(str(p if p.is_absolute() else self.base / p), self.options)
+
+
+# --------------------------------------------------------------------------- VTAB-1k file lists
+@register_format("vtab1k", "vtab-1k", usage="vtab1k:DIR", note="train800.txt ...")
+def vtab1k(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
+    """One task in the VTAB-1k file-list layout (see the module table)."""
+    d = Path(root)
+    files = [(s, d / f"{s}.txt") for s in VTAB1K_SPLIT_FILES if (d / f"{s}.txt").is_file()]
+    if not files:
+        raise DataError(
+            f"{root} has none of {', '.join(s + '.txt' for s in VTAB1K_SPLIT_FILES)}; "
+            "expected the VTAB-1k layout TASK/images/... with TASK/train800.txt etc."
+        )
+    parsed = {s: _path_label_lines(f) for s, f in files}
+    all_labels = np.concatenate([lab for _, lab in parsed.values()])
+    classes = integer_classes(all_labels, f"vtab1k {root}")
+    base = str(d.resolve()).rstrip("/") + "/"
+    out = {}
+    for s, (paths, labels) in parsed.items():
+        full = StringColumn.from_polars(_series([p if p.startswith("/") else base + p for p in paths]))
+        out[s] = SplitSource(
+            name,
+            s,
+            np.array([escape_name(p) for p in paths]),
+            labels,
+            classes,
+            PathLoader(full, options),
+            f"vtab1k:{d.resolve()}/{s}.txt",
+            extra={"paths": full},
+        )
+    return out
+
+
+def _series(values: list[str]):
+    import polars as pl
+
+    return pl.Series(values, dtype=pl.Utf8)
+
+
+def _path_label_lines(f: Path) -> tuple[list[str], np.ndarray]:
+    paths, labels = [], []
+    for n, ln in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        if not ln.strip():
+            continue
+        path, _, lab = ln.strip().rpartition(" ")
+        if not path or not re.fullmatch(r"\d+", lab):
+            raise DataError(f"{f} line {n}: {ln.strip()!r} is not 'path label' with an integer label >= 0")
+        paths.append(path.strip())
+        labels.append(int(lab))
+    if not paths:
+        raise DataError(f"{f} lists no images")
+    return paths, np.asarray(labels, np.int64)
 
 
 # --------------------------------------------------------------------------- layout detection

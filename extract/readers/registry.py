@@ -1,0 +1,106 @@
+"""The data-format registry: a data spec ``KIND[:ARG]`` names a registered reader.
+
+Every format, the built-in ones included, registers with :func:`register_format`; the
+``--data`` help and the error for an unknown spec are built from :data:`FORMATS`, so a new
+format appears in both by being registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from featcache.errors import ConfigError, DataError
+from featcache.extract.source import ReadOptions, SplitSource
+
+__all__ = ["FORMATS", "DataFormat", "format_help", "format_usages", "open_format", "parse_spec", "register_format"]
+
+#: ``(ARG or None, dataset name, options) -> {split: SplitSource}``
+Reader = Callable[[str | None, str, ReadOptions], dict[str, SplitSource]]
+
+
+def path_name(arg: str) -> str:
+    """The default dataset name of a path argument: a file's stem, a folder's name."""
+    p = Path(arg).resolve()
+    return p.stem if p.is_file() else p.name
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """One registered format: its reader and how the ``--data`` help and errors name it."""
+
+    kind: str  # the first name it was registered under
+    reader: Reader
+    usage: str  # as the help lists it, e.g. ``imagefolder:DIR``
+    note: str = ""  # a short gloss after the usage in the help
+    #: the error when the spec has no ``:ARG`` (``{kind}`` is replaced); None: ARG is optional
+    missing: str | None = "{kind} needs a path: --data {kind}:PATH"
+    #: the default dataset name of ``ARG``; None: the dataset is named by its kind
+    name_of: Callable[[str], str] | None = path_name
+
+
+#: every registered kind (aliases included) -> its format, in registration order
+FORMATS: dict[str, DataFormat] = {}
+
+
+def register_format(
+    *kinds: str,
+    usage: str | None = None,
+    note: str = "",
+    missing: str | None = DataFormat.missing,
+    name_of: Callable[[str], str] | None = path_name,
+) -> Callable[[Reader], Reader]:
+    """Register a reader ``(ARG, dataset name, options) -> {split: SplitSource}`` under the spec
+    kinds ``kinds`` (the first is the name the help lists, as ``usage``, default
+    ``KIND:PATH``). A kind taken by another reader is refused; the same reader again is a no-op."""
+    if not kinds:
+        raise ConfigError("register_format needs at least one spec kind, e.g. @register_format('myformat')")
+
+    def deco(fn: Reader) -> Reader:
+        for k in kinds:
+            if k in FORMATS and FORMATS[k].reader is not fn:
+                prev = FORMATS[k].reader
+                raise ConfigError(
+                    f"data format {k!r} is already registered (by {prev.__module__}.{prev.__qualname__}); "
+                    "register yours under another name"
+                )
+        fmt = DataFormat(kinds[0], fn, usage or f"{kinds[0]}:PATH", note, missing, name_of)
+        for k in kinds:
+            FORMATS.setdefault(k, fmt)
+        return fn
+
+    return deco
+
+
+def _formats() -> list[DataFormat]:
+    """Each registered format once, in registration order."""
+    out: dict[str, DataFormat] = {}
+    for f in FORMATS.values():
+        out.setdefault(f.kind, f)
+    return list(out.values())
+
+
+def format_help() -> str:
+    """The ``--data`` help: every registered format's usage, ``|``-separated."""
+    return " | ".join(f"{f.usage} ({f.note})" if f.note else f.usage for f in _formats())
+
+
+def format_usages() -> str:
+    """The registered formats' usages as a list in prose (``a, b or c``), for error messages."""
+    u = [f.usage for f in _formats()]
+    return ", ".join(u[:-1]) + f" or {u[-1]}" if len(u) > 1 else "".join(u)
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """``KIND[:ARG]`` -> (lower-case kind, ARG or None)."""
+    kind, _, arg = spec.partition(":")
+    return kind.strip().lower(), (arg or None)
+
+
+def open_format(kind: str, arg: str | None, name: str, options: ReadOptions) -> dict[str, SplitSource]:
+    """The splits the reader registered as ``kind`` reads from ``arg``."""
+    fmt = FORMATS[kind]
+    if not arg and fmt.missing is not None:
+        raise DataError(fmt.missing.replace("{kind}", kind))
+    return fmt.reader(arg, name, options)
