@@ -1,5 +1,6 @@
 """The extract stage's modules import one another without a circle: every ``import`` (at module
-level or inside a function) of a featcache module is an edge, and the graph has no cycle."""
+level or inside a function, not under ``if TYPE_CHECKING:``) of a featcache module is an edge, and
+the graph has no cycle."""
 
 from __future__ import annotations
 
@@ -25,7 +26,16 @@ def _imports(mod: str, path: Path) -> set[str]:
     """Every module name ``path`` imports (``from a import b`` names ``a`` and ``a.b``)."""
     base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    static = {  # `if TYPE_CHECKING:` imports never run: names for type checkers only
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+        if id(node) in static:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
