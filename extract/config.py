@@ -23,6 +23,8 @@ from featcache.errors import ConfigError
 from featcache.extract.readers import format_help
 from featcache.extract.source import DEFAULT_MAX_IMAGE_PIXELS
 
+BACKENDS = ("eager", "compile", "onnxruntime", "openvino")  # featcache.extract.backends.BACKENDS
+
 DEFAULT_CHUNK_ROWS = 1024
 #: largest --input-size / --pre-resize side: one 3 x 4096 x 4096 float32 image is 200 MB already
 MAX_INPUT_SIDE = 4096
@@ -113,7 +115,13 @@ class ExtractConfig:
         choices=list(PRECISIONS),
     )
     channels_last: bool = _opt(True, "keep NCHW memory format", invert="--no-channels-last")
-    compile: bool = _opt(False, "torch.compile the forward pass", action="store_true")
+    backend: str = _opt(
+        "eager",
+        "forward backend: eager (PyTorch) | compile (torch.compile, inductor with freezing) | "
+        "onnxruntime | openvino (CPU engines, fp32; pip install onnxruntime onnx / openvino)",
+        choices=list(BACKENDS),
+    )
+    compile: bool = _opt(False, "same as --backend compile", action="store_true")
     exif_transpose: bool = _opt(
         True, "keep the stored pixel orientation (ignore EXIF Orientation tags)", invert="--no-exif-transpose"
     )
@@ -145,6 +153,8 @@ class ExtractConfig:
             set_(self, "splits", tuple(self.splits) or None)
         set_(self, "features", (self.features,) if isinstance(self.features, str) else tuple(self.features))
         set_(self, "amp", PRECISION_ALIASES.get(self.amp, self.amp))
+        if self.compile and self.backend == "eager":  # --compile: the older spelling
+            set_(self, "backend", "compile")
         self._validate()
 
     def _validate(self) -> None:
@@ -177,6 +187,10 @@ class ExtractConfig:
             bad("--dtype", self.dtype, "choose float16 or float32")
         if self.amp not in PRECISIONS:
             bad("--precision", self.amp, f"choose one of {', '.join(PRECISIONS)}")
+        if self.backend not in BACKENDS:
+            bad("--backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
+        if self.compile and self.backend != "compile":
+            bad("--compile", "with --backend " + self.backend, "give one of them (--compile is --backend compile)")
         if self.resize not in ("timm", "whole"):
             bad("--resize", self.resize, "choose timm or whole")
         if self.decoder not in ("auto", "pil", "torchvision"):
@@ -227,6 +241,7 @@ class ExtractConfig:
         """Settings recorded beside each feature array's provenance (``extra``), as requested."""
         return {
             "precision_requested": self.amp,
+            "backend": self.backend,
             "exif_transpose": self.exif_transpose,
             "max_image_pixels": self.max_image_pixels,
             "resize": self.resize,

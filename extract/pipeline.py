@@ -123,7 +123,7 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
 
     Re-running a finished extraction does nothing; an interrupted one recomputes only its
     unfinished chunks (refused, with the differences, if the device kind, precision, CPU
-    thread count or CPU ISA differ from the recorded ones). Returns one :class:`SplitReport` per split.
+    thread count, CPU ISA or forward backend differ from the recorded ones). Returns one :class:`SplitReport` per split.
     """
     import torch
 
@@ -162,11 +162,14 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     old_threads = torch.get_num_threads()
     try:
         amp = recorded_precision(cfg.amp, dev)
+        from featcache.extract.backends import check_backend, make_forward
+
+        check_backend(cfg.backend, amp, dev)
         if cfg.channels_last:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, cfg.features)
         dims = head.dims(tuple(bb.data_config["input_size"]))
-        fwd = torch.compile(head.__call__) if cfg.compile else head.__call__
+        fwd = make_forward(head, cfg.backend)
         workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
         job = _Job(
             cfg,
@@ -323,8 +326,8 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
 # --------------------------------------------------------------------------- compute settings
 def compute_settings(prov) -> dict[str, Any]:
     """The settings besides the identity that decide a feature's bits: device kind, applied
-    precision, CPU thread count and ISA, and the decode settings (None: not recorded, e.g. an
-    older store). A CPU store without a recorded ISA predates CPU autocast, so its precision
+    precision, CPU thread count and ISA, the decode settings and the forward backend (None:
+    not recorded, e.g. an older store). A CPU store without a recorded ISA predates CPU autocast, so its precision
     is fp32 whatever it says."""
     device = prov.device.split(":")[0] if prov.device else None
     extra = prov.extra or {}
@@ -337,6 +340,7 @@ def compute_settings(prov) -> dict[str, Any]:
         "exif_transpose": extra.get("exif_transpose"),
         "max_image_pixels": extra.get("max_image_pixels"),
         "decoder": extra.get("decoder"),
+        "backend": extra.get("backend"),
     }
 
 
@@ -386,7 +390,7 @@ def _prepare(writer, stored, overwrite: bool, auto_decoder: bool = False) -> Non
         lines = "\n".join(f"  {k}: stored={a!r} requested={b!r}" for k, (a, b) in sorted(diffs.items()))
         raise ProvenanceMismatchError(
             f"{writer.path} was partly computed with other settings, so resuming would mix their bits:\n{lines}\n"
-            "Re-run with the stored settings (--device, --precision, --threads, --decoder) on a CPU of the stored ISA, "
+            "Re-run with the stored settings (--device, --precision, --threads, --decoder, --backend) on a CPU of the stored ISA, "
             "use another --backbone-name, or --overwrite to start over."
         )
 

@@ -1,0 +1,160 @@
+"""Inference backends for the feature forward: eager PyTorch, ``torch.compile`` and CPU engines.
+
+Each backend turns a :class:`~featcache.extract.features.FeatureHead` into a callable
+``x -> {kind: tensor}`` with the head's outputs. The engines (ONNX Runtime, OpenVINO) are
+built on their first call, from that batch's shape (the batch dimension stays dynamic) and
+with the torch thread count in force then, so a resume that restores the recorded thread count
+builds them with it. They compute fp32 only (OpenVINO is told so: on a bf16 CPU its default
+would be bf16). Measured against eager in ``benchmarks/inference_backends.py``; eager stays the
+default (see docs/benchmarks.md, "Inference backends").
+
+>>> fwd = make_forward(head, "onnxruntime")  # doctest: +SKIP
+>>> fwd(x)["pooled"].shape  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from featcache.errors import ConfigError
+from featcache.extract.config import BACKENDS
+
+log = logging.getLogger(__name__)
+
+#: the pip install line of each engine's package (a missing one is named with it)
+_PIP = {"onnxruntime": "pip install onnxruntime onnx", "openvino": "pip install openvino"}
+
+
+def check_backend(backend: str, amp: str, device: str) -> None:
+    """Refuse a backend that cannot run this request (unknown, an engine off the CPU, or an
+    engine with an autocast precision), saying what to use instead."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend} is invalid: choose one of {', '.join(BACKENDS)}")
+    if backend in _PIP and not device.startswith("cpu"):
+        raise ConfigError(f"--backend {backend} runs on the CPU only; use --device cpu or --backend eager|compile")
+    if backend in _PIP and amp != "none":
+        raise ConfigError(
+            f"--backend {backend} computes fp32 only; use --precision fp32 (Python: amp='fp32') or --backend eager|compile"
+        )
+
+
+def _module(head) -> Any:
+    """The head as an ``nn.Module`` returning its kinds as a tuple (what exporters take)."""
+    import torch
+
+    class _Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = head.model
+
+        def forward(self, x):
+            return tuple(head(x).values())
+
+    return _Head().eval()
+
+
+def _need(pkg: str, backend: str) -> Any:
+    """Import an engine's package, or say which pip install brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(pkg)
+    except ImportError:
+        raise ConfigError(f"--backend {backend} needs the {pkg} package: {_PIP[backend]}") from None
+
+
+def export_onnx(head, x, path: Path) -> None:
+    """Export the head to ONNX at ``path`` with a dynamic batch dimension (the TorchScript
+    exporter where this torch still has it: ~6x faster to export than the dynamo one)."""
+    import torch
+
+    _need("onnx", "onnxruntime")
+    mod = _module(head)
+    names = list(head.kinds)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(
+                mod, (x,), str(path), input_names=["x"], output_names=names,
+                dynamic_axes={"x": {0: "batch"}}, dynamo=False,
+            )  # fmt: skip
+        except (TypeError, RuntimeError, ValueError):  # a torch without the TorchScript exporter
+            batch = torch.export.Dim("batch", min=1, max=1 << 16)
+            torch.onnx.export(
+                mod, (x,), str(path), input_names=["x"], output_names=names,
+                dynamic_shapes={"x": {0: batch}}, dynamo=True, verbose=False,
+            )  # fmt: skip
+
+
+def _onnxruntime(head, x) -> Callable:
+    import numpy as np
+    import torch
+
+    ort = _need("onnxruntime", "onnxruntime")
+    with tempfile.TemporaryDirectory(prefix="featcache-onnx-") as d:
+        path = Path(d) / "head.onnx"
+        export_onnx(head, x, path)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = torch.get_num_threads()
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    kinds = list(head.kinds)
+
+    def run(x):
+        outs = sess.run(None, {"x": np.ascontiguousarray(x.numpy(), dtype=np.float32)})
+        return {k: torch.from_numpy(v) for k, v in zip(kinds, outs)}
+
+    return run
+
+
+def _openvino(head, x) -> Callable:
+    import numpy as np
+    import torch
+
+    ov = _need("openvino", "openvino")
+    model = ov.convert_model(_module(head), example_input=x, input=[(-1, *x.shape[1:])])
+    compiled = ov.compile_model(
+        model,
+        "CPU",
+        {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads()},
+    )
+    kinds = list(head.kinds)
+
+    def run(x):
+        res = compiled(np.ascontiguousarray(x.numpy(), dtype=np.float32))
+        return {k: torch.from_numpy(np.asarray(res[i])) for i, k in enumerate(kinds)}
+
+    return run
+
+
+def make_forward(head, backend: str = "eager") -> Callable:
+    """The head's forward on ``backend``: eager, ``compile`` (inductor, with freezing: the
+    weights become constants, valid since the forward runs under inference mode), or an engine
+    built from the first batch it sees (its build time falls in the first call)."""
+    if backend == "eager":
+        return head.__call__
+    if backend == "compile":
+        import torch
+
+        return torch.compile(head.__call__, options={"freezing": True})
+    if backend not in ("onnxruntime", "openvino"):
+        raise ConfigError(f"--backend {backend} is invalid: choose one of {', '.join(BACKENDS)}")
+    _need(backend, backend)  # fail before any work, not at the first batch
+    build = _onnxruntime if backend == "onnxruntime" else _openvino
+    state: dict[str, Callable] = {}
+
+    def fwd(x):
+        if "run" not in state:
+            log.info("building the %s engine for %s (batch %d)", backend, head.bb.name, x.shape[0])
+            state["run"] = build(head, x.contiguous())
+        return state["run"](x)
+
+    return fwd
