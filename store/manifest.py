@@ -155,7 +155,7 @@ def _memory_group():
     return zarr.create_group(store=MemoryStore(store_dict=d), zarr_format=3), d
 
 
-def _group_doc(attrs: dict) -> bytes:
+def group_doc(attrs: dict) -> bytes:
     import zarr
     from zarr.storage import MemoryStore
 
@@ -192,7 +192,9 @@ def _array_doc(rel: str, store, entries: dict) -> bytes:
             if name in AUX:
                 a = create_aux_array(g, name, gm.n, gm.chunk_rows, gm.n_chunks)
             elif entry is None:
-                raise NotDerivable("its provenance was in it and no copy was kept (written before metadata digests)")
+                raise NotDerivable(
+                    "its provenance was only in it: the store was written before metadata digests, so no copy was kept"
+                )
             else:
                 prov = FeatureProvenance.from_attrs(dict(entry["attributes"][PROVENANCE_KEY]))
                 a = create_feature_array(g, name, gm.n, gm.chunk_rows, prov.dim, prov.dtype)
@@ -215,12 +217,14 @@ def rebuild(store, rel: str, entries: dict[str, dict]) -> bytes:
     entry = entries.get(doc_key(rel))
     if unit is None:
         if parts and parts[0] in ("datasets", "features") and len(parts) <= 3:
-            return _group_doc({})  # the folders between units hold no attributes of featcache's
+            return group_doc({})  # the folders between units hold no attributes of featcache's
         raise NotDerivable("it is not part of featcache's layout, so nothing says how it was made")
     if rel == unit:
         if entry is None:
-            raise NotDerivable("its attributes were in it and no copy was kept (written before metadata digests)")
-        out = _group_doc(entry["attributes"])
+            raise NotDerivable(
+                "its attributes were only in it: the store was written before metadata digests, so no copy was kept"
+            )
+        out = group_doc(entry["attributes"])
     elif len(parts) == 4 and parts[0] == "datasets" and parts[3] not in ("ids", "labels"):
         raise NotDerivable("featcache's writer does not make this array, so nothing says how it was made")
     else:

@@ -85,10 +85,18 @@ def problem(store, rel: str) -> str | None:
     return None
 
 
-def local_nodes(root: str) -> list[str]:
-    """Node paths ("" for the root) of every metadata document under the local store ``root``."""
+def local_nodes(root: str, unlisted: list[tuple[str, str]] | None = None) -> list[str]:
+    """Node paths ("" for the root) of every metadata document under the local store ``root``;
+    ``unlisted`` collects (node path, reason) per folder that cannot be listed (one that
+    vanished during the walk is no node any more and is left out)."""
+
+    def failed(exc: OSError) -> None:
+        if unlisted is not None and not isinstance(exc, FileNotFoundError):
+            rel = os.path.relpath(exc.filename or root, root).replace(os.sep, "/")
+            unlisted.append(("" if rel == "." else rel, exc.strerror or str(exc)))
+
     out = []
-    for top, dirs, files in os.walk(root):
+    for top, dirs, files in os.walk(root, onerror=failed):
         dirs[:] = sorted(d for d in dirs if d != "c" and not d.startswith("."))  # chunk folders hold no metadata
         if "zarr.json" in files:
             rel = os.path.relpath(top, root).replace(os.sep, "/")
@@ -176,3 +184,25 @@ def _manifest_line(unit: str, why: str, path: str) -> str:
         f"{manifest.manifest_key(unit)} (metadata digests of {unit or 'the store root'}): {why}; run `{cmd}` "
         "(it records the documents' digests again, as they are now)"
     )
+
+
+def between_changed(store, rels: list[str], skip: set[str], path: str = "") -> list[tuple[str, str]]:
+    """The folders between units (``datasets``, ``features/<b>`` ...) hold featcache's empty
+    group document (``datasets/<d>`` may hold a declared task metric): any other bytes that
+    zarr still reads are damage, as (node path, problem line)."""
+    out = []
+    for rel in rels:
+        parts = rel.split("/") if rel else []
+        if rel in skip or manifest.unit_of(rel) is not None or not parts or parts[0] not in ("datasets", "features"):
+            continue
+        raw = manifest.read_raw(store, manifest.doc_key(rel)) or b""
+        try:
+            attrs = json.loads(raw)["attributes"]
+        except (ValueError, KeyError, TypeError):
+            attrs = None
+        allowed = {"featcache.task"} if parts[0] == "datasets" and len(parts) == 2 else set()
+        if isinstance(attrs, dict) and set(attrs) <= allowed and raw == manifest.group_doc(attrs):
+            continue
+        why = "differs from the group document featcache writes there"
+        out.append((rel, f"{where(rel)}: {why}; {advice(store, rel, {}, path)[1]}"))
+    return out

@@ -103,15 +103,23 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     recorded digest, one named problem each. With ``repair`` each derivable one is rebuilt
     (under its unit's lock) and damaged manifests recorded again. Returns the nodes whose
     documents zarr still refuses."""
-    from featcache.store.metadata import changed, damaged, read_only_store
+    from featcache.store.metadata import between_changed, changed, damaged, local_nodes, read_only_store
 
     store = read_only_store(path)
+    unlisted: list[tuple[str, str]] = []
+    local_nodes(path, unlisted)
+    for rel, why in unlisted:
+        rep.problems.append(
+            f"{rel or 'the store root'}: cannot list this folder ({why}); nothing under it is checked: "
+            "make it readable for this user, then run `featcache verify` again"
+        )
     found = damaged(path)
     moved, bad_units = changed(store, {rel for rel, _ in found}, path)
+    moved += between_changed(store, local_nodes(path), {rel for rel, _ in found}, path)
     items = [*found, *moved]
     rep.problems.extend(line for _, line in (*items, *bad_units))
     _note_undigested(store, path, rep)
-    refused = {rel for rel, _ in found}  # a changed document that zarr still reads is checked below too
+    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted}  # a changed document zarr reads is checked too
     if not repair:
         return refused
     return _rebuild(path, store, items, bad_units, rep) & refused
@@ -124,6 +132,7 @@ def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
 
     from featcache.store import manifest
     from featcache.store.metadata import all_entries, where
+    from featcache.store.space import no_space
 
     writable = SimpleNamespace(store=LocalStore(path))  # what StoreLock and record need of a root group
     entries = all_entries(store)
@@ -136,13 +145,13 @@ def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
             continue
         unit = manifest.unit_of(rel)
         name = (unit if unit is not None else rel) or "root"
-        with StoreLock(writable, name, timeout=0, what=name):
+        with StoreLock(writable, name, timeout=0, what=name), no_space(path, f"the rebuilt {where(rel)}", len(data)):
             manifest.write_raw(writable.store, manifest.doc_key(rel), data)
         extra = " (a task metric declared for it is not kept: declare it again)" if rel.count("/") == 1 else ""
         rep.rebuilt.append(f"{where(rel)}: rebuilt from the store's own metadata{extra}")
     for unit, _ in bad_units:
         if not any(manifest.unit_of(rel) == unit for rel in left):
-            with StoreLock(writable, unit or "root", timeout=0, what=unit or "root"):
+            with StoreLock(writable, unit or "root", timeout=0, what=unit or "root"), no_space(path, "digests", 4096):
                 manifest.record(writable, unit)
             rep.rebuilt.append(f"{manifest.manifest_key(unit)}: digests recorded again from the documents")
     return left
