@@ -141,6 +141,9 @@ def test_hostile_folder_links_are_invalid_rows_never_followed_outside(tmp_path):
             assert s.load(i).size == (6, 4)
     (f,) = open_dataset(f"imagefolder:{root}", options=ReadOptions(follow_symlinks=True)).values()
     assert f.load(f.ids.tolist().index("dog/out.png")).size == (6, 4)  # asked for: followed
+    n = len(bad) + 3 + 1  # the bad links, the folder loop / folder link / /proc link never walked, the followed link
+    assert len(s.ids) == len(bad) + 3  # the walked-past links add no row
+    record_figures({"hostile-folder cases tried": n, "hostile-folder cases handled": n})
 
 
 def test_hostile_class_folders_and_walk_errors_are_one_refusal(tmp_path, monkeypatch):
@@ -180,6 +183,7 @@ def test_hostile_class_folders_and_walk_errors_are_one_refusal(tmp_path, monkeyp
     shutil.rmtree(root / "cat" / "sub")
     (s,) = open_dataset(f"imagefolder:{root}").values()  # a subfolder vanished mid-walk: skipped
     assert s.ids.tolist() == ["cat/ok.png"]
+    record_figures({"hostile-folder cases tried": 4, "hostile-folder cases handled": 4})
 
 
 def test_hostile_folder_extracts_with_invalid_rows_and_no_traceback(tmp_path, capsys):
@@ -206,6 +210,7 @@ def test_hostile_folder_extracts_with_invalid_rows_and_no_traceback(tmp_path, ca
         assert ok == (rid not in bad), rid
         if rid in bad:
             assert re.search(bad[rid] if rid == "cat/proc.png" else re.escape(bad[rid]), err), (rid, err)
+    record_figures({"hostile-folder cases tried": 1, "hostile-folder cases handled": 1})
 
 
 # ---------------------------------------------------------------- a full disk
