@@ -122,8 +122,9 @@ def register(sub) -> None:
     p.add_argument(
         "--repair",
         action="store_true",
-        help="mark damaged chunks for recomputation and recreate lost done/valid/error arrays; "
-        "then re-run the same extract to recompute exactly those chunks",
+        help="rebuild damaged metadata documents (zarr.json) from the store's own metadata, mark damaged "
+        "chunks for recomputation and recreate lost done/valid/error arrays; then re-run the same "
+        "extract to recompute exactly those chunks",
     )
     add_storage_option_argument(p)
     p.set_defaults(func=run_verify)
