@@ -88,7 +88,8 @@ def _listing(cache: FeatureCache, local: str | None, rep: VerifyReport):
 
         moved, bad_units = changed(cache.root.store, set(), cache.path)
         rep.problems.extend(line for _, line in (*moved, *bad_units))
-        splits = [(d, s) for d in _safe(rep, "datasets", cache.datasets) or [] for s in cache.splits(d)]
+        dsets = _safe(rep, "datasets", cache.datasets) or []
+        splits = [(d, s) for d in dsets for s in _safe(rep, f"datasets/{d}", cache.splits, d) or []]
         return splits, _safe(rep, "features", cache.entries) or []
     from featcache.store.metadata import local_nodes
 
@@ -147,7 +148,8 @@ def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
         name = (unit if unit is not None else rel) or "root"
         with StoreLock(writable, name, timeout=0, what=name), no_space(path, f"the rebuilt {where(rel)}", len(data)):
             manifest.write_raw(writable.store, manifest.doc_key(rel), data)
-        extra = " (a task metric declared for it is not kept: declare it again)" if rel.count("/") == 1 else ""
+        task = rel.startswith("datasets/") and rel.count("/") == 1
+        extra = " (a task metric declared for it is not kept: declare it again)" if task else ""
         rep.rebuilt.append(f"{where(rel)}: rebuilt from the store's own metadata{extra}")
     for unit, _ in bad_units:
         if not any(manifest.unit_of(rel) == unit for rel in left):
