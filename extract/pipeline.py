@@ -148,7 +148,10 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
 
         if not is_metadata_error(exc):
             raise
-        raise named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc) from None
+        named = named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc)
+        if named is None:
+            raise
+        raise named from None
     bb = create_backbone(
         cfg.model,
         cfg.weights,
@@ -192,7 +195,10 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
 
         if not is_metadata_error(exc):
             raise
-        raise named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc) from None
+        named = named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc)
+        if named is None:
+            raise
+        raise named from None
     finally:
         torch.set_num_threads(old_threads)
         close_dist(own_group)

@@ -23,6 +23,7 @@ from featcache.errors import (
     NotInStoreError,
     SchemaMismatchError,
 )
+from featcache.store import manifest
 from featcache.store.integrity import AUX_ARRAYS, GroupScan, as_str, present_rows, read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
@@ -157,13 +158,24 @@ class FeatureCache:
                 g = g[p]
             except KeyError:
                 return None
+            except Exception as exc:
+                raise self._damaged(exc) from None
         return g
 
-    @staticmethod
-    def _children(g) -> list[str]:
+    def _children(self, g) -> list[str]:
         if g is None:
             return []
-        return sorted(k for k, _ in g.groups())
+        try:
+            return sorted(k for k, _ in g.groups())
+        except Exception as exc:
+            raise self._damaged(exc) from None
+
+    def _damaged(self, exc: Exception) -> Exception:
+        """A damaged metadata document met while reading: one error naming it (local stores)."""
+        from featcache.store.metadata import is_metadata_error, named_metadata_error
+
+        named = named_metadata_error(self.path, exc) if is_metadata_error(exc) else None
+        return named if named is not None else exc
 
     def backbones(self) -> list[str]:
         return self._children(self._group("features"))
@@ -632,6 +644,7 @@ def _create_root(root, label: str):
             from featcache import __version__
 
             root.attrs[ROOT_KEY] = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+            manifest.record(root, "")
     return root
 
 
@@ -679,13 +692,16 @@ def ensure_split(
             log.warning("datasets/%s/%s: ids/labels damaged; rewriting them from the data", dataset, split)
             meta = SplitMeta.from_attrs(dict(g.attrs[SPLIT_KEY]), where=g.path)
             _write_rows(g, ids, labels, chunk_rows)
+            manifest.record(cache.root, f"datasets/{dataset}/{split}")
             return meta
         if g is not None:
             log.info("datasets/%s/%s was left unfinished by a dead job; writing it again", dataset, split)
         meta = SplitMeta(SCHEMA_VERSION, dataset, split, len(ids), tuple(class_names), fp, source, now_iso())
+        manifest.forget(cache.root, f"datasets/{dataset}/{split}")
         sg = cache.root.require_group(f"datasets/{dataset}/{split}")
         _write_rows(sg, ids, labels, chunk_rows)
         sg.attrs[SPLIT_KEY] = meta.to_attrs()  # written last: a split without attrs is unfinished
+        manifest.record(cache.root, f"datasets/{dataset}/{split}")
     return meta
 
 
@@ -719,15 +735,18 @@ def _existing_split(cache: FeatureCache, dataset: str, split: str, fp: str, n: i
     return meta
 
 
+def create_row_array(g, name: str, n: int, chunk_rows: int):
+    """(Re)create a split's ``ids`` (str) or ``labels`` (int64) array of ``n`` rows."""
+    chunks = (min(chunk_rows, max(n, 1)),)
+    dtype = {"ids": str, "labels": "int64"}[name]
+    return g.create_array(name, shape=(n,), dtype=dtype, chunks=chunks, compressors=checksummed(), overwrite=True)
+
+
 def _write_rows(g, ids: np.ndarray, labels: np.ndarray, chunk_rows: int) -> None:
-    n = max(len(ids), 1)
-    chunks = (min(chunk_rows, n),)
-    a = g.create_array("ids", shape=(len(ids),), dtype=str, chunks=chunks, compressors=checksummed(), overwrite=True)
+    a = create_row_array(g, "ids", len(ids), chunk_rows)
     if len(ids):
         a[:] = ids
-    b = g.create_array(
-        "labels", shape=(len(ids),), dtype="int64", chunks=chunks, compressors=checksummed(), overwrite=True
-    )
+    b = create_row_array(g, "labels", len(ids), chunk_rows)
     if len(ids):
         b[:] = labels
 

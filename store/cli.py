@@ -71,7 +71,12 @@ def run_verify(args: argparse.Namespace) -> int:
         return 0
     for p in problems:
         print(f"PROBLEM {p}")
-    print(f"{args.path}: {len(problems)} problem(s)")
+    for line in rep.rebuilt:
+        print(f"REPAIRED {line}")
+    print(
+        f"{args.path}: {len(problems)} problem(s)"
+        + (f", {len(rep.rebuilt)} metadata document(s) rebuilt" if rep.rebuilt else "")
+    )
     if rep.to_recompute or rep.bad_splits:
         print("to repair:" if not args.repair else "repaired the store side; now recompute:")
         for d, s in rep.bad_splits:
@@ -117,8 +122,9 @@ def register(sub) -> None:
     p.add_argument(
         "--repair",
         action="store_true",
-        help="mark damaged chunks for recomputation and recreate lost done/valid/error arrays; "
-        "then re-run the same extract to recompute exactly those chunks",
+        help="rebuild damaged metadata documents (zarr.json) from the store's own metadata, mark damaged "
+        "chunks for recomputation and recreate lost done/valid/error arrays; then re-run the same "
+        "extract to recompute exactly those chunks",
     )
     add_storage_option_argument(p)
     p.set_defaults(func=run_verify)

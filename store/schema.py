@@ -16,6 +16,7 @@ Layout (schema version 1; readable with plain ``zarr.open_group``)::
           valid    [N]    bool                False where the image failed to decode
           error    [N]    string              decode error text ("" when valid)
           done     [n_chunks] uint8           1 once row chunk i of every array is written
+      .featcache-manifest/<part>.json         digests of the metadata documents (:mod:`.manifest`)
 """
 
 from __future__ import annotations

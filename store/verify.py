@@ -32,26 +32,37 @@ class VerifyReport:
     repaired: bool = False
     #: facts that are no damage (e.g. an old store without provenance digests)
     notes: list[str] = field(default_factory=list)
+    #: metadata documents rebuilt by ``repair`` (one line each)
+    rebuilt: list[str] = field(default_factory=list)
 
 
 def verify(
     path, storage_options: dict | None = None, *, repair: bool = False, report: VerifyReport | None = None
 ) -> list[str]:
     """Return a list of problems (empty when the store is sound). Never raises for damage:
-    every exception while checking becomes a problem line naming where it happened."""
+    every exception while checking becomes a problem line naming where it happened, and a
+    damaged metadata document hides no other problem (every other node is still checked)."""
+    import os
+
     rep = report if report is not None else VerifyReport()
-    if _damaged_metadata(path, rep, repair):
+    local = isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
+    skip = _metadata(os.fspath(path), rep, repair) if local else set()
+    if "" in skip:
+        rep.problems.append("the other checks need the store root's metadata document (see above)")
         return rep.problems
     try:
         cache = open_cache(path, "a" if repair else "r", storage_options=storage_options)
     except FeatcacheError as exc:
         rep.problems.append(str(exc))
         return rep.problems
-    for d in _safe(rep, "datasets", cache.datasets) or []:
-        for s in _safe(rep, f"datasets/{d}", cache.splits, d) or []:
+    splits, entries = _listing(cache, os.fspath(path) if local else None, rep)
+    for d, s in splits:
+        if not _touches(f"datasets/{d}/{s}", skip):
             _check_split(cache, d, s, rep)
-    for b, d, s in _safe(rep, "features", cache.entries) or []:
+    for b, d, s in entries:
         where = f"features/{b}/{d}/{s}"
+        if _touches(where, skip):
+            continue  # its damaged documents are named above
         try:
             _check_group(cache, b, d, s, rep, repair)
         except Exception as exc:
@@ -64,29 +75,102 @@ def verify(
     return rep.problems
 
 
-def _damaged_metadata(path, rep: VerifyReport, repair: bool) -> bool:
-    """Damaged zarr.json documents of a local store, one named problem each. With ``repair``,
-    a damaged ``done``/``valid``/``error`` array is removed (under its group's lock) so the
-    checks below recreate it; any other damage stops the check (zarr cannot open it)."""
-    import os
-    import shutil
+def _touches(rel: str, damaged: set[str]) -> bool:
+    """Whether node ``rel`` or a node above or inside it has a damaged document."""
+    return any(x == rel or rel.startswith(x + "/") or x.startswith(rel + "/") for x in damaged)
 
-    from featcache.store.metadata import damaged, repairable
 
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
-        return False
-    found = damaged(os.fspath(path))
-    if repair and found and all(repairable(rel) for rel, _ in found):
-        for rel, line in found:
-            group = rel.rsplit("/", 1)[0]
-            with StoreLock(open_cache(path, "a").root, group, timeout=0, what=group):
-                shutil.rmtree(os.path.join(os.fspath(path), *rel.split("/")))
-            log.warning("verify --repair: %s: removed, recreated below", line)
-        return False
-    for _, line in found:
-        log.warning("verify: %s", line)
-    rep.problems.extend(line for _, line in found)
-    return bool(found)
+def _listing(cache: FeatureCache, local: str | None, rep: VerifyReport):
+    """(splits, feature groups): from the documents on disk for a local store (one damaged
+    document does not end the listing), else through zarr; metadata digests of other stores."""
+    if local is None:
+        from featcache.store.metadata import changed
+
+        moved, bad_units = changed(cache.root.store, set(), cache.path)
+        rep.problems.extend(line for _, line in (*moved, *bad_units))
+        dsets = _safe(rep, "datasets", cache.datasets) or []
+        splits = [(d, s) for d in dsets for s in _safe(rep, f"datasets/{d}", cache.splits, d) or []]
+        return splits, _safe(rep, "features", cache.entries) or []
+    from featcache.store.metadata import local_nodes
+
+    nodes = [rel.split("/") for rel in local_nodes(local)]
+    splits = [tuple(p[1:]) for p in nodes if len(p) == 3 and p[0] == "datasets"]
+    entries = [tuple(p[1:]) for p in nodes if len(p) == 4 and p[0] == "features"]
+    return splits, entries
+
+
+def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
+    """Metadata documents of a local store that zarr refuses or that differ from their
+    recorded digest, one named problem each. With ``repair`` each derivable one is rebuilt
+    (under its unit's lock) and damaged manifests recorded again. Returns the nodes whose
+    documents zarr still refuses."""
+    from featcache.store.metadata import between_changed, changed, damaged, local_nodes, read_only_store
+
+    store = read_only_store(path)
+    unlisted: list[tuple[str, str]] = []
+    local_nodes(path, unlisted)
+    for rel, why in unlisted:
+        rep.problems.append(
+            f"{rel or 'the store root'}: cannot list this folder ({why}); nothing under it is checked: "
+            "make it readable for this user, then run `featcache verify` again"
+        )
+    found = damaged(path)
+    moved, bad_units = changed(store, {rel for rel, _ in found}, path)
+    moved += between_changed(store, local_nodes(path), {rel for rel, _ in found}, path)
+    items = [*found, *moved]
+    rep.problems.extend(line for _, line in (*items, *bad_units))
+    _note_undigested(store, path, rep)
+    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted}  # a changed document zarr reads is checked too
+    if not repair:
+        return refused
+    return _rebuild(path, store, items, bad_units, rep) & refused
+
+
+def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
+    from types import SimpleNamespace
+
+    from zarr.storage import LocalStore
+
+    from featcache.store import manifest
+    from featcache.store.metadata import all_entries, where
+    from featcache.store.space import no_space
+
+    writable = SimpleNamespace(store=LocalStore(path))  # what StoreLock and record need of a root group
+    entries = all_entries(store)
+    left = set()
+    for rel, _ in sorted(items, key=lambda it: it[0].count("/") + bool(it[0])):  # groups before their arrays
+        try:
+            data = manifest.rebuild(store, rel, entries)
+        except manifest.NotDerivable:
+            left.add(rel)  # its problem line says why and what to run
+            continue
+        unit = manifest.unit_of(rel)
+        name = (unit if unit is not None else rel) or "root"
+        with StoreLock(writable, name, timeout=0, what=name), no_space(path, f"the rebuilt {where(rel)}", len(data)):
+            manifest.write_raw(writable.store, manifest.doc_key(rel), data)
+        task = rel.startswith("datasets/") and rel.count("/") == 1
+        extra = " (a task metric declared for it is not kept: declare it again)" if task else ""
+        rep.rebuilt.append(f"{where(rel)}: rebuilt from the store's own metadata{extra}")
+    for unit, _ in bad_units:
+        if not any(manifest.unit_of(rel) == unit for rel in left):
+            with StoreLock(writable, unit or "root", timeout=0, what=unit or "root"), no_space(path, "digests", 4096):
+                manifest.record(writable, unit)
+            rep.rebuilt.append(f"{manifest.manifest_key(unit)}: digests recorded again from the documents")
+    return left
+
+
+def _note_undigested(store, path: str, rep: VerifyReport) -> None:
+    from featcache.store import manifest
+    from featcache.store.metadata import local_nodes
+
+    have = set(manifest.units(store))
+    units = {manifest.unit_of(rel) for rel in local_nodes(path)} - {None}
+    missing = sorted(units - have)
+    if missing:
+        rep.notes.append(
+            f"{len(missing)} of {len(units)} parts of the store have no metadata digests (written before "
+            f"them, e.g. {missing[0] or 'the root'}): damage zarr accepts is not detected there"
+        )
 
 
 def _safe(rep: VerifyReport, where: str, fn, *args):
@@ -113,7 +197,10 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
     where = f"features/{b}/{d}/{s}"
     g = cache._feature_group(b, d, s)
     gm = cache.group_meta(b, d, s)
-    smeta = cache.split_meta(d, s)
+    try:
+        smeta = cache.split_meta(d, s)
+    except Exception:  # a damaged split is named on its own; this group's chunks are still checked
+        smeta = None
     sc = cache.scan(b, d, s)
     todo = np.flatnonzero(~sc.done).tolist()
     if todo:
@@ -136,7 +223,7 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
                 f"{where}/{name}: chunk {i} (rows {i * gm.chunk_rows}-"
                 f"{min((i + 1) * gm.chunk_rows, gm.n) - 1}) {sc.reasons[name][i]}"
             )
-    if gm.n != smeta.n:
+    if smeta is not None and gm.n != smeta.n:
         rep.problems.append(f"{where}: {gm.n} rows but split has {smeta.n}")
     for name in ("valid", "error"):
         if name in g and g[name].shape != (gm.n,):
@@ -174,7 +261,7 @@ def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
             rep.problems.append(f"{where}/{kind}: shape {arr.shape} != ({gm.n}, {prov.dim})")
             continue
         _check_provenance_against(arr, prov, gm, f"{where}/{kind}", rep)
-        if prov.dataset_fingerprint != smeta.fingerprint:
+        if smeta is not None and prov.dataset_fingerprint != smeta.fingerprint:
             rep.problems.append(f"{where}/{kind}: computed on other rows of {d}/{s} (fingerprint mismatch)")
         for start in range(0, gm.n, gm.chunk_rows):
             stop = min(start + gm.chunk_rows, gm.n)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
+from featcache.store import manifest
 from featcache.store.cache import (
     FeatureCache,
     checksummed,
@@ -63,6 +64,20 @@ def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
     if name == "done":
         return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
     raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
+
+
+def create_feature_array(g, kind: str, n: int, chunk_rows: int, dim: int, dtype: str):
+    """(Re)create the ``[n, dim]`` array of one feature kind (NaN until its chunks are written)."""
+    return g.create_array(
+        kind,
+        shape=(n, dim),
+        dtype=dtype,
+        chunks=(chunk_rows, dim),
+        fill_value=np.nan,
+        compressors=checksummed(),
+        config={"write_empty_chunks": True},
+        overwrite=True,
+    )
 
 
 class FeatureWriter:
@@ -129,7 +144,9 @@ class FeatureWriter:
         self._lock = StoreLock(self.cache.root, self.path, timeout=self.lock_timeout, what=self.path).acquire()
         try:
             with self.no_space("its arrays' metadata", 4096 * (3 + len(self.provenances))):
-                return self._prepare_locked(overwrite)
+                self._prepare_locked(overwrite)
+                manifest.record(self.cache.root, self.path)  # the documents as this writer leaves them
+            return self
         except BaseException:
             self.release()
             raise
@@ -178,20 +195,12 @@ class FeatureWriter:
             self._lock = None
 
     def _create(self) -> None:
+        manifest.forget(self.cache.root, self.path)  # an older group's digests no longer apply
         g = self.cache.root.require_group(self.path)
         cr = self.chunk_rows
         n = self.n
         for kind, prov in self.provenances.items():
-            a = g.create_array(
-                kind,
-                shape=(n, prov.dim),
-                dtype=prov.dtype,
-                chunks=(cr, prov.dim),
-                fill_value=np.nan,
-                compressors=checksummed(),
-                config={"write_empty_chunks": True},
-                overwrite=True,
-            )
+            a = create_feature_array(g, kind, n, cr, prov.dim, prov.dtype)
             doc = prov.to_attrs()
             a.update_attributes({PROVENANCE_KEY: doc, PROVENANCE_DIGEST_KEY: provenance_digest(doc)})
         for name in ("valid", "error", "done"):
@@ -307,6 +316,7 @@ class FeatureWriter:
         if self._lock is not None:  # the lock holder (rank 0) records what ls reads
             with self.no_space("the group summary", 4096):
                 write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)
+                manifest.record(self.cache.root, self.path)
         self.release()
 
 
