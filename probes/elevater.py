@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from featcache.errors import ProbeError
+from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
 
 __all__ = ["fit_elevater", "l2_normalise", "search_weight_decay", "zeroshot_logits"]
 
@@ -61,12 +62,15 @@ def search_weight_decay(score: Callable[[int], float], n_wds: int, coarse, spans
     return peak, best, len(seen)
 
 
-def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
-    """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; returns
-    ((predict_proba, classes), hparams, finite, seconds). ``head_init``: [C, D] class
-    embeddings of the dataset's classes or ``None`` (zero head)."""
+@register_solver("elevater", options=("search_epochs", "final_epochs"))
+def fit_elevater(req: FitRequest) -> FitOutcome:
+    """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; ``head_init``: [C, D]
+    class embeddings of the dataset's classes or ``None`` (zero head)."""
+    from featcache.probes.logistic import resolve_backend
     from featcache.probes.sgd import SGDProbe
 
+    grid, plan, opts, head_init, seed = req.proto.grid, req.plan, req.opts, req.head_init, req.seed
+    device = resolve_backend("torch")[1]
     Xtr, ytr = plan.tr
     Xva, yva = plan.va
     classes = np.unique(ytr)
@@ -169,7 +173,7 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
         hp["scaled"] = True
         hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}
     seconds = time.perf_counter() - t0
-    return (lambda X: probe.predict_proba(bn(X)), classes), hp, probe.finite_, seconds
+    return FitOutcome(lambda X: probe.predict_proba(bn(X)), classes, hp, probe.finite_, seconds)
 
 
 def _epoch_score(metric: str, y: np.ndarray, X: np.ndarray, coef: np.ndarray, intercept: np.ndarray) -> float:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from featcache.probes import ProbeConfig, run_probes
+from featcache.protocols import get_protocol, list_protocols
 
 LITE0 = "tf_efficientnet_lite0"
 
@@ -54,3 +55,32 @@ def test_vtab1k_sgd_records_its_schedule(digits_cache):
     )
     hp = json.loads(df["hparams"][0])
     assert (hp["steps"], hp["milestones"], hp["last_decay"], hp["drop_remainder"]) == (6, [2, 4, 5], 0.9, True)
+
+
+def test_every_probe_protocol_has_a_registered_solver():
+    from featcache.probes.solvers import get_solver
+
+    for name in list_protocols("probe"):
+        spec = {"fewshot": "fewshot:5", "elevater-fewshot": "elevater-fewshot:5", "subset": "subset:10%"}.get(
+            name, name
+        )
+        proto = get_protocol(spec)
+        solver = get_solver(proto.solver)
+        assert set(solver.run_option_keys(proto)) <= set(
+            ProbeConfig("c", ("b",), "d", spec).resolve()[1].solver_options()
+        )
+
+
+def test_a_duplicate_solver_is_refused_and_outcomes_are_frozen():
+    import dataclasses
+
+    import numpy as np
+
+    from featcache.errors import ProtocolError
+    from featcache.probes.solvers import FitOutcome, register_solver
+
+    with pytest.raises(ProtocolError, match="already registered"):
+        register_solver("lbfgs")(lambda req: None)
+    out = FitOutcome(lambda X: X, np.arange(2), {}, True, 0.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.converged = False
