@@ -156,6 +156,9 @@ class SGDGrid:
     #: epoch grids: the refit trains ``epochs`` passes over its own (larger) data, not the
     #: selection fits' step count (Salman et al.)
     refit_epochs: bool = False
+    #: the head's start without head_init: "zeros" or "torch-default" (nn.Linear's default
+    #: initialisation, seeded: Salman et al.'s fine_tunify.py builds a fresh nn.Linear)
+    init: str = "zeros"
     #: schedule entries of the selected config recorded in the results row's hparams
     recorded: tuple[str, ...] = ("lr", "steps", "batch_size", "momentum", "weight_decay")
 
@@ -239,6 +242,7 @@ SALMAN_SGD = SGDGrid(
     weight_decay=5e-4,
     epochs=150,
     refit_epochs=True,
+    init="torch-default",
     recorded=("lr", "batch_size", "momentum", "weight_decay", "epochs", "lr_decay_epochs"),
 )
 

@@ -317,7 +317,14 @@ def _fit_sgd(req: FitRequest) -> FitOutcome:
             spe = math.ceil(n_for_cfg / cfg["batch_size"])
             kw["steps"] = cfg["epochs"] * spe
             kw["milestones"] = [e * spe for e in cfg["lr_decay_epochs"]]
-        probe = SGDProbe(**kw, standardize=opts["sgd_standardize"], head_init=hi, random_state=req.seed, device=device)
+        probe = SGDProbe(
+            **kw,
+            standardize=opts["sgd_standardize"],
+            head_init=hi,
+            init=g.init,
+            random_state=req.seed,
+            device=device,
+        )
         return probe.fit(X, y, classes=classes)
 
     t0 = time.perf_counter()
@@ -340,6 +347,8 @@ def _fit_sgd(req: FitRequest) -> FitOutcome:
         "standardize": opts["sgd_standardize"],
         **{k: cfg[k] for k in g.recorded},
     }
+    if g.init != "zeros" and hi is None:
+        hp["init"] = g.init
     return FitOutcome(probe.predict_proba, classes, hp, probe.finite_, seconds)
 
 
