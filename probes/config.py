@@ -85,6 +85,13 @@ class ProbeConfig:
     )
     search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
     final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int)
+    final_epoch: str = flag(
+        "last",
+        "elevater-*: the epoch of the final run that is reported: 'last' (default, an honest "
+        "held-out number) or 'best-test', the ELEVATER toolkit's rule, which SELECTS THE EPOCH "
+        "ON THE TEST SPLIT (each eval split picks its own best epoch; optimistic)",
+        choices=["last", "best-test"],
+    )
     vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
     last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
     sgd_standardize: bool = flag(False, cli=False)
@@ -141,6 +148,8 @@ class ProbeConfig:
             search_epochs=self.search_epochs if self.search_epochs is not None else getattr(g, "search_epochs", None),
             final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
         )
+        if out.final_epoch not in ("last", "best-test"):
+            raise ProbeError(f"final_epoch must be 'last' or 'best-test' (got {out.final_epoch!r})")
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeError(f"{f} must be >= 1 (got {getattr(out, f)})")
@@ -178,6 +187,7 @@ class ProbeConfig:
             "metric": self.metric or "top1",
             "search_epochs": opt(int, self.search_epochs),
             "final_epochs": opt(int, self.final_epochs),
+            "final_epoch": str(self.final_epoch),
             "sweep": str(self.sweep),
             "max_host_bytes": opt(int, self.max_host_bytes),
         }
@@ -192,8 +202,9 @@ class ProbeConfig:
         keep = ("metric", *get_solver(proto.solver).run_option_keys(proto))
         solver = self.solver_options()
         opts = {k: solver[k] for k in solver if k in keep}
-        if opts.get("sweep") == "exhaustive":  # the default sweep: run ids of earlier results stay
-            del opts["sweep"]
+        for k, default in (("sweep", "exhaustive"), ("final_epoch", "last")):
+            if opts.get(k) == default:  # the defaults: run ids of earlier results stay
+                del opts[k]
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)

@@ -421,6 +421,10 @@ def _probe_one(
     hp["task_metric"] = opts["metric"]
     rows = []
     for es, ev in d.evals.items():
+        hp_es = hp
+        if out.epoch_predicts:  # final_epoch="best-test": the epoch is chosen on this eval split
+            predict, epoch = _best_test_epoch(cfg, d, plan, out, es, ev, opts["metric"])
+            hp_es = {**hp, "reported_epoch": epoch, "reported_epoch_split": es}
         vals = _evaluate(cfg, d, plan, predict, classes, es, ev)
         rid, fp = run_ids[es]
         rows += [
@@ -437,7 +441,7 @@ def _probe_one(
                 "metric": m,
                 "value": float(v),
                 "n_eval": int(ev.y.size),
-                "hparams": hp,
+                "hparams": hp_es,
                 "converged": bool(conv),
                 "fit_seconds": float(secs),
                 "store_fingerprint": fp,
@@ -456,6 +460,18 @@ def _probe_one(
             conv,
         )
     return rows
+
+
+def _best_test_epoch(cfg: ProbeConfig, d: _Data, plan: _Plan, out, es: str, ev: SplitData, metric: str):
+    """ELEVATER's toolkit rule (``train_task``: ``best_acc1 = max(acc1, best_acc1)`` over the
+    final run's epochs, validated on the test loader): the epoch whose head scores best on
+    ``es`` by the task metric (the first such). Selects on the test split, by request."""
+    from dataclasses import replace
+
+    one = replace(cfg, metrics=(metric,))
+    scores = [_evaluate(one, d, plan, p, out.classes, es, ev)[metric] for p in out.epoch_predicts]
+    best = int(np.argmax(scores))
+    return out.epoch_predicts[best], best + 1
 
 
 def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str, ev: SplitData) -> dict[str, float]:

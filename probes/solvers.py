@@ -36,6 +36,9 @@ class FitOutcome:
     hparams: dict[str, Any]
     converged: bool
     seconds: float
+    #: the final run's head after each epoch, for a rule that reports the best test epoch
+    #: (``final_epoch="best-test"``, ELEVATER's toolkit); empty: report ``predict``
+    epoch_predicts: tuple[Callable[[np.ndarray], np.ndarray], ...] = ()
 
 
 @dataclass(frozen=True)
