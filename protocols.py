@@ -48,6 +48,11 @@ vtab1k-sgd     probe   VTAB-1k splits with the lightweight SGD schedule (batch 5
 salman         probe   Salman et al.: SGD head, 150 epochs, batch 64, momentum 0.9, weight
                        decay 5e-4, lr {0.01, 0.001} selected on validation (as ``full``),
                        lr /10 every 50 epochs, refit on train+val.
+bob-linear     probe   Battle of the Backbones' linear probe (bob-classification
+                       ``linear_probe.py``, after MAE): BatchNorm (affine=False) + linear
+                       head, LARS, 90 epochs, lr 0.1 x batch / 256 (batch 512), 10 warmup
+                       epochs then cosine, no weight decay, on all of train; nothing is
+                       selected; the last epoch is reported (BoB reports its best test epoch).
 subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
                        kept, at least one example per class), then ``full`` on that subset.
 vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
@@ -92,6 +97,7 @@ __all__ = [
     "VAL_SOURCES",
     "CGrid",
     "ElevaterGrid",
+    "LarsGrid",
     "Protocol",
     "SGDGrid",
     "SplitPlan",
@@ -116,6 +122,7 @@ SPLITS = (
     "dinov2",
     "elevater-full",
     "elevater-fewshot",
+    "train",
 )
 #: DINOv2's C grid (dinov2/eval/log_regression.py: ``10 ** torch.linspace(-6, 5, 45)``, float32)
 DINOV2_C_GRID = tuple(float(c) for c in np.float32(10) ** np.linspace(-6, 5, 45, dtype=np.float32))
@@ -127,6 +134,9 @@ class CGrid:
     """L-BFGS logistic regression: inverse regularisation strengths searched on validation."""
 
     Cs: tuple[float, ...] = C_GRID
+    #: solver settings the protocol fixes whatever the config says, e.g. DINOv2's
+    #: ``(("standardize", False), ("tol", 1e-12), ("max_iter", 1000))``
+    fixed: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,20 @@ class SGDGrid:
     epochs: int | None = None
     last_decay: float | None = None  # fraction of steps of the third lr drop (steps grids)
     drop_remainder: bool = False  # every batch full (VTAB; featcache's fine-tuning)
+    #: epoch grids: the refit trains ``epochs`` passes over its own (larger) data, not the
+    #: selection fits' step count (Salman et al.)
+    refit_epochs: bool = False
+    #: the head's start without head_init: "zeros" or "torch-default" (nn.Linear's default
+    #: initialisation, seeded: Salman et al.'s fine_tunify.py builds a fresh nn.Linear)
+    init: str = "zeros"
+    #: schedule entries of the selected config recorded in the results row's hparams
+    recorded: tuple[str, ...] = ("lr", "steps", "batch_size", "momentum", "weight_decay")
+
+    @property
+    def run_options(self) -> tuple[str, ...]:
+        """The probe config's schedule options that enter run ids: the epoch count
+        (epoch grids) or the schedule lengths and last lr drop (step grids)."""
+        return ("sgd_epochs",) if self.epochs is not None else ("vtab_steps", "last_decay")
 
     def milestones(self, steps: int, last_decay: float | None = None) -> tuple[int, ...]:
         """Steps at which the lr drops: 1/3, 2/3 and ``last_decay`` of ``steps``."""
@@ -180,6 +204,26 @@ class ElevaterGrid:
     logit_scale: float = 1.0  # LOGIT_SCALE_INIT 'none': exp(0)
 
 
+@dataclass(frozen=True)
+class LarsGrid:
+    """Battle of the Backbones' linear probe (bob-classification ``linear_probe.py``, after
+    MAE's ``main_linprobe.py``): BatchNorm1d(affine=False, eps 1e-6) + linear head, LARS
+    (momentum 0.9, trust coefficient 0.001), lr = ``blr`` x batch / 256, ``warmup_epochs``
+    of linear warmup then a half-cycle cosine to ``min_lr``, ``epochs`` epochs of
+    ``batch_size`` rows (last partial batch dropped), no weight decay. Nothing is selected."""
+
+    blr: float = 0.1
+    batch_size: int = 512
+    epochs: int = 90
+    warmup_epochs: int = 10
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    trust_coefficient: float = 0.001
+    bn_eps: float = 1e-6
+
+
+BOB_LARS = LarsGrid()
 ELEVATER_SGD = ElevaterGrid()
 VTAB_SGD = SGDGrid(
     lrs=(0.1, 0.01),
@@ -189,8 +233,18 @@ VTAB_SGD = SGDGrid(
     steps=(2500, 10000),
     last_decay=0.9,
     drop_remainder=True,
+    recorded=("lr", "steps", "batch_size", "momentum", "weight_decay", "drop_remainder", "last_decay", "milestones"),
 )
-SALMAN_SGD = SGDGrid(lrs=(0.01, 0.001), batch_size=64, momentum=0.9, weight_decay=5e-4, epochs=150)
+SALMAN_SGD = SGDGrid(
+    lrs=(0.01, 0.001),
+    batch_size=64,
+    momentum=0.9,
+    weight_decay=5e-4,
+    epochs=150,
+    refit_epochs=True,
+    init="torch-default",
+    recorded=("lr", "batch_size", "momentum", "weight_decay", "epochs", "lr_decay_epochs"),
+)
 
 
 # ------------------------------------------------------------------ plans
@@ -216,7 +270,7 @@ class Protocol:
     stage: str  # "probe" or "finetune"
     split: str  # split plan: one of SPLITS
     solver: str  # "lbfgs" or "sgd"
-    grid: CGrid | SGDGrid | ElevaterGrid
+    grid: CGrid | SGDGrid | ElevaterGrid | LarsGrid
     seeds: tuple[int, ...] = (0,)
     pairs_with: str | None = None  # the other stage's protocol with the same examples
     shots: int = -1  # examples per class, -1 = all
@@ -231,7 +285,7 @@ class Protocol:
 
     def uses_val_split(self, val_source: str = "split-800-200") -> bool:
         """Whether the plan selects on the dataset's own ``val`` split when it has one."""
-        if self.split in ("fewshot", "none", "elevater-full", "elevater-fewshot"):
+        if self.split in ("fewshot", "none", "elevater-full", "elevater-fewshot", "train"):
             return False
         return not (self.split.startswith("vtab1k") and val_source == "split-800-200")
 
@@ -376,7 +430,14 @@ def _plan_dinov2(p: Protocol, y, seed, n_val, val_source, train_name, val_name, 
     return SplitPlan(t, v, np.arange(y.size), train_name, info)
 
 
+def _plan_train(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+    """All of train, nothing held out (a protocol that selects nothing: ``bob-linear``)."""
+    e = np.zeros(0, np.int64)
+    return SplitPlan(e, e, np.arange(y.size), train_name, {"val": "none (nothing is selected)"})
+
+
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
+    "train": _plan_train,
     "dinov2": _plan_dinov2,
     "full": _plan_full,
     "elevater-full": _plan_elevater_full,
@@ -463,9 +524,8 @@ def dinov2(arg: str | None = None) -> Protocol:
     """DINOv2's logistic regression as published: raw features (no standardisation), tol
     1e-12, at most 1000 iterations, its 45-value C grid, selection on a random 10 %."""
     _no_arg("dinov2", arg)
-    return Protocol(
-        spec="dinov2", name="dinov2", stage="probe", split="dinov2", solver="lbfgs", grid=CGrid(DINOV2_C_GRID)
-    )
+    grid = CGrid(DINOV2_C_GRID, fixed=(("standardize", False), ("tol", 1e-12), ("max_iter", 1000)))
+    return Protocol(spec="dinov2", name="dinov2", stage="probe", split="dinov2", solver="lbfgs", grid=grid)
 
 
 @register_protocol("fewshot")
@@ -591,6 +651,13 @@ def vtab1k_sgd(arg: str | None = None) -> Protocol:
 def salman(arg: str | None = None) -> Protocol:
     _no_arg("salman", arg)
     return Protocol(spec="salman", name="salman", stage="probe", split="full", solver="sgd", grid=SALMAN_SGD)
+
+
+@register_protocol("bob-linear")
+def bob_linear(arg: str | None = None) -> Protocol:
+    """Battle of the Backbones' linear probe (:class:`LarsGrid`) trained on all of train."""
+    _no_arg("bob-linear", arg)
+    return Protocol(spec="bob-linear", name="bob-linear", stage="probe", split="train", solver="lars", grid=BOB_LARS)
 
 
 @register_protocol("subset")

@@ -39,7 +39,7 @@ class ProbeConfig:
     protocol: str = flag(
         "full",
         "full (z-scored features) | dinov2 (raw features, DINOv2's exact selection) | fewshot:N | "
-        "vtab1k | vtab1k-stratified | vtab1k-sgd | salman | subset:F% | "
+        "vtab1k | vtab1k-stratified | vtab1k-sgd | salman | bob-linear | subset:F% | "
         "elevater-fewshot:N | elevater-full | zeroshot",
     )
     seeds: tuple[int, ...] | None = flag(
@@ -86,9 +86,18 @@ class ProbeConfig:
         "embeddings made with another set are refused (default: any set; the tower is always checked)",
     )
     prompt_dataset: str | None = flag(None, "with --templates: the dataset's name in that set (as embed-classes)")
-    sgd_epochs: int | None = flag(None, "salman: SGD epochs (paper: 150)", name="--epochs", type=int)
+    sgd_epochs: int | None = flag(
+        None, "salman, bob-linear: training epochs (papers: 150, 90)", name="--epochs", type=int
+    )
     search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
     final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int)
+    final_epoch: str = flag(
+        "last",
+        "elevater-*: the epoch of the final run that is reported: 'last' (default, an honest "
+        "held-out number) or 'best-test', the ELEVATER toolkit's rule, which SELECTS THE EPOCH "
+        "ON THE TEST SPLIT (each eval split picks its own best epoch; optimistic)",
+        choices=["last", "best-test"],
+    )
     vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
     last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
     sgd_standardize: bool = flag(False, cli=False)
@@ -130,7 +139,7 @@ class ProbeConfig:
 
     def resolve(self):
         """(protocol, config with every ``None`` grid/schedule/seed field filled in from it)."""
-        from featcache.protocols import CGrid, get_protocol
+        from featcache.protocols import CGrid, SGDGrid, get_protocol
 
         proto = get_protocol(self.protocol, "probe")
         g = proto.grid
@@ -145,23 +154,28 @@ class ProbeConfig:
             search_epochs=self.search_epochs if self.search_epochs is not None else getattr(g, "search_epochs", None),
             final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
         )
+        if out.final_epoch not in ("last", "best-test"):
+            raise ProbeError(f"final_epoch must be 'last' or 'best-test' (got {out.final_epoch!r})")
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeError(f"{f} must be >= 1 (got {getattr(out, f)})")
-        if proto.name == "dinov2":  # its log_regression.py: raw float64 features, tol 1e-12
-            out = replace(out, standardize=False, tol=1e-12, max_iter=1000)
-        if proto.solver == "zeroshot" and out.head_init is None:
-            out = replace(out, head_init="text")  # the text head is the whole classifier
+        if getattr(g, "fixed", ()):  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
+            out = replace(out, **dict(g.fixed))
+        from featcache.probes.solvers import get_solver
+
+        solver = get_solver(proto.solver)
+        if solver.default_head_init and out.head_init is None:  # zeroshot: the text head is the classifier
+            out = replace(out, head_init=solver.default_head_init)
         if not out.seeds:
             raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not out.backbones:
             raise ProbeError("no backbone given; pass --backbone NAME (repeatable) or --all")
-        if out.sgd_epochs is not None and getattr(g, "epochs", None) is not None and out.sgd_epochs < 3:
+        if out.sgd_epochs is not None and isinstance(g, SGDGrid) and g.epochs is not None and out.sgd_epochs < 3:
             raise ProbeError(f"{proto.spec} needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
         return proto, out
 
     def solver_options(self) -> dict[str, Any]:
-        """The solver settings ``_fit_lbfgs``/``_fit_sgd`` read (a resolved config)."""
+        """The solver settings the fitters of :mod:`featcache.probes.solvers` read (a resolved config)."""
 
         def opt(cast, v):  # grid fields a protocol does not use stay None
             return None if v is None else cast(v)
@@ -179,44 +193,30 @@ class ProbeConfig:
             "metric": self.metric or "top1",
             "search_epochs": opt(int, self.search_epochs),
             "final_epochs": opt(int, self.final_epochs),
+            "final_epoch": str(self.final_epoch),
             "sweep": str(self.sweep),
             "max_host_bytes": opt(int, self.max_host_bytes),
         }
 
     def run_options(self, proto) -> dict[str, Any]:
-        """Options that enter the run id (and are recorded): the solver settings the
-        protocol's solver reads plus the data choices (a resolved config)."""
-        # max_host_bytes changes float32 summation order only, like the backend; the default
-        # (exhaustive) sweep stays out so run ids of earlier results do not change
-        opts = {
-            k: v
-            for k, v in self.solver_options().items()
-            if k not in ("backend", "max_host_bytes") and not (k == "sweep" and v == "exhaustive")
-        }
+        """Options that enter the run id (and are recorded): the task metric and the solver
+        settings the protocol's solver declares it reads (:mod:`featcache.probes.solvers`),
+        plus the data choices (a resolved config)."""
+        from featcache.probes.solvers import get_solver
+
+        # the backend and max_host_bytes change float summation order only, so they stay out
+        keep = ("metric", *get_solver(proto.solver).run_option_keys(proto))
+        solver = self.solver_options()
+        opts = {k: solver[k] for k in solver if k in keep}
+        for k, default in (("sweep", "exhaustive"), ("final_epoch", "last")):
+            if opts.get(k) == default:  # the defaults: run ids of earlier results stay
+                del opts[k]
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
         if proto.split.startswith("vtab1k"):
             opts["val_source"] = self.val_source
-        lbfgs = ("Cs", "max_iter", "tol", "standardize")
-        elevater = ("search_epochs", "final_epochs")
-        if proto.solver == "lbfgs":
-            drop = ("sgd_epochs", "vtab_steps", "last_decay", "sgd_standardize", *elevater)
-        elif proto.solver in ("elevater", "zeroshot"):
-            drop = (
-                *lbfgs,
-                "sgd_epochs",
-                "vtab_steps",
-                "last_decay",
-                "sgd_standardize",
-                "sweep",
-                *(elevater if proto.solver == "zeroshot" else ()),
-            )
-        elif proto.grid.epochs is not None:
-            drop = (*lbfgs, "vtab_steps", "last_decay", "sweep", *elevater)
-        else:
-            drop = (*lbfgs, "sgd_epochs", "sweep", *elevater)
-        return {k: v for k, v in opts.items() if k not in drop}
+        return opts
 
     def val_split_used(self, proto, splits) -> str | None:
         """The dataset's own val split when the protocol selects on it and ``splits`` has it. The

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from featcache.errors import ProbeError
+from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
 
 __all__ = ["fit_elevater", "l2_normalise", "search_weight_decay", "zeroshot_logits"]
 
@@ -61,12 +62,15 @@ def search_weight_decay(score: Callable[[int], float], n_wds: int, coarse, spans
     return peak, best, len(seen)
 
 
-def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
-    """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; returns
-    ((predict_proba, classes), hparams, finite, seconds). ``head_init``: [C, D] class
-    embeddings of the dataset's classes or ``None`` (zero head)."""
+@register_solver("elevater", options=("search_epochs", "final_epochs", "final_epoch"))
+def fit_elevater(req: FitRequest) -> FitOutcome:
+    """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; ``head_init``: [C, D]
+    class embeddings of the dataset's classes or ``None`` (zero head)."""
+    from featcache.probes.logistic import resolve_backend
     from featcache.probes.sgd import SGDProbe
 
+    grid, plan, opts, head_init, seed = req.proto.grid, req.plan, req.opts, req.head_init, req.seed
+    device = resolve_backend("torch")[1]
     Xtr, ytr = plan.tr
     Xva, yva = plan.va
     classes = np.unique(ytr)
@@ -94,10 +98,10 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
             epoch_callback=on_epoch,
         )
 
-    def fit(X, y, lr, wd, epochs):
+    def fit(X, y, lr, wd, epochs, on_epoch=None):
         """(probe, channel standardiser) trained on (X, y)."""
         bn = _ChannelBN(X, grid.features, grid.logit_scale)
-        return head(lr, wd, y.size, epochs).fit(bn(X), y, classes=classes), bn
+        return head(lr, wd, y.size, epochs, on_epoch).fit(bn(X), y, classes=classes), bn
 
     tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
     Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
@@ -139,7 +143,9 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
         if sc > best[0]:
             best = (sc, lr, grid.wds[i])
     sc, lr, wd = best
-    probe, bn = fit(*plan.fin, lr, wd, fe)
+    best_test = opts.get("final_epoch") == "best-test"
+    heads: list[tuple[np.ndarray, np.ndarray]] = []
+    probe, bn = fit(*plan.fin, lr, wd, fe, (lambda W, b: heads.append((W, b))) if best_test else None)
     hp = {
         "solver": "elevater-sgd",
         "device": device,
@@ -158,7 +164,9 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
         "features": grid.features,
         "logit_scale": grid.logit_scale,
         "head": "text-initialised" if hi is not None else "zeros",
-        "report": "final epoch (not the best test epoch)",
+        "report": "best test epoch (selected on the test split, as the ELEVATER toolkit)"
+        if best_test
+        else "final epoch (not the best test epoch)",
     }
     scaled = {
         k: v
@@ -169,7 +177,19 @@ def fit_elevater(grid, plan, opts: dict, head_init, seed: int, device: str):
         hp["scaled"] = True
         hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}
     seconds = time.perf_counter() - t0
-    return (lambda X: probe.predict_proba(bn(X)), classes), hp, probe.finite_, seconds
+    epochs = tuple(_softmax_head(bn, W, b) for W, b in heads)
+    return FitOutcome(lambda X: probe.predict_proba(bn(X)), classes, hp, probe.finite_, seconds, epochs)
+
+
+def _softmax_head(bn, coef: np.ndarray, intercept: np.ndarray):
+    """``predict(X)``: softmax probabilities of one epoch's head (raw-space coef [K, D])."""
+
+    def predict(X: np.ndarray) -> np.ndarray:
+        z = bn(X) @ coef.T + intercept
+        z = np.exp(z - z.max(1, keepdims=True))
+        return z / z.sum(1, keepdims=True)
+
+    return predict
 
 
 def _epoch_score(metric: str, y: np.ndarray, X: np.ndarray, coef: np.ndarray, intercept: np.ndarray) -> float:

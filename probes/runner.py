@@ -11,8 +11,6 @@ once, and writes one row per (run, metric).
 from __future__ import annotations
 
 import logging
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +20,7 @@ from featcache.errors import NotInStoreError, ProbeError
 from featcache.metrics import MULTILABEL_METRICS, compute_all, metric_names
 from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
-from featcache.probes.logistic import (
-    LogisticProbe,
-    resolve_backend,
-    select_index,
-    sweep_C,
-)
+from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
 from featcache.protocols import Protocol, SplitPlan
 from featcache.store import combine_fingerprints
 from featcache.store.rows import StoredRows
@@ -219,7 +212,7 @@ def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:
     the L-BFGS probe will stream it: its float32 copy alone would exceed ``max_host_bytes``."""
     from featcache.probes._stream import use_streaming
 
-    if proto.solver != "lbfgs":
+    if not get_solver(proto.solver).streams:
         return False
     prov = cache.provenance(b, ds, cfg.train_split, cfg.kind)
     return use_streaming(prov.n, prov.dim, 0, 0, cfg.max_host_bytes)
@@ -286,229 +279,6 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, v
 
 
 # ------------------------------------------------------------------ fitting
-def _fit_lbfgs(plan: _Plan, opts: dict, head_init) -> tuple[Any, dict, bool, float]:
-    Xtr, ytr = plan.tr
-    hi = None if head_init is None else head_init[np.unique(ytr)]
-    sw = sweep_C(
-        Xtr,
-        ytr,
-        *plan.va,
-        opts["Cs"],
-        backend=opts["backend"],
-        max_iter=opts["max_iter"],
-        tol=opts["tol"],
-        standardize=opts["standardize"],
-        head_init=hi,
-        metric=opts["metric"],
-        sweep=opts.get("sweep", "exhaustive"),
-        max_host_bytes=opts.get("max_host_bytes"),
-    )
-    probe = LogisticProbe(
-        C=sw.best_C,
-        backend=opts["backend"],
-        max_iter=opts["max_iter"],
-        tol=opts["tol"],
-        standardize=opts["standardize"],
-        max_host_bytes=opts.get("max_host_bytes"),
-    )
-    same = np.array_equal(np.unique(plan.fin[1]), np.unique(ytr))
-    probe.fit(*plan.fin, init=sw.heads[sw.best_index] if same else None)
-    hp = {
-        "C": sw.best_C,
-        "selection": f"val {sw.metric} (ties: smaller C)",
-        "val_top1": sw.val_top1[sw.best_index],
-        f"val_{sw.metric}": sw.val_scores[sw.best_index],
-        "n_grid": len(sw.Cs),
-        "grid": [min(sw.Cs), max(sw.Cs)],
-        "sweep_not_converged": int(sum(not c for c in sw.converged)),
-        "sweep_seconds": round(sw.seconds, 4),
-        "sweep_tol": sw.tol,
-        "backend": probe.backend_,
-        "device": probe.device_,
-        "solver": "lbfgs",
-        "n_iter": probe.n_iter_,
-        "grad_max": probe.grad_max_,
-        "max_iter": opts["max_iter"],
-        "tol": opts["tol"],
-        "standardize": opts["standardize"],
-        "warm_start": bool(same),
-    }
-    if sw.info.get("sweep") == "halving":  # the default exhaustive sweep records as before
-        hp.update(
-            sweep="halving",
-            sweep_head_iters=sw.info["head_iters"],
-            **{k: v for k, v in sw.info.items() if k.startswith("halving_")},
-        )
-    if probe.streamed_ or sw.info.get("streamed"):
-        hp["streamed"] = True
-    predict = probe.predict_proba
-    classes = probe.classes_
-    return (predict, classes), hp, probe.converged_, sw.seconds + probe.fit_seconds_
-
-
-def _sgd_configs(proto: Protocol, n: int, opts: dict) -> list[dict]:
-    """The protocol's SGD grid as configs, in tie-break order (epoch grids: the schedule
-    follows ``n``; step grids: for each schedule length, for each lr)."""
-    g = proto.grid
-    if g.epochs is not None:
-        e, bs = opts["sgd_epochs"], g.batch_size
-        spe = math.ceil(n / bs)
-        dec = g.decay_epochs(e)
-        return [
-            {
-                "lr": lr,
-                "steps": e * spe,
-                "batch_size": bs,
-                "momentum": g.momentum,
-                "weight_decay": g.weight_decay,
-                "milestones": [d * spe for d in dec],
-                "epochs": e,
-                "lr_decay_epochs": dec,
-            }
-            for lr in g.lrs
-        ]
-    return [
-        {
-            "lr": lr,
-            "steps": steps,
-            "batch_size": g.batch_size,
-            "momentum": g.momentum,
-            "weight_decay": g.weight_decay,
-            "milestones": list(g.milestones(steps, opts["last_decay"])),
-            "drop_remainder": g.drop_remainder,
-        }
-        for steps in opts["vtab_steps"]
-        for lr in g.lrs
-    ]
-
-
-def _fit_sgd(proto: Protocol, plan: _Plan, opts: dict, head_init, seed: int):
-    from featcache.probes.sgd import SGDProbe
-
-    _, device = resolve_backend("torch")
-    Xtr, ytr = plan.tr
-    classes = np.unique(ytr)
-    pos = np.full(int(max(ytr.max(), plan.va[1].max(), plan.fin[1].max())) + 1, -1)
-    pos[classes] = np.arange(classes.size)
-    if (pos[plan.va[1]] < 0).any() or (pos[plan.fin[1]] < 0).any():
-        raise ProbeError(
-            "validation/final training data hold classes absent from the selection "
-            "train data; resample the split so every class is in train"
-        )
-    hi = None if head_init is None else head_init[classes]
-
-    def fit(X, y, cfg, n_for_cfg) -> SGDProbe:
-        kw = {k: v for k, v in cfg.items() if k not in ("epochs", "lr_decay_epochs")}
-        if proto.name == "salman":  # same number of epochs on the (larger) refit data
-            spe = math.ceil(n_for_cfg / cfg["batch_size"])
-            kw["steps"] = cfg["epochs"] * spe
-            kw["milestones"] = [e * spe for e in cfg["lr_decay_epochs"]]
-        probe = SGDProbe(**kw, standardize=opts["sgd_standardize"], head_init=hi, random_state=seed, device=device)
-        return probe.fit(X, y, classes=classes)
-
-    t0 = time.perf_counter()
-    cfgs = _sgd_configs(proto, ytr.size, opts)
-    scores = []
-    for cfg in cfgs:
-        p = fit(Xtr, ytr, cfg, ytr.size)
-        Xv, yv = plan.va
-        scores.append(_val_score(opts["metric"], pos[yv], p.predict_proba(Xv)) if p.finite_ else -1.0)
-    best = select_index(scores)
-    cfg = cfgs[best]
-    probe = fit(*plan.fin, cfg, plan.fin[1].size)
-    seconds = time.perf_counter() - t0
-    hp = {
-        "solver": "sgd",
-        "device": device,
-        f"val_{opts['metric']}": scores[best],
-        "selection": f"val {opts['metric']} (ties: first config)",
-        "candidates": len(cfgs),
-        "standardize": opts["sgd_standardize"],
-        **{k: v for k, v in cfg.items() if k != "milestones"},
-    }
-    if proto.name == "salman":
-        hp.pop("steps", None)  # steps follow from epochs and the size of each fit's data
-    if proto.name == "vtab1k-sgd":
-        hp["last_decay"] = opts["last_decay"]
-        hp["milestones"] = cfg["milestones"]
-    return (probe.predict_proba, classes), hp, probe.finite_, seconds
-
-
-def _val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
-    """Validation score of the task metric (top-1 as the SGD selection always computed it)."""
-    if metric == "top1":
-        return float(np.mean(P.argmax(1) == y))
-    from featcache.metrics import METRICS
-
-    return float(METRICS[metric](y, P))
-
-
-def _fit_ovr(plan: _Plan, opts: dict) -> tuple[Any, dict, bool, float]:
-    """One-vs-rest L-BFGS probes for multi-label targets: every class sweeps the C grid
-    (binary :func:`sweep_C`); one C for all classes is selected on the task's ranking metric
-    of the validation scores; then ``OneVsRestClassifier(LogisticProbe(C))`` refits on the
-    final data. Predicts per-class probabilities [n, C]."""
-    from sklearn.multiclass import OneVsRestClassifier
-
-    from featcache.metrics import METRICS
-
-    # one-vs-rest fits are in memory: a lazily loaded split is read here (stored dtype)
-    (Xtr, _), (Xva, _), (Xfin, _) = ((np.asarray(X), y) for X, y in (plan.tr, plan.va, plan.fin))
-    Ytr, Yva, Yfin = plan.Y
-    for name, Y in (("selection train", Ytr), ("final train", Yfin)):
-        one = [c for c in range(Y.shape[1]) if Y[:, c].all() or not Y[:, c].any()]
-        if one:
-            raise ProbeError(
-                f"multi-label classes {one[:10]} are all positive or all negative in "
-                f"the {name} data; a one-vs-rest probe needs both: drop those "
-                "columns or use a larger training sample"
-            )
-    t0 = time.perf_counter()
-    margins = []  # per class: [n_val, n_C] validation margins of every C
-    for c in range(Ytr.shape[1]):
-        sw = sweep_C(
-            Xtr,
-            Ytr[:, c],
-            Xva,
-            Yva[:, c],
-            opts["Cs"],
-            backend=opts["backend"],
-            max_iter=opts["max_iter"],
-            tol=opts["tol"],
-            standardize=opts["standardize"],
-        )
-        margins.append(np.stack([Xva @ (co[1] - co[0]) + (b[1] - b[0]) for co, b in sw.heads], 1))
-    Cs, metric = sw.Cs, opts["metric"]
-    scores = [float(METRICS[metric](Yva, np.stack([m[:, h] for m in margins], 1))) for h in range(len(Cs))]
-    best = select_index(scores)
-    ovr = OneVsRestClassifier(
-        LogisticProbe(
-            C=Cs[best],
-            backend=opts["backend"],
-            max_iter=opts["max_iter"],
-            tol=opts["tol"],
-            standardize=opts["standardize"],
-        )
-    )
-    ovr.fit(Xfin, Yfin)
-    conv = all(e.converged_ for e in ovr.estimators_)
-    hp = {
-        "C": Cs[best],
-        "selection": f"val {metric} (one C for all classes; ties: smaller C)",
-        f"val_{metric}": scores[best],
-        "n_grid": len(Cs),
-        "grid": [min(Cs), max(Cs)],
-        "solver": "lbfgs-ovr",
-        "n_labels": int(Yfin.shape[1]),
-        "max_iter": opts["max_iter"],
-        "tol": opts["tol"],
-        "standardize": opts["standardize"],
-        "backend": ovr.estimators_[0].backend_,
-        "device": ovr.estimators_[0].device_,
-    }
-    return (ovr.predict_proba, None), hp, conv, time.perf_counter() - t0
-
-
 def _class_embeddings(caches, b: str, cfg: ProbeConfig) -> np.ndarray:
     """``b``'s class embeddings for the dataset (its text tower's; else dataset-level), checked
     against the tower that extracted ``b``'s features and the templates asked for."""
@@ -546,25 +316,6 @@ def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
         )
 
 
-def _zeroshot(text: np.ndarray):
-    """The text head alone, no training: softmax(scale * normalised features . normalised
-    text), scale = CLIP's logit scale 100 (top-1 does not depend on it)."""
-    from scipy.special import softmax
-
-    from featcache.probes.elevater import zeroshot_logits
-
-    hp = {"solver": "zeroshot", "logit_scale": ZEROSHOT_SCALE, "trained": False}
-    return (
-        (lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1), np.arange(text.shape[0])),
-        hp,
-        True,
-        0.0,
-    )
-
-
-ZEROSHOT_SCALE = 100.0
-
-
 # ------------------------------------------------------------------ main entry
 def run_probes(config: ProbeConfig):
     """Probe ``config.backbones`` on ``config.dataset`` with ``config.protocol``; returns the
@@ -583,11 +334,8 @@ def run_probes(config: ProbeConfig):
     data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
     _check_alignment({b: d.splits() for b, d in data.items()})
     cfg = _task_metric(caches, backbones, cfg, data)
-    if data[backbones[0]].train.Y is not None and (proto.solver != "lbfgs" or cfg.head_init):
-        raise ProbeError(
-            f"multi-label targets run one-vs-rest L-BFGS probes without head_init; "
-            f"{proto.spec} is not supported for them: use full, fewshot:N or subset:F%"
-        )
+    if data[backbones[0]].train.Y is not None:
+        _check_multilabel(proto, cfg)
     hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
 
     done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
@@ -609,6 +357,17 @@ def run_probes(config: ProbeConfig):
             continue
         new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids)
     return _collect(cfg, proto, new_rows, wanted)
+
+
+def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
+    """Multi-label targets need a solver with a multi-label fitter (and no head_init)."""
+    if get_solver(proto.solver).fit_multilabel is None or cfg.head_init:
+        ok = [n for n in SOLVERS if SOLVERS[n].fit_multilabel is not None]
+        raise ProbeError(
+            f"multi-label targets run the multi-label fitters of the solvers {ok} without "
+            f"head_init; {proto.spec} (solver {proto.solver!r}) is not supported for them: "
+            "use full, fewshot:N or subset:F%"
+        )
 
 
 def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
@@ -675,20 +434,11 @@ def _probe_one(
         )
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
     opts = cfg.solver_options()
-    if plan.Y is not None:
-        (predict, classes), hp, conv, secs = _fit_ovr(plan, opts)
-    elif proto.solver == "zeroshot":
-        (predict, classes), hp, conv, secs = _zeroshot(hi_matrix)
-    elif proto.solver == "lbfgs":
-        (predict, classes), hp, conv, secs = _fit_lbfgs(plan, opts, hi_matrix)
-    elif proto.solver == "elevater":
-        from featcache.probes.elevater import fit_elevater
-
-        (predict, classes), hp, conv, secs = fit_elevater(
-            proto.grid, plan, opts, hi_matrix, seed, resolve_backend("torch")[1]
-        )
-    else:
-        (predict, classes), hp, conv, secs = _fit_sgd(proto, plan, opts, hi_matrix, seed)
+    solver = get_solver(proto.solver)
+    fit = solver.fit if plan.Y is None else solver.fit_multilabel
+    out = fit(FitRequest(proto, plan, opts, hi_matrix, seed))
+    predict, classes, conv, secs = out.predict, out.classes, out.converged, out.seconds
+    hp = dict(out.hparams)
     hp.update(plan.info)
     hp.update(
         n_train=int(plan.tr[1].size),
@@ -702,6 +452,10 @@ def _probe_one(
     hp["task_metric"] = opts["metric"]
     rows = []
     for es, ev in d.evals.items():
+        hp_es = hp
+        if out.epoch_predicts:  # final_epoch="best-test": the epoch is chosen on this eval split
+            predict, epoch = _best_test_epoch(cfg, d, plan, out, es, ev, opts["metric"])
+            hp_es = {**hp, "reported_epoch": epoch, "reported_epoch_split": es}
         vals = _evaluate(cfg, d, plan, predict, classes, es, ev)
         rid, fp = run_ids[es]
         rows += [
@@ -718,7 +472,7 @@ def _probe_one(
                 "metric": m,
                 "value": float(v),
                 "n_eval": int(ev.y.size),
-                "hparams": hp,
+                "hparams": hp_es,
                 "converged": bool(conv),
                 "fit_seconds": float(secs),
                 "store_fingerprint": fp,
@@ -737,6 +491,18 @@ def _probe_one(
             conv,
         )
     return rows
+
+
+def _best_test_epoch(cfg: ProbeConfig, d: _Data, plan: _Plan, out, es: str, ev: SplitData, metric: str):
+    """ELEVATER's toolkit rule (``train_task``: ``best_acc1 = max(acc1, best_acc1)`` over the
+    final run's epochs, validated on the test loader): the epoch whose head scores best on
+    ``es`` by the task metric (the first such). Selects on the test split, by request."""
+    from dataclasses import replace
+
+    one = replace(cfg, metrics=(metric,))
+    scores = [_evaluate(one, d, plan, p, out.classes, es, ev)[metric] for p in out.epoch_predicts]
+    best = int(np.argmax(scores))
+    return out.epoch_predicts[best], best + 1
 
 
 def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str, ev: SplitData) -> dict[str, float]:

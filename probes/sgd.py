@@ -37,7 +37,7 @@ def train_sgd_head(
     milestones: list[int] = (),
     seed: int = 0,
     device: str = "cpu",
-    init: tuple[np.ndarray, np.ndarray] | None = None,
+    init: tuple[np.ndarray, np.ndarray] | str | None = None,
     drop_remainder: bool = False,
     nesterov: bool = False,
     on_epoch=None,
@@ -51,6 +51,9 @@ def train_sgd_head(
     ``repeat`` + ``batch(drop_remainder=True)``; the batches featcache's fine-tuning uses).
     ``finite`` is False when the loss diverged (the head is then unusable). ``on_epoch(W, b)``,
     when given, is called with the head after each full epoch (ELEVATER scores every epoch).
+    ``init``: ``(W, b)``, ``None`` (zeros) or ``"torch-default"``: PyTorch's default
+    ``nn.Linear(D, K)`` initialisation drawn after ``torch.manual_seed(seed)`` (Salman et al.'s
+    ``fine_tunify.py``), without touching the process's random state.
     """
     import torch
 
@@ -58,9 +61,15 @@ def train_sgd_head(
     X_t = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(device)
     y_t = torch.from_numpy(np.asarray(y, np.int64)).to(device)
     n, D = X_t.shape
-    lin = torch.nn.Linear(D, n_classes).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        lin = torch.nn.Linear(D, n_classes)  # the default init, seeded, on the CPU generator
+    lin = lin.to(device)
     with torch.no_grad():
-        if init is None:
+        if isinstance(init, str):
+            if init != "torch-default":
+                raise ProbeError(f"init must be (W, b), None or 'torch-default', got {init!r}")
+        elif init is None:
             lin.weight.zero_()
             lin.bias.zero_()
         else:
@@ -123,6 +132,9 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
     drop_remainder : every batch full, from :func:`featcache.splits.batch_positions`
         (VTAB; fine-tuning's batches); default: per-epoch permutations with a partial last batch.
     nesterov : Nesterov momentum (ELEVATER's config default, off in its shipped model configs).
+    init : the head's start when ``head_init`` is not given: ``"zeros"`` (default) or
+        ``"torch-default"`` (``nn.Linear``'s default initialisation seeded by ``random_state``,
+        in the space the head is trained in).
     epoch_callback : optional ``f(coef [K, D], intercept [K])`` called after each epoch with
         the head in raw-feature space (ELEVATER scores every epoch on its val rows).
     device : ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
@@ -148,6 +160,7 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         drop_remainder: bool = False,
         nesterov: bool = False,
         epoch_callback=None,
+        init: str = "zeros",
     ):
         self.lr = lr
         self.steps = steps
@@ -162,6 +175,7 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         self.drop_remainder = drop_remainder
         self.nesterov = nesterov
         self.epoch_callback = epoch_callback
+        self.init = init
 
     def fit(self, X, y, *, classes=None) -> SGDProbe:
         """Fit on ``X [n, D]`` and labels ``y``; ``classes`` (default: those in ``y``) fixes
@@ -177,7 +191,9 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         K = classes.size
         self.device_ = resolve_backend("torch")[1] if self.device == "auto" else self.device
         scaler = Scaler.fit(X, self.standardize)
-        init = None
+        if self.init not in ("zeros", "torch-default"):
+            raise ProbeError(f"SGDProbe init must be 'zeros' or 'torch-default', got {self.init!r}")
+        init = None if self.init == "zeros" else self.init
         if self.head_init is not None:
             head = np.asarray(self.head_init, np.float64)
             if head.ndim != 2 or head.shape != (K, X.shape[1]):

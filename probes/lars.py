@@ -1,0 +1,157 @@
+"""Battle of the Backbones' linear probe (``bob-linear``) on cached features.
+
+bob-classification's ``linear_probe.py`` (after MAE's ``main_linprobe.py``): the features
+pass a ``BatchNorm1d(affine=False, eps=1e-6)`` (batch statistics while training, running
+statistics at evaluation) into a linear head (weight ``trunc_normal_(std=0.01)``, bias
+zero); cross-entropy, the LARS optimiser of MoCo v3 / MAE (momentum 0.9, trust coefficient
+0.001, no weight decay, neither scaling nor decay for 1-D parameters), lr = blr x batch /
+256 with blr 0.1, a linear warmup over 10 epochs then a half-cycle cosine to 0, set at every
+iteration (MAE's ``lr_sched.adjust_learning_rate`` at ``step / len(loader) + epoch``), 90
+epochs of batches of 512 with the last partial batch dropped (``drop_last=True``). No
+hyper-parameter is selected. BoB reports the best test accuracy over the 90 epochs;
+featcache reports the last epoch (it never selects on the test split).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import numpy as np
+
+from featcache.errors import ProbeError
+from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
+
+__all__ = ["fit_bob_linear", "lars_optimizer", "lr_at"]
+
+
+@functools.cache
+def _lars_class():
+    import torch
+
+    class Lars(torch.optim.Optimizer):
+        """LARS (You et al.) as MoCo v3 and MAE use it: for parameters with more than one
+        dimension the update ``grad + weight_decay * p`` is scaled by ``trust * |p| / |update|``
+        (1 where either norm is 0); 1-D parameters (bias, norm) take the plain gradient; then
+        heavy-ball momentum ``mu = momentum * mu + update``, ``p -= lr * mu``."""
+
+        def __init__(self, params, lr: float = 0.0, weight_decay: float = 0.0, momentum: float = 0.9, trust=0.001):
+            super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "trust": trust})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    update = p.grad
+                    if p.ndim > 1:
+                        update = update.add(p, alpha=group["weight_decay"])
+                        pn, un = torch.linalg.vector_norm(p), torch.linalg.vector_norm(update)
+                        ratio = torch.where((pn > 0) & (un > 0), group["trust"] * pn / un, torch.ones_like(pn))
+                        update = update * ratio
+                    state = self.state[p]
+                    if "mu" not in state:
+                        state["mu"] = torch.zeros_like(p)
+                    state["mu"].mul_(group["momentum"]).add_(update)
+                    p.add_(state["mu"], alpha=-group["lr"])
+
+    return Lars
+
+
+def lars_optimizer(params, lr: float = 0.0, weight_decay: float = 0.0, momentum: float = 0.9, trust: float = 0.001):
+    """A :class:`Lars` torch optimiser over ``params`` (torch is imported on first use)."""
+    return _lars_class()(params, lr=lr, weight_decay=weight_decay, momentum=momentum, trust=trust)
+
+
+def lr_at(epoch: float, lr: float, epochs: int, warmup_epochs: int, min_lr: float = 0.0) -> float:
+    """MAE's ``adjust_learning_rate``: linear warmup to ``lr`` over ``warmup_epochs``, then a
+    half-cycle cosine to ``min_lr`` at ``epochs`` (``epoch`` fractional)."""
+    if epoch < warmup_epochs:
+        return lr * epoch / warmup_epochs
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup_epochs) / (epochs - warmup_epochs)))
+
+
+def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: int, seed: int, device: str):
+    """Train BN + linear head; returns (predict_logits, info) with the BN in eval mode."""
+    import torch
+
+    gen = torch.Generator().manual_seed(int(seed))
+    X_t = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(device)
+    y_t = torch.from_numpy(np.asarray(y, np.int64)).to(device)
+    n, D = X_t.shape
+    batch = min(grid.batch_size, n)  # drop_last with fewer rows than a batch would train nothing
+    per_epoch = n // batch
+    lr = grid.blr * batch / 256
+    bn = torch.nn.BatchNorm1d(D, affine=False, eps=grid.bn_eps).to(device)
+    head = torch.nn.Linear(D, n_classes).to(device)
+    with torch.no_grad():
+        w = torch.empty(n_classes, D)
+        torch.nn.init.trunc_normal_(w, std=0.01, generator=gen)
+        head.weight.copy_(w)
+        head.bias.zero_()
+    opt = lars_optimizer(
+        head.parameters(), lr=lr, weight_decay=grid.weight_decay, momentum=grid.momentum, trust=grid.trust_coefficient
+    )
+    finite = True
+    bn.train()
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=gen).to(device)
+        for i in range(per_epoch):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(i / per_epoch + epoch, lr, epochs, grid.warmup_epochs, grid.min_lr)
+            bi = perm[i * batch : (i + 1) * batch]
+            loss = torch.nn.functional.cross_entropy(head(bn(X_t[bi])), y_t[bi])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if not torch.isfinite(loss):
+            finite = False
+            break
+    bn.eval()
+
+    def logits(Xe: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            Z = head(bn(torch.from_numpy(np.ascontiguousarray(Xe, np.float32)).to(device)))
+        return Z.double().cpu().numpy()
+
+    info = {"lr": lr, "batch_size": batch, "steps_per_epoch": per_epoch, "steps": per_epoch * epochs}
+    return logits, info, finite and bool(torch.isfinite(head.weight).all())
+
+
+@register_solver("lars", options=("sgd_epochs",))
+def fit_bob_linear(req: FitRequest) -> FitOutcome:
+    """Train BoB's BN + linear head with LARS on the plan's final rows (nothing is selected)."""
+    from scipy.special import softmax
+
+    from featcache.probes.logistic import cpu_threads, resolve_backend
+
+    g, (X, y), epochs = req.proto.grid, req.plan.fin, req.opts["sgd_epochs"]
+    if epochs < 1:
+        raise ProbeError(f"bob-linear needs epochs >= 1 (got {epochs}); pass --epochs N (epochs=N in Python)")
+    classes = np.unique(y)
+    device = resolve_backend("torch")[1]
+    t0 = time.perf_counter()
+    with cpu_threads(device):
+        logits, info, ok = train_bob_head(
+            np.asarray(X), np.searchsorted(classes, y), classes.size, g, epochs, req.seed, device
+        )
+    hp = {
+        "solver": "lars",
+        "device": device,
+        "selection": "none (fixed hyper-parameters, as BoB)",
+        "report": "last epoch (BoB reports the best test epoch)",
+        "blr": g.blr,
+        **info,
+        "epochs": epochs,
+        "warmup_epochs": g.warmup_epochs,
+        "min_lr": g.min_lr,
+        "weight_decay": g.weight_decay,
+        "momentum": g.momentum,
+        "trust_coefficient": g.trust_coefficient,
+        "features": f"batchnorm(affine=False, eps={g.bn_eps})",
+    }
+    if epochs != g.epochs:
+        hp.update(scaled=True, scaled_from={"epochs": g.epochs})
+    return FitOutcome(lambda Xe: softmax(logits(Xe), axis=1), classes, hp, ok, time.perf_counter() - t0)

@@ -1,0 +1,383 @@
+"""The probe fitters as one registry keyed by :attr:`Protocol.solver <featcache.protocols.Protocol.solver>`.
+
+A fitter takes a :class:`FitRequest` (the protocol, one seed's plan of train / val / final
+rows, the solver options of a resolved :class:`~featcache.probes.config.ProbeConfig`, the
+optional head-init matrix and the seed) and returns a frozen :class:`FitOutcome`. Each
+registered :class:`Solver` also declares the keys of ``ProbeConfig.solver_options()`` that
+enter its run ids (``options``) and whether it fits multi-label targets (``fit_multilabel``).
+Register a new one with :func:`register_solver` (see docs/development.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from featcache.errors import ProbeError, ProtocolError
+from featcache.probes.logistic import LogisticProbe, resolve_backend, select_index, sweep_C
+
+__all__ = ["SOLVERS", "FitOutcome", "FitRequest", "Solver", "get_solver", "register_solver"]
+
+
+@dataclass(frozen=True)
+class FitOutcome:
+    """What a fitter hands back: ``predict(X) -> scores [n, K]`` (probabilities; per-class
+    scores for multi-label), the ``classes`` the columns stand for (``None``: multi-label
+    columns = the label matrix's), the hyper-parameters recorded in the results row, whether
+    the fit converged (or stayed finite) and its seconds."""
+
+    predict: Callable[[np.ndarray], np.ndarray]
+    classes: np.ndarray | None
+    hparams: dict[str, Any]
+    converged: bool
+    seconds: float
+    #: the final run's head after each epoch, for a rule that reports the best test epoch
+    #: (``final_epoch="best-test"``, ELEVATER's toolkit); empty: report ``predict``
+    epoch_predicts: tuple[Callable[[np.ndarray], np.ndarray], ...] = ()
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """One seed's fit: ``plan`` has ``tr``/``va``/``fin`` (X, y) pairs, ``Y`` (multi-label
+    targets of the three, or ``None``) and ``info``; ``opts`` is ``ProbeConfig.solver_options()``."""
+
+    proto: Any  # featcache.protocols.Protocol
+    plan: Any  # featcache.probes.runner._Plan
+    opts: dict[str, Any]
+    head_init: np.ndarray | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class Solver:
+    """A registered fitter. ``options``: run-option keys it reads (a tuple, or a function
+    of the protocol when they follow its grid); ``fit_multilabel``: the fitter for
+    multi-label targets (``None``: refused); ``streams``: it can read a train split left in
+    the store block by block; ``default_head_init``: the class embeddings it starts from
+    when the config names none."""
+
+    name: str
+    fit: Callable[[FitRequest], FitOutcome]
+    options: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
+    fit_multilabel: Callable[[FitRequest], FitOutcome] | None = None
+    streams: bool = False
+    default_head_init: str | None = None  # the class embeddings it needs when none is given
+
+    def run_option_keys(self, proto) -> tuple[str, ...]:
+        """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
+        return tuple(self.options(proto) if callable(self.options) else self.options)
+
+
+SOLVERS: dict[str, Solver] = {}
+
+
+def register_solver(
+    name: str,
+    *,
+    options: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = (),
+    fit_multilabel: Callable[[FitRequest], FitOutcome] | None = None,
+    streams: bool = False,
+    default_head_init: str | None = None,
+) -> Callable:
+    """Decorator: register ``fit(request) -> FitOutcome`` as the solver ``name`` (the value
+    protocols give as ``Protocol(solver=name)``); a duplicate name is refused."""
+
+    def deco(fn: Callable[[FitRequest], FitOutcome]):
+        if name in SOLVERS:
+            raise ProtocolError(f"probe solver {name!r} is already registered")
+        SOLVERS[name] = Solver(name, fn, options, fit_multilabel, streams, default_head_init)
+        return fn
+
+    return deco
+
+
+def get_solver(name: str) -> Solver:
+    """The registered solver ``name`` (an error lists the registered ones)."""
+    _load_builtins()
+    if name not in SOLVERS:
+        raise ProtocolError(f"no probe solver {name!r}; registered: {sorted(SOLVERS)}")
+    return SOLVERS[name]
+
+
+def _load_builtins() -> None:
+    import importlib
+
+    for module in ("elevater", "lars"):  # their fitters register on import
+        importlib.import_module(f"featcache.probes.{module}")
+
+
+# ------------------------------------------------------------------ L-BFGS
+def _fit_ovr(req: FitRequest) -> FitOutcome:
+    """One-vs-rest L-BFGS probes for multi-label targets: every class sweeps the C grid
+    (binary :func:`sweep_C`); one C for all classes is selected on the task's ranking metric
+    of the validation scores; then ``OneVsRestClassifier(LogisticProbe(C))`` refits on the
+    final data. Predicts per-class probabilities [n, C]."""
+    from sklearn.multiclass import OneVsRestClassifier
+
+    from featcache.metrics import METRICS
+
+    plan, opts = req.plan, req.opts
+    # one-vs-rest fits are in memory: a lazily loaded split is read here (stored dtype)
+    (Xtr, _), (Xva, _), (Xfin, _) = ((np.asarray(X), y) for X, y in (plan.tr, plan.va, plan.fin))
+    Ytr, Yva, Yfin = plan.Y
+    check_both_labels(Ytr, Yfin, "a one-vs-rest probe")
+    t0 = time.perf_counter()
+    margins = []  # per class: [n_val, n_C] validation margins of every C
+    for c in range(Ytr.shape[1]):
+        sw = sweep_C(
+            Xtr,
+            Ytr[:, c],
+            Xva,
+            Yva[:, c],
+            opts["Cs"],
+            backend=opts["backend"],
+            max_iter=opts["max_iter"],
+            tol=opts["tol"],
+            standardize=opts["standardize"],
+        )
+        margins.append(np.stack([Xva @ (co[1] - co[0]) + (b[1] - b[0]) for co, b in sw.heads], 1))
+    Cs, metric = sw.Cs, opts["metric"]
+    scores = [float(METRICS[metric](Yva, np.stack([m[:, h] for m in margins], 1))) for h in range(len(Cs))]
+    best = select_index(scores)
+    ovr = OneVsRestClassifier(
+        LogisticProbe(
+            C=Cs[best],
+            backend=opts["backend"],
+            max_iter=opts["max_iter"],
+            tol=opts["tol"],
+            standardize=opts["standardize"],
+        )
+    )
+    ovr.fit(Xfin, Yfin)
+    conv = all(e.converged_ for e in ovr.estimators_)
+    hp = {
+        "C": Cs[best],
+        "selection": f"val {metric} (one C for all classes; ties: smaller C)",
+        f"val_{metric}": scores[best],
+        "n_grid": len(Cs),
+        "grid": [min(Cs), max(Cs)],
+        "solver": "lbfgs-ovr",
+        "n_labels": int(Yfin.shape[1]),
+        "max_iter": opts["max_iter"],
+        "tol": opts["tol"],
+        "standardize": opts["standardize"],
+        "backend": ovr.estimators_[0].backend_,
+        "device": ovr.estimators_[0].device_,
+    }
+    return FitOutcome(ovr.predict_proba, None, hp, conv, time.perf_counter() - t0)
+
+
+def check_both_labels(Ytr: np.ndarray, Yfin: np.ndarray, what: str) -> None:
+    """Every multi-label column has positives and negatives in the selection and final data."""
+    for name, Y in (("selection train", Ytr), ("final train", Yfin)):
+        one = [c for c in range(Y.shape[1]) if Y[:, c].all() or not Y[:, c].any()]
+        if one:
+            raise ProbeError(
+                f"multi-label classes {one[:10]} are all positive or all negative in "
+                f"the {name} data; {what} needs both: drop those "
+                "columns or use a larger training sample"
+            )
+
+
+@register_solver(
+    "lbfgs", options=("Cs", "max_iter", "tol", "standardize", "sweep"), fit_multilabel=_fit_ovr, streams=True
+)
+def _fit_lbfgs(req: FitRequest) -> FitOutcome:
+    """The C sweep on validation (:func:`sweep_C`), then a refit on the final data (warm
+    started from the selected head when the class sets agree)."""
+    plan, opts = req.plan, req.opts
+    Xtr, ytr = plan.tr
+    hi = None if req.head_init is None else req.head_init[np.unique(ytr)]
+    sw = sweep_C(
+        Xtr,
+        ytr,
+        *plan.va,
+        opts["Cs"],
+        backend=opts["backend"],
+        max_iter=opts["max_iter"],
+        tol=opts["tol"],
+        standardize=opts["standardize"],
+        head_init=hi,
+        metric=opts["metric"],
+        sweep=opts.get("sweep", "exhaustive"),
+        max_host_bytes=opts.get("max_host_bytes"),
+    )
+    probe = LogisticProbe(
+        C=sw.best_C,
+        backend=opts["backend"],
+        max_iter=opts["max_iter"],
+        tol=opts["tol"],
+        standardize=opts["standardize"],
+        max_host_bytes=opts.get("max_host_bytes"),
+    )
+    same = np.array_equal(np.unique(plan.fin[1]), np.unique(ytr))
+    probe.fit(*plan.fin, init=sw.heads[sw.best_index] if same else None)
+    hp = {
+        "C": sw.best_C,
+        "selection": f"val {sw.metric} (ties: smaller C)",
+        "val_top1": sw.val_top1[sw.best_index],
+        f"val_{sw.metric}": sw.val_scores[sw.best_index],
+        "n_grid": len(sw.Cs),
+        "grid": [min(sw.Cs), max(sw.Cs)],
+        "sweep_not_converged": int(sum(not c for c in sw.converged)),
+        "sweep_seconds": round(sw.seconds, 4),
+        "sweep_tol": sw.tol,
+        "backend": probe.backend_,
+        "device": probe.device_,
+        "solver": "lbfgs",
+        "n_iter": probe.n_iter_,
+        "grad_max": probe.grad_max_,
+        "max_iter": opts["max_iter"],
+        "tol": opts["tol"],
+        "standardize": opts["standardize"],
+        "warm_start": bool(same),
+    }
+    if sw.info.get("sweep") == "halving":  # the default exhaustive sweep records as before
+        hp.update(
+            sweep="halving",
+            sweep_head_iters=sw.info["head_iters"],
+            **{k: v for k, v in sw.info.items() if k.startswith("halving_")},
+        )
+    if probe.streamed_ or sw.info.get("streamed"):
+        hp["streamed"] = True
+    return FitOutcome(probe.predict_proba, probe.classes_, hp, probe.converged_, sw.seconds + probe.fit_seconds_)
+
+
+# ------------------------------------------------------------------ SGD
+def _sgd_options(proto) -> tuple[str, ...]:
+    return ("sgd_standardize", *proto.grid.run_options)
+
+
+def sgd_configs(grid, n: int, opts: dict) -> list[dict]:
+    """The SGD grid as configs, in tie-break order (epoch grids: the schedule follows ``n``;
+    step grids: for each schedule length, for each lr)."""
+    g = grid
+    if g.epochs is not None:
+        e, bs = opts["sgd_epochs"], g.batch_size
+        spe = math.ceil(n / bs)
+        dec = g.decay_epochs(e)
+        return [
+            {
+                "lr": lr,
+                "steps": e * spe,
+                "batch_size": bs,
+                "momentum": g.momentum,
+                "weight_decay": g.weight_decay,
+                "milestones": [d * spe for d in dec],
+                "epochs": e,
+                "lr_decay_epochs": dec,
+            }
+            for lr in g.lrs
+        ]
+    return [
+        {
+            "lr": lr,
+            "steps": steps,
+            "batch_size": g.batch_size,
+            "momentum": g.momentum,
+            "weight_decay": g.weight_decay,
+            "milestones": list(g.milestones(steps, opts["last_decay"])),
+            "drop_remainder": g.drop_remainder,
+            "last_decay": opts["last_decay"],
+        }
+        for steps in opts["vtab_steps"]
+        for lr in g.lrs
+    ]
+
+
+#: the config keys an :class:`~featcache.probes.sgd.SGDProbe` takes
+_SGD_PROBE_KEYS = ("lr", "steps", "batch_size", "momentum", "weight_decay", "milestones", "drop_remainder")
+
+
+@register_solver("sgd", options=_sgd_options)
+def _fit_sgd(req: FitRequest) -> FitOutcome:
+    """Each config of the protocol's :class:`~featcache.protocols.SGDGrid` trained on the
+    plan's train rows and scored on its val rows; the best refit on the final rows (with
+    ``grid.refit_epochs``: as many epochs as the selection fits, over the larger data)."""
+    from featcache.probes.sgd import SGDProbe
+
+    plan, opts, g = req.plan, req.opts, req.proto.grid
+    _, device = resolve_backend("torch")
+    Xtr, ytr = plan.tr
+    classes = np.unique(ytr)
+    pos = np.full(int(max(ytr.max(), plan.va[1].max(), plan.fin[1].max())) + 1, -1)
+    pos[classes] = np.arange(classes.size)
+    if (pos[plan.va[1]] < 0).any() or (pos[plan.fin[1]] < 0).any():
+        raise ProbeError(
+            "validation/final training data hold classes absent from the selection "
+            "train data; resample the split so every class is in train"
+        )
+    hi = None if req.head_init is None else req.head_init[classes]
+
+    def fit(X, y, cfg, n_for_cfg) -> SGDProbe:
+        kw = {k: cfg[k] for k in _SGD_PROBE_KEYS if k in cfg}
+        if g.refit_epochs:  # same number of epochs on the (larger) refit data
+            spe = math.ceil(n_for_cfg / cfg["batch_size"])
+            kw["steps"] = cfg["epochs"] * spe
+            kw["milestones"] = [e * spe for e in cfg["lr_decay_epochs"]]
+        probe = SGDProbe(
+            **kw,
+            standardize=opts["sgd_standardize"],
+            head_init=hi,
+            init=g.init,
+            random_state=req.seed,
+            device=device,
+        )
+        return probe.fit(X, y, classes=classes)
+
+    t0 = time.perf_counter()
+    cfgs = sgd_configs(g, ytr.size, opts)
+    scores = []
+    for cfg in cfgs:
+        p = fit(Xtr, ytr, cfg, ytr.size)
+        Xv, yv = plan.va
+        scores.append(val_score(opts["metric"], pos[yv], p.predict_proba(Xv)) if p.finite_ else -1.0)
+    best = select_index(scores)
+    cfg = cfgs[best]
+    probe = fit(*plan.fin, cfg, plan.fin[1].size)
+    seconds = time.perf_counter() - t0
+    hp = {
+        "solver": "sgd",
+        "device": device,
+        f"val_{opts['metric']}": scores[best],
+        "selection": f"val {opts['metric']} (ties: first config)",
+        "candidates": len(cfgs),
+        "standardize": opts["sgd_standardize"],
+        **{k: cfg[k] for k in g.recorded},
+    }
+    if g.init != "zeros" and hi is None:
+        hp["init"] = g.init
+    return FitOutcome(probe.predict_proba, classes, hp, probe.finite_, seconds)
+
+
+def val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
+    """Validation score of the task metric (top-1 as the SGD selection always computed it)."""
+    if metric == "top1":
+        return float(np.mean(P.argmax(1) == y))
+    from featcache.metrics import METRICS
+
+    return float(METRICS[metric](y, P))
+
+
+# ------------------------------------------------------------------ zero-shot
+ZEROSHOT_SCALE = 100.0
+
+
+@register_solver("zeroshot", default_head_init="text")  # the text head is the whole classifier
+def _zeroshot(req: FitRequest) -> FitOutcome:
+    """The text head alone, no training: softmax(scale * normalised features . normalised
+    text), scale = CLIP's logit scale 100 (top-1 does not depend on it)."""
+    from scipy.special import softmax
+
+    from featcache.probes.elevater import zeroshot_logits
+
+    text = req.head_init
+    hp = {"solver": "zeroshot", "logit_scale": ZEROSHOT_SCALE, "trained": False}
+    return FitOutcome(
+        lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1), np.arange(text.shape[0]), hp, True, 0.0
+    )
