@@ -46,8 +46,10 @@ PACKAGE_WEIGHTS: dict[str, str] = {
 
 DATA_CONFIG_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
 #: ``timm``: timm's eval transform (resize the short side, centre-crop ``crop_pct``);
-#: ``whole``: resize the whole image to the input size, no crop (VTAB)
-RESIZE_MODES = ("timm", "whole")
+#: ``whole``: resize the whole image to the input size, no crop (VTAB's geometry; PIL's
+#: antialiased bilinear); ``whole-tf``: the same with VTAB's own ``tf.image.resize`` bilinear
+#: (no antialias, half-pixel centres, float result: :class:`TFBilinearResize`)
+RESIZE_MODES = ("timm", "whole", "whole-tf")
 
 
 @dataclass
@@ -94,6 +96,29 @@ class ToRGB:
         return "ToRGB()"
 
 
+class TFBilinearResize:
+    """RGB PIL image -> float tensor ``[3, H, W]`` in [0, 1]: ``tf.image.resize(img, (H, W))``
+    (bilinear, ``antialias=False``: TF2's ``resize_bilinear`` with half-pixel centres, as
+    VTAB's preprocessing runs it on the uint8 image) divided by 255; no rounding to uint8.
+    torch's ``interpolate(bilinear, align_corners=False, antialias=False)`` samples the
+    same points with the same weights (tested against a numpy port of TF's kernel)."""
+
+    def __init__(self, size: tuple[int, int]):
+        self.size = (int(size[0]), int(size[1]))
+
+    def __call__(self, img: Any) -> Any:
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+
+        x = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)[None].to(torch.float32)
+        y = F.interpolate(x, size=self.size, mode="bilinear", align_corners=False, antialias=False)
+        return y[0] / 255.0
+
+    def __repr__(self) -> str:
+        return f"TFBilinearResize(size={self.size})"
+
+
 def make_data_config(
     data_config: Mapping[str, Any],
     *,
@@ -105,7 +130,7 @@ def make_data_config(
 
     ``input_size`` may be an int (square), ``(H, W)`` or ``(C, H, W)``. ``pre_resize=32`` first
     resizes every image to 32x32 (Salman et al.'s low-resolution variant). ``resize="whole"``
-    (VTAB) is recorded as ``resize: whole``; timm's default transform records no ``resize`` key,
+    (VTAB) is recorded as ``resize: whole`` (``whole-tf`` likewise); timm's default transform records no ``resize`` key,
     so configs (and stores) made before the option existed keep their identity.
     """
     missing = [k for k in DATA_CONFIG_KEYS if k not in data_config]
@@ -148,7 +173,8 @@ def make_transform(
     ``timm.data.create_transform`` (resize, center crop, normalise), or with ``resize="whole"``
     VTAB's preprocessing: the whole image resized to the input size (bilinear, as VTAB's
     ``tf.image.resize``; no crop, aspect ratio not kept), ``ToTensor`` and the model's
-    ``Normalize``.
+    ``Normalize``; ``resize="whole-tf"``: VTAB's ``tf.image.resize`` itself (bilinear without
+    antialias, :class:`TFBilinearResize`), then ``Normalize``.
     """
     import timm.data
     from torchvision import transforms as T
@@ -165,6 +191,9 @@ def make_transform(
             T.ToTensor(),
             T.Normalize(mean=cfg["mean"], std=cfg["std"]),
         ]
+        return T.Compose(steps)
+    if resize_mode(cfg) == "whole-tf":
+        steps += [TFBilinearResize(cfg["input_size"][1:]), T.Normalize(mean=cfg["mean"], std=cfg["std"])]
         return T.Compose(steps)
     steps.append(timm.data.create_transform(**{k: cfg[k] for k in DATA_CONFIG_KEYS}, is_training=False))
     return T.Compose(steps)
