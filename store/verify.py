@@ -123,8 +123,8 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
     lost_kinds = [k for k in sc.missing_arrays if k not in ("valid", "error", "done")]
     for name in sc.missing_arrays:
         rep.problems.append(
-            f"{where}/{name}: feature array missing (its provenance went with it); re-run the extract "
-            "that wrote it (below): it recreates the array and recomputes every chunk"
+            f"{where}/{name}: array missing (a feature array, its provenance with it); re-run the "
+            "extract that wrote it (below): it recreates the array and recomputes every chunk"
             if name in lost_kinds
             else f"{where}/{name}: array missing; `featcache verify --repair` recreates it, then re-run extract"
         )

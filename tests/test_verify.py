@@ -167,7 +167,7 @@ def test_deleted_feature_array_is_recreated_by_the_rerun_verify_names(sound_stor
     rc, out = _verify_cli(store, capsys)
     assert rc == 1
     assert "not stored" not in out, out
-    assert f"PROBLEM {GROUP}/pooled: feature array missing" in out, out
+    assert f"PROBLEM {GROUP}/pooled: array missing (a feature array" in out, out
     assert "re-run the extract that wrote it" in out
     assert f"{GROUP}: 4 chunk(s) [0, 1, 2, 3] -> re-run" in out, out
     assert "--features pooled" in out
