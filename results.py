@@ -272,7 +272,31 @@ def check_results_path(path: str | os.PathLike) -> Path:
             f"cannot write results to {p}: {exc.strerror or exc}; choose a writable "
             "folder (or fix its permissions) before running"
         ) from exc
+    _check_replaceable(p)
     return p
+
+
+def _check_replaceable(p: Path) -> None:
+    """An append replaces the table and takes the lock file beside it: refuse, before any
+    compute, a table that cannot be replaced (immutable, read-only) and a lock path that is
+    not a writable file."""
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ResultsError(
+            f"results table {p} is read-only or immutable (see `lsattr {p}`), and every append replaces "
+            "it; make it writable (chmod u+w, chattr -i) or choose another results path before running"
+        )
+    lock = _lock_path(p)
+    if os.path.lexists(lock) and not os.path.isfile(lock):
+        what = "a folder" if os.path.isdir(lock) else "not a regular file"
+        raise ResultsError(
+            f"the lock file of results table {p}, {lock}, is {what}; if no featcache run is writing "
+            f"that table, remove it (rm -r {lock}) and re-run"
+        )
+    if os.path.isfile(lock) and not os.access(lock, os.W_OK):
+        raise ResultsError(
+            f"the lock file of results table {p}, {lock}, is read-only or immutable; if no featcache "
+            f"run is writing that table, remove it (chattr -i, rm) and re-run"
+        )
 
 
 def _read_raw(p: Path):
@@ -335,10 +359,14 @@ def existing_run_ids(path: str | os.PathLike) -> set[str]:
     return set(read_results(p)["run_id"].unique().to_list())
 
 
+def _lock_path(p: Path) -> Path:
+    return p.parent / f".{p.name}.lock"
+
+
 def _lock(p: Path):
     from filelock import FileLock
 
-    return FileLock(str(p.parent / f".{p.name}.lock"), timeout=LOCK_TIMEOUT)
+    return FileLock(str(_lock_path(p)), timeout=LOCK_TIMEOUT)
 
 
 def _remove_orphans(p: Path) -> None:
@@ -394,6 +422,12 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
             f"if no featcache run is writing there, delete {exc.lock_file}"
         ) from exc
     except Exception as exc:  # a full disk: the temporary file is gone, the table unchanged
+        if isinstance(exc, (PermissionError, IsADirectoryError)):  # changed since the up-front check
+            raise ResultsError(
+                f"cannot append {len(new)} result rows to {p}: {type(exc).__name__}: {exc.strerror or exc} "
+                f"({exc.filename}); the table is unchanged. Fix that path's permissions (or choose another "
+                "results path) and re-run: runs already in the table are skipped"
+            ) from None
         if not NoSpaceError.caused_by(exc):
             raise
         need = (p.stat().st_size if p.exists() else 0) + new.estimated_size()

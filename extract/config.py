@@ -101,8 +101,9 @@ class ExtractConfig:
     resize: str = _opt(
         "timm",
         "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-        "image to the input size, no crop (VTAB)",
-        choices=["timm", "whole"],
+        "image to the input size, no crop (VTAB; PIL antialiased bilinear) | whole-tf: the same "
+        "with VTAB's tf.image.resize bilinear (no antialias, half-pixel centres)",
+        choices=["timm", "whole", "whole-tf"],
     )
     features: tuple[str, ...] = _opt(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
     overwrite: bool = _opt(False, "replace features stored with other settings", action="store_true")
@@ -191,8 +192,8 @@ class ExtractConfig:
             bad("--backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
         if self.compile and self.backend != "compile":
             bad("--compile", "with --backend " + self.backend, "give one of them (--compile is --backend compile)")
-        if self.resize not in ("timm", "whole"):
-            bad("--resize", self.resize, "choose timm or whole")
+        if self.resize not in ("timm", "whole", "whole-tf"):
+            bad("--resize", self.resize, "choose timm, whole or whole-tf")
         if self.decoder not in ("auto", "pil", "torchvision"):
             bad("--decoder", self.decoder, "choose auto, pil or torchvision")
         if not self.features:

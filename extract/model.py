@@ -19,6 +19,7 @@ __all__ = [
     "DATA_CONFIG_KEYS",
     "RESIZE_MODES",
     "Backbone",
+    "TFBilinearResize",
     "ToRGB",
     "backbone_device",
     "make_data_config",
@@ -28,8 +29,10 @@ __all__ = [
 
 DATA_CONFIG_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
 #: ``timm``: timm's eval transform (resize the short side, centre-crop ``crop_pct``);
-#: ``whole``: resize the whole image to the input size, no crop (VTAB)
-RESIZE_MODES = ("timm", "whole")
+#: ``whole``: resize the whole image to the input size, no crop (VTAB's geometry; PIL's
+#: antialiased bilinear); ``whole-tf``: the same with VTAB's own ``tf.image.resize`` bilinear
+#: (no antialias, half-pixel centres, float result: :class:`TFBilinearResize`)
+RESIZE_MODES = ("timm", "whole", "whole-tf")
 
 
 @dataclass
@@ -74,6 +77,29 @@ class ToRGB:
 
     def __repr__(self) -> str:
         return "ToRGB()"
+
+
+class TFBilinearResize:
+    """RGB PIL image -> float tensor ``[3, H, W]`` in [0, 1]: ``tf.image.resize(img, (H, W))``
+    (bilinear, ``antialias=False``: TF2's ``resize_bilinear`` with half-pixel centres, as
+    VTAB's preprocessing runs it on the uint8 image) divided by 255; no rounding to uint8.
+    torch's ``interpolate(bilinear, align_corners=False, antialias=False)`` samples the
+    same points with the same weights (tested against a numpy port of TF's kernel)."""
+
+    def __init__(self, size: tuple[int, int]):
+        self.size = (int(size[0]), int(size[1]))
+
+    def __call__(self, img: Any) -> Any:
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+
+        x = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)[None].to(torch.float32)
+        y = F.interpolate(x, size=self.size, mode="bilinear", align_corners=False, antialias=False)
+        return y[0] / 255.0
+
+    def __repr__(self) -> str:
+        return f"TFBilinearResize(size={self.size})"
 
 
 def make_data_config(
@@ -140,6 +166,9 @@ def make_transform(
     if cfg["pre_resize"]:
         interp = T.InterpolationMode(cfg["interpolation"] or "bilinear")
         steps.append(T.Resize((cfg["pre_resize"], cfg["pre_resize"]), interpolation=interp))
+    if resize_mode(cfg) == "whole-tf":
+        steps += [TFBilinearResize(cfg["input_size"][1:]), T.Normalize(mean=cfg["mean"], std=cfg["std"])]
+        return T.Compose(steps)
     if resize_mode(cfg) == "whole":
         h, w = cfg["input_size"][1:]
         steps += [

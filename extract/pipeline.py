@@ -409,7 +409,11 @@ def _check_resize(writer, stored) -> None:
     old = resize_mode(stored.data_config or {})
     new = resize_mode(next(iter(writer.provenances.values())).data_config or {})
     if old != new:
-        how = {"timm": "timm's resize + centre crop", "whole": "the whole image resized, no crop"}
+        how = {
+            "timm": "timm's resize + centre crop",
+            "whole": "the whole image resized, no crop",
+            "whole-tf": "the whole image resized by tf.image.resize's bilinear",
+        }
         raise ProvenanceMismatchError(
             f"{writer.path} holds features made with --resize {old} ({how[old]}), not --resize {new} "
             f"({how[new]}); re-run with --resize {old} to resume or reuse them, use another --backbone-name "

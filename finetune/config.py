@@ -93,8 +93,8 @@ class FinetuneConfig:
     resize: str = flag(
         "timm",
         "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-        "image to the input size (VTAB)",
-        choices=["timm", "whole"],
+        "image to the input size (VTAB) | whole-tf: the same with tf.image.resize bilinear",
+        choices=["timm", "whole", "whole-tf"],
     )
     device: str = flag("auto", "auto | cpu | cuda[:N]")
     precision: str = flag("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16"])
@@ -179,8 +179,8 @@ class FinetuneConfig:
                 f"fine-tuning selects on top1 or mean_per_class, not {self.metric!r} "
                 "(multi-label tasks: use the probes)"
             )
-        if self.resize not in ("timm", "whole"):
-            raise DataError(f"resize must be timm or whole, got {self.resize!r}")
+        if self.resize not in ("timm", "whole", "whole-tf"):
+            raise DataError(f"resize must be timm, whole or whole-tf, got {self.resize!r}")
         if not self.steps or min(self.steps) < 1:
             raise DataError(f"steps must be positive integers, got {self.steps!r}")
         if not self.lrs or min(self.lrs) <= 0:

@@ -235,7 +235,11 @@ def finetune(config: FinetuneConfig):
     row over seeds (``seed=-1``). The caller's process is left as it was (no allocator
     change: ``featcache finetune`` tunes the CPU allocator for its own process).
     """
+    from featcache.results import check_results_path
+
     proto, cfg = config.resolve()
+    if cfg.results_path is not None:
+        check_results_path(cfg.results_path)  # an unwritable table fails before any training
     dev = resolve_device(cfg.device)
     prec = resolve_precision(cfg.precision, dev)
     data = _open_data(cfg, proto)

@@ -326,9 +326,11 @@ def run_probes(config: ProbeConfig):
     row over seeds (``seed=-1``).
     """
     from featcache.progress import tqdm
-    from featcache.results import existing_run_ids
+    from featcache.results import check_results_path, existing_run_ids
 
     proto, cfg = config.resolve()
+    if cfg.results_path is not None:
+        check_results_path(cfg.results_path)  # an unwritable table fails before the fits
     caches = _open_caches(cfg.cache)
     backbones = _resolve_backbones(caches, cfg)
     data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}

@@ -156,11 +156,13 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
     The older call ``run_retrieval(cache_path, backbones, dataset, query_split, ...)`` with
     the same keywords as :class:`RetrievalConfig` (``results_path`` for ``results``) still works.
     """
-    from featcache.results import append_results, rows_to_frame
+    from featcache.results import append_results, check_results_path, rows_to_frame
 
     if isinstance(config, RetrievalConfig) and (args or kwargs):
         raise UsageError("run_retrieval(config) takes no further arguments; use config.with_(...)")
     cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
+    if cfg.results is not None:
+        check_results_path(cfg.results)  # an unwritable table fails before any compute
     cache, backbones = _open_backbones(cfg)
     setups = _relevance_setups(cfg)
     rows: list[dict] = []

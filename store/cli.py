@@ -90,7 +90,8 @@ def run_verify(args: argparse.Namespace) -> int:
         if not args.repair:
             print(
                 "`featcache verify --repair` marks them for recomputation first (needed when done/valid/error "
-                "arrays are missing); the re-run then recomputes exactly those chunks"
+                "arrays are missing); the re-run then recomputes exactly those chunks (a lost feature array "
+                "needs no --repair: the re-run recreates it)"
             )
     return 1
 
@@ -98,8 +99,9 @@ def run_verify(args: argparse.Namespace) -> int:
 def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
     """The settings of the extract command that wrote a feature group, from its provenance."""
     try:
-        kind = cache.kinds(b, d, s)[0]
-        p = cache.provenance(b, d, s, kind)
+        kinds = cache.kinds(b, d, s)
+        g = cache._feature_group(b, d, s)
+        p = cache.provenance(b, d, s, next(k for k in kinds if k in g))  # a kind whose array survives
         size = p.data_config.get("input_size", [0, 0, 0])[-1]
         return (
             f"`featcache extract --model {p.model_name} --weights {p.weights_source} --data <source of "
@@ -108,7 +110,11 @@ def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
             "(the same command that wrote it)"
         )
     except Exception:
-        return "the `featcache extract` command that wrote it"
+        try:
+            kinds = f"--features {','.join(cache.kinds(b, d, s))} "
+        except Exception:
+            kinds = ""
+        return f"the `featcache extract` command that wrote it ({kinds}--split {s} --cache {path})"
 
 
 def register(sub) -> None:

@@ -5,7 +5,8 @@ truncated object fails to decode instead of returning other numbers. A chunk obj
 *missing* reads as the fill value; the writer's row invariants make that visible too:
 
 * a row is valid  <=>  its features are not all-NaN (invalid rows are written as NaN)
-* a row is valid  <=>  its error text is empty (invalid rows always carry a reason)
+* a row is valid  <=>  its error text is empty (invalid rows always carry a reason; the
+  ``error`` array's fill value is a reason too, so a lost chunk of valid rows shows)
 
 A row chunk marked done whose arrays break an invariant (or fail to decode) is *damaged*:
 readers refuse it, ``verify`` names it, and a re-run of the same extract recomputes it.
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 AUX_ARRAYS = ("valid", "error", "done")
+#: fill value of the ``error`` array: a lost chunk of valid rows reads as this text, which
+#: breaks "valid <=> empty error" (stores written before it filled with "": undetectable there)
+UNWRITTEN_ERROR = "not computed (chunk not written)"
 
 
 def as_str(a) -> np.ndarray:

