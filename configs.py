@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_arguments", "flag", "float_list", "from_namespace", "int_list", "str_tuple"]
+__all__ = ["add_arguments", "flag", "float_list", "from_namespace", "int_list", "renamed_kwargs", "str_tuple"]
 
 _MISSING = dataclasses.MISSING
 
@@ -28,6 +28,7 @@ def flag(
     cli: bool = True,
     negate: str | None = None,
     required: bool = False,
+    show_default: bool = True,
     default_factory: Callable[[], Any] | None = None,
     **argparse_kw: Any,
 ):
@@ -36,10 +37,20 @@ def flag(
     ``name``: the flag (default ``--field-name``); ``cli=False``: not on the command line
     (the stage's CLI sets it by hand); ``negate``: a boolean field set to False by this
     store-true flag (e.g. ``--no-standardize``); ``required``: a required flag (the field
-    then has no default); other keywords go to ``add_argument`` (``type``, ``choices``,
-    ``action``, ``metavar``, ``dest`` is always the field name).
+    then has no default, or its default is for library users only); ``show_default=False``:
+    the help does not append ``(default: ...)`` (it says the default itself, or the flag is
+    required); other keywords go to ``add_argument`` (``type``, ``choices``, ``action``,
+    ``metavar``, ``dest`` is always the field name).
     """
-    meta = {"help": help, "name": name, "cli": cli, "negate": negate, "required": required, "argparse": argparse_kw}
+    meta = {
+        "help": help,
+        "name": name,
+        "cli": cli,
+        "negate": negate,
+        "required": required,
+        "show_default": show_default,
+        "argparse": argparse_kw,
+    }
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     if default is _MISSING:
@@ -60,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         m = f.metadata
         help_ = (m["help"] or "").replace("%", "%%") or None
         kw = dict(m["argparse"])
-        shown = f.default is not _MISSING and f.default is not None and not isinstance(f.default, (bool, tuple))
+        shown = (
+            m.get("show_default", True)
+            and f.default is not _MISSING
+            and f.default is not None
+            and not isinstance(f.default, (bool, tuple))
+        )
         if shown and kw.get("action") is None:
             help_ = f"{help_ or ''} (default: {str(f.default).replace('%', '%%')})".strip()
         if m["negate"]:
@@ -84,6 +100,37 @@ def from_namespace(cls, ns: argparse.Namespace, **extra: Any):
     kw = {f.name: getattr(ns, f.name) for f in _cli_fields(cls) if hasattr(ns, f.name)}
     kw.update(extra)
     return cls(**kw)
+
+
+def renamed_kwargs(**old_to_new: str):
+    """Class decorator: the dataclass's ``__init__`` still accepts each old keyword, with a
+    DeprecationWarning naming the new one (``@renamed_kwargs(results="results_path")``)."""
+    import functools
+    import warnings
+
+    def wrap(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            for old, new in old_to_new.items():
+                if old in kw:
+                    if new in kw:
+                        from featcache.errors import UsageError
+
+                        raise UsageError(
+                            f"{cls.__name__}() got both {old}= and {new}=; {old}= is deprecated, use {new}="
+                        )
+                    warnings.warn(
+                        f"{cls.__name__}({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=2
+                    )
+                    kw[new] = kw.pop(old)
+            init(self, *args, **kw)
+
+        cls.__init__ = __init__
+        return cls
+
+    return wrap
 
 
 def _split(text: str, cast, what: str):

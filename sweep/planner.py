@@ -194,7 +194,7 @@ def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
         backbones=(b,),
         query_split=config.eval_split,
         gallery_split=config.gallery_split,
-        results=config.results,
+        results_path=config.results,
         kind=config.feature_kind,
         progress=False,
     )
