@@ -62,17 +62,22 @@ def _cli_fields(cls):
     return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", False)]
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls, *, optional: tuple[str, ...] = (), show_defaults: bool = True
+) -> None:
     """One argparse argument per CLI field of dataclass ``cls``, defaulting to the field's
     default (repeatable flags are absent from the namespace unless given, so
     :func:`from_namespace` falls back to the field default): the dataclass holds the only
-    copy of each default."""
+    copy of each default. Fields named in ``optional`` are not required on this parser
+    (e.g. ``data`` when ``--suite`` names the data); ``show_defaults=False``: no help text
+    gets ``(default: ...)`` appended."""
     for f in _cli_fields(cls):
         m = f.metadata
         help_ = (m["help"] or "").replace("%", "%%") or None
         kw = dict(m["argparse"])
         shown = (
-            m.get("show_default", True)
+            show_defaults
+            and m.get("show_default", True)
             and f.default is not _MISSING
             and f.default is not None
             and not isinstance(f.default, (bool, tuple))
@@ -89,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
             kw.setdefault("default", argparse.SUPPRESS)  # appending to a default would keep it
         else:
             kw.setdefault("default", f.default)
-        if m["required"]:
+        if m["required"] and f.name not in optional:
             kw["required"] = True
         parser.add_argument(name, dest=f.name, help=help_, **kw)
 
