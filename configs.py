@@ -12,12 +12,87 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_arguments", "flag", "float_list", "from_namespace", "int_list", "renamed_kwargs", "str_tuple"]
+__all__ = [
+    "Interval",
+    "Matches",
+    "OneOf",
+    "add_arguments",
+    "check_fields",
+    "flag",
+    "float_list",
+    "from_namespace",
+    "int_list",
+    "renamed_kwargs",
+    "str_tuple",
+]
 
 _MISSING = dataclasses.MISSING
+
+
+class Interval:
+    """A field constraint (as scikit-learn's ``Interval``): an instance of ``kind`` in
+    ``[lo, hi]`` (``None``: unbounded); ``None`` passes (an optional field left unset)."""
+
+    def __init__(self, kind: type, lo: float | None = None, hi: float | None = None, *, hi_text: str = "") -> None:
+        self.kind, self.lo, self.hi, self.hi_text = kind, lo, hi, hi_text
+
+    def __call__(self, value: Any) -> str | None:
+        """``None`` if ``value`` is allowed, else what is wanted instead."""
+        if value is None:
+            return None
+        what = "an integer" if self.kind is int else "a number"
+        if isinstance(value, bool) or not isinstance(value, self.kind) or (self.lo is not None and value < self.lo):
+            return f"must be {what}" + (f" >= {self.lo}" if self.lo is not None else "")
+        if self.hi is not None and value > self.hi:
+            return self.hi_text or f"must be at most {self.hi}"
+        return None
+
+    shown = staticmethod(str)
+
+
+class OneOf:
+    """A field constraint: one of ``options`` (a flag with this check gets them as choices)."""
+
+    def __init__(self, *options: Any) -> None:
+        self.options = options
+
+    def __call__(self, value: Any) -> str | None:
+        if value in self.options:
+            return None
+        *head, last = map(str, self.options)
+        return f"choose {', '.join(head)} or {last}" if head else f"choose {last}"
+
+    shown = staticmethod(str)
+
+
+class Matches:
+    """A field constraint: a string matching ``pattern`` (``text`` says what is wanted)."""
+
+    def __init__(self, pattern: re.Pattern, text: str) -> None:
+        self.pattern, self.text = pattern, text
+
+    def __call__(self, value: Any) -> str | None:
+        return None if isinstance(value, str) and self.pattern.match(value) else self.text
+
+    shown = staticmethod(repr)
+
+
+def check_fields(config: Any) -> None:
+    """Check every field declared with ``flag(check=...)``: a :class:`ConfigError` naming
+    the flag (``--batch-size 0 is invalid: must be an integer >= 1``) on the first bad one."""
+    for f in dataclasses.fields(config):
+        check = f.metadata.get("check")
+        value = getattr(config, f.name)
+        want = check(value) if check is not None else None
+        if want:
+            from featcache.errors import ConfigError
+
+            name = f.metadata["name"] or "--" + f.name.replace("_", "-")
+            raise ConfigError(f"{name} {check.shown(value)} is invalid: {want}")
 
 
 def flag(
@@ -29,6 +104,7 @@ def flag(
     negate: str | None = None,
     required: bool = False,
     show_default: bool = True,
+    check: Callable[[Any], str | None] | None = None,
     default_factory: Callable[[], Any] | None = None,
     **argparse_kw: Any,
 ):
@@ -39,10 +115,15 @@ def flag(
     store-true flag (e.g. ``--no-standardize``); ``required``: a required flag (the field
     then has no default, or its default is for library users only); ``show_default=False``:
     the help does not append ``(default: ...)`` (it says the default itself, or the flag is
-    required); other keywords go to ``add_argument`` (``type``, ``choices``, ``action``,
+    required); ``check``: the field's constraint (:class:`Interval`, :class:`OneOf`,
+    :class:`Matches`), applied by :func:`check_fields`; a :class:`OneOf` gives the flag its
+    choices; other keywords go to ``add_argument`` (``type``, ``choices``, ``action``,
     ``metavar``, ``dest`` is always the field name).
     """
+    if isinstance(check, OneOf) and "choices" not in argparse_kw:
+        argparse_kw["choices"] = list(check.options)
     meta = {
+        "check": check,
         "help": help,
         "name": name,
         "cli": cli,

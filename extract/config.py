@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from featcache import configs
-from featcache.configs import flag
+from featcache.configs import Interval, Matches, OneOf, flag
 from featcache.errors import ConfigError
 from featcache.extract.data import DEFAULT_MAX_IMAGE_PIXELS
 
@@ -29,6 +29,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 MAX_INPUT_SIDE = 4096
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _AMP_ALIASES = {"none": "fp32"}
+_SIDE = Interval(int, 1, MAX_INPUT_SIDE, hi_text=f"must be at most {MAX_INPUT_SIDE} pixels a side")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
 
 
@@ -66,28 +67,32 @@ class ExtractConfig:
     backbone_name: str | None = flag(
         None, "backbone key in the store (default: model name, NAME@random<SEED>, NAME@<ckpt stem>)"
     )
-    batch_size: int = flag(64, "images per forward pass", type=int)
+    batch_size: int = flag(64, "images per forward pass", type=int, check=Interval(int, 1))
     workers: int | None = flag(
         None,
         "DataLoader decode workers (default: CPU 0 on <= 2 cores else max(1, cpus//4); CUDA min(8, cpus-1))",
         type=int,
+        check=Interval(int, 0),
     )
     threads: int | None = flag(
         None,
         "torch intra-op threads on CPU (default: cpus - workers for a new "
         "extraction; a resume reuses the recorded count, so it stays byte-identical)",
         type=int,
+        check=Interval(int, 1),
     )
-    device: str = flag("auto", "auto | cpu | cuda[:N]")
-    dtype: str = flag("float16", "stored feature dtype", choices=["float16", "float32"])
-    chunk_rows: int = flag(DEFAULT_CHUNK_ROWS, "rows per stored chunk (the unit of resume)", type=int)
-    input_size: int | None = flag(None, "override the model's input resolution", type=int)
-    pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
+    device: str = flag("auto", "auto | cpu | cuda[:N]", check=Matches(_DEVICE_RE, "choose auto, cpu, cuda or cuda:N"))
+    dtype: str = flag("float16", "stored feature dtype", check=OneOf("float16", "float32"))
+    chunk_rows: int = flag(
+        DEFAULT_CHUNK_ROWS, "rows per stored chunk (the unit of resume)", type=int, check=Interval(int, 1)
+    )
+    input_size: int | None = flag(None, "override the model's input resolution", type=int, check=_SIDE)
+    pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=_SIDE)
     resize: str = flag(
         "timm",
         "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
         "image to the input size, no crop (VTAB)",
-        choices=["timm", "whole"],
+        check=OneOf("timm", "whole"),
     )
     features: tuple[str, ...] = flag(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
     overwrite: bool = flag(False, "replace features stored with other settings", action="store_true")
@@ -97,7 +102,7 @@ class ExtractConfig:
         "compute precision (auto: bf16 autocast on CUDA, fp32 on CPU; bf16 autocasts on a CPU "
         "with avx512_bf16/AMX and is refused on one without; fp16 applies on CUDA only)",
         name="--precision",
-        choices=list(PRECISIONS),
+        check=OneOf(*PRECISIONS),
     )
     channels_last: bool = flag(True, "keep NCHW memory format", negate="--no-channels-last")
     compile: bool = flag(False, "torch.compile the forward pass", action="store_true")
@@ -109,10 +114,13 @@ class ExtractConfig:
         "JPEG decoder: pil | torchvision (libjpeg-turbo, same pixels as PIL; CMYK, "
         "EXIF-rotated and undecodable JPEGs and other formats go to PIL) | auto (torchvision "
         "where measured faster on this CPU)",
-        choices=["auto", "pil", "torchvision"],
+        check=OneOf("auto", "pil", "torchvision"),
     )
     max_image_pixels: int = flag(
-        DEFAULT_MAX_IMAGE_PIXELS, "images with more pixels become invalid rows (decompression-bomb guard)", type=int
+        DEFAULT_MAX_IMAGE_PIXELS,
+        "images with more pixels become invalid rows (decompression-bomb guard)",
+        type=int,
+        check=Interval(int, 1),
     )
     allow_empty_classes: bool = flag(
         False, "imagefolder: keep class folders without images as classes", action="store_true"
@@ -135,39 +143,18 @@ class ExtractConfig:
         self._validate()
 
     def _validate(self) -> None:
+        """Per-field constraints (``flag(check=...)``), then the rules no single field states."""
+
         def bad(opt: str, value: Any, want: str) -> None:
             raise ConfigError(f"{opt} {value!s} is invalid: {want}")
 
         if self.model is None or (isinstance(self.model, str) and not self.model):
             bad("--model", repr(self.model), "give a timm model name")
-        for opt, v, lo in (
-            ("--batch-size", self.batch_size, 1),
-            ("--chunk-rows", self.chunk_rows, 1),
-            ("--threads", self.threads, 1),
-            ("--workers", self.workers, 0),
-            ("--input-size", self.input_size, 1),
-            ("--pre-resize", self.pre_resize, 1),
-            ("--max-image-pixels", self.max_image_pixels, 1),
-        ):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
-                bad(opt, v, f"must be an integer >= {lo}")
+        configs.check_fields(self)
         limits = self.limit.items() if isinstance(self.limit, Mapping) else [("", self.limit)]
         for split, v in limits:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad("--limit", f"{split}={v}" if split else v, "must be a positive number of rows (or omit it)")
-        for opt, v in (("--input-size", self.input_size), ("--pre-resize", self.pre_resize)):
-            if v is not None and v > MAX_INPUT_SIDE:
-                bad(opt, v, f"must be at most {MAX_INPUT_SIDE} pixels a side")
-        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
-            bad("--device", repr(self.device), "choose auto, cpu, cuda or cuda:N")
-        if self.dtype not in ("float16", "float32"):
-            bad("--dtype", self.dtype, "choose float16 or float32")
-        if self.amp not in PRECISIONS:
-            bad("--precision", self.amp, f"choose one of {', '.join(PRECISIONS)}")
-        if self.resize not in ("timm", "whole"):
-            bad("--resize", self.resize, "choose timm or whole")
-        if self.decoder not in ("auto", "pil", "torchvision"):
-            bad("--decoder", self.decoder, "choose auto, pil or torchvision")
         if not self.features:
             bad("--features", "''", "name at least one feature kind")
         for opt, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):

@@ -4,6 +4,7 @@ metadata, and every field with a flag round-trips (config -> argv -> parsed -> c
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -218,3 +219,20 @@ def test_invalid_flag_value_is_a_config_error_naming_the_flag(argv, flag):
 def test_invalid_python_value_is_a_config_error(cls, kw, match):
     with pytest.raises(ConfigError, match=match):
         cls(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"dtype": "float64"}, "--dtype float64 is invalid: choose float16 or float32"),
+        ({"amp": "int8"}, "--precision int8 is invalid: choose auto, fp32, bf16 or fp16"),
+        ({"decoder": "cv2"}, "--decoder cv2 is invalid: choose auto, pil or torchvision"),
+        ({"workers": -1}, "--workers -1 is invalid: must be an integer >= 0"),
+        ({"batch_size": 2.5}, "--batch-size 2.5 is invalid: must be an integer >= 1"),
+        ({"device": 3}, "--device 3 is invalid: choose auto, cpu, cuda or cuda:N"),
+        ({"pre_resize": 4097}, "--pre-resize 4097 is invalid: must be at most 4096 pixels a side"),
+    ],
+)
+def test_declared_field_constraints_name_the_flag(kw, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        ExtractConfig("m", **kw)
