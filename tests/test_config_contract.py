@@ -236,3 +236,20 @@ def test_invalid_python_value_is_a_config_error(cls, kw, match):
 def test_declared_field_constraints_name_the_flag(kw, match):
     with pytest.raises(ConfigError, match=re.escape(match)):
         ExtractConfig("m", **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"steps": (0,)}, "steps must be positive"),
+        ({"lrs": (-0.1,)}, "learning rates"),
+        ({"checkpoint_every": 0}, "checkpoint_every"),
+    ],
+)
+def test_invalid_finetune_value_is_a_config_error_and_still_a_data_error(kw, match):
+    from featcache.errors import DataError
+
+    cfg = FinetuneConfig(model="m", data="digits", **kw)
+    with pytest.raises(ConfigError, match=match) as err:
+        cfg.resolve()
+    assert isinstance(err.value, DataError)
