@@ -122,8 +122,7 @@ class WorkItem:
 
     @property
     def results(self) -> str:
-        c = self.config
-        return c.results if self.kind == "retrieval" else c.results_path
+        return self.config.results_path  # every stage config names its results table so
 
 
 @dataclass(frozen=True)

@@ -253,3 +253,13 @@ def test_invalid_finetune_value_is_a_config_error_and_still_a_data_error(kw, mat
     with pytest.raises(ConfigError, match=match) as err:
         cfg.resolve()
     assert isinstance(err.value, DataError)
+
+
+def test_sweep_items_read_results_path_of_every_stage_without_a_deprecation(recwarn):
+    from featcache.sweep.planner import WorkItem
+
+    cfg = RetrievalConfig(cache="c", dataset="d", results_path="r.parquet")
+    probe = ProbeConfig(cache="c", backbones=("a",), dataset="d", results_path="p.parquet")
+    for kind, config, want in (("retrieval", cfg, "r.parquet"), ("probe", probe, "p.parquet")):
+        assert WorkItem(kind, "id", config, (), "a", "d", "semantic").results == want
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]

@@ -300,7 +300,7 @@ def test_items_keyed_by_stage_run_ids_skip_plain_runs(two_backbone_store, tmp_pa
     assert set(pc.run_ids().values()) == set(rows.filter(pl.col("seed") >= 0)["run_id"].to_list())
     run_retrieval(
         RetrievalConfig(
-            cache=two_backbone_store, dataset="digits", backbones=(RANDOM,), results=str(results), progress=False
+            cache=two_backbone_store, dataset="digits", backbones=(RANDOM,), results_path=str(results), progress=False
         )
     )
     config = _config(two_backbone_store, results, backbones=(LITE0, RANDOM), seeds=(0, 1), workers=0)
