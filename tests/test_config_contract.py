@@ -263,3 +263,13 @@ def test_sweep_items_read_results_path_of_every_stage_without_a_deprecation(recw
     for kind, config, want in (("retrieval", cfg, "r.parquet"), ("probe", probe, "p.parquet")):
         assert WorkItem(kind, "id", config, (), "a", "d", "semantic").results == want
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_sweep_config_results_path_and_its_deprecated_alias():
+    from featcache.sweep import SweepConfig
+
+    cfg = SweepConfig(cache="c", results_path="r.parquet")
+    with pytest.warns(DeprecationWarning, match="results_path"):
+        assert SweepConfig(cache="c", results="r.parquet") == cfg
+    with pytest.warns(DeprecationWarning, match="results_path"):
+        assert cfg.results == "r.parquet"
