@@ -12,12 +12,87 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_arguments", "flag", "float_list", "from_namespace", "int_list", "str_tuple"]
+__all__ = [
+    "Interval",
+    "Matches",
+    "OneOf",
+    "add_arguments",
+    "check_fields",
+    "flag",
+    "float_list",
+    "from_namespace",
+    "int_list",
+    "renamed_kwargs",
+    "str_tuple",
+]
 
 _MISSING = dataclasses.MISSING
+
+
+class Interval:
+    """A field constraint (as scikit-learn's ``Interval``): an instance of ``kind`` in
+    ``[lo, hi]`` (``None``: unbounded); ``None`` passes (an optional field left unset)."""
+
+    def __init__(self, kind: type, lo: float | None = None, hi: float | None = None, *, hi_text: str = "") -> None:
+        self.kind, self.lo, self.hi, self.hi_text = kind, lo, hi, hi_text
+
+    def __call__(self, value: Any) -> str | None:
+        """``None`` if ``value`` is allowed, else what is wanted instead."""
+        if value is None:
+            return None
+        what = "an integer" if self.kind is int else "a number"
+        if isinstance(value, bool) or not isinstance(value, self.kind) or (self.lo is not None and value < self.lo):
+            return f"must be {what}" + (f" >= {self.lo}" if self.lo is not None else "")
+        if self.hi is not None and value > self.hi:
+            return self.hi_text or f"must be at most {self.hi}"
+        return None
+
+    shown = staticmethod(str)
+
+
+class OneOf:
+    """A field constraint: one of ``options`` (a flag with this check gets them as choices)."""
+
+    def __init__(self, *options: Any) -> None:
+        self.options = options
+
+    def __call__(self, value: Any) -> str | None:
+        if value in self.options:
+            return None
+        *head, last = map(str, self.options)
+        return f"choose {', '.join(head)} or {last}" if head else f"choose {last}"
+
+    shown = staticmethod(str)
+
+
+class Matches:
+    """A field constraint: a string matching ``pattern`` (``text`` says what is wanted)."""
+
+    def __init__(self, pattern: re.Pattern, text: str) -> None:
+        self.pattern, self.text = pattern, text
+
+    def __call__(self, value: Any) -> str | None:
+        return None if isinstance(value, str) and self.pattern.match(value) else self.text
+
+    shown = staticmethod(repr)
+
+
+def check_fields(config: Any) -> None:
+    """Check every field declared with ``flag(check=...)``: a :class:`ConfigError` naming
+    the flag (``--batch-size 0 is invalid: must be an integer >= 1``) on the first bad one."""
+    for f in dataclasses.fields(config):
+        check = f.metadata.get("check")
+        value = getattr(config, f.name)
+        want = check(value) if check is not None else None
+        if want:
+            from featcache.errors import ConfigError
+
+            name = f.metadata["name"] or "--" + f.name.replace("_", "-")
+            raise ConfigError(f"{name} {check.shown(value)} is invalid: {want}")
 
 
 def flag(
@@ -28,6 +103,8 @@ def flag(
     cli: bool = True,
     negate: str | None = None,
     required: bool = False,
+    show_default: bool = True,
+    check: Callable[[Any], str | None] | None = None,
     default_factory: Callable[[], Any] | None = None,
     **argparse_kw: Any,
 ):
@@ -36,10 +113,25 @@ def flag(
     ``name``: the flag (default ``--field-name``); ``cli=False``: not on the command line
     (the stage's CLI sets it by hand); ``negate``: a boolean field set to False by this
     store-true flag (e.g. ``--no-standardize``); ``required``: a required flag (the field
-    then has no default); other keywords go to ``add_argument`` (``type``, ``choices``,
-    ``action``, ``metavar``, ``dest`` is always the field name).
+    then has no default, or its default is for library users only); ``show_default=False``:
+    the help does not append ``(default: ...)`` (it says the default itself, or the flag is
+    required); ``check``: the field's constraint (:class:`Interval`, :class:`OneOf`,
+    :class:`Matches`), applied by :func:`check_fields`; a :class:`OneOf` gives the flag its
+    choices; other keywords go to ``add_argument`` (``type``, ``choices``, ``action``,
+    ``metavar``, ``dest`` is always the field name).
     """
-    meta = {"help": help, "name": name, "cli": cli, "negate": negate, "required": required, "argparse": argparse_kw}
+    if isinstance(check, OneOf) and "choices" not in argparse_kw:
+        argparse_kw["choices"] = list(check.options)
+    meta = {
+        "check": check,
+        "help": help,
+        "name": name,
+        "cli": cli,
+        "negate": negate,
+        "required": required,
+        "show_default": show_default,
+        "argparse": argparse_kw,
+    }
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     if default is _MISSING:
@@ -51,16 +143,26 @@ def _cli_fields(cls):
     return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", False)]
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls, *, optional: tuple[str, ...] = (), show_defaults: bool = True
+) -> None:
     """One argparse argument per CLI field of dataclass ``cls``, defaulting to the field's
     default (repeatable flags are absent from the namespace unless given, so
     :func:`from_namespace` falls back to the field default): the dataclass holds the only
-    copy of each default."""
+    copy of each default. Fields named in ``optional`` are not required on this parser
+    (e.g. ``data`` when ``--suite`` names the data); ``show_defaults=False``: no help text
+    gets ``(default: ...)`` appended."""
     for f in _cli_fields(cls):
         m = f.metadata
         help_ = (m["help"] or "").replace("%", "%%") or None
         kw = dict(m["argparse"])
-        shown = f.default is not _MISSING and f.default is not None and not isinstance(f.default, (bool, tuple))
+        shown = (
+            show_defaults
+            and m.get("show_default", True)
+            and f.default is not _MISSING
+            and f.default is not None
+            and not isinstance(f.default, (bool, tuple))
+        )
         if shown and kw.get("action") is None:
             help_ = f"{help_ or ''} (default: {str(f.default).replace('%', '%%')})".strip()
         if m["negate"]:
@@ -73,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
             kw.setdefault("default", argparse.SUPPRESS)  # appending to a default would keep it
         else:
             kw.setdefault("default", f.default)
-        if m["required"]:
+        if m["required"] and f.name not in optional:
             kw["required"] = True
         parser.add_argument(name, dest=f.name, help=help_, **kw)
 
@@ -84,6 +186,37 @@ def from_namespace(cls, ns: argparse.Namespace, **extra: Any):
     kw = {f.name: getattr(ns, f.name) for f in _cli_fields(cls) if hasattr(ns, f.name)}
     kw.update(extra)
     return cls(**kw)
+
+
+def renamed_kwargs(**old_to_new: str):
+    """Class decorator: the dataclass's ``__init__`` still accepts each old keyword, with a
+    DeprecationWarning naming the new one (``@renamed_kwargs(results="results_path")``)."""
+    import functools
+    import warnings
+
+    def wrap(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            for old, new in old_to_new.items():
+                if old in kw:
+                    if new in kw:
+                        from featcache.errors import UsageError
+
+                        raise UsageError(
+                            f"{cls.__name__}() got both {old}= and {new}=; {old}= is deprecated, use {new}="
+                        )
+                    warnings.warn(
+                        f"{cls.__name__}({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=2
+                    )
+                    kw[new] = kw.pop(old)
+            init(self, *args, **kw)
+
+        cls.__init__ = __init__
+        return cls
+
+    return wrap
 
 
 def _split(text: str, cast, what: str):

@@ -258,7 +258,7 @@ def _stage_retrieval(cfg: DemoConfig, data: DemoData, keys: list[str], results: 
             backbones=tuple(keys),
             query_split="test",
             gallery_split="train",
-            results=str(results),
+            results_path=str(results),
             progress=cfg.progress,
         )
     )

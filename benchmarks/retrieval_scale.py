@@ -55,7 +55,7 @@ def arm(store: str, which: str, max_memory: str) -> dict:
             ("synth",),
             query_split="test",
             gallery_split="train",
-            results=os.path.join(res, "r.parquet"),
+            results_path=os.path.join(res, "r.parquet"),
             progress=False,
             max_memory=max_memory,
             knn=False,

@@ -89,7 +89,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {m: str(Path(tmp) / f"{m}.parquet") for m in ("serial", "dask")}
         for mode, workers in (("serial", 0), ("dask", args.workers)):
-            cfg = SweepConfig(cache=args.cache, results=paths[mode], protocols=PROTOCOLS, seeds=(0,), workers=workers)
+            cfg = SweepConfig(
+                cache=args.cache, results_path=paths[mode], protocols=PROTOCOLS, seeds=(0,), workers=workers
+            )
             t0 = time.perf_counter()
             report = run_sweep(cfg, progress=False)
             out[f"{mode}_seconds"] = round(time.perf_counter() - t0, 2)

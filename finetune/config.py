@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from featcache.configs import flag, float_list, int_list, str_tuple
-from featcache.errors import DataError
+from featcache.errors import ConfigError, DataError
 from featcache.extract import format_help
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE", "FinetuneConfig"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE", "FinetuneConfig", "FinetuneConfigError"]
 
 DEFAULT_CHECKPOINT_EVERY = 250
 #: the input resolution of the published protocol (other sizes are a scaled-down run)
@@ -38,6 +38,10 @@ def parse_limit(s: str) -> int | dict[str, int]:
         return out
     except ValueError:
         raise argparse.ArgumentTypeError(f"--limit takes N or SPLIT=N[,SPLIT=N], got {s!r}") from None
+
+
+class FinetuneConfigError(ConfigError, DataError):
+    """An invalid FinetuneConfig value (a ConfigError; still a DataError, as it was)."""
 
 
 @dataclass(frozen=True)
@@ -173,29 +177,31 @@ class FinetuneConfig:
 
     def _check(self) -> None:
         if not self.data:
-            raise DataError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
+            raise FinetuneConfigError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
         if self.metric not in (None, "top1", "mean_per_class"):
-            raise DataError(
+            raise FinetuneConfigError(
                 f"fine-tuning selects on top1 or mean_per_class, not {self.metric!r} "
                 "(multi-label tasks: use the probes)"
             )
         if self.resize not in ("timm", "whole", "whole-tf"):
-            raise DataError(f"resize must be timm, whole or whole-tf, got {self.resize!r}")
+            raise FinetuneConfigError(f"resize must be timm, whole or whole-tf, got {self.resize!r}")
         if not self.steps or min(self.steps) < 1:
-            raise DataError(f"steps must be positive integers, got {self.steps!r}")
+            raise FinetuneConfigError(f"steps must be positive integers, got {self.steps!r}")
         if not self.lrs or min(self.lrs) <= 0:
-            raise DataError(f"learning rates must be positive, got {self.lrs!r}")
+            raise FinetuneConfigError(f"learning rates must be positive, got {self.lrs!r}")
         mb = self.micro_batch
         if self.batch_size < 1 or (mb is not None and not 1 <= mb <= self.batch_size):
-            raise DataError(f"need batch_size >= 1 and 1 <= micro_batch <= batch_size; got {self.batch_size} and {mb}")
+            raise FinetuneConfigError(
+                f"need batch_size >= 1 and 1 <= micro_batch <= batch_size; got {self.batch_size} and {mb}"
+            )
         if not 0 < self.last_decay < 1:
-            raise DataError(f"last_decay must lie in (0, 1) (a fraction of the steps), got {self.last_decay}")
+            raise FinetuneConfigError(f"last_decay must lie in (0, 1) (a fraction of the steps), got {self.last_decay}")
         if self.checkpoint_every < 1:
-            raise DataError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+            raise FinetuneConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if not self.seeds:
-            raise DataError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
+            raise FinetuneConfigError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not self.memory_limit_gb >= 0:  # NaN too
-            raise DataError(
+            raise FinetuneConfigError(
                 f"memory_limit_gb must be >= 0 (0 streams every image from disk), got {self.memory_limit_gb}"
             )
 

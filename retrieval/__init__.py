@@ -8,7 +8,7 @@ classification. Metric formulas and the tie policy: :mod:`featcache.retrieval.me
 >>> from featcache.retrieval import run_retrieval
 >>> from featcache.retrieval import RetrievalConfig
 >>> cfg = RetrievalConfig(cache="cache.zarr", dataset="digits", backbones=("tf_efficientnet_lite0",),
-...                       query_split="test", gallery_split="train", results="results.parquet")
+...                       query_split="test", gallery_split="train", results_path="results.parquet")
 >>> df = run_retrieval(cfg)  # doctest: +SKIP
 """
 

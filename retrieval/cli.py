@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from featcache.retrieval.config import RetrievalConfig
 
 
@@ -58,9 +60,9 @@ def run(args) -> int:
     from featcache.retrieval.run import run_retrieval
 
     cfg = RetrievalConfig.from_args(args)
-    check_results_path(cfg.results)  # a bad --results fails before any compute
+    check_results_path(cfg.results_path)  # a bad --results fails before any compute
     if getattr(args, "no_progress", False):  # -q
-        cfg = cfg.with_(progress=False)
+        cfg = replace(cfg, progress=False)
     frame = run_retrieval(cfg)
     shown = {"map", "mrr", "top1", "map_revisitop", "map_bob", "mrr_bob"} | {
         f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp", "mp_revisitop") for k in cfg.ks
@@ -68,5 +70,5 @@ def run(args) -> int:
     for (kind, backbone, protocol), g in frame.group_by(["kind", "backbone", "protocol"], maintain_order=True):
         vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(g["metric"], g["value"]) if m in shown)
         print(f"{backbone}  {cfg.dataset}  {kind}:{protocol}  {vals}")
-    print(f"{frame.height} rows -> {cfg.results}")
+    print(f"{frame.height} rows -> {cfg.results_path}")
     return 0

@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 
-from featcache.errors import DataError, UsageError
+from featcache import configs
+from featcache.configs import flag, renamed_kwargs
+from featcache.errors import ConfigError, DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.revisited import REVISITED_SETUPS
 
-__all__ = ["BACKENDS", "DEFAULT_KS", "METRICS", "TIE_POLICY", "RetrievalConfig"]
+__all__ = ["BACKENDS", "DEFAULT_KS", "METRICS", "TIE_POLICY", "RetrievalConfig", "RetrievalConfigError"]
 
 DEFAULT_KS = (1, 5, 10, 100)
 METRICS = ("cosine", "ip", "l2")
 BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
 TIE_POLICY = "tie groups ranked as a block at their last position (sklearn AP convention)"
+
+
+class RetrievalConfigError(ConfigError, DataError):
+    """An invalid RetrievalConfig value (a ConfigError; still a DataError, as it was)."""
 
 
 def _ks(text: str) -> tuple[int, ...]:
@@ -40,17 +47,13 @@ def check_ks(ks, what: str = "ks") -> tuple[int, ...]:
     try:
         out = sorted({int(k) for k in ks})
     except (TypeError, ValueError) as exc:
-        raise DataError(f"{what} must be positive integers, got {ks!r}") from exc
+        raise RetrievalConfigError(f"{what} must be positive integers, got {ks!r}") from exc
     if not out or out[0] < 1:
-        raise DataError(f"{what} must be positive integers, got {ks!r}")
+        raise RetrievalConfigError(f"{what} must be positive integers, got {ks!r}")
     return tuple(out)
 
 
-def _cli(flag: str | None, help: str, **argparse_kw) -> dict:
-    """Field metadata: how the field appears on the command line (``flag=None``: library only)."""
-    return {"flag": flag, "help": help, **argparse_kw}
-
-
+@renamed_kwargs(results="results_path")
 @dataclass(frozen=True)
 class RetrievalConfig:
     """Everything one retrieval run depends on. Build it in code or with :meth:`from_args`.
@@ -62,58 +65,52 @@ class RetrievalConfig:
     ``revisited``, with revisitop's trapezoidal AP beside the sklearn-style one).
     """
 
-    cache: str = field(metadata=_cli("--cache", "feature cache root (local dir or fsspec URL)", required=True))
-    dataset: str = field(metadata=_cli("--dataset", "dataset key in the store", required=True))
-    backbones: tuple[str, ...] | None = field(default=None, metadata=_cli(None, "backbones; None = all"))
-    query_split: str = field(default="test", metadata=_cli("--query", "query split, e.g. test", required=True))
-    gallery_split: str = field(
-        default="train",
-        metadata=_cli("--gallery", "gallery split, or 'same' for leave-one-out within --query", required=True),
+    cache: str = flag(help="feature cache root (local dir or fsspec URL)", required=True)
+    dataset: str = flag(help="dataset key in the store", required=True)
+    backbones: tuple[str, ...] | None = flag(None, "backbones; None = all", cli=False)
+    query_split: str = flag(
+        "test", "query split, e.g. test", name="--query", required=True, show_default=False, metavar="QUERY_SPLIT"
     )
-    metric: str = field(default="cosine", metadata=_cli("--metric", "similarity (default cosine)", choices=METRICS))
-    ks: tuple[int, ...] = field(
-        default=DEFAULT_KS, metadata=_cli("--k", "cut-offs for @k metrics (default 1,5,10,100)", type=_ks)
+    gallery_split: str = flag(
+        "train",
+        "gallery split, or 'same' for leave-one-out within --query",
+        name="--gallery",
+        required=True,
+        show_default=False,
+        metavar="GALLERY_SPLIT",
     )
-    relevance: str | None = field(
-        default=None,
-        metadata=_cli(
-            "--relevance",
-            "parquet/CSV with query_id, gallery_id, relevance in {positive, junk} "
-            "(or revisitop's {easy, hard, junk} for revisited Oxford/Paris)",
-        ),
+    metric: str = flag("cosine", "similarity (default cosine)", show_default=False, choices=METRICS)
+    ks: tuple[int, ...] = flag(
+        DEFAULT_KS, "cut-offs for @k metrics (default 1,5,10,100)", name="--k", metavar="KS", type=_ks
     )
-    revisited: tuple[str, ...] = field(
-        default=("medium", "hard"),
-        metadata=_cli(
-            "--revisited",
-            "setups scored for an easy/hard/junk relevance file (repeatable; default medium and hard, as published)",
-            action="append",
-            choices=REVISITED_SETUPS,
-        ),
+    relevance: str | None = flag(
+        None,
+        "parquet/CSV with query_id, gallery_id, relevance in {positive, junk} "
+        "(or revisitop's {easy, hard, junk} for revisited Oxford/Paris)",
     )
-    full: bool = field(
-        default=True,
-        metadata=_cli(
-            "--top-k-only", "skip the full ranking: only @k metrics (and mrr@K) from a top-K search", negate=True
-        ),
+    revisited: tuple[str, ...] = flag(
+        ("medium", "hard"),
+        "setups scored for an easy/hard/junk relevance file (repeatable; default medium and hard, as published)",
+        action="append",
+        choices=REVISITED_SETUPS,
     )
-    knn: bool = field(
-        default=True, metadata=_cli("--no-knn", "skip k-NN classification (k=10,20,100,200, T=0.07)", negate=True)
+    full: bool = flag(
+        True, "skip the full ranking: only @k metrics (and mrr@K) from a top-K search", negate="--top-k-only"
     )
-    knn_ks: tuple[int, ...] = field(default=KNN_KS, metadata=_cli(None, "k values of the k-NN classifier"))
-    temperature: float = field(default=KNN_TEMPERATURE, metadata=_cli(None, "k-NN vote temperature"))
-    max_memory: str | int = field(
-        default="2GB", metadata=_cli("--max-memory", "memory bound for score blocks (default 2GB)")
+    knn: bool = flag(True, "skip k-NN classification (k=10,20,100,200, T=0.07)", negate="--no-knn")
+    knn_ks: tuple[int, ...] = flag(KNN_KS, "k values of the k-NN classifier", cli=False)
+    temperature: float = flag(KNN_TEMPERATURE, "k-NN vote temperature", cli=False)
+    max_memory: str | int = flag("2GB", "memory bound for score blocks (default 2GB)", show_default=False)
+    backend: str = flag("auto", "search backend", show_default=False, choices=BACKENDS)
+    kind: str = flag("pooled", "feature kind in the store (default pooled)", show_default=False)
+    results_path: str | None = flag(
+        None,
+        "results parquet to append to (rows of a rerun are replaced)",
+        name="--results",
+        required=True,
+        metavar="RESULTS",
     )
-    backend: str = field(default="auto", metadata=_cli("--backend", "search backend", choices=BACKENDS))
-    kind: str = field(default="pooled", metadata=_cli("--kind", "feature kind in the store (default pooled)"))
-    results: str | None = field(
-        default=None,
-        metadata=_cli("--results", "results parquet to append to (rows of a rerun are replaced)", required=True),
-    )
-    progress: bool = field(
-        default=True, metadata=_cli("--no-progress", "no progress bars (implied by -q)", negate=True)
-    )
+    progress: bool = flag(True, "no progress bars (implied by -q)", negate="--no-progress")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -125,18 +122,18 @@ class RetrievalConfig:
         set_(self, "cache", os.fspath(self.cache))
         if self.relevance is not None:
             set_(self, "relevance", os.fspath(self.relevance))
-        if self.results is not None:
-            set_(self, "results", os.fspath(self.results))
+        if self.results_path is not None:
+            set_(self, "results_path", os.fspath(self.results_path))
         set_(self, "ks", check_ks(self.ks))
         set_(self, "knn_ks", check_ks(self.knn_ks, "knn_ks"))
         if self.metric not in METRICS:
-            raise DataError(f"unknown similarity {self.metric!r}; choose one of {METRICS}")
+            raise RetrievalConfigError(f"unknown similarity {self.metric!r}; choose one of {METRICS}")
         if self.backend not in BACKENDS:
-            raise DataError(f"unknown retrieval backend {self.backend!r}; choose one of {BACKENDS}")
+            raise RetrievalConfigError(f"unknown retrieval backend {self.backend!r}; choose one of {BACKENDS}")
         rv = (self.revisited,) if isinstance(self.revisited, str) else tuple(self.revisited)
         unknown = sorted(set(rv) - set(REVISITED_SETUPS))
         if not rv or unknown:
-            raise DataError(f"revisited setups must be among {REVISITED_SETUPS}, got {rv!r}")
+            raise RetrievalConfigError(f"revisited setups must be among {REVISITED_SETUPS}, got {rv!r}")
         set_(self, "revisited", tuple(dict.fromkeys(rv)))
 
     # ------------------------------------------------------------ CLI
@@ -146,30 +143,27 @@ class RetrievalConfig:
         who = parser.add_mutually_exclusive_group(required=True)
         who.add_argument("--backbone", action="append", help="backbone key in the store (repeatable)")
         who.add_argument("--all", action="store_true", help="every backbone that holds the dataset")
-        for f in fields(cls):
-            meta = dict(f.metadata)
-            flag = meta.pop("flag", None)
-            if flag is None:
-                continue
-            if meta.pop("negate", False):
-                parser.add_argument(flag, dest=f.name, action="store_false", help=meta["help"])
-                continue
-            if meta.get("action") == "append":
-                meta["default"] = None  # argparse appends to a default list: start empty
-            parser.add_argument(flag, dest=f.name, **meta)
+        configs.add_arguments(parser, cls)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RetrievalConfig:
         """The config of a parsed ``featcache retrieve`` command line."""
-        kw = {
-            f.name: getattr(args, f.name)
-            for f in fields(cls)
-            if f.metadata.get("flag") and getattr(args, f.name, None) is not None
-        }
-        return cls(backbones=None if args.all else tuple(args.backbone), **kw)
+        return configs.from_namespace(cls, args, backbones=None if args.all else tuple(args.backbone))
 
     def with_(self, **changes) -> RetrievalConfig:
+        """Deprecated: use :func:`dataclasses.replace` (``replace(config, **changes)``)."""
+        warnings.warn(
+            "RetrievalConfig.with_() is deprecated; use dataclasses.replace(config, ...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return replace(self, **changes)
+
+    @property
+    def results(self) -> str | None:
+        """Deprecated: the results table is :attr:`results_path`."""
+        warnings.warn("RetrievalConfig.results is deprecated; use .results_path", DeprecationWarning, stacklevel=2)
+        return self.results_path
 
     # -------------------------------------------------- run ids, hparams
     @property
@@ -263,6 +257,4 @@ def legacy_config(cache_path, backbones: str | Sequence[str] | None, dataset: st
     if overlap:
         raise UsageError(f"run_retrieval() got multiple values for {sorted(overlap)}")
     kw.update(kwargs)
-    if "results_path" in kw:
-        kw["results"] = kw.pop("results_path")
     return RetrievalConfig(cache=cache_path, dataset=dataset, backbones=backbones, **kw)

@@ -146,7 +146,7 @@ def _file_hash(path) -> str:
 
 def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
     """Retrieval (and k-NN classification) for each backbone of ``config``; returns the
-    result rows as a polars DataFrame and appends them to ``config.results`` when set.
+    result rows as a polars DataFrame and appends them to ``config.results_path`` when set.
 
     Rows: ``kind="retrieval"`` with metrics ``map``, ``mrr``, ``map@k``, ``mrr@k``,
     ``recall@k``, ``hit@k``, ``precision@k`` (protocol ``semantic``, ``content`` or
@@ -159,7 +159,7 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
     from featcache.results import append_results, check_results_path, rows_to_frame
 
     if isinstance(config, RetrievalConfig) and (args or kwargs):
-        raise UsageError("run_retrieval(config) takes no further arguments; use config.with_(...)")
+        raise UsageError("run_retrieval(config) takes no further arguments; use dataclasses.replace(config, ...)")
     cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
     if cfg.results is not None:
         check_results_path(cfg.results)  # an unwritable table fails before any compute
@@ -173,8 +173,8 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
         if cfg.knn:
             rows += _knn_rows(cfg, data)
     frame = rows_to_frame(rows)
-    if cfg.results is not None:
-        append_results(cfg.results, frame)
+    if cfg.results_path is not None:
+        append_results(cfg.results_path, frame)
     return frame
 
 

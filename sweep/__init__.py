@@ -4,7 +4,7 @@ each carrying its stage's own config and keyed by the stage's run ids, and runs 
 ``dask.distributed`` (an in-process LocalCluster by default, or an existing scheduler).
 
 >>> from featcache.sweep import SweepConfig, plan, run_sweep
->>> report = run_sweep(SweepConfig(cache="cache.zarr", results="results.parquet",
+>>> report = run_sweep(SweepConfig(cache="cache.zarr", results_path="results.parquet",
 ...                                protocols=("full", "fewshot:5")))  # doctest: +SKIP
 """
 

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     protocols = tuple(args.protocol) or (() if args.retrieval or args.finetune else ("full",))
     config = SweepConfig(
         cache=args.cache,
-        results=args.results,
+        results_path=args.results,
         backbones=tuple(args.backbone),
         datasets=tuple(args.dataset),
         protocols=protocols,

@@ -174,14 +174,14 @@ def run_sweep(config: SweepConfig, *, progress: bool = True) -> SweepReport:
     """Check the results path, plan, and run what is missing."""
     from featcache.results import check_results_path
 
-    check_results_path(config.results)
+    check_results_path(config.results_path)
     p = plan(config)
     outcomes = execute(p.items, config, progress=progress)
     ok = {o.run_id: list(o.result_run_ids) for o in outcomes if o.status != "failed"}
     if any(i.run_id in ok for i in p.items):
         produced = [(i, ok[i.run_id]) for i in p.items if i.run_id in ok]
         produced += [(i, list(i.run_ids)) for i in p.done]
-        finish_medians(config.results, produced)
+        finish_medians(config.results_path, produced)
     report = SweepReport(p, tuple(outcomes))
     log.info("sweep: %s", report.summary())
     return report

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from featcache.configs import renamed_kwargs
 from featcache.errors import NotInStoreError, SweepError
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def _frozen_map(value) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items))
 
 
+@renamed_kwargs(results="results_path")
 @dataclass(frozen=True)
 class SweepConfig:
     """What to sweep and where. Empty ``backbones``/``datasets`` mean "all in the store".
@@ -60,7 +62,7 @@ class SweepConfig:
     ``connect_timeout``: seconds to wait for that scheduler."""
 
     cache: str
-    results: str
+    results_path: str
     backbones: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     protocols: tuple[str, ...] = ("full",)
@@ -78,11 +80,19 @@ class SweepConfig:
     feature_kind: str = "pooled"
     connect_timeout: float = 30.0
 
+    @property
+    def results(self) -> str:
+        """Deprecated: the results table is :attr:`results_path`."""
+        import warnings
+
+        warnings.warn("SweepConfig.results is deprecated; use .results_path", DeprecationWarning, stacklevel=2)
+        return self.results_path
+
     def __post_init__(self):
         for name in ("backbones", "datasets", "protocols", "finetune"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "cache", str(self.cache))
-        object.__setattr__(self, "results", str(self.results))
+        object.__setattr__(self, "results_path", str(self.results_path))
         object.__setattr__(self, "data", _frozen_map(self.data))
         object.__setattr__(self, "finetune_options", _frozen_map(self.finetune_options))
         if self.seeds is not None:
@@ -122,8 +132,7 @@ class WorkItem:
 
     @property
     def results(self) -> str:
-        c = self.config
-        return c.results if self.kind == "retrieval" else c.results_path
+        return self.config.results_path  # every stage config names its results table so
 
 
 @dataclass(frozen=True)
@@ -173,7 +182,7 @@ def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) 
                 d,
                 p,
                 seeds=(s,),
-                results_path=config.results,
+                results_path=config.results_path,
                 force=config.force,
                 eval_splits=(config.eval_split,),
                 train_split=config.train_split,
@@ -194,7 +203,7 @@ def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
         backbones=(b,),
         query_split=config.eval_split,
         gallery_split=config.gallery_split,
-        results=config.results,
+        results_path=config.results_path,
         kind=config.feature_kind,
         progress=False,
     )
@@ -236,7 +245,7 @@ def _finetune_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem
                 data=dict(config.data)[d],
                 protocol=p,
                 seeds=(s,),
-                results_path=config.results,
+                results_path=config.results_path,
                 eval_splits=(config.eval_split,),
                 train_split=config.train_split,
                 dataset_name=d,
@@ -304,7 +313,7 @@ def plan(config: SweepConfig) -> Plan:
                     items += _finetune_items(config, cache, b, d)
             except NotInStoreError as exc:  # e.g. a val split the protocol reads is not extracted
                 lacking.append(f"{b}/{d} ({exc})")
-    result_ids = set() if config.force else existing_run_ids(config.results)
+    result_ids = set() if config.force else existing_run_ids(config.results_path)
     done = tuple(i for i in items if i.run_ids and set(i.run_ids) <= result_ids)
     todo = tuple(i for i in items if not (i.run_ids and set(i.run_ids) <= result_ids))
     lacking = list(dict.fromkeys(lacking))

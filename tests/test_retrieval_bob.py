@@ -3,6 +3,8 @@ and self-exclusion only within one split (WebDataset keys that restart per split
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
@@ -161,7 +163,7 @@ def test_equal_ids_in_different_splits_are_different_images(digits_pix, tmp_path
     ids = np.array([f"d{i:04d}" for i in range(len(y))])
     _write(b, X, y, ids[n_g:], ids[:n_g], n_g)
     cfg = RetrievalConfig(cache=a, dataset="digits", backbones=("pix",), ks=KS, knn=True, progress=False)
-    ra, rb = run_retrieval(cfg), run_retrieval(cfg.with_(cache=b))
+    ra, rb = run_retrieval(cfg), run_retrieval(replace(cfg, cache=b))
     for kind in ("retrieval", "knn"):
         va = dict(zip(*ra.filter(ra["kind"] == kind).select("metric", "value")))
         vb = dict(zip(*rb.filter(rb["kind"] == kind).select("metric", "value")))

@@ -58,7 +58,7 @@ def test_cli_builds_the_config():
         full=False,
         knn=False,
         revisited=("hard",),
-        results="r.parquet",
+        results_path="r.parquet",
     )
     dflt = RetrievalConfig.from_args(
         _parse(["--cache", "c", "--all", "--dataset", "d", "--query", "q", "--gallery", "g", "--results", "r"])
@@ -102,7 +102,7 @@ def test_run_ids_and_hparams_come_from_the_config():
     assert hp["ks"] == [1, 5, 10, 100]
     assert hp["similarity"] == "cosine"
     assert hp["n_queries"] == 3
-    assert a.with_(metric="l2").run_definition("b", "semantic", "", "fp") != d
+    assert dataclasses.replace(a, metric="l2").run_definition("b", "semantic", "", "fp") != d
 
 
 @pytest.mark.parametrize(
@@ -122,3 +122,25 @@ def test_bad_config_is_a_clear_error(kw, match):
 def test_legacy_call_rejects_duplicates():
     with pytest.raises(TypeError, match="multiple values"):
         legacy_config("c", "b", "d", "test", query_split="x")
+
+
+def test_results_path_is_the_field_and_results_a_deprecated_alias():
+    cfg = RetrievalConfig(cache="c", dataset="d", results_path="r.parquet")
+    assert cfg.results_path == "r.parquet"
+    with pytest.warns(DeprecationWarning, match="results_path"):
+        old = RetrievalConfig(cache="c", dataset="d", results="r.parquet")
+    assert old == cfg
+    with pytest.warns(DeprecationWarning, match="results_path"):
+        assert cfg.results == "r.parquet"
+    with pytest.warns(DeprecationWarning, match="dataclasses.replace"):
+        assert cfg.with_(metric="l2") == dataclasses.replace(cfg, metric="l2")
+    with pytest.raises(TypeError, match="both results= and results_path="):
+        RetrievalConfig(cache="c", dataset="d", results="a", results_path="b")
+    assert legacy_config("c", None, "d", results_path="r.parquet") == cfg
+
+
+def test_bad_value_is_a_config_error():
+    from featcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="similarity"):
+        RetrievalConfig(cache="c", dataset="d", metric="hamming")

@@ -5,6 +5,7 @@ end to end through run_retrieval on real digits pixels."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -178,7 +179,7 @@ def test_run_retrieval_revisited_file(small_pix, tmp_path):
         assert vals["map_revisitop"] < vals["map"]  # trapezoids sit below sklearn-style AP
         assert json.loads(sub["hparams"][0])["relevance_sha256"]
     with pytest.raises(DataError, match="full ranking"):
-        run_retrieval(cfg.with_(full=False))
+        run_retrieval(replace(cfg, full=False))
 
 
 def test_table_from_revisitop_ground_truth():

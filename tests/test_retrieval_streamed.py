@@ -6,6 +6,7 @@ Fashion-MNIST images."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -100,7 +101,7 @@ def test_streamed_topk_lists_equal_held_on_lite0_fashion_mnist(fmnist_cache):
 def test_run_retrieval_rows_equal_when_streamed(digits_cache, tmp_path):
     cfg = RetrievalConfig(digits_cache, "digits", (LITE0,), backend="numpy", knn_ks=(10, 20), progress=False)
     held = run_retrieval(cfg).sort(["run_id", "metric"])
-    streamed = run_retrieval(cfg.with_(max_memory=SMALL)).sort(["run_id", "metric"])
+    streamed = run_retrieval(replace(cfg, max_memory=SMALL)).sort(["run_id", "metric"])
     assert held["run_id"].to_list() == streamed["run_id"].to_list()  # memory is not part of a run's identity
     assert held["value"].to_list() == streamed["value"].to_list()
     assert set(held["kind"]) == {"retrieval", "knn"}

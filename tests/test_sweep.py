@@ -76,7 +76,7 @@ def _config(store, results, **kw) -> SweepConfig:
     kw.setdefault("protocols", ("fewshot:5",))
     kw.setdefault("seeds", (0,))
     kw.setdefault("retrieval", True)
-    return SweepConfig(cache=store, results=str(results), **kw)
+    return SweepConfig(cache=store, results_path=str(results), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,10 @@ def test_plan_expands_the_catalog(two_backbone_store, tmp_path):
     # default seeds come from the protocol (fewshot: 0, 1, 2)
     p3 = plan(
         SweepConfig(
-            cache=two_backbone_store, results=str(tmp_path / "r.parquet"), backbones=(LITE0,), protocols=("fewshot:5",)
+            cache=two_backbone_store,
+            results_path=str(tmp_path / "r.parquet"),
+            backbones=(LITE0,),
+            protocols=("fewshot:5",),
         )
     )
     assert sorted(i.seed for i in p3.items) == [0, 1, 2]
@@ -300,7 +303,7 @@ def test_items_keyed_by_stage_run_ids_skip_plain_runs(two_backbone_store, tmp_pa
     assert set(pc.run_ids().values()) == set(rows.filter(pl.col("seed") >= 0)["run_id"].to_list())
     run_retrieval(
         RetrievalConfig(
-            cache=two_backbone_store, dataset="digits", backbones=(RANDOM,), results=str(results), progress=False
+            cache=two_backbone_store, dataset="digits", backbones=(RANDOM,), results_path=str(results), progress=False
         )
     )
     config = _config(two_backbone_store, results, backbones=(LITE0, RANDOM), seeds=(0, 1), workers=0)
@@ -346,7 +349,11 @@ def test_finetune_items_through_the_sweep(two_backbone_store, tmp_path, capsys):
     with pytest.raises(SweepError, match="--data NAME=SPEC"):
         plan(
             SweepConfig(
-                cache=two_backbone_store, results=str(results), backbones=(RANDOM,), protocols=(), finetune=("full",)
+                cache=two_backbone_store,
+                results_path=str(results),
+                backbones=(RANDOM,),
+                protocols=(),
+                finetune=("full",),
             )
         )
     ft = [

@@ -1,0 +1,275 @@
+"""Contract over every stage config (issue 20 item 4): its flags come from ``configs.flag``
+metadata, and every field with a flag round-trips (config -> argv -> parsed -> config)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from featcache.cli import build_parser
+from featcache.errors import ConfigError
+from featcache.extract.config import ExtractConfig
+from featcache.finetune import cli as finetune_cli
+from featcache.finetune.config import FinetuneConfig
+from featcache.probes import cli as probe_cli
+from featcache.probes.config import ProbeConfig
+from featcache.retrieval.config import RetrievalConfig
+
+# per stage: the command, how its CLI builds the config, the fields set outside the
+# config's flags, and a non-default value for every flag that has no choices and is no switch
+STAGES = {
+    "extract": (
+        ExtractConfig,
+        lambda a: ExtractConfig.from_args(a),
+        {},
+        {
+            "model": "resnet18",
+            "weights": "random:0",
+            "data": "fashion-mnist",
+            "splits": ("train", "test"),
+            "cache": "c.zarr",
+            "dataset_name": "dd",
+            "backbone_name": "bb",
+            "batch_size": 8,
+            "workers": 1,
+            "threads": 2,
+            "device": "cpu",
+            "chunk_rows": 16,
+            "input_size": 32,
+            "pre_resize": 48,
+            "features": ("pooled", "cls"),
+            "limit": 5,
+            "max_image_pixels": 1000,
+        },
+    ),
+    "probe": (
+        ProbeConfig,
+        probe_cli.config_from_args,
+        {"cache": "c.zarr", "backbones": ("a", "b")},
+        {
+            "dataset": "dd",
+            "protocol": "fewshot:5",
+            "seeds": (3, 4),
+            "results_path": "r.parquet",
+            "max_iter": 50,
+            "tol": 0.01,
+            "max_host_bytes": 4096,
+            "eval_splits": ("test", "val"),
+            "train_split": "tr",
+            "val_split": "va",
+            "kind": "cls",
+            "head_init": "text",
+            "templates": "clip",
+            "prompt_dataset": "cifar10",
+            "sgd_epochs": 7,
+            "search_epochs": 2,
+            "final_epochs": 3,
+        },
+    ),
+    "finetune": (
+        FinetuneConfig,
+        finetune_cli.config_from_args,
+        {},
+        {
+            "model": "resnet18",
+            "weights": "random:0",
+            "data": "digits",
+            "protocol": "full",
+            "seeds": (1, 2),
+            "results_path": "r.parquet",
+            "steps": (10, 20),
+            "lrs": (0.5, 0.05),
+            "batch_size": 16,
+            "micro_batch": 8,
+            "last_decay": 0.8,
+            "momentum": 0.5,
+            "weight_decay": 0.001,
+            "input_size": 32,
+            "pre_resize": 32,
+            "device": "cpu",
+            "eval_splits": ("test", "val"),
+            "train_split": "tr",
+            "val_split": "va",
+            "dataset_name": "dd",
+            "backbone_name": "bb",
+            "limit": {"train": 5, "test": 3},
+            "checkpoint_dir": "ck",
+            "checkpoint_every": 7,
+            "workers": 1,
+            "memory_limit_gb": 0.5,
+        },
+    ),
+    "retrieve": (
+        RetrievalConfig,
+        RetrievalConfig.from_args,
+        {"backbones": ("a", "b")},
+        {
+            "cache": "c.zarr",
+            "dataset": "dd",
+            "query_split": "q",
+            "gallery_split": "same",
+            "ks": (2, 3),
+            "relevance": "rel.parquet",
+            "max_memory": "1MB",
+            "kind": "cls",
+            "results_path": "r.parquet",
+        },
+    ),
+}
+
+
+def _flagged(cls):
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli")]
+
+
+def _name(f) -> str:
+    return f.metadata["name"] or "--" + f.name.replace("_", "-")
+
+
+def _other_value(f):
+    """A value other than the default for a switch or a field with choices (else None)."""
+    kw = f.metadata["argparse"]
+    if f.metadata["negate"]:
+        return False
+    if kw.get("action") == "store_true":
+        return True
+    if "choices" in kw:
+        pick = next(c for c in kw["choices"] if c != f.default and (f.default is None or c not in f.default))
+        return (pick,) if kw.get("action") == "append" else pick
+    return None
+
+
+def _argv(f, value) -> list[str]:
+    """The command-line words that set field ``f`` to ``value``."""
+    m = f.metadata
+    if m["negate"] or m["argparse"].get("action") == "store_true":
+        return [m["negate"] or _name(f)] if value != f.default else []
+    if m["argparse"].get("action") == "append":
+        return [w for v in value for w in (_name(f), str(v))]
+    if isinstance(value, dict):
+        return [_name(f), ",".join(f"{k}={v}" for k, v in value.items())]
+    if isinstance(value, (tuple, list)):
+        return [_name(f), ",".join(map(str, value))]
+    return [_name(f), str(value)]
+
+
+def _who(extra: dict) -> list[str]:
+    words = ["--cache", extra["cache"]] if "cache" in extra else []
+    return words + [w for b in extra.get("backbones", ()) for w in ("--backbone", b)]
+
+
+@pytest.mark.parametrize("command", sorted(STAGES))
+def test_every_flag_round_trips(command):
+    cls, from_args, extra, samples = STAGES[command]
+    values = {}
+    for f in _flagged(cls):
+        value = samples.get(f.name, _other_value(f))
+        assert value is not None, f"{cls.__name__}.{f.name}: add a non-default sample to this contract"
+        values[f.name] = value
+    want = cls(**extra, **values)
+    for f in _flagged(cls):
+        if f.default is not dataclasses.MISSING:
+            try:
+                at_default = cls(**extra, **{**values, f.name: f.default})
+            except ConfigError:  # the default is no valid value (a required flag)
+                continue
+            assert getattr(want, f.name) != getattr(at_default, f.name), f"{f.name}: the sample is the default"
+    argv = [command, *_who(extra)] + [w for f in _flagged(cls) for w in _argv(f, values[f.name])]
+    got = from_args(build_parser().parse_args(argv))
+    assert {f.name: getattr(got, f.name) for f in dataclasses.fields(cls)} == {
+        f.name: getattr(want, f.name) for f in dataclasses.fields(cls)
+    }
+
+
+@pytest.mark.parametrize("command", sorted(STAGES))
+def test_parser_is_built_from_the_config(command):
+    cls = STAGES[command][0]
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    by_dest = {a.dest: a for a in sub._actions}
+    for f in _flagged(cls):
+        action = by_dest[f.name]
+        assert (f.metadata["negate"] or _name(f)) in action.option_strings
+        assert (f.metadata["help"] or "").split(" (default")[0][:40] in (action.help or "").replace("%%", "%")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["extract", "--model", "m", "--data", "digits", "--cache", "c", "--batch-size", "0"], "--batch-size"),
+        (["extract", "--model", "m", "--data", "digits", "--cache", "c", "--device", "gpu"], "--device"),
+        (["extract", "--model", "m", "--data", "digits", "--cache", "c", "--dataset-name", "a/b"], "--dataset-name"),
+    ],
+)
+def test_invalid_flag_value_is_a_config_error_naming_the_flag(argv, flag):
+    with pytest.raises(ConfigError, match=flag):
+        ExtractConfig.from_args(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "match"),
+    [
+        (ExtractConfig, {"model": "m", "input_size": 0}, "input-size"),
+        (RetrievalConfig, {"cache": "c", "dataset": "d", "metric": "hamming"}, "similarity"),
+        (RetrievalConfig, {"cache": "c", "dataset": "d", "ks": (0,)}, "ks"),
+        (RetrievalConfig, {"cache": "c", "dataset": "d", "backend": "annoy"}, "backend"),
+    ],
+)
+def test_invalid_python_value_is_a_config_error(cls, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        cls(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"dtype": "float64"}, "--dtype float64 is invalid: choose float16 or float32"),
+        ({"amp": "int8"}, "--precision int8 is invalid: choose auto, fp32, bf16 or fp16"),
+        ({"decoder": "cv2"}, "--decoder cv2 is invalid: choose auto, pil or torchvision"),
+        ({"workers": -1}, "--workers -1 is invalid: must be an integer >= 0"),
+        ({"batch_size": 2.5}, "--batch-size 2.5 is invalid: must be an integer >= 1"),
+        ({"device": 3}, "--device 3 is invalid: choose auto, cpu, cuda or cuda:N"),
+        ({"pre_resize": 4097}, "--pre-resize 4097 is invalid: must be at most 4096 pixels a side"),
+    ],
+)
+def test_declared_field_constraints_name_the_flag(kw, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        ExtractConfig("m", **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"steps": (0,)}, "steps must be positive"),
+        ({"lrs": (-0.1,)}, "learning rates"),
+        ({"checkpoint_every": 0}, "checkpoint_every"),
+    ],
+)
+def test_invalid_finetune_value_is_a_config_error_and_still_a_data_error(kw, match):
+    from featcache.errors import DataError
+
+    cfg = FinetuneConfig(model="m", data="digits", **kw)
+    with pytest.raises(ConfigError, match=match) as err:
+        cfg.resolve()
+    assert isinstance(err.value, DataError)
+
+
+def test_sweep_items_read_results_path_of_every_stage_without_a_deprecation(recwarn):
+    from featcache.sweep.planner import WorkItem
+
+    cfg = RetrievalConfig(cache="c", dataset="d", results_path="r.parquet")
+    probe = ProbeConfig(cache="c", backbones=("a",), dataset="d", results_path="p.parquet")
+    for kind, config, want in (("retrieval", cfg, "r.parquet"), ("probe", probe, "p.parquet")):
+        assert WorkItem(kind, "id", config, (), "a", "d", "semantic").results == want
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_sweep_config_results_path_and_its_deprecated_alias():
+    from featcache.sweep import SweepConfig
+
+    cfg = SweepConfig(cache="c", results_path="r.parquet")
+    with pytest.warns(DeprecationWarning, match="results_path"):
+        assert SweepConfig(cache="c", results="r.parquet") == cfg
+    with pytest.warns(DeprecationWarning, match="results_path"):
+        assert cfg.results == "r.parquet"
