@@ -82,7 +82,8 @@ def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
         held.update({d: c for d in c.datasets() if d not in held})
     prefix = f"{args.dataset_name}-" if args.dataset_name else ""
     configs = []
-    for task in suite.tasks:
+    tasks = [t for t in suite.tasks if t.kind == "classification"]  # retrieval tasks: featcache retrieve
+    for task in tasks:
         ds = prefix + task.name
         if ds in held:
             kw = {}
@@ -98,9 +99,7 @@ def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
             f"no task of suite {suite.name} is in {', '.join(args.cache)} (expected datasets "
             f"{prefix}{suite.tasks[0].name}, ...); run `featcache extract --suite {suite.name}` first"
         )
-    warn_missing(
-        suite, [t.name for t in suite.tasks if prefix + t.name not in held], f"are not in {', '.join(args.cache)}"
-    )
+    warn_missing(suite, [t.name for t in tasks if prefix + t.name not in held], f"are not in {', '.join(args.cache)}")
     return configs
 
 

@@ -288,6 +288,19 @@ def _class_embeddings(caches, b: str, cfg: ProbeConfig) -> np.ndarray:
     return m
 
 
+#: the class-embedding provenance fields a results row records
+TEXT_SOURCE_KEYS = ("tower", "weights_sha256", "templates", "templates_sha256", "n_templates", "classnames_sha256")
+
+
+def text_source(cache, b: str, cfg: ProbeConfig) -> dict:
+    """Where ``b``'s class embeddings came from: their name and key, and the tower (its weights
+    hash) and template set (its name and hash) ``featcache embed-classes`` recorded
+    (``recorded: False`` for a matrix written with ``write_class_embeddings``)."""
+    prov = cache.class_embeddings_provenance(cfg.dataset, cfg.head_init, backbone=b)
+    out = {"name": cfg.head_init, **{k: prov[k] for k in TEXT_SOURCE_KEYS if k in prov}}
+    return out if prov else {**out, "recorded": False}
+
+
 def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
     """Refuse class embeddings from another tower (weights hash) than ``b``'s image features,
     or from another template set than ``cfg.templates``, stating stored vs asked."""
@@ -339,6 +352,7 @@ def run_probes(config: ProbeConfig):
     if data[backbones[0]].train.Y is not None:
         _check_multilabel(proto, cfg)
     hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
+    src = {b: text_source(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
 
     done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
     new_rows: list[dict] = []
@@ -357,7 +371,7 @@ def run_probes(config: ProbeConfig):
                 cfg.results_path,
             )
             continue
-        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids)
+        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids, src.get(b))
     return _collect(cfg, proto, new_rows, wanted)
 
 
@@ -424,9 +438,17 @@ def _stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: st
 
 
 def _probe_one(
-    cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, hi_matrix, run_ids: dict[str, tuple[str, str]]
+    cfg: ProbeConfig,
+    proto: Protocol,
+    b: str,
+    seed: int,
+    d: _Data,
+    hi_matrix,
+    run_ids: dict[str, tuple[str, str]],
+    text: dict | None = None,
 ) -> list[dict]:
-    """Plan, select, refit and evaluate one backbone and seed; its result rows."""
+    """Plan, select, refit and evaluate one backbone and seed; its result rows (``text``: where
+    the class embeddings came from, recorded in hparams, not in the run id)."""
     if hi_matrix is not None and hi_matrix.shape != (len(d.names), d.train.X.shape[1]):
         raise ProbeError(
             f"class embeddings {cfg.head_init!r} have shape {hi_matrix.shape} but {b} on "
@@ -447,6 +469,7 @@ def _probe_one(
         n_val=int(plan.va[1].size),
         n_train_final=int(plan.fin[1].size),
         head_init=cfg.head_init,
+        **({"class_embeddings": text} if text else {}),
         n_invalid={s: v.n_invalid for s, v in d.splits().items()},
     )
     if proto.split.startswith("vtab1k"):

@@ -31,10 +31,24 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["METRICS", "Suite", "Task", "list_suites", "load_suite", "present_tasks", "warn_missing"]
+__all__ = [
+    "KINDS",
+    "METRICS",
+    "RETRIEVAL_METRICS",
+    "Suite",
+    "Task",
+    "list_suites",
+    "load_suite",
+    "present_tasks",
+    "warn_missing",
+]
 
-#: metrics a task may declare
+#: metrics a classification task may declare
 METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater")
+#: metrics a retrieval task may declare (names as ``featcache retrieve`` writes them; ``@k`` any k)
+RETRIEVAL_METRICS = ("map_bob", "mrr_bob", "map", "mrr", "mp@k", "recall@k", "precision@k", "hit@k")
+#: what a task is evaluated by: probes/fine-tuning (classification) or ``featcache retrieve``
+KINDS = ("classification", "retrieval")
 _TASK_KEYS = {
     "name",
     "group",
@@ -46,6 +60,11 @@ _TASK_KEYS = {
     "label",
     "multilabel",
     "splits",
+    "kind",
+    "protocols",
+    "metrics",
+    "relevance",
+    "data",
 }
 
 
@@ -67,6 +86,16 @@ class Task:
     class_names: tuple[str, ...] | None = None
     label: str | None = None
     multilabel: bool = False
+    #: ``classification`` or ``retrieval`` (no training: ``featcache retrieve``)
+    kind: str = "classification"
+    #: featcache probe protocol specs that run the paper's setting (e.g. ``subset:10%``)
+    protocols: tuple[str, ...] = ()
+    #: further metrics the paper reports beside ``metric`` (retrieval: ``mp@5``, ``mrr_bob``...)
+    metrics: tuple[str, ...] = ()
+    #: retrieval: how a match is defined (semantic label, explicit positives, revisitop setup)
+    relevance: str | None = None
+    #: where the data comes from and how to lay it out (no suite's data is bundled)
+    data: str | None = None
 
     @property
     def dir_names(self) -> tuple[str, ...]:
@@ -86,6 +115,8 @@ class Suite:
     resize: str = "timm"
     input_size: int | None = None
     subsets: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: how to bring the data (none is bundled: featcache never downloads)
+    data: str | None = None
 
     def task(self, name: str) -> Task:
         for t in self.tasks:
@@ -121,6 +152,7 @@ def _suite(raw: dict[str, Any], where: str) -> Suite:
             raw.get("resize", "timm"),
             raw.get("input_size"),
             MappingProxyType(dict(raw.get("subsets", {}))),
+            raw.get("data"),
         )
     except KeyError as exc:
         raise SuiteError(f"{where}: missing key {exc}") from exc
@@ -147,16 +179,53 @@ def _task(t: dict[str, Any], groups: tuple[str, ...], where: str) -> Task:
         tuple(t["class_names"]) if "class_names" in t else None,
         t.get("label"),
         bool(t.get("multilabel")),
+        t.get("kind", "classification"),
+        tuple(t.get("protocols", ())),
+        tuple(t.get("metrics", ())),
+        t.get("relevance"),
+        t.get("data"),
     )
-    if task.metric not in METRICS:
-        raise SuiteError(f"{where}: task {task.name} metric {task.metric!r} is not one of {', '.join(METRICS)}")
+    _check_kind_metrics_protocols(task, where)
     if task.group not in groups:
         raise SuiteError(f"{where}: task {task.name} group {task.group!r} is not one of {groups}")
+    if task.kind == "classification" and task.num_classes < 2:
+        raise SuiteError(f"{where}: task {task.name} needs num_classes >= 2 (got {task.num_classes})")
     if task.class_names is not None and len(task.class_names) != task.num_classes:
         raise SuiteError(
             f"{where}: task {task.name} has {len(task.class_names)} class names for {task.num_classes} classes"
         )
     return task
+
+
+def _retrieval_metric_ok(name: str) -> bool:
+    base, at, k = name.partition("@")
+    return (f"{base}@k" in RETRIEVAL_METRICS and k.isdigit() and int(k) > 0) if at else name in RETRIEVAL_METRICS
+
+
+def _check_kind_metrics_protocols(task: Task, where: str) -> None:
+    """The task's kind is known, its metrics are ones its stage writes, its protocols are registered."""
+    if task.kind not in KINDS:
+        raise SuiteError(f"{where}: task {task.name} kind {task.kind!r} is not one of {', '.join(KINDS)}")
+    for m in (task.metric, *task.metrics):
+        if task.kind == "retrieval" and not _retrieval_metric_ok(m):
+            raise SuiteError(
+                f"{where}: retrieval task {task.name} metric {m!r} is not one featcache retrieve writes "
+                f"({', '.join(RETRIEVAL_METRICS)})"
+            )
+        if task.kind == "classification" and m not in METRICS:
+            raise SuiteError(f"{where}: task {task.name} metric {m!r} is not one of {', '.join(METRICS)}")
+    if task.protocols:
+        from featcache.errors import ProtocolError
+        from featcache.protocols import get_protocol, list_protocols
+
+        for spec in task.protocols:
+            try:
+                get_protocol(spec)
+            except ProtocolError as exc:
+                raise SuiteError(
+                    f"{where}: task {task.name} protocol {spec!r} is not a probe protocol ({exc}); "
+                    f"registered: {', '.join(list_protocols())}"
+                ) from exc
 
 
 def present_tasks(suite: Suite, data_root: str) -> list[tuple[Task, str]]:

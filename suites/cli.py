@@ -22,15 +22,24 @@ def run_suites(args: argparse.Namespace) -> int:
     )
     for k, v in s.subsets.items():
         print(f"  subset {k}: {v}")
+    if s.data:
+        print(f"  data: {s.data}")
     present = _present(s, args.data_root) if args.data_root else {}
     for t in s.tasks:
         where = f"  [{present[t.name] or 'missing'}]" if args.data_root else ""
-        print(f"{t.name:<22} {t.group:<12} {t.metric:<15} {t.num_classes:>4} classes{where}")
+        classes = f"{t.num_classes:>4} classes" if t.num_classes else f"{t.kind:>12}"
+        print(f"{t.name:<22} {t.group:<12} {t.metric:<15} {classes}{where}")
         if args.verbose_tasks:
             for k, v in t.splits.items():
                 print(f"    split {k}: {v}")
             if t.label:
                 print(f"    label: {t.label}")
+            for what, v in (("protocols", ", ".join(t.protocols)), ("metrics", ", ".join(t.metrics))):
+                if v:
+                    print(f"    {what}: {v}")
+            for what, v in (("relevance", t.relevance), ("data", t.data)):
+                if v:
+                    print(f"    {what}: {v}")
             print(f"    source: {t.source}; folder names: {', '.join(t.dir_names)}")
     return 0
 
@@ -46,7 +55,9 @@ def _present(suite, root: str) -> dict[str, str | None]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("suites", help="list the benchmark suites (vtab-1k, elevater-ic, salman-12) and their tasks")
+    p = sub.add_parser(
+        "suites", help="list the benchmark suites (vtab-1k, elevater-ic, salman-12, bob) and their tasks"
+    )
     p.add_argument("name", nargs="?", help="a suite: list its tasks (group, metric, classes)")
     p.add_argument(
         "--data-root", default=None, help="show which tasks have data under this folder (and in which layout)"

@@ -312,3 +312,17 @@ def test_zeroshot_is_a_protocol_row_and_a_report_setting(tiny, oc_store, tmp_pat
     assert set(zs["train_split"]) == {"none"}
     merged, _ = merge_tables([load_table(df)])
     assert set(merged["setting"]) == {"probe:digits (zero-shot)", "probe:digits"}
+    # the row says where its classifier came from: the tower (weights hash) and the template set
+    import json
+
+    from featcache.prompts import load_templates, templates_sha256
+
+    src = json.loads(zs["hparams"][0])["class_embeddings"]
+    feat = open_cache(cache, "r").provenance("oc", "digits", "test")
+    assert src["weights_sha256"] == feat.weights_sha256
+    assert src["tower"]
+    assert src["name"] == "text"
+    assert src["templates_sha256"] == templates_sha256(load_templates(str(tmpl), "digits"))
+    assert src["n_templates"] == 2
+    zcfg = ProbeConfig(cache, "oc", "digits", "zeroshot", results_path=res, progress=False)
+    assert set(zs["run_id"]) == set(zcfg.run_ids().values())  # hparams only: run ids as before

