@@ -32,7 +32,8 @@ def test_bob_suite_lists_the_toolkits_tasks_protocols_and_data():
     assert {t.metric for t in cls.values()} <= set(METRICS)
     assert cls["chexpert"].multilabel
     assert cls["chexpert"].metric == "roc_auc_macro"
-    assert cls["imagenet"].protocols == ("full", "subset:1%", "subset:10%")
+    assert cls["imagenet"].protocols == ("bob-linear", "full", "subset:1%", "subset:10%")
+    assert all(t.protocols[0] == "bob-linear" for t in cls.values() if not t.multilabel)
     for t in cls.values():
         assert t.protocols
         assert all(get_protocol(p).stage == "probe" for p in t.protocols)
