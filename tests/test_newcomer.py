@@ -31,10 +31,10 @@ def test_help_shows_single_percent_and_every_analysis_flag_has_help(capsys):
 
 
 # --------------------------------------------------------------------------- a small real store
-@pytest.fixture
-def two_datasets(tmp_path):
+@pytest.fixture(scope="module")
+def two_datasets(tmp_path_factory):
     """digits pixels as backbones ``pix`` (digits train/test, dig2 train) and ``half`` (digits
-    train/test only): the pair half x dig2 was never extracted."""
+    train/test only): the pair half x dig2 was never extracted. Built once: the tests only read it."""
     import numpy as np
     from sklearn.datasets import load_digits
 
@@ -44,7 +44,7 @@ def two_datasets(tmp_path):
     X, y = d.data.astype(np.float32), d.target
     ids = np.array([f"d{i:04d}" for i in range(y.size)])
     names = [str(c) for c in range(10)]
-    path = str(tmp_path / "two.zarr")
+    path = str(tmp_path_factory.mktemp("newcomer") / "two.zarr")
     rows = {"train": slice(0, 1200), "test": slice(1200, None)}
     for b, feats in (("pix", X), ("half", X[:, ::2])):
         for split, r in rows.items():
@@ -176,7 +176,11 @@ def test_rerun_skip_names_both_the_flag_and_the_keyword(two_datasets, tmp_path, 
     from featcache.probes import ProbeConfig, run_probes
 
     cfg = ProbeConfig(
-        cache=two_datasets, backbones=("pix",), dataset="digits", results_path=str(tmp_path / "r.parquet")
+        cache=two_datasets,
+        backbones=("pix",),
+        dataset="digits",
+        results_path=str(tmp_path / "r.parquet"),
+        Cs=(1.0,),  # one C: the rerun's skip message is the point, not the C search
     )
     run_probes(cfg)
     with caplog.at_level(logging.INFO, logger="featcache"):
