@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 
@@ -226,12 +227,32 @@ def _digits_rows(ks, extra_k_at_mean=()):
     """Real digits results for fixed feature maps: a logistic probe, retrieval mAP and a kNN
     per k in ``ks`` (sklearn); ``extra_k_at_mean``: more k rows whose score is the mean of ``ks``'."""
     import numpy as np
+
+    from featcache.results import make_run_id
+
+    rows = []
+    for b, (acc, knn, p1, n_eval) in _digits_scores(tuple(ks)).items():
+        base = {"backbone": b, "dataset": "digits", "eval_split": "test", "n_eval": n_eval, "seed": 0}
+        rows.append({**base, "kind": "probe", "protocol": "full", "metric": "top1", "value": acc})
+        knn = dict(knn)
+        for k in extra_k_at_mean:
+            knn[k] = float(np.mean([knn[j] for j in ks]))
+        for k, v in knn.items():
+            rows.append({**base, "kind": "knn", "protocol": f"knn-k{k}", "metric": "top1", "value": float(v)})
+        rows.append({**base, "kind": "retrieval", "protocol": "semantic", "metric": "map", "value": p1})
+    for r in rows:
+        r["run_id"] = make_run_id(**{k: v for k, v in r.items() if k not in ("metric", "value")})
+    return rows
+
+
+@functools.cache
+def _digits_scores(ks: tuple) -> dict:
+    """backbone -> (probe top-1, {k: kNN top-1}, retrieval P@1, n_eval) on digits, computed once per ``ks``."""
+    import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.decomposition import PCA
     from sklearn.linear_model import LogisticRegression
     from sklearn.neighbors import KNeighborsClassifier
-
-    from featcache.results import make_run_id
 
     X, y = load_digits(return_X_y=True)
     X = X / 16.0
@@ -240,24 +261,15 @@ def _digits_rows(ks, extra_k_at_mean=()):
     for d in (2, 3, 6):
         p = PCA(d, random_state=0).fit(Xtr)
         feats[f"pca:{d}"] = (p.transform(Xtr), p.transform(Xte))
-    rows = []
+    out = {}
     for b, (Ftr, Fte) in feats.items():
-        base = {"backbone": b, "dataset": "digits", "eval_split": "test", "n_eval": len(yte), "seed": 0}
-        acc = LogisticRegression(C=0.5, max_iter=500).fit(Ftr, ytr).score(Fte, yte)
-        rows.append({**base, "kind": "probe", "protocol": "full", "metric": "top1", "value": float(acc)})
+        acc = float(LogisticRegression(C=0.5, max_iter=500).fit(Ftr, ytr).score(Fte, yte))
         knn = {k: KNeighborsClassifier(k).fit(Ftr, ytr).score(Fte, yte) for k in ks}
-        for k in extra_k_at_mean:
-            knn[k] = float(np.mean([knn[j] for j in ks]))
-        for k, v in knn.items():
-            rows.append({**base, "kind": "knn", "protocol": f"knn-k{k}", "metric": "top1", "value": float(v)})
         F = Fte / np.linalg.norm(Fte, axis=1, keepdims=True)
         S = F @ F.T
         np.fill_diagonal(S, -np.inf)
-        p1 = float((yte[S.argmax(1)] == yte).mean())
-        rows.append({**base, "kind": "retrieval", "protocol": "semantic", "metric": "map", "value": p1})
-    for r in rows:
-        r["run_id"] = make_run_id(**{k: v for k, v in r.items() if k not in ("metric", "value")})
-    return rows
+        out[b] = (acc, knn, float((yte[S.argmax(1)] == yte).mean()), len(yte))
+    return out
 
 
 def _rank(tmp_path, rows, name):
