@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 
@@ -31,10 +32,10 @@ def test_help_shows_single_percent_and_every_analysis_flag_has_help(capsys):
 
 
 # --------------------------------------------------------------------------- a small real store
-@pytest.fixture
-def two_datasets(tmp_path):
+@pytest.fixture(scope="module")
+def two_datasets(tmp_path_factory):
     """digits pixels as backbones ``pix`` (digits train/test, dig2 train) and ``half`` (digits
-    train/test only): the pair half x dig2 was never extracted."""
+    train/test only): the pair half x dig2 was never extracted. Built once: the tests only read it."""
     import numpy as np
     from sklearn.datasets import load_digits
 
@@ -44,7 +45,7 @@ def two_datasets(tmp_path):
     X, y = d.data.astype(np.float32), d.target
     ids = np.array([f"d{i:04d}" for i in range(y.size)])
     names = [str(c) for c in range(10)]
-    path = str(tmp_path / "two.zarr")
+    path = str(tmp_path_factory.mktemp("newcomer") / "two.zarr")
     rows = {"train": slice(0, 1200), "test": slice(1200, None)}
     for b, feats in (("pix", X), ("half", X[:, ::2])):
         for split, r in rows.items():
@@ -176,7 +177,11 @@ def test_rerun_skip_names_both_the_flag_and_the_keyword(two_datasets, tmp_path, 
     from featcache.probes import ProbeConfig, run_probes
 
     cfg = ProbeConfig(
-        cache=two_datasets, backbones=("pix",), dataset="digits", results_path=str(tmp_path / "r.parquet")
+        cache=two_datasets,
+        backbones=("pix",),
+        dataset="digits",
+        results_path=str(tmp_path / "r.parquet"),
+        Cs=(1.0,),  # one C: the rerun's skip message is the point, not the C search
     )
     run_probes(cfg)
     with caplog.at_level(logging.INFO, logger="featcache"):
@@ -222,12 +227,32 @@ def _digits_rows(ks, extra_k_at_mean=()):
     """Real digits results for fixed feature maps: a logistic probe, retrieval mAP and a kNN
     per k in ``ks`` (sklearn); ``extra_k_at_mean``: more k rows whose score is the mean of ``ks``'."""
     import numpy as np
+
+    from featcache.results import make_run_id
+
+    rows = []
+    for b, (acc, knn, p1, n_eval) in _digits_scores(tuple(ks)).items():
+        base = {"backbone": b, "dataset": "digits", "eval_split": "test", "n_eval": n_eval, "seed": 0}
+        rows.append({**base, "kind": "probe", "protocol": "full", "metric": "top1", "value": acc})
+        knn = dict(knn)
+        for k in extra_k_at_mean:
+            knn[k] = float(np.mean([knn[j] for j in ks]))
+        for k, v in knn.items():
+            rows.append({**base, "kind": "knn", "protocol": f"knn-k{k}", "metric": "top1", "value": float(v)})
+        rows.append({**base, "kind": "retrieval", "protocol": "semantic", "metric": "map", "value": p1})
+    for r in rows:
+        r["run_id"] = make_run_id(**{k: v for k, v in r.items() if k not in ("metric", "value")})
+    return rows
+
+
+@functools.cache
+def _digits_scores(ks: tuple) -> dict:
+    """backbone -> (probe top-1, {k: kNN top-1}, retrieval P@1, n_eval) on digits, computed once per ``ks``."""
+    import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.decomposition import PCA
     from sklearn.linear_model import LogisticRegression
     from sklearn.neighbors import KNeighborsClassifier
-
-    from featcache.results import make_run_id
 
     X, y = load_digits(return_X_y=True)
     X = X / 16.0
@@ -236,24 +261,15 @@ def _digits_rows(ks, extra_k_at_mean=()):
     for d in (2, 3, 6):
         p = PCA(d, random_state=0).fit(Xtr)
         feats[f"pca:{d}"] = (p.transform(Xtr), p.transform(Xte))
-    rows = []
+    out = {}
     for b, (Ftr, Fte) in feats.items():
-        base = {"backbone": b, "dataset": "digits", "eval_split": "test", "n_eval": len(yte), "seed": 0}
-        acc = LogisticRegression(C=0.5, max_iter=500).fit(Ftr, ytr).score(Fte, yte)
-        rows.append({**base, "kind": "probe", "protocol": "full", "metric": "top1", "value": float(acc)})
+        acc = float(LogisticRegression(C=0.5, max_iter=500).fit(Ftr, ytr).score(Fte, yte))
         knn = {k: KNeighborsClassifier(k).fit(Ftr, ytr).score(Fte, yte) for k in ks}
-        for k in extra_k_at_mean:
-            knn[k] = float(np.mean([knn[j] for j in ks]))
-        for k, v in knn.items():
-            rows.append({**base, "kind": "knn", "protocol": f"knn-k{k}", "metric": "top1", "value": float(v)})
         F = Fte / np.linalg.norm(Fte, axis=1, keepdims=True)
         S = F @ F.T
         np.fill_diagonal(S, -np.inf)
-        p1 = float((yte[S.argmax(1)] == yte).mean())
-        rows.append({**base, "kind": "retrieval", "protocol": "semantic", "metric": "map", "value": p1})
-    for r in rows:
-        r["run_id"] = make_run_id(**{k: v for k, v in r.items() if k not in ("metric", "value")})
-    return rows
+        out[b] = (acc, knn, float((yte[S.argmax(1)] == yte).mean()), len(yte))
+    return out
 
 
 def _rank(tmp_path, rows, name):
