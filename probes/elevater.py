@@ -23,7 +23,7 @@ import numpy as np
 from featcache.errors import ProbeError
 from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
 
-__all__ = ["fit_elevater", "l2_normalise", "search_weight_decay", "zeroshot_logits"]
+__all__ = ["fit_elevater", "fit_elevater_multilabel", "l2_normalise", "search_weight_decay", "zeroshot_logits"]
 
 
 def l2_normalise(X: np.ndarray) -> np.ndarray:
@@ -62,7 +62,153 @@ def search_weight_decay(score: Callable[[int], float], n_wds: int, coarse, spans
     return peak, best, len(seen)
 
 
-@register_solver("elevater", options=("search_epochs", "final_epochs", "final_epoch"))
+def _search(grid, val_score: Callable[[float, float], float], metric: str, epochs_of: dict):
+    """ELEVATER's (lr, wd) search: per lr of the grid the coarse-to-fine weight-decay search of
+    ``val_score(lr, wd)``; returns ((score, lr, wd) of the best, per-lr records, trials)."""
+    best = (-math.inf, None, None)
+    trials, per_lr = 0, []
+    for lr in grid.lrs:
+        i, sc, n = search_weight_decay(
+            lambda k, lr=lr: val_score(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans
+        )
+        trials += n
+        per_lr.append(
+            {
+                "lr": lr,
+                "weight_decay": grid.wds[i],
+                f"val_{metric}": sc,
+                "best_epoch": epochs_of[(lr, grid.wds[i])],
+                "trials": n,
+            }
+        )
+        if sc > best[0]:
+            best = (sc, lr, grid.wds[i])
+    return best, per_lr, trials
+
+
+def _best_epoch(scores: list[float]) -> tuple[float, int]:
+    """(best value, its 1-based epoch): the first strict maximum from 0 (0, 0 when none)."""
+    best, at = 0.0, 0
+    for e, v in enumerate(scores, 1):
+        if v > best:
+            best, at = v, e
+    return best, at
+
+
+def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, best_epoch: int, head: str) -> dict:
+    """The results-row record of one ELEVATER fit (single- or multi-label)."""
+    grid, opts = req.proto.grid, req.opts
+    sc, lr, wd = best
+    metric = opts.get("metric") or "top1"
+    se, fe = opts["search_epochs"], opts["final_epochs"]
+    hp = {
+        "solver": "elevater-sgd",
+        "device": device,
+        "lr": lr,
+        "weight_decay": wd,
+        f"val_{metric}": sc,
+        "best_epoch": best_epoch,
+        "selection": f"val {metric} at each trial's best search epoch (ties: earlier epoch, smaller lr, earlier probe)",
+        "trials": trials,
+        "per_lr": per_lr,
+        "search_epochs": se,
+        "final_epochs": fe,
+        "batch_size": grid.batch_size,
+        "momentum": grid.momentum,
+        "nesterov": grid.nesterov,
+        "features": grid.features,
+        "logit_scale": grid.logit_scale,
+        "head": head,
+        "report": "best test epoch (selected on the test split, as the ELEVATER toolkit)"
+        if opts.get("final_epoch") == "best-test"
+        else "final epoch (not the best test epoch)",
+    }
+    scaled = {
+        k: v
+        for k, v, pub in (("search_epochs", se, grid.search_epochs), ("final_epochs", fe, grid.final_epochs))
+        if v != pub
+    }
+    if scaled:
+        hp["scaled"] = True
+        hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}
+    return hp
+
+
+def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
+    """Multi-label targets (``plan.Y``, [n, C] 0/1) as the toolkit fits VOC 2007: the same
+    (lr, wd) search and final run as :func:`fit_elevater`, but the head trained with
+    BCE-with-logits and every epoch scored by the task metric (a ranking metric, e.g.
+    ``map11_elevater``) of the softmax of its outputs. Source: Computer-Vision-in-the-Wild/
+    Elevater_Toolkit_IC, vision_benchmark/evaluation/full_model_finetune.py: ``train_task``
+    sets ``criterion = torch.nn.BCEWithLogitsLoss()`` for MULTILABEL_DATASETS
+    (voc-2007-classification, chestx-ray8) and ``validate`` scores
+    ``outputs.softmax(-1)`` (softmax, not sigmoid) with ``config.TEST.METRIC``; the predicted
+    scores here are the same softmax."""
+    from featcache.probes.logistic import cpu_threads, resolve_backend
+    from featcache.probes.sgd import train_sgd_head
+
+    grid, plan, opts, seed = req.proto.grid, req.plan, req.opts, req.seed
+    device = resolve_backend("torch")[1]
+    (Xtr, _), (Xva, _), (Xfin, _) = ((np.asarray(X, np.float64), y) for X, y in (plan.tr, plan.va, plan.fin))
+    Ytr, Yva, Yfin = (np.asarray(Y, bool) for Y in plan.Y)
+    metric = opts.get("metric") or "map11_elevater"
+
+    def train(X, Y, lr, wd, epochs, on_epoch=None):
+        """(W [D, C], b [C], finite) of ``epochs`` BCE-SGD passes over (X, Y)."""
+        with cpu_threads(device):
+            return train_sgd_head(
+                X,
+                Y,
+                Y.shape[1],
+                lr=lr,
+                steps=epochs * math.ceil(len(X) / grid.batch_size),
+                batch_size=grid.batch_size,
+                momentum=grid.momentum,
+                weight_decay=wd,
+                seed=seed,
+                device=device,
+                nesterov=grid.nesterov,
+                on_epoch=on_epoch,
+                loss="bce",
+            )
+
+    tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
+    Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
+    epochs_of: dict[tuple[float, float], int] = {}
+
+    def val_score(lr, wd) -> float:
+        """The trial's best epoch on the task metric of the val softmax scores."""
+        scores: list[float] = []
+        *_, ok = train(
+            Xtr_s,
+            Ytr,
+            lr,
+            wd,
+            opts["search_epochs"],
+            lambda W, b: scores.append(_epoch_score(metric, Yva, Xva_s, W.T, b)),
+        )
+        best, at = _best_epoch(scores)
+        epochs_of[(lr, wd)] = at
+        return best if ok or at else -1.0
+
+    t0 = time.perf_counter()
+    best, per_lr, trials = _search(grid, val_score, metric, epochs_of)
+    _, lr, wd = best
+    heads: list[tuple[np.ndarray, np.ndarray]] = []
+    best_test = opts.get("final_epoch") == "best-test"
+    bn = _ChannelBN(Xfin, grid.features, grid.logit_scale)
+    W, b, ok = train(
+        bn(Xfin), Yfin, lr, wd, opts["final_epochs"], (lambda W, b: heads.append((W.T, b))) if best_test else None
+    )
+    hp = _hparams(req, device, best, per_lr, trials, epochs_of[(lr, wd)], "zeros")
+    hp.update(loss="bce", n_labels=int(Yfin.shape[1]), scores="softmax over the label columns (the toolkit's validate)")
+    epochs = tuple(_softmax_head(bn, co, bi) for co, bi in heads)
+    return FitOutcome(_softmax_head(bn, W.T, b), None, hp, ok, time.perf_counter() - t0, epochs)
+
+
+@register_solver(
+    "elevater", options=("search_epochs", "final_epochs", "final_epoch"), fit_multilabel=fit_elevater_multilabel
+)
 def fit_elevater(req: FitRequest) -> FitOutcome:
     """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; ``head_init``: [C, D]
     class embeddings of the dataset's classes or ``None`` (zero head)."""
@@ -116,66 +262,19 @@ def fit_elevater(req: FitRequest) -> FitOutcome:
         scores: list[float] = []
         p = head(lr, wd, ytr.size, se, lambda W, b: scores.append(_epoch_score(metric, yva_i, Xva_s, W, b)))
         p.fit(Xtr_s, ytr, classes=classes)
-        best, at = 0.0, 0
-        for e, v in enumerate(scores, 1):
-            if v > best:
-                best, at = v, e
+        best, at = _best_epoch(scores)
         epochs_of[(lr, wd)] = at
         return best if p.finite_ or at else -1.0
 
     t0 = time.perf_counter()
-    best = (-math.inf, None, None)
-    trials, per_lr = 0, []
-    for lr in grid.lrs:
-        i, sc, n = search_weight_decay(
-            lambda k, lr=lr: val_score(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans
-        )
-        trials += n
-        per_lr.append(
-            {
-                "lr": lr,
-                "weight_decay": grid.wds[i],
-                f"val_{metric}": sc,
-                "best_epoch": epochs_of[(lr, grid.wds[i])],
-                "trials": n,
-            }
-        )
-        if sc > best[0]:
-            best = (sc, lr, grid.wds[i])
-    sc, lr, wd = best
+    best, per_lr, trials = _search(grid, val_score, metric, epochs_of)
+    _, lr, wd = best
     best_test = opts.get("final_epoch") == "best-test"
     heads: list[tuple[np.ndarray, np.ndarray]] = []
     probe, bn = fit(*plan.fin, lr, wd, fe, (lambda W, b: heads.append((W, b))) if best_test else None)
-    hp = {
-        "solver": "elevater-sgd",
-        "device": device,
-        "lr": lr,
-        "weight_decay": wd,
-        f"val_{metric}": sc,
-        "best_epoch": epochs_of[(lr, wd)],
-        "selection": f"val {metric} at each trial's best search epoch (ties: earlier epoch, smaller lr, earlier probe)",
-        "trials": trials,
-        "per_lr": per_lr,
-        "search_epochs": se,
-        "final_epochs": fe,
-        "batch_size": grid.batch_size,
-        "momentum": grid.momentum,
-        "nesterov": grid.nesterov,
-        "features": grid.features,
-        "logit_scale": grid.logit_scale,
-        "head": "text-initialised" if hi is not None else "zeros",
-        "report": "best test epoch (selected on the test split, as the ELEVATER toolkit)"
-        if best_test
-        else "final epoch (not the best test epoch)",
-    }
-    scaled = {
-        k: v
-        for k, v, pub in (("search_epochs", se, grid.search_epochs), ("final_epochs", fe, grid.final_epochs))
-        if v != pub
-    }
-    if scaled:
-        hp["scaled"] = True
-        hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}
+    hp = _hparams(
+        req, device, best, per_lr, trials, epochs_of[(lr, wd)], "text-initialised" if hi is not None else "zeros"
+    )
     seconds = time.perf_counter() - t0
     epochs = tuple(_softmax_head(bn, W, b) for W, b in heads)
     return FitOutcome(lambda X: probe.predict_proba(bn(X)), classes, hp, probe.finite_, seconds, epochs)

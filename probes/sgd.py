@@ -1,7 +1,8 @@
 """Mini-batch SGD training of a linear head (Salman et al.; VTAB lightweight schedule):
 :class:`SGDProbe`, a scikit-learn classifier, over :func:`train_sgd_head`.
 
-The loss is the mean softmax cross-entropy of the batch; weight decay (torch SGD's, on W
+The loss is the mean softmax cross-entropy of the batch (``loss="bce"``: the mean binary
+cross-entropy with logits of an [n, K] 0/1 target matrix, ELEVATER's multi-label head); weight decay (torch SGD's, on W
 and b) and momentum as given; the learning rate is multiplied by 0.1 at each milestone
 step. Shuffling uses a torch generator seeded by ``seed``, so runs repeat bit for bit on
 the same device.
@@ -41,6 +42,7 @@ def train_sgd_head(
     drop_remainder: bool = False,
     nesterov: bool = False,
     on_epoch=None,
+    loss: str = "ce",
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Train ``logits = X @ W + b`` for ``steps`` updates; returns (W [D, K], b [K], finite).
 
@@ -53,13 +55,18 @@ def train_sgd_head(
     when given, is called with the head after each full epoch (ELEVATER scores every epoch).
     ``init``: ``(W, b)``, ``None`` (zeros) or ``"torch-default"``: PyTorch's default
     ``nn.Linear(D, K)`` initialisation drawn after ``torch.manual_seed(seed)`` (Salman et al.'s
-    ``fine_tunify.py``), without touching the process's random state.
+    ``fine_tunify.py``), without touching the process's random state. ``loss``: ``"ce"``
+    (``y`` class indices [n]) or ``"bce"`` (``y`` an [n, K] 0/1 matrix; ``BCEWithLogitsLoss``).
     """
     import torch
 
+    if loss not in ("ce", "bce"):
+        raise ProbeError(f"loss must be 'ce' or 'bce', got {loss!r}")
+    bce = loss == "bce"
+    criterion = torch.nn.functional.binary_cross_entropy_with_logits if bce else torch.nn.functional.cross_entropy
     gen = torch.Generator().manual_seed(int(seed))
     X_t = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(device)
-    y_t = torch.from_numpy(np.asarray(y, np.int64)).to(device)
+    y_t = torch.from_numpy(np.asarray(y, np.float32 if bce else np.int64)).to(device)
     n, D = X_t.shape
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
@@ -82,13 +89,13 @@ def train_sgd_head(
     for batches in _epochs(n, batch_size, steps, seed, gen, drop_remainder):
         for bi in batches:
             bi = bi.to(device)
-            loss = torch.nn.functional.cross_entropy(lin(X_t[bi]), y_t[bi])
+            value = criterion(lin(X_t[bi]), y_t[bi])
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             opt.step()
             sched.step()
             step += 1
-        if not torch.isfinite(loss):
+        if not torch.isfinite(value):
             finite = False
             log.warning("SGD head diverged at step %d (lr=%g)", step, lr)
             break
