@@ -382,7 +382,8 @@ def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
         raise ProbeError(
             f"multi-label targets run the multi-label fitters of the solvers {ok} without "
             f"head_init; {proto.spec} (solver {proto.solver!r}) is not supported for them: "
-            "use full, fewshot:N, subset:F%, elevater-full or elevater-fewshot:N"
+            "use full, fewshot:N or subset:F% (one-vs-rest L-BFGS), or elevater-full or "
+            "elevater-fewshot:N (a BCE-trained SGD head, as the ELEVATER toolkit)"
         )
 
 
