@@ -31,6 +31,11 @@ class CorruptStoreError(IncompleteStoreError):
     """A chunk fails its checksum or contradicts the arrays beside it (bit rot, truncation)."""
 
 
+class CorruptManifestError(FeatcacheError, ValueError):
+    """A store's ``.featcache-manifest`` part is unreadable or fails its own digest
+    (``featcache verify`` names it; ``verify --repair`` rewrites it from the documents)."""
+
+
 class ProvenanceMismatchError(SchemaMismatchError):
     """Re-running into an existing key with different settings."""
 

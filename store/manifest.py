@@ -17,6 +17,8 @@ import json
 import logging
 from typing import Any
 
+from featcache.errors import CorruptManifestError
+
 log = logging.getLogger(__name__)
 
 MANIFEST_DIR = ".featcache-manifest"
@@ -138,11 +140,11 @@ def load(store, unit: str) -> dict[str, Any] | None:
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
+        raise CorruptManifestError(f"not valid JSON ({exc})") from None
     if not isinstance(body, dict) or not isinstance(body.get("documents"), dict):
-        raise ValueError("not a featcache manifest")
+        raise CorruptManifestError("not a featcache manifest")
     if body.get("sha256") != _body_digest(body):
-        raise ValueError("its content does not match its own digest")
+        raise CorruptManifestError("its content does not match its own digest")
     return body
 
 

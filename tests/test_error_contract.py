@@ -22,9 +22,9 @@ def _library_files() -> list[Path]:
 
 
 # Python's own protocols need these builtins: a module's or class's __getattr__ raises
-# AttributeError, a sequence's __getitem__ IndexError, an abstract method NotImplementedError,
+# AttributeError, a sequence's (mapping's) __getitem__ IndexError (KeyError), an abstract method NotImplementedError,
 # and a CLI entry point may end with SystemExit.
-PROTOCOL_RAISES = {"__getattr__": {"AttributeError"}, "__getitem__": {"IndexError"}}
+PROTOCOL_RAISES = {"__getattr__": {"AttributeError"}, "__getitem__": {"IndexError", "KeyError"}}
 ANYWHERE = {"NotImplementedError", "SystemExit"}
 
 
