@@ -48,8 +48,11 @@ demo-deps:
 demo: setup demo-deps
 	$(VENV)/bin/featcache demo
 
+# one pytest worker per core (pytest-xdist), each test file whole on one worker so module
+# fixtures are built once; TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= auto
 test: setup system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -51,8 +51,7 @@ augmentation). Batches are full: an endless stream of seeded epoch permutations 
 slices; ``micro_batch`` splits each into gradient-accumulation chunks (loss scaled by the
 full batch; BatchNorm then sees micro-batches). On CUDA the forward runs under bf16
 autocast (``precision="auto"``) in channels-last layout; CPU runs in fp32 unless
-``precision="bf16"`` on a CPU with bf16 hardware (the run id then records the CPU ISA), also
-in channels-last layout (the run id records ``cpu_layout``: CPU runs before it used NCHW).
+``precision="bf16"`` on a CPU with bf16 hardware (the run id then records the CPU ISA).
 
 Checkpoints and resume
 ----------------------
@@ -297,9 +296,7 @@ def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: st
             weight_decay=cfg.weight_decay,
             micro_batch=cfg.micro_batch,
         ),
-        # CPU runs compute in channels-last layout since it was measured 1.5x faster there
-        # (benchmarks/finetune_step.py): recorded, so results of the NCHW runs are not reused
-        {**cfg.run_options(proto, bb, prec), **({"cpu_layout": "channels_last"} if dev.startswith("cpu") else {})},
+        cfg.run_options(proto, bb, prec),
         cfg.scaled_from(proto),
         dev,
         prec,

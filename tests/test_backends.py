@@ -4,6 +4,8 @@ another backend is refused with the difference."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -61,6 +63,11 @@ def test_engine_backend_keeps_eager_features_and_is_recorded(tmp_path, eager, ba
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("FEATCACHE_TEST_COMPILE"),
+    reason="inductor compiles lite0 for ~90 s on 2 cores, too long for the CI budget: set "
+    "FEATCACHE_TEST_COMPILE=1 (benchmarks/inference_backends.py checks the same agreement)",
+)
 def test_compile_backend_keeps_eager_features(tmp_path, eager):
     x, extra = _run(tmp_path, "compile")
     _agrees(x, eager)

@@ -252,33 +252,6 @@ def test_batchnorm_statistics_update_during_training(one_thread, digits_splits):
     assert len(res.losses) == 2
 
 
-def test_cpu_training_runs_channels_last(one_thread, digits_splits):
-    """The CPU step runs in channels-last layout (1.8x the NCHW step: benchmarks/finetune_step.py)."""
-    import torch
-
-    from featcache.extract.backbones import create_backbone
-
-    bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
-    net = FT.Net.build(bb.model, bb.feature_dim, 10)
-    init = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    tr = digits_splits[0]
-    pool = FD.Pool(
-        [(tr, i) for i in range(8)], bb.transform, (3, 32, 32), memory_limit=1e9, workers=0, progress=False, what="t"
-    )
-    seen = []
-    hook = net.backbone.conv_stem.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
-    cfg = FS.TrainConfig(lr=0.01, steps=1, batch_size=4, milestones=())
-    kw = {"seed": 0, "device": "cpu", "precision": "fp32", "ckpt_path": None, "checkpoint_every": 10}
-    res = FT.train_run(net, init, pool, np.arange(8), cfg, run_key={"t": 3}, progress=False, **kw)
-    hook.remove()
-    assert res.finite
-    w = net.state_dict()["backbone.conv_stem.weight"]
-    assert w.is_contiguous(memory_format=torch.channels_last)
-    assert not w.is_contiguous()
-    assert seen
-    assert all(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() for x in seen)
-
-
 def test_bf16_autocast_training_step(one_thread, digits_splits):
     """The CUDA default precision path (bf16 autocast, fp32 loss) on the CPU autocast backend."""
     from featcache.extract.backbones import create_backbone
