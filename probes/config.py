@@ -7,9 +7,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from featcache.configs import flag, str_tuple
-from featcache.errors import ProbeError
+from featcache.errors import ConfigError, ProbeError
 
 __all__ = ["ProbeConfig"]
+
+
+class ProbeConfigError(ConfigError, ProbeError):
+    """An invalid ProbeConfig value (a ConfigError; still a ProbeError, as it was)."""
 
 
 def _seeds(value) -> tuple[int, ...] | None:
@@ -19,7 +23,7 @@ def _seeds(value) -> tuple[int, ...] | None:
         try:
             return tuple(int(s) for s in value.split(",") if s.strip())
         except ValueError:
-            raise ProbeError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {value!r})") from None
+            raise ProbeConfigError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {value!r})") from None
     return tuple(int(s) for s in value)
 
 
@@ -135,7 +139,7 @@ class ProbeConfig:
             from featcache.metrics import TASK_METRICS
 
             if self.metric not in TASK_METRICS:
-                raise ProbeError(f"unknown task metric {self.metric!r}; choose one of {TASK_METRICS}")
+                raise ProbeConfigError(f"unknown task metric {self.metric!r}; choose one of {TASK_METRICS}")
 
     def resolve(self):
         """(protocol, config with every ``None`` grid/schedule/seed field filled in from it)."""
@@ -155,10 +159,10 @@ class ProbeConfig:
             final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
         )
         if out.final_epoch not in ("last", "best-test"):
-            raise ProbeError(f"final_epoch must be 'last' or 'best-test' (got {out.final_epoch!r})")
+            raise ProbeConfigError(f"final_epoch must be 'last' or 'best-test' (got {out.final_epoch!r})")
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
-                raise ProbeError(f"{f} must be >= 1 (got {getattr(out, f)})")
+                raise ProbeConfigError(f"{f} must be >= 1 (got {getattr(out, f)})")
         if getattr(g, "fixed", ()):  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
             out = replace(out, **dict(g.fixed))
         from featcache.probes.solvers import get_solver
@@ -167,11 +171,11 @@ class ProbeConfig:
         if solver.default_head_init and out.head_init is None:  # zeroshot: the text head is the classifier
             out = replace(out, head_init=solver.default_head_init)
         if not out.seeds:
-            raise ProbeError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
+            raise ProbeConfigError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not out.backbones:
-            raise ProbeError("no backbone given; pass --backbone NAME (repeatable) or --all")
+            raise ProbeConfigError("no backbone given; pass --backbone NAME (repeatable) or --all")
         if out.sgd_epochs is not None and isinstance(g, SGDGrid) and g.epochs is not None and out.sgd_epochs < 3:
-            raise ProbeError(f"{proto.spec} needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
+            raise ProbeConfigError(f"{proto.spec} needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
         return proto, out
 
     def solver_options(self) -> dict[str, Any]:

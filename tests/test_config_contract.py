@@ -220,11 +220,17 @@ def test_invalid_flag_value_is_a_config_error_naming_the_flag(argv, flag):
         (RetrievalConfig, {"cache": "c", "dataset": "d", "metric": "hamming"}, "similarity"),
         (RetrievalConfig, {"cache": "c", "dataset": "d", "ks": (0,)}, "ks"),
         (RetrievalConfig, {"cache": "c", "dataset": "d", "backend": "annoy"}, "backend"),
+        (ProbeConfig, {"cache": "c", "backbones": "all", "dataset": "d", "seeds": ()}, "seeds is empty"),
+        (ProbeConfig, {"cache": "c", "backbones": "all", "dataset": "d", "final_epoch": "best"}, "final_epoch"),
     ],
 )
 def test_invalid_python_value_is_a_config_error(cls, kw, match):
+    def build():
+        cfg = cls(**kw)
+        return cfg.resolve() if isinstance(cfg, ProbeConfig) else cfg  # checked against its protocol
+
     with pytest.raises(ConfigError, match=match):
-        cls(**kw)
+        build()
 
 
 @pytest.mark.parametrize(
