@@ -10,39 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
+from vision_evaluation_ref import elevater_map_11_points
 
 from featcache.metrics import map11, map11_elevater, mean_per_class
 
 
-# --- ported from microsoft/vision-evaluation, vision_evaluation/evaluators.py (the package that
-# Computer-Vision-in-the-Wild/Elevater_Toolkit_IC vision_benchmark/evaluation/metric.py calls in
-# map_11_points and balanced_accuracy_score) -------------------------------------------------
-def _calc_precision_recall_interp(predictions, targets, recall_thresholds):
-    """PrecisionRecallCurveMixin._calc_precision_recall_interp."""
-    precision, recall, _ = sm.precision_recall_curve(targets, predictions)
-    precision_interp = np.empty(len(recall_thresholds))
-    recall_idx = 0
-    precision_tmp = 0
-    for idx, threshold in enumerate(recall_thresholds):
-        while recall_idx < len(recall) and threshold <= recall[recall_idx]:
-            precision_tmp = max(precision_tmp, precision[recall_idx])
-            recall_idx += 1
-        precision_interp[idx] = precision_tmp
-    return precision_interp
-
-
-def elevater_map_11_points(targets, predictions, n_points=11):
-    """MeanAveragePrecisionNPointsEvaluator(11)._calculate."""
-    n_class = predictions.shape[1]
-    recall_thresholds = np.linspace(1, 0, n_points, endpoint=True).tolist()
-    return np.mean(
-        [
-            np.mean(_calc_precision_recall_interp(predictions[:, i], targets[:, i], recall_thresholds))
-            for i in range(n_class)
-        ]
-    )
-
-
+# --- ported from microsoft/vision-evaluation, vision_evaluation/evaluators.py (which
+# Elevater_Toolkit_IC vision_benchmark/evaluation/metric.py balanced_accuracy_score calls); its
+# 11-point mAP is in vision_evaluation_ref.py --------------------------------------------------
 def elevater_balanced_accuracy(targets, predictions):
     """BalancedAccuracyScoreEvaluator._calculate (targets one-hot [N, K], predictions [N, K])."""
     single_targets = np.argmax(targets, axis=1)
