@@ -199,3 +199,68 @@ def test_text_image_recall_against_brute_force():
         i2t = np.mean([bool(set(np.argsort(-s[:, i])[:k]) & set(np.flatnonzero(t_img == i))) for i in range(7)])
         assert got[f"t2i_recall@{k}"] == t2i
         assert got[f"i2t_recall@{k}"] == i2t
+
+
+DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def _hf_captions(i: int) -> list[str]:
+    """Captions, each unique, that the tiny HF tokenizer tells apart: its vocabulary is digit words
+    and single digits (Fashion-MNIST's class names and two-digit numbers would be <unk>), and with
+    its end-of-text id 2 HF's CLIP pools each caption at its highest token id (the legacy rule), so
+    every caption ends in "9", the highest id it holds: each then pools over the whole caption."""
+    a, b = DIGITS[i // 10], DIGITS[i % 10]
+    out = [f"a photo of a {a} {b} 9", f"picture number {a} {b} 9"]
+    return out + ([f"a small {a} {b} drawing 9"] if i % 3 == 0 else [])
+
+
+def test_hf_clip_text_tower_recall_equals_clip_benchmark(data):
+    """The same recall through a Hugging Face CLIPModel (a tiny config saved with save_pretrained):
+    captions through featcache's hf: text tower, against CLIP_benchmark's evaluate with HF's own
+    ``get_text_features`` on the same image embeddings."""
+    from model_source_fixtures import save_tiny_hf_clip
+    from transformers import AutoTokenizer, CLIPModel
+
+    tmp, _, rows = data
+    rows = [(im, _hf_captions(i)) for i, (im, _) in enumerate(rows)]
+    hf = str(save_tiny_hf_clip(tmp / "hf"))
+    # the tiny config's eos id (CLIP's 49407) is outside its 1,000-word vocabulary: HF then pools
+    # every caption at position 0 (the start token) and all text embeddings are equal; give it the
+    # tokenizer's own ids
+    cfg = CLIPModel.from_pretrained(hf).config
+    cfg.text_config.bos_token_id, cfg.text_config.eos_token_id, cfg.text_config.pad_token_id = 1, 2, 0
+    CLIPModel.from_pretrained(hf, config=cfg).save_pretrained(hf)
+    m = _manifest(tmp / "hf-manifest", rows)
+    cache, results = str(tmp / "hf.zarr"), str(tmp / "hf.parquet")
+    model = ["--model", f"hf:{hf}", "--weights", "dir"]
+    ex = ["extract", *model, "--data", f"manifest:{m}", "--cache", cache, "--dataset-name", "caps"]
+    assert main([*ex, "--backbone-name", "hfc", "--no-progress", "--workers", "0"]) == 0
+    emb = ["embed-captions", "--cache", cache, *model, "--dataset", "caps", "--split", "all"]
+    assert main([*emb, "--captions", m, "--backbone", "hfc"]) == 0
+    rt = ["retrieve-text", "--cache", cache, "--backbone", "hfc", "--dataset", "caps", "--split", "all"]
+    assert main([*rt, "--recall-k", "1,2,5", "--results", results]) == 0
+    df = read_results(results)
+    ours = dict(zip(df["metric"], df["value"]))
+    X = open_cache(cache, "r").load("hfc", "caps", "all").X
+
+    ref_model = CLIPModel.from_pretrained(hf).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    texts = [c for _, caps in rows for c in caps]
+    assert len(set(texts)) == len(texts)
+    with torch.no_grad():  # transformers 5 returns the projected embedding as pooler_output
+        out = ref_model.get_text_features(**tok(texts, padding=True, return_tensors="pt"))
+        hf_emb = F.normalize(out if torch.is_tensor(out) else out.pooler_output, dim=-1).numpy()
+    # 1. the stored caption embeddings are HF's own get_text_features, caption for caption
+    emb, image_ids, _ = open_cache(cache, "r").load_caption_embeddings("caps", "all", "hfc")
+    assert len(image_ids) == len(texts)
+    np.testing.assert_allclose(emb / np.linalg.norm(emb, axis=1, keepdims=True), hf_emb, atol=1e-5)
+    assert len({tuple(np.round(e, 6)) for e in hf_emb}) == len(texts)  # no two captions tie
+    # 2. recall on those embeddings is CLIP_benchmark's (near-equal random-model scores would let
+    # a 1e-7 difference between two text forwards reorder captions, so both sides use the stored ones)
+    stored = dict(zip(texts, torch.from_numpy(emb)))
+    batches = [(torch.from_numpy(X[i : i + 5]), [c for _, c in rows[i : i + 5]]) for i in range(0, len(rows), 5)]
+    ref = clip_benchmark_recall(batches, lambda t: torch.stack([stored[c] for c in t]), [1, 2, 5])
+    for k in (1, 2, 5):
+        assert ours[f"t2i_recall@{k}"] == pytest.approx(ref[f"image_retrieval_recall@{k}"], abs=1e-6)
+        assert ours[f"i2t_recall@{k}"] == pytest.approx(ref[f"text_retrieval_recall@{k}"], abs=1e-6)
+    assert 0 < ours["i2t_recall@5"] < 1
