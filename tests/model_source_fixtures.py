@@ -35,6 +35,11 @@ def save_tiny_hf_clip(d: Path) -> Path:
             "num_attention_heads": 2,
             "vocab_size": 1000,
             "max_position_embeddings": 77,
+            # the tokenizer's own ids (CLIP's 49406/49407 lie outside this vocabulary: HF would
+            # then pool every prompt at its start token and all text embeddings would be equal)
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
         },
         vision_config={
             "hidden_size": 32,
