@@ -33,3 +33,25 @@ def kill_when(proc: Any, marked: Callable[[], int], min_done: int, extra_delay: 
     code = proc.exitcode if hasattr(proc, "exitcode") else proc.returncode
     assert code == -signal.SIGKILL, "the run finished before it could be killed; raise N"
     return marked()
+
+
+ARRAYS = ("pooled", "valid", "error", "done")
+
+
+def group_arrays(group: Path) -> dict[str, Any]:
+    """The ``pooled``/``valid``/``error``/``done`` arrays of a store group, read with zarr."""
+    import numpy as np
+    import zarr
+
+    g = zarr.open_group(str(group), mode="r")
+    return {k: np.asarray(g[k][:]) for k in ARRAYS}
+
+
+def chunk_bytes(group: Path) -> dict[str, bytes]:
+    """Every chunk object of those arrays, by path: byte-identical stores have equal dicts."""
+    return {
+        str(f.relative_to(group)): f.read_bytes()
+        for name in ARRAYS
+        for f in sorted((group / name / "c").rglob("*"))
+        if f.is_file()
+    }

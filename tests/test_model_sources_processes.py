@@ -20,7 +20,7 @@ pytest.importorskip("open_clip")
 pytest.importorskip("transformers")
 
 import model_source_fixtures as M
-from kill9 import kill_when, marked_chunks
+from kill9 import chunk_bytes, group_arrays, kill_when, marked_chunks
 
 from featcache.extract import extract
 from featcache.extract.sources import list_sources
@@ -53,28 +53,11 @@ def reference(assets, tmp_path_factory):
     return out
 
 
-def _arrays(cache: Path) -> dict[str, np.ndarray]:
-    import zarr
-
-    g = zarr.open_group(str(cache / GROUP), mode="r")
-    return {k: np.asarray(g[k][:]) for k in ("pooled", "valid", "error", "done")}
-
-
-def _chunk_bytes(cache: Path) -> dict[str, bytes]:
-    base = cache / GROUP
-    return {
-        str(f.relative_to(base)): f.read_bytes()
-        for name in ("pooled", "valid", "error", "done")
-        for f in sorted((base / name / "c").rglob("*"))
-        if f.is_file()
-    }
-
-
 def _same_store(got: Path, want: Path) -> None:
-    a, b = _arrays(got), _arrays(want)
+    a, b = group_arrays(got / GROUP), group_arrays(want / GROUP)
     for k in b:
         np.testing.assert_array_equal(a[k], b[k])
-    assert _chunk_bytes(got) == _chunk_bytes(want)  # byte-identical chunk objects
+    assert chunk_bytes(got / GROUP) == chunk_bytes(want / GROUP)  # byte-identical chunk objects
 
 
 def test_every_registered_source_runs_in_processes():

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from kill9 import kill_when, marked_chunks
+from kill9 import chunk_bytes, group_arrays, kill_when, marked_chunks
 
 from featcache.extract import ExtractConfig, extract
 from featcache.store import open_cache
@@ -70,21 +70,6 @@ def _kill_when(cache: Path, min_done: int, extra_delay: float) -> int:
     return kill_when(p, lambda: _marked(cache), min_done, extra_delay)
 
 
-def _arrays(cache: Path) -> dict[str, np.ndarray]:
-    g = zarr.open_group(str(cache / GROUP), mode="r")
-    return {k: np.asarray(g[k][:]) for k in ("pooled", "valid", "error", "done")}
-
-
-def _chunk_bytes(cache: Path) -> dict[str, bytes]:
-    base = cache / GROUP
-    return {
-        str(f.relative_to(base)): f.read_bytes()
-        for name in ("pooled", "valid", "error", "done")
-        for f in sorted((base / name / "c").rglob("*"))
-        if f.is_file()
-    }
-
-
 @pytest.mark.slow
 def test_kill9_and_resume_is_byte_identical(tmp_path):
     ref = tmp_path / "ref.zarr"
@@ -104,7 +89,7 @@ def test_kill9_and_resume_is_byte_identical(tmp_path):
             progress=False,
         )
     )
-    ref_arrays = _arrays(ref)
+    ref_arrays = group_arrays(ref / GROUP)
     assert ref_arrays["done"].all()
     assert ref_arrays["valid"].all()
 
@@ -119,7 +104,7 @@ def test_kill9_and_resume_is_byte_identical(tmp_path):
         marked = _kill_when(cache, min_done, delay)
         if marked:
             # every chunk marked done so far already holds its final bytes
-            got, want = _arrays(cache), ref_arrays
+            got, want = group_arrays(cache / GROUP), ref_arrays
             done = got["done"].astype(bool)
             rows = np.repeat(done, CHUNK)
             for k in ("pooled", "valid", "error"):
@@ -140,10 +125,10 @@ def test_kill9_and_resume_is_byte_identical(tmp_path):
     if pending < N_CHUNKS:
         assert f"{pending} of {N_CHUNKS} chunks left" in run.stderr
 
-    got = _arrays(cache)
+    got = group_arrays(cache / GROUP)
     for k in ("pooled", "valid", "error", "done"):
         np.testing.assert_array_equal(got[k], ref_arrays[k])
-    assert _chunk_bytes(cache) == _chunk_bytes(ref)  # byte-identical chunk objects
+    assert chunk_bytes(cache / GROUP) == chunk_bytes(ref / GROUP)  # byte-identical chunk objects
     assert open_cache(cache).load(LITE0, "fashion-mnist", "train").complete
 
     (again,) = extract(
@@ -179,7 +164,7 @@ def test_marked_chunk_with_a_lost_file_is_recomputed(tmp_path, caplog):
         "progress": False,
     }
     extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw))
-    before = _arrays(cache)
+    before = group_arrays(cache / GROUP)
     (cache / GROUP / "pooled" / "c" / "1" / "0").unlink()
     with caplog.at_level("INFO"):
         (rep,) = extract(ExtractConfig(LITE0, LITE0_WEIGHTS, "fashion-mnist", ["train"], str(cache), **kw))
@@ -187,6 +172,6 @@ def test_marked_chunk_with_a_lost_file_is_recomputed(tmp_path, caplog):
     assert rep.chunks_total == 3
     assert "1 of 3 chunks left" in caplog.text
     assert "1 damaged chunk(s) of 'pooled'" in caplog.text
-    after = _arrays(cache)
+    after = group_arrays(cache / GROUP)
     for k in before:
         np.testing.assert_array_equal(after[k], before[k])
