@@ -10,6 +10,8 @@ once, and writes one row per (run, metric).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -301,6 +303,21 @@ def text_source(cache, b: str, cfg: ProbeConfig) -> dict:
     return out if prov else {**out, "recorded": False}
 
 
+def text_fingerprint(cache, b: str, cfg: ProbeConfig) -> str:
+    """The part of a head-init run's id that says which class embeddings it read: a digest of
+    their recorded provenance (tower weights, templates, class names), so embeddings made
+    again from another template set or tower give a new run id and rerun; ``""`` without
+    head_init or for a matrix written with ``write_class_embeddings`` (nothing recorded), whose
+    runs keep the ids they always had."""
+    if not cfg.head_init:
+        return ""
+    prov = cache.class_embeddings_provenance(cfg.dataset, cfg.head_init, backbone=b)
+    rec = {k: prov[k] for k in TEXT_SOURCE_KEYS if k in prov}
+    if not rec:
+        return ""
+    return hashlib.sha256(json.dumps(rec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
     """Refuse class embeddings from another tower (weights hash) than ``b``'s image features,
     or from another template set than ``cfg.templates``, stating stored vs asked."""
@@ -353,13 +370,14 @@ def run_probes(config: ProbeConfig):
         _check_multilabel(proto, cfg)
     hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
     src = {b: text_source(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
+    text_fp = {b: text_fingerprint(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
 
     done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
     new_rows: list[dict] = []
     wanted: list[str] = []
     jobs = [(b, s) for b in backbones for s in cfg.seeds]
     for b, seed in tqdm(jobs, desc=f"probe {proto.spec}", disable=not cfg.progress):
-        run_ids = _run_ids(cfg, proto, b, seed, data[b])
+        run_ids = _run_ids(cfg, proto, b, seed, data[b], text_fp.get(b, ""))
         wanted += [r for r, _ in run_ids.values()]
         if all(r in done for r, _ in run_ids.values()):
             log.info(
@@ -403,12 +421,15 @@ def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
     return backbones
 
 
-def _run_ids(cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data) -> dict[str, tuple[str, str]]:
-    """Per eval split: (run id, store fingerprint) of one backbone and seed."""
+def _run_ids(
+    cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, text_fp: str = ""
+) -> dict[str, tuple[str, str]]:
+    """Per eval split: (run id, store fingerprint) of one backbone and seed (``text_fp``:
+    :func:`text_fingerprint`, joined to the store fingerprint when not empty)."""
     val_fp = d.val.fingerprint if d.val is not None else ""
     out = {}
     for es, ev in d.evals.items():
-        fp = combine_fingerprints(d.train.fingerprint, val_fp, ev.fingerprint)
+        fp = combine_fingerprints(d.train.fingerprint, val_fp, ev.fingerprint, *([text_fp] if text_fp else []))
         out[es] = (cfg.run_id(proto, b, seed, es, fp), fp)
     return out
 
@@ -423,8 +444,10 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
         val = cfg.val_split_used(proto, c.splits(cfg.dataset))
         read = dict.fromkeys([cfg.train_split, *([val] if val else []), *cfg.eval_splits])
         fp = {s: _stored_fingerprint(c, b, cfg.dataset, s, cfg.kind) for s in read}
+        text = [t] if (t := text_fingerprint(c, b, cfg)) else []
         out[b] = {
-            es: combine_fingerprints(fp[cfg.train_split], fp[val] if val else "", fp[es]) for es in cfg.eval_splits
+            es: combine_fingerprints(fp[cfg.train_split], fp[val] if val else "", fp[es], *text)
+            for es in cfg.eval_splits
         }
     return out
 
@@ -449,7 +472,7 @@ def _probe_one(
     text: dict | None = None,
 ) -> list[dict]:
     """Plan, select, refit and evaluate one backbone and seed; its result rows (``text``: where
-    the class embeddings came from, recorded in hparams, not in the run id)."""
+    the class embeddings came from, recorded in hparams; its digest is in the run id, :func:`text_fingerprint`)."""
     if hi_matrix is not None and hi_matrix.shape != (len(d.names), d.train.X.shape[1]):
         raise ProbeError(
             f"class embeddings {cfg.head_init!r} have shape {hi_matrix.shape} but {b} on "

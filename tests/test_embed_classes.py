@@ -325,4 +325,60 @@ def test_zeroshot_is_a_protocol_row_and_a_report_setting(tiny, oc_store, tmp_pat
     assert src["templates_sha256"] == templates_sha256(load_templates(str(tmpl), "digits"))
     assert src["n_templates"] == 2
     zcfg = ProbeConfig(cache, "oc", "digits", "zeroshot", results_path=res, progress=False)
-    assert set(zs["run_id"]) == set(zcfg.run_ids().values())  # hparams only: run ids as before
+    assert set(zs["run_id"]) == set(zcfg.run_ids().values())  # the ids run_probes gave them
+
+
+def test_new_template_set_reruns_zeroshot_same_one_skips(tiny, oc_store, tmp_path):
+    """The run id of a zero-shot (or text-initialised) run names the class embeddings it read:
+    embeddings made again from another template set rerun without --force; made again from the
+    same set, the run is skipped; a hand-written matrix (nothing recorded) keeps the plain id."""
+    import json
+
+    from featcache.probes import ProbeConfig, run_probes
+    from featcache.results import read_results
+    from featcache.store import write_class_embeddings
+
+    cache = _store_copy(oc_store, tmp_path)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("a photo of the number {}.\n")
+    b.write_text("a drawing of a {}.\na photo of the number {}.\n")
+    res = str(tmp_path / "r.parquet")
+    zcfg = ProbeConfig(cache, "oc", "digits", "zeroshot", results_path=res, progress=False)
+
+    def run():
+        run_probes(zcfg)
+        return read_results(res)
+
+    assert _embed(cache, tiny[0], "--templates", str(a)) == 0
+    first = run()
+    ids_a = set(zcfg.run_ids().values())
+    assert set(first["run_id"]) == ids_a
+    assert _embed(cache, tiny[0], "--templates", str(a), "--overwrite") == 0  # same set again
+    assert run().height == first.height  # skipped: same embeddings, same ids
+    assert _embed(cache, tiny[0], "--templates", str(b), "--overwrite") == 0
+    ids_b = set(zcfg.run_ids().values())
+    assert ids_b.isdisjoint(ids_a)
+    second = run()
+    assert second.height == 2 * first.height  # reran without --force, the first rows kept
+    n_templates = {
+        r: json.loads(h)["class_embeddings"]["n_templates"] for r, h in second.select("run_id", "hparams").rows()
+    }
+    assert {n_templates[r] for r in ids_a} == {1}
+    assert {n_templates[r] for r in ids_b} == {2}
+    # a hand-written matrix: the run id is the one it always was, from the features alone
+    from featcache.store import combine_fingerprints
+    from featcache.store.cache import features_fingerprint
+
+    c = open_cache(cache, "r")
+    write_class_embeddings(cache, "digits", c.load_class_embeddings("digits", backbone="oc"), "mine", backbone="oc")
+    hcfg = ProbeConfig(cache, "oc", "digits", "zeroshot", head_init="mine", progress=False)
+    proto, rcfg = hcfg.resolve()
+    split_fp = {
+        s: features_fingerprint(c.provenance("oc", "digits", s).to_attrs(), c.split_meta("digits", s).fingerprint)
+        for s in ("train", "test")
+    }
+    want = {
+        rcfg.run_id(proto, "oc", seed, "test", combine_fingerprints(split_fp[rcfg.train_split], "", split_fp["test"]))
+        for seed in rcfg.seeds
+    }
+    assert set(hcfg.run_ids().values()) == want
