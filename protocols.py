@@ -83,8 +83,10 @@ from featcache.splits import (
     VTAB_TOTAL,
     VTAB_VAL,
     elevater_holdout,
+    elevater_holdout_multilabel,
     fewshot_split,
     full_holdout,
+    sample_per_class,
     stratified_sample,
     subset_indices,
     vtab1k_fixed,
@@ -300,18 +302,27 @@ class Protocol:
         val_name: str = "val",
         rows=None,
         val_rows=None,
+        label_matrix=None,
     ) -> SplitPlan:
         """The seeded split of labels ``y`` (canonical order). ``n_val``: size of the
         dataset's val split when the caller has one (``None``: no val split). ``rows`` /
         ``val_rows``: each canonical position's row in the dataset's own order (the store's
         and the reader's row order), used by the fixed ``vtab1k`` subsets; ``None``: the
-        positions are already in that order."""
+        positions are already in that order. ``label_matrix``: the train split's [n, C] 0/1
+        multi-label targets in the same order, when it has them (the ``elevater-*`` plans
+        take their validation rows from it, as the toolkit does; the others split on ``y``)."""
         y = np.asarray(y)
         rows = np.arange(y.size) if rows is None else np.asarray(rows)
         if n_val is not None and val_rows is None:
             val_rows = np.arange(n_val)
         planner = _PLANNERS[self.split]
-        return planner(self, y, int(seed), n_val, val_source, train_name, val_name, rows=rows, val_rows=val_rows)
+        kw = {"rows": rows, "val_rows": val_rows}
+        if label_matrix is not None:
+            Y = np.asarray(label_matrix)
+            if Y.ndim != 2 or Y.shape[0] != y.size:
+                raise SplitError(f"label_matrix must be [{y.size}, C] like y; got shape {Y.shape}")
+            kw["label_matrix"] = Y
+        return planner(self, y, int(seed), n_val, val_source, train_name, val_name, **kw)
 
 
 def _concat_val(idx: np.ndarray, n_train: int, n_val: int) -> np.ndarray:
@@ -346,16 +357,44 @@ def _plan_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name,
     )
 
 
-def _plan_elevater_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
-    """ELEVATER's full-data split: select on the first ceil(20%) per class of train (the
-    toolkit's ``get_dataloader(val_split=0.2)``; a dataset val split is not used), refit on all of train."""
-    t, v = elevater_holdout(y)
-    return SplitPlan(t, v, np.arange(y.size), train_name, {"val": f"first-ceil-20%-per-class-of-{train_name}"})
+#: the validation rule of the ``elevater-*`` plans on a label matrix (the toolkit's greedy fill)
+ELEVATER_MULTILABEL_VAL = "greedy-ceil-20%-per-label"
 
 
-def _plan_elevater_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+def _elevater_val(pos: np.ndarray, y, rows, Y) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) of canonical positions ``pos`` by ELEVATER's rule, "first" taken in the
+    dataset's own order (``rows``: each position's row there) as the toolkit walks its
+    manifest: per class on ``y``, or the multi-label greedy fill on ``Y`` when given."""
+    pos = pos[np.argsort(np.asarray(rows)[pos], kind="stable")]
+    t, v = elevater_holdout(y[pos]) if Y is None else elevater_holdout_multilabel(Y[pos])
+    return np.sort(pos[t]), np.sort(pos[v])
+
+
+def _plan_elevater_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows, **kw) -> SplitPlan:
+    """ELEVATER's full-data split: select on the first ceil(20%) per class of train in the
+    dataset's own order (the toolkit's ``get_dataloader(val_split=0.2)``; a dataset val split
+    is not used), refit on all of train. With a label matrix, the toolkit's multi-label rule
+    (:func:`~featcache.splits.elevater_holdout_multilabel`)."""
+    Y = kw.get("label_matrix")
+    t, v = _elevater_val(np.arange(y.size), y, rows, Y)
+    rule = "first-ceil-20%-per-class" if Y is None else ELEVATER_MULTILABEL_VAL
+    return SplitPlan(t, v, np.arange(y.size), train_name, {"val": f"{rule}-of-{train_name}"})
+
+
+def _plan_elevater_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows, **kw) -> SplitPlan:
     """``fewshot`` as ELEVATER's ``linear_probe.py`` runs it: N = 1 draws 2 per class and
-    does not merge train and val for the final run (MERGE_TRAIN_VAL_FINAL_RUN=False)."""
+    does not merge train and val for the final run (MERGE_TRAIN_VAL_FINAL_RUN=False). With a
+    label matrix, the N (or 2) per class drawn on ``y`` are split as the toolkit splits its
+    few-shot subset: :func:`~featcache.splits.elevater_holdout_multilabel` over their rows."""
+    Y = kw.get("label_matrix")
+    if Y is not None:
+        drawn = sample_per_class(y, max(p.shots, 2), seed)
+        t, v = _elevater_val(drawn, y, rows, Y)
+        info = {"val": ELEVATER_MULTILABEL_VAL, "shots_counted": "before-split"}
+        if p.shots == 1:
+            info.update(shots_drawn=2, final="train only")
+            return SplitPlan(t, v, t, f"{train_name}[{p.spec}]", info)
+        return SplitPlan(t, v, drawn, f"{train_name}[{p.spec}]", info)
     if p.shots != 1:
         return _plan_fewshot(p, y, seed, n_val, val_source, train_name, val_name)
     t, v = fewshot_split(y, 2, seed)
@@ -368,7 +407,7 @@ def _check_val_source(val_source: str) -> None:
         raise SplitError(f"val_source must be one of {VAL_SOURCES}, got {val_source!r}")
 
 
-def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows, val_rows) -> SplitPlan:
+def _plan_vtab1k(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *, rows, val_rows, **_) -> SplitPlan:
     """VTAB's fixed subsets (seed-independent): train[:800] + the first 200 of the val
     source (``split-800-200``: train[800:1000]; ``official-val``: val[:200])."""
     _check_val_source(val_source)

@@ -16,6 +16,8 @@ function               protocol
 ``fewshot_split``      ``fewshot:N`` (ELEVATER): N per class (counted before the split),
                        per class ``max(1, round(0.2 N))`` to validation
 ``subset_indices``     ``subset:F%`` (Battle of the Backbones): stratified F% of train
+``elevater_holdout``   ``elevater-full``: the first ceil(20%) per class (ELEVATER's toolkit);
+                       ``elevater_holdout_multilabel`` its greedy rule for a label matrix
 =====================  =================================================================
 
 Building blocks: :func:`allocate` (largest remainder), :func:`stratified_holdout`,
@@ -55,6 +57,7 @@ __all__ = [
     "batch_positions",
     "canonical_order",
     "elevater_holdout",
+    "elevater_holdout_multilabel",
     "fewshot_split",
     "full_holdout",
     "sample_per_class",
@@ -248,6 +251,28 @@ def elevater_holdout(y, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     val = [idx[: math.ceil(idx.size * fraction)] for idx in _by_class(np.asarray(y))]
     val = np.sort(np.concatenate(val)) if val else np.zeros(0, np.int64)
     return np.setdiff1d(np.arange(np.asarray(y).size), val), val
+
+
+def elevater_holdout_multilabel(Y, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+    """ELEVATER's validation split of a multi-label train set (Elevater_Toolkit_IC
+    ``get_dataloader``, ``val_split=0.2``, its ``len(labels.shape) == 2`` branch): each label
+    column needs ``ceil(fraction * positives)`` validation rows; while one still does, the
+    lowest such column takes its first positive row not yet taken, and that row counts for
+    every label it carries. Deterministic. ``Y``: [n, C] 0/1. Returns (train, val), sorted."""
+    labels = np.array(Y, dtype=np.int64)  # a copy: taken rows are zeroed, as the toolkit does
+    if labels.ndim != 2:
+        raise SplitError(f"a label matrix is [n, C]; got shape {labels.shape}")
+    need = np.ceil(labels.sum(0) * fraction)
+    val: list[int] = []
+    todo = np.flatnonzero(need > 0)
+    while todo.size:
+        row = int(np.flatnonzero(labels[:, todo[0]] > 0)[0])
+        val.append(row)
+        need -= labels[row]
+        labels[row] = 0
+        todo = np.flatnonzero(need > 0)
+    va = np.sort(np.asarray(val, np.int64))
+    return np.setdiff1d(np.arange(labels.shape[0]), va), va
 
 
 def subset_indices(y, fraction: float, seed: int) -> np.ndarray:

@@ -97,7 +97,7 @@ def run(
     cache = open_cache(cache_path, "a")
     if dataset not in cache.datasets():
         raise ConfigError(f"--dataset {dataset!r} is not in {cache_path} (has {cache.datasets()}); extract it first")
-    stored = list(cache.split_meta(dataset, cache.splits(dataset)[0]).class_names)
+    stored = _stored_class_names(cache, dataset)
     pd = prompt_dataset or dataset
     classes = _class_names(classnames, templates, pd, stored)  # bad names/templates fail before the model
     tmpl = load_templates(templates, pd)
@@ -118,6 +118,16 @@ def run(
     write_embeddings(cache, dataset, key, m, prov, name, overwrite)
     logger.info("class embeddings %s/%s/%s: %d classes x %d templates", dataset, key, name, len(classes), len(tmpl))
     return key, m
+
+
+def _stored_class_names(cache, dataset: str) -> list[str]:
+    """The store's classes of ``dataset``: its label-matrix columns when it has multi-label
+    targets (one embedding per label, as the probes' heads need), else its class names."""
+    from featcache.store.tasks import load_label_matrix
+
+    first = cache.splits(dataset)[0]
+    lm = load_label_matrix(cache, dataset, first)
+    return list(lm[1]) if lm is not None else list(cache.split_meta(dataset, first).class_names)
 
 
 def _class_names(spec: str | None, templates: str, dataset: str, stored: list[str]) -> list[str]:

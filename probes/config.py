@@ -220,6 +220,8 @@ class ProbeConfig:
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
         if proto.split.startswith("vtab1k"):
             opts["val_source"] = self.val_source
+        if proto.split == "elevater-full":  # its first-20% rows are taken in the dataset's own order
+            opts["holdout_order"] = "dataset"
         return opts
 
     def val_split_used(self, proto, splits) -> str | None:

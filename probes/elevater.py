@@ -152,6 +152,8 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
     (Xtr, _), (Xva, _), (Xfin, _) = ((np.asarray(X, np.float64), y) for X, y in (plan.tr, plan.va, plan.fin))
     Ytr, Yva, Yfin = (np.asarray(Y, bool) for Y in plan.Y)
     metric = opts.get("metric") or "map11_elevater"
+    # head_init: one normalised text embedding per label column, bias 0 (as for single-label)
+    init = None if req.head_init is None else (l2_normalise(np.asarray(req.head_init)).T, np.zeros(Ytr.shape[1]))
 
     def train(X, Y, lr, wd, epochs, on_epoch=None):
         """(W [D, C], b [C], finite) of ``epochs`` BCE-SGD passes over (X, Y)."""
@@ -170,6 +172,7 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
                 nesterov=grid.nesterov,
                 on_epoch=on_epoch,
                 loss="bce",
+                init=init,
             )
 
     tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
@@ -200,14 +203,19 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
     W, b, ok = train(
         bn(Xfin), Yfin, lr, wd, opts["final_epochs"], (lambda W, b: heads.append((W.T, b))) if best_test else None
     )
-    hp = _hparams(req, device, best, per_lr, trials, epochs_of[(lr, wd)], "zeros")
+    hp = _hparams(
+        req, device, best, per_lr, trials, epochs_of[(lr, wd)], "zeros" if init is None else "text-initialised"
+    )
     hp.update(loss="bce", n_labels=int(Yfin.shape[1]), scores="softmax over the label columns (the toolkit's validate)")
     epochs = tuple(_softmax_head(bn, co, bi) for co, bi in heads)
     return FitOutcome(_softmax_head(bn, W.T, b), None, hp, ok, time.perf_counter() - t0, epochs)
 
 
 @register_solver(
-    "elevater", options=("search_epochs", "final_epochs", "final_epoch"), fit_multilabel=fit_elevater_multilabel
+    "elevater",
+    options=("search_epochs", "final_epochs", "final_epoch"),
+    fit_multilabel=fit_elevater_multilabel,
+    multilabel_head_init=True,
 )
 def fit_elevater(req: FitRequest) -> FitOutcome:
     """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; ``head_init``: [C, D]

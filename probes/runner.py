@@ -270,6 +270,7 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, v
         val_name=None if val is None else val.name,
         rows=train.rows,
         val_rows=None if val is None else val.rows,
+        label_matrix=train.Y,
     )
     Y = None
     if train.Y is not None:
@@ -394,14 +395,22 @@ def run_probes(config: ProbeConfig):
 
 
 def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
-    """Multi-label targets need a solver with a multi-label fitter (and no head_init)."""
-    if get_solver(proto.solver).fit_multilabel is None or cfg.head_init:
+    """Multi-label targets need a solver with a multi-label fitter (one that takes class
+    embeddings when head_init is set)."""
+    solver = get_solver(proto.solver)
+    if solver.fit_multilabel is None:
         ok = [n for n in SOLVERS if SOLVERS[n].fit_multilabel is not None]
         raise ProbeError(
-            f"multi-label targets run the multi-label fitters of the solvers {ok} without "
-            f"head_init; {proto.spec} (solver {proto.solver!r}) is not supported for them: "
-            "use full, fewshot:N or subset:F% (one-vs-rest L-BFGS), or elevater-full or "
-            "elevater-fewshot:N (a BCE-trained SGD head, as the ELEVATER toolkit)"
+            f"multi-label targets run the multi-label fitters of the solvers {ok}; {proto.spec} "
+            f"(solver {proto.solver!r}) is not supported for them: use full, fewshot:N or "
+            "subset:F% (one-vs-rest L-BFGS), elevater-full or elevater-fewshot:N (a BCE-trained "
+            "SGD head, as the ELEVATER toolkit), or zeroshot"
+        )
+    if cfg.head_init and not solver.multilabel_head_init:
+        ok = [n for n in SOLVERS if SOLVERS[n].multilabel_head_init]
+        raise ProbeError(
+            f"{proto.spec} (solver {proto.solver!r}) fits multi-label targets without class embeddings; "
+            f"drop --head-init {cfg.head_init} (head_init=None in Python), or use a protocol of the solvers {ok}"
         )
 
 
@@ -473,12 +482,13 @@ def _probe_one(
 ) -> list[dict]:
     """Plan, select, refit and evaluate one backbone and seed; its result rows (``text``: where
     the class embeddings came from, recorded in hparams; its digest is in the run id, :func:`text_fingerprint`)."""
-    if hi_matrix is not None and hi_matrix.shape != (len(d.names), d.train.X.shape[1]):
+    n_cls = len(d.names) if d.train.Y is None else d.train.Y.shape[1]  # multi-label: one per label column
+    if hi_matrix is not None and hi_matrix.shape != (n_cls, d.train.X.shape[1]):
         raise ProbeError(
             f"class embeddings {cfg.head_init!r} have shape {hi_matrix.shape} but {b} on "
-            f"{cfg.dataset} needs ({len(d.names)}, {d.train.X.shape[1]}): one row per class "
-            "of the dataset, in its class order, with the backbone's feature dimension; store "
-            f"{b}'s own with write_class_embeddings(..., backbone={b!r})"
+            f"{cfg.dataset} needs ({n_cls}, {d.train.X.shape[1]}): one row per class (per label "
+            "column of a label matrix) of the dataset, in its class order, with the backbone's "
+            f"feature dimension; store {b}'s own with write_class_embeddings(..., backbone={b!r})"
         )
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
     opts = cfg.solver_options()

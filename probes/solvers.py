@@ -59,7 +59,8 @@ class Solver:
     of the protocol when they follow its grid); ``fit_multilabel``: the fitter for
     multi-label targets (``None``: refused); ``streams``: it can read a train split left in
     the store block by block; ``default_head_init``: the class embeddings it starts from
-    when the config names none."""
+    when the config names none; ``multilabel_head_init``: ``fit_multilabel`` takes class
+    embeddings too (one row per label column)."""
 
     name: str
     fit: Callable[[FitRequest], FitOutcome]
@@ -67,6 +68,7 @@ class Solver:
     fit_multilabel: Callable[[FitRequest], FitOutcome] | None = None
     streams: bool = False
     default_head_init: str | None = None  # the class embeddings it needs when none is given
+    multilabel_head_init: bool = False  # its multi-label fitter takes class embeddings (one per label)
 
     def run_option_keys(self, proto) -> tuple[str, ...]:
         """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
@@ -83,6 +85,7 @@ def register_solver(
     fit_multilabel: Callable[[FitRequest], FitOutcome] | None = None,
     streams: bool = False,
     default_head_init: str | None = None,
+    multilabel_head_init: bool = False,
 ) -> Callable:
     """Decorator: register ``fit(request) -> FitOutcome`` as the solver ``name`` (the value
     protocols give as ``Protocol(solver=name)``); a duplicate name is refused."""
@@ -90,7 +93,7 @@ def register_solver(
     def deco(fn: Callable[[FitRequest], FitOutcome]):
         if name in SOLVERS:
             raise ProtocolError(f"probe solver {name!r} is already registered")
-        SOLVERS[name] = Solver(name, fn, options, fit_multilabel, streams, default_head_init)
+        SOLVERS[name] = Solver(name, fn, options, fit_multilabel, streams, default_head_init, multilabel_head_init)
         return fn
 
     return deco
@@ -368,10 +371,10 @@ def val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
 ZEROSHOT_SCALE = 100.0
 
 
-@register_solver("zeroshot", default_head_init="text")  # the text head is the whole classifier
 def _zeroshot(req: FitRequest) -> FitOutcome:
     """The text head alone, no training: softmax(scale * normalised features . normalised
-    text), scale = CLIP's logit scale 100 (top-1 does not depend on it)."""
+    text), scale = CLIP's logit scale 100 (top-1 does not depend on it). Multi-label targets
+    get the same scores, one column per label (ranked by the task metric, e.g. mAP)."""
     from scipy.special import softmax
 
     from featcache.probes.elevater import zeroshot_logits
@@ -381,3 +384,7 @@ def _zeroshot(req: FitRequest) -> FitOutcome:
     return FitOutcome(
         lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1), np.arange(text.shape[0]), hp, True, 0.0
     )
+
+
+# the text head is the whole classifier, for single- and multi-label targets alike
+register_solver("zeroshot", default_head_init="text", fit_multilabel=_zeroshot, multilabel_head_init=True)(_zeroshot)

@@ -382,3 +382,43 @@ def test_new_template_set_reruns_zeroshot_same_one_skips(tiny, oc_store, tmp_pat
         for seed in rcfg.seeds
     }
     assert set(hcfg.run_ids().values()) == want
+
+
+def test_multilabel_dataset_embeds_its_label_columns_and_zeroshot_ranks_them(tiny, oc_store, tmp_path):
+    """A dataset with a label matrix (VOC-style): embed-classes embeds one prompt set per label
+    column (not per single-label class), equal to CLIP_benchmark's zero_shot_classifier over the
+    column names, and zeroshot scores every label on the toolkit's 11-point mAP."""
+    import open_clip
+    import polars as pl
+    from scipy.special import softmax
+    from vision_evaluation_ref import elevater_map_11_points
+
+    from featcache.probes import ProbeConfig, run_probes
+    from featcache.store.tasks import write_label_matrix, write_task_metric
+
+    arch = tiny[0]
+    cache = _store_copy(oc_store, tmp_path)
+    cols = ["even", "large", "round"]
+    c = open_cache(cache, "r")
+    Ys = {}
+    for split in ("train", "test"):
+        d = c.split_rows("digits", split)[1]
+        Ys[split] = np.stack([d % 2 == 0, d >= 5, np.isin(d, [0, 6, 8, 9])], 1)
+        write_label_matrix(cache, "digits", split, Ys[split], cols)
+    write_task_metric(cache, "digits", "map11_elevater")
+    tmpl = ["a photo of something {c}.", "a {c} thing."]
+    (tmp_path / "t.txt").write_text("\n".join(tmpl) + "\n")
+    assert _embed(cache, arch, "--templates", str(tmp_path / "t.txt")) == 0
+    ours = open_cache(cache, "r").load_class_embeddings("digits", backbone="oc")
+    torch.manual_seed(0)
+    model = open_clip.create_model(arch, pretrained=None).eval()
+    theirs = _clip_benchmark_zero_shot_classifier(model, open_clip.get_tokenizer(arch), cols, tmpl).T
+    assert ours.shape == (3, theirs.shape[1])
+    np.testing.assert_allclose(ours, theirs, atol=1e-6, rtol=0)
+    df = run_probes(ProbeConfig(cache, "oc", "digits", "zeroshot", progress=False))
+    test = open_cache(cache, "r").load("oc", "digits", "test")  # the store's row order, as Ys
+    X = np.asarray(test.X, np.float64)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    want = elevater_map_11_points(Ys["test"], softmax(100 * X @ theirs.T.astype(np.float64), axis=1))
+    got = df.filter(pl.col("metric") == "map11_elevater")["value"][0]
+    assert got == pytest.approx(want, abs=1e-6)

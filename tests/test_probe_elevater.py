@@ -64,6 +64,40 @@ def test_full_data_holds_out_the_toolkits_first_ceil_20_percent_per_class(digits
     assert sp.info["val"] == "first-ceil-20%-per-class-of-train"
 
 
+def test_full_data_takes_the_first_rows_in_the_datasets_own_order(digits_cache, monkeypatch):
+    """The toolkit's "first" is its manifest's order: the store's row order (the reader's), not
+    featcache's canonical id order; on digits ("digits-10" sorts before "digits-2") they differ."""
+    from featcache.probes import runner as PR
+    from featcache.store import open_cache
+
+    tr = PR._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled")
+    own = np.argsort(tr.rows, kind="stable")  # canonical positions, in the store's row order
+    ref_t, ref_v = toolkit_train_val_split(tr.y[own])
+    sp = P.get_protocol("elevater-full").plan(tr.y, 0, rows=tr.rows)
+    assert sp.val.tolist() == sorted(own[ref_v].tolist())
+    assert sp.train.tolist() == sorted(own[ref_t].tolist())
+    assert not np.array_equal(sp.val, P.get_protocol("elevater-full").plan(tr.y, 0).val)  # canonical: others
+    # run_probes selects on the store's first rows: the toolkit's rule on the stored labels
+    seen = {}
+    real = PR._plan
+
+    def spy(*a):
+        seen["plan"] = real(*a)
+        return seen["plan"]
+
+    monkeypatch.setattr(PR, "_plan", spy)
+    cfg = ProbeConfig(digits_cache, LITE0, "digits", "elevater-full", search_epochs=1, final_epochs=1, progress=False)
+    run_probes(cfg)
+    stored = open_cache(digits_cache).load(LITE0, "digits", "train")  # the store's row order
+    _, v_store = toolkit_train_val_split(np.asarray(stored.labels))
+
+    def rows(X):
+        X = np.asarray(X, np.float64)
+        return X[np.lexsort(X.T[::-1])]
+
+    np.testing.assert_array_equal(rows(seen["plan"].va[0]), rows(stored.X[sorted(v_store)]))
+
+
 def test_one_shot_draws_two_and_does_not_merge_like_the_toolkit(digits_cache):
     """linear_probe.py: NUM_SAMPLES_PER_CLASS 1 -> 2 and MERGE_TRAIN_VAL_FINAL_RUN False."""
     df = run_probes(
