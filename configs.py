@@ -22,9 +22,11 @@ __all__ = [
     "OneOf",
     "add_arguments",
     "check_fields",
+    "choices_of",
     "flag",
     "float_list",
     "from_namespace",
+    "help_of",
     "int_list",
     "renamed_kwargs",
     "str_tuple",
@@ -97,7 +99,7 @@ def check_fields(config: Any) -> None:
 
 def flag(
     default: Any = _MISSING,
-    help: str | None = None,
+    help: str | Callable[[], str] | None = None,
     *,
     name: str | None = None,
     cli: bool = True,
@@ -118,7 +120,9 @@ def flag(
     required); ``check``: the field's constraint (:class:`Interval`, :class:`OneOf`,
     :class:`Matches`), applied by :func:`check_fields`; a :class:`OneOf` gives the flag its
     choices; other keywords go to ``add_argument`` (``type``, ``choices``, ``action``,
-    ``metavar``, ``dest`` is always the field name).
+    ``metavar``, ``dest`` is always the field name). ``help`` and ``choices`` may be
+    callables, called each time a parser is built: a flag whose text or choices come from a
+    registry (protocols, formats, model sources) shows what is registered then.
     """
     if isinstance(check, OneOf) and "choices" not in argparse_kw:
         argparse_kw["choices"] = list(check.options)
@@ -139,6 +143,18 @@ def flag(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def help_of(f: dataclasses.Field) -> str | None:
+    """A flagged field's help text now (a callable ``help`` is called: its registry as it is)."""
+    h = f.metadata.get("help")
+    return h() if callable(h) else h
+
+
+def choices_of(f: dataclasses.Field) -> list[Any] | None:
+    """A flagged field's choices now (a callable ``choices`` is called), or None."""
+    c = f.metadata.get("argparse", {}).get("choices")
+    return None if c is None else list(c() if callable(c) else c)
+
+
 def _cli_fields(cls):
     return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", False)]
 
@@ -154,8 +170,10 @@ def add_arguments(
     gets ``(default: ...)`` appended."""
     for f in _cli_fields(cls):
         m = f.metadata
-        help_ = (m["help"] or "").replace("%", "%%") or None
+        help_ = (help_of(f) or "").replace("%", "%%") or None
         kw = dict(m["argparse"])
+        if "choices" in kw:
+            kw["choices"] = choices_of(f)
         shown = (
             show_defaults
             and m.get("show_default", True)

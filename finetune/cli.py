@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from featcache.configs import add_arguments, from_namespace
-from featcache.finetune.config import FinetuneConfig
+from featcache.finetune.config import SELECTION_METRICS, FinetuneConfig
 
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
             FinetuneConfig.val_split,
         ):
             splits = {"train_split": "train800", "val_split": "val200", "val_source": "official-val"}
-        if task.metric not in ("top1", "mean_per_class"):
+        if task.metric not in SELECTION_METRICS:
             warn_missing(suite, [task.name], f"declare {task.metric}, which fine-tuning cannot select on")
             continue
         configs.append(

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from featcache.cli import build_parser
+from featcache.configs import choices_of, help_of
 from featcache.errors import ConfigError
 from featcache.extract.config import ExtractConfig
 from featcache.finetune import cli as finetune_cli
@@ -136,7 +137,7 @@ def _other_value(f):
     if kw.get("action") == "store_true":
         return True
     if "choices" in kw:
-        pick = next(c for c in kw["choices"] if c != f.default and (f.default is None or c not in f.default))
+        pick = next(c for c in choices_of(f) if c != f.default and (f.default is None or c not in f.default))
         return (pick,) if kw.get("action") == "append" else pick
     return None
 
@@ -197,7 +198,7 @@ def test_parser_is_built_from_the_config(command):
     for f in _flagged(cls):
         action = by_dest[f.name]
         assert (f.metadata["negate"] or _name(f)) in action.option_strings
-        assert (f.metadata["help"] or "").split(" (default")[0][:40] in (action.help or "").replace("%%", "%")
+        assert (help_of(f) or "").split(" (default")[0][:40] in (action.help or "").replace("%%", "%")
 
 
 @pytest.mark.parametrize(

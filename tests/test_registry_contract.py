@@ -266,7 +266,9 @@ def test_data_help_and_errors_list_every_registered_format():
     from featcache.extract import ExtractConfig
     from featcache.finetune.config import FinetuneConfig
 
-    helps = [c.__dataclass_fields__["data"].metadata["help"] for c in (ExtractConfig, FinetuneConfig)]
+    from featcache.configs import help_of
+
+    helps = [help_of(c.__dataclass_fields__["data"]) for c in (ExtractConfig, FinetuneConfig)]
     with pytest.raises(DataError, match="unknown data spec") as err:
         open_dataset("no-such-format:x")
     for kind in _canonical_kinds():
