@@ -19,10 +19,12 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
         if action.dest == "data":
             action.required = False
     p.set_defaults(resize=None)  # None: the suite's (VTAB: whole), else timm
+    from featcache.suites import suite_names
+
     p.add_argument(
         "--suite",
         default=None,
-        help="fine-tune on every task of a suite (see `featcache suites`) whose "
+        help=f"fine-tune on every task of a suite ({suite_names()}; see `featcache suites`) whose "
         "data is under --data-root; the suite's resize and input size unless given",
     )
     p.add_argument("--data-root", default=None, help="with --suite: folder holding one entry per task (as extract)")

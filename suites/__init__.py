@@ -42,6 +42,7 @@ __all__ = [
     "list_suites",
     "load_suite",
     "present_tasks",
+    "suite_names",
     "warn_missing",
 ]
 
@@ -130,6 +131,11 @@ class Suite:
 def list_suites() -> list[str]:
     """Names of the suites shipped in this package."""
     return sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".toml"))
+
+
+def suite_names() -> str:
+    """The shipped suites' names, comma-separated (for help texts)."""
+    return ", ".join(list_suites())
 
 
 @cache
