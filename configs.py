@@ -160,15 +160,24 @@ def _cli_fields(cls):
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, cls, *, optional: tuple[str, ...] = (), show_defaults: bool = True
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls,
+    *,
+    optional: tuple[str, ...] = (),
+    show_defaults: bool = True,
+    only: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> None:
     """One argparse argument per CLI field of dataclass ``cls``, defaulting to the field's
     default (repeatable flags are absent from the namespace unless given, so
     :func:`from_namespace` falls back to the field default): the dataclass holds the only
     copy of each default. Fields named in ``optional`` are not required on this parser
     (e.g. ``data`` when ``--suite`` names the data); ``show_defaults=False``: no help text
-    gets ``(default: ...)`` appended."""
+    gets ``(default: ...)`` appended; ``only``/``skip``: add just these fields / all but these
+    (e.g. some fields' flags into an argument group)."""
     for f in _cli_fields(cls):
+        if (only is not None and f.name not in only) or f.name in skip:
+            continue
         m = f.metadata
         help_ = (help_of(f) or "").replace("%", "%%") or None
         kw = dict(m["argparse"])

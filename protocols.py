@@ -106,6 +106,7 @@ __all__ = [
     "pairs",
     "parse_protocol",
     "protocol_help",
+    "protocol_usages",
     "register_protocol",
 ]
 
@@ -513,6 +514,12 @@ def pairs(stage: str = "finetune") -> dict[str, str]:
     return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage) if not _parametrised(stage, n)}
 
 
+def protocol_usages(stage: str = "probe") -> list[str]:
+    """How the help names each registered protocol of ``stage`` (``fewshot:N (N >= 2)``), in
+    registration order."""
+    return [usage for (s, name), (usage, _) in _USAGE.items() if s == stage and (s, name) in _REGISTRY]
+
+
 def protocol_help(stage: str = "probe") -> str:
     """The ``--protocol`` help of ``stage``: every registered protocol's usage and note, in
     registration order, ``|``-separated (a fine-tune protocol also names its probe pair)."""
@@ -699,9 +706,7 @@ def subset(arg: str | None = None) -> Protocol:
     )
 
 
-@register_protocol(
-    "vtab1k-light", stage="finetune", note="1000 examples, 800/200 selection, as in VTAB Fig. 16"
-)
+@register_protocol("vtab1k-light", stage="finetune", note="1000 examples, 800/200 selection, as in VTAB Fig. 16")
 def vtab1k_light(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-light", arg)
     return Protocol(
