@@ -128,7 +128,9 @@ class SweepConfig:
     ``protocols``. ``scheduler``: address of a running Dask scheduler (default:
     ``DASK_SCHEDULER_ADDRESS``, else an in-process LocalCluster of ``workers`` processes;
     ``workers=0`` runs the items one by one in this process, without Dask);
-    ``connect_timeout``: seconds to wait for that scheduler."""
+    ``connect_timeout``: seconds to wait for that scheduler. ``seeds`` may be ``"0,1,2"`` and
+    ``data`` ``NAME=SPEC`` strings, as on the command line; the fields' ``configs.flag``
+    metadata are ``featcache sweep``'s flags."""
 
     cache: str = flag(help="feature store path or URL (workers read it themselves)", required=True)
     results_path: str = flag(help="results parquet to append to", name="--results", required=True)
