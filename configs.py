@@ -22,9 +22,11 @@ __all__ = [
     "OneOf",
     "add_arguments",
     "check_fields",
+    "choices_of",
     "flag",
     "float_list",
     "from_namespace",
+    "help_of",
     "int_list",
     "renamed_kwargs",
     "str_tuple",
@@ -97,7 +99,7 @@ def check_fields(config: Any) -> None:
 
 def flag(
     default: Any = _MISSING,
-    help: str | None = None,
+    help: str | Callable[[], str] | None = None,
     *,
     name: str | None = None,
     cli: bool = True,
@@ -118,7 +120,9 @@ def flag(
     required); ``check``: the field's constraint (:class:`Interval`, :class:`OneOf`,
     :class:`Matches`), applied by :func:`check_fields`; a :class:`OneOf` gives the flag its
     choices; other keywords go to ``add_argument`` (``type``, ``choices``, ``action``,
-    ``metavar``, ``dest`` is always the field name).
+    ``metavar``, ``dest`` is always the field name). ``help`` and ``choices`` may be
+    callables, called each time a parser is built: a flag whose text or choices come from a
+    registry (protocols, formats, model sources) shows what is registered then.
     """
     if isinstance(check, OneOf) and "choices" not in argparse_kw:
         argparse_kw["choices"] = list(check.options)
@@ -139,23 +143,46 @@ def flag(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def help_of(f: dataclasses.Field) -> str | None:
+    """A flagged field's help text now (a callable ``help`` is called: its registry as it is)."""
+    h = f.metadata.get("help")
+    return h() if callable(h) else h
+
+
+def choices_of(f: dataclasses.Field) -> list[Any] | None:
+    """A flagged field's choices now (a callable ``choices`` is called), or None."""
+    c = f.metadata.get("argparse", {}).get("choices")
+    return None if c is None else list(c() if callable(c) else c)
+
+
 def _cli_fields(cls):
     return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", False)]
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, cls, *, optional: tuple[str, ...] = (), show_defaults: bool = True
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls,
+    *,
+    optional: tuple[str, ...] = (),
+    show_defaults: bool = True,
+    only: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> None:
     """One argparse argument per CLI field of dataclass ``cls``, defaulting to the field's
     default (repeatable flags are absent from the namespace unless given, so
     :func:`from_namespace` falls back to the field default): the dataclass holds the only
     copy of each default. Fields named in ``optional`` are not required on this parser
     (e.g. ``data`` when ``--suite`` names the data); ``show_defaults=False``: no help text
-    gets ``(default: ...)`` appended."""
+    gets ``(default: ...)`` appended; ``only``/``skip``: add just these fields / all but these
+    (e.g. some fields' flags into an argument group)."""
     for f in _cli_fields(cls):
+        if (only is not None and f.name not in only) or f.name in skip:
+            continue
         m = f.metadata
-        help_ = (m["help"] or "").replace("%", "%%") or None
+        help_ = (help_of(f) or "").replace("%", "%%") or None
         kw = dict(m["argparse"])
+        if "choices" in kw:
+            kw["choices"] = choices_of(f)
         shown = (
             show_defaults
             and m.get("show_default", True)

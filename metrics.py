@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from featcache.errors import MetricInputError
+from featcache.errors import ConfigError, MetricInputError
 
 __all__ = [
     "METRICS",
@@ -33,6 +33,7 @@ __all__ = [
     "mean_per_class",
     "metric_names",
     "nll",
+    "register_metric",
     "roc_auc_macro",
     "top1",
     "top5",
@@ -243,6 +244,21 @@ METRICS = {
 TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater")
 #: the metrics defined for multi-label targets [N, C]
 MULTILABEL_METRICS = ("map11", "roc_auc_macro", "map11_elevater")
+
+
+def register_metric(name: str, fn, *, task: bool = False, multilabel: bool = False) -> None:
+    """Register ``fn(y_true, scores) -> float`` as metric ``name`` (:data:`METRICS`); ``task``:
+    a task may declare it, and the probes select hyper-parameters on it (higher is better;
+    ``featcache probe --metric`` offers it); ``multilabel``: it is defined for multi-label
+    targets. A taken name is refused."""
+    global TASK_METRICS, MULTILABEL_METRICS
+    if name in METRICS:
+        raise ConfigError(f"metric {name!r} is already registered; register yours under another name")
+    METRICS[name] = fn
+    if task:
+        TASK_METRICS = (*TASK_METRICS, name)
+    if multilabel:
+        MULTILABEL_METRICS = (*MULTILABEL_METRICS, name)
 
 
 def metric_names(n_classes: int, task_metric: str = "top1", multilabel: bool = False) -> list[str]:

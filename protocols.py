@@ -107,6 +107,8 @@ __all__ = [
     "list_protocols",
     "pairs",
     "parse_protocol",
+    "protocol_help",
+    "protocol_usages",
     "register_protocol",
 ]
 
@@ -491,11 +493,15 @@ _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
 
 # ------------------------------------------------------------------ registry
 _REGISTRY: dict[tuple[str, str], Callable[[str | None], Protocol]] = {}
+#: (stage, name) -> (usage, note): how the ``--protocol`` help and errors name it
+_USAGE: dict[tuple[str, str], tuple[str, str]] = {}
 
 
-def register_protocol(name: str, *, stage: str = "probe") -> Callable:
+def register_protocol(name: str, *, stage: str = "probe", usage: str | None = None, note: str = "") -> Callable:
     """Decorator: register ``fn(arg: str | None) -> Protocol`` as protocol ``name`` of
-    ``stage``. ``arg`` is the text after ``name:`` in a spec (``None`` when absent)."""
+    ``stage``. ``arg`` is the text after ``name:`` in a spec (``None`` when absent).
+    ``usage``: how the help and errors name it (default ``name``; a parametrised protocol
+    says its argument, e.g. ``fewshot:N (N >= 2)``); ``note``: a short gloss in the help."""
     if stage not in STAGES:
         raise ProtocolError(f"stage must be one of {STAGES}, got {stage!r}")
 
@@ -503,6 +509,7 @@ def register_protocol(name: str, *, stage: str = "probe") -> Callable:
         if (stage, name) in _REGISTRY:
             raise ProtocolError(f"{stage} protocol {name!r} is already registered")
         _REGISTRY[(stage, name)] = fn
+        _USAGE[(stage, name)] = (usage or name, note)
         return fn
 
     return deco
@@ -515,6 +522,14 @@ def list_protocols(stage: str = "probe") -> list[str]:
     return sorted(n for s, n in _REGISTRY if s == stage)
 
 
+def _usage(stage: str, name: str) -> str:
+    return _USAGE.get((stage, name), (name, ""))[0]
+
+
+def _parametrised(stage: str, name: str) -> bool:
+    return _usage(stage, name).startswith(f"{name}:")
+
+
 def get_protocol(spec: str, stage: str = "probe") -> Protocol:
     """Build the protocol of ``spec`` (e.g. ``full``, ``fewshot:5``, ``subset:10%``)."""
     s = str(spec).strip().lower()
@@ -523,7 +538,7 @@ def get_protocol(spec: str, stage: str = "probe") -> Protocol:
     if fn is None:
         word = "unknown fine-tuning protocol" if stage == "finetune" else "unknown protocol"
         raise ProtocolError(
-            f"{word} {spec!r}; choose one of {', '.join(_HELP.get((stage, n), n) for n in list_protocols(stage))}"
+            f"{word} {spec!r}; choose one of {', '.join(_usage(stage, n) for n in list_protocols(stage))}"
         )
     return fn(arg if sep else None)
 
@@ -535,14 +550,26 @@ def parse_protocol(spec: str) -> Protocol:
 
 def pairs(stage: str = "finetune") -> dict[str, str]:
     """``{protocol of stage: the protocol of the other stage it pairs with}``."""
-    return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage) if (stage, n) not in _HELP}
+    return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage) if not _parametrised(stage, n)}
 
 
-_HELP = {
-    ("probe", "fewshot"): "fewshot:N (N >= 2)",
-    ("probe", "elevater-fewshot"): "elevater-fewshot:N (N >= 1)",
-    ("probe", "subset"): "subset:F% (e.g. subset:1%, subset:10%)",
-}
+def protocol_usages(stage: str = "probe") -> list[str]:
+    """How the help names each registered protocol of ``stage`` (``fewshot:N (N >= 2)``), in
+    registration order."""
+    return [usage for (s, name), (usage, _) in _USAGE.items() if s == stage and (s, name) in _REGISTRY]
+
+
+def protocol_help(stage: str = "probe") -> str:
+    """The ``--protocol`` help of ``stage``: every registered protocol's usage and note, in
+    registration order, ``|``-separated (a fine-tune protocol also names its probe pair)."""
+    out = []
+    for (s, name), (usage, note) in _USAGE.items():
+        if s != stage or (s, name) not in _REGISTRY:
+            continue
+        if stage == "finetune" and not _parametrised(s, name) and get_protocol(name, s).pairs_with:
+            note = f"{note}; " * bool(note) + f"pairs with probe protocol {get_protocol(name, s).pairs_with}"
+        out.append(f"{usage} ({note})" if note else usage)
+    return " | ".join(out)
 
 
 def _no_arg(name: str, arg: str | None) -> None:
@@ -550,7 +577,7 @@ def _no_arg(name: str, arg: str | None) -> None:
         raise ProtocolError(f"protocol {name!r} takes no argument, got {name}:{arg}")
 
 
-@register_protocol("full")
+@register_protocol("full", note="z-scored features")
 def full(arg: str | None = None) -> Protocol:
     _no_arg("full", arg)
     return Protocol(
@@ -558,7 +585,7 @@ def full(arg: str | None = None) -> Protocol:
     )
 
 
-@register_protocol("dinov2")
+@register_protocol("dinov2", note="raw features, DINOv2's exact selection")
 def dinov2(arg: str | None = None) -> Protocol:
     """DINOv2's logistic regression as published: raw features (no standardisation), tol
     1e-12, at most 1000 iterations, its 45-value C grid, selection on a random 10 %."""
@@ -567,7 +594,7 @@ def dinov2(arg: str | None = None) -> Protocol:
     return Protocol(spec="dinov2", name="dinov2", stage="probe", split="dinov2", solver="lbfgs", grid=grid)
 
 
-@register_protocol("fewshot")
+@register_protocol("fewshot", usage="fewshot:N (N >= 2)")
 def fewshot(arg: str | None = None) -> Protocol:
     m = re.fullmatch(r"\d+", arg or "")
     if not m:
@@ -604,7 +631,7 @@ def _shots(name: str, arg: str | None) -> int:
     return n
 
 
-@register_protocol("elevater-fewshot")
+@register_protocol("elevater-fewshot", usage="elevater-fewshot:N (N >= 1)")
 def elevater_fewshot(arg: str | None = None) -> Protocol:
     n = 1 if arg == "1" else _shots("elevater-fewshot", arg)  # N = 1: the toolkit draws 2
     return Protocol(
@@ -699,7 +726,7 @@ def bob_linear(arg: str | None = None) -> Protocol:
     return Protocol(spec="bob-linear", name="bob-linear", stage="probe", split="train", solver="lars", grid=BOB_LARS)
 
 
-@register_protocol("subset")
+@register_protocol("subset", usage="subset:F% (e.g. subset:1%, subset:10%)")
 def subset(arg: str | None = None) -> Protocol:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)%", arg or "")
     if not m:
@@ -718,7 +745,7 @@ def subset(arg: str | None = None) -> Protocol:
     )
 
 
-@register_protocol("vtab1k-light", stage="finetune")
+@register_protocol("vtab1k-light", stage="finetune", note="1000 examples, 800/200 selection, as in VTAB Fig. 16")
 def vtab1k_light(arg: str | None = None) -> Protocol:
     _no_arg("vtab1k-light", arg)
     return Protocol(
@@ -733,7 +760,7 @@ def vtab1k_light(arg: str | None = None) -> Protocol:
     )
 
 
-@register_protocol("full", stage="finetune")
+@register_protocol("full", stage="finetune", note="all of train")
 def full_finetune(arg: str | None = None) -> Protocol:
     _no_arg("full", arg)
     return Protocol(

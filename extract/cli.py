@@ -12,10 +12,12 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
 
     ExtractConfig.add_arguments(p, optional=("data",))
     p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
+    from featcache.suites import suite_names
+
     p.add_argument(
         "--suite",
         default=None,
-        help="extract every task of a suite (see `featcache suites`) whose "
+        help=f"extract every task of a suite ({suite_names()}; see `featcache suites`) whose "
         "data is under --data-root; uses the suite's resize and input size unless given",
     )
     p.add_argument(

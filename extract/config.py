@@ -24,6 +24,7 @@ from featcache.devices import PRECISION_ALIASES, PRECISIONS
 from featcache.errors import ConfigError
 from featcache.extract.readers import format_help
 from featcache.extract.source import DEFAULT_MAX_IMAGE_PIXELS
+from featcache.extract.sources import model_help
 
 BACKENDS = ("eager", "compile", "onnxruntime", "openvino")  # featcache.extract.backends.BACKENDS
 
@@ -33,6 +34,13 @@ MAX_INPUT_SIDE = 4096
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _SIDE = Interval(int, 1, MAX_INPUT_SIDE, hi_text=f"must be at most {MAX_INPUT_SIDE} pixels a side")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
+
+
+def weights_help() -> str:
+    """The ``--weights`` help, from the weight-source registry (:mod:`featcache.extract.backbones`)."""
+    from featcache.extract.backbones import weights_help
+
+    return weights_help()
 
 
 def _csv(s: str) -> tuple[str, ...]:
@@ -47,18 +55,9 @@ class ExtractConfig:
     flag), before any data is read or the store is touched.
     """
 
-    model: Any = flag(
-        None,
-        "timm model name (e.g. tf_efficientnet_lite0) | timm:NAME | torchvision:NAME | open_clip:ARCH | "
-        "hf:DIR (save_pretrained) | python:MODULE:CALLABLE (an nn.Module factory); in Python also an nn.Module",
-        required=True,
-    )
-    weights: str = flag("timm", "timm (local timm cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED")
-    data: str = flag(
-        "digits",
-        format_help(),
-        required=True,
-    )
+    model: Any = flag(None, model_help, required=True)
+    weights: str = flag("timm", weights_help)
+    data: str = flag("digits", format_help, required=True)
     splits: tuple[str, ...] | None = flag(
         None, "split(s) to extract (repeatable; default: all)", name="--split", metavar="SPLITS", action="append"
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from featcache.configs import add_arguments, from_namespace
-from featcache.finetune.config import FinetuneConfig
+from featcache.finetune.config import SELECTION_METRICS, FinetuneConfig
 
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,10 +19,12 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
         if action.dest == "data":
             action.required = False
     p.set_defaults(resize=None)  # None: the suite's (VTAB: whole), else timm
+    from featcache.suites import suite_names
+
     p.add_argument(
         "--suite",
         default=None,
-        help="fine-tune on every task of a suite (see `featcache suites`) whose "
+        help=f"fine-tune on every task of a suite ({suite_names()}; see `featcache suites`) whose "
         "data is under --data-root; the suite's resize and input size unless given",
     )
     p.add_argument("--data-root", default=None, help="with --suite: folder holding one entry per task (as extract)")
@@ -59,7 +61,7 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
             FinetuneConfig.val_split,
         ):
             splits = {"train_split": "train800", "val_split": "val200", "val_source": "official-val"}
-        if task.metric not in ("top1", "mean_per_class"):
+        if task.metric not in SELECTION_METRICS:
             warn_missing(suite, [task.name], f"declare {task.metric}, which fine-tuning cannot select on")
             continue
         configs.append(

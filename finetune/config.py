@@ -12,12 +12,28 @@ from typing import Any
 from featcache.configs import flag, float_list, int_list, str_tuple
 from featcache.errors import ConfigError, DataError
 from featcache.extract import format_help
+from featcache.extract.sources import model_help
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE", "FinetuneConfig", "FinetuneConfigError"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "SELECTION_METRICS", "VTAB_INPUT_SIZE", "FinetuneConfig", "FinetuneConfigError"]
 
 DEFAULT_CHECKPOINT_EVERY = 250
 #: the input resolution of the published protocol (other sizes are a scaled-down run)
 VTAB_INPUT_SIZE = 224
+#: the task metrics a fine-tune selects on (the runner computes these two on val; multi-label
+#: metrics are the probes'), so not every task metric of :mod:`featcache.metrics`
+SELECTION_METRICS = ("top1", "mean_per_class")
+
+
+def _weights_help() -> str:
+    from featcache.extract.backbones import weights_help
+
+    return weights_help() + " (hf:DIR: dir, its own weights; an nn.Module: module, as it is)"
+
+
+def _protocol_help() -> str:
+    from featcache.protocols import protocol_help
+
+    return protocol_help("finetune")
 
 
 def _as_tuple(v, cast) -> tuple:
@@ -54,22 +70,10 @@ class FinetuneConfig:
     (``hparams["scaled_from"]``).
     """
 
-    model: Any = flag(
-        required=True,
-        help="timm model name (e.g. tf_efficientnet_lite0) | timm:NAME | torchvision:NAME | open_clip:ARCH | "
-        "hf:DIR (save_pretrained) | python:MODULE:CALLABLE (an nn.Module factory); in Python also an nn.Module",
-    )
-    weights: str = flag(
-        "timm",
-        "timm (local cache) | PATH (.pth/.pt/.safetensors) | package:NAME | random:SEED "
-        "(hf:DIR: dir, its own weights; an nn.Module: module, as it is)",
-    )
-    data: str = flag(None, format_help(), required=True)
-    protocol: str = flag(
-        "vtab1k-light",
-        "vtab1k-light: 1000 examples (800/200 selection), rows pair with "
-        "probe protocol vtab1k-sgd (VTAB Fig. 16); full: all of train, pairs with probe protocol full",
-    )
+    model: Any = flag(required=True, help=model_help)
+    weights: str = flag("timm", _weights_help)
+    data: str = flag(None, format_help, required=True)
+    protocol: str = flag("vtab1k-light", _protocol_help)
     seeds: tuple[int, ...] | None = flag(
         None, "comma-separated seeds (default 0,1,2 for vtab1k-light, 0 for full)", type=int_list
     )
@@ -134,7 +138,7 @@ class FinetuneConfig:
     metric: str | None = flag(
         None,
         "the task's metric: selects the config on val and is recorded as hparams.task_metric (default top1)",
-        choices=["top1", "mean_per_class"],
+        choices=SELECTION_METRICS,
     )
     force: bool = flag(False, "rerun seeds already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
@@ -178,9 +182,9 @@ class FinetuneConfig:
     def _check(self) -> None:
         if not self.data:
             raise FinetuneConfigError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
-        if self.metric not in (None, "top1", "mean_per_class"):
+        if self.metric is not None and self.metric not in SELECTION_METRICS:
             raise FinetuneConfigError(
-                f"fine-tuning selects on top1 or mean_per_class, not {self.metric!r} "
+                f"fine-tuning selects on {' or '.join(SELECTION_METRICS)}, not {self.metric!r} "
                 "(multi-label tasks: use the probes)"
             )
         if self.resize not in ("timm", "whole", "whole-tf"):

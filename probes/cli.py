@@ -26,10 +26,12 @@ def register(subparsers) -> None:
     who.add_argument("--all", action="store_true", help="every backbone with features for --dataset")
     add_arguments(p, ProbeConfig)  # every other flag comes from the config's fields
     optional_flag(p, "dataset")  # --suite names the datasets instead
+    from featcache.suites import suite_names
+
     p.add_argument(
         "--suite",
         default=None,
-        help="probe every task of a suite (see `featcache suites`) held in "
+        help=f"probe every task of a suite ({suite_names()}; see `featcache suites`) held in "
         "the cache, each selected on its declared metric; VTAB-1k lists: train800/val200",
     )
     p.add_argument(

@@ -27,6 +27,18 @@ def _seeds(value) -> tuple[int, ...] | None:
     return tuple(int(s) for s in value)
 
 
+def _protocol_help() -> str:
+    from featcache.protocols import protocol_help
+
+    return protocol_help("probe")
+
+
+def _task_metrics() -> tuple[str, ...]:
+    from featcache import metrics
+
+    return metrics.TASK_METRICS
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
     """What ``featcache probe`` / :func:`featcache.probes.runner.run_probes` runs.
@@ -40,12 +52,7 @@ class ProbeConfig:
     cache: str | tuple[str, ...] = flag(cli=False)
     backbones: str | tuple[str, ...] = flag(cli=False)
     dataset: str = flag(required=True, help="dataset key in the cache")
-    protocol: str = flag(
-        "full",
-        "full (z-scored features) | dinov2 (raw features, DINOv2's exact selection) | fewshot:N | "
-        "vtab1k | vtab1k-stratified | vtab1k-sgd | salman | bob-linear | subset:F% | "
-        "elevater-fewshot:N | elevater-full | zeroshot",
-    )
+    protocol: str = flag("full", _protocol_help)
     seeds: tuple[int, ...] | None = flag(
         None, "comma-separated seeds (default: the protocol's, 0,1,2 for fewshot/vtab1k, else 0)"
     )
@@ -110,7 +117,7 @@ class ProbeConfig:
         None,
         "the task's metric, used to select hyper-parameters (default: the metric recorded "
         "for the dataset in the store, else top1)",
-        choices=["top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater"],
+        choices=_task_metrics,
     )
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
 

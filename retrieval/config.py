@@ -18,12 +18,12 @@ from featcache import configs
 from featcache.configs import flag, renamed_kwargs
 from featcache.errors import ConfigError, DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
+from featcache.retrieval.prepared import METRICS  # the similarities the search computes
 from featcache.retrieval.revisited import REVISITED_SETUPS
 
 __all__ = ["BACKENDS", "DEFAULT_KS", "METRICS", "TIE_POLICY", "RetrievalConfig", "RetrievalConfigError"]
 
 DEFAULT_KS = (1, 5, 10, 100)
-METRICS = ("cosine", "ip", "l2")
 BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
 TIE_POLICY = "tie groups ranked as a block at their last position (sklearn AP convention)"
 

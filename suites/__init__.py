@@ -24,7 +24,9 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
+from featcache import metrics as _metrics
 from featcache.errors import ConfigError
+from featcache.metrics import TASK_METRICS as METRICS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,11 +42,12 @@ __all__ = [
     "list_suites",
     "load_suite",
     "present_tasks",
+    "suite_names",
     "warn_missing",
 ]
 
-#: metrics a classification task may declare
-METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater")
+# METRICS: the metrics a classification task may declare, as registered when this module was
+# imported (featcache.metrics.TASK_METRICS; a suite is checked against the registry as it is)
 #: metrics a retrieval task may declare (names as ``featcache retrieve`` writes them; ``@k`` any k)
 RETRIEVAL_METRICS = ("map_bob", "mrr_bob", "map", "mrr", "mp@k", "recall@k", "precision@k", "hit@k")
 #: what a task is evaluated by: probes/fine-tuning (classification) or ``featcache retrieve``
@@ -130,6 +133,11 @@ def list_suites() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".toml"))
 
 
+def suite_names() -> str:
+    """The shipped suites' names, comma-separated (for help texts)."""
+    return ", ".join(list_suites())
+
+
 @cache
 def load_suite(name: str) -> Suite:
     """The suite ``name`` (see :func:`list_suites`), validated."""
@@ -212,8 +220,8 @@ def _check_kind_metrics_protocols(task: Task, where: str) -> None:
                 f"{where}: retrieval task {task.name} metric {m!r} is not one featcache retrieve writes "
                 f"({', '.join(RETRIEVAL_METRICS)})"
             )
-        if task.kind == "classification" and m not in METRICS:
-            raise SuiteError(f"{where}: task {task.name} metric {m!r} is not one of {', '.join(METRICS)}")
+        if task.kind == "classification" and m not in _metrics.TASK_METRICS:
+            raise SuiteError(f"{where}: task {task.name} metric {m!r} is not one of {', '.join(_metrics.TASK_METRICS)}")
     if task.protocols:
         from featcache.errors import ProtocolError
         from featcache.protocols import get_protocol, list_protocols

@@ -55,10 +55,11 @@ def _present(suite, root: str) -> dict[str, str | None]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "suites", help="list the benchmark suites (vtab-1k, elevater-ic, salman-12, bob) and their tasks"
-    )
-    p.add_argument("name", nargs="?", help="a suite: list its tasks (group, metric, classes)")
+    from featcache.suites import suite_names
+
+    names = suite_names()
+    p = sub.add_parser("suites", help=f"list the benchmark suites ({names}) and their tasks")
+    p.add_argument("name", nargs="?", help=f"a suite ({names}): list its tasks (group, metric, classes)")
     p.add_argument(
         "--data-root", default=None, help="show which tasks have data under this folder (and in which layout)"
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcache.configs import renamed_kwargs
+from featcache.configs import flag, float_list, int_list, renamed_kwargs
 from featcache.errors import NotInStoreError, SweepError
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,75 @@ def _frozen_map(value) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items))
 
 
+def _data_map(value) -> tuple[tuple[str, str], ...]:
+    """``data`` as sorted ``(name, spec)`` pairs, from a mapping, pairs or ``NAME=SPEC``
+    strings (``--data``; a later NAME wins)."""
+    if isinstance(value, Mapping) or not any(isinstance(v, str) for v in value):
+        return _frozen_map(value)
+    out = {}
+    for text in value:
+        if not isinstance(text, str):
+            name, spec = text
+            out[str(name)] = spec
+            continue
+        name, sep, spec = text.partition("=")
+        if not sep or not name.strip() or not spec.strip():
+            raise SweepError(f"--data takes NAME=SPEC, e.g. digits=digits (got {text!r})")
+        out[name.strip()] = spec.strip()
+    return _frozen_map(out)
+
+
+def _seeds(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return tuple(int(s) for s in value.split(",") if s.strip())
+        except ValueError:
+            raise SweepError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {value!r})") from None
+    return tuple(int(s) for s in value)
+
+
+def _protocols_help() -> str:
+    from featcache.protocols import protocol_usages
+
+    return (
+        f"probe protocol: {' | '.join(protocol_usages('probe'))} "
+        "(repeatable; default: full, or none with --retrieval or --finetune)"
+    )
+
+
+def _finetune_help() -> str:
+    from featcache.protocols import protocol_usages
+
+    return f"fine-tune protocol: {' | '.join(protocol_usages('finetune'))} (repeatable)"
+
+
+@dataclass(frozen=True)
+class FinetuneFlags:
+    """The sweep's ``--ft-*`` flags: the :data:`FINETUNE_OPTIONS` the command line sets
+    (:attr:`SweepConfig.finetune_options` takes any of them in Python)."""
+
+    steps: tuple[int, ...] | None = flag(
+        None,
+        "comma-separated schedule lengths (scaled-down run; default: the protocol's)",
+        name="--ft-steps",
+        type=int_list,
+    )
+    lrs: tuple[float, ...] | None = flag(
+        None, "comma-separated learning rates (default: the protocol's)", name="--ft-lrs", type=float_list
+    )
+    batch_size: int | None = flag(None, "SGD batch (default: the protocol's)", name="--ft-batch-size", type=int)
+    input_size: int | None = flag(
+        None, "input resolution (default: the extraction's)", name="--ft-input-size", type=int
+    )
+    limit: int | None = flag(None, "first N images of every split", name="--ft-limit", type=int)
+
+    def options(self) -> dict[str, Any]:
+        """The flags given, as ``finetune_options``."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
 @renamed_kwargs(results="results_path")
 @dataclass(frozen=True)
 class SweepConfig:
@@ -59,26 +128,39 @@ class SweepConfig:
     ``protocols``. ``scheduler``: address of a running Dask scheduler (default:
     ``DASK_SCHEDULER_ADDRESS``, else an in-process LocalCluster of ``workers`` processes;
     ``workers=0`` runs the items one by one in this process, without Dask);
-    ``connect_timeout``: seconds to wait for that scheduler."""
+    ``connect_timeout``: seconds to wait for that scheduler. ``seeds`` may be ``"0,1,2"`` and
+    ``data`` ``NAME=SPEC`` strings, as on the command line; the fields' ``configs.flag``
+    metadata are ``featcache sweep``'s flags."""
 
-    cache: str
-    results_path: str
-    backbones: tuple[str, ...] = ()
-    datasets: tuple[str, ...] = ()
-    protocols: tuple[str, ...] = ("full",)
-    seeds: tuple[int, ...] | None = None
-    retrieval: bool = False
-    finetune: tuple[str, ...] = ()
-    data: tuple[tuple[str, str], ...] = ()
-    finetune_options: tuple[tuple[str, Any], ...] = ()
-    scheduler: str | None = None
-    workers: int = 2
-    force: bool = False
-    train_split: str = "train"
-    eval_split: str = "test"
-    gallery_split: str = "train"
-    feature_kind: str = "pooled"
-    connect_timeout: float = 30.0
+    cache: str = flag(help="feature store path or URL (workers read it themselves)", required=True)
+    results_path: str = flag(help="results parquet to append to", name="--results", required=True)
+    backbones: tuple[str, ...] = flag((), "backbone key (repeatable; default: all)", name="--backbone", action="append")
+    datasets: tuple[str, ...] = flag((), "dataset (repeatable; default: all)", name="--dataset", action="append")
+    protocols: tuple[str, ...] = flag(("full",), _protocols_help, name="--protocol", action="append")
+    seeds: tuple[int, ...] | None = flag(None, "comma-separated seeds (default: each protocol's defaults)")
+    retrieval: bool = flag(False, "add a retrieval + k-NN run per backbone and dataset", action="store_true")
+    finetune: tuple[str, ...] = flag((), _finetune_help, action="append", metavar="PROTOCOL")
+    data: tuple[tuple[str, str], ...] = flag(
+        (),
+        "images of dataset NAME for the fine-tunes (required for each swept dataset: "
+        "the store does not record where its images are), e.g. digits=digits, "
+        "fmnist=fashion-mnist, pets=imagefolder:DIR",
+        action="append",
+        metavar="NAME=SPEC",
+    )
+    finetune_options: tuple[tuple[str, Any], ...] = flag((), cli=False)  # the CLI: FinetuneFlags
+    scheduler: str | None = flag(
+        None, "address of a running Dask scheduler (default: $DASK_SCHEDULER_ADDRESS, else an in-process LocalCluster)"
+    )
+    workers: int = flag(
+        2, "LocalCluster worker processes (default 2; 0: run here, one item at a time)", type=int, show_default=False
+    )
+    force: bool = flag(False, "rerun items already done", action="store_true")
+    train_split: str = flag("train", cli=False)
+    eval_split: str = flag("test", cli=False)
+    gallery_split: str = flag("train", cli=False)
+    feature_kind: str = flag("pooled", cli=False)
+    connect_timeout: float = flag(30.0, cli=False)
 
     @property
     def results(self) -> str:
@@ -93,10 +175,10 @@ class SweepConfig:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "cache", str(self.cache))
         object.__setattr__(self, "results_path", str(self.results_path))
-        object.__setattr__(self, "data", _frozen_map(self.data))
+        object.__setattr__(self, "data", _data_map(self.data))
         object.__setattr__(self, "finetune_options", _frozen_map(self.finetune_options))
         if self.seeds is not None:
-            object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+            object.__setattr__(self, "seeds", _seeds(self.seeds))
             if not self.seeds:
                 raise SweepError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if self.workers < 0:

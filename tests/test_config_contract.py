@@ -9,6 +9,7 @@ import re
 import pytest
 
 from featcache.cli import build_parser
+from featcache.configs import choices_of, help_of
 from featcache.errors import ConfigError
 from featcache.extract.config import ExtractConfig
 from featcache.finetune import cli as finetune_cli
@@ -16,6 +17,8 @@ from featcache.finetune.config import FinetuneConfig
 from featcache.probes import cli as probe_cli
 from featcache.probes.config import ProbeConfig
 from featcache.retrieval.config import RetrievalConfig
+from featcache.sweep import cli as sweep_cli
+from featcache.sweep.planner import SweepConfig
 
 # per stage: the command, how its CLI builds the config, the fields set outside the
 # config's flags, and a non-default value for every flag that has no choices and is no switch
@@ -117,6 +120,23 @@ STAGES = {
             "results_path": "r.parquet",
         },
     ),
+    "sweep": (
+        SweepConfig,
+        sweep_cli.config_from_args,
+        {},
+        {
+            "cache": "c.zarr",
+            "results_path": "r.parquet",
+            "backbones": ("a", "b"),
+            "datasets": ("d",),
+            "protocols": ("fewshot:5", "vtab1k"),
+            "seeds": (3, 4),
+            "finetune": ("full",),
+            "data": ("d=digits",),
+            "scheduler": "tcp://127.0.0.1:8786",
+            "workers": 0,
+        },
+    ),
 }
 
 
@@ -136,7 +156,7 @@ def _other_value(f):
     if kw.get("action") == "store_true":
         return True
     if "choices" in kw:
-        pick = next(c for c in kw["choices"] if c != f.default and (f.default is None or c not in f.default))
+        pick = next(c for c in choices_of(f) if c != f.default and (f.default is None or c not in f.default))
         return (pick,) if kw.get("action") == "append" else pick
     return None
 
@@ -197,7 +217,7 @@ def test_parser_is_built_from_the_config(command):
     for f in _flagged(cls):
         action = by_dest[f.name]
         assert (f.metadata["negate"] or _name(f)) in action.option_strings
-        assert (f.metadata["help"] or "").split(" (default")[0][:40] in (action.help or "").replace("%%", "%")
+        assert (help_of(f) or "").split(" (default")[0][:40] in (action.help or "").replace("%%", "%")
 
 
 @pytest.mark.parametrize(
@@ -285,3 +305,30 @@ def test_sweep_config_results_path_and_its_deprecated_alias():
         assert SweepConfig(cache="c", results="r.parquet") == cfg
     with pytest.warns(DeprecationWarning, match="results_path"):
         assert cfg.results == "r.parquet"
+
+
+def _sweep(*words: str) -> SweepConfig:
+    return sweep_cli.config_from_args(build_parser().parse_args(["sweep", "--cache", "c", "--results", "r", *words]))
+
+
+def test_sweep_cli_defaults_and_derived_fields():
+    """The sweep's flags as before they came from SweepConfig: no --protocol is ``full``, or
+    none with --retrieval/--finetune; the --ft-* flags give finetune_options; --data and
+    --seeds are parsed (a bad value is a SweepError naming the flag)."""
+    from featcache.errors import SweepError
+
+    assert _sweep() == SweepConfig("c", "r", protocols=("full",), workers=2)
+    assert _sweep("--retrieval").protocols == ()
+    assert _sweep("--finetune", "full", "--data", "d=digits").protocols == ()
+    assert _sweep("--retrieval", "--protocol", "salman").protocols == ("salman",)
+    got = _sweep("--finetune", "full", "--data", "d=x", "--data", "d=digits", "--ft-steps", "2,4", "--ft-lrs", "0.1")
+    assert got.data == (("d", "digits"),)  # a later NAME wins
+    assert dict(got.finetune_options) == {"steps": (2, 4), "lrs": (0.1,)}
+    got = _sweep("--ft-batch-size", "16", "--ft-input-size", "32", "--ft-limit", "100")
+    assert dict(got.finetune_options) == {"batch_size": 16, "input_size": 32, "limit": 100}
+    with pytest.raises(SweepError, match=r"--data takes NAME=SPEC"):
+        _sweep("--data", "digits")
+    with pytest.raises(SweepError, match=r"--seeds must be comma-separated integers"):
+        _sweep("--seeds", "a,b")
+    with pytest.raises(SweepError, match=r"seeds is empty"):
+        _sweep("--seeds", ",")

@@ -262,11 +262,12 @@ def test_every_format_reads_what_the_image_folder_route_reads(kind, tmp_path):
 
 def test_data_help_and_errors_list_every_registered_format():
     """--data's help (extract and finetune) and the unknown-spec error are built from the registry."""
+    from featcache.configs import help_of
     from featcache.errors import DataError
     from featcache.extract import ExtractConfig
     from featcache.finetune.config import FinetuneConfig
 
-    helps = [c.__dataclass_fields__["data"].metadata["help"] for c in (ExtractConfig, FinetuneConfig)]
+    helps = [help_of(c.__dataclass_fields__["data"]) for c in (ExtractConfig, FinetuneConfig)]
     with pytest.raises(DataError, match="unknown data spec") as err:
         open_dataset("no-such-format:x")
     for kind in _canonical_kinds():

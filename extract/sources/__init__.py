@@ -45,6 +45,7 @@ __all__ = [
     "input_size_of",
     "list_sources",
     "load_weights",
+    "model_help",
     "parse_model",
     "register_source",
     "require",
@@ -54,14 +55,29 @@ __all__ = [
     "store_key",
 ]
 _SOURCES: dict[str, tuple[str, SourceBuilder | None]] = {}
+#: source -> (usage, note): how the ``--model`` help names it
+_USAGE: dict[str, tuple[str, str]] = {}
 _EXTRAS = {"open_clip": "clip", "hf": "hf"}
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_.@+=-]")
 
 
-def register_source(name: str, module: str) -> None:
+def register_source(name: str, module: str, *, usage: str | None = None, note: str = "") -> None:
     """Register source ``name`` whose ``build(name, weights, device=...)`` lives in ``module``
-    (imported only when the source is used, so ``--help`` stays fast)."""
+    (imported only when the source is used, so ``--help`` stays fast). ``usage``: how the
+    ``--model`` help names it (default ``NAME:MODEL``), ``note``: a short gloss there. A name
+    taken by another module is refused; the same module again is a no-op."""
+    if name == "timm" or (name in _SOURCES and _SOURCES[name][0] != module):
+        raise BackboneError(f"model source {name!r} is already registered; register yours under another name")
     _SOURCES[name] = (module, None)
+    _USAGE[name] = (usage or f"{name}:MODEL", note)
+
+
+def model_help() -> str:
+    """The ``--model`` help: timm's names, then every registered source's usage, ``|``-separated."""
+    usages = [f"{u} ({n})" if n else u for u, n in (_USAGE[s] for s in _SOURCES)]
+    return " | ".join(["timm model name (e.g. tf_efficientnet_lite0)", "timm:NAME", *usages]) + (
+        "; in Python also an nn.Module"
+    )
 
 
 def list_sources() -> list[str]:
@@ -201,8 +217,13 @@ def as_mapping(obj: Any) -> Mapping[str, Any]:
     return obj if isinstance(obj, Mapping) else {}
 
 
-for _name in ("torchvision", "open_clip", "hf", "python"):
-    register_source(_name, f"featcache.extract.sources.{_name}_source")
+for _name, _usage, _note in (
+    ("torchvision", "torchvision:NAME", ""),
+    ("open_clip", "open_clip:ARCH", ""),
+    ("hf", "hf:DIR", "save_pretrained"),
+    ("python", "python:MODULE:CALLABLE", "an nn.Module factory"),
+):
+    register_source(_name, f"featcache.extract.sources.{_name}_source", usage=_usage, note=_note)
 
 
 def finish(
