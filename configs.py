@@ -29,6 +29,7 @@ __all__ = [
     "help_of",
     "int_list",
     "renamed_kwargs",
+    "seed_tuple",
     "str_tuple",
 ]
 
@@ -266,3 +267,16 @@ def float_list(text: str) -> list[float]:
 def str_tuple(value) -> tuple[str, ...]:
     """A string or an iterable of strings as a tuple (normalising config fields)."""
     return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
+
+
+def seed_tuple(value, error: type[Exception]) -> tuple[int, ...] | None:
+    """A seeds field as a tuple of ints (``"0,1,2"`` or an iterable; ``None`` stays ``None``);
+    a malformed string raises ``error`` saying how to write it."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return tuple(int(s) for s in value.split(",") if s.strip())
+        except ValueError:
+            raise error(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {value!r})") from None
+    return tuple(int(s) for s in value)

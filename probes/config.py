@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from featcache.configs import flag, str_tuple
+from featcache.configs import flag, seed_tuple, str_tuple
 from featcache.errors import ConfigError, ProbeError
 
 __all__ = ["ProbeConfig"]
@@ -14,17 +14,6 @@ __all__ = ["ProbeConfig"]
 
 class ProbeConfigError(ConfigError, ProbeError):
     """An invalid ProbeConfig value (a ConfigError; still a ProbeError, as it was)."""
-
-
-def _seeds(value) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            return tuple(int(s) for s in value.split(",") if s.strip())
-        except ValueError:
-            raise ProbeConfigError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {value!r})") from None
-    return tuple(int(s) for s in value)
 
 
 def _protocol_help() -> str:
@@ -132,7 +121,7 @@ class ProbeConfig:
             else tuple(str(c) for c in self.cache),
         )
         put("backbones", str_tuple(self.backbones))
-        put("seeds", _seeds(self.seeds))
+        put("seeds", seed_tuple(self.seeds, ProbeConfigError))
         put("eval_splits", str_tuple(self.eval_splits))
         if self.Cs is not None:
             put("Cs", tuple(sorted(float(c) for c in self.Cs)))

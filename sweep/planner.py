@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcache.configs import flag, float_list, int_list, renamed_kwargs
+from featcache.configs import flag, float_list, int_list, renamed_kwargs, seed_tuple
 from featcache.errors import NotInStoreError, SweepError
 
 log = logging.getLogger(__name__)
@@ -61,17 +61,6 @@ def _data_map(value) -> tuple[tuple[str, str], ...]:
             raise SweepError(f"--data takes NAME=SPEC, e.g. digits=digits (got {text!r})")
         out[name.strip()] = spec.strip()
     return _frozen_map(out)
-
-
-def _seeds(value) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            return tuple(int(s) for s in value.split(",") if s.strip())
-        except ValueError:
-            raise SweepError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {value!r})") from None
-    return tuple(int(s) for s in value)
 
 
 def _protocols_help() -> str:
@@ -178,7 +167,7 @@ class SweepConfig:
         object.__setattr__(self, "data", _data_map(self.data))
         object.__setattr__(self, "finetune_options", _frozen_map(self.finetune_options))
         if self.seeds is not None:
-            object.__setattr__(self, "seeds", _seeds(self.seeds))
+            object.__setattr__(self, "seeds", seed_tuple(self.seeds, SweepError))
             if not self.seeds:
                 raise SweepError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if self.workers < 0:

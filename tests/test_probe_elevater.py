@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from plan_spy import sorted_rows, spy_plan
 
 from featcache import protocols as P
 from featcache.probes import ProbeConfig, run_probes
@@ -78,24 +79,12 @@ def test_full_data_takes_the_first_rows_in_the_datasets_own_order(digits_cache, 
     assert sp.train.tolist() == sorted(own[ref_t].tolist())
     assert not np.array_equal(sp.val, P.get_protocol("elevater-full").plan(tr.y, 0).val)  # canonical: others
     # run_probes selects on the store's first rows: the toolkit's rule on the stored labels
-    seen = {}
-    real = PR._plan
-
-    def spy(*a):
-        seen["plan"] = real(*a)
-        return seen["plan"]
-
-    monkeypatch.setattr(PR, "_plan", spy)
+    seen = spy_plan(monkeypatch)
     cfg = ProbeConfig(digits_cache, LITE0, "digits", "elevater-full", search_epochs=1, final_epochs=1, progress=False)
     run_probes(cfg)
     stored = open_cache(digits_cache).load(LITE0, "digits", "train")  # the store's row order
     _, v_store = toolkit_train_val_split(np.asarray(stored.labels))
-
-    def rows(X):
-        X = np.asarray(X, np.float64)
-        return X[np.lexsort(X.T[::-1])]
-
-    np.testing.assert_array_equal(rows(seen["plan"].va[0]), rows(stored.X[sorted(v_store)]))
+    np.testing.assert_array_equal(sorted_rows(seen["plan"].va[0]), sorted_rows(stored.X[sorted(v_store)]))
 
 
 def test_one_shot_draws_two_and_does_not_merge_like_the_toolkit(digits_cache):

@@ -16,6 +16,7 @@ import polars as pl
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from plan_spy import sorted_rows, spy_plan
 from vision_evaluation_ref import elevater_map_11_points
 
 from featcache.errors import ProbeError
@@ -178,7 +179,6 @@ def test_elevater_full_holds_out_the_toolkits_greedy_rows_of_a_label_matrix(digi
     """elevater-full on digits with five overlapping attribute labels: the validation rows are
     the toolkit's greedy fill over the stored label matrix in the store's row order (before:
     the first ceil(20%) per digit of the single-label column, other rows)."""
-    from featcache.probes import runner as PR
 
     c = open_cache(digits_cache)
     path = str(tmp_path / "c.zarr")
@@ -199,23 +199,11 @@ def test_elevater_full_holds_out_the_toolkits_greedy_rows_of_a_label_matrix(digi
     stored = open_cache(path).load(LITE0, "digits-attrs", "train")
     Y = _attrs(stored.labels)
     _, ref_v = toolkit_train_val_multilabel(Y)
-    seen = {}
-    real = PR._plan
-
-    def spy(*a):
-        seen["plan"] = real(*a)
-        return seen["plan"]
-
-    monkeypatch.setattr(PR, "_plan", spy)
+    seen = spy_plan(monkeypatch)
     cfg = ProbeConfig(path, LITE0, "digits-attrs", "elevater-full", search_epochs=1, final_epochs=1, progress=False)
     df = run_probes(cfg)
     plan = seen["plan"]
-
-    def rows(X):
-        X = np.asarray(X, np.float64)
-        return X[np.lexsort(X.T[::-1])]
-
-    np.testing.assert_array_equal(rows(plan.va[0]), rows(stored.X[sorted(ref_v)]))
+    np.testing.assert_array_equal(sorted_rows(plan.va[0]), sorted_rows(stored.X[sorted(ref_v)]))
     assert plan.Y[1].sum(0).tolist() >= np.ceil(0.2 * Y.sum(0)).tolist()
     per_digit = [idx[: int(np.ceil(0.2 * idx.size))] for d in range(10) for idx in [np.flatnonzero(stored.labels == d)]]
     assert sorted(ref_v) != sorted(np.concatenate(per_digit).tolist())  # the single-label rule takes others
