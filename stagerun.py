@@ -148,14 +148,16 @@ def pending(
     return out
 
 
-def write_rows(results_path: PathLike | None, rows: Sequence[Mapping[str, Any]]):
-    """Append ``rows`` to ``results_path`` (replacing earlier rows of their runs); the table
-    after the append, or None without a path or rows."""
+def write_rows(results_path: PathLike | None, rows):
+    """Append ``rows`` (dicts, or a frame from :func:`~featcache.results.rows_to_frame`) to
+    ``results_path``, replacing earlier rows of their runs; the table after the append, or
+    None without a path or rows."""
     from featcache.results import append_results, rows_to_frame
 
-    if results_path is None or not rows:
+    if results_path is None or not len(rows):
         return None
-    return append_results(results_path, rows_to_frame(rows), replace_runs=True)
+    frame = rows if hasattr(rows, "columns") else rows_to_frame(rows)
+    return append_results(results_path, frame, replace_runs=True)
 
 
 def collect(
