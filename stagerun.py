@@ -134,13 +134,15 @@ def pending(
     done: set[str],
     describe: Callable[[Hashable], str],
     results_path: PathLike | None = None,
+    logger: logging.Logger | None = None,
 ) -> list[Hashable]:
     """The keys of ``groups`` (each a group of run ids that runs together) with a run not in
-    ``done``, in order; a skip line (``describe(key)``) is logged for each of the others."""
+    ``done``, in order; a skip line (``describe(key)``) goes to ``logger`` (the stage's own)
+    for each of the others."""
     out = []
     for key, ids in groups.items():
         if all(r in done for r in ids):
-            log.info(
+            (logger or log).info(
                 "skip %s: already in %s (--force, or force=True in Python, reruns it)", describe(key), results_path
             )
         else:

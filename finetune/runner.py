@@ -244,6 +244,7 @@ def finetune(config: FinetuneConfig):
         finished(cfg.results_path, cfg.force),
         lambda s: f"{run.bkey}/{data.name} {proto.spec} seed {s}",
         cfg.results_path,
+        log,
     )
     if run.ckdir is not None and todo:
         run.ckdir.mkdir(parents=True, exist_ok=True)

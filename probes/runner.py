@@ -361,6 +361,7 @@ def run_probes(config: ProbeConfig):
         finished(cfg.results_path, cfg.force),
         lambda k: f"{k[0]}/{cfg.dataset} {proto.spec} seed {k[1]}",
         cfg.results_path,
+        log,
     )
     new_rows: list[dict] = []
     for b, seed in tqdm(todo, desc=f"probe {proto.spec}", disable=not cfg.progress):
