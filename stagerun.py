@@ -74,6 +74,10 @@ class Stage:
     medians: Literal["protocol", "always", "never"] = "never"
     median_carry: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.medians not in ("protocol", "always", "never"):
+            raise ConfigError(f"Stage.medians is 'protocol', 'always' or 'never', got {self.medians!r}")
+
     def run(self, config: Any):
         """Call the entry point with ``config``; the rows of the run (polars DataFrame)."""
         module, fn = self.entry.split(":")
@@ -103,6 +107,7 @@ def register_stage(stage: Stage) -> Stage:
 
 
 def get_stage(name: str) -> Stage:
+    """The registered stage ``name`` (a sweep work item's ``kind``)."""
     try:
         return STAGES[name]
     except KeyError:

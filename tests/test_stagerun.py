@@ -56,6 +56,11 @@ def test_sweep_runs_an_item_by_looking_its_stage_up(monkeypatch):
     assert "probe" not in inspect.getsource(call_stage)
 
 
+def test_a_stage_declares_one_of_the_three_median_rules():
+    with pytest.raises(ConfigError, match="'protocol', 'always' or 'never'"):
+        Stage("x", "json:dumps", "sometimes")
+
+
 def test_an_unknown_stage_names_the_registered_ones():
     with pytest.raises(ConfigError, match=r"registered stages: \['finetune', 'probe', 'retrieval'\]"):
         get_stage("linear")
