@@ -109,9 +109,11 @@ class CorruptResultsError(ResultsError):
 
 
 class SplitError(DataError, ProbeError):
-    """A seeded protocol split cannot be drawn (too few examples, a class too small...).
+    """A seeded protocol split cannot be drawn (too few examples, a class too small...), or
+    the splits a run reads are unusable (shared ids, a single class, unknown classes).
 
-    Raised by :mod:`featcache.splits`, shared by probes and fine-tuning; it is both a
+    Raised by :mod:`featcache.splits` and :mod:`featcache.stagerun`'s split checks, shared
+    by probes and fine-tuning; it is both a
     :class:`DataError` and a :class:`ProbeError` so either stage's callers catch it."""
 
 

@@ -34,20 +34,13 @@ class Split:
 
 
 def prepare_split(src, train_names: list[str]) -> Split:
-    from featcache.splits import canonical_order
+    from featcache.stagerun import canonical_order, label_positions
     from featcache.store import dataset_fingerprint
 
     ids = np.asarray(src.ids).astype(str)
     order = canonical_order(ids)
     names = np.asarray(src.class_names, dtype=object)[np.asarray(src.labels)[order]]
-    pos = {n: i for i, n in enumerate(train_names)}
-    unknown = sorted({str(n) for n in names if n not in pos})
-    if unknown:
-        raise DataError(
-            f"{src.dataset}/{src.split} has classes {unknown[:10]} that the train split "
-            "does not define; give splits with the same class list"
-        )
-    y = np.fromiter((pos[n] for n in names), np.int64, count=names.size)
+    y = label_positions(names, train_names, f"{src.dataset}/{src.split}")
     fp = dataset_fingerprint(ids[order], y, train_names)
     return Split(src.split, src, order, y, ids[order], fp)
 

@@ -91,14 +91,13 @@ from featcache.finetune.train import (
     train_run,
 )
 from featcache.protocols import Protocol, SplitPlan, get_protocol
+from featcache.stagerun import check_disjoint, check_two_classes, collect, finished, pending, write_rows
 from featcache.store import combine_fingerprints
 
-__all__ = ["MEDIAN_CARRY", "finetune", "make_plan"]
+__all__ = ["finetune", "make_plan"]
 
 log = logging.getLogger(__name__)
 
-#: hparams keys the median-over-seeds rows copy from the seeds' rows
-MEDIAN_CARRY = ("finetune_protocol", "pairs_with", "scaled", "val_source")
 METRIC_NAMES = ("top1", "top5", "mean_per_class", "nll", "ece")
 
 
@@ -161,14 +160,8 @@ def _open_data(cfg: FinetuneConfig, proto: Protocol) -> _Data:
     evs = {es: prepare_split(splits[es], names) for es in cfg.eval_splits}
     for es, ev in evs.items():
         for other in [tr] + ([va] if va is not None else []):
-            both = np.intersect1d(other.ids, ev.ids)
-            if both.size:
-                raise DataError(
-                    f"{both.size} sample ids occur in both {other.name!r} and {es!r} "
-                    f"(e.g. {both[0]!r}); evaluating on training images is invalid"
-                )
-    if np.unique(tr.y).size < 2:
-        raise DataError(f"{dname}/{cfg.train_split} holds a single class; fine-tuning needs at least two")
+            check_disjoint(other.name, other.ids, es, ev.ids)
+    check_two_classes(tr.y, f"{dname}/{cfg.train_split}", "fine-tuning")
     return _Data(dname, tr, va, evs, names)
 
 
@@ -246,7 +239,15 @@ def finetune(config: FinetuneConfig):
     plans = {s: make_plan(proto, s, data.train, data.val, cfg.val_source) for s in cfg.seeds}
     run = _build(cfg, proto, data, dev, prec)
     run_ids = _run_ids(run)
-    todo = _todo(run, run_ids)
+    todo = pending(
+        {s: [run_ids[(s, es)][0] for es in cfg.eval_splits] for s in cfg.seeds},
+        finished(cfg.results_path, cfg.force),
+        lambda s: f"{run.bkey}/{data.name} {proto.spec} seed {s}",
+        cfg.results_path,
+        log,
+    )
+    if run.ckdir is not None and todo:
+        run.ckdir.mkdir(parents=True, exist_ok=True)
     new_rows: list[dict] = []
     if todo:
         _make_pools(run, plans, todo)
@@ -257,7 +258,7 @@ def finetune(config: FinetuneConfig):
             import torch
 
             torch.cuda.empty_cache()
-    return _collect(cfg, run_ids, new_rows)
+    return collect("finetune", cfg.results_path, new_rows, [r for r, _ in run_ids.values()], append=False)
 
 
 def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: str) -> _Run:
@@ -340,27 +341,6 @@ def _run_ids(run: _Run) -> dict[tuple[int, str], tuple[str, str]]:
                 fp,
             )
     return out
-
-
-def _todo(run: _Run, run_ids) -> list[int]:
-    from featcache.results import existing_run_ids
-
-    cfg = run.cfg
-    done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
-    todo = [s for s in cfg.seeds if not all(run_ids[(s, es)][0] in done for es in cfg.eval_splits)]
-    for s in cfg.seeds:
-        if s not in todo:
-            log.info(
-                "skip %s/%s %s seed %d: already in %s (--force, or force=True in Python, reruns it)",
-                run.bkey,
-                run.data.name,
-                run.proto.spec,
-                s,
-                cfg.results_path,
-            )
-    if run.ckdir is not None and todo:
-        run.ckdir.mkdir(parents=True, exist_ok=True)
-    return todo
 
 
 def _make_pools(run: _Run, plans: dict[int, SplitPlan], todo: list[int]) -> None:
@@ -471,8 +451,6 @@ def _val_key(run: _Run) -> str:
 
 def _finetune_seed(run: _Run, s: int, plan: SplitPlan, run_ids) -> list[dict]:
     """Select, refit on the final rows, evaluate: one seed's rows (appended at once)."""
-    from featcache.results import append_results, rows_to_frame
-
     best, cands = _select(run, s, plan)
     c = run.grid[best]
     key = run.key("final", s, c, plan.final)
@@ -518,8 +496,7 @@ def _finetune_seed(run: _Run, s: int, plan: SplitPlan, run_ids) -> list[dict]:
             c.lr,
             c.steps,
         )
-    if run.cfg.results_path is not None:  # rows of each finished seed are safe at once
-        append_results(run.cfg.results_path, rows_to_frame(rows), replace_runs=True)
+    write_rows(run.cfg.results_path, rows)  # rows of each finished seed are safe at once
     if ck is not None and ck.exists():
         ck.unlink()
     if run.ckdir is not None:  # selection outcomes of this seed are no longer needed
@@ -577,21 +554,6 @@ def _hparams(run: _Run, plan: SplitPlan, c: TrainConfig, cands: list[dict], best
     if run.cfg.metric is not None:
         hp["task_metric"] = run.cfg.metric
     return hp
-
-
-def _collect(cfg: FinetuneConfig, run_ids, new_rows: list[dict]):
-    import polars as pl
-
-    from featcache.results import add_median_rows, read_results, rows_to_frame
-
-    wanted = [r for r, _ in run_ids.values()]
-    if cfg.results_path is not None and Path(cfg.results_path).exists():
-        out = read_results(cfg.results_path).filter(pl.col("run_id").is_in(wanted))
-    else:
-        out = rows_to_frame(new_rows)
-    if len(cfg.seeds) >= 2 and out.height:
-        out = add_median_rows(out, "finetune", cfg.results_path, carry=MEDIAN_CARRY)
-    return out
 
 
 def _hash_idx(idx: np.ndarray) -> str:

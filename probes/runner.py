@@ -24,13 +24,19 @@ from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
 from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
 from featcache.protocols import Protocol, SplitPlan
+from featcache.stagerun import (
+    canonical_order,
+    check_disjoint,
+    check_two_classes,
+    collect,
+    finished,
+    label_positions,
+    pending,
+)
 from featcache.store import combine_fingerprints
 from featcache.store.rows import StoredRows
 
 log = logging.getLogger(__name__)
-
-# the hparams a median-over-seeds row carries from its seed rows (the sweep adds the same rows)
-MEDIAN_CARRY = ("val_source", "task_metric")
 
 
 @dataclass
@@ -118,7 +124,7 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: b
     f = cache.load(backbone, dataset, split, kind=kind, lazy=lazy)
     valid = np.asarray(f.valid, bool)
     ids = np.asarray(f.ids)[valid].astype(str)
-    order = np.argsort(ids, kind="stable")
+    order = canonical_order(ids)
     rows = np.flatnonzero(valid)[order]
     X = f.X[rows]  # the valid rows in id order: one copy (a view when lazy)
     bad = nonfinite_rows(X)
@@ -130,17 +136,7 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: b
         )
     names = np.asarray(f.class_names, dtype=object)
     y_names = names[np.asarray(f.labels)[rows]]
-    if train_names is None:
-        train_names = list(f.class_names)
-    pos = {n: i for i, n in enumerate(train_names)}
-    unknown = sorted({str(n) for n in y_names if n not in pos})
-    if unknown:
-        raise ProbeError(
-            f"{dataset}/{split} has classes {unknown[:10]} that the train split does not define; "
-            "the class sets of the splits differ: extract both splits from the same dataset "
-            "spec (same class list)"
-        )
-    y = np.fromiter((pos[n] for n in y_names), np.int64, count=y_names.size)
+    y = label_positions(y_names, list(f.class_names) if train_names is None else train_names, f"{dataset}/{split}")
     return SplitData(split, X, y, ids[order], int((~valid).sum()), f.fingerprint, rows=rows)
 
 
@@ -168,13 +164,9 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
                 f"dataset {ds!r} has no split {s!r} to evaluate on (has {splits}); pass --eval-split with one of them"
             )
         evals[s] = _load_split(c, b, ds, s, cfg.kind, names, lazy=lazy)  # lazy: read after the fits
-        _check_disjoint(tr, evals[s])
-        if va is not None:
-            _check_disjoint(va, evals[s])
-    if len(np.unique(tr.y)) < 2:
-        raise ProbeError(
-            f"{b}/{ds}/{cfg.train_split} holds a single class among its valid rows; a probe needs at least two classes"
-        )
+        for fitted in (tr, va) if va is not None else (tr,):
+            check_disjoint(fitted.name, fitted.ids, s, evals[s].ids)
+    check_two_classes(tr.y, f"{b}/{ds}/{cfg.train_split}", "a probe")
     data = _Data(tr, va, evals, names)
     _attach_label_matrices(c, ds, data)
     return data
@@ -233,15 +225,6 @@ def _check_alignment(per_backbone: dict[str, dict[str, SplitData]]) -> None:
                     "the same dataset spec into one cache (or re-run the failed images) so "
                     "every backbone is evaluated on the same images"
                 )
-
-
-def _check_disjoint(train: SplitData, other: SplitData) -> None:
-    both = np.intersect1d(train.ids, other.ids)
-    if both.size:
-        raise ProbeError(
-            f"{both.size} sample ids occur in both {train.name!r} and {other.name!r} (e.g. "
-            f"{both[0]!r}); evaluation on training images is invalid: fix the split definitions"
-        )
 
 
 # ------------------------------------------------------------------ planning
@@ -357,7 +340,7 @@ def run_probes(config: ProbeConfig):
     row over seeds (``seed=-1``).
     """
     from featcache.progress import tqdm
-    from featcache.results import check_results_path, existing_run_ids
+    from featcache.results import check_results_path
 
     proto, cfg = config.resolve()
     if cfg.results_path is not None:
@@ -373,25 +356,19 @@ def run_probes(config: ProbeConfig):
     src = {b: text_source(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
     text_fp = {b: text_fingerprint(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
 
-    done = existing_run_ids(cfg.results_path) if cfg.results_path is not None and not cfg.force else set()
+    run_ids = {(b, s): _run_ids(cfg, proto, b, s, data[b], text_fp.get(b, "")) for b in backbones for s in cfg.seeds}
+    todo = pending(
+        {k: [r for r, _ in v.values()] for k, v in run_ids.items()},
+        finished(cfg.results_path, cfg.force),
+        lambda k: f"{k[0]}/{cfg.dataset} {proto.spec} seed {k[1]}",
+        cfg.results_path,
+        log,
+    )
     new_rows: list[dict] = []
-    wanted: list[str] = []
-    jobs = [(b, s) for b in backbones for s in cfg.seeds]
-    for b, seed in tqdm(jobs, desc=f"probe {proto.spec}", disable=not cfg.progress):
-        run_ids = _run_ids(cfg, proto, b, seed, data[b], text_fp.get(b, ""))
-        wanted += [r for r, _ in run_ids.values()]
-        if all(r in done for r, _ in run_ids.values()):
-            log.info(
-                "skip %s/%s %s seed %d: already in %s (--force, or force=True in Python, reruns it)",
-                b,
-                cfg.dataset,
-                proto.spec,
-                seed,
-                cfg.results_path,
-            )
-            continue
-        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids, src.get(b))
-    return _collect(cfg, proto, new_rows, wanted)
+    for b, seed in tqdm(todo, desc=f"probe {proto.spec}", disable=not cfg.progress):
+        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids[(b, seed)], src.get(b))
+    wanted = [r for v in run_ids.values() for r, _ in v.values()]
+    return collect("probe", cfg.results_path, new_rows, wanted, protocol=proto)
 
 
 def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
@@ -600,31 +577,5 @@ def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str,
     return replace(cfg, metric=metric)
 
 
-def _collect(cfg: ProbeConfig, proto: Protocol, new_rows: list[dict], wanted: list[str]):
-    """Append the new rows; the rows of every wanted run (plus median rows where the
-    protocol reports them)."""
-    import polars as pl
-
-    from featcache.results import add_median_rows, append_results, read_results, rows_to_frame
-
-    frame = rows_to_frame(new_rows) if new_rows else None
-    if cfg.results_path is not None and frame is not None:
-        table = append_results(cfg.results_path, frame, replace_runs=True)
-    elif cfg.results_path is not None and _exists(cfg.results_path):
-        table = read_results(cfg.results_path)
-    else:
-        table = frame
-    out = rows_to_frame([]) if table is None else table.filter(pl.col("run_id").is_in(wanted))
-    if proto.median_over_seeds and out.height:
-        out = add_median_rows(out, "probe", cfg.results_path, carry=MEDIAN_CARRY)
-    return out
-
-
 def _has(cache, backbone, dataset, split) -> bool:
     return any(e == (backbone, dataset, split) for e in cache.entries())
-
-
-def _exists(path) -> bool:
-    from pathlib import Path
-
-    return Path(path).exists()

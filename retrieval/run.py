@@ -156,7 +156,8 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
     The older call ``run_retrieval(cache_path, backbones, dataset, query_split, ...)`` with
     the same keywords as :class:`RetrievalConfig` (``results_path`` for ``results``) still works.
     """
-    from featcache.results import append_results, check_results_path, rows_to_frame
+    from featcache.results import check_results_path, rows_to_frame
+    from featcache.stagerun import write_rows
 
     if isinstance(config, RetrievalConfig) and (args or kwargs):
         raise UsageError("run_retrieval(config) takes no further arguments; use dataclasses.replace(config, ...)")
@@ -173,8 +174,7 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
         if cfg.knn:
             rows += _knn_rows(cfg, data)
     frame = rows_to_frame(rows)
-    if cfg.results_path is not None:
-        append_results(cfg.results_path, frame)
+    write_rows(cfg.results_path, frame)  # a rerun replaces the rows of its runs
     return frame
 
 

@@ -67,7 +67,8 @@ def run_text_retrieval(
 ):
     """Recall@k both ways of ``backbone``'s images and caption embeddings of ``dataset``/``split``;
     result rows (kind ``retrieval``, protocol ``image-text``) appended to ``results`` when set."""
-    from featcache.results import append_results, make_run_id, rows_to_frame
+    from featcache.results import make_run_id, rows_to_frame
+    from featcache.stagerun import write_rows
     from featcache.store import combine_fingerprints, open_cache
 
     t0 = time.perf_counter()
@@ -122,7 +123,6 @@ def run_text_retrieval(
         for m, v in means.items()
     ]
     frame = rows_to_frame(rows)
-    if results is not None:
-        append_results(results, frame)
+    write_rows(results, frame)  # a rerun replaces the rows of its run
     log.info("%s %s/%s image-text: %s", backbone, dataset, split, means)
     return frame

