@@ -162,6 +162,13 @@ class FeatureCache:
                 raise self._damaged(exc) from None
         return g
 
+    def _existing(self, *parts: str) -> Any:
+        """The group at ``parts``, which a check before this found (NotInStoreError if it is gone)."""
+        g = self._group(*parts)
+        if g is None:
+            raise NotInStoreError(f"{'/'.join(parts)} is not in the store at {self.path} (removed while reading?)")
+        return g
+
     def _children(self, g) -> list[str]:
         if g is None:
             return []
@@ -220,7 +227,7 @@ class FeatureCache:
     def split_rows(self, dataset: str, split: str, *, check: bool = False) -> tuple[np.ndarray, np.ndarray, SplitMeta]:
         """ids, labels and metadata of a split; ``check`` recomputes the fingerprint."""
         meta = self.split_meta(dataset, split)
-        g = self._group("datasets", dataset, split)
+        g = self._existing("datasets", dataset, split)
         where = f"datasets/{dataset}/{split}"
         try:
             ids = _as_str(g["ids"][:])
@@ -344,7 +351,7 @@ class FeatureCache:
             bad[sc.bad_chunks] = True
             row_bad = np.repeat(bad, gm.chunk_rows)[: gm.n]
             valid = valid & ~row_bad
-            if not lazy:
+            if isinstance(X, np.ndarray):  # eager (a lazy StoredRows view is masked through ``valid``)
                 X[row_bad] = np.nan
         return Features(
             backbone=backbone,
@@ -438,7 +445,7 @@ class FeatureCache:
 
         rows = []
         for b, d, s in self.entries():
-            g = self._group("features", b, d, s)
+            g = self._existing("features", b, d, s)
             try:  # the writer's summary while it matches the stored chunks, else read every marked chunk
                 complete, n_invalid = self._completeness(b, d, s, g)
             except SchemaMismatchError as exc:
@@ -577,10 +584,11 @@ def _open_or_create(store, kwargs: dict):
     that creates the same new store between the two makes it raise ContainsGroupError. The
     group exists then, and a second open finds it."""
     import zarr
+    from zarr import errors as zarr_errors
 
     try:
         return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
-    except zarr.errors.ContainsGroupError:
+    except zarr_errors.ContainsGroupError:
         return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
 
 
@@ -593,6 +601,7 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
     ``mode="r"`` opens an existing store read-only; ``"a"`` creates it if needed.
     """
     import zarr
+    from zarr import errors as zarr_errors
 
     if mode not in ("r", "a"):
         raise ConfigError(f"open_cache(mode={mode!r}): mode must be 'r' (read) or 'a' (read and write)")
@@ -603,7 +612,7 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
     if mode == "r":
         try:
             root = zarr.open_group(store, mode="r", **kwargs)
-        except (FileNotFoundError, NotADirectoryError, zarr.errors.GroupNotFoundError) as exc:
+        except (FileNotFoundError, NotADirectoryError, zarr_errors.GroupNotFoundError) as exc:
             raise NotInStoreError(
                 f"no feature cache at {label} ({type(exc).__name__}); create one with `featcache extract`"
             ) from None

@@ -70,7 +70,7 @@ def write_label_matrix(path_or_cache, dataset: str, split: str, matrix, class_na
     if m.dtype != bool and not np.isin(m, (0, 1)).all():
         raise SchemaMismatchError("label matrix entries must be bool or 0/1")
     m = m.astype(bool)
-    g = cache._group("datasets", dataset, split)
+    g = cache._existing("datasets", dataset, split)
     a = g.create_array(
         LABEL_MATRIX,
         shape=m.shape,
@@ -91,7 +91,7 @@ def load_label_matrix(path_or_cache, dataset: str, split: str) -> tuple[np.ndarr
     split has single-label targets only."""
     cache = _cache(path_or_cache, "r")
     cache.split_meta(dataset, split)  # NotInStoreError with the holdings when absent
-    g = cache._group("datasets", dataset, split)
+    g = cache._existing("datasets", dataset, split)
     if LABEL_MATRIX not in g:
         return None
     a = g[LABEL_MATRIX]

@@ -120,7 +120,7 @@ class FeatureWriter:
         self.n = first.n
         self.chunk_rows = first.chunk_rows
         self.n_chunks = max(1, -(-self.n // self.chunk_rows))
-        self.group = None
+        self.group: Any = None  # the zarr group, from open()
         self._handles: dict = {}
         self._lock: StoreLock | None = None
         self.lock_timeout = lock_timeout
@@ -223,8 +223,9 @@ class FeatureWriter:
 
     def release(self) -> None:
         """Release the group's writer lock (idempotent)."""
-        if getattr(self, "_lock", None) is not None:
-            self._lock.release()
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
             self._lock = None
 
     def _create(self) -> None:
