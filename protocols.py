@@ -76,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import ProtocolError, SplitError
+from featcache.errors import InternalError, ProtocolError, SplitError
 from featcache.splits import (
     HOLDOUT_FRACTION,
     VAL_SOURCES,
@@ -171,11 +171,15 @@ class SGDGrid:
     def milestones(self, steps: int, last_decay: float | None = None) -> tuple[int, ...]:
         """Steps at which the lr drops: 1/3, 2/3 and ``last_decay`` of ``steps``."""
         ld = self.last_decay if last_decay is None else last_decay
+        if ld is None:
+            raise InternalError("milestones of an epochs grid need last_decay")
         return tuple(sorted({steps // 3, 2 * steps // 3, round(ld * steps)}))
 
     def decay_epochs(self, epochs: int | None = None) -> list[int]:
         """Epochs-based grids: lr /10 every ``epochs // 3`` epochs (at 1/3 and 2/3)."""
         e = self.epochs if epochs is None else epochs
+        if e is None:
+            raise InternalError("decay_epochs of a steps grid need epochs")
         step_e = max(1, e // 3)
         return [k * step_e for k in (1, 2) if k * step_e < e]
 
@@ -224,6 +228,8 @@ class LarsGrid:
 
 
 BOB_LARS = LarsGrid()
+#: VTAB's third lr drop, at 90 % of the steps
+VTAB_LAST_DECAY = 0.9
 ELEVATER_SGD = ElevaterGrid()
 VTAB_SGD = SGDGrid(
     lrs=(0.1, 0.01),
@@ -231,7 +237,7 @@ VTAB_SGD = SGDGrid(
     momentum=0.9,
     weight_decay=0.0,
     steps=(2500, 10000),
-    last_decay=0.9,
+    last_decay=VTAB_LAST_DECAY,
     drop_remainder=True,
     recorded=("lr", "steps", "batch_size", "momentum", "weight_decay", "drop_remainder", "last_decay", "milestones"),
 )
@@ -323,6 +329,7 @@ def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **
     label = train_name
     info: dict[str, Any] = {}
     if p.split == "subset":
+        assert p.fraction is not None  # the subset protocol's parser sets it
         idx = subset_indices(y, p.fraction, seed)
         label = f"{train_name}[{p.spec}]"
         info["n_subset"] = int(idx.size)
@@ -494,7 +501,7 @@ def parse_protocol(spec: str) -> Protocol:
     return get_protocol(spec, "probe")
 
 
-def pairs(stage: str = "finetune") -> dict[str, str]:
+def pairs(stage: str = "finetune") -> dict[str, str | None]:
     """``{protocol of stage: the protocol of the other stage it pairs with}``."""
     return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage) if (stage, n) not in _HELP}
 
@@ -533,7 +540,7 @@ def fewshot(arg: str | None = None) -> Protocol:
     m = re.fullmatch(r"\d+", arg or "")
     if not m:
         raise ProtocolError(f"fewshot needs a shot count, e.g. fewshot:5 (got {arg!r})")
-    n = int(arg)
+    n = int(m.group(0))
     if n < 2:
         raise ProtocolError(
             f"fewshot:{n} cannot work: the 80/20 per-class split for selecting C needs at "
@@ -553,9 +560,10 @@ def fewshot(arg: str | None = None) -> Protocol:
 
 
 def _shots(name: str, arg: str | None) -> int:
-    if not re.fullmatch(r"\d+", arg or ""):
+    m = re.fullmatch(r"\d+", arg or "")
+    if not m:
         raise ProtocolError(f"{name} needs a shot count, e.g. {name}:5 (got {arg!r})")
-    n = int(arg)
+    n = int(m.group(0))
     if n < 2:
         raise ProtocolError(
             f"{name}:{n} cannot work: the 80/20 per-class split for selecting hyper-parameters "

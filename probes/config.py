@@ -163,7 +163,7 @@ class ProbeConfig:
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeConfigError(f"{f} must be >= 1 (got {getattr(out, f)})")
-        if getattr(g, "fixed", ()):  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
+        if isinstance(g, CGrid) and g.fixed:  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
             out = replace(out, **dict(g.fixed))
         from featcache.probes.solvers import get_solver
 
@@ -185,7 +185,7 @@ class ProbeConfig:
             return None if v is None else cast(v)
 
         return {
-            "Cs": list(self.Cs),
+            "Cs": list(self.Cs or ()),
             "backend": self.backend,
             "max_iter": int(self.max_iter),
             "tol": float(self.tol),
@@ -259,6 +259,6 @@ class ProbeConfig:
         return {
             (b, s, es): cfg.run_id(proto, b, s, es, fp)
             for b, fps in store_fingerprints(cfg, proto).items()
-            for s in cfg.seeds
+            for s in cfg.seeds or ()
             for es, fp in fps.items()
         }
