@@ -226,7 +226,7 @@ def read_parquet_checked(path: str | os.PathLike):
         raise _damaged(p, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
 
 
-def check_results_path(path: str | os.PathLike) -> Path:
+def check_results_path(path: str | os.PathLike | None) -> Path:
     """Check, before any compute, that ``path`` can hold a featcache results table.
 
     Refuses a folder, a file that is not parquet (a CSV...), a parquet without the results
@@ -234,8 +234,10 @@ def check_results_path(path: str | os.PathLike) -> Path:
     (probed by creating and removing a temporary file). Creates missing parent folders.
     Returns the path. Stages call this first so a bad ``--results`` never costs a fit.
     """
-    p = Path(path)
     hint = "pass --results with a new or existing featcache .parquet results file"
+    if path is None:
+        raise ResultsError(f"no results path given; {hint} (Python: results_path=...)")
+    p = Path(path)
     if p.is_dir():
         raise ResultsError(f"results path {p} is a folder; {hint}, e.g. {p / 'results.parquet'}")
     if p.exists():
