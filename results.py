@@ -90,7 +90,7 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _schema():
+def _schema() -> dict[Any, Any]:
     import polars as pl
 
     return {name: getattr(pl, dtype) for name, dtype in RESULT_COLUMNS.items()}
@@ -432,7 +432,7 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
             ) from None
         if not NoSpaceError.caused_by(exc):
             raise
-        need = (p.stat().st_size if p.exists() else 0) + new.estimated_size()
+        need = (p.stat().st_size if p.exists() else 0) + int(new.estimated_size())
         raise NoSpaceError.about(
             p, f"{len(new)} new result rows", need, "The table is unchanged; free space, then re-run."
         ) from None

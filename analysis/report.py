@@ -265,12 +265,14 @@ def _cost(r: Ranking | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | No
         size = catalog_df.group_by("backbone").agg((pl.col("bytes").sum() / 2**20).alias("store_mib"))
     if eff is None and size is None:
         return None, "no store catalog or provenance was given (pass --cache to featcache report)."
-    table = (
-        eff.drop([c for c in eff.columns if c.startswith("peak_mem")]) if eff is not None else size.select("backbone")
-    )
+    if eff is not None:
+        table = eff.drop([c for c in eff.columns if c.startswith("peak_mem")])
+    else:
+        assert size is not None  # one of them (returned above otherwise)
+        table = size.select("backbone")
     notes = []
     mem = [c for c in (eff.columns if eff is not None else []) if c.startswith("peak_mem")]
-    if mem and eff[mem[0]].drop_nulls().len():
+    if eff is not None and mem and eff[mem[0]].drop_nulls().len():
         table = table.join(eff.select("backbone", pl.col(mem[0]).alias("peak_memory_mib")), on="backbone", how="left")
     else:
         notes.append(
@@ -442,7 +444,7 @@ def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) 
             "pivots": _pivots(ret),
         }
     cal = r.calibration if r else None
-    if cal is not None:
+    if r and cal is not None:
         cal_cols = [c for c in ("ece", "nll") if c in cal.columns]
         cal = cal.filter(pl.any_horizontal(pl.col(c).is_not_null() for c in cal_cols))  # kNN has no probabilities
         corr = r.calibration_corr.filter(pl.col("n") > 0)  # settings without ece/nll (kNN) say nothing

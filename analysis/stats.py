@@ -85,7 +85,7 @@ def kendall_tau_b(x, y, *, method: str = "auto") -> tuple[float, float]:
 
         return float(np.sign(x[1] - x[0]) * np.sign(y[1] - y[0])), float(2 * norm.sf(1.0))
     res = kendalltau(x, y, variant="b", method=method)
-    return float(res.statistic), float(res.pvalue)
+    return float(res.statistic), float(res.pvalue)  # pyright: ignore[reportAttributeAccessIssue]  # scipy's result class declares neither
 
 
 def zscores(values, *, ddof: int = 0, label: str = "setting") -> np.ndarray:

@@ -54,7 +54,7 @@ LOWER_IS_BETTER = frozenset({"nll", "ece", "ce", "loss", "cross_entropy"})
 PROPORTION_METRICS = frozenset({"top1", "top5", "accuracy", "acc"})
 
 
-def _schema():
+def _schema() -> dict[Any, Any]:
     import polars as pl
 
     return {
