@@ -13,6 +13,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from featcache import configs
 from featcache.configs import flag, renamed_kwargs
@@ -252,9 +253,10 @@ class RetrievalConfig:
 def legacy_config(cache_path, backbones: str | Sequence[str] | None, dataset: str, *args, **kwargs) -> RetrievalConfig:
     """A :class:`RetrievalConfig` from :func:`run_retrieval`'s older keyword signature."""
     names = ("query_split", "gallery_split", "metric", "ks", "results_path", "knn")
-    kw = dict(zip(names, args))
+    kw: dict[str, Any] = dict(zip(names, args))
     overlap = set(kw) & set(kwargs)
     if overlap:
         raise UsageError(f"run_retrieval() got multiple values for {sorted(overlap)}")
     kw.update(kwargs)
-    return RetrievalConfig(cache=cache_path, dataset=dataset, backbones=backbones, **kw)
+    bb = (backbones,) if isinstance(backbones, str) else None if backbones is None else tuple(backbones)
+    return RetrievalConfig(cache=cache_path, dataset=dataset, backbones=bb, **kw)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,7 @@ class PreparedRows:
         self.shape = (int(X.shape[0]), int(X.shape[1]))
         self._sq: np.ndarray | None = None
         f32_bytes = self.shape[0] * self.shape[1] * 4
+        self._raw: Any  # the rows as given while streamed (None when held whole)
         if prepared or cache_bytes is None or f32_bytes <= cache_bytes:
             self._full: np.ndarray | None = np.ascontiguousarray(X, np.float32) if prepared else prepare(X, metric)
             self._raw, self._div, self._step = None, None, max(1, self.shape[0])

@@ -244,6 +244,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                 Qb = torch.from_numpy(Q.block(start, stop)).to(dev)
                 St = Qb @ Gt.T
                 if metric == "l2":
+                    assert g_sq_t is not None  # computed above for l2
                     St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
                 r, tp = _block_ranks_torch(St, relevance, start, stop)
                 for j, (rj, tj) in enumerate(zip(r, tp)):
@@ -251,6 +252,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                 del St
                 continue
             b = stop - start
+            assert buf is not None  # allocated for the numpy path
             S = score_block(Q.block(start, stop), G, metric, g_sq, out=buf[:b])
             bounds = np.linspace(0, b, n_threads + 1).astype(int)
             parts = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]

@@ -165,6 +165,7 @@ def score_block(
         if metric == "l2" and g_sq is None:
             g_sq = np.einsum("ij,ij->i", G, G)
     if metric == "l2":
+        assert g_sq is not None  # computed above for l2
         q_sq = np.einsum("ij,ij->i", Qb, Qb)
         S *= 2
         S -= q_sq[:, None]
@@ -245,6 +246,7 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None)
         Qb = torch.from_numpy(Q.block(s, s + B)).to(dev)
         S = Qb @ Gt.T
         if metric == "l2":
+            assert g_sq is not None  # computed above for l2
             S = 2 * S - (Qb * Qb).sum(1)[:, None] - g_sq[None, :]
         v, i = torch.topk(S, kk, dim=1, largest=True, sorted=True)
         Ds.append(v.cpu().numpy().astype(np.float32))
