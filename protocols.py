@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import InternalError, ProtocolError, SplitError
 from featcache.splits import (
@@ -297,15 +298,15 @@ class Protocol:
 
     def plan(
         self,
-        y,
+        y: ArrayLike,
         seed: int,
         *,
         n_val: int | None = None,
         val_source: str = "split-800-200",
         train_name: str = "train",
         val_name: str = "val",
-        rows=None,
-        val_rows=None,
+        rows: ArrayLike | None = None,
+        val_rows: ArrayLike | None = None,
     ) -> SplitPlan:
         """The seeded split of labels ``y`` (canonical order). ``n_val``: size of the
         dataset's val split when the caller has one (``None``: no val split). ``rows`` /
