@@ -10,9 +10,12 @@ distributed run own disjoint chunk sets, so no two writers ever touch the same o
 from __future__ import annotations
 
 import logging
+import os
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
@@ -327,7 +330,7 @@ class FeatureWriter:
         if self._lock is not None:
             self._lock.renew()
 
-    def no_space(self, what: str, need: int):
+    def no_space(self, what: str, need: int) -> AbstractContextManager[None]:
         """:func:`no_space` for ``what`` of this group (zarr writes each object atomically, so
         nothing half-written stays, and ``done`` is set only after the chunk's arrays)."""
         return no_space(f"{self.cache.path}/{self.path}", what, need)
@@ -410,14 +413,14 @@ def make_provenance(
 
 
 def write_features(
-    path,
+    path: str | os.PathLike | FeatureCache,
     *,
     backbone: str,
     dataset: str,
     split: str,
     X: np.ndarray,
-    ids,
-    labels,
+    ids: ArrayLike,
+    labels: ArrayLike,
     class_names: list[str] | None = None,
     kind: str = "pooled",
     dtype: str = "float32",
