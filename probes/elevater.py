@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,9 @@ def zeroshot_logits(X: np.ndarray, text: np.ndarray) -> np.ndarray:
     return l2_normalise(X) @ l2_normalise(text).T
 
 
-def search_weight_decay(score: Callable[[int], float], n_wds: int, coarse, spans) -> tuple[int, float, int]:
+def search_weight_decay(
+    score: Callable[[int], float], n_wds: int, coarse: Sequence[int], spans: Sequence[int]
+) -> tuple[int, float, int]:
     """ELEVATER's coarse-to-fine search over weight-decay indices ``0..n_wds-1``: score the
     ``coarse`` indices, then for each span the neighbours ``peak -/+ span`` (clipped) of the
     best so far; a later candidate wins only when strictly better. Returns (best index, its

@@ -68,7 +68,7 @@ class Solver:
     streams: bool = False
     default_head_init: str | None = None  # the class embeddings it needs when none is given
 
-    def run_option_keys(self, proto) -> tuple[str, ...]:
+    def run_option_keys(self, proto: Any) -> tuple[str, ...]:  # a featcache.protocols.Protocol
         """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
         return tuple(self.options(proto) if callable(self.options) else self.options)
 

@@ -151,7 +151,7 @@ class RetrievalConfig:
         """The config of a parsed ``featcache retrieve`` command line."""
         return configs.from_namespace(cls, args, backbones=None if args.all else tuple(args.backbone))
 
-    def with_(self, **changes) -> RetrievalConfig:
+    def with_(self, **changes: Any) -> RetrievalConfig:
         """Deprecated: use :func:`dataclasses.replace` (``replace(config, **changes)``)."""
         warnings.warn(
             "RetrievalConfig.with_() is deprecated; use dataclasses.replace(config, ...)",
@@ -222,7 +222,7 @@ class RetrievalConfig:
             ids += [make_run_id(**self.knn_definition(backbone, k, store_fingerprint)) for k in self.knn_ks]
         return ids
 
-    def hparams(self, *, backend: str, relevance_sha: str, **measured) -> dict:
+    def hparams(self, *, backend: str, relevance_sha: str, **measured: Any) -> dict:
         """Recorded hparams of a retrieval row: the config's settings plus what the run measured."""
         return {
             "similarity": self.metric,
