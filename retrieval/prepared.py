@@ -13,11 +13,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from featcache.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +168,7 @@ class PreparedRows:
             return self._full
         return np.concatenate([b for _, _, b in self.blocks()]) if self.shape[0] else np.zeros(self.shape, np.float32)
 
-    def to_torch(self, device):
+    def to_torch(self, device: str | torch.device) -> torch.Tensor:
         """The prepared rows as one float32 tensor on ``device``, filled block by block (a
         streamed gallery travels to GPU memory without a whole float32 copy on the host)."""
         import torch
@@ -184,12 +187,14 @@ def _same_metric(X: PreparedRows, metric: str) -> PreparedRows:
     return X
 
 
-def as_prepared(X, metric: str) -> PreparedRows:
+def as_prepared(X: np.ndarray | PreparedRows, metric: str) -> PreparedRows:
     """``X`` itself when it is :class:`PreparedRows`, else rows already prepared (float32)."""
     return _same_metric(X, metric) if isinstance(X, PreparedRows) else PreparedRows(X, metric, prepared=True)
 
 
-def prepared_pair(Xq, Xg, metric: str, cache_bytes: int | None = None) -> tuple[PreparedRows, PreparedRows]:
+def prepared_pair(
+    Xq: np.ndarray | PreparedRows, Xg: np.ndarray | PreparedRows, metric: str, cache_bytes: int | None = None
+) -> tuple[PreparedRows, PreparedRows]:
     """Queries and gallery as :class:`PreparedRows` (given ones kept); one object when they
     are the same rows."""
 

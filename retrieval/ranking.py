@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from featcache.errors import InternalError
 from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.prepared import PreparedRows, as_prepared
+
+if TYPE_CHECKING:
+    from featcache.retrieval.relevance import Relevance
 from featcache.retrieval.search import (
     DEFAULT_MAX_MEMORY,
     exact_matmul,
@@ -135,7 +140,7 @@ def _torch_device(backend: str):
 def full_ranking(
     Q: np.ndarray | PreparedRows,
     G: np.ndarray | PreparedRows,
-    relevance,
+    relevance: Relevance,
     metric: str,
     *,
     max_memory: int = DEFAULT_MAX_MEMORY,
@@ -166,9 +171,9 @@ def full_ranking(
 def full_ranking_metrics(
     Q: np.ndarray | PreparedRows,
     G: np.ndarray | PreparedRows,
-    relevance,
+    relevance: Relevance,
     metric: str,
-    ks,
+    ks: Sequence[int],
     *,
     max_memory: int = DEFAULT_MAX_MEMORY,
     backend: str = "numpy",

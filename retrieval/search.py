@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from featcache.errors import BackendUnavailableError, DataError
 from featcache.optional import import_faiss
 from featcache.retrieval.prepared import METRICS, PreparedRows, as_prepared, prepare, prepared_pair
+
+if TYPE_CHECKING:
+    from featcache.retrieval.relevance import Relevance
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +293,7 @@ def raw_search(
     backend: str,
     max_memory: int = DEFAULT_MAX_MEMORY,
     progress: bool = False,
-):
+) -> tuple[np.ndarray, np.ndarray]:
     """Backend top-k: scores [Q, k] (higher is better, -inf where missing) and gallery
     indices [Q, k] (-1 where missing, as FAISS returns for k > gallery). Order among equal
     scores is backend-defined; :func:`topk` fixes it. ``progress``: a bar over the query
@@ -339,7 +343,7 @@ def topk(
     k: int,
     metric: str = "cosine",
     *,
-    relevance=None,
+    relevance: Relevance | None = None,
     backend: str = "auto",
     max_memory: int | str = DEFAULT_MAX_MEMORY,
     prepared: bool = False,
