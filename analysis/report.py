@@ -16,12 +16,17 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.analysis.api import Ranking, load_results, overall_with_intervals, rank, shift
 from featcache.analysis.loaded import RETRIEVAL_METRIC_TEXT, LoadedResults, resolve_retrieval_metric
 from featcache.errors import ResultsError
 from featcache.formatting import format_cell, table_cells
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from featcache.analysis.tables import TableLike
 
 log = logging.getLogger(__name__)
 
@@ -519,11 +524,11 @@ def _write_atomic(out: Path, doc: str) -> None:
 
 def write_report(
     out_html: str | os.PathLike,
-    results_df=None,
-    catalog_df=None,
+    results_df: TableLike | LoadedResults | None = None,
+    catalog_df: pl.DataFrame | None = None,
     *,
     external: Sequence = (),
-    provenance=None,
+    provenance: pl.DataFrame | None = None,
     shift_splits: tuple[str, str] | None = None,
     title: str = "featcache report",
     rank_kwargs: Mapping[str, Any] | None = None,
