@@ -54,9 +54,16 @@ TEST_WORKERS ?= auto
 test: setup system-deps
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# pyright (basic mode, settings in pyproject's [tool.pyright]) finds `import featcache.x` only through a
+# folder named featcache; a clone may be named otherwise, so it runs in a temporary folder holding a
+# link named featcache to this checkout and a pyrightconfig.json that extends the pyproject table
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	@d=$$(mktemp -d) && ln -s "$(CURDIR)" "$$d/featcache" \
+	  && echo '{"extends": "featcache/pyproject.toml"}' > "$$d/pyrightconfig.json" \
+	  && (cd "$$d" && "$(abspath $(VENV))/bin/pyright" --pythonpath "$(abspath $(PY))"); \
+	  rc=$$?; rm -f "$$d/featcache" "$$d/pyrightconfig.json"; rmdir "$$d"; exit $$rc
 
 # the MkDocs site (docs/, mkdocs.yml) into site/; --strict turns every warning into an error
 docs: $(VENV)/.docs-installed

@@ -15,6 +15,9 @@ import sys
 from featcache import __version__
 from featcache.errors import FeatcacheError
 
+#: the attribute that marks the logging handlers main() added (removed again by the next main())
+_CLI_MARK = "featcache_cli"
+
 #: modules whose ``register(subparsers)`` adds commands, in help order
 COMMAND_MODULES = (
     "featcache.extract.cli",
@@ -61,7 +64,7 @@ def configure_logging(verbose: int = 0, quiet: bool = False, log_file: str | Non
     handler is returned (the CLI's own errors go to it too)."""
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
     root = logging.getLogger()
-    for h in [h for h in root.handlers if getattr(h, "featcache_cli", False)]:  # an earlier main()
+    for h in [h for h in root.handlers if getattr(h, _CLI_MARK, False)]:  # an earlier main()
         root.removeHandler(h)
         h.close()
     fmt = "%(levelname)s %(name)s: %(message)s"
@@ -69,7 +72,7 @@ def configure_logging(verbose: int = 0, quiet: bool = False, log_file: str | Non
         sh = logging.StreamHandler()
         sh.setLevel(level)
         sh.setFormatter(logging.Formatter(fmt))
-        sh.featcache_cli = True
+        setattr(sh, _CLI_MARK, True)
         root.addHandler(sh)
         root.setLevel(level)
     fh = None
@@ -80,7 +83,7 @@ def configure_logging(verbose: int = 0, quiet: bool = False, log_file: str | Non
             raise FeatcacheError(f"cannot open --log-file {log_file!r}: {exc.strerror}; give a writable path") from exc
         fh.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
         fh.setFormatter(logging.Formatter("%(asctime)s %(process)d " + fmt))
-        fh.featcache_cli = True
+        setattr(fh, _CLI_MARK, True)
         root.addHandler(fh)
         if root.level == logging.NOTSET or root.level > fh.level:
             root.setLevel(fh.level)

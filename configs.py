@@ -91,7 +91,7 @@ def check_fields(config: Any) -> None:
         check = f.metadata.get("check")
         value = getattr(config, f.name)
         want = check(value) if check is not None else None
-        if want:
+        if want and check is not None:
             from featcache.errors import ConfigError
 
             name = f.metadata["name"] or "--" + f.name.replace("_", "-")

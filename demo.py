@@ -27,7 +27,12 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from featcache.errors import InternalError
+
+if TYPE_CHECKING:
+    from featcache.analysis.api import Ranking
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +220,7 @@ def _stage_extract(
             model,
             weights,
             data.spec,
-            ["train", "test"],
+            ("train", "test"),
             cfg.cache,
             dataset_name=data.name,
             batch_size=cfg.batch_size,
@@ -237,10 +242,10 @@ def _stage_probes(
     run_probes(
         ProbeConfig(
             cfg.cache,
-            keys,
+            tuple(keys),
             data.name,
             protocol,
-            seeds=[0],
+            seeds=(0,),
             results_path=str(results),
             vtab_steps=vtab_steps,
             progress=cfg.progress,
@@ -268,7 +273,10 @@ def _paired_probe_protocol() -> str:
     """The probe protocol whose rows the demo's fine-tune rows pair with (from the registry)."""
     from featcache.protocols import get_protocol
 
-    return get_protocol(FT_PROTOCOL, "finetune").pairs_with
+    paired = get_protocol(FT_PROTOCOL, "finetune").pairs_with
+    if paired is None:
+        raise InternalError(f"the fine-tuning protocol {FT_PROTOCOL} pairs with no probe protocol")
+    return paired
 
 
 def _stage_finetune(
@@ -297,7 +305,7 @@ def _stage_finetune(
     )
 
 
-def _stage_rank(table, out_dir: Path) -> dict[str, Any]:
+def _stage_rank(table, out_dir: Path) -> Ranking:
     from featcache.analysis import rank
 
     return rank(table, out_dir=out_dir, on_constant="drop")
@@ -351,7 +359,7 @@ def check_pretrained_beat_random(
     )
 
 
-def _ranking_rows(r: dict[str, Any], acc: dict[str, float], baseline: str) -> list[dict[str, Any]]:
+def _ranking_rows(r: Ranking, acc: dict[str, float], baseline: str) -> list[dict[str, Any]]:
     ov = r["overall"].sort("position")
     return [
         {
@@ -365,7 +373,7 @@ def _ranking_rows(r: dict[str, Any], acc: dict[str, float], baseline: str) -> li
     ]
 
 
-def _tau_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+def _tau_rows(r: Ranking) -> list[dict[str, Any]]:
     lf = r.get("lin_ft")
     if not lf:
         return []

@@ -18,7 +18,10 @@ Probes and fine-tuning both import them from here (one implementation for both).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import ConfigError, MetricInputError
 
@@ -41,14 +44,17 @@ __all__ = [
 ]
 
 
-def _check(y_true, scores=None) -> tuple[np.ndarray, np.ndarray | None]:
+def _check_labels(y_true: ArrayLike) -> np.ndarray:
     y = np.asarray(y_true)
     if y.ndim != 1:
         raise MetricInputError(f"y_true must be 1-D, got shape {y.shape}")
     if not np.issubdtype(y.dtype, np.integer):
         raise MetricInputError("y_true must hold integer class indices (encode labels first)")
-    if scores is None:
-        return y, None
+    return y
+
+
+def _check(y_true: ArrayLike, scores: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    y = _check_labels(y_true)
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2 or s.shape[0] != y.shape[0]:
         raise MetricInputError(f"scores must be [N, K] with N={y.shape[0]}, got {s.shape}")
@@ -57,7 +63,7 @@ def _check(y_true, scores=None) -> tuple[np.ndarray, np.ndarray | None]:
     return y, s
 
 
-def top_k(y_true, scores, k: int) -> float:
+def top_k(y_true: ArrayLike, scores: ArrayLike, k: int) -> float:
     """Fraction of samples whose true class ranks among the first ``k`` (ties: lower index first)."""
     y, s = _check(y_true, scores)
     if y.size == 0:
@@ -69,7 +75,7 @@ def top_k(y_true, scores, k: int) -> float:
     return float(np.mean(rank < k))
 
 
-def top1(y_true, scores) -> float:
+def top1(y_true: ArrayLike, scores: ArrayLike) -> float:
     """Top-1 accuracy from a score matrix (argmax; ties go to the lower class index)."""
     y, s = _check(y_true, scores)
     if y.size == 0:
@@ -77,16 +83,16 @@ def top1(y_true, scores) -> float:
     return float(np.mean(s.argmax(axis=1) == y))
 
 
-def top5(y_true, scores) -> float:
+def top5(y_true: ArrayLike, scores: ArrayLike) -> float:
     return top_k(y_true, scores, 5)
 
 
-def mean_per_class(y_true, y_pred_or_scores) -> float:
+def mean_per_class(y_true: ArrayLike, y_pred_or_scores: ArrayLike) -> float:
     """Mean over classes present in ``y_true`` of TP_c / (TP_c + FN_c) (Salman et al.).
 
     Classes absent from ``y_true`` are skipped. Accepts predicted labels [N] or scores [N, K].
     """
-    y, _ = _check(y_true)
+    y = _check_labels(y_true)
     p = np.asarray(y_pred_or_scores)
     if p.ndim == 2:
         p = p.argmax(axis=1)
@@ -99,17 +105,17 @@ def mean_per_class(y_true, y_pred_or_scores) -> float:
     return float(np.mean(hits / counts))
 
 
-def nll(y_true, proba, eps: float | None = None) -> float:
+def nll(y_true: ArrayLike, proba: ArrayLike, eps: float | None = None) -> float:
     """Mean negative log-likelihood of the true class; probabilities clipped to [eps, 1]."""
     y, p = _check(y_true, proba)
     if y.size == 0:
         return float("nan")
-    eps = np.finfo(np.float64).eps if eps is None else eps
-    pt = np.clip(p[np.arange(y.size), y], eps, 1.0)
+    lo = float(np.finfo(np.float64).eps) if eps is None else eps
+    pt = np.clip(p[np.arange(y.size), y], lo, 1.0)
     return float(-np.mean(np.log(pt)))
 
 
-def ece(y_true, proba, n_bins: int = 15) -> float:
+def ece(y_true: ArrayLike, proba: ArrayLike, n_bins: int = 15) -> float:
     """Expected calibration error with ``n_bins`` equal-width confidence bins.
 
     confidence = max probability, prediction = argmax (ties: lower index); bin b holds
@@ -128,7 +134,7 @@ def ece(y_true, proba, n_bins: int = 15) -> float:
     return float(np.sum(np.abs(acc_sum - conf_sum)) / y.size)
 
 
-def _check_multilabel(y_true, scores) -> tuple[np.ndarray, np.ndarray]:
+def _check_multilabel(y_true: ArrayLike, scores: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """(targets [N, C] bool, scores [N, C] float64); integer labels [N] are one-hot encoded."""
     s = np.asarray(scores, dtype=np.float64)
     if s.ndim != 2:
@@ -166,7 +172,7 @@ def _ap11_column(pos: np.ndarray, score: np.ndarray) -> float:
     return float(sum(_ap11_terms(pos, score).tolist()) / 11.0)
 
 
-def map11(y_true, scores) -> float:
+def map11(y_true: ArrayLike, scores: ArrayLike) -> float:
     """The VOC07 devkit's 11-point mAP (``voc_ap(use_07_metric=True)``): mean over classes
     with a positive of ``AP = 1/11 sum_{t in 0, .1, .., 1} max_{recall >= t} precision``
     (ELEVATER's own differs: :func:`map11_elevater`). Tied scores form one threshold (as ``sklearn.metrics.precision_recall_curve``),
@@ -186,7 +192,7 @@ def _ap11_elevater_column(pos: np.ndarray, score: np.ndarray) -> float:
     return float(sum(terms.tolist()) / 11.0)
 
 
-def map11_elevater(y_true, scores) -> float:
+def map11_elevater(y_true: ArrayLike, scores: ArrayLike) -> float:
     """ELEVATER's 11-point mAP (vision-evaluation's ``MeanAveragePrecisionNPointsEvaluator(11)``,
     which ELEVATER's ``map_11_points`` calls): per class ``1/11 sum_t max_{recall >= t}
     precision`` over sklearn's precision-recall curve, whose appended point (recall 0,
@@ -211,7 +217,7 @@ def _average_ranks(a: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def roc_auc_macro(y_true, scores) -> float:
+def roc_auc_macro(y_true: ArrayLike, scores: ArrayLike) -> float:
     """Unweighted mean over classes of one-vs-rest ROC-AUC (Mann-Whitney U with average
     ranks for ties, = ``sklearn.metrics.roc_auc_score(average="macro")``). Classes without
     both positives and negatives in ``y_true`` are skipped (their AUC is undefined); NaN
@@ -270,7 +276,7 @@ def metric_names(n_classes: int, task_metric: str = "top1", multilabel: bool = F
     return names + ([task_metric] if task_metric not in names else [])
 
 
-def compute_all(y_true, proba, names=None) -> dict[str, float]:
+def compute_all(y_true: ArrayLike, proba: ArrayLike, names: Iterable[str] | None = None) -> dict[str, float]:
     """All metrics in ``names`` (default: :func:`metric_names` of a single-label task)."""
     proba = np.asarray(proba)
     if names is None:

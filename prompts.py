@@ -51,7 +51,7 @@ _FILES = {
 
 @cache
 def _data(fname: str) -> dict[str, Any]:
-    text = resources.files("featcache").joinpath("prompt_data", fname).read_text(encoding="utf-8")
+    text = resources.files("featcache").joinpath("prompt_data").joinpath(fname).read_text(encoding="utf-8")
     return json.loads(text)
 
 

@@ -75,8 +75,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
-from featcache.errors import ProtocolError, SplitError
+from featcache.errors import InternalError, ProtocolError, SplitError
 from featcache.splits import (
     HOLDOUT_FRACTION,
     VAL_SOURCES,
@@ -175,11 +176,15 @@ class SGDGrid:
     def milestones(self, steps: int, last_decay: float | None = None) -> tuple[int, ...]:
         """Steps at which the lr drops: 1/3, 2/3 and ``last_decay`` of ``steps``."""
         ld = self.last_decay if last_decay is None else last_decay
+        if ld is None:
+            raise InternalError("milestones of an epochs grid need last_decay")
         return tuple(sorted({steps // 3, 2 * steps // 3, round(ld * steps)}))
 
     def decay_epochs(self, epochs: int | None = None) -> list[int]:
         """Epochs-based grids: lr /10 every ``epochs // 3`` epochs (at 1/3 and 2/3)."""
         e = self.epochs if epochs is None else epochs
+        if e is None:
+            raise InternalError("decay_epochs of a steps grid need epochs")
         step_e = max(1, e // 3)
         return [k * step_e for k in (1, 2) if k * step_e < e]
 
@@ -228,6 +233,8 @@ class LarsGrid:
 
 
 BOB_LARS = LarsGrid()
+#: VTAB's third lr drop, at 90 % of the steps
+VTAB_LAST_DECAY = 0.9
 ELEVATER_SGD = ElevaterGrid()
 VTAB_SGD = SGDGrid(
     lrs=(0.1, 0.01),
@@ -235,7 +242,7 @@ VTAB_SGD = SGDGrid(
     momentum=0.9,
     weight_decay=0.0,
     steps=(2500, 10000),
-    last_decay=0.9,
+    last_decay=VTAB_LAST_DECAY,
     drop_remainder=True,
     recorded=("lr", "steps", "batch_size", "momentum", "weight_decay", "drop_remainder", "last_decay", "milestones"),
 )
@@ -295,16 +302,16 @@ class Protocol:
 
     def plan(
         self,
-        y,
+        y: ArrayLike,
         seed: int,
         *,
         n_val: int | None = None,
         val_source: str = "split-800-200",
         train_name: str = "train",
         val_name: str = "val",
-        rows=None,
-        val_rows=None,
-        label_matrix=None,
+        rows: ArrayLike | None = None,
+        val_rows: ArrayLike | None = None,
+        label_matrix: ArrayLike | None = None,
     ) -> SplitPlan:
         """The seeded split of labels ``y`` (canonical order). ``n_val``: size of the
         dataset's val split when the caller has one (``None``: no val split). ``rows`` /
@@ -336,6 +343,7 @@ def _plan_full(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **
     label = train_name
     info: dict[str, Any] = {}
     if p.split == "subset":
+        assert p.fraction is not None  # the subset protocol's parser sets it
         idx = subset_indices(y, p.fraction, seed)
         label = f"{train_name}[{p.spec}]"
         info["n_subset"] = int(idx.size)
@@ -548,7 +556,7 @@ def parse_protocol(spec: str) -> Protocol:
     return get_protocol(spec, "probe")
 
 
-def pairs(stage: str = "finetune") -> dict[str, str]:
+def pairs(stage: str = "finetune") -> dict[str, str | None]:
     """``{protocol of stage: the protocol of the other stage it pairs with}``."""
     return {n: get_protocol(n, stage).pairs_with for n in list_protocols(stage) if not _parametrised(stage, n)}
 
@@ -599,7 +607,7 @@ def fewshot(arg: str | None = None) -> Protocol:
     m = re.fullmatch(r"\d+", arg or "")
     if not m:
         raise ProtocolError(f"fewshot needs a shot count, e.g. fewshot:5 (got {arg!r})")
-    n = int(arg)
+    n = int(m.group(0))
     if n < 2:
         raise ProtocolError(
             f"fewshot:{n} cannot work: the 80/20 per-class split for selecting C needs at "
@@ -619,9 +627,10 @@ def fewshot(arg: str | None = None) -> Protocol:
 
 
 def _shots(name: str, arg: str | None) -> int:
-    if not re.fullmatch(r"\d+", arg or ""):
+    m = re.fullmatch(r"\d+", arg or "")
+    if not m:
         raise ProtocolError(f"{name} needs a shot count, e.g. {name}:5 (got {arg!r})")
-    n = int(arg)
+    n = int(m.group(0))
     if n < 2:
         raise ProtocolError(
             f"{name}:{n} cannot work: the 80/20 per-class split for selecting hyper-parameters "

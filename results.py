@@ -90,7 +90,7 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _schema():
+def _schema() -> dict[Any, Any]:
     import polars as pl
 
     return {name: getattr(pl, dtype) for name, dtype in RESULT_COLUMNS.items()}
@@ -226,7 +226,7 @@ def read_parquet_checked(path: str | os.PathLike):
         raise _damaged(p, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
 
 
-def check_results_path(path: str | os.PathLike) -> Path:
+def check_results_path(path: str | os.PathLike | None) -> Path:
     """Check, before any compute, that ``path`` can hold a featcache results table.
 
     Refuses a folder, a file that is not parquet (a CSV...), a parquet without the results
@@ -234,8 +234,10 @@ def check_results_path(path: str | os.PathLike) -> Path:
     (probed by creating and removing a temporary file). Creates missing parent folders.
     Returns the path. Stages call this first so a bad ``--results`` never costs a fit.
     """
-    p = Path(path)
     hint = "pass --results with a new or existing featcache .parquet results file"
+    if path is None:
+        raise ResultsError(f"no results path given; {hint} (Python: results_path=...)")
+    p = Path(path)
     if p.is_dir():
         raise ResultsError(f"results path {p} is a folder; {hint}, e.g. {p / 'results.parquet'}")
     if p.exists():
@@ -430,7 +432,7 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
             ) from None
         if not NoSpaceError.caused_by(exc):
             raise
-        need = (p.stat().st_size if p.exists() else 0) + new.estimated_size()
+        need = (p.stat().st_size if p.exists() else 0) + int(new.estimated_size())
         raise NoSpaceError.about(
             p, f"{len(new)} new result rows", need, "The table is unchanged; free space, then re-run."
         ) from None

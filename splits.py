@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import SplitError
 
@@ -74,13 +75,13 @@ VTAB_TOTAL, VTAB_VAL = 1000, 200
 VAL_SOURCES = ("split-800-200", "official-val")
 
 
-def canonical_order(ids) -> np.ndarray:
+def canonical_order(ids: ArrayLike) -> np.ndarray:
     """Positions that sort ``ids`` (as strings, stable): the order every split function
     expects its labels in, independent of how a reader or a store lists the rows."""
     return np.argsort(np.asarray(ids).astype(str), kind="stable")
 
 
-def allocate(counts, total: int) -> np.ndarray:
+def allocate(counts: ArrayLike, total: int) -> np.ndarray:
     """Largest-remainder split of ``total`` over classes proportional to ``counts``.
 
     Sums exactly to ``total``; each class gets floor or ceil of its quota (ties: lower class).
@@ -110,7 +111,7 @@ def _draw(y: np.ndarray, per_class, rng: np.random.Generator) -> tuple[np.ndarra
     return np.sort(np.concatenate(drawn)), np.sort(np.concatenate(rest))
 
 
-def stratified_holdout(y, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def stratified_holdout(y: ArrayLike, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val): a stratified, seeded ``fraction`` of ``y`` held out.
 
     Exactly ``round(fraction * n)`` validation rows, per class floor/ceil of its share;
@@ -136,7 +137,7 @@ def stratified_holdout(y, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
     return train, val
 
 
-def sample_per_class(y, n: int, seed: int) -> np.ndarray:
+def sample_per_class(y: ArrayLike, n: int, seed: int) -> np.ndarray:
     """Positions of exactly ``n`` examples of every class (seeded)."""
     y = np.asarray(y)
     classes = np.unique(y)
@@ -151,7 +152,7 @@ def sample_per_class(y, n: int, seed: int) -> np.ndarray:
     return drawn
 
 
-def fewshot_split(y, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def fewshot_split(y: ArrayLike, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """ELEVATER few-shot: ``n`` per class (N counted before the split), then per class
     ``max(1, round(0.2 n))`` to validation and the rest to train. Returns (train, val)."""
     if n < 2:
@@ -163,7 +164,7 @@ def fewshot_split(y, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return idx[train], idx[val]
 
 
-def stratified_sample(y, total: int, seed: int, min_per_class: int = 0) -> np.ndarray:
+def stratified_sample(y: ArrayLike, total: int, seed: int, min_per_class: int = 0) -> np.ndarray:
     """Seeded draw of ``total`` positions keeping the label distribution (largest remainder);
     with ``min_per_class`` every class gets at least that many (total grows if needed)."""
     y = np.asarray(y)
@@ -178,7 +179,9 @@ def stratified_sample(y, total: int, seed: int, min_per_class: int = 0) -> np.nd
     return drawn
 
 
-def vtab1k_indices(y, seed: int, total: int = VTAB_TOTAL, n_val: int = VTAB_VAL) -> tuple[np.ndarray, np.ndarray]:
+def vtab1k_indices(
+    y: ArrayLike, seed: int, total: int = VTAB_TOTAL, n_val: int = VTAB_VAL
+) -> tuple[np.ndarray, np.ndarray]:
     """``vtab1k-stratified``: a stratified, seeded draw of ``total`` (1,000) examples, split stratified
     into ``total - n_val`` train (800) and ``n_val`` validation (200) with the same seed.
 
@@ -202,7 +205,7 @@ def _first(rows, n: int, what: str) -> np.ndarray:
 
 
 def vtab1k_fixed(
-    rows, val_rows=None, n_train: int = VTAB_TOTAL - VTAB_VAL, n_val: int = VTAB_VAL
+    rows: ArrayLike, val_rows: ArrayLike | None = None, n_train: int = VTAB_TOTAL - VTAB_VAL, n_val: int = VTAB_VAL
 ) -> tuple[np.ndarray, np.ndarray]:
     """VTAB-1k as published: ``train[:800]`` and the first 200 of the val source, in the
     dataset's own order, identical for every seed (seeds vary only training randomness).
@@ -238,13 +241,13 @@ def batch_positions(n: int, batch_size: int, seed: int, step: int) -> np.ndarray
     return np.concatenate(out)
 
 
-def full_holdout(y, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[np.ndarray, np.ndarray]:
+def full_holdout(y: ArrayLike, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[np.ndarray, np.ndarray]:
     """``full`` protocol without a dataset val split: (train, val) with a stratified, seeded
     ``fraction`` (10%) of train held out for selection; the final fit uses all of train."""
     return stratified_holdout(y, fraction, seed)
 
 
-def elevater_holdout(y, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+def elevater_holdout(y: ArrayLike, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     """ELEVATER's validation split of a train set (Elevater_Toolkit_IC ``get_dataloader``,
     ``val_split=0.2``): per class the first ``ceil(fraction * count)`` positions (no
     randomness), the rest train. Returns (train, val), sorted."""
@@ -253,7 +256,7 @@ def elevater_holdout(y, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     return np.setdiff1d(np.arange(np.asarray(y).size), val), val
 
 
-def elevater_holdout_multilabel(Y, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+def elevater_holdout_multilabel(Y: ArrayLike, fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     """ELEVATER's validation split of a multi-label train set (Elevater_Toolkit_IC
     ``get_dataloader``, ``val_split=0.2``, its ``len(labels.shape) == 2`` branch): each label
     column needs ``ceil(fraction * positives)`` validation rows; while one still does, the
@@ -275,7 +278,7 @@ def elevater_holdout_multilabel(Y, fraction: float = 0.2) -> tuple[np.ndarray, n
     return np.setdiff1d(np.arange(labels.shape[0]), va), va
 
 
-def subset_indices(y, fraction: float, seed: int) -> np.ndarray:
+def subset_indices(y: ArrayLike, fraction: float, seed: int) -> np.ndarray:
     """Battle of the Backbones ``subset:F%``: ``max(1, round(F n))`` stratified positions,
     at least one per class."""
     y = np.asarray(y)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.analysis.loaded import (
     LoadedResults,
@@ -23,6 +23,11 @@ from featcache.analysis.loaded import (
     resolve_retrieval_metric,
     with_declared_rows,
 )
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from featcache.analysis.tables import TableLike
 from featcache.analysis.rankings import ItemAccess, LinearVsFinetune
 from featcache.analysis.tables import Coverage
 from featcache.errors import ResultsError
@@ -104,7 +109,7 @@ class Ranking(ItemAccess):
 
 
 def rank(
-    results=None,
+    results: TableLike | LoadedResults | None = None,
     external: Sequence = (),
     out_dir: str | os.PathLike | None = None,
     *,
@@ -121,7 +126,7 @@ def rank(
     n_boot: int = 1000,
     seed: int = 0,
     resample: str = "tasks",
-    provenance=None,
+    provenance: pl.DataFrame | None = None,
     plots: bool = True,
     progress: bool = False,
 ) -> Ranking:
@@ -417,7 +422,7 @@ def _write_rank_outputs(r: Ranking, outp: Path, options: dict[str, Any], *, plot
     return [*files, outp / "summary.json"]
 
 
-def overall_with_intervals(r: Ranking):
+def overall_with_intervals(r: Ranking) -> pl.DataFrame:
     """The overall table with the z-score's bootstrap interval (``zscore_lo``, ``zscore_hi``)."""
     import polars as pl
 
@@ -448,7 +453,7 @@ def rank_plots(r: Ranking, outp: Path) -> list[Path]:
 
 
 def shift(
-    results,
+    results: TableLike | LoadedResults,
     orig: str,
     new: str,
     out_dir: str | os.PathLike | None = None,

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.analysis.tables import Coverage, load_table, merge_tables
 from featcache.errors import ResultsError
@@ -24,6 +24,11 @@ __all__ = [
     "resolve_retrieval_metric",
     "with_declared_rows",
 ]
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from featcache.analysis.tables import TableLike
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class LoadedResults:
         )
 
 
-def declares_metrics(results) -> bool:
+def declares_metrics(results: TableLike | LoadedResults | None) -> bool:
     """Whether a featcache results table (path or DataFrame) records ``hparams.task_metric``."""
     import polars as pl
 
@@ -75,7 +80,7 @@ def declares_metrics(results) -> bool:
     return bool(results["hparams"].cast(pl.Utf8).str.json_path_match("$.task_metric").is_not_null().any())
 
 
-def resolve_metric(metric: str, results) -> str:
+def resolve_metric(metric: str, results: TableLike | LoadedResults | None) -> str:
     """``auto``: ``task`` (each task on its declared metric) when the results record
     ``hparams.task_metric``, else ``top1``; any other metric as given."""
     if metric != "auto":
@@ -92,7 +97,7 @@ RETRIEVAL_METRIC_TEXT = {
 }
 
 
-def resolve_retrieval_metric(metric: str, rows) -> tuple[str, str | None]:
+def resolve_retrieval_metric(metric: str, rows: pl.DataFrame) -> tuple[str, str | None]:
     """``auto``: ``map_bob`` (Battle of the Backbones' definition, written by ``featcache
     retrieve``) when every retrieval setting of ``rows`` records it, else ``map`` (the
     scikit-learn-style AP) with a note saying why; any other metric as given (no note)."""
@@ -113,7 +118,7 @@ def resolve_retrieval_metric(metric: str, rows) -> tuple[str, str | None]:
     )
 
 
-def with_declared_rows(frame, *, external: bool = False):
+def with_declared_rows(frame: pl.DataFrame, *, external: bool = False) -> pl.DataFrame:
     """``frame`` plus, per run, a copy of its declared-metric row with ``metric="task"``
     (:func:`~featcache.analysis.task_metric.declared_metric_rows`; ``external`` tables and
     tables without hparams declare top-1). The original rows stay (calibration reads ece/nll)."""
@@ -132,7 +137,7 @@ def with_declared_rows(frame, *, external: bool = False):
 
 
 def load_results(
-    results=None,
+    results: TableLike | LoadedResults | None = None,
     external: Sequence = (),
     *,
     metric: str = "auto",

@@ -228,7 +228,7 @@ class ScoreMatrix:
 
     def frame(self):
         pl = _pl()
-        data = {"backbone": self.backbones}
+        data: dict[str, Any] = {"backbone": self.backbones}
         for j, s in enumerate(self.settings):
             data[s] = self.values[:, j]
         return pl.DataFrame(data).with_columns(pl.exclude("backbone").fill_nan(None))
@@ -328,8 +328,9 @@ def _group_codes(sm: ScoreMatrix) -> tuple[np.ndarray | None, str | None]:
             f"task groups are given for some settings but not for {lacking}; give every task a "
             "group (the 'group' column, --group DATASET=GROUP or groups={dataset: group}) or none"
         )
-    names = sorted(set(gs))
-    return np.array([names.index(g) for g in gs]), None
+    named = [g for g in gs if g is not None]  # every setting has one (refused above otherwise)
+    names = sorted(set(named))
+    return np.array([names.index(g) for g in named]), None
 
 
 def aggregate(sm: ScoreMatrix, *, ddof: int = 0, on_constant: str = "error") -> dict[str, Any]:
@@ -419,7 +420,7 @@ def _family_means(sm: ScoreMatrix, z: np.ndarray) -> dict[str, tuple[np.ndarray,
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for g in sorted(set(sm.groups)):
+        for g in sorted({g for g in sm.groups if g is not None}):  # all given (checked above)
             sel = np.array([x == g for x in sm.groups])
             out[g] = (np.nanmean(sm.values[:, sel], axis=1), np.nanmean(z[:, sel], axis=1))
     return out
@@ -685,7 +686,7 @@ def calibration_summary(reduced, *, accuracy_metric: str = "top1", metrics: Sequ
                 r = p = float("nan")
             else:
                 res = pearsonr(gg[accuracy_metric].to_numpy(), gg[m].to_numpy())
-                r, p = float(res.statistic), float(res.pvalue)
+                r, p = float(res.statistic), float(res.pvalue)  # pyright: ignore[reportAttributeAccessIssue]  # scipy's result class declares neither
             rows.append({"kind": kind, "task": task, "metric": m, "r": r, "p_value": p, "n": gg.height})
     corr = pl.DataFrame(
         rows,
@@ -723,7 +724,7 @@ def efficiency_summary(provenance, overall=None):
             from scipy.stats import spearmanr
 
             res = spearmanr(t["images_per_s"].to_numpy(), t["zscore"].to_numpy())
-            rho, p = float(res.statistic), float(res.pvalue)
+            rho, p = float(res.statistic), float(res.pvalue)  # pyright: ignore[reportAttributeAccessIssue]  # scipy's result class declares neither
     return table, rho, p
 
 

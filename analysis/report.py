@@ -16,12 +16,17 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.analysis.api import Ranking, load_results, overall_with_intervals, rank, shift
 from featcache.analysis.loaded import RETRIEVAL_METRIC_TEXT, LoadedResults, resolve_retrieval_metric
 from featcache.errors import ResultsError
 from featcache.formatting import format_cell, table_cells
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from featcache.analysis.tables import TableLike
 
 log = logging.getLogger(__name__)
 
@@ -265,12 +270,14 @@ def _cost(r: Ranking | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | No
         size = catalog_df.group_by("backbone").agg((pl.col("bytes").sum() / 2**20).alias("store_mib"))
     if eff is None and size is None:
         return None, "no store catalog or provenance was given (pass --cache to featcache report)."
-    table = (
-        eff.drop([c for c in eff.columns if c.startswith("peak_mem")]) if eff is not None else size.select("backbone")
-    )
+    if eff is not None:
+        table = eff.drop([c for c in eff.columns if c.startswith("peak_mem")])
+    else:
+        assert size is not None  # one of them (returned above otherwise)
+        table = size.select("backbone")
     notes = []
     mem = [c for c in (eff.columns if eff is not None else []) if c.startswith("peak_mem")]
-    if mem and eff[mem[0]].drop_nulls().len():
+    if eff is not None and mem and eff[mem[0]].drop_nulls().len():
         table = table.join(eff.select("backbone", pl.col(mem[0]).alias("peak_memory_mib")), on="backbone", how="left")
     else:
         notes.append(
@@ -442,7 +449,7 @@ def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) 
             "pivots": _pivots(ret),
         }
     cal = r.calibration if r else None
-    if cal is not None:
+    if r and cal is not None:
         cal_cols = [c for c in ("ece", "nll") if c in cal.columns]
         cal = cal.filter(pl.any_horizontal(pl.col(c).is_not_null() for c in cal_cols))  # kNN has no probabilities
         corr = r.calibration_corr.filter(pl.col("n") > 0)  # settings without ece/nll (kNN) say nothing
@@ -517,11 +524,11 @@ def _write_atomic(out: Path, doc: str) -> None:
 
 def write_report(
     out_html: str | os.PathLike,
-    results_df=None,
-    catalog_df=None,
+    results_df: TableLike | LoadedResults | None = None,
+    catalog_df: pl.DataFrame | None = None,
     *,
     external: Sequence = (),
-    provenance=None,
+    provenance: pl.DataFrame | None = None,
     shift_splits: tuple[str, str] | None = None,
     title: str = "featcache report",
     rank_kwargs: Mapping[str, Any] | None = None,

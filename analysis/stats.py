@@ -8,6 +8,7 @@ Nothing here reads files or knows about result tables.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import ResultsError
 
@@ -22,7 +23,7 @@ __all__ = [
 ]
 
 
-def clopper_pearson(k, n, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+def clopper_pearson(k: ArrayLike, n: ArrayLike, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """Exact (Clopper-Pearson) two-sided ``1 - alpha`` interval for ``k`` successes of ``n``.
 
     Vectorised over ``k`` and ``n``; returns ``(low, high)`` as fractions. ``k`` may be a float
@@ -46,7 +47,7 @@ def clopper_pearson(k, n, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-def rankdata(x, *, descending: bool = True, axis: int = -1) -> np.ndarray:
+def rankdata(x: ArrayLike, *, descending: bool = True, axis: int = -1) -> np.ndarray:
     """Average ranks along ``axis`` (1 = best when ``descending``); ties share their mean rank,
     NaN entries get NaN and are ignored by the others (:func:`scipy.stats.rankdata`)."""
     from scipy.stats import rankdata as _rankdata
@@ -55,7 +56,7 @@ def rankdata(x, *, descending: bool = True, axis: int = -1) -> np.ndarray:
     return _rankdata(-v if descending else v, method="average", axis=axis, nan_policy="omit")
 
 
-def kendall_tau_b(x, y, *, method: str = "auto") -> tuple[float, float]:
+def kendall_tau_b(x: ArrayLike, y: ArrayLike, *, method: str = "auto") -> tuple[float, float]:
     """Kendall's tau-b between two score vectors and its two-sided p-value
     (:func:`scipy.stats.kendalltau`, ``variant="b"``).
 
@@ -85,10 +86,10 @@ def kendall_tau_b(x, y, *, method: str = "auto") -> tuple[float, float]:
 
         return float(np.sign(x[1] - x[0]) * np.sign(y[1] - y[0])), float(2 * norm.sf(1.0))
     res = kendalltau(x, y, variant="b", method=method)
-    return float(res.statistic), float(res.pvalue)
+    return float(res.statistic), float(res.pvalue)  # pyright: ignore[reportAttributeAccessIssue]  # scipy's result class declares neither
 
 
-def zscores(values, *, ddof: int = 0, label: str = "setting") -> np.ndarray:
+def zscores(values: ArrayLike, *, ddof: int = 0, label: str = "setting") -> np.ndarray:
     """Battle-of-the-Backbones z-scores ``(x - mean) / std`` of one setting (NaN entries ignored).
 
     ``ddof`` chooses the standard deviation (0: population, as scipy.stats.zscore; 1: sample).
@@ -118,7 +119,7 @@ def average_ranks(matrix: np.ndarray) -> np.ndarray:
     return rankdata(matrix, descending=True, axis=-2)
 
 
-def linear_fit(x, y) -> tuple[float, float]:
+def linear_fit(x: ArrayLike, y: ArrayLike) -> tuple[float, float]:
     """Least-squares ``y = a * x + b``; returns ``(a, b)``."""
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
@@ -132,8 +133,8 @@ def linear_fit(x, y) -> tuple[float, float]:
 
 
 def bootstrap_linear_fit(
-    x,
-    y,
+    x: ArrayLike,
+    y: ArrayLike,
     *,
     n_boot: int = 100_000,
     seed: int = 0,

@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,13 @@ from featcache.errors import ResultsError
 from featcache.results import KINDS, read_parquet_checked
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    #: a results table: a parquet/CSV path or a polars DataFrame
+    TableLike = str | os.PathLike | pl.DataFrame
+
 
 REQUIRED = ("backbone", "dataset", "metric", "value", "kind")
 OPTIONAL_DEFAULTS: dict[str, Any] = {
@@ -54,7 +61,7 @@ LOWER_IS_BETTER = frozenset({"nll", "ece", "ce", "loss", "cross_entropy"})
 PROPORTION_METRICS = frozenset({"top1", "top5", "accuracy", "acc"})
 
 
-def _schema():
+def _schema() -> dict[Any, Any]:
     import polars as pl
 
     return {
@@ -93,13 +100,13 @@ def _read_any(path: str | os.PathLike):
 
 
 def load_table(
-    table,
+    table: TableLike,
     *,
     source: str | None = None,
     kind: str | None = None,
     percent: bool | None = None,
     groups: Mapping[str, str] | None = None,
-):
+) -> pl.DataFrame:
     """Read one results table (path or polars DataFrame) into the analysis schema.
 
     ``kind`` fills a missing ``kind`` column (e.g. ``"finetune"`` for a fine-tuning CSV).

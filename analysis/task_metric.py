@@ -10,7 +10,12 @@ mean-per-class for Aircraft, 11-point mAP for VOC 2007, ...).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from featcache.errors import ResultsError
+
+if TYPE_CHECKING:
+    import polars as pl
 
 __all__ = ["TASK", "declared_metric_rows"]
 
@@ -18,7 +23,7 @@ __all__ = ["TASK", "declared_metric_rows"]
 TASK = "task"
 
 
-def declared_metric_rows(frame, *, default: str = "top1", relabel: bool = True):
+def declared_metric_rows(frame: pl.DataFrame, *, default: str = "top1", relabel: bool = True) -> pl.DataFrame:
     """Rows of each run's declared metric (``hparams["task_metric"]``; rows written before
     per-task metrics, e.g. fine-tune or kNN rows, count as ``default``). ``relabel``: the
     kept rows' ``metric`` becomes :data:`TASK` and the declared name moves to ``task_metric``."""

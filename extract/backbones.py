@@ -240,7 +240,7 @@ def create_backbone(
     source, name = sources.parse_model(name)
     if source != "timm":
         return _other_source(source, name, weights, keep_head, device, input_size, pre_resize, trainable, resize)
-    import timm.data
+    from timm.data.config import resolve_model_data_config
 
     check_model_name(name)
     loader, arg = _resolve_weights(weights)
@@ -249,7 +249,7 @@ def create_backbone(
     model = model.to(dev).eval()
     for p in model.parameters():
         p.requires_grad_(trainable)
-    base_cfg = timm.data.resolve_model_data_config(model)
+    base_cfg = resolve_model_data_config(model)
     cfg = make_data_config(base_cfg, input_size=input_size, pre_resize=pre_resize, resize=resize)
     dim = int(getattr(model, "head_hidden_size", None) or model.num_features)
     logger.info("backbone %s (%s, sha256 %s..., dim %d) on %s", name, weights, sha[:12], dim, dev)

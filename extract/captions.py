@@ -46,7 +46,9 @@ def _wds_captions(d: Path, split: str) -> dict[str, list[str]]:
                 if m.isfile() and ext == "txt":
                     key = m.name[: len(m.name) - len(base)] + stem
                     # convert_retrieval_dataset escapes newlines inside a caption as a literal \n
-                    lines = tf.extractfile(m).read().decode("utf-8").splitlines()
+                    fh = tf.extractfile(m)
+                    assert fh is not None  # a regular file member
+                    lines = fh.read().decode("utf-8").splitlines()
                     out[f"{split}/{key}"] = [c for c in lines if c.strip()]
     return out
 

@@ -44,7 +44,7 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -204,7 +204,9 @@ def torchvision_decode(im: Any, fp: Any, exif_transpose: bool = True) -> Any | N
         mode = ImageReadMode.GRAY if im.mode == "L" else ImageReadMode.RGB
         with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec
             warnings.simplefilter("ignore", DeprecationWarning)
-            t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
+            t = cast(
+                torch.Tensor, decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
+            )  # one image in, one tensor out
     except Exception as exc:  # PIL decodes it, or raises its own error
         log.debug("torchvision could not decode %s (%s); PIL decodes it", getattr(fp, "name", fp), exc)
         return None

@@ -67,7 +67,9 @@ class FeatureHead:
                 else:
                     out[k] = final[:, self.n_prefix :].mean(dim=1)
             else:
-                t = inter[int(_STAGE_RE.match(k).group(1))]
+                stage = _STAGE_RE.match(k)
+                assert stage is not None  # the kind was validated as stageN
+                t = inter[int(stage.group(1))]
                 out[k] = t.mean(dim=(2, 3)) if t.ndim == 4 else t.mean(dim=1)
         return out
 

@@ -7,6 +7,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
         # forked workers inherit it instead of each redoing it; a broken first image is fine
         ds[writer.chunk_range(chunks[0])[0]]
     loader = DataLoader(
-        ds,
+        ds,  # pyright: ignore[reportArgumentType]  # any len/getitem object works; torch types it as Dataset
         batch_sampler=BatchSampler(chunks, writer.chunk_rows, len(src), cfg.batch_size),
         num_workers=workers,
         collate_fn=functools.partial(
@@ -77,7 +78,7 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
     bg = BackgroundWriter(writer, enabled=cfg.write)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp_mode)
     failures: list[tuple[str, str]] = []
-    buf: dict[str, list] = {}
+    buf: dict[str, Any] = {}  # "f": {kind: [arrays]}, "ok": [arrays], "err": [lists]
     cur = None
     t0 = time.perf_counter()
 

@@ -158,7 +158,7 @@ def make_transform(
     ``tf.image.resize``; no crop, aspect ratio not kept), ``ToTensor`` and the model's
     ``Normalize``.
     """
-    import timm.data
+    from timm.data.transforms_factory import create_transform
     from torchvision import transforms as T
 
     cfg = make_data_config(data_config, input_size=input_size, pre_resize=pre_resize, resize=resize)
@@ -177,7 +177,7 @@ def make_transform(
             T.Normalize(mean=cfg["mean"], std=cfg["std"]),
         ]
         return T.Compose(steps)
-    steps.append(timm.data.create_transform(**{k: cfg[k] for k in DATA_CONFIG_KEYS}, is_training=False))
+    steps.append(create_transform(**{k: cfg[k] for k in DATA_CONFIG_KEYS}, is_training=False))
     return T.Compose(steps)
 
 

@@ -69,7 +69,7 @@ def available_cpus() -> int:
     return max(1, n // max(1, local))
 
 
-def default_parallelism(device: str, workers: int | None = None, threads: int | None = None) -> tuple[int, int]:
+def default_parallelism(device: str, workers: int | None = None, threads: int | None = None) -> tuple[int, int | None]:
     """(DataLoader workers, torch threads) that do not fight over cores.
 
     On CPU, decode workers and the forward's intra-op threads share the same cores: an

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsInt, overload
 
 import numpy as np
 
@@ -153,7 +153,11 @@ class StringColumn:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: slice) -> StringColumn: ...
+    @overload
+    def __getitem__(self, i: SupportsInt) -> str: ...
+    def __getitem__(self, i: slice | SupportsInt) -> StringColumn | str:
         if isinstance(i, slice):
             lo, hi, step = i.indices(len(self))
             if step != 1:

@@ -7,12 +7,15 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.configs import flag, float_list, int_list, str_tuple
 from featcache.errors import ConfigError, DataError
 from featcache.extract import format_help
 from featcache.extract.sources import model_help
+
+if TYPE_CHECKING:
+    from featcache.protocols import Protocol, SGDGrid
 
 __all__ = ["DEFAULT_CHECKPOINT_EVERY", "SELECTION_METRICS", "VTAB_INPUT_SIZE", "FinetuneConfig", "FinetuneConfigError"]
 
@@ -158,13 +161,13 @@ class FinetuneConfig:
             if getattr(self, name) is not None:
                 put(name, str(getattr(self, name)))
 
-    def resolve(self):
+    def resolve(self) -> tuple[Protocol, FinetuneConfig]:
         """(protocol, config with the protocol's grid and seeds filled in), after checking
         every value (a clear error before any image is read)."""
         from featcache.protocols import get_protocol
 
         proto = get_protocol(self.protocol, "finetune")
-        g = proto.grid
+        g = _sgd_grid(proto)
         out = replace(
             self,
             seeds=proto.seeds if self.seeds is None else self.seeds,
@@ -194,11 +197,11 @@ class FinetuneConfig:
         if not self.lrs or min(self.lrs) <= 0:
             raise FinetuneConfigError(f"learning rates must be positive, got {self.lrs!r}")
         mb = self.micro_batch
-        if self.batch_size < 1 or (mb is not None and not 1 <= mb <= self.batch_size):
+        if self.batch_size is None or self.batch_size < 1 or (mb is not None and not 1 <= mb <= self.batch_size):
             raise FinetuneConfigError(
                 f"need batch_size >= 1 and 1 <= micro_batch <= batch_size; got {self.batch_size} and {mb}"
             )
-        if not 0 < self.last_decay < 1:
+        if self.last_decay is None or not 0 < self.last_decay < 1:
             raise FinetuneConfigError(f"last_decay must lie in (0, 1) (a fraction of the steps), got {self.last_decay}")
         if self.checkpoint_every < 1:
             raise FinetuneConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
@@ -209,7 +212,7 @@ class FinetuneConfig:
                 f"memory_limit_gb must be >= 0 (0 streams every image from disk), got {self.memory_limit_gb}"
             )
 
-    def run_options(self, proto, backbone, precision: str) -> dict[str, Any]:
+    def run_options(self, proto: Protocol, backbone: Any, precision: str) -> dict[str, Any]:
         """Options that enter the run id and the recorded hparams (a resolved config, the
         built backbone and the resolved precision)."""
         return dict(
@@ -217,8 +220,8 @@ class FinetuneConfig:
             weights=self.weights,
             weights_sha256=backbone.weights_sha256,
             model=self.model if isinstance(self.model, str) else backbone.name,
-            steps=list(self.steps),
-            lrs=list(self.lrs),
+            steps=list(self.steps or ()),
+            lrs=list(self.lrs or ()),
             batch_size=self.batch_size,
             micro_batch=self.micro_batch,
             last_decay=self.last_decay,
@@ -234,9 +237,9 @@ class FinetuneConfig:
             **_cpu_isa(backbone, precision),  # CPU bf16 only: existing run ids stay
         )
 
-    def scaled_from(self, proto) -> dict[str, Any]:
+    def scaled_from(self, proto: Protocol) -> dict[str, Any]:
         """The published values this (resolved) config departs from."""
-        g = proto.grid
+        g = _sgd_grid(proto)
         out = {
             k: ref
             for k, v, ref in (
@@ -264,3 +267,13 @@ def _cpu_isa(backbone, precision: str) -> dict[str, str]:
     from featcache.cpu import cpu_isa
 
     return {"cpu_isa": cpu_isa()}
+
+
+def _sgd_grid(proto: Protocol) -> SGDGrid:
+    """A fine-tuning protocol's SGD schedule (every registered one has one)."""
+    from featcache.protocols import SGDGrid
+
+    g = proto.grid
+    if not isinstance(g, SGDGrid):
+        raise FinetuneConfigError(f"fine-tuning protocol {proto.spec} has no SGD schedule (grid {type(g).__name__})")
+    return g

@@ -127,7 +127,10 @@ class Pool:
         from torch.utils.data import DataLoader
 
         return DataLoader(
-            _Rows(self.items, self.transform), batch_sampler=batches, num_workers=self.workers, persistent_workers=False
+            _Rows(self.items, self.transform),  # pyright: ignore[reportArgumentType]  # a len/getitem object; torch says Dataset
+            batch_sampler=batches,
+            num_workers=self.workers,
+            persistent_workers=False,
         )
 
     def _materialise(self, progress: bool, what: str):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from featcache.protocols import VTAB_SGD
+from featcache.protocols import VTAB_LAST_DECAY, VTAB_SGD
 from featcache.splits import batch_positions  # the one SGD data order (shared with the probes)
 
 __all__ = ["TrainConfig", "batch_positions", "lr_at", "make_configs", "milestones_for"]
@@ -26,7 +26,7 @@ class TrainConfig:
     micro_batch: int | None = None
 
 
-def milestones_for(steps: int, last_decay: float = VTAB_SGD.last_decay) -> tuple[int, ...]:
+def milestones_for(steps: int, last_decay: float = VTAB_LAST_DECAY) -> tuple[int, ...]:
     """Steps at which the lr is divided by 10: 1/3, 2/3 and ``last_decay`` of ``steps``."""
     return VTAB_SGD.milestones(steps, last_decay)
 
@@ -42,7 +42,7 @@ def make_configs(
     lrs: Sequence[float],
     batch_size: int,
     *,
-    last_decay: float = VTAB_SGD.last_decay,
+    last_decay: float = VTAB_LAST_DECAY,
     momentum: float = VTAB_SGD.momentum,
     weight_decay: float = 0.0,
     micro_batch: int | None = None,

@@ -8,6 +8,8 @@ that says what to do where the cause is in the caller's data.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from sklearn.exceptions import NotFittedError
 from sklearn.utils.multiclass import check_classification_targets
@@ -37,7 +39,10 @@ def validate_fit_data(est, X, y, cast: bool = True) -> tuple[np.ndarray, np.ndar
             raise ProbeError(
                 f"labels must be 1-D with {n} entries, got shape {y_arr.shape}; multi-output targets are not supported"
             )
-    X, y = validate_data(est, X, y, ensure_all_finite=False)
+    # scikit-learn's validate_data is unannotated (its y defaults to the string "no_validation")
+    y_in: Any = y
+    validated: Any = validate_data(est, X, y_in, ensure_all_finite=False)
+    X, y = validated
     if not cast:
         from featcache.probes._stream import check_finite_rows
 
@@ -66,7 +71,8 @@ def validate_predict_data(est, X) -> np.ndarray:
         check_is_fitted(est)
     except NotFittedError as exc:
         raise ProbeNotFittedError(f"this {type(est).__name__} is not fitted yet; call fit(X, y) first") from exc
-    return validate_data(est, X, reset=False, dtype=np.float64)
+    validated: Any = validate_data(est, X, reset=False, dtype=np.float64)  # unannotated in scikit-learn
+    return validated
 
 
 def softmax_decision(est, X) -> np.ndarray:
@@ -90,6 +96,8 @@ def softmax_proba(Z: np.ndarray) -> np.ndarray:
 class SoftmaxPredictMixin:
     """``decision_function``/``predict_proba``/``predict`` of a fitted softmax head
     (``classes_``, ``_softmax_coef``, ``_softmax_intercept``), shared by the probes."""
+
+    classes_: np.ndarray  # set by the estimator's fit
 
     def decision_function(self, X) -> np.ndarray:
         """Softmax logits [n, K]; for two classes the margin [n], as scikit-learn's."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import torch
 
@@ -111,8 +112,8 @@ def lbfgs_multihead(
 class _Problem:
     """The data, per-head penalties and the per-head outcome arrays of one multi-head fit."""
 
-    X: torch.Tensor
-    Y1h: torch.Tensor  # one-hot labels [n, K]
+    X: Any  # torch.Tensor [n, D], or a featcache.probes._stream.RowSource when streamed
+    Y1h: torch.Tensor | None  # one-hot labels [n, K] (None when streamed)
     yidx: torch.Tensor
     Cs: torch.Tensor  # float64 [H]
     lam: torch.Tensor  # 1 / (C n) [H]
@@ -174,7 +175,17 @@ class _Problem:
             own_start=own,
         )
 
-    def loss_grad(self, theta, lam, need_grad=True):
+    @overload
+    def loss_grad(
+        self, theta: torch.Tensor, lam: torch.Tensor, need_grad: Literal[True] = True
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def loss_grad(
+        self, theta: torch.Tensor, lam: torch.Tensor, need_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def loss_grad(
+        self, theta: torch.Tensor, lam: torch.Tensor, need_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.streamed:
             from featcache.probes._stream import stream_loss_grad
 

@@ -192,13 +192,14 @@ class RowSource:
         import torch
 
         n, d = self.shape
-        rows = _rows_for(d, width, self.block_bytes)
+        rows = _rows_for(d, width, DEFAULT_BLOCK_BYTES if self.block_bytes is None else self.block_bytes)
         buf = None if self._on_gpu else np.empty((min(rows, n), d), np.float32)
         for s, e, raw in raw_blocks(self.X, rows):
             if self._on_gpu:  # the raw (float16) block goes to the device, standardised there
                 xb = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device, non_blocking=True)
                 xb = ((xb.double() - self._mean_t) / self._scale_t).float()
             else:
+                assert buf is not None  # allocated above for the CPU
                 xb = torch.from_numpy(standardize_into(raw, self.mean, self.scale, buf))
             yield s, e, xb
 
@@ -228,13 +229,13 @@ def stream_loss_grad(src: RowSource, yidx, theta, lam, D: int, K: int, need_grad
         E = Z.sub_(m).exp_()  # in place: exp(Z - m)
         S = E.sum(dim=2, keepdim=True)
         loss += ((m + torch.log(S)).squeeze(2) - zy).sum(dim=0, dtype=torch.float64)
-        if need_grad:
+        if gW is not None and gb is not None:  # need_grad
             E /= S
             E[torch.arange(nb, device=dev), :, yb] -= 1.0  # dL/dZ (times n)
             gW.addmm_(xb.T, E.reshape(nb, h * K))
             gb += E.sum(dim=0)
     loss = (loss / n).to(dt) + 0.5 * lam * (W * W).sum(dim=(1, 2))
-    if not need_grad:
+    if gW is None or gb is None:  # not need_grad
         return loss, None
     gW = (gW / n).view(D, h, K).permute(1, 0, 2) + lam.view(h, 1, 1) * W
     return loss, torch.cat([gW.reshape(h, D * K), gb / n], dim=1)

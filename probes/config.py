@@ -3,13 +3,17 @@ flags, of the probe run ids' options and of the hyper-parameters recorded in res
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.configs import flag, seed_tuple, str_tuple
 from featcache.errors import ConfigError, ProbeError
 
 __all__ = ["ProbeConfig"]
+
+if TYPE_CHECKING:
+    from featcache.protocols import Protocol
 
 
 class ProbeConfigError(ConfigError, ProbeError):
@@ -137,7 +141,7 @@ class ProbeConfig:
             if self.metric not in TASK_METRICS:
                 raise ProbeConfigError(f"unknown task metric {self.metric!r}; choose one of {TASK_METRICS}")
 
-    def resolve(self):
+    def resolve(self) -> tuple[Protocol, ProbeConfig]:
         """(protocol, config with every ``None`` grid/schedule/seed field filled in from it)."""
         from featcache.protocols import CGrid, SGDGrid, get_protocol
 
@@ -159,7 +163,7 @@ class ProbeConfig:
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeConfigError(f"{f} must be >= 1 (got {getattr(out, f)})")
-        if getattr(g, "fixed", ()):  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
+        if isinstance(g, CGrid) and g.fixed:  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
             out = replace(out, **dict(g.fixed))
         from featcache.probes.solvers import get_solver
 
@@ -181,7 +185,7 @@ class ProbeConfig:
             return None if v is None else cast(v)
 
         return {
-            "Cs": list(self.Cs),
+            "Cs": list(self.Cs or ()),
             "backend": self.backend,
             "max_iter": int(self.max_iter),
             "tol": float(self.tol),
@@ -198,7 +202,7 @@ class ProbeConfig:
             "max_host_bytes": opt(int, self.max_host_bytes),
         }
 
-    def run_options(self, proto) -> dict[str, Any]:
+    def run_options(self, proto: Protocol) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the task metric and the solver
         settings the protocol's solver declares it reads (:mod:`featcache.probes.solvers`),
         plus the data choices (a resolved config)."""
@@ -220,7 +224,7 @@ class ProbeConfig:
             opts["holdout_order"] = "dataset"
         return opts
 
-    def val_split_used(self, proto, splits) -> str | None:
+    def val_split_used(self, proto: Protocol, splits: Iterable[str]) -> str | None:
         """The dataset's own val split when the protocol selects on it and ``splits`` has it. The
         default name ``val`` also finds a Hugging Face dataset's ``validation`` split."""
         if not proto.uses_val_split(self.val_source):
@@ -231,7 +235,7 @@ class ProbeConfig:
             return "validation"
         return None
 
-    def run_id(self, proto, backbone: str, seed: int, eval_split: str, store_fingerprint: str) -> str:
+    def run_id(self, proto: Protocol, backbone: str, seed: int, eval_split: str, store_fingerprint: str) -> str:
         """The run id of one backbone, seed and eval split of this (resolved) config;
         ``store_fingerprint`` combines the fingerprints of the splits read (runner)."""
         from featcache.results import make_run_id
@@ -257,6 +261,6 @@ class ProbeConfig:
         return {
             (b, s, es): cfg.run_id(proto, b, s, es, fp)
             for b, fps in store_fingerprints(cfg, proto).items()
-            for s in cfg.seeds
+            for s in cfg.seeds or ()
             for es, fp in fps.items()
         }

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,9 @@ def zeroshot_logits(X: np.ndarray, text: np.ndarray) -> np.ndarray:
     return l2_normalise(X) @ l2_normalise(text).T
 
 
-def search_weight_decay(score: Callable[[int], float], n_wds: int, coarse, spans) -> tuple[int, float, int]:
+def search_weight_decay(
+    score: Callable[[int], float], n_wds: int, coarse: Sequence[int], spans: Sequence[int]
+) -> tuple[int, float, int]:
     """ELEVATER's coarse-to-fine search over weight-decay indices ``0..n_wds-1``: score the
     ``coarse`` indices, then for each span the neighbours ``peak -/+ span`` (clipped) of the
     best so far; a later candidate wins only when strictly better. Returns (best index, its
@@ -62,10 +65,12 @@ def search_weight_decay(score: Callable[[int], float], n_wds: int, coarse, spans
     return peak, best, len(seen)
 
 
-def _search(grid, val_score: Callable[[float, float], float], metric: str, epochs_of: dict):
+def _search(
+    grid, val_score: Callable[[float, float], float], metric: str, epochs_of: dict
+) -> tuple[tuple[float, float, float], list[dict[str, Any]], int]:
     """ELEVATER's (lr, wd) search: per lr of the grid the coarse-to-fine weight-decay search of
     ``val_score(lr, wd)``; returns ((score, lr, wd) of the best, per-lr records, trials)."""
-    best = (-math.inf, None, None)
+    best: tuple[float, float, float] | None = None
     trials, per_lr = 0, []
     for lr in grid.lrs:
         i, sc, n = search_weight_decay(
@@ -81,8 +86,10 @@ def _search(grid, val_score: Callable[[float, float], float], metric: str, epoch
                 "trials": n,
             }
         )
-        if sc > best[0]:
+        if sc > (-math.inf if best is None else best[0]):
             best = (sc, lr, grid.wds[i])
+    if best is None:
+        raise ProbeError(f"no (lr, weight decay) of the grid scored on validation (an empty grid, or NaN {metric})")
     return best, per_lr, trials
 
 
@@ -279,7 +286,8 @@ def fit_elevater(req: FitRequest) -> FitOutcome:
     _, lr, wd = best
     best_test = opts.get("final_epoch") == "best-test"
     heads: list[tuple[np.ndarray, np.ndarray]] = []
-    probe, bn = fit(*plan.fin, lr, wd, fe, (lambda W, b: heads.append((W, b))) if best_test else None)
+    Xfin, yfin = plan.fin
+    probe, bn = fit(Xfin, yfin, lr, wd, fe, (lambda W, b: heads.append((W, b))) if best_test else None)
     hp = _hparams(
         req, device, best, per_lr, trials, epochs_of[(lr, wd)], "text-initialised" if hi is not None else "zeros"
     )

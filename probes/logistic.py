@@ -50,7 +50,7 @@ def _cuda_available() -> bool:
 
 def _cuml_available() -> bool:
     try:
-        import cuml  # noqa: F401
+        import cuml  # noqa: F401  # pyright: ignore[reportMissingImports]  # optional gpu extra
     except ImportError:
         return False
     except Exception as exc:  # a broken CUDA install raises other errors at import: say so
@@ -332,7 +332,7 @@ class LogisticProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
             )
         return scaler.from_raw(coef0, int0)
 
-    def _solve(self, Xs, yi, K, W0, b0):
+    def _solve(self, Xs, yi, K: int, W0, b0) -> tuple[np.ndarray, np.ndarray, int, bool, float]:
         if self.backend_ == "torch":
             W, b, n_iter, conv, gmax = _fit_torch(Xs, yi, K, [self.C], self.device_, self.max_iter, self.tol, W0, b0)
             return W[0], b[0], int(n_iter[0]), bool(conv[0]), float(gmax[0])
@@ -379,10 +379,12 @@ def _fit_torch(Xs, yi, K, Cs, device, max_iter, tol, W0=None, b0=None, block=Non
     y_t = torch.from_numpy(yi).to(device)
     Cs_eff = [c / 2 if K == 2 else c for c in Cs]
     theta0 = None
-    if W0 is not None and np.ndim(W0) == 3:  # one start per head: [H, D, K], [H, K]
-        theta0 = torch.from_numpy(np.concatenate([W0.reshape(len(W0), -1), b0], axis=1).astype(np.float32))
-    elif W0 is not None:
-        theta0 = torch.from_numpy(np.concatenate([W0.reshape(-1), b0]).astype(np.float32))[None]
+    if W0 is not None:
+        assert b0 is not None  # a start head has both
+        if np.ndim(W0) == 3:  # one start per head: [H, D, K], [H, K]
+            theta0 = torch.from_numpy(np.concatenate([W0.reshape(len(W0), -1), b0], axis=1).astype(np.float32))
+        else:
+            theta0 = torch.from_numpy(np.concatenate([W0.reshape(-1), b0]).astype(np.float32))[None]
     with cpu_threads(device):
         r = lbfgs_multihead(X_t, y_t, Cs_eff, K, theta0=theta0, max_iter=max_iter, tol=tol, block=block)
     return (
@@ -400,6 +402,7 @@ def _fit_sklearn(Xs, yi, K, C, max_iter, tol, W0=None, b0=None):
 
     clf = LogisticRegression(C=C, max_iter=max_iter, tol=tol, solver="lbfgs", warm_start=W0 is not None)
     if W0 is not None:
+        assert b0 is not None  # a start head has both
         coef, inter = _softmax_to_sklearn(W0.T, b0)
         clf.coef_, clf.intercept_ = coef.copy(), inter.copy()
     with warnings.catch_warnings(record=True) as caught:
@@ -407,7 +410,7 @@ def _fit_sklearn(Xs, yi, K, C, max_iter, tol, W0=None, b0=None):
         clf.fit(Xs.astype(np.float64), yi)
     not_conv = any(issubclass(w.category, ConvergenceWarning) for w in caught)
     n_iter = int(np.max(clf.n_iter_))
-    coef, inter = clf.coef_, clf.intercept_
+    coef, inter = np.asarray(clf.coef_), np.asarray(clf.intercept_)
     if K == 2:
         coef, inter = np.vstack([-coef / 2, coef / 2]), np.array([-inter[0] / 2, inter[0] / 2])
     W, b = coef.T, inter
@@ -427,8 +430,8 @@ def cuml_C(C: float, n_samples: int, cuml_version: str) -> float:
 
 
 def _fit_cuml(Xs, yi, K, C, max_iter, tol):  # pragma: no cover - needs a GPU with cuML
-    import cuml
-    from cuml.linear_model import LogisticRegression
+    import cuml  # pyright: ignore[reportMissingImports]  # the optional gpu extra
+    from cuml.linear_model import LogisticRegression  # pyright: ignore[reportMissingImports]
 
     clf = LogisticRegression(
         C=cuml_C(C, Xs.shape[0], cuml.__version__),

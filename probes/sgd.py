@@ -11,6 +11,7 @@ the same device.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
@@ -35,7 +36,7 @@ def train_sgd_head(
     batch_size: int,
     momentum: float = 0.9,
     weight_decay: float = 0.0,
-    milestones: list[int] = (),
+    milestones: Sequence[int] = (),
     seed: int = 0,
     device: str = "cpu",
     init: tuple[np.ndarray, np.ndarray] | str | None = None,
@@ -235,9 +236,12 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
     def _raw_callback(self, scaler):
         """``epoch_callback`` fed the head in raw space, softmax layout [K, D]."""
 
+        callback = self.epoch_callback
+        assert callback is not None  # wrapped only when set
+
         def cb(W: np.ndarray, b: np.ndarray) -> None:
             coef, intercept = scaler.to_raw(W, b)
-            self.epoch_callback(coef, intercept)
+            callback(coef, intercept)
 
         return cb
 

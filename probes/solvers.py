@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -70,7 +70,7 @@ class Solver:
     default_head_init: str | None = None  # the class embeddings it needs when none is given
     multilabel_head_init: bool = False  # its multi-label fitter takes class embeddings (one per label)
 
-    def run_option_keys(self, proto) -> tuple[str, ...]:
+    def run_option_keys(self, proto: Any) -> tuple[str, ...]:  # a featcache.protocols.Protocol
         """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
         return tuple(self.options(proto) if callable(self.options) else self.options)
 
@@ -157,7 +157,8 @@ def _fit_ovr(req: FitRequest) -> FitOutcome:
         )
     )
     ovr.fit(Xfin, Yfin)
-    conv = all(e.converged_ for e in ovr.estimators_)
+    ests = cast("list[LogisticProbe]", ovr.estimators_)  # sklearn infers no element type
+    conv = all(e.converged_ for e in ests)
     hp = {
         "C": Cs[best],
         "selection": f"val {metric} (one C for all classes; ties: smaller C)",
@@ -169,8 +170,8 @@ def _fit_ovr(req: FitRequest) -> FitOutcome:
         "max_iter": opts["max_iter"],
         "tol": opts["tol"],
         "standardize": opts["standardize"],
-        "backend": ovr.estimators_[0].backend_,
-        "device": ovr.estimators_[0].device_,
+        "backend": ests[0].backend_,
+        "device": ests[0].device_,
     }
     return FitOutcome(ovr.predict_proba, None, hp, conv, time.perf_counter() - t0)
 
@@ -196,10 +197,12 @@ def _fit_lbfgs(req: FitRequest) -> FitOutcome:
     plan, opts = req.plan, req.opts
     Xtr, ytr = plan.tr
     hi = None if req.head_init is None else req.head_init[np.unique(ytr)]
+    Xva, yva = plan.va
     sw = sweep_C(
         Xtr,
         ytr,
-        *plan.va,
+        Xva,
+        yva,
         opts["Cs"],
         backend=opts["backend"],
         max_iter=opts["max_iter"],
@@ -342,7 +345,8 @@ def _fit_sgd(req: FitRequest) -> FitOutcome:
         scores.append(val_score(opts["metric"], pos[yv], p.predict_proba(Xv)) if p.finite_ else -1.0)
     best = select_index(scores)
     cfg = cfgs[best]
-    probe = fit(*plan.fin, cfg, plan.fin[1].size)
+    Xfin, yfin = plan.fin
+    probe = fit(Xfin, yfin, cfg, yfin.size)
     seconds = time.perf_counter() - t0
     hp = {
         "solver": "sgd",
@@ -380,6 +384,8 @@ def _zeroshot(req: FitRequest) -> FitOutcome:
     from featcache.probes.elevater import zeroshot_logits
 
     text = req.head_init
+    if text is None:
+        raise ProbeError("the zeroshot solver needs class embeddings; pass head_init='text' (--head-init text)")
     hp = {"solver": "zeroshot", "logit_scale": ZEROSHOT_SCALE, "trained": False}
     return FitOutcome(
         lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1), np.arange(text.shape[0]), hp, True, 0.0

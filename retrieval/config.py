@@ -13,6 +13,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from featcache import configs
 from featcache.configs import flag, renamed_kwargs
@@ -150,7 +151,7 @@ class RetrievalConfig:
         """The config of a parsed ``featcache retrieve`` command line."""
         return configs.from_namespace(cls, args, backbones=None if args.all else tuple(args.backbone))
 
-    def with_(self, **changes) -> RetrievalConfig:
+    def with_(self, **changes: Any) -> RetrievalConfig:
         """Deprecated: use :func:`dataclasses.replace` (``replace(config, **changes)``)."""
         warnings.warn(
             "RetrievalConfig.with_() is deprecated; use dataclasses.replace(config, ...)",
@@ -221,7 +222,7 @@ class RetrievalConfig:
             ids += [make_run_id(**self.knn_definition(backbone, k, store_fingerprint)) for k in self.knn_ks]
         return ids
 
-    def hparams(self, *, backend: str, relevance_sha: str, **measured) -> dict:
+    def hparams(self, *, backend: str, relevance_sha: str, **measured: Any) -> dict:
         """Recorded hparams of a retrieval row: the config's settings plus what the run measured."""
         return {
             "similarity": self.metric,
@@ -252,9 +253,10 @@ class RetrievalConfig:
 def legacy_config(cache_path, backbones: str | Sequence[str] | None, dataset: str, *args, **kwargs) -> RetrievalConfig:
     """A :class:`RetrievalConfig` from :func:`run_retrieval`'s older keyword signature."""
     names = ("query_split", "gallery_split", "metric", "ks", "results_path", "knn")
-    kw = dict(zip(names, args))
+    kw: dict[str, Any] = dict(zip(names, args))
     overlap = set(kw) & set(kwargs)
     if overlap:
         raise UsageError(f"run_retrieval() got multiple values for {sorted(overlap)}")
     kw.update(kwargs)
-    return RetrievalConfig(cache=cache_path, dataset=dataset, backbones=backbones, **kw)
+    bb = (backbones,) if isinstance(backbones, str) else None if backbones is None else tuple(backbones)
+    return RetrievalConfig(cache=cache_path, dataset=dataset, backbones=bb, **kw)

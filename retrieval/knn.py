@@ -9,7 +9,10 @@ gallery smaller than k) vote nothing. Neighbours are the first k entries of the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import MetricInputError
 
@@ -48,7 +51,13 @@ def knn_predict(votes: np.ndarray, top: int = 5) -> np.ndarray:
 
 
 def knn_accuracy(
-    scores, indices, gallery_labels, query_labels, n_classes: int, ks=KNN_KS, temperature: float = KNN_TEMPERATURE
+    scores: np.ndarray,
+    indices: np.ndarray,
+    gallery_labels: np.ndarray,
+    query_labels: ArrayLike,
+    n_classes: int,
+    ks: Sequence[int] = KNN_KS,
+    temperature: float = KNN_TEMPERATURE,
 ) -> dict[int, dict[str, float]]:
     """``{k: {"top1": acc, "top5": acc}}`` (top5 only when there are more than 5 classes)."""
     y = np.asarray(query_labels)

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import MetricInputError
 
@@ -68,7 +69,14 @@ class RankedRelevance:
 
     __slots__ = ("depth", "indptr", "n_relevant", "ranks", "tp")
 
-    def __init__(self, indptr, ranks, n_relevant, depth: int | None = None, tp=None):
+    def __init__(
+        self,
+        indptr: ArrayLike,
+        ranks: ArrayLike,
+        n_relevant: ArrayLike,
+        depth: int | None = None,
+        tp: ArrayLike | None = None,
+    ):
         self.indptr = np.asarray(indptr, dtype=np.int64)
         self.ranks = np.asarray(ranks, dtype=np.int64)
         self.n_relevant = np.asarray(n_relevant, dtype=np.int64)

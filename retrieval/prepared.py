@@ -13,10 +13,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from featcache.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,7 @@ class PreparedRows:
         self.shape = (int(X.shape[0]), int(X.shape[1]))
         self._sq: np.ndarray | None = None
         f32_bytes = self.shape[0] * self.shape[1] * 4
+        self._raw: Any  # the rows as given while streamed (None when held whole)
         if prepared or cache_bytes is None or f32_bytes <= cache_bytes:
             self._full: np.ndarray | None = np.ascontiguousarray(X, np.float32) if prepared else prepare(X, metric)
             self._raw, self._div, self._step = None, None, max(1, self.shape[0])
@@ -163,7 +168,7 @@ class PreparedRows:
             return self._full
         return np.concatenate([b for _, _, b in self.blocks()]) if self.shape[0] else np.zeros(self.shape, np.float32)
 
-    def to_torch(self, device):
+    def to_torch(self, device: str | torch.device) -> torch.Tensor:
         """The prepared rows as one float32 tensor on ``device``, filled block by block (a
         streamed gallery travels to GPU memory without a whole float32 copy on the host)."""
         import torch
@@ -182,12 +187,14 @@ def _same_metric(X: PreparedRows, metric: str) -> PreparedRows:
     return X
 
 
-def as_prepared(X, metric: str) -> PreparedRows:
+def as_prepared(X: np.ndarray | PreparedRows, metric: str) -> PreparedRows:
     """``X`` itself when it is :class:`PreparedRows`, else rows already prepared (float32)."""
     return _same_metric(X, metric) if isinstance(X, PreparedRows) else PreparedRows(X, metric, prepared=True)
 
 
-def prepared_pair(Xq, Xg, metric: str, cache_bytes: int | None = None) -> tuple[PreparedRows, PreparedRows]:
+def prepared_pair(
+    Xq: np.ndarray | PreparedRows, Xg: np.ndarray | PreparedRows, metric: str, cache_bytes: int | None = None
+) -> tuple[PreparedRows, PreparedRows]:
     """Queries and gallery as :class:`PreparedRows` (given ones kept); one object when they
     are the same rows."""
 

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from featcache.errors import InternalError
 from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.prepared import PreparedRows, as_prepared
+
+if TYPE_CHECKING:
+    from featcache.retrieval.relevance import Relevance
 from featcache.retrieval.search import (
     DEFAULT_MAX_MEMORY,
     exact_matmul,
@@ -135,7 +140,7 @@ def _torch_device(backend: str):
 def full_ranking(
     Q: np.ndarray | PreparedRows,
     G: np.ndarray | PreparedRows,
-    relevance,
+    relevance: Relevance,
     metric: str,
     *,
     max_memory: int = DEFAULT_MAX_MEMORY,
@@ -166,9 +171,9 @@ def full_ranking(
 def full_ranking_metrics(
     Q: np.ndarray | PreparedRows,
     G: np.ndarray | PreparedRows,
-    relevance,
+    relevance: Relevance,
     metric: str,
-    ks,
+    ks: Sequence[int],
     *,
     max_memory: int = DEFAULT_MAX_MEMORY,
     backend: str = "numpy",
@@ -244,6 +249,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                 Qb = torch.from_numpy(Q.block(start, stop)).to(dev)
                 St = Qb @ Gt.T
                 if metric == "l2":
+                    assert g_sq_t is not None  # computed above for l2
                     St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
                 r, tp = _block_ranks_torch(St, relevance, start, stop)
                 for j, (rj, tj) in enumerate(zip(r, tp)):
@@ -251,6 +257,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                 del St
                 continue
             b = stop - start
+            assert buf is not None  # allocated for the numpy path
             S = score_block(Q.block(start, stop), G, metric, g_sq, out=buf[:b])
             bounds = np.linspace(0, b, n_threads + 1).astype(int)
             parts = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]

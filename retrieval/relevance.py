@@ -8,6 +8,7 @@ import logging
 import os
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import DataError
 
@@ -100,7 +101,15 @@ class SemanticRelevance(Relevance):
     id in the gallery (leave-one-out) is excluded when ``exclude_self`` (query and gallery
     are one split); duplicates under other ids stay."""
 
-    def __init__(self, query_labels, gallery_labels, query_ids, gallery_ids, *, exclude_self: bool = True):
+    def __init__(
+        self,
+        query_labels: ArrayLike,
+        gallery_labels: ArrayLike,
+        query_ids: ArrayLike,
+        gallery_ids: ArrayLike,
+        *,
+        exclude_self: bool = True,
+    ):
         self.query_labels = np.asarray(query_labels, np.int64)
         self.gallery_labels = np.asarray(gallery_labels, np.int64)
         self.n_queries = self.query_labels.size
@@ -127,14 +136,14 @@ class SemanticRelevance(Relevance):
             cols = cols[cols != o]
         return cols
 
-    def is_positive(self, rows, cols):
+    def is_positive(self, rows: ArrayLike, cols: ArrayLike) -> np.ndarray:
         rows = np.asarray(rows, np.int64)
         cols = np.asarray(cols, np.int64)
         safe = np.where(cols >= 0, cols, 0)
         same = self.gallery_labels[safe] == self.query_labels[rows]
         return same & (cols >= 0) & (cols != self._own[rows])
 
-    def n_relevant(self):
+    def n_relevant(self) -> np.ndarray:
         return self._n_relevant
 
 
@@ -145,11 +154,11 @@ class ExplicitRelevance(Relevance):
 
     def __init__(
         self,
-        query_ids,
-        gallery_ids,
-        table_query_ids,
-        table_gallery_ids,
-        table_relevance,
+        query_ids: ArrayLike,
+        gallery_ids: ArrayLike,
+        table_query_ids: ArrayLike,
+        table_gallery_ids: ArrayLike,
+        table_relevance: ArrayLike,
         *,
         exclude_self: bool = True,
     ):
@@ -211,16 +220,16 @@ class ExplicitRelevance(Relevance):
     def positives(self, i: int) -> np.ndarray:
         return self.pos_cols[self.pos_indptr[i] : self.pos_indptr[i + 1]]
 
-    def is_positive(self, rows, cols):
+    def is_positive(self, rows: ArrayLike, cols: ArrayLike) -> np.ndarray:
         rows = np.asarray(rows, np.int64)
         cols = np.asarray(cols, np.int64)
         return np.isin(rows * (self.n_gallery + 1) + cols, self._pos_keys) & (cols >= 0)
 
-    def n_relevant(self):
+    def n_relevant(self) -> np.ndarray:
         return np.diff(self.pos_indptr)
 
 
-def load_relevance_table(path: str | os.PathLike):
+def load_relevance_table(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read a relevance table (parquet or CSV) with columns query_id, gallery_id, relevance.
 
     Returns three numpy arrays of str."""
@@ -240,4 +249,5 @@ def load_relevance_table(path: str | os.PathLike):
     df = df.select([pl.col(c).cast(pl.Utf8) for c in need])
     if df.null_count().sum_horizontal().item():
         raise DataError(f"relevance file {p} has empty cells; every row needs query_id, gallery_id, relevance")
-    return tuple(df[c].to_numpy().astype(str) for c in need)
+    q, g, r = (df[c].to_numpy().astype(str) for c in need)
+    return q, g, r

@@ -32,6 +32,7 @@ Without ties this is exactly revisitop's value.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import DataError
 from featcache.retrieval.metrics import RankedRelevance
@@ -58,7 +59,9 @@ def is_revisited_table(relevance_values: np.ndarray) -> bool:
     return bool(vals & {"easy", "hard"}) and vals <= set(REVISITED_VALUES)
 
 
-def revisited_table(query_ids, gallery_ids, relevance_values, setup: str):
+def revisited_table(
+    query_ids: ArrayLike, gallery_ids: ArrayLike, relevance_values: ArrayLike, setup: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An easy/hard/junk table -> the positive/junk table of one setup (easy, medium, hard)."""
     if setup not in _POSITIVE:
         raise DataError(f"unknown revisited setup {setup!r}; choose one of {REVISITED_SETUPS}")

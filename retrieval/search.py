@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from featcache.errors import BackendUnavailableError, DataError
 from featcache.optional import import_faiss
 from featcache.retrieval.prepared import METRICS, PreparedRows, as_prepared, prepare, prepared_pair
+
+if TYPE_CHECKING:
+    from featcache.retrieval.relevance import Relevance
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +169,7 @@ def score_block(
         if metric == "l2" and g_sq is None:
             g_sq = np.einsum("ij,ij->i", G, G)
     if metric == "l2":
+        assert g_sq is not None  # computed above for l2
         q_sq = np.einsum("ij,ij->i", Qb, Qb)
         S *= 2
         S -= q_sq[:, None]
@@ -245,6 +250,7 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None)
         Qb = torch.from_numpy(Q.block(s, s + B)).to(dev)
         S = Qb @ Gt.T
         if metric == "l2":
+            assert g_sq is not None  # computed above for l2
             S = 2 * S - (Qb * Qb).sum(1)[:, None] - g_sq[None, :]
         v, i = torch.topk(S, kk, dim=1, largest=True, sorted=True)
         Ds.append(v.cpu().numpy().astype(np.float32))
@@ -287,7 +293,7 @@ def raw_search(
     backend: str,
     max_memory: int = DEFAULT_MAX_MEMORY,
     progress: bool = False,
-):
+) -> tuple[np.ndarray, np.ndarray]:
     """Backend top-k: scores [Q, k] (higher is better, -inf where missing) and gallery
     indices [Q, k] (-1 where missing, as FAISS returns for k > gallery). Order among equal
     scores is backend-defined; :func:`topk` fixes it. ``progress``: a bar over the query
@@ -337,7 +343,7 @@ def topk(
     k: int,
     metric: str = "cosine",
     *,
-    relevance=None,
+    relevance: Relevance | None = None,
     backend: str = "auto",
     max_memory: int | str = DEFAULT_MAX_MEMORY,
     prepared: bool = False,

@@ -31,7 +31,7 @@ def _any_hit(scores: np.ndarray, positive: np.ndarray, k: int) -> np.ndarray:
     """Per row: 1 when a positive column is among the row's top ``k`` scores (ties: lower column)."""
     k = min(k, scores.shape[1])
     top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(positive, top, axis=1).any(axis=1).astype(np.float64)
+    return np.asarray(np.take_along_axis(positive, top, axis=1).any(axis=1), np.float64)
 
 
 def text_image_recall(

@@ -6,13 +6,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from featcache.errors import (
     CacheNotWritableError,
@@ -40,6 +43,10 @@ from featcache.store.schema import (
     check_name,
 )
 from featcache.store.space import NO_SPACE_THEN, no_space
+
+if TYPE_CHECKING:
+    import polars as pl
+    from zarr.storage import StoreLike
 
 log = logging.getLogger(__name__)
 #: attempts of a whole-group read before a load says the group keeps changing under it
@@ -138,7 +145,7 @@ class FeatureCache:
     (1347, 1280)
     """
 
-    def __init__(self, root, path: str, mode: str):
+    def __init__(self, root: Any, path: str, mode: str):  # a zarr Group (its lookups return unions)
         self.root = root
         self.path = str(path)
         self.mode = mode
@@ -160,6 +167,13 @@ class FeatureCache:
                 return None
             except Exception as exc:
                 raise self._damaged(exc) from None
+        return g
+
+    def _existing(self, *parts: str) -> Any:
+        """The group at ``parts``, which a check before this found (NotInStoreError if it is gone)."""
+        g = self._group(*parts)
+        if g is None:
+            raise NotInStoreError(f"{'/'.join(parts)} is not in the store at {self.path} (removed while reading?)")
         return g
 
     def _children(self, g) -> list[str]:
@@ -220,7 +234,7 @@ class FeatureCache:
     def split_rows(self, dataset: str, split: str, *, check: bool = False) -> tuple[np.ndarray, np.ndarray, SplitMeta]:
         """ids, labels and metadata of a split; ``check`` recomputes the fingerprint."""
         meta = self.split_meta(dataset, split)
-        g = self._group("datasets", dataset, split)
+        g = self._existing("datasets", dataset, split)
         where = f"datasets/{dataset}/{split}"
         try:
             ids = _as_str(g["ids"][:])
@@ -271,7 +285,7 @@ class FeatureCache:
         g = self._feature_group(backbone, dataset, split)
         return FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=g.path)
 
-    def scan(self, backbone: str, dataset: str, split: str, kinds=None) -> GroupScan:
+    def scan(self, backbone: str, dataset: str, split: str, kinds: Sequence[str] | None = None) -> GroupScan:
         """Read and check every marked chunk of a feature group (see :mod:`.integrity`)."""
         g = self._feature_group(backbone, dataset, split)
         gm = self.group_meta(backbone, dataset, split)
@@ -300,7 +314,7 @@ class FeatureCache:
         *,
         allow_partial: bool = False,
         check: bool = True,
-        dtype=np.float32,
+        dtype: DTypeLike = np.float32,
         lazy: bool = False,
     ) -> Features:
         """Load features as float32 (``dtype=None``: the stored dtype, e.g. float16 for
@@ -344,7 +358,7 @@ class FeatureCache:
             bad[sc.bad_chunks] = True
             row_bad = np.repeat(bad, gm.chunk_rows)[: gm.n]
             valid = valid & ~row_bad
-            if not lazy:
+            if isinstance(X, np.ndarray):  # eager (a lazy StoredRows view is masked through ``valid``)
                 X[row_bad] = np.nan
         return Features(
             backbone=backbone,
@@ -375,7 +389,7 @@ class FeatureCache:
         errors = _as_str(g["error"][:])
         return StoredRows([g[kind]], finite=[sc.finite.get(kind)]), valid, errors, sc
 
-    def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype=np.float32):
+    def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype: DTypeLike = np.float32):
         """A consistent snapshot of a feature group: the chunks marked done before the arrays
         are read are the chunks the scan calls done (a writer marks a chunk only after its
         arrays, so their rows read afterwards are final). The read is retried when a chunk
@@ -432,13 +446,13 @@ class FeatureCache:
         complete = self.scan(b, d, s).complete
         return complete, int((~np.asarray(g["valid"][:], dtype=bool)).sum())
 
-    def catalog(self):
+    def catalog(self) -> pl.DataFrame:
         """One row per backbone x dataset x split x kind, as a polars DataFrame."""
         import polars as pl
 
         rows = []
         for b, d, s in self.entries():
-            g = self._group("features", b, d, s)
+            g = self._existing("features", b, d, s)
             try:  # the writer's summary while it matches the stored chunks, else read every marked chunk
                 complete, n_invalid = self._completeness(b, d, s, g)
             except SchemaMismatchError as exc:
@@ -554,7 +568,7 @@ def _damage_message(where: str, sc: GroupScan) -> str:
     )
 
 
-def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype=np.float32):
+def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype: DTypeLike = np.float32):
     """Read what is readable, chunk by chunk (damaged chunks become NaN / invalid / "")."""
     X = np.full((gm.n, g[kind].shape[1]), np.nan, dtype or g[kind].dtype)
     valid = np.zeros(gm.n, bool)
@@ -577,14 +591,17 @@ def _open_or_create(store, kwargs: dict):
     that creates the same new store between the two makes it raise ContainsGroupError. The
     group exists then, and a second open finds it."""
     import zarr
+    from zarr import errors as zarr_errors
 
     try:
         return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
-    except zarr.errors.ContainsGroupError:
+    except zarr_errors.ContainsGroupError:
         return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
 
 
-def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> FeatureCache:
+def open_cache(
+    store: str | os.PathLike | StoreLike, mode: str = "r", storage_options: dict | None = None
+) -> FeatureCache:
     """Open a featcache root.
 
     ``store`` is anything zarr accepts as a store: a local path, an fsspec URL
@@ -593,6 +610,7 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
     ``mode="r"`` opens an existing store read-only; ``"a"`` creates it if needed.
     """
     import zarr
+    from zarr import errors as zarr_errors
 
     if mode not in ("r", "a"):
         raise ConfigError(f"open_cache(mode={mode!r}): mode must be 'r' (read) or 'a' (read and write)")
@@ -603,7 +621,7 @@ def open_cache(store, mode: str = "r", storage_options: dict | None = None) -> F
     if mode == "r":
         try:
             root = zarr.open_group(store, mode="r", **kwargs)
-        except (FileNotFoundError, NotADirectoryError, zarr.errors.GroupNotFoundError) as exc:
+        except (FileNotFoundError, NotADirectoryError, zarr_errors.GroupNotFoundError) as exc:
             raise NotInStoreError(
                 f"no feature cache at {label} ({type(exc).__name__}); create one with `featcache extract`"
             ) from None
@@ -752,7 +770,11 @@ def _write_rows(g, ids: np.ndarray, labels: np.ndarray, chunk_rows: int) -> None
 
 
 def write_class_embeddings(
-    path_or_cache, dataset: str, matrix: np.ndarray, name: str = "text", backbone: str | None = None
+    path_or_cache: str | os.PathLike | FeatureCache,
+    dataset: str,
+    matrix: np.ndarray,
+    name: str = "text",
+    backbone: str | None = None,
 ) -> None:
     """Store a [C, D] class-embedding matrix beside ``dataset`` (ELEVATER language-initialised
     head, zero-shot). With ``backbone`` (its text tower's embeddings) it is stored for that
@@ -775,7 +797,7 @@ def write_class_embeddings(
 
 
 def write_caption_embeddings(
-    cache: FeatureCache, dataset: str, split: str, backbone: str, emb: np.ndarray, image_ids, prov: dict
+    cache: FeatureCache, dataset: str, split: str, backbone: str, emb: np.ndarray, image_ids: ArrayLike, prov: dict
 ) -> None:
     """Store caption embeddings ``[T, D]`` and the id of each caption's image (several captions
     may share one image) under ``caption_embeddings/<dataset>/<split>/<backbone>``, with ``prov``."""

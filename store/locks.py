@@ -119,6 +119,7 @@ class StoreLock:
     def _acquire_file(self) -> None:
         import filelock
 
+        assert self._local is not None  # called for a local store only
         d = os.path.join(self._local, LOCK_DIR)
         if os.path.lexists(d) and not os.path.isdir(d):
             raise LockStateError(

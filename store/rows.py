@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import InternalError, SchemaMismatchError
 
@@ -84,20 +85,23 @@ class StoredRows:
         """A row selection (slice, integer array, boolean mask) is a new view; anything else
         (a single row, a column selection) is read."""
         if isinstance(key, slice) or (isinstance(key, (np.ndarray, list)) and np.ndim(key) == 1):
-            idx = np.arange(len(self))[key] if isinstance(key, slice) else np.asarray(key)
-            if idx.dtype == bool:
-                if idx.size != len(self):
-                    raise IndexError(f"boolean mask of {idx.size} entries for {len(self)} rows")
-                idx = np.flatnonzero(idx)
-            return StoredRows(self._arrays, self._part[idx], self._pos[idx], self._finite)
+            return self._rows(np.arange(len(self))[key] if isinstance(key, slice) else np.asarray(key))
         if isinstance(key, (int, np.integer)):  # one row: read just its chunk
             return np.asarray(self[np.array([key])])[0]
         if isinstance(key, tuple) and key and not isinstance(key[0], (int, np.integer)):
             return np.asarray(self[key[0]])[(slice(None), *key[1:])]
         return np.asarray(self)[key]
 
-    def take(self, idx) -> StoredRows:
-        return self[np.asarray(idx)]
+    def _rows(self, idx: np.ndarray) -> StoredRows:
+        """The view of the rows ``idx`` (integer positions or a boolean mask)."""
+        if idx.dtype == bool:
+            if idx.size != len(self):
+                raise IndexError(f"boolean mask of {idx.size} entries for {len(self)} rows")
+            idx = np.flatnonzero(idx)
+        return StoredRows(self._arrays, self._part[idx], self._pos[idx], self._finite)
+
+    def take(self, idx: ArrayLike) -> StoredRows:
+        return self._rows(np.asarray(idx))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
@@ -112,12 +116,13 @@ class StoredRows:
         for v in views:
             ids = [next((j for j, a in enumerate(arrays) if a is b), None) for b in v._arrays]
             for j, b in enumerate(v._arrays):
-                if ids[j] is None:
+                k = ids[j]
+                if k is None:
                     ids[j] = len(arrays)
                     arrays.append(b)
                     finite.append(v._finite[j])
-                elif finite[ids[j]] is not v._finite[j]:
-                    finite[ids[j]] = None  # two views disagree on what is known: unknown
+                elif finite[k] is not v._finite[j]:
+                    finite[k] = None  # two views disagree on what is known: unknown
             parts.append(np.asarray(ids, np.int16)[v._part] if len(v) else v._part)
             poss.append(v._pos)
         return cls(arrays, np.concatenate(parts), np.concatenate(poss), finite)
@@ -125,10 +130,11 @@ class StoredRows:
     def known_nonfinite(self) -> np.ndarray | None:
         """Mask of this view's rows holding NaN/inf (or unread by the scan), from what the
         load's integrity scan found, without reading; None when no scan covered the rows."""
-        if any(f is None for f in self._finite):
+        finite = [f for f in self._finite if f is not None]
+        if len(finite) != len(self._finite):
             return None
         out = np.zeros(len(self), bool)
-        for p, fin in enumerate(self._finite):
+        for p, fin in enumerate(finite):
             sel = self._part == p
             out[sel] = ~fin[self._pos[sel]]
         return out
@@ -163,6 +169,7 @@ class StoredRows:
                         last = None  # drop the previous chunk before decoding the next
                         last, last_key = np.asarray(arr[c * cr : min(arr.shape[0], (c + 1) * cr)]), (p, c)
                     m = sel[chunk == c]
+                    assert last is not None  # decoded above for this chunk or a previous block
                     out[m] = last[pos[m] - c * cr]
             yield s, e, out
 

@@ -26,7 +26,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from featcache.errors import SchemaMismatchError
 
@@ -61,13 +61,17 @@ def check_name(what: str, name: str) -> str:
     return name
 
 
+def _fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(cast(Any, cls))  # the schema mixin is only used on dataclasses
+
+
 class _Schema:
     """Mixin: to/from plain-JSON attrs with strict validation."""
 
     _attr_key: str = ""
 
     def to_attrs(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(cast(Any, self))  # the mixin is only used on dataclasses
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any], where: str = ""):
@@ -79,10 +83,10 @@ class _Schema:
                 f"{where}: schema version {version!r} is not supported by this featcache "
                 f"(expects {SCHEMA_VERSION}); upgrade featcache or re-extract into a new cache"
             )
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in _fields(cls)}
         required = {
             f.name
-            for f in dataclasses.fields(cls)
+            for f in _fields(cls)
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         }
         missing = required - set(attrs)
@@ -94,7 +98,7 @@ class _Schema:
                 "by another tool or version"
             )
         kwargs = dict(attrs)
-        for f in dataclasses.fields(cls):
+        for f in _fields(cls):
             if f.name in kwargs and isinstance(kwargs[f.name], list) and f.type in ("tuple[str, ...]",):
                 kwargs[f.name] = tuple(kwargs[f.name])
             if f.name in kwargs and not _type_ok(f.type, kwargs[f.name]):
@@ -122,7 +126,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _type_ok(annotation: str, value: Any) -> bool:
+def _type_ok(annotation: object, value: Any) -> bool:
     want = _TYPES.get(str(annotation))
     if want is None:
         return True

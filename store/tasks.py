@@ -10,11 +10,18 @@ The split's 1-D ``labels`` stay as they are (stratification, class checks).
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import NotInStoreError, SchemaMismatchError
 from featcache.store.cache import FeatureCache, checksummed, open_cache
+
+if TYPE_CHECKING:
+    CacheLike = str | os.PathLike | FeatureCache  # a store path, or an open FeatureCache
 
 __all__ = ["TASK_KEY", "load_label_matrix", "task_metric", "write_label_matrix", "write_task_metric"]
 
@@ -22,11 +29,11 @@ TASK_KEY = "featcache.task"
 LABEL_MATRIX = "label_matrix"
 
 
-def _cache(path_or_cache, mode: str = "a") -> FeatureCache:
+def _cache(path_or_cache: CacheLike, mode: str = "a") -> FeatureCache:
     return path_or_cache if isinstance(path_or_cache, FeatureCache) else open_cache(path_or_cache, mode)
 
 
-def write_task_metric(path_or_cache, dataset: str, metric: str) -> None:
+def write_task_metric(path_or_cache: CacheLike, dataset: str, metric: str) -> None:
     """Declare ``dataset``'s task metric (``top1`` | ``mean_per_class`` | ``map11`` | ``roc_auc_macro``)."""
     from featcache.metrics import TASK_METRICS
 
@@ -39,7 +46,7 @@ def write_task_metric(path_or_cache, dataset: str, metric: str) -> None:
     g.attrs[TASK_KEY] = {"metric": metric}
 
 
-def task_metric(path_or_cache, dataset: str) -> str | None:
+def task_metric(path_or_cache: CacheLike, dataset: str) -> str | None:
     """The metric declared for ``dataset``, or ``None`` when none is recorded."""
     cache = _cache(path_or_cache, "r")
     g = cache._group("datasets", dataset)
@@ -55,7 +62,9 @@ def _sha(m: np.ndarray, names) -> str:
     return h.hexdigest()[:16]
 
 
-def write_label_matrix(path_or_cache, dataset: str, split: str, matrix, class_names) -> str:
+def write_label_matrix(
+    path_or_cache: CacheLike, dataset: str, split: str, matrix: ArrayLike, class_names: Sequence[str]
+) -> str:
     """Store multi-label targets ``[N, C]`` (bool/0-1) of an existing split; returns their
     sha256 prefix. Rows follow the split's rows; one column per name in ``class_names``."""
     cache = _cache(path_or_cache)
@@ -70,7 +79,7 @@ def write_label_matrix(path_or_cache, dataset: str, split: str, matrix, class_na
     if m.dtype != bool and not np.isin(m, (0, 1)).all():
         raise SchemaMismatchError("label matrix entries must be bool or 0/1")
     m = m.astype(bool)
-    g = cache._group("datasets", dataset, split)
+    g = cache._existing("datasets", dataset, split)
     a = g.create_array(
         LABEL_MATRIX,
         shape=m.shape,
@@ -86,12 +95,12 @@ def write_label_matrix(path_or_cache, dataset: str, split: str, matrix, class_na
     return sha
 
 
-def load_label_matrix(path_or_cache, dataset: str, split: str) -> tuple[np.ndarray, list[str], str] | None:
+def load_label_matrix(path_or_cache: CacheLike, dataset: str, split: str) -> tuple[np.ndarray, list[str], str] | None:
     """(targets [N, C] bool, class names, sha256 prefix) of a split, or ``None`` when the
     split has single-label targets only."""
     cache = _cache(path_or_cache, "r")
     cache.split_meta(dataset, split)  # NotInStoreError with the holdings when absent
-    g = cache._group("datasets", dataset, split)
+    g = cache._existing("datasets", dataset, split)
     if LABEL_MATRIX not in g:
         return None
     a = g[LABEL_MATRIX]

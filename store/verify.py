@@ -164,7 +164,7 @@ def _note_undigested(store, path: str, rep: VerifyReport) -> None:
     from featcache.store.metadata import local_nodes
 
     have = set(manifest.units(store))
-    units = {manifest.unit_of(rel) for rel in local_nodes(path)} - {None}
+    units = {u for rel in local_nodes(path) if (u := manifest.unit_of(rel)) is not None}
     missing = sorted(units - have)
     if missing:
         rep.notes.append(

@@ -10,9 +10,12 @@ distributed run own disjoint chunk sets, so no two writers ever touch the same o
 from __future__ import annotations
 
 import logging
+import os
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
@@ -120,7 +123,7 @@ class FeatureWriter:
         self.n = first.n
         self.chunk_rows = first.chunk_rows
         self.n_chunks = max(1, -(-self.n // self.chunk_rows))
-        self.group = None
+        self.group: Any = None  # the zarr group, from open()
         self._handles: dict = {}
         self._lock: StoreLock | None = None
         self.lock_timeout = lock_timeout
@@ -223,8 +226,9 @@ class FeatureWriter:
 
     def release(self) -> None:
         """Release the group's writer lock (idempotent)."""
-        if getattr(self, "_lock", None) is not None:
-            self._lock.release()
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
             self._lock = None
 
     def _create(self) -> None:
@@ -326,7 +330,7 @@ class FeatureWriter:
         if self._lock is not None:
             self._lock.renew()
 
-    def no_space(self, what: str, need: int):
+    def no_space(self, what: str, need: int) -> AbstractContextManager[None]:
         """:func:`no_space` for ``what`` of this group (zarr writes each object atomically, so
         nothing half-written stays, and ``done`` is set only after the chunk's arrays)."""
         return no_space(f"{self.cache.path}/{self.path}", what, need)
@@ -409,14 +413,14 @@ def make_provenance(
 
 
 def write_features(
-    path,
+    path: str | os.PathLike | FeatureCache,
     *,
     backbone: str,
     dataset: str,
     split: str,
     X: np.ndarray,
-    ids,
-    labels,
+    ids: ArrayLike,
+    labels: ArrayLike,
     class_names: list[str] | None = None,
     kind: str = "pooled",
     dtype: str = "float32",

@@ -31,7 +31,7 @@ from featcache.metrics import TASK_METRICS as METRICS
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # pyright: ignore[reportMissingImports]  # installed on Python 3.10 only
 
 __all__ = [
     "KINDS",
@@ -130,7 +130,7 @@ class Suite:
 
 def list_suites() -> list[str]:
     """Names of the suites shipped in this package."""
-    return sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".toml"))
+    return sorted(p.name[:-5] for p in resources.files(__name__).iterdir() if p.name.endswith(".toml"))
 
 
 def suite_names() -> str:
@@ -143,7 +143,7 @@ def load_suite(name: str) -> Suite:
     """The suite ``name`` (see :func:`list_suites`), validated."""
     if name not in list_suites():
         raise SuiteError(f"unknown suite {name!r}; available: {', '.join(list_suites())} (see `featcache suites`)")
-    raw = tomllib.loads(resources.files(__package__).joinpath(f"{name}.toml").read_text(encoding="utf-8"))
+    raw = tomllib.loads(resources.files(__name__).joinpath(f"{name}.toml").read_text(encoding="utf-8"))
     return _suite(raw, f"{name}.toml")
 
 

@@ -33,6 +33,7 @@ import logging
 import os
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from featcache.extract.source import (
     integer_classes,
     integral_labels,
 )
+
+if TYPE_CHECKING:
+    import polars as pl
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +90,11 @@ def digits(arg: str | None, name: str, options: ReadOptions) -> dict[str, SplitS
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    d = load_digits()
+    d: Any = load_digits()  # a Bunch (scikit-learn types it as Bunch or an (X, y) tuple)
     images = (d.images * (255.0 / 16.0)).round().astype(np.uint8)  # 0..16 -> 0..255
     y = d.target.astype(np.int64)
     idx = np.arange(len(y))
-    tr, te = train_test_split(idx, test_size=0.25, random_state=0, stratify=y)
+    tr, te = (np.asarray(a) for a in train_test_split(idx, test_size=0.25, random_state=0, stratify=y))
     tr.sort()
     te.sort()
     names = [str(c) for c in d.target_names]
@@ -402,7 +406,7 @@ def manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSourc
     for s in df["split"].unique(maintain_order=True).to_list():
         part = df.filter(pl.col("split") == s)
         paths = StringColumn.from_polars(part["_abs"])
-        extra = {"paths": paths}
+        extra: dict[str, Any] = {"paths": paths}
         if multi is not None:  # the extraction stores them as the split's label matrix
             extra.update(label_matrix=multi[0][part["_row"].to_numpy()], label_names=multi[1])
         out[s] = SplitSource(
@@ -418,7 +422,7 @@ def manifest(file: str, name: str, options: ReadOptions) -> dict[str, SplitSourc
     return out
 
 
-def manifest_label_matrix(df) -> tuple[np.ndarray, list[str]]:
+def manifest_label_matrix(df: pl.DataFrame) -> tuple[np.ndarray, list[str]]:
     """Multi-label targets of a manifest's ``labels`` column (``;``-separated class names,
     empty = none): ([N, C] bool, the sorted class names)."""
     import polars as pl

@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from featcache.errors import ConfigError, DataError
 from featcache.extract.source import ReadOptions, SplitSource
 
 __all__ = ["FORMATS", "DataFormat", "format_help", "format_usages", "open_format", "parse_spec", "register_format"]
 
-#: ``(ARG or None, dataset name, options) -> {split: SplitSource}``
-Reader = Callable[[str | None, str, ReadOptions], dict[str, SplitSource]]
+#: ``(ARG, dataset name, options) -> {split: SplitSource}``; ARG is a ``str``, or ``None`` for a
+#: format registered with ``missing=None`` only, so a reader of a path may declare ``str`` (``Any``
+#: here: a type cannot say which formats take no ARG)
+Reader = Callable[[Any, str, ReadOptions], dict[str, SplitSource]]
 
 
 def path_name(arg: str) -> str:

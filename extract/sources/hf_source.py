@@ -49,6 +49,11 @@ def _size(processor: Any) -> tuple[int, int, int]:
     s = getattr(processor, "crop_size", None) or getattr(processor, "size", None) or {}
     h = s.get("height") or s.get("shortest_edge")
     w = s.get("width") or s.get("shortest_edge")
+    if h is None or w is None:
+        raise BackboneError(
+            f"the Hugging Face image processor declares no input size (crop_size/size: {s!r}); "
+            "give the checkpoint a preprocessor_config.json with a size"
+        )
     return (3, int(h), int(w))
 
 

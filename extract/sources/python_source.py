@@ -16,18 +16,20 @@ KINDS = ("pooled",)
 
 
 def _default_transform() -> Any:
-    import timm.data
+    from timm.data.config import resolve_data_config
+    from timm.data.constants import DEFAULT_CROP_PCT
 
     from featcache.extract.model import make_transform
 
-    return make_transform(timm.data.resolve_data_config(args={"crop_pct": timm.data.DEFAULT_CROP_PCT}))
+    return make_transform(resolve_data_config(args={"crop_pct": DEFAULT_CROP_PCT}))
 
 
 def _unpack(obj: Any) -> tuple[Any, Any, int | None]:
     if isinstance(obj, Mapping):
         return obj.get("model"), obj.get("transform"), obj.get("width")
     if isinstance(obj, tuple):
-        return (*obj, None, None)[:3]
+        padded = (*obj, None, None)
+        return padded[0], padded[1], padded[2]
     return obj, None, None
 
 

@@ -82,7 +82,7 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         enum = torchvision.models.get_model_weights(name)
     except ValueError:
         raise BackboneError(f"unknown torchvision model {name!r}; see torchvision.models.list_models()") from None
-    transform = enum.DEFAULT.transforms()
+    transform = enum.DEFAULT.transforms()  # pyright: ignore[reportAttributeAccessIssue]  # each weights enum has DEFAULT, the WeightsEnum base not
     seed = S.seed_of(weights, "torchvision")
     model = strip_head(S.seeded(seed, lambda: torchvision.models.get_model(name, weights=None)))
     sha, tag, wfile = S.load_weights(model, weights, "torchvision", name)
@@ -118,5 +118,5 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         tag=tag,
         wfile=wfile,
         input_size=size,
-        weights_enum=str(enum.DEFAULT),
+        weights_enum=str(enum.DEFAULT),  # pyright: ignore[reportAttributeAccessIssue]  # as above
     )
