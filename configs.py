@@ -147,13 +147,16 @@ def flag(
 def help_of(f: dataclasses.Field) -> str | None:
     """A flagged field's help text now (a callable ``help`` is called: its registry as it is)."""
     h = f.metadata.get("help")
-    return h() if callable(h) else h
+    return str(h()) if callable(h) else (None if h is None else str(h))
 
 
 def choices_of(f: dataclasses.Field) -> list[Any] | None:
     """A flagged field's choices now (a callable ``choices`` is called), or None."""
     c = f.metadata.get("argparse", {}).get("choices")
-    return None if c is None else list(c() if callable(c) else c)
+    if c is None:
+        return None
+    made: Any = c() if callable(c) else c  # a registry's names, or the list itself
+    return list(made)
 
 
 def _cli_fields(cls):

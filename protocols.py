@@ -400,7 +400,7 @@ def _plan_elevater_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, 
     if Y is not None:
         drawn = sample_per_class(y, max(p.shots, 2), seed)
         t, v = _elevater_val(drawn, y, rows, Y)
-        info = {"val": ELEVATER_MULTILABEL_VAL, "shots_counted": "before-split"}
+        info: dict[str, Any] = {"val": ELEVATER_MULTILABEL_VAL, "shots_counted": "before-split"}
         if p.shots == 1:
             info.update(shots_drawn=2, final="train only")
             return SplitPlan(t, v, t, f"{train_name}[{p.spec}]", info)

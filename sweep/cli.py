@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 #: SweepConfig fields whose flags are in the "fine-tunes" group
 _FT_FIELDS = ("finetune", "data")
@@ -38,7 +39,7 @@ def config_from_args(args: argparse.Namespace):
     from featcache.configs import from_namespace
     from featcache.sweep.planner import FinetuneFlags, SweepConfig
 
-    extra = {"finetune_options": from_namespace(FinetuneFlags, args).options()}
+    extra: dict[str, Any] = {"finetune_options": from_namespace(FinetuneFlags, args).options()}
     if not hasattr(args, "protocols") and (args.retrieval or hasattr(args, "finetune")):
         extra["protocols"] = ()  # no --protocol: retrieval and fine-tunes only
     return from_namespace(SweepConfig, args, **extra)

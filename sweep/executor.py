@@ -110,7 +110,11 @@ def _client(config: SweepConfig):
                 "a local cluster"
             ) from exc
     cluster = LocalCluster(
-        n_workers=config.workers, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+        n_workers=config.workers,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,  # pyright: ignore[reportArgumentType] (dask documents None: no dashboard; its stub says str)
     )
     return Client(cluster), cluster
 
