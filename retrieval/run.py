@@ -201,16 +201,19 @@ def _run_ids(cfg: RetrievalConfig, b: str, fingerprint: str, setups) -> list[str
 
 
 def _stored_fingerprint(cfg: RetrievalConfig, cache, b: str) -> str:
-    """:attr:`_Pair.fingerprint` from the provenance records alone (no feature is read;
-    :meth:`~featcache.store.FeatureCache.load` reads complete features only)."""
+    """:attr:`_Pair.fingerprint` from the provenance records alone (no feature is read)."""
+    q = stored_fingerprint(cache, b, cfg.dataset, cfg.query_split, cfg.kind)
+    g = q if cfg.same_split else stored_fingerprint(cache, b, cfg.dataset, cfg.gallery_split, cfg.kind)
+    return cfg.pair_fingerprint(q, g)
+
+
+def stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: str = "pooled") -> str:
+    """``cache.load(...).fingerprint`` from the provenance record and the split's fingerprint
+    alone, without reading the features (load() reads complete features only)."""
     from featcache.store.cache import features_fingerprint
 
-    def fp(split: str) -> str:
-        prov = cache.provenance(b, cfg.dataset, split, cfg.kind).to_attrs()
-        return features_fingerprint(prov, cache.split_meta(cfg.dataset, split).fingerprint)
-
-    q = fp(cfg.query_split)
-    return cfg.pair_fingerprint(q, q if cfg.same_split else fp(cfg.gallery_split))
+    prov = cache.provenance(backbone, dataset, split, kind).to_attrs()
+    return features_fingerprint(prov, cache.split_meta(dataset, split).fingerprint)
 
 
 @dataclass
