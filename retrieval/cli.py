@@ -35,6 +35,7 @@ def register(subparsers) -> None:
     t.add_argument("--split", default="test", help="split of the captioned images (default test)")
     t.add_argument("--recall-k", default="1,5,10", help="comma-separated k values (default 1,5,10)")
     t.add_argument("--results", default=None, help="results table (parquet) the rows are appended to")
+    t.add_argument("--force", action="store_true", help="re-run runs already in the results table")
     t.set_defaults(func=run_text)
 
 
@@ -49,7 +50,7 @@ def run_text(args) -> int:
         ks = [int(k) for k in args.recall_k.split(",") if k.strip()]
     except ValueError:
         raise ConfigError(f"--recall-k {args.recall_k!r}: give comma-separated integers, e.g. 1,5,10") from None
-    frame = run_text_retrieval(args.cache, args.backbone, args.dataset, args.split, ks, args.results)
+    frame = run_text_retrieval(args.cache, args.backbone, args.dataset, args.split, ks, args.results, args.force)
     vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(frame["metric"], frame["value"]))
     print(f"{args.backbone}  {args.dataset}/{args.split}  image-text  {vals}")
     return 0

@@ -106,11 +106,12 @@ class RetrievalConfig:
     kind: str = flag("pooled", "feature kind in the store (default pooled)", show_default=False)
     results_path: str | None = flag(
         None,
-        "results parquet to append to (rows of a rerun are replaced)",
+        "results parquet to append to (runs already there are skipped unless --force)",
         name="--results",
         required=True,
         metavar="RESULTS",
     )
+    force: bool = flag(False, "re-run runs already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars (implied by -q)", negate="--no-progress")
 
     def __post_init__(self) -> None:

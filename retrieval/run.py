@@ -153,29 +153,67 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
     ``revisited-{setup}``, the last adding revisitop's ``map_revisitop`` and
     ``mp_revisitop@k``); ``kind="knn"`` with ``top1``/``top5`` per k (protocol ``knn-k{k}``).
 
+    A backbone whose runs are all in ``config.results_path`` is skipped (its stored rows are
+    returned; its run ids come from the provenance records, so no feature is read) unless
+    ``config.force``, which recomputes them and replaces their rows.
+
     The older call ``run_retrieval(cache_path, backbones, dataset, query_split, ...)`` with
     the same keywords as :class:`RetrievalConfig` (``results_path`` for ``results``) still works.
     """
-    from featcache.results import check_results_path, rows_to_frame
-    from featcache.stagerun import write_rows
+    from featcache.results import check_results_path
+    from featcache.stagerun import collect, finished, pending
 
     if isinstance(config, RetrievalConfig) and (args or kwargs):
         raise UsageError("run_retrieval(config) takes no further arguments; use dataclasses.replace(config, ...)")
     cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
-    if cfg.results is not None:
-        check_results_path(cfg.results)  # an unwritable table fails before any compute
+    if cfg.results_path is not None:
+        check_results_path(cfg.results_path)  # an unwritable table fails before any compute
     cache, backbones = _open_backbones(cfg)
     setups = _relevance_setups(cfg)
+    g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
+    done = finished(cfg.results_path, cfg.force)
+    ids: dict[str, list[str]] = {}
+    todo = backbones
+    if done:  # run ids from the provenance records: a finished backbone reads no feature
+        ids = {b: _run_ids(cfg, b, _stored_fingerprint(cfg, cache, b), setups) for b in backbones}
+        todo = pending(
+            ids, done, lambda b: f"retrieval {b}/{cfg.dataset} {cfg.query_split}->{g_split}", cfg.results_path, log
+        )
     rows: list[dict] = []
-    for b in backbones:
+    for b in todo:
         data = _load_pair(cfg, cache, b, any(rel is not None for _, rel, _ in setups))
+        ids[b] = _run_ids(cfg, b, data.fingerprint, setups)  # the loaded features' own
         for protocol, table, rel_hash in setups:
             rows += _retrieval_rows(cfg, data, protocol, table, rel_hash)
         if cfg.knn:
             rows += _knn_rows(cfg, data)
-    frame = rows_to_frame(rows)
-    write_rows(cfg.results_path, frame)  # a rerun replaces the rows of its runs
-    return frame
+    return collect("retrieval", cfg.results_path, rows, [r for v in ids.values() for r in v])
+
+
+def _run_ids(cfg: RetrievalConfig, b: str, fingerprint: str, setups) -> list[str]:
+    """The run ids of backbone ``b``'s rows: one per scored setup, then one per k-NN k."""
+    from featcache.results import make_run_id
+
+    out = [make_run_id(**cfg.run_definition(b, protocol, rel_hash, fingerprint)) for protocol, _, rel_hash in setups]
+    if cfg.knn:
+        out += [make_run_id(**cfg.knn_definition(b, k, fingerprint)) for k in cfg.knn_ks]
+    return out
+
+
+def _stored_fingerprint(cfg: RetrievalConfig, cache, b: str) -> str:
+    """:attr:`_Pair.fingerprint` from the provenance records alone (no feature is read)."""
+    q = stored_fingerprint(cache, b, cfg.dataset, cfg.query_split, cfg.kind)
+    g = q if cfg.same_split else stored_fingerprint(cache, b, cfg.dataset, cfg.gallery_split, cfg.kind)
+    return cfg.pair_fingerprint(q, g)
+
+
+def stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: str = "pooled") -> str:
+    """``cache.load(...).fingerprint`` from the provenance record and the split's fingerprint
+    alone, without reading the features (load() reads complete features only)."""
+    from featcache.store.cache import features_fingerprint
+
+    prov = cache.provenance(backbone, dataset, split, kind).to_attrs()
+    return features_fingerprint(prov, cache.split_meta(dataset, split).fingerprint)
 
 
 @dataclass

@@ -64,17 +64,48 @@ def run_text_retrieval(
     split: str = "test",
     ks: Sequence[int] = (1, 5, 10),
     results: str | None = None,
+    force: bool = False,
 ):
     """Recall@k both ways of ``backbone``'s images and caption embeddings of ``dataset``/``split``;
-    result rows (kind ``retrieval``, protocol ``image-text``) appended to ``results`` when set."""
-    from featcache.results import make_run_id, rows_to_frame
-    from featcache.stagerun import write_rows
-    from featcache.store import combine_fingerprints, open_cache
+    result rows (kind ``retrieval``, protocol ``image-text``) appended to ``results`` when set.
+
+    A run already in ``results`` is skipped (its stored rows are returned) unless ``force``;
+    deciding reads the caption embeddings (for their provenance), not the image features."""
+    from featcache.retrieval.run import stored_fingerprint
+    from featcache.stagerun import collect, finished, pending
+    from featcache.store import open_cache
 
     t0 = time.perf_counter()
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise DataError(f"--recall-k needs integers >= 1 (got {ks})")
     cache = open_cache(cache_path, "r")
-    f = cache.load(backbone, dataset, split)
     emb, image_ids, prov = cache.load_caption_embeddings(dataset, split, backbone)
+    done = finished(results, force)
+    if done:
+        rid = _run_id(backbone, dataset, split, ks, stored_fingerprint(cache, backbone, dataset, split), prov)
+        if not pending({backbone: [rid]}, done, lambda b: f"image-text {b}/{dataset}/{split}", results, log):
+            return collect("retrieval", results, [], [rid])
+    rows = _text_rows(cache_path, cache.load(backbone, dataset, split), emb, image_ids, prov, ks, t0)
+    return collect("retrieval", results, rows, [rows[0]["run_id"]])
+
+
+def _run_id(backbone: str, dataset: str, split: str, ks: list[int], features_fp: str, prov: dict) -> str:
+    from featcache.results import make_run_id
+    from featcache.store import combine_fingerprints
+
+    fp = combine_fingerprints(features_fp, prov.get("captions_sha256", ""))
+    return make_run_id(
+        kind="retrieval", backbone=backbone, dataset=dataset, protocol="image-text", split=split, ks=ks, fp=fp
+    )
+
+
+def _text_rows(cache_path: str, f, emb: np.ndarray, image_ids, prov: dict, ks: list[int], t0: float) -> list[dict]:
+    """The result rows of loaded image features ``f`` and caption embeddings ``emb``
+    (``fit_seconds`` since ``t0``)."""
+    from featcache.store import combine_fingerprints
+
+    backbone, dataset, split = f.backbone, f.dataset, f.split
     w_img, w_txt = f.provenance.get("weights_sha256", ""), prov.get("weights_sha256", "")
     if w_txt and w_img and w_txt != w_img:
         raise DataError(
@@ -93,18 +124,14 @@ def run_text_retrieval(
     keep = list(dict.fromkeys(row[i] for i in image_ids))  # the captioned images, first-caption order
     pos = {r: j for j, r in enumerate(keep)}
     text_image = np.fromiter((pos[row[i]] for i in image_ids), np.int64, len(image_ids))
-    ks = sorted({int(k) for k in ks})
-    if not ks or ks[0] < 1:
-        raise DataError(f"--recall-k needs integers >= 1 (got {ks})")
     means = text_image_recall(np.asarray(f.X)[keep], emb, text_image, ks)
     fp = combine_fingerprints(f.fingerprint, prov.get("captions_sha256", ""))
     hp = {"captions": prov.get("captions"), "tower": prov.get("tower"), "n_captions": len(image_ids), "ks": ks}
     hp["n_images_without_caption"] = int(sum(f.valid)) - len(keep)
-    rid = make_run_id(
-        kind="retrieval", backbone=backbone, dataset=dataset, protocol="image-text", split=split, ks=ks, fp=fp
-    )
+    rid = _run_id(backbone, dataset, split, ks, f.fingerprint, prov)
     n_eval = {"i2t": len(keep), "t2i": len(image_ids)}
-    rows = [
+    log.info("%s %s/%s image-text: %s", backbone, dataset, split, means)
+    return [
         {
             "run_id": rid,
             "kind": "retrieval",
@@ -122,7 +149,3 @@ def run_text_retrieval(
         }
         for m, v in means.items()
     ]
-    frame = rows_to_frame(rows)
-    write_rows(results, frame)  # a rerun replaces the rows of its run
-    log.info("%s %s/%s image-text: %s", backbone, dataset, split, means)
-    return frame

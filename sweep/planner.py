@@ -276,6 +276,7 @@ def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
         gallery_split=config.gallery_split,
         results_path=config.results_path,
         kind=config.feature_kind,
+        force=config.force,
         progress=False,
     )
 

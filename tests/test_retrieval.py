@@ -415,3 +415,86 @@ def test_metrics_on_lite0_fashion_mnist_match_sklearn_and_brute_force(fmnist_cac
         assert v == pytest.approx(m[name], abs=1e-4), name
     assert 0.4 < m["map"] < 1
     assert m["hit@5"] > 0.8
+
+
+# ------------------------------------------------------------ reruns (stagerun skeleton)
+def _spy_search(monkeypatch, raise_=False):
+    """Count (or refuse) the feature loads and searches of run_retrieval."""
+    from featcache.retrieval import run as run_mod
+    from featcache.store.cache import FeatureCache
+
+    calls = []
+
+    def wrap(name, fn):
+        def spy(*a, **k):
+            calls.append(name)
+            if raise_:
+                raise AssertionError(f"{name} called on a finished run")
+            return fn(*a, **k)
+
+        return spy
+
+    monkeypatch.setattr(FeatureCache, "load", wrap("load", FeatureCache.load))
+    for name in ("evaluate", "topk", "full_ranking"):
+        monkeypatch.setattr(run_mod, name, wrap(name, getattr(run_mod, name)))
+    return calls
+
+
+def _values(df):
+    return sorted(zip(df["run_id"], df["metric"], df["value"]))
+
+
+def test_rerun_skips_finished_runs_and_returns_their_rows(pix_cache, tmp_path, monkeypatch, caplog):
+    from dataclasses import replace
+
+    from featcache.results import read_results
+    from featcache.retrieval import RetrievalConfig
+
+    out = tmp_path / "results.parquet"
+    cfg = RetrievalConfig(cache=pix_cache[0], dataset="digits", backbones=("pix",), ks=(1, 5), results_path=out)
+    cfg = replace(cfg, knn_ks=(10, 20), progress=False)
+    first = run_retrieval(cfg)
+    assert first.height
+    assert set(first["run_id"]) == set(cfg.run_ids("pix", first["store_fingerprint"][0]))
+    with monkeypatch.context() as m:
+        _spy_search(m, raise_=True)  # no feature is read, nothing is searched
+        caplog.set_level("INFO", logger="featcache.retrieval.run")
+        again = run_retrieval(cfg)
+    assert "skip retrieval pix/digits test->train: already in" in caplog.text
+    assert again.sort("run_id", "metric").equals(first.sort("run_id", "metric"))
+    calls = _spy_search(monkeypatch)
+    forced = run_retrieval(replace(cfg, force=True))  # recomputes, replaces its rows
+    assert calls.count("load") == 2
+    assert "evaluate" in calls
+    assert "topk" in calls
+    assert _values(forced) == _values(first)
+    assert read_results(out).height == first.height
+    calls.clear()
+    other = run_retrieval(replace(cfg, metric="l2"))  # another metric: another run
+    assert "evaluate" in calls
+    assert set(other["run_id"]) - set(first["run_id"])
+    calls.clear()
+    more = run_retrieval(replace(cfg, ks=(1, 10)))  # other cut-offs: another run
+    assert "evaluate" in calls
+    assert "recall@10" in set(more["metric"])
+    new = other.filter(other["kind"] == "retrieval").height + more.filter(more["kind"] == "retrieval").height
+    assert read_results(out).height == first.height + new  # k-NN runs do not depend on metric or ks
+
+
+def test_rerun_with_relevance_file_skips_until_the_file_changes(pix_cache, tmp_path, monkeypatch):
+    from featcache.retrieval import RetrievalConfig
+
+    path, _X, y, ids = pix_cache
+    f = tmp_path / "rel.csv"
+    rows = _relevance_table(y[1347:1387], ids[1347:1387], y[:1347], ids[:1347])
+    f.write_text("query_id,gallery_id,relevance\n" + "\n".join(",".join(r) for r in rows) + "\n")
+    kw = {"dataset": "digits", "backbones": ("pix",), "ks": (5,), "relevance": f, "knn": False, "progress": False}
+    cfg = RetrievalConfig(cache=path, results_path=tmp_path / "r.parquet", **kw)
+    first = run_retrieval(cfg)
+    calls = _spy_search(monkeypatch)
+    assert _values(run_retrieval(cfg)) == _values(first)
+    assert calls == []
+    f.write_text("query_id,gallery_id,relevance\n" + "\n".join(",".join(r) for r in rows[::2]) + "\n")
+    changed = run_retrieval(cfg)  # the file's hash is in the run id
+    assert "evaluate" in calls
+    assert set(changed["run_id"]).isdisjoint(first["run_id"])

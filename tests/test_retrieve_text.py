@@ -264,3 +264,30 @@ def test_hf_clip_text_tower_recall_equals_clip_benchmark(data):
         assert ours[f"t2i_recall@{k}"] == pytest.approx(ref[f"image_retrieval_recall@{k}"], abs=1e-6)
         assert ours[f"i2t_recall@{k}"] == pytest.approx(ref[f"text_retrieval_recall@{k}"], abs=1e-6)
     assert 0 < ours["i2t_recall@5"] < 1
+
+
+def test_rerun_skips_a_finished_run_unless_forced(data, tmp_path, monkeypatch, capsys):
+    from featcache.retrieval.text import run_text_retrieval
+    from featcache.store.cache import FeatureCache
+
+    _, arch, rows = data
+    m = _manifest(tmp_path / "manifest", rows)
+    cache, results = str(tmp_path / "c.zarr"), str(tmp_path / "c.parquet")
+    first, _ = _run(arch, f"manifest:{m}", m, cache, "all", results)
+    loads = []
+    real_load = FeatureCache.load
+    monkeypatch.setattr(FeatureCache, "load", lambda *a, **k: loads.append(a[1:4]) or real_load(*a, **k))
+    rt = ["retrieve-text", "--cache", cache, "--backbone", "oc", "--dataset", "caps", "--split", "all"]
+    assert main([*rt, "--recall-k", "1,2,5", "--results", results]) == 0  # finished: no image feature read
+    assert loads == []
+    assert "t2i_recall@2" in capsys.readouterr().out
+    again = run_text_retrieval(cache, "oc", "caps", "all", [1, 2, 5], results)
+    assert dict(zip(again["metric"], again["value"])) == first
+    assert loads == []
+    forced = run_text_retrieval(cache, "oc", "caps", "all", [1, 2, 5], results, force=True)
+    assert loads == [("oc", "caps", "all")]
+    assert dict(zip(forced["metric"], forced["value"])) == pytest.approx(first, abs=0)
+    other = run_text_retrieval(cache, "oc", "caps", "all", [1, 3], results)  # other ks: another run
+    assert len(loads) == 2
+    assert set(other["metric"]) == {"i2t_recall@1", "i2t_recall@3", "t2i_recall@1", "t2i_recall@3"}
+    assert read_results(results).height == len(first) + 4

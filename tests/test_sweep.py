@@ -322,6 +322,9 @@ def test_items_keyed_by_stage_run_ids_skip_plain_runs(two_backbone_store, tmp_pa
     assert all(o.status == "ran" for o in report.outcomes)
     assert all(set(i.run_ids) <= set(read_results(results)["run_id"]) for i in p.items)
     assert not plan(config).items
+    forced = plan(replace(config, force=True))  # --force: every item again, and its stage reruns it
+    assert {i.kind for i in forced.items} == {"probe", "retrieval"}
+    assert all(i.config.force for i in forced.items)
 
 
 def test_finetune_items_through_the_sweep(two_backbone_store, tmp_path, capsys):
