@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
@@ -272,7 +272,7 @@ def str_tuple(value) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
 
 
-def seed_tuple(value, error: type[Exception]) -> tuple[int, ...] | None:
+def seed_tuple(value: str | Iterable[int] | None, error: type[Exception]) -> tuple[int, ...] | None:
     """A seeds field as a tuple of ints (``"0,1,2"`` or an iterable; ``None`` stays ``None``);
     a malformed string raises ``error`` saying how to write it."""
     if value is None:

@@ -18,7 +18,7 @@ Probes and fine-tuning both import them from here (one implementation for both).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -252,7 +252,7 @@ TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_eleva
 MULTILABEL_METRICS = ("map11", "roc_auc_macro", "map11_elevater")
 
 
-def register_metric(name: str, fn, *, task: bool = False, multilabel: bool = False) -> None:
+def register_metric(name: str, fn: Callable[..., float], *, task: bool = False, multilabel: bool = False) -> None:
     """Register ``fn(y_true, scores) -> float`` as metric ``name`` (:data:`METRICS`); ``task``:
     a task may declare it, and the probes select hyper-parameters on it (higher is better;
     ``featcache probe --metric`` offers it); ``multilabel``: it is defined for multi-label

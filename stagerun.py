@@ -29,12 +29,17 @@ import os
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 
 from featcache.errors import ConfigError, SplitError
 from featcache.splits import canonical_order
+
+if TYPE_CHECKING:
+    import polars as pl
+
+K = TypeVar("K", bound=Hashable)  # a group key of pending()
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ class Stage:
         if self.medians not in ("protocol", "always", "never"):
             raise ConfigError(f"Stage.medians is 'protocol', 'always' or 'never', got {self.medians!r}")
 
-    def run(self, config: Any):
+    def run(self, config: Any) -> Any:
         """Call the entry point with ``config``; the rows of the run (polars DataFrame)."""
         module, fn = self.entry.split(":")
         return getattr(importlib.import_module(module), fn)(config)
@@ -135,12 +140,12 @@ def finished(results_path: PathLike | None, force: bool) -> set[str]:
 
 
 def pending(
-    groups: Mapping[Hashable, Iterable[str]],
+    groups: Mapping[K, Iterable[str]],
     done: set[str],
-    describe: Callable[[Hashable], str],
+    describe: Callable[[K], str],
     results_path: PathLike | None = None,
     logger: logging.Logger | None = None,
-) -> list[Hashable]:
+) -> list[K]:
     """The keys of ``groups`` (each a group of run ids that runs together) with a run not in
     ``done``, in order; a skip line (``describe(key)``) goes to ``logger`` (the stage's own)
     for each of the others."""
@@ -155,15 +160,17 @@ def pending(
     return out
 
 
-def write_rows(results_path: PathLike | None, rows):
+def write_rows(results_path: PathLike | None, rows: Sequence[Mapping[str, Any]] | pl.DataFrame) -> pl.DataFrame | None:
     """Append ``rows`` (dicts, or a frame from :func:`~featcache.results.rows_to_frame`) to
     ``results_path``, replacing earlier rows of their runs; the table after the append, or
     None without a path or rows."""
+    import polars as pl
+
     from featcache.results import append_results, rows_to_frame
 
     if results_path is None or not len(rows):
         return None
-    frame = rows if hasattr(rows, "columns") else rows_to_frame(rows)
+    frame = rows if isinstance(rows, pl.DataFrame) else rows_to_frame(rows)
     return append_results(results_path, frame, replace_runs=True)
 
 
@@ -175,7 +182,7 @@ def collect(
     *,
     protocol: Any = None,
     append: bool = True,
-):
+) -> pl.DataFrame:
     """The rows of every ``wanted`` run (read from the table, which holds the runs skipped as
     finished too) plus the stage's median rows; ``new_rows`` are appended first when
     ``append`` (a stage that wrote them as they came passes ``append=False``)."""
@@ -195,7 +202,7 @@ def collect(
     return out
 
 
-def add_medians(frame, stage: Stage | str, results_path: PathLike | None = None):
+def add_medians(frame: pl.DataFrame, stage: Stage | str, results_path: PathLike | None = None) -> pl.DataFrame:
     """``frame`` plus the median-over-seeds rows of its seed rows (appended to
     ``results_path`` when given), carrying :attr:`Stage.median_carry`."""
     from featcache.results import add_median_rows
@@ -204,7 +211,7 @@ def add_medians(frame, stage: Stage | str, results_path: PathLike | None = None)
     return add_median_rows(frame, stage.name, results_path, carry=stage.median_carry)
 
 
-def medians_from_table(results_path: PathLike, stage: Stage | str, run_ids: Iterable[str]):
+def medians_from_table(results_path: PathLike, stage: Stage | str, run_ids: Iterable[str]) -> pl.DataFrame:
     """The median rows of the seed runs ``run_ids`` as stored in ``results_path``, appended
     there (the sweep, after every seed's item is in)."""
     import polars as pl

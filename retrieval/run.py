@@ -400,8 +400,7 @@ def _bob_means(cfg: RetrievalConfig, d: _Pair, rel, table, revisited: bool) -> d
         per_query["map_revisitop"] = per_query["map_bob"]
         per_query.update({f"mp_revisitop@{k}": per_query[f"mp@{k}"] for k in cfg.ks})
     means = summarize(per_query, rr.n_relevant)[0]
-    has_junk = table is not None and bool(np.any(np.asarray(table[2]) == "junk"))
-    if has_junk:  # BoB's MRR ranks junk items too
+    if table is not None and bool(np.any(np.asarray(table[2]) == "junk")):  # BoB's MRR ranks junk items too
         keep = np.asarray(table[2]) != "junk"
         rel = ExplicitRelevance(d.idq, d.idg, *(np.asarray(c)[keep] for c in table), exclude_self=rel.exclude_self)
         rr = rank(rel)
