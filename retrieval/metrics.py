@@ -37,7 +37,9 @@ and counted (:func:`summarize`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -45,7 +47,9 @@ from numpy.typing import ArrayLike
 from featcache.errors import MetricInputError
 
 __all__ = [
+    "RETRIEVAL_METRICS",
     "RankedRelevance",
+    "RetrievalMetric",
     "average_precision",
     "compute_metrics",
     "hit_at_k",
@@ -54,7 +58,9 @@ __all__ = [
     "ranks_from_scores",
     "recall_at_k",
     "reciprocal_rank",
+    "register_retrieval_metric",
     "summarize",
+    "written_metric_names",
 ]
 
 
@@ -239,24 +245,69 @@ def average_precision(rr: RankedRelevance, k: int | None = None) -> np.ndarray:
         return np.where(rr.n_relevant > 0, s / denom, np.nan)
 
 
+@dataclass(frozen=True)
+class RetrievalMetric:
+    """A registered retrieval metric: ``fn(rr)`` / ``fn(rr, k)`` gives its per-query values;
+    ``full``: written as ``NAME`` on a full ranking; ``at_k``: written as ``NAME@k`` for each
+    k; ``source``: ``"featcache"`` (:func:`compute_metrics` computes it) or ``"bob"`` (Battle
+    of the Backbones' definitions, written beside them by ``featcache retrieve``)."""
+
+    name: str
+    fn: Callable[..., Any]
+    full: bool
+    at_k: bool
+    source: str = "featcache"
+
+
+#: registered retrieval metrics, in the order their values are written
+RETRIEVAL_METRICS: dict[str, RetrievalMetric] = {}
+
+
+def register_retrieval_metric(name: str, *, full: bool, at_k: bool, source: str = "featcache") -> Callable:
+    """Decorator: register ``fn`` as retrieval metric ``name`` (a taken name is refused)."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name in RETRIEVAL_METRICS:
+            raise MetricInputError(f"retrieval metric {name!r} is already registered")
+        RETRIEVAL_METRICS[name] = RetrievalMetric(name, fn, full, at_k, source)
+        return fn
+
+    return deco
+
+
+def written_metric_names() -> tuple[str, ...]:
+    """The metric names ``featcache retrieve`` writes, ``NAME`` or ``NAME@k`` (k any k):
+    every registered metric, Battle of the Backbones' included."""
+    import featcache.retrieval.revisited  # noqa: F401  (registers BoB's definitions)
+
+    out: list[str] = []
+    for m in RETRIEVAL_METRICS.values():
+        out += [m.name] * m.full + [f"{m.name}@k"] * m.at_k
+    return tuple(out)
+
+
+register_retrieval_metric("map", full=True, at_k=True)(average_precision)
+register_retrieval_metric("mrr", full=True, at_k=True)(reciprocal_rank)
+register_retrieval_metric("recall", full=False, at_k=True)(recall_at_k)
+register_retrieval_metric("hit", full=False, at_k=True)(hit_at_k)
+register_retrieval_metric("precision", full=False, at_k=True)(precision_at_k)
+
+
 def compute_metrics(rr: RankedRelevance, ks: Iterable[int], *, full: bool | None = None) -> dict[str, np.ndarray]:
-    """All metrics per query: ``map``/``mrr`` (full ranking only) and for each k
-    ``map@k``, ``mrr@k``, ``recall@k``, ``hit@k``, ``precision@k``. Values are NaN for
-    queries without relevant items."""
+    """Every registered featcache metric per query: those with ``full`` (``map``, ``mrr``) on
+    a full ranking only, then for each k each ``at_k`` one (``map@k``, ``mrr@k``,
+    ``recall@k``, ``hit@k``, ``precision@k``). Values are NaN for queries without relevant
+    items."""
     ks = sorted({int(k) for k in ks})
     if any(k < 1 for k in ks):
         raise MetricInputError(f"k must be >= 1, got {ks}")
     full = rr.depth is None if full is None else full
+    ours = [m for m in RETRIEVAL_METRICS.values() if m.source == "featcache"]
     out: dict[str, np.ndarray] = {}
     if full:
-        out["map"] = average_precision(rr)
-        out["mrr"] = reciprocal_rank(rr)
+        out.update({m.name: m.fn(rr) for m in ours if m.full})
     for k in ks:
-        out[f"map@{k}"] = average_precision(rr, k)
-        out[f"mrr@{k}"] = reciprocal_rank(rr, k)
-        out[f"recall@{k}"] = recall_at_k(rr, k)
-        out[f"hit@{k}"] = hit_at_k(rr, k)
-        out[f"precision@{k}"] = precision_at_k(rr, k)
+        out.update({f"{m.name}@{k}": m.fn(rr, k) for m in ours if m.at_k})
     return out
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from featcache.errors import DataError
-from featcache.retrieval.metrics import RankedRelevance
+from featcache.retrieval.metrics import RankedRelevance, register_retrieval_metric
 
 __all__ = [
     "REVISITED_SETUPS",
@@ -145,3 +145,12 @@ def bob_mrr(rr_with_junk: RankedRelevance) -> float:
     has = counts > 0
     first = rr_with_junk.ranks[rr_with_junk.indptr[:-1][has]]
     return float(np.sum(1.0 / first) / n_q)
+
+
+# Battle of the Backbones' definitions, written by ``featcache retrieve`` beside featcache's
+# (``map_revisitop`` / ``mp_revisitop@k`` are their older names, on Revisited Oxford/Paris)
+register_retrieval_metric("map_bob", full=True, at_k=False, source="bob")(revisited_ap)
+register_retrieval_metric("mp", full=False, at_k=True, source="bob")(revisited_precision_at_k)
+register_retrieval_metric("mrr_bob", full=True, at_k=False, source="bob")(bob_mrr)
+register_retrieval_metric("map_revisitop", full=True, at_k=False, source="bob")(revisited_ap)
+register_retrieval_metric("mp_revisitop", full=False, at_k=True, source="bob")(revisited_precision_at_k)

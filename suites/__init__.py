@@ -36,7 +36,6 @@ else:  # pragma: no cover - Python 3.10
 __all__ = [
     "KINDS",
     "METRICS",
-    "RETRIEVAL_METRICS",
     "Suite",
     "Task",
     "list_suites",
@@ -49,7 +48,6 @@ __all__ = [
 # METRICS: the metrics a classification task may declare, as registered when this module was
 # imported (featcache.metrics.TASK_METRICS; a suite is checked against the registry as it is)
 #: metrics a retrieval task may declare (names as ``featcache retrieve`` writes them; ``@k`` any k)
-RETRIEVAL_METRICS = ("map_bob", "mrr_bob", "map", "mrr", "mp@k", "recall@k", "precision@k", "hit@k")
 #: what a task is evaluated by: probes/fine-tuning (classification) or ``featcache retrieve``
 KINDS = ("classification", "retrieval")
 _TASK_KEYS = {
@@ -205,9 +203,17 @@ def _task(t: dict[str, Any], groups: tuple[str, ...], where: str) -> Task:
     return task
 
 
+def _retrieval_metrics() -> tuple[str, ...]:
+    """The names ``featcache retrieve`` writes (its metric registry), ``NAME@k`` for any k."""
+    from featcache.retrieval.metrics import written_metric_names
+
+    return written_metric_names()
+
+
 def _retrieval_metric_ok(name: str) -> bool:
     base, at, k = name.partition("@")
-    return (f"{base}@k" in RETRIEVAL_METRICS and k.isdigit() and int(k) > 0) if at else name in RETRIEVAL_METRICS
+    names = _retrieval_metrics()
+    return (f"{base}@k" in names and k.isdigit() and int(k) > 0) if at else name in names
 
 
 def _check_kind_metrics_protocols(task: Task, where: str) -> None:
@@ -218,7 +224,7 @@ def _check_kind_metrics_protocols(task: Task, where: str) -> None:
         if task.kind == "retrieval" and not _retrieval_metric_ok(m):
             raise SuiteError(
                 f"{where}: retrieval task {task.name} metric {m!r} is not one featcache retrieve writes "
-                f"({', '.join(RETRIEVAL_METRICS)})"
+                f"({', '.join(_retrieval_metrics())})"
             )
         if task.kind == "classification" and m not in _metrics.TASK_METRICS:
             raise SuiteError(f"{where}: task {task.name} metric {m!r} is not one of {', '.join(_metrics.TASK_METRICS)}")

@@ -391,3 +391,32 @@ def test_full_ranking_metrics_equal_compute_metrics_of_full_ranking(digits, back
     assert set(a) == set(b)
     for name in a:
         np.testing.assert_allclose(b[name], a[name], atol=1e-12, err_msg=name)
+
+
+def test_a_registered_retrieval_metric_is_computed_and_accepted_by_suites(digits, monkeypatch):
+    """Adding a retrieval metric is one function plus its registration: compute_metrics writes
+    it for every k, and a suite may declare it; a taken name is refused."""
+    from featcache import suites
+    from featcache.errors import MetricInputError
+    from featcache.retrieval import metrics as RM
+
+    monkeypatch.setattr(RM, "RETRIEVAL_METRICS", dict(RM.RETRIEVAL_METRICS))  # restored after
+
+    @RM.register_retrieval_metric("found", full=False, at_k=True)
+    def found_at_k(rr, k):  # how many relevant items lie within the top k
+        return np.bincount(rr.query_index(), weights=rr.ranks <= k, minlength=rr.n_queries)
+
+    X, y, ids = digits
+    Q, G = prepare(X[:40], "cosine"), prepare(X[1000:1200], "cosine")
+    full, _ = ours_full(Q, G, SemanticRelevance(y[:40], y[1000:1200], ids[:40], ids[1000:1200]), "cosine", KS)
+    for k in KS:
+        np.testing.assert_allclose(full[f"found@{k}"], full[f"recall@{k}"] * full_relevant(y[:40], y[1000:1200]))
+    assert "found@k" in RM.written_metric_names()
+    assert suites._retrieval_metric_ok("found@10")
+    assert not suites._retrieval_metric_ok("found")  # written per k only
+    with pytest.raises(MetricInputError, match="already registered"):
+        RM.register_retrieval_metric("map", full=True, at_k=True)(found_at_k)
+
+
+def full_relevant(yq, yg):
+    return (yq[:, None] == yg[None, :]).sum(1)
