@@ -72,7 +72,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -197,6 +197,9 @@ class _Run:
         return dict(self.base_key, phase=phase, seed=seed, cfg=asdict(c), rows=_hash_idx(rows))
 
     def train(self, positions: np.ndarray, c: TrainConfig, seed: int, key: dict, ck: Path | None, desc: str):
+        # _make_pools runs before any training
+        assert self.pool is not None
+        assert self.pos_in_pool is not None
         return train_run(
             self.net,
             self.init_state,
@@ -235,16 +238,20 @@ def finetune(config: FinetuneConfig):
     dev = resolve_device(cfg.device)
     prec = resolve_precision(cfg.precision, dev)
     data = _open_data(cfg, proto)
+    assert cfg.seeds is not None  # resolve() fills in the protocol's seeds
     # seeded plans before the backbone loads: too little data fails fast
     plans = {s: make_plan(proto, s, data.train, data.val, cfg.val_source) for s in cfg.seeds}
     run = _build(cfg, proto, data, dev, prec)
     run_ids = _run_ids(run)
-    todo = pending(
-        {s: [run_ids[(s, es)][0] for es in cfg.eval_splits] for s in cfg.seeds},
-        finished(cfg.results_path, cfg.force),
-        lambda s: f"{run.bkey}/{data.name} {proto.spec} seed {s}",
-        cfg.results_path,
-        log,
+    todo = cast(  # pending() returns keys of the mapping it is given: here the seeds
+        "list[int]",
+        pending(
+            {s: [run_ids[(s, es)][0] for es in cfg.eval_splits] for s in cfg.seeds},
+            finished(cfg.results_path, cfg.force),
+            lambda s: f"{run.bkey}/{data.name} {proto.spec} seed {s}",
+            cfg.results_path,
+            log,
+        ),
     )
     if run.ckdir is not None and todo:
         run.ckdir.mkdir(parents=True, exist_ok=True)
@@ -288,15 +295,7 @@ def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: st
         cfg.backbone_name or bb.default_key,
         net,
         {k: v.detach().clone() for k, v in net.state_dict().items()},
-        make_configs(
-            cfg.steps,
-            cfg.lrs,
-            cfg.batch_size,
-            last_decay=cfg.last_decay,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            micro_batch=cfg.micro_batch,
-        ),
+        _grid(cfg),
         cfg.run_options(proto, bb, prec),
         cfg.scaled_from(proto),
         dev,
@@ -307,6 +306,26 @@ def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: st
         shape=tuple(int(s) for s in bb.data_config["input_size"]),
     )
     return run
+
+
+def _grid(cfg: FinetuneConfig) -> list[TrainConfig]:
+    """The selection grid of a resolved config (resolve() fills each field left None with the
+    protocol's value)."""
+    assert cfg.steps is not None
+    assert cfg.lrs is not None
+    assert cfg.batch_size is not None
+    assert cfg.last_decay is not None
+    assert cfg.momentum is not None
+    assert cfg.weight_decay is not None
+    return make_configs(
+        cfg.steps,
+        cfg.lrs,
+        cfg.batch_size,
+        last_decay=cfg.last_decay,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        micro_batch=cfg.micro_batch,
+    )
 
 
 def _embed(bb):
@@ -322,6 +341,7 @@ def _run_ids(run: _Run) -> dict[tuple[int, str], tuple[str, str]]:
 
     d = run.data
     out = {}
+    assert run.cfg.seeds is not None  # resolve() fills in the protocol's seeds
     for s in run.cfg.seeds:
         for es, ev in d.evals.items():
             fp = "images:" + combine_fingerprints(
@@ -427,6 +447,9 @@ def _select_one(run: _Run, s: int, plan: SplitPlan, c: TrainConfig, key: dict, k
     if run.cfg.force and ck is not None and ck.exists():
         ck.unlink()
     res = run.train(plan.train, c, s, key, ck, f"{run.bkey} seed {s} select lr={c.lr:g} steps={c.steps}")
+    # run.train above trained from both (_make_pools built them)
+    assert run.pool is not None
+    assert run.pos_in_pool is not None
     score = -1.0
     if res.finite:
         pva = run.pos_in_pool[plan.val]
@@ -510,6 +533,7 @@ def _evaluate(run: _Run, es: str, ev: Split, finite: bool) -> dict[str, float]:
 
     if not finite:
         return {m: float("nan") for m in METRIC_NAMES if m != "top5" or len(run.data.class_names) > 5}
+    assert run.eval_pools is not None  # _make_pools built them before any seed ran
     P = run.proba(run.eval_pools[es], np.arange(ev.y.size))
     return compute_all(ev.y, P)
 

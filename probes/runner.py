@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class SplitData:
     """Valid rows of one split, in canonical (id-sorted) order."""
 
     name: str
-    X: np.ndarray
+    X: np.ndarray | StoredRows  # StoredRows: a lazily loaded split, still in the store
     y: np.ndarray  # int64 indices into the train split's class_names
     ids: np.ndarray
     n_invalid: int
@@ -57,9 +58,9 @@ class SplitData:
 class _Plan:
     """What one protocol seed fits on: (X, y) of its train, val and final fits."""
 
-    tr: tuple[np.ndarray, np.ndarray]
-    va: tuple[np.ndarray, np.ndarray]
-    fin: tuple[np.ndarray, np.ndarray]
+    tr: tuple[np.ndarray | StoredRows, np.ndarray]
+    va: tuple[np.ndarray | StoredRows, np.ndarray]
+    fin: tuple[np.ndarray | StoredRows, np.ndarray]
     train_split: str
     info: dict[str, Any] = field(default_factory=dict)
     Y: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # multi-label targets of tr, va, fin
@@ -177,14 +178,15 @@ def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
     their hash joins the split's fingerprint (so run ids follow the targets)."""
     from featcache.store.tasks import load_label_matrix
 
-    found = {s: load_label_matrix(cache, ds, s) for s in data.splits()}
-    held = [s for s, v in found.items() if v is not None]
+    loaded = {s: load_label_matrix(cache, ds, s) for s in data.splits()}
+    found = {s: v for s, v in loaded.items() if v is not None}
+    held = list(found)
     if not held:
         return
-    if len(held) != len(found):
+    if len(held) != len(loaded):
         raise ProbeError(
             f"{ds}: splits {held} have multi-label targets but "
-            f"{sorted(set(found) - set(held))} do not; write a label matrix for every "
+            f"{sorted(set(loaded) - set(held))} do not; write a label matrix for every "
             "split (featcache.store.tasks.write_label_matrix)"
         )
     names = found[data.train.name][1]
@@ -228,17 +230,22 @@ def _check_alignment(per_backbone: dict[str, dict[str, SplitData]]) -> None:
 
 
 # ------------------------------------------------------------------ planning
-def _take(train: SplitData, val: SplitData | None, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _take(train: SplitData, val: SplitData | None, pos: np.ndarray) -> tuple[np.ndarray | StoredRows, np.ndarray]:
     """(X, y) of positions into ``train ++ val`` (the protocol plan's index space)."""
     n = train.y.size
     in_val = pos >= n
     if not in_val.any():
         return train.X[pos], train.y[pos]
+    assert val is not None  # the plan has positions past the train rows only with a val split
     a, b = pos[~in_val], pos[in_val] - n
     if not a.size:
         return val.X[b], val.y[b]
-    parts = [train.X[a], val.X[b]]  # lazily loaded splits (both or neither) stay lazy
-    X = StoredRows.concatenate(parts) if isinstance(parts[0], StoredRows) else np.concatenate(parts)
+    xa, xb = train.X[a], val.X[b]  # lazily loaded splits (both or neither) stay lazy
+    if isinstance(xa, StoredRows):
+        assert isinstance(xb, StoredRows)  # _load_backbone loads every split lazily or none
+        X = StoredRows.concatenate([xa, xb])
+    else:
+        X = np.concatenate([xa, xb])
     return X, np.concatenate([train.y[a], val.y[b]])
 
 
@@ -250,14 +257,17 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, v
         n_val=None if val is None else val.y.size,
         val_source=val_source,
         train_name=train.name,
-        val_name=None if val is None else val.name,
+        val_name="val" if val is None else val.name,  # read only with a val split (n_val set)
         rows=train.rows,
         val_rows=None if val is None else val.rows,
         label_matrix=train.Y,
     )
     Y = None
     if train.Y is not None:
-        rows = train.Y if val is None else np.concatenate([train.Y, val.Y])
+        rows = train.Y
+        if val is not None:
+            assert val.Y is not None  # _attach_label_matrices gives every split targets or none
+            rows = np.concatenate([train.Y, val.Y])
         Y = (rows[sp.train], rows[sp.val], rows[sp.final])
     return _Plan(
         _take(train, val, sp.train), _take(train, val, sp.val), _take(train, val, sp.final), sp.train_split, sp.info, Y
@@ -356,13 +366,22 @@ def run_probes(config: ProbeConfig):
     src = {b: text_source(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
     text_fp = {b: text_fingerprint(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
 
+    assert cfg.seeds is not None  # resolve() fills in the protocol's seeds
     run_ids = {(b, s): _run_ids(cfg, proto, b, s, data[b], text_fp.get(b, "")) for b in backbones for s in cfg.seeds}
-    todo = pending(
-        {k: [r for r, _ in v.values()] for k, v in run_ids.items()},
-        finished(cfg.results_path, cfg.force),
-        lambda k: f"{k[0]}/{cfg.dataset} {proto.spec} seed {k[1]}",
-        cfg.results_path,
-        log,
+
+    def describe(k: Hashable) -> str:
+        b, s = cast("tuple[str, int]", k)  # a key of run_ids: (backbone, seed)
+        return f"{b}/{cfg.dataset} {proto.spec} seed {s}"
+
+    todo = cast(  # pending() returns keys of the mapping it is given: run_ids' (backbone, seed)
+        "list[tuple[str, int]]",
+        pending(
+            {k: [r for r, _ in v.values()] for k, v in run_ids.items()},
+            finished(cfg.results_path, cfg.force),
+            describe,
+            cfg.results_path,
+            log,
+        ),
     )
     new_rows: list[dict] = []
     for b, seed in tqdm(todo, desc=f"probe {proto.spec}", disable=not cfg.progress):
@@ -428,7 +447,8 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
     for b in _resolve_backbones(caches, cfg):
         c = _cache_for(caches, b, cfg.dataset)
         val = cfg.val_split_used(proto, c.splits(cfg.dataset))
-        read = dict.fromkeys([cfg.train_split, *([val] if val else []), *cfg.eval_splits])
+        names: list[str] = [cfg.train_split, *([val] if val else []), *cfg.eval_splits]
+        read = dict.fromkeys(names)
         fp = {s: _stored_fingerprint(c, b, cfg.dataset, s, cfg.kind) for s in read}
         text = [t] if (t := text_fingerprint(c, b, cfg)) else []
         out[b] = {
@@ -471,6 +491,7 @@ def _probe_one(
     opts = cfg.solver_options()
     solver = get_solver(proto.solver)
     fit = solver.fit if plan.Y is None else solver.fit_multilabel
+    assert fit is not None  # multi-label targets: run_probes checked the solver has a fitter (_check_multilabel)
     out = fit(FitRequest(proto, plan, opts, hi_matrix, seed))
     predict, classes, conv, secs = out.predict, out.classes, out.converged, out.seconds
     hp = dict(out.hparams)
@@ -545,7 +566,9 @@ def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str
     """The metrics of one eval split (read once per final fit): multi-label targets get the
     ranking metrics of the per-class scores; single-label ones ``metric_names`` of the task."""
     X = ev.X if isinstance(ev.X, np.ndarray) else np.asarray(ev.X, np.float32)  # a lazy split is read now
+    assert cfg.metric is not None  # run_probes sets the task metric (_task_metric) before any fit
     if plan.Y is not None:
+        assert ev.Y is not None  # _attach_label_matrices gives every split targets or none
         return compute_all(ev.Y, predict(X), cfg.metrics or metric_names(0, cfg.metric, multilabel=True))
     missing = np.setdiff1d(np.unique(ev.y), classes)
     if missing.size:
