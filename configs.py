@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "Interval",
@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 _MISSING = dataclasses.MISSING
+T = TypeVar("T")
 
 
 class Interval:
@@ -81,7 +82,9 @@ class Matches:
     def __call__(self, value: Any) -> str | None:
         return None if isinstance(value, str) and self.pattern.match(value) else self.text
 
-    shown = staticmethod(repr)
+    @staticmethod
+    def shown(obj: object) -> str:
+        return repr(obj)
 
 
 def check_fields(config: Any) -> None:
@@ -110,7 +113,7 @@ def flag(
     check: Callable[[Any], str | None] | None = None,
     default_factory: Callable[[], Any] | None = None,
     **argparse_kw: Any,
-):
+) -> Any:
     """A dataclass field with its CLI description.
 
     ``name``: the flag (default ``--field-name``); ``cli=False``: not on the command line
@@ -165,7 +168,7 @@ def _cli_fields(cls):
 
 def add_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    cls,
+    cls: type,
     *,
     optional: tuple[str, ...] = (),
     show_defaults: bool = True,
@@ -211,7 +214,7 @@ def add_arguments(
         parser.add_argument(name, dest=f.name, help=help_, **kw)
 
 
-def from_namespace(cls, ns: argparse.Namespace, **extra: Any):
+def from_namespace(cls: type[T], ns: argparse.Namespace, **extra: Any) -> T:
     """Build ``cls`` from parsed arguments: every CLI field present in ``ns`` plus
     ``extra`` (fields the stage's CLI derives itself); absent ones keep their defaults."""
     kw = {f.name: getattr(ns, f.name) for f in _cli_fields(cls) if hasattr(ns, f.name)}
@@ -219,7 +222,7 @@ def from_namespace(cls, ns: argparse.Namespace, **extra: Any):
     return cls(**kw)
 
 
-def renamed_kwargs(**old_to_new: str):
+def renamed_kwargs(**old_to_new: str) -> Callable[[type[T]], type[T]]:
     """Class decorator: the dataclass's ``__init__`` still accepts each old keyword, with a
     DeprecationWarning naming the new one (``@renamed_kwargs(results="results_path")``)."""
     import functools
@@ -267,7 +270,7 @@ def float_list(text: str) -> list[float]:
     return _split(text, float, "numbers")
 
 
-def str_tuple(value) -> tuple[str, ...]:
+def str_tuple(value: str | Iterable[object]) -> tuple[str, ...]:
     """A string or an iterable of strings as a tuple (normalising config fields)."""
     return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
 

@@ -44,12 +44,15 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from featcache.errors import DataError
 from featcache.extract.source import ReadOptions, StringColumn
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ __all__ = [
 ]
 
 
-def to_rgb(img):
+def to_rgb(img: Image.Image) -> Image.Image:
     """8-bit RGB, or 8-bit grayscale ('L', left as one band: the backbone's transform converts
     it after resizing, which is cheaper and gives the same values), from any PIL mode (16-bit
     and 32-bit ints are rescaled, not clipped)."""
@@ -121,7 +124,7 @@ def _pil_pixel_limit(limit: int):
                 Image.MAX_IMAGE_PIXELS = st["saved"]
 
 
-def decode_image(fp, options: ReadOptions | None = None):
+def decode_image(fp: str | os.PathLike[str] | IO[bytes], options: ReadOptions | None = None) -> Image.Image:
     """Open, check the pixel count, fully decode, apply EXIF orientation and convert to RGB
     (or 8-bit grayscale); raises on any broken or oversized image."""
     opts = options or ReadOptions()
@@ -155,7 +158,7 @@ def _decode_opened(fp, opts: ReadOptions):
         return to_rgb(im)
 
 
-def load_image_file(path: str | os.PathLike, options: ReadOptions | None = None):
+def load_image_file(path: str | os.PathLike, options: ReadOptions | None = None) -> Image.Image:
     """:func:`decode_image` of a file; raises on any broken file."""
     return decode_image(os.fspath(path) if not isinstance(path, str) else str(path), options)
 
@@ -167,7 +170,7 @@ class PathLoader:
         self.paths = paths
         self.options = options
 
-    def __call__(self, i: int):
+    def __call__(self, i: int) -> Image.Image:
         return load_image_file(self.paths[i], self.options)
 
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.errors import ConfigError, FeatcacheError
+
+if TYPE_CHECKING:
+    import torch
+
+    from featcache.extract.model import Backbone
 
 FEATURE_KINDS_HELP = "pooled, tokens_mean, cls, stageN_avg (N = stage index)"
 _STAGE_RE = re.compile(r"^stage(\d+)_avg$")
@@ -15,7 +20,7 @@ _STAGE_RE = re.compile(r"^stage(\d+)_avg$")
 class FeatureHead:
     """Computes several feature kinds from ONE forward pass."""
 
-    def __init__(self, backbone, kinds: Sequence[str]):
+    def __init__(self, backbone: Backbone, kinds: Sequence[str]) -> None:
         self.bb = backbone
         self.model = backbone.model
         self.kinds = list(dict.fromkeys(kinds))
@@ -41,7 +46,7 @@ class FeatureHead:
             raise FeatcacheError(f"{backbone.name} has no forward_intermediates; stageN_avg kinds are unavailable")
         self.n_prefix = int(getattr(self.model, "num_prefix_tokens", 1 if hasattr(self.model, "cls_token") else 0))
 
-    def __call__(self, x) -> dict[str, Any]:
+    def __call__(self, x: torch.Tensor) -> dict[str, Any]:
         if self.features_fn is not None:
             return self.features_fn(x, self.kinds)
         m = self.model
@@ -73,7 +78,7 @@ class FeatureHead:
                 out[k] = t.mean(dim=(2, 3)) if t.ndim == 4 else t.mean(dim=1)
         return out
 
-    def dims(self, shape) -> dict[str, int]:
+    def dims(self, shape: tuple[int, ...]) -> dict[str, int]:
         import torch
 
         with torch.inference_mode():

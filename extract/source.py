@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, SupportsInt, overload
+from typing import TYPE_CHECKING, Any, SupportsInt, overload
 
 import numpy as np
 
 from featcache.errors import DataError
+
+if TYPE_CHECKING:
+    import polars as pl
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
@@ -104,7 +107,7 @@ class SplitSource:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def load(self, i: int):
+    def load(self, i: int) -> Any:
         return self.loader(int(i))
 
     def subset(self, n: int) -> SplitSource:
@@ -137,7 +140,7 @@ class StringColumn:
         self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
 
     @classmethod
-    def from_polars(cls, s) -> StringColumn:
+    def from_polars(cls, s: pl.Series) -> StringColumn:
         import polars as pl
         import pyarrow as pa
 

@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 CLASSES_PER_BATCH = 10  # as open_clip's build_zero_shot_classifier
 
 
-def embed_classes(encode: Callable[[list[str]], Any], class_names: Sequence[str], templates: Sequence[str]):
+def embed_classes(
+    encode: Callable[[list[str]], Any], class_names: Sequence[str], templates: Sequence[str]
+) -> np.ndarray:
     """``[C, D]`` float32: per class, normalise each prompt's embedding, average, renormalise."""
     import torch
     import torch.nn.functional as F
@@ -53,7 +55,9 @@ def embed_classes(encode: Callable[[list[str]], Any], class_names: Sequence[str]
     return torch.cat(rows).float().cpu().numpy()
 
 
-def write_embeddings(cache: Any, dataset: str, backbone: str, m: np.ndarray, prov: dict, name: str, overwrite: bool):
+def write_embeddings(
+    cache: Any, dataset: str, backbone: str, m: np.ndarray, prov: dict, name: str, overwrite: bool
+) -> None:
     """Store ``m`` with ``prov``; refuse other provenance already stored (unless ``overwrite``)."""
     from featcache.store import write_class_embeddings
     from featcache.store.schema import TEXT_PROVENANCE_KEY

@@ -5,13 +5,18 @@ uint8 when it fits, else streamed through a DataLoader; normalised per batch).""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from featcache.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
+
+    from featcache.extract.source import SplitSource
 
 __all__ = ["Pool", "Split", "prepare_split"]
 
@@ -29,11 +34,11 @@ class Split:
     ids: np.ndarray
     fingerprint: str
 
-    def load(self, pos: int):
+    def load(self, pos: int) -> Any:
         return self.source.load(int(self.order[pos]))
 
 
-def prepare_split(src, train_names: list[str]) -> Split:
+def prepare_split(src: SplitSource, train_names: list[str]) -> Split:
     from featcache.stagerun import canonical_order, label_positions
     from featcache.store import dataset_fingerprint
 
@@ -89,14 +94,14 @@ class Pool:
     def __init__(
         self,
         items: list[tuple[Split, int]],
-        transform,
-        shape,
+        transform: Callable[[Any], Any],
+        shape: Sequence[int],
         *,
         memory_limit: float,
         workers: int,
         progress: bool,
         what: str,
-    ):
+    ) -> None:
         from featcache.extract import split_transform
 
         self.items = items
@@ -165,7 +170,9 @@ class Pool:
             return x
         return self.fast.normalize(x, channels_last=x.device.type == "cuda")
 
-    def batches(self, index_lists: Sequence[np.ndarray], device: str | None = None):
+    def batches(
+        self, index_lists: Sequence[np.ndarray], device: str | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield (x, y) for each list of pool positions: x normalised float32 on ``device``
         (default: the pool's device when preprocessed, else the CPU), y int64 on the CPU."""
         import torch

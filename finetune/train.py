@@ -9,15 +9,19 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from featcache import devices
 from featcache.finetune.data import Pool
 from featcache.finetune.schedule import TrainConfig, batch_positions, lr_at
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Net",
@@ -38,7 +42,12 @@ class Net:
     """Backbone (pooled features) + linear head as one torch module (built lazily)."""
 
     @staticmethod
-    def build(backbone_model, feature_dim: int, n_classes: int, embed=None):
+    def build(
+        backbone_model: torch.nn.Module,
+        feature_dim: int,
+        n_classes: int,
+        embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.nn.Module:
         """``embed(x)``: the pooled features of a batch (a non-timm source's own forward, e.g.
         open_clip's ``encode_image``); ``None``: the model's output (timm, ``num_classes=0``)."""
         import torch
@@ -93,7 +102,7 @@ def _atomic_torch_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def atomic_json(obj, path: Path) -> None:
+def atomic_json(obj: object, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, sort_keys=True))
     os.replace(tmp, path)
@@ -113,7 +122,7 @@ class TrainResult:
 
 
 def train_run(
-    net,
+    net: torch.nn.Module,
     init_state: dict,
     pool: Pool,
     positions: np.ndarray,
@@ -290,7 +299,13 @@ def eval_batch_size(device: str, pixels: int) -> int:
 
 
 def predict_proba(
-    net, pool: Pool, positions: np.ndarray, *, device: str, precision: str, batch_size: int | None = None
+    net: torch.nn.Module,
+    pool: Pool,
+    positions: np.ndarray,
+    *,
+    device: str,
+    precision: str,
+    batch_size: int | None = None,
 ) -> np.ndarray:
     """Softmax probabilities ``[N, K]`` (float64) of ``net`` in eval mode, ``batch_size``
     images at a time (default :func:`eval_batch_size`)."""

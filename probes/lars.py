@@ -17,11 +17,16 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from featcache.errors import ProbeError
 from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["fit_bob_linear", "lars_optimizer", "lr_at"]
 
@@ -60,7 +65,13 @@ def _lars_class():
     return Lars
 
 
-def lars_optimizer(params, lr: float = 0.0, weight_decay: float = 0.0, momentum: float = 0.9, trust: float = 0.001):
+def lars_optimizer(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    lr: float = 0.0,
+    weight_decay: float = 0.0,
+    momentum: float = 0.9,
+    trust: float = 0.001,
+) -> torch.optim.Optimizer:
     """A :class:`Lars` torch optimiser over ``params`` (torch is imported on first use)."""
     return _lars_class()(params, lr=lr, weight_decay=weight_decay, momentum=momentum, trust=trust)
 

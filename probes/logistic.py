@@ -18,9 +18,12 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 from sklearn.base import BaseEstimator, ClassifierMixin
 
 from featcache.errors import BackendUnavailableError, ProbeError
@@ -129,7 +132,7 @@ def _is_lazy(X) -> bool:
     )
 
 
-def _lazy_Xy(X, y):
+def _lazy_Xy(X: Any, y: ArrayLike) -> tuple[Any, np.ndarray, np.ndarray]:
     """(X, y_idx, classes) of a lazily read array, checked block by block; a view with a
     store order (StoredRows) is put in that order, labels alike, so every stored chunk is
     decoded once per pass (the objective is a sum over rows: the order changes nothing)."""
@@ -151,7 +154,7 @@ def _lazy_Xy(X, y):
     return X, y_idx.astype(np.int64), classes
 
 
-def _validate_lazy(est, X, y):
+def _validate_lazy(est, X: Any, y: ArrayLike) -> tuple[Any, np.ndarray, np.ndarray]:
     """Checks of :func:`validate_fit_data` for a lazily read array, block by block."""
     X, y_idx, classes = _lazy_Xy(X, y)
     est.n_features_in_ = int(X.shape[1])
@@ -267,9 +270,9 @@ class LogisticProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         max_iter: int = 1000,
         tol: float = 1e-4,
         standardize: bool = True,
-        head_init=None,
+        head_init: ArrayLike | None = None,
         max_host_bytes: int | None = None,
-    ):
+    ) -> None:
         self.C = C
         self.backend = backend
         self.max_iter = max_iter
@@ -279,7 +282,7 @@ class LogisticProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         self.max_host_bytes = max_host_bytes
 
     # ------------------------------------------------------------------ fit
-    def fit(self, X, y, *, init: tuple[np.ndarray, np.ndarray] | None = None) -> LogisticProbe:
+    def fit(self, X: ArrayLike, y: ArrayLike, *, init: tuple[np.ndarray, np.ndarray] | None = None) -> LogisticProbe:
         """Fit on ``X [n, D]`` and labels ``y`` (any ints or strings).
 
         ``init=(coef, intercept)`` in raw feature space (e.g. another probe's ``coef_`` and
@@ -288,15 +291,16 @@ class LogisticProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         if not self.C > 0:
             raise ProbeError(f"C must be > 0, got {self.C}")
         if _is_lazy(X):  # a zarr/dask array: read row blocks on demand, never whole
-            X, yi, classes = _validate_lazy(self, X, y)
+            rows, yi, classes = _validate_lazy(self, X, y)
         else:
-            X, yi, classes = validate_fit_data(self, X, y, cast=False)
+            rows, yi, classes = validate_fit_data(self, X, y, cast=False)
         self.classes_ = classes
         K = classes.size
         self.backend_, self.device_ = resolve_backend(self.backend)
-        self.streamed_ = self.backend_ == "torch" and use_streaming(X.shape[0], X.shape[1], K, 1, self.max_host_bytes)
-        scaler, Xs = _prepare(X, self.standardize, self.streamed_, self.device_)
-        W0, b0 = self._initial_head(scaler, init, K, X.shape[1])
+        n, D = rows.shape[0], rows.shape[1]
+        self.streamed_ = self.backend_ == "torch" and use_streaming(n, D, K, 1, self.max_host_bytes)
+        scaler, Xs = _prepare(rows, self.standardize, self.streamed_, self.device_)
+        W0, b0 = self._initial_head(scaler, init, K, D)
         t0 = time.perf_counter()
         W, b, n_iter, conv, gmax = self._solve(Xs, yi, K, W0, b0)
         self.fit_seconds_ = time.perf_counter() - t0
@@ -505,17 +509,17 @@ def select_index(val_scores) -> int:
 
 
 def sweep_C(
-    X_train,
-    y_train,
-    X_val,
-    y_val,
-    Cs=DEFAULT_CS,
+    X_train: ArrayLike,
+    y_train: ArrayLike,
+    X_val: ArrayLike,
+    y_val: ArrayLike,
+    Cs: Iterable[float] = DEFAULT_CS,
     *,
     backend: str = "auto",
     max_iter: int = 1000,
     tol: float = 1e-4,
     standardize: bool = True,
-    head_init=None,
+    head_init: ArrayLike | None = None,
     sweep_tol: float | None = None,
     block: int | str | None = "auto",
     metric: str = "top1",

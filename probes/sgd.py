@@ -11,9 +11,10 @@ the same device.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 from sklearn.base import BaseEstimator, ClassifierMixin
 
 from featcache.errors import ProbeError
@@ -160,16 +161,16 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         batch_size: int = 64,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
-        milestones=(),
+        milestones: Sequence[int] = (),
         standardize: bool = True,
-        head_init=None,
+        head_init: ArrayLike | None = None,
         random_state: int = 0,
         device: str = "auto",
         drop_remainder: bool = False,
         nesterov: bool = False,
-        epoch_callback=None,
+        epoch_callback: Callable[[np.ndarray, np.ndarray], object] | None = None,
         init: str = "zeros",
-    ):
+    ) -> None:
         self.lr = lr
         self.steps = steps
         self.batch_size = batch_size
@@ -185,7 +186,7 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
         self.epoch_callback = epoch_callback
         self.init = init
 
-    def fit(self, X, y, *, classes=None) -> SGDProbe:
+    def fit(self, X: ArrayLike, y: ArrayLike, *, classes: ArrayLike | None = None) -> SGDProbe:
         """Fit on ``X [n, D]`` and labels ``y``; ``classes`` (default: those in ``y``) fixes
         the head's classes when ``y`` may lack some of them (e.g. a refit split)."""
         if not (self.lr > 0 and self.steps >= 0 and self.batch_size >= 1):

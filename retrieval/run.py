@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from featcache.retrieval.revisited import (
     revisited_table,
 )
 from featcache.retrieval.search import choose_backend, parse_memory, prepared_pair, topk
+
+if TYPE_CHECKING:
+    import polars as pl
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +148,7 @@ def _file_hash(path) -> str:
     return h.hexdigest()[:16]
 
 
-def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args, **kwargs):
+def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwargs: Any) -> pl.DataFrame:
     """Retrieval (and k-NN classification) for each backbone of ``config``; returns the
     result rows as a polars DataFrame and appends them to ``config.results_path`` when set.
 

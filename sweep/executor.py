@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from featcache.errors import SweepError
@@ -119,7 +120,7 @@ def _client(config: SweepConfig):
     return Client(cluster), cluster
 
 
-def execute(items, config: SweepConfig, *, progress: bool = True) -> list[ItemOutcome]:
+def execute(items: Iterable[WorkItem], config: SweepConfig, *, progress: bool = True) -> list[ItemOutcome]:
     """Run ``items``; returns one outcome per item (in completion order)."""
     from featcache.progress import tqdm
 
