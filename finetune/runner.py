@@ -72,7 +72,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -93,6 +93,9 @@ from featcache.finetune.train import (
 from featcache.protocols import Protocol, SplitPlan, get_protocol
 from featcache.stagerun import check_disjoint, check_two_classes, collect, finished, pending, write_rows
 from featcache.store import combine_fingerprints
+
+if TYPE_CHECKING:
+    import polars as pl
 
 __all__ = ["finetune", "make_plan"]
 
@@ -221,7 +224,7 @@ class _Run:
 
 
 # ------------------------------------------------------------------ main entry
-def finetune(config: FinetuneConfig):
+def finetune(config: FinetuneConfig) -> pl.DataFrame:
     """Fine-tune ``config.model`` with ``config.weights`` on ``config.data``; returns the
     ``kind="finetune"`` rows of these runs (polars DataFrame in the results schema).
 

@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from featcache.stagerun import (
 )
 from featcache.store import combine_fingerprints
 from featcache.store.rows import StoredRows
+
+if TYPE_CHECKING:
+    import polars as pl
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +344,7 @@ def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
 
 
 # ------------------------------------------------------------------ main entry
-def run_probes(config: ProbeConfig):
+def run_probes(config: ProbeConfig) -> pl.DataFrame:
     """Probe ``config.backbones`` on ``config.dataset`` with ``config.protocol``; returns the
     rows of these runs (a polars DataFrame in the results schema).
 
