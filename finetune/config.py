@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from featcache.configs import flag, float_list, int_list, str_tuple
 from featcache.errors import ConfigError, DataError
-from featcache.extract import format_help
-from featcache.extract.sources import model_help
+from featcache.extract import format_help, model_help
 
 if TYPE_CHECKING:
     from featcache.protocols import Protocol, SGDGrid
@@ -28,7 +27,7 @@ SELECTION_METRICS = ("top1", "mean_per_class")
 
 
 def _weights_help() -> str:
-    from featcache.extract.backbones import weights_help
+    from featcache.extract import weights_help
 
     return weights_help() + " (hf:DIR: dir, its own weights; an nn.Module: module, as it is)"
 

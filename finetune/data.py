@@ -16,7 +16,7 @@ from featcache.errors import DataError
 if TYPE_CHECKING:
     import torch
 
-    from featcache.extract.source import SplitSource
+    from featcache.extract import SplitSource
 
 __all__ = ["Pool", "Split", "prepare_split"]
 

@@ -15,7 +15,7 @@ the views: :meth:`StoredRows.known_nonfinite` answers without reading the rows a
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -85,23 +85,20 @@ class StoredRows:
         """A row selection (slice, integer array, boolean mask) is a new view; anything else
         (a single row, a column selection) is read."""
         if isinstance(key, slice) or (isinstance(key, (np.ndarray, list)) and np.ndim(key) == 1):
-            return self._rows(np.arange(len(self))[key] if isinstance(key, slice) else np.asarray(key))
+            idx = np.arange(len(self))[key] if isinstance(key, slice) else np.asarray(key)
+            if idx.dtype == bool:
+                if idx.size != len(self):
+                    raise IndexError(f"boolean mask of {idx.size} entries for {len(self)} rows")
+                idx = np.flatnonzero(idx)
+            return StoredRows(self._arrays, self._part[idx], self._pos[idx], self._finite)
         if isinstance(key, (int, np.integer)):  # one row: read just its chunk
             return np.asarray(self[np.array([key])])[0]
         if isinstance(key, tuple) and key and not isinstance(key[0], (int, np.integer)):
             return np.asarray(self[key[0]])[(slice(None), *key[1:])]
         return np.asarray(self)[key]
 
-    def _rows(self, idx: np.ndarray) -> StoredRows:
-        """The view of the rows ``idx`` (integer positions or a boolean mask)."""
-        if idx.dtype == bool:
-            if idx.size != len(self):
-                raise IndexError(f"boolean mask of {idx.size} entries for {len(self)} rows")
-            idx = np.flatnonzero(idx)
-        return StoredRows(self._arrays, self._part[idx], self._pos[idx], self._finite)
-
     def take(self, idx: ArrayLike) -> StoredRows:
-        return self._rows(np.asarray(idx))
+        return cast(StoredRows, self[np.asarray(idx)])  # a 1-D selection is always a view
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
