@@ -28,7 +28,7 @@ COMMAND_MODULES = (
     "featcache.retrieval.cli",
     "featcache.sweep.cli",
     "featcache.analysis.cli",
-    "featcache.demo",
+    "featcache.demo.cli",
 )
 
 

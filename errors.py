@@ -112,13 +112,13 @@ class SplitError(DataError, ProbeError):
     """A seeded protocol split cannot be drawn (too few examples, a class too small...), or
     the splits a run reads are unusable (shared ids, a single class, unknown classes).
 
-    Raised by :mod:`featcache.splits` and :mod:`featcache.stagerun`'s split checks, shared
+    Raised by :mod:`featcache.core.splits` and :mod:`featcache.core.stagerun`'s split checks, shared
     by probes and fine-tuning; it is both a
     :class:`DataError` and a :class:`ProbeError` so either stage's callers catch it."""
 
 
 class ProtocolError(DataError, ProbeError):
-    """An unknown or malformed protocol spec (:mod:`featcache.protocols`, shared by probes
+    """An unknown or malformed protocol spec (:mod:`featcache.core.protocols`, shared by probes
     and fine-tuning; both a :class:`DataError` and a :class:`ProbeError`)."""
 
 

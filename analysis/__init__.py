@@ -13,7 +13,7 @@ Lower-level pieces: :mod:`featcache.analysis.tables` (load/merge/coverage),
 :mod:`featcache.analysis.stats` (Clopper-Pearson, Kendall tau-b and ranks via scipy, z-scores,
 the bootstrap line fit), :mod:`featcache.analysis.rankings`, :mod:`featcache.analysis.shift`,
 :mod:`featcache.analysis.plots` (matplotlib ``Figure``, no backend switch),
-:mod:`featcache.formatting` (the one table formatter) and
+:mod:`featcache.core.formatting` (the one table formatter) and
 :mod:`featcache.analysis.report` (jinja2 template ``templates/report.html.j2``).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from featcache._lazy import lazy_exports
+from featcache.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from featcache.analysis.api import LoadedResults, Ranking, load_results, rank, shift

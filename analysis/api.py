@@ -1,7 +1,7 @@
 """High-level analysis entry points: :func:`rank` and :func:`shift` (tables + plots in a folder).
 
 Both take featcache's tidy results (a polars DataFrame from
-:func:`featcache.results.read_results`, or a path) and optional external tables (paths or
+:func:`featcache.core.results.read_results`, or a path) and optional external tables (paths or
 DataFrames with at least backbone, dataset, metric, value, kind).
 """
 
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from featcache.analysis.tables import TableLike
 from featcache.analysis.rankings import ItemAccess, LinearVsFinetune
 from featcache.analysis.tables import Coverage
+from featcache.core.formatting import format_table
 from featcache.errors import ResultsError
-from featcache.formatting import format_table
 
 __all__ = [
     "LoadedResults",

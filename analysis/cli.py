@@ -163,7 +163,7 @@ def run_rank(args) -> int:
         plots=not args.no_plots,
         progress=not args.no_progress,
     )
-    from featcache.formatting import format_table
+    from featcache.core.formatting import format_table
 
     ov = out.overall
     groups = (

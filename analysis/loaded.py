@@ -167,7 +167,7 @@ def load_results(
 
 
 def _read_results(path):
-    from featcache.results import read_results
+    from featcache.core.results import read_results
 
     return read_results(path)
 

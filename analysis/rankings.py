@@ -488,7 +488,7 @@ def bootstrap_aggregate(
         boot_vals, boot_codes = _resample_tasks(sm, codes, rng, n_boot)
     else:
         boot_vals, boot_codes = _resample_seeds(sm, codes, rng, n_boot, reduced, seed_reduce), codes
-    from featcache.progress import tqdm
+    from featcache.core.progress import tqdm
 
     point = _aggregate_arrays(sm.values, codes, ddof)
     with tqdm(total=2 * n_boot, desc="bootstrap", unit="resample", disable=not progress, leave=False) as bar:

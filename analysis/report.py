@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from featcache.analysis.api import Ranking, load_results, overall_with_intervals, rank, shift
 from featcache.analysis.loaded import RETRIEVAL_METRIC_TEXT, LoadedResults, resolve_retrieval_metric
+from featcache.core.formatting import format_cell, table_cells
 from featcache.errors import ResultsError
-from featcache.formatting import format_cell, table_cells
 
 if TYPE_CHECKING:
     import polars as pl

@@ -149,7 +149,7 @@ def bootstrap_linear_fit(
     have no slope and are skipped (their count is returned as ``n_degenerate``).
     ``progress``: a bar over the resample chunks.
     """
-    from featcache.progress import tqdm
+    from featcache.core.progress import tqdm
 
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)

@@ -18,7 +18,7 @@ shots       no        examples per class (-1: all, 0: zero-shot)
 eval_split  no        split evaluated (``test``, ``test_v2``...; part of the task name)
 ==========  ========  =====================================================================
 
-featcache's own results parquet (see :mod:`featcache.results`) already has these columns
+featcache's own results parquet (see :mod:`featcache.core.results`) already has these columns
 except ``group``. Nothing here reads features or images.
 """
 
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from featcache.core.results import KINDS, read_parquet_checked
 from featcache.errors import ResultsError
-from featcache.results import KINDS, read_parquet_checked
 
 log = logging.getLogger(__name__)
 

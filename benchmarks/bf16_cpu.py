@@ -120,7 +120,7 @@ def main() -> None:
     import torch
     from extract_throughput import bare_forward
 
-    from featcache.cpu import bf16_support, cpu_isa
+    from featcache.core.cpu import bf16_support, cpu_isa
     from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import FeatureHead, default_parallelism
 

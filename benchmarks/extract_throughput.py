@@ -18,7 +18,7 @@ back), median over rounds; every sample is printed too.
 
     python benchmarks/extract_throughput.py --n 2000 --input-size 112 224
 
-The glibc allocator tuning (:mod:`featcache.allocator`) is applied explicitly here, as the
+The glibc allocator tuning (:mod:`featcache.core.allocator`) is applied explicitly here, as the
 ``featcache extract`` command does (``extract()`` itself leaves the process allocator alone):
 ``--malloc tuned`` (default) runs every arm tuned; ``--malloc system`` runs them all on glibc's
 defaults (a separate process, since the tuning cannot be undone), the reference for the gain.
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "--malloc",
         default="tuned",
         choices=["tuned", "system"],
-        help="tuned: featcache.allocator.tune_cpu_allocator() for every arm (what `featcache extract` "
+        help="tuned: featcache.core.allocator.tune_cpu_allocator() for every arm (what `featcache extract` "
         "does on CPU); system: glibc defaults (what a library call gets)",
     )
     p.add_argument("--tmp", default=None, help="folder for the throw-away stores")
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from featcache.allocator import tune_cpu_allocator
+    from featcache.core.allocator import tune_cpu_allocator
     from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import (
         DEFAULT_CHUNK_ROWS,

@@ -94,7 +94,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from featcache.cpu import bf16_support
+    from featcache.core.cpu import bf16_support
     from featcache.extract import create_backbone
     from featcache.finetune.train import Net
 

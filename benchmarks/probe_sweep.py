@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
+    from featcache.core.splits import stratified_holdout
     from featcache.probes import DEFAULT_CS, LogisticProbe, sweep_C
-    from featcache.splits import stratified_holdout
     from featcache.store import open_cache
 
     ensure_features(args.cache, args.backbone, args.dataset, args.n_train, args.n_test, args.input_size)

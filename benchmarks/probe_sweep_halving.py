@@ -1,6 +1,6 @@
 """Benchmark: the 45-value C sweep, exhaustive vs halving, against one fit (issue 13 item 6).
 
-For each regime: the exhaustive sweep (every C of featcache.protocols.C_GRID to the full
+For each regime: the exhaustive sweep (every C of featcache.core.protocols.C_GRID to the full
 tolerance along the warm path, ``block=1``: its cheapest schedule), the halving sweep
 (``sweep="halving"``: loose scan + climb, :mod:`featcache.probes._halving`) and one fit
 (:class:`LogisticProbe` at the exhaustive sweep's C from a zero start, on the same train

@@ -29,7 +29,7 @@ LITE0 = "tf_efficientnet_lite0"
 APPENDER = """
 import sys, time
 from pathlib import Path
-from featcache.results import append_results
+from featcache.core.results import append_results
 path, stop = sys.argv[1], Path(sys.argv[2])
 n = 0
 while not stop.exists():
@@ -52,7 +52,7 @@ def build_store(tmp: Path) -> str:
 def one_run(cache: str, tmp: Path, i: int) -> dict:
     import polars as pl
 
-    from featcache.results import read_results
+    from featcache.core.results import read_results
     from featcache.sweep import SweepConfig, run_sweep
 
     results, stop = tmp / f"results{i}.parquet", tmp / f"stop{i}"

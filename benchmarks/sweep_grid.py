@@ -57,7 +57,7 @@ def ensure_store(cache: str, n_train: int, n_test: int, input_size: int) -> None
 
 
 def comparable(path: str) -> list[dict]:
-    from featcache.results import read_results
+    from featcache.core.results import read_results
 
     rows = []
     for r in read_results(path).sort(["run_id", "metric"]).to_dicts():

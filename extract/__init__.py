@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from featcache._lazy import lazy_exports
+from featcache.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from featcache.extract.backbones import create_backbone, weights_help

@@ -96,8 +96,8 @@ def run(
     """Embed the captions of ``dataset``/``split``'s stored images -> (backbone key, images, captions)."""
     import torch
 
+    from featcache.core.prompts import templates_sha256
     from featcache.extract.backbones import create_backbone
-    from featcache.prompts import templates_sha256
     from featcache.store import open_cache, write_caption_embeddings
 
     cache = open_cache(cache_path, "a")

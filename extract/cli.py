@@ -31,7 +31,7 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_extract(args: argparse.Namespace) -> int:
     """``featcache extract``: build the config, tune the CPU allocator (this command only;
-    :mod:`featcache.allocator`), run the stage, print one line per split."""
+    :mod:`featcache.core.allocator`), run the stage, print one line per split."""
     from featcache.errors import ConfigError
     from featcache.extract.config import ExtractConfig
     from featcache.store.cli import parse_storage_options
@@ -50,7 +50,7 @@ def run_extract(args: argparse.Namespace) -> int:
         configs = [(ExtractConfig.from_args(args, storage_options=opts), None)]
     configs = [(c.replace(progress=progress), task) for c, task in configs]
     if _runs_on_cpu(configs[0][0].device):
-        from featcache.allocator import tune_cpu_allocator
+        from featcache.core.allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
     from featcache.extract.pipeline import dist_info, extract

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from featcache import configs
-from featcache.configs import Interval, Matches, OneOf, flag
-from featcache.devices import PRECISION_ALIASES, PRECISIONS
+from featcache.core import configs
+from featcache.core.configs import Interval, Matches, OneOf, flag
+from featcache.core.devices import PRECISION_ALIASES, PRECISIONS
 from featcache.errors import ConfigError
 from featcache.extract.readers import format_help
 from featcache.extract.source import DEFAULT_MAX_IMAGE_PIXELS

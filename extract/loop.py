@@ -72,7 +72,7 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
     n_rows = sum(writer.chunk_range(c)[1] - writer.chunk_range(c)[0] for c in chunks)
     bar = None
     if cfg.progress and rank == 0:
-        from featcache.progress import tqdm
+        from featcache.core.progress import tqdm
 
         bar = tqdm(total=n_rows, unit="img", desc=f"{writer.backbone} {src.dataset}/{src.split}", smoothing=0.1)
     bg = BackgroundWriter(writer, enabled=cfg.write)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from featcache.devices import resolve_device
+from featcache.core.devices import resolve_device
 from featcache.errors import BackboneError
 
 logger = logging.getLogger(__name__)

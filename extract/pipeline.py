@@ -12,7 +12,7 @@ plumbing is in :mod:`.distributed`, batching in :mod:`.batching`, the feature ki
 ...                                 "digits", cache="demo.zarr"))  # doctest: +SKIP
 
 ``extract()`` changes nothing process-wide: the glibc allocator tuning
-(:func:`featcache.allocator.tune_cpu_allocator`) is applied by the ``featcache extract``
+(:func:`featcache.core.allocator.tune_cpu_allocator`) is applied by the ``featcache extract``
 command only; library users get the same with ``GLIBC_TUNABLES`` (see that module).
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from featcache.devices import resolve_precision
+from featcache.core.devices import resolve_precision
 from featcache.errors import DataError, ProvenanceMismatchError, UsageError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
@@ -94,7 +94,7 @@ def default_parallelism(device: str, workers: int | None = None, threads: int | 
 
 def recorded_precision(amp: str, device: str) -> str:
     """The precision the forward actually runs in, as the provenance records it (``amp``):
-    ``none`` (fp32), ``bf16`` or ``fp16`` (:func:`featcache.devices.resolve_precision`)."""
+    ``none`` (fp32), ``bf16`` or ``fp16`` (:func:`featcache.core.devices.resolve_precision`)."""
     p = resolve_precision(amp, device, python_name="amp", logger=log)
     return "none" if p == "fp32" else p
 
@@ -300,7 +300,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
     bb, cfg = job.bb, job.cfg
     extra = {**cfg.recorded(), "threads": threads, "decoder": job.decoder}
     if bb.device.startswith("cpu"):
-        from featcache.cpu import cpu_isa
+        from featcache.core.cpu import cpu_isa
 
         extra["cpu_isa"] = cpu_isa()
     return {

@@ -9,7 +9,7 @@ backbone=B)``), with its provenance (tower, templates and their hash) in the arr
 re-embedding with another tower or template set is refused with the difference unless
 ``overwrite``.
 
-Templates and class names: :mod:`featcache.prompts` (CLIP's, ELEVATER's and CLIP_benchmark's
+Templates and class names: :mod:`featcache.core.prompts` (CLIP's, ELEVATER's and CLIP_benchmark's
 sets, or files in CLIP_benchmark's ``classnames.txt`` / ``zeroshot_classification_templates.txt``
 layout).
 """
@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import BackboneError, ConfigError, SchemaMismatchError
-from featcache.prompts import (
+from featcache.core.prompts import (
     TEMPLATE_SETS,
     load_classnames,
     load_templates,
     template_label,
     templates_sha256,
 )
+from featcache.errors import BackboneError, ConfigError, SchemaMismatchError
 
 __all__ = ["TEMPLATE_SETS", "embed_classes", "load_templates", "run", "templates_sha256", "write_embeddings"]
 
@@ -94,7 +94,7 @@ def run(
     ``classnames``: ``store`` (the store's), ``elevater``, ``clip-benchmark`` or a file; default
     ELEVATER's own with ``templates="elevater"``, CLIP_benchmark's where it names the dataset
     with ``templates="clip-benchmark"``, else the store's. ``prompt_dataset``: the dataset's
-    name in those sets (default ``dataset``, matched as :func:`featcache.prompts.resolve_dataset`)."""
+    name in those sets (default ``dataset``, matched as :func:`featcache.core.prompts.resolve_dataset`)."""
     from featcache.extract.backbones import create_backbone
     from featcache.store import open_cache
 
@@ -136,7 +136,7 @@ def _stored_class_names(cache, dataset: str) -> list[str]:
 
 def _class_names(spec: str | None, templates: str, dataset: str, stored: list[str]) -> list[str]:
     """The class names to embed (see :func:`run`), checked against the store's class count."""
-    from featcache.prompts import resolve_dataset
+    from featcache.core.prompts import resolve_dataset
 
     if spec is None:
         spec = "store"

@@ -1,6 +1,6 @@
 """Fine-tuning stage: a backbone plus a new linear head trained on images, written as
 ``kind="finetune"`` rows that pair with the probes' rows (same protocol plan and seeds from
-:mod:`featcache.protocols`).
+:mod:`featcache.core.protocols`).
 
 Modules: :mod:`~featcache.finetune.config` (:class:`FinetuneConfig`, the stage config and
 CLI flags), :mod:`~featcache.finetune.schedule` (SGD grid, lr steps, batch stream),
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from featcache._lazy import lazy_exports
+from featcache.core._lazy import lazy_exports
 from featcache.finetune.config import FinetuneConfig
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from featcache.configs import add_arguments, from_namespace
+from featcache.core.configs import add_arguments, from_namespace
 from featcache.finetune.config import SELECTION_METRICS, FinetuneConfig
 
 
@@ -73,8 +73,8 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
 
 
 def run_finetune(args: argparse.Namespace) -> int:
+    from featcache.core.results import check_results_path
     from featcache.finetune.runner import finetune
-    from featcache.results import check_results_path
 
     if args.suite:
         configs = suite_configs(args)
@@ -92,7 +92,7 @@ def run_finetune(args: argparse.Namespace) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # CPU training allocates the same large activations every step
-        from featcache.allocator import tune_cpu_allocator
+        from featcache.core.allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
     for cfg in configs:
@@ -105,7 +105,7 @@ def _print_rows(out, cfg: FinetuneConfig) -> None:
 
     import polars as pl
 
-    from featcache.formatting import format_table
+    from featcache.core.formatting import format_table
 
     top = out.filter(out["metric"] == "top1").sort(["eval_split", "seed"])
     hp = [json.loads(h) for h in top["hparams"]]

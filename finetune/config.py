@@ -9,12 +9,12 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from featcache.configs import flag, float_list, int_list, str_tuple
+from featcache.core.configs import flag, float_list, int_list, str_tuple
 from featcache.errors import ConfigError, DataError
 from featcache.extract import format_help, model_help
 
 if TYPE_CHECKING:
-    from featcache.protocols import Protocol, SGDGrid
+    from featcache.core.protocols import Protocol, SGDGrid
 
 __all__ = ["DEFAULT_CHECKPOINT_EVERY", "SELECTION_METRICS", "VTAB_INPUT_SIZE", "FinetuneConfig", "FinetuneConfigError"]
 
@@ -22,7 +22,7 @@ DEFAULT_CHECKPOINT_EVERY = 250
 #: the input resolution of the published protocol (other sizes are a scaled-down run)
 VTAB_INPUT_SIZE = 224
 #: the task metrics a fine-tune selects on (the runner computes these two on val; multi-label
-#: metrics are the probes'), so not every task metric of :mod:`featcache.metrics`
+#: metrics are the probes'), so not every task metric of :mod:`featcache.core.metrics`
 SELECTION_METRICS = ("top1", "mean_per_class")
 
 
@@ -33,7 +33,7 @@ def _weights_help() -> str:
 
 
 def _protocol_help() -> str:
-    from featcache.protocols import protocol_help
+    from featcache.core.protocols import protocol_help
 
     return protocol_help("finetune")
 
@@ -68,7 +68,7 @@ class FinetuneConfig:
 
     Grid fields left at ``None`` (``steps``, ``lrs``, ``batch_size``, ``last_decay``,
     ``momentum``, ``weight_decay``) and ``seeds`` take the protocol's values
-    (:mod:`featcache.protocols`); any other value is recorded as a scaled-down protocol
+    (:mod:`featcache.core.protocols`); any other value is recorded as a scaled-down protocol
     (``hparams["scaled_from"]``).
     """
 
@@ -163,7 +163,7 @@ class FinetuneConfig:
     def resolve(self) -> tuple[Protocol, FinetuneConfig]:
         """(protocol, config with the protocol's grid and seeds filled in), after checking
         every value (a clear error before any image is read)."""
-        from featcache.protocols import get_protocol
+        from featcache.core.protocols import get_protocol
 
         proto = get_protocol(self.protocol, "finetune")
         g = _sgd_grid(proto)
@@ -263,14 +263,14 @@ def _cpu_isa(backbone, precision: str) -> dict[str, str]:
     """The CPU ISA of a bf16 run on CPU (its bits depend on the bf16 kernels), else nothing."""
     if precision != "bf16" or not str(getattr(backbone, "device", "")).startswith("cpu"):
         return {}
-    from featcache.cpu import cpu_isa
+    from featcache.core.cpu import cpu_isa
 
     return {"cpu_isa": cpu_isa()}
 
 
 def _sgd_grid(proto: Protocol) -> SGDGrid:
     """A fine-tuning protocol's SGD schedule (every registered one has one)."""
-    from featcache.protocols import SGDGrid
+    from featcache.core.protocols import SGDGrid
 
     g = proto.grid
     if not isinstance(g, SGDGrid):

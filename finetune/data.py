@@ -39,7 +39,7 @@ class Split:
 
 
 def prepare_split(src: SplitSource, train_names: list[str]) -> Split:
-    from featcache.stagerun import canonical_order, label_positions
+    from featcache.core.stagerun import canonical_order, label_positions
     from featcache.store import dataset_fingerprint
 
     ids = np.asarray(src.ids).astype(str)
@@ -141,7 +141,7 @@ class Pool:
     def _materialise(self, progress: bool, what: str):
         import torch
 
-        from featcache.progress import tqdm
+        from featcache.core.progress import tqdm
 
         dtype = torch.uint8 if self.fast is not None else torch.float32
         X = torch.empty((len(self.items), *self.shape), dtype=dtype)

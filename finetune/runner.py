@@ -1,9 +1,9 @@
 """Fine-tuning runner: the fine-tune side of linear-vs-fine-tune rankings.
 
 Trains the whole backbone plus a new, zero-initialised linear head on images and writes
-``kind="finetune"`` rows into the tidy results table (:mod:`featcache.results`) with the
+``kind="finetune"`` rows into the tidy results table (:mod:`featcache.core.results`) with the
 probes' metric names (``top1``, ``top5``, ``mean_per_class``, ``nll``, ``ece``) and the
-probes' split plans and seeds (:mod:`featcache.protocols`), so each fine-tune row pairs
+probes' split plans and seeds (:mod:`featcache.core.protocols`), so each fine-tune row pairs
 with the probe row of the same backbone, dataset, protocol, eval split and seed.
 
 Protocols
@@ -12,7 +12,7 @@ Protocols
     VTAB's fixed 1,000 training examples, the same for every seed (seeds vary only the
     training randomness): the first 800 of train and the first 200 of the val source in
     the dataset's own order, the reader's row order = the store's
-    (:func:`featcache.splits.vtab1k_fixed`; ``val_source="split-800-200"``: train[800:1000];
+    (:func:`featcache.core.splits.vtab1k_fixed`; ``val_source="split-800-200"``: train[800:1000];
     ``"official-val"``: val[:200]). SGD with
     momentum 0.9, batch 512, no weight decay; lr in {0.1, 0.01} x {2,500, 10,000} steps,
     lr divided by 10 at 1/3, 2/3 and ``last_decay`` (default 0.9, the value the probes'
@@ -22,7 +22,7 @@ Protocols
     each seed's rows plus a median row (``seed=-1``). Rows carry ``protocol="vtab1k-sgd"``.
 ``full``
     All of train; selection on the dataset's ``val`` split, or on a stratified, seeded 10%
-    of train (:func:`featcache.splits.full_holdout`), then a refit on train+val (or all of
+    of train (:func:`featcache.core.splits.full_holdout`), then a refit on train+val (or all of
     train) with the selected config. Same optimiser and grid. Rows carry ``protocol="full"``.
 
 Pairing with probes
@@ -76,6 +76,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from featcache.core.protocols import Protocol, SplitPlan, get_protocol
+from featcache.core.stagerun import check_disjoint, check_two_classes, collect, finished, pending, write_rows
 from featcache.errors import DataError
 from featcache.finetune.config import FinetuneConfig
 from featcache.finetune.data import Pool, Split, prepare_split
@@ -90,8 +92,6 @@ from featcache.finetune.train import (
     resolve_precision,
     train_run,
 )
-from featcache.protocols import Protocol, SplitPlan, get_protocol
-from featcache.stagerun import check_disjoint, check_two_classes, collect, finished, pending, write_rows
 from featcache.store import combine_fingerprints
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ METRIC_NAMES = ("top1", "top5", "mean_per_class", "nll", "ece")
 
 # ------------------------------------------------------------------ plans
 def make_plan(protocol: str | Protocol, seed: int, train: Split, val: Split | None, val_source: str) -> SplitPlan:
-    """Seeded split of a fine-tune ``protocol`` (:meth:`featcache.protocols.Protocol.plan`,
+    """Seeded split of a fine-tune ``protocol`` (:meth:`featcache.core.protocols.Protocol.plan`,
     the paired probe protocol's plan). Positions: train rows ``0..n_train-1``, then the val
     rows (``n_train + i``), as in the training pool."""
     proto = protocol if isinstance(protocol, Protocol) else get_protocol(protocol, "finetune")
@@ -233,7 +233,7 @@ def finetune(config: FinetuneConfig) -> pl.DataFrame:
     row over seeds (``seed=-1``). The caller's process is left as it was (no allocator
     change: ``featcache finetune`` tunes the CPU allocator for its own process).
     """
-    from featcache.results import check_results_path
+    from featcache.core.results import check_results_path
 
     proto, cfg = config.resolve()
     if cfg.results_path is not None:
@@ -340,7 +340,7 @@ def _embed(bb):
 
 
 def _run_ids(run: _Run) -> dict[tuple[int, str], tuple[str, str]]:
-    from featcache.results import make_run_id
+    from featcache.core.results import make_run_id
 
     d = run.data
     out = {}
@@ -460,7 +460,7 @@ def _select_one(run: _Run, s: int, plan: SplitPlan, c: TrainConfig, key: dict, k
         score = float(np.mean(P.argmax(1) == run.pool.y[pva]))
     rec = {"val_top1": score, "finite": res.finite, "seconds": res.seconds}
     if _val_key(run) != "val_top1":  # the task's metric selects (val_top1 stays for the record)
-        from featcache.metrics import mean_per_class
+        from featcache.core.metrics import mean_per_class
 
         rec[_val_key(run)] = float(mean_per_class(run.pool.y[pva], P)) if res.finite else -1.0
     if outcome is not None:
@@ -532,7 +532,7 @@ def _finetune_seed(run: _Run, s: int, plan: SplitPlan, run_ids) -> list[dict]:
 
 
 def _evaluate(run: _Run, es: str, ev: Split, finite: bool) -> dict[str, float]:
-    from featcache.metrics import compute_all
+    from featcache.core.metrics import compute_all
 
     if not finite:
         return {m: float("nan") for m in METRIC_NAMES if m != "top5" or len(run.data.class_names) > 5}

@@ -1,14 +1,14 @@
 """Fine-tuning schedules: SGD configurations, the step-wise learning rate and the seeded
 batch stream. The grid's published values come from the protocol registry
-(:data:`featcache.protocols.VTAB_SGD`)."""
+(:data:`featcache.core.protocols.VTAB_SGD`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from featcache.protocols import VTAB_LAST_DECAY, VTAB_SGD
-from featcache.splits import batch_positions  # the one SGD data order (shared with the probes)
+from featcache.core.protocols import VTAB_LAST_DECAY, VTAB_SGD
+from featcache.core.splits import batch_positions  # the one SGD data order (shared with the probes)
 
 __all__ = ["TrainConfig", "batch_positions", "lr_at", "make_configs", "milestones_for"]
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from featcache import devices
+from featcache.core import devices
 from featcache.finetune.data import Pool
 from featcache.finetune.schedule import TrainConfig, batch_positions, lr_at
 
@@ -71,7 +71,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def resolve_device(device: str) -> str:
-    """The device fine-tuning runs on (:func:`featcache.devices.resolve_device`)."""
+    """The device fine-tuning runs on (:func:`featcache.core.devices.resolve_device`)."""
     note = "no CUDA device: fine-tuning runs on CPU (fp32); use a scaled-down schedule"
     return devices.resolve_device(device, cpu_note=note, logger=log)
 
@@ -79,7 +79,7 @@ def resolve_device(device: str) -> str:
 def resolve_precision(precision: str, device: str) -> str:
     """``auto``: bf16 autocast on CUDA, fp32 on CPU. ``bf16`` on a CPU runs where the CPU has
     bf16 hardware (avx512_bf16 / AMX; one log line) and is refused, with the reason, elsewhere
-    (:func:`featcache.devices.resolve_precision`)."""
+    (:func:`featcache.core.devices.resolve_precision`)."""
     return devices.resolve_precision(precision, device, choices=PRECISIONS, logger=log)
 
 
@@ -180,7 +180,7 @@ def _train_run(
 ) -> TrainResult:
     import torch
 
-    from featcache.progress import tqdm
+    from featcache.core.progress import tqdm
 
     t0 = time.perf_counter()
     net.load_state_dict(init_state)

@@ -1,15 +1,15 @@
 """Linear probes on cached features: a logistic-regression estimator with one meaning of C
 on scikit-learn, torch and cuML, batched C sweeps, the published evaluation protocols and
 the stage config. Entry points: :class:`LogisticProbe`, :class:`SGDProbe`, :func:`sweep_C`,
-:class:`ProbeConfig` and :func:`run_probes` (protocols: :mod:`featcache.protocols`; metrics:
-:mod:`featcache.metrics`).
+:class:`ProbeConfig` and :func:`run_probes` (protocols: :mod:`featcache.core.protocols`; metrics:
+:mod:`featcache.core.metrics`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from featcache._lazy import lazy_exports
+from featcache.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from featcache.probes.config import ProbeConfig

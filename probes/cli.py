@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from featcache.configs import add_arguments, from_namespace
+from featcache.core.configs import add_arguments, from_namespace
 from featcache.probes.config import ProbeConfig
 
 
@@ -106,8 +106,8 @@ def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from featcache.core.results import check_results_path
     from featcache.probes.runner import run_probes
-    from featcache.results import check_results_path
 
     configs = suite_configs(args) if args.suite else [config_from_args(args)]
     check_results_path(configs[0].results_path)  # a bad --results fails before any compute
@@ -126,7 +126,7 @@ def format_table(df) -> str:
 
     import polars as pl
 
-    from featcache.formatting import format_table as render
+    from featcache.core.formatting import format_table as render
 
     if df.height == 0:
         return "(no results)"

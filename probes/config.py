@@ -7,13 +7,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from featcache.configs import flag, seed_tuple, str_tuple
+from featcache.core.configs import flag, seed_tuple, str_tuple
 from featcache.errors import ConfigError, ProbeError
 
 __all__ = ["ProbeConfig"]
 
 if TYPE_CHECKING:
-    from featcache.protocols import Protocol
+    from featcache.core.protocols import Protocol
 
 
 class ProbeConfigError(ConfigError, ProbeError):
@@ -21,13 +21,13 @@ class ProbeConfigError(ConfigError, ProbeError):
 
 
 def _protocol_help() -> str:
-    from featcache.protocols import protocol_help
+    from featcache.core.protocols import protocol_help
 
     return protocol_help("probe")
 
 
 def _task_metrics() -> tuple[str, ...]:
-    from featcache import metrics
+    from featcache.core import metrics
 
     return metrics.TASK_METRICS
 
@@ -39,7 +39,7 @@ class ProbeConfig:
     ``cache``: a store path/URL or several (each backbone is read from the first holding
     it). ``backbones``: names, or ``"all"`` (every backbone with features for ``dataset``).
     Grid and schedule fields left at ``None`` take the protocol's values
-    (:mod:`featcache.protocols`); ``seeds=None`` takes the protocol's default seeds.
+    (:mod:`featcache.core.protocols`); ``seeds=None`` takes the protocol's default seeds.
     """
 
     cache: str | tuple[str, ...] = flag(cli=False)
@@ -136,14 +136,14 @@ class ProbeConfig:
         if self.results_path is not None:
             put("results_path", str(self.results_path))
         if self.metric is not None:
-            from featcache.metrics import TASK_METRICS
+            from featcache.core.metrics import TASK_METRICS
 
             if self.metric not in TASK_METRICS:
                 raise ProbeConfigError(f"unknown task metric {self.metric!r}; choose one of {TASK_METRICS}")
 
     def resolve(self) -> tuple[Protocol, ProbeConfig]:
         """(protocol, config with every ``None`` grid/schedule/seed field filled in from it)."""
-        from featcache.protocols import CGrid, SGDGrid, get_protocol
+        from featcache.core.protocols import CGrid, SGDGrid, get_protocol
 
         proto = get_protocol(self.protocol, "probe")
         g = proto.grid
@@ -238,7 +238,7 @@ class ProbeConfig:
     def run_id(self, proto: Protocol, backbone: str, seed: int, eval_split: str, store_fingerprint: str) -> str:
         """The run id of one backbone, seed and eval split of this (resolved) config;
         ``store_fingerprint`` combines the fingerprints of the splits read (runner)."""
-        from featcache.results import make_run_id
+        from featcache.core.results import make_run_id
 
         return make_run_id(
             kind="probe",

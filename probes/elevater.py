@@ -310,7 +310,7 @@ def _softmax_head(bn, coef: np.ndarray, intercept: np.ndarray):
 def _epoch_score(metric: str, y: np.ndarray, X: np.ndarray, coef: np.ndarray, intercept: np.ndarray) -> float:
     """The task metric of one epoch's head on (X, y) from its softmax probabilities, as the
     toolkit's ``validate`` scores ``outputs.softmax(-1)``; -1 when the head is not finite."""
-    from featcache.metrics import METRICS
+    from featcache.core.metrics import METRICS
 
     z = X @ coef.T + intercept
     if not np.isfinite(z).all():

@@ -26,6 +26,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from sklearn.base import BaseEstimator, ClassifierMixin
 
+from featcache.core.protocols import C_GRID
 from featcache.errors import BackendUnavailableError, ProbeError
 from featcache.probes._estimator import (
     SoftmaxPredictMixin,
@@ -33,7 +34,6 @@ from featcache.probes._estimator import (
     validate_fit_data,
 )
 from featcache.probes._stream import state_heads, use_streaming
-from featcache.protocols import C_GRID
 
 log = logging.getLogger(__name__)
 
@@ -720,7 +720,7 @@ def _metric_scores(Xv, yv, scaler: Scaler, heads, metric_score) -> list[float]:
 def _selection_scorer(metric: str):
     """``metric(y_idx, proba) -> float`` of a task metric (higher is better); on integer
     labels the ranking metrics score the softmax probabilities one-vs-rest, as result rows do."""
-    from featcache.metrics import METRICS, TASK_METRICS
+    from featcache.core.metrics import METRICS, TASK_METRICS
 
     if metric not in TASK_METRICS:
         raise ProbeError(f"unknown selection metric {metric!r}; choose one of {TASK_METRICS}")

@@ -3,7 +3,7 @@
 :func:`run_probes` takes a :class:`~featcache.probes.config.ProbeConfig`, loads each
 backbone's splits, checks them (valid rows only, finite, class sets, ids aligned across
 backbones and disjoint between train and eval splits), draws the protocol's seeded splits
-(:mod:`featcache.protocols`) from labels and ids only (so every backbone sees the same images
+(:mod:`featcache.core.protocols`) from labels and ids only (so every backbone sees the same images
 for a seed), selects hyperparameters on validation data only, refits, reads each eval split
 once, and writes one row per (run, metric).
 """
@@ -19,13 +19,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from featcache.errors import NotInStoreError, ProbeError
-from featcache.metrics import MULTILABEL_METRICS, compute_all, metric_names
-from featcache.probes._stream import nonfinite_rows
-from featcache.probes.config import ProbeConfig
-from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
-from featcache.protocols import Protocol, SplitPlan
-from featcache.stagerun import (
+from featcache.core.metrics import MULTILABEL_METRICS, compute_all, metric_names
+from featcache.core.protocols import Protocol, SplitPlan
+from featcache.core.stagerun import (
     canonical_order,
     check_disjoint,
     check_two_classes,
@@ -34,6 +30,10 @@ from featcache.stagerun import (
     label_positions,
     pending,
 )
+from featcache.errors import NotInStoreError, ProbeError
+from featcache.probes._stream import nonfinite_rows
+from featcache.probes.config import ProbeConfig
+from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
 from featcache.store import combine_fingerprints
 from featcache.store.rows import StoredRows
 
@@ -327,7 +327,7 @@ def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
             f"{feat.weights_sha256[:16]} ({feat.model_name}, weights {feat.weights_source})",
         )
     if cfg.templates is not None:
-        from featcache.prompts import load_templates, template_label, templates_sha256
+        from featcache.core.prompts import load_templates, template_label, templates_sha256
 
         sha = templates_sha256(load_templates(cfg.templates, cfg.prompt_dataset or cfg.dataset))
         if prov.get("templates_sha256") != sha:
@@ -352,8 +352,8 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     unless ``config.force``. Protocols with ``median_over_seeds`` (vtab1k) add the median
     row over seeds (``seed=-1``).
     """
-    from featcache.progress import tqdm
-    from featcache.results import check_results_path
+    from featcache.core.progress import tqdm
+    from featcache.core.results import check_results_path
 
     proto, cfg = config.resolve()
     if cfg.results_path is not None:

@@ -51,7 +51,7 @@ def train_sgd_head(
     Default: batches walk through seeded epoch permutations (the last batch of an epoch may
     be smaller, as a PyTorch DataLoader), so ``steps = epochs * ceil(n / batch_size)`` is
     exactly ``epochs`` epochs. ``drop_remainder``: every batch is full, cut from the stream
-    of seeded epoch permutations of :func:`featcache.splits.batch_positions` (VTAB's
+    of seeded epoch permutations of :func:`featcache.core.splits.batch_positions` (VTAB's
     ``repeat`` + ``batch(drop_remainder=True)``; the batches featcache's fine-tuning uses).
     ``finite`` is False when the loss diverged (the head is then unusable). ``on_epoch(W, b)``,
     when given, is called with the head after each full epoch (ELEVATER scores every epoch).
@@ -116,7 +116,7 @@ def _epochs(n: int, batch_size: int, steps: int, seed: int, gen, drop_remainder:
     done = 0
     while done < steps:
         if drop_remainder:
-            from featcache.splits import batch_positions
+            from featcache.core.splits import batch_positions
 
             k = min(max(1, -(-n // batch_size)), steps - done)
             out = [torch.from_numpy(batch_positions(n, batch_size, seed, done + i)) for i in range(k)]
@@ -138,7 +138,7 @@ class SGDProbe(SoftmaxPredictMixin, ClassifierMixin, BaseEstimator):
     head_init : optional [K, D] raw-feature-space class-embedding matrix (rows in the order
         of ``classes_``) the head starts from; default zeros.
     random_state : seed of the batch order (runs repeat bit for bit on one device).
-    drop_remainder : every batch full, from :func:`featcache.splits.batch_positions`
+    drop_remainder : every batch full, from :func:`featcache.core.splits.batch_positions`
         (VTAB; fine-tuning's batches); default: per-epoch permutations with a partial last batch.
     nesterov : Nesterov momentum (ELEVATER's config default, off in its shipped model configs).
     init : the head's start when ``head_init`` is not given: ``"zeros"`` (default) or

@@ -1,4 +1,4 @@
-"""The probe fitters as one registry keyed by :attr:`Protocol.solver <featcache.protocols.Protocol.solver>`.
+"""The probe fitters as one registry keyed by :attr:`Protocol.solver <featcache.core.protocols.Protocol.solver>`.
 
 A fitter takes a :class:`FitRequest` (the protocol, one seed's plan of train / val / final
 rows, the solver options of a resolved :class:`~featcache.probes.config.ProbeConfig`, the
@@ -46,7 +46,7 @@ class FitRequest:
     """One seed's fit: ``plan`` has ``tr``/``va``/``fin`` (X, y) pairs, ``Y`` (multi-label
     targets of the three, or ``None``) and ``info``; ``opts`` is ``ProbeConfig.solver_options()``."""
 
-    proto: Any  # featcache.protocols.Protocol
+    proto: Any  # featcache.core.protocols.Protocol
     plan: Any  # featcache.probes.runner._Plan
     opts: dict[str, Any]
     head_init: np.ndarray | None
@@ -70,7 +70,7 @@ class Solver:
     default_head_init: str | None = None  # the class embeddings it needs when none is given
     multilabel_head_init: bool = False  # its multi-label fitter takes class embeddings (one per label)
 
-    def run_option_keys(self, proto: Any) -> tuple[str, ...]:  # a featcache.protocols.Protocol
+    def run_option_keys(self, proto: Any) -> tuple[str, ...]:  # a featcache.core.protocols.Protocol
         """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
         return tuple(self.options(proto) if callable(self.options) else self.options)
 
@@ -122,7 +122,7 @@ def _fit_ovr(req: FitRequest) -> FitOutcome:
     final data. Predicts per-class probabilities [n, C]."""
     from sklearn.multiclass import OneVsRestClassifier
 
-    from featcache.metrics import METRICS
+    from featcache.core.metrics import METRICS
 
     plan, opts = req.plan, req.opts
     # one-vs-rest fits are in memory: a lazily loaded split is read here (stored dtype)
@@ -302,7 +302,7 @@ _SGD_PROBE_KEYS = ("lr", "steps", "batch_size", "momentum", "weight_decay", "mil
 
 @register_solver("sgd", options=_sgd_options)
 def _fit_sgd(req: FitRequest) -> FitOutcome:
-    """Each config of the protocol's :class:`~featcache.protocols.SGDGrid` trained on the
+    """Each config of the protocol's :class:`~featcache.core.protocols.SGDGrid` trained on the
     plan's train rows and scored on its val rows; the best refit on the final rows (with
     ``grid.refit_epochs``: as many epochs as the selection fits, over the larger data)."""
     from featcache.probes.sgd import SGDProbe
@@ -366,7 +366,7 @@ def val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
     """Validation score of the task metric (top-1 as the SGD selection always computed it)."""
     if metric == "top1":
         return float(np.mean(P.argmax(1) == y))
-    from featcache.metrics import METRICS
+    from featcache.core.metrics import METRICS
 
     return float(METRICS[metric](y, P))
 

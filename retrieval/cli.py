@@ -40,8 +40,8 @@ def register(subparsers) -> None:
 
 
 def run_text(args) -> int:
+    from featcache.core.results import check_results_path
     from featcache.errors import ConfigError
-    from featcache.results import check_results_path
     from featcache.retrieval.text import run_text_retrieval
 
     if args.results:
@@ -57,7 +57,7 @@ def run_text(args) -> int:
 
 
 def run(args) -> int:
-    from featcache.results import check_results_path
+    from featcache.core.results import check_results_path
     from featcache.retrieval.run import run_retrieval
 
     cfg = RetrievalConfig.from_args(args)

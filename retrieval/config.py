@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from featcache import configs
-from featcache.configs import flag, renamed_kwargs
+from featcache.core import configs
+from featcache.core.configs import flag, renamed_kwargs
 from featcache.errors import ConfigError, DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.prepared import METRICS  # the similarities the search computes
@@ -214,7 +214,7 @@ class RetrievalConfig:
         """Run ids of the rows a semantic-relevance run of ``backbone`` writes (retrieval,
         then one per k-NN k), without reading features; with ``relevance`` set they also
         depend on that file, so this refuses (the stage computes them itself)."""
-        from featcache.results import make_run_id
+        from featcache.core.results import make_run_id
 
         if self.relevance is not None:
             raise DataError("run_ids() covers semantic relevance only (relevance=None)")

@@ -231,7 +231,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
         all_tp.append(tp)
 
     try:
-        from featcache.progress import tqdm
+        from featcache.core.progress import tqdm
     except ImportError:  # pragma: no cover
 
         def tqdm(x, **_):

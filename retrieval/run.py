@@ -164,8 +164,8 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
     The older call ``run_retrieval(cache_path, backbones, dataset, query_split, ...)`` with
     the same keywords as :class:`RetrievalConfig` (``results_path`` for ``results``) still works.
     """
-    from featcache.results import check_results_path
-    from featcache.stagerun import collect, finished, pending
+    from featcache.core.results import check_results_path
+    from featcache.core.stagerun import collect, finished, pending
 
     if isinstance(config, RetrievalConfig) and (args or kwargs):
         raise UsageError("run_retrieval(config) takes no further arguments; use dataclasses.replace(config, ...)")
@@ -196,7 +196,7 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
 
 def _run_ids(cfg: RetrievalConfig, b: str, fingerprint: str, setups) -> list[str]:
     """The run ids of backbone ``b``'s rows: one per scored setup, then one per k-NN k."""
-    from featcache.results import make_run_id
+    from featcache.core.results import make_run_id
 
     out = [make_run_id(**cfg.run_definition(b, protocol, rel_hash, fingerprint)) for protocol, _, rel_hash in setups]
     if cfg.knn:
@@ -322,7 +322,7 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
 
 
 def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_hash: str) -> list[dict]:
-    from featcache.results import make_run_id
+    from featcache.core.results import make_run_id
 
     t0 = time.perf_counter()
     one = d.same_split
@@ -413,7 +413,7 @@ def _bob_means(cfg: RetrievalConfig, d: _Pair, rel, table, revisited: bool) -> d
 
 
 def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
-    from featcache.results import make_run_id
+    from featcache.core.results import make_run_id
 
     t1 = time.perf_counter()
     mem = parse_memory(cfg.max_memory)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from featcache.core.optional import import_faiss
 from featcache.errors import BackendUnavailableError, DataError
-from featcache.optional import import_faiss
 from featcache.retrieval.prepared import METRICS, PreparedRows, as_prepared, prepare, prepared_pair
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ class exact_matmul:
 
 def _bar(n_queries: int, progress: bool):
     """A tqdm bar over the queries (a no-op when ``progress`` is False)."""
-    from featcache.progress import tqdm
+    from featcache.core.progress import tqdm
 
     return tqdm(total=n_queries, desc="top-k search", unit="query", disable=not progress, leave=False)
 

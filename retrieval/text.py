@@ -71,8 +71,8 @@ def run_text_retrieval(
 
     A run already in ``results`` is skipped (its stored rows are returned) unless ``force``;
     deciding reads the caption embeddings (for their provenance), not the image features."""
+    from featcache.core.stagerun import collect, finished, pending
     from featcache.retrieval.run import stored_fingerprint
-    from featcache.stagerun import collect, finished, pending
     from featcache.store import open_cache
 
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def run_text_retrieval(
 
 
 def _run_id(backbone: str, dataset: str, split: str, ks: list[int], features_fp: str, prov: dict) -> str:
-    from featcache.results import make_run_id
+    from featcache.core.results import make_run_id
     from featcache.store import combine_fingerprints
 
     fp = combine_fingerprints(features_fp, prov.get("captions_sha256", ""))

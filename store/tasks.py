@@ -35,7 +35,7 @@ def _cache(path_or_cache: CacheLike, mode: str = "a") -> FeatureCache:
 
 def write_task_metric(path_or_cache: CacheLike, dataset: str, metric: str) -> None:
     """Declare ``dataset``'s task metric (``top1`` | ``mean_per_class`` | ``map11`` | ``roc_auc_macro``)."""
-    from featcache.metrics import TASK_METRICS
+    from featcache.core.metrics import TASK_METRICS
 
     if metric not in TASK_METRICS:
         raise SchemaMismatchError(f"unknown task metric {metric!r}; choose one of {TASK_METRICS}")

@@ -24,9 +24,9 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
-from featcache import metrics as _metrics
+from featcache.core import metrics as _metrics
+from featcache.core.metrics import TASK_METRICS as METRICS
 from featcache.errors import ConfigError
-from featcache.metrics import TASK_METRICS as METRICS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # METRICS: the metrics a classification task may declare, as registered when this module was
-# imported (featcache.metrics.TASK_METRICS; a suite is checked against the registry as it is)
+# imported (featcache.core.metrics.TASK_METRICS; a suite is checked against the registry as it is)
 #: metrics a retrieval task may declare (names as ``featcache retrieve`` writes them; ``@k`` any k)
 #: what a task is evaluated by: probes/fine-tuning (classification) or ``featcache retrieve``
 KINDS = ("classification", "retrieval")
@@ -229,8 +229,8 @@ def _check_kind_metrics_protocols(task: Task, where: str) -> None:
         if task.kind == "classification" and m not in _metrics.TASK_METRICS:
             raise SuiteError(f"{where}: task {task.name} metric {m!r} is not one of {', '.join(_metrics.TASK_METRICS)}")
     if task.protocols:
+        from featcache.core.protocols import get_protocol, list_protocols
         from featcache.errors import ProtocolError
-        from featcache.protocols import get_protocol, list_protocols
 
         for spec in task.protocols:
             try:

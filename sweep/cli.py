@@ -17,7 +17,7 @@ def register(sub) -> None:
         "store catalog into work items and run the ones not yet in the results table on "
         "dask.distributed: an in-process LocalCluster by default, or an existing scheduler.",
     )
-    from featcache.configs import add_arguments
+    from featcache.core.configs import add_arguments
     from featcache.sweep.planner import FinetuneFlags, SweepConfig
 
     add_arguments(p, SweepConfig, skip=_FT_FIELDS)  # every flag comes from the config's fields
@@ -36,7 +36,7 @@ def register(sub) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`~featcache.sweep.SweepConfig` of parsed ``featcache sweep`` arguments."""
-    from featcache.configs import from_namespace
+    from featcache.core.configs import from_namespace
     from featcache.sweep.planner import FinetuneFlags, SweepConfig
 
     extra: dict[str, Any] = {"finetune_options": from_namespace(FinetuneFlags, args).options()}
@@ -48,7 +48,7 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from featcache.results import check_results_path
+    from featcache.core.results import check_results_path
     from featcache.sweep import plan, run_sweep
 
     check_results_path(args.results_path)

@@ -1,7 +1,7 @@
 """Run planned work items on ``dask.distributed`` (or in this process with ``workers=0``).
 
 Each item runs on a worker that reads its features from the store itself and appends its
-rows to the results table (:func:`featcache.results.append_results` is safe for concurrent
+rows to the results table (:func:`featcache.core.results.append_results` is safe for concurrent
 writers). A failing item is reported with its run id; the others go on.
 """
 
@@ -54,19 +54,19 @@ class SweepReport:
 
 def call_stage(item: WorkItem):
     """The one adapter from a work item to its stage's public entry point (a lookup in
-    :data:`featcache.stagerun.STAGES`), called with the item's own config; returns the rows
+    :data:`featcache.core.stagerun.STAGES`), called with the item's own config; returns the rows
     of the run (polars DataFrame in the results schema), which the stage appends to the
     results."""
-    from featcache.stagerun import get_stage
+    from featcache.core.stagerun import get_stage
 
     return get_stage(item.kind).run(item.config)
 
 
 def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> None:
     """After every seed is in: the median-over-seeds rows (``seed=-1``) each stage adds when
-    it runs its seeds together (:meth:`featcache.stagerun.Stage.wants_medians`: the VTAB
+    it runs its seeds together (:meth:`featcache.core.stagerun.Stage.wants_medians`: the VTAB
     protocols' probes, fine-tuning with two or more seeds), with the same carried hparams."""
-    from featcache.stagerun import STAGES, get_stage, medians_from_table
+    from featcache.core.stagerun import STAGES, get_stage, medians_from_table
 
     ids: dict[str, set[str]] = {}
     for it, rs in produced:
@@ -79,7 +79,7 @@ def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> 
 
 def run_item(item: WorkItem) -> ItemOutcome:
     """Run one item (on a Dask worker or here); never raises: a failure becomes an outcome."""
-    from featcache.results import existing_run_ids
+    from featcache.core.results import existing_run_ids
 
     t0 = time.perf_counter()
     host = f"{socket.gethostname()}:{os.getpid()}"
@@ -122,7 +122,7 @@ def _client(config: SweepConfig):
 
 def execute(items: Iterable[WorkItem], config: SweepConfig, *, progress: bool = True) -> list[ItemOutcome]:
     """Run ``items``; returns one outcome per item (in completion order)."""
-    from featcache.progress import tqdm
+    from featcache.core.progress import tqdm
 
     items = list(items)
     if not items:
@@ -164,7 +164,7 @@ def execute(items: Iterable[WorkItem], config: SweepConfig, *, progress: bool = 
 
 def run_sweep(config: SweepConfig, *, progress: bool = True) -> SweepReport:
     """Check the results path, plan, and run what is missing."""
-    from featcache.results import check_results_path
+    from featcache.core.results import check_results_path
 
     check_results_path(config.results_path)
     p = plan(config)

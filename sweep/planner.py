@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcache.configs import flag, float_list, int_list, renamed_kwargs, seed_tuple
+from featcache.core.configs import flag, float_list, int_list, renamed_kwargs, seed_tuple
 from featcache.errors import NotInStoreError, SweepError
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _data_map(value) -> tuple[tuple[str, str], ...]:
 
 
 def _protocols_help() -> str:
-    from featcache.protocols import protocol_usages
+    from featcache.core.protocols import protocol_usages
 
     return (
         f"probe protocol: {' | '.join(protocol_usages('probe'))} "
@@ -73,7 +73,7 @@ def _protocols_help() -> str:
 
 
 def _finetune_help() -> str:
-    from featcache.protocols import protocol_usages
+    from featcache.core.protocols import protocol_usages
 
     return f"fine-tune protocol: {' | '.join(protocol_usages('finetune'))} (repeatable)"
 
@@ -217,7 +217,7 @@ class Plan:
 
 def default_seeds(protocol: str, stage: str = "probe") -> tuple[int, ...]:
     """Seeds a protocol runs by default (from the protocol registry)."""
-    from featcache.protocols import get_protocol
+    from featcache.core.protocols import get_protocol
 
     return tuple(get_protocol(protocol, stage).seeds)
 
@@ -234,7 +234,7 @@ def _select(requested: Sequence[str], present: Sequence[str], what: str) -> list
 
 
 def _item(kind: str, config, run_ids, backbone: str, dataset: str, protocol: str, seed: int = 0) -> WorkItem:
-    from featcache.results import make_run_id
+    from featcache.core.results import make_run_id
 
     ids = tuple(run_ids)
     key = ids[0] if len(ids) == 1 else make_run_id(kind=f"sweep-{kind}", runs=sorted(ids))
@@ -297,8 +297,8 @@ def reproducible_weights(weights: str) -> bool:
 
 
 def _finetune_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem]:
+    from featcache.core.results import make_run_id
     from featcache.finetune import FinetuneConfig
-    from featcache.results import make_run_id
 
     prov = cache.provenance(b, d, config.train_split, config.feature_kind)
     if not reproducible_weights(prov.weights_source):
@@ -336,7 +336,7 @@ def _finetune_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem
 
 def _probe_protocols(config: SweepConfig) -> list[str]:
     """The probe protocols, plus the one each fine-tune protocol pairs with (registry)."""
-    from featcache.protocols import get_protocol, parse_protocol
+    from featcache.core.protocols import get_protocol, parse_protocol
 
     for p in config.protocols:
         parse_protocol(p)  # an unknown protocol fails here, before anything runs
@@ -358,7 +358,7 @@ def _check_data(config: SweepConfig, datasets: Sequence[str]) -> None:
 
 def plan(config: SweepConfig) -> Plan:
     """Expand ``config`` against the store catalog into work items (see the module doc)."""
-    from featcache.results import existing_run_ids
+    from featcache.core.results import existing_run_ids
     from featcache.store import open_cache
 
     protocols = _probe_protocols(config)

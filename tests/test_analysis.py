@@ -17,8 +17,8 @@ import scipy.stats as ss
 
 from featcache.analysis import api, rankings, tables
 from featcache.analysis.report import write_report
+from featcache.core.results import append_results, make_run_id, read_results, rows_to_frame
 from featcache.errors import ResultsError
-from featcache.results import append_results, make_run_id, read_results, rows_to_frame
 
 DATA = Path(__file__).parent / "data"
 T8, T9, T10 = DATA / "bob_table8.csv", DATA / "bob_table9.csv", DATA / "bob_table10.csv"
@@ -1104,7 +1104,7 @@ def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
 
 def test_report_reads_the_results_parquet_once(digits_results, tmp_path, monkeypatch):
     """write_report from a path (declared-metric check, ranking, shift) reads the file once."""
-    import featcache.results as R
+    import featcache.core.results as R
 
     real, reads = R.read_results, []
 

@@ -13,7 +13,7 @@ import pytest
 
 from featcache.analysis import api
 from featcache.analysis.report import write_report
-from featcache.results import make_run_id, rows_to_frame
+from featcache.core.results import make_run_id, rows_to_frame
 
 BACKBONES = ("pixels", "pca:12", "pca:4")
 
@@ -87,7 +87,7 @@ def test_report_states_each_settings_seed_rule_with_the_std(seeded_rows, tmp_pat
     assert "mean +/- sample std over seeds (ELEVATER&#39;s tables) on 1 setting(s)." in text
     assert "probe:digits (elevater-fewshot:5) (mean +/- std of 3 seeds, as ELEVATER reports)" in text
     assert "probe:digits (vtab1k) (median of 3 seed(s))" in text
-    from featcache.formatting import format_cell
+    from featcache.core.formatting import format_cell
 
     ele = _per_seed(seeded_rows, "elevater-fewshot:5")["pca:4"]
     assert f"{format_cell(statistics.mean(ele))} +/- {format_cell(statistics.stdev(ele))}" in text

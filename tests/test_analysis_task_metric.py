@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from featcache.analysis.task_metric import TASK, declared_metric_rows
+from featcache.core.results import rows_to_frame
 from featcache.errors import ResultsError
-from featcache.results import rows_to_frame
 
 
 def _rows(declared: dict[str, str | None], values: dict[tuple[str, str, str], float]):

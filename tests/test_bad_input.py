@@ -255,7 +255,7 @@ KW = {"limit": 16, "input_size": 32, "batch_size": 8, "chunk_rows": 8, "workers"
 
 
 def test_cpu_fp16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tmp_path, caplog, monkeypatch):
-    import featcache.allocator as allocator
+    import featcache.core.allocator as allocator
 
     def refuse():
         raise AssertionError("extract() must not tune the process allocator")
@@ -273,14 +273,16 @@ def test_cpu_fp16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tm
     assert prov.extra["exif_transpose"] is True
 
 
-needs_bf16 = pytest.mark.skipif(not __import__("featcache.cpu").cpu.bf16_support()[0], reason="no CPU bf16 hardware")
+needs_bf16 = pytest.mark.skipif(
+    not __import__("featcache.core.cpu").cpu.bf16_support()[0], reason="no CPU bf16 hardware"
+)
 
 
 @needs_bf16
 def test_cpu_bf16_autocasts_and_records_precision_and_isa(tmp_path, caplog):
     """On a CPU with avx512_bf16/AMX, --precision bf16 computes in bf16: features close to the
     fp32 ones but not equal, provenance says bf16 and the ISA, one log line says which kernels."""
-    from featcache.cpu import cpu_isa
+    from featcache.core.cpu import cpu_isa
 
     cache = str(tmp_path / "c.zarr")
     with caplog.at_level(logging.INFO, logger="featcache.extract.pipeline"):
@@ -303,7 +305,7 @@ def test_cpu_bf16_autocasts_and_records_precision_and_isa(tmp_path, caplog):
 
 
 def test_cpu_bf16_is_refused_on_a_cpu_without_bf16_hardware(tmp_path, monkeypatch):
-    import featcache.cpu as fcpu
+    import featcache.core.cpu as fcpu
 
     monkeypatch.setattr(fcpu, "bf16_flags", lambda: ())
     cache = tmp_path / "c.zarr"
@@ -314,7 +316,7 @@ def test_cpu_bf16_is_refused_on_a_cpu_without_bf16_hardware(tmp_path, monkeypatc
 
 @needs_bf16
 def test_resume_refuses_another_precision_or_cpu_isa(tmp_path, monkeypatch):
-    import featcache.cpu as fcpu
+    import featcache.core.cpu as fcpu
 
     cache = str(tmp_path / "c.zarr")
     extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, threads=1, write=False, **KW))

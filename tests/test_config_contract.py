@@ -9,7 +9,7 @@ import re
 import pytest
 
 from featcache.cli import build_parser
-from featcache.configs import choices_of, help_of
+from featcache.core.configs import choices_of, help_of
 from featcache.errors import ConfigError
 from featcache.extract.config import ExtractConfig
 from featcache.finetune import cli as finetune_cli

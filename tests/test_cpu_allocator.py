@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 SCRIPT = r"""
 import ctypes, ctypes.util, resource
-from featcache.allocator import tune_cpu_allocator
+from featcache.core.allocator import tune_cpu_allocator
 tuned = tune_cpu_allocator()
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -52,7 +52,7 @@ GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1844674407
 
 
 def test_glibc_tunables_are_the_library_users_equivalent():
-    """What featcache.allocator documents for library users: the same reuse, set from outside."""
+    """What featcache.core.allocator documents for library users: the same reuse, set from outside."""
     tuned, _ = _faults({"FEATCACHE_MALLOC": ""})
     if not tuned:
         pytest.skip("not glibc: mallopt unavailable")
@@ -62,7 +62,7 @@ def test_glibc_tunables_are_the_library_users_equivalent():
 
 
 def test_tuning_is_applied_once_and_reported():
-    from featcache import allocator as cpu
+    from featcache.core import allocator as cpu
 
     first = cpu.tune_cpu_allocator()
     assert cpu.tune_cpu_allocator() is first

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 
 from featcache.cli import main
-from featcache.demo import (
+from featcache.demo.run import (
     BASELINE,
     FT_PROTOCOL,
     _paired_probe_protocol,

@@ -1,4 +1,4 @@
-"""One device and precision resolution (featcache.devices) for extraction and fine-tuning: the
+"""One device and precision resolution (featcache.core.devices) for extraction and fine-tuning: the
 same words mean the same precision in both stages, each stage keeps its own log lines."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-import featcache.cpu as fcpu
-from featcache import devices
+import featcache.core.cpu as fcpu
+from featcache.core import devices
 from featcache.errors import BackendUnavailableError, ConfigError
 from featcache.extract.pipeline import recorded_precision
 from featcache.finetune import train as FT

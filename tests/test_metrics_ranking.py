@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import precision_recall_curve, roc_auc_score
 
-from featcache.metrics import compute_all, map11, metric_names, roc_auc_macro
+from featcache.core.metrics import compute_all, map11, metric_names, roc_auc_macro
 
 
 # ------------------------------------------------------------ brute-force references

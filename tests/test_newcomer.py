@@ -228,7 +228,7 @@ def _digits_rows(ks, extra_k_at_mean=()):
     per k in ``ks`` (sklearn); ``extra_k_at_mean``: more k rows whose score is the mean of ``ks``'."""
     import numpy as np
 
-    from featcache.results import make_run_id
+    from featcache.core.results import make_run_id
 
     rows = []
     for b, (acc, knn, p1, n_eval) in _digits_scores(tuple(ks)).items():
@@ -274,7 +274,7 @@ def _digits_scores(ks: tuple) -> dict:
 
 def _rank(tmp_path, rows, name):
     from featcache.analysis import rank
-    from featcache.results import append_results, read_results, rows_to_frame
+    from featcache.core.results import append_results, read_results, rows_to_frame
 
     path = tmp_path / f"{name}.parquet"
     append_results(path, rows_to_frame(rows))
@@ -301,7 +301,7 @@ def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
     import polars as pl
 
     from featcache.analysis.report import write_report
-    from featcache.results import append_results, read_results, rows_to_frame
+    from featcache.core.results import append_results, read_results, rows_to_frame
 
     rows = [r for r in _digits_rows((1, 5)) if r["backbone"] in ("pixels", "pca:2")]
     path = tmp_path / "two.parquet"
@@ -353,7 +353,7 @@ def test_readme_snippet_ranks_pretrained_above_random(tmp_path, monkeypatch, cap
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)
     from featcache.analysis import rank
-    from featcache.results import read_results
+    from featcache.core.results import read_results
 
     overall = rank(read_results("results.parquet"), n_boot=50)["overall"]
     random_ = overall.filter(pl.col("backbone").str.contains("@random"))
@@ -400,8 +400,8 @@ def test_make_waits_for_the_dpkg_lock(tmp_path, target):
 def test_read_results_pandas_backend(tmp_path):
     import importlib.util
 
+    from featcache.core.results import append_results, read_results, rows_to_frame
     from featcache.errors import BackendUnavailableError
-    from featcache.results import append_results, read_results, rows_to_frame
 
     path = tmp_path / "r.parquet"
     append_results(path, rows_to_frame(_digits_rows((1,))[:3]))

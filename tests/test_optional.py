@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from featcache.core.optional import faiss_conflict, import_faiss
 from featcache.errors import BackendUnavailableError, DependencyConflictError, FeatcacheError
-from featcache.optional import faiss_conflict, import_faiss
 
 
 def _fake_dist(root, name: str) -> None:

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
+from featcache.core.protocols import get_protocol
 from featcache.probes import ProbeConfig, run_probes
-from featcache.protocols import get_protocol
 
 LITE0 = "tf_efficientnet_lite0"
 

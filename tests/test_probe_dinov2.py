@@ -11,8 +11,8 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
+from featcache.core.protocols import DINOV2_C_GRID, get_protocol
 from featcache.probes import ProbeConfig, run_probes
-from featcache.protocols import DINOV2_C_GRID, get_protocol
 
 N_TRAIN, N_TEST = 400, 300
 # The fit compares every 4th C of DINOv2's grid up to C = 10 (8 of 45: the suite stays fast). The C

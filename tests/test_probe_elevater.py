@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from plan_spy import sorted_rows, spy_plan
 
-from featcache import protocols as P
+from featcache.core import protocols as P
 from featcache.probes import ProbeConfig, run_probes
 from featcache.probes.elevater import search_weight_decay
 
@@ -234,7 +234,7 @@ def test_search_trial_scores_its_best_val_epoch_on_the_task_metric(digits_cache)
     =False, returns ``best_acc1`` (the first strict maximum from 0) on the config's metric."""
     import math
 
-    from featcache.metrics import mean_per_class
+    from featcache.core.metrics import mean_per_class
     from featcache.probes import runner as PR
     from featcache.probes.elevater import _ChannelBN
     from featcache.probes.sgd import SGDProbe

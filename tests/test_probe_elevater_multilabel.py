@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from plan_spy import sorted_rows, spy_plan
 from vision_evaluation_ref import elevater_map_11_points
 
+from featcache.core.splits import elevater_holdout_multilabel
 from featcache.errors import ProbeError
 from featcache.probes import ProbeConfig, run_probes
 from featcache.probes.solvers import SOLVERS, get_solver
-from featcache.splits import elevater_holdout_multilabel
 from featcache.store import open_cache, write_features
 from featcache.store.tasks import write_label_matrix, write_task_metric
 
@@ -213,7 +213,7 @@ def test_elevater_full_holds_out_the_toolkits_greedy_rows_of_a_label_matrix(digi
 def test_elevater_fewshot_splits_its_drawn_rows_greedily(digits_even):
     """elevater-fewshot:N on a label matrix: the N per class drawn on the single-label column
     (as before) are split by the toolkit's greedy rule over their rows, in the store's order."""
-    from featcache import protocols as P
+    from featcache.core import protocols as P
     from featcache.probes import runner as PR
 
     path, _ = digits_even

@@ -234,8 +234,8 @@ def test_sgd_drop_remainder_trains_on_full_batches_only(standardized):
     checked against a hand-written SGD loop over those batches on real features."""
     import torch
 
+    from featcache.core.splits import batch_positions
     from featcache.probes import SGDProbe
-    from featcache.splits import batch_positions
 
     Xtr, ytr, _, _ = standardized
     X, y = Xtr[:50].astype(np.float64), ytr[:50]  # 50 rows, batch 16: epochs end mid-batch

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from featcache.errors import ProbeError
-from featcache.protocols import parse_protocol
-from featcache.splits import (
+from featcache.core.protocols import parse_protocol
+from featcache.core.splits import (
     allocate,
     fewshot_split,
     sample_per_class,
     stratified_holdout,
     stratified_sample,
 )
+from featcache.errors import ProbeError
 
 
 @pytest.fixture(scope="module")

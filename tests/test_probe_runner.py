@@ -10,9 +10,9 @@ import numpy as np
 import polars as pl
 import pytest
 
+from featcache.core.results import RESULT_COLUMNS
 from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes import ProbeConfig, run_probes
-from featcache.results import RESULT_COLUMNS
 
 LITE0 = "tf_efficientnet_lite0"
 SMALL_GRID = [1e-3, 1e-2, 1e-1, 1.0]  # keeps most tests quick; the default grid runs once

@@ -49,7 +49,7 @@ def test_zero_head_stays_the_default_elsewhere(digits_train):
 
 
 def test_salman_protocol_starts_from_the_default_init(digits_cache):
-    from featcache.protocols import get_protocol
+    from featcache.core.protocols import get_protocol
 
     assert get_protocol("salman").grid.init == "torch-default"
     assert get_protocol("vtab1k-sgd").grid.init == "zeros"  # VTAB's head: zeros, unchanged

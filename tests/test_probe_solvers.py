@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from featcache.core.protocols import get_protocol, list_protocols
 from featcache.probes import ProbeConfig, run_probes
-from featcache.protocols import get_protocol, list_protocols
 
 LITE0 = "tf_efficientnet_lite0"
 

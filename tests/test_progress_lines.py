@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from featcache.progress import tqdm
+from featcache.core.progress import tqdm
 
 
 class _Tty(io.StringIO):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from featcache import protocols as P
+from featcache.core import protocols as P
 from featcache.errors import DataError, ProbeError, ProtocolError
 from featcache.finetune import FinetuneConfig
 from featcache.finetune import data as FD

@@ -1,5 +1,5 @@
 """One public-API style for every package ``__init__``: ``__all__`` lists the public names, each
-resolves, lazily exported names go through :func:`featcache._lazy.lazy_exports` only (declared
+resolves, lazily exported names go through :func:`featcache.core._lazy.lazy_exports` only (declared
 for static tools in an ``if TYPE_CHECKING:`` block), and no ``__init__`` wraps a function of its
 own submodule."""
 
@@ -57,7 +57,7 @@ def _type_checking_names(tree: ast.Module) -> set[str]:
 def test_lazy_names_one_mechanism(path):
     tree = ast.parse(path.read_text())
     funcs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-    assert "__getattr__" not in funcs, f"{path}: a hand-written __getattr__; use featcache._lazy.lazy_exports"
+    assert "__getattr__" not in funcs, f"{path}: a hand-written __getattr__; use featcache.core._lazy.lazy_exports"
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
             imports = [

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from featcache.core.protocols import register_protocol
 from featcache.errors import BackboneError, ConfigError, ProtocolError
 from featcache.extract.backbones import list_weights_sources, register_weights_source
 from featcache.extract.readers import open_dataset
 from featcache.extract.readers.registry import FORMATS, register_format
-from featcache.protocols import register_protocol
 
 
 def _other(*args):  # a second function, never called
@@ -48,7 +48,7 @@ def test_protocols_refuse_duplicates():
 
 
 def test_stages_refuse_duplicates():
-    from featcache.stagerun import STAGES, Stage, register_stage
+    from featcache.core.stagerun import STAGES, Stage, register_stage
 
     first = STAGES["probe"]
     with pytest.raises(ConfigError, match="a stage named 'probe' is already registered"):
@@ -271,7 +271,7 @@ def test_every_format_reads_what_the_image_folder_route_reads(kind, tmp_path):
 
 def test_data_help_and_errors_list_every_registered_format():
     """--data's help (extract and finetune) and the unknown-spec error are built from the registry."""
-    from featcache.configs import help_of
+    from featcache.core.configs import help_of
     from featcache.errors import DataError
     from featcache.extract import ExtractConfig
     from featcache.finetune.config import FinetuneConfig

@@ -10,8 +10,9 @@ import dataclasses
 
 import pytest
 
-from featcache import metrics, protocols, suites
+from featcache import suites
 from featcache.cli import build_parser
+from featcache.core import metrics, protocols
 from featcache.extract import backbones, sources
 from featcache.extract.readers import registry as formats
 

@@ -1,4 +1,4 @@
-"""featcache.results under concurrent writers and bad paths (issue 13 item 3, issue 14 item 7)."""
+"""featcache.core.results under concurrent writers and bad paths (issue 13 item 3, issue 14 item 7)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from featcache.errors import ResultsError
-from featcache.results import (
+from featcache.core.results import (
     RESULT_COLUMNS,
     append_results,
     check_results_path,
     existing_run_ids,
     read_results,
 )
+from featcache.errors import ResultsError
 
 N_WRITERS = 4
 N_REPS = 20

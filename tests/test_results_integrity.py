@@ -11,8 +11,8 @@ import numpy as np
 import polars as pl
 import pytest
 
+from featcache.core.results import append_results, check_results_path, read_results
 from featcache.errors import CorruptResultsError, ResultsError
-from featcache.results import append_results, check_results_path, read_results
 
 N_APPENDERS = 2
 APPENDS = 60

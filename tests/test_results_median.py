@@ -1,4 +1,4 @@
-"""featcache.results.median_rows / add_median_rows (shared by probes and fine-tuning) on real
+"""featcache.core.results.median_rows / add_median_rows (shared by probes and fine-tuning) on real
 vtab1k probe rows of lite0 digits features: brute-force medians, grouping, carried hparams."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from featcache.results import add_median_rows, make_run_id, median_rows, read_results
+from featcache.core.results import add_median_rows, make_run_id, median_rows, read_results
 
 LITE0 = "tf_efficientnet_lite0"
 

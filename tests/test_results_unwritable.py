@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from featcache.cli import main
-from featcache.results import append_results, check_results_path
+from featcache.core.results import append_results, check_results_path
 
 LITE0 = "tf_efficientnet_lite0"
 

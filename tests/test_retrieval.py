@@ -101,7 +101,7 @@ def test_run_retrieval_rows_and_values(pix_cache, tmp_path):
     assert top1["knn-k20"] == pytest.approx(dino_knn_reference(X[1347:], y[1347:], X[:1347], y[:1347], 20))
     assert top1["knn-k10"] > 0.9  # pixels of digits are easy for k-NN
     # rerun: rows replaced, not duplicated
-    from featcache.results import read_results
+    from featcache.core.results import read_results
 
     run_retrieval(path, ["pix"], "digits", "test", "train", ks=(1, 5, 10, 100), results_path=out, progress=False)
     table = read_results(out)
@@ -447,7 +447,7 @@ def _values(df):
 def test_rerun_skips_finished_runs_and_returns_their_rows(pix_cache, tmp_path, monkeypatch, caplog):
     from dataclasses import replace
 
-    from featcache.results import read_results
+    from featcache.core.results import read_results
     from featcache.retrieval import RetrievalConfig
 
     out = tmp_path / "results.parquet"

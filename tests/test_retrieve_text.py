@@ -20,8 +20,8 @@ pytest.importorskip("webdataset")
 from model_source_fixtures import register_tiny_open_clip
 
 from featcache.cli import main
+from featcache.core.results import read_results
 from featcache.extract.readers import open_dataset
-from featcache.results import read_results
 from featcache.retrieval.text import text_image_recall
 from featcache.store import open_cache
 

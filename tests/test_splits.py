@@ -1,4 +1,4 @@
-"""featcache.splits: exact sizes, stratification, determinism and errors on real digits labels."""
+"""featcache.core.splits: exact sizes, stratification, determinism and errors on real digits labels."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featcache import splits as S
+from featcache.core import splits as S
 from featcache.errors import DataError, ProbeError, SplitError
 
 

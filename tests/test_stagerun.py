@@ -1,4 +1,4 @@
-"""The one stage-run skeleton (featcache.stagerun): the registry of stages the sweep looks
+"""The one stage-run skeleton (featcache.core.stagerun): the registry of stages the sweep looks
 up, the median rule and carried hparams declared once per stage, and its place in the layers
 (it imports no stage; the sweep reaches stages through it, not through their runners)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import featcache
+from featcache.core.stagerun import STAGES, Stage, get_stage
 from featcache.errors import ConfigError
-from featcache.stagerun import STAGES, Stage, get_stage
 
 ROOT = Path(featcache.__file__).parent
 STAGE_PACKAGES = ("probes", "finetune", "retrieval", "sweep", "suites", "analysis", "extract")
@@ -67,7 +67,7 @@ def test_an_unknown_stage_names_the_registered_ones():
 
 
 def test_median_rule_per_stage():
-    from featcache.protocols import get_protocol
+    from featcache.core.protocols import get_protocol
 
     probe = get_stage("probe")
     assert probe.wants_medians("vtab1k")
@@ -82,9 +82,9 @@ def test_median_rule_per_stage():
 def test_skeleton_imports_no_stage_and_the_sweep_no_runner():
     """Stages import the skeleton; it imports no stage (their entry points are strings), and
     the sweep calls stages through it rather than importing their runner modules."""
-    found = _featcache_imports(ROOT / "stagerun.py")
+    found = _featcache_imports(ROOT / "core" / "stagerun.py")
     assert not {m for m in found for s in STAGE_PACKAGES if m == f"featcache.{s}" or m.startswith(f"featcache.{s}.")}
     sweep = set().union(*(_featcache_imports(p) for p in (ROOT / "sweep").rglob("*.py")))
     assert not {m for m in sweep if m.endswith(".runner")}
     for stage in ("probes/runner.py", "finetune/runner.py"):
-        assert "featcache.stagerun" in _featcache_imports(ROOT / stage)
+        assert "featcache.core.stagerun" in _featcache_imports(ROOT / stage)

@@ -393,8 +393,8 @@ def record_figures(counts: dict[str, int]) -> None:
 def test_full_disk_results_append_is_one_line_and_keeps_the_table(tmp_path):
     import polars as pl
 
+    from featcache.core.results import append_results, read_results
     from featcache.errors import NoSpaceError
-    from featcache.results import append_results, read_results
 
     def rows(run: int) -> list[dict]:
         rng = np.random.default_rng(run)  # incompressible text: the disk fills in a few appends

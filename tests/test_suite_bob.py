@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from featcache.protocols import get_protocol
+from featcache.core.protocols import get_protocol
 from featcache.suites import METRICS, SuiteError, _suite, load_suite
 
 # hsouri/bob-retrieval retrieval/scripts_bb.sh + main_ret.py's datasets (Objectnet in main_ret.py)

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 
 from featcache.cli import main
-from featcache.results import read_results
+from featcache.core.results import read_results
 from featcache.store import open_cache
 from featcache.store.tasks import task_metric
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from featcache.core.results import read_results
 from featcache.errors import SweepError
-from featcache.results import read_results
 from featcache.sweep import SweepConfig, plan, run_sweep
 
 LITE0 = "tf_efficientnet_lite0"
@@ -396,7 +396,7 @@ def test_finetune_items_through_the_sweep(two_backbone_store, tmp_path, capsys):
 def test_finetune_seed_items_get_the_median_row(tmp_path):
     """Fine-tune seeds run as separate items; the sweep adds the median row over them that
     `featcache finetune` adds when it runs the seeds together."""
-    from featcache.results import append_results, rows_to_frame
+    from featcache.core.results import append_results, rows_to_frame
     from featcache.sweep.executor import finish_medians
     from featcache.sweep.planner import WorkItem
 
@@ -436,8 +436,8 @@ def test_sweep_median_rows_equal_probe_median_rows(digits_cache, tmp_path):
     """A sweep runs VTAB seeds as separate items and adds the median rows afterwards; they equal
     the rows `featcache probe` writes when it runs the seeds together, hparams included (the
     sweep's rows once lost `task_metric`)."""
+    from featcache.core.results import append_results
     from featcache.probes import ProbeConfig, run_probes
-    from featcache.results import append_results
     from featcache.sweep.executor import finish_medians
     from featcache.sweep.planner import WorkItem
 
@@ -467,8 +467,8 @@ def test_sweep_median_rows_equal_finetune_median_rows(tmp_path):
     median rows, `task_metric` included (the fine-tune carry once dropped it)."""
     import torch
 
+    from featcache.core.results import append_results
     from featcache.finetune import FinetuneConfig, finetune
-    from featcache.results import append_results
     from featcache.sweep.executor import finish_medians
     from featcache.sweep.planner import WorkItem
 

@@ -247,7 +247,7 @@ def test_binary_task_declared_roc_auc_selects_and_reports_it(fmnist_cache, tmp_p
     """T-shirt/top vs Shirt (the hardest Fashion-MNIST pair) as a PatchCamelyon-style binary
     task declared ``roc_auc_macro``: C maximises validation AUC (scikit-learn's), and the
     row set gains ``roc_auc_macro`` beside the usual metrics."""
-    from featcache.splits import full_holdout
+    from featcache.core.splits import full_holdout
 
     c = open_cache(fmnist_cache)
     path = str(tmp_path / "c.zarr")

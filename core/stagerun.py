@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 
+from featcache.core.splits import canonical_order
 from featcache.errors import ConfigError, SplitError
-from featcache.splits import canonical_order
 
 if TYPE_CHECKING:
     import polars as pl
@@ -89,12 +89,12 @@ class Stage:
         return getattr(importlib.import_module(module), fn)(config)
 
     def wants_medians(self, protocol: Any) -> bool:
-        """Whether runs of ``protocol`` (a :class:`~featcache.protocols.Protocol` or a
+        """Whether runs of ``protocol`` (a :class:`~featcache.core.protocols.Protocol` or a
         registered name) get median-over-seeds rows."""
         if self.medians != "protocol":
             return self.medians == "always"
         if isinstance(protocol, str):
-            from featcache.protocols import get_protocol
+            from featcache.core.protocols import get_protocol
 
             protocol = get_protocol(protocol)
         return bool(protocol.median_over_seeds)
@@ -134,7 +134,7 @@ register_stage(
 # ------------------------------------------------------------------ the skeleton
 def finished(results_path: PathLike | None, force: bool) -> set[str]:
     """Run ids already in ``results_path`` (none without a table, or with ``force``)."""
-    from featcache.results import existing_run_ids
+    from featcache.core.results import existing_run_ids
 
     return set() if results_path is None or force else existing_run_ids(results_path)
 
@@ -161,12 +161,12 @@ def pending(
 
 
 def write_rows(results_path: PathLike | None, rows: Sequence[Mapping[str, Any]] | pl.DataFrame) -> pl.DataFrame | None:
-    """Append ``rows`` (dicts, or a frame from :func:`~featcache.results.rows_to_frame`) to
+    """Append ``rows`` (dicts, or a frame from :func:`~featcache.core.results.rows_to_frame`) to
     ``results_path``, replacing earlier rows of their runs; the table after the append, or
     None without a path or rows."""
     import polars as pl
 
-    from featcache.results import append_results, rows_to_frame
+    from featcache.core.results import append_results, rows_to_frame
 
     if results_path is None or not len(rows):
         return None
@@ -188,7 +188,7 @@ def collect(
     ``append`` (a stage that wrote them as they came passes ``append=False``)."""
     import polars as pl
 
-    from featcache.results import read_results, rows_to_frame
+    from featcache.core.results import read_results, rows_to_frame
 
     stage = get_stage(stage) if isinstance(stage, str) else stage
     table = write_rows(results_path, new_rows) if append else None
@@ -205,7 +205,7 @@ def collect(
 def add_medians(frame: pl.DataFrame, stage: Stage | str, results_path: PathLike | None = None) -> pl.DataFrame:
     """``frame`` plus the median-over-seeds rows of its seed rows (appended to
     ``results_path`` when given), carrying :attr:`Stage.median_carry`."""
-    from featcache.results import add_median_rows
+    from featcache.core.results import add_median_rows
 
     stage = get_stage(stage) if isinstance(stage, str) else stage
     return add_median_rows(frame, stage.name, results_path, carry=stage.median_carry)
@@ -216,7 +216,7 @@ def medians_from_table(results_path: PathLike, stage: Stage | str, run_ids: Iter
     there (the sweep, after every seed's item is in)."""
     import polars as pl
 
-    from featcache.results import read_results
+    from featcache.core.results import read_results
 
     frame = read_results(results_path).filter(pl.col("run_id").is_in(sorted(run_ids)) & (pl.col("seed") >= 0))
     return add_medians(frame, stage, results_path)

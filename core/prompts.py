@@ -35,6 +35,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from featcache.errors import ConfigError
 
 OPEN_CLIP_SETS = ("clip-imagenet", "simple")
@@ -51,7 +53,7 @@ _FILES = {
 
 @cache
 def _data(fname: str) -> dict[str, Any]:
-    text = resources.files("featcache").joinpath("prompt_data").joinpath(fname).read_text(encoding="utf-8")
+    text = resources.files("featcache.core").joinpath("prompt_data").joinpath(fname).read_text(encoding="utf-8")
     return json.loads(text)
 
 
@@ -66,6 +68,23 @@ def _entries(kind: str, what: str) -> dict[str, Any]:
     return d
 
 
+@cache
+def _elevater_tasks() -> tuple[dict[str, Any], ...]:
+    """The elevater-ic suite's task table, read as data (the suite file's ``[[tasks]]``; the core
+    imports no stage, so not through :func:`featcache.suites.load_suite`, which validates it)."""
+    text = resources.files("featcache.suites").joinpath("elevater-ic.toml").read_text(encoding="utf-8")
+    return tuple(tomllib.loads(text)["tasks"])
+
+
+def _elevater_sources(dataset: str) -> list[str]:
+    """ELEVATER's names (``elevater:NAME`` sources) of the elevater-ic tasks named or aliased ``dataset``."""
+    return [
+        t["source"].split(":", 1)[1]
+        for t in _elevater_tasks()
+        if dataset in (t["name"], *t.get("aliases", ())) and t.get("source", "").startswith("elevater:")
+    ]
+
+
 def resolve_dataset(kind: str, dataset: str, what: str = "templates") -> str | None:
     """``dataset``'s key in the set ``kind``: the key itself, the same letters and digits
     (``eurosat-clip`` = ELEVATER's ``eurosat_clip``), or the ``elevater:NAME`` source of the
@@ -75,11 +94,7 @@ def resolve_dataset(kind: str, dataset: str, what: str = "templates") -> str | N
         return dataset
     names = [dataset]
     if kind == "elevater":
-        from featcache.suites import load_suite
-
-        for t in load_suite("elevater-ic").tasks:
-            if dataset in t.dir_names and t.source.startswith("elevater:"):
-                names.append(t.source.split(":", 1)[1])
+        names.extend(_elevater_sources(dataset))
     by_norm = {_norm(k): k for k in keys}
     return next((by_norm[_norm(n)] for n in names if _norm(n) in by_norm), None)
 

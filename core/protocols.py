@@ -62,7 +62,7 @@ full           fine-   all of train, the ``full`` probe splits; rows pair with p
 =============  ======  =====================================================================
 
 A plan (:meth:`Protocol.plan`) works on labels only, in the canonical order of
-:mod:`featcache.splits`, and returns positions into ``train ++ val`` (val rows follow the
+:mod:`featcache.core.splits`, and returns positions into ``train ++ val`` (val rows follow the
 train rows), so a probe row and a fine-tune row of paired protocols train, select and refit
 on exactly the same examples for every seed.
 """
@@ -77,8 +77,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from featcache.errors import InternalError, ProtocolError, SplitError
-from featcache.splits import (
+from featcache.core.splits import (
     HOLDOUT_FRACTION,
     VAL_SOURCES,
     VTAB_TOTAL,
@@ -93,6 +92,7 @@ from featcache.splits import (
     vtab1k_fixed,
     vtab1k_indices,
 )
+from featcache.errors import InternalError, ProtocolError, SplitError
 
 __all__ = [
     "C_GRID",
@@ -384,7 +384,7 @@ def _plan_elevater_full(p: Protocol, y, seed, n_val, val_source, train_name, val
     """ELEVATER's full-data split: select on the first ceil(20%) per class of train in the
     dataset's own order (the toolkit's ``get_dataloader(val_split=0.2)``; a dataset val split
     is not used), refit on all of train. With a label matrix, the toolkit's multi-label rule
-    (:func:`~featcache.splits.elevater_holdout_multilabel`)."""
+    (:func:`~featcache.core.splits.elevater_holdout_multilabel`)."""
     Y = kw.get("label_matrix")
     t, v = _elevater_val(np.arange(y.size), y, rows, Y)
     rule = "first-ceil-20%-per-class" if Y is None else ELEVATER_MULTILABEL_VAL
@@ -395,7 +395,7 @@ def _plan_elevater_fewshot(p: Protocol, y, seed, n_val, val_source, train_name, 
     """``fewshot`` as ELEVATER's ``linear_probe.py`` runs it: N = 1 draws 2 per class and
     does not merge train and val for the final run (MERGE_TRAIN_VAL_FINAL_RUN=False). With a
     label matrix, the N (or 2) per class drawn on ``y`` are split as the toolkit splits its
-    few-shot subset: :func:`~featcache.splits.elevater_holdout_multilabel` over their rows."""
+    few-shot subset: :func:`~featcache.core.splits.elevater_holdout_multilabel` over their rows."""
     Y = kw.get("label_matrix")
     if Y is not None:
         drawn = sample_per_class(y, max(p.shots, 2), seed)

@@ -22,7 +22,7 @@ function               protocol
 
 Building blocks: :func:`allocate` (largest remainder), :func:`stratified_holdout`,
 :func:`sample_per_class`, :func:`stratified_sample`. The protocol registry
-(:mod:`featcache.protocols`) builds every plan of the probes and of fine-tuning from
+(:mod:`featcache.core.protocols`) builds every plan of the probes and of fine-tuning from
 them; the selection is the probes' original one bit for bit (tests/test_finetune.py pins
 it on digits).
 

@@ -66,7 +66,7 @@ def resolve_precision(
     if p == "fp16" or not device.startswith("cpu"):
         logger.warning("--precision %s applies on CUDA only; %s computes (and records) fp32", p, device)
         return "fp32"
-    from featcache.cpu import bf16_support, cpu_isa
+    from featcache.core.cpu import bf16_support, cpu_isa
 
     ok_bf16, why = bf16_support()
     if not ok_bf16:
