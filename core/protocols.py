@@ -72,6 +72,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -114,8 +115,24 @@ __all__ = [
 ]
 
 STAGES = ("probe", "finetune")
+
+
+def log_grid(lo: int, hi: int, n: int) -> tuple[float, ...]:
+    """``np.logspace(lo, hi, n)``, each value the float nearest the exact ``10 ** e``.
+
+    numpy's power kernels differ in the last bit between CPUs (its AVX-512 path is not
+    correctly rounded), and a grid's values enter run ids and the fits, so the grid is computed
+    in decimal arithmetic (40 digits): the same floats on every machine."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as ctx:
+        ctx.prec = 40
+        step = (Decimal(hi) - Decimal(lo)) / (n - 1)
+        return tuple(float(Decimal(10) ** (Decimal(lo) + step * i)) for i in range(n))
+
+
 #: the L-BFGS probes' C grid (Kornblith et al. / DINOv2): 45 values log-spaced over 1e-6 .. 1e5
-C_GRID = tuple(float(c) for c in np.logspace(-6, 5, 45))
+C_GRID = log_grid(-6, 5, 45)
 #: split plans a protocol can name
 SPLITS = (
     "full",
@@ -129,8 +146,12 @@ SPLITS = (
     "elevater-fewshot",
     "train",
 )
-#: DINOv2's C grid (dinov2/eval/log_regression.py: ``10 ** torch.linspace(-6, 5, 45)``, float32)
-DINOV2_C_GRID = tuple(float(c) for c in np.float32(10) ** np.linspace(-6, 5, 45, dtype=np.float32))
+#: DINOv2's C grid (dinov2/eval/log_regression.py: ``10 ** torch.linspace(-6, 5, 45)``, float32):
+#: the float32 exponents, each power rounded from its decimal value (float32 power kernels, too,
+#: differ in the last bit between CPUs)
+DINOV2_C_GRID = tuple(
+    float(np.float32(float(Decimal(10) ** Decimal(float(e))))) for e in np.linspace(-6, 5, 45, dtype=np.float32)
+)
 
 
 # ------------------------------------------------------------------ grids
@@ -200,8 +221,8 @@ class ElevaterGrid:
     2, 1 around the best so far; ``search_epochs`` (10) per trial, the selected (lr, wd)
     retrained for ``final_epochs`` (50) on train+val."""
 
-    lrs: tuple[float, ...] = tuple(float(v) for v in np.logspace(-6, -1, 6))
-    wds: tuple[float, ...] = tuple(float(v) for v in np.logspace(-6, 6, 97))
+    lrs: tuple[float, ...] = log_grid(-6, -1, 6)  # the toolkit's np.logspace, the same on every CPU
+    wds: tuple[float, ...] = log_grid(-6, 6, 97)
     coarse: tuple[int, ...] = tuple(range(0, 97, 16))
     spans: tuple[int, ...] = (8, 4, 2, 1)
     search_epochs: int = 10
