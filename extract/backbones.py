@@ -172,9 +172,11 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     else:
         try:
             model = _new_model(name, keep_head, pretrained=True)
-        except Exception as exc:  # noqa: BLE001 - network and hub errors of many types
+        except Exception as exc:  # network and hub errors of many types
             first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise WeightsNotFoundError(f"cannot fetch timm weights for {name!r} ({type(exc).__name__}: {first})") from None
+            raise WeightsNotFoundError(
+                f"cannot fetch timm weights for {name!r} ({type(exc).__name__}: {first})"
+            ) from None
         path = _w.find_timm_cached_checkpoint(cfg)
     if path is None:
         raise WeightsNotFoundError(f"timm loaded {name!r} but its weights file is not in the hub cache to hash")

@@ -163,8 +163,17 @@ def register(sub) -> None:
         "embed-classes", help="class embeddings from a backbone's text tower (zeroshot, --head-init text)"
     )
     e.add_argument("--cache", required=True, help="feature cache holding --dataset")
-    e.add_argument("--model", required=True, help="open_clip:ARCH | hf:DIR (a CLIPModel), as for extract")
-    e.add_argument("--weights", default="timm", help="as for extract (random:SEED, a checkpoint; hf: the directory's)")
+    e.add_argument(
+        "--model",
+        default=None,
+        help="open_clip:ARCH | hf:DIR|ORG/NAME (a CLIPModel), as for extract; default: the model recorded for "
+        "--backbone's features (the text tower follows the image tower)",
+    )
+    e.add_argument(
+        "--weights",
+        default=None,
+        help="as for extract (a tag, random:SEED, a checkpoint; hf: the model's own); default: --backbone's recorded",
+    )
     e.add_argument("--dataset", required=True, help="dataset key in the store (its class names are embedded)")
     e.add_argument(
         "--templates",
@@ -195,8 +204,17 @@ def register(sub) -> None:
         "embed-captions", help="caption embeddings from a backbone's text tower (featcache retrieve-text)"
     )
     c.add_argument("--cache", required=True, help="feature cache holding the images' features")
-    c.add_argument("--model", required=True, help="open_clip:ARCH | hf:DIR (a CLIPModel), as for extract")
-    c.add_argument("--weights", default="timm", help="as for extract (random:SEED, a checkpoint; hf: the directory's)")
+    c.add_argument(
+        "--model",
+        default=None,
+        help="open_clip:ARCH | hf:DIR|ORG/NAME (a CLIPModel), as for extract; default: the model recorded for "
+        "--backbone's features (the text tower follows the image tower)",
+    )
+    c.add_argument(
+        "--weights",
+        default=None,
+        help="as for extract (a tag, random:SEED, a checkpoint; hf: the model's own); default: --backbone's recorded",
+    )
     c.add_argument("--dataset", required=True, help="dataset key in the store")
     c.add_argument("--split", default="test", help="split of the captioned images (default test)")
     c.add_argument(

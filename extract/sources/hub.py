@@ -100,7 +100,7 @@ def snapshot(repo_id: str, revision: str | None, *, offline: bool = False, fetch
         raise BackboneError(f"{what}: no such model or revision on the hub ({first})") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise missing(what, fetch or f"--model {what}") from None
-    except Exception as exc:  # noqa: BLE001 - network errors: httpx's and huggingface_hub's many types
+    except Exception as exc:  # network errors: httpx's and huggingface_hub's many types
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise BackboneError(f"cannot download {what} ({type(exc).__name__}: {first}); or pass --offline") from None
     return Path(path)

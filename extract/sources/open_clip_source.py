@@ -85,9 +85,13 @@ def _cached(cfg: dict[str, Any]) -> str | None:
     if cfg.get("hf_hub"):
         from huggingface_hub import try_to_load_from_cache
 
-        repo, fname = os.path.split(cfg["hf_hub"].rstrip("/")) if not cfg["hf_hub"].endswith("/") else (
-            cfg["hf_hub"].rstrip("/"),
-            "open_clip_pytorch_model.bin",
+        repo, fname = (
+            os.path.split(cfg["hf_hub"].rstrip("/"))
+            if not cfg["hf_hub"].endswith("/")
+            else (
+                cfg["hf_hub"].rstrip("/"),
+                "open_clip_pytorch_model.bin",
+            )
         )
         stem = fname.rsplit(".", 1)[0]
         for f in (f"{stem}.safetensors", fname):
@@ -110,12 +114,12 @@ def _create(open_clip: Any, name: str, path: str | None, seed: int | None) -> tu
     if quiet:
         root.addFilter(quiet)
     try:
-        model, _, transform = S.seeded(
-            seed, lambda: open_clip.create_model_and_transforms(name, pretrained=path)
-        )
+        model, _, transform = S.seeded(seed, lambda: open_clip.create_model_and_transforms(name, pretrained=path))
     except RuntimeError as exc:  # a checkpoint of another architecture: strict load_state_dict
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise BackboneError(f"{path} does not fit open_clip:{name} ({first}); pass the checkpoint of this architecture") from None
+        raise BackboneError(
+            f"{path} does not fit open_clip:{name} ({first}); pass the checkpoint of this architecture"
+        ) from None
     finally:
         if quiet:
             root.removeFilter(quiet)

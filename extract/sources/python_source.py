@@ -5,7 +5,6 @@ mean/std, 224 px) is used. ``ExtractConfig(model=<nn.Module>)`` goes through :fu
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,9 +44,7 @@ def _check_module(model: Any, name: str) -> None:
     import torch.nn as nn
 
     if not isinstance(model, nn.Module):
-        raise BackboneError(
-            f"{name} must give an nn.Module (or (module, transform)); got {type(model).__name__}"
-        )
+        raise BackboneError(f"{name} must give an nn.Module (or (module, transform)); got {type(model).__name__}")
     if type(model).forward is nn.Module.forward:
         raise BackboneError(f"{name}: {type(model).__name__} has no forward(); it must return a [B, D] tensor")
 
@@ -73,7 +70,10 @@ def from_module(
     more: dict[str, Any] = {}
     if transform is None:
         transform, tcfg = _default_transform(input_size, pre_resize, resize)
-        more = {"preprocess": "featcache (timm default eval config)", **{k: tcfg[k] for k in ("crop_pct", "mean", "std")}}
+        more = {
+            "preprocess": "featcache (timm default eval config)",
+            **{k: tcfg[k] for k in ("crop_pct", "mean", "std")},
+        }
         if tcfg.get("pre_resize"):
             more["pre_resize"] = tcfg["pre_resize"]
         if tcfg.get("resize"):
@@ -125,7 +125,9 @@ def _import(mod: str, name: str) -> Any:
     if mod.endswith(".py") or "/" in mod or "\\" in mod:
         path = Path(mod).expanduser()
         if not path.is_file():
-            raise BackboneError(f"python:{name}: no file {str(path)!r} (give python:FILE.py:CALLABLE or MODULE:CALLABLE)")
+            raise BackboneError(
+                f"python:{name}: no file {str(path)!r} (give python:FILE.py:CALLABLE or MODULE:CALLABLE)"
+            )
         spec = importlib.util.spec_from_file_location(path.stem, path)
         if spec is None or spec.loader is None:
             raise BackboneError(f"python:{name}: cannot import {str(path)!r} as a Python file")
@@ -142,7 +144,7 @@ def _call(factory: Any, name: str, seed: int | None) -> Any:
         raise BackboneError(f"python:{name} is a {type(factory).__name__}, not a callable returning an nn.Module")
     try:
         return S.seeded(seed, factory)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit (builtins:exit) and KeyboardInterrupt included
+    except BaseException as exc:  # SystemExit (builtins:exit) and KeyboardInterrupt included
         if isinstance(exc, KeyboardInterrupt):
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:200]

@@ -136,7 +136,9 @@ def build(
         enum = torchvision.models.get_model_weights(name)
     except ValueError:
         raise BackboneError(
-            S.close_names(name, torchvision.models.list_models(), "torchvision model", "torchvision.models.list_models()")
+            S.close_names(
+                name, torchvision.models.list_models(), "torchvision model", "torchvision.models.list_models()"
+            )
         ) from None
     member = _enum_weights(enum, weights, name)
     transform = (member or enum.DEFAULT).transforms()  # pyright: ignore[reportAttributeAccessIssue]  # each weights enum has DEFAULT, the WeightsEnum base not
