@@ -18,7 +18,7 @@ from featcache.extract import ExtractConfig, create_backbone
 pytest.importorskip("open_clip")
 pytest.importorskip("transformers")
 
-from model_source_fixtures import USER_MODULE, register_tiny_open_clip, save_tiny_hf_clip  # noqa: E402
+from model_source_fixtures import USER_MODULE, register_tiny_open_clip, save_tiny_hf_clip
 
 
 def one_line(exc_info) -> str:
@@ -279,4 +279,3 @@ def test_class_prompts_go_through_the_tower_in_bounded_batches():
     for c, row in zip(classes, got):
         e = F.normalize(torch.stack([table[t.format(c)] for t in templates]), dim=-1).mean(dim=0)
         np.testing.assert_allclose(row, (e / e.norm()).numpy(), atol=1e-6, rtol=0)
-
