@@ -207,7 +207,8 @@ def test_input_size_is_refused_for_a_library_transform_without_naming_python(ass
     with pytest.raises(BackboneError) as e:
         create_backbone(f"open_clip:{assets['oc']}", "random:0", input_size=64)
     msg = one_line(e)
-    assert "uses its library's own preprocessing" in msg and "wrap the model with python:" not in msg
+    assert "uses its library's own preprocessing" in msg
+    assert "wrap the model with python:" not in msg
 
 
 # ------------------------------------------------------------------ python: paths and callables
@@ -215,7 +216,8 @@ def test_python_file_path_is_accepted(tmp_path):
     f = tmp_path / "my_nets.py"
     f.write_text(USER_MODULE)
     bb = create_backbone(f"python:{f}:make", "random:0")
-    assert bb.name == f"python:{f}:make" and bb.feature_dim == 8
+    assert bb.name == f"python:{f}:make"
+    assert bb.feature_dim == 8
 
 
 @pytest.mark.parametrize("spec", ["os:system", "subprocess:Popen", "builtins:exit", "featcache_bad_nets:make_int"])
@@ -247,7 +249,7 @@ def test_split_and_splits_are_one_field():
     from featcache.cli import build_parser
 
     base = {"data": "digits", "cache": "c.zarr"}
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match=r"split=\.\.\.\) is deprecated; use splits="):
         a = ExtractConfig("test_resnet", "random:0", split="test", **base)
     assert a.splits == ExtractConfig("test_resnet", "random:0", splits=("test",), **base).splits == ("test",)
     argv = ["extract", "--model", "test_resnet", "--data", "digits", "--cache", "c.zarr"]
@@ -275,7 +277,8 @@ def test_class_prompts_go_through_the_tower_in_bounded_batches():
     classes = [f"class{i}" for i in range(13)]
     templates = [f"a photo {j} of a {{}}." for j in range(80)]
     got = embed_classes(encode, classes, templates)
-    assert max(sizes) <= PROMPTS_PER_BATCH and sum(sizes) == 13 * 80
+    assert max(sizes) <= PROMPTS_PER_BATCH
+    assert sum(sizes) == 13 * 80
     for c, row in zip(classes, got):
         e = F.normalize(torch.stack([table[t.format(c)] for t in templates]), dim=-1).mean(dim=0)
         np.testing.assert_allclose(row, (e / e.norm()).numpy(), atol=1e-6, rtol=0)

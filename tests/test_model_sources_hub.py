@@ -52,10 +52,14 @@ def test_hf_hub_id_loads_from_the_cache_offline_with_its_revision(clip_dir, hub_
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     bb = create_backbone(f"hf:{REPO}", "dir")
     sha = hashlib.sha256((clip_dir / "model.safetensors").read_bytes()).hexdigest()
-    assert bb.name == f"hf:{REPO}" and bb.default_key == "hf-featcache-test_tiny-clip"
-    assert bb.data_config["hub_id"] == REPO and bb.data_config["revision"] == COMMIT
-    assert bb.data_config["weight_files"] == {"model.safetensors": sha} and bb.weights_sha256 == sha
-    assert bb.data_config["library"] == "transformers" and bb.data_config["library_version"]
+    assert bb.name == f"hf:{REPO}"
+    assert bb.default_key == "hf-featcache-test_tiny-clip"
+    assert bb.data_config["hub_id"] == REPO
+    assert bb.data_config["revision"] == COMMIT
+    assert bb.data_config["weight_files"] == {"model.safetensors": sha}
+    assert bb.weights_sha256 == sha
+    assert bb.data_config["library"] == "transformers"
+    assert bb.data_config["library_version"]
     local = create_backbone(f"hf:{clip_dir}", "dir")
     with torch.inference_mode():
         np.testing.assert_array_equal(bb.embed(_x()).numpy(), local.embed(_x()).numpy())
@@ -68,7 +72,8 @@ def test_offline_miss_is_one_line_with_the_fetch_command(hub_cache, monkeypatch)
     with pytest.raises(WeightsNotFoundError) as e:
         create_backbone("hf:featcache-test/absent", "dir")
     msg = str(e.value)
-    assert "\n" not in msg and "featcache fetch-weights --model hf:featcache-test/absent" in msg
+    assert "\n" not in msg
+    assert "featcache fetch-weights --model hf:featcache-test/absent" in msg
     assert str(hub_cache) in msg
     monkeypatch.delenv("HF_HUB_OFFLINE")
     with pytest.raises(WeightsNotFoundError, match="--offline"):  # the flag, as the variable
@@ -85,7 +90,7 @@ def test_hf_hub_id_downloads_from_a_hub_endpoint(clip_dir, hub_cache, monkeypatc
     assert f"GET /api/models/{REPO}/revision/main" in srv.requests
     assert any(r.endswith(f"/resolve/{COMMIT}/model.safetensors") for r in srv.requests)
     snap = hub_cache / "models--featcache-test--tiny-clip" / "snapshots" / COMMIT
-    for name, src in files.items():
+    for name, _src in files.items():
         assert hashlib.sha256((snap / name).read_bytes()).hexdigest() == srv.sha[name]
     assert (hub_cache / "models--featcache-test--tiny-clip" / "refs" / "main").read_text() == COMMIT
     assert bb.data_config["revision"] == COMMIT
@@ -124,7 +129,8 @@ def test_timm_pretrained_name_loads_from_the_hub_cache_offline(hub_cache, monkey
         == bb.data_config["weight_files"]["model.safetensors"]
         == hashlib.sha256(w.read_bytes()).hexdigest()
     )
-    assert bb.data_config["library"] == "timm" and bb.data_config["library_version"] == timm.__version__
+    assert bb.data_config["library"] == "timm"
+    assert bb.data_config["library_version"] == timm.__version__
     x = torch.randn(2, 3, 160, 160, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         np.testing.assert_array_equal(bb.embed(x).numpy(), ref(x).numpy())
@@ -157,8 +163,53 @@ def test_open_clip_hf_hub_name_loads_from_the_hub_cache_offline(hub_cache, monke
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(hub_cache))
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
     bb = create_backbone("open_clip:hf-hub:featcache-test/tiny-oc", "timm")
-    assert bb.data_config["revision"] == COMMIT and bb.data_config["hub_id"] == "featcache-test/tiny-oc"
+    assert bb.data_config["revision"] == COMMIT
+    assert bb.data_config["hub_id"] == "featcache-test/tiny-oc"
     assert bb.weights_sha256 == hashlib.sha256(wf.read_bytes()).hexdigest()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         np.testing.assert_array_equal(bb.embed(x).numpy(), ref.encode_image(x).numpy())
+
+
+def test_fetch_weights_then_verify_offline(clip_dir, hub_cache, monkeypatch, tmp_path, capsys):
+    """``featcache fetch-weights`` on a connected node (the loopback hub), then ``--verify``
+    offline: the cached bytes' sha256 against the manifest; a changed file is named."""
+    import json
+
+    from featcache.cli import main
+
+    manifest = tmp_path / "weights.json"
+    with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        assert main(["fetch-weights", "--model", f"hf:{REPO}", "--manifest", str(manifest)]) == 0
+    (rec,) = json.loads(manifest.read_text())
+    assert rec["revision"] == COMMIT
+    assert rec["weight_files"] == {"model.safetensors": srv.sha["model.safetensors"]}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["fetch-weights", "--verify", str(manifest)]) == 0
+    assert f"ok hf:{REPO} (dir)" in capsys.readouterr().out
+    snap = hub_cache / "models--featcache-test--tiny-clip" / "snapshots" / COMMIT / "model.safetensors"
+    data = bytearray(snap.read_bytes())
+    data[-1] ^= 1  # one flipped bit in the last weight
+    snap.unlink()
+    snap.write_bytes(bytes(data))
+    assert main(["fetch-weights", "--verify", str(manifest)]) == 1
+    assert "weights_sha256, weight_files differ" in capsys.readouterr().err
+
+
+def test_models_lists_names_and_what_is_cached(clip_dir, hub_cache, monkeypatch, tmp_path, capsys):
+    from featcache.cli import main
+
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(b"not read by the listing")
+    put_in_hub_cache(hub_cache, "timm/test_vit.r160_in1k", {"model.safetensors": w}, COMMIT)
+    put_in_hub_cache(hub_cache, REPO, _files(clip_dir), COMMIT)
+    assert main(["models", "test_*.r160_in1k", "--source", "timm"]) == 0
+    rows = {line.split()[1]: line.split()[-1] for line in capsys.readouterr().out.splitlines()}
+    assert rows["test_vit.r160_in1k"] == "cached"
+    assert rows["test_resnet.r160_in1k"] == "-"
+    assert main(["models", "--cached", "--source", "hf", "--source", "timm"]) == 0
+    out = capsys.readouterr().out.split()
+    assert f"hf:{REPO}" in out
+    assert "test_vit.r160_in1k" in out
+    assert "test_resnet.r160_in1k" not in out
