@@ -240,7 +240,7 @@ def _one_of(usages: list[str]) -> str:
 # --------------------------------------------------------------------------- factory
 
 
-def _hub_record(weights: str, wfile: str | None) -> dict[str, Any]:
+def _hub_record(weights: str, wfile: str | None, sha: str) -> dict[str, Any]:
     """What a hub download records beside timm's data config (``--weights pretrained`` only,
     so the identity of stores made with the other weight sources is unchanged): the hub
     revision, the weight file's sha256 and timm's version."""
@@ -252,7 +252,7 @@ def _hub_record(weights: str, wfile: str | None) -> dict[str, Any]:
 
     return {
         "revision": hub.revision_of(wfile),
-        "weight_files": {Path(wfile).name: _w.file_sha256(wfile)},
+        "weight_files": {Path(wfile).name: sha},
         "library": "timm",
         "library_version": version("timm"),
     }
@@ -331,7 +331,7 @@ def create_backbone(
         p.requires_grad_(trainable)
     base_cfg = resolve_model_data_config(model)
     cfg = make_data_config(base_cfg, input_size=input_size, pre_resize=pre_resize, resize=resize)
-    cfg.update(_hub_record(weights, wfile))
+    cfg.update(_hub_record(weights, wfile, sha))
     dim = int(getattr(model, "head_hidden_size", None) or model.num_features)
     logger.info("backbone %s (%s, sha256 %s..., dim %d) on %s", name, weights, sha[:12], dim, dev)
     return Backbone(

@@ -282,3 +282,21 @@ def test_class_prompts_go_through_the_tower_in_bounded_batches():
     for c, row in zip(classes, got):
         e = F.normalize(torch.stack([table[t.format(c)] for t in templates]), dim=-1).mean(dim=0)
         np.testing.assert_allclose(row, (e / e.norm()).numpy(), atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------ item 5: the text tower follows the backbone
+def test_embed_classes_takes_the_model_from_the_backbones_provenance(assets, tmp_path):
+    from featcache.cli import main
+    from featcache.extract import extract
+    from featcache.store import open_cache
+
+    cache = str(tmp_path / "c.zarr")
+    base = {"cache": cache, "splits": ("test",), "limit": 4, "progress": False, "device": "cpu"}
+    extract(ExtractConfig(f"open_clip:{assets['oc']}", "random:3", "digits", backbone_name="clip", **base))
+    argv = ["embed-classes", "--cache", cache, "--dataset", "digits", "--templates", "simple"]
+    assert main([*argv, "--backbone", "clip"]) == 0  # no --model: the store knows it
+    got = open_cache(cache, "r").load_class_embeddings("digits", backbone="clip")
+    want = [*argv, "--backbone", "ref", "--model", f"open_clip:{assets['oc']}", "--weights", "random:3"]
+    assert main(want) == 0
+    np.testing.assert_array_equal(got, open_cache(cache, "r").load_class_embeddings("digits", backbone="ref"))
+    assert main([*argv, "--backbone", "absent"]) == 1  # one line: extract it first

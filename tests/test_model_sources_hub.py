@@ -213,3 +213,16 @@ def test_models_lists_names_and_what_is_cached(clip_dir, hub_cache, monkeypatch,
     assert f"hf:{REPO}" in out
     assert "test_vit.r160_in1k" in out
     assert "test_resnet.r160_in1k" not in out
+
+
+def test_torchvision_weights_enum_offline_miss_and_unknown_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    with pytest.raises(WeightsNotFoundError) as e:
+        create_backbone("torchvision:resnet18", "IMAGENET1K_V1", offline=True)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "featcache fetch-weights --model torchvision:resnet18 --weights IMAGENET1K_V1" in msg
+    with pytest.raises(
+        FeatcacheError, match=r"has no weights 'IMAGENET1K_V9'; its ResNet18_Weights offers IMAGENET1K_V1"
+    ):
+        create_backbone("torchvision:resnet18", "IMAGENET1K_V9")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from featcache.errors import BackboneError
+from featcache.errors import BackboneError, WeightsNotFoundError
 from featcache.extract import sources as S
 
 _HEADS = ("fc", "classifier", "heads", "head")
@@ -118,7 +118,7 @@ def _download(member: Any, name: str, offline: bool) -> Any:
     path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(member.url))
     if not os.path.isfile(path):
         if hub.is_offline(offline):
-            raise BackboneError(
+            raise WeightsNotFoundError(
                 f"torchvision:{name} weights {member} are not in torch hub's cache ({path}) and downloads are off "
                 f"(--offline / HF_HUB_OFFLINE=1); on a connected machine run `featcache fetch-weights "
                 f"--model torchvision:{name} --weights {member.name}` and copy TORCH_HOME here"
