@@ -12,7 +12,9 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
 
     ExtractConfig.add_arguments(p, optional=("data",))
     # --splits: the field's own name, the same flag as --split (repeatable)
-    p.add_argument("--splits", dest="splits", action="append", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--splits", dest="splits", action="append", default=argparse.SUPPRESS, metavar="SPLITS", help="same as --split"
+    )
     p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
     from featcache.suites import suite_names
 
