@@ -11,10 +11,10 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     from featcache.store.cli import add_storage_option_argument
 
     ExtractConfig.add_arguments(p, optional=("data",))
-    # --splits: the field's own name, the same flag as --split (repeatable)
-    p.add_argument(
-        "--splits", dest="splits", action="append", default=argparse.SUPPRESS, metavar="SPLITS", help="same as --split"
-    )
+    # --splits: the field's own name, a second spelling of the --split flag (one action, one dest)
+    split = next(a for a in p._actions if a.dest == "splits")
+    split.option_strings.append("--splits")
+    p._option_string_actions["--splits"] = split
     p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
     from featcache.suites import suite_names
 
