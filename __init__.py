@@ -35,5 +35,5 @@ __all__ = [
 #: ``open_cache`` (:func:`featcache.store.open_cache`) imports zarr on first use
 __getattr__, __dir__ = lazy_exports(__name__, {"open_cache": "featcache.store.cache"})
 
-#: ``featcache.protocols`` and the other modules that moved into :mod:`featcache.core` still import
+#: ``featcache.core.protocols`` and the other modules that moved into :mod:`featcache.core` still import
 _moved.install()

@@ -23,6 +23,7 @@ Weights are never silently random. Preprocessing always comes from timm's
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import hashlib
 import logging
@@ -135,13 +136,53 @@ def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, 
         where = pcfg.hf_hub_id or pcfg.url
         raise WeightsNotFoundError(
             f"timm weights for {name!r} ({where}) are not in the local cache "
-            f"(HF cache {_w._hf_cache_dir()}, torch hub {_w._torch_hub_dir()}); featcache never "
-            f'downloads. On a connected machine run `python -c "import timm; '
-            f"timm.create_model('{name}', pretrained=True)\"` and copy the cache here (set HF_HOME), "
+            f"(HF cache {_w._hf_cache_dir()}, torch hub {_w._torch_hub_dir()}); weights='timm' never "
+            f"downloads: use weights='pretrained' (timm's own download into the hub cache), or on a connected "
+            f"machine run `featcache fetch-weights --model {name} --weights pretrained` and copy the cache here "
+            "(set HF_HOME), "
             f"or pass a checkpoint path{_package_hint(name)}"
         )
     model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     return model, _w.file_sha256(path), name, str(path)
+
+
+#: ``--offline`` of the create_backbone call in progress (the loaders' signature has no room)
+_OFFLINE: contextvars.ContextVar[bool] = contextvars.ContextVar("featcache_offline", default=False)
+
+
+@register_weights_source("pretrained", usage="pretrained", note="timm's own download, into the hub cache")
+def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
+    """timm's ``pretrained=True`` (its Hugging Face hub download into the standard cache);
+    with ``--offline`` / ``HF_HUB_OFFLINE=1`` only the cache is read."""
+    import timm
+
+    from featcache.extract.sources import hub, store_key
+
+    hub_id = name[len("hf-hub:") :] if name.startswith(("hf-hub:", "hf_hub:")) else None
+    pcfg = None if hub_id else timm.models.get_pretrained_cfg(name)
+    if pcfg is None and hub_id is None:
+        raise WeightsNotFoundError(
+            f"timm has no pretrained weights for {name!r}; see timm.list_pretrained('{name.split('.')[0]}*')"
+        )
+    cfg = {"hf_hub_id": hub_id} if hub_id else pcfg.to_dict()  # pyright: ignore[reportOptionalMemberAccess]
+    path = _w.find_timm_cached_checkpoint(cfg)
+    if path is None and hub.is_offline(_OFFLINE.get()):
+        raise hub.missing(f"timm weights for {name!r}", f"--model {name} --weights pretrained")
+    if path is not None and not hub_id:
+        model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    else:
+        try:
+            model = _new_model(name, keep_head, pretrained=True)
+        except Exception as exc:  # network and hub errors of many types
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise WeightsNotFoundError(
+                f"cannot fetch timm weights for {name!r} ({type(exc).__name__}: {first})"
+            ) from None
+        path = _w.find_timm_cached_checkpoint(cfg)
+    if path is None:
+        raise WeightsNotFoundError(f"timm loaded {name!r} but its weights file is not in the hub cache to hash")
+    key = store_key("hf-hub", hub_id, "") if hub_id else name
+    return model, _w.file_sha256(path), key, str(path)
 
 
 @register_weights_source("random", usage="random:SEED")
@@ -183,7 +224,7 @@ def _resolve_weights(weights: str) -> tuple[WeightsLoader, str]:
             f"got {weights!r}"
         )
     scheme, sep, arg = weights.partition(":")
-    if scheme in _WEIGHTS_SOURCES and (sep or scheme == "timm") and not os.path.exists(weights):
+    if scheme in _WEIGHTS_SOURCES and (sep or scheme in ("timm", "pretrained")) and not os.path.exists(weights):
         return _WEIGHTS_SOURCES[scheme], arg
     if Path(weights).suffix in _w.CHECKPOINT_SUFFIXES or os.path.exists(weights):
         return _file_weights, weights
@@ -200,10 +241,30 @@ def _one_of(usages: list[str]) -> str:
 # --------------------------------------------------------------------------- factory
 
 
+def _hub_record(weights: str, wfile: str | None, sha: str) -> dict[str, Any]:
+    """What a hub download records beside timm's data config (``--weights pretrained`` only,
+    so the identity of stores made with the other weight sources is unchanged): the hub
+    revision, the weight file's sha256 and timm's version."""
+    if weights != "pretrained" or wfile is None:
+        return {}
+    from importlib.metadata import version
+
+    from featcache.extract.sources import hub
+
+    return {
+        "revision": hub.revision_of(wfile),
+        "weight_files": {Path(wfile).name: sha},
+        "library": "timm",
+        "library_version": version("timm"),
+    }
+
+
 def check_model_name(name: str) -> None:
     """Raise :class:`BackboneError` with close suggestions if timm does not know ``name``."""
     import timm
 
+    if isinstance(name, str) and name.startswith(("hf-hub:", "hf_hub:", "local-dir:")):
+        return
     arch = timm.models.split_model_name_tag(name)[0] if isinstance(name, str) else name
     if isinstance(name, str) and timm.is_model(arch):
         return
@@ -222,6 +283,8 @@ def create_backbone(
     pre_resize: int | None = None,
     trainable: bool = False,
     resize: str | None = None,
+    trust_remote_code: bool = False,
+    offline: bool = False,
 ) -> Backbone:
     """Build timm model ``name`` with ``weights`` and its eval preprocessing.
 
@@ -232,25 +295,44 @@ def create_backbone(
     ``data_config``. The model is in eval mode with ``requires_grad=False`` unless ``trainable``.
 
     ``name`` may name another model source (``open_clip:ARCH``, ``torchvision:NAME``,
-    ``hf:DIR``, ``python:MODULE:CALLABLE``, see :mod:`featcache.extract.sources`) or be an
-    ``nn.Module``; a bare name (or ``timm:NAME``) is a timm model.
+    ``hf:DIR|ORG/NAME[@REV]``, ``python:MODULE:CALLABLE``, see :mod:`featcache.extract.sources`)
+    or be an ``nn.Module``; a bare name (or ``timm:NAME``) is a timm model. ``offline`` (or
+    ``HF_HUB_OFFLINE=1``): read only the caches; ``trust_remote_code``: let ``hf:`` run a
+    model folder's own Python code.
     """
     from featcache.extract import sources
 
     source, name = sources.parse_model(name)
     if source != "timm":
-        return _other_source(source, name, weights, keep_head, device, input_size, pre_resize, trainable, resize)
+        return _other_source(
+            source,
+            name,
+            weights,
+            keep_head,
+            device,
+            input_size,
+            pre_resize,
+            trainable,
+            resize,
+            trust_remote_code=trust_remote_code,
+            offline=offline,
+        )
     from timm.data.config import resolve_model_data_config
 
     check_model_name(name)
     loader, arg = _resolve_weights(weights)
-    model, sha, key, wfile = loader(name, arg, keep_head)
+    token = _OFFLINE.set(offline)
+    try:
+        model, sha, key, wfile = loader(name, arg, keep_head)
+    finally:
+        _OFFLINE.reset(token)
     dev = backbone_device(device)
     model = model.to(dev).eval()
     for p in model.parameters():
         p.requires_grad_(trainable)
     base_cfg = resolve_model_data_config(model)
     cfg = make_data_config(base_cfg, input_size=input_size, pre_resize=pre_resize, resize=resize)
+    cfg.update(_hub_record(weights, wfile, sha))
     dim = int(getattr(model, "head_hidden_size", None) or model.num_features)
     logger.info("backbone %s (%s, sha256 %s..., dim %d) on %s", name, weights, sha[:12], dim, dev)
     return Backbone(
@@ -278,19 +360,27 @@ def _other_source(
     pre_resize: Any,
     trainable: bool,
     resize: Any,
+    **options: Any,
 ) -> Backbone:
+    """A non-timm source; ``input_size``/``pre_resize``/``resize`` apply where featcache builds
+    the preprocessing (a ``python:`` factory or module without a transform), else refused."""
     from featcache.extract import sources
 
-    given = [f for f, v in (("input_size", input_size), ("pre_resize", pre_resize), ("keep_head", keep_head)) if v]
+    given = [f for f, v in (("input_size", input_size), ("pre_resize", pre_resize)) if v]
     if resize not in (None, "timm"):
         given.append("resize")
-    if given:
-        raise BackboneError(
-            f"{', '.join(given)} apply to timm models only; model source {source!r} uses its library's "
-            "own preprocessing (drop the option, or wrap the model with python:MODULE:CALLABLE and a transform)"
-        )
+    if keep_head:
+        raise BackboneError(f"keep_head applies to timm models only; model source {source!r} has no classifier head")
+    sizes = {"input_size": input_size, "pre_resize": pre_resize, "resize": resize}
     if source == "module":
         from featcache.extract.sources.python_source import from_module
 
-        return from_module(name, weights, device=device, trainable=trainable)
-    return sources.builder(source)(name, weights, device=device, trainable=trainable)
+        return from_module(name, weights, device=device, trainable=trainable, **sizes)
+    if source == "python":
+        return sources.builder(source)(name, weights, device=device, trainable=trainable, **sizes, **options)
+    if given:
+        raise BackboneError(
+            f"{', '.join(given)} apply to timm models and to python: factories without a transform; model source "
+            f"{source!r} uses its library's own preprocessing (drop the option)"
+        )
+    return sources.builder(source)(name, weights, device=device, trainable=trainable, **options)

@@ -85,7 +85,7 @@ def read_captions(spec: str, split: str) -> dict[str, list[str]]:
 def run(
     cache_path: str,
     model: Any,
-    weights: str,
+    weights: str | None,
     dataset: str,
     split: str,
     captions: str,
@@ -111,7 +111,17 @@ def run(
             f"{len(missing)} captioned images are not in {dataset}/{split} of the store (e.g. {missing[0]!r}); "
             "extract the same images (same --data) first"
         )
-    bb = create_backbone(model, weights, device=device)  # after the captions are read and matched
+    want_sha = None
+    if model is None:
+        from featcache.extract.text import recorded_model
+
+        model, weights, want_sha = recorded_model(cache, dataset, backbone)
+    bb = create_backbone(model, weights or "timm", device=device)  # after the captions are read and matched
+    if want_sha is not None and bb.weights_sha256 != want_sha:
+        raise DataError(
+            f"backbone {backbone!r} was extracted with weights sha256 {want_sha[:12]}... but {model} now has "
+            f"{bb.weights_sha256[:12]}...; give --model and --weights of the same weights"
+        )
     if bb.text_tower is None:
         raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
     image_ids = [i for i, cs in caps.items() for _ in cs]

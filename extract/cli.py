@@ -11,6 +11,10 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     from featcache.store.cli import add_storage_option_argument
 
     ExtractConfig.add_arguments(p, optional=("data",))
+    # --splits: the field's own name, a second spelling of the --split flag (one action, one dest)
+    split = next(a for a in p._actions if a.dest == "splits")
+    split.option_strings.append("--splits")
+    p._option_string_actions["--splits"] = split
     p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
     from featcache.suites import suite_names
 
@@ -153,6 +157,36 @@ def run_embed_captions(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_models(args: argparse.Namespace) -> int:
+    """``featcache models``: the names each installed source offers, and whether cached."""
+    from featcache.extract.catalog import SOURCES, list_models
+
+    n = 0
+    for e in list_models(args.pattern, args.source or SOURCES):
+        if args.cached and not e.cached:
+            continue
+        print(f"{e.source:<12} {e.model:<48} {e.weights:<32} {'cached' if e.cached else '-'}")
+        n += 1
+    if not n:
+        print(f"no model matches {args.pattern!r}" + (" in the caches" if args.cached else ""))
+    return 0
+
+
+def run_fetch_weights(args: argparse.Namespace) -> int:
+    """``featcache fetch-weights``: pre-fetch models (connected), or ``--verify`` them offline."""
+    from featcache.extract import catalog
+
+    if args.verify:
+        for r in catalog.verify(args.verify):
+            print(f"ok {r['model']} ({r['weights']}): sha256 {r['weights_sha256'][:16]} revision {r['revision']}")
+        return 0
+    for r in catalog.fetch(catalog.check_items(args.model, args.weights, args.list), args.manifest):
+        print(f"fetched {r['model']} ({r['weights']}): sha256 {r['weights_sha256'][:16]} revision {r['revision']}")
+    if args.manifest:
+        print(f"manifest {args.manifest}: verify offline with featcache fetch-weights --verify {args.manifest}")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("extract", help="run a backbone over a dataset into the feature cache")
     add_extract_arguments(p)
@@ -161,8 +195,17 @@ def register(sub) -> None:
         "embed-classes", help="class embeddings from a backbone's text tower (zeroshot, --head-init text)"
     )
     e.add_argument("--cache", required=True, help="feature cache holding --dataset")
-    e.add_argument("--model", required=True, help="open_clip:ARCH | hf:DIR (a CLIPModel), as for extract")
-    e.add_argument("--weights", default="timm", help="as for extract (random:SEED, a checkpoint; hf: the directory's)")
+    e.add_argument(
+        "--model",
+        default=None,
+        help="open_clip:ARCH | hf:DIR|ORG/NAME (a CLIPModel), as for extract; default: the model recorded for "
+        "--backbone's features (the text tower follows the image tower)",
+    )
+    e.add_argument(
+        "--weights",
+        default=None,
+        help="as for extract (a tag, random:SEED, a checkpoint; hf: the model's own); default: --backbone's recorded",
+    )
     e.add_argument("--dataset", required=True, help="dataset key in the store (its class names are embedded)")
     e.add_argument(
         "--templates",
@@ -193,8 +236,17 @@ def register(sub) -> None:
         "embed-captions", help="caption embeddings from a backbone's text tower (featcache retrieve-text)"
     )
     c.add_argument("--cache", required=True, help="feature cache holding the images' features")
-    c.add_argument("--model", required=True, help="open_clip:ARCH | hf:DIR (a CLIPModel), as for extract")
-    c.add_argument("--weights", default="timm", help="as for extract (random:SEED, a checkpoint; hf: the directory's)")
+    c.add_argument(
+        "--model",
+        default=None,
+        help="open_clip:ARCH | hf:DIR|ORG/NAME (a CLIPModel), as for extract; default: the model recorded for "
+        "--backbone's features (the text tower follows the image tower)",
+    )
+    c.add_argument(
+        "--weights",
+        default=None,
+        help="as for extract (a tag, random:SEED, a checkpoint; hf: the model's own); default: --backbone's recorded",
+    )
     c.add_argument("--dataset", required=True, help="dataset key in the store")
     c.add_argument("--split", default="test", help="split of the captioned images (default test)")
     c.add_argument(
@@ -206,3 +258,28 @@ def register(sub) -> None:
     c.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
     c.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     c.set_defaults(func=run_embed_captions)
+    m = sub.add_parser("models", help="list/search the model names each installed source offers, and what is cached")
+    m.add_argument(
+        "pattern", nargs="?", default="*", help="a substring or fnmatch pattern (e.g. 'vit_small*', 'ViT-B-32')"
+    )
+    m.add_argument("--source", action="append", help="timm | open_clip | torchvision | hf (repeatable; default all)")
+    m.add_argument("--cached", action="store_true", help="only names whose weights are in the local caches")
+    m.set_defaults(func=run_models)
+    f = sub.add_parser(
+        "fetch-weights", help="download models into their libraries' caches ahead of time; --verify them offline"
+    )
+    f.add_argument("--model", action="append", help="as for extract (repeatable)")
+    f.add_argument(
+        "--weights",
+        action="append",
+        help="one per --model, in order (default: timm pretrained, torchvision DEFAULT, hf the repo's own)",
+    )
+    f.add_argument("--list", default=None, help="a file with 'MODEL [WEIGHTS]' per line")
+    f.add_argument("--manifest", default=None, help="write what was fetched (revision, sha256 per file) to this JSON")
+    f.add_argument(
+        "--verify",
+        default=None,
+        metavar="MANIFEST",
+        help="offline: rebuild each entry from the caches and check its sha256",
+    )
+    f.set_defaults(func=run_fetch_weights)

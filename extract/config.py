@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from featcache.core import configs
-from featcache.core.configs import Interval, Matches, OneOf, flag
+from featcache.core.configs import Interval, Matches, OneOf, flag, renamed_kwargs
 from featcache.core.devices import PRECISION_ALIASES, PRECISIONS
 from featcache.errors import ConfigError
 from featcache.extract.readers import format_help
@@ -47,6 +47,7 @@ def _csv(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
+@renamed_kwargs(split="splits")
 @dataclass(frozen=True)
 class ExtractConfig:
     """Everything one extraction needs; :func:`featcache.extract.pipeline.extract` takes it.
@@ -59,7 +60,12 @@ class ExtractConfig:
     weights: str = flag("timm", weights_help)
     data: str = flag("digits", format_help, required=True)
     splits: tuple[str, ...] | None = flag(
-        None, "split(s) to extract (repeatable; default: all)", name="--split", metavar="SPLITS", action="append"
+        None,
+        "split(s) to extract (repeatable; default: all; --splits is the same flag, "
+        "ExtractConfig(split=...) the same field)",
+        name="--split",
+        metavar="SPLITS",
+        action="append",
     )
     cache: str = flag("featcache.zarr", "feature cache root (local path or fsspec URL)", required=True)
     dataset_name: str | None = flag(None, "dataset key in the store (default: derived from --data)")
@@ -134,6 +140,17 @@ class ExtractConfig:
     follow_symlinks: bool = flag(
         False, "imagefolder: read symlinks that point outside the folder (else invalid rows)", action="store_true"
     )
+    offline: bool = flag(
+        False,
+        "read models and weights only from the local caches (as HF_HUB_OFFLINE=1); a missing one is named "
+        "with the featcache fetch-weights command that fetches it",
+        action="store_true",
+    )
+    trust_remote_code: bool = flag(
+        False,
+        "hf: let a model folder run its own Python code (auto_map in config.json); off by default",
+        action="store_true",
+    )
     write: bool = flag(True, "write to the store (False: benchmark everything but the writes)", cli=False)
     progress: bool = flag(True, "hide the progress bar", negate="--no-progress")
     storage_options: Mapping[str, Any] | None = flag(None, "fsspec options", cli=False)
@@ -158,6 +175,10 @@ class ExtractConfig:
 
         if self.model is None or (isinstance(self.model, str) and not self.model):
             bad("--model", repr(self.model), "give a timm model name")
+        if isinstance(self.model, str):
+            from featcache.extract.sources import parse_model
+
+            parse_model(self.model)  # an unknown SOURCE: prefix: one line before anything is read
         configs.check_fields(self)
         limits = self.limit.items() if isinstance(self.limit, Mapping) else [("", self.limit)]
         for split, v in limits:
@@ -189,14 +210,20 @@ class ExtractConfig:
 
     # ------------------------------------------------------------------ recorded settings
     def recorded(self) -> dict[str, Any]:
-        """Settings recorded beside each feature array's provenance (``extra``), as requested."""
-        return {
+        """Settings recorded beside each feature array's provenance (``extra``), as requested
+        (``resize`` where featcache builds the transform: timm models and ``python:``/module
+        models; the other sources preprocess with their library's own)."""
+        from featcache.extract.sources import parse_model
+
+        out = {
             "precision_requested": self.amp,
             "backend": self.backend,
             "exif_transpose": self.exif_transpose,
             "max_image_pixels": self.max_image_pixels,
-            "resize": self.resize,
         }
+        if parse_model(self.model)[0] in ("timm", "python", "module"):
+            out["resize"] = self.resize
+        return out
 
 
 def check_store_key(name: str, flag: str = "--dataset-name") -> str:

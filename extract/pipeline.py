@@ -159,6 +159,8 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         input_size=cfg.input_size,
         pre_resize=cfg.pre_resize,
         resize=cfg.resize,
+        offline=cfg.offline,
+        trust_remote_code=cfg.trust_remote_code,
     )
     dev = bb.device
     rank, world, own_group = init_dist(dev)

@@ -35,24 +35,36 @@ __all__ = ["TEMPLATE_SETS", "embed_classes", "load_templates", "run", "templates
 
 logger = logging.getLogger(__name__)
 
-CLASSES_PER_BATCH = 10  # as open_clip's build_zero_shot_classifier
+#: prompts per text-tower forward: the activations of one forward, not of a class batch
+#: (open_clip's build_zero_shot_classifier runs 10 classes x all templates, 800 prompts with
+#: CLIP's 80), stay near the tower's own size
+PROMPTS_PER_BATCH = 64
 
 
 def embed_classes(
-    encode: Callable[[list[str]], Any], class_names: Sequence[str], templates: Sequence[str]
+    encode: Callable[[list[str]], Any],
+    class_names: Sequence[str],
+    templates: Sequence[str],
+    batch_size: int = PROMPTS_PER_BATCH,
 ) -> np.ndarray:
-    """``[C, D]`` float32: per class, normalise each prompt's embedding, average, renormalise."""
+    """``[C, D]`` float32: per class, normalise each prompt's embedding, average, renormalise
+    (open_clip's ``build_zero_shot_classifier``), the prompts encoded ``batch_size`` at a time
+    whatever the number of templates."""
     import torch
     import torch.nn.functional as F
 
-    rows = []
-    for i in range(0, len(class_names), CLASSES_PER_BATCH):
-        batch = list(class_names[i : i + CLASSES_PER_BATCH])
-        texts = [t.format(c) for c in batch for t in templates]
+    n_t, total = len(templates), len(class_names) * len(templates)
+    sums: Any = None
+    for i in range(0, total, batch_size):
+        rows = range(i, min(i + batch_size, total))  # prompt j: template j % T of class j // T
+        texts = [templates[j % n_t].format(class_names[j // n_t]) for j in rows]
         with torch.no_grad():
-            e = F.normalize(encode(texts), dim=-1).reshape(len(batch), len(templates), -1).mean(dim=1)
-            rows.append(e / e.norm(dim=1, keepdim=True))
-    return torch.cat(rows).float().cpu().numpy()
+            e = F.normalize(encode(texts).float(), dim=-1).cpu()
+        if sums is None:
+            sums = torch.zeros(len(class_names), e.shape[1], dtype=torch.float32)
+        sums.index_add_(0, torch.as_tensor([j // n_t for j in rows]), e)
+    mean = sums / n_t
+    return (mean / mean.norm(dim=1, keepdim=True)).float().numpy()
 
 
 def write_embeddings(
@@ -75,10 +87,32 @@ def write_embeddings(
     cache.root[f"class_embeddings/{dataset}/{backbone}/{name}"].attrs[TEXT_PROVENANCE_KEY] = prov
 
 
+def recorded_model(cache: Any, dataset: str, backbone: str | None) -> tuple[str, str, str]:
+    """``(model, weights, weights sha256)`` of backbone ``backbone``'s stored features of
+    ``dataset`` (its recorded provenance): the text tower follows the image tower."""
+    if backbone is None:
+        raise ConfigError("give --backbone B (its recorded model and weights are used) or --model and --weights")
+    entries = [(s, k) for b, d, s in cache.entries() if b == backbone and d == dataset for k in cache.kinds(b, d, s)]
+    if not entries:
+        have = sorted({b for b, d, _ in cache.entries() if d == dataset})
+        raise ConfigError(
+            f"--backbone {backbone!r} has no features of {dataset!r} in the store (has {have}); "
+            "extract it first, or give --model and --weights"
+        )
+    split, kind = entries[0]
+    prov = cache.provenance(backbone, dataset, split, kind)
+    if prov.model_name.startswith("module:") or (prov.data_config or {}).get("source") == "module":
+        raise ConfigError(
+            f"backbone {backbone!r} was an nn.Module passed in Python; its model cannot be rebuilt by name: "
+            "give --model and --weights"
+        )
+    return prov.model_name, prov.weights_source, prov.weights_sha256
+
+
 def run(
     cache_path: str,
     model: Any,
-    weights: str,
+    weights: str | None,
     dataset: str,
     templates: str,
     *,
@@ -90,6 +124,8 @@ def run(
     prompt_dataset: str | None = None,
 ) -> tuple[str, np.ndarray]:
     """Embed ``dataset``'s class names with ``model``'s text tower -> ``(backbone key, matrix)``.
+    ``model=None``: the model and weights recorded for ``backbone``'s features of ``dataset``
+    (:func:`recorded_model`), checked by the weights' sha256.
 
     ``classnames``: ``store`` (the store's), ``elevater``, ``clip-benchmark`` or a file; default
     ELEVATER's own with ``templates="elevater"``, CLIP_benchmark's where it names the dataset
@@ -105,7 +141,15 @@ def run(
     pd = prompt_dataset or dataset
     classes = _class_names(classnames, templates, pd, stored)  # bad names/templates fail before the model
     tmpl = load_templates(templates, pd)
-    bb = create_backbone(model, weights, device=device)
+    want_sha = None
+    if model is None:
+        model, weights, want_sha = recorded_model(cache, dataset, backbone)
+    bb = create_backbone(model, weights or "timm", device=device)
+    if want_sha is not None and bb.weights_sha256 != want_sha:
+        raise SchemaMismatchError(
+            f"backbone {backbone!r} was extracted with weights sha256 {want_sha[:12]}... but {model} "
+            f"({weights}) now has {bb.weights_sha256[:12]}...; give --model and --weights of the same weights"
+        )
     if bb.text_tower is None:
         raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
     m = embed_classes(bb.text_tower.encode, classes, tmpl)

@@ -240,3 +240,108 @@ if __name__ == "__main__":
     import sys
 
     _torchrun_main(*sys.argv[1:3])
+
+
+# ------------------------------------------------------------------ the Hugging Face hub, offline
+def put_in_hub_cache(cache: Path, repo: str, files: dict[str, Path], commit: str, ref: str = "main") -> Path:
+    """Files laid out as ``huggingface_hub`` caches a model repo: ``models--ORG--NAME/blobs/<sha256>``,
+    ``snapshots/<commit>/<name>`` (a copy; the hub links to the blob) and ``refs/<ref>``."""
+    import hashlib
+    import shutil
+
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True, exist_ok=True)
+    for name, src in files.items():
+        blob = root / "blobs" / hashlib.sha256(src.read_bytes()).hexdigest()
+        shutil.copyfile(src, blob)
+        shutil.copyfile(src, snap / name)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+    return snap
+
+
+class HubServer:
+    """A loopback HTTP server serving one model repo in the hub's layout, as ``huggingface_hub``
+    reads it: ``GET /api/models/{repo}/revision/{rev}`` (id, sha), ``GET /api/models/{repo}/tree/{rev}``
+    (the file list) and ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with the headers its
+    ``get_hf_file_metadata`` reads (``X-Repo-Commit``, ``ETag``: the sha256 of an LFS file,
+    ``Content-Length``). ``requests``: the paths asked for."""
+
+    def __init__(self, repo: str, files: dict[str, Path], commit: str):
+        import hashlib
+        import http.server
+        import threading
+
+        self.repo, self.commit, self.requests = repo, commit, []
+        self.files = {n: p.read_bytes() for n, p in files.items()}
+        self.sha = {n: hashlib.sha256(b).hexdigest() for n, b in self.files.items()}
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _send(self, code, body=b"", headers=None, head=False):
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+            def _route(self, head):
+                path = self.path.split("?", 1)[0]
+                server.requests.append(f"{self.command} {path}")
+                api = f"/api/models/{server.repo}/"
+                if path.startswith(api + "revision/"):
+                    body = json.dumps(
+                        {"id": server.repo, "sha": server.commit, "siblings": [{"rfilename": n} for n in server.files]}
+                    ).encode()
+                    return self._send(200, body, {"Content-Type": "application/json"}, head)
+                if path.startswith(api + "tree/"):
+                    body = json.dumps(
+                        [
+                            {
+                                "type": "file",
+                                "path": n,
+                                "size": len(b),
+                                "oid": hashlib.sha1(b).hexdigest(),
+                                "lfs": {"oid": server.sha[n], "size": len(b), "pointerSize": 134},
+                            }
+                            for n, b in server.files.items()
+                        ]
+                    ).encode()
+                    return self._send(200, body, {"Content-Type": "application/json"}, head)
+                prefix = f"/{server.repo}/resolve/"
+                if path.startswith(prefix):
+                    name = path[len(prefix) :].split("/", 1)[1]
+                    if name in server.files:
+                        hdr = {
+                            "X-Repo-Commit": server.commit,
+                            "ETag": f'"{server.sha[name]}"',
+                            "Content-Type": "application/octet-stream",
+                        }
+                        return self._send(200, server.files[name], hdr, head)
+                    return self._send(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": server.commit}, head)
+                return self._send(404, b"", {"X-Error-Code": "RepoNotFound"}, head)
+
+            def do_GET(self):
+                self._route(False)
+
+            def do_HEAD(self):
+                self._route(True)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -158,8 +158,8 @@ def test_missing_extra_names_the_pip_install(monkeypatch):
 def test_timm_options_are_refused_for_other_sources(models):
     from featcache.errors import BackboneError
 
-    with pytest.raises(BackboneError, match="input_size apply to timm models only"):
-        create_backbone(models["module"][0], "timm", input_size=64)
+    with pytest.raises(BackboneError, match="input_size apply to timm models and to python: factories without"):
+        create_backbone(models["torchvision"][0], "random:0", input_size=64)
 
 
 @pytest.mark.slow

@@ -97,7 +97,32 @@ def parse_model(model: Any) -> tuple[str, Any]:
         if not rest:
             raise BackboneError(f"--model {model!r} names no model after '{prefix}:'")
         return prefix, rest
+    if sep and prefix not in TIMM_PREFIXES:
+        raise BackboneError(unknown_source(prefix))
     return "timm", model
+
+
+#: ``--model`` prefixes timm itself reads (``hf-hub:ORG/NAME``, ``local-dir:DIR``)
+TIMM_PREFIXES = ("hf-hub", "hf_hub", "local-dir")
+
+
+def unknown_source(prefix: str) -> str:
+    """One line: the unknown source, the registered ones and the close matches."""
+    import difflib
+
+    known = ["timm", *_SOURCES]
+    close = difflib.get_close_matches(prefix, [*known, *TIMM_PREFIXES], n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(f'{c}:' for c in close)}?" if close else ""
+    return f"unknown model source {prefix!r} ({', '.join(known)}){hint}"
+
+
+def close_names(name: str, names: Any, what: str, listing: str) -> str:
+    """One line: ``name`` is not among ``names`` (a library's list), with close matches."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(names), n=6, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else f"see {listing}"
+    return f"unknown {what} {name!r}; {hint}"
 
 
 def builder(source: str) -> SourceBuilder:
@@ -140,9 +165,13 @@ def seed_of(weights: str, source: str) -> int | None:
         raise BackboneError(f"random weights need an integer seed, e.g. 'random:0'; got {weights!r}") from None
 
 
-def load_weights(model: Any, weights: str, source: str, name: str) -> tuple[str, str, str | None]:
+def load_weights(
+    model: Any, weights: str, source: str, name: str, *, drop: tuple[str, ...] = ()
+) -> tuple[str, str, str | None]:
     """Apply ``weights`` (a ``random:SEED`` model is built seeded by the caller; a checkpoint
-    path is loaded strictly) -> ``(sha256, key tag, weights file)``."""
+    path is loaded strictly) -> ``(sha256, key tag, weights file)``. ``drop``: module paths
+    replaced by ``Identity`` (a classifier) whose checkpoint keys are dropped, as timm drops
+    the classifier of a ``num_classes=0`` model."""
     from pathlib import Path
 
     from featcache.extract import weights as _w
@@ -153,6 +182,7 @@ def load_weights(model: Any, weights: str, source: str, name: str) -> tuple[str,
     p = Path(weights).expanduser()
     if p.is_file():
         sd = _w.unwrap_state_dict(_w.read_state_dict(p), str(p))
+        sd = {k: v for k, v in sd.items() if not any(k == d or k.startswith(d + ".") for d in drop)}
         missing, unexpected = model.load_state_dict(sd, strict=False)
         if missing or unexpected:
             raise BackboneError(
@@ -161,8 +191,8 @@ def load_weights(model: Any, weights: str, source: str, name: str) -> tuple[str,
             )
         return _w.file_sha256(p), f"@{p.stem}", str(p)
     raise BackboneError(
-        f"{source}:{name} needs weights='random:SEED' or a checkpoint file (.pth/.safetensors); "
-        f"got {weights!r} (featcache never downloads)"
+        f"{source}:{name} needs weights='random:SEED', a checkpoint file (.pth/.safetensors) or one of "
+        f"the library's own weight names; got {weights!r}"
     )
 
 
@@ -226,6 +256,38 @@ for _name, _usage, _note in (
     register_source(_name, f"featcache.extract.sources.{_name}_source", usage=_usage, note=_note)
 
 
+def describe(out: Any) -> str:
+    """What a forward returned, in a few words (``tuple``, ``4-D tensor [2, 8, 3, 3]``)."""
+    import torch
+
+    if torch.is_tensor(out):
+        return f"{out.ndim}-D tensor {list(out.shape)}"
+    return type(out).__name__
+
+
+def probe_width(features_fn: Callable[[Any, Any], dict[str, Any]], x: Any, name: str) -> int:
+    """The feature width from one forward of a 2-image batch, refusing in one line anything
+    but a ``[B, D]`` tensor (a tuple, a dict, a feature map) and a forward that fails."""
+    import torch
+
+    try:
+        out = features_fn(x, ["pooled"])["pooled"]
+    except NotImplementedError as exc:  # nn.Module without forward
+        raise BackboneError(f"{name} has no forward(); it must return a [B, D] tensor ({exc})") from None
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise BackboneError(
+            f"{name} fails on a [2, {', '.join(map(str, x.shape[1:]))}] batch ({type(exc).__name__}: {first}); "
+            "it must take preprocessed images and return a [B, D] tensor"
+        ) from None
+    if not torch.is_tensor(out) or out.ndim != 2 or out.shape[0] != x.shape[0]:
+        raise BackboneError(
+            f"{name} must return a [B, D] tensor; got {describe(out)} (pool or flatten inside the module, "
+            "e.g. return features.flatten(1), or return the tensor out of a tuple/dict)"
+        )
+    return int(out.shape[-1])
+
+
 def finish(
     *,
     source: str,
@@ -243,6 +305,7 @@ def finish(
     wfile: str | None,
     text_tower: Any = None,
     input_size: Any = None,
+    key_name: str | None = None,
     **more: Any,
 ) -> Any:
     """The :class:`Backbone` of a non-timm source: eval mode, ``requires_grad=trainable``,
@@ -259,7 +322,7 @@ def finish(
     size = tuple(input_size) if input_size is not None else input_size_of(transform)
     cfg = data_config(source, name, library, size, transform, **more)
     with torch.inference_mode():
-        dim = int(features_fn(torch.zeros((1, *size), device=dev), ["pooled"])["pooled"].shape[-1])
+        dim = probe_width(features_fn, torch.zeros((2, *size), device=dev), f"{source}:{name}")
     return Backbone(
         name=f"{source}:{name}",
         model=model,
@@ -268,7 +331,7 @@ def finish(
         weights_source=weights,
         weights_sha256=sha,
         feature_dim=dim,
-        default_key=store_key(source, name, tag),
+        default_key=store_key(source, key_name or name, tag),
         weights_file=wfile,
         device=dev,
         features_fn=features_fn,

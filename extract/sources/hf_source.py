@@ -12,6 +12,7 @@ from typing import Any
 
 from featcache.errors import BackboneError
 from featcache.extract import sources as S
+from featcache.extract import weights as _w
 
 KINDS = ("pooled", "pooler", "cls", "tokens_mean")
 
@@ -57,24 +58,77 @@ def _size(processor: Any) -> tuple[int, int, int]:
     return (3, int(h), int(w))
 
 
-def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = False, **_: Any) -> Any:
-    transformers = S.require("transformers", "hf")
+def _locate(name: str, offline: bool) -> tuple[Path, dict[str, Any]]:
+    """The model folder of ``hf:DIR`` or ``hf:ORG/NAME[@REVISION]`` (a hub id, read through
+    ``huggingface_hub`` into its cache) and what to record of it."""
+    from featcache.extract.sources import hub
+
     d = Path(name).expanduser()
-    if not (d / "config.json").is_file():
-        raise BackboneError(f"hf:{name} is not a directory written by save_pretrained (no config.json)")
+    if d.is_dir():
+        if not (d / "config.json").is_file():
+            raise BackboneError(f"hf:{name} is not a directory written by save_pretrained (no config.json)")
+        return d, {}
+    if not hub.HUB_ID.match(name):
+        raise BackboneError(
+            f"hf:{name} is neither a directory nor a hub id ORG/NAME[@REVISION] (e.g. hf:openai/clip-vit-base-patch32)"
+        )
+    repo, _, rev = name.partition("@")
+    d = hub.snapshot(repo, rev or None, offline=offline, fetch=f"--model hf:{name}")
+    return d, {"hub_id": repo, "revision": hub.revision_of(str(d) + "/") or rev}
+
+
+def _check_code(d: Path, name: str, trust: bool) -> None:
+    """A folder whose config maps classes to its own Python files runs that code: refused in
+    one line unless ``trust_remote_code``."""
+    import json
+
     try:
-        processor = transformers.AutoImageProcessor.from_pretrained(d, local_files_only=True)
+        auto = json.loads((d / "config.json").read_text()).get("auto_map")
+    except (OSError, ValueError):
+        auto = None
+    if auto and not trust:
+        raise BackboneError(
+            f"hf:{name} ships its own model code ({', '.join(sorted(auto))} in config.json); featcache does not run "
+            "it unless you pass --trust-remote-code (Python: trust_remote_code=True) after reading that code"
+        )
+
+
+def build(
+    name: str,
+    weights: str,
+    *,
+    device: str = "cpu",
+    trainable: bool = False,
+    trust_remote_code: bool = False,
+    offline: bool = False,
+    **_: Any,
+) -> Any:
+    transformers = S.require("transformers", "hf")
+    seed = S.seed_of(weights, "hf")
+    if weights not in ("timm", "dir", "hub") and seed is None:
+        raise BackboneError(
+            f"hf:{name} reads the model's own weights (weights='dir'), or random:SEED for its architecture "
+            f"randomly initialised; got {weights!r}"
+        )
+    d, where = _locate(name, offline)
+    _check_code(d, name, trust_remote_code)
+    trust = {"trust_remote_code": bool(trust_remote_code), "local_files_only": True}
+    try:
+        processor = transformers.AutoImageProcessor.from_pretrained(d, **trust)
     except (OSError, ValueError) as e:
         raise BackboneError(
             f"hf:{name} has no image processor; save one beside the model (processor.save_pretrained({str(d)!r})): {e}"
         ) from None
-    if weights not in ("timm", "dir") and S.seed_of(weights, "hf") is None:
-        raise BackboneError(f"hf:{name} reads the directory's own weights (weights='dir'); got {weights!r}")
-    model = transformers.AutoModel.from_pretrained(d, local_files_only=True)
-    files = sorted(d.glob("*.safetensors")) + sorted(d.glob("*.bin"))
-    from featcache.extract import weights as _w
-
-    sha = S.state_sha256(model) if not files else _w.file_sha256(files[0])
+    files = sorted(d.glob("*.safetensors")) or sorted(d.glob("*.bin"))
+    if seed is not None:  # the architecture of the folder's config, seeded; its weights unread
+        config = transformers.AutoConfig.from_pretrained(d, **trust)
+        model = S.seeded(seed, lambda: transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code))
+        sha, tag, _ = S.load_weights(model, weights, "hf", name)
+        used, files = weights, []
+    else:
+        model = transformers.AutoModel.from_pretrained(d, **trust)
+        where["weight_files"] = {f.name: _w.file_sha256(f) for f in files}
+        sha, tag, used = (where["weight_files"][files[0].name] if files else S.state_sha256(model)), "", "dir"
     is_clip = hasattr(model, "get_image_features")
     vision = model.vision_model if is_clip else model
 
@@ -101,23 +155,25 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
 
     text = None
     if is_clip:
-        text = HFClipText(model, transformers.AutoTokenizer.from_pretrained(d, local_files_only=True), name)
+        text = HFClipText(model, transformers.AutoTokenizer.from_pretrained(d, **trust), name)
     transform = HFProcessorTransform(processor)
     return S.finish(
         source="hf",
-        name=d.name,
+        name=name if "hub_id" in where else str(d.resolve()),
+        key_name=where.get("hub_id") or d.name,
         model=model,
         transform=transform,
-        weights="dir",
+        weights=used,
         device=device,
         trainable=trainable,
         features_fn=features,
         kinds=kinds_all,
         library="transformers",
         sha=sha,
-        tag="",
+        tag=tag,
         wfile=str(files[0]) if files else None,
         input_size=_size(processor),
         text_tower=text,
         model_class=type(model).__name__,
+        **where,
     )

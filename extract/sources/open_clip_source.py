@@ -6,8 +6,10 @@ tower): the mean of block N's patch tokens, from open_clip's own ``visual.forwar
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from featcache.errors import BackboneError
 from featcache.extract import sources as S
 
 
@@ -31,11 +33,145 @@ def _n_blocks(visual: Any) -> int:
     return len(blocks) if blocks is not None and hasattr(visual, "forward_intermediates") else 0
 
 
-def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = False, **_: Any) -> Any:
+def _check_name(open_clip: Any, name: str) -> None:
+    if name.startswith(("hf-hub:", "local-dir:")) or name in open_clip.list_models():
+        return
+    raise BackboneError(
+        S.close_names(name, open_clip.list_models(), "open_clip architecture", "open_clip.list_models()")
+    )
+
+
+def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tuple[str | None, dict[str, Any]]:
+    """The checkpoint file to load and what to record: a path as given, an open_clip pretrained
+    tag (``laion2b_s34b_b79k``) downloaded by open_clip's own ``download_pretrained`` into the
+    hub cache, or None (``random:SEED``; ``hf-hub:`` names, which open_clip loads itself)."""
+    from pathlib import Path
+
+    from featcache.extract.sources import hub
+
+    if S.seed_of(weights, "open_clip") is not None:
+        return None, {}
+    p = Path(weights).expanduser()
+    if p.is_file():
+        return str(p), {}
+    tags = open_clip.list_pretrained_tags_by_model(name)
+    if weights not in tags:
+        hint = f"{name}'s open_clip tags: {', '.join(tags)}" if tags else "open_clip.list_pretrained()"
+        raise BackboneError(
+            f"open_clip:{name} has no pretrained tag or file {weights!r} (see {hint}); or give random:SEED"
+        )
+    cfg = open_clip.get_pretrained_cfg(name, weights)
+    repo = (cfg.get("hf_hub") or "").rstrip("/").rsplit("/", 1)[0] if cfg.get("hf_hub") else None
+    try:
+        if hub.is_offline(offline):
+            path = _cached(cfg)
+            if path is None:
+                raise hub.missing(f"open_clip:{name} ({weights})", f"--model open_clip:{name} --weights {weights}")
+        else:
+            path = open_clip.download_pretrained(cfg, cache_dir=str(hub.hf_cache_dir()) if repo else None)
+    except FileNotFoundError as exc:
+        if isinstance(exc, BackboneError):
+            raise
+        raise BackboneError(f"cannot download open_clip:{name} {weights} ({str(exc)[:200]})") from None
+    return path, {"pretrained_tag": weights, "hub_id": repo, "revision": hub.revision_of(path)}
+
+
+def _cached(cfg: dict[str, Any]) -> str | None:
+    """The cached file of an open_clip pretrained config (hub cache or its url's cache)."""
+    import os
+
+    from featcache.extract.sources import hub
+
+    if cfg.get("hf_hub"):
+        from huggingface_hub import try_to_load_from_cache
+
+        repo, fname = (
+            os.path.split(cfg["hf_hub"].rstrip("/"))
+            if not cfg["hf_hub"].endswith("/")
+            else (
+                cfg["hf_hub"].rstrip("/"),
+                "open_clip_pytorch_model.bin",
+            )
+        )
+        stem = fname.rsplit(".", 1)[0]
+        for f in (f"{stem}.safetensors", fname):
+            hit = try_to_load_from_cache(repo, f, cache_dir=str(hub.hf_cache_dir()))
+            if isinstance(hit, str) and os.path.isfile(hit):
+                return hit
+    if cfg.get("url"):
+        p = os.path.join(os.path.expanduser("~/.cache/clip"), os.path.basename(cfg["url"]))
+        return p if os.path.isfile(p) else None
+    return None
+
+
+def _create(open_clip: Any, name: str, path: str | None, seed: int | None) -> tuple[Any, Any]:
+    """open_clip's ``create_model_and_transforms`` (its own strict checkpoint loading and key
+    conversions); open_clip's "no pretrained weights" warning only where none are loaded."""
+    import logging
+
+    quiet = _DropRandomInitWarning() if path is not None or seed is not None else None
+    root = logging.getLogger()
+    if quiet:
+        root.addFilter(quiet)
+    try:
+        model, _, transform = S.seeded(seed, lambda: open_clip.create_model_and_transforms(name, pretrained=path))
+    except RuntimeError as exc:  # a checkpoint of another architecture: strict load_state_dict
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise BackboneError(
+            f"{path} does not fit open_clip:{name} ({first}); pass the checkpoint of this architecture"
+        ) from None
+    finally:
+        if quiet:
+            root.removeFilter(quiet)
+    return model, transform
+
+
+def _hub_file(repo: str) -> str | None:
+    """The cached weights of an open_clip ``hf-hub:`` repo (as open_clip's loader names them)."""
+    import os
+
+    from huggingface_hub import try_to_load_from_cache
+
+    from featcache.extract.sources import hub
+
+    for f in ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin"):
+        hit = try_to_load_from_cache(repo, f, cache_dir=str(hub.hf_cache_dir()))
+        if isinstance(hit, str) and os.path.isfile(hit):
+            return hit
+    return None
+
+
+class _DropRandomInitWarning:
+    def filter(self, record: Any) -> bool:
+        return "No pretrained weights loaded" not in str(record.getMessage())
+
+
+def build(
+    name: str, weights: str, *, device: str = "cpu", trainable: bool = False, offline: bool = False, **_: Any
+) -> Any:
+    from featcache.extract.sources import hub
+
     open_clip = S.require("open_clip", "open_clip")
+    _check_name(open_clip, name)
     seed = S.seed_of(weights, "open_clip")
-    model, _, transform = S.seeded(seed, lambda: open_clip.create_model_and_transforms(name, pretrained=None))
-    sha, tag, wfile = S.load_weights(model, weights, "open_clip", name)
+    hub_name = name.startswith("hf-hub:")
+    path, more = (None, {}) if hub_name and seed is None else _weights_file(open_clip, name, weights, offline)
+    if hub_name and seed is None and hub.is_offline(offline) and _hub_file(name[7:]) is None:
+        raise hub.missing(f"open_clip:{name}", f"--model open_clip:{name}")
+    model, transform = _create(open_clip, name, path, seed)
+    if hub_name and seed is None:  # open_clip downloaded config and weights itself: record the cached file
+        path = _hub_file(name[7:])
+        more = {"hub_id": name[7:], "revision": hub.revision_of(path)}
+    if seed is not None:
+        sha, tag, wfile = S.load_weights(model, weights, "open_clip", name)
+    elif path is not None:
+        from featcache.extract import weights as _w
+
+        sha, wfile = _w.file_sha256(path), path
+        tag = f"@{more['pretrained_tag']}" if "pretrained_tag" in more else "" if hub_name else f"@{Path(path).stem}"
+        more["weight_files"] = {Path(path).name: sha}
+    else:
+        sha, tag, wfile = S.state_sha256(model), "", None
     size = model.visual.image_size
     size = (3, *(size if isinstance(size, (tuple, list)) else (size, size)))
 
@@ -66,4 +202,5 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         wfile=wfile,
         input_size=size,
         text_tower=OpenClipText(model, open_clip.get_tokenizer(name), name),
+        **{k: v for k, v in more.items() if v is not None},
     )

@@ -1,6 +1,7 @@
 """``torchvision:NAME``: a ``torchvision.models`` builder; the classifier replaced by
-``Identity`` (``pooled`` = the pre-logits features), preprocessing from the default weights
-enum's own ``transforms()`` (no weights are fetched for it). ``stageN_avg``: the spatial (or
+``Identity`` (``pooled`` = the pre-logits features), preprocessing from the weights enum's own
+``transforms()`` (of the named weights, else ``DEFAULT``). ``--weights IMAGENET1K_V2`` (an enum
+member) is downloaded by torchvision into torch hub's cache (``TORCH_HOME``). ``stageN_avg``: the spatial (or
 token) mean of the N-th stage of the trunk (``layer1..layerK``, the children of ``features``,
 ``trunk_output`` or ``encoder.layers``; see :func:`stage_mean`), read with torchvision's own
 ``create_feature_extractor`` in the same forward as ``pooled``."""
@@ -9,10 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from featcache.errors import BackboneError
+from featcache.errors import BackboneError, WeightsNotFoundError
 from featcache.extract import sources as S
 
 _HEADS = ("fc", "classifier", "heads", "head")
+
+
+def head_of(model: Any) -> str:
+    """The attribute holding the model's classifier."""
+    import torch.nn as nn
+
+    for attr in _HEADS:
+        if isinstance(getattr(model, attr, None), nn.Module):
+            return attr
+    raise BackboneError(f"cannot find the classifier of {type(model).__name__} (looked for {', '.join(_HEADS)})")
 
 
 def strip_head(model: Any) -> Any:
@@ -75,17 +86,77 @@ def stage_mean(model: Any) -> Any:
     return avg
 
 
-def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = False, **_: Any) -> Any:
+def _enum_weights(enum: Any, weights: str, name: str) -> Any:
+    """The torchvision weights enum member ``weights`` names (``IMAGENET1K_V2``, ``DEFAULT``,
+    ``ResNet50_Weights.IMAGENET1K_V2``), or None for random/checkpoint weights."""
+    from pathlib import Path
+
+    from featcache.extract.weights import CHECKPOINT_SUFFIXES
+
+    p = Path(weights).expanduser()
+    if S.seed_of(weights, "torchvision") is not None or p.suffix in CHECKPOINT_SUFFIXES or p.exists():
+        return None
+    owner, _, tag = weights.rpartition(".")
+    members = {m.name: m for m in enum}
+    if owner in ("", enum.__name__) and (tag in members or tag == "DEFAULT"):
+        return enum.DEFAULT if tag == "DEFAULT" else members[tag]
+    raise BackboneError(
+        f"torchvision:{name} has no weights {weights!r}; its {enum.__name__} offers {', '.join(members)} "
+        "(or DEFAULT), else give random:SEED or a checkpoint file"
+    )
+
+
+def _download(member: Any, name: str, offline: bool) -> Any:
+    """The enum's checkpoint through torch hub's own cache (``TORCH_HOME/hub/checkpoints``):
+    ``member.get_state_dict`` downloads it unless cached; offline, only the cache is read."""
+    import os
+
+    import torch
+
+    from featcache.extract.sources import hub
+
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(member.url))
+    if not os.path.isfile(path):
+        if hub.is_offline(offline):
+            raise WeightsNotFoundError(
+                f"torchvision:{name} weights {member} are not in torch hub's cache ({path}) and downloads are off "
+                f"(--offline / HF_HUB_OFFLINE=1); on a connected machine run `featcache fetch-weights "
+                f"--model torchvision:{name} --weights {member.name}` and copy TORCH_HOME here"
+            )
+        member.get_state_dict(progress=False, check_hash=True)
+    return path
+
+
+def build(
+    name: str, weights: str, *, device: str = "cpu", trainable: bool = False, offline: bool = False, **_: Any
+) -> Any:
     import torchvision
 
     try:
         enum = torchvision.models.get_model_weights(name)
     except ValueError:
-        raise BackboneError(f"unknown torchvision model {name!r}; see torchvision.models.list_models()") from None
-    transform = enum.DEFAULT.transforms()  # pyright: ignore[reportAttributeAccessIssue]  # each weights enum has DEFAULT, the WeightsEnum base not
+        raise BackboneError(
+            S.close_names(
+                name, torchvision.models.list_models(), "torchvision model", "torchvision.models.list_models()"
+            )
+        ) from None
+    member = _enum_weights(enum, weights, name)
+    transform = (member or enum.DEFAULT).transforms()  # pyright: ignore[reportAttributeAccessIssue]  # each weights enum has DEFAULT, the WeightsEnum base not
     seed = S.seed_of(weights, "torchvision")
-    model = strip_head(S.seeded(seed, lambda: torchvision.models.get_model(name, weights=None)))
-    sha, tag, wfile = S.load_weights(model, weights, "torchvision", name)
+    more: dict[str, Any] = {}
+    if member is not None:  # torchvision's own builder with its weights (read from torch hub's cache)
+        from featcache.extract import weights as _w
+
+        path = _download(member, name, offline)
+        model = torchvision.models.get_model(name, weights=member)
+        sha, tag, wfile = _w.file_sha256(path), f"@{member.name}", path
+        more = {"weights_enum": str(member), "weights_url": member.url}
+    else:
+        model = S.seeded(seed, lambda: torchvision.models.get_model(name, weights=None))
+    head = head_of(model)
+    model = strip_head(model)
+    if member is None:
+        sha, tag, wfile = S.load_weights(model, weights, "torchvision", name, drop=(head,))
     crop = transform.crop_size
     size = (3, int(crop[0]), int(crop[-1]))
 
@@ -118,5 +189,5 @@ def build(name: str, weights: str, *, device: str = "cpu", trainable: bool = Fal
         tag=tag,
         wfile=wfile,
         input_size=size,
-        weights_enum=str(enum.DEFAULT),  # pyright: ignore[reportAttributeAccessIssue]  # as above
+        **more,
     )
