@@ -131,7 +131,7 @@ def test_bob_linear_on_real_features(digits_cache):
     assert (hp["batch_size"], hp["epochs"], hp["steps_per_epoch"]) == (512, 90, n_train // 512)
     assert hp["lr"] == pytest.approx(0.2)
     assert "scaled" not in hp
-    assert top1 > 0.5  # chance 0.1
+    assert top1 > 0.5  # chance 0.1; measured 0.6089 (1 thread)
 
 
 def test_shortened_schedule_is_recorded(digits_cache):

@@ -77,7 +77,8 @@ def test_full_protocol_digits_default_grid(digits_cache, tmp_path):
     assert 1e-6 <= hp["C"] <= 1e5
     assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (1212, 135, 1347)
     assert hp["n_invalid"] == {"train": 0, "test": 0}
-    # measured 0.951 for lite0 @112px; a broken probe or selection falls below
+    # a broken probe or selection falls below. Measured margin (of 450 test images):
+    # 1 thread: top1 0.9422, mean_per_class 0.9419, ece 0.0424; 2 threads: the same
     assert _top1(df)[0] > 0.93
     assert df.filter(pl.col("metric") == "mean_per_class")["value"][0] > 0.93
     assert df.filter(pl.col("metric") == "ece")["value"][0] < 0.1
@@ -116,7 +117,8 @@ def test_fewshot_seeds_shots_and_determinism(digits_cache):
     hp = json.loads(top["hparams"][0])
     assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (40, 10, 50)
     assert hp["shots_counted"] == "before-split"
-    assert min(top["value"]) > 0.5  # 5 images per class, lite0: measured ~0.75
+    # 5 images per class; measured seeds 0/1/2: 1 thread 0.6467/0.6556/0.6578, 2 threads the same
+    assert min(top["value"]) > 0.5
     again = run_probes(
         ProbeConfig(digits_cache, LITE0, "digits", "fewshot:5", seeds=[1], Cs=SMALL_GRID, progress=False)
     )
@@ -151,7 +153,7 @@ def test_subset_10pct(digits_cache):
     assert hp["n_subset"] == 135
     assert hp["n_train_final"] == 135
     assert df["train_split"][0] == "train[subset:10%]"
-    assert _top1(df)[0] > 0.72  # 135 images, lite0: measured 0.78
+    assert _top1(df)[0] > 0.72  # 135 images; measured 1 thread 0.7822, 2 threads 0.7822
 
 
 def test_salman_sgd_short_schedule(digits_cache):
@@ -164,7 +166,7 @@ def test_salman_sgd_short_schedule(digits_cache):
     assert hp["batch_size"] == 64
     assert hp["momentum"] == 0.9
     assert hp["weight_decay"] == 5e-4
-    assert _top1(df)[0] > 0.85
+    assert _top1(df)[0] > 0.85  # measured 1 thread 0.8844, 2 threads 0.8844
 
 
 def test_vtab1k_sgd_short_schedule(digits_cache):
@@ -177,7 +179,7 @@ def test_vtab1k_sgd_short_schedule(digits_cache):
     assert hp["lr"] in (0.1, 0.01)
     assert hp["milestones"] == [10, 20, 27]
     assert hp["last_decay"] == 0.9
-    assert _top1(df)[0] > 0.7
+    assert _top1(df)[0] > 0.7  # measured 1 thread 0.8689, 2 threads 0.8689
 
 
 def test_fmnist_full_floor(fmnist_cache):

@@ -56,4 +56,4 @@ def test_salman_protocol_starts_from_the_default_init(digits_cache):
     df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "salman", sgd_epochs=3, progress=False))
     hp = json.loads(df["hparams"][0])
     assert hp["init"] == "torch-default"
-    assert df.filter(df["metric"] == "top1")["value"][0] > 0.8
+    assert df.filter(df["metric"] == "top1")["value"][0] > 0.8  # measured 0.8356 (1 thread, of 450)

@@ -179,7 +179,11 @@ def _check_against_exhaustive(Xt, yt, Xv, yv):
 def test_halving_selects_the_exhaustive_C_on_digits(digits16):
     X, y, tr, va = digits16
     ex, hv = _check_against_exhaustive(X[tr], y[tr], X[va], y[va])
-    assert hv.info["head_iters"] < 0.8 * ex.info["head_iters"]
+    # the iteration counts follow the features, which differ in their float16 roundings from
+    # one machine's extraction to another's: halving / exhaustive head iterations measured
+    # 265/334 = 0.79 on these features and 259/312 = 0.83 on a copy with 2% of the roundings
+    # flipped (the same C selected in both, 1 thread); the old bar 0.8 sat inside that spread
+    assert hv.info["head_iters"] < 0.9 * ex.info["head_iters"]
     again = sweep_C(X[tr], y[tr], X[va], y[va], DEFAULT_CS, backend="torch", sweep="halving")
     assert (again.best_index, again.n_iter, again.info["status"]) == (hv.best_index, hv.n_iter, hv.info["status"])
 
