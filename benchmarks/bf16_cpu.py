@@ -197,7 +197,9 @@ def main() -> None:
         if a.threads:
             torch.set_num_threads(a.threads)
         row = digits_accuracy(a.digits_accuracy, a.batch_size)
-        row.update(cpu_isa=cpu_isa(), uptime=[load, subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()])
+        row.update(
+            cpu_isa=cpu_isa(), uptime=[load, subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+        )
         print(json.dumps(row, indent=1))
         if a.json:
             Path(a.json).write_text(json.dumps(row, indent=1))

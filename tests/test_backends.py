@@ -303,7 +303,7 @@ def test_precision_auto_is_bf16_after_the_recorded_check_and_resumes_like_explic
 def test_a_backbone_whose_bf16_fails_the_check_falls_back_or_is_refused(tmp_path, bf16_cpu):
     from featcache.errors import PrecisionUnavailableError
 
-    kw = {**KW, "batch_size": 8, "chunk_rows": 8, "limit": 8}
+    kw = {k: v for k, v in KW.items() if k != "input_size"} | {"batch_size": 8, "chunk_rows": 8, "limit": 8}
     cache = str(tmp_path / "c.zarr")
     extract(
         ExtractConfig(_HugeRange().eval(), "module", "digits", ["test"], cache, amp="auto", backbone_name="w", **kw)
@@ -313,7 +313,7 @@ def test_a_backbone_whose_bf16_fails_the_check_falls_back_or_is_refused(tmp_path
     assert prov.amp == "none"
     assert not check["passed"]
     assert check["cosine_min"] < 0.9
-    assert prov.extra["precision_reason"].startswith("fp32: _HugeRange's bf16 features disagree with fp32")
+    assert prov.extra["precision_reason"].startswith("fp32: module:_HugeRange's bf16 features disagree with fp32")
     other = str(tmp_path / "d.zarr")
     with pytest.raises(
         PrecisionUnavailableError, match=r"--precision bf16 refused: .* min cosine .* < 0.98 .*--precision fp32"
