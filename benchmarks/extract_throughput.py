@@ -282,6 +282,13 @@ def roofline_rows(args, name: str, root: Path) -> list[dict]:
     rows = []
     for amp in args.precisions:
         for backend in [b for b in args.backends if b in candidates("cpu", "none" if amp == "fp32" else amp)]:
+            if amp == "bf16" and not peak["bf16_hw"] and not args.emulated_bf16:
+                why = (
+                    "no bf16 hardware: extract refuses bf16, and emulated bf16 is far slower (--emulated-bf16 times it)"
+                )
+                rows.append({"model": name, "precision": amp, "backend": backend, "skipped": why, "load": _uptime()})
+                print(f"{name:9s} {amp:4s} {backend:11s} {why}", flush=True)
+                continue
             xb = x[: max(1, args.batch_size // 4)] if amp == "bf16" and not peak["bf16_hw"] else x
             try:
                 startup, bare, fwd = backend_forward(head, backend, amp, xb, args.batches)
@@ -376,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--backends", nargs="+", default=["eager", "onnxruntime", "openvino"],
                    choices=["eager", "compile", "onnxruntime", "openvino"])  # fmt: skip
+    p.add_argument("--emulated-bf16", action="store_true", help="--roofline: time bf16 on a CPU without bf16 too")
     p.add_argument("--batches", type=int, default=2, help="--roofline: timed batches per bare forward")
     p.add_argument("--pipeline-n", type=int, default=32, help="--roofline: images through the pipeline")
     args = p.parse_args(argv)
