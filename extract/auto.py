@@ -217,7 +217,9 @@ def _timed(fn: Callable[[], Any], cuda: bool) -> tuple[Any, float]:
     return out, time.perf_counter() - t
 
 
-def measure(head, x, backends: Sequence[str], amp_dtype, ref: Mapping[str, Any] | None = None) -> tuple[dict, dict]:
+def measure(
+    head: Any, x: Any, backends: Sequence[str], amp_dtype: Any, ref: Mapping[str, Any] | None = None
+) -> tuple[dict, dict]:
     """Build and time each backend on batch ``x`` (first call = build + batch, then the faster
     of two steady batches; start-up = the difference, 0 for eager); ``({backend: BackendCost}, {backend: built forward})``.
     Agreement is against eager's output ``ref`` (computed here when None). A backend that
@@ -256,7 +258,7 @@ def measure(head, x, backends: Sequence[str], amp_dtype, ref: Mapping[str, Any] 
     return costs, built
 
 
-def bf16_agreement(head, x, ok=None, threshold: float = BF16_MIN_COSINE) -> dict[str, Any]:
+def bf16_agreement(head: Any, x: Any, ok: Any = None, threshold: float = BF16_MIN_COSINE) -> dict[str, Any]:
     """The bf16 check: ``head``'s features of batch ``x`` under bf16 autocast against fp32
     (valid rows ``ok``): ``{"cosine_min", "max_abs_diff", "threshold", "rows", "passed"}``."""
     import torch
@@ -290,7 +292,7 @@ class Resolved:
     decode_ips: float | None = None  # decode + preprocess of the first batch, one core
 
 
-def first_batch(src, bb, batch_size: int, channels_last: bool) -> tuple[Any, Any, float]:
+def first_batch(src: Any, bb: Any, batch_size: int, channels_last: bool) -> tuple[Any, Any, float]:
     """(the job's first batch on the device, its valid-row mask, decode+preprocess images/s on
     one core), made as :mod:`featcache.extract.loop` makes batches."""
     import torch
@@ -313,7 +315,9 @@ def first_batch(src, bb, batch_size: int, channels_last: bool) -> tuple[Any, Any
     return x, ok.to(x.device), decode_ips
 
 
-def resolve_precision_auto(cfg, head, dev: str, stored, batch: Callable[[], tuple]) -> tuple[str, dict[str, Any]]:
+def resolve_precision_auto(
+    cfg: Any, head: Any, dev: str, stored: Any, batch: Callable[[], tuple]
+) -> tuple[str, dict[str, Any]]:
     """(recorded precision, provenance record) of ``cfg.amp`` (see the module docstring);
     ``stored``: a stored provenance of this job (a resume) or None; ``batch()``: the first batch."""
     from featcache.devices import PRECISION_ALIASES
@@ -360,7 +364,9 @@ def resolve_precision_auto(cfg, head, dev: str, stored, batch: Callable[[], tupl
     return "none", rec
 
 
-def resolve_backend_auto(cfg, head, dev: str, amp: str, stored, n_images: int, threads, batch) -> Resolved:
+def resolve_backend_auto(
+    cfg: Any, head: Any, dev: str, amp: str, stored: Any, n_images: int, threads: int | None, batch: Callable[[], tuple]
+) -> Resolved:
     """The forward of ``cfg.backend`` (``auto``: :func:`choose_backend` over the cached and,
     where worth it, newly measured costs; a resume: the stored backend)."""
     import importlib.util
@@ -405,7 +411,7 @@ def resolve_backend_auto(cfg, head, dev: str, amp: str, stored, n_images: int, t
     return Resolved(amp, choice, fwd, rec, eager.images_per_s if eager else None, decode_ips)
 
 
-def resolve(cfg, head, dev: str, stored, n_images: int, threads, src) -> Resolved:
+def resolve(cfg: Any, head: Any, dev: str, stored: Any, n_images: int, threads: int | None, src: Any) -> Resolved:
     """The job's precision, then its backend (engines run fp32 only), each logged in one line."""
     cache: dict[str, tuple] = {}
 
