@@ -231,8 +231,7 @@ def measure(
     cuda = str(x.device).startswith("cuda")
     costs, built = {}, {}
     with torch.inference_mode(), torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        if ref is None:
-            ref = head(x)
+        want: Mapping[str, Any] = head(x) if ref is None else ref
         for b in backends:
             try:
                 fwd = make_forward(head, b)
@@ -243,7 +242,7 @@ def measure(
                     "--backend auto: %s failed on %s (%s: %s); not used", b, head.bb.name, type(exc).__name__, exc
                 )
                 continue
-            diff, cos = _agreement(out, ref)
+            diff, cos = _agreement(out, want)
             startup = 0.0 if b == "eager" else max(0.0, first - steady)  # eager builds nothing (warmed by ref)
             costs[b] = BackendCost(startup, len(x) / max(steady, 1e-9), diff, cos)
             built[b] = fwd
@@ -344,7 +343,7 @@ def resolve_precision_auto(
         if not hw:
             rec["precision_reason"] = f"fp32: {why}"
             return "none", rec
-    amp = recorded_precision("bf16" if asked == "auto" else asked, dev)
+    amp = recorded_precision("bf16" if asked == "auto" else str(asked), dev)
     if amp != "bf16":
         return amp, rec
     x, ok, _ = batch()
