@@ -12,6 +12,12 @@ batch 64, channels_last, the featcache thread default:
   rows, scored on its test rows: top-1 of each, the difference and McNemar's exact p-value
   on the paired predictions (noise or not).
 
+``--digits-accuracy SIZE`` measures only the downstream arm, on the bundled digits (the test
+fixtures' data and 112 px size), with features computed by the head directly (bf16 autocast
+runs, emulated and slowly, on a CPU without bf16 hardware too: the numerics are oneDNN's bf16
+rounding either way), so the McNemar check that decides ``--precision auto``'s default can be
+run on any machine.
+
 Prints the ratios, the process's peak RSS and ``uptime`` (the machine may be shared), writes JSON.
 
     python benchmarks/bf16_cpu.py --json benchmarks/results/bf16_cpu.json
@@ -105,6 +111,67 @@ def mcnemar(right_a: np.ndarray, right_b: np.ndarray) -> tuple[int, int, float]:
     return n01, n10, float(p)
 
 
+def first_rows(spec: str, split: str, bb, n: int | None = None):
+    """(preprocessed float batch of the split's first ``n`` rows, their labels), as the pipeline makes it."""
+    import torch
+
+    from featcache.extract.batching import ImageRows, collate
+    from featcache.extract.preprocess import split_transform
+    from featcache.extract.readers import open_dataset
+
+    src = open_dataset(spec)[split]
+    if n is not None:
+        src = src.subset(n)
+    fast = split_transform(bb.transform)
+    ds = ImageRows(src, bb.transform, tuple(bb.data_config["input_size"]), fast)
+    _, x, _, _ = collate([ds[i] for i in range(len(src))], channels_last=True, fast=fast)
+    return x.contiguous(memory_format=torch.channels_last), np.asarray(src.labels[: len(src)])
+
+
+def digits_accuracy(size: int, batch: int) -> dict:
+    """lite0 digits features in fp32 and bf16 autocast (train, test), probe top-1 and McNemar."""
+    import torch
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from featcache.extract.backbones import create_backbone
+    from featcache.extract.pipeline import FeatureHead
+
+    bb = create_backbone(LITE0, LITE0_WEIGHTS, device="cpu", input_size=size)
+    bb.model = bb.model.to(memory_format=torch.channels_last)
+    head = FeatureHead(bb, ["pooled"])
+    feats: dict = {}
+    for split in ("train", "test"):
+        x, y = first_rows("digits", split, bb)
+        for amp in ("fp32", "bf16"):
+            outs = []
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+                for i in range(0, len(x), batch):
+                    outs.append(head(x[i : i + batch])["pooled"].float().numpy())
+            # stored as float16, as the default --dtype stores them
+            feats[split, amp] = (np.concatenate(outs).astype(np.float16).astype(np.float32), y)
+    preds = {}
+    for amp in ("fp32", "bf16"):
+        clf = make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=2000))
+        clf.fit(*feats["train", amp])
+        preds[amp] = clf.predict(feats["test", amp][0])
+    y = feats["test", "fp32"][1]
+    n01, n10, p = mcnemar(preds["fp32"] == y, preds["bf16"] == y)
+    return {
+        "data": "digits",
+        "input_size": size,
+        "n_train": len(feats["train", "fp32"][1]),
+        "n_test": len(y),
+        **agreement(feats["test", "fp32"][0], feats["test", "bf16"][0]),
+        "probe_top1_fp32": float((preds["fp32"] == y).mean()),
+        "probe_top1_bf16": float((preds["bf16"] == y).mean()),
+        "mcnemar_fp32_only": n01,
+        "mcnemar_bf16_only": n10,
+        "mcnemar_p": p,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[112, 224])
@@ -115,6 +182,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: featcache's CPU default)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--digits-accuracy", type=int, default=None, metavar="SIZE", help="only the digits probe arm")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     import torch
@@ -124,6 +192,18 @@ def main() -> None:
     from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import FeatureHead, default_parallelism
 
+    if a.digits_accuracy:
+        load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        row = digits_accuracy(a.digits_accuracy, a.batch_size)
+        row.update(
+            cpu_isa=cpu_isa(), uptime=[load, subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+        )
+        print(json.dumps(row, indent=1))
+        if a.json:
+            Path(a.json).write_text(json.dumps(row, indent=1))
+        return
     ok, why = bf16_support()
     if not ok:
         raise SystemExit(f"no bf16 on this CPU: {why}")

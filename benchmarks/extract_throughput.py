@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -105,7 +106,8 @@ def cpu_peak(cores: int) -> dict[str, float | str]:
     """This CPU's peak FLOP/s over ``cores`` cores, read from ``lscpu``: fp32 = FMA width
     (16 lanes with avx512f, 8 with AVX2 FMA) x 2 (multiply + add) x FMA units (2: server
     cores' two 512-bit FMA ports; lscpu does not say, so assumed) x cores x clock ("CPU max
-    MHz", else the current MHz); bf16 = AMX's 1024 FLOP/cycle/core with amx_bf16, else
+    MHz", else the current MHz, else BogoMIPS / 2); AMD Zen/Zen+ (family 23, model < 0x31) split
+    a 256-bit FMA over their two 128-bit pipes, so 1 unit there; bf16 = AMX's 1024 FLOP/cycle/core with amx_bf16, else
     avx512_bf16's VDPBF16PS (32 pairs = 64 FLOP) x 2 units, else the fp32 peak."""
     info = _lscpu()
     flags = set(info.get("Flags", "").split())
@@ -115,6 +117,9 @@ def cpu_peak(cores: int) -> dict[str, float | str]:
     ghz = float(mhz) / 1000
     lanes = 16 if "avx512f" in flags else 8 if "fma" in flags else 4
     units = 2
+    family, model = int(info.get("CPU family", "0") or 0), int(info.get("Model", "0") or 0)
+    if info.get("Vendor ID") == "AuthenticAMD" and family == 23 and model < 0x31:
+        units = 1  # Zen / Zen+: two 128-bit FMA pipes = one 256-bit FMA per cycle
     fp32 = lanes * 2 * units * cores * ghz * 1e9
     if "amx_bf16" in flags:
         bf16, how = 1024 * cores * ghz * 1e9, "AMX 1024 FLOP/cycle/core"
@@ -122,7 +127,19 @@ def cpu_peak(cores: int) -> dict[str, float | str]:
         bf16, how = 64 * units * cores * ghz * 1e9, "avx512_bf16 64 FLOP x 2 units"
     else:
         bf16, how = fp32, "no bf16 hardware: the fp32 peak"
-    return {"fp32": fp32, "bf16": bf16, "ghz": ghz, "cores": cores, "lanes": lanes, "units": units, "bf16_how": how}
+    amx = 1024 * cores * ghz * 1e9  # what AMX would give at this clock (the "AMX peak" column)
+    return {
+        "fp32": fp32,
+        "bf16": bf16,
+        "bf16_hw": "amx_bf16" in flags or "avx512_bf16" in flags,
+        "amx": amx,
+        "amx_present": "amx_bf16" in flags,
+        "ghz": ghz,
+        "cores": cores,
+        "lanes": lanes,
+        "units": units,
+        "bf16_how": how,
+    }
 
 
 def roof(ips: float, flops: float, peak_flops: float | None) -> str:
@@ -162,6 +179,179 @@ def pipeline(args, input_size: int, write: bool, chunk_rows: int, root: Path) ->
     return rep.n / rep.seconds
 
 
+# --------------------------------------------------------------------------- dense backbones x backends
+#: --roofline presets: (timm name, weights); random weights are as fast as trained ones
+PRESETS = {
+    "lite0": (LITE0, LITE0_WEIGHTS),
+    "resnet50": ("resnet50", "random:0"),
+    "vit_b16": ("vit_base_patch16_224", "random:0"),
+}
+
+
+def _uptime() -> str:
+    import subprocess
+
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip().split("load average:")[-1].strip()
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def backend_forward(head, backend: str, amp: str, x, batches: int) -> tuple[float, float, object]:
+    """(start-up s, steady img/s, the built forward) of ``backend`` on batch ``x``: the first call
+    builds (engines, compile) and runs one batch; then ``batches`` timed calls, the fastest counts
+    (other tenants only slow a run down); start-up = first call - steady batch (0 for eager)."""
+    import torch
+
+    from featcache.extract.backends import make_forward
+
+    fwd = make_forward(head, backend)
+    dt = {"bf16": torch.bfloat16}.get(amp)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=dt, enabled=dt is not None):
+        t = time.perf_counter()
+        fwd(x)
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(batches):
+            t = time.perf_counter()
+            for v in fwd(x).values():
+                v.float().cpu()
+            times.append(time.perf_counter() - t)
+    steady = min(times)
+    return (0.0 if backend == "eager" else max(0.0, first - steady)), len(x) / steady, fwd
+
+
+def decode_rate(bb, data: str, split: str, n: int) -> float:
+    """Decode + preprocess alone (one core, as between forwards): images/s over the first ``n`` rows."""
+    from featcache.extract.auto import first_batch
+    from featcache.extract.readers import open_dataset
+
+    src = open_dataset(data)[split].subset(n)
+    first_batch(src, bb, n, True)  # opens the source (an IDX file is decompressed once)
+    return first_batch(src, bb, n, True)[2]
+
+
+def pipeline_with(args, model: str, weights: str, backend: str, amp: str, fwd, n: int, root: Path):
+    """The full pipeline (``extract()``, writes on) on ``backend``, reusing the forward already
+    built for the bare measurement (so an engine is not exported twice): steady img/s, or the
+    reason it cannot run (e.g. bf16 refused on a CPU without bf16 hardware)."""
+    from unittest import mock
+
+    from featcache.errors import FeatcacheError
+    from featcache.extract import ExtractConfig, extract
+
+    cache = root / f"r-{model}-{backend}-{amp}-{time.monotonic_ns()}.zarr"
+    cfg = ExtractConfig(
+        model, weights, args.data, [args.split], str(cache), limit=n, input_size=224,
+        batch_size=args.batch_size, workers=args.workers, threads=args.threads, device="cpu",
+        amp=amp, backend=backend, progress=False, chunk_rows=max(n, 1),
+    )  # fmt: skip
+    try:
+        with mock.patch("featcache.extract.backends.make_forward", return_value=fwd):
+            (rep,) = extract(cfg)
+    except FeatcacheError as exc:
+        return None, str(exc).split(";")[0]
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return rep.n / (rep.seconds - rep.startup_s), ""
+
+
+def roofline_rows(args, name: str, root: Path) -> list[dict]:
+    """Every (precision, backend) of one preset: bare forward, pipeline, roofline, start-up."""
+    import torch
+
+    from featcache.extract.auto import candidates
+    from featcache.extract.backbones import create_backbone
+    from featcache.extract.pipeline import FeatureHead, choose_workers, default_parallelism
+
+    model, weights = PRESETS[name]
+    bb = create_backbone(model, weights, device="cpu", input_size=224)
+    args.workers, args.threads = default_parallelism("cpu", args.workers, args.threads)
+    torch.set_num_threads(args.threads)
+    bb.model = bb.model.to(memory_format=torch.channels_last)
+    head = FeatureHead(bb, ["pooled"])
+    shape = tuple(bb.data_config["input_size"])
+    flops = flops_per_image(head, shape, True)
+    peak = cpu_peak(args.threads)
+    dec = decode_rate(bb, args.data, args.split, args.batch_size)
+    x = torch.randn((args.batch_size, *shape), generator=torch.Generator().manual_seed(0))
+    x = x.contiguous(memory_format=torch.channels_last)
+    rows = []
+    for amp in args.precisions:
+        for backend in [b for b in args.backends if b in candidates("cpu", "none" if amp == "fp32" else amp)]:
+            if amp == "bf16" and not peak["bf16_hw"] and not args.emulated_bf16:
+                why = (
+                    "no bf16 hardware: extract refuses bf16, and emulated bf16 is far slower (--emulated-bf16 times it)"
+                )
+                rows.append({"model": name, "precision": amp, "backend": backend, "skipped": why, "load": _uptime()})
+                print(f"{name:9s} {amp:4s} {backend:11s} {why}", flush=True)
+                continue
+            xb = x[: max(1, args.batch_size // 4)] if amp == "bf16" and not peak["bf16_hw"] else x
+            try:
+                startup, bare, fwd = backend_forward(head, backend, amp, xb, args.batches)
+            except Exception as exc:  # an engine that cannot take the model: reported, not fatal
+                rows.append(
+                    {"model": name, "precision": amp, "backend": backend, "error": f"{type(exc).__name__}: {exc}"[:200]}
+                )
+                continue
+            pipe, why = pipeline_with(args, model, weights, backend, amp, fwd, args.pipeline_n, root)
+            rows.append({
+                "model": name, "precision": amp, "backend": backend, "batch": len(xb),
+                "threads": torch.get_num_threads(), "gflop_per_image": flops / 1e9,
+                "startup_s": round(startup, 1), "bare_ips": round(bare, 2),
+                "gflops": round(bare * flops / 1e9, 1),
+                "pct_fp32_peak": round(100 * bare * flops / peak["fp32"], 1),
+                "pct_amx_peak": round(100 * bare * flops / peak["amx"], 2),
+                "pipeline_ips": None if pipe is None else round(pipe, 2), "pipeline_refused": why,
+                "pipeline_over_bare": None if pipe is None else round(pipe / bare, 3),
+                "decode_ips_1core": round(dec, 1),
+                "workers_chosen": choose_workers(dec, bare, os.cpu_count() or 1),
+                "peak_rss_mb": round(_peak_rss_mb()), "load": _uptime(),
+            })  # fmt: skip
+            r = rows[-1]
+            print(
+                f"{name:9s} {amp:4s} {backend:11s} start-up {r['startup_s']:6.1f} s  bare {r['bare_ips']:7.2f} img/s "
+                f"{r['gflops']:6.1f} GFLOP/s = {r['pct_fp32_peak']:5.1f} % fp32 peak, {r['pct_amx_peak']:5.2f} % AMX peak; "
+                f"pipeline {r['pipeline_ips'] or why} ({r['pipeline_over_bare'] or '-'} x bare); decode "
+                f"{dec:.0f} img/s/core -> {r['workers_chosen']} worker(s); RSS {r['peak_rss_mb']} MB; load {r['load']}",
+                flush=True,
+            )
+    return rows
+
+
+def roofline_main(args) -> int:
+    """``--roofline``: presets x precisions x backends at 224 px, one table."""
+    import torch
+
+    peak = cpu_peak(args.threads or torch.get_num_threads())
+    print(
+        f"peaks on {peak['cores']} core(s) at {peak['ghz']:.2f} GHz: fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s "
+        f"({peak['lanes']} lanes x 2 x {peak['units']} FMA unit(s)); AMX {peak['amx'] / 1e9:.0f} GFLOP/s "
+        f"(1024 FLOP/cycle/core{'' if peak['amx_present'] else '; this CPU has no AMX: the figure is what AMX would give'})"
+        f"; load {_uptime()}"
+    )
+    root = Path(args.tmp or tempfile.mkdtemp(prefix="featcache-roof-"))
+    rows = []
+    try:
+        for name in args.roofline:
+            rows += roofline_rows(args, name, root)
+    finally:
+        if not args.tmp:
+            shutil.rmtree(root, ignore_errors=True)
+    for name in args.roofline:  # the pipeline of the fastest backend against the fastest bare forward
+        mine = [r for r in rows if r["model"] == name and "bare_ips" in r and r["pipeline_ips"]]
+        if mine:
+            best = max(mine, key=lambda r: r["bare_ips"])
+            print(f"{name}: fastest bare {best['backend']} {best['precision']} {best['bare_ips']} img/s; "
+                  f"its pipeline {best['pipeline_ips']} img/s = {best['pipeline_over_bare']} x")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"peak": peak, "rows": rows}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=LITE0)
@@ -188,8 +378,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tmp", default=None, help="folder for the throw-away stores")
     p.add_argument("--json", default=None, help="write the figures here as JSON")
+    p.add_argument("--roofline", nargs="*", choices=sorted(PRESETS), default=None,
+                   help="instead: these presets at 224 px x --precisions x --backends (bare, pipeline, peaks)")  # fmt: skip
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--backends", nargs="+", default=["eager", "onnxruntime", "openvino"],
+                   choices=["eager", "compile", "onnxruntime", "openvino"])  # fmt: skip
+    p.add_argument("--emulated-bf16", action="store_true", help="--roofline: time bf16 on a CPU without bf16 too")
+    p.add_argument("--batches", type=int, default=2, help="--roofline: timed batches per bare forward")
+    p.add_argument("--pipeline-n", type=int, default=32, help="--roofline: images through the pipeline")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.roofline is not None:
+        if args.data == "fashion-mnist":
+            args.data, args.split = "digits", "test"  # bundled: no download
+        return roofline_main(args)
 
     import numpy as np
     import torch

@@ -31,6 +31,8 @@ class SplitReport:
     images_per_s: float | None
     skipped: bool = False
     failures: list[tuple[str, str]] = field(default_factory=list)
+    #: seconds of ``seconds`` spent building the backend (an engine's export, a compile)
+    startup_s: float = 0.0
 
 
 def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
@@ -80,6 +82,7 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
     failures: list[tuple[str, str]] = []
     buf: dict[str, Any] = {}  # "f": {kind: [arrays]}, "ok": [arrays], "err": [lists]
     cur = None
+    t_built = getattr(fwd, "stats", {}).get("build_s")  # built before this split (not in its time)
     t0 = time.perf_counter()
 
     def flush():
@@ -119,7 +122,9 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
         bg.close()
         if bar is not None:
             bar.close()
-    return _report(src, writer, chunks, n_rows, failures, time.perf_counter() - t0)
+    rep = _report(src, writer, chunks, n_rows, failures, time.perf_counter() - t0)
+    rep.startup_s = float(getattr(fwd, "stats", {}).get("build_s", 0.0)) if t_built is None else 0.0
+    return rep
 
 
 def _report(src, writer, chunks, n_rows: int, failures: list[tuple[str, str]], secs: float) -> SplitReport:

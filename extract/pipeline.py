@@ -51,6 +51,7 @@ __all__ = [
     "ExtractConfig",
     "FeatureHead",
     "SplitReport",
+    "choose_workers",
     "chunk_batches",
     "default_parallelism",
     "dist_info",
@@ -92,6 +93,32 @@ def default_parallelism(device: str, workers: int | None = None, threads: int | 
     return workers, t
 
 
+def choose_workers(decode_ips: float, forward_ips: float, cpus: int, device: str = "cpu") -> int:
+    """DataLoader workers from measured rates: ``decode_ips`` (decode + preprocess, images/s on
+    one core) and ``forward_ips`` (the forward on all ``cpus`` cores, or on the GPU).
+
+    CPU: decoding in the main process between forwards gives ``1 / (1/F + 1/D)`` images/s;
+    ``w`` workers take ``w`` cores from the forward, giving ``min(w * D, F * (cpus - w) / cpus)``
+    (the forward assumed to scale with its cores). The fewest workers within 5 % of the best
+    predicted rate win (the model is approximate; fewer workers hold less memory). CUDA: the
+    forward is off the CPU, so enough workers that decoding keeps up with 25 % to spare,
+    ``ceil(1.25 F / D)``, at least 1 and at most ``cpus - 1``.
+
+    >>> choose_workers(1850, 250, 2)  # lite0 112 px on 2 cores: decode between forwards
+    0
+    >>> choose_workers(700, 600, 16)  # a light model on 16 cores: one worker keeps up
+    1
+    """
+    import math
+
+    if device.startswith("cuda"):
+        return max(1, min(max(1, cpus - 1), math.ceil(1.25 * forward_ips / decode_ips)))
+    rates = [1 / (1 / forward_ips + 1 / decode_ips)]
+    rates += [min(w * decode_ips, forward_ips * (cpus - w) / cpus) for w in range(1, cpus)]
+    best = max(rates)
+    return next(w for w, r in enumerate(rates) if r >= 0.95 * best)
+
+
 def recorded_precision(amp: str, device: str) -> str:
     """The precision the forward actually runs in, as the provenance records it (``amp``):
     ``none`` (fp32), ``bf16`` or ``fp16`` (:func:`featcache.core.devices.resolve_precision`)."""
@@ -116,6 +143,9 @@ class _Job:
     threads: int | None
     amp: str
     decoder: str = "pil"
+    backend: str = "eager"
+    #: how auto resolved (reasons, the bf16 check), into each provenance's extra
+    record: dict[str, Any] | None = None
 
 
 def extract(config: ExtractConfig) -> list[SplitReport]:
@@ -166,31 +196,19 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     rank, world, own_group = init_dist(dev)
     old_threads = torch.get_num_threads()
     try:
-        amp = recorded_precision(cfg.amp, dev)
-        from featcache.extract.backends import check_backend, make_forward
-
-        check_backend(cfg.backend, amp, dev)
         if cfg.channels_last:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, cfg.features)
         dims = head.dims(tuple(bb.data_config["input_size"]))
-        fwd = make_forward(head, cfg.backend)
         workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
+        key = cfg.backbone_name or bb.default_key
+        res = _resolve(cfg, store, head, dev, key, sources, threads)
+        if cfg.workers is None and res.forward_ips and res.decode_ips:
+            workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head)
         job = _Job(
-            cfg,
-            store,
-            bb,
-            head,
-            fwd,
-            dims,
-            cfg.backbone_name or bb.default_key,
-            rank,
-            world,
-            workers,
-            threads,
-            amp,
-            decoder,
-        )
+            cfg, store, bb, head, res.fwd, dims, key, rank, world, workers, threads, res.amp, decoder,
+            backend=res.backend, record=res.record,
+        )  # fmt: skip
         return [_extract_split(job, src) for src in sources]
     except Exception as exc:
         from featcache.store.metadata import is_metadata_error, named_metadata_error
@@ -206,14 +224,54 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         close_dist(own_group)
 
 
+def _limited(cfg: ExtractConfig, src: SplitSource) -> SplitSource:
+    n_lim = cfg.limit.get(src.split) if isinstance(cfg.limit, Mapping) else cfg.limit
+    return src if n_lim is None else src.subset(int(n_lim))
+
+
+def _resolve(cfg: ExtractConfig, store, head: FeatureHead, dev: str, key: str, sources, threads: int | None):
+    """Resolve ``--precision``/``--backend`` (auto: :mod:`featcache.extract.auto`) for the job:
+    a resume (any split with stored features) keeps the stored settings; else the job's images
+    and its first batch decide. Runs with the job's torch threads, so engines measured here are
+    built with them."""
+    import torch
+
+    from featcache.extract.auto import resolve
+
+    limited = [_limited(cfg, s) for s in sources]
+    stored = next((p for s in limited if (p := _stored_provenance(store, key, s, cfg.features)) is not None), None)
+    if threads:
+        torch.set_num_threads(threads)
+    first = next((s for s in limited if len(s)), limited[0])
+    return resolve(cfg, head, dev, stored, sum(len(s) for s in limited), threads, first)
+
+
+def _measured_parallelism(dev: str, cfg: ExtractConfig, res, workers: int, threads: int | None, head):
+    """(workers, threads) from the measured decode and forward rates (:func:`choose_workers`);
+    a forward built for other threads than the new count is rebuilt."""
+    cpus = available_cpus()
+    fwd_all = res.forward_ips * (cpus / threads if threads and dev.startswith("cpu") else 1.0)
+    w = choose_workers(res.decode_ips, fwd_all, cpus, dev)
+    if w == workers:
+        return workers, threads
+    new_w, new_t = default_parallelism(dev, w, cfg.threads)
+    log.info(
+        "%d decode worker(s): decode+preprocess %.0f img/s a core, forward %.0f img/s on %d core(s)",
+        new_w, res.decode_ips, fwd_all, cpus,
+    )  # fmt: skip
+    if new_t != threads and res.backend != "eager":
+        from featcache.extract.backends import make_forward
+
+        res.fwd = make_forward(head, res.backend)  # built again, lazily, with the new thread count
+    return new_w, new_t
+
+
 def _extract_split(job: _Job, src: SplitSource) -> SplitReport:
     """One split: set-up steps that every rank agrees on, this rank's chunks, the final mark."""
     from featcache.store import FeatureWriter
 
     cfg, rank, world, key = job.cfg, job.rank, job.world, job.key
-    n_lim = cfg.limit.get(src.split) if isinstance(cfg.limit, Mapping) else cfg.limit
-    if n_lim is not None:
-        src = src.subset(int(n_lim))
+    src = _limited(cfg, src)
     # set-up: every step ends in an agreement, so a failure on any rank stops every rank
     # with that rank's message (and rank 0 creates no arrays for rows another rank disputes)
     meta = agree(world, rank, "set-up", _split_rows, job.store, src, rank)
@@ -300,7 +358,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
     from featcache.store import make_provenance
 
     bb, cfg = job.bb, job.cfg
-    extra = {**cfg.recorded(), "threads": threads, "decoder": job.decoder}
+    extra = {**cfg.recorded(), **(job.record or {}), "backend": job.backend, "threads": threads, "decoder": job.decoder}
     if bb.device.startswith("cpu"):
         from featcache.core.cpu import cpu_isa
 

@@ -257,7 +257,7 @@ def test_invalid_python_value_is_a_config_error(cls, kw, match):
     ("kw", "match"),
     [
         ({"dtype": "float64"}, "--dtype float64 is invalid: choose float16 or float32"),
-        ({"amp": "int8"}, "--precision int8 is invalid: choose auto, fp32, bf16 or fp16"),
+        ({"amp": "int8"}, "--precision int8 is invalid: choose default, auto, fp32, bf16 or fp16"),
         ({"decoder": "cv2"}, "--decoder cv2 is invalid: choose auto, pil or torchvision"),
         ({"workers": -1}, "--workers -1 is invalid: must be an integer >= 0"),
         ({"batch_size": 2.5}, "--batch-size 2.5 is invalid: must be an integer >= 1"),
