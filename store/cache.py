@@ -345,6 +345,7 @@ class FeatureCache:
                 f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
                 "re-extract with --overwrite"
             )
+        self._check_place(g, gm, kind)
         if lazy:
             X, valid, errors, sc = self._scan_group_lazy(g, gm, kind, check)
         else:
@@ -375,6 +376,16 @@ class FeatureCache:
             errors=errors,
             complete=sc.complete,
         )
+
+    def _check_place(self, g, gm: FeatureGroupMeta, kind: str) -> None:
+        """Refuse a group whose documents or chunks were moved there from another path or
+        backbone (:func:`~featcache.store.summary.check_place`)."""
+        from featcache.store.summary import check_place
+
+        found, _ = check_place(g, g.path, gm, (kind, "valid", "error"))
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise CorruptStoreError(f"{found[0][1]}{more}; `featcache verify {self.path}` lists what is wrong")
 
     def _scan_group_lazy(self, g, gm: FeatureGroupMeta, kind: str, check: bool):
         """(StoredRows view, valid, errors, scan): with ``check``, every marked chunk is

@@ -233,12 +233,25 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
         if name in g and g[name].shape != (gm.n,):
             rep.problems.append(f"{where}/{name}: shape {g[name].shape} != ({gm.n},)")
     _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep)
+    moved = _check_place(g, where, gm, rep)
     bad = sorted(set(sc.bad_chunks) | set(todo))
-    if bad or sc.missing_arrays:
-        every = set(sc.missing_arrays) & {"valid", "error", *lost_kinds}
+    if bad or sc.missing_arrays or moved:
+        every = (set(sc.missing_arrays) & {"valid", "error", *lost_kinds}) | moved
         rep.to_recompute[(b, d, s)] = list(range(gm.n_chunks)) if every else bad
         if repair:
-            _invalidate(cache, b, d, s, gm, sc)
+            _invalidate(cache, b, d, s, gm, sc, every=bool(moved))
+
+
+def _check_place(g, where: str, gm, rep: VerifyReport) -> set[str]:
+    """The group bound to its place (:func:`~featcache.store.summary.check_place`); returns the
+    arrays whose chunks were moved there from elsewhere (every chunk must be recomputed)."""
+    from featcache.store.summary import check_place
+
+    found, note = check_place(g, where, gm, (*gm.kinds, "valid", "error", "done"))
+    rep.problems.extend(line for _, line in found)
+    if note:
+        rep.notes.append(note)
+    return {name for name, _ in found if name}
 
 
 def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
@@ -300,7 +313,7 @@ def _check_provenance_against(arr, prov, gm, where: str, rep: VerifyReport) -> N
         )
 
 
-def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc) -> None:
+def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc, every: bool = False) -> None:
     """Store-side repair under the group's writer lock: lost aux arrays recreated, damaged
     chunks marked not done (every chunk when a feature array is lost: the re-run recreates
     it). Features are recomputed by re-running the same extract."""
@@ -313,7 +326,7 @@ def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc) -> None:
             if name in ("valid", "error", "done"):
                 create_aux_array(g, name, gm.n, gm.chunk_rows, gm.n_chunks)
         done = g["done"]
-        if set(sc.missing_arrays) - {"done"}:  # valid/error or a feature array: every chunk
+        if every or set(sc.missing_arrays) - {"done"}:  # valid/error, a feature array or moved chunks: every chunk
             done[:] = 0
         for i in sc.bad_chunks:
             done[i] = 0
