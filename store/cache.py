@@ -462,9 +462,12 @@ class FeatureCache:
         import polars as pl
 
         rows = []
-        for b, d, s in self.entries():
+        entries = self.entries()
+        _warn_unlisted(self.root.store, entries)
+        for b, d, s in entries:
             g = self._existing("features", b, d, s)
             try:  # the writer's summary while it matches the stored chunks, else read every marked chunk
+                self.split_meta(d, s)  # features without their split are not usable
                 complete, n_invalid = self._completeness(b, d, s, g)
             except SchemaMismatchError as exc:
                 log.warning("skipping %s/%s/%s: %s", b, d, s, exc)
@@ -556,6 +559,21 @@ class FeatureCache:
 
     def __repr__(self) -> str:
         return f"FeatureCache({self.path!r}, {len(self.entries())} feature groups)"
+
+
+def _warn_unlisted(store, entries: list[tuple[str, str, str]]) -> None:
+    """Feature groups the store's digests record whose metadata document is gone (zarr no
+    longer lists them): one warning each, so a listing never looks whole without them."""
+    have = {f"features/{b}/{d}/{s}" for b, d, s in entries}
+    try:
+        units = manifest.units(store)
+    except Exception:  # a store that cannot list keys: nothing to compare
+        return
+    for unit in units:
+        if unit.startswith("features/") and unit not in have:
+            log.warning(
+                "%s: its metadata document is missing (the store's digests record it); run `featcache verify`", unit
+            )
 
 
 def _damage_message(where: str, sc: GroupScan) -> str:

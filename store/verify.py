@@ -105,6 +105,7 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     (under its unit's lock) and damaged manifests recorded again. Returns the nodes whose
     documents zarr still refuses."""
     from featcache.store.metadata import between_changed, changed, damaged, local_nodes, read_only_store
+    from featcache.store.metadata import where as where_of
 
     store = read_only_store(path)
     unlisted: list[tuple[str, str]] = []
@@ -120,7 +121,9 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     items = [*found, *moved]
     rep.problems.extend(line for _, line in (*items, *bad_units))
     _note_undigested(store, path, rep)
-    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted}  # a changed document zarr reads is checked too
+    gone = {rel for rel, line in moved if line.startswith(f"{where_of(rel)}: missing")}
+    # a changed document zarr reads is checked too; a missing one hides its node
+    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted} | gone
     if not repair:
         return refused
     return _rebuild(path, store, items, bad_units, rep) & refused
