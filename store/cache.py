@@ -690,7 +690,8 @@ def _create_root(root, label: str):
                 )
             from featcache import __version__
 
-            root.attrs[ROOT_KEY] = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+            meta = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+            root.update_attributes({ROOT_KEY: meta, manifest.DIGESTS_KEY: manifest.FORMAT})
             manifest.record(root, "")
     return root
 

@@ -185,7 +185,7 @@ def _manifest_line(unit: str, why: str, path: str) -> str:
     cmd = f"featcache verify --repair {path}".rstrip()
     return (
         f"{manifest.manifest_key(unit)} (metadata digests of {unit or 'the store root'}): {why}; run `{cmd}` "
-        "(it records the documents' digests again, as they are now)"
+        "(it records them again only from documents that agree with the rest of their part of the store)"
     )
 
 

@@ -104,6 +104,8 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     recorded digest, one named problem each. With ``repair`` each derivable one is rebuilt
     (under its unit's lock) and damaged manifests recorded again. Returns the nodes whose
     documents zarr still refuses."""
+    from featcache.store import manifest
+    from featcache.store.evidence import check_unit
     from featcache.store.metadata import between_changed, changed, damaged, local_nodes, read_only_store
     from featcache.store.metadata import where as where_of
 
@@ -120,16 +122,25 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     moved += between_changed(store, local_nodes(path), {rel for rel, _ in found}, path)
     items = [*found, *moved]
     rep.problems.extend(line for _, line in (*items, *bad_units))
-    _note_undigested(store, path, rep)
+    lost = _note_undigested(store, path, rep)
     gone = {rel for rel, line in moved if line.startswith(f"{where_of(rel)}: missing")}
+    untrusted = [u for u, _ in bad_units] + lost  # no digest vouches for these units: the rest of each is the evidence
+    named = {rel for rel, _ in found} | gone
+    disagree, fixes = [], {}
+    for u in untrusted:
+        conflicts, rebuilds = check_unit(store, u, named)
+        disagree += conflicts
+        fixes.update(rebuilds)
+    rep.problems.extend(line for _, line in (*disagree, *((rel, line) for rel, (_, line) in fixes.items())))
+    blocked = {manifest.unit_of(rel) for rel, _ in disagree}
     # a changed document zarr reads is checked too; a missing one hides its node
     refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted} | gone
     if not repair:
         return refused
-    return _rebuild(path, store, items, bad_units, rep) & refused
+    return _rebuild(path, store, items, [u for u in untrusted if u not in blocked], rep, fixes) & refused
 
 
-def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
+def _rebuild(path: str, store, items, units: list[str], rep: VerifyReport, fixes: dict | None = None) -> set[str]:
     from types import SimpleNamespace
 
     from zarr.storage import LocalStore
@@ -141,9 +152,11 @@ def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
     writable = SimpleNamespace(store=LocalStore(path))  # what StoreLock and record need of a root group
     entries = all_entries(store)
     left = set()
-    for rel, _ in sorted(items, key=lambda it: it[0].count("/") + bool(it[0])):  # groups before their arrays
+    fixes = fixes or {}
+    todo = [*items, *((rel, line) for rel, (_, line) in fixes.items() if manifest.unit_of(rel) in units)]
+    for rel, _ in sorted(todo, key=lambda it: it[0].count("/") + bool(it[0])):  # groups before their arrays
         try:
-            data = manifest.rebuild(store, rel, entries)
+            data = fixes[rel][0] if rel in fixes else manifest.rebuild(store, rel, entries)
         except manifest.NotDerivable:
             left.add(rel)  # its problem line says why and what to run
             continue
@@ -154,26 +167,46 @@ def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
         task = rel.startswith("datasets/") and rel.count("/") == 1
         extra = " (a task metric declared for it is not kept: declare it again)" if task else ""
         rep.rebuilt.append(f"{where(rel)}: rebuilt from the store's own metadata{extra}")
-    for unit, _ in bad_units:
+    for unit in units:  # digests recorded again only from documents that agree with the rest of their unit
         if not any(manifest.unit_of(rel) == unit for rel in left):
             with StoreLock(writable, unit or "root", timeout=0, what=unit or "root"), no_space(path, "digests", 4096):
                 manifest.record(writable, unit)
-            rep.rebuilt.append(f"{manifest.manifest_key(unit)}: digests recorded again from the documents")
+            rep.rebuilt.append(
+                f"{manifest.manifest_key(unit)}: digests recorded again from the documents (they agree with each other)"
+            )
     return left
 
 
-def _note_undigested(store, path: str, rep: VerifyReport) -> None:
+def _note_undigested(store, path: str, rep: VerifyReport) -> list[str]:
+    """Units without a digest file: problems (and returned) in a store written with digests,
+    where a missing one was deleted; else one note (a store written before digests)."""
+    import json
+
     from featcache.store import manifest
     from featcache.store.metadata import local_nodes
 
     have = set(manifest.units(store))
     units = {u for rel in local_nodes(path) if (u := manifest.unit_of(rel)) is not None}
     missing = sorted(units - have)
+    try:
+        digested = manifest.DIGESTS_KEY in json.loads(manifest.read_raw(store, "zarr.json") or b"")["attributes"]
+    except (ValueError, KeyError, TypeError):
+        digested = False
+    if missing and digested:
+        cmd = f"featcache verify --repair {path}"
+        for unit in missing:
+            rep.problems.append(
+                f"{manifest.manifest_key(unit)} (metadata digests of {unit or 'the store root'}): missing, though "
+                f"the store was written with digests (deleted?); run `{cmd}` (it records them again only "
+                "from documents that agree with the rest of their part of the store)"
+            )
+        return missing
     if missing:
         rep.notes.append(
             f"{len(missing)} of {len(units)} parts of the store have no metadata digests (written before "
             f"them, e.g. {missing[0] or 'the root'}): damage zarr accepts is not detected there"
         )
+    return []
 
 
 def _safe(rep: VerifyReport, where: str, fn, *args):
