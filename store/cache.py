@@ -328,8 +328,36 @@ class FeatureCache:
         Every chunk is checksummed; ``check`` (default) also recomputes the split's
         fingerprint from its ids/labels and checks the row invariants. Raises
         IncompleteStoreError (CorruptStoreError for damage) unless ``allow_partial``
-        (then unfinished or damaged rows have ``valid=False`` and NaN features).
+        (then unfinished or damaged rows have ``valid=False`` and NaN features). A group that
+        an ``--overwrite`` rewrites during the load is IncompleteStoreError (or the complete
+        old or new features), never a missing array or kind.
         """
+        args = (backbone, dataset, split, kind, allow_partial, check, dtype, lazy)
+        before = self._group_state(backbone, dataset, split)
+        try:
+            return self._load(*args)
+        except (KeyError, NotInStoreError, SchemaMismatchError, CorruptStoreError) as exc:
+            if before is not None and GROUP_KEY in before and self._group_state(backbone, dataset, split) == before:
+                try:  # the same state as before: a real problem, unless a rewrite ended meanwhile
+                    return self._load(*args)
+                except (KeyError, NotInStoreError, SchemaMismatchError, CorruptStoreError):
+                    if self._group_state(backbone, dataset, split) == before:
+                        raise exc from None
+            raise IncompleteStoreError(
+                f"{backbone}/{dataset}/{split} in {self.path} changed while it was read (an extract "
+                "--overwrite is rewriting it); load it again when that extract has finished"
+            ) from None
+
+    def _group_state(self, backbone: str, dataset: str, split: str) -> Any:
+        """The group's attributes as now stored (None when absent), to tell a rewrite from damage."""
+        try:
+            g = self._group("features", backbone, dataset, split)
+            return None if g is None else dict(g.attrs)
+        except Exception:  # damaged: the load names it
+            return None
+
+    def _load(self, backbone, dataset, split, kind, allow_partial, check, dtype, lazy) -> Features:
+        """:meth:`load` once."""
         g = self._feature_group(backbone, dataset, split)
         gm = self.group_meta(backbone, dataset, split)
         prov = self.provenance(backbone, dataset, split, kind)

@@ -169,7 +169,7 @@ def check_place(g, where: str, gm, names) -> tuple[list[tuple[str, str]], str | 
     if not isinstance(s, dict) or not isinstance(s.get("arrays"), dict) or "place" not in s:
         why = "it is not complete yet" if not isinstance(s, dict) else "its summary was written before them"
         return problems, f"{where}: chunks not bound to their place ({why}): a chunk folder moved here is not detected"
-    if not problems and place_digest(g, gm.kinds) != s["place"]:
+    if not problems and all(k in g for k in gm.kinds) and place_digest(g, gm.kinds) != s["place"]:
         problems.append(
             (
                 "",

@@ -124,6 +124,7 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     rep.problems.extend(line for _, line in (*items, *bad_units))
     lost = _note_undigested(store, path, rep)
     gone = {rel for rel, line in moved if line.startswith(f"{where_of(rel)}: missing")}
+    gone_groups = {rel for rel in gone if manifest.unit_of(rel) == rel}  # a lost array is named by its group's check
     untrusted = [u for u, _ in bad_units] + lost  # no digest vouches for these units: the rest of each is the evidence
     named = {rel for rel, _ in found} | gone
     disagree, fixes = [], {}
@@ -134,7 +135,7 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     rep.problems.extend(line for _, line in (*disagree, *((rel, line) for rel, (_, line) in fixes.items())))
     blocked = {manifest.unit_of(rel) for rel, _ in disagree}
     # a changed document zarr reads is checked too; a missing one hides its node
-    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted} | gone
+    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted} | gone_groups
     if not repair:
         return refused
     return _rebuild(path, store, items, [u for u in untrusted if u not in blocked], rep, fixes) & refused

@@ -25,7 +25,6 @@ from featcache.store.cache import (
     ensure_split,
     now_iso,
     open_cache,
-    remove_group,
 )
 from featcache.store.integrity import UNWRITTEN_ERROR, read_done, scan_group
 from featcache.store.locks import StoreLock
@@ -184,7 +183,7 @@ class FeatureWriter:
                 )
             if diffs or overwrite:
                 log.warning("overwriting %s (%s)", self.path, "settings changed" if diffs else "--overwrite")
-                remove_group(self.cache, "features", self.backbone, self.dataset, self.split)
+                self._empty_group()
             else:
                 self.group = self.cache.root[self.path]
                 self._restore_aux_arrays()
@@ -194,6 +193,15 @@ class FeatureWriter:
                 return self
         self._create()
         return self
+
+    def _empty_group(self) -> None:
+        """Empty the group in place for a rewrite (``--overwrite``): its metadata goes first, in
+        one write, so a concurrent reader sees a group being created (IncompleteStoreError),
+        never a group whose metadata lists arrays that are gone, or no group at all."""
+        g = self.cache.root[self.path]
+        g.attrs.put({})
+        for name in sorted(k for k, _ in g.members()):
+            del g[name]
 
     def _listed_kinds(self) -> tuple[str, ...]:
         g = self.cache.root[self.path]

@@ -142,6 +142,7 @@ def test_damaged_digests_and_a_store_without_digests(ref, tmp_path, capsys):
         assert _cli(capsys, "verify", str(path))[0] == 0
         _count("repaired byte-identical")
     shutil.rmtree(path / ".featcache-manifest")  # written before digests: what is derivable, from config alone
+    _written_before_digests(path)
     for node, derivable in {SPLIT: False, GROUP: False, f"{GROUP}/pooled": False, f"{GROUP}/done": True}.items():
         doc = _doc(path, node)
         raw = doc.read_bytes()
@@ -159,6 +160,16 @@ def test_damaged_digests_and_a_store_without_digests(ref, tmp_path, capsys):
             _count("refused with a reason")
             doc.write_bytes(raw)
         np.testing.assert_array_equal(open_cache(path).load("pix", "digits", "train").X, X)
+
+
+def _written_before_digests(path) -> None:
+    """A store as featcache wrote it before digests: no digest files, no root marker."""
+    import zarr
+
+    from featcache.store.manifest import DIGESTS_KEY
+
+    shutil.rmtree(path / ".featcache-manifest", ignore_errors=True)
+    del zarr.open_group(path, mode="a").attrs[DIGESTS_KEY]
 
 
 def test_enospc_while_repairing_is_one_line(ref, tmp_path, capsys, monkeypatch):
