@@ -59,10 +59,13 @@ def verify(
     for d, s in splits:
         if not _touches(f"datasets/{d}/{s}", skip):
             _check_split(cache, d, s, rep)
+        else:  # its damaged documents are named above; the chunks below them are still read
+            _scan_direct(os.fspath(path), f"datasets/{d}/{s}", skip, rep)
     for b, d, s in entries:
         where = f"features/{b}/{d}/{s}"
         if _touches(where, skip):
-            continue  # its damaged documents are named above
+            _scan_direct(os.fspath(path), where, skip, rep)
+            continue
         try:
             _check_group(cache, b, d, s, rep, repair)
         except Exception as exc:
@@ -75,12 +78,53 @@ def verify(
     return rep.problems
 
 
+def _scan_direct(root: str, unit: str, skip: set[str], rep: VerifyReport) -> None:
+    """Read every chunk of each array below ``unit`` whose own document zarr accepts, opened by
+    its path (no group above it is read): a damaged or missing document of a folder above
+    hides no corrupt chunk below it."""
+    import os
+    import warnings
+
+    import zarr
+
+    from featcache.store.metadata import read_only_store
+
+    store = read_only_store(root)
+    base = os.path.join(root, *unit.split("/"))
+    names = (
+        sorted(n for n in os.listdir(base) if os.path.isfile(os.path.join(base, n, "zarr.json")))
+        if os.path.isdir(base)
+        else []
+    )
+    for name in names:
+        rel = f"{unit}/{name}"
+        if rel in skip:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                arr = zarr.open_array(store=store, path=rel, mode="r", zarr_format=3)
+        except Exception:
+            continue  # not an array (a foreign node): nothing to read
+        step = arr.chunks[0] if arr.chunks else 1
+        for i, start in enumerate(range(0, arr.shape[0] if arr.shape else 0, step)):
+            try:
+                arr[start : start + step]
+            except Exception as exc:
+                rep.problems.append(
+                    f"{rel}: chunk {i} (rows {start}-{min(start + step, arr.shape[0]) - 1}) unreadable "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+                )
+
+
 def _touches(rel: str, damaged: set[str]) -> bool:
     """Whether node ``rel`` or a node above or inside it has a damaged document."""
     return any(x == rel or rel.startswith(x + "/") or x.startswith(rel + "/") for x in damaged)
 
 
 def _listing(cache: FeatureCache, local: str | None, rep: VerifyReport):
+    import os
+
     """(splits, feature groups): from the documents on disk for a local store (one damaged
     document does not end the listing), else through zarr; metadata digests of other stores."""
     if local is None:
@@ -91,9 +135,13 @@ def _listing(cache: FeatureCache, local: str | None, rep: VerifyReport):
         dsets = _safe(rep, "datasets", cache.datasets) or []
         splits = [(d, s) for d in dsets for s in _safe(rep, f"datasets/{d}", cache.splits, d) or []]
         return splits, _safe(rep, "features", cache.entries) or []
+    from featcache.store import manifest
     from featcache.store.metadata import local_nodes
 
-    nodes = [rel.split("/") for rel in local_nodes(local)]
+    recorded = [u for u in manifest.units(cache.root.store) if os.path.isdir(os.path.join(local, *u.split("/")))]
+    nodes = [
+        rel.split("/") for rel in sorted(set(local_nodes(local)) | set(recorded))
+    ]  # a unit whose document is gone too
     splits = [tuple(p[1:]) for p in nodes if len(p) == 3 and p[0] == "datasets"]
     entries = [tuple(p[1:]) for p in nodes if len(p) == 4 and p[0] == "features"]
     return splits, entries
