@@ -30,6 +30,7 @@ from featcache.store.integrity import UNWRITTEN_ERROR, read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
+    MAX_CHUNK_ROWS,
     PROVENANCE_DIGEST_KEY,
     PROVENANCE_KEY,
     SCHEMA_VERSION,
@@ -114,6 +115,11 @@ class FeatureWriter:
             if k in ("valid", "error", "done"):
                 raise SchemaMismatchError(f"feature kind name {k!r} is reserved")
         first = next(iter(provenances.values()))
+        if not 1 <= first.chunk_rows <= MAX_CHUNK_ROWS:
+            raise SchemaMismatchError(
+                f"chunk_rows {first.chunk_rows} is out of range: give 1..{MAX_CHUNK_ROWS} rows per chunk "
+                "(one chunk of every array is held in memory)"
+            )
         if first.dtype not in DTYPES:
             raise SchemaMismatchError(f"dtype must be one of {DTYPES}, got {first.dtype!r}")
         self.cache = cache
@@ -445,6 +451,8 @@ def write_features(
     """
     cache = path if isinstance(path, FeatureCache) else open_cache(path, "a")
     X = np.asarray(X)
+    if not 1 <= chunk_rows <= MAX_CHUNK_ROWS:  # before the split is written
+        raise SchemaMismatchError(f"chunk_rows {chunk_rows} is out of range: give 1..{MAX_CHUNK_ROWS} rows per chunk")
     if X.ndim != 2:
         raise SchemaMismatchError(f"X must be [n, dim], got shape {X.shape}")
     labels = np.asarray(labels, dtype=np.int64)
