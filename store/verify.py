@@ -20,6 +20,11 @@ from featcache.store.cache import FeatureCache, open_cache
 from featcache.store.locks import StoreLock
 
 log = logging.getLogger(__name__)
+#: what to do after a full disk stopped ``verify --repair`` (another --cache would lose the store)
+REPAIR_NO_SPACE_THEN = (
+    "Free space on that device, then run the same `featcache verify --repair` again: the write that "
+    "failed changed nothing, and what was repaired before it stays repaired."
+)
 
 
 @dataclass
@@ -211,14 +216,20 @@ def _rebuild(path: str, store, items, units: list[str], rep: VerifyReport, fixes
             continue
         unit = manifest.unit_of(rel)
         name = (unit if unit is not None else rel) or "root"
-        with StoreLock(writable, name, timeout=0, what=name), no_space(path, f"the rebuilt {where(rel)}", len(data)):
+        with (
+            StoreLock(writable, name, timeout=0, what=name),
+            no_space(path, f"the rebuilt {where(rel)}", len(data), REPAIR_NO_SPACE_THEN),
+        ):
             manifest.write_raw(writable.store, manifest.doc_key(rel), data)
         task = rel.startswith("datasets/") and rel.count("/") == 1
         extra = " (a task metric declared for it is not kept: declare it again)" if task else ""
         rep.rebuilt.append(f"{where(rel)}: rebuilt from the store's own metadata{extra}")
     for unit in units:  # digests recorded again only from documents that agree with the rest of their unit
         if not any(manifest.unit_of(rel) == unit for rel in left):
-            with StoreLock(writable, unit or "root", timeout=0, what=unit or "root"), no_space(path, "digests", 4096):
+            with (
+                StoreLock(writable, unit or "root", timeout=0, what=unit or "root"),
+                no_space(path, "digests", 4096, REPAIR_NO_SPACE_THEN),
+            ):
                 manifest.record(writable, unit)
             rep.rebuilt.append(
                 f"{manifest.manifest_key(unit)}: digests recorded again from the documents (they agree with each other)"
@@ -404,8 +415,13 @@ def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc, every: bool
     it). Features are recomputed by re-running the same extract."""
     from featcache.store.writer import create_aux_array
 
+    from featcache.store.space import no_space
+
     path = f"features/{b}/{d}/{s}"
-    with StoreLock(cache.root, path, timeout=0, what=path):
+    with (
+        StoreLock(cache.root, path, timeout=0, what=path),
+        no_space(cache.path, f"{path}'s chunk markers", 4096, REPAIR_NO_SPACE_THEN),
+    ):
         g = cache._feature_group(b, d, s)
         for name in sc.missing_arrays:
             if name in ("valid", "error", "done"):
