@@ -413,9 +413,8 @@ def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc, every: bool
     """Store-side repair under the group's writer lock: lost aux arrays recreated, damaged
     chunks marked not done (every chunk when a feature array is lost: the re-run recreates
     it). Features are recomputed by re-running the same extract."""
-    from featcache.store.writer import create_aux_array
-
     from featcache.store.space import no_space
+    from featcache.store.writer import create_aux_array
 
     path = f"features/{b}/{d}/{s}"
     with (
