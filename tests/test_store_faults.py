@@ -118,6 +118,7 @@ def test_metadata_damage_per_document_kind_is_named_and_rebuilt(ref, tmp_path, c
             _count("named")
             rc, out = _cli(capsys, "verify", "--repair", str(path))
             assert f"REPAIRED {where}: rebuilt from the store's own metadata" in out, (node, how, out)
+            assert rc == 0, (node, how, out)  # everything repaired: success
             assert doc.read_bytes() == raw, (node, how)  # rebuilt exactly as its writer wrote it: the store
             _count("repaired byte-identical")  # is the reference again (checked once per kind below)
         assert _cli(capsys, "verify", str(path))[0] == 0, node
@@ -193,7 +194,9 @@ def test_enospc_while_repairing_is_one_line(ref, tmp_path, capsys, monkeypatch):
         _count("ENOSPC points tried")
         assert rc == 1, out
         assert f"error: no space left on the device of {path} while writing the rebuilt {node}/zarr.json" in out
-        assert _cli(capsys, "verify", "--repair", str(path))[0] == 1  # space freed: the same command
+        assert "another --cache" not in out, out  # extracting elsewhere would leave this store as it is
+        assert "run the same `featcache verify --repair` again" in out, out
+        assert _cli(capsys, "verify", "--repair", str(path))[0] == 0  # space freed: the same command, all repaired
         assert _doc(path, node).read_bytes() == raw
         assert _cli(capsys, "verify", str(path))[0] == 0
         np.testing.assert_array_equal(open_cache(path).load("pix", "digits", "train").X, X)
