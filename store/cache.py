@@ -356,7 +356,17 @@ class FeatureCache:
         except Exception:  # damaged: the load names it
             return None
 
-    def _load(self, backbone, dataset, split, kind, allow_partial, check, dtype, lazy) -> Features:
+    def _load(
+        self,
+        backbone: str,
+        dataset: str,
+        split: str,
+        kind: str,
+        allow_partial: bool,
+        check: bool,
+        dtype: DTypeLike,
+        lazy: bool,
+    ) -> Features:
         """:meth:`load` once."""
         g = self._feature_group(backbone, dataset, split)
         gm = self.group_meta(backbone, dataset, split)

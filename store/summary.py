@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -149,7 +150,7 @@ def trusted_summary(g, n: int, n_chunks: int, kinds) -> dict[str, Any] | None:
     return s
 
 
-def check_place(g, where: str, gm, names) -> tuple[list[tuple[str, str]], str | None]:
+def check_place(g: Any, where: str, gm: Any, names: Sequence[str]) -> tuple[list[tuple[str, str]], str | None]:
     """(problems as (array name or "" for the group, line), note) binding a feature group at node ``where`` to its place: its group
     metadata must name this path, and, where its summary recorded them, the ``place`` digest
     (path + backbone identity) and each of ``names``' chunk digests must match what is stored.
