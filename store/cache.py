@@ -706,10 +706,16 @@ def open_cache(
         raise CacheNotWritableError(
             f"cache path {label} is not writable ({exc}); choose a writable --cache or fix the permissions"
         ) from None
-    if ROOT_KEY not in root.attrs:
+    if ROOT_KEY not in root.attrs or _root_unrecorded(root):
         with no_space(label, "the store's root metadata", 4096):
             root = _create_root(root, label)
     return FeatureCache(root, label, "a")
+
+
+def _root_unrecorded(root, unit: str = "") -> bool:
+    """A part of a store written with digests whose digest file is missing because its writer
+    was stopped between the two writes (e.g. by a full disk): the next writer records it."""
+    return manifest.DIGESTS_KEY in root.attrs and manifest.read_raw(root.store, manifest.manifest_key(unit)) is None
 
 
 def _create_root(root, label: str):
@@ -730,6 +736,8 @@ def _create_root(root, label: str):
 
             meta = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
             root.update_attributes({ROOT_KEY: meta, manifest.DIGESTS_KEY: manifest.FORMAT})
+            manifest.record(root, "")
+        elif _root_unrecorded(root):
             manifest.record(root, "")
     return root
 
@@ -766,12 +774,15 @@ def ensure_split(
     if len(set(ids.tolist())) != len(ids):
         raise SchemaMismatchError(f"sample ids of {dataset}/{split} are not unique; give each sample a distinct id")
     fp = dataset_fingerprint(ids, labels, class_names)
+    unit = f"datasets/{dataset}/{split}"
     meta = _existing_split(cache, dataset, split, fp, len(ids))
-    if meta is not None:
+    if meta is not None and not _root_unrecorded(cache.root, unit):
         return meta
-    with StoreLock(cache.root, f"datasets/{dataset}/{split}", timeout=600, what=f"datasets/{dataset}/{split}"):
+    with StoreLock(cache.root, unit, timeout=600, what=unit):
         meta = _existing_split(cache, dataset, split, fp, len(ids))  # another job may have written it
         if meta is not None:
+            if _root_unrecorded(cache.root, unit):  # its writer stopped before recording its digests
+                manifest.record(cache.root, unit)
             return meta
         g = cache._group("datasets", dataset, split)
         if g is not None and SPLIT_KEY in g.attrs:  # metadata sound, arrays damaged: rewrite them

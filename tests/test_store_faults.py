@@ -150,7 +150,7 @@ def test_damaged_digests_and_a_store_without_digests(ref, tmp_path, capsys):
         doc.write_bytes(raw[: len(raw) // 2])
         _count("metadata damages tried")
         rc, out = _cli(capsys, "verify", "--repair", str(path))
-        assert rc == 1, out
+        assert rc == (0 if derivable else 1), out  # 0: everything repaired
         assert f"PROBLEM {node}/zarr.json (metadata of {node}): not valid JSON" in out, out
         _count("named")
         if derivable:
