@@ -337,6 +337,8 @@ class FeatureCache:
         try:
             return self._load(*args)
         except (KeyError, NotInStoreError, SchemaMismatchError, CorruptStoreError) as exc:
+            if before is None and self._group_state(backbone, dataset, split) is None:
+                raise  # not in the store (an --overwrite never removes the group)
             if before is not None and GROUP_KEY in before and self._group_state(backbone, dataset, split) == before:
                 try:  # the same state as before: a real problem, unless a rewrite ended meanwhile
                     return self._load(*args)
