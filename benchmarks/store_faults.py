@@ -6,6 +6,16 @@ that chunk, no traceback), ``featcache verify --repair`` and the same extract ag
 checks every chunk object is byte-identical to the reference.
 
     python benchmarks/store_faults.py --flips 60
+
+``--attacks N`` (no model needed) runs N seeded metadata attacks on a store of three random
+"backbones" of digits instead: two groups' folders or chunk folders swapped, a document and
+its digest file both damaged (a field zarr still reads rewritten), a digest file deleted, a
+split or group document deleted, a folder document damaged over a corrupt chunk. Per attack:
+``verify`` must name it, ``verify --repair`` must rebuild it byte-identical or refuse (then a
+plain ``verify`` still fails), and no ``load`` may return other rows than were written
+(silently wrong must be 0).
+
+    python benchmarks/store_faults.py --attacks 60
 """
 
 from __future__ import annotations
@@ -66,11 +76,144 @@ def cli(argv: list[str]) -> tuple[int, str]:
     return rc, out.getvalue() + err.getvalue()
 
 
+BACKBONES = ("r0", "r1", "r2")
+
+
+def _attack_store(path: Path):
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from featcache.store import write_features
+
+    d = load_digits()
+    X, y = d.data[:64].astype(np.float32), d.target[:64]
+    truth = {}
+    for i, b in enumerate(BACKBONES):
+        truth[b] = X + 100 * i
+        write_features(path, backbone=b, dataset="digits", split="train", X=truth[b], ids=[f"d{j}" for j in range(64)],
+                       labels=y, class_names=[str(c) for c in d.target_names], chunk_rows=16)  # fmt: skip
+    return truth
+
+
+def _attack(work: Path, rng: random.Random) -> str:
+    """Apply one seeded attack to the store at ``work``; returns its name."""
+    import json
+    import os
+
+    def g(b):
+        return work / "features" / b / "digits" / "train"
+
+    def swap(a, b):
+        os.rename(a, f"{a}.t")
+        os.rename(b, a)
+        os.rename(f"{a}.t", b)
+
+    a, b = rng.sample(BACKBONES, 2)
+    kind = rng.choice(["swap groups", "swap chunk folders", "document + digest", "digest deleted",
+                       "document deleted", "folder document over a corrupt chunk"])  # fmt: skip
+    man = work / ".featcache-manifest"
+    if kind == "swap groups":
+        swap(g(a), g(b))
+    elif kind == "swap chunk folders":
+        swap(g(a) / "pooled" / "c", g(b) / "pooled" / "c")
+    elif kind == "document + digest":
+        node = rng.choice(["valid", "done", "error", "pooled"])
+        doc = g(a) / node / "zarr.json"
+        meta = json.loads(doc.read_bytes())
+        field = rng.choice(["fill_value", "data_type", "attributes"])
+        meta[field] = {"fill_value": 0, "data_type": "uint8" if node != "done" else "int8", "attributes": {"k": 1}}[
+            field
+        ]
+        doc.write_bytes(json.dumps(meta, indent=2).encode())
+        digest = man / f"features~{a}~digits~train.json"
+        if rng.random() < 0.5:
+            digest.unlink()
+        else:
+            digest.write_bytes(digest.read_bytes()[: rng.randrange(1, 200)])
+        kind += f" ({node} {field})"
+    elif kind == "digest deleted":
+        rng.choice(sorted(man.glob("*.json"))).unlink()
+    elif kind == "document deleted":
+        (rng.choice([g(a), work / "datasets" / "digits" / "train"]) / "zarr.json").unlink()
+    else:
+        folder = rng.choice([work / "features", work / "features" / a, g(a)])
+        (folder / "zarr.json").write_bytes(b'{"zarr_format": 3, "no')
+        chunk = g(a) / "pooled" / "c" / str(rng.randrange(4)) / "0"
+        data = bytearray(chunk.read_bytes())
+        data[rng.randrange(len(data) - 4)] ^= 1 << rng.randrange(8)
+        chunk.write_bytes(bytes(data))
+    return kind
+
+
+def _wrong_loads(work: Path, truth) -> int:
+    import numpy as np
+
+    from featcache.errors import FeatcacheError
+    from featcache.store import open_cache
+
+    wrong = 0
+    for b, X in truth.items():
+        try:
+            f = open_cache(work).load(b, "digits", "train")
+        except FeatcacheError:
+            continue  # refused: never wrong
+        wrong += not np.array_equal(f.X, X)
+    return wrong
+
+
+def attacks(n: int, seed: int) -> int:
+    rng = random.Random(seed)
+    counts = dict.fromkeys(["tried", "named", "repaired", "refused", "silently wrong", "tracebacks"], 0)
+    with tempfile.TemporaryDirectory() as d:
+        ref, work = Path(d) / "ref.zarr", Path(d) / "work.zarr"
+        truth = _attack_store(ref)
+        want = {
+            str(p.relative_to(ref)): p.read_bytes()
+            for p in ref.rglob("*")
+            if p.is_file() and ".featcache-locks" not in str(p)
+        }
+        t0 = time.perf_counter()
+        for trial in range(n):
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(ref, work)
+            kind = _attack(work, rng)
+            counts["tried"] += 1
+            rc, out = cli(["verify", str(work)])
+            counts["named"] += rc == 1
+            wrong = _wrong_loads(work, truth)
+            rc_r, out_r = cli(["verify", "--repair", str(work)])
+            rc_v, _ = cli(["verify", str(work)])
+            have = {
+                str(p.relative_to(work)): p.read_bytes()
+                for p in work.rglob("*")
+                if p.is_file() and ".featcache-locks" not in str(p)
+            }
+            same = have == want
+            counts["repaired"] += rc_v == 0 and same
+            counts["refused"] += rc_v == 1
+            wrong += _wrong_loads(work, truth) + (rc_v == 0 and not same)
+            counts["silently wrong"] += bool(wrong)
+            counts["tracebacks"] += "Traceback" in out + out_r
+            print(f"attack {trial}: {kind}: verify rc={rc} repair rc={rc_r} then verify rc={rc_v} "
+                  f"byte-identical={same} wrong loads={wrong}", flush=True)  # fmt: skip
+        dt = time.perf_counter() - t0
+    print(", ".join(f"{v} {k}" for k, v in counts.items()) + f" ({dt / max(n, 1):.1f} s per attack)")
+    return int(
+        counts["named"] != n
+        or counts["silently wrong"]
+        or counts["tracebacks"]
+        or counts["repaired"] + counts["refused"] != n
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--flips", type=int, default=60)
+    ap.add_argument("--attacks", type=int, default=0, help="run N metadata attacks instead of chunk bit flips")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.attacks:
+        return attacks(args.attacks, args.seed)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as d:
         ref, work = Path(d) / "ref.zarr", Path(d) / "work.zarr"

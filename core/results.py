@@ -198,11 +198,24 @@ def verify_table_bytes(data: bytes, p: Path) -> bool:
     return True
 
 
+#: bytes of the smallest parquet file ("PAR1", footer length, "PAR1")
+_MIN_PARQUET = 12
+
+
+def _too_short(p: Path, n: int) -> str:
+    return (
+        f"{p} is {n} byte{'s' if n != 1 else ''} long: an empty or truncated file (an interrupted copy?), not a "
+        "results table; featcache never overwrites it: move it aside (or restore it from a copy), then re-run"
+    )
+
+
 def _read_bytes(p: Path) -> bytes:
     """The bytes of the table at ``p``, read through one open file handle (an append's
     ``os.replace`` between two opens would mix two files), checksum verified."""
     with open(p, "rb") as fh:
         data = fh.read()
+    if len(data) < _MIN_PARQUET:
+        raise ResultsError(_too_short(p, len(data)))
     if not _looks_like_parquet(data):
         raise ResultsError(
             f"{p} is not a parquet results table (a CSV?); featcache "
@@ -241,6 +254,8 @@ def check_results_path(path: str | os.PathLike | None) -> Path:
     if p.is_dir():
         raise ResultsError(f"results path {p} is a folder; {hint}, e.g. {p / 'results.parquet'}")
     if p.exists():
+        if p.is_file() and p.stat().st_size < _MIN_PARQUET:
+            raise ResultsError(_too_short(p, p.stat().st_size))
         if not _is_parquet(p):
             raise ResultsError(
                 f"results path {p} exists but is not a parquet file (a CSV or other text?); featcache "

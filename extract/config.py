@@ -25,6 +25,7 @@ from featcache.errors import ConfigError
 from featcache.extract.readers import format_help
 from featcache.extract.source import DEFAULT_MAX_IMAGE_PIXELS
 from featcache.extract.sources import model_help
+from featcache.store.schema import MAX_CHUNK_ROWS
 
 #: --precision words: ``default`` is the old ``auto`` (bf16 on CUDA, fp32 on CPU); ``auto`` adds
 #: bf16 CPUs and the first-batch agreement check (:mod:`featcache.extract.auto`)
@@ -34,6 +35,8 @@ BACKENDS = ("auto", "eager", "compile", "onnxruntime", "openvino")  # featcache.
 DEFAULT_CHUNK_ROWS = 1024
 #: largest --input-size / --pre-resize side: one 3 x 4096 x 4096 float32 image is 200 MB already
 MAX_INPUT_SIDE = 4096
+#: most images of one forward pass (a larger one is refused before anything is written)
+MAX_BATCH = 65536
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _SIDE = Interval(int, 1, MAX_INPUT_SIDE, hi_text=f"must be at most {MAX_INPUT_SIDE} pixels a side")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
@@ -75,24 +78,34 @@ class ExtractConfig:
     backbone_name: str | None = flag(
         None, "backbone key in the store (default: model name, NAME@random<SEED>, NAME@<ckpt stem>)"
     )
-    batch_size: int = flag(64, "images per forward pass", type=int, check=Interval(int, 1))
+    batch_size: int = flag(
+        64,
+        "images per forward pass",
+        type=int,
+        check=Interval(int, 1, MAX_BATCH, hi_text=f"must be at most {MAX_BATCH} images"),
+    )
     workers: int | None = flag(
         None,
         "DataLoader decode workers (default: CPU 0 on <= 2 cores else max(1, cpus//4); CUDA min(8, cpus-1))",
         type=int,
-        check=Interval(int, 0),
+        check=Interval(int, 0, 256),
     )
     threads: int | None = flag(
         None,
         "torch intra-op threads on CPU (default: cpus - workers for a new "
         "extraction; a resume reuses the recorded count, so it stays byte-identical)",
         type=int,
-        check=Interval(int, 1),
+        check=Interval(int, 1, 4096),
     )
     device: str = flag("auto", "auto | cpu | cuda[:N]", check=Matches(_DEVICE_RE, "choose auto, cpu, cuda or cuda:N"))
     dtype: str = flag("float16", "stored feature dtype", check=OneOf("float16", "float32"))
     chunk_rows: int = flag(
-        DEFAULT_CHUNK_ROWS, "rows per stored chunk (the unit of resume)", type=int, check=Interval(int, 1)
+        DEFAULT_CHUNK_ROWS,
+        "rows per stored chunk (the unit of resume)",
+        type=int,
+        check=Interval(
+            int, 1, MAX_CHUNK_ROWS, hi_text=f"must be at most {MAX_CHUNK_ROWS} rows (one chunk is held in memory)"
+        ),
     )
     input_size: int | None = flag(None, "override the model's input resolution", type=int, check=_SIDE)
     pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=_SIDE)

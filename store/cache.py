@@ -328,8 +328,48 @@ class FeatureCache:
         Every chunk is checksummed; ``check`` (default) also recomputes the split's
         fingerprint from its ids/labels and checks the row invariants. Raises
         IncompleteStoreError (CorruptStoreError for damage) unless ``allow_partial``
-        (then unfinished or damaged rows have ``valid=False`` and NaN features).
+        (then unfinished or damaged rows have ``valid=False`` and NaN features). A group that
+        an ``--overwrite`` rewrites during the load is IncompleteStoreError (or the complete
+        old or new features), never a missing array or kind.
         """
+        args = (backbone, dataset, split, kind, allow_partial, check, dtype, lazy)
+        before = self._group_state(backbone, dataset, split)
+        try:
+            return self._load(*args)
+        except (KeyError, NotInStoreError, SchemaMismatchError, CorruptStoreError) as exc:
+            if before is None and self._group_state(backbone, dataset, split) is None:
+                raise  # not in the store (an --overwrite never removes the group)
+            if before is not None and GROUP_KEY in before and self._group_state(backbone, dataset, split) == before:
+                try:  # the same state as before: a real problem, unless a rewrite ended meanwhile
+                    return self._load(*args)
+                except (KeyError, NotInStoreError, SchemaMismatchError, CorruptStoreError):
+                    if self._group_state(backbone, dataset, split) == before:
+                        raise exc from None
+            raise IncompleteStoreError(
+                f"{backbone}/{dataset}/{split} in {self.path} changed while it was read (an extract "
+                "--overwrite is rewriting it); load it again when that extract has finished"
+            ) from None
+
+    def _group_state(self, backbone: str, dataset: str, split: str) -> Any:
+        """The group's attributes as now stored (None when absent), to tell a rewrite from damage."""
+        try:
+            g = self._group("features", backbone, dataset, split)
+            return None if g is None else dict(g.attrs)
+        except Exception:  # damaged: the load names it
+            return None
+
+    def _load(
+        self,
+        backbone: str,
+        dataset: str,
+        split: str,
+        kind: str,
+        allow_partial: bool,
+        check: bool,
+        dtype: DTypeLike,
+        lazy: bool,
+    ) -> Features:
+        """:meth:`load` once."""
         g = self._feature_group(backbone, dataset, split)
         gm = self.group_meta(backbone, dataset, split)
         prov = self.provenance(backbone, dataset, split, kind)
@@ -345,6 +385,7 @@ class FeatureCache:
                 f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
                 "re-extract with --overwrite"
             )
+        self._check_place(g, gm, kind)
         if lazy:
             X, valid, errors, sc = self._scan_group_lazy(g, gm, kind, check)
         else:
@@ -375,6 +416,16 @@ class FeatureCache:
             errors=errors,
             complete=sc.complete,
         )
+
+    def _check_place(self, g, gm: FeatureGroupMeta, kind: str) -> None:
+        """Refuse a group whose documents or chunks were moved there from another path or
+        backbone (:func:`~featcache.store.summary.check_place`)."""
+        from featcache.store.summary import check_place
+
+        found, _ = check_place(g, g.path, gm, (kind, "valid", "error"))
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise CorruptStoreError(f"{found[0][1]}{more}; `featcache verify {self.path}` lists what is wrong")
 
     def _scan_group_lazy(self, g, gm: FeatureGroupMeta, kind: str, check: bool):
         """(StoredRows view, valid, errors, scan): with ``check``, every marked chunk is
@@ -451,9 +502,12 @@ class FeatureCache:
         import polars as pl
 
         rows = []
-        for b, d, s in self.entries():
+        entries = self.entries()
+        _warn_unlisted(self.root.store, entries)
+        for b, d, s in entries:
             g = self._existing("features", b, d, s)
             try:  # the writer's summary while it matches the stored chunks, else read every marked chunk
+                self.split_meta(d, s)  # features without their split are not usable
                 complete, n_invalid = self._completeness(b, d, s, g)
             except SchemaMismatchError as exc:
                 log.warning("skipping %s/%s/%s: %s", b, d, s, exc)
@@ -545,6 +599,21 @@ class FeatureCache:
 
     def __repr__(self) -> str:
         return f"FeatureCache({self.path!r}, {len(self.entries())} feature groups)"
+
+
+def _warn_unlisted(store, entries: list[tuple[str, str, str]]) -> None:
+    """Feature groups the store's digests record whose metadata document is gone (zarr no
+    longer lists them): one warning each, so a listing never looks whole without them."""
+    have = {f"features/{b}/{d}/{s}" for b, d, s in entries}
+    try:
+        units = manifest.units(store)
+    except Exception:  # a store that cannot list keys: nothing to compare
+        return
+    for unit in units:
+        if unit.startswith("features/") and unit not in have:
+            log.warning(
+                "%s: its metadata document is missing (the store's digests record it); run `featcache verify`", unit
+            )
 
 
 def _damage_message(where: str, sc: GroupScan) -> str:
@@ -639,10 +708,16 @@ def open_cache(
         raise CacheNotWritableError(
             f"cache path {label} is not writable ({exc}); choose a writable --cache or fix the permissions"
         ) from None
-    if ROOT_KEY not in root.attrs:
+    if ROOT_KEY not in root.attrs or _root_unrecorded(root):
         with no_space(label, "the store's root metadata", 4096):
             root = _create_root(root, label)
     return FeatureCache(root, label, "a")
+
+
+def _root_unrecorded(root, unit: str = "") -> bool:
+    """A part of a store written with digests whose digest file is missing because its writer
+    was stopped between the two writes (e.g. by a full disk): the next writer records it."""
+    return manifest.DIGESTS_KEY in root.attrs and manifest.read_raw(root.store, manifest.manifest_key(unit)) is None
 
 
 def _create_root(root, label: str):
@@ -661,7 +736,10 @@ def _create_root(root, label: str):
                 )
             from featcache import __version__
 
-            root.attrs[ROOT_KEY] = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+            meta = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
+            root.update_attributes({ROOT_KEY: meta, manifest.DIGESTS_KEY: manifest.FORMAT})
+            manifest.record(root, "")
+        elif _root_unrecorded(root):
             manifest.record(root, "")
     return root
 
@@ -698,12 +776,15 @@ def ensure_split(
     if len(set(ids.tolist())) != len(ids):
         raise SchemaMismatchError(f"sample ids of {dataset}/{split} are not unique; give each sample a distinct id")
     fp = dataset_fingerprint(ids, labels, class_names)
+    unit = f"datasets/{dataset}/{split}"
     meta = _existing_split(cache, dataset, split, fp, len(ids))
-    if meta is not None:
+    if meta is not None and not _root_unrecorded(cache.root, unit):
         return meta
-    with StoreLock(cache.root, f"datasets/{dataset}/{split}", timeout=600, what=f"datasets/{dataset}/{split}"):
+    with StoreLock(cache.root, unit, timeout=600, what=unit):
         meta = _existing_split(cache, dataset, split, fp, len(ids))  # another job may have written it
         if meta is not None:
+            if _root_unrecorded(cache.root, unit):  # its writer stopped before recording its digests
+                manifest.record(cache.root, unit)
             return meta
         g = cache._group("datasets", dataset, split)
         if g is not None and SPLIT_KEY in g.attrs:  # metadata sound, arrays damaged: rewrite them

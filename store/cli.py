@@ -73,6 +73,9 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"PROBLEM {p}")
     for line in rep.rebuilt:
         print(f"REPAIRED {line}")
+    if args.repair and not rep.to_recompute and not rep.bad_splits and not verify(args.path, storage_options=opts):
+        print(f"{args.path}: {len(problems)} problem(s) repaired; it verifies OK now")
+        return 0
     print(
         f"{args.path}: {len(problems)} problem(s)"
         + (f", {len(rep.rebuilt)} metadata document(s) rebuilt" if rep.rebuilt else "")

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST_DIR = ".featcache-manifest"
 FORMAT = 1
+#: root attribute of a store written with digests: every writer unit has a digest file, so a
+#: missing one was deleted (a store without it was written before digests)
+DIGESTS_KEY = "featcache_digests"
 AUX = ("valid", "error", "done")
 #: chunk rows of a split's ids/labels as :func:`~featcache.store.cache.ensure_split` writes them
 SPLIT_CHUNK_ROWS = 65536

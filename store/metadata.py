@@ -171,9 +171,12 @@ def changed(store, skip: set[str], path: str = "") -> tuple[list[tuple[str, str]
         for key, entry in (body or {}).get("documents", {}).items():
             rel = key[: -len("/zarr.json")] if key != "zarr.json" else ""
             raw = manifest.read_raw(store, key)
-            if rel in skip or raw is None or manifest.sha256(raw) == entry.get("sha256"):
+            if rel in skip or (raw is not None and manifest.sha256(raw) == entry.get("sha256")):
                 continue
-            why = f"changed after it was written (its sha256 differs from the one recorded in {manifest.manifest_key(unit)})"
+            if raw is None:
+                why = f"missing (deleted after it was written: {manifest.manifest_key(unit)} records it)"
+            else:
+                why = f"changed after it was written (its sha256 differs from the one recorded in {manifest.manifest_key(unit)})"
             out.append((rel, f"{where(rel)}: {why}; {advice(store, rel, entries, path)[1]}"))
     return out, bad_units
 
@@ -182,7 +185,7 @@ def _manifest_line(unit: str, why: str, path: str) -> str:
     cmd = f"featcache verify --repair {path}".rstrip()
     return (
         f"{manifest.manifest_key(unit)} (metadata digests of {unit or 'the store root'}): {why}; run `{cmd}` "
-        "(it records the documents' digests again, as they are now)"
+        "(it records them again only from documents that agree with the rest of their part of the store)"
     )
 
 

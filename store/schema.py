@@ -40,6 +40,11 @@ TEXT_PROVENANCE_KEY = "featcache_text"
 #: sha256 of the canonical JSON of the provenance document, written beside it by the writer
 PROVENANCE_DIGEST_KEY = "featcache_provenance_sha256"
 
+#: most rows of one stored chunk: every array of a group allocates a chunk of this many rows
+#: in memory (1M rows of 2048 float32 features is 8 GiB); a larger flag is refused before
+#: anything is written
+MAX_CHUNK_ROWS = 1 << 20
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+=,:%-]*$")
 
 

@@ -20,6 +20,11 @@ from featcache.store.cache import FeatureCache, open_cache
 from featcache.store.locks import StoreLock
 
 log = logging.getLogger(__name__)
+#: what to do after a full disk stopped ``verify --repair`` (another --cache would lose the store)
+REPAIR_NO_SPACE_THEN = (
+    "Free space on that device, then run the same `featcache verify --repair` again: the write that "
+    "failed changed nothing, and what was repaired before it stays repaired."
+)
 
 
 @dataclass
@@ -59,10 +64,13 @@ def verify(
     for d, s in splits:
         if not _touches(f"datasets/{d}/{s}", skip):
             _check_split(cache, d, s, rep)
+        else:  # its damaged documents are named above; the chunks below them are still read
+            _scan_direct(os.fspath(path), f"datasets/{d}/{s}", skip, rep)
     for b, d, s in entries:
         where = f"features/{b}/{d}/{s}"
         if _touches(where, skip):
-            continue  # its damaged documents are named above
+            _scan_direct(os.fspath(path), where, skip, rep)
+            continue
         try:
             _check_group(cache, b, d, s, rep, repair)
         except Exception as exc:
@@ -75,12 +83,53 @@ def verify(
     return rep.problems
 
 
+def _scan_direct(root: str, unit: str, skip: set[str], rep: VerifyReport) -> None:
+    """Read every chunk of each array below ``unit`` whose own document zarr accepts, opened by
+    its path (no group above it is read): a damaged or missing document of a folder above
+    hides no corrupt chunk below it."""
+    import os
+    import warnings
+
+    import zarr
+
+    from featcache.store.metadata import read_only_store
+
+    store = read_only_store(root)
+    base = os.path.join(root, *unit.split("/"))
+    names = (
+        sorted(n for n in os.listdir(base) if os.path.isfile(os.path.join(base, n, "zarr.json")))
+        if os.path.isdir(base)
+        else []
+    )
+    for name in names:
+        rel = f"{unit}/{name}"
+        if rel in skip:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                arr = zarr.open_array(store=store, path=rel, mode="r", zarr_format=3)
+        except Exception:
+            continue  # not an array (a foreign node): nothing to read
+        step = arr.chunks[0] if arr.chunks else 1
+        for i, start in enumerate(range(0, arr.shape[0] if arr.shape else 0, step)):
+            try:
+                arr[start : start + step]
+            except Exception as exc:
+                rep.problems.append(
+                    f"{rel}: chunk {i} (rows {start}-{min(start + step, arr.shape[0]) - 1}) unreadable "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+                )
+
+
 def _touches(rel: str, damaged: set[str]) -> bool:
     """Whether node ``rel`` or a node above or inside it has a damaged document."""
     return any(x == rel or rel.startswith(x + "/") or x.startswith(rel + "/") for x in damaged)
 
 
 def _listing(cache: FeatureCache, local: str | None, rep: VerifyReport):
+    import os
+
     """(splits, feature groups): from the documents on disk for a local store (one damaged
     document does not end the listing), else through zarr; metadata digests of other stores."""
     if local is None:
@@ -91,9 +140,13 @@ def _listing(cache: FeatureCache, local: str | None, rep: VerifyReport):
         dsets = _safe(rep, "datasets", cache.datasets) or []
         splits = [(d, s) for d in dsets for s in _safe(rep, f"datasets/{d}", cache.splits, d) or []]
         return splits, _safe(rep, "features", cache.entries) or []
+    from featcache.store import manifest
     from featcache.store.metadata import local_nodes
 
-    nodes = [rel.split("/") for rel in local_nodes(local)]
+    recorded = [u for u in manifest.units(cache.root.store) if os.path.isdir(os.path.join(local, *u.split("/")))]
+    nodes = [
+        rel.split("/") for rel in sorted(set(local_nodes(local)) | set(recorded))
+    ]  # a unit whose document is gone too
     splits = [tuple(p[1:]) for p in nodes if len(p) == 3 and p[0] == "datasets"]
     entries = [tuple(p[1:]) for p in nodes if len(p) == 4 and p[0] == "features"]
     return splits, entries
@@ -104,7 +157,10 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     recorded digest, one named problem each. With ``repair`` each derivable one is rebuilt
     (under its unit's lock) and damaged manifests recorded again. Returns the nodes whose
     documents zarr still refuses."""
+    from featcache.store import manifest
+    from featcache.store.evidence import check_unit
     from featcache.store.metadata import between_changed, changed, damaged, local_nodes, read_only_store
+    from featcache.store.metadata import where as where_of
 
     store = read_only_store(path)
     unlisted: list[tuple[str, str]] = []
@@ -119,14 +175,26 @@ def _metadata(path: str, rep: VerifyReport, repair: bool) -> set[str]:
     moved += between_changed(store, local_nodes(path), {rel for rel, _ in found}, path)
     items = [*found, *moved]
     rep.problems.extend(line for _, line in (*items, *bad_units))
-    _note_undigested(store, path, rep)
-    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted}  # a changed document zarr reads is checked too
+    lost = _note_undigested(store, path, rep)
+    gone = {rel for rel, line in moved if line.startswith(f"{where_of(rel)}: missing")}
+    gone_groups = {rel for rel in gone if manifest.unit_of(rel) == rel}  # a lost array is named by its group's check
+    untrusted = [u for u, _ in bad_units] + lost  # no digest vouches for these units: the rest of each is the evidence
+    named = {rel for rel, _ in found} | gone
+    disagree, fixes = [], {}
+    for u in untrusted:
+        conflicts, rebuilds = check_unit(store, u, named)
+        disagree += conflicts
+        fixes.update(rebuilds)
+    rep.problems.extend(line for _, line in (*disagree, *((rel, line) for rel, (_, line) in fixes.items())))
+    blocked = {manifest.unit_of(rel) for rel, _ in disagree}
+    # a changed document zarr reads is checked too; a missing one hides its node
+    refused = {rel for rel, _ in found} | {rel for rel, _ in unlisted} | gone_groups
     if not repair:
         return refused
-    return _rebuild(path, store, items, bad_units, rep) & refused
+    return _rebuild(path, store, items, [u for u in untrusted if u not in blocked], rep, fixes) & refused
 
 
-def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
+def _rebuild(path: str, store, items, units: list[str], rep: VerifyReport, fixes: dict | None = None) -> set[str]:
     from types import SimpleNamespace
 
     from zarr.storage import LocalStore
@@ -138,39 +206,67 @@ def _rebuild(path: str, store, items, bad_units, rep: VerifyReport) -> set[str]:
     writable = SimpleNamespace(store=LocalStore(path))  # what StoreLock and record need of a root group
     entries = all_entries(store)
     left = set()
-    for rel, _ in sorted(items, key=lambda it: it[0].count("/") + bool(it[0])):  # groups before their arrays
+    fixes = fixes or {}
+    todo = [*items, *((rel, line) for rel, (_, line) in fixes.items() if manifest.unit_of(rel) in units)]
+    for rel, _ in sorted(todo, key=lambda it: it[0].count("/") + bool(it[0])):  # groups before their arrays
         try:
-            data = manifest.rebuild(store, rel, entries)
+            data = fixes[rel][0] if rel in fixes else manifest.rebuild(store, rel, entries)
         except manifest.NotDerivable:
             left.add(rel)  # its problem line says why and what to run
             continue
         unit = manifest.unit_of(rel)
         name = (unit if unit is not None else rel) or "root"
-        with StoreLock(writable, name, timeout=0, what=name), no_space(path, f"the rebuilt {where(rel)}", len(data)):
+        with (
+            StoreLock(writable, name, timeout=0, what=name),
+            no_space(path, f"the rebuilt {where(rel)}", len(data), REPAIR_NO_SPACE_THEN),
+        ):
             manifest.write_raw(writable.store, manifest.doc_key(rel), data)
         task = rel.startswith("datasets/") and rel.count("/") == 1
         extra = " (a task metric declared for it is not kept: declare it again)" if task else ""
         rep.rebuilt.append(f"{where(rel)}: rebuilt from the store's own metadata{extra}")
-    for unit, _ in bad_units:
+    for unit in units:  # digests recorded again only from documents that agree with the rest of their unit
         if not any(manifest.unit_of(rel) == unit for rel in left):
-            with StoreLock(writable, unit or "root", timeout=0, what=unit or "root"), no_space(path, "digests", 4096):
+            with (
+                StoreLock(writable, unit or "root", timeout=0, what=unit or "root"),
+                no_space(path, "digests", 4096, REPAIR_NO_SPACE_THEN),
+            ):
                 manifest.record(writable, unit)
-            rep.rebuilt.append(f"{manifest.manifest_key(unit)}: digests recorded again from the documents")
+            rep.rebuilt.append(
+                f"{manifest.manifest_key(unit)}: digests recorded again from the documents (they agree with each other)"
+            )
     return left
 
 
-def _note_undigested(store, path: str, rep: VerifyReport) -> None:
+def _note_undigested(store, path: str, rep: VerifyReport) -> list[str]:
+    """Units without a digest file: problems (and returned) in a store written with digests,
+    where a missing one was deleted; else one note (a store written before digests)."""
+    import json
+
     from featcache.store import manifest
     from featcache.store.metadata import local_nodes
 
     have = set(manifest.units(store))
     units = {u for rel in local_nodes(path) if (u := manifest.unit_of(rel)) is not None}
     missing = sorted(units - have)
+    try:
+        digested = manifest.DIGESTS_KEY in json.loads(manifest.read_raw(store, "zarr.json") or b"")["attributes"]
+    except (ValueError, KeyError, TypeError):
+        digested = False
+    if missing and digested:
+        cmd = f"featcache verify --repair {path}"
+        for unit in missing:
+            rep.problems.append(
+                f"{manifest.manifest_key(unit)} (metadata digests of {unit or 'the store root'}): missing, though "
+                f"the store was written with digests (deleted?); run `{cmd}` (it records them again only "
+                "from documents that agree with the rest of their part of the store)"
+            )
+        return missing
     if missing:
         rep.notes.append(
             f"{len(missing)} of {len(units)} parts of the store have no metadata digests (written before "
             f"them, e.g. {missing[0] or 'the root'}): damage zarr accepts is not detected there"
         )
+    return []
 
 
 def _safe(rep: VerifyReport, where: str, fn, *args):
@@ -233,12 +329,25 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
         if name in g and g[name].shape != (gm.n,):
             rep.problems.append(f"{where}/{name}: shape {g[name].shape} != ({gm.n},)")
     _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep)
+    moved = _check_place(g, where, gm, rep)
     bad = sorted(set(sc.bad_chunks) | set(todo))
-    if bad or sc.missing_arrays:
-        every = set(sc.missing_arrays) & {"valid", "error", *lost_kinds}
+    if bad or sc.missing_arrays or moved:
+        every = (set(sc.missing_arrays) & {"valid", "error", *lost_kinds}) | moved
         rep.to_recompute[(b, d, s)] = list(range(gm.n_chunks)) if every else bad
         if repair:
-            _invalidate(cache, b, d, s, gm, sc)
+            _invalidate(cache, b, d, s, gm, sc, every=bool(moved))
+
+
+def _check_place(g, where: str, gm, rep: VerifyReport) -> set[str]:
+    """The group bound to its place (:func:`~featcache.store.summary.check_place`); returns the
+    arrays whose chunks were moved there from elsewhere (every chunk must be recomputed)."""
+    from featcache.store.summary import check_place
+
+    found, note = check_place(g, where, gm, (*gm.kinds, "valid", "error", "done"))
+    rep.problems.extend(line for _, line in found)
+    if note:
+        rep.notes.append(note)
+    return {name for name, _ in found if name}
 
 
 def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
@@ -300,20 +409,24 @@ def _check_provenance_against(arr, prov, gm, where: str, rep: VerifyReport) -> N
         )
 
 
-def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc) -> None:
+def _invalidate(cache: FeatureCache, b: str, d: str, s: str, gm, sc, every: bool = False) -> None:
     """Store-side repair under the group's writer lock: lost aux arrays recreated, damaged
     chunks marked not done (every chunk when a feature array is lost: the re-run recreates
     it). Features are recomputed by re-running the same extract."""
+    from featcache.store.space import no_space
     from featcache.store.writer import create_aux_array
 
     path = f"features/{b}/{d}/{s}"
-    with StoreLock(cache.root, path, timeout=0, what=path):
+    with (
+        StoreLock(cache.root, path, timeout=0, what=path),
+        no_space(cache.path, f"{path}'s chunk markers", 4096, REPAIR_NO_SPACE_THEN),
+    ):
         g = cache._feature_group(b, d, s)
         for name in sc.missing_arrays:
             if name in ("valid", "error", "done"):
                 create_aux_array(g, name, gm.n, gm.chunk_rows, gm.n_chunks)
         done = g["done"]
-        if set(sc.missing_arrays) - {"done"}:  # valid/error or a feature array: every chunk
+        if every or set(sc.missing_arrays) - {"done"}:  # valid/error, a feature array or moved chunks: every chunk
             done[:] = 0
         for i in sc.bad_chunks:
             done[i] = 0

@@ -25,12 +25,12 @@ from featcache.store.cache import (
     ensure_split,
     now_iso,
     open_cache,
-    remove_group,
 )
 from featcache.store.integrity import UNWRITTEN_ERROR, read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
+    MAX_CHUNK_ROWS,
     PROVENANCE_DIGEST_KEY,
     PROVENANCE_KEY,
     SCHEMA_VERSION,
@@ -115,6 +115,11 @@ class FeatureWriter:
             if k in ("valid", "error", "done"):
                 raise SchemaMismatchError(f"feature kind name {k!r} is reserved")
         first = next(iter(provenances.values()))
+        if not 1 <= first.chunk_rows <= MAX_CHUNK_ROWS:
+            raise SchemaMismatchError(
+                f"chunk_rows {first.chunk_rows} is out of range: give 1..{MAX_CHUNK_ROWS} rows per chunk "
+                "(one chunk of every array is held in memory)"
+            )
         if first.dtype not in DTYPES:
             raise SchemaMismatchError(f"dtype must be one of {DTYPES}, got {first.dtype!r}")
         self.cache = cache
@@ -184,7 +189,7 @@ class FeatureWriter:
                 )
             if diffs or overwrite:
                 log.warning("overwriting %s (%s)", self.path, "settings changed" if diffs else "--overwrite")
-                remove_group(self.cache, "features", self.backbone, self.dataset, self.split)
+                self._empty_group()
             else:
                 self.group = self.cache.root[self.path]
                 self._restore_aux_arrays()
@@ -194,6 +199,15 @@ class FeatureWriter:
                 return self
         self._create()
         return self
+
+    def _empty_group(self) -> None:
+        """Empty the group in place for a rewrite (``--overwrite``): its metadata goes first, in
+        one write, so a concurrent reader sees a group being created (IncompleteStoreError),
+        never a group whose metadata lists arrays that are gone, or no group at all."""
+        g = self.cache.root[self.path]
+        g.attrs.put({})
+        for name in sorted(k for k, _ in g.members()):
+            del g[name]
 
     def _listed_kinds(self) -> tuple[str, ...]:
         g = self.cache.root[self.path]
@@ -437,6 +451,8 @@ def write_features(
     """
     cache = path if isinstance(path, FeatureCache) else open_cache(path, "a")
     X = np.asarray(X)
+    if not 1 <= chunk_rows <= MAX_CHUNK_ROWS:  # before the split is written
+        raise SchemaMismatchError(f"chunk_rows {chunk_rows} is out of range: give 1..{MAX_CHUNK_ROWS} rows per chunk")
     if X.ndim != 2:
         raise SchemaMismatchError(f"X must be [n, dim], got shape {X.shape}")
     labels = np.asarray(labels, dtype=np.int64)

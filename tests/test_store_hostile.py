@@ -474,7 +474,7 @@ def test_damaged_metadata_is_named_per_document(tmp_path, digits_pixels, capsys,
         doc = f"{node + '/' if node else ''}zarr.json (metadata of {node or 'the store root'}): not valid"
         assert f"PROBLEM {doc}" in out.out, (node, out.out)
         assert f"run `featcache verify --repair {path}` (it rebuilds this document" in out.out
-        assert main(["verify", "--repair", str(path)]) == 1
+        assert main(["verify", "--repair", str(path)]) == 0  # every damaged document rebuilt: success
         out = capsys.readouterr()
         assert "Traceback" not in out.err
         assert f"REPAIRED {doc.split(': not valid')[0]}: rebuilt from the store's own metadata" in out.out, out.out
@@ -497,6 +497,6 @@ def test_extract_rerun_on_damaged_metadata_is_one_line(tmp_path, capsys, referen
     assert "Traceback" not in err
     assert f"damaged metadata document features/{KEY}/digits/test/zarr.json" in err
     assert f"run `featcache verify --repair {path}`" in err
-    assert main(["verify", "--repair", str(path)]) == 1  # what it says to do
+    assert main(["verify", "--repair", str(path)]) == 0  # what it says to do: all repaired
     assert main([*argv, "--cache", str(path)]) == 0
     np.testing.assert_array_equal(open_cache(path).load(KEY, "digits", "test").X, reference)

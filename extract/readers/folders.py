@@ -31,6 +31,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -192,11 +193,13 @@ def _link_problem(p: str, root: str, follow: bool) -> str | None:
             "(pass --follow-symlinks / follow_symlinks=True to read it)"
         )
     try:
-        os.stat(p)
+        st = os.stat(p)
     except FileNotFoundError:
         return None
     except OSError as exc:
         return f"symlink {escape_name(p)} -> {_readlink(p)} cannot be followed ({exc.strerror or exc})"
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):  # opening a FIFO would block
+        return f"symlink {escape_name(p)} -> {_readlink(p)} is not a regular file (a FIFO, socket or device); not read"
     return None
 
 
@@ -241,8 +244,11 @@ def _list_images(d: Path, root: str, follow: bool, refused: dict[str, str]) -> l
                         continue  # a link to a folder named like an image
                     if why is not None:
                         refused[e.path] = why
-                elif not e.is_file(follow_symlinks=False):
-                    continue  # a fifo, socket or device named like an image
+                elif not e.is_file(follow_symlinks=False):  # a fifo, socket or device named like an image:
+                    log.warning(  # never opened (a FIFO would block the read)
+                        "%s is not a regular file (a FIFO, socket or device); skipped, no row", escape_name(e.path)
+                    )
+                    continue
                 out.append(Path(e.path))
     return sorted(out)
 
