@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BOB_TIES = "index"  # Battle of the Backbones' metrics rank exact ties in gallery order
+
 __all__ = ["DEFAULT_KS", "TIE_POLICY", "RetrievalConfig", "evaluate", "run_retrieval"]
 
 
@@ -387,14 +389,16 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
 def _bob_means(cfg: RetrievalConfig, d: _Pair, rel, table, revisited: bool) -> dict[str, float]:
     """Battle of the Backbones' definitions (bob-retrieval ``compute_map``, revisitop's code)
     over the full ranking: ``map_bob`` (revisitop's trapezoidal AP), ``mp@k`` (revisitop's
-    mP@k), ``mrr_bob`` (before junk removal, over all queries). Revisited Oxford/Paris keeps
-    its older names ``map_revisitop`` and ``mp_revisitop@k`` (the same values) too."""
+    mP@k), ``mrr_bob`` (before junk removal, over all queries), ranked in BoB's order (its
+    ``torch.argsort(-sim)``: exact ties in gallery order, ``ties="index"``), not featcache's
+    block rule. Revisited Oxford/Paris keeps its older names ``map_revisitop`` and
+    ``mp_revisitop@k`` (the same values) too."""
     mem = parse_memory(cfg.max_memory)
     Q, G = d.prepared(cfg.metric, cfg.max_memory)
 
     def rank(r):
         backend = _ranking_backend(cfg.backend)
-        return full_ranking(Q, G, r, cfg.metric, max_memory=mem, backend=backend, progress=cfg.progress)
+        return full_ranking(Q, G, r, cfg.metric, max_memory=mem, backend=backend, progress=cfg.progress, ties=BOB_TIES)
 
     rr = rank(rel)
     per_query = {"map_bob": revisited_ap(rr)}
