@@ -11,7 +11,7 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     from featcache.store.cli import add_storage_option_argument
 
     ExtractConfig.add_arguments(p, optional=("data",))
-    p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
+    p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole-tf1), else timm
     from featcache.suites import suite_names
 
     p.add_argument(
