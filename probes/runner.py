@@ -622,13 +622,19 @@ def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str
 
 def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str, _Data]) -> ProbeConfig:
     """``cfg`` with ``metric`` set: the given one, else the dataset's recorded task metric
-    (:mod:`featcache.store.tasks`), else top1. Multi-label targets need a ranking metric."""
+    (:mod:`featcache.store.tasks`), else top1 (multi-label targets: CLIP_benchmark's mAP,
+    :data:`~featcache.metrics.MULTILABEL_DEFAULT`). Multi-label targets need a ranking metric."""
     from dataclasses import replace
 
+    from featcache.metrics import MULTILABEL_DEFAULT
     from featcache.store.tasks import task_metric
 
-    metric = cfg.metric or task_metric(_cache_for(caches, backbones[0], cfg.dataset), cfg.dataset) or "top1"
     multilabel = next(iter(data.values())).train.Y is not None
+    metric = (
+        cfg.metric
+        or task_metric(_cache_for(caches, backbones[0], cfg.dataset), cfg.dataset)
+        or (MULTILABEL_DEFAULT if multilabel else "top1")
+    )
     if multilabel and metric not in MULTILABEL_METRICS:
         raise ProbeError(
             f"{cfg.dataset} has multi-label targets; its task metric must be one of "
