@@ -21,6 +21,7 @@ from featcache.analysis.loaded import (
     load_results,
     resolve_metric,
     resolve_retrieval_metric,
+    split_retrieval_metrics,
     with_declared_rows,
 )
 
@@ -148,7 +149,9 @@ def rank(
     protocols: mean, shown with the std; the rest: the median, VTAB's rule), or ``median`` /
     ``mean`` for every setting. ``retrieval_metric="auto"`` ranks retrieval on Battle of the
     Backbones' ``map_bob`` (revisitop's trapezoidal AP) where every retrieval setting records
-    it, else on ``map`` (the scikit-learn-style AP).
+    it, else on ``map`` (the scikit-learn-style AP). Several comma-separated retrieval metrics
+    (``"map_bob,mrr_bob,recall@5"``) make each (dataset, metric) its own setting, z-scored on
+    its own and averaged with the rest (Battle of the Backbones' ranking; a note names them).
 
     ``metric`` (default ``top1``, or the metric :class:`LoadedResults` were loaded for):
     ``"auto"`` ranks each task on its declared metric (``hparams.task_metric``, e.g.
@@ -160,15 +163,16 @@ def rank(
     loaded = _loaded(results, external, metric, groups=groups, percent=percent, external_kind=external_kind)
     metric, groups = loaded.metric, loaded.groups
     raw = _restrict(loaded.rows, eval_splits)
-    reduced = _reduce(raw, seed_reduce)
     retrieval_metric, why = resolve_retrieval_metric(retrieval_metric, raw)
+    raw, several = split_retrieval_metrics(raw, retrieval_metric)  # map_bob,mrr_bob: a setting per metric
+    reduced = _reduce(raw, seed_reduce)
     coverage = replace(loaded.coverage)  # missing cells are this ranking's, not the loaded inputs'
     ranked_raw, ranked, weights = _pooled(raw, reduced, seed_reduce)
     sm = rankings.select_settings(ranked, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     _record_missing_cells(coverage, sm)
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
     notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
-    notes += [why] if why else []
+    notes += [n for n in (why, several) if n]
     rules = _seed_rules(ranked, agg["matrix"], metric, retrieval_metric)
     notes += [f"{s} is one setting: the mean over {len(frm)} k values ({', '.join(frm)})" for s, frm in weights.items()]
     ranked_rows = _ranked_rows(ranked_raw, agg["matrix"], metric, retrieval_metric)

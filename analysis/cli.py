@@ -58,7 +58,9 @@ def register(subparsers) -> None:
         default="auto",
         help="retrieval metric to rank on: auto (default) ranks on map_bob (Battle of the Backbones' mAP, "
         "revisitop's trapezoidal AP) where every retrieval setting records it, else map (the "
-        "scikit-learn-style AP); or any metric the retrieval rows hold (map, mrr, recall@5, mp@10, ...)",
+        "scikit-learn-style AP); or any metric the retrieval rows hold (map, mrr, recall@5, mp@10, ...); "
+        "several, comma-separated (map_bob,mrr_bob,recall@5): each (dataset, metric) is z-scored as its "
+        "own setting, then averaged with the others (Battle of the Backbones' ranking)",
     )
     p.add_argument(
         "--kinds",

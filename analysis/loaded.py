@@ -22,6 +22,9 @@ __all__ = [
     "load_results",
     "resolve_metric",
     "resolve_retrieval_metric",
+    "retrieval_metric_list",
+    "retrieval_metric_text",
+    "split_retrieval_metrics",
     "with_declared_rows",
 ]
 
@@ -116,6 +119,55 @@ def resolve_retrieval_metric(metric: str, rows: pl.DataFrame) -> tuple[str, str 
         f"retrieval ranked on map (scikit-learn-style AP), not Battle of the Backbones' map_bob: "
         f"{', '.join(lacking)} record no map_bob (re-run featcache retrieve without --top-k-only)"
     )
+
+
+def retrieval_metric_list(metric: str) -> list[str]:
+    """The metrics of a ``--retrieval-metric`` value (``map_bob,mrr_bob,recall@5``: three)."""
+    return [m.strip() for m in metric.split(",") if m.strip()]
+
+
+def retrieval_metric_text(metric: str) -> str:
+    """How the report names the retrieval metric(s) ranked on."""
+    names = retrieval_metric_list(metric)
+    if len(names) <= 1:
+        return RETRIEVAL_METRIC_TEXT.get(metric, metric)
+    return (
+        f"{len(names)} metrics, each (dataset, metric) z-scored as its own setting, then averaged "
+        f"with the other settings: {'; '.join(RETRIEVAL_METRIC_TEXT.get(m, m) for m in names)}"
+    )
+
+
+def split_retrieval_metrics(rows: pl.DataFrame, metric: str) -> tuple[pl.DataFrame, str | None]:
+    """Several retrieval metrics (``map_bob,mrr_bob,recall@5``) ranked at once, as Battle of
+    the Backbones' ranking treats a task and metric: each retrieval setting and metric becomes
+    its own setting (``retrieval:digits [mrr_bob]``), z-scored on its own like any setting, so
+    the mean z-score averages over (dataset, metric) pairs. Those rows' ``metric`` becomes
+    ``metric`` (the list as given), the name the ranking selects. One metric: ``rows`` as they
+    are. Returns ``(rows, note)``; a metric no retrieval row holds is refused."""
+    import polars as pl
+
+    names = retrieval_metric_list(metric)
+    if len(names) <= 1:
+        return rows, None
+    if len(set(names)) != len(names):
+        raise ResultsError(f"--retrieval-metric {metric!r} names a metric twice")
+    ret = pl.col("kind") == "retrieval"
+    held = set(rows.filter(ret)["metric"].to_list())
+    missing = [m for m in names if m not in held]
+    if missing:
+        raise ResultsError(
+            f"no retrieval rows with metric(s) {missing}; those rows hold {sorted(held)} "
+            "(choose with --retrieval-metric, comma-separated)"
+        )
+    picked = rows.filter(ret & pl.col("metric").is_in(names)).with_columns(
+        (pl.col("setting") + " [" + pl.col("metric") + "]").alias("setting"), pl.lit(metric).alias("metric")
+    )
+    out = pl.concat([rows.filter(~ret), picked], how="vertical_relaxed")
+    note = (
+        f"retrieval ranked on {len(names)} metrics ({', '.join(names)}): each (dataset, metric) is "
+        "one setting, z-scored on its own, then averaged with the other settings"
+    )
+    return out, note
 
 
 def with_declared_rows(frame: pl.DataFrame, *, external: bool = False) -> pl.DataFrame:

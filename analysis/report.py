@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from featcache.analysis.api import Ranking, load_results, overall_with_intervals, rank, shift
-from featcache.analysis.loaded import RETRIEVAL_METRIC_TEXT, LoadedResults, resolve_retrieval_metric
+from featcache.analysis.loaded import (
+    LoadedResults,
+    resolve_retrieval_metric,
+    retrieval_metric_list,
+    retrieval_metric_text,
+)
 from featcache.core.formatting import format_cell, table_cells
 from featcache.errors import ResultsError
 
@@ -128,7 +133,7 @@ def _retrieval_statement(r: Ranking) -> str | None:
     """Which AP the retrieval settings are ranked on (None without retrieval settings)."""
     if not any(s.startswith("retrieval:") for s in r.scores.columns):
         return None
-    return f"Retrieval settings are ranked on {RETRIEVAL_METRIC_TEXT.get(r.retrieval_metric, r.retrieval_metric)}."
+    return f"Retrieval settings are ranked on {retrieval_metric_text(r.retrieval_metric)}."
 
 
 def _few_backbones(n: int, best: str) -> str:
@@ -441,10 +446,11 @@ def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) 
     ret = _reduced(raw, ["retrieval"], seed_reduce)
     if ret is not None:
         rm = r.retrieval_metric if r else resolve_retrieval_metric(rank_kwargs.get("retrieval_metric", "auto"), raw)[0]
-        w = _wide(ret, rm, "retrieval-wide")
+        shown = retrieval_metric_list(rm)[0]  # several ranked: the overview shows the first
+        w = _wide(ret, shown, "retrieval-wide")
         ctx["retrieval"] = {
             "metric": rm,
-            "metric_text": RETRIEVAL_METRIC_TEXT.get(rm, rm),
+            "metric_text": retrieval_metric_text(shown),
             "wide": table_cells(w[0], table_id=w[1]) if w else None,
             "pivots": _pivots(ret),
         }

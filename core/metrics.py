@@ -27,12 +27,14 @@ from featcache.errors import ConfigError, MetricInputError
 
 __all__ = [
     "METRICS",
+    "MULTILABEL_DEFAULT",
     "MULTILABEL_METRICS",
     "TASK_METRICS",
     "compute_all",
     "ece",
     "map11",
     "map11_elevater",
+    "map_clip_benchmark",
     "mean_per_class",
     "metric_names",
     "nll",
@@ -205,6 +207,31 @@ def map11_elevater(y_true: ArrayLike, scores: ArrayLike) -> float:
     return float(np.mean([_ap11_elevater_column(y[:, c], s[:, c]) for c in range(y.shape[1])]))
 
 
+def map_clip_benchmark(y_true: ArrayLike, scores: ArrayLike) -> float:
+    """CLIP_benchmark's multi-label ``mean_average_precision`` (``metrics/
+    zeroshot_classification.py``, ``average_precision_per_class``, after torchnet's APMeter):
+    per class, rows sorted by decreasing score, the mean of the precision at each positive
+    (``sum(precision[positives]) / max(#positives, 1)``, so a class without a positive scores
+    0), then the mean over **every** class. Exactly tied scores keep row order (a stable sort;
+    the toolkit's ``torch.sort`` leaves their order unspecified). Without ties each class's
+    term is ``sklearn.metrics.average_precision_score``."""
+    y, s = _check_multilabel(y_true, scores)
+    if y.shape[1] == 0:
+        return float("nan")
+    rg = np.arange(1, y.shape[0] + 1, dtype=np.float64)
+    aps = []
+    for c in range(y.shape[1]):
+        truth = y[np.argsort(-s[:, c], kind="stable"), c]
+        precision = np.cumsum(truth) / rg
+        aps.append(float(precision[truth].sum()) / max(float(truth.sum()), 1.0))
+    return float(np.mean(aps))
+
+
+#: the task metric a multi-label task takes when none is given or recorded: CLIP_benchmark's
+#: mAP (a CLIP_benchmark multi-label export, e.g. voc2007_multilabel, declares no metric)
+MULTILABEL_DEFAULT = "map_clip_benchmark"
+
+
 def _average_ranks(a: np.ndarray) -> np.ndarray:
     """1-based ranks of ``a``, ties sharing their average rank."""
     order = np.argsort(a, kind="stable")
@@ -244,12 +271,13 @@ METRICS = {
     "map11": map11,
     "map11_elevater": map11_elevater,
     "roc_auc_macro": roc_auc_macro,
+    "map_clip_benchmark": map_clip_benchmark,
 }
 
 #: the metrics a task can declare (hyper-parameters are selected on it; higher is better)
-TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater")
+TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater", "map_clip_benchmark")
 #: the metrics defined for multi-label targets [N, C]
-MULTILABEL_METRICS = ("map11", "roc_auc_macro", "map11_elevater")
+MULTILABEL_METRICS = ("map11", "roc_auc_macro", "map11_elevater", "map_clip_benchmark")
 
 
 def register_metric(name: str, fn: Callable[..., float], *, task: bool = False, multilabel: bool = False) -> None:

@@ -15,7 +15,7 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     split = next(a for a in p._actions if a.dest == "splits")
     split.option_strings.append("--splits")
     p._option_string_actions["--splits"] = split
-    p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole), else timm
+    p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole-tf1), else timm
     from featcache.suites import suite_names
 
     p.add_argument(

@@ -112,9 +112,11 @@ class ExtractConfig:
     resize: str = flag(
         "timm",
         "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-        "image to the input size, no crop (VTAB; PIL antialiased bilinear) | whole-tf: the same "
-        "with VTAB's tf.image.resize bilinear (no antialias, half-pixel centres)",
-        check=OneOf("timm", "whole", "whole-tf"),
+        "image to the input size, no crop (PIL antialiased bilinear) | whole-tf1: the same with "
+        "VTAB's own resize, TF1's tf.image.resize (legacy bilinear: no antialias, no half-pixel "
+        "centres; the vtab-1k suite's default) | whole-tf2: TF2's tf.image.resize (half-pixel "
+        "centres) | whole-tf: the earlier name of whole-tf2",
+        check=OneOf("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"),
     )
     features: tuple[str, ...] = flag(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
     overwrite: bool = flag(False, "replace features stored with other settings", action="store_true")

@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DATA_CONFIG_KEYS",
     "RESIZE_MODES",
+    "VTAB_RESIZE",
     "Backbone",
+    "TF1BilinearResize",
     "TFBilinearResize",
     "ToRGB",
     "backbone_device",
@@ -30,9 +32,14 @@ __all__ = [
 DATA_CONFIG_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
 #: ``timm``: timm's eval transform (resize the short side, centre-crop ``crop_pct``);
 #: ``whole``: resize the whole image to the input size, no crop (VTAB's geometry; PIL's
-#: antialiased bilinear); ``whole-tf``: the same with VTAB's own ``tf.image.resize`` bilinear
-#: (no antialias, half-pixel centres, float result: :class:`TFBilinearResize`)
-RESIZE_MODES = ("timm", "whole", "whole-tf")
+#: antialiased bilinear); ``whole-tf1``: the same with VTAB's own ``tf.image.resize`` as
+#: task_adaptation runs it under TensorFlow 1 (legacy bilinear: no antialias, no half-pixel
+#: centres, float result: :class:`TF1BilinearResize`); ``whole-tf2``: TensorFlow 2's
+#: ``tf.image.resize`` (half-pixel centres: :class:`TFBilinearResize`); ``whole-tf``: the
+#: earlier name of ``whole-tf2`` (the same pixels), kept so stores made with it resume
+RESIZE_MODES = ("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf")
+#: the resize rule of VTAB's own pipeline (task_adaptation's ``data_loader.preprocess_fn``)
+VTAB_RESIZE = "whole-tf1"
 
 
 @dataclass
@@ -79,10 +86,59 @@ class ToRGB:
         return "ToRGB()"
 
 
+class TF1BilinearResize:
+    """RGB PIL image -> float tensor ``[3, H, W]`` in [0, 1]: TensorFlow 1's
+    ``tf.image.resize(img, (H, W))`` as VTAB's ``task_adaptation/data_loader.py``
+    (``preprocess_fn``) runs it on the uint8 image, divided by 255, no rounding to uint8.
+    TF1's resize is ``resize_bilinear(align_corners=False, half_pixel_centers=False)``: the
+    legacy sampling ``in = out * (in_size / out_size)``, ``lower = floor(in)``, ``upper =
+    min(ceil(in), in_size - 1)``, then the kernel's top/bottom interpolation in float32
+    (``resize_bilinear_op.cc``), computed here with the same float32 operations."""
+
+    def __init__(self, size: tuple[int, int]):
+        self.size = (int(size[0]), int(size[1]))
+
+    @staticmethod
+    def _weights(out_size: int, in_size: int):
+        import numpy as np
+
+        scale = np.float32(in_size) / np.float32(out_size)
+        x = np.arange(out_size, dtype=np.float32) * scale
+        x_f = np.floor(x)
+        lower = np.maximum(x_f.astype(np.int64), 0)
+        upper = np.minimum(np.ceil(x).astype(np.int64), in_size - 1)
+        return lower, upper, (x - x_f).astype(np.float32)
+
+    def __call__(self, img: Any) -> Any:
+        import numpy as np
+        import torch
+
+        a = np.asarray(img, dtype=np.uint8)
+        a = a[:, :, None] if a.ndim == 2 else a
+        h, w = self.size
+        if a.shape[:2] == (h, w):  # the kernel's no-op resize: a cast
+            out = a.astype(np.float32)
+        else:
+            ylo, yhi, yl = self._weights(h, a.shape[0])
+            xlo, xhi, xl = self._weights(w, a.shape[1])
+            f = a.astype(np.float32)
+            xl3 = xl[None, :, None]
+            top_rows, bottom_rows = f[ylo], f[yhi]
+            top = top_rows[:, xlo] + (top_rows[:, xhi] - top_rows[:, xlo]) * xl3
+            bottom = bottom_rows[:, xlo] + (bottom_rows[:, xhi] - bottom_rows[:, xlo]) * xl3
+            out = top + (bottom - top) * yl[:, None, None]
+        return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))) / 255.0
+
+    def __repr__(self) -> str:
+        return f"TF1BilinearResize(size={self.size})"
+
+
 class TFBilinearResize:
-    """RGB PIL image -> float tensor ``[3, H, W]`` in [0, 1]: ``tf.image.resize(img, (H, W))``
-    (bilinear, ``antialias=False``: TF2's ``resize_bilinear`` with half-pixel centres, as
-    VTAB's preprocessing runs it on the uint8 image) divided by 255; no rounding to uint8.
+    """RGB PIL image -> float tensor ``[3, H, W]`` in [0, 1]: TensorFlow 2's
+    ``tf.image.resize(img, (H, W))`` (bilinear, ``antialias=False``: ``resize_bilinear`` with
+    half-pixel centres) on the uint8 image, divided by 255; no rounding to uint8. VTAB's own
+    pipeline ran under TensorFlow 1, whose resize has no half-pixel centres
+    (:class:`TF1BilinearResize`, ``--resize whole-tf1``).
     torch's ``interpolate(bilinear, align_corners=False, antialias=False)`` samples the
     same points with the same weights (tested against a numpy port of TF's kernel)."""
 
@@ -154,9 +210,9 @@ def make_transform(
 
     Converts to RGB, optionally resizes to ``pre_resize`` x ``pre_resize`` first, then applies
     ``timm.data.create_transform`` (resize, center crop, normalise), or with ``resize="whole"``
-    VTAB's preprocessing: the whole image resized to the input size (bilinear, as VTAB's
-    ``tf.image.resize``; no crop, aspect ratio not kept), ``ToTensor`` and the model's
-    ``Normalize``.
+    VTAB's geometry: the whole image resized to the input size (PIL's bilinear; no crop,
+    aspect ratio not kept), ``ToTensor`` and the model's ``Normalize``; ``whole-tf1`` (VTAB's
+    own TF1 resize), ``whole-tf2``/``whole-tf`` (TF2's) resize with TensorFlow's kernels.
     """
     from timm.data.transforms_factory import create_transform
     from torchvision import transforms as T
@@ -166,8 +222,10 @@ def make_transform(
     if cfg["pre_resize"]:
         interp = T.InterpolationMode(cfg["interpolation"] or "bilinear")
         steps.append(T.Resize((cfg["pre_resize"], cfg["pre_resize"]), interpolation=interp))
-    if resize_mode(cfg) == "whole-tf":
-        steps += [TFBilinearResize(cfg["input_size"][1:]), T.Normalize(mean=cfg["mean"], std=cfg["std"])]
+    tf_resize = {"whole-tf1": TF1BilinearResize, "whole-tf2": TFBilinearResize, "whole-tf": TFBilinearResize}
+    if resize_mode(cfg) in tf_resize:
+        resizer = tf_resize[resize_mode(cfg)](cfg["input_size"][1:])
+        steps += [resizer, T.Normalize(mean=cfg["mean"], std=cfg["std"])]
         return T.Compose(steps)
     if resize_mode(cfg) == "whole":
         h, w = cfg["input_size"][1:]

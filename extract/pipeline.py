@@ -472,7 +472,9 @@ def _check_resize(writer, stored) -> None:
         how = {
             "timm": "timm's resize + centre crop",
             "whole": "the whole image resized, no crop",
-            "whole-tf": "the whole image resized by tf.image.resize's bilinear",
+            "whole-tf1": "the whole image resized by TF1's tf.image.resize, VTAB's legacy bilinear",
+            "whole-tf2": "the whole image resized by TF2's tf.image.resize, half-pixel centres",
+            "whole-tf": "the earlier name of whole-tf2: TF2's tf.image.resize",
         }
         raise ProvenanceMismatchError(
             f"{writer.path} holds features made with --resize {old} ({how[old]}), not --resize {new} "

@@ -18,7 +18,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     for action in p._actions:  # --suite gives the data per task
         if action.dest == "data":
             action.required = False
-    p.set_defaults(resize=None)  # None: the suite's (VTAB: whole), else timm
+    p.set_defaults(resize=None)  # None: the suite's (VTAB: whole-tf1), else timm
     from featcache.suites import suite_names
 
     p.add_argument(

@@ -103,8 +103,10 @@ class FinetuneConfig:
     resize: str = flag(
         "timm",
         "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-        "image to the input size (VTAB) | whole-tf: the same with tf.image.resize bilinear",
-        choices=["timm", "whole", "whole-tf"],
+        "image to the input size | whole-tf1: the same with VTAB's own resize (TF1's "
+        "tf.image.resize, legacy bilinear) | whole-tf2: TF2's tf.image.resize (half-pixel "
+        "centres) | whole-tf: the earlier name of whole-tf2",
+        choices=["timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"],
     )
     device: str = flag("auto", "auto | cpu | cuda[:N]")
     precision: str = flag("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16"])
@@ -189,8 +191,10 @@ class FinetuneConfig:
                 f"fine-tuning selects on {' or '.join(SELECTION_METRICS)}, not {self.metric!r} "
                 "(multi-label tasks: use the probes)"
             )
-        if self.resize not in ("timm", "whole", "whole-tf"):
-            raise FinetuneConfigError(f"resize must be timm, whole or whole-tf, got {self.resize!r}")
+        if self.resize not in ("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"):
+            raise FinetuneConfigError(
+                f"resize must be timm, whole, whole-tf1, whole-tf2 or whole-tf, got {self.resize!r}"
+            )
         if not self.steps or min(self.steps) < 1:
             raise FinetuneConfigError(f"steps must be positive integers, got {self.steps!r}")
         if not self.lrs or min(self.lrs) <= 0:

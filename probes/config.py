@@ -77,7 +77,11 @@ class ProbeConfig:
     )
     kind: str = flag("pooled", "feature kind in the cache")
     val_source: str = flag(
-        "split-800-200", "vtab1k selection data (the paper's two readings)", choices=["split-800-200", "official-val"]
+        "auto",
+        "vtab1k selection data (the paper's two readings): official-val (VTAB's val200: the first "
+        "200 of the store's val200 or val split), split-800-200 (train[800:1000]); auto (default): "
+        "official-val where the store holds val200 or the val split, else split-800-200",
+        choices=["auto", "split-800-200", "official-val"],
     )
     head_init: str | None = flag(
         None,
@@ -255,9 +259,10 @@ class ProbeConfig:
         """``{(backbone, seed, eval split): run id}`` of every run this config makes, from the
         store's provenance records alone (no feature is read): the ids :func:`run_probes`
         skips when they are in the results."""
-        from featcache.probes.runner import store_fingerprints
+        from featcache.probes.runner import resolve_val_source, store_fingerprints
 
         proto, cfg = self.resolve()
+        cfg = resolve_val_source(cfg, proto)
         return {
             (b, s, es): cfg.run_id(proto, b, s, es, fp)
             for b, fps in store_fingerprints(cfg, proto).items()

@@ -7,7 +7,9 @@ zero); cross-entropy, the LARS optimiser of MoCo v3 / MAE (momentum 0.9, trust c
 0.001, no weight decay, neither scaling nor decay for 1-D parameters), lr = blr x batch /
 256 with blr 0.1, a linear warmup over 10 epochs then a half-cycle cosine to 0, set at every
 iteration (MAE's ``lr_sched.adjust_learning_rate`` at ``step / len(loader) + epoch``), 90
-epochs of batches of 512 with the last partial batch dropped (``drop_last=True``). No
+epochs of batches of 512 with the last partial batch dropped (``drop_last=True``; with fewer
+than 512 rows that trains nothing, so featcache trains one batch of all rows per epoch and
+says so in ``hparams.differs_from_bob``). No
 hyper-parameter is selected. BoB reports the best test accuracy over the 90 epochs;
 featcache reports the last epoch (it never selects on the test split).
 """
@@ -28,7 +30,7 @@ from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["fit_bob_linear", "lars_optimizer", "lr_at"]
+__all__ = ["fit_bob_linear", "lars_optimizer", "lr_at", "small_train_note"]
 
 
 @functools.cache
@@ -84,6 +86,15 @@ def lr_at(epoch: float, lr: float, epochs: int, warmup_epochs: int, min_lr: floa
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup_epochs) / (epochs - warmup_epochs)))
 
 
+def small_train_note(n: int, batch_size: int) -> str:
+    """What featcache does where BoB's loader would give no batch (``n < batch_size``)."""
+    return (
+        f"train has {n} rows < batch {batch_size}: BoB's DataLoader(drop_last=True) has 0 batches, so "
+        f"its head would stay at its initialisation (0 steps); featcache trains on one batch of all {n} "
+        f"rows per epoch instead, lr = blr x {n} / 256"
+    )
+
+
 def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: int, seed: int, device: str):
     """Train BN + linear head; returns (predict_logits, info) with the BN in eval mode."""
     import torch
@@ -92,7 +103,7 @@ def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: i
     X_t = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(device)
     y_t = torch.from_numpy(np.asarray(y, np.int64)).to(device)
     n, D = X_t.shape
-    batch = min(grid.batch_size, n)  # drop_last with fewer rows than a batch would train nothing
+    batch = min(grid.batch_size, n)  # drop_last with fewer rows than a batch would train nothing: recorded
     per_epoch = n // batch
     lr = grid.blr * batch / 256
     bn = torch.nn.BatchNorm1d(D, affine=False, eps=grid.bn_eps).to(device)
@@ -127,7 +138,9 @@ def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: i
             Z = head(bn(torch.from_numpy(np.ascontiguousarray(Xe, np.float32)).to(device)))
         return Z.double().cpu().numpy()
 
-    info = {"lr": lr, "batch_size": batch, "steps_per_epoch": per_epoch, "steps": per_epoch * epochs}
+    info: dict[str, Any] = {"lr": lr, "batch_size": batch, "steps_per_epoch": per_epoch, "steps": per_epoch * epochs}
+    if n < grid.batch_size:  # BoB's DataLoader(drop_last=True) has no batch at all
+        info["differs_from_bob"] = small_train_note(n, grid.batch_size)
     return logits, info, finite and bool(torch.isfinite(head.weight).all())
 
 

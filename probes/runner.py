@@ -359,6 +359,7 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before the fits
     caches = _open_caches(cfg.cache)
+    cfg = resolve_val_source(cfg, proto, caches)
     backbones = _resolve_backbones(caches, cfg)
     data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
     _check_alignment({b: d.splits() for b, d in data.items()})
@@ -391,6 +392,41 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
         new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids[(b, seed)], src.get(b))
     wanted = [r for v in run_ids.values() for r, _ in v.values()]
     return collect("probe", cfg.results_path, new_rows, wanted, protocol=proto)
+
+
+def resolve_val_source(cfg: ProbeConfig, proto: Protocol, caches: list | None = None) -> ProbeConfig:
+    """``cfg`` with ``val_source="auto"`` resolved against the store (``caches``: the opened
+    ``cfg.cache``). The ``vtab1k`` split plan selects on VTAB's ``val200`` wherever the store
+    holds it: with the default split names, on ``train800``/``val200`` when both are stored
+    (as ``--suite vtab-1k``), else on the first 200 of the ``val200`` or the dataset's own val
+    split (``official-val``); without one, on ``train[800:1000]`` (``split-800-200``). Every
+    other protocol: ``split-800-200`` (their plans ignore it; ``vtab1k-stratified`` keeps its
+    earlier rule)."""
+    from dataclasses import replace
+
+    if cfg.val_source != "auto":
+        return cfg
+    if proto.split != "vtab1k":
+        return replace(cfg, val_source="split-800-200")
+    caches = _open_caches(cfg.cache) if caches is None else caches
+    splits = set(next((c.splits(cfg.dataset) for c in caches if cfg.dataset in c.datasets()), []))
+    official = replace(cfg, val_source="official-val")
+    default_names = (cfg.train_split, cfg.val_split) == (ProbeConfig.train_split, ProbeConfig.val_split)
+    if default_names and {"train800", "val200"} <= splits:
+        official = replace(official, train_split="train800", val_split="val200")
+    elif cfg.val_split == ProbeConfig.val_split and "val200" in splits and not official.val_split_used(proto, splits):
+        official = replace(official, val_split="val200")
+    if official.val_split_used(proto, splits):
+        log.info(
+            "%s: %s selects on VTAB's val200 (%s[:200], official-val); pass val_source='split-800-200' "
+            "(--val-source) for train[800:1000]",
+            cfg.dataset,
+            proto.spec,
+            official.val_split_used(proto, splits),
+        )
+        return official
+    log.info("%s: no val split in the store; %s selects on %s[800:1000]", cfg.dataset, proto.spec, cfg.train_split)
+    return replace(cfg, val_source="split-800-200")
 
 
 def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
@@ -586,13 +622,19 @@ def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str
 
 def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str, _Data]) -> ProbeConfig:
     """``cfg`` with ``metric`` set: the given one, else the dataset's recorded task metric
-    (:mod:`featcache.store.tasks`), else top1. Multi-label targets need a ranking metric."""
+    (:mod:`featcache.store.tasks`), else top1 (multi-label targets: CLIP_benchmark's mAP,
+    :data:`~featcache.core.metrics.MULTILABEL_DEFAULT`). Multi-label targets need a ranking metric."""
     from dataclasses import replace
 
+    from featcache.core.metrics import MULTILABEL_DEFAULT
     from featcache.store.tasks import task_metric
 
-    metric = cfg.metric or task_metric(_cache_for(caches, backbones[0], cfg.dataset), cfg.dataset) or "top1"
     multilabel = next(iter(data.values())).train.Y is not None
+    metric = (
+        cfg.metric
+        or task_metric(_cache_for(caches, backbones[0], cfg.dataset), cfg.dataset)
+        or (MULTILABEL_DEFAULT if multilabel else "top1")
+    )
     if multilabel and metric not in MULTILABEL_METRICS:
         raise ProbeError(
             f"{cfg.dataset} has multi-label targets; its task metric must be one of "

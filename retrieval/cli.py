@@ -18,8 +18,10 @@ def register(subparsers) -> None:
             "scored per --revisited setup, with revisitop's trapezoidal AP as map_revisitop). "
             "Battle of the Backbones' definitions are written beside featcache's: map_bob "
             "(revisitop's trapezoidal AP), mp@k (revisitop's mP@k), mrr_bob (before junk removal). "
-            "Ties are broken by gallery index; within one split the query itself (same id) is "
-            "never its own match."
+            "Exactly tied similarities: featcache's metrics rank a tie group as a block at its "
+            "last position (sklearn's AP convention, independent of the gallery order); BoB's "
+            "rank ties in gallery order, as its stable argsort does. Within one split the query "
+            "itself (same id) is never its own match."
         ),
     )
     RetrievalConfig.add_arguments(p)

@@ -22,11 +22,21 @@ from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.prepared import METRICS  # the similarities the search computes
 from featcache.retrieval.revisited import REVISITED_SETUPS
 
-__all__ = ["BACKENDS", "DEFAULT_KS", "METRICS", "TIE_POLICY", "RetrievalConfig", "RetrievalConfigError"]
+__all__ = [
+    "BACKENDS",
+    "BOB_TIE_POLICY",
+    "DEFAULT_KS",
+    "METRICS",
+    "TIE_POLICY",
+    "RetrievalConfig",
+    "RetrievalConfigError",
+]
 
 DEFAULT_KS = (1, 5, 10, 100)
 BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
 TIE_POLICY = "tie groups ranked as a block at their last position (sklearn AP convention)"
+#: the order Battle of the Backbones' metrics (map_bob, mp@k, mrr_bob) are computed in
+BOB_TIE_POLICY = "stable argsort of the negated similarity: exact ties in gallery order (BoB's code)"
 
 
 class RetrievalConfigError(ConfigError, DataError):
@@ -232,6 +242,7 @@ class RetrievalConfig:
             "full_ranking": self.full,
             "backend": backend,
             "tie_policy": TIE_POLICY,
+            **({"bob_tie_policy": BOB_TIE_POLICY} if self.full else {}),
             "feature_kind": self.kind,
             **measured,
             "relevance_sha256": relevance_sha,

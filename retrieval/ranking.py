@@ -12,6 +12,10 @@ the relevant scores sorted,
     tp_p = #{relevant i : s_i >= s_p}
 
 each a binary search (the query itself and junk items are the excluded ones).
+
+``ties="index"`` ranks as Battle of the Backbones' code does instead (bob-retrieval
+``retrieval/main_ret.py``: ``torch.argsort(-sim, dim=0)``, read as a stable sort): exactly
+tied items in gallery order, so every item has its own position (:func:`row_ranks_index`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from featcache.errors import InternalError
+from featcache.errors import ConfigError, InternalError
 from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.prepared import PreparedRows, as_prepared
 
@@ -38,7 +42,11 @@ from featcache.retrieval.search import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["full_ranking", "full_ranking_metrics", "row_ranks"]
+__all__ = ["TIE_RULES", "full_ranking", "full_ranking_metrics", "row_ranks", "row_ranks_index"]
+
+#: ``block``: featcache's tie policy (:mod:`featcache.retrieval.metrics`); ``index``: a
+#: stable argsort of the negated scores (ties in gallery order, as Battle of the Backbones)
+TIE_RULES = ("block", "index")
 
 
 def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -65,10 +73,33 @@ def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.nda
     return n_ge[::-1].astype(np.int64), tp
 
 
-def _rank_rows(S: np.ndarray, lo: int, hi: int, relevance, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def row_ranks_index(s: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ranks, tp)`` of the items ``pos`` in the order ``np.argsort(-s, kind="stable")``
+    (exact ties in gallery order), items ``excl`` removed: every item has its own position,
+    so ``tp`` is 1..R."""
+    R = pos.size
+    if R == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = np.argsort(-s, kind="stable")
+    place = np.empty(s.size, np.int64)
+    place[order] = np.arange(s.size)
+    r = np.sort(place[pos])
+    if excl.size:
+        r -= np.searchsorted(np.sort(place[excl]), r, "left")
+    return r + 1, np.arange(1, R + 1, dtype=np.int64)
+
+
+def _rank_rows(
+    S: np.ndarray, lo: int, hi: int, relevance, start: int, ties: str = "block"
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """:func:`row_ranks` of rows ``lo:hi`` of a score block. Each row is sorted in a reused
     one-row buffer that stays in the core's cache for the binary searches that follow (numpy
-    releases the GIL in sort and searchsorted, so threads run this in parallel)."""
+    releases the GIL in sort and searchsorted, so threads run this in parallel).
+    ``ties="index"``: :func:`row_ranks_index` instead."""
+    if ties == "index":
+        return [
+            row_ranks_index(S[j], relevance.positives(start + j), relevance.excluded(start + j)) for j in range(lo, hi)
+        ]
     buf = np.empty(S.shape[1], S.dtype)
     out = []
     for j in range(lo, hi):
@@ -146,6 +177,7 @@ def full_ranking(
     max_memory: int = DEFAULT_MAX_MEMORY,
     backend: str = "numpy",
     progress: bool = True,
+    ties: str = "block",
 ) -> RankedRelevance:
     """Ranks of every relevant item of every query over the whole gallery.
 
@@ -157,15 +189,19 @@ def full_ranking(
     Memory: about 4 (numpy: one reused float32 score block of at most 2048 rows, plus a few
     G-sized row buffers per thread) or 44 (torch) bytes x G per query row of a block;
     ``max_memory`` bounds the block.
+    ``ties``: one of :data:`TIE_RULES` (``index``: Battle of the Backbones' order; on a torch
+    device the scores are computed there and ranked on the host).
     """
+    if ties not in TIE_RULES:
+        raise ConfigError(f"ties must be one of {', '.join(TIE_RULES)}; got {ties!r}")
     n_q, n_g = Q.shape[0], G.shape[0]
     dev = _torch_device(backend)
     # numpy: scores + sorted copy + temporaries; torch: ~6 float and 2 int64 [B, G] arrays
     B = _block_rows(n_q, n_g, max_memory, dev)
     if dev is not None:
         with exact_matmul():
-            return _full_ranking(Q, G, relevance, metric, B, dev, progress)[0]
-    return _full_ranking(Q, G, relevance, metric, B, None, progress)[0]
+            return _full_ranking(Q, G, relevance, metric, B, dev, progress, ties=ties)[0]
+    return _full_ranking(Q, G, relevance, metric, B, None, progress, ties=ties)[0]
 
 
 def full_ranking_metrics(
@@ -198,7 +234,7 @@ def full_ranking_metrics(
     return out
 
 
-def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = None):
+def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = None, ties: str = "block"):
     Q, G = as_prepared(Q, metric), as_prepared(G, metric)
     n_q, n_g = Q.shape[0], G.shape[0]
     if dev is not None:
@@ -251,7 +287,11 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
                 if metric == "l2":
                     assert g_sq_t is not None  # computed above for l2
                     St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
-                r, tp = _block_ranks_torch(St, relevance, start, stop)
+                if ties == "index":  # BoB's order: rank the device's scores on the host
+                    rows = _rank_rows(St.cpu().numpy(), 0, stop - start, relevance, start, ties)
+                    r, tp = [a for a, _ in rows], [t for _, t in rows]
+                else:
+                    r, tp = _block_ranks_torch(St, relevance, start, stop)
                 for j, (rj, tj) in enumerate(zip(r, tp)):
                     add(start + j, rj, tj)
                 del St
@@ -261,7 +301,7 @@ def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = 
             S = score_block(Q.block(start, stop), G, metric, g_sq, out=buf[:b])
             bounds = np.linspace(0, b, n_threads + 1).astype(int)
             parts = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
-            futures = [pool.submit(_rank_rows, S, lo, hi, relevance, start) for lo, hi in parts]
+            futures = [pool.submit(_rank_rows, S, lo, hi, relevance, start, ties) for lo, hi in parts]
             results = [f.result() for f in futures]
             i = start
             for res in results:

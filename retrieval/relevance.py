@@ -14,7 +14,14 @@ from featcache.errors import DataError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExplicitRelevance", "Relevance", "SemanticRelevance", "load_relevance_table", "self_exclusion"]
+__all__ = [
+    "ExplicitRelevance",
+    "Relevance",
+    "SemanticRelevance",
+    "SharedLabelRelevance",
+    "load_relevance_table",
+    "self_exclusion",
+]
 
 
 def _csr_from_pairs(rows: np.ndarray, cols: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,6 +152,55 @@ class SemanticRelevance(Relevance):
 
     def n_relevant(self) -> np.ndarray:
         return self._n_relevant
+
+
+class SharedLabelRelevance(Relevance):
+    """Multi-label semantic relevance: a gallery item is relevant to a query when the two
+    share at least one label (``[Q, C]`` and ``[G, C]`` 0/1 label matrices, e.g. a
+    CLIP_benchmark multi-label export). The query's own id is excluded as in
+    :class:`SemanticRelevance`; a query without any label has no relevant item."""
+
+    def __init__(
+        self,
+        query_matrix: ArrayLike,
+        gallery_matrix: ArrayLike,
+        query_ids: ArrayLike,
+        gallery_ids: ArrayLike,
+        *,
+        exclude_self: bool = True,
+    ):
+        Yq = np.asarray(query_matrix).astype(bool)
+        Yg = np.asarray(gallery_matrix).astype(bool)
+        if Yq.ndim != 2 or Yg.ndim != 2 or Yq.shape[1] != Yg.shape[1]:
+            raise DataError(f"label matrices [Q, C] and [G, C] need one C; got {Yq.shape} and {Yg.shape}")
+        self.n_queries, self.n_gallery = Yq.shape[0], Yg.shape[0]
+        self.exclude_self = exclude_self
+        own = _own_positions(query_ids, gallery_ids, exclude_self)
+        has = own >= 0
+        self.excl_indptr, self.excl_cols = _csr_from_pairs(
+            np.flatnonzero(has).astype(np.int64), own[has], self.n_queries
+        )
+        self._own = own
+        self._Yq, self._Yg = Yq, Yg
+        shared = Yq.astype(np.float32) @ Yg.T.astype(np.float32) > 0  # [Q, G]: exact for 0/1 counts
+        if has.any():
+            shared[np.flatnonzero(has), own[has]] = False
+        self._pos_indptr = np.zeros(self.n_queries + 1, np.int64)
+        np.cumsum(shared.sum(1), out=self._pos_indptr[1:])
+        self._pos_cols = np.nonzero(shared)[1].astype(np.int64)
+
+    def positives(self, i: int) -> np.ndarray:
+        return self._pos_cols[self._pos_indptr[i] : self._pos_indptr[i + 1]]
+
+    def is_positive(self, rows: ArrayLike, cols: ArrayLike) -> np.ndarray:
+        rows = np.asarray(rows, np.int64)
+        cols = np.asarray(cols, np.int64)
+        safe = np.where(cols >= 0, cols, 0)
+        share = np.any(self._Yq[rows] & self._Yg[safe], axis=-1)
+        return share & (cols >= 0) & (cols != self._own[rows])
+
+    def n_relevant(self) -> np.ndarray:
+        return np.diff(self._pos_indptr)
 
 
 class ExplicitRelevance(Relevance):

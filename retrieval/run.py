@@ -28,6 +28,7 @@ from featcache.retrieval.relevance import (
     ExplicitRelevance,
     Relevance,
     SemanticRelevance,
+    SharedLabelRelevance,
     load_relevance_table,
 )
 from featcache.retrieval.revisited import (
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     import polars as pl
 
 log = logging.getLogger(__name__)
+
+BOB_TIES = "index"  # Battle of the Backbones' metrics rank exact ties in gallery order
 
 __all__ = ["DEFAULT_KS", "TIE_POLICY", "RetrievalConfig", "evaluate", "run_retrieval"]
 
@@ -173,8 +176,9 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before any compute
     cache, backbones = _open_backbones(cfg)
-    setups = _relevance_setups(cfg)
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
+    labels = None if cfg.relevance is not None else _label_matrices(cache, cfg.dataset, cfg.query_split, g_split)
+    setups = _relevance_setups(cfg, labels)
     done = finished(cfg.results_path, cfg.force)
     ids: dict[str, list[str]] = {}
     todo = backbones
@@ -185,7 +189,7 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
         )
     rows: list[dict] = []
     for b in todo:
-        data = _load_pair(cfg, cache, b, any(rel is not None for _, rel, _ in setups))
+        data = _load_pair(cfg, cache, b, any(rel is not None for _, rel, _ in setups), labels)
         ids[b] = _run_ids(cfg, b, data.fingerprint, setups)  # the loaded features' own
         for protocol, table, rel_hash in setups:
             rows += _retrieval_rows(cfg, data, protocol, table, rel_hash)
@@ -237,6 +241,9 @@ class _Pair:
     g_split: str
     seconds: float
     same_split: bool = True  # query and gallery are one split: a query's own id is excluded
+    #: multi-label targets [rows, C] of the valid query / gallery rows (None: single-label)
+    Yq: np.ndarray | None = None
+    Yg: np.ndarray | None = None
     _prepared: dict = field(default_factory=dict, repr=False)
 
     def prepared(self, metric: str, max_memory) -> tuple:
@@ -277,10 +284,38 @@ def _not_held(cache, cfg: RetrievalConfig) -> str:
     )
 
 
-def _relevance_setups(cfg: RetrievalConfig) -> list[tuple[str, tuple | None, str]]:
-    """(protocol, positive/junk table or None, table hash) for each scored setup."""
+def _label_matrices(cache, dataset: str, q_split: str, g_split: str):
+    """Multi-label targets of the query and gallery splits (:mod:`featcache.store.tasks`, e.g. a
+    CLIP_benchmark multi-label export): ``(query matrix, gallery matrix, hash)`` in the split's
+    row order, or ``None`` when the splits are single-label."""
+    from featcache.store.tasks import load_label_matrix
+
+    q = load_label_matrix(cache, dataset, q_split)
+    g = q if g_split == q_split else load_label_matrix(cache, dataset, g_split)
+    if q is None and g is None:
+        return None
+    if q is None or g is None or q[1] != g[1]:
+        raise DataError(
+            f"{dataset}: semantic retrieval with multi-label targets needs a label matrix with the "
+            f"same classes on both {q_split} and {g_split} (featcache.store.tasks.write_label_matrix)"
+        )
+    sha = q[2] if g_split == q_split else hashlib.sha256((q[2] + g[2]).encode()).hexdigest()[:16]
+    return q[0], g[0], f"multilabel:{sha}"
+
+
+def _rows_of(cache, dataset: str, split: str, ids: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """The label-matrix rows of the valid feature rows ``ids`` (matched by id)."""
+    split_ids = np.asarray(cache.split_rows(dataset, split)[0]).astype(str)
+    order = np.argsort(split_ids, kind="stable")
+    pos = order[np.searchsorted(split_ids, ids, sorter=order)]
+    return M[pos]
+
+
+def _relevance_setups(cfg: RetrievalConfig, labels=None) -> list[tuple[str, tuple | None, str]]:
+    """(protocol, positive/junk table or None, table hash) for each scored setup; semantic
+    retrieval on multi-label targets (``labels``: :func:`_label_matrices`) carries their hash."""
     if cfg.relevance is None:
-        return [("semantic", None, "")]
+        return [("semantic", None, labels[2] if labels is not None else "")]
     table = load_relevance_table(cfg.relevance)
     rel_hash = _file_hash(cfg.relevance)
     if not is_revisited_table(table[2]):
@@ -288,7 +323,7 @@ def _relevance_setups(cfg: RetrievalConfig) -> list[tuple[str, tuple | None, str
     return [(f"revisited-{s}", revisited_table(*table, s), rel_hash) for s in cfg.revisited]
 
 
-def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
+def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool, labels=None) -> _Pair:
     t0 = time.perf_counter()
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
     # the stored dtype (float16): PreparedRows converts it, whole or block by block
@@ -304,6 +339,10 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
     if Xg.shape[0] == 0 or Xq.shape[0] == 0:
         raise DataError(f"{b}/{cfg.dataset}: no valid query or gallery rows")
     fp = cfg.pair_fingerprint(fq.fingerprint, fg.fingerprint)
+    Yq = Yg = None
+    if labels is not None:  # every label of a multi-label export, not the argmax column
+        Yq = _rows_of(cache, cfg.dataset, cfg.query_split, idq, labels[0])
+        Yg = Yq if cfg.same_split else _rows_of(cache, cfg.dataset, g_split, idg, labels[1])
     return _Pair(
         b,
         Xq,
@@ -318,6 +357,8 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool) -> _Pair:
         g_split,
         time.perf_counter() - t0,
         cfg.same_split or g_split == cfg.query_split,
+        Yq,
+        Yg,
     )
 
 
@@ -326,7 +367,10 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
 
     t0 = time.perf_counter()
     one = d.same_split
-    sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg, exclude_self=one)
+    if d.Yq is not None and d.Yg is not None:  # relevant: shares at least one label
+        sem = SharedLabelRelevance(d.Yq, d.Yg, d.idq, d.idg, exclude_self=one)
+    else:
+        sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg, exclude_self=one)
     rel = sem if table is None else ExplicitRelevance(d.idq, d.idg, *table, exclude_self=one)
     Q, G = d.prepared(cfg.metric, cfg.max_memory)
     res = evaluate(
@@ -387,14 +431,16 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
 def _bob_means(cfg: RetrievalConfig, d: _Pair, rel, table, revisited: bool) -> dict[str, float]:
     """Battle of the Backbones' definitions (bob-retrieval ``compute_map``, revisitop's code)
     over the full ranking: ``map_bob`` (revisitop's trapezoidal AP), ``mp@k`` (revisitop's
-    mP@k), ``mrr_bob`` (before junk removal, over all queries). Revisited Oxford/Paris keeps
-    its older names ``map_revisitop`` and ``mp_revisitop@k`` (the same values) too."""
+    mP@k), ``mrr_bob`` (before junk removal, over all queries), ranked in BoB's order (its
+    ``torch.argsort(-sim)``: exact ties in gallery order, ``ties="index"``), not featcache's
+    block rule. Revisited Oxford/Paris keeps its older names ``map_revisitop`` and
+    ``mp_revisitop@k`` (the same values) too."""
     mem = parse_memory(cfg.max_memory)
     Q, G = d.prepared(cfg.metric, cfg.max_memory)
 
     def rank(r):
         backend = _ranking_backend(cfg.backend)
-        return full_ranking(Q, G, r, cfg.metric, max_memory=mem, backend=backend, progress=cfg.progress)
+        return full_ranking(Q, G, r, cfg.metric, max_memory=mem, backend=backend, progress=cfg.progress, ties=BOB_TIES)
 
     rr = rank(rel)
     per_query = {"map_bob": revisited_ap(rr)}

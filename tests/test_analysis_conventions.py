@@ -14,6 +14,7 @@ import pytest
 from featcache.analysis import api
 from featcache.analysis.report import write_report
 from featcache.core.results import make_run_id, rows_to_frame
+from featcache.errors import ResultsError
 
 BACKBONES = ("pixels", "pca:12", "pca:4")
 
@@ -211,3 +212,42 @@ def test_three_backbones_say_what_little_follows(seeded_rows, tmp_path):
     assert "with 3 backbones the z-scores take few values and their intervals say little" in text
     assert "interval lies above the runner-up" not in text
     assert 'id="gaps-table"' in text
+
+
+def test_rank_on_several_retrieval_metrics_zscores_each_dataset_and_metric(digits, seeded_rows, tmp_path, capsys):
+    """Issue 33 item 6: ``--retrieval-metric map_bob,mrr,recall@1`` z-scores each (dataset,
+    metric) as its own setting (BoB's "setting-specific z-scores"), then takes the mean over
+    all settings; the notes and the report name the metrics that entered."""
+    from featcache.cli import main
+
+    rows = _retrieval_rows(digits)
+    names = ["map_bob", "mrr", "recall@1"]
+    frame = pl.concat([seeded_rows, rows_to_frame(rows)], how="diagonal_relaxed")
+    r = api.rank(frame, n_boot=20, retrieval_metric=",".join(names))
+    ret_cols = [c for c in r.scores.columns if c.startswith("retrieval:")]
+    assert ret_cols == [f"retrieval:digits [{m}]" for m in names]
+    # brute force: every setting's z-scores over the backbones (ddof 0), then the mean
+    z = {b: [] for b in BACKBONES}
+    for m in names:
+        v = np.array([next(x["value"] for x in rows if x["backbone"] == b and x["metric"] == m) for b in BACKBONES])
+        for b, zb in zip(BACKBONES, (v - v.mean()) / v.std()):
+            z[b].append(zb)
+    for protocol, reduce in (("elevater-fewshot:5", statistics.mean), ("vtab1k", statistics.median)):
+        v = np.array([reduce(x) for x in _per_seed(seeded_rows, protocol).values()])
+        for b, zb in zip(BACKBONES, (v - v.mean()) / v.std()):
+            z[b].append(zb)
+    got = dict(zip(r.overall["backbone"].to_list(), r.overall["zscore"].to_list()))
+    assert got == pytest.approx({b: float(np.mean(z[b])) for b in BACKBONES}, abs=1e-12)
+    assert r.overall["n_settings"].to_list() == [5, 5, 5]
+    assert any("3 metrics (map_bob, mrr, recall@1)" in n for n in r.notes)
+    with pytest.raises(ResultsError, match=r"mp@7"):
+        api.rank(frame, n_boot=20, retrieval_metric="map_bob,mp@7")
+    res = tmp_path / "r.parquet"
+    frame.write_parquet(res)
+    argv = ["rank", "--results", str(res), "--out", str(tmp_path / "out"), "--n-boot", "20", "--no-plots"]
+    assert main([*argv, "--retrieval-metric", "map_bob,mrr,recall@1"]) == 0
+    assert "retrieval ranked on 3 metrics (map_bob, mrr, recall@1)" in capsys.readouterr().out
+    text = write_report(
+        tmp_path / "r.html", frame, rank_kwargs={"n_boot": 20, "retrieval_metric": "map_bob,mrr,recall@1"}
+    ).read_text()
+    assert "Retrieval settings are ranked on 3 metrics" in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -100,6 +101,30 @@ def test_clip_benchmark_multilabel_npy(fm_rows, tmp_path):
     got = load_label_matrix(open_cache(cache), "voc", "train")
     assert got is not None
     assert got[0].sum() == sum(3 if i % 7 == 0 else 2 for i in range(60))
+    # issue 33 item 7: semantic retrieval uses every label (relevant = shares one), not the
+    # argmax column; checked against sklearn's AP per query over the brute-force similarities
+    from sklearn.metrics import average_precision_score
+
+    from featcache.retrieval import RetrievalConfig, run_retrieval
+
+    rcfg = RetrievalConfig(cache=cache, dataset="voc", backbones=(LITE0,), query_split="test", ks=(1, 5))
+    ret = run_retrieval(replace(rcfg, knn=False, progress=False))
+    v = dict(zip(*ret.filter(ret["protocol"] == "semantic").select("metric", "value")))
+    store = open_cache(cache)
+    q, g = (store.load(LITE0, "voc", s) for s in ("test", "train"))  # queries test, gallery train
+    Xq, Xg = (f.X / np.linalg.norm(f.X, axis=1, keepdims=True) for f in (q, g))
+    Mq, Mg = (load_label_matrix(store, "voc", s)[0] for s in ("test", "train"))
+    aps = [average_precision_score((Mg & Mq[i]).any(1), (Xg @ Xq[i]).astype(np.float64)) for i in range(len(Xq))]
+    assert v["map"] == pytest.approx(np.mean(aps), abs=1e-6)
+    argmax = np.asarray(g.labels)[None, :] == np.asarray(q.labels)[:, None]
+    old = [average_precision_score(argmax[i], (Xg @ Xq[i]).astype(np.float64)) for i in range(len(Xq))]
+    assert abs(v["map"] - np.mean(old)) > 0.01  # the argmax column: another relevance
+    hp = json.loads(ret.filter(ret["metric"] == "map")["hparams"][0])
+    assert hp["relevance_sha256"].startswith("multilabel:")
+    # a multi-label probe without --metric selects on the export's task metric, CLIP_benchmark's mAP
+    df = run_probes(ProbeConfig(cache, LITE0, "voc", "full", Cs=CS, progress=False))
+    assert json.loads(df["hparams"][0])["task_metric"] == "map_clip_benchmark"
+    assert "map_clip_benchmark" in set(df["metric"])
 
 
 def test_clip_benchmark_bad_npy_label_names_the_sample(fm_rows, tmp_path):

@@ -115,7 +115,12 @@ def test_metric_names_keep_single_label_rows_and_add_the_task_metric():
     assert metric_names(10) == ["top1", "top5", "mean_per_class", "nll", "ece"]
     assert metric_names(3) == ["top1", "mean_per_class", "nll", "ece"]
     assert metric_names(2, "roc_auc_macro")[-1] == "roc_auc_macro"
-    assert metric_names(5, "map11", multilabel=True) == ["map11", "roc_auc_macro", "map11_elevater"]
+    assert metric_names(5, "map11", multilabel=True) == [
+        "map11",
+        "roc_auc_macro",
+        "map11_elevater",
+        "map_clip_benchmark",
+    ]
     P = np.full((4, 3), 1 / 3)
     assert set(compute_all(np.array([0, 1, 2, 0]), P)) == {"top1", "mean_per_class", "nll", "ece"}
 
@@ -133,3 +138,42 @@ def test_invariants_vs_sklearn(seed, n, c, levels):
         assert roc_auc_macro(Y, S) == pytest.approx(roc_auc_score(Y[:, ok], S[:, ok], average="macro"), abs=1e-12)
         assert map11(Y, S) == pytest.approx(sk_map11(Y, S), abs=1e-12)
         assert 0.0 <= map11(Y, S) <= 1.0
+
+
+# Ported from LAION-AI/CLIP_benchmark, clip_benchmark/metrics/zeroshot_classification.py
+# (commit b4b6a33c8dc01fe44acf24f24f71ac7585d52571), average_precision_per_class; evaluate()
+# reports {"mean_average_precision": ap_per_class.mean().item()} for multi-label targets.
+def clip_benchmark_average_precision_per_class(scores, targets):
+    import torch
+
+    ap = torch.zeros(scores.size(1))
+    rg = torch.arange(1, scores.size(0) + 1).float()
+    for k in range(scores.size(1)):
+        scores_k = scores[:, k]
+        targets_k = targets[:, k]
+        _, sortind = torch.sort(scores_k, 0, True)
+        truth = targets_k[sortind]
+        tp = truth.float().cumsum(0)
+        precision = tp.div(rg)
+        ap[k] = precision[truth.bool()].sum() / max(float(truth.sum()), 1)
+    return ap
+
+
+def test_map_clip_benchmark_equals_the_toolkits_function_and_sklearn():
+    """Issue 33 item 7: CLIP_benchmark's multi-label mAP, the task metric of its multi-label
+    exports: equal to the toolkit's own function (float32 torch, so 1e-6) on untied scores,
+    each class equal to sklearn's average_precision_score; a class without positives adds 0."""
+    import torch
+    from sklearn.metrics import average_precision_score
+
+    from featcache.core.metrics import map_clip_benchmark
+
+    rng = np.random.default_rng(0)
+    Y = rng.random((300, 7)) < 0.3
+    Y[:, 6] = False  # no positive: 0 in CLIP_benchmark's mean
+    S = Y * 0.8 + rng.random((300, 7))
+    want = clip_benchmark_average_precision_per_class(torch.from_numpy(S).float(), torch.from_numpy(Y)).mean().item()
+    assert map_clip_benchmark(Y, S) == pytest.approx(want, abs=1e-6)
+    sk = [average_precision_score(Y[:, c], S[:, c]) for c in range(6)]
+    assert map_clip_benchmark(Y, S) == pytest.approx(sum(sk) / 7, abs=1e-12)
+    assert "map_clip_benchmark" in metric_names(7, multilabel=True)

@@ -138,3 +138,29 @@ def test_shortened_schedule_is_recorded(digits_cache):
     df = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "bob-linear", sgd_epochs=2, progress=False))
     hp = json.loads(df["hparams"][0])
     assert (hp["epochs"], hp["scaled_from"]) == (2, {"epochs": 90})
+
+
+def test_fewer_rows_than_a_batch_is_said_in_the_hparams(digits_cache, tmp_path):
+    """Issue 33 item 5: with fewer than 512 training rows BoB's loader (``DataLoader(...,
+    batch_size=512, drop_last=True)``, bob-classification ``linear_probe.py``) yields no
+    batch, so BoB trains 0 steps; featcache trains one batch of all rows per epoch and the
+    row's hparams say so."""
+    import torch
+
+    from featcache.store import open_cache, write_features
+
+    c = open_cache(digits_cache)
+    path = str(tmp_path / "small.zarr")
+    for split, n in (("train", 300), ("test", 200)):
+        f = c.load(LITE0, "digits", split)
+        kw = {"backbone": LITE0, "dataset": "digits", "split": split, "class_names": f.class_names}
+        write_features(path, X=f.X[:n], ids=f.ids[:n], labels=f.labels[:n], **kw)
+    assert len(torch.utils.data.DataLoader(range(300), batch_size=512, drop_last=True)) == 0  # BoB: no step
+    df = run_probes(ProbeConfig(path, LITE0, "digits", "bob-linear", sgd_epochs=3, progress=False))
+    hp = json.loads(df["hparams"][0])
+    assert (hp["batch_size"], hp["steps_per_epoch"], hp["steps"]) == (300, 1, 3)
+    assert hp["lr"] == pytest.approx(0.1 * 300 / 256)
+    assert "0 batches" in hp["differs_from_bob"]
+    assert "300 rows" in hp["differs_from_bob"]
+    full = run_probes(ProbeConfig(digits_cache, LITE0, "digits", "bob-linear", sgd_epochs=2, progress=False))
+    assert "differs_from_bob" not in json.loads(full["hparams"][0])  # >= 512 rows: BoB's loader as it is

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import numpy as np
 import polars as pl
@@ -420,6 +421,44 @@ def test_official_val_split_is_used(digits_feats, tmp_path):
     )
     hs = json.loads(st["hparams"][0])
     assert (hs["val_source"], hs["n_train"], hs["n_val"], hs["n_train_final"]) == ("official-val", 1000, 247, 1000)
-    s = run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k", seeds=[0], Cs=SMALL_GRID, progress=False))
-    assert json.loads(s["hparams"][0])["n_val"] == 200  # split-800-200 ignores the val split
+    s = run_probes(
+        ProbeConfig(
+            path, LITE0, "digits", "vtab1k", seeds=[0], val_source="split-800-200", Cs=SMALL_GRID, progress=False
+        )
+    )
+    hs = json.loads(s["hparams"][0])
+    assert (hs["n_val"], hs["val"]) == (200, "train[800:1000]")  # split-800-200 ignores the val split
     assert s["run_id"][0] != v["run_id"][0]
+    # issue 33 item 3: with a val split in the store, plain vtab1k selects on its first 200
+    # (VTAB's val200) by default: the same run as official-val
+    d = run_probes(ProbeConfig(path, LITE0, "digits", "vtab1k", seeds=[0], Cs=SMALL_GRID, progress=False))
+    assert d["run_id"].to_list() == v["run_id"].to_list()
+    assert json.loads(d["hparams"][0])["val_source"] == "official-val"
+
+
+def test_vtab1k_selects_on_val200_by_default_where_the_store_holds_it(digits_feats, tmp_path):
+    """Issue 33 item 3: plain ``vtab1k`` on a store with VTAB's 1k splits (``train800``,
+    ``val200``) runs what ``--suite vtab-1k`` runs: fit on train800, select on val200."""
+    from featcache.store import write_features
+
+    tr, te = digits_feats
+    path = str(tmp_path / "c.zarr")
+    for split, f, sl in (("train800", tr, slice(0, 800)), ("val200", tr, slice(800, 1000)), ("test", te, slice(None))):
+        write_features(
+            path,
+            backbone=LITE0,
+            dataset="digits",
+            split=split,
+            X=f.X[sl],
+            ids=f.ids[sl],
+            labels=f.labels[sl],
+            class_names=f.class_names,
+        )
+    base = ProbeConfig(path, LITE0, "digits", "vtab1k", seeds=[0], Cs=SMALL_GRID, progress=False)
+    df = run_probes(base)
+    hp = json.loads(df["hparams"][0])
+    assert (hp["val_source"], hp["n_train"], hp["n_val"], hp["val"]) == ("official-val", 800, 200, "val200[:200]")
+    assert df["train_split"][0] == "train800[:800]+val200[:200]"
+    suite = replace(base, train_split="train800", val_split="val200", val_source="official-val")
+    assert run_probes(suite)["run_id"].to_list() == df["run_id"].to_list()
+    assert set(base.run_ids().values()) == set(df["run_id"].to_list())

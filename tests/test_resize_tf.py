@@ -1,6 +1,7 @@
-"""``--resize whole-tf`` (issue 22 item 11): VTAB's ``tf.image.resize`` bilinear without
-antialias, checked against a numpy port of TensorFlow's own kernel on real photos, and
-recorded in the provenance."""
+"""TensorFlow's ``tf.image.resize`` bilinear without antialias: ``--resize whole-tf1`` (VTAB's
+own, TF1's legacy rule; issue 33 item 2) and ``--resize whole-tf2`` / ``whole-tf`` (TF2's
+half-pixel rule; issue 22 item 11), each checked against a numpy port of TensorFlow's own
+kernel on real photos, and recorded in the provenance."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from PIL import Image
 
 from featcache.cli import main
-from featcache.extract.model import TFBilinearResize, make_transform
+from featcache.extract.model import VTAB_RESIZE, TF1BilinearResize, TFBilinearResize, make_transform
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -41,6 +42,94 @@ def tf_resize_bilinear(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     top = top_left + (top_right - top_left) * xl
     bottom = bottom_left + (bottom_right - bottom_left) * xl
     return top + (bottom - top) * y_lerp[:, None, None]
+
+
+def tf1_resize_bilinear(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """Port of tensorflow/core/kernels/image/resize_bilinear_op.cc (tensorflow/tensorflow,
+    commit 023ab92b0a2b63392214443c20f3279bb75845d4), the kernel TF1's ``tf.image.resize``
+    runs (``resize_bilinear`` with ``align_corners=False, half_pixel_centers=False``), loop for
+    loop: ``compute_interpolation_weights`` with ``LegacyScaler`` (``in = x * scale``, scale
+    ``in_size / out_size`` from ``CalculateResizeScale``), ``compute_lerp`` per pixel and
+    channel in float32, and the no-op resize (a cast) for equal sizes. task_adaptation's
+    ``data_loader.preprocess_fn`` (google-research/task_adaptation, commit 577296a) calls it on
+    the uint8 image, then divides by 255. ``img``: ``[H, W, C]``; float32 ``[out_h, out_w, C]``."""
+    in_h, in_w, channels = img.shape
+    if (in_h, in_w) == (out_h, out_w):
+        return img.astype(np.float32)
+
+    def weights(out_size, in_size):
+        scale = np.float32(in_size) / np.float32(out_size)
+        lower, upper, lerp = [0] * out_size, [0] * out_size, [np.float32(0)] * out_size
+        for i in range(out_size - 1, -1, -1):
+            x = np.float32(i) * scale
+            x_f = np.floor(x)
+            lower[i] = max(int(x_f), 0)
+            upper[i] = min(int(np.ceil(x)), in_size - 1)
+            lerp[i] = np.float32(x - x_f)
+        return lower, upper, lerp
+
+    ys, xs = weights(out_h, in_h), weights(out_w, in_w)
+    f = img.astype(np.float32)
+    out = np.empty((out_h, out_w, channels), np.float32)
+    for y in range(out_h):
+        lo, hi, yl = ys[0][y], ys[1][y], ys[2][y]
+        for x in range(out_w):
+            xlo, xhi, xl = xs[0][x], xs[1][x], xs[2][x]
+            for c in range(channels):
+                tl, tr, bl, br = f[lo, xlo, c], f[lo, xhi, c], f[hi, xlo, c], f[hi, xhi, c]
+                top = tl + (tr - tl) * xl
+                bottom = bl + (br - bl) * xl
+                out[y, x, c] = top + (bottom - top) * yl
+    return out
+
+
+def _vtab_inputs() -> list[Image.Image]:
+    """skimage photos cut to the input sizes issue 33 measured: 375x500, 360x480, 96x96, 32x32."""
+    from skimage import data
+
+    coffee, astronaut, chelsea = (Image.fromarray(a) for a in (data.coffee(), data.astronaut(), data.chelsea()))
+    return [
+        coffee.crop((50, 10, 550, 385)),
+        astronaut.crop((16, 40, 496, 400)),
+        chelsea.crop((180, 60, 276, 156)),
+        coffee.crop((300, 200, 332, 232)),
+    ]
+
+
+@pytest.mark.parametrize("size", [(224, 224), (37, 120)])
+def test_whole_tf1_equals_tensorflow1_legacy_kernel(size):
+    """VTAB's resize (TF1, legacy bilinear) against the loop-for-loop kernel port: within one
+    grey level (measured: equal to float32 rounding). TF2's half-pixel rule is another image."""
+    for im in _vtab_inputs():
+        a = np.asarray(im)
+        want = tf1_resize_bilinear(a, *size)
+        got = TF1BilinearResize(size)(im).permute(1, 2, 0).numpy() * 255.0
+        assert got.shape == want.shape
+        assert float(np.abs(got - want).max()) <= 1.0
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+        tf2 = TFBilinearResize(size)(im).permute(1, 2, 0).numpy() * 255.0
+        assert float(np.abs(tf2 - want).max()) > 1.0, a.shape  # the two rules differ by more
+
+
+def test_vtab_suite_resizes_as_tf1():
+    from featcache.suites import load_suite
+
+    assert VTAB_RESIZE == "whole-tf1"
+    assert load_suite("vtab-1k").resize == VTAB_RESIZE
+    cfg = {
+        "input_size": (3, 64, 64),
+        "interpolation": "bilinear",
+        "crop_pct": 0.875,
+        "crop_mode": "center",
+        "mean": (0.0, 0.0, 0.0),
+        "std": (1.0, 1.0, 1.0),
+    }
+    im = _vtab_inputs()[0]
+    want = torch.from_numpy(tf1_resize_bilinear(np.asarray(im), 64, 64)).permute(2, 0, 1) / 255.0
+    assert float((make_transform(cfg, resize=VTAB_RESIZE)(im) - want).abs().max()) < 1e-5
+    for old_name in ("whole-tf", "whole-tf2"):  # TF2's rule under its own name (and its earlier one)
+        got = make_transform(cfg, resize=old_name)(im)
+        assert torch.equal(got, make_transform(cfg, resize="whole-tf2")(im))
 
 
 def _photos() -> list[Image.Image]:
@@ -95,3 +184,7 @@ def test_whole_tf_recorded_in_provenance(tmp_path):
     assert f.provenance["data_config"]["resize"] == "whole-tf"
     assert f.provenance["extra"]["resize"] == "whole-tf"
     assert main([*argv[:-2], "--resize", "whole"]) == 1  # other pixels: no resume across modes
+    # issue 33 item 2: a store made with the earlier whole-tf (TF2's pixels) is never resumed
+    # or reused by VTAB's TF1 rule, nor silently renamed
+    assert main([*argv[:-2], "--resize", "whole-tf1"]) == 1
+    assert main(argv) == 0  # its own name still resumes it

@@ -3,6 +3,7 @@ and self-exclusion only within one split (WebDataset keys that restart per split
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -168,3 +169,62 @@ def test_equal_ids_in_different_splits_are_different_images(digits_pix, tmp_path
         va = dict(zip(*ra.filter(ra["kind"] == kind).select("metric", "value")))
         vb = dict(zip(*rb.filter(rb["kind"] == kind).select("metric", "value")))
         assert va == pytest.approx(vb, abs=1e-12), kind
+
+
+def _bob_ranks(S):
+    """bob-retrieval ``retrieval/main_ret.py`` (commit 032afe3): ``ranks = torch.argsort(-sim,
+    dim=0)`` on the ``[gallery, query]`` similarity, read as a stable sort (exact ties in
+    gallery order)."""
+    import torch
+
+    return torch.argsort(-torch.from_numpy(S), dim=0, stable=True).numpy()
+
+
+def test_exact_ties_follow_bobs_order_and_featcache_keeps_its_block_rule(tmp_path):
+    """Features shared by two classes tie exactly: BoB's metrics rank the tie group in gallery
+    order (its argsort), featcache's ``map``/``mrr`` keep the block rule (a tie group ranked
+    at its last position, whatever the gallery order)."""
+    d = load_digits()
+    y = d.target.astype(np.int64)[:400]
+    X = np.eye(5, dtype=np.float32)[y // 2]  # classes 2k and 2k+1 share one vector
+    n_g = 300
+    path = str(tmp_path / "c.zarr")
+    ids = np.array([f"d{i:04d}" for i in range(len(y))])
+    _write(path, X, y, ids[n_g:], ids[:n_g], n_g)
+    cfg = RetrievalConfig(cache=path, dataset="digits", backbones=("pix",), ks=KS, knn=False, progress=False)
+    df = run_retrieval(cfg)
+    v = _values(df, "semantic")
+    Q, G = prepare(X[n_g:], "cosine"), prepare(X[:n_g], "cosine")
+    S = G.astype(np.float64) @ Q.T.astype(np.float64)
+    gnd = [{"ok": np.flatnonzero(y[:n_g] == y[n_g + i])} for i in range(len(y) - n_g)]
+    m, pr, _, mrr = bob_compute_map(_bob_ranks(S), gnd, KS)
+    assert v["mrr_bob"] == pytest.approx(mrr, abs=1e-12)
+    assert v["map_bob"] == pytest.approx(m, abs=1e-12)
+    assert [v[f"mp@{k}"] for k in KS] == pytest.approx(pr, abs=1e-12)
+    # featcache's own MRR: the first positive's tie group (both classes) ends at its size
+    group = np.array([np.sum(y[:n_g] // 2 == y[n_g + i] // 2) for i in range(len(y) - n_g)])
+    assert v["mrr"] == pytest.approx(np.mean(1.0 / group), abs=1e-12)
+    assert abs(v["mrr_bob"] - v["mrr"]) > 0.3  # the two rules differ a lot on this data
+    hp = json.loads(df.filter(df["metric"] == "mrr_bob")["hparams"][0])
+    assert "gallery order" in hp["bob_tie_policy"]
+    assert "block" in hp["tie_policy"]
+
+
+def test_index_ties_on_a_tiny_case():
+    """``full_ranking(ties="index")`` against a hand count: one query, a gallery whose
+    items 0-3 tie; item 1 excluded, items 2 and 3 positive."""
+    from featcache.retrieval import full_ranking
+    from featcache.retrieval.relevance import ExplicitRelevance
+
+    G = np.array([[1, 0], [1, 0], [1, 0], [1, 0], [0, 1]], np.float32)
+    Q = np.array([[1, 0]], np.float32)
+    gid = np.array([f"g{i}" for i in range(5)])
+    rel = ExplicitRelevance(
+        np.array(["q"]), gid, np.array(["q", "q", "q"]), gid[[2, 3, 1]], np.array(["positive", "positive", "junk"])
+    )
+    rr = full_ranking(Q, G, rel, "cosine", ties="index", progress=False)
+    assert rr.ranks.tolist() == [2, 3]
+    assert rr.tp.tolist() == [1, 2]
+    block = full_ranking(Q, G, rel, "cosine", progress=False)
+    assert block.ranks.tolist() == [3, 3]
+    assert block.tp.tolist() == [2, 2]

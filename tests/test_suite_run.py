@@ -195,8 +195,8 @@ def test_finetune_suite_one_config_per_task(suite_root, tmp_path, caplog):
     df = read_results(res)
     assert set(df["dataset"]) == {"dtd"}
     hp = json.loads(df["hparams"][0])
-    assert hp["resize"] == "whole"
-    assert hp["data_config"]["resize"] == "whole"
+    assert hp["resize"] == "whole-tf1"
+    assert hp["data_config"]["resize"] == "whole-tf1"
     assert hp["train_split"] == "train800"
     assert hp["task_metric"] == "top1"
     assert "metric" not in hp

@@ -36,7 +36,7 @@ def test_every_suite_loads_with_its_counts_groups_and_metrics():
 
 def test_vtab_groups_splits_and_derived_labels():
     s = load_suite("vtab-1k")
-    assert s.resize == "whole"
+    assert s.resize == "whole-tf1"  # VTAB's own resize: TF1's tf.image.resize
     assert s.input_size == 224
     by_group = {g: [t.name for t in s.tasks if t.group == g] for g in s.groups}
     assert {g: len(v) for g, v in by_group.items()} == {"natural": 7, "specialized": 4, "structured": 8}
@@ -145,7 +145,7 @@ def test_extract_suite_runs_present_tasks_and_names_missing(tmp_path, capsys, ca
     store = open_cache(cache)
     loc = store.load(LITE0, "dsprites_location", "train800")
     assert len(loc.ids) == 6
-    assert loc.provenance["data_config"]["resize"] == "whole"
+    assert loc.provenance["data_config"]["resize"] == "whole-tf1"
     assert len(store.load(LITE0, "dsprites_location", "val200").ids) == 3
     assert len(store.load(LITE0, "dtd", "test").ids) == 4
     assert "dsprites_location/train800: 6 rows" in capsys.readouterr().out

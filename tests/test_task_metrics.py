@@ -149,7 +149,7 @@ def test_multilabel_task_runs_one_vs_rest_probes_scored_with_map11_and_auc(multi
     df = run_probes(
         ProbeConfig(path, [LITE0], "attrs", "full", Cs=GRID[:3], results_path=tmp_path / "r.parquet", progress=False)
     )
-    assert set(df["metric"]) == {"map11", "roc_auc_macro", "map11_elevater"}
+    assert set(df["metric"]) == {"map11", "roc_auc_macro", "map11_elevater", "map_clip_benchmark"}
     assert df["run_id"].n_unique() == 1
     hp = _hp(df, "map11")
     assert hp["task_metric"] == "map11"
