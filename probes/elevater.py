@@ -371,7 +371,7 @@ def fit_elevater(req: FitRequest) -> FitOutcome:
     """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; ``head_init``: [C, D]
     class embeddings of the dataset's classes or ``None`` (``nn.Linear``'s default init, seeded)."""
     plan, opts, head_init = req.plan, req.opts, req.head_init
-    (Xtr, ytr), (Xva, yva), (Xfin, yfin) = plan.tr, plan.va, plan.fin
+    ytr, yva, yfin = plan.tr[1], plan.va[1], plan.fin[1]
     classes = np.unique(ytr)
     if np.setdiff1d(np.concatenate([yva, yfin]), classes).size:
         raise ProbeError(

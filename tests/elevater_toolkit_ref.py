@@ -138,7 +138,9 @@ class MemorizingEverythingEvaluator:
         if tar_mat.size > 0:
             non_empty_idx = np.where(np.invert(np.all(tar_mat == 0, axis=0)))[0]
             if non_empty_idx.size != 0:
-                result = self._calculate(tar_mat[:, non_empty_idx], self.all_predictions[:, non_empty_idx], average=average)
+                result = self._calculate(
+                    tar_mat[:, non_empty_idx], self.all_predictions[:, non_empty_idx], average=average
+                )
 
         return result
 
@@ -234,7 +236,7 @@ def create_dataloader(dataset, batch_size, shuffle=True, num_workers=0, pin_memo
     def seed_worker(worker_id):
         worker_seed = worker_id
         torch.manual_seed(worker_seed)
-        np.random.seed(worker_seed)
+        np.random.seed(worker_seed)  # noqa: NPY002 (as the toolkit writes it)
 
     generator = torch.Generator()
     generator.manual_seed(0)
@@ -267,7 +269,7 @@ class Config(SimpleNamespace):
 def make_config(dim, n_classes, *, dataset="digits", metric="accuracy", epochs=10, extra_final=40, **train):
     """port: the config fields the linear probe reads, the toolkit's defaults but NESTEROV
     False (every shipped model config) and batch 64 (get_dataloader's default)."""
-    t = dict(
+    t = dict(  # noqa: C408 (the config's field names)
         LR=0.001,
         WD=0.0001,
         SEARCH_WD_LOG_LOWER=-6,
@@ -303,7 +305,7 @@ def gpu_gc():
     pass  # port: gc.collect() and torch.cuda.empty_cache() free GPU memory; nothing to free here
 
 
-class AverageMeter(object):
+class AverageMeter(object):  # noqa: UP004 (as the toolkit writes it)
     def __init__(self):
         self.reset()
 
@@ -322,7 +324,7 @@ class AverageMeter(object):
 
 class Classifier(torch.nn.Module):
     def __init__(self, config, l2_lambda):
-        super(Classifier, self).__init__()
+        super(Classifier, self).__init__()  # noqa: UP008 (as the toolkit writes it)
 
         self.backbone = nn.Identity()  # port: features are the backbone's output
 
@@ -372,7 +374,7 @@ def build_optimizer(cfg, model):
     """optim/build.py: ``_set_wd`` with an empty WITHOUT_WD_LIST, then the plain SGD branch."""
     with_decay = []
     without_decay = []
-    for n, p in model.named_parameters():
+    for _n, p in model.named_parameters():
         if p.requires_grad is False:
             continue
         with_decay.append(p)
@@ -648,4 +650,3 @@ def predict_proba(model, X) -> np.ndarray:
     model.eval()
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(X, np.float32))).softmax(-1).double().numpy()
-

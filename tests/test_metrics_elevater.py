@@ -6,15 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sklearn.metrics as sm
+from elevater_toolkit_ref import balanced_accuracy_score, map_11_points
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
-from elevater_toolkit_ref import balanced_accuracy_score, map_11_points
 from vision_evaluation_ref import elevater_map_11_points
 
 from featcache.metrics import map11, map11_elevater, mean_per_class
-
 
 # The toolkit's metrics (Elevater_Toolkit_IC vision_benchmark/evaluation/metric.py over
 # vision-evaluation 0.2.9, the version its requirements.txt pins: tag 0.2.9 = commit
@@ -78,7 +77,7 @@ def test_map11_elevater_matches_the_toolkit_with_ties_and_empty_classes(seed, n,
 def test_map11_elevater_drops_an_all_zero_label_column_as_calculate_score(digits_scores):
     """An attribute no test row has (before: it scored 1/11 and entered the mean: 0.4266
     where the toolkit gives 0.5106 here), and no positive at all: the toolkit's 0."""
-    S, y, attrs, A, pixels = digits_scores
+    _, y, attrs, _, pixels = digits_scores
     T = np.concatenate([attrs, np.zeros((len(y), 1), bool)], 1)
     P = np.concatenate([pixels, pixels[:, :1]], 1)
     ours = map11_elevater(T, P)
@@ -87,7 +86,11 @@ def test_map11_elevater_drops_an_all_zero_label_column_as_calculate_score(digits
     with pytest.warns(UserWarning, match="No positive class"):  # the unfiltered evaluator of later releases
         unfiltered = elevater_map_11_points(T.astype(int), P)
     assert unfiltered - ours == pytest.approx((1 / 11 - ours) / 5, abs=1e-12)
-    assert map11_elevater(np.zeros((4, 2), bool), np.ones((4, 2))) == 0.0 == map_11_points(np.zeros((4, 2)), np.ones((4, 2)))
+    assert (
+        map11_elevater(np.zeros((4, 2), bool), np.ones((4, 2)))
+        == 0.0
+        == map_11_points(np.zeros((4, 2)), np.ones((4, 2)))
+    )
 
 
 def test_mean_per_class_is_elevaters_balanced_accuracy_with_a_class_absent_from_test(digits_scores):

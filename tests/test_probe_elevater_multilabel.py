@@ -138,7 +138,8 @@ def test_elevater_multilabel_trains_a_bce_sgd_head_scored_with_the_toolkits_map(
     Yte = _matrix(te.labels)
     S = seen["out"].predict(np.asarray(te.X, np.float64))
     assert S.shape == (Yte.shape[0], len(COLUMNS))
-    np.testing.assert_allclose(S.sum(1), 1.0, atol=1e-9)  # validate's softmax(-1), not a sigmoid
+    # validate's softmax(-1), not a sigmoid; in float32 as the toolkit computes it
+    np.testing.assert_allclose(S.sum(1), 1.0, atol=1e-6)
     value = df.filter(pl.col("metric") == "map11_elevater")["value"][0]
     assert value == pytest.approx(elevater_map_11_points(Yte, S), abs=1e-12)
     assert 0.5 < value < 1.0
