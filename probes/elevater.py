@@ -91,7 +91,15 @@ class ElevaterHead:
     (``"bn"``: channel BatchNorm without affine, running statistics with momentum 0.1;
     ``"l2"``: ``F.normalize``), linear layer, logits times ``exp(log_scale)``."""
 
-    def __init__(self, dim: int, n_out: int, features: str, logit_scale: float, seed: int, init=None):
+    def __init__(
+        self,
+        dim: int,
+        n_out: int,
+        features: str,
+        logit_scale: float,
+        seed: int,
+        init: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         import torch
 
         if features not in ("bn", "l2"):
@@ -116,7 +124,8 @@ class ElevaterHead:
         self.bn.train(mode)
         self.lin.train(mode)
 
-    def forward(self, X_t):
+    def forward(self, X_t: Any) -> Any:
+        """The toolkit's ``Classifier.forward`` after the backbone: a torch tensor of logits."""
         import torch.nn.functional as F
 
         out = self.bn(X_t)
@@ -189,7 +198,7 @@ def train_elevater_head(
     # (each epoch's iterator draws a base seed, then RandomSampler permutes; torch >= 1.11's
     # sampler also draws a second, unused permutation when an epoch ends)
     loader = torch.utils.data.DataLoader(
-        torch.arange(n),
+        torch.utils.data.TensorDataset(torch.arange(n)),
         batch_size=grid.batch_size,
         shuffle=True,
         drop_last=False,
@@ -197,7 +206,7 @@ def train_elevater_head(
     )
     for _ in range(epochs):
         head.train(True)
-        for bi in loader:
+        for (bi,) in loader:
             if bi.numel() == 1:
                 continue  # train_one: "if images.shape[0] == 1: continue"
             bi = bi.to(device)
