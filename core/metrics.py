@@ -90,14 +90,25 @@ def top5(y_true: ArrayLike, scores: ArrayLike) -> float:
 
 
 def mean_per_class(y_true: ArrayLike, y_pred_or_scores: ArrayLike) -> float:
-    """Mean over classes present in ``y_true`` of TP_c / (TP_c + FN_c) (Salman et al.).
+    """Mean over classes present in ``y_true`` of TP_c / (TP_c + FN_c) (Salman et al.; sklearn's
+    ``balanced_accuracy_score``).
 
-    Classes absent from ``y_true`` are skipped. Accepts predicted labels [N] or scores [N, K].
+    Classes absent from ``y_true`` are skipped. Accepts predicted labels [N] or scores [N, K];
+    from scores the prediction is the argmax over the columns of the classes present in
+    ``y_true`` only (ties: the lower index), as ELEVATER's toolkit computes it:
+    vision-evaluation 0.2.9's ``calculate_score`` drops the all-zero target columns, scores
+    included, before ``BalancedAccuracyScoreEvaluator`` takes the argmax. Predicted labels
+    cannot be restricted: a prediction of an absent class counts as a miss.
     """
     y = _check_labels(y_true)
     p = np.asarray(y_pred_or_scores)
     if p.ndim == 2:
-        p = p.argmax(axis=1)
+        if p.shape[0] != y.shape[0]:
+            raise MetricInputError(f"scores have {p.shape[0]} rows but y_true has {y.shape[0]}")
+        present = np.unique(y)
+        if y.size and (present.min() < 0 or present.max() >= p.shape[1]):
+            raise MetricInputError(f"labels must lie in 0..{p.shape[1] - 1} (one score column per class)")
+        p = present[p[:, present].argmax(axis=1)] if y.size else p.argmax(axis=1)
     if p.shape != y.shape:
         raise MetricInputError(f"predictions shape {p.shape} != y_true shape {y.shape}")
     if y.size == 0:
@@ -199,12 +210,16 @@ def map11_elevater(y_true: ArrayLike, scores: ArrayLike) -> float:
     which ELEVATER's ``map_11_points`` calls): per class ``1/11 sum_t max_{recall >= t}
     precision`` over sklearn's precision-recall curve, whose appended point (recall 0,
     precision 1) makes the t=0 term 1, so per class it is :func:`map11`'s AP plus ``(1 - max precision)/11``.
-    The mean runs over every score column; a class without a positive scores 1/11 (sklearn
-    >= 1.1 sets its recall to 1; older sklearn gave NaN recall and the toolkit 0)."""
+    The mean runs over the columns with a positive: ``calculate_score`` of the vision-evaluation
+    version the toolkit pins (0.2.9) drops all-zero target columns before it calls the metric,
+    and scores 0 when none is left. NaN for an empty input (no row or no column)."""
     y, s = _check_multilabel(y_true, scores)
-    if y.shape[1] == 0:
+    if y.size == 0:
         return float("nan")
-    return float(np.mean([_ap11_elevater_column(y[:, c], s[:, c]) for c in range(y.shape[1])]))
+    keep = np.flatnonzero(y.any(axis=0))
+    if keep.size == 0:
+        return 0.0
+    return float(np.mean([_ap11_elevater_column(y[:, c], s[:, c]) for c in keep]))
 
 
 def map_clip_benchmark(y_true: ArrayLike, scores: ArrayLike) -> float:

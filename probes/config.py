@@ -226,6 +226,10 @@ class ProbeConfig:
             opts["val_source"] = self.val_source
         if proto.split == "elevater-full":  # its first-20% rows are taken in the dataset's own order
             opts["holdout_order"] = "dataset"
+        if proto.solver == "elevater":  # the toolkit's loop: BN modes, seeded nn.Linear init, its batches
+            from featcache.probes.elevater import HEAD_LOOP
+
+            opts["head_loop"] = HEAD_LOOP
         return opts
 
     def val_split_used(self, proto: Protocol, splits: Iterable[str]) -> str | None:

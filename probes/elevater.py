@@ -1,19 +1,24 @@
-"""ELEVATER's linear-probe search on cached features (``elevater-fewshot:N``, ``elevater-full``).
+"""ELEVATER's linear-probe search on cached features (``elevater-fewshot:N``, ``elevater-full``),
+as the toolkit's code runs it (Computer-Vision-in-the-Wild/Elevater_Toolkit_IC,
+vision_benchmark/evaluation/full_model_finetune.py; tests/elevater_toolkit_ref.py ports it).
 
 For each of the grid's learning rates a coarse-to-fine weight-decay search
-(:func:`search_weight_decay`), each trial an :class:`~featcache.probes.sgd.SGDProbe` trained
-for ``search_epochs`` on the plan's train rows and scored by top-1 on its val rows; the
-best (lr, wd) is retrained for ``final_epochs`` on train+val. The head sees L2-normalised
-features times CLIP's logit scale 1/0.07 (the toolkit's ``NORMALIZE_VISUAL_FEATURE`` with
-``LOGIT_SCALE_INIT='clip'``; ``ElevaterGrid.features="bn"`` gives its default channel
-BatchNorm instead) and is zero-initialised or, with ``head_init``, starts from the
-L2-normalised class text embeddings with a zero bias (ELEVATER's language-initialised head):
-its argmax at step 0 is then exactly the zero-shot classifier's (:func:`zeroshot_logits`:
-normalised features . normalised text).
+(:func:`search_weight_decay`, from the toolkit's initial best score 0), each trial a head
+trained by :func:`train_elevater_head` for ``search_epochs`` on the plan's train rows and
+scored on its best validation epoch; the best (lr, wd) (from the toolkit's initial best: score
+0, lr 0, wd 0) is retrained for ``final_epochs`` on train+val. The head is the toolkit's
+``Classifier`` on features: ``BatchNorm1d(affine=False)`` (``ElevaterGrid.features="bn"``:
+batch statistics while training, running statistics at evaluation) or L2 normalisation
+(``"l2"``: ``NORMALIZE_VISUAL_FEATURE``), then ``nn.Linear`` (its default initialisation,
+seeded, or with ``head_init`` the L2-normalised class text embeddings and a zero bias:
+ELEVATER's language-initialised head), the logits times the fixed logit scale. Batches follow
+the toolkit's ``DataLoader`` (generator seeded 0; a base seed drawn before each epoch's
+permutation); a batch of one row is skipped, as ``train_one`` does.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -21,10 +26,23 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import ProbeError
+from featcache.errors import MetricInputError, ProbeError
 from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
 
-__all__ = ["fit_elevater", "fit_elevater_multilabel", "l2_normalise", "search_weight_decay", "zeroshot_logits"]
+__all__ = [
+    "ElevaterHead",
+    "fit_elevater",
+    "fit_elevater_multilabel",
+    "l2_normalise",
+    "search_weight_decay",
+    "train_elevater_head",
+    "zeroshot_logits",
+]
+
+#: the toolkit's ``create_dataloader`` seeds every loader's generator with 0
+LOADER_SEED = 0
+#: recorded in the hparams (and the run id) of every ELEVATER fit since the loop is the toolkit's
+HEAD_LOOP = "toolkit"
 
 
 def l2_normalise(X: np.ndarray) -> np.ndarray:
@@ -40,12 +58,15 @@ def zeroshot_logits(X: np.ndarray, text: np.ndarray) -> np.ndarray:
 
 
 def search_weight_decay(
-    score: Callable[[int], float], n_wds: int, coarse: Sequence[int], spans: Sequence[int]
+    score: Callable[[int], float], n_wds: int, coarse: Sequence[int], spans: Sequence[int], start: float = -math.inf
 ) -> tuple[int, float, int]:
     """ELEVATER's coarse-to-fine search over weight-decay indices ``0..n_wds-1``: score the
     ``coarse`` indices, then for each span the neighbours ``peak -/+ span`` (clipped) of the
-    best so far; a later candidate wins only when strictly better. Returns (best index, its
-    score, number of distinct trials). Scores are cached (a clipped neighbour is not rerun)."""
+    best so far; a candidate wins only when strictly better than the best so far, which starts
+    at ``start`` with peak ``-1`` (the toolkit's ``hyperparameter_sweep``: 0; a search where
+    nothing beats it keeps peak -1, the neighbours of -1 are 0 and ``span - 1``, and the toolkit
+    then reads ``l2_lambda_list[-1]``, the last value). Returns (best index, its score, number
+    of distinct trials). Scores are cached (a clipped neighbour is not rerun)."""
     seen: dict[int, float] = {}
 
     def s(i: int) -> float:
@@ -53,7 +74,7 @@ def search_weight_decay(
             seen[i] = score(i)
         return seen[i]
 
-    peak, best = -1, -math.inf
+    peak, best = -1, start
     for i in coarse:
         if s(i) > best:
             peak, best = i, s(i)
@@ -65,31 +86,161 @@ def search_weight_decay(
     return peak, best, len(seen)
 
 
+class ElevaterHead:
+    """The toolkit's ``Classifier`` head on features, as a torch module's state: normalisation
+    (``"bn"``: channel BatchNorm without affine, running statistics with momentum 0.1;
+    ``"l2"``: ``F.normalize``), linear layer, logits times ``exp(log_scale)``."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_out: int,
+        features: str,
+        logit_scale: float,
+        seed: int,
+        init: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        import torch
+
+        if features not in ("bn", "l2"):
+            raise ProbeError(f"ElevaterGrid.features must be 'bn' or 'l2', got {features!r}")
+        self.features = features
+        self.bn = torch.nn.BatchNorm1d(dim, affine=False) if features == "bn" else torch.nn.Identity()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))  # the default nn.Linear init, seeded, on the CPU generator
+            self.lin = torch.nn.Linear(dim, n_out)
+        if init is not None:
+            with torch.no_grad():
+                self.lin.weight.copy_(torch.as_tensor(np.asarray(init[0]), dtype=torch.float32))
+                self.lin.bias.copy_(torch.as_tensor(np.asarray(init[1]), dtype=torch.float32))
+        # the toolkit's logit_scale: a fixed parameter holding the log, exponentiated in forward
+        self.log_scale = torch.ones([]) * math.log(logit_scale)
+
+    def to(self, device: str) -> ElevaterHead:
+        self.bn, self.lin, self.log_scale = self.bn.to(device), self.lin.to(device), self.log_scale.to(device)
+        return self
+
+    def train(self, mode: bool = True) -> None:
+        self.bn.train(mode)
+        self.lin.train(mode)
+
+    def forward(self, X_t: Any) -> Any:
+        """The toolkit's ``Classifier.forward`` after the backbone: a torch tensor of logits."""
+        import torch.nn.functional as F
+
+        out = self.bn(X_t)
+        if self.features == "l2":
+            out = F.normalize(out)
+        return self.log_scale.exp() * self.lin(out)
+
+    def snapshot(self) -> ElevaterHead:
+        """A CPU copy of the head as it is now (for a later epoch's report)."""
+        h = copy.copy(self)
+        h.bn, h.lin = copy.deepcopy(self.bn).cpu(), copy.deepcopy(self.lin).cpu()
+        h.log_scale = self.log_scale.detach().cpu()
+        return h
+
+    def predict_proba(self, X: np.ndarray) -> np.ndarray:
+        """``validate``'s ``outputs.softmax(-1)`` in evaluation mode (running statistics)."""
+        import torch
+
+        dev = self.lin.weight.device
+        self.train(False)
+        with torch.no_grad():
+            z = self.forward(torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(dev))
+            return z.softmax(-1).double().cpu().numpy()
+
+    @property
+    def finite(self) -> bool:
+        import torch
+
+        return bool(torch.isfinite(self.lin.weight).all() and torch.isfinite(self.lin.bias).all())
+
+
+def train_elevater_head(
+    X: np.ndarray,
+    y: np.ndarray,
+    n_out: int,
+    *,
+    lr: float,
+    weight_decay: float,
+    epochs: int,
+    grid: Any,
+    seed: int = 0,
+    device: str = "cpu",
+    loss: str = "ce",
+    init: tuple[np.ndarray, np.ndarray] | None = None,
+    on_epoch: Callable[[ElevaterHead], object] | None = None,
+) -> ElevaterHead:
+    """The toolkit's ``train_task`` loop on features: per epoch ``train_one`` (training mode,
+    SGD with ``grid.momentum``/``grid.nesterov`` and weight decay on W and b, constant ``lr``;
+    cross-entropy on class indices or, ``loss="bce"``, ``BCEWithLogitsLoss`` on an [n, C] 0/1
+    matrix), then ``on_epoch(head)`` (the caller scores it; the head is in evaluation mode).
+    Batches of ``grid.batch_size`` come from the toolkit's ``DataLoader`` (shuffled, generator
+    seeded :data:`LOADER_SEED`, no dropped remainder) over the row indices; a batch of one row
+    is skipped. ``init``: ``(W [K, D], b [K])``, else ``nn.Linear``'s default
+    initialisation drawn after ``torch.manual_seed(seed)``. A diverged head keeps training,
+    as in the toolkit (its :attr:`ElevaterHead.finite` says so)."""
+    import torch
+
+    if loss not in ("ce", "bce"):
+        raise ProbeError(f"loss must be 'ce' or 'bce', got {loss!r}")
+    bce = loss == "bce"
+    criterion = torch.nn.BCEWithLogitsLoss() if bce else torch.nn.CrossEntropyLoss()
+    X_t = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(device)
+    y_t = torch.from_numpy(np.asarray(y, np.float32 if bce else np.int64)).to(device)
+    n = X_t.shape[0]
+    head = ElevaterHead(X_t.shape[1], n_out, grid.features, grid.logit_scale, seed, init).to(device)
+    opt = torch.optim.SGD(
+        head.lin.parameters(), lr=lr, momentum=grid.momentum, weight_decay=weight_decay, nesterov=grid.nesterov
+    )
+    # the toolkit's create_dataloader over the row indices: the installed torch's own draws
+    # (each epoch's iterator draws a base seed, then RandomSampler permutes; torch >= 1.11's
+    # sampler also draws a second, unused permutation when an epoch ends)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(n)),
+        batch_size=grid.batch_size,
+        shuffle=True,
+        drop_last=False,
+        generator=torch.Generator().manual_seed(LOADER_SEED),
+    )
+    for _ in range(epochs):
+        head.train(True)
+        for (bi,) in loader:
+            if bi.numel() == 1:
+                continue  # train_one: "if images.shape[0] == 1: continue"
+            bi = bi.to(device)
+            opt.zero_grad()
+            criterion(head.forward(X_t[bi]), y_t[bi]).backward()
+            opt.step()
+        head.train(False)
+        if on_epoch is not None:
+            on_epoch(head)
+    return head
+
+
 def _search(
     grid, val_score: Callable[[float, float], float], metric: str, epochs_of: dict
 ) -> tuple[tuple[float, float, float], list[dict[str, Any]], int]:
-    """ELEVATER's (lr, wd) search: per lr of the grid the coarse-to-fine weight-decay search of
-    ``val_score(lr, wd)``; returns ((score, lr, wd) of the best, per-lr records, trials)."""
-    best: tuple[float, float, float] | None = None
+    """ELEVATER's (lr, wd) search (``hyperparameter_sweep_lr``): per lr of the grid the
+    coarse-to-fine weight-decay search of ``val_score(lr, wd)``; an lr wins only when strictly
+    better than the best so far, which starts at the toolkit's (score 0, lr 0, wd 0). Returns
+    ((score, lr, wd) of the best, per-lr records, trials)."""
+    if not grid.lrs:
+        raise ProbeError("the ELEVATER grid has no learning rate")
+    best: tuple[float, float, float] = (0.0, 0.0, 0.0)
     trials, per_lr = 0, []
     for lr in grid.lrs:
         i, sc, n = search_weight_decay(
-            lambda k, lr=lr: val_score(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans
+            lambda k, lr=lr: val_score(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans, start=0.0
         )
         trials += n
+        wd = grid.wds[i]  # i = -1 (nothing beat 0): the toolkit's l2_lambda_list[-1]
         per_lr.append(
-            {
-                "lr": lr,
-                "weight_decay": grid.wds[i],
-                f"val_{metric}": sc,
-                "best_epoch": epochs_of[(lr, grid.wds[i])],
-                "trials": n,
-            }
+            {"lr": lr, "weight_decay": wd, f"val_{metric}": sc, "best_epoch": epochs_of.get((lr, wd), 0), "trials": n}
         )
-        if sc > (-math.inf if best is None else best[0]):
-            best = (sc, lr, grid.wds[i])
-    if best is None:
-        raise ProbeError(f"no (lr, weight decay) of the grid scored on validation (an empty grid, or NaN {metric})")
+        if best[0] < sc:
+            best = (sc, lr, wd)
     return best, per_lr, trials
 
 
@@ -102,7 +253,7 @@ def _best_epoch(scores: list[float]) -> tuple[float, int]:
     return best, at
 
 
-def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, best_epoch: int, head: str) -> dict:
+def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, epochs_of: dict, head: str) -> dict:
     """The results-row record of one ELEVATER fit (single- or multi-label)."""
     grid, opts = req.proto.grid, req.opts
     sc, lr, wd = best
@@ -114,7 +265,7 @@ def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, best_epoch
         "lr": lr,
         "weight_decay": wd,
         f"val_{metric}": sc,
-        "best_epoch": best_epoch,
+        "best_epoch": epochs_of.get((lr, wd), 0),
         "selection": f"val {metric} at each trial's best search epoch (ties: earlier epoch, smaller lr, earlier probe)",
         "trials": trials,
         "per_lr": per_lr,
@@ -126,10 +277,16 @@ def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, best_epoch
         "features": grid.features,
         "logit_scale": grid.logit_scale,
         "head": head,
+        "head_loop": HEAD_LOOP,
+        "batch_order": f"torch DataLoader shuffle, generator seeded {LOADER_SEED}; size-1 batches skipped",
         "report": "best test epoch (selected on the test split, as the ELEVATER toolkit)"
         if opts.get("final_epoch") == "best-test"
         else "final epoch (not the best test epoch)",
     }
+    if grid.features == "bn":
+        hp["bn"] = "batch statistics in training, running statistics (momentum 0.1) at evaluation"
+    if lr == 0:
+        hp["selection_note"] = "no trial scored above 0 on validation: the toolkit's initial (lr 0, wd 0) is kept"
     scaled = {
         k: v
         for k, v, pub in (("search_epochs", se, grid.search_epochs), ("final_epochs", fe, grid.final_epochs))
@@ -139,6 +296,53 @@ def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, best_epoch
         hp["scaled"] = True
         hp["scaled_from"] = {k: getattr(grid, k) for k in scaled}
     return hp
+
+
+def _epoch_score(metric: str, y: np.ndarray, X: np.ndarray, head: ElevaterHead) -> float:
+    """The task metric of one epoch's head on (X, y) from its softmax probabilities, as the
+    toolkit's ``validate`` scores ``outputs.softmax(-1)``; 0 where the metric cannot be
+    computed (the toolkit's ``except: metric_result = 0.``)."""
+    from featcache.core.metrics import METRICS
+
+    try:
+        return float(METRICS[metric](y, head.predict_proba(X)))
+    except (MetricInputError, ValueError, FloatingPointError):
+        return 0.0
+
+
+def _fit(req: FitRequest, sets, n_out: int, loss: str, metric: str, init) -> tuple:
+    """Search on ``sets`` = ((Xtr, ytr), (Xva, yva), (Xfin, yfin)), then the final run: returns
+    (final head, epoch heads of the final run for best-test, best, per_lr, trials, epochs_of,
+    device, seconds)."""
+    from featcache.probes.logistic import cpu_threads, resolve_backend
+
+    grid, opts, seed = req.proto.grid, req.opts, req.seed
+    device = resolve_backend("torch")[1]
+    (Xtr, ytr), (Xva, yva), (Xfin, yfin) = sets
+    epochs_of: dict[tuple[float, float], int] = {}
+
+    def train(X, y, lr, wd, epochs, on_epoch=None) -> ElevaterHead:
+        with cpu_threads(device):
+            return train_elevater_head(
+                X, y, n_out, lr=lr, weight_decay=wd, epochs=epochs, grid=grid, seed=seed, device=device,
+                loss=loss, init=init, on_epoch=on_epoch,
+            )  # fmt: skip
+
+    def val_score(lr, wd) -> float:
+        """The trial's best epoch on the task metric (the toolkit's SEARCH_RESULT_ON_LAST_EPOCH
+        =False: it validates after every epoch and keeps the first strict maximum, from 0)."""
+        scores: list[float] = []
+        train(Xtr, ytr, lr, wd, opts["search_epochs"], lambda h: scores.append(_epoch_score(metric, yva, Xva, h)))
+        best, epochs_of[(lr, wd)] = _best_epoch(scores)
+        return best
+
+    t0 = time.perf_counter()
+    best, per_lr, trials = _search(grid, val_score, metric, epochs_of)
+    _, lr, wd = best
+    heads: list[ElevaterHead] = []
+    keep = (lambda h: heads.append(h.snapshot())) if opts.get("final_epoch") == "best-test" else None
+    final = train(Xfin, yfin, lr, wd, opts["final_epochs"], keep)
+    return final, heads, best, per_lr, trials, epochs_of, device, time.perf_counter() - t0
 
 
 def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
@@ -151,71 +355,19 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
     (voc-2007-classification, chestx-ray8) and ``validate`` scores
     ``outputs.softmax(-1)`` (softmax, not sigmoid) with ``config.TEST.METRIC``; the predicted
     scores here are the same softmax."""
-    from featcache.probes.logistic import cpu_threads, resolve_backend
-    from featcache.probes.sgd import train_sgd_head
-
-    grid, plan, opts, seed = req.proto.grid, req.plan, req.opts, req.seed
-    device = resolve_backend("torch")[1]
-    (Xtr, _), (Xva, _), (Xfin, _) = ((np.asarray(X, np.float64), y) for X, y in (plan.tr, plan.va, plan.fin))
-    Ytr, Yva, Yfin = (np.asarray(Y, bool) for Y in plan.Y)
+    plan, opts = req.plan, req.opts
+    Ys = [np.asarray(Y, bool) for Y in plan.Y]
+    sets = [(np.asarray(X, np.float64), Y) for (X, _), Y in zip((plan.tr, plan.va, plan.fin), Ys, strict=True)]
     metric = opts.get("metric") or "map11_elevater"
+    C = Ys[0].shape[1]
     # head_init: one normalised text embedding per label column, bias 0 (as for single-label)
-    init = None if req.head_init is None else (l2_normalise(np.asarray(req.head_init)).T, np.zeros(Ytr.shape[1]))
-
-    def train(X, Y, lr, wd, epochs, on_epoch=None):
-        """(W [D, C], b [C], finite) of ``epochs`` BCE-SGD passes over (X, Y)."""
-        with cpu_threads(device):
-            return train_sgd_head(
-                X,
-                Y,
-                Y.shape[1],
-                lr=lr,
-                steps=epochs * math.ceil(len(X) / grid.batch_size),
-                batch_size=grid.batch_size,
-                momentum=grid.momentum,
-                weight_decay=wd,
-                seed=seed,
-                device=device,
-                nesterov=grid.nesterov,
-                on_epoch=on_epoch,
-                loss="bce",
-                init=init,
-            )
-
-    tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
-    Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
-    epochs_of: dict[tuple[float, float], int] = {}
-
-    def val_score(lr, wd) -> float:
-        """The trial's best epoch on the task metric of the val softmax scores."""
-        scores: list[float] = []
-        *_, ok = train(
-            Xtr_s,
-            Ytr,
-            lr,
-            wd,
-            opts["search_epochs"],
-            lambda W, b: scores.append(_epoch_score(metric, Yva, Xva_s, W.T, b)),
-        )
-        best, at = _best_epoch(scores)
-        epochs_of[(lr, wd)] = at
-        return best if ok or at else -1.0
-
-    t0 = time.perf_counter()
-    best, per_lr, trials = _search(grid, val_score, metric, epochs_of)
-    _, lr, wd = best
-    heads: list[tuple[np.ndarray, np.ndarray]] = []
-    best_test = opts.get("final_epoch") == "best-test"
-    bn = _ChannelBN(Xfin, grid.features, grid.logit_scale)
-    W, b, ok = train(
-        bn(Xfin), Yfin, lr, wd, opts["final_epochs"], (lambda W, b: heads.append((W.T, b))) if best_test else None
-    )
-    hp = _hparams(
-        req, device, best, per_lr, trials, epochs_of[(lr, wd)], "zeros" if init is None else "text-initialised"
-    )
-    hp.update(loss="bce", n_labels=int(Yfin.shape[1]), scores="softmax over the label columns (the toolkit's validate)")
-    epochs = tuple(_softmax_head(bn, co, bi) for co, bi in heads)
-    return FitOutcome(_softmax_head(bn, W.T, b), None, hp, ok, time.perf_counter() - t0, epochs)
+    init = None if req.head_init is None else (l2_normalise(np.asarray(req.head_init)), np.zeros(C))
+    final, heads, best, per_lr, trials, epochs_of, device, seconds = _fit(req, sets, C, "bce", metric, init)
+    head = "linear-default-seeded" if init is None else "text-initialised"
+    hp = _hparams(req, device, best, per_lr, trials, epochs_of, head)
+    hp.update(loss="bce", n_labels=int(C), scores="softmax over the label columns (the toolkit's validate)")
+    epochs = tuple(h.predict_proba for h in heads)
+    return FitOutcome(final.snapshot().predict_proba, None, hp, final.finite, seconds, epochs)
 
 
 @register_solver(
@@ -226,112 +378,21 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
 )
 def fit_elevater(req: FitRequest) -> FitOutcome:
     """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; ``head_init``: [C, D]
-    class embeddings of the dataset's classes or ``None`` (zero head)."""
-    from featcache.probes.logistic import resolve_backend
-    from featcache.probes.sgd import SGDProbe
-
-    grid, plan, opts, head_init, seed = req.proto.grid, req.plan, req.opts, req.head_init, req.seed
-    device = resolve_backend("torch")[1]
-    Xtr, ytr = plan.tr
-    Xva, yva = plan.va
+    class embeddings of the dataset's classes or ``None`` (``nn.Linear``'s default init, seeded)."""
+    plan, opts, head_init = req.plan, req.opts, req.head_init
+    ytr, yva, yfin = plan.tr[1], plan.va[1], plan.fin[1]
     classes = np.unique(ytr)
-    if np.setdiff1d(np.concatenate([yva, plan.fin[1]]), classes).size:
+    if np.setdiff1d(np.concatenate([yva, yfin]), classes).size:
         raise ProbeError(
             "validation/final training data hold classes absent from the selection "
             "train data; resample the split so every class is in train"
         )
-    hi = None if head_init is None else l2_normalise(np.asarray(head_init)[classes])
-    se, fe = opts["search_epochs"], opts["final_epochs"]
-
-    def head(lr, wd, n: int, epochs: int, on_epoch=None) -> SGDProbe:
-        """The SGD head of one trial or the final run: ``epochs`` passes over ``n`` rows."""
-        return SGDProbe(
-            lr=lr,
-            steps=epochs * math.ceil(n / grid.batch_size),
-            batch_size=grid.batch_size,
-            momentum=grid.momentum,
-            nesterov=grid.nesterov,
-            weight_decay=wd,
-            standardize=False,
-            head_init=hi,
-            random_state=seed,
-            device=device,
-            epoch_callback=on_epoch,
-        )
-
-    def fit(X, y, lr, wd, epochs, on_epoch=None):
-        """(probe, channel standardiser) trained on (X, y)."""
-        bn = _ChannelBN(X, grid.features, grid.logit_scale)
-        return head(lr, wd, y.size, epochs, on_epoch).fit(bn(X), y, classes=classes), bn
-
-    tr_bn = _ChannelBN(Xtr, grid.features, grid.logit_scale)
-    Xtr_s, Xva_s = tr_bn(Xtr), tr_bn(Xva)
-
+    K = classes.size
+    init = None if head_init is None else (l2_normalise(np.asarray(head_init)[classes]), np.zeros(K))
+    sets = [(np.asarray(X, np.float64), np.searchsorted(classes, y)) for X, y in (plan.tr, plan.va, plan.fin)]
     metric = opts.get("metric") or "top1"
-    yva_i = np.searchsorted(classes, yva)
-    epochs_of: dict[tuple[float, float], int] = {}
-
-    def val_score(lr, wd) -> float:
-        """The trial's best epoch on the task metric (the toolkit's SEARCH_RESULT_ON_LAST_EPOCH
-        =False: it validates after every epoch and keeps the first strict maximum, from 0)."""
-        scores: list[float] = []
-        p = head(lr, wd, ytr.size, se, lambda W, b: scores.append(_epoch_score(metric, yva_i, Xva_s, W, b)))
-        p.fit(Xtr_s, ytr, classes=classes)
-        best, at = _best_epoch(scores)
-        epochs_of[(lr, wd)] = at
-        return best if p.finite_ or at else -1.0
-
-    t0 = time.perf_counter()
-    best, per_lr, trials = _search(grid, val_score, metric, epochs_of)
-    _, lr, wd = best
-    best_test = opts.get("final_epoch") == "best-test"
-    heads: list[tuple[np.ndarray, np.ndarray]] = []
-    Xfin, yfin = plan.fin
-    probe, bn = fit(Xfin, yfin, lr, wd, fe, (lambda W, b: heads.append((W, b))) if best_test else None)
-    hp = _hparams(
-        req, device, best, per_lr, trials, epochs_of[(lr, wd)], "text-initialised" if hi is not None else "zeros"
-    )
-    seconds = time.perf_counter() - t0
-    epochs = tuple(_softmax_head(bn, W, b) for W, b in heads)
-    return FitOutcome(lambda X: probe.predict_proba(bn(X)), classes, hp, probe.finite_, seconds, epochs)
-
-
-def _softmax_head(bn, coef: np.ndarray, intercept: np.ndarray):
-    """``predict(X)``: softmax probabilities of one epoch's head (raw-space coef [K, D])."""
-
-    def predict(X: np.ndarray) -> np.ndarray:
-        z = bn(X) @ coef.T + intercept
-        z = np.exp(z - z.max(1, keepdims=True))
-        return z / z.sum(1, keepdims=True)
-
-    return predict
-
-
-def _epoch_score(metric: str, y: np.ndarray, X: np.ndarray, coef: np.ndarray, intercept: np.ndarray) -> float:
-    """The task metric of one epoch's head on (X, y) from its softmax probabilities, as the
-    toolkit's ``validate`` scores ``outputs.softmax(-1)``; -1 when the head is not finite."""
-    from featcache.core.metrics import METRICS
-
-    z = X @ coef.T + intercept
-    if not np.isfinite(z).all():
-        return -1.0
-    z = np.exp(z - z.max(1, keepdims=True))
-    return float(METRICS[metric](y, z / z.sum(1, keepdims=True)))
-
-
-class _ChannelBN:
-    """The head's input transform. ``mode="bn"``: per-channel standardisation with the
-    statistics of the rows it was built on (the toolkit's ``BatchNorm1d(affine=False)``);
-    ``mode="l2"``: L2-normalised features times ``scale`` (the toolkit's
-    ``NORMALIZE_VISUAL_FEATURE`` with logit scale ``scale``)."""
-
-    def __init__(self, X: np.ndarray, mode: str = "l2", scale: float = 1.0):
-        X = np.asarray(X, np.float64)
-        self.mode, self.scale = mode, scale
-        self.mu = X.mean(0)
-        self.sd = np.sqrt(X.var(0) + 1e-5)  # BatchNorm's eps
-
-    def __call__(self, X: np.ndarray) -> np.ndarray:
-        if self.mode == "l2":
-            return self.scale * l2_normalise(X)
-        return (np.asarray(X, np.float64) - self.mu) / self.sd
+    final, heads, best, per_lr, trials, epochs_of, device, seconds = _fit(req, sets, K, "ce", metric, init)
+    head = "linear-default-seeded" if init is None else "text-initialised"
+    hp = _hparams(req, device, best, per_lr, trials, epochs_of, head)
+    epochs = tuple(h.predict_proba for h in heads)
+    return FitOutcome(final.snapshot().predict_proba, classes, hp, final.finite, seconds, epochs)

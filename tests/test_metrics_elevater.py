@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sklearn.metrics as sm
+from elevater_toolkit_ref import balanced_accuracy_score, map_11_points
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.datasets import load_digits
@@ -14,18 +15,10 @@ from vision_evaluation_ref import elevater_map_11_points
 
 from featcache.core.metrics import map11, map11_elevater, mean_per_class
 
-
-# --- ported from microsoft/vision-evaluation, vision_evaluation/evaluators.py (which
-# Elevater_Toolkit_IC vision_benchmark/evaluation/metric.py balanced_accuracy_score calls); its
-# 11-point mAP is in vision_evaluation_ref.py --------------------------------------------------
-def elevater_balanced_accuracy(targets, predictions):
-    """BalancedAccuracyScoreEvaluator._calculate (targets one-hot [N, K], predictions [N, K])."""
-    single_targets = np.argmax(targets, axis=1)
-    y_single_preds = np.argmax(predictions, axis=1)
-    return sm.balanced_accuracy_score(single_targets, y_single_preds)
-
-
-# --- end of ported code -------------------------------------------------------------------
+# The toolkit's metrics (Elevater_Toolkit_IC vision_benchmark/evaluation/metric.py over
+# vision-evaluation 0.2.9, the version its requirements.txt pins: tag 0.2.9 = commit
+# 0f34dcbc7ebd037357698808d056f0dba442f03e) are ported in elevater_toolkit_ref.py; its
+# ``calculate_score`` drops all-zero target columns before the metric runs.
 
 
 def brute_ap11(pos, score, recall0_is_one: bool) -> float:
@@ -74,22 +67,49 @@ def test_map11_elevater_is_the_toolkits_on_real_scores(digits_scores):
 def test_map11_elevater_matches_the_toolkit_with_ties_and_empty_classes(seed, n, levels):
     rng = np.random.default_rng(seed)
     T = rng.random((n, 3)) < 0.3
-    T[:, 2] = False  # a class without a positive (sklearn >= 1.1: recall 1, so AP 1/11)
+    T[:, 2] = False  # a class without a positive: calculate_score drops its column
     P = rng.integers(0, levels + 1, (n, 3)).astype(float)
-    with pytest.warns(UserWarning, match="No positive class"):
-        ref = elevater_map_11_points(T.astype(int), P)
-    assert map11_elevater(T, P) == pytest.approx(ref, abs=1e-12)
+    assert map11_elevater(T, P) == pytest.approx(map_11_points(T.astype(int), P), abs=1e-12)
+    if T[:, :2].any(axis=0).all():  # the kept columns alone: the same value
+        assert map11_elevater(T, P) == pytest.approx(map11_elevater(T[:, :2], P[:, :2]), abs=1e-12)
+
+
+def test_map11_elevater_drops_an_all_zero_label_column_as_calculate_score(digits_scores):
+    """An attribute no test row has (before: it scored 1/11 and entered the mean: 0.4266
+    where the toolkit gives 0.5106 here), and no positive at all: the toolkit's 0."""
+    _, y, attrs, _, pixels = digits_scores
+    T = np.concatenate([attrs, np.zeros((len(y), 1), bool)], 1)
+    P = np.concatenate([pixels, pixels[:, :1]], 1)
+    ours = map11_elevater(T, P)
+    assert ours == pytest.approx(map_11_points(T.astype(int), P), abs=1e-12)
+    assert ours == pytest.approx(map11_elevater(attrs, pixels), abs=1e-12)
+    with pytest.warns(UserWarning, match="No positive class"):  # the unfiltered evaluator of later releases
+        unfiltered = elevater_map_11_points(T.astype(int), P)
+    assert unfiltered - ours == pytest.approx((1 / 11 - ours) / 5, abs=1e-12)
+    assert (
+        map11_elevater(np.zeros((4, 2), bool), np.ones((4, 2)))
+        == 0.0
+        == map_11_points(np.zeros((4, 2)), np.ones((4, 2)))
+    )
 
 
 def test_mean_per_class_is_elevaters_balanced_accuracy_with_a_class_absent_from_test(digits_scores):
+    """A class absent from the labels but predicted: the toolkit's argmax runs over the
+    columns of the classes present only (calculate_score drops the others, scores included).
+    Before: sklearn's rule on the full argmax (a prediction of the absent class a miss)."""
     S, y = digits_scores[:2]
-    keep = y != 3  # class 3 absent from the test rows, still a column of the scores
-    S, y = S[keep], y[keep]
-    assert (S.argmax(1) == 3).any()  # and predicted: sklearn drops its undefined recall
-    with pytest.warns(UserWarning, match="y_pred contains classes not in y_true"):
-        ref = elevater_balanced_accuracy(np.eye(10)[y], S)
-    assert mean_per_class(y, S) == pytest.approx(ref, abs=1e-12)
-    # the class-3 column counts nowhere: a mean over 10 classes with class 3 at 0 differs
-    rec = [np.mean(S[y == c].argmax(1) == c) for c in range(10) if c != 3]
-    assert mean_per_class(y, S) == pytest.approx(np.mean(rec), abs=1e-12)
-    assert mean_per_class(y, S) != pytest.approx(np.sum(rec) / 10)
+    for absent in ([3], [3, 5, 8]):
+        keep = ~np.isin(y, absent)
+        Sk, yk = S[keep], y[keep]
+        assert np.isin(Sk.argmax(1), absent).any()  # the absent classes are predicted
+        ref = balanced_accuracy_score(yk, Sk)
+        assert mean_per_class(yk, Sk) == pytest.approx(ref, abs=1e-12)
+        present = np.setdiff1d(np.arange(10), absent)
+        pred = present[Sk[:, present].argmax(1)]
+        rec = [np.mean(pred[yk == c] == c) for c in present]
+        assert mean_per_class(yk, Sk) == pytest.approx(np.mean(rec), abs=1e-12)
+        with pytest.warns(UserWarning, match="y_pred contains classes not in y_true"):
+            full = sm.balanced_accuracy_score(yk, Sk.argmax(1))  # the rule before
+        assert mean_per_class(yk, Sk) > full
+        assert mean_per_class(yk, Sk.argmax(1)) == pytest.approx(full, abs=1e-12)  # labels: no restriction
+    assert mean_per_class(y, S) == pytest.approx(balanced_accuracy_score(y, S), abs=1e-12)  # all present

@@ -105,7 +105,9 @@ def test_one_shot_draws_two_and_does_not_merge_like_the_toolkit(digits_cache):
     assert (hp["n_train"], hp["n_val"], hp["n_train_final"]) == (10, 10, 10)
     assert hp["shots_drawn"] == 2
     assert hp["final"] == "train only"
-    assert 0.1 < v <= 1
+    # 10 rows, 2 search epochs: the toolkit's loop (BatchNorm running statistics after a few
+    # epochs, search from 0) lands near chance here (measured 0.078; 0.089 with 30 final epochs)
+    assert 0 < v <= 1
 
 
 def test_weight_decay_search_is_coarse_to_fine():
@@ -146,8 +148,9 @@ def test_elevater_fewshot_on_real_features(digits_cache):
     assert 6 * 7 <= hp["trials"] <= 6 * 15
     assert len(hp["per_lr"]) == 6
     assert hp["scaled_from"] == {"search_epochs": 10, "final_epochs": 50}
-    assert hp["head"] == "zeros"
-    assert top["value"][0] > 0.5  # chance 0.1; zero head, 3 + 20 epochs: measured 0.6956 (1 thread)
+    assert hp["head"] == "linear-default-seeded"
+    assert hp["head_loop"] == "toolkit"
+    assert top["value"][0] > 0.5  # chance 0.1; 3 + 20 epochs: measured 0.5844 (zero head before: 0.6956)
 
 
 def test_lbfgs_protocols_say_they_are_dinov2_style():
@@ -208,7 +211,7 @@ def test_language_initialised_head_matters_and_is_not_worse_than_zeroshot(digits
     )
     zero, h0 = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "elevater-fewshot:5", **kw)))
     assert hl["head"] == "text-initialised"
-    assert h0["head"] == "zeros"
+    assert h0["head"] == "linear-default-seeded"
     assert lang != zero or hl["per_lr"] != h0["per_lr"]  # the starting point is not forgotten
     assert lang >= zs, (lang, zs, zero)
 
@@ -230,14 +233,12 @@ def test_class_embeddings_are_per_backbone_and_width_checked(digits_with_text):
 
 def test_search_trial_scores_its_best_val_epoch_on_the_task_metric(digits_cache):
     """The toolkit's ``train_task`` (Elevater_Toolkit_IC vision_benchmark/evaluation/
-    full_model_finetune.py) validates after every epoch and, with SEARCH_RESULT_ON_LAST_EPOCH
-    =False, returns ``best_acc1`` (the first strict maximum from 0) on the config's metric."""
-    import math
+    full_model_finetune.py, ported in elevater_toolkit_ref) validates after every epoch and,
+    with SEARCH_RESULT_ON_LAST_EPOCH=False, returns ``best_acc1`` (the first strict maximum
+    from 0) on the config's metric (here ``mean-per-class``)."""
+    import elevater_toolkit_ref as ref
 
-    from featcache.core.metrics import mean_per_class
     from featcache.probes import runner as PR
-    from featcache.probes.elevater import _ChannelBN
-    from featcache.probes.sgd import SGDProbe
     from featcache.store import open_cache
 
     cfg = ProbeConfig(
@@ -258,23 +259,12 @@ def test_search_trial_scores_its_best_val_epoch_on_the_task_metric(digits_cache)
         proto, 0, PR._load_split(open_cache(digits_cache), LITE0, "digits", "train", "pooled"), None, "auto"
     )
     (Xtr, ytr), (Xva, yva) = plan.tr, plan.va
-    g = proto.grid
-    bn = _ChannelBN(Xtr, g.features, g.logit_scale)
-    lr, wd = hp["lr"], hp["weight_decay"]
-    per_epoch = []
-    for e in range(1, 5):  # e epochs of the same seeded batch order = the first e of 4
-        p = SGDProbe(
-            lr=lr,
-            steps=e * math.ceil(ytr.size / g.batch_size),
-            batch_size=g.batch_size,
-            momentum=g.momentum,
-            nesterov=g.nesterov,
-            weight_decay=wd,
-            standardize=False,
-            random_state=0,
-            device="cpu",
-        ).fit(bn(Xtr), ytr)
-        per_epoch.append(mean_per_class(yva, p.predict(bn(Xva))))
-    assert hp["val_mean_per_class"] == pytest.approx(max(per_epoch), abs=1e-12)
-    assert hp["best_epoch"] == 1 + int(np.argmax(per_epoch))
+    X = np.concatenate([Xtr, Xva]).astype(np.float32)
+    y = np.searchsorted(np.unique(ytr), np.concatenate([ytr, yva]))
+    tr, va, _ = ref.loaders(X, y, range(ytr.size), range(ytr.size, y.size), X[:1], y[:1])
+    tcfg = ref.make_config(1280, 10, metric="mean-per-class", epochs=4, LR=hp["lr"], WD=hp["weight_decay"])
+    _, info = ref.train_task(tr, va, tcfg)
+    per_epoch = [a / 100 for a in info["acc1_per_epoch"]]
+    assert hp["val_mean_per_class"] == pytest.approx(max([0.0, *per_epoch]), abs=1e-12)
+    assert hp["best_epoch"] == (1 + int(np.argmax(per_epoch)) if max(per_epoch) > 0 else 0)
     assert all(0 <= r["best_epoch"] <= 4 for r in hp["per_lr"])  # 0: no epoch beat 0

@@ -87,38 +87,27 @@ def digits_even(digits_cache, tmp_path_factory):
 
 
 def _toolkit_final_head(X, Y, lr, wd, epochs, seed, batch_size=64, text=None):
-    """The toolkit's final run (train_task / train_one: channel BatchNorm without affine,
-    zero-initialised linear layer, SGD momentum 0.9 with weight decay, BCEWithLogitsLoss on the
-    0/1 targets, constant lr) on featcache's seeded batch order (one torch.randperm per epoch);
-    returns ``scores(X)``: validate's softmax of the outputs."""
+    """The toolkit's final run on (X, Y) as the ported ``train_task`` runs it
+    (elevater_toolkit_ref: ``Classifier``'s channel BatchNorm, seeded ``nn.Linear`` or the
+    text-initialised head, SGD momentum 0.9 with weight decay, ``BCEWithLogitsLoss`` for
+    ``MULTILABEL_DATASETS``, the DataLoader's batches); returns ``scores(X)``: validate's
+    softmax of the outputs."""
+    import elevater_toolkit_ref as ref
     import torch
 
-    mu, sd = X.mean(0), np.sqrt(X.var(0) + 1e-5)
-    Xt = torch.tensor((X - mu) / sd, dtype=torch.float32)
-    Yt = torch.tensor(Y, dtype=torch.float32)
-    lin = torch.nn.Linear(X.shape[1], Y.shape[1])
-    torch.nn.init.zeros_(lin.weight)
-    torch.nn.init.zeros_(lin.bias)
-    if text is not None:  # the language-initialised head: normalised text embeddings, bias 0
-        with torch.no_grad():
-            lin.weight.copy_(torch.tensor(text / np.linalg.norm(text, axis=1, keepdims=True)))
-    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
-    criterion = torch.nn.BCEWithLogitsLoss()
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        perm = torch.randperm(len(X), generator=gen)
-        for s in range(0, len(X), batch_size):
-            bi = perm[s : s + batch_size]
-            opt.zero_grad()
-            criterion(lin(Xt[bi]), Yt[bi]).backward()
-            opt.step()
-    W, b = lin.weight.detach().double().numpy(), lin.bias.detach().double().numpy()
+    data = ref.FeatureData(torch.as_tensor(np.asarray(X, np.float32)), torch.as_tensor(np.asarray(Y, np.float32)))
+    train = {} if text is None else {"INIT_HEAD_WITH_TEXT_ENCODER": True, "TEXT": _unit(text)}
+    cfg = ref.make_config(
+        X.shape[1], Y.shape[1], dataset="voc-2007-classification", metric="11point_mAP", epochs=epochs,
+        LR=lr, WD=wd, INIT_SEED=seed, **train,
+    )  # fmt: skip
+    loader = ref.create_dataloader(data, batch_size)
+    _, info = ref.train_task(loader, ref.create_dataloader(data, batch_size, shuffle=False), cfg)
+    return lambda Z: ref.predict_proba(info["model"], Z)
 
-    def scores(Z):
-        z = ((Z - mu) / sd) @ W.T + b
-        return torch.from_numpy(z).softmax(-1).numpy()
 
-    return scores
+def _unit(M):
+    return (M / np.linalg.norm(M, axis=1, keepdims=True)).astype(np.float32)
 
 
 def test_elevater_multilabel_trains_a_bce_sgd_head_scored_with_the_toolkits_map(digits_even, monkeypatch, tmp_path):
@@ -149,7 +138,8 @@ def test_elevater_multilabel_trains_a_bce_sgd_head_scored_with_the_toolkits_map(
     Yte = _matrix(te.labels)
     S = seen["out"].predict(np.asarray(te.X, np.float64))
     assert S.shape == (Yte.shape[0], len(COLUMNS))
-    np.testing.assert_allclose(S.sum(1), 1.0, atol=1e-9)  # validate's softmax(-1), not a sigmoid
+    # validate's softmax(-1), not a sigmoid; in float32 as the toolkit computes it
+    np.testing.assert_allclose(S.sum(1), 1.0, atol=1e-6)
     value = df.filter(pl.col("metric") == "map11_elevater")["value"][0]
     assert value == pytest.approx(elevater_map_11_points(Yte, S), abs=1e-12)
     assert 0.5 < value < 1.0
