@@ -15,6 +15,7 @@ import numpy as np
 import polars as pl
 import pytest
 
+from featcache.errors import ConfigError
 from featcache.retrieval import RetrievalConfig, run_retrieval
 from featcache.retrieval.approx import IndexSpec, choose_index, topk_recall
 from featcache.retrieval.index import (
@@ -63,7 +64,9 @@ def test_bad_factory_is_a_one_line_error(factory):
     with pytest.raises(IndexFactoryError) as ei:
         RetrievalConfig(cache="c.zarr", dataset="d", index=factory, results_path="r.parquet")
     msg = str(ei.value)
-    assert "\n" not in msg and factory in msg and "index_factory" in msg
+    assert "\n" not in msg
+    assert factory in msg
+    assert "index_factory" in msg
     assert "std::" not in msg  # FAISS's C++ location is cut off
 
 
@@ -71,16 +74,32 @@ def test_bad_factory_on_the_command_line(capsys, tmp_path):
     from featcache.cli import main
 
     rc = main(
-        ["retrieve", "--cache", str(tmp_path / "c.zarr"), "--dataset", "d", "--query", "test"]
-        + ["--gallery", "train", "--all", "--results", str(tmp_path / "r.parquet"), "--index", "IVF8,Flta"]
+        [
+            "retrieve",
+            "--cache",
+            str(tmp_path / "c.zarr"),
+            "--dataset",
+            "d",
+            "--query",
+            "test",
+            "--gallery",
+            "train",
+            "--all",
+            "--results",
+            str(tmp_path / "r.parquet"),
+            "--index",
+            "IVF8,Flta",
+        ]
     )
     err = capsys.readouterr().err.strip()
-    assert rc != 0 and len(err.splitlines()) == 1 and "IVF8,Flta" in err
+    assert rc != 0
+    assert len(err.splitlines()) == 1
+    assert "IVF8,Flta" in err
     assert not (tmp_path / "r.parquet").exists()
 
 
 def test_search_flags_need_an_index_that_has_them(digits_cache, tmp_path):
-    with pytest.raises(Exception, match="--nprobe"):
+    with pytest.raises(ConfigError, match="--nprobe"):
         _cfg(digits_cache, tmp_path, nprobe=4)  # exact search has no nprobe
     with pytest.raises(IndexFactoryError, match="--nprobe does not apply"):
         run_retrieval(_cfg(digits_cache, tmp_path, index="HNSW16", nprobe=4))
@@ -102,7 +121,8 @@ def test_ivf_probing_every_list_equals_exact(digits_cache, tmp_path):
         assert a[f"delta_map@{k}"] == pytest.approx(0.0, abs=1e-12)
         assert a[f"delta_mrr@{k}"] == pytest.approx(0.0, abs=1e-12)
     hp = _hp(approx)
-    assert hp["index"]["factory"] == "IVF16,Flat" and hp["index"]["nprobe"] == 16
+    assert hp["index"]["factory"] == "IVF16,Flat"
+    assert hp["index"]["nprobe"] == 16
     assert hp["index"]["n_train"] == 1347  # autofaiss: 100 per list, at most the gallery
     assert approx["run_id"][0] != exact["run_id"][0]  # the index spec is in the run id
 
@@ -112,16 +132,19 @@ def test_stored_index_reused_and_a_corrupt_one_rebuilt(digits_cache, tmp_path, c
     cfg = _cfg(digits_cache, tmp_path, index="IVF8,Flat", nprobe=2, index_dir=where)
     first = run_retrieval(cfg)
     h1 = _hp(first)["index"]
-    assert h1["reused"] is False and len(h1["sha256"]) == 64
+    assert h1["reused"] is False
+    assert len(h1["sha256"]) == 64
     files = sorted(os.listdir(where))
     assert [f.rsplit(".", 1)[1] for f in files] == ["faiss", "json"]
     again = run_retrieval(replace(cfg, force=True))
     assert _hp(again)["index"]["reused"] is True
     assert _values(again) == _values(first)
     blob = os.path.join(where, files[0])
-    data = bytearray(open(blob, "rb").read())
+    with open(blob, "rb") as fh:
+        data = bytearray(fh.read())
     data[-5] ^= 0xFF
-    open(blob, "wb").write(bytes(data))
+    with open(blob, "wb") as fh:
+        fh.write(bytes(data))
     with caplog.at_level(logging.WARNING, logger="featcache.retrieval.index"):
         third = run_retrieval(replace(cfg, force=True))
     assert "does not match its recorded sha256" in caplog.text
@@ -152,7 +175,7 @@ def test_hnsw_and_pq_recall_measured_and_recorded(digits_cache, tmp_path, factor
     c = open_cache(digits_cache)
     Q = prepare(c.load(LITE0, "digits", "test").X, "cosine")
     G = prepare(c.load(LITE0, "digits", "train").X, "cosine")
-    index = faiss.read_index(os.path.join(where, [f for f in os.listdir(where) if f.endswith(".faiss")][0]))
+    index = faiss.read_index(os.path.join(where, next(f for f in os.listdir(where) if f.endswith(".faiss"))))
     faiss.ParameterSpace().set_index_parameter(
         index, "nprobe" if "nprobe" in params else "efSearch", 8 if "nprobe" in params else 16
     )
@@ -182,7 +205,7 @@ def _autofaiss_keys(nb_vectors, dim_vector, max_size_in_bytes):
         return ["Flat"]
     if nb_vectors < 10000:
         return ["HNSW15"]
-    m_hnsw = int(floor((max_size_in_bytes / (4 * nb_vectors) - dim_vector) / 2))
+    m_hnsw = int(floor((max_size_in_bytes / (4 * nb_vectors) - dim_vector) / 2))  # noqa: RUF046 (verbatim)
     if m_hnsw >= 8:
         return [f"HNSW{min(m_hnsw, 32)}"]
     if nb_vectors < 1_000_000:
@@ -200,7 +223,8 @@ def _autofaiss_keys(nb_vectors, dim_vector, max_size_in_bytes):
 def test_auto_candidates_are_autofaiss_and_fit_the_budget(n, d, budget):
     budget = int(budget)
     cands = candidate_factories(n, d, budget)
-    assert cands and all(0 <= estimated_index_bytes(f, n, d) <= budget for f in cands)
+    assert cands
+    assert all(0 <= estimated_index_bytes(f, n, d) <= budget for f in cands)
     ref = [f for f in dict.fromkeys(_autofaiss_keys(n, d, budget)) if estimated_index_bytes(f, n, d) <= budget]
     if ref:
         assert cands == ref
@@ -228,8 +252,9 @@ def test_auto_index_respects_the_memory_budget():
     size = faiss.serialize_index(built.index).size
     assert size <= budget
     trial = built.provenance["auto"]["trials"][-1]
-    assert trial["bytes"] == size and trial["recall"] >= 0.95
-    with pytest.raises(Exception, match="max-memory"):
+    assert trial["bytes"] == size
+    assert trial["recall"] >= 0.95
+    with pytest.raises(ConfigError, match="max-memory"):
         choose_index(G, IndexSpec("auto", "cosine", max_bytes=10**4, k=10))
 
 
