@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     if not a.store:
         write_store(store, a.rows, a.dim, a.classes, 0, 0.15)
         write_store(store, a.queries, a.dim, a.classes, 0, 0.15, split="test", offset=a.rows)
-    print(f"gallery {a.rows} x {a.dim} float16, {a.queries} queries, {a.classes} classes", flush=True)
+    print(f"gallery {store}: {a.rows} x {a.dim} float16, {a.queries} queries", flush=True)
     runs = [base]
     for factory in ["exact", *(f.format(nlist=a.nlist) for f in a.factories.split(";") if f)]:
         r = run_arm(store, factory, a.nprobe, a.recall_queries)

@@ -177,6 +177,14 @@ def obtain_index(spec: IndexSpec, G: PreparedRows, gallery_fingerprint: str, cac
     one was built from the same gallery and spec (and its checksum matches), else built (or
     chosen, for ``auto``) and stored. User-given nprobe/efSearch are set last."""
     where = spec.where or index_dir(cache)
+    if spec.factory != AUTO:  # a search flag the index lacks fails before anything is built or written
+        import faiss
+
+        from featcache.retrieval.index import check_factory, faiss_metric
+
+        check_factory(spec.factory, G.shape[1], spec.metric)
+        probe = faiss.index_factory(G.shape[1], spec.factory, faiss_metric(spec.metric))
+        set_search_params(probe, spec.factory, spec.nprobe, spec.ef_search)
     extra = (spec.max_bytes, spec.min_recall, spec.k) if spec.factory == AUTO else None
     name = spec.factory if extra is None else f"{spec.factory}|{extra}"
     key = index_key(gallery_fingerprint, name, spec.metric, spec.seed, spec.n_train)

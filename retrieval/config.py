@@ -160,8 +160,7 @@ class RetrievalConfig:
         self._check_index()
 
     def _check_index(self) -> None:
-        """--index / --shards: checked here (a bad factory string fails before any compute);
-        both imply the top-k-only metrics (no full ranking)."""
+        """--index / --shards: checked here (a bad factory string fails before any compute)."""
         from featcache.retrieval.index import AUTO, EXACT, check_factory
 
         set_ = object.__setattr__
@@ -178,10 +177,12 @@ class RetrievalConfig:
             raise RetrievalConfigError(f"min_recall must be in (0, 1], got {self.min_recall!r}")
         if int(self.recall_queries) < 1 or int(self.shards) < 0:
             raise RetrievalConfigError("recall_queries must be >= 1 and shards >= 0")
-        if self.shards and self.index != EXACT:
-            raise RetrievalConfigError("--shards searches exactly; drop --index (or --shards)")
-        if self.index != EXACT or self.shards:
-            set_(self, "full", False)
+
+    @property
+    def full_ranking(self) -> bool:
+        """Whether the run ranks the whole gallery: ``full``, unless --index or --shards
+        (both give top-k lists only: they imply --top-k-only)."""
+        return bool(self.full) and self.index == "exact" and not self.shards
 
     def index_spec(self, k: int):
         """The :class:`~featcache.retrieval.approx.IndexSpec` of this config (None: exact)."""
@@ -248,7 +249,7 @@ class RetrievalConfig:
             "gallery": self.gallery_split,
             "metric": self.metric,
             "ks": list(self.ks),
-            "full": self.full,
+            "full": self.full_ranking,
             "relevance": relevance_sha,
             "feature_kind": self.kind,
             "store": store,
@@ -297,7 +298,7 @@ class RetrievalConfig:
             "similarity": self.metric,
             "gallery": self.gallery_split,
             "ks": list(self.ks),
-            "full_ranking": self.full,
+            "full_ranking": self.full_ranking,
             "backend": backend,
             "tie_policy": TIE_POLICY,
             "feature_kind": self.kind,

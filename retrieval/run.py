@@ -19,6 +19,7 @@ from featcache.retrieval.config import (
     DEFAULT_KS,
     TIE_POLICY,
     RetrievalConfig,
+    RetrievalConfigError,
     check_ks,
     legacy_config,
 )
@@ -174,6 +175,8 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
     cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before any compute
+    if cfg.shards and cfg.index != "exact":
+        raise RetrievalConfigError("--shards searches exactly; drop --index (or --shards)")
     cache, backbones = _open_backbones(cfg)
     setups = _relevance_setups(cfg)
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
@@ -455,13 +458,13 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
             rel,
             metric=cfg.metric,
             ks=cfg.ks,
-            full=cfg.full,
+            full=cfg.full_ranking,
             backend=cfg.backend,
             max_memory=cfg.max_memory,
             progress=cfg.progress,
         )
     means = res["means"]
-    if cfg.full:
+    if cfg.full_ranking:
         means = {**means, **_bob_means(cfg, d, rel, table, protocol.startswith("revisited-"))}
     elif protocol.startswith("revisited-"):
         raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")

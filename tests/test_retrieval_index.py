@@ -101,15 +101,20 @@ def test_bad_factory_on_the_command_line(capsys, tmp_path):
 def test_search_flags_need_an_index_that_has_them(digits_cache, tmp_path):
     with pytest.raises(ConfigError, match="--nprobe"):
         _cfg(digits_cache, tmp_path, nprobe=4)  # exact search has no nprobe
+    where = tmp_path / "idx"
     with pytest.raises(IndexFactoryError, match="--nprobe does not apply"):
-        run_retrieval(_cfg(digits_cache, tmp_path, index="HNSW16", nprobe=4))
+        run_retrieval(_cfg(digits_cache, tmp_path, index="HNSW16", nprobe=4, index_dir=str(where)))
+    assert not where.exists()  # refused before anything was built or stored
+    assert not (tmp_path / "r.parquet").exists()
+    with pytest.raises(ConfigError, match="--shards searches exactly"):
+        run_retrieval(_cfg(digits_cache, tmp_path, index="HNSW16", shards=2))
 
 
 # ------------------------------------------------------------------ exactness and recall
 def test_ivf_probing_every_list_equals_exact(digits_cache, tmp_path):
     exact = run_retrieval(_cfg(digits_cache, tmp_path, "exact.parquet", full=False))
     cfg = _cfg(digits_cache, tmp_path, index="IVF16,Flat", nprobe=16)
-    assert cfg.full is False  # --index implies the top-k-only metrics
+    assert cfg.full_ranking is False  # --index implies the top-k-only metrics
     approx = run_retrieval(cfg)
     a, e = _values(approx), _values(exact)
     assert set(e) < set(a)
