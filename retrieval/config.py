@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache import configs
 from featcache.configs import flag, renamed_kwargs
@@ -21,6 +21,9 @@ from featcache.errors import ConfigError, DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.prepared import METRICS  # the similarities the search computes
 from featcache.retrieval.revisited import REVISITED_SETUPS
+
+if TYPE_CHECKING:
+    from featcache.retrieval.approx import IndexSpec
 
 __all__ = ["BACKENDS", "DEFAULT_KS", "METRICS", "TIE_POLICY", "RetrievalConfig", "RetrievalConfigError"]
 
@@ -184,7 +187,7 @@ class RetrievalConfig:
         (both give top-k lists only: they imply --top-k-only)."""
         return bool(self.full) and self.index == "exact" and not self.shards
 
-    def index_spec(self, k: int):
+    def index_spec(self, k: int) -> IndexSpec | None:
         """The :class:`~featcache.retrieval.approx.IndexSpec` of this config (None: exact)."""
         from featcache.retrieval.approx import IndexSpec
         from featcache.retrieval.search import parse_memory
