@@ -100,6 +100,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--no-plots", action="store_true", help="write the tables only, no PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for the bootstrap (implied by -q)")
+    p.add_argument(
+        "--index-effect",
+        metavar="METRIC",
+        help="also say whether approximate indexes (retrieve --index) changed the retrieval ranking: Kendall "
+        "tau-b of each index's METRIC (e.g. map@10) against exact search's, per setting (index_effect.parquet)",
+    )
     p.set_defaults(func=run_rank)
 
     p = subparsers.add_parser(
@@ -177,8 +183,29 @@ def run_rank(args) -> int:
         print(f"linear vs fine-tune: mean Kendall tau-b {out.mean_tau:.3f} over {out.lin_ft.n_tasks} task(s)")
     for line in out.coverage.lines() + out.notes:
         print(f"note: {line}")
+    if getattr(args, "index_effect", None):
+        _print_index_effect(args.results, args.index_effect, args.out)
     print(f"wrote {len(out.files)} files to {args.out}")
     return 0
+
+
+def _print_index_effect(results, metric: str, out_dir) -> None:
+    """``rank --index-effect``: per setting and index, whether it changed the backbone ranking."""
+    from pathlib import Path
+
+    from featcache.analysis.index_effect import index_rank_change
+
+    eff = index_rank_change(results, metric)
+    if eff.is_empty():
+        print(f"index effect: no index run shares a setting with exact rows of >= 2 backbones ({metric})")
+        return
+    eff.write_parquet(Path(out_dir) / "index_effect.parquet")
+    for r in eff.iter_rows(named=True):
+        verdict = "changed the ranking" if r["ranking_changed"] else "kept the ranking"
+        print(
+            f"index {r['index']} on {r['dataset']}/{r['protocol']} @{r['eval_split']}: {verdict} "
+            f"(Kendall tau-b {r['kendall_tau']:.3f} over {r['n_backbones']} backbones, {metric})"
+        )
 
 
 def run_shift(args) -> int:

@@ -68,7 +68,9 @@ def run(args) -> int:
         cfg = replace(cfg, progress=False)
     frame = run_retrieval(cfg)
     shown = {"map", "mrr", "top1", "map_revisitop", "map_bob", "mrr_bob"} | {
-        f"{m}@{k}" for m in ("map", "recall", "hit", "precision", "mp", "mp_revisitop") for k in cfg.ks
+        f"{m}@{k}"
+        for m in ("map", "recall", "hit", "precision", "mp", "mp_revisitop", "index_recall", "delta_map")
+        for k in cfg.ks
     }
     for (kind, backbone, protocol), g in frame.group_by(["kind", "backbone", "protocol"], maintain_order=True):
         vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(g["metric"], g["value"]) if m in shown)

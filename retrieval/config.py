@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from featcache.core import configs
 from featcache.core.configs import flag, renamed_kwargs
@@ -21,6 +21,9 @@ from featcache.errors import ConfigError, DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.prepared import METRICS  # the similarities the search computes
 from featcache.retrieval.revisited import REVISITED_SETUPS
+
+if TYPE_CHECKING:
+    from featcache.retrieval.approx import IndexSpec
 
 __all__ = [
     "BACKENDS",
@@ -111,7 +114,9 @@ class RetrievalConfig:
     knn: bool = flag(True, "skip k-NN classification (k=10,20,100,200, T=0.07)", negate="--no-knn")
     knn_ks: tuple[int, ...] = flag(KNN_KS, "k values of the k-NN classifier", cli=False)
     temperature: float = flag(KNN_TEMPERATURE, "k-NN vote temperature", cli=False)
-    max_memory: str | int = flag("2GB", "memory bound for score blocks (default 2GB)", show_default=False)
+    max_memory: str | int = flag(
+        "2GB", "memory bound for score blocks, and for the index with --index auto (default 2GB)", show_default=False
+    )
     backend: str = flag("auto", "search backend", show_default=False, choices=BACKENDS)
     kind: str = flag("pooled", "feature kind in the store (default pooled)", show_default=False)
     results_path: str | None = flag(
@@ -121,6 +126,24 @@ class RetrievalConfig:
         required=True,
         metavar="RESULTS",
     )
+    index: str = flag(
+        "exact",
+        "search with a FAISS index: an index_factory string (IVF4096,Flat, IVF4096,PQ64, HNSW32, "
+        "OPQ64,IVF4096,PQ64 ...), 'auto' (autofaiss's choice within --max-memory, then --min-recall), "
+        "or exact (default). Implies --top-k-only; adds index_recall@k and delta_* rows against exact search",
+        show_default=False,
+        metavar="FACTORY",
+    )
+    nprobe: int | None = flag(None, "IVF lists probed per query (--index IVF...)", type=int)
+    ef_search: int | None = flag(None, "HNSW efSearch (--index HNSW...)", type=int)
+    min_recall: float = flag(0.95, "--index auto: recall@k against exact search the index must reach", type=float)
+    index_seed: int = flag(0, "seed of the index's training sample and the exact-comparison query sample", type=int)
+    index_train: int | None = flag(None, "training rows of the index (default: autofaiss's 100 per IVF list)", type=int)
+    index_dir: str | None = flag(None, "folder of stored indexes (default: <cache>.indexes beside the store)")
+    recall_queries: int = flag(1000, "queries searched exactly too, for index_recall@k and delta_* rows", type=int)
+    shards: int = flag(0, "search the gallery in this many shards on Dask workers (0: in this process)", type=int)
+    scheduler: str | None = flag(None, "Dask scheduler address for --shards (default: a local cluster)")
+    shard_processes: bool = flag(True, "local cluster workers are processes (False: threads)", cli=False)
     force: bool = flag(False, "re-run runs already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars (implied by -q)", negate="--no-progress")
 
@@ -147,6 +170,52 @@ class RetrievalConfig:
         if not rv or unknown:
             raise RetrievalConfigError(f"revisited setups must be among {REVISITED_SETUPS}, got {rv!r}")
         set_(self, "revisited", tuple(dict.fromkeys(rv)))
+        self._check_index()
+
+    def _check_index(self) -> None:
+        """--index / --shards: checked here (a bad factory string fails before any compute)."""
+        from featcache.retrieval.index import AUTO, EXACT, check_factory
+
+        set_ = object.__setattr__
+        set_(self, "index", str(self.index).strip() or EXACT)
+        if self.index not in (EXACT, AUTO):
+            check_factory(self.index)
+        if self.index == EXACT and (self.nprobe is not None or self.ef_search is not None):
+            raise RetrievalConfigError("--nprobe / --ef-search need --index FACTORY (an IVF or HNSW index)")
+        for name in ("nprobe", "ef_search", "index_train"):
+            v = getattr(self, name)
+            if v is not None and int(v) < 1:
+                raise RetrievalConfigError(f"{name} must be a positive integer, got {v!r}")
+        if not 0.0 < float(self.min_recall) <= 1.0:
+            raise RetrievalConfigError(f"min_recall must be in (0, 1], got {self.min_recall!r}")
+        if int(self.recall_queries) < 1 or int(self.shards) < 0:
+            raise RetrievalConfigError("recall_queries must be >= 1 and shards >= 0")
+
+    @property
+    def full_ranking(self) -> bool:
+        """Whether the run ranks the whole gallery: ``full``, unless --index or --shards
+        (both give top-k lists only: they imply --top-k-only)."""
+        return bool(self.full) and self.index == "exact" and not self.shards
+
+    def index_spec(self, k: int) -> IndexSpec | None:
+        """The :class:`~featcache.retrieval.approx.IndexSpec` of this config (None: exact)."""
+        from featcache.retrieval.approx import IndexSpec
+        from featcache.retrieval.search import parse_memory
+
+        if self.index == "exact":
+            return None
+        return IndexSpec(
+            self.index,
+            self.metric,
+            self.nprobe,
+            self.ef_search,
+            self.index_seed,
+            self.index_train,
+            parse_memory(self.max_memory),
+            float(self.min_recall),
+            k,
+            self.index_dir,
+        )
 
     # ------------------------------------------------------------ CLI
     @classmethod
@@ -193,11 +262,14 @@ class RetrievalConfig:
             "gallery": self.gallery_split,
             "metric": self.metric,
             "ks": list(self.ks),
-            "full": self.full,
+            "full": self.full_ranking,
             "relevance": relevance_sha,
             "feature_kind": self.kind,
             "store": store,
         }
+        spec = self.index_spec(max(self.ks))
+        if spec is not None:  # exact runs keep the ids they always had
+            d["index"] = {**spec.definition(), "recall_queries": self.recall_queries}
         return d
 
     def knn_definition(self, backbone: str, k: int, store: str) -> dict:
@@ -239,7 +311,7 @@ class RetrievalConfig:
             "similarity": self.metric,
             "gallery": self.gallery_split,
             "ks": list(self.ks),
-            "full_ranking": self.full,
+            "full_ranking": self.full_ranking,
             "backend": backend,
             "tie_policy": TIE_POLICY,
             **({"bob_tie_policy": BOB_TIE_POLICY} if self.full else {}),

@@ -4,6 +4,7 @@ tidy results table (:func:`run_retrieval`)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -18,11 +19,13 @@ from featcache.retrieval.config import (
     DEFAULT_KS,
     TIE_POLICY,
     RetrievalConfig,
+    RetrievalConfigError,
     check_ks,
     legacy_config,
 )
 from featcache.retrieval.knn import knn_accuracy
 from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize
+from featcache.retrieval.prepared import PreparedRows
 from featcache.retrieval.ranking import full_ranking, full_ranking_metrics
 from featcache.retrieval.relevance import (
     ExplicitRelevance,
@@ -175,6 +178,8 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
     cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before any compute
+    if cfg.shards and cfg.index != "exact":
+        raise RetrievalConfigError("--shards searches exactly; drop --index (or --shards)")
     cache, backbones = _open_backbones(cfg)
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
     labels = None if cfg.relevance is not None else _label_matrices(cache, cfg.dataset, cfg.query_split, g_split)
@@ -188,14 +193,103 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
             ids, done, lambda b: f"retrieval {b}/{cfg.dataset} {cfg.query_split}->{g_split}", cfg.results_path, log
         )
     rows: list[dict] = []
-    for b in todo:
-        data = _load_pair(cfg, cache, b, any(rel is not None for _, rel, _ in setups), labels)
-        ids[b] = _run_ids(cfg, b, data.fingerprint, setups)  # the loaded features' own
-        for protocol, table, rel_hash in setups:
-            rows += _retrieval_rows(cfg, data, protocol, table, rel_hash)
-        if cfg.knn:
-            rows += _knn_rows(cfg, data)
+    client, cluster = _shard_client(cfg, bool(todo))
+    try:
+        for b in todo:
+            data = _load_pair(cfg, cache, b, any(rel is not None for _, rel, _ in setups), labels)
+            data.client = client
+            ids[b] = _run_ids(cfg, b, data.fingerprint, setups)  # the loaded features' own
+            for protocol, table, rel_hash in setups:
+                rows += _retrieval_rows(cfg, data, protocol, table, rel_hash)
+            if cfg.knn:
+                rows += _knn_rows(cfg, data)
+    finally:
+        if client is not None:
+            client.close()
+        if cluster is not None:
+            cluster.close()
     return collect("retrieval", cfg.results_path, rows, [r for v in ids.values() for r in v])
+
+
+def _shard_client(cfg: RetrievalConfig, needed: bool):
+    """(Dask client, LocalCluster or None) for --shards, or (None, None)."""
+    if not (cfg.shards and needed):
+        return None, None
+    from featcache.retrieval.sharded import dask_client
+
+    return dask_client(cfg.scheduler, cfg.shards, cfg.shard_processes)
+
+
+def _index_result(cfg: RetrievalConfig, d: _Pair, rel: Relevance) -> tuple[dict, dict]:
+    """--index: @k metrics of the index's lists, and their recall and metric deltas against
+    exact search on a query sample; the index is obtained once per backbone and metric."""
+    from featcache.retrieval.approx import compare_with_exact, evaluate_index, obtain_index
+
+    Q, G = d.prepared(cfg.metric, cfg.max_memory)
+    spec = cfg.index_spec(max(cfg.ks))
+    if cfg.metric not in d._indexes:
+        d._indexes[cfg.metric] = obtain_index(spec, G, d.g_fingerprint, cfg.cache)
+    built = d._indexes[cfg.metric]
+    t0 = time.perf_counter()
+    per_query, _, ix = evaluate_index(built.index, Q, rel, cfg.metric, cfg.ks)
+    search_s = time.perf_counter() - t0
+    means, n_scored, n_none = summarize(per_query, rel.n_relevant())
+    cmp, info = compare_with_exact(
+        (per_query, ix),
+        Q,
+        G,
+        rel,
+        cfg.metric,
+        cfg.ks,
+        n_sample=cfg.recall_queries,
+        seed=cfg.index_seed,
+        backend=cfg.backend,
+        max_memory=cfg.max_memory,
+    )
+    log.info("%s index %s: %s", d.backbone, built.factory, {k: round(v, 4) for k, v in cmp.items()})
+    p = built.provenance
+    train_sha = hashlib.sha256(json.dumps(p.get("train_rows", [])).encode()).hexdigest()[:16]
+    index_hp = {
+        "factory": built.factory,
+        "requested": cfg.index,
+        **built.params,
+        "sha256": p.get("sha256"),
+        "bytes": p.get("bytes"),
+        "n_train": p.get("n_train"),
+        "train_rows_sha256": train_sha,
+        "train_seed": p.get("train_seed"),
+        "built_on": p.get("built_on"),
+        "reused": built.reused,
+        "key": p.get("key"),
+    }
+    res = {"means": {**means, **cmp}, "n_queries": int(Q.shape[0]), "n_scored": n_scored}
+    res.update(n_without_relevant=n_none, backend="faiss-index")
+    return res, {"index": index_hp, "index_search_seconds": search_s, **info}
+
+
+def _sharded_result(cfg: RetrievalConfig, d: _Pair, rel: Relevance) -> tuple[dict, dict]:
+    """--shards: the top-k-only metrics of :func:`evaluate`, the gallery searched on Dask workers."""
+    from featcache.retrieval.sharded import shard_bounds, sharded_topk
+
+    Q = d.queries(cfg.metric, cfg.max_memory)
+    kmax = max(cfg.ks)
+    sc, idx, used = sharded_topk(
+        Q,
+        d.source,
+        kmax + 1,
+        cfg.metric,
+        d.client,
+        cfg.shards,
+        relevance=rel,
+        backend=cfg.backend,
+        max_memory=cfg.max_memory,
+    )
+    rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], idx.shape)
+    rr = ranks_from_hits(rel.is_positive(rows, idx), rel.n_relevant(), scores=sc, depth=kmax)
+    means, n_scored, n_none = summarize(compute_metrics(rr, cfg.ks, full=False), rel.n_relevant())
+    res = {"means": means, "n_queries": int(Q.shape[0]), "n_scored": n_scored, "n_without_relevant": n_none}
+    res["backend"] = used
+    return res, {"shards": len(shard_bounds(d.source.n, cfg.shards)), "scheduler": cfg.scheduler or "local"}
 
 
 def _run_ids(cfg: RetrievalConfig, b: str, fingerprint: str, setups) -> list[str]:
@@ -244,7 +338,11 @@ class _Pair:
     #: multi-label targets [rows, C] of the valid query / gallery rows (None: single-label)
     Yq: np.ndarray | None = None
     Yg: np.ndarray | None = None
+    source: Any = None  # --shards: where the workers read the gallery (GallerySource)
+    g_fingerprint: str = ""  # the gallery features' own fingerprint (names a stored index)
+    client: Any = None  # --shards: the Dask client
     _prepared: dict = field(default_factory=dict, repr=False)
+    _indexes: dict = field(default_factory=dict, repr=False)
 
     def prepared(self, metric: str, max_memory) -> tuple:
         """Queries and gallery as PreparedRows for ``metric``, made once and shared by every
@@ -253,6 +351,16 @@ class _Pair:
         key = (metric, mem)
         if key not in self._prepared:
             self._prepared[key] = prepared_pair(self.Xq, self.Xg, metric, cache_bytes=mem // 4)
+        return self._prepared[key]
+
+    def queries(self, metric: str, max_memory) -> PreparedRows:
+        """The queries alone as PreparedRows (--shards: the gallery is read by the workers)."""
+        if self.source is None:
+            return self.prepared(metric, max_memory)[0]
+        mem = parse_memory(max_memory)
+        key = ("q", metric, mem)
+        if key not in self._prepared:
+            self._prepared[key] = PreparedRows(self.Xq, metric, cache_bytes=mem // 4)
         return self._prepared[key]
 
 
@@ -328,9 +436,16 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool, labels=None)
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
     # the stored dtype (float16): PreparedRows converts it, whole or block by block
     fq = cache.load(b, cfg.dataset, cfg.query_split, cfg.kind, dtype=None)
-    fg = fq if cfg.same_split else cache.load(b, cfg.dataset, g_split, cfg.kind, dtype=None)
+    # --shards: the workers read the gallery; here it stays a lazy view (labels and ids only)
+    fg = fq if cfg.same_split else cache.load(b, cfg.dataset, g_split, cfg.kind, dtype=None, lazy=bool(cfg.shards))
     Xq, yq, idq, bad_q = _valid(fq, f"{b}/{cfg.dataset}/{cfg.query_split}")
     Xg, yg, idg, bad_g = (Xq, yq, idq, bad_q) if cfg.same_split else _valid(fg, f"{b}/{cfg.dataset}/{g_split}")
+    source = None
+    if cfg.shards:
+        from featcache.retrieval.sharded import GallerySource
+
+        rows = np.flatnonzero(np.asarray(fg.valid, bool))
+        source = GallerySource(cfg.cache, b, cfg.dataset, g_split, cfg.kind, rows)
     if list(fq.class_names) != list(fg.class_names) and not explicit:
         raise DataError(
             f"{cfg.query_split} and {g_split} of {cfg.dataset} have different class lists; semantic "
@@ -359,6 +474,8 @@ def _load_pair(cfg: RetrievalConfig, cache, b: str, explicit: bool, labels=None)
         cfg.same_split or g_split == cfg.query_split,
         Yq,
         Yg,
+        source,
+        fg.fingerprint,
     )
 
 
@@ -372,20 +489,26 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
     else:
         sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg, exclude_self=one)
     rel = sem if table is None else ExplicitRelevance(d.idq, d.idg, *table, exclude_self=one)
-    Q, G = d.prepared(cfg.metric, cfg.max_memory)
-    res = evaluate(
-        Q,
-        G,
-        rel,
-        metric=cfg.metric,
-        ks=cfg.ks,
-        full=cfg.full,
-        backend=cfg.backend,
-        max_memory=cfg.max_memory,
-        progress=cfg.progress,
-    )
+    extra_hp: dict = {}
+    if cfg.index != "exact":
+        res, extra_hp = _index_result(cfg, d, rel)
+    elif cfg.shards:
+        res, extra_hp = _sharded_result(cfg, d, rel)
+    else:
+        Q, G = d.prepared(cfg.metric, cfg.max_memory)
+        res = evaluate(
+            Q,
+            G,
+            rel,
+            metric=cfg.metric,
+            ks=cfg.ks,
+            full=cfg.full_ranking,
+            backend=cfg.backend,
+            max_memory=cfg.max_memory,
+            progress=cfg.progress,
+        )
     means = res["means"]
-    if cfg.full:
+    if cfg.full_ranking:
         means = {**means, **_bob_means(cfg, d, rel, table, protocol.startswith("revisited-"))}
     elif protocol.startswith("revisited-"):
         raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
@@ -399,6 +522,7 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
         n_without_relevant=res["n_without_relevant"],
         n_gallery=int(d.Xg.shape[0]),
         n_invalid_dropped=d.n_dropped,
+        **extra_hp,
     )
     run_id = make_run_id(**cfg.run_definition(d.backbone, protocol, rel_hash, d.fingerprint))
     log.info(
@@ -464,18 +588,34 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
     t1 = time.perf_counter()
     mem = parse_memory(cfg.max_memory)
     sem = SemanticRelevance(d.yq, d.yg, d.idq, d.idg, exclude_self=d.same_split)
-    Qc, Gc = d.prepared("cosine", cfg.max_memory)
-    sc, ix, used = topk(
-        Qc,
-        Gc,
-        max(cfg.knn_ks),
-        "cosine",
-        relevance=sem,
-        backend=cfg.backend,
-        max_memory=mem,
-        prepared=True,
-        progress=cfg.progress,
-    )
+    if d.source is not None:  # --shards
+        from featcache.retrieval.sharded import sharded_topk
+
+        Qc = d.queries("cosine", cfg.max_memory)
+        sc, ix, used = sharded_topk(
+            Qc,
+            d.source,
+            max(cfg.knn_ks),
+            "cosine",
+            d.client,
+            cfg.shards,
+            relevance=sem,
+            backend=cfg.backend,
+            max_memory=mem,
+        )
+    else:
+        Qc, Gc = d.prepared("cosine", cfg.max_memory)
+        sc, ix, used = topk(
+            Qc,
+            Gc,
+            max(cfg.knn_ks),
+            "cosine",
+            relevance=sem,
+            backend=cfg.backend,
+            max_memory=mem,
+            prepared=True,
+            progress=cfg.progress,
+        )
     acc = knn_accuracy(sc, ix, d.yg, d.yq, d.n_classes, list(cfg.knn_ks), cfg.temperature)
     seconds = time.perf_counter() - t1
     rows = []

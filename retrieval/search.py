@@ -32,11 +32,13 @@ __all__ = [
     "FAISS_GPU_MAX_K",
     "METRICS",
     "choose_backend",
+    "drop_excluded",
     "parse_memory",
     "prepare",
     "prepared_pair",
     "raw_search",
     "score_block",
+    "search_depth",
     "topk",
 ]
 
@@ -337,6 +339,35 @@ def _exact_rows(Q, G, rows, k, metric, relevance, max_memory):
     return sc, ix
 
 
+def search_depth(k: int, n_gallery: int, relevance: Relevance | None) -> int:
+    """How deep a search goes for ``k`` kept items: k, the most items a query excludes, and
+    one more (a tie group crossing the depth is seen)."""
+    n_ex = relevance.max_excluded() if relevance is not None else 0
+    return min(n_gallery, k + n_ex + 1)
+
+
+def drop_excluded(
+    sc: np.ndarray, ix: np.ndarray, k: int, relevance: Relevance | None, rows: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Policy-sorted lists with excluded items (the query itself, junk) removed, cut or padded
+    to ``k`` (index -1, score -inf where short); also the kept count per row. ``rows``: the
+    relevance's query row of each list (default 0, 1, ...)."""
+    if relevance is not None and relevance.max_excluded():
+        q = np.arange(sc.shape[0]) if rows is None else np.asarray(rows, np.int64)
+        rows = np.broadcast_to(q[:, None], ix.shape)
+        ex = relevance.is_excluded(rows, ix)
+        o = np.argsort(ex, axis=1, kind="stable")
+        sc, ix = np.take_along_axis(sc, o, axis=1), np.take_along_axis(ix, o, axis=1)
+        n_kept = (~ex).sum(1)
+    else:
+        n_kept = np.full(sc.shape[0], sc.shape[1])
+    sc, ix = _pad(sc, ix, k)
+    sc, ix = sc[:, :k].copy(), ix[:, :k].copy()
+    short = np.arange(k)[None, :] >= n_kept[:, None]
+    sc[short], ix[short] = -np.inf, -1
+    return sc, ix, n_kept
+
+
 def topk(
     Q: np.ndarray | PreparedRows,
     G: np.ndarray | PreparedRows,
@@ -368,24 +399,12 @@ def topk(
     if Q.shape[1] != G.shape[1]:
         raise DataError(f"query dim {Q.shape[1]} != gallery dim {G.shape[1]}; use features of one backbone")
     n_g = G.shape[0]
-    n_ex = relevance.max_excluded() if relevance is not None else 0
-    depth = min(n_g, k + n_ex + 1)
+    depth = search_depth(k, n_g, relevance)
     backend = choose_backend(backend, depth, streamed=Q.streamed or G.streamed)
     sc, ix = raw_search(Q, G, depth, metric, backend, max_memory, progress)
     sc, ix = _policy_sort(sc, ix)
     last = sc[:, -1].copy()  # every item scoring above this was returned
-    if relevance is not None and n_ex:
-        rows = np.broadcast_to(np.arange(Q.shape[0])[:, None], ix.shape)
-        ex = relevance.is_excluded(rows, ix)
-        o = np.argsort(ex, axis=1, kind="stable")
-        sc, ix = np.take_along_axis(sc, o, axis=1), np.take_along_axis(ix, o, axis=1)
-        n_kept = (~ex).sum(1)
-    else:
-        n_kept = np.full(Q.shape[0], sc.shape[1])
-    sc, ix = _pad(sc, ix, k)
-    sc, ix = sc[:, :k].copy(), ix[:, :k].copy()
-    short = np.arange(k)[None, :] >= n_kept[:, None]
-    sc[short], ix[short] = -np.inf, -1
+    sc, ix, n_kept = drop_excluded(sc, ix, k, relevance)
     if depth < n_g:
         # items scoring exactly the last searched score may have been cut by the backend in
         # another order than the tie policy: recompute those rows exactly

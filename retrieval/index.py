@@ -1,0 +1,391 @@
+"""Approximate search with FAISS indexes (IVF, HNSW, PQ, OPQ ... any ``faiss.index_factory``
+string), trained on a seeded sample of the gallery, stored beside the store and reused.
+
+``--index auto`` picks a factory the way autofaiss does (criteo/autofaiss, commit 709c6dba,
+``autofaiss/external/optimize.py`` ``get_optimal_index_keys_v2`` and its helpers, and
+``autofaiss/external/metadata.py`` ``IndexMetadata.estimated_index_size_in_bytes``, ported in
+:func:`candidate_factories` and :func:`estimated_index_bytes`): the candidates that fit the
+memory budget, in autofaiss's order; then, where autofaiss tunes ``nprobe``/``efSearch`` for a
+query-time target, featcache takes the first candidate and smallest search parameter whose
+recall@k against exact search on held-out gallery rows reaches ``min_recall``.
+
+Indexes live in a sibling folder of the store (``<cache>.indexes/``; the store itself knows no
+stage), one ``<key>.faiss`` (``faiss.serialize_index`` bytes) and ``<key>.json`` (factory,
+metric, training sample ids, gallery fingerprint, sha256 checksum of the bytes) per index. A
+rerun with the same gallery and spec reads the index back; one whose bytes do not match the
+recorded checksum is refused and rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from math import ceil, floor, log2, sqrt
+from typing import Any
+
+import numpy as np
+
+from featcache.errors import ConfigError, DataError
+from featcache.retrieval.prepared import PreparedRows
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AUTO",
+    "EXACT",
+    "BuiltIndex",
+    "IndexFactoryError",
+    "candidate_factories",
+    "check_factory",
+    "estimated_index_bytes",
+    "index_search",
+    "train_rows",
+]
+
+EXACT = "exact"
+AUTO = "auto"
+#: dimensions a factory string is tried with when no features are at hand (config time):
+#: 1536 divides by every PQ size autofaiss proposes (4..256), 720 and 1000 catch the rest
+_PROBE_DIMS = (1536, 720, 1000)
+NPROBE_GRID = tuple(2**i for i in range(0, 21))
+EF_GRID = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class IndexFactoryError(ConfigError, DataError):
+    """A FAISS index-factory string that FAISS cannot build (or that does not fit the features)."""
+
+
+def _faiss():
+    from featcache.core.optional import import_faiss
+
+    return import_faiss()
+
+
+def faiss_metric(metric: str) -> int:
+    faiss = _faiss()
+    return faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+
+
+def _faiss_reason(exc: Exception) -> str:
+    """The one useful line of a FAISS C++ error (after its 'Error: ' / last ': ')."""
+    text = " ".join(str(exc).split())
+    m = re.search(r"Error: (.*)$", text)
+    return (m.group(1) if m else text.rsplit(": ", 1)[-1]).strip()
+
+
+def check_factory(factory: str, dim: int | None = None, metric: str = "cosine") -> None:
+    """Raise :class:`IndexFactoryError` (one line) unless FAISS builds ``factory`` for ``dim``
+    (``None``: for any of a few common dimensions: a syntax check)."""
+    if not isinstance(factory, str) or not factory.strip():
+        raise IndexFactoryError("--index takes a FAISS index_factory string such as IVF4096,Flat, HNSW32, or auto")
+    faiss = _faiss()
+    first: Exception | None = None
+    for d in (dim,) if dim is not None else _PROBE_DIMS:
+        try:
+            faiss.index_factory(int(d), factory, faiss_metric(metric))
+            return
+        except RuntimeError as exc:
+            first = first or exc
+    assert first is not None
+    where = f" for {dim}-d features" if dim is not None else ""
+    raise IndexFactoryError(
+        f"--index {factory!r}: FAISS cannot build it{where} ({_faiss_reason(first)}); give an "
+        "index_factory string such as Flat, IVF4096,Flat, IVF4096,PQ64, HNSW32 or OPQ64,IVF4096,PQ64, or auto"
+    )
+
+
+# ---------------------------------------------------------------- autofaiss port
+def _nb_clusters(factory: str) -> int | None:
+    """autofaiss ``index_key_to_nb_cluster`` (None instead of its ValueError)."""
+    m = re.findall(r"IVF\d+|IMI\d+x\d+", factory)
+    if not m:
+        return None
+    if m[0].startswith("IVF"):
+        return int(m[0][3:])
+    a, b = (int(x) for x in re.findall(r"\d+", m[0]))
+    return 2 ** (a * b)
+
+
+def train_rows(factory: str, n: int) -> int:
+    """Training sample size: autofaiss ``get_optimal_train_size`` without a memory bound (100
+    points per IVF cluster, at most the gallery); 256 x 100 for a PQ without IVF (its 256
+    centroids per sub-quantizer; featcache's choice); 0 for factories needing no training."""
+    nc = _nb_clusters(factory)
+    if nc is not None:
+        return int(min(round(100 * nc), n))
+    if re.search(r"PQ\d+|SQ|PCA|OPQ|LSH|RQ|LSQ", factory):
+        return int(min(256 * 100, n))
+    return 0
+
+
+def get_optimal_nb_clusters(nb_vectors: int) -> list[int]:
+    """autofaiss ``get_optimal_nb_clusters``, verbatim."""
+    out: list[float] = []
+    if nb_vectors < 1_000_000:
+        x_initial = 4 * sqrt(nb_vectors)
+        x_closest_power = 2 ** round(log2(x_initial))
+        out += [round(x_closest_power), 2 * x_closest_power, x_closest_power, round(x_initial)]
+    elif nb_vectors < 10_000_000:
+        out += [16_384, 65_536]
+    elif nb_vectors < 300_000_000:
+        out += [65_536, 2**17, 2**18]
+    else:
+        out += [2**17, 2**18, 65_536, 2**20]
+    return [int(x) for x in out] or [256]
+
+
+def get_optimal_quantization(nb_vectors: int, dim: int, max_bytes: float | None) -> list[str]:
+    """autofaiss ``get_optimal_quantization`` (force_quantization_value=None)."""
+    target = 0.0 if max_bytes is None else 4.0 * nb_vectors * dim / float(max_bytes)
+    out = []
+    for pq in (256, 128, 64, 48, 32, 24, 16, 8, 4):
+        if pq >= dim:
+            continue
+        for nc in get_optimal_nb_clusters(nb_vectors):
+            if (4 * dim) / (pq + 8) >= target:  # 8: the id stored beside each code
+                y = (min(dim // pq, 6) + 1) * pq
+                cluster = f"IVF{nc}" if nc < 1000 else f"IVF{nc}_HNSW32"
+                out.append(f"OPQ{pq}_{y},{cluster},PQ{pq}x8")
+    return out
+
+
+def autofaiss_index_keys(nb_vectors: int, dim: int, max_bytes: int) -> list[str]:
+    """autofaiss ``get_optimal_index_keys_v2`` with its defaults (flat_threshold=1000,
+    quantization_threshold=10000, not memory-mappable, no direct map, CPU)."""
+    if nb_vectors < 1000:
+        return ["Flat"]
+    if nb_vectors < 10000:
+        return ["HNSW15"]
+    m_hnsw = floor((max_bytes / (4 * nb_vectors) - dim) / 2)
+    if m_hnsw >= 8:
+        return [f"HNSW{min(m_hnsw, 32)}"]
+    if nb_vectors < 1_000_000:
+        keys = [f"IVF{nc},Flat" for nc in get_optimal_nb_clusters(nb_vectors)]
+        if estimated_index_bytes(keys[0], nb_vectors, dim) <= max_bytes:
+            return keys
+    return get_optimal_quantization(nb_vectors, dim, max_bytes)
+
+
+def estimated_index_bytes(factory: str, n: int, dim: int) -> int:
+    """autofaiss ``IndexMetadata.estimated_index_size_in_bytes`` (make_direct_map=False) for
+    Flat, HNSW, IVF*,Flat, OPQ*_*,IVF*[_HNSW*],PQ*; featcache adds ``IVF*,PQ*`` and ``OPQ*,...``
+    without an output dimension (the same sum, the OPQ matrix d x d) and ``PQ*`` alone
+    (codes only). -1 for factories it has no formula for (those never pass a budget)."""
+    p = [int(x) for x in re.findall(r"\d+", factory)]
+    if factory == "Flat":
+        return n * dim * 4
+    if m := re.fullmatch(r"OPQ(\d+)(?:_(\d+))?,IVF(\d+)(?:_HNSW(\d+))?,PQ(\d+)(?:x(\d+))?", factory):
+        m_opq, out_d, nc, m_hnsw, pq, nbits = (int(g) if g else None for g in m.groups())
+        assert m_opq is not None
+        assert nc is not None
+        assert pq is not None
+        total = n * (ceil(pq * (nbits or 8) / 8) + 8) + nc * dim * 4
+        total += nc * (m_hnsw or 0) * 2 * 4
+        return int(total + m_opq * (out_d or dim) * 4)
+    if m := re.fullmatch(r"IVF(\d+)(?:_HNSW(\d+))?,PQ(\d+)(?:x(\d+))?", factory):
+        nc, m_hnsw, pq, nbits = (int(g) if g else None for g in m.groups())
+        assert nc is not None
+        assert pq is not None
+        return int(n * (ceil(pq * (nbits or 8) / 8) + 8) + nc * dim * 4 + nc * (m_hnsw or 0) * 8)
+    if re.fullmatch(r"HNSW\d+(,Flat)?", factory):
+        return n * p[0] * 2 * 4 + n * dim * 4
+    if re.fullmatch(r"IVF\d+,Flat", factory):
+        return n * dim * 4 + p[0] * dim * 4
+    if m := re.fullmatch(r"PQ(\d+)(?:x(\d+))?", factory):
+        return int(n * ceil(int(m.group(1)) * int(m.group(2) or 8) / 8))
+    return -1
+
+
+def candidate_factories(n: int, dim: int, max_bytes: int) -> list[str]:
+    """The factories ``--index auto`` tries, in order: autofaiss's list, then (where nothing in
+    it fits: autofaiss returns HNSW15 below 10,000 vectors whatever the budget) its
+    quantization list; only those whose estimated size fits ``max_bytes``."""
+    keys = list(dict.fromkeys(autofaiss_index_keys(n, dim, max_bytes)))  # autofaiss repeats some
+    fits = [k for k in keys if 0 <= estimated_index_bytes(k, n, dim) <= max_bytes]
+    if not fits and n >= 1000:
+        quant = dict.fromkeys(get_optimal_quantization(n, dim, max_bytes))
+        fits = [k for k in quant if 0 <= estimated_index_bytes(k, n, dim) <= max_bytes]
+    if not fits:
+        flat = n * dim * 4
+        raise ConfigError(
+            f"no FAISS index of {n} x {dim} features fits --max-memory {max_bytes / 1e9:.3g} GB "
+            f"(the flat index needs {flat / 1e9:.3g} GB); raise --max-memory or give --index FACTORY"
+        )
+    return fits
+
+
+# ---------------------------------------------------------------- search parameters
+def search_params(index: Any) -> dict[str, int]:
+    """The index's current nprobe / efSearch (what it searches with)."""
+    faiss = _faiss()
+    out: dict[str, int] = {}
+    with contextlib.suppress(RuntimeError):
+        out["nprobe"] = int(faiss.extract_index_ivf(index).nprobe)
+    base = faiss.downcast_index(index.index if hasattr(index, "chain") else index)
+    hnsw = getattr(base, "hnsw", None)
+    if hnsw is None and "nprobe" in out:
+        hnsw = getattr(faiss.downcast_index(faiss.extract_index_ivf(index).quantizer), "hnsw", None)
+    if hnsw is not None:
+        out["ef_search"] = int(hnsw.efSearch)
+    return out
+
+
+def set_search_params(index: Any, factory: str, nprobe: int | None, ef_search: int | None) -> None:
+    """Set nprobe / efSearch with ``faiss.ParameterSpace``; a parameter the index lacks is a
+    one-line error."""
+    faiss = _faiss()
+    ps = faiss.ParameterSpace()
+    for name, flag, value in (("nprobe", "--nprobe", nprobe), ("efSearch", "--ef-search", ef_search)):
+        if value is None:
+            continue
+        try:
+            ps.set_index_parameter(index, name, int(value))
+        except RuntimeError:
+            raise IndexFactoryError(f"{flag} does not apply to index {factory!r} (it has no {name}); drop it") from None
+
+
+def index_search(index: Any, Q: PreparedRows, k: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """Scores (higher is better, -inf where missing) and gallery indices (-1) [Q, k]."""
+    kk = max(1, min(k, int(index.ntotal)))
+    sc, ix = index.search(Q.array(), kk)
+    ix = ix.astype(np.int64)
+    sc = (-sc if metric == "l2" else sc).astype(np.float32)
+    sc = np.where(ix < 0, -np.inf, sc).astype(np.float32)
+    if kk < k:
+        sc = np.concatenate([sc, np.full((sc.shape[0], k - kk), -np.inf, np.float32)], axis=1)
+        ix = np.concatenate([ix, np.full((ix.shape[0], k - kk), -1, np.int64)], axis=1)
+    return sc, ix
+
+
+# ---------------------------------------------------------------- build, store, reuse
+@dataclass
+class BuiltIndex:
+    """A trained, filled FAISS index and what it was built from."""
+
+    index: Any
+    factory: str
+    provenance: dict
+    reused: bool = False
+
+    @property
+    def params(self) -> dict[str, int]:
+        return search_params(self.index)
+
+
+def _sample(n: int, size: int, seed: int) -> np.ndarray:
+    """``size`` sorted row indices of ``n`` (numpy's seeded permutation)."""
+    return np.sort(np.random.default_rng(seed).permutation(n)[:size]).astype(np.int64)
+
+
+def _to_gpu(faiss, index):
+    """(index on GPU 0, True) where faiss sees a GPU and can move it, else (index, False)."""
+    get = getattr(faiss, "get_num_gpus", None)
+    if not get or get() <= 0:
+        return index, False
+    try:
+        res = faiss.StandardGpuResources()
+        gpu = faiss.index_cpu_to_gpu(res, 0, index)
+        gpu.referenced_resources = res  # keep alive
+        return gpu, True
+    except (RuntimeError, AttributeError) as exc:
+        log.info("FAISS cannot build %s on the GPU (%s); building on the CPU", type(index).__name__, _faiss_reason(exc))
+        return index, False
+
+
+def build_index(G: PreparedRows, factory: str, metric: str, *, seed: int = 0, n_train: int | None = None) -> BuiltIndex:
+    """Train ``factory`` on a seeded sample of the gallery rows and add every row (blocks)."""
+    faiss = _faiss()
+    check_factory(factory, G.shape[1], metric)
+    t0 = time.perf_counter()
+    index = faiss.index_factory(G.shape[1], factory, faiss_metric(metric))
+    index, on_gpu = _to_gpu(faiss, index)
+    if not on_gpu:
+        log.info("building FAISS index %s on the CPU (no FAISS GPU)", factory)
+    n = G.shape[0]
+    size = 0 if index.is_trained else min(n, n_train if n_train else train_rows(factory, n) or n)
+    ids = _sample(n, size, seed) if size else np.zeros(0, np.int64)
+    if size:
+        try:
+            index.train(np.ascontiguousarray(G.take(ids), np.float32))
+        except RuntimeError as exc:
+            raise IndexFactoryError(
+                f"--index {factory!r}: FAISS cannot train it on {size} rows ({_faiss_reason(exc)}); "
+                "use fewer IVF lists / PQ bits for this gallery"
+            ) from None
+    for _, _, Gb in G.blocks():
+        index.add(Gb)
+    if on_gpu:
+        index = faiss.index_gpu_to_cpu(index)
+    prov = {
+        "factory": factory,
+        "metric": metric,
+        "dim": int(G.shape[1]),
+        "n_gallery": int(n),
+        "train_seed": int(seed),
+        "n_train": int(size),
+        "train_rows": ids.tolist(),
+        "built_on": "gpu" if on_gpu else "cpu",
+        "build_seconds": time.perf_counter() - t0,
+        "faiss_version": str(getattr(faiss, "__version__", "")),
+    }
+    return BuiltIndex(index, factory, prov)
+
+
+def index_key(gallery_fingerprint: str, factory: str, metric: str, seed: int, n_train: int | None) -> str:
+    """File name stem of a stored index: a readable factory part and a hash of what defines it."""
+    spec = json.dumps([gallery_fingerprint, factory, metric, seed, n_train])
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", factory).strip("-")
+    return f"{slug}-{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
+
+
+def index_dir(cache: str) -> str:
+    """Where a store's indexes live: the sibling folder ``<cache>.indexes``."""
+    return cache.rstrip("/") + ".indexes"
+
+
+def save_index(built: BuiltIndex, where: str, key: str, extra: dict) -> dict:
+    """Write ``<where>/<key>.faiss`` then ``.json`` (written last: an index without it is ignored)."""
+    import fsspec
+
+    faiss = _faiss()
+    data = faiss.serialize_index(built.index).tobytes()
+    prov = {**built.provenance, **extra, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    fs, root = fsspec.core.url_to_fs(where)
+    fs.makedirs(root, exist_ok=True)
+    tmp = f"{root}/{key}.faiss.tmp"
+    with fs.open(tmp, "wb") as fh:
+        fh.write(data)
+    fs.mv(tmp, f"{root}/{key}.faiss")
+    with fs.open(f"{root}/{key}.json", "w") as fh:
+        json.dump(prov, fh)
+    built.provenance = prov
+    return prov
+
+
+def load_index(where: str, key: str, expect: dict) -> BuiltIndex | None:
+    """The stored index ``key`` if its record matches ``expect`` and its bytes its checksum;
+    None (and a warning when something stored was refused) otherwise."""
+    import fsspec
+
+    faiss = _faiss()
+    fs, root = fsspec.core.url_to_fs(where)
+    if not fs.exists(f"{root}/{key}.json") or not fs.exists(f"{root}/{key}.faiss"):
+        return None
+    with fs.open(f"{root}/{key}.json") as fh:
+        prov = json.load(fh)
+    with fs.open(f"{root}/{key}.faiss", "rb") as fh:
+        data = fh.read()
+    if hashlib.sha256(data).hexdigest() != prov.get("sha256"):
+        log.warning("stored index %s/%s.faiss does not match its recorded sha256; refused, rebuilding it", where, key)
+        return None
+    diff = sorted(k for k, v in expect.items() if prov.get(k) != v)
+    if diff:
+        log.warning("stored index %s/%s was built from other %s; refused, rebuilding it", where, key, diff)
+        return None
+    index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+    return BuiltIndex(index, prov["factory"], prov, reused=True)
