@@ -35,8 +35,9 @@ def checksums_digest(g, names) -> str | None:
     import asyncio
 
     from zarr.abc.store import SuffixByteRequest
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
+    from zarr.buffer import default_buffer_prototype
+
+    from featcache.store._zarr_internal import sync
 
     keys: list[tuple[Any, str]] = []
     for name in names:
