@@ -255,7 +255,7 @@ class ProbeConfig:
         """``{(backbone, seed, eval split): run id}`` of every run this config makes, from the
         store's provenance records alone (no feature is read): the ids :func:`run_probes`
         skips when they are in the results."""
-        from featcache.probes.runner import store_fingerprints
+        from featcache.probes.store_lookup import store_fingerprints
 
         proto, cfg = self.resolve()
         return {

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import ProbeError
-from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
+from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
 
 __all__ = ["fit_elevater", "fit_elevater_multilabel", "l2_normalise", "search_weight_decay", "zeroshot_logits"]
 
