@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from featcache.errors import InternalError
+from featcache.errors import ConfigError, InternalError
 
 if TYPE_CHECKING:
     from featcache.analysis.api import Ranking
@@ -473,7 +473,7 @@ def run(cfg: DemoConfig, say=log.info) -> DemoSummary:
 def run_demo(args: argparse.Namespace) -> int:
     """The CLI entry point: builds the config, runs, prints the summary."""
     if args.n_backbones is not None and not 1 <= args.n_backbones <= len(PRETRAINED):
-        raise SystemExit(f"--n-backbones must be between 1 and {len(PRETRAINED)} (the random:0 baseline always runs)")
+        raise ConfigError(f"--n-backbones must be between 1 and {len(PRETRAINED)} (the random:0 baseline always runs)")
     cfg = DemoConfig(
         cache=args.cache,
         out=args.out,
