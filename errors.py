@@ -147,5 +147,9 @@ class UsageError(FeatcacheError, TypeError):
     """A library function was called the wrong way (a wrong argument type, a duplicate argument)."""
 
 
+class NoSuchNameError(FeatcacheError, AttributeError):
+    """A package has no such public name (``featcache.x.name``); ``hasattr`` is False for it."""
+
+
 class InternalError(FeatcacheError, RuntimeError):
     """An invariant featcache relies on does not hold: a bug to report, not a usage error."""

@@ -171,30 +171,14 @@ def rank(
     sm = rankings.select_settings(ranked, metric=metric, retrieval_metric=retrieval_metric, kinds=kinds, groups=groups)
     _record_missing_cells(coverage, sm)
     agg = rankings.aggregate(sm, ddof=ddof, on_constant=on_constant)
-    notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
-    notes += [n for n in (why, several) if n]
+    notes = _rank_notes(agg, why, weights, several)
     rules = _seed_rules(ranked, agg["matrix"], metric, retrieval_metric)
-    notes += [f"{s} is one setting: the mean over {len(frm)} k values ({', '.join(frm)})" for s, frm in weights.items()]
     ranked_rows = _ranked_rows(ranked_raw, agg["matrix"], metric, retrieval_metric)
-    boot = rankings.bootstrap_aggregate(
-        agg["matrix"],
-        reduced=ranked_rows,
-        resample=resample,
-        n_boot=n_boot,
-        seed=seed,
-        ddof=ddof,
-        seed_reduce=dict(zip(rules["setting"].to_list(), rules["seed_reduce"].to_list())),
-        progress=progress,
+    boot, differences = _bootstrapped(
+        agg, ranked_rows, rules, resample=resample, n_boot=n_boot, seed=seed, ddof=ddof, progress=progress
     )
     out = _rank_result(raw, coverage, agg, boot, notes)
-    out["setting_differences"] = rankings.setting_differences(
-        ranked_rows,
-        agg["matrix"],
-        agg["overall"]["backbone"][0],
-        rules=dict(zip(rules["setting"].to_list(), rules["seed_reduce"].to_list())),
-        n_boot=n_boot,
-        seed=seed,
-    )
+    out["setting_differences"] = differences
     out.update(
         weights=_setting_weights(agg["matrix"], weights),
         metric=metric,
@@ -210,18 +194,55 @@ def rank(
     for n in notes:
         log.info("rank: %s", n)
     if out_dir is not None:
-        options = {
-            "metric": metric,
-            "retrieval_metric": retrieval_metric,
-            "seed_reduce": seed_reduce,
-            "ddof": ddof,
-            "n_boot": n_boot,
-            "seed": seed,
-            "resample": resample,
-            "on_constant": on_constant,
-        }
+        options = _rank_options(r, ddof=ddof, on_constant=on_constant)
         r = replace(r, files=_write_rank_outputs(r, Path(out_dir), options, plots=plots))
     return r
+
+
+def _rank_notes(agg, why: str | None, pooled: dict[str, list[str]], several: str | None = None) -> list[str]:
+    """What the ranking says beside its tables: the aggregation's notes, the dropped settings,
+    why the retrieval metric was chosen, which retrieval metrics entered (``several``) and which
+    settings pool several k values."""
+    notes = list(agg["notes"]) + [f"dropped setting {k}: {v}" for k, v in agg["dropped"].items()]
+    notes += [n for n in (why, several) if n]
+    notes += [f"{s} is one setting: the mean over {len(frm)} k values ({', '.join(frm)})" for s, frm in pooled.items()]
+    return notes
+
+
+def _bootstrapped(agg, ranked_rows, rules, *, resample: str, n_boot: int, seed: int, ddof: int, progress: bool):
+    """The bootstrap of the aggregates and pairwise differences, and each setting's paired seed
+    bootstrap of every backbone minus the first; both apply each setting's seed rule."""
+    from featcache.analysis import rankings
+
+    seed_rule = dict(zip(rules["setting"].to_list(), rules["seed_reduce"].to_list()))
+    boot = rankings.bootstrap_aggregate(
+        agg["matrix"],
+        reduced=ranked_rows,
+        resample=resample,
+        n_boot=n_boot,
+        seed=seed,
+        ddof=ddof,
+        seed_reduce=seed_rule,
+        progress=progress,
+    )
+    differences = rankings.setting_differences(
+        ranked_rows, agg["matrix"], agg["overall"]["backbone"][0], rules=seed_rule, n_boot=n_boot, seed=seed
+    )
+    return boot, differences
+
+
+def _rank_options(r: Ranking, *, ddof: int, on_constant: str) -> dict[str, Any]:
+    """The options a ranking was made with, as ``summary.json`` records them."""
+    return {
+        "metric": r.metric,
+        "retrieval_metric": r.retrieval_metric,
+        "seed_reduce": r.seed_reduce,
+        "ddof": ddof,
+        "n_boot": r.n_boot,
+        "seed": r.seed,
+        "resample": r.resample,
+        "on_constant": on_constant,
+    }
 
 
 def _loaded(results, external, metric: str | None, **load) -> LoadedResults:

@@ -17,6 +17,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from featcache.errors import NoSuchNameError  # an AttributeError, as PEP 562 asks
+
 
 def lazy_exports(package: str, names: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Module ``__getattr__`` and ``__dir__`` that import ``names[name]`` on first access."""
@@ -25,7 +27,7 @@ def lazy_exports(package: str, names: Mapping[str, str]) -> tuple[Callable[[str]
     def __getattr__(name: str) -> Any:
         if name in table:
             return getattr(importlib.import_module(table[name]), name)
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        raise NoSuchNameError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
         import sys

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 
 from featcache.demo.run import FMNIST_CPU_SIZE, FMNIST_TEST, FMNIST_TRAIN, PRETRAINED, DemoConfig, run
+from featcache.errors import ConfigError
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """The CLI entry point: builds the config, runs, prints the summary."""
     if args.n_backbones is not None and not 1 <= args.n_backbones <= len(PRETRAINED):
-        raise SystemExit(f"--n-backbones must be between 1 and {len(PRETRAINED)} (the random:0 baseline always runs)")
+        raise ConfigError(f"--n-backbones must be between 1 and {len(PRETRAINED)} (the random:0 baseline always runs)")
     cfg = DemoConfig(
         cache=args.cache,
         out=args.out,

@@ -263,7 +263,7 @@ class ProbeConfig:
         """``{(backbone, seed, eval split): run id}`` of every run this config makes, from the
         store's provenance records alone (no feature is read): the ids :func:`run_probes`
         skips when they are in the results."""
-        from featcache.probes.runner import resolve_val_source, store_fingerprints
+        from featcache.probes.store_lookup import resolve_val_source, store_fingerprints
 
         proto, cfg = self.resolve()
         cfg = resolve_val_source(cfg, proto)

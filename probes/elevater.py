@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import MetricInputError, ProbeError
-from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
+from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
 
 __all__ = [
     "ElevaterHead",

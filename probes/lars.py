@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featcache.errors import ProbeError
-from featcache.probes.solvers import FitOutcome, FitRequest, register_solver
+from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
 
 if TYPE_CHECKING:
     import torch

@@ -10,8 +10,6 @@ once, and writes one row per (run, metric).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -34,6 +32,15 @@ from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
 from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
+from featcache.probes.store_lookup import (  # the store side, shared with ProbeConfig.run_ids
+    TEXT_SOURCE_KEYS,
+    _cache_for,
+    _open_caches,
+    _resolve_backbones,
+    resolve_val_source,
+    text_fingerprint,
+)
+from featcache.probes.store_lookup import store_fingerprints as store_fingerprints  # its old home
 from featcache.store import combine_fingerprints
 from featcache.store.rows import StoredRows
 
@@ -83,45 +90,6 @@ class _Data:
 
 
 # ------------------------------------------------------------------ loading
-def _open_caches(cache_path) -> list:
-    from featcache.store import open_cache
-
-    paths = (
-        [cache_path] if isinstance(cache_path, (str, bytes)) or hasattr(cache_path, "__fspath__") else list(cache_path)
-    )
-    return [open_cache(str(p)) for p in paths]
-
-
-def _held(caches) -> dict[str, list[str]]:
-    """Dataset -> the backbones with features for it (pairs actually extracted)."""
-    out: dict[str, set[str]] = {}
-    for c in caches:
-        for b, d, _ in c.entries():
-            out.setdefault(d, set()).add(b)
-    return {d: sorted(bs) for d, bs in sorted(out.items())}
-
-
-def _not_held(caches, dataset: str, what: str) -> NotInStoreError:
-    held = _held(caches)
-    if dataset not in held:
-        have = f"datasets with features: {list(held)}" if held else "the cache(s) hold no features yet"
-        return NotInStoreError(
-            f"no dataset {dataset!r} in the given cache(s); {have}. Pass one of them as --dataset "
-            "(dataset=), or run `featcache extract` for it first"
-        )
-    return NotInStoreError(
-        f"{what} in the given cache(s); backbones with features for {dataset!r}: {held[dataset]} "
-        f"(extracted backbone/dataset pairs: {held}); run `featcache extract` for it first"
-    )
-
-
-def _cache_for(caches, backbone: str, dataset: str):
-    for c in caches:
-        if any(b == backbone and d == dataset for b, d, _ in c.entries()):
-            return c
-    raise _not_held(caches, dataset, f"no features for backbone {backbone!r} on dataset {dataset!r}")
-
-
 def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: bool = False) -> SplitData:
     """A split's valid rows in id order; ``lazy``: features stay in the store (a
     :class:`~featcache.store.rows.StoredRows` view in the stored dtype, read block by block)."""
@@ -287,10 +255,6 @@ def _class_embeddings(caches, b: str, cfg: ProbeConfig) -> np.ndarray:
     return m
 
 
-#: the class-embedding provenance fields a results row records
-TEXT_SOURCE_KEYS = ("tower", "weights_sha256", "templates", "templates_sha256", "n_templates", "classnames_sha256")
-
-
 def text_source(cache, b: str, cfg: ProbeConfig) -> dict:
     """Where ``b``'s class embeddings came from: their name and key, and the tower (its weights
     hash) and template set (its name and hash) ``featcache embed-classes`` recorded
@@ -298,21 +262,6 @@ def text_source(cache, b: str, cfg: ProbeConfig) -> dict:
     prov = cache.class_embeddings_provenance(cfg.dataset, cfg.head_init, backbone=b)
     out = {"name": cfg.head_init, **{k: prov[k] for k in TEXT_SOURCE_KEYS if k in prov}}
     return out if prov else {**out, "recorded": False}
-
-
-def text_fingerprint(cache, b: str, cfg: ProbeConfig) -> str:
-    """The part of a head-init run's id that says which class embeddings it read: a digest of
-    their recorded provenance (tower weights, templates, class names), so embeddings made
-    again from another template set or tower give a new run id and rerun; ``""`` without
-    head_init or for a matrix written with ``write_class_embeddings`` (nothing recorded), whose
-    runs keep the ids they always had."""
-    if not cfg.head_init:
-        return ""
-    prov = cache.class_embeddings_provenance(cfg.dataset, cfg.head_init, backbone=b)
-    rec = {k: prov[k] for k in TEXT_SOURCE_KEYS if k in prov}
-    if not rec:
-        return ""
-    return hashlib.sha256(json.dumps(rec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
@@ -394,41 +343,6 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     return collect("probe", cfg.results_path, new_rows, wanted, protocol=proto)
 
 
-def resolve_val_source(cfg: ProbeConfig, proto: Protocol, caches: list | None = None) -> ProbeConfig:
-    """``cfg`` with ``val_source="auto"`` resolved against the store (``caches``: the opened
-    ``cfg.cache``). The ``vtab1k`` split plan selects on VTAB's ``val200`` wherever the store
-    holds it: with the default split names, on ``train800``/``val200`` when both are stored
-    (as ``--suite vtab-1k``), else on the first 200 of the ``val200`` or the dataset's own val
-    split (``official-val``); without one, on ``train[800:1000]`` (``split-800-200``). Every
-    other protocol: ``split-800-200`` (their plans ignore it; ``vtab1k-stratified`` keeps its
-    earlier rule)."""
-    from dataclasses import replace
-
-    if cfg.val_source != "auto":
-        return cfg
-    if proto.split != "vtab1k":
-        return replace(cfg, val_source="split-800-200")
-    caches = _open_caches(cfg.cache) if caches is None else caches
-    splits = set(next((c.splits(cfg.dataset) for c in caches if cfg.dataset in c.datasets()), []))
-    official = replace(cfg, val_source="official-val")
-    default_names = (cfg.train_split, cfg.val_split) == (ProbeConfig.train_split, ProbeConfig.val_split)
-    if default_names and {"train800", "val200"} <= splits:
-        official = replace(official, train_split="train800", val_split="val200")
-    elif cfg.val_split == ProbeConfig.val_split and "val200" in splits and not official.val_split_used(proto, splits):
-        official = replace(official, val_split="val200")
-    if official.val_split_used(proto, splits):
-        log.info(
-            "%s: %s selects on VTAB's val200 (%s[:200], official-val); pass val_source='split-800-200' "
-            "(--val-source) for train[800:1000]",
-            cfg.dataset,
-            proto.spec,
-            official.val_split_used(proto, splits),
-        )
-        return official
-    log.info("%s: no val split in the store; %s selects on %s[800:1000]", cfg.dataset, proto.spec, cfg.train_split)
-    return replace(cfg, val_source="split-800-200")
-
-
 def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
     """Multi-label targets need a solver with a multi-label fitter (one that takes class
     embeddings when head_init is set)."""
@@ -449,22 +363,6 @@ def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
         )
 
 
-def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
-    backbones = list(cfg.backbones)
-    if backbones == ["all"]:
-        backbones = sorted(
-            {
-                b
-                for c in caches
-                for b in c.backbones()
-                if cfg.dataset in c.datasets() and _has(c, b, cfg.dataset, cfg.train_split)
-            }
-        )
-        if not backbones:
-            raise _not_held(caches, cfg.dataset, f"no backbone has features for {cfg.dataset}/{cfg.train_split}")
-    return backbones
-
-
 def _run_ids(
     cfg: ProbeConfig, proto: Protocol, b: str, seed: int, d: _Data, text_fp: str = ""
 ) -> dict[str, tuple[str, str]]:
@@ -476,34 +374,6 @@ def _run_ids(
         fp = combine_fingerprints(d.train.fingerprint, val_fp, ev.fingerprint, *([text_fp] if text_fp else []))
         out[es] = (cfg.run_id(proto, b, seed, es, fp), fp)
     return out
-
-
-def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str, str]]:
-    """``{backbone: {eval split: store fingerprint}}`` of a resolved config, as
-    :func:`run_probes` computes them, from provenance records only (no feature is read)."""
-    caches = _open_caches(cfg.cache)
-    out = {}
-    for b in _resolve_backbones(caches, cfg):
-        c = _cache_for(caches, b, cfg.dataset)
-        val = cfg.val_split_used(proto, c.splits(cfg.dataset))
-        names: list[str] = [cfg.train_split, *([val] if val else []), *cfg.eval_splits]
-        read = dict.fromkeys(names)
-        fp = {s: _stored_fingerprint(c, b, cfg.dataset, s, cfg.kind) for s in read}
-        text = [t] if (t := text_fingerprint(c, b, cfg)) else []
-        out[b] = {
-            es: combine_fingerprints(fp[cfg.train_split], fp[val] if val else "", fp[es], *text)
-            for es in cfg.eval_splits
-        }
-    return out
-
-
-def _stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: str) -> str:
-    """:attr:`SplitData.fingerprint` from the provenance record (load() reads complete
-    features only)."""
-    from featcache.store.cache import features_fingerprint
-
-    prov = cache.provenance(backbone, dataset, split, kind).to_attrs()
-    return features_fingerprint(prov, cache.split_meta(dataset, split).fingerprint)
 
 
 def _probe_one(
@@ -643,7 +513,3 @@ def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str,
         )
     log.info("%s: task metric %s (hyper-parameters are selected on it)", cfg.dataset, metric)
     return replace(cfg, metric=metric)
-
-
-def _has(cache, backbone, dataset, split) -> bool:
-    return any(e == (backbone, dataset, split) for e in cache.entries())

@@ -1,5 +1,11 @@
 """The probe fitters as one registry keyed by :attr:`Protocol.solver <featcache.core.protocols.Protocol.solver>`.
 
+The registry itself (:data:`SOLVERS`, :func:`register_solver`, :class:`FitRequest`,
+:class:`FitOutcome`, :class:`Solver`) is :mod:`featcache.probes.solver_registry`, which imports
+no fitter; this module defines the built-in L-BFGS, SGD and zero-shot fitters, re-exports the
+registry's names and is the one module that imports the fitters living elsewhere
+(``elevater``, ``lars``), so :func:`get_solver` sees every built-in one.
+
 A fitter takes a :class:`FitRequest` (the protocol, one seed's plan of train / val / final
 rows, the solver options of a resolved :class:`~featcache.probes.config.ProbeConfig`, the
 optional head-init matrix and the seed) and returns a frozen :class:`FitOutcome`. Each
@@ -12,91 +18,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
 from featcache.errors import ProbeError, ProtocolError
 from featcache.probes.logistic import LogisticProbe, resolve_backend, select_index, sweep_C
+from featcache.probes.solver_registry import SOLVERS, FitOutcome, FitRequest, Solver, register_solver
 
 __all__ = ["SOLVERS", "FitOutcome", "FitRequest", "Solver", "get_solver", "register_solver"]
-
-
-@dataclass(frozen=True)
-class FitOutcome:
-    """What a fitter hands back: ``predict(X) -> scores [n, K]`` (probabilities; per-class
-    scores for multi-label), the ``classes`` the columns stand for (``None``: multi-label
-    columns = the label matrix's), the hyper-parameters recorded in the results row, whether
-    the fit converged (or stayed finite) and its seconds."""
-
-    predict: Callable[[np.ndarray], np.ndarray]
-    classes: np.ndarray | None
-    hparams: dict[str, Any]
-    converged: bool
-    seconds: float
-    #: the final run's head after each epoch, for a rule that reports the best test epoch
-    #: (``final_epoch="best-test"``, ELEVATER's toolkit); empty: report ``predict``
-    epoch_predicts: tuple[Callable[[np.ndarray], np.ndarray], ...] = ()
-
-
-@dataclass(frozen=True)
-class FitRequest:
-    """One seed's fit: ``plan`` has ``tr``/``va``/``fin`` (X, y) pairs, ``Y`` (multi-label
-    targets of the three, or ``None``) and ``info``; ``opts`` is ``ProbeConfig.solver_options()``."""
-
-    proto: Any  # featcache.core.protocols.Protocol
-    plan: Any  # featcache.probes.runner._Plan
-    opts: dict[str, Any]
-    head_init: np.ndarray | None
-    seed: int
-
-
-@dataclass(frozen=True)
-class Solver:
-    """A registered fitter. ``options``: run-option keys it reads (a tuple, or a function
-    of the protocol when they follow its grid); ``fit_multilabel``: the fitter for
-    multi-label targets (``None``: refused); ``streams``: it can read a train split left in
-    the store block by block; ``default_head_init``: the class embeddings it starts from
-    when the config names none; ``multilabel_head_init``: ``fit_multilabel`` takes class
-    embeddings too (one row per label column)."""
-
-    name: str
-    fit: Callable[[FitRequest], FitOutcome]
-    options: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
-    fit_multilabel: Callable[[FitRequest], FitOutcome] | None = None
-    streams: bool = False
-    default_head_init: str | None = None  # the class embeddings it needs when none is given
-    multilabel_head_init: bool = False  # its multi-label fitter takes class embeddings (one per label)
-
-    def run_option_keys(self, proto: Any) -> tuple[str, ...]:  # a featcache.core.protocols.Protocol
-        """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
-        return tuple(self.options(proto) if callable(self.options) else self.options)
-
-
-SOLVERS: dict[str, Solver] = {}
-
-
-def register_solver(
-    name: str,
-    *,
-    options: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = (),
-    fit_multilabel: Callable[[FitRequest], FitOutcome] | None = None,
-    streams: bool = False,
-    default_head_init: str | None = None,
-    multilabel_head_init: bool = False,
-) -> Callable:
-    """Decorator: register ``fit(request) -> FitOutcome`` as the solver ``name`` (the value
-    protocols give as ``Protocol(solver=name)``); a duplicate name is refused."""
-
-    def deco(fn: Callable[[FitRequest], FitOutcome]):
-        if name in SOLVERS:
-            raise ProtocolError(f"probe solver {name!r} is already registered")
-        SOLVERS[name] = Solver(name, fn, options, fit_multilabel, streams, default_head_init, multilabel_head_init)
-        return fn
-
-    return deco
 
 
 def get_solver(name: str) -> Solver:
@@ -108,10 +38,10 @@ def get_solver(name: str) -> Solver:
 
 
 def _load_builtins() -> None:
-    import importlib
-
-    for module in ("elevater", "lars"):  # their fitters register on import
-        importlib.import_module(f"featcache.probes.{module}")
+    """Import the built-in fitters that live in modules of their own: they register on import
+    (into :mod:`~featcache.probes.solver_registry`, which imports none of them)."""
+    import featcache.probes.elevater
+    import featcache.probes.lars  # noqa: F401
 
 
 # ------------------------------------------------------------------ L-BFGS

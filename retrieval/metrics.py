@@ -277,9 +277,9 @@ def register_retrieval_metric(name: str, *, full: bool, at_k: bool, source: str 
 
 def written_metric_names() -> tuple[str, ...]:
     """The metric names ``featcache retrieve`` writes, ``NAME`` or ``NAME@k`` (k any k):
-    every registered metric, Battle of the Backbones' included."""
-    import featcache.retrieval.revisited  # noqa: F401  (registers BoB's definitions)
-
+    every registered metric, Battle of the Backbones' included (the package's ``__init__``
+    imports :mod:`~featcache.retrieval.revisited`, where they register, before any module of
+    the package runs: this registry imports none of its members)."""
     out: list[str] = []
     for m in RETRIEVAL_METRICS.values():
         out += [m.name] * m.full + [f"{m.name}@k"] * m.at_k

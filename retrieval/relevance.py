@@ -4,6 +4,7 @@ before scoring: the query itself (matched by **id**, never by position) and junk
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 
@@ -66,7 +67,7 @@ def _own_positions(query_ids, gallery_ids, exclude_self: bool) -> np.ndarray:
     return np.full(np.asarray(query_ids).size, -1, np.int64)
 
 
-class Relevance:
+class Relevance(abc.ABC):
     """Base: positives and exclusions of Q queries over a gallery of G items."""
 
     n_queries: int
@@ -75,16 +76,18 @@ class Relevance:
     excl_indptr: np.ndarray
     excl_cols: np.ndarray
 
+    @abc.abstractmethod
     def positives(self, i: int) -> np.ndarray:
-        raise NotImplementedError
+        """The gallery positions relevant to query ``i``."""
 
+    @abc.abstractmethod
     def is_positive(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Vectorised relevance of (query row, gallery col) pairs; col -1 (FAISS's "no
         result") is never relevant."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def n_relevant(self) -> np.ndarray:
-        raise NotImplementedError
+        """Per query: how many gallery items are relevant to it."""
 
     def excluded(self, i: int) -> np.ndarray:
         return self.excl_cols[self.excl_indptr[i] : self.excl_indptr[i + 1]]

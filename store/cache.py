@@ -27,6 +27,7 @@ from featcache.errors import (
     SchemaMismatchError,
 )
 from featcache.store import manifest
+from featcache.store.arrays import checksummed, create_row_array  # re-exported: their old home
 from featcache.store.integrity import AUX_ARRAYS, GroupScan, as_str, present_rows, read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
@@ -53,14 +54,6 @@ log = logging.getLogger(__name__)
 SNAPSHOT_TRIES = 8
 
 __all__ = ["AUX_ARRAYS", "FeatureCache", "Features", "open_cache"]
-
-
-def checksummed() -> tuple:
-    """Compressors of every featcache array: zstd, then a crc32c checksum of the stored bytes
-    (a flipped bit or a truncated chunk fails to decode instead of giving other numbers)."""
-    from zarr.codecs import Crc32cCodec, ZstdCodec
-
-    return (ZstdCodec(level=3), Crc32cCodec())
 
 
 def now_iso() -> str:
@@ -832,13 +825,6 @@ def _existing_split(cache: FeatureCache, dataset: str, split: str, fp: str, n: i
     except CorruptStoreError:
         return None
     return meta
-
-
-def create_row_array(g, name: str, n: int, chunk_rows: int):
-    """(Re)create a split's ``ids`` (str) or ``labels`` (int64) array of ``n`` rows."""
-    chunks = (min(chunk_rows, max(n, 1)),)
-    dtype = {"ids": str, "labels": "int64"}[name]
-    return g.create_array(name, shape=(n,), dtype=dtype, chunks=chunks, compressors=checksummed(), overwrite=True)
 
 
 def _write_rows(g, ids: np.ndarray, labels: np.ndarray, chunk_rows: int) -> None:

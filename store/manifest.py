@@ -62,29 +62,31 @@ def unit_of(rel: str) -> str | None:
 
 # ---------------------------------------------------------------- raw I/O through the Store API
 def read_raw(store, key: str) -> bytes | None:
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
+    from zarr.buffer import default_buffer_prototype
+
+    from featcache.store._zarr_internal import sync
 
     buf = sync(store.get(key, prototype=default_buffer_prototype()))
     return None if buf is None else buf.to_bytes()
 
 
 def write_raw(store, key: str, data: bytes) -> None:
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
+    from zarr.buffer import default_buffer_prototype
+
+    from featcache.store._zarr_internal import sync
 
     sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
 
 
 def delete_raw(store, key: str) -> None:
-    from zarr.core.sync import sync
+    from featcache.store._zarr_internal import sync
 
     sync(store.delete(key))
 
 
 def units(store) -> list[str]:
     """Units that have a manifest object."""
-    from zarr.core.sync import sync
+    from featcache.store._zarr_internal import sync
 
     async def ls() -> list[str]:
         return [k async for k in store.list_prefix(MANIFEST_DIR + "/")]
@@ -181,9 +183,8 @@ def _attributes(store, rel: str, entries: dict) -> dict:
 
 
 def _array_doc(rel: str, store, entries: dict) -> bytes:
-    from featcache.store.cache import create_row_array
+    from featcache.store.arrays import create_aux_array, create_feature_array, create_row_array
     from featcache.store.schema import GROUP_KEY, PROVENANCE_KEY, SPLIT_KEY, FeatureGroupMeta, FeatureProvenance
-    from featcache.store.writer import create_aux_array, create_feature_array
 
     parent, name = rel.rsplit("/", 1)
     entry = entries.get(doc_key(rel))

@@ -39,8 +39,9 @@ def _suffixes(g, names) -> dict[str, list[bytes] | None]:
     import asyncio
 
     from zarr.abc.store import SuffixByteRequest
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
+    from zarr.buffer import default_buffer_prototype
+
+    from featcache.store._zarr_internal import sync
 
     keys: list[tuple[str, Any, str]] = []
     for name in names:

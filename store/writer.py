@@ -19,14 +19,14 @@ from numpy.typing import ArrayLike
 
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
+from featcache.store.arrays import create_aux_array, create_feature_array  # re-exported: their old home
 from featcache.store.cache import (
     FeatureCache,
-    checksummed,
     ensure_split,
     now_iso,
     open_cache,
 )
-from featcache.store.integrity import UNWRITTEN_ERROR, read_done, scan_group
+from featcache.store.integrity import read_done, scan_group
 from featcache.store.locks import StoreLock
 from featcache.store.schema import (
     GROUP_KEY,
@@ -45,48 +45,6 @@ from featcache.store.summary import clear_summary, write_summary
 log = logging.getLogger(__name__)
 
 DTYPES = ("float16", "float32")
-
-
-def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
-    """(Re)create one of the ``valid``/``error``/``done`` arrays of a feature group."""
-    kw = {"compressors": checksummed(), "overwrite": True}
-    if name == "valid":
-        return g.create_array(
-            "valid",
-            shape=(n,),
-            dtype="bool",
-            chunks=(chunk_rows,),
-            fill_value=False,
-            config={"write_empty_chunks": True},
-            **kw,
-        )
-    if name == "error":
-        return g.create_array(
-            "error",
-            shape=(n,),
-            dtype=str,
-            chunks=(chunk_rows,),
-            fill_value=UNWRITTEN_ERROR,
-            config={"write_empty_chunks": True},
-            **kw,
-        )
-    if name == "done":
-        return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
-    raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
-
-
-def create_feature_array(g, kind: str, n: int, chunk_rows: int, dim: int, dtype: str):
-    """(Re)create the ``[n, dim]`` array of one feature kind (NaN until its chunks are written)."""
-    return g.create_array(
-        kind,
-        shape=(n, dim),
-        dtype=dtype,
-        chunks=(chunk_rows, dim),
-        fill_value=np.nan,
-        compressors=checksummed(),
-        config={"write_empty_chunks": True},
-        overwrite=True,
-    )
 
 
 class FeatureWriter:

@@ -173,3 +173,13 @@ def test_count_plots():
         "<IMG class=y src='data:image/svg+xml;base64,BB'> data:image/png;base64, in text"
     )
     assert count_plots(html) == 2  # embedded images only, any case
+
+
+def test_an_out_of_range_n_backbones_is_one_error_line(tmp_path, capsys):
+    """A usage error is a FeatcacheError the CLI prints as one line (it was a SystemExit)."""
+    rc = main(["demo", "--cache", str(tmp_path / "c.zarr"), "--out", str(tmp_path / "o"), "--n-backbones", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err == [err[0]]
+    assert err[0].startswith("featcache demo: error: --n-backbones must be between 1 and ")
+    assert not (tmp_path / "c.zarr").exists()

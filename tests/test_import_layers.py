@@ -1,10 +1,20 @@
-"""The extract stage's modules import one another without a circle: every ``import`` (at module
-level or inside a function, not under ``if TYPE_CHECKING:``) of a featcache module is an edge, and
-the graph has no cycle."""
+"""featcache's modules import one another without a circle: every ``import`` (at module level or
+inside a function, not under ``if TYPE_CHECKING:``) of a featcache module is an edge, across the
+whole package (root modules, every stage, between packages), and the graph has no cycle.
+
+``from pkg import name`` is an edge to ``pkg.name`` when that is a module (Python finds a
+submodule in ``sys.modules`` even while ``pkg/__init__`` is still running, and importing any
+submodule runs ``pkg/__init__`` anyway, so that is no dependency on the package's own body),
+else to ``pkg`` (its ``__init__`` defines or re-exports the name)."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import featcache
@@ -12,9 +22,28 @@ import featcache
 ROOT = Path(featcache.__file__).parent
 
 
-def _modules(root: Path, package: str, sub: str) -> dict[str, Path]:
+SKIP = {"tests", "benchmarks", "docs", ".venv", "site", ".ci"}
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The parsed module (each file is parsed once per test session)."""
+    return ast.parse(path.read_text(), str(path))
+
+
+def _python_files(top: Path) -> list[Path]:
+    """The ``.py`` files under ``top``, not descending into SKIP or hidden folders."""
+    out = []
+    for folder, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if d not in SKIP and not d.startswith((".", "__pycache__"))]
+        out += [Path(folder) / f for f in files if f.endswith(".py")]
+    return out
+
+
+def _modules(root: Path, package: str, sub: str = "") -> dict[str, Path]:
+    """Module name -> file of every module under ``root / sub`` (``sub=""``: the whole package)."""
     out = {}
-    for p in sorted((root / sub).rglob("*.py")):
+    for p in sorted(_python_files(root / sub)):
         parts = list(p.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -22,11 +51,12 @@ def _modules(root: Path, package: str, sub: str) -> dict[str, Path]:
     return out
 
 
-def _imports(mod: str, path: Path) -> set[str]:
-    """Every module name ``path`` imports (``from a import b`` names ``a`` and ``a.b``)."""
+def _imports(mod: str, path: Path, modules: Collection[str] = ()) -> set[str]:
+    """Every module name ``path`` imports: ``from a import b`` names ``a.b`` when that is one of
+    ``modules``, else ``a`` (``modules`` empty: both)."""
     base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
     found: set[str] = set()
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(path)
     static = {  # `if TYPE_CHECKING:` imports never run: names for type checkers only
         id(n)
         for block in ast.walk(tree)
@@ -44,14 +74,16 @@ def _imports(mod: str, path: Path) -> set[str]:
                 name = ".".join([*prefix, *([node.module] if node.module else [])])
             else:
                 name = node.module or ""
-            found.add(name)
-            found.update(f"{name}.{a.name}" for a in node.names)
+            subs = {f"{name}.{a.name}" for a in node.names}
+            found.update(subs)
+            if not modules or subs - set(modules):
+                found.add(name)
     return found
 
 
-def import_graph(root: Path, package: str, sub: str) -> dict[str, set[str]]:
+def import_graph(root: Path, package: str, sub: str = "") -> dict[str, set[str]]:
     mods = _modules(root, package, sub)
-    return {m: {d for d in _imports(m, p) if d in mods and d != m} for m, p in mods.items()}
+    return {m: {d for d in _imports(m, p, mods) if d in mods and d != m} for m, p in mods.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -86,12 +118,78 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_extract_has_no_import_circle():
-    graph = import_graph(ROOT, "featcache", "extract")
-    assert "featcache.extract.pipeline" in graph  # the scan sees the package
+def test_featcache_has_no_import_circle():
+    graph = import_graph(ROOT, "featcache")
+    for m in ("featcache", "featcache.errors", "featcache.extract.pipeline", "featcache.store.cache"):
+        assert m in graph  # the scan sees the whole package...
+    assert "featcache.store.manifest" in graph["featcache.store.cache"]  # ...and its edges
+    assert not any(m.startswith(("featcache.tests", "featcache.benchmarks")) for m in graph)
     found = cycles(graph)
-    lines = [f"{m} -> {sorted(graph[m] & set(c))}" for c in found for m in c]
-    assert not found, "import circle(s) in extract/:\n" + "\n".join(lines)
+    lines = [
+        f"circle {i}: " + "; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c)
+        for i, c in enumerate(found, 1)
+    ]
+    assert not found, (
+        "import circle(s) among featcache's modules (imports inside functions count; only `if TYPE_CHECKING:` "
+        "ones do not). Move the shared piece into the lower module or a new small one; a registry imports "
+        "none of its members (they import it and register):\n" + "\n".join(lines)
+    )
+
+
+def _registries(mods: dict[str, Path]) -> dict[str, tuple[str, set[str]]]:
+    """Registry module -> (its ``register_*`` function, the other modules that call it)."""
+    trees = {m: _tree(p) for m, p in mods.items()}
+    called: dict[str, set[str]] = {}
+    for m, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call):
+                f = n.func
+                called.setdefault(getattr(f, "id", None) or getattr(f, "attr", ""), set()).add(m)
+    return {
+        m: (n.name, called.get(n.name, set()) - {m})
+        for m, tree in trees.items()
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("register_")
+    }
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_no_registry_imports_its_members():
+    """timm's shape: a registry module (one defining ``register_*``) reaches none of the
+    modules that register into it, even through others; the members import the registry,
+    and the package ``__init__`` or one builtins module imports the members."""
+    mods = _modules(ROOT, "featcache")
+    graph = import_graph(ROOT, "featcache")
+    regs = _registries(mods)
+    assert regs["featcache.probes.solver_registry"][1] >= {"featcache.probes.elevater", "featcache.probes.lars"}
+    assert "featcache.retrieval.revisited" in regs["featcache.retrieval.metrics"][1]
+    bad = {r: sorted(_reachable(graph, r) & members) for r, (_, members) in regs.items()}
+    bad = {r: ms for r, ms in bad.items() if ms}
+    assert not bad, "registries that import their members (move the import to the package __init__): " + str(bad)
+
+
+def test_every_registry_is_complete_whatever_is_imported_first():
+    """With the registries importing no member, whoever imports the members must do it before
+    a lookup: solvers.get_solver and retrieval's written metric names still see every built-in."""
+    code = (
+        "from featcache.retrieval.metrics import written_metric_names\n"
+        "assert {'map_bob', 'mp@k', 'map@k'} <= set(written_metric_names()), written_metric_names()\n"
+        "from featcache.probes.solvers import get_solver\n"
+        "assert get_solver('elevater').name == 'elevater' and get_solver('lars').name == 'lars'\n"
+        "from featcache.probes.solver_registry import SOLVERS\n"
+        "assert {'elevater', 'lars', 'zeroshot'} <= set(SOLVERS), sorted(SOLVERS)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_the_scan_sees_a_circle_through_a_function_level_import(tmp_path):
@@ -106,6 +204,37 @@ def test_the_scan_sees_a_circle_through_a_function_level_import(tmp_path):
     graph = import_graph(tmp_path, "featcache", "stage")
     assert graph["featcache.stage.d"] == {"featcache.stage.a"}
     assert cycles(graph) == [["featcache.stage.a", "featcache.stage.b", "featcache.stage.sub.c"]]
+
+
+def test_the_whole_package_scan_sees_circles_between_packages_and_root_modules(tmp_path):
+    (tmp_path / "__init__.py").write_text("from featcache.core import f\n")
+    (tmp_path / "core.py").write_text("def f():\n    from featcache.stage.a import g\n")
+    for pkg in ("stage", "other", "tests"):
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "stage" / "__init__.py").write_text("from featcache.stage.a import g\n")
+    (tmp_path / "stage" / "a.py").write_text("from featcache import core\n\ndef g():\n    pass\n")
+    (tmp_path / "stage" / "b.py").write_text("from featcache.stage import a\n")  # the submodule, not __init__
+    (tmp_path / "stage" / "c.py").write_text("from featcache.stage import a, g\n")  # g: __init__'s name
+    (tmp_path / "other" / "__init__.py").write_text("")
+    (tmp_path / "other" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from featcache.stage.a import g\n"
+    )
+    (tmp_path / "tests" / "test_x.py").write_text("import featcache.core\n")
+    graph = import_graph(tmp_path, "featcache")
+    assert sorted(graph) == [
+        "featcache",
+        "featcache.core",
+        "featcache.other",
+        "featcache.other.x",
+        "featcache.stage",
+        "featcache.stage.a",
+        "featcache.stage.b",
+        "featcache.stage.c",
+    ]
+    assert graph["featcache.stage.b"] == {"featcache.stage.a"}
+    assert graph["featcache.stage.c"] == {"featcache.stage", "featcache.stage.a"}
+    assert graph["featcache.other.x"] == set()
+    assert cycles(graph) == [["featcache.core", "featcache.stage.a"]]
 
 
 def test_every_package_is_shipped():

@@ -1,0 +1,70 @@
+"""The array constructors of featcache's writers: one definition of each array's shape,
+chunks, dtype, fill value and codecs. The writers call them to create arrays, and
+:mod:`featcache.store.manifest` calls them to rebuild a damaged metadata document byte for
+byte, so this module sits below both (it imports neither)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from featcache.errors import SchemaMismatchError
+from featcache.store.integrity import UNWRITTEN_ERROR
+
+__all__ = ["checksummed", "create_aux_array", "create_feature_array", "create_row_array"]
+
+
+def checksummed() -> tuple:
+    """Compressors of every featcache array: zstd, then a crc32c checksum of the stored bytes
+    (a flipped bit or a truncated chunk fails to decode instead of giving other numbers)."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    return (ZstdCodec(level=3), Crc32cCodec())
+
+
+def create_row_array(g, name: str, n: int, chunk_rows: int):
+    """(Re)create a split's ``ids`` (str) or ``labels`` (int64) array of ``n`` rows."""
+    chunks = (min(chunk_rows, max(n, 1)),)
+    dtype = {"ids": str, "labels": "int64"}[name]
+    return g.create_array(name, shape=(n,), dtype=dtype, chunks=chunks, compressors=checksummed(), overwrite=True)
+
+
+def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
+    """(Re)create one of the ``valid``/``error``/``done`` arrays of a feature group."""
+    kw = {"compressors": checksummed(), "overwrite": True}
+    if name == "valid":
+        return g.create_array(
+            "valid",
+            shape=(n,),
+            dtype="bool",
+            chunks=(chunk_rows,),
+            fill_value=False,
+            config={"write_empty_chunks": True},
+            **kw,
+        )
+    if name == "error":
+        return g.create_array(
+            "error",
+            shape=(n,),
+            dtype=str,
+            chunks=(chunk_rows,),
+            fill_value=UNWRITTEN_ERROR,
+            config={"write_empty_chunks": True},
+            **kw,
+        )
+    if name == "done":
+        return g.create_array("done", shape=(n_chunks,), dtype="uint8", chunks=(1,), fill_value=0, **kw)
+    raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
+
+
+def create_feature_array(g, kind: str, n: int, chunk_rows: int, dim: int, dtype: str):
+    """(Re)create the ``[n, dim]`` array of one feature kind (NaN until its chunks are written)."""
+    return g.create_array(
+        kind,
+        shape=(n, dim),
+        dtype=dtype,
+        chunks=(chunk_rows, dim),
+        fill_value=np.nan,
+        compressors=checksummed(),
+        config={"write_empty_chunks": True},
+        overwrite=True,
+    )
