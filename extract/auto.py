@@ -321,7 +321,7 @@ def resolve_precision_auto(
     ``stored``: a stored provenance of this job (a resume) or None; ``batch()``: the first batch."""
     from featcache.core.devices import PRECISION_ALIASES
     from featcache.errors import PrecisionUnavailableError
-    from featcache.extract.pipeline import compute_settings, recorded_precision
+    from featcache.extract.settings import compute_settings, recorded_precision
 
     asked = PRECISION_ALIASES.get(cfg.amp, cfg.amp)
     rec: dict[str, Any] = {"precision_check": None}
@@ -373,7 +373,7 @@ def resolve_backend_auto(
     import torch
 
     from featcache.extract.backends import check_backend, make_forward
-    from featcache.extract.pipeline import compute_settings
+    from featcache.extract.settings import compute_settings
 
     rec: dict[str, Any] = {"backend_requested": cfg.backend}
     if cfg.backend != "auto":

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from featcache.core.devices import resolve_precision
 from featcache.errors import DataError, ProvenanceMismatchError, UsageError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
@@ -39,6 +38,7 @@ from featcache.extract.distributed import (
 from featcache.extract.features import FEATURE_KINDS_HELP, FeatureHead
 from featcache.extract.loop import SplitReport, run_split
 from featcache.extract.readers import open_dataset, parse_spec, select_splits
+from featcache.extract.settings import compute_settings, recorded_precision  # also importable from here
 from featcache.extract.source import ReadOptions, SplitSource
 
 log = logging.getLogger(__name__)
@@ -117,13 +117,6 @@ def choose_workers(decode_ips: float, forward_ips: float, cpus: int, device: str
     rates += [min(w * decode_ips, forward_ips * (cpus - w) / cpus) for w in range(1, cpus)]
     best = max(rates)
     return next(w for w, r in enumerate(rates) if r >= 0.95 * best)
-
-
-def recorded_precision(amp: str, device: str) -> str:
-    """The precision the forward actually runs in, as the provenance records it (``amp``):
-    ``none`` (fp32), ``bf16`` or ``fp16`` (:func:`featcache.core.devices.resolve_precision`)."""
-    p = resolve_precision(amp, device, python_name="amp", logger=log)
-    return "none" if p == "fp32" else p
 
 
 @dataclass
@@ -390,26 +383,6 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
 
 
 # --------------------------------------------------------------------------- compute settings
-def compute_settings(prov) -> dict[str, Any]:
-    """The settings besides the identity that decide a feature's bits: device kind, applied
-    precision, CPU thread count and ISA, the decode settings and the forward backend (None:
-    not recorded, e.g. an older store). A CPU store without a recorded ISA predates CPU autocast, so its precision
-    is fp32 whatever it says."""
-    device = prov.device.split(":")[0] if prov.device else None
-    extra = prov.extra or {}
-    cpu = device == "cpu"
-    return {
-        "device": device,
-        "precision": "none" if cpu and "cpu_isa" not in extra else prov.amp,
-        "threads": extra.get("threads") if cpu else None,
-        "cpu_isa": extra.get("cpu_isa") if cpu else None,
-        "exif_transpose": extra.get("exif_transpose"),
-        "max_image_pixels": extra.get("max_image_pixels"),
-        "decoder": extra.get("decoder"),
-        "backend": extra.get("backend"),
-    }
-
-
 def _stored_provenance(store, key: str, src: SplitSource, kinds) -> Any:
     """The provenance already stored for this split (first requested kind found), else None."""
     from featcache.errors import FeatcacheError

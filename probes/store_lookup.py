@@ -20,6 +20,7 @@ from featcache.store import combine_fingerprints
 if TYPE_CHECKING:
     from featcache.core.protocols import Protocol
     from featcache.probes.config import ProbeConfig
+    from featcache.store import FeatureCache
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
 TEXT_SOURCE_KEYS = ("tower", "weights_sha256", "templates", "templates_sha256", "n_templates", "classnames_sha256")
 
 
-def text_fingerprint(cache, b: str, cfg: ProbeConfig) -> str:
+def text_fingerprint(cache: FeatureCache, b: str, cfg: ProbeConfig) -> str:
     """The part of a head-init run's id that says which class embeddings it read: a digest of
     their recorded provenance (tower weights, templates, class names), so embeddings made
     again from another template set or tower give a new run id and rerun; ``""`` without

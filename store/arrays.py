@@ -5,10 +5,15 @@ byte, so this module sits below both (it imports neither)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from featcache.errors import SchemaMismatchError
 from featcache.store.integrity import UNWRITTEN_ERROR
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["checksummed", "create_aux_array", "create_feature_array", "create_row_array"]
 
@@ -21,14 +26,14 @@ def checksummed() -> tuple:
     return (ZstdCodec(level=3), Crc32cCodec())
 
 
-def create_row_array(g, name: str, n: int, chunk_rows: int):
+def create_row_array(g: zarr.Group, name: str, n: int, chunk_rows: int) -> zarr.Array:
     """(Re)create a split's ``ids`` (str) or ``labels`` (int64) array of ``n`` rows."""
     chunks = (min(chunk_rows, max(n, 1)),)
     dtype = {"ids": str, "labels": "int64"}[name]
     return g.create_array(name, shape=(n,), dtype=dtype, chunks=chunks, compressors=checksummed(), overwrite=True)
 
 
-def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
+def create_aux_array(g: zarr.Group, name: str, n: int, chunk_rows: int, n_chunks: int) -> zarr.Array:
     """(Re)create one of the ``valid``/``error``/``done`` arrays of a feature group."""
     kw = {"compressors": checksummed(), "overwrite": True}
     if name == "valid":
@@ -56,7 +61,7 @@ def create_aux_array(g, name: str, n: int, chunk_rows: int, n_chunks: int):
     raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
 
 
-def create_feature_array(g, kind: str, n: int, chunk_rows: int, dim: int, dtype: str):
+def create_feature_array(g: zarr.Group, kind: str, n: int, chunk_rows: int, dim: int, dtype: str) -> zarr.Array:
     """(Re)create the ``[n, dim]`` array of one feature kind (NaN until its chunks are written)."""
     return g.create_array(
         kind,

@@ -285,7 +285,7 @@ def test_cpu_bf16_autocasts_and_records_precision_and_isa(tmp_path, caplog):
     from featcache.core.cpu import cpu_isa
 
     cache = str(tmp_path / "c.zarr")
-    with caplog.at_level(logging.INFO, logger="featcache.extract.pipeline"):
+    with caplog.at_level(logging.INFO, logger="featcache.extract"):
         extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="bf16", threads=1, **KW))
     assert len([r for r in caplog.records if "bf16 autocast on cpu" in r.getMessage()]) == 1
     extract(

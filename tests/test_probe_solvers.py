@@ -47,7 +47,10 @@ PINNED = [
 
 @pytest.mark.parametrize(("spec", "kw", "rid"), PINNED)
 def test_run_ids_are_unchanged(spec, kw, rid):
+    from featcache.probes.store_lookup import resolve_val_source
+
     proto, cfg = ProbeConfig("c", ("b",), "d", spec, **kw).resolve()
+    cfg = resolve_val_source(cfg, proto, caches=[])  # as the runner does; a store without val200
     assert cfg.run_id(proto, "b", 0, "test", "fp") == rid
 
 
