@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
 
 def add_extract_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,7 +14,7 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     ExtractConfig.add_arguments(p, optional=("data",))
     # --splits: the field's own name, a second spelling of the --split flag (one action, one dest)
     split = next(a for a in p._actions if a.dest == "splits")
-    split.option_strings.append("--splits")
+    cast(list, split.option_strings).append("--splits")
     p._option_string_actions["--splits"] = split
     p.set_defaults(resize=None, data=None)  # resize None: the suite's (VTAB: whole-tf1), else timm
     from featcache.suites import suite_names

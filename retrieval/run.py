@@ -227,6 +227,7 @@ def _index_result(cfg: RetrievalConfig, d: _Pair, rel: Relevance) -> tuple[dict,
 
     Q, G = d.prepared(cfg.metric, cfg.max_memory)
     spec = cfg.index_spec(max(cfg.ks))
+    assert spec is not None  # index rows are made only when --index is given
     if cfg.metric not in d._indexes:
         d._indexes[cfg.metric] = obtain_index(spec, G, d.g_fingerprint, cfg.cache)
     built = d._indexes[cfg.metric]

@@ -57,7 +57,7 @@ def _shard_search(src: GallerySource, lo: int, hi: int, Q: np.ndarray, depth: in
     """(scores, global indices) of one shard: its exact top-depth under the tie policy."""
     from featcache.store import open_cache
 
-    f = open_cache(src.cache).load(src.backbone, src.dataset, src.split, src.kind, dtype=None, lazy=True, check=False)
+    f = open_cache(src.cache).load(src.backbone, src.dataset, src.split, src.kind, dtype=None, lazy=True, check=False)  # pyright: ignore[reportArgumentType] (None: the stored dtype)
     X = np.asarray(f.X[src.rows[lo:hi]])
     G = PreparedRows(X, metric, cache_bytes=mem // 4)
     Qp = PreparedRows(Q, metric, prepared=True)

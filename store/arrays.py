@@ -5,7 +5,7 @@ byte, so this module sits below both (it imports neither)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,10 @@ def checksummed() -> tuple:
     return (ZstdCodec(level=3), Crc32cCodec())
 
 
+#: zarr's array config that writes every chunk, fill-valued ones too (a dict, as zarr takes it)
+_WRITE_EMPTY_CHUNKS: Any = {"write_empty_chunks": True}
+
+
 def create_row_array(g: zarr.Group, name: str, n: int, chunk_rows: int) -> zarr.Array:
     """(Re)create a split's ``ids`` (str) or ``labels`` (int64) array of ``n`` rows."""
     chunks = (min(chunk_rows, max(n, 1)),)
@@ -43,7 +47,7 @@ def create_aux_array(g: zarr.Group, name: str, n: int, chunk_rows: int, n_chunks
             dtype="bool",
             chunks=(chunk_rows,),
             fill_value=False,
-            config={"write_empty_chunks": True},
+            config=_WRITE_EMPTY_CHUNKS,
             **kw,
         )
     if name == "error":
@@ -53,7 +57,7 @@ def create_aux_array(g: zarr.Group, name: str, n: int, chunk_rows: int, n_chunks
             dtype=str,
             chunks=(chunk_rows,),
             fill_value=UNWRITTEN_ERROR,
-            config={"write_empty_chunks": True},
+            config=_WRITE_EMPTY_CHUNKS,
             **kw,
         )
     if name == "done":
@@ -70,6 +74,6 @@ def create_feature_array(g: zarr.Group, kind: str, n: int, chunk_rows: int, dim:
         chunks=(chunk_rows, dim),
         fill_value=np.nan,
         compressors=checksummed(),
-        config={"write_empty_chunks": True},
+        config=_WRITE_EMPTY_CHUNKS,
         overwrite=True,
     )

@@ -123,7 +123,7 @@ def build(
     if seed is not None:  # the architecture of the folder's config, seeded; its weights unread
         config = transformers.AutoConfig.from_pretrained(d, **trust)
         model = S.seeded(seed, lambda: transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code))
-        sha, tag, _ = S.load_weights(model, weights, "hf", name)
+        sha, tag = S.load_weights(model, weights, "hf", name)[:2]
         used, files = weights, []
     else:
         model = transformers.AutoModel.from_pretrained(d, **trust)
