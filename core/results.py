@@ -202,6 +202,18 @@ def verify_table_bytes(data: bytes, p: Path) -> bool:
 _MIN_PARQUET = 12
 
 
+def _truncated(data: bytes) -> bool:
+    """Too short for parquet and not a text table (a CSV gets its own message): empty, one
+    byte, or a few bytes that are not printable text."""
+    if len(data) >= _MIN_PARQUET:
+        return False
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return len(data) <= 1 or not all(c.isprintable() or c.isspace() for c in text)
+
+
 def _too_short(p: Path, n: int) -> str:
     return (
         f"{p} is {n} byte{'s' if n != 1 else ''} long: an empty or truncated file (an interrupted copy?), not a "
@@ -214,7 +226,7 @@ def _read_bytes(p: Path) -> bytes:
     ``os.replace`` between two opens would mix two files), checksum verified."""
     with open(p, "rb") as fh:
         data = fh.read()
-    if len(data) < _MIN_PARQUET:
+    if _truncated(data):
         raise ResultsError(_too_short(p, len(data)))
     if not _looks_like_parquet(data):
         raise ResultsError(
@@ -254,7 +266,7 @@ def check_results_path(path: str | os.PathLike | None) -> Path:
     if p.is_dir():
         raise ResultsError(f"results path {p} is a folder; {hint}, e.g. {p / 'results.parquet'}")
     if p.exists():
-        if p.is_file() and p.stat().st_size < _MIN_PARQUET:
+        if p.is_file() and p.stat().st_size < _MIN_PARQUET and _truncated(p.read_bytes()):
             raise ResultsError(_too_short(p, p.stat().st_size))
         if not _is_parquet(p):
             raise ResultsError(

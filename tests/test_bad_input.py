@@ -274,7 +274,7 @@ def test_cpu_fp16_records_the_fp32_it_computes_and_leaves_the_allocator_alone(tm
 
 
 needs_bf16 = pytest.mark.skipif(
-    not __import__("featcache.core.cpu").cpu.bf16_support()[0], reason="no CPU bf16 hardware"
+    not __import__("featcache.core.cpu").core.cpu.bf16_support()[0], reason="no CPU bf16 hardware"
 )
 
 

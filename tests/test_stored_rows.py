@@ -171,6 +171,12 @@ def test_load_scan_tells_which_rows_are_finite_without_reading(digits_cache, tmp
     shutil.copytree(digits_cache, p)
     arr = zarr.open_group(str(p), mode="r+")[f"features/{LITE0}/digits/train/pooled"]
     arr[700, 3] = np.inf  # a valid row with one bad value (its checksum rewritten by zarr)
+    from featcache.store import manifest
+    from featcache.store.summary import write_summary
+
+    root, group = zarr.open_group(str(p), mode="r+"), f"features/{LITE0}/digits/train"
+    write_summary(root[group], 512, 3, ("pooled",), root[f"{group}/valid"][:])  # as a writer records it
+    manifest.record(root, group)
     lazy = open_cache(str(p)).load(LITE0, "digits", "train", lazy=True)
     known = lazy.X.known_nonfinite()
     np.testing.assert_array_equal(known, ~np.isfinite(np.asarray(lazy.X)).all(axis=1))
