@@ -125,7 +125,8 @@ def test_elevater_multilabel_trains_a_bce_sgd_head_scored_with_the_toolkits_map(
         path, LITE0, DS, "elevater-fewshot:10", seeds=[0], search_epochs=2, final_epochs=5, progress=False
     )
     df = run_probes(replace(cfg, results_path=tmp_path / "r.parquet"))
-    assert set(df["metric"]) == {"map11", "map11_elevater", "roc_auc_macro"}
+    # map_clip_benchmark: every multi-label probe row set carries CLIP_benchmark's mAP (issue 33 item 7)
+    assert set(df["metric"]) == {"map11", "map11_elevater", "map_clip_benchmark", "roc_auc_macro"}
     hp = json.loads(df["hparams"][0])
     assert hp["solver"] == "elevater-sgd"
     assert hp["loss"] == "bce"

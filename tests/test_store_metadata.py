@@ -90,7 +90,7 @@ def test_ls_and_probe_on_a_bad_document_are_one_line(digits_store, tmp_path, cap
     _truncate(path / doc / "zarr.json")
     named = (
         f"damaged metadata document {doc}/zarr.json (metadata of {doc}): not valid JSON "
-        f"(Unterminated string starting at: line 16 column 5 (char 3"
+        "(Unterminated string starting at: line "  # where depends on the document's attributes
         if doc.startswith("features")
         else ""
     )
