@@ -42,7 +42,7 @@ def _lock_name(name: str) -> str:
     return name.replace("/", "~")
 
 
-def _local_root(store) -> str | None:
+def local_root(store) -> str | None:
     from zarr.storage import LocalStore
 
     return str(store.root) if isinstance(store, LocalStore) else None
@@ -58,7 +58,7 @@ class StoreLock:
         self.what = what or name
         self._file = None
         self._renewed = 0.0
-        self._local = _local_root(root_group.store)
+        self._local = local_root(root_group.store)
 
     # ---------------------------------------------------------------- public
     def _key(self) -> tuple:

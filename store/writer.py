@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -27,7 +28,7 @@ from featcache.store.cache import (
     open_cache,
 )
 from featcache.store.integrity import read_done, scan_group
-from featcache.store.locks import StoreLock
+from featcache.store.locks import StoreLock, local_root
 from featcache.store.schema import (
     GROUP_KEY,
     MAX_CHUNK_ROWS,
@@ -43,6 +44,9 @@ from featcache.store.space import no_space
 from featcache.store.summary import clear_summary, write_summary
 
 log = logging.getLogger(__name__)
+
+#: the temporary file zarr's LocalStore writes a chunk into before renaming it (``<key>.<uuid4 hex>.partial``)
+_ORPHAN_WRITE = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
 DTYPES = ("float16", "float32")
 
@@ -150,6 +154,7 @@ class FeatureWriter:
                 self._empty_group()
             else:
                 self.group = self.cache.root[self.path]
+                self._remove_orphan_writes()
                 self._restore_aux_arrays()
                 self._restore_lost_kinds(lost)
                 if not read_done(self.group, self.n_chunks).all():  # chunks will be written
@@ -157,6 +162,23 @@ class FeatureWriter:
                 return self
         self._create()
         return self
+
+    def _remove_orphan_writes(self) -> None:
+        """Delete the temporary chunk files a killed writer left in a local store (zarr writes a
+        chunk to ``<key>.<uuid>.partial`` and renames it; a kill between the two leaves the
+        temporary file). Under the writer lock no other writer's temporary file can be live."""
+        root = local_root(self.cache.root.store)
+        if root is None:
+            return
+        base = os.path.join(root, *self.path.split("/"))
+        gone = []
+        for top, _, files in os.walk(base):
+            for name in files:
+                if _ORPHAN_WRITE.search(name):
+                    os.unlink(os.path.join(top, name))
+                    gone.append(os.path.relpath(os.path.join(top, name), base))
+        if gone:
+            log.info("%s: removed %d unfinished chunk write(s) of a killed run: %s", self.path, len(gone), gone[:5])
 
     def _empty_group(self) -> None:
         """Empty the group in place for a rewrite (``--overwrite``): its metadata goes first, in

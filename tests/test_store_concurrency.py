@@ -163,6 +163,40 @@ def test_file_lock_held_by_another_process_refuses(tmp_path):
     w.release()
 
 
+def test_resume_removes_the_temporary_chunk_files_of_a_killed_writer(tmp_path):
+    """zarr's LocalStore writes a chunk to ``<key>.<uuid4 hex>.partial`` and renames it; a kill
+    between the two left that file behind, and the resumed group differed from a clean run by it
+    (test_kill9_and_resume_is_byte_identical failed so, at random). The resuming writer, holding
+    the lock, deletes exactly those files."""
+    path = tmp_path / "c.zarr"
+    write_features(
+        path,
+        backbone="pix",
+        dataset="d",
+        split="s",
+        X=np.ones((8, 4)),
+        ids=list("abcdefgh"),
+        labels=np.zeros(8, int),
+        class_names=["x"],
+        chunk_rows=4,
+    )
+    group = path / "features" / "pix" / "d" / "s"
+    before = {p.relative_to(group): p.read_bytes() for p in group.rglob("*") if p.is_file()}
+    orphan = group / "pooled" / "c" / "1" / "0.0123456789abcdef0123456789abcdef.partial"
+    orphan.write_bytes(b"(\xb5/\xfd half a chunk")
+    kept = group / "pooled" / "notes.partial"  # not zarr's pattern: not ours to delete
+    kept.write_bytes(b"a user's file")
+    cache = open_cache(path, "a")
+    w = _writer(cache, cache.split_meta("d", "s").fingerprint).prepare()
+    w.release()
+    assert not orphan.exists()
+    assert kept.exists()
+    kept.unlink()
+    after = {p.relative_to(group): p.read_bytes() for p in group.rglob("*") if p.is_file()}
+    assert after == before
+    assert verify(str(path)) == []
+
+
 def test_lease_on_other_stores(monkeypatch):
     store = zarr.storage.MemoryStore()
     write_features(
