@@ -697,50 +697,35 @@ def zeroshot(arg: str | None = None) -> Protocol:
     )
 
 
-@register_protocol("vtab1k")
-def vtab1k(arg: str | None = None) -> Protocol:
-    _no_arg("vtab1k", arg)
+def _vtab1k(spec: str, arg: str | None, split: str, solver: str = "lbfgs", grid=None, **extra) -> Protocol:
+    """A VTAB-1k probe protocol: three seeds, the median reported."""
+    _no_arg(spec, arg)
     return Protocol(
-        spec="vtab1k",
-        name="vtab1k",
+        spec=spec,
+        name=spec,
         stage="probe",
-        split="vtab1k",
-        solver="lbfgs",
-        grid=CGrid(),
+        split=split,
+        solver=solver,
+        grid=CGrid() if grid is None else grid,
         seeds=(0, 1, 2),
         median_over_seeds=True,
+        **extra,
     )
+
+
+@register_protocol("vtab1k")
+def vtab1k(arg: str | None = None) -> Protocol:
+    return _vtab1k("vtab1k", arg, "vtab1k")
 
 
 @register_protocol("vtab1k-stratified")
 def vtab1k_stratified(arg: str | None = None) -> Protocol:
-    _no_arg("vtab1k-stratified", arg)
-    return Protocol(
-        spec="vtab1k-stratified",
-        name="vtab1k-stratified",
-        stage="probe",
-        split="vtab1k-stratified",
-        solver="lbfgs",
-        grid=CGrid(),
-        seeds=(0, 1, 2),
-        median_over_seeds=True,
-    )
+    return _vtab1k("vtab1k-stratified", arg, "vtab1k-stratified")
 
 
 @register_protocol("vtab1k-sgd")
 def vtab1k_sgd(arg: str | None = None) -> Protocol:
-    _no_arg("vtab1k-sgd", arg)
-    return Protocol(
-        spec="vtab1k-sgd",
-        name="vtab1k-sgd",
-        stage="probe",
-        split="vtab1k",
-        solver="sgd",
-        grid=VTAB_SGD,
-        seeds=(0, 1, 2),
-        pairs_with="vtab1k-light",
-        median_over_seeds=True,
-    )
+    return _vtab1k("vtab1k-sgd", arg, "vtab1k", solver="sgd", grid=VTAB_SGD, pairs_with="vtab1k-light")
 
 
 @register_protocol("salman")

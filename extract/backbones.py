@@ -136,7 +136,7 @@ def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, 
         where = pcfg.hf_hub_id or pcfg.url
         raise WeightsNotFoundError(
             f"timm weights for {name!r} ({where}) are not in the local cache "
-            f"(HF cache {_w._hf_cache_dir()}, torch hub {_w._torch_hub_dir()}); weights='timm' never "
+            f"(HF cache {_w.hf_cache_dir()}, torch hub {_w.torch_hub_dir()}); weights='timm' never "
             f"downloads: use weights='pretrained' (timm's own download into the hub cache), or on a connected "
             f"machine run `featcache fetch-weights --model {name} --weights pretrained` and copy the cache here "
             "(set HF_HOME), "

@@ -71,10 +71,10 @@ def _timm() -> Iterator[tuple[str, str, bool | None]]:
 def _open_clip() -> Iterator[tuple[str, str, bool | None]]:
     import open_clip
 
-    from featcache.extract.sources.open_clip_source import _cached
+    from featcache.extract.sources.open_clip_source import cached_file
 
     for arch, tag in open_clip.list_pretrained():
-        yield f"open_clip:{arch}", tag, _cached(open_clip.get_pretrained_cfg(arch, tag)) is not None
+        yield f"open_clip:{arch}", tag, cached_file(open_clip.get_pretrained_cfg(arch, tag)) is not None
 
 
 def _torchvision() -> Iterator[tuple[str, str, bool | None]]:

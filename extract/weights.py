@@ -321,7 +321,7 @@ def find_package_checkpoint(package: str) -> Path:
     return found[0]
 
 
-def _hf_cache_dir() -> Path:
+def hf_cache_dir() -> Path:
     env = os.environ
     if env.get("HF_HUB_CACHE"):
         return Path(env["HF_HUB_CACHE"])
@@ -331,7 +331,7 @@ def _hf_cache_dir() -> Path:
     return Path(home) / "hub"
 
 
-def _torch_hub_dir() -> Path:
+def torch_hub_dir() -> Path:
     env = os.environ
     home = env.get("TORCH_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch")
     return Path(home) / "hub" / "checkpoints"
@@ -349,12 +349,12 @@ def find_timm_cached_checkpoint(pretrained_cfg: Mapping[str, Any]) -> Path | Non
 
         names = [pretrained_cfg.get("hf_hub_filename"), "model.safetensors", "pytorch_model.bin"]
         for fname in [n for n in names if n]:
-            hit = try_to_load_from_cache(hub_id, fname, cache_dir=str(_hf_cache_dir()))
+            hit = try_to_load_from_cache(hub_id, fname, cache_dir=str(hf_cache_dir()))
             if isinstance(hit, str) and os.path.isfile(hit):
                 return Path(hit)
     url = pretrained_cfg.get("url")
     if url:
-        cand = _torch_hub_dir() / os.path.basename(url.split("?")[0])
+        cand = torch_hub_dir() / os.path.basename(url.split("?")[0])
         if cand.is_file():
             return cand
     return None

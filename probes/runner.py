@@ -34,9 +34,9 @@ from featcache.probes.config import ProbeConfig
 from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
 from featcache.probes.store_lookup import (  # the store side, shared with ProbeConfig.run_ids
     TEXT_SOURCE_KEYS,
-    _cache_for,
-    _open_caches,
-    _resolve_backbones,
+    cache_for,
+    open_caches,
+    resolve_backbones,
     resolve_val_source,
     text_fingerprint,
 )
@@ -115,7 +115,7 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: b
 def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     """Load and check every split ``b`` is probed on (before anything is fitted)."""
     ds = cfg.dataset
-    c = _cache_for(caches, b, ds)
+    c = cache_for(caches, b, ds)
     splits = c.splits(ds)
     if cfg.train_split not in splits:
         raise NotInStoreError(f"dataset {ds!r} has no split {cfg.train_split!r} (has {splits})")
@@ -249,7 +249,7 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, v
 def _class_embeddings(caches, b: str, cfg: ProbeConfig) -> np.ndarray:
     """``b``'s class embeddings for the dataset (its text tower's; else dataset-level), checked
     against the tower that extracted ``b``'s features and the templates asked for."""
-    c = _cache_for(caches, b, cfg.dataset)
+    c = cache_for(caches, b, cfg.dataset)
     m = np.asarray(c.load_class_embeddings(cfg.dataset, cfg.head_init, backbone=b), np.float64)
     _check_text_provenance(c, b, cfg)
     return m
@@ -307,17 +307,17 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     proto, cfg = config.resolve()
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before the fits
-    caches = _open_caches(cfg.cache)
+    caches = open_caches(cfg.cache)
     cfg = resolve_val_source(cfg, proto, caches)
-    backbones = _resolve_backbones(caches, cfg)
+    backbones = resolve_backbones(caches, cfg)
     data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
     _check_alignment({b: d.splits() for b, d in data.items()})
     cfg = _task_metric(caches, backbones, cfg, data)
     if data[backbones[0]].train.Y is not None:
         _check_multilabel(proto, cfg)
     hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
-    src = {b: text_source(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
-    text_fp = {b: text_fingerprint(_cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
+    src = {b: text_source(cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
+    text_fp = {b: text_fingerprint(cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
 
     assert cfg.seeds is not None  # resolve() fills in the protocol's seeds
     run_ids = {(b, s): _run_ids(cfg, proto, b, s, data[b], text_fp.get(b, "")) for b in backbones for s in cfg.seeds}
@@ -502,7 +502,7 @@ def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str,
     multilabel = next(iter(data.values())).train.Y is not None
     metric = (
         cfg.metric
-        or task_metric(_cache_for(caches, backbones[0], cfg.dataset), cfg.dataset)
+        or task_metric(cache_for(caches, backbones[0], cfg.dataset), cfg.dataset)
         or (MULTILABEL_DEFAULT if multilabel else "top1")
     )
     if multilabel and metric not in MULTILABEL_METRICS:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TEXT_SOURCE_KEYS", "resolve_val_source", "store_fingerprints", "text_fingerprint"]
 
 
-def _open_caches(cache_path) -> list:
+def open_caches(cache_path) -> list:
     from featcache.store import open_cache
 
     paths = (
@@ -59,7 +59,7 @@ def _not_held(caches, dataset: str, what: str) -> NotInStoreError:
     )
 
 
-def _cache_for(caches, backbone: str, dataset: str):
+def cache_for(caches, backbone: str, dataset: str):
     for c in caches:
         if any(b == backbone and d == dataset for b, d, _ in c.entries()):
             return c
@@ -70,7 +70,7 @@ def _has(cache, backbone, dataset, split) -> bool:
     return any(e == (backbone, dataset, split) for e in cache.entries())
 
 
-def _resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
+def resolve_backbones(caches, cfg: ProbeConfig) -> list[str]:
     backbones = list(cfg.backbones)
     if backbones == ["all"]:
         backbones = sorted(
@@ -108,10 +108,10 @@ def text_fingerprint(cache: FeatureCache, b: str, cfg: ProbeConfig) -> str:
 def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str, str]]:
     """``{backbone: {eval split: store fingerprint}}`` of a resolved config, as
     :func:`run_probes` computes them, from provenance records only (no feature is read)."""
-    caches = _open_caches(cfg.cache)
+    caches = open_caches(cfg.cache)
     out = {}
-    for b in _resolve_backbones(caches, cfg):
-        c = _cache_for(caches, b, cfg.dataset)
+    for b in resolve_backbones(caches, cfg):
+        c = cache_for(caches, b, cfg.dataset)
         val = cfg.val_split_used(proto, c.splits(cfg.dataset))
         names: list[str] = [cfg.train_split, *([val] if val else []), *cfg.eval_splits]
         read = dict.fromkeys(names)
@@ -147,7 +147,7 @@ def resolve_val_source(cfg: ProbeConfig, proto: Protocol, caches: list | None = 
         return cfg
     if proto.split != "vtab1k":
         return replace(cfg, val_source="split-800-200")
-    caches = _open_caches(cfg.cache) if caches is None else caches
+    caches = open_caches(cfg.cache) if caches is None else caches
     splits = set(next((c.splits(cfg.dataset) for c in caches if cfg.dataset in c.datasets()), []))
     official = replace(cfg, val_source="official-val")
     default_names = (cfg.train_split, cfg.val_split) == (type(cfg).train_split, type(cfg).val_split)

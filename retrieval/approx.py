@@ -30,7 +30,7 @@ from featcache.retrieval.index import (
 )
 from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize
 from featcache.retrieval.prepared import PreparedRows
-from featcache.retrieval.search import _policy_sort, drop_excluded, search_depth, topk
+from featcache.retrieval.search import drop_excluded, policy_sort, search_depth, topk
 
 if TYPE_CHECKING:
     from featcache.retrieval.relevance import Relevance
@@ -72,7 +72,7 @@ def approx_topk(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The index's top-k of every query, policy-sorted, excluded items removed (as :func:`topk`)."""
     depth = search_depth(k, int(index.ntotal), relevance)
-    sc, ix = _policy_sort(*index_search(index, Q, depth, metric))
+    sc, ix = policy_sort(*index_search(index, Q, depth, metric))
     sc, ix, _ = drop_excluded(sc, ix, k, relevance)
     return sc, ix
 

@@ -333,7 +333,7 @@ def raw_search(
         return _search_numpy(Q, G, k, metric, max_memory, bar)
 
 
-def _policy_sort(sc: np.ndarray, ix: np.ndarray):
+def policy_sort(sc: np.ndarray, ix: np.ndarray):
     key = np.where(ix < 0, np.iinfo(np.int64).max, ix)
     o = np.lexsort((key, -sc), axis=1)
     return np.take_along_axis(sc, o, axis=1), np.take_along_axis(ix, o, axis=1)
@@ -421,7 +421,7 @@ def topk(
     depth = search_depth(k, n_g, relevance)
     backend = choose_backend(backend, depth, streamed=Q.streamed or G.streamed)
     sc, ix = raw_search(Q, G, depth, metric, backend, max_memory, progress)
-    sc, ix = _policy_sort(sc, ix)
+    sc, ix = policy_sort(sc, ix)
     last = sc[:, -1].copy()  # every item scoring above this was returned
     sc, ix, n_kept = drop_excluded(sc, ix, k, relevance)
     if depth < n_g:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featcache.retrieval.prepared import MIN_BLOCK_ROWS, PreparedRows
-from featcache.retrieval.search import _policy_sort, drop_excluded, parse_memory, search_depth, topk
+from featcache.retrieval.search import drop_excluded, parse_memory, policy_sort, search_depth, topk
 
 if TYPE_CHECKING:
     from featcache.retrieval.relevance import Relevance
@@ -114,7 +114,7 @@ def sharded_topk(
     parts = client.gather(futs)
     sc = np.concatenate([p[0] for p in parts], axis=1)
     ix = np.concatenate([p[1] for p in parts], axis=1)
-    sc, ix = _policy_sort(sc, ix)
+    sc, ix = policy_sort(sc, ix)
     sc, ix = sc[:, :depth], ix[:, :depth]
     sc, ix, _ = drop_excluded(sc, ix, k, relevance)
     used = sorted({p[2] for p in parts})

@@ -128,10 +128,10 @@ def _touches(rel: str, damaged: set[str]) -> bool:
 
 
 def _listing(cache: FeatureCache, local: str | None, rep: VerifyReport):
-    import os
-
     """(splits, feature groups): from the documents on disk for a local store (one damaged
     document does not end the listing), else through zarr; metadata digests of other stores."""
+    import os
+
     if local is None:
         from featcache.store.metadata import changed
 

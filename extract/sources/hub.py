@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from featcache.errors import BackboneError, WeightsNotFoundError
+from featcache.extract.weights import hf_cache_dir  # the one reading of HF_HUB_CACHE/HF_HOME
 
 __all__ = [
     "HUB_ID",
@@ -32,13 +33,6 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".npz")
 _SNAPSHOT = re.compile(r"[/\\]snapshots[/\\]([0-9a-f]{40})[/\\]")
 _TRUE = ("1", "true", "yes", "on")
-
-
-def hf_cache_dir() -> Path:
-    """The hub cache ``huggingface_hub`` uses (``HF_HUB_CACHE``, else ``HF_HOME/hub``)."""
-    from featcache.extract.weights import _hf_cache_dir
-
-    return _hf_cache_dir()
 
 
 def is_offline(offline: bool = False) -> bool:

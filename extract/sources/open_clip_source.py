@@ -64,7 +64,7 @@ def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tup
     repo = (cfg.get("hf_hub") or "").rstrip("/").rsplit("/", 1)[0] if cfg.get("hf_hub") else None
     try:
         if hub.is_offline(offline):
-            path = _cached(cfg)
+            path = cached_file(cfg)
             if path is None:
                 raise hub.missing(f"open_clip:{name} ({weights})", f"--model open_clip:{name} --weights {weights}")
         else:
@@ -76,7 +76,7 @@ def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tup
     return path, {"pretrained_tag": weights, "hub_id": repo, "revision": hub.revision_of(path)}
 
 
-def _cached(cfg: dict[str, Any]) -> str | None:
+def cached_file(cfg: dict[str, Any]) -> str | None:
     """The cached file of an open_clip pretrained config (hub cache or its url's cache)."""
     import os
 
