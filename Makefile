@@ -52,7 +52,7 @@ demo: setup demo-deps
 # fixtures are built once; TEST_WORKERS=0 runs them in this process
 TEST_WORKERS ?= auto
 test: setup system-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # pyright (basic mode, settings in pyproject's [tool.pyright]) finds `import featcache.x` only through a
 # folder named featcache; a clone may be named otherwise, so it runs in a temporary folder holding a
