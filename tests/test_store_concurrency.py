@@ -108,6 +108,21 @@ def test_synchronised_extracts_share_a_fresh_store(tmp_path):
     assert _chunks(same) == {k: v for k, v in _chunks(ref).items() if "@random" not in k}
 
 
+def _small_group(where) -> None:
+    """The 8-row, two-chunk group ``pix/d/s`` that :func:`_writer` resumes."""
+    write_features(
+        where,
+        backbone="pix",
+        dataset="d",
+        split="s",
+        X=np.ones((8, 4)),
+        ids=list("abcdefgh"),
+        labels=np.zeros(8, int),
+        class_names=["x"],
+        chunk_rows=4,
+    )
+
+
 def _writer(cache, fp):
     prov = make_provenance(
         backbone="pix",
@@ -125,17 +140,7 @@ def _writer(cache, fp):
 
 def test_file_lock_held_by_another_process_refuses(tmp_path):
     path = tmp_path / "c.zarr"
-    write_features(
-        path,
-        backbone="pix",
-        dataset="d",
-        split="s",
-        X=np.ones((8, 4)),
-        ids=list("abcdefgh"),
-        labels=np.zeros(8, int),
-        class_names=["x"],
-        chunk_rows=4,
-    )
+    _small_group(path)
     lock = path / locks_mod.LOCK_DIR / "features~pix~d~s.lock"
     holder = subprocess.Popen(
         [
@@ -169,17 +174,7 @@ def test_resume_removes_the_temporary_chunk_files_of_a_killed_writer(tmp_path):
     (test_kill9_and_resume_is_byte_identical failed so, at random). The resuming writer, holding
     the lock, deletes exactly those files."""
     path = tmp_path / "c.zarr"
-    write_features(
-        path,
-        backbone="pix",
-        dataset="d",
-        split="s",
-        X=np.ones((8, 4)),
-        ids=list("abcdefgh"),
-        labels=np.zeros(8, int),
-        class_names=["x"],
-        chunk_rows=4,
-    )
+    _small_group(path)
     group = path / "features" / "pix" / "d" / "s"
     before = {p.relative_to(group): p.read_bytes() for p in group.rglob("*") if p.is_file()}
     orphan = group / "pooled" / "c" / "1" / "0.0123456789abcdef0123456789abcdef.partial"
@@ -199,17 +194,7 @@ def test_resume_removes_the_temporary_chunk_files_of_a_killed_writer(tmp_path):
 
 def test_lease_on_other_stores(monkeypatch):
     store = zarr.storage.MemoryStore()
-    write_features(
-        open_cache(store, "a"),
-        backbone="pix",
-        dataset="d",
-        split="s",
-        X=np.ones((8, 4)),
-        ids=list("abcdefgh"),
-        labels=np.zeros(8, int),
-        class_names=["x"],
-        chunk_rows=4,
-    )
+    _small_group(open_cache(store, "a"))
     cache = open_cache(store, "a")
     fp = cache.split_meta("d", "s").fingerprint
     lease = cache.root.require_group("locks/features~pix~d~s")
