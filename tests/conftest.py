@@ -26,18 +26,19 @@ def pytest_configure(config):
     if not (count and worker and hasattr(os, "sched_setaffinity")):
         return
     cpus, k = sorted(os.sched_getaffinity(0)), int(count)
-    share = cpus[int(worker.removeprefix("gw")) % k :: k] if len(cpus) >= k else cpus
+    threads = 1  # more workers than CPUs: no pinning, one thread each
     if len(cpus) >= k:
+        share = cpus[int(worker.removeprefix("gw")) % k :: k]
         os.sched_setaffinity(0, share)
-    threads = str(len(share) if len(cpus) >= k else 1)
+        threads = len(share)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(var, threads)
+        os.environ.setdefault(var, str(threads))
 
 
 #: the test files that each took 60 s or more of one worker's time (a full run on the 2-core CI
 #: machine, 2026-12-03), longest first. pytest-xdist's ``--dist loadfile --no-loadscope-reorder``
-#: (``make test``) hands out files in collection order, so these go first and the short files fill in behind them: the run no longer
-#: ends on one long file with the other worker idle. A stale list costs balance, never a verdict.
+#: (``make test``) hands out files in collection order, so these go first and the short files
+#: fill in behind them. A stale list costs balance, never a verdict.
 LONGEST_FILES = (
     "test_sweep_halving.py",
     "test_probe_runner.py",
