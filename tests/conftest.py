@@ -36,17 +36,20 @@ def pytest_configure(config):
 
 
 #: the test files that each took 60 s or more of one worker's time (a full run on the 2-core CI
-#: machine, 2026-12-03), longest first. pytest-xdist's ``--dist loadfile --no-loadscope-reorder``
+#: machine, 2026-12-03), long first. pytest-xdist's ``--dist loadfile --no-loadscope-reorder``
 #: (``make test``) hands out files in collection order, so these go first and the short files
-#: fill in behind them. A stale list costs balance, never a verdict.
+#: fill in behind them. The first file builds the session stores (digits, then Fashion-MNIST,
+#: see _built_once); the next two need neither, so the other worker is not left waiting on
+#: that file lock (it waited 32 s and 48 s when two store users came first). A stale list costs
+#: balance, never a verdict.
 LONGEST_FILES = (
-    "test_sweep_halving.py",
-    "test_probe_runner.py",
+    "test_sweep_halving.py",  # digits_cache, fmnist_cache
     "test_distributed.py",
+    "test_demo.py",
+    "test_probe_runner.py",  # digits_cache, fmnist_cache
     "test_sweep.py",
     "test_finetune.py",
     "test_store_backends.py",
-    "test_demo.py",
     "test_store_faults.py",
     "test_model_sources_processes.py",
     "test_store_hostile.py",

