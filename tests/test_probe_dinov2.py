@@ -83,6 +83,8 @@ def test_dinov2_protocol_matches_its_log_regression(pix, tmp_path):
     assert hp["tol"] == 1e-12
     assert hp["n_val"] == len(ft) == N_TRAIN // 10
     assert hp["C"] == pytest.approx(C_ref, rel=1e-6)
+    # measured 2026-12-03 with OMP_NUM_THREADS=1 and =2, TEST_WORKERS=0: the same C (1.0) and the same top-1
+    # (0.84667) as the port at both; the bar allows one test sample
     assert row["value"] == pytest.approx(top1_ref, abs=1 / N_TEST)
     full = run_probes(ProbeConfig(path, "pix", "digits", "full", results_path=res, Cs=Cs, progress=False))
     hf = json.loads(full["hparams"][0])

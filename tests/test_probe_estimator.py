@@ -106,6 +106,7 @@ def test_sweep_heads_equal_individual_fits(digits):
         single = LogisticProbe(C=C, backend="torch").fit(Xtr[tr], ytr[tr])
         coef, inter = sw.heads[i]
         ps = (Xtr[va] @ coef.T + inter).argmax(1)
+        # measured 2026-12-03 with OMP_NUM_THREADS=1 and =2, TEST_WORKERS=0: 1.0 (every prediction the same) at all four C, both thread counts
         assert np.mean(ps == single.predict(Xtr[va])) >= 0.98
         assert sw.val_top1[i] == pytest.approx(np.mean(ps == ytr[va]))
     assert sw.best_index == int(np.flatnonzero(np.array(sw.val_top1) == max(sw.val_top1))[0])
@@ -115,9 +116,14 @@ def test_sweep_sklearn_backend_selects_like_torch(digits):
     Xtr, ytr, _, _ = digits
     tr, va = np.arange(1100), np.arange(1100, 1347)
     Cs = [1e-5, 1e-3, 1e-1]
-    a = sweep_C(Xtr[tr], ytr[tr], Xtr[va], ytr[va], Cs, backend="torch")
-    b = sweep_C(Xtr[tr], ytr[tr], Xtr[va], ytr[va], Cs, backend="sklearn")
+    # converged (tol 1e-6), the two solvers reach the same heads: validation top-1 149, 215 and 224
+    # of 247 for both ({M});
+    # at the default tol 1e-4 they stop at different points near the optimum, 226 against 224 at
+    # C=0.1, 2 of the 2.47 samples the bar allows, a margin that a machine's kernels can move
+    a = sweep_C(Xtr[tr], ytr[tr], Xtr[va], ytr[va], Cs, backend="torch", tol=1e-6)
+    b = sweep_C(Xtr[tr], ytr[tr], Xtr[va], ytr[va], Cs, backend="sklearn", tol=1e-6)
     assert np.allclose(a.val_top1, b.val_top1, atol=0.01)
+    assert a.best_index == b.best_index
     assert a.backend == "torch"
     assert b.backend == "sklearn"
 
@@ -129,6 +135,7 @@ def test_head_init_is_used(digits):
     protos /= np.linalg.norm(protos, axis=1, keepdims=True)
     p0 = LogisticProbe(C=1.0, backend="torch", max_iter=0, head_init=protos * 20).fit(Xtr, ytr)
     z0 = LogisticProbe(C=1.0, backend="torch", max_iter=0).fit(Xtr, ytr)
+    # measured 2026-12-03 with OMP_NUM_THREADS=1 and =2, TEST_WORKERS=0: 0.784 and 0.100 at both
     assert p0.score(Xte, yte) > 0.5
     assert z0.score(Xte, yte) < 0.2
     assert not p0.converged_
@@ -136,7 +143,7 @@ def test_head_init_is_used(digits):
     # a converged fit reaches the same optimum from either start (convex problem)
     a = LogisticProbe(C=0.1, backend="torch", head_init=protos).fit(Xtr, ytr)
     b = LogisticProbe(C=0.1, backend="torch").fit(Xtr, ytr)
-    assert np.mean(a.predict(Xte) == b.predict(Xte)) >= 0.98
+    assert np.mean(a.predict(Xte) == b.predict(Xte)) >= 0.98  # measured 0.9978 at 1 and 2 threads
     with pytest.raises(ProbeError, match="dimension"):
         LogisticProbe(head_init=protos[:, :10]).fit(Xtr, ytr)
     with pytest.raises(ProbeError, match="rows"):

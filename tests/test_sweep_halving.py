@@ -166,7 +166,9 @@ def fmnist_split(fmnist_cache):
 def _check_against_exhaustive(Xt, yt, Xv, yv):
     ex = sweep_C(Xt, yt, Xv, yv, DEFAULT_CS, backend="torch", block=1)
     hv = sweep_C(Xt, yt, Xv, yv, DEFAULT_CS, backend="torch", sweep="halving")
-    # the same C, or one whose (exhaustive, converged) validation top-1 is within 0.1 point
+    # the same C, or one whose (exhaustive, converged) validation top-1 is within 0.1 point;
+    # measured 2026-12-03 with OMP_NUM_THREADS=1 and =2, TEST_WORKERS=0: the same C on both data sets at both
+    # (digits 0.01, Fashion-MNIST 0.00178), 5 heads kept, head iterations 265/334 and 327/462
     assert hv.best_C == ex.best_C or ex.val_top1[hv.best_index] >= max(ex.val_top1) - 1e-3
     assert hv.converged[hv.best_index]
     assert hv.heads[hv.best_index] is not None

@@ -165,6 +165,8 @@ def test_multilabel_task_runs_one_vs_rest_probes_scored_with_map11_and_auc(multi
     S = OneVsRestClassifier(LogisticProbe(C=hp["C"])).fit(Xtr, Ytr).predict_proba(Xte)
     assert _value(df, "roc_auc_macro") == pytest.approx(roc_auc_score(Yte, S, average="macro"), abs=1e-12)
     assert _value(df, "map11") == pytest.approx(ref_map11(Yte, S), abs=1e-12)
+    # measured 2026-12-03 with OMP_NUM_THREADS=1 and =2, TEST_WORKERS=0: map11 0.9732 and macro AUC 0.9951 at
+    # both (the same C, 0.01); the exact checks above are the test, these bars only guard the data
     assert _value(df, "map11") > 0.9
     assert _value(df, "roc_auc_macro") > 0.95
 
