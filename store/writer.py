@@ -349,6 +349,23 @@ class FeatureWriter:
         self.release()
 
 
+def library_version(name: str) -> str:
+    """``name.__version__`` where this process imported it (the library that made the features,
+    build tag included: ``2.14.1+cpu``); else the installed distribution's version, read from its
+    metadata without importing it (a process that writes features from elsewhere does not pay
+    seconds of ``import torch`` for a string); ``""`` where it is not installed."""
+    import importlib.metadata
+    import sys
+
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__version__", None):
+        return str(module.__version__)
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
 def make_provenance(
     *,
     backbone: str,
@@ -370,26 +387,14 @@ def make_provenance(
     """Fill versions and timestamps; everything else comes from the caller."""
     from featcache import __version__
 
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:  # pragma: no cover - features from elsewhere
-        torch_version = ""
-    try:
-        import timm
-
-        timm_version = timm.__version__
-    except ImportError:  # pragma: no cover
-        timm_version = ""
     return FeatureProvenance(
         schema_version=SCHEMA_VERSION,
         backbone=backbone,
         model_name=model_name or backbone,
         weights_source=weights_source,
         weights_sha256=weights_sha256,
-        timm_version=timm_version,
-        torch_version=torch_version,
+        timm_version=library_version("timm"),
+        torch_version=library_version("torch"),
         featcache_version=__version__,
         data_config=dict(data_config or {}),
         kind=kind,

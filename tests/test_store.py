@@ -119,6 +119,50 @@ def test_catalog_and_provenance(tmp_path, digits_pixels):
     assert open_cache(path2).load("pix", "digits", "train").fingerprint != f.fingerprint
 
 
+WRITE_WITHOUT_TORCH = """
+import json, sys
+import numpy as np
+from featcache.store import open_cache, write_features
+write_features(sys.argv[1], backbone="pix", dataset="d", split="s", X=np.ones((4, 2)), ids=list("abcd"),
+               labels=np.zeros(4, int), class_names=["x"])
+p = open_cache(sys.argv[1]).load("pix", "d", "s").provenance
+print(json.dumps([p["torch_version"], p["timm_version"], "torch" in sys.modules, "timm" in sys.modules]))
+"""
+
+
+def test_versions_recorded_without_importing_torch(tmp_path):
+    """A process that writes features from elsewhere records the installed torch and timm from
+    their metadata, without importing them; a process that imported them records their own
+    ``__version__`` (with torch's build tag)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    import timm
+    import torch
+
+    run = subprocess.run(
+        [sys.executable, "-c", WRITE_WITHOUT_TORCH, str(tmp_path / "a.zarr")], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    torch_v, timm_v, imported_torch, imported_timm = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (imported_torch, imported_timm) == (False, False)
+    assert (torch_v, timm_v) == (importlib.metadata.version("torch"), importlib.metadata.version("timm"))
+    assert torch.__version__.split("+")[0] == torch_v
+    write_features(
+        str(tmp_path / "b.zarr"),
+        backbone="pix",
+        dataset="d",
+        split="s",
+        X=np.ones((4, 2)),
+        ids=list("abcd"),
+        labels=np.zeros(4, int),
+        class_names=["x"],
+    )
+    p = open_cache(str(tmp_path / "b.zarr")).load("pix", "d", "s").provenance
+    assert (p["torch_version"], p["timm_version"]) == (torch.__version__, timm.__version__)
+
+
 def test_plain_zarr_reads_documented_layout(tmp_path, digits_pixels):
     X, y, names = digits_pixels
     path, ids = _write(tmp_path, X, y, names)
