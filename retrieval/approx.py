@@ -27,6 +27,7 @@ from featcache.retrieval.index import (
     save_index,
     search_params,
     set_search_params,
+    write_index_to,
 )
 from featcache.retrieval.metrics import compute_metrics, ranks_from_hits, summarize
 from featcache.retrieval.prepared import PreparedRows
@@ -121,9 +122,7 @@ def tune(
 
 
 def _serialized_bytes(index: Any) -> int:
-    import faiss
-
-    return int(faiss.serialize_index(index).size)
+    return write_index_to(index, None)[0]  # counted as written, without a copy of the bytes
 
 
 def choose_index(G: PreparedRows, spec: IndexSpec, n_holdout: int = 1000) -> BuiltIndex:

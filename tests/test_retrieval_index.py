@@ -272,3 +272,60 @@ def test_sharded_dask_equals_single_process(digits_cache, tmp_path):
     cols = ["run_id", "kind", "protocol", "metric", "value", "n_eval"]
     assert sharded.select(cols).equals(single.select(cols))
     assert _hp(sharded.filter(pl.col("kind") == "retrieval"))["shards"] == 2
+
+
+def test_index_streams_to_and_from_files_as_faiss_serialises_it(tmp_path):
+    """save_index writes FAISS's own serialisation in blocks (the same bytes and sha256 as
+    ``faiss.serialize_index``, never a second copy in memory); load_index reads it back to the
+    same search results, and refuses bytes that are not the recorded ones."""
+    import hashlib
+
+    import faiss
+
+    from featcache.retrieval.index import BuiltIndex, load_index, save_index
+
+    X = np.random.default_rng(0).standard_normal((3000, 16)).astype(np.float32)
+    index = faiss.index_factory(16, "IVF4,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(X)
+    index.add(X)
+    ref = faiss.serialize_index(index).tobytes()
+    prov = save_index(BuiltIndex(index, "IVF4,Flat", {"factory": "IVF4,Flat"}), str(tmp_path), "k", {"n": 3000})
+    with open(tmp_path / "k.faiss", "rb") as fh:
+        assert fh.read() == ref
+    assert prov["sha256"] == hashlib.sha256(ref).hexdigest()
+    assert prov["bytes"] == len(ref)
+    back = load_index(str(tmp_path), "k", {"n": 3000})
+    assert back is not None
+    assert back.reused
+    assert [a.tolist() for a in back.index.search(X[:5], 7)] == [a.tolist() for a in index.search(X[:5], 7)]
+    assert load_index(str(tmp_path), "k", {"n": 2999}) is None  # another gallery's record
+    with open(tmp_path / "k.faiss", "ab") as fh:  # trailing bytes FAISS would not even read
+        fh.write(b"\0")
+    assert load_index(str(tmp_path), "k", {"n": 3000}) is None
+
+
+@pytest.mark.parametrize(
+    "factory", ["Flat", "IVF16,Flat", "IVF16,PQ8", "HNSW8", "IVF16_HNSW8,Flat", "OPQ8,IVF16,PQ8", "IVF16,SQ8"]
+)
+def test_rows_added_into_final_size_buffers_make_the_same_index(monkeypatch, factory):
+    """add_rows allocates flat stores and IVF lists at their final size (no doubling
+    buffers), IVF rows added with their precomputed lists: the index is byte for byte the one
+    ``index.add`` of every block makes (RESERVE_BYTES 0: every index takes that path)."""
+    import faiss
+
+    from featcache.retrieval import index as I
+
+    monkeypatch.setattr(I, "RESERVE_BYTES", 0)
+    X = np.random.default_rng(0).standard_normal((5000, 32)).astype(np.float16)
+    G = PreparedRows(X, "cosine", cache_bytes=0)
+    assert len(G.bounds()) > 1  # several blocks
+    plain, reserved = (faiss.index_factory(32, factory, faiss.METRIC_INNER_PRODUCT) for _ in range(2))
+    if not plain.is_trained:
+        sample = G.take(np.arange(0, 5000, 2))
+        plain.train(sample)
+        reserved.train(sample)
+    for _, _, Gb in G.blocks():
+        plain.add(Gb)
+    I.add_rows(reserved, G)
+    assert reserved.ntotal == 5000
+    assert faiss.serialize_index(reserved).tobytes() == faiss.serialize_index(plain).tobytes()
