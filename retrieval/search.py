@@ -284,23 +284,89 @@ def _search_torch_inner(Q, G, k, metric, device: str, max_memory: int, bar=None)
     return _pad(sc, ix, k)
 
 
+#: float32 unit roundoff: a float32 dot product of D terms, summed in any order, is within
+#: D*u/(1-D*u) * sum|q_i g_i| <= that * |q| |g| of the exact one (Higham, Accuracy and
+#: Stability of Numerical Algorithms, 2nd ed., eq. 3.5)
+_U32 = 2.0**-24
+
+
+def _float32_error_bound(d: int, q_norm: np.ndarray, g_norm_max: float) -> np.ndarray:
+    """Per query: twice the largest gap between a float32 GEMM score and the exact score
+    rounded to float32 (``2 (gamma_D + u) |q| max|g|``, with 1 % slack for the norms' own
+    rounding), so a row scoring that far below the k-th float32 score is out of the top k."""
+    gamma = d * _U32 / (1 - d * _U32)
+    return 2.02 * (gamma + _U32) * q_norm * g_norm_max
+
+
+#: candidates a query may have for float64 rescoring (beyond it, e.g. thousands of exact
+#: ties at the k-th score, the row is scored whole in float64: memory stays bounded)
+MAX_CANDIDATES = 4096
+
+
+def _topk_float64(Qb: np.ndarray, G, kk: int, metric: str, g_sq=None) -> tuple[np.ndarray, np.ndarray]:
+    """Top ``kk`` of every :func:`score_block` score (order among ties free)."""
+    S = score_block(Qb, G, metric, g_sq)
+    if kk < S.shape[1]:
+        part = np.argpartition(-S, kk - 1, axis=1)[:, :kk]
+    else:
+        part = np.broadcast_to(np.arange(S.shape[1]), S.shape).copy()
+    return np.take_along_axis(S, part, axis=1), part
+
+
+def _topk_rescored(Qb: np.ndarray, G, kk: int, g_norm_max: float, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """Top ``kk`` of inner-product scores, [B, kk] scores and indices (order among ties
+    free), equal to :func:`_topk_float64`'s: the float32 GEMM (half the time and no float64
+    copy of the gallery) only picks the candidates within its error bound of the k-th
+    score, which are then scored in float64 and rounded once, as score_block does."""
+    S = np.empty((Qb.shape[0], G.shape[0]), np.float32)
+    for lo, hi, Gb in G.blocks() if isinstance(G, PreparedRows) else [(0, G.shape[0], G)]:
+        np.matmul(Qb, Gb.T, out=S[:, lo:hi])
+    kth = np.partition(S, S.shape[1] - kk, axis=1)[:, S.shape[1] - kk]
+    q_norm = np.linalg.norm(Qb.astype(np.float64), axis=1)
+    mask = np.greater_equal(S, (kth - _float32_error_bound(Qb.shape[1], q_norm, g_norm_max))[:, None])
+    del S
+    heavy = mask.sum(1) > max(MAX_CANDIDATES, 2 * kk)
+    sc, ix = np.empty((Qb.shape[0], kk), np.float32), np.empty((Qb.shape[0], kk), np.int64)
+    if heavy.any():
+        sc[heavy], ix[heavy] = _topk_float64(Qb[heavy], G, kk, metric)
+    light = np.flatnonzero(~heavy)
+    r, c = np.nonzero(mask[light])
+    del mask
+    cols, inv = np.unique(c, return_inverse=True)
+    Gc = (G.take(cols) if isinstance(G, PreparedRows) else G[cols]).astype(np.float64)
+    exact = np.einsum("ij,ij->i", Qb[light].astype(np.float64)[r], Gc[inv]).astype(np.float32)
+    o = np.lexsort((c, -exact, r))  # by row, then the tie policy
+    take = (np.searchsorted(r[o], np.arange(light.size))[:, None] + np.arange(kk)[None, :]).ravel()
+    sc[light], ix[light] = exact[o][take].reshape(-1, kk), c[o][take].reshape(-1, kk)
+    return sc, ix
+
+
+def _gallery_norm_max(G, metric: str) -> float:
+    """An upper bound of the gallery rows' norms (cosine rows are unit or zero)."""
+    if metric == "cosine":
+        return 1.0 + 1e-3
+    sq = G.sq_norms() if isinstance(G, PreparedRows) else np.einsum("ij,ij->i", G, G)
+    return float(np.sqrt(np.max(sq, initial=0.0))) * (1 + 1e-3)
+
+
 def _search_numpy(Q, G, k, metric, max_memory: int, bar=None):
     kk = min(k, G.shape[0])
     B = rows_per_block(G.shape[0], max_memory, 12)
     g_sq = G.sq_norms() if metric == "l2" else None
+    rescore = metric != "l2" and kk < G.shape[0]  # l2: the float64 scores of every row
+    g_max = _gallery_norm_max(G, metric) if rescore else 0.0
     Ds, Is = [], []
     for s in range(0, Q.shape[0], B):
-        S = score_block(Q.block(s, s + B), G, metric, g_sq)
-        if kk < S.shape[1]:
-            part = np.argpartition(-S, kk - 1, axis=1)[:, :kk]
+        Qb = Q.block(s, s + B)
+        if rescore:
+            v, part = _topk_rescored(Qb, G, kk, g_max, metric)
         else:
-            part = np.broadcast_to(np.arange(S.shape[1]), S.shape).copy()
-        v = np.take_along_axis(S, part, axis=1)
+            v, part = _topk_float64(Qb, G, kk, metric, g_sq)
         o = np.lexsort((part, -v), axis=1)
         Ds.append(np.take_along_axis(v, o, axis=1))
         Is.append(np.take_along_axis(part, o, axis=1).astype(np.int64))
         if bar is not None:
-            bar.update(S.shape[0])
+            bar.update(Qb.shape[0])
     sc = np.concatenate(Ds) if Ds else np.zeros((0, kk), np.float32)
     ix = np.concatenate(Is) if Is else np.zeros((0, kk), np.int64)
     return _pad(sc, ix, k)

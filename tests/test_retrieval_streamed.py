@@ -143,3 +143,78 @@ def test_streamed_blocks_of_fortran_ordered_rows_equal_prepare():
     X = np.asfortranarray(np.random.default_rng(0).standard_normal((3000, 200)).astype(np.float16))
     P = PreparedRows(X, "cosine", cache_bytes=0)
     np.testing.assert_array_equal(P.array(), prepare(X, "cosine"))
+
+
+def _float64_topk(Q: np.ndarray, G, k: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """The reference: every score_block (float64-summed) score, top k by (score desc, index)."""
+    from featcache.retrieval.search import score_block
+
+    S = score_block(Q, G, metric)
+    o = np.lexsort((np.broadcast_to(np.arange(S.shape[1]), S.shape), -S), axis=1)[:, :k]
+    return np.take_along_axis(S, o, axis=1), o
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    G=hnp.arrays(
+        np.float16, st.tuples(st.integers(2, 400), st.integers(1, 40)), elements=st.floats(-4, 4, width=16)
+    ),
+    n_q=st.integers(1, 20),
+    k=st.integers(1, 30),
+    metric=st.sampled_from(["cosine", "ip"]),
+    streamed=st.booleans(),
+)
+def test_float32_candidates_rescored_equal_the_float64_top_k(G, n_q, k, metric, streamed):
+    """The numpy top-k picks candidates with float32 scores and rescores them in float64:
+    its scores are score_block's, bit for bit, and its items are a top k of those scores
+    (duplicated rows: exact ties, some at the cut)."""
+    from featcache.retrieval.search import _search_numpy
+
+    G = np.concatenate([G, G[: len(G) // 3]])  # repeated rows tie exactly
+    Q = prepare(G[::-1][:n_q], metric)
+    P = PreparedRows(G, metric, cache_bytes=0 if streamed else None)
+    ref_sc, _ = _float64_topk(Q, P, k, metric)
+    sc, ix = _search_numpy(PreparedRows(Q, metric, prepared=True), P, k, metric, 1 << 20)
+    kk = min(k, len(G))
+    np.testing.assert_array_equal(sc[:, :kk], ref_sc)
+    from featcache.retrieval.search import score_block
+
+    np.testing.assert_array_equal(np.take_along_axis(score_block(Q, P, metric), ix[:, :kk], axis=1), ref_sc)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "ip"])
+def test_rescored_top_k_equals_float64_on_lite0_fashion_mnist(fmnist_cache, metric):
+    """On real features (near-ties among same-class neighbours): the lists equal the float64
+    path's, items and scores, held and streamed."""
+    from featcache.retrieval.search import _search_numpy
+
+    Xg, _, _ = _load(fmnist_cache, "fashion-mnist-small", "train")
+    Xq, _, _ = _load(fmnist_cache, "fashion-mnist-small", "test")
+    Q = prepare(Xq, metric)
+    for P in (PreparedRows(Xg, metric), PreparedRows(Xg, metric, cache_bytes=0)):
+        ref_sc, ref_ix = _float64_topk(Q, P, 50, metric)
+        sc, ix = _search_numpy(PreparedRows(Q, metric, prepared=True), P, 50, metric, 1 << 26)
+        np.testing.assert_array_equal(sc, ref_sc)
+        np.testing.assert_array_equal(ix, ref_ix)
+
+
+def test_rows_with_many_ties_at_the_cut_are_scored_whole(monkeypatch):
+    """A query with more candidates than MAX_CANDIDATES (here: hundreds of identical gallery
+    rows tied at its k-th score) takes the whole-row float64 path; the lists, with the tie
+    policy applied by topk, are the same."""
+    from featcache.retrieval import search
+
+    rng = np.random.default_rng(0)
+    G = np.concatenate([np.repeat(rng.standard_normal((1, 24)), 300, 0), rng.standard_normal((200, 24))])
+    G = G.astype(np.float16)
+    Q = prepare(G[[0, 350, 400]], "cosine")
+    P = PreparedRows(G, "cosine")
+    ref_sc, ref_ix = _float64_topk(Q, P, 5, "cosine")
+    monkeypatch.setattr(search, "MAX_CANDIDATES", 50)
+    calls = []
+    whole = search._topk_float64
+    monkeypatch.setattr(search, "_topk_float64", lambda Qb, *a, **kw: calls.append(len(Qb)) or whole(Qb, *a, **kw))
+    sc, ix, _ = search.topk(PreparedRows(Q, "cosine", prepared=True), P, 5, backend="numpy", prepared=True)
+    assert calls == [1]  # the query tied with 300 rows, alone
+    np.testing.assert_array_equal(sc, ref_sc)
+    np.testing.assert_array_equal(ix, ref_ix)
