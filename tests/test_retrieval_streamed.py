@@ -156,9 +156,7 @@ def _float64_topk(Q: np.ndarray, G, k: int, metric: str) -> tuple[np.ndarray, np
 
 @settings(max_examples=60, deadline=None)
 @given(
-    G=hnp.arrays(
-        np.float16, st.tuples(st.integers(2, 400), st.integers(1, 40)), elements=st.floats(-4, 4, width=16)
-    ),
+    G=hnp.arrays(np.float16, st.tuples(st.integers(2, 400), st.integers(1, 40)), elements=st.floats(-4, 4, width=16)),
     n_q=st.integers(1, 20),
     k=st.integers(1, 30),
     metric=st.sampled_from(["cosine", "ip"]),
