@@ -364,13 +364,12 @@ def build_index(G: PreparedRows, factory: str, metric: str, *, seed: int = 0, n_
                 f"--index {factory!r}: FAISS cannot train it on {size} rows ({_faiss_reason(exc)}); "
                 "use fewer IVF lists / PQ bits for this gallery"
             ) from None
-    if on_gpu:
+    if on_gpu:  # a GPU index has no host buffers to size
         for _, _, Gb in G.blocks():
             index.add(Gb)
+        index = faiss.index_gpu_to_cpu(index)
     else:
         add_rows(index, G)
-    if on_gpu:
-        index = faiss.index_gpu_to_cpu(index)
     prov = {
         "factory": factory,
         "metric": metric,

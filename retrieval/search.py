@@ -313,16 +313,19 @@ def _topk_float64(Qb: np.ndarray, G, kk: int, metric: str, g_sq=None) -> tuple[n
     return np.take_along_axis(S, part, axis=1), part
 
 
-def _topk_rescored(Qb: np.ndarray, G, kk: int, g_norm_max: float, metric: str) -> tuple[np.ndarray, np.ndarray]:
+def _topk_rescored(
+    Qb: np.ndarray, G: PreparedRows, kk: int, g_norm_max: float, metric: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Top ``kk`` of inner-product scores, [B, kk] scores and indices (order among ties
     free), equal to :func:`_topk_float64`'s: the float32 GEMM (half the time and no float64
     copy of the gallery) only picks the candidates within its error bound of the k-th
     score, which are then scored in float64 and rounded once, as score_block does."""
     S = np.empty((Qb.shape[0], G.shape[0]), np.float32)
-    for lo, hi, Gb in G.blocks() if isinstance(G, PreparedRows) else [(0, G.shape[0], G)]:
+    for lo, hi, Gb in G.blocks():
         np.matmul(Qb, Gb.T, out=S[:, lo:hi])
     kth = np.partition(S, S.shape[1] - kk, axis=1)[:, S.shape[1] - kk]
-    q_norm = np.linalg.norm(Qb.astype(np.float64), axis=1)
+    Q64 = Qb.astype(np.float64)
+    q_norm = np.linalg.norm(Q64, axis=1)
     mask = np.greater_equal(S, (kth - _float32_error_bound(Qb.shape[1], q_norm, g_norm_max))[:, None])
     del S
     heavy = mask.sum(1) > max(MAX_CANDIDATES, 2 * kk)
@@ -333,20 +336,18 @@ def _topk_rescored(Qb: np.ndarray, G, kk: int, g_norm_max: float, metric: str) -
     r, c = np.nonzero(mask[light])
     del mask
     cols, inv = np.unique(c, return_inverse=True)
-    Gc = (G.take(cols) if isinstance(G, PreparedRows) else G[cols]).astype(np.float64)
-    exact = np.einsum("ij,ij->i", Qb[light].astype(np.float64)[r], Gc[inv]).astype(np.float32)
+    exact = np.einsum("ij,ij->i", Q64[light][r], G.take(cols).astype(np.float64)[inv]).astype(np.float32)
     o = np.lexsort((c, -exact, r))  # by row, then the tie policy
     take = (np.searchsorted(r[o], np.arange(light.size))[:, None] + np.arange(kk)[None, :]).ravel()
     sc[light], ix[light] = exact[o][take].reshape(-1, kk), c[o][take].reshape(-1, kk)
     return sc, ix
 
 
-def _gallery_norm_max(G, metric: str) -> float:
+def _gallery_norm_max(G: PreparedRows, metric: str) -> float:
     """An upper bound of the gallery rows' norms (cosine rows are unit or zero)."""
     if metric == "cosine":
         return 1.0 + 1e-3
-    sq = G.sq_norms() if isinstance(G, PreparedRows) else np.einsum("ij,ij->i", G, G)
-    return float(np.sqrt(np.max(sq, initial=0.0))) * (1 + 1e-3)
+    return float(np.sqrt(np.max(G.sq_norms(), initial=0.0))) * (1 + 1e-3)
 
 
 def _search_numpy(Q, G, k, metric, max_memory: int, bar=None):
