@@ -43,6 +43,18 @@ def synth_rows(seed: int, s: int, e: int, dim: int, classes: int, sep: float):
     return (means[y] + noise).astype(np.float16), y
 
 
+def stored_rows(
+    seed: int, offset: int, n: int, dim: int, classes: int, sep: float, chunk_rows: int = 8192
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` rows ``write_store(..., offset=offset)`` stores, drawn as it draws them: one
+    ``synth_rows`` call per ``chunk_rows`` chunk (the noise is seeded by the chunk's first row)."""
+    X, y = np.empty((n, dim), np.float16), np.empty(n, np.int64)
+    for s in range(0, n, chunk_rows):
+        e = min(s + chunk_rows, n)
+        X[s:e], y[s:e] = synth_rows(seed, offset + s, offset + e, dim, classes, sep)
+    return X, y
+
+
 def write_store(
     path: str,
     n: int,

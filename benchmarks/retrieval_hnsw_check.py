@@ -34,23 +34,14 @@ def map_at_10(ix: np.ndarray, yq: np.ndarray, yg: np.ndarray, n_rel: np.ndarray)
     return float(((prec * rel).sum(1) / np.minimum(10, n_rel[yq])).mean()), float(rel.mean())
 
 
-def gallery(rows: int, dim: int, classes: int, chunk_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The generator's rows 0..rows drawn as ``write_store`` draws them: one call per stored
-    chunk (its noise is seeded by the chunk's first row), so these are the store's rows."""
-    from probe_scale import synth_rows
-
-    parts = [synth_rows(0, s, min(s + chunk_rows, rows), dim, classes, 0.15) for s in range(0, rows, chunk_rows)]
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
 def run(rows: int, queries: int, dim: int, classes: int, ef_search: int, chunk_rows: int = 8192) -> dict:
     import faiss
 
     sys.path.insert(0, HERE)
-    from probe_scale import synth_rows  # the generator of retrieval_index.py's store
+    from probe_scale import stored_rows  # the rows of retrieval_index.py's store
 
-    G, yg = gallery(rows, dim, classes, chunk_rows)
-    Q, yq = synth_rows(0, rows, rows + queries, dim, classes, 0.15)
+    G, yg = stored_rows(0, 0, rows, dim, classes, 0.15, chunk_rows)
+    Q, yq = stored_rows(0, rows, queries, dim, classes, 0.15, chunk_rows)
     G, Q = _normalised(G), _normalised(Q)
     n_rel = np.bincount(yg, minlength=classes)
     out: dict = {"rows": rows, "queries": queries, "dim": dim, "classes": classes, "ef_search": ef_search}

@@ -27,24 +27,15 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _gallery(rows: int, dim: int, classes: int, offset: int = 0) -> np.ndarray:
-    from probe_scale import synth_rows
-
-    X = np.empty((rows, dim), np.float16)
-    for s in range(0, rows, 8192):
-        X[s : s + 8192] = synth_rows(0, offset + s, offset + min(s + 8192, rows), dim, classes, 0.15)[0]
-    return X
-
-
 def arm(name: str, a: argparse.Namespace, out: str) -> dict:
-    from probe_scale import _vm_hwm
+    from probe_scale import _vm_hwm, stored_rows
 
     from featcache.retrieval import search
     from featcache.retrieval.prepared import prepared_pair
     from featcache.retrieval.search import parse_memory
 
-    G = _gallery(a.rows, a.dim, a.classes)
-    Qx = _gallery(a.queries, a.dim, a.classes, offset=a.rows)
+    G = stored_rows(0, 0, a.rows, a.dim, a.classes, 0.15)[0]
+    Qx = stored_rows(0, a.rows, a.queries, a.dim, a.classes, 0.15)[0]
     mem = parse_memory(a.max_memory)
     Q, P = prepared_pair(Qx, G, "cosine", cache_bytes=mem // 4)
     base = _vm_hwm()
