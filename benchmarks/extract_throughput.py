@@ -9,8 +9,8 @@ and memory format, measures
 
 and prints images/s for each and the ratios b/a (target >= 0.90) and b/c (target >= 0.95),
 each with its roofline: FLOPs per image (``torch.utils.flop_counter``), the achieved FLOP/s
-and "x % of peak", this CPU's fp32 (or, with ``--amp bf16``, bf16) peak read from ``lscpu``
-(see :func:`cpu_peak`).
+and "x % of peak", this CPU's fp32 peak measured by ``fma_peak.py`` (``lscpu``'s model beside
+it; with ``--amp bf16``, the bf16 peak on the measured clock; see :func:`cpu_peak`).
 Each measurement is repeated ``--repeats`` times, interleaved with the order rotated (a c b,
 c b a, b a c, ...), and the best of each is reported: on a shared machine, other processes
 only ever slow a run down. The ratios are also given per round (a, b, c measured back to
@@ -102,37 +102,54 @@ def _lscpu() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in text.splitlines() if ":" in ln)}
 
 
-def cpu_peak(cores: int) -> dict[str, float | str]:
-    """This CPU's peak FLOP/s over ``cores`` cores, read from ``lscpu``: fp32 = FMA width
-    (16 lanes with avx512f, 8 with AVX2 FMA) x 2 (multiply + add) x FMA units (2: server
-    cores' two 512-bit FMA ports; lscpu does not say, so assumed) x cores x clock ("CPU max
-    MHz", else the current MHz, else BogoMIPS / 2); AMD Zen/Zen+ (family 23, model < 0x31) split
-    a 256-bit FMA over their two 128-bit pipes, so 1 unit there; bf16 = AMX's 1024 FLOP/cycle/core with amx_bf16, else
-    avx512_bf16's VDPBF16PS (32 pairs = 64 FLOP) x 2 units, else the fp32 peak."""
+def cpu_peak(cores: int, measure: bool = True) -> dict[str, float | str]:
+    """This CPU's peak FLOP/s over ``cores`` cores. fp32: measured by :mod:`fma_peak` (an FMA
+    kernel on ``cores`` threads) where it builds, with ``lscpu``'s model beside it; the model is
+    FMA width (16 lanes with avx512f, 8 with AVX2 FMA) x 2 (multiply + add) x FMA units (2:
+    server cores' two FMA ports; lscpu does not say, so assumed; AMD Zen/Zen+ (family 23, model
+    < 0x31) split a 256-bit FMA over their two 128-bit pipes, so 1 unit there) x cores x clock
+    ("CPU max MHz", else the current MHz, else BogoMIPS / 2). The measured peak gives the
+    effective clock (measured / (lanes x 2 x units x cores)), on which the bf16 peaks are put:
+    AMX's 1024 FLOP/cycle/core with amx_bf16, else avx512_bf16's VDPBF16PS (32 pairs = 64 FLOP)
+    x units, else the fp32 peak; "amx" is what AMX would give at that clock."""
     info = _lscpu()
     flags = set(info.get("Flags", "").split())
     mhz = info.get("CPU max MHz") or info.get("CPU MHz")
     if not mhz:  # a VM often hides the clock: BogoMIPS is twice it on Intel
         mhz = str(float(info.get("BogoMIPS", "0")) / 2)
-    ghz = float(mhz) / 1000
+    ghz_model = float(mhz) / 1000
     lanes = 16 if "avx512f" in flags else 8 if "fma" in flags else 4
     units = 2
     family, model = int(info.get("CPU family", "0") or 0), int(info.get("Model", "0") or 0)
     if info.get("Vendor ID") == "AuthenticAMD" and family == 23 and model < 0x31:
         units = 1  # Zen / Zen+: two 128-bit FMA pipes = one 256-bit FMA per cycle
-    fp32 = lanes * 2 * units * cores * ghz * 1e9
+    fp32_model = lanes * 2 * units * cores * ghz_model * 1e9
+    fp32, ghz, source, samples = fp32_model, ghz_model, "lscpu model", None
+    if measure:
+        from fma_peak import FmaPeakError, measure_fma_peak
+
+        try:
+            got = measure_fma_peak(cores)
+        except (FmaPeakError, OSError) as exc:
+            print(f"FMA peak not measured ({exc}); the % of peak uses lscpu's model", flush=True)
+        else:
+            fp32, samples = got.flops, got.samples_gflops
+            ghz, source = fp32 / (got.lanes * 2 * units * cores * 1e9), "measured FMA kernel"
     if "amx_bf16" in flags:
         bf16, how = 1024 * cores * ghz * 1e9, "AMX 1024 FLOP/cycle/core"
     elif "avx512_bf16" in flags:
-        bf16, how = 64 * units * cores * ghz * 1e9, "avx512_bf16 64 FLOP x 2 units"
+        bf16, how = 64 * units * cores * ghz * 1e9, "avx512_bf16 64 FLOP x units"
     else:
         bf16, how = fp32, "no bf16 hardware: the fp32 peak"
-    amx = 1024 * cores * ghz * 1e9  # what AMX would give at this clock (the "AMX peak" column)
     return {
         "fp32": fp32,
+        "fp32_source": source,
+        "fp32_samples_gflops": samples,
+        "fp32_model": fp32_model,
+        "ghz_model": ghz_model,
         "bf16": bf16,
         "bf16_hw": "amx_bf16" in flags or "avx512_bf16" in flags,
-        "amx": amx,
+        "amx": 1024 * cores * ghz * 1e9,  # what AMX would give at this clock (the "AMX peak" column)
         "amx_present": "amx_bf16" in flags,
         "ghz": ghz,
         "cores": cores,
@@ -259,7 +276,7 @@ def pipeline_with(args, model: str, weights: str, backend: str, amp: str, fwd, n
     return rep.n / (rep.seconds - rep.startup_s), ""
 
 
-def roofline_rows(args, name: str, root: Path) -> list[dict]:
+def roofline_rows(args, name: str, root: Path, peak: dict) -> list[dict]:
     """Every (precision, backend) of one preset: bare forward, pipeline, roofline, start-up."""
     import torch
 
@@ -275,7 +292,6 @@ def roofline_rows(args, name: str, root: Path) -> list[dict]:
     head = FeatureHead(bb, ["pooled"])
     shape = tuple(bb.data_config["input_size"])
     flops = flops_per_image(head, shape, True)
-    peak = cpu_peak(args.threads)
     dec = decode_rate(bb, args.data, args.split, args.batch_size)
     x = torch.randn((args.batch_size, *shape), generator=torch.Generator().manual_seed(0))
     x = x.contiguous(memory_format=torch.channels_last)
@@ -304,6 +320,7 @@ def roofline_rows(args, name: str, root: Path) -> list[dict]:
                 "startup_s": round(startup, 1), "bare_ips": round(bare, 2),
                 "gflops": round(bare * flops / 1e9, 1),
                 "pct_fp32_peak": round(100 * bare * flops / peak["fp32"], 1),
+                "pct_fp32_model_peak": round(100 * bare * flops / peak["fp32_model"], 1),
                 "pct_amx_peak": round(100 * bare * flops / peak["amx"], 2),
                 "pipeline_ips": None if pipe is None else round(pipe, 2), "pipeline_refused": why,
                 "pipeline_over_bare": None if pipe is None else round(pipe / bare, 3),
@@ -324,12 +341,15 @@ def roofline_rows(args, name: str, root: Path) -> list[dict]:
 
 def roofline_main(args) -> int:
     """``--roofline``: presets x precisions x backends at 224 px, one table."""
-    import torch
+    from featcache.extract.pipeline import default_parallelism
 
-    peak = cpu_peak(args.threads or torch.get_num_threads())
+    _, args.threads = default_parallelism("cpu", args.workers, args.threads)
+    peak = cpu_peak(args.threads)
     print(
-        f"peaks on {peak['cores']} core(s) at {peak['ghz']:.2f} GHz: fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s "
-        f"({peak['lanes']} lanes x 2 x {peak['units']} FMA unit(s)); AMX {peak['amx'] / 1e9:.0f} GFLOP/s "
+        f"peaks on {peak['cores']} core(s): fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s ({peak['fp32_source']}; samples "
+        f"{peak['fp32_samples_gflops']}), i.e. {peak['lanes']} lanes x 2 x {peak['units']} FMA unit(s) at "
+        f"{peak['ghz']:.2f} GHz; lscpu's model {peak['fp32_model'] / 1e9:.0f} GFLOP/s at {peak['ghz_model']:.2f} GHz; "
+        f"AMX {peak['amx'] / 1e9:.0f} GFLOP/s "
         f"(1024 FLOP/cycle/core{'' if peak['amx_present'] else '; this CPU has no AMX: the figure is what AMX would give'})"
         f"; load {_uptime()}"
     )
@@ -337,7 +357,7 @@ def roofline_main(args) -> int:
     rows = []
     try:
         for name in args.roofline:
-            rows += roofline_rows(args, name, root)
+            rows += roofline_rows(args, name, root, peak)
     finally:
         if not args.tmp:
             shutil.rmtree(root, ignore_errors=True)
