@@ -102,7 +102,7 @@ def _lscpu() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in text.splitlines() if ":" in ln)}
 
 
-def cpu_peak(cores: int, measure: bool = True) -> dict[str, float | str]:
+def cpu_peak(cores: int) -> dict[str, float | str]:
     """This CPU's peak FLOP/s over ``cores`` cores. fp32: measured by :mod:`fma_peak` (an FMA
     kernel on ``cores`` threads) where it builds, with ``lscpu``'s model beside it; the model is
     FMA width (16 lanes with avx512f, 8 with AVX2 FMA) x 2 (multiply + add) x FMA units (2:
@@ -125,16 +125,15 @@ def cpu_peak(cores: int, measure: bool = True) -> dict[str, float | str]:
         units = 1  # Zen / Zen+: two 128-bit FMA pipes = one 256-bit FMA per cycle
     fp32_model = lanes * 2 * units * cores * ghz_model * 1e9
     fp32, ghz, source, samples = fp32_model, ghz_model, "lscpu model", None
-    if measure:
-        from fma_peak import FmaPeakError, measure_fma_peak
+    from fma_peak import FmaPeakError, measure_fma_peak
 
-        try:
-            got = measure_fma_peak(cores)
-        except (FmaPeakError, OSError) as exc:
-            print(f"FMA peak not measured ({exc}); the % of peak uses lscpu's model", flush=True)
-        else:
-            fp32, samples = got.flops, got.samples_gflops
-            ghz, source = fp32 / (got.lanes * 2 * units * cores * 1e9), "measured FMA kernel"
+    try:
+        got = measure_fma_peak(cores)
+    except (FmaPeakError, OSError) as exc:
+        print(f"FMA peak not measured ({exc}); the % of peak uses lscpu's model", flush=True)
+    else:
+        fp32, samples = got.flops, got.samples_gflops
+        ghz, source = fp32 / (got.lanes * 2 * units * cores * 1e9), "measured FMA kernel"
     if "amx_bf16" in flags:
         bf16, how = 1024 * cores * ghz * 1e9, "AMX 1024 FLOP/cycle/core"
     elif "avx512_bf16" in flags:
