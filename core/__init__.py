@@ -14,7 +14,7 @@ table every stage appends to) and :mod:`~featcache.core.stagerun` (the one finis
 pending -> run -> collect skeleton).
 
 Modules here import :mod:`featcache.errors` and each other, never a stage, the store or the
-analysis (``tests/test_import_layers.py`` checks it). Importing this package imports none of
+analysis (``tests/contracts/test_import_layers.py`` checks it). Importing this package imports none of
 its modules.
 """
 

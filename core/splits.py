@@ -23,7 +23,7 @@ function               protocol
 Building blocks: :func:`allocate` (largest remainder), :func:`stratified_holdout`,
 :func:`sample_per_class`, :func:`stratified_sample`. The protocol registry
 (:mod:`featcache.core.protocols`) builds every plan of the probes and of fine-tuning from
-them; the selection is the probes' original one bit for bit (tests/test_finetune.py pins
+them; the selection is the probes' original one bit for bit (tests/finetune/test_finetune.py pins
 it on digits).
 
 Two orders. The seeded draws work in canonical order (ids sorted as strings), so they do

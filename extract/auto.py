@@ -5,7 +5,7 @@ images/s are measured on this machine and cached per (backbone, input size, prec
 CPU ISA, torch threads, library versions) in a small JSON file (:func:`costs_path`). For a job
 of ``n`` images the choice is the backend with the smallest ``start-up + n / rate``
 (:func:`choose_backend`, a pure function); a backend whose features left the agreement bound
-against eager (max abs diff 1e-4, cosine 0.999999, as tests/test_backends.py checks) is never
+against eager (max abs diff 1e-4, cosine 0.999999, as tests/extract/test_backends.py checks) is never
 chosen. A backend not measured yet is measured (its engine built and kept if chosen) only when
 its expected start-up is at most :data:`CALIBRATE_FRACTION` of eager's time for the job
 (:func:`to_measure`), so measuring costs at most that fraction when it loses. A resume takes
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 #: environment variable naming the cost cache file (tests point it at a temporary folder)
 COSTS_ENV = "FEATCACHE_BACKEND_COSTS"
-#: the backend agreement bound against eager (tests/test_backends.py)
+#: the backend agreement bound against eager (tests/extract/test_backends.py)
 ATOL, MIN_COSINE = 1e-4, 0.999999
 #: the bf16 check: every checked row's cosine against fp32 at least this (lite0 on digits at
 #: 112 px: min 0.9947 over 32 rows; on Fashion-MNIST min 0.988 over 1,000 rows)

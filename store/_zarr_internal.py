@@ -9,7 +9,7 @@ of its own, through the private ``zarr.core.sync.sync``; a store may be bound to
 (an fsspec filesystem is), so ``asyncio.run`` on a fresh loop is no substitute. zarr's issue
 for synchronous store methods: https://github.com/zarr-developers/zarr-python/issues/3637
 ("ideas for improving the store API", open). When zarr gives stores public sync methods,
-replace :func:`sync` with them. ``tests/test_zarr_internal.py`` fails when zarr moves or
+replace :func:`sync` with them. ``tests/store/test_zarr_internal.py`` fails when zarr moves or
 changes what this module relies on.
 """
 

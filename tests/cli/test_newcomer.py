@@ -332,7 +332,7 @@ def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
 def _readme_python_snippet() -> str:
     from pathlib import Path
 
-    text = (Path(__file__).parents[1] / "README.md").read_text()
+    text = (Path(__file__).parents[2] / "README.md").read_text()
     section = text[text.index("## In Python") :]
     start = section.index("```python\n") + len("```python\n")
     return section[start : section.index("\n```", start)]
@@ -384,7 +384,7 @@ def test_make_waits_for_the_dpkg_lock(tmp_path, target):
     for f in fake.iterdir():
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     subprocess.run(
         ["make", "-s", "-C", str(root), target, f"FASHION_MNIST_DIR={tmp_path / 'absent'}"],
         env=env,

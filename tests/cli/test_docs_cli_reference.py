@@ -12,7 +12,7 @@ pytest.importorskip("mkdocs")  # the `docs` extra
 
 
 def _hook():
-    path = Path(__file__).resolve().parents[1] / "docs" / "hooks" / "featcache_docs.py"
+    path = Path(__file__).resolve().parents[2] / "docs" / "hooks" / "featcache_docs.py"
     spec = importlib.util.spec_from_file_location("featcache_docs_hook", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -20,7 +20,7 @@ from featcache.analysis.report import write_report
 from featcache.core.results import append_results, make_run_id, read_results, rows_to_frame
 from featcache.errors import ResultsError
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 T8, T9, T10 = DATA / "bob_table8.csv", DATA / "bob_table9.csv", DATA / "bob_table10.csv"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
