@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, Generic, TypeVar, overload
 
 from featcache.errors import ConfigError, FeatcacheError
@@ -44,13 +44,16 @@ def _where(obj: Any) -> str:
 
 class Entry(Generic[T]):
     """One registered name: its object (or the ``module:attr`` it is imported from on first
-    use, kept as ``spec``), how help texts and errors name it (``usage``, ``note``) and its
-    ``aliases``."""
+    use, kept as ``spec``), how help texts and errors name it (``usage``, ``note``), its
+    ``aliases`` and ``info``, what the registry's owner records beside it (e.g. a metric's
+    direction), readable without importing the object."""
 
-    __slots__ = ("_obj", "aliases", "name", "note", "spec", "usage")
+    __slots__ = ("_obj", "aliases", "info", "name", "note", "spec", "usage")
 
-    def __init__(self, name: str, target: T | str, usage: str, note: str, aliases: tuple[str, ...]):
-        self.name, self.usage, self.note, self.aliases = name, usage, note, aliases
+    def __init__(
+        self, name: str, target: T | str, usage: str, note: str = "", aliases: tuple[str, ...] = (), info: Any = None
+    ):
+        self.name, self.usage, self.note, self.aliases, self.info = name, usage, note, aliases, info
         self.spec: str | None = target if isinstance(target, str) else None
         self._obj: Any = target
 
@@ -82,7 +85,7 @@ class Entry(Generic[T]):
         return f"Entry({self.name!r}, {_where(self.spec or self._obj)})"
 
 
-class Registry(Mapping[str, T], Generic[T]):
+class Registry(MutableMapping[str, T], Generic[T]):
     """Names -> registered objects, in registration order.
 
     ``kind`` names a member in messages (``"data format"``); ``error`` is the
@@ -91,7 +94,9 @@ class Registry(Mapping[str, T], Generic[T]):
     taken is defined, ``{prev}``: that member); ``key(member)`` says what makes two members
     the same (default: the member itself; e.g. a dataclass's function); ``idempotent``:
     registering the same member again is a no-op (else refused like any other). A mapping: ``reg[name]`` (aliases too) gives the object, ``list(reg)`` the names without
-    aliases, ``reg.entry(name)`` the usage and note without importing anything."""
+    aliases, ``reg.entry(name)`` the usage and note without importing anything; ``reg[name] =
+    member`` replaces a member outright, keeping its usage (for a test that swaps one in, as
+    ``monkeypatch.setitem`` does), ``del reg[name]`` removes it."""
 
     def __init__(
         self,
@@ -120,10 +125,18 @@ class Registry(Mapping[str, T], Generic[T]):
         usage: str | None = ...,
         note: str = ...,
         aliases: tuple[str, ...] = ...,
+        info: Any = ...,
     ) -> Callable[[T], T]: ...
     @overload
     def register(
-        self, name: str, target: T | str, *, usage: str | None = ..., note: str = ..., aliases: tuple[str, ...] = ...
+        self,
+        name: str,
+        target: T | str,
+        *,
+        usage: str | None = ...,
+        note: str = ...,
+        aliases: tuple[str, ...] = ...,
+        info: Any = ...,
     ) -> T | str: ...
     def register(
         self,
@@ -133,17 +146,19 @@ class Registry(Mapping[str, T], Generic[T]):
         usage: str | None = None,
         note: str = "",
         aliases: tuple[str, ...] = (),
+        info: Any = None,
     ) -> Any:
         """Register ``target`` as ``name`` (also reachable as each of ``aliases``).
 
         Without ``target``, a decorator; a ``str`` target is ``"module:attr"``, imported on first
         lookup. ``usage``: how help texts and errors name it (default ``name``); ``note``: a
-        short gloss in the help. A name or alias taken by another object is refused with
-        ``error``; the same object (or ``module:attr``) again is a no-op when ``idempotent``."""
+        short gloss in the help; ``info``: kept on the entry. A name or alias taken by another
+        object is refused with ``error``; the same object (or ``module:attr``) again is a no-op
+        when the registry is ``idempotent``."""
         if target is None:
 
             def deco(obj: T) -> T:
-                self.register(name, obj, usage=usage, note=note, aliases=aliases)
+                self.register(name, obj, usage=usage, note=note, aliases=aliases, info=info)
                 return obj
 
             return deco
@@ -154,7 +169,7 @@ class Registry(Mapping[str, T], Generic[T]):
             if prev is not None and not (self.idempotent and self._same(prev, target)):
                 raise self.error(self._refusal(key, prev))
         if name not in self._entries:
-            self._entries[name] = Entry(name, target, usage or name, note, tuple(aliases))
+            self._entries[name] = Entry(name, target, usage or name, note, tuple(aliases), info)
             for a in aliases:
                 self._aliases.setdefault(a, name)
         return target
@@ -176,6 +191,12 @@ class Registry(Mapping[str, T], Generic[T]):
         for a in entry.aliases:
             self._aliases.pop(a, None)
         return entry
+
+    def copy(self) -> Registry[T]:
+        """A registry of the same kind with the same entries (registering in one leaves the other)."""
+        new: Registry[T] = Registry(self.kind, self.error, duplicate=self.duplicate, idempotent=self.idempotent)
+        new._key, new._entries, new._aliases = self._key, dict(self._entries), dict(self._aliases)
+        return new
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[Registry[T]]:
@@ -206,6 +227,18 @@ class Registry(Mapping[str, T], Generic[T]):
         if found is None:
             raise KeyError(name)
         return found.load()
+
+    def __setitem__(self, name: str, member: T) -> None:
+        prev = self._find(name)
+        if prev is None:
+            self._entries[name] = Entry(name, member, name)
+        else:
+            self._entries[prev.name] = Entry(prev.name, member, prev.usage, prev.note, prev.aliases, prev.info)
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
+        self.unregister(name)
 
     def resolve(self, name: str) -> T:
         """The object registered as ``name`` (or an alias); unknown: ``error`` with the close matches."""
@@ -241,14 +274,24 @@ class Registry(Mapping[str, T], Generic[T]):
         """The registered names and aliases closest to ``name`` (difflib), best first."""
         return difflib.get_close_matches(str(name), self.names(aliases=True), n=n, cutoff=cutoff)
 
-    def unknown(self, name: str, *, spec: str | None = None, what: str | None = None, known: str = "known:") -> str:
+    def unknown(
+        self,
+        name: str,
+        *,
+        spec: str | None = None,
+        what: str | None = None,
+        known: str = "known:",
+        listing: str | None = None,
+    ) -> str:
         """One line for an unknown ``name``: ``unknown KIND 'fulll'; did you mean 'full'?
-        known: a, b:N, ...`` (``spec``: the text quoted, when the user typed more than the name,
-        ``what`` replaces ``unknown KIND``, ``known`` labels the list of usages)."""
+        known: a, b:N, ...`` (``spec``: the text quoted, when the user typed more than the name;
+        ``what`` replaces ``unknown KIND``; ``known`` labels the list, ``listing`` replaces the
+        usages listed)."""
         close = self.close_matches(name)
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
         shown = name if spec is None else spec
-        return f"{what or f'unknown {self.kind}'} {shown!r}; {hint}{known} {', '.join(self.usages())}"
+        listed = ", ".join(self.usages()) if listing is None else listing
+        return f"{what or f'unknown {self.kind}'} {shown!r}; {hint}{known} {listed}"
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {list(self._entries)})"
