@@ -336,14 +336,18 @@ def metric_info(name: str) -> MetricInfo | None:
     return None if entry is None else entry.info
 
 
+def _infos() -> dict[str, MetricInfo]:
+    return {n: METRICS.entry(n).info or MetricInfo() for n in METRICS.names(aliases=True)}
+
+
 def lower_is_better() -> frozenset[str]:
     """Every registered metric name (aliases included) whose lower values are better."""
-    return frozenset(n for n in METRICS.names(aliases=True) if not metric_info(n).higher_is_better)
+    return frozenset(n for n, info in _infos().items() if not info.higher_is_better)
 
 
 def proportion_metrics() -> frozenset[str]:
     """Every registered metric name (aliases included) that is a binomial proportion."""
-    return frozenset(n for n in METRICS.names(aliases=True) if metric_info(n).proportion)
+    return frozenset(n for n, info in _infos().items() if info.proportion)
 
 
 # in the order a results row set lists them (metric_names); task and multi-label metrics in the
