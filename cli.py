@@ -8,28 +8,23 @@ that has torch and timm but not polars, faiss or matplotlib.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from featcache import __version__
+from featcache.core.registry import Registry
 from featcache.errors import FeatcacheError
 
 #: the attribute that marks the logging handlers main() added (removed again by the next main())
 _CLI_MARK = "featcache_cli"
 
-#: modules whose ``register(subparsers)`` adds commands, in help order
-COMMAND_MODULES = (
-    "featcache.extract.cli",
-    "featcache.suites.cli",
-    "featcache.finetune.cli",
-    "featcache.store.cli",
-    "featcache.probes.cli",
-    "featcache.retrieval.cli",
-    "featcache.sweep.cli",
-    "featcache.analysis.cli",
-    "featcache.demo.cli",
-)
+#: each package's ``register(subparsers)``, which adds its commands, in help order (imported
+#: when the parser is built; a package missing from this build adds none)
+COMMANDS: Registry[Callable[[Any], None]] = Registry("command module")
+for _pkg in ("extract", "suites", "finetune", "store", "probes", "retrieval", "sweep", "analysis", "demo"):
+    COMMANDS.register(_pkg, f"featcache.{_pkg}.cli:register")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,14 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also append the log to PATH (at INFO even with -q; DEBUG with -vv)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for entry in COMMANDS.entries():
         try:
-            mod = importlib.import_module(name)
+            register = entry.load()
         except ModuleNotFoundError as exc:  # a stage not installed in this build
-            if exc.name != name:
+            if exc.name != (entry.spec or "").partition(":")[0]:
                 raise
             continue
-        mod.register(sub)
+        register(sub)
     return parser
 
 

@@ -341,16 +341,17 @@ def _ranked_rows(raw, sm_kept, metric: str, retrieval_metric: str):
     negated as in :func:`~featcache.analysis.rankings.select_settings` (for the seed bootstrap)."""
     import polars as pl
 
-    from featcache.analysis.tables import LOWER_IS_BETTER
+    from featcache.core.metrics import lower_is_better
 
     is_ret = pl.col("kind") == "retrieval"
     ranked = raw.filter(
         pl.col("setting").is_in(sm_kept.settings)
         & ((is_ret & (pl.col("metric") == retrieval_metric)) | (~is_ret & (pl.col("metric") == metric)))
     )
-    if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:
+    lower = lower_is_better()
+    if metric in lower or retrieval_metric in lower:
         ranked = ranked.with_columns(
-            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER)))
+            pl.when(pl.col("metric").is_in(sorted(lower)))
             .then(-pl.col("value"))
             .otherwise(pl.col("value"))
             .alias("value")
@@ -382,7 +383,7 @@ def _secondary(reduced, agg, notes, *, metric: str, ddof: int, provenance) -> di
     """Linear vs fine-tune, calibration and efficiency, each where its data are present (a note
     says why one is skipped)."""
     from featcache.analysis import rankings
-    from featcache.analysis.tables import LOWER_IS_BETTER
+    from featcache.core.metrics import lower_is_better
 
     out: dict[str, Any] = {}
     if {"probe", "finetune"} <= set(reduced["kind"].to_list()):
@@ -393,7 +394,7 @@ def _secondary(reduced, agg, notes, *, metric: str, ddof: int, provenance) -> di
             "linear vs fine-tune skipped: needs both probe and finetune rows (pass the fine-tuning table with --external)"
         )
     try:
-        acc_metric = metric if metric not in LOWER_IS_BETTER and metric != "task" else "top1"
+        acc_metric = metric if metric not in lower_is_better() and metric != "task" else "top1"
         out["calibration"], out["calibration_corr"] = rankings.calibration_summary(reduced, accuracy_metric=acc_metric)
     except ResultsError as exc:
         notes.append(f"calibration skipped: {exc}")

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from featcache.analysis import stats
-from featcache.analysis.tables import LOWER_IS_BETTER, score_matrix
+from featcache.analysis.tables import score_matrix
+from featcache.core.metrics import lower_is_better
 from featcache.errors import ResultsError
 
 log = logging.getLogger(__name__)
@@ -265,9 +266,10 @@ def select_settings(
             f"no rows with metric {metric!r} (retrieval: {retrieval_metric!r}) "
             f"for kinds {list(kinds) if kinds else 'any'}; the tables hold (kind, metric) {have}"
         )
-    if metric in LOWER_IS_BETTER or retrieval_metric in LOWER_IS_BETTER:
+    lower = lower_is_better()
+    if metric in lower or retrieval_metric in lower:
         sub = sub.with_columns(
-            pl.when(pl.col("metric").is_in(list(LOWER_IS_BETTER)))
+            pl.when(pl.col("metric").is_in(sorted(lower)))
             .then(-pl.col("value"))
             .otherwise(pl.col("value"))
             .alias("value")

@@ -15,11 +15,8 @@ from typing import Any
 import numpy as np
 
 from featcache.analysis import stats
-from featcache.analysis.tables import LOWER_IS_BETTER, PROPORTION_METRICS
+from featcache.core.metrics import lower_is_better, proportion_metrics
 from featcache.errors import ResultsError
-
-#: metrics that count correct test images (a binomial proportion): Clopper-Pearson applies
-BINOMIAL_METRICS = PROPORTION_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ def shift_table(
     ]
     if missing:
         log.warning("shift: backbones evaluated on one split only: %s", ", ".join(missing))
-    higher = metric not in LOWER_IS_BETTER  # ranks and row order follow the metric's direction
+    higher = metric not in lower_is_better()  # ranks and row order follow the metric's direction
     t = full.drop_nulls(["acc_orig", "acc_new"]).sort(
         ["dataset", "protocol", "acc_orig"], descending=[False, False, higher]
     )
@@ -110,6 +107,7 @@ def _with_intervals(t, metric: str, alpha: float):
     not binomial proportions, and per-image values to bootstrap are not in a results table)."""
     import polars as pl
 
+    binomial = proportion_metrics()  # metrics that count correct test images: Clopper-Pearson applies
     cols = {}
     for side in ("orig", "new"):
         acc = t[f"acc_{side}"].to_numpy().astype(float)
@@ -117,15 +115,15 @@ def _with_intervals(t, metric: str, alpha: float):
         lo = np.full(len(acc), np.nan)
         hi = np.full(len(acc), np.nan)
         ok = nn > 0
-        if metric in BINOMIAL_METRICS and ok.any():
+        if metric in binomial and ok.any():
             lo[ok], hi[ok] = stats.clopper_pearson(acc[ok] * nn[ok], nn[ok], alpha)
         cols[f"{side}_lo"] = lo
         cols[f"{side}_hi"] = hi
-    if metric not in BINOMIAL_METRICS:
+    if metric not in binomial:
         log.info(
             "shift: no intervals for %r (Clopper-Pearson applies to binomial metrics %s only)",
             metric,
-            sorted(BINOMIAL_METRICS),
+            sorted(binomial),
         )
     return t.with_columns(*(pl.Series(k, v).fill_nan(None) for k, v in cols.items()))
 

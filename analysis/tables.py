@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from featcache.core.metrics import lower_is_better, proportion_metrics
 from featcache.core.results import KINDS, read_parquet_checked
 from featcache.errors import ResultsError
 
@@ -55,10 +56,9 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "eval_split": "",
 }
 ANALYSIS_COLUMNS = (*REQUIRED, *OPTIONAL_DEFAULTS, "source")
-#: metrics where lower is better (never converted from percent, negated when ranked)
-LOWER_IS_BETTER = frozenset({"nll", "ece", "ce", "loss", "cross_entropy"})
-#: metrics that are binomial proportions (Clopper-Pearson applies when n_eval is known)
-PROPORTION_METRICS = frozenset({"top1", "top5", "accuracy", "acc"})
+# a metric's direction (lower is better: never converted from percent, negated when ranked) and
+# whether it is a binomial proportion (Clopper-Pearson applies when n_eval is known) are fields of
+# its registration: featcache.core.metrics.lower_is_better() / proportion_metrics()
 
 
 def _schema() -> dict[Any, Any]:
@@ -166,7 +166,7 @@ def load_table(
         cells = [f"{r['backbone']}/{r['dataset']}/{r['metric']}" for r in nulls.iter_rows(named=True)]
         log.warning("%s: %d missing value(s) dropped: %s", src, nulls.height, ", ".join(cells))
         df = df.filter(pl.col("value").is_not_null() & ~pl.col("value").is_nan())
-    hib = ~pl.col("metric").is_in(list(LOWER_IS_BETTER))
+    hib = ~pl.col("metric").is_in(sorted(lower_is_better()))
     if percent:
         df = df.with_columns(pl.when(hib).then(pl.col("value") / 100).otherwise(pl.col("value")).alias("value"))
     elif df.filter(hib & (pl.col("value") > 1.0)).height:
@@ -365,7 +365,7 @@ def with_intervals(df, *, alpha: float = 0.05):
 
     v = df["value"].to_numpy().astype(float)
     n = df["n_eval"].fill_null(0).to_numpy().astype(float)
-    ok = df["metric"].is_in(list(PROPORTION_METRICS)).to_numpy() & (n > 0) & np.isfinite(v)
+    ok = df["metric"].is_in(sorted(proportion_metrics())).to_numpy() & (n > 0) & np.isfinite(v)
     ok &= (v >= 0) & (v <= 1)
     lo = np.full(len(v), np.nan)
     hi = np.full(len(v), np.nan)

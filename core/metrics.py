@@ -19,10 +19,12 @@ Probes and fine-tuning both import them from here (one implementation for both).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from featcache.core.registry import Registry
 from featcache.errors import ConfigError, MetricInputError
 
 __all__ = [
@@ -30,14 +32,18 @@ __all__ = [
     "MULTILABEL_DEFAULT",
     "MULTILABEL_METRICS",
     "TASK_METRICS",
+    "MetricInfo",
     "compute_all",
     "ece",
+    "lower_is_better",
     "map11",
     "map11_elevater",
     "map_clip_benchmark",
     "mean_per_class",
+    "metric_info",
     "metric_names",
     "nll",
+    "proportion_metrics",
     "register_metric",
     "roc_auc_macro",
     "top1",
@@ -276,38 +282,85 @@ def roc_auc_macro(y_true: ArrayLike, scores: ArrayLike) -> float:
     return float(np.mean(aucs)) if aucs else float("nan")
 
 
-#: metric name -> function(y_true, proba) used for result rows
-METRICS = {
-    "top1": top1,
-    "top5": top5,
-    "mean_per_class": mean_per_class,
-    "nll": nll,
-    "ece": ece,
-    "map11": map11,
-    "map11_elevater": map11_elevater,
-    "roc_auc_macro": roc_auc_macro,
-    "map_clip_benchmark": map_clip_benchmark,
-}
+@dataclass(frozen=True)
+class MetricInfo:
+    """What a metric's registration records beside its function: ``task``: a task may declare
+    it and the probes select on it; ``multilabel``: defined for multi-label targets;
+    ``higher_is_better``: its direction (a lower-is-better metric is never converted from
+    percent and is negated when ranked); ``proportion``: a binomial proportion of the rows
+    scored (Clopper-Pearson intervals apply when their number is known)."""
 
+    task: bool = False
+    multilabel: bool = False
+    higher_is_better: bool = True
+    proportion: bool = False
+
+
+#: metric name -> function(y_true, proba) used for result rows; each entry's ``info`` is its
+#: :class:`MetricInfo`; aliases are names other tools write for the same metric (read by the analysis)
+METRICS: Registry[Callable[..., float]] = Registry("metric", ConfigError, idempotent=False)
 #: the metrics a task can declare (hyper-parameters are selected on it; higher is better)
-TASK_METRICS = ("top1", "mean_per_class", "map11", "roc_auc_macro", "map11_elevater", "map_clip_benchmark")
+TASK_METRICS: tuple[str, ...] = ()
 #: the metrics defined for multi-label targets [N, C]
-MULTILABEL_METRICS = ("map11", "roc_auc_macro", "map11_elevater", "map_clip_benchmark")
+MULTILABEL_METRICS: tuple[str, ...] = ()
 
 
-def register_metric(name: str, fn: Callable[..., float], *, task: bool = False, multilabel: bool = False) -> None:
+def register_metric(
+    name: str,
+    fn: Callable[..., float],
+    *,
+    task: bool = False,
+    multilabel: bool = False,
+    higher_is_better: bool = True,
+    proportion: bool = False,
+    aliases: tuple[str, ...] = (),
+) -> None:
     """Register ``fn(y_true, scores) -> float`` as metric ``name`` (:data:`METRICS`); ``task``:
     a task may declare it, and the probes select hyper-parameters on it (higher is better;
     ``featcache probe --metric`` offers it); ``multilabel``: it is defined for multi-label
-    targets. A taken name is refused."""
+    targets; ``higher_is_better``, ``proportion``: see :class:`MetricInfo`; ``aliases``: other
+    names results tables use for it. A taken name is refused."""
     global TASK_METRICS, MULTILABEL_METRICS
-    if name in METRICS:
-        raise ConfigError(f"metric {name!r} is already registered; register yours under another name")
-    METRICS[name] = fn
+    if task and not higher_is_better:
+        raise ConfigError(f"metric {name!r}: a task metric is selected on, so higher must be better")
+    METRICS.register(name, fn, aliases=aliases, info=MetricInfo(task, multilabel, higher_is_better, proportion))
     if task:
         TASK_METRICS = (*TASK_METRICS, name)
     if multilabel:
         MULTILABEL_METRICS = (*MULTILABEL_METRICS, name)
+
+
+def metric_info(name: str) -> MetricInfo | None:
+    """The registration record of metric ``name`` (or an alias); ``None`` for a name not registered."""
+    entry = METRICS.get_entry(name)
+    return None if entry is None else entry.info
+
+
+def _infos() -> dict[str, MetricInfo]:
+    return {n: METRICS.entry(n).info or MetricInfo() for n in METRICS.names(aliases=True)}
+
+
+def lower_is_better() -> frozenset[str]:
+    """Every registered metric name (aliases included) whose lower values are better."""
+    return frozenset(n for n, info in _infos().items() if not info.higher_is_better)
+
+
+def proportion_metrics() -> frozenset[str]:
+    """Every registered metric name (aliases included) that is a binomial proportion."""
+    return frozenset(n for n, info in _infos().items() if info.proportion)
+
+
+# in the order a results row set lists them (metric_names); task and multi-label metrics in the
+# order the --metric choices and multi-label rows list them
+register_metric("top1", top1, task=True, proportion=True, aliases=("accuracy", "acc"))
+register_metric("top5", top5, proportion=True)
+register_metric("mean_per_class", mean_per_class, task=True)
+register_metric("nll", nll, higher_is_better=False, aliases=("ce", "loss", "cross_entropy"))
+register_metric("ece", ece, higher_is_better=False)
+register_metric("map11", map11, task=True, multilabel=True)
+register_metric("roc_auc_macro", roc_auc_macro, task=True, multilabel=True)
+register_metric("map11_elevater", map11_elevater, task=True, multilabel=True)
+register_metric("map_clip_benchmark", map_clip_benchmark, task=True, multilabel=True)
 
 
 def metric_names(n_classes: int, task_metric: str = "top1", multilabel: bool = False) -> list[str]:

@@ -78,6 +78,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from featcache.core.registry import Registry
 from featcache.core.splits import (
     HOLDOUT_FRACTION,
     VAL_SOURCES,
@@ -521,9 +522,16 @@ _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
 
 
 # ------------------------------------------------------------------ registry
-_REGISTRY: dict[tuple[str, str], Callable[[str | None], Protocol]] = {}
-#: (stage, name) -> (usage, note): how the ``--protocol`` help and errors name it
-_USAGE: dict[tuple[str, str], tuple[str, str]] = {}
+#: stage -> its protocols: ``fn(arg: str | None) -> Protocol`` by name, with usage and note
+PROTOCOLS: dict[str, Registry[Callable[[str | None], Protocol]]] = {
+    s: Registry(f"{s} protocol", ProtocolError, idempotent=False) for s in STAGES
+}
+
+
+def _registry(stage: str) -> Registry[Callable[[str | None], Protocol]]:
+    if stage not in STAGES:
+        raise ProtocolError(f"stage must be one of {STAGES}, got {stage!r}")
+    return PROTOCOLS[stage]
 
 
 def register_protocol(name: str, *, stage: str = "probe", usage: str | None = None, note: str = "") -> Callable:
@@ -531,45 +539,27 @@ def register_protocol(name: str, *, stage: str = "probe", usage: str | None = No
     ``stage``. ``arg`` is the text after ``name:`` in a spec (``None`` when absent).
     ``usage``: how the help and errors name it (default ``name``; a parametrised protocol
     says its argument, e.g. ``fewshot:N (N >= 2)``); ``note``: a short gloss in the help."""
-    if stage not in STAGES:
-        raise ProtocolError(f"stage must be one of {STAGES}, got {stage!r}")
-
-    def deco(fn: Callable[[str | None], Protocol]):
-        if (stage, name) in _REGISTRY:
-            raise ProtocolError(f"{stage} protocol {name!r} is already registered")
-        _REGISTRY[(stage, name)] = fn
-        _USAGE[(stage, name)] = (usage or name, note)
-        return fn
-
-    return deco
+    return _registry(stage).register(name, usage=usage, note=note)
 
 
 def list_protocols(stage: str = "probe") -> list[str]:
     """Registered protocol names of ``stage`` (parametrised ones without their argument)."""
-    if stage not in STAGES:
-        raise ProtocolError(f"stage must be one of {STAGES}, got {stage!r}")
-    return sorted(n for s, n in _REGISTRY if s == stage)
-
-
-def _usage(stage: str, name: str) -> str:
-    return _USAGE.get((stage, name), (name, ""))[0]
+    return sorted(_registry(stage))
 
 
 def _parametrised(stage: str, name: str) -> bool:
-    return _usage(stage, name).startswith(f"{name}:")
+    return PROTOCOLS[stage].entry(name).usage.startswith(f"{name}:")
 
 
 def get_protocol(spec: str, stage: str = "probe") -> Protocol:
     """Build the protocol of ``spec`` (e.g. ``full``, ``fewshot:5``, ``subset:10%``)."""
     s = str(spec).strip().lower()
     name, sep, arg = s.partition(":")
-    fn = _REGISTRY.get((stage, name))
-    if fn is None:
+    reg = _registry(stage)
+    if name not in reg:
         word = "unknown fine-tuning protocol" if stage == "finetune" else "unknown protocol"
-        raise ProtocolError(
-            f"{word} {spec!r}; choose one of {', '.join(_usage(stage, n) for n in list_protocols(stage))}"
-        )
-    return fn(arg if sep else None)
+        raise ProtocolError(reg.unknown(name, spec=spec, what=word, known="choose one of"))
+    return reg[name](arg if sep else None)
 
 
 def parse_protocol(spec: str) -> Protocol:
@@ -585,19 +575,18 @@ def pairs(stage: str = "finetune") -> dict[str, str | None]:
 def protocol_usages(stage: str = "probe") -> list[str]:
     """How the help names each registered protocol of ``stage`` (``fewshot:N (N >= 2)``), in
     registration order."""
-    return [usage for (s, name), (usage, _) in _USAGE.items() if s == stage and (s, name) in _REGISTRY]
+    return _registry(stage).usages()
 
 
 def protocol_help(stage: str = "probe") -> str:
     """The ``--protocol`` help of ``stage``: every registered protocol's usage and note, in
     registration order, ``|``-separated (a fine-tune protocol also names its probe pair)."""
     out = []
-    for (s, name), (usage, note) in _USAGE.items():
-        if s != stage or (s, name) not in _REGISTRY:
-            continue
-        if stage == "finetune" and not _parametrised(s, name) and get_protocol(name, s).pairs_with:
-            note = f"{note}; " * bool(note) + f"pairs with probe protocol {get_protocol(name, s).pairs_with}"
-        out.append(f"{usage} ({note})" if note else usage)
+    for e in _registry(stage).entries():
+        note = e.note
+        if stage == "finetune" and not _parametrised(stage, e.name) and get_protocol(e.name, stage).pairs_with:
+            note = f"{note}; " * bool(note) + f"pairs with probe protocol {get_protocol(e.name, stage).pairs_with}"
+        out.append(f"{e.usage} ({note})" if note else e.usage)
     return " | ".join(out)
 
 

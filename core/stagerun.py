@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 
+from featcache.core.registry import Registry
 from featcache.core.splits import canonical_order
 from featcache.errors import ConfigError, SplitError
 
@@ -100,23 +101,23 @@ class Stage:
         return bool(protocol.median_over_seeds)
 
 
-STAGES: dict[str, Stage] = {}
+#: every stage that writes results rows, by name (:class:`~featcache.core.registry.Registry`)
+STAGES: Registry[Stage] = Registry(
+    "stage", ConfigError, duplicate="a stage named {name!r} is already registered ({prev.entry})", idempotent=False
+)
 
 
 def register_stage(stage: Stage) -> Stage:
     """Add ``stage`` to :data:`STAGES`; a second stage of the same name is refused."""
-    if stage.name in STAGES:
-        raise ConfigError(f"a stage named {stage.name!r} is already registered ({STAGES[stage.name].entry})")
-    STAGES[stage.name] = stage
+    STAGES.register(stage.name, stage, note=stage.entry)
     return stage
 
 
 def get_stage(name: str) -> Stage:
     """The registered stage ``name`` (a sweep work item's ``kind``)."""
-    try:
-        return STAGES[name]
-    except KeyError:
-        raise ConfigError(f"unknown stage {name!r}; registered stages: {sorted(STAGES)}") from None
+    if name not in STAGES:
+        raise ConfigError(STAGES.unknown(name, known="registered stages:", listing=str(sorted(STAGES))))
+    return STAGES[name]
 
 
 register_stage(Stage("probe", "featcache.probes:run_probes", "protocol", ("val_source", "task_metric")))

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from featcache.core.registry import Registry
 from featcache.errors import ProtocolError
 
 __all__ = ["SOLVERS", "FitOutcome", "FitRequest", "Solver", "register_solver"]
@@ -71,7 +72,8 @@ class Solver:
         return tuple(self.options(proto) if callable(self.options) else self.options)
 
 
-SOLVERS: dict[str, Solver] = {}
+#: every registered solver by name (:class:`~featcache.core.registry.Registry`)
+SOLVERS: Registry[Solver] = Registry("probe solver", ProtocolError, key=lambda s: s.fit, idempotent=False)
 
 
 def register_solver(
@@ -87,9 +89,9 @@ def register_solver(
     protocols give as ``Protocol(solver=name)``); a duplicate name is refused."""
 
     def deco(fn: Callable[[FitRequest], FitOutcome]):
-        if name in SOLVERS:
-            raise ProtocolError(f"probe solver {name!r} is already registered")
-        SOLVERS[name] = Solver(name, fn, options, fit_multilabel, streams, default_head_init, multilabel_head_init)
+        SOLVERS.register(
+            name, Solver(name, fn, options, fit_multilabel, streams, default_head_init, multilabel_head_init)
+        )
         return fn
 
     return deco

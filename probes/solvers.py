@@ -33,7 +33,7 @@ def get_solver(name: str) -> Solver:
     """The registered solver ``name`` (an error lists the registered ones)."""
     _load_builtins()
     if name not in SOLVERS:
-        raise ProtocolError(f"no probe solver {name!r}; registered: {sorted(SOLVERS)}")
+        raise ProtocolError(SOLVERS.unknown(name, what="no probe solver", known="registered:"))
     return SOLVERS[name]
 
 

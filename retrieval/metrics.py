@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from featcache.core.registry import Registry
 from featcache.errors import MetricInputError
 
 __all__ = [
@@ -260,16 +261,18 @@ class RetrievalMetric:
 
 
 #: registered retrieval metrics, in the order their values are written
-RETRIEVAL_METRICS: dict[str, RetrievalMetric] = {}
+RETRIEVAL_METRICS: Registry[RetrievalMetric] = Registry(
+    "retrieval metric", MetricInputError, key=lambda m: m.fn, idempotent=False
+)
 
 
 def register_retrieval_metric(name: str, *, full: bool, at_k: bool, source: str = "featcache") -> Callable:
     """Decorator: register ``fn`` as retrieval metric ``name`` (a taken name is refused)."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in RETRIEVAL_METRICS:
-            raise MetricInputError(f"retrieval metric {name!r} is already registered")
-        RETRIEVAL_METRICS[name] = RetrievalMetric(name, fn, full, at_k, source)
+        usage = f"{name}[@k]" if full and at_k else f"{name}@k" if at_k else name
+        note = "Battle of the Backbones" if source == "bob" else ""
+        RETRIEVAL_METRICS.register(name, RetrievalMetric(name, fn, full, at_k, source), usage=usage, note=note)
         return fn
 
     return deco

@@ -30,8 +30,9 @@ def probe_command(tmp_path, monkeypatch):
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "fc_flagprobe"))
-    yield sys.modules.get("fc_flagprobe") or __import__("fc_flagprobe")
+    with cli.COMMANDS.restored():
+        cli.COMMANDS.register("flagprobe", "fc_flagprobe:register")
+        yield sys.modules.get("fc_flagprobe") or __import__("fc_flagprobe")
     sys.modules.pop("fc_flagprobe", None)
 
 

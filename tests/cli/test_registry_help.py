@@ -66,15 +66,20 @@ def test_every_registered_member_is_in_the_help(parser, registry):
 
 
 @contextlib.contextmanager
-def _restored(*registries: dict):
-    """Each registry (a dict) as it was before the block, whatever the block added."""
-    saved = [dict(r) for r in registries]
-    try:
-        yield
-    finally:
-        for r, s in zip(registries, saved):
-            r.clear()
-            r.update(s)
+def _restored(*registries):
+    """Each registry (a Registry, or a dict) as it was before the block, whatever the block added."""
+    dicts = [r for r in registries if isinstance(r, dict)]
+    saved = [dict(r) for r in dicts]
+    with contextlib.ExitStack() as stack:
+        for r in registries:
+            if not isinstance(r, dict):
+                stack.enter_context(r.restored())
+        try:
+            yield
+        finally:
+            for r, s in zip(dicts, saved):
+                r.clear()
+                r.update(s)
 
 
 def _finetune_like(name: str):
@@ -110,8 +115,8 @@ def _register_weight_source():
 
 
 THROWAWAY = {
-    "probe protocol": (_register_probe_protocol, lambda: (protocols._REGISTRY, protocols._USAGE)),
-    "finetune protocol": (_register_finetune_protocol, lambda: (protocols._REGISTRY, protocols._USAGE)),
+    "probe protocol": (_register_probe_protocol, lambda: (protocols.PROTOCOLS["probe"],)),
+    "finetune protocol": (_register_finetune_protocol, lambda: (protocols.PROTOCOLS["finetune"],)),
     "data format": (_register_format, lambda: (formats.FORMATS,)),
     "model source": (_register_model_source, lambda: (sources._SOURCES, sources._USAGE)),
     "weight source": (_register_weight_source, lambda: (backbones._WEIGHTS_SOURCES, backbones._WEIGHTS_USAGE)),
@@ -136,7 +141,7 @@ def test_a_task_metric_registered_now_is_a_probe_metric_choice(monkeypatch):
     monkeypatch.setattr(metrics, "TASK_METRICS", metrics.TASK_METRICS)  # restored after
     monkeypatch.setattr(metrics, "MULTILABEL_METRICS", metrics.MULTILABEL_METRICS)
     words = ["probe", "--cache", "c", "--all", "--dataset", "d", "--results", "r", "--metric", "r20_top1"]
-    with _restored(metrics.METRICS):
+    with metrics.METRICS.restored():
         metrics.register_metric("r20_top1", metrics.top1, task=True)
         assert "r20_top1" in metrics.TASK_METRICS
         assert "r20_top1" not in metrics.MULTILABEL_METRICS

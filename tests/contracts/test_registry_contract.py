@@ -5,8 +5,10 @@ dataset and gives the images and labels the image-folder route gives."""
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 import json
+import re
 import struct
 import tarfile
 from pathlib import Path
@@ -16,9 +18,10 @@ import pytest
 from PIL import Image
 
 from featcache.core.protocols import register_protocol
+from featcache.core.registry import Registry
 from featcache.data.readers import open_dataset
 from featcache.data.readers.registry import FORMATS, register_format
-from featcache.errors import BackboneError, ConfigError, ProtocolError
+from featcache.errors import BackboneError, ConfigError, DataError, FeatcacheError, ProtocolError
 from featcache.models.backbones import list_weights_sources, register_weights_source
 
 
@@ -283,3 +286,168 @@ def test_data_help_and_errors_list_every_registered_format():
         usage = FORMATS[kind].usage
         assert all(usage in h for h in helps), (kind, helps)
         assert usage in str(err.value)
+
+
+# --------------------------------------------------------------------------- every registry
+# One contract over every registry built on featcache.core.registry.Registry: each name (and
+# alias) resolves, a lazy entry imports, a taken name is refused and the registry is left as
+# it was, a near miss gets the close match, and the help lists every entry.
+def _every_registry() -> dict[str, Registry]:
+    import featcache.retrieval  # noqa: F401 - Battle of the Backbones' metrics register on import
+    from featcache import cli
+    from featcache.core import metrics, protocols, stagerun
+    from featcache.probes import solvers
+    from featcache.retrieval import metrics as retrieval_metrics
+
+    solvers._load_builtins()
+    return {
+        "probe protocol": protocols.PROTOCOLS["probe"],
+        "finetune protocol": protocols.PROTOCOLS["finetune"],
+        "probe solver": solvers.SOLVERS,
+        "metric": metrics.METRICS,
+        "retrieval metric": retrieval_metrics.RETRIEVAL_METRICS,
+        "stage": stagerun.STAGES,
+        "command module": cli.COMMANDS,
+    }
+
+
+REGISTRIES = [
+    "probe protocol",
+    "finetune protocol",
+    "probe solver",
+    "metric",
+    "retrieval metric",
+    "stage",
+    "command module",
+]
+
+
+def test_the_contract_covers_every_registry():
+    assert sorted(_every_registry()) == sorted(REGISTRIES)
+    assert all(isinstance(r, Registry) for r in _every_registry().values())
+
+
+@pytest.mark.parametrize("kind", REGISTRIES)
+def test_every_name_resolves_and_lazy_entries_import(kind):
+    reg = _every_registry()[kind]
+    assert len(reg) > 0
+    assert reg.kind == kind
+    for name in reg.names(aliases=True):
+        entry = reg.entry(name)
+        assert name == entry.name or name in entry.aliases
+        assert reg.resolve(name) is reg[name] is entry.target
+        if entry.spec is not None:  # registered as "module:attr": that attribute, imported now
+            module, _, attr = entry.spec.partition(":")
+            assert entry.loaded
+            assert entry.target is getattr(importlib.import_module(module), attr)
+    assert list(reg) == [e.name for e in reg.entries()]
+
+
+def _typo(name: str, taken) -> str:
+    """A near miss of ``name`` that is no registered name (its last letter doubled)."""
+    typo = name + name[-1]
+    return typo if typo not in taken else name[:-1]
+
+
+@pytest.mark.parametrize("kind", REGISTRIES)
+def test_every_registry_refuses_a_taken_name(kind):
+    reg = _every_registry()[kind]
+    for name in reg.names(aliases=True):
+        before = reg.entry(name)
+        with pytest.raises(reg.error, match=f"{re.escape(repr(name))} is already registered"):
+            reg.register(name, _other)
+        assert reg.entry(name) is before
+    assert issubclass(reg.error, FeatcacheError)
+    assert issubclass(reg.error, (ValueError, LookupError, TypeError))  # and the builtin
+
+
+@pytest.mark.parametrize("kind", REGISTRIES)
+def test_every_registry_names_the_close_match(kind):
+    reg = _every_registry()[kind]
+    for name in reg:
+        typo = _typo(name, reg)
+        with pytest.raises(reg.error) as err:
+            reg.entry(typo)
+        msg = str(err.value)
+        assert msg.startswith(f"unknown {kind} {typo!r}; did you mean "), msg
+        assert repr(name) in msg.split("?")[0], msg
+        assert all(u in msg for u in reg.usages()), msg
+
+
+@pytest.mark.parametrize("kind", REGISTRIES)
+def test_every_registry_help_lists_every_entry(kind):
+    reg = _every_registry()[kind]
+    text = reg.help()
+    for e in reg.entries():
+        assert e.usage in text, (e, text)
+        assert e.note in text, (e, text)
+    assert text.count(" | ") == len(reg) - 1
+
+
+def test_every_command_module_is_registered():
+    """Each package's cli.py is a registered command module (a new stage cannot be forgotten)."""
+    from featcache import cli
+
+    root = Path(cli.__file__).parent
+    packages = {p.parent.name for p in root.glob("*/cli.py")}
+    assert packages == set(cli.COMMANDS), packages ^ set(cli.COMMANDS)
+    assert all(cli.COMMANDS.entry(p).spec == f"featcache.{p}.cli:register" for p in packages)
+
+
+def test_metric_direction_is_part_of_the_registration():
+    """The analysis reads a metric's direction and kind from its registration: the sets it used
+    to keep by hand, and a metric registered now."""
+    from featcache.core import metrics
+
+    assert metrics.lower_is_better() == {"nll", "ece", "ce", "loss", "cross_entropy"}
+    assert metrics.proportion_metrics() == {"top1", "top5", "accuracy", "acc"}
+    with metrics.METRICS.restored():
+        metrics.register_metric("r45_err", metrics.nll, higher_is_better=False, aliases=("r45_e",))
+        assert {"r45_err", "r45_e"} <= metrics.lower_is_better()
+        assert metrics.metric_info("r45_e").higher_is_better is False
+        with pytest.raises(ConfigError, match="higher must be better"):
+            metrics.register_metric("r45_bad", metrics.nll, task=True, higher_is_better=False)
+    assert "r45_err" not in metrics.lower_is_better()
+
+
+# --------------------------------------------------------------------------- the class itself
+def test_registry_decorator_lazy_aliases_and_undo():
+    reg: Registry = Registry("widget", DataError)
+
+    @reg.register("round", usage="round:R", note="a disc", aliases=("disc",))
+    def round_(r):
+        return r
+
+    assert reg["round"] is reg["disc"] is round_
+    assert list(reg) == ["round"]
+    assert reg.register("round", round_) is round_  # the same object again: harmless
+    reg.register("dumps", "json:dumps")
+    assert not reg.entry("dumps").loaded  # nothing imported until looked up
+    assert reg["dumps"] is json.dumps
+    assert reg.entry("dumps").loaded
+    assert reg.register("dumps", "json:dumps") == "json:dumps"  # the same module:attr again
+    with pytest.raises(DataError, match=r"widget 'dumps' is already registered \(by json:dumps\)"):
+        reg.register("dumps", "json:loads")
+    with pytest.raises(DataError, match="register yours under another name"):
+        reg.register("disc", len)  # an alias is taken too
+    assert reg.help() == "round:R (a disc) | dumps"
+    assert reg.unknown("rond") == "unknown widget 'rond'; did you mean 'round'? known: round:R, dumps"
+    with pytest.raises(DataError, match="module:attr"):
+        reg.register("bad", "json")
+    with reg.restored():
+        del reg["round"]
+        reg["dumps"] = json.loads  # replaced outright, keeping its usage
+        assert "disc" not in reg
+        assert reg["dumps"] is json.loads
+    assert reg["disc"] is round_
+    assert reg["dumps"] is json.dumps
+    strict = Registry("gadget", DataError, idempotent=False)
+    strict.register("a", len)
+    with pytest.raises(DataError, match="already registered"):
+        strict.register("a", len)
+    copy = strict.copy()
+    copy.register("b", max)
+    assert list(strict) == ["a"]
+    assert list(copy) == ["a", "b"]
+    with pytest.raises(TypeError, match="FeatcacheError"):
+        Registry("thing", ValueError)

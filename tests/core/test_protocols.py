@@ -137,9 +137,13 @@ def test_parametrised_specs_and_defaults():
         P.list_protocols("extract")
 
 
-def test_register_a_protocol(monkeypatch):
-    monkeypatch.setattr(P, "_REGISTRY", dict(P._REGISTRY))  # leave the real registry as it was
+def test_register_a_protocol():
+    with P.PROTOCOLS["probe"].restored():  # leave the real registry as it was
+        _register_and_use_a_protocol()
+    assert "fewshot-sgd" not in P.list_protocols()
 
+
+def _register_and_use_a_protocol():
     @P.register_protocol("fewshot-sgd")
     def fewshot_sgd(arg):
         base = P.get_protocol(f"fewshot:{arg}")

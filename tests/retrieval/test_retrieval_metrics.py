@@ -400,7 +400,7 @@ def test_a_registered_retrieval_metric_is_computed_and_accepted_by_suites(digits
     from featcache.errors import MetricInputError
     from featcache.retrieval import metrics as RM
 
-    monkeypatch.setattr(RM, "RETRIEVAL_METRICS", dict(RM.RETRIEVAL_METRICS))  # restored after
+    monkeypatch.setattr(RM, "RETRIEVAL_METRICS", RM.RETRIEVAL_METRICS.copy())  # restored after
 
     @RM.register_retrieval_metric("found", full=False, at_k=True)
     def found_at_k(rr, k):  # how many relevant items lie within the top k
