@@ -2,7 +2,9 @@
 
 Each stage owns a small ``cli`` module exposing ``register(subparsers)``; those modules
 import only ``argparse`` at module level so ``featcache extract`` starts fast on a GPU box
-that has torch and timm but not polars, faiss or matplotlib.
+that has torch and timm but not polars, faiss or matplotlib. ``featcache COMMAND`` imports
+and builds only the module that registers COMMAND (:data:`COMMANDS`); the command listing
+(``featcache --help``) and an unknown command build every one.
 """
 
 from __future__ import annotations
@@ -20,14 +22,43 @@ from featcache.errors import FeatcacheError
 #: the attribute that marks the logging handlers main() added (removed again by the next main())
 _CLI_MARK = "featcache_cli"
 
-#: each package's ``register(subparsers)``, which adds its commands, in help order (imported
-#: when the parser is built; a package missing from this build adds none)
+#: each stage package's ``register(subparsers)``, which adds its commands, in help order
+#: (imported when the parser is built; a package missing from this build adds none). The
+#: aliases are the command words a package registers besides its own name, so ``featcache
+#: probe`` imports and builds the probes package's parsers only (tests/cli/test_cli_lazy.py
+#: holds these words to what each module registers).
 COMMANDS: Registry[Callable[[Any], None]] = Registry("command module")
-for _pkg in ("extract", "suites", "finetune", "store", "probes", "retrieval", "sweep", "analysis", "demo"):
-    COMMANDS.register(_pkg, f"featcache.{_pkg}.cli:register")
+for _pkg, _words in (
+    ("extract", ("embed-classes", "embed-captions", "models", "fetch-weights")),
+    ("suites", ()),
+    ("finetune", ()),
+    ("store", ("ls", "verify")),
+    ("probes", ("probe",)),
+    ("retrieval", ("retrieve", "retrieve-text")),
+    ("sweep", ()),
+    ("analysis", ("rank", "shift", "report")),
+    ("demo", ()),
+):
+    COMMANDS.register(_pkg, f"featcache.{_pkg}.cli:register", aliases=_words)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_of(argv: list[str]) -> str | None:
+    """The command word of a command line (after the global flags), None when there is none or
+    help or the version is asked for before it."""
+    words = iter(argv)
+    for w in words:
+        if w in ("-h", "--help", "--version") or w == "--":
+            return None
+        if w == "--log-file":
+            next(words, None)
+        elif not w.startswith("-"):
+            return w
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command-line parser: every command's, or (``argv`` naming a command in
+    :data:`COMMANDS`) only the parsers of the module that registers that command."""
     parser = argparse.ArgumentParser(
         prog="featcache",
         description="Run every backbone over every image once; probe, retrieve and rank from the cache.",
@@ -42,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also append the log to PATH (at INFO even with -q; DEBUG with -vv)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for entry in COMMANDS.entries():
+    command = command_of(argv) if argv is not None else None
+    found = COMMANDS.get_entry(command) if command else None
+    for entry in [found] if found is not None else COMMANDS.entries():
         try:
             register = entry.load()
         except ModuleNotFoundError as exc:  # a stage not installed in this build
@@ -50,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         register(sub)
+    if found is not None and command not in sub.choices:  # a package's name, not a command word
+        return build_parser()
     return parser
 
 
@@ -110,7 +145,7 @@ def _damaged_store(args, exc: Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     # Stages read ``args.no_progress`` (their --no-progress flag) to set ``progress=``; -q implies it.
     args.no_progress = bool(getattr(args, "no_progress", False) or args.quiet)

@@ -51,6 +51,7 @@ def test_protocols_refuse_duplicates():
 
 
 def test_stages_refuse_duplicates():
+    import featcache.probes  # noqa: F401  (registers the probe stage)
     from featcache.core.stagerun import STAGES, Stage, register_stage
 
     first = STAGES["probe"]
