@@ -86,7 +86,7 @@ def test_vtab1k_pool_is_fixed_first_800_and_200_in_dataset_order(request, cache_
     """VTAB-1k as published: train[:800] and train[800:1000] in the store's row order (the
     reader's order), identical for seeds 0, 1, 2, on the probe side (store) and the fine-tune
     side (images from the reader) alike; ``vtab1k-stratified`` keeps the seeded draw."""
-    from featcache.extract.readers import open_dataset
+    from featcache.data.readers import open_dataset
     from featcache.store import open_cache
 
     cache = open_cache(request.getfixturevalue(cache_fixture))

@@ -19,10 +19,10 @@ from PIL import Image
 
 from featcache.core.protocols import register_protocol
 from featcache.core.registry import Registry
+from featcache.data.readers import open_dataset
+from featcache.data.readers.registry import FORMATS, register_format
 from featcache.errors import BackboneError, ConfigError, DataError, FeatcacheError, ProtocolError
-from featcache.extract.backbones import list_weights_sources, register_weights_source
-from featcache.extract.readers import open_dataset
-from featcache.extract.readers.registry import FORMATS, register_format
+from featcache.models.backbones import list_weights_sources, register_weights_source
 
 
 def _other(*args):  # a second function, never called
@@ -169,7 +169,7 @@ def _write_vtab1k(root: Path, rows) -> str:
 
 def _fmnist_rows() -> dict[str, list[tuple[str, np.ndarray]]]:
     """Real Fashion-MNIST test images (read from the IDX bytes directly), 3 train + 2 test per class."""
-    from featcache.extract.readers.folders import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR
+    from featcache.data.readers.folders import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR
 
     d = Path(FASHION_MNIST_DIR)
     if not (d / "t10k-images-idx3-ubyte.gz").is_file():
@@ -185,7 +185,7 @@ def _fmnist_rows() -> dict[str, list[tuple[str, np.ndarray]]]:
 
 
 def _write_fashion_mnist(root: Path, rows) -> str:
-    from featcache.extract.readers.folders import FASHION_MNIST_CLASSES
+    from featcache.data.readers.folders import FASHION_MNIST_CLASSES
 
     root.mkdir(parents=True)
     for split, prefix in (("train", "train"), ("test", "t10k")):
