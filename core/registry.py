@@ -179,7 +179,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
         if isinstance(target, str) or not prev.loaded:
             return target == prev.spec
         obj = prev.target
-        return obj is target or self._key(obj) == self._key(target)
+        return obj is target or (type(obj) is type(target) and self._key(obj) == self._key(target))
 
     def _refusal(self, name: str, prev: Entry[T]) -> str:
         by = prev.spec or _where(self._key(prev.target))

@@ -160,10 +160,10 @@ def run_embed_captions(args: argparse.Namespace) -> int:
 
 def run_models(args: argparse.Namespace) -> int:
     """``featcache models``: the names each installed source offers, and whether cached."""
-    from featcache.models.catalog import SOURCES, list_models
+    from featcache.models.catalog import list_models
 
     n = 0
-    for e in list_models(args.pattern, args.source or SOURCES):
+    for e in list_models(args.pattern, args.source):
         if args.cached and not e.cached:
             continue
         print(f"{e.source:<12} {e.model:<48} {e.weights:<32} {'cached' if e.cached else '-'}")
@@ -189,6 +189,8 @@ def run_fetch_weights(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    from featcache.models.sources import LISTINGS
+
     p = sub.add_parser("extract", help="run a backbone over a dataset into the feature cache")
     add_extract_arguments(p)
     p.set_defaults(func=run_extract)
@@ -263,7 +265,8 @@ def register(sub) -> None:
     m.add_argument(
         "pattern", nargs="?", default="*", help="a substring or fnmatch pattern (e.g. 'vit_small*', 'ViT-B-32')"
     )
-    m.add_argument("--source", action="append", help="timm | open_clip | torchvision | hf (repeatable; default all)")
+    listed = " | ".join(LISTINGS)  # the sources that list their models, as registered
+    m.add_argument("--source", action="append", help=f"{listed} (repeatable; default all)")
     m.add_argument("--cached", action="store_true", help="only names whose weights are in the local caches")
     m.set_defaults(func=run_models)
     f = sub.add_parser(

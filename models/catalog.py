@@ -14,7 +14,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,8 +24,6 @@ from featcache.errors import BackboneError, ConfigError, ProvenanceMismatchError
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelEntry", "fetch", "list_models", "read_list", "verify"]
-
-SOURCES = ("timm", "open_clip", "torchvision", "hf")
 
 
 @dataclass(frozen=True)
@@ -40,14 +37,17 @@ class ModelEntry:
     cached: bool | None
 
 
-def list_models(pattern: str = "*", sources: Sequence[str] = SOURCES) -> Iterator[ModelEntry]:
-    """Every name matching ``pattern`` (fnmatch, case-insensitive) of the installed sources."""
+def list_models(pattern: str = "*", sources: Sequence[str] | None = None) -> Iterator[ModelEntry]:
+    """Every name matching ``pattern`` (fnmatch, case-insensitive) of the installed ``sources``
+    (default: every source with a listing, :data:`~featcache.models.sources.LISTINGS`)."""
+    from featcache.models.sources import LISTINGS
+
     pat = pattern.lower()
-    for s in sources:
-        if s not in SOURCES:
-            raise ConfigError(f"--source {s!r}: choose from {', '.join(SOURCES)}")
+    for s in sources or list(LISTINGS):
+        if s not in LISTINGS:
+            raise ConfigError(LISTINGS.unknown(s, what="--source", known="choose from"))
         try:
-            rows = list(_LISTERS[s]())
+            rows = list(LISTINGS[s]())
         except ImportError:
             logger.info("model source %s is not installed; skipped", s)
             continue
@@ -56,53 +56,6 @@ def list_models(pattern: str = "*", sources: Sequence[str] = SOURCES) -> Iterato
                 model.lower(), pat
             ):
                 yield ModelEntry(s, model, weights, cached)
-
-
-def _timm() -> Iterator[tuple[str, str, bool | None]]:
-    import timm
-
-    from featcache.models.weights import find_timm_cached_checkpoint
-
-    for name in timm.list_pretrained():
-        cfg = timm.models.get_pretrained_cfg(name)
-        yield name, "pretrained", find_timm_cached_checkpoint(cfg.to_dict()) is not None if cfg else None
-
-
-def _open_clip() -> Iterator[tuple[str, str, bool | None]]:
-    import open_clip
-
-    from featcache.models.sources.open_clip_source import cached_file
-
-    for arch, tag in open_clip.list_pretrained():
-        yield f"open_clip:{arch}", tag, cached_file(open_clip.get_pretrained_cfg(arch, tag)) is not None
-
-
-def _torchvision() -> Iterator[tuple[str, str, bool | None]]:
-    import torch
-    import torchvision
-
-    ckpt = Path(torch.hub.get_dir()) / "checkpoints"
-    for name in torchvision.models.list_models():
-        try:
-            enum = torchvision.models.get_model_weights(name)
-        except ValueError:
-            continue
-        for m in enum:
-            yield f"torchvision:{name}", m.name, (ckpt / os.path.basename(m.url)).is_file()
-
-
-def _hf() -> Iterator[tuple[str, str, bool | None]]:
-    """The model repos in the Hugging Face hub cache (the hub itself is not listed offline)."""
-    from featcache.models.sources.hub import hf_cache_dir
-
-    root = hf_cache_dir()
-    for d in sorted(root.glob("models--*--*")) if root.is_dir() else []:
-        repo = d.name[len("models--") :].replace("--", "/", 1)
-        if (d / "snapshots").is_dir() and any((d / "snapshots").iterdir()):
-            yield f"hf:{repo}", "dir", True
-
-
-_LISTERS = {"timm": _timm, "open_clip": _open_clip, "torchvision": _torchvision, "hf": _hf}
 
 
 # --------------------------------------------------------------------------- fetch / verify

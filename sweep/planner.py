@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from featcache.core.configs import flag, float_list, int_list, renamed_kwargs, seed_tuple
@@ -289,19 +288,13 @@ def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
     return _item("retrieval", rc, rc.run_ids(b, rc.pair_fingerprint(q, g)), b, d, "semantic")
 
 
-def reproducible_weights(weights: str) -> bool:
-    """Whether a provenance ``weights_source`` can be loaded again (a registered scheme, or
-    a checkpoint file that still exists)."""
-    scheme = weights.split(":", 1)[0]
-    return scheme in ("random", "package", "timm") or Path(weights).is_file()
-
-
 def _finetune_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem]:
     from featcache.core.results import make_run_id
     from featcache.finetune import FinetuneConfig
+    from featcache.models.backbones import reproducible_weights
 
     prov = cache.provenance(b, d, config.train_split, config.feature_kind)
-    if not reproducible_weights(prov.weights_source):
+    if not reproducible_weights(prov.weights_source):  # a scheme registered as reproducible, or a file
         log.warning("no fine-tune of %s: its weights %r cannot be loaded again", b, prov.weights_source)
         return []
     opts = dict(config.finetune_options)

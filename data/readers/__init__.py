@@ -69,7 +69,9 @@ def open_dataset(spec: str, name: str | None = None, *, options: ReadOptions | N
     """
     kind, arg = parse_spec(spec)
     if kind not in FORMATS:
-        raise DataError(f"unknown data spec {spec!r}; {_path_hint(spec)}use {format_usages()}")
+        close = " or ".join(repr(c) for c in FORMATS.close_matches(kind))
+        hint = f"did you mean {close}? " * bool(close) + _path_hint(spec)
+        raise DataError(f"unknown data spec {spec!r}; {hint}use {format_usages()}")
     dname = name or default_name(spec)
     out = open_format(kind, arg, dname, options or ReadOptions())
     for s in out.values():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from featcache.core.registry import Registry
 from featcache.data.source import ReadOptions, SplitSource
 from featcache.errors import ConfigError, DataError
 
@@ -43,8 +44,9 @@ class DataFormat:
     name_of: Callable[[str], str] | None = path_name
 
 
-#: every registered kind (aliases included) -> its format, in registration order
-FORMATS: dict[str, DataFormat] = {}
+#: every registered format by its first kind, in registration order (its other kinds are aliases:
+#: ``FORMATS[alias]`` gives the format too, ``FORMATS.names(aliases=True)`` lists every kind)
+FORMATS: Registry[DataFormat] = Registry("data format", ConfigError, key=lambda f: f.reader)
 
 
 def register_format(
@@ -61,37 +63,21 @@ def register_format(
         raise ConfigError("register_format needs at least one spec kind, e.g. @register_format('myformat')")
 
     def deco(fn: Reader) -> Reader:
-        for k in kinds:
-            if k in FORMATS and FORMATS[k].reader is not fn:
-                prev = FORMATS[k].reader
-                raise ConfigError(
-                    f"data format {k!r} is already registered (by {prev.__module__}.{prev.__qualname__}); "
-                    "register yours under another name"
-                )
         fmt = DataFormat(kinds[0], fn, usage or f"{kinds[0]}:PATH", note, missing, name_of)
-        for k in kinds:
-            FORMATS.setdefault(k, fmt)
+        FORMATS.register(kinds[0], fmt, usage=fmt.usage, note=note, aliases=kinds[1:])
         return fn
 
     return deco
 
 
-def _formats() -> list[DataFormat]:
-    """Each registered format once, in registration order."""
-    out: dict[str, DataFormat] = {}
-    for f in FORMATS.values():
-        out.setdefault(f.kind, f)
-    return list(out.values())
-
-
 def format_help() -> str:
     """The ``--data`` help: every registered format's usage, ``|``-separated."""
-    return " | ".join(f"{f.usage} ({f.note})" if f.note else f.usage for f in _formats())
+    return FORMATS.help()
 
 
 def format_usages() -> str:
     """The registered formats' usages as a list in prose (``a, b or c``), for error messages."""
-    u = [f.usage for f in _formats()]
+    u = FORMATS.usages()
     return ", ".join(u[:-1]) + f" or {u[-1]}" if len(u) > 1 else "".join(u)
 
 

@@ -28,14 +28,21 @@ from __future__ import annotations
 import hashlib
 import importlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from featcache.errors import BackboneError
+from featcache.core.registry import Registry
+from featcache.errors import BackboneError, ConfigError
 
 SourceBuilder = Callable[..., Any]
+#: what a source lists for ``featcache models``: ``(model, weights, cached)`` rows (``cached``
+#: None: not known offline); it imports its library, so an ImportError means "not installed"
+Lister = Callable[[], Iterator[tuple[str, str, "bool | None"]]]
 
 __all__ = [
+    "LISTINGS",
+    "SOURCES",
+    "Lister",
     "SourceBuilder",
     "as_mapping",
     "builder",
@@ -54,27 +61,36 @@ __all__ = [
     "state_sha256",
     "store_key",
 ]
-_SOURCES: dict[str, tuple[str, SourceBuilder | None]] = {}
-#: source -> (usage, note): how the ``--model`` help names it
-_USAGE: dict[str, tuple[str, str]] = {}
+#: every model source but timm (the default, no prefix needed): its ``build``, imported when the
+#: source is first used (so ``--help`` stays fast), with how the ``--model`` help names it
+SOURCES: Registry[SourceBuilder] = Registry("model source", BackboneError)
+#: the sources ``featcache models`` lists (timm first), each one's :data:`Lister`, imported on first use
+LISTINGS: Registry[Lister] = Registry("model listing", ConfigError)
+LISTINGS.register("timm", "featcache.models.backbones:list_pretrained")
 _EXTRAS = {"open_clip": "clip", "hf": "hf"}
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_.@+=-]")
 
 
-def register_source(name: str, module: str, *, usage: str | None = None, note: str = "") -> None:
+def register_source(
+    name: str, module: str, *, usage: str | None = None, note: str = "", listing: str | None = None
+) -> None:
     """Register source ``name`` whose ``build(name, weights, device=...)`` lives in ``module``
     (imported only when the source is used, so ``--help`` stays fast). ``usage``: how the
-    ``--model`` help names it (default ``NAME:MODEL``), ``note``: a short gloss there. A name
-    taken by another module is refused; the same module again is a no-op."""
-    if name == "timm" or (name in _SOURCES and _SOURCES[name][0] != module):
-        raise BackboneError(f"model source {name!r} is already registered; register yours under another name")
-    _SOURCES[name] = (module, None)
-    _USAGE[name] = (usage or f"{name}:MODEL", note)
+    ``--model`` help names it (default ``NAME:MODEL``), ``note``: a short gloss there;
+    ``listing``: ``"module:function"`` of its :data:`Lister` (``featcache models``; None: it
+    lists nothing). A name taken by another module is refused; the same module again is a no-op."""
+    if name == "timm":
+        raise BackboneError(
+            SOURCES.duplicate.format(kind=SOURCES.kind, name=name, by="featcache.models.backbones, the default source")
+        )
+    SOURCES.register(name, f"{module}:build", usage=usage or f"{name}:MODEL", note=note)
+    if listing is not None:
+        LISTINGS.register(name, listing)
 
 
 def model_help() -> str:
     """The ``--model`` help: timm's names, then every registered source's usage, ``|``-separated."""
-    usages = [f"{u} ({n})" if n else u for u, n in (_USAGE[s] for s in _SOURCES)]
+    usages = [e.help() for e in SOURCES.entries()]
     return " | ".join(["timm model name (e.g. tf_efficientnet_lite0)", "timm:NAME", *usages]) + (
         "; in Python also an nn.Module"
     )
@@ -82,7 +98,7 @@ def model_help() -> str:
 
 def list_sources() -> list[str]:
     """Registered model sources (``timm`` included)."""
-    return sorted(["timm", *_SOURCES])
+    return sorted(["timm", *SOURCES])
 
 
 def parse_model(model: Any) -> tuple[str, Any]:
@@ -93,7 +109,7 @@ def parse_model(model: Any) -> tuple[str, Any]:
     prefix, sep, rest = model.partition(":")
     if sep and prefix == "timm":
         return "timm", rest
-    if sep and prefix in _SOURCES:
+    if sep and prefix in SOURCES:
         if not rest:
             raise BackboneError(f"--model {model!r} names no model after '{prefix}:'")
         return prefix, rest
@@ -110,7 +126,7 @@ def unknown_source(prefix: str) -> str:
     """One line: the unknown source, the registered ones and the close matches."""
     import difflib
 
-    known = ["timm", *_SOURCES]
+    known = ["timm", *SOURCES]
     close = difflib.get_close_matches(prefix, [*known, *TIMM_PREFIXES], n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(f'{c}:' for c in close)}?" if close else ""
     return f"unknown model source {prefix!r} ({', '.join(known)}){hint}"
@@ -126,8 +142,8 @@ def close_names(name: str, names: Any, what: str, listing: str) -> str:
 
 
 def builder(source: str) -> SourceBuilder:
-    mod_name, _ = _SOURCES[source]
-    return importlib.import_module(mod_name).build
+    """The ``build`` function of a registered source (its module imported now)."""
+    return SOURCES.resolve(source)
 
 
 def require(module: str, source: str) -> Any:
@@ -247,13 +263,14 @@ def as_mapping(obj: Any) -> Mapping[str, Any]:
     return obj if isinstance(obj, Mapping) else {}
 
 
-for _name, _usage, _note in (
-    ("torchvision", "torchvision:NAME", ""),
-    ("open_clip", "open_clip:ARCH", ""),
-    ("hf", "hf:DIR", "save_pretrained"),
-    ("python", "python:MODULE:CALLABLE", "an nn.Module factory"),
+for _name, _usage, _note, _lists in (
+    ("torchvision", "torchvision:NAME", "", True),
+    ("open_clip", "open_clip:ARCH", "", True),
+    ("hf", "hf:DIR", "save_pretrained", True),
+    ("python", "python:MODULE:CALLABLE", "an nn.Module factory", False),
 ):
-    register_source(_name, f"featcache.models.sources.{_name}_source", usage=_usage, note=_note)
+    _module = f"featcache.models.sources.{_name}_source"
+    register_source(_name, _module, usage=_usage, note=_note, listing=f"{_module}:list_models" if _lists else None)
 
 
 def describe(out: Any) -> str:

@@ -7,6 +7,7 @@ the projected embedding; others: ``pooler_output``), ``pooler`` (``pooler_output
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,14 @@ def build(
         model_class=type(model).__name__,
         **where,
     )
+
+
+def list_models() -> Iterator[tuple[str, str, bool | None]]:
+    """The model repos in the Hugging Face hub cache (the hub itself is not listed offline)."""
+    from featcache.models.sources.hub import hf_cache_dir
+
+    root = hf_cache_dir()
+    for d in sorted(root.glob("models--*--*")) if root.is_dir() else []:
+        repo = d.name[len("models--") :].replace("--", "/", 1)
+        if (d / "snapshots").is_dir() and any((d / "snapshots").iterdir()):
+            yield f"hf:{repo}", "dir", True

@@ -6,6 +6,7 @@ tower): the mean of block N's patch tokens, from open_clip's own ``visual.forwar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,11 @@ def build(
         text_tower=OpenClipText(model, open_clip.get_tokenizer(name), name),
         **{k: v for k, v in more.items() if v is not None},
     )
+
+
+def list_models() -> Iterator[tuple[str, str, bool | None]]:
+    """open_clip's pretrained (architecture, tag) pairs, and whether each file is cached."""
+    import open_clip
+
+    for arch, tag in open_clip.list_pretrained():
+        yield f"open_clip:{arch}", tag, cached_file(open_clip.get_pretrained_cfg(arch, tag)) is not None

@@ -8,6 +8,9 @@ token) mean of the N-th stage of the trunk (``layer1..layerK``, the children of 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from featcache.errors import BackboneError, WeightsNotFoundError
@@ -191,3 +194,19 @@ def build(
         input_size=size,
         **more,
     )
+
+
+def list_models() -> Iterator[tuple[str, str, bool | None]]:
+    """torchvision's models with weights (one row per weights enum member), and whether each
+    file is in the torch hub cache."""
+    import torch
+    import torchvision
+
+    ckpt = Path(torch.hub.get_dir()) / "checkpoints"
+    for name in torchvision.models.list_models():
+        try:
+            enum = torchvision.models.get_model_weights(name)
+        except ValueError:
+            continue
+        for m in enum:
+            yield f"torchvision:{name}", m.name, (ckpt / os.path.basename(m.url)).is_file()

@@ -45,8 +45,8 @@ def _members() -> dict[str, list[str]]:
         "finetune protocol": protocols.protocol_usages("finetune"),
         "task metric": list(metrics.TASK_METRICS),
         "data format": [f.usage for f in {f.kind: f for f in formats.FORMATS.values()}.values()],
-        "model source": ["timm:NAME", *(sources._USAGE[s][0] for s in sources._SOURCES)],
-        "weight source": [backbones._WEIGHTS_USAGE[s][0] for s in backbones.list_weights_sources()],
+        "model source": ["timm:NAME", *(sources.SOURCES.entry(s).usage for s in sources.SOURCES)],
+        "weight source": [backbones.WEIGHTS_SOURCES.entry(s).usage for s in backbones.list_weights_sources()],
         "suite": suites.list_suites(),
     }
 
@@ -67,19 +67,11 @@ def test_every_registered_member_is_in_the_help(parser, registry):
 
 @contextlib.contextmanager
 def _restored(*registries):
-    """Each registry (a Registry, or a dict) as it was before the block, whatever the block added."""
-    dicts = [r for r in registries if isinstance(r, dict)]
-    saved = [dict(r) for r in dicts]
+    """Each registry as it was before the block, whatever the block added."""
     with contextlib.ExitStack() as stack:
         for r in registries:
-            if not isinstance(r, dict):
-                stack.enter_context(r.restored())
-        try:
-            yield
-        finally:
-            for r, s in zip(dicts, saved):
-                r.clear()
-                r.update(s)
+            stack.enter_context(r.restored())
+        yield
 
 
 def _finetune_like(name: str):
@@ -118,8 +110,8 @@ THROWAWAY = {
     "probe protocol": (_register_probe_protocol, lambda: (protocols.PROTOCOLS["probe"],)),
     "finetune protocol": (_register_finetune_protocol, lambda: (protocols.PROTOCOLS["finetune"],)),
     "data format": (_register_format, lambda: (formats.FORMATS,)),
-    "model source": (_register_model_source, lambda: (sources._SOURCES, sources._USAGE)),
-    "weight source": (_register_weight_source, lambda: (backbones._WEIGHTS_SOURCES, backbones._WEIGHTS_USAGE)),
+    "model source": (_register_model_source, lambda: (sources.SOURCES, sources.LISTINGS)),
+    "weight source": (_register_weight_source, lambda: (backbones.WEIGHTS_SOURCES,)),
 }
 
 
@@ -169,7 +161,8 @@ def test_a_taken_model_source_name_is_refused():
     for name in ("timm", "torchvision"):
         with pytest.raises(BackboneError, match=f"model source '{name}' is already registered"):
             sources.register_source(name, "featcache.no_such_module")
-    sources.register_source("hf", sources._SOURCES["hf"][0])  # the same module again is harmless
+    module = sources.SOURCES.entry("hf").spec.rsplit(":", 1)[0]
+    sources.register_source("hf", module)  # the same module again is harmless
 
 
 def test_a_suite_shipped_now_is_in_the_help(monkeypatch):

@@ -29,7 +29,7 @@ def _other(*args):  # a second function, never called
     raise AssertionError("not called")
 
 
-@pytest.mark.parametrize("kind", sorted(FORMATS))
+@pytest.mark.parametrize("kind", sorted(FORMATS.names(aliases=True)))
 def test_data_formats_refuse_duplicates(kind):
     first = FORMATS[kind]
     with pytest.raises(ConfigError, match=f"data format '{kind}' is already registered"):
@@ -297,6 +297,7 @@ def _every_registry() -> dict[str, Registry]:
     import featcache.retrieval  # noqa: F401 - Battle of the Backbones' metrics register on import
     from featcache import cli
     from featcache.core import metrics, protocols, stagerun
+    from featcache.models import backbones, sources
     from featcache.probes import solvers
     from featcache.retrieval import metrics as retrieval_metrics
 
@@ -309,6 +310,10 @@ def _every_registry() -> dict[str, Registry]:
         "retrieval metric": retrieval_metrics.RETRIEVAL_METRICS,
         "stage": stagerun.STAGES,
         "command module": cli.COMMANDS,
+        "data format": FORMATS,
+        "model source": sources.SOURCES,
+        "model listing": sources.LISTINGS,
+        "weights source": backbones.WEIGHTS_SOURCES,
     }
 
 
@@ -320,6 +325,10 @@ REGISTRIES = [
     "retrieval metric",
     "stage",
     "command module",
+    "data format",
+    "model source",
+    "model listing",
+    "weights source",
 ]
 
 
@@ -452,3 +461,49 @@ def test_registry_decorator_lazy_aliases_and_undo():
     assert list(copy) == ["a", "b"]
     with pytest.raises(TypeError, match="FeatcacheError"):
         Registry("thing", ValueError)
+
+
+def test_a_source_lists_its_models_through_its_registration(tmp_path, monkeypatch):
+    """``featcache models`` lists the sources registered with a listing (no second list in the
+    catalog): one registered now is listed, offered in ``--source``'s help, then gone again."""
+    from featcache.cli import build_parser
+    from featcache.models import catalog, sources
+
+    assert list(sources.LISTINGS) == ["timm", "torchvision", "open_clip", "hf"]
+    (tmp_path / "r45_source.py").write_text(
+        "def list_models():\n    yield 'r45:tiny', 'random:0', None\n    yield 'r45:big', 'random:0', True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with sources.SOURCES.restored(), sources.LISTINGS.restored():
+        sources.register_source("r45", "r45_source", usage="r45:NAME", listing="r45_source:list_models")
+        assert [(e.source, e.model, e.cached) for e in catalog.list_models("tiny", ["r45"])] == [
+            ("r45", "r45:tiny", None)
+        ]
+        sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+        (help_text,) = [a.help for a in sub["models"]._actions if a.dest == "source"]
+        assert help_text.startswith("timm | torchvision | open_clip | hf | r45 ")
+    assert "r45" not in sources.LISTINGS
+    with pytest.raises(ConfigError, match="did you mean 'open_clip'"):
+        list(catalog.list_models("*", ["opn_clip"]))
+
+
+def test_reproducible_weights_is_a_field_of_the_weights_source(tmp_path):
+    """The sweep fine-tunes only weights it can load again: a scheme registered as reproducible
+    (the list it kept by hand: timm, random, package), or a checkpoint file that exists."""
+    from featcache.models.backbones import WEIGHTS_SOURCES, register_weights_source, reproducible_weights
+
+    assert [reproducible_weights(w) for w in ("timm", "pretrained", "random:0", "package:x")] == [
+        True,
+        False,
+        True,
+        True,
+    ]
+    (tmp_path / "w.pth").write_bytes(b"")
+    assert reproducible_weights(str(tmp_path / "w.pth"))
+    assert not reproducible_weights(str(tmp_path / "gone.pth"))
+    with WEIGHTS_SOURCES.restored():
+        register_weights_source("r45w", reproducible=True)(_other)
+        register_weights_source("r45x")(_other)  # by default not reproducible
+        assert reproducible_weights("r45w:key")
+        assert not reproducible_weights("r45x:key")
+    assert not reproducible_weights("r45w:key")
