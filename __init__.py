@@ -21,7 +21,7 @@ from featcache.errors import (
 )
 
 if TYPE_CHECKING:
-    from featcache.store.cache import open_cache
+    from featcache.store import open_cache
 
 __all__ = [
     "FeatcacheError",
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: ``open_cache`` (:func:`featcache.store.open_cache`) imports zarr on first use
-__getattr__, __dir__ = lazy_exports(__name__, {"open_cache": "featcache.store.cache"})
+__getattr__, __dir__ = lazy_exports(__name__, {"open_cache": "featcache.store"})
 
 #: ``featcache.core.protocols`` and the other modules that moved into :mod:`featcache.core` still import
 _moved.install()

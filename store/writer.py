@@ -21,14 +21,11 @@ from numpy.typing import ArrayLike
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
 from featcache.store.arrays import create_aux_array, create_feature_array  # re-exported: their old home
-from featcache.store.cache import (
-    FeatureCache,
-    ensure_split,
-    now_iso,
-    open_cache,
-)
+from featcache.store.cache import FeatureCache, open_cache
 from featcache.store.integrity import read_done, scan_group
 from featcache.store.locks import StoreLock, local_root
+from featcache.store.metadata import translating
+from featcache.store.root import now_iso
 from featcache.store.schema import (
     GROUP_KEY,
     MAX_CHUNK_ROWS,
@@ -42,6 +39,7 @@ from featcache.store.schema import (
 )
 from featcache.store.space import no_space
 from featcache.store.summary import clear_summary, write_summary
+from featcache.store.writing import ensure_split
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +109,7 @@ class FeatureWriter:
             if k in g
         }
 
+    @translating
     def prepare(self, *, overwrite: bool = False) -> FeatureWriter:
         """Take the group's writer lock, then create arrays, or validate and reuse existing
         ones (resume; missing ``valid``/``error``/``done`` arrays are recreated and their
@@ -248,6 +247,7 @@ class FeatureWriter:
         g.attrs[GROUP_KEY] = meta.to_attrs()  # last: marks the group as created
         self.group = g
 
+    @translating
     def attach(self) -> FeatureWriter:
         """Open arrays created by another rank; settings must match exactly."""
         old = self.existing()
@@ -273,6 +273,7 @@ class FeatureWriter:
     def chunk_range(self, i: int) -> tuple[int, int]:
         return i * self.chunk_rows, min((i + 1) * self.chunk_rows, self.n)
 
+    @translating
     def pending_chunks(self) -> list[int]:
         """Chunks not marked done, plus marked chunks that are damaged: missing, failing
         their checksum, or contradicting the arrays beside them (read chunk by chunk)."""
@@ -288,6 +289,7 @@ class FeatureWriter:
             )
         return sorted(int(i) for i in todo)
 
+    @translating
     def write_chunk(
         self,
         i: int,
@@ -329,6 +331,7 @@ class FeatureWriter:
         nothing half-written stays, and ``done`` is set only after the chunk's arrays)."""
         return no_space(f"{self.cache.path}/{self.path}", what, need)
 
+    @translating
     def mark_complete(self, **stats: Any) -> None:
         """Record run statistics (images/s, device, ...) in every kind's provenance."""
         valid = np.asarray(self.group["valid"][:], dtype=bool)
@@ -411,6 +414,7 @@ def make_provenance(
     )
 
 
+@translating
 def write_features(
     path: str | os.PathLike | FeatureCache,
     *,
