@@ -25,7 +25,7 @@ from featcache.errors import (
 )
 from featcache.store import manifest
 from featcache.store.fingerprints import dataset_fingerprint, features_fingerprint
-from featcache.store.integrity import GroupScan, as_str, scan_group
+from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, scan_group
 from featcache.store.metadata import named_damage, translating
 from featcache.store.root import create_root, open_or_create, root_unrecorded
 from featcache.store.schema import (
@@ -377,10 +377,18 @@ class FeatureCache:
 
     def _check_place(self, g, gm: FeatureGroupMeta, kind: str) -> None:
         """Refuse a group whose documents or chunks were moved there from another path or
-        backbone (:func:`~featcache.store.summary.check_place`)."""
+        backbone, a complete one without the summary that binds its chunks to it
+        (:func:`~featcache.store.summary.check_place`), and an array whose fill value would
+        read a lost chunk as data (:func:`~featcache.store.integrity.fill_problems`)."""
         from featcache.store.summary import check_place
 
-        found, _ = check_place(g, g.path, gm, (kind, "valid", "error"))
+        for name, why in fill_problems(g, (kind,)).items():
+            raise CorruptStoreError(
+                f"{g.path}/{name}: {why}; run `featcache verify --repair {self.path}` (it marks every chunk "
+                "for recomputation), then re-run the extract that wrote it (it recreates the array)"
+            )
+        complete = bool(read_done(g, gm.n_chunks).all())
+        found, _ = check_place(g, g.path, gm, (kind, "valid", "error"), complete=complete, store=self.path)
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
             raise CorruptStoreError(f"{found[0][1]}{more}; `featcache verify {self.path}` lists what is wrong")
@@ -390,13 +398,16 @@ class FeatureCache:
         """(complete, invalid rows) of a feature group: from its summary while that matches the
         chunk markers and checksums (:mod:`.summary`), else by reading every marked chunk (a
         lost or corrupt chunk makes the group incomplete)."""
-        from featcache.store.summary import trusted_summary
+        from featcache.store.summary import SUMMARY_KEY, trusted_summary
 
         gm = self.group_meta(b, d, s)
         summ = trusted_summary(g, gm.n, gm.n_chunks, gm.kinds)
         if summ is not None:
             return True, summ["rows"] - summ["valid"]
         complete = self.scan(b, d, s).complete
+        if complete and not isinstance(g.attrs.get(SUMMARY_KEY), dict):  # bound to nothing: load refuses it
+            log.warning("%s/%s/%s: complete but its summary is missing; run `featcache verify %s`", b, d, s, self.path)
+            complete = False
         return complete, int((~np.asarray(g["valid"][:], dtype=bool)).sum())
 
     @translating

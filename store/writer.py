@@ -22,7 +22,7 @@ from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
 from featcache.store.arrays import create_aux_array, create_feature_array  # re-exported: their old home
 from featcache.store.cache import FeatureCache, open_cache
-from featcache.store.integrity import read_done, scan_group
+from featcache.store.integrity import fill_problems, read_done, scan_group
 from featcache.store.locks import StoreLock, local_root
 from featcache.store.metadata import translating
 from featcache.store.root import now_iso
@@ -38,7 +38,7 @@ from featcache.store.schema import (
     provenance_digest,
 )
 from featcache.store.space import no_space
-from featcache.store.summary import clear_summary, write_summary
+from featcache.store.summary import UNBOUND, check_place, clear_summary, write_summary
 from featcache.store.writing import ensure_split
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class FeatureWriter:
                 self._remove_orphan_writes()
                 self._restore_aux_arrays()
                 self._restore_lost_kinds(lost)
+                self._recompute_unbound()
                 if not read_done(self.group, self.n_chunks).all():  # chunks will be written
                     clear_summary(self.group)
                 return self
@@ -201,6 +202,35 @@ class FeatureWriter:
         if lost:
             self.group["done"][:] = 0
             clear_summary(self.group)
+
+    def _recompute_unbound(self) -> None:
+        """Recompute every chunk of a group whose chunks nothing binds to it: an array whose fill
+        value would read a lost chunk as data (recreated with the writer's), a complete group
+        without its summary, or chunks whose digests differ from its summary's (moved here).
+        Resuming would record their digests as they are."""
+        g = self.group
+        gm = FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=self.path)
+        bad_fill = fill_problems(g, tuple(self.provenances))
+        for name, why in bad_fill.items():
+            log.warning("%s/%s: %s; recreating it (every chunk is recomputed)", self.path, name, why)
+            if name in self.provenances:
+                self._create_kind(g, name, self.provenances[name])
+            else:
+                create_aux_array(g, name, self.n, self.chunk_rows, self.n_chunks)
+        unbound = []
+        if read_done(g, self.n_chunks).all():  # else the summary is stale and goes: chunks will be written
+            names = (*self.provenances, "valid", "error", "done")
+            found, _ = check_place(g, self.path, gm, names, complete=True, store=self.cache.path)
+            unbound = [line for name, line in found if name]
+            if unbound and all(name != UNBOUND for name, _ in found if name):
+                sc = scan_group(g, self.n, self.chunk_rows, self.n_chunks, tuple(self.provenances))
+                if sc.damaged:  # a damaged chunk changes its array's digest too: recompute just those
+                    unbound = []
+        if bad_fill or unbound:
+            for line in unbound[:3]:
+                log.warning("%s; recomputing every chunk", line)
+            g["done"][:] = 0
+            clear_summary(g)
 
     def _create_kind(self, g, kind: str, prov: FeatureProvenance) -> None:
         a = create_feature_array(g, kind, self.n, self.chunk_rows, prov.dim, prov.dtype)
