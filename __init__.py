@@ -20,7 +20,7 @@ from featcache.errors import (
 )
 
 if TYPE_CHECKING:
-    from featcache.store.cache import open_cache
+    from featcache.store import open_cache
 
 __all__ = [
     "FeatcacheError",
@@ -32,4 +32,4 @@ __all__ = [
 ]
 
 #: ``open_cache`` (:func:`featcache.store.open_cache`) imports zarr on first use
-__getattr__, __dir__ = lazy_exports(__name__, {"open_cache": "featcache.store.cache"})
+__getattr__, __dir__ = lazy_exports(__name__, {"open_cache": "featcache.store"})

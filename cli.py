@@ -133,17 +133,6 @@ def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = Fal
         )
 
 
-def _damaged_store(args, exc: Exception):
-    """zarr's error for a damaged metadata document of the command's local store, as one
-    named line (which document, what is wrong, what to run); None for any other error."""
-    from featcache.store.metadata import is_metadata_error, named_metadata_error
-
-    path = getattr(args, "cache", None) or getattr(args, "path", None)
-    if not is_metadata_error(exc) or not isinstance(path, str):
-        return None
-    return named_metadata_error(path, exc)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -163,14 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.func(args)
     except FeatcacheError as exc:
         msg = f"featcache {args.command}: error: {exc}"
-        _log_to_file(file_handler, msg, exc_info=True)
-        print(msg, file=sys.stderr)
-        return 1
-    except Exception as exc:
-        named = _damaged_store(args, exc)
-        if named is None:
-            raise
-        msg = f"featcache {args.command}: error: {named}"
         _log_to_file(file_handler, msg, exc_info=True)
         print(msg, file=sys.stderr)
         return 1

@@ -67,9 +67,7 @@ def write_store(
     offset: int = 0,
 ) -> None:
     """Split ``split`` of the synthetic store: generator rows ``offset .. offset + n``."""
-    from featcache.store import open_cache
-    from featcache.store.cache import ensure_split
-    from featcache.store.writer import FeatureWriter, make_provenance
+    from featcache.store import FeatureWriter, ensure_split, make_provenance, open_cache
 
     cache = open_cache(path, "a")
     y = synth_labels(seed, offset, offset + n, classes)

@@ -9,7 +9,7 @@ from typing import cast
 def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of :class:`~featcache.extract.config.ExtractConfig` (its single source)."""
     from featcache.extract.config import ExtractConfig
-    from featcache.store.cli import add_storage_option_argument
+    from featcache.store import add_storage_option_argument
 
     ExtractConfig.add_arguments(p, optional=("data",))
     # --splits: the field's own name, a second spelling of the --split flag (one action, one dest)
@@ -39,7 +39,7 @@ def run_extract(args: argparse.Namespace) -> int:
     :mod:`featcache.core.allocator`), run the stage, print one line per split."""
     from featcache.errors import ConfigError
     from featcache.extract.config import ExtractConfig
-    from featcache.store.cli import parse_storage_options
+    from featcache.store import parse_storage_options
 
     opts = parse_storage_options(args.storage_options)
     progress = getattr(args, "progress", True) and not getattr(args, "no_progress", False)  # -q: none
@@ -87,8 +87,7 @@ def suite_configs(args: argparse.Namespace, **overrides) -> list:
 
 def _record_task_metric(cfg, task) -> None:
     """Declare the suite task's metric on its dataset in the store, so probes select on it."""
-    from featcache.store import open_cache
-    from featcache.store.tasks import write_task_metric
+    from featcache.store import open_cache, write_task_metric
 
     cache = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     write_task_metric(cache, cfg.dataset_name, task.metric)

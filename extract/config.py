@@ -25,7 +25,7 @@ from featcache.data.readers import format_help
 from featcache.data.source import DEFAULT_MAX_IMAGE_PIXELS
 from featcache.errors import ConfigError
 from featcache.models.sources import model_help
-from featcache.store.schema import MAX_CHUNK_ROWS
+from featcache.store import MAX_CHUNK_ROWS
 
 #: --precision words: ``default`` is the old ``auto`` (bf16 on CUDA, fp32 on CPU); ``auto`` adds
 #: bf16 CPUs and the first-batch agreement check (:mod:`featcache.extract.auto`)

@@ -164,17 +164,7 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder, follow_symlinks=cfg.follow_symlinks
     )
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
-    try:
-        store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
-    except Exception as exc:
-        from featcache.store.metadata import is_metadata_error, named_metadata_error
-
-        if not is_metadata_error(exc):
-            raise
-        named = named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc)
-        if named is None:
-            raise
-        raise named from None
+    store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     bb = create_backbone(
         cfg.model,
         cfg.weights,
@@ -203,15 +193,6 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
             backend=res.backend, record=res.record,
         )  # fmt: skip
         return [_extract_split(job, src) for src in sources]
-    except Exception as exc:
-        from featcache.store.metadata import is_metadata_error, named_metadata_error
-
-        if not is_metadata_error(exc):
-            raise
-        named = named_metadata_error(cfg.cache if isinstance(cfg.cache, str) else None, exc)
-        if named is None:
-            raise
-        raise named from None
     finally:
         torch.set_num_threads(old_threads)
         close_dist(own_group)
@@ -464,13 +445,13 @@ def _split_rows(store, src: SplitSource, rank: int):
     if len(src) == 0:
         raise DataError(f"split {src.split!r} of {src.dataset} is empty")
     if rank == 0:
-        from featcache.store.space import no_space
+        from featcache.store import no_space
 
         need = 16 * len(src) + sum(len(str(i)) for i in src.ids[:1000]) * max(1, len(src) // 1000)
         with no_space(f"{store.path}/datasets/{src.dataset}/{src.split}", "the split's ids and labels", need):
             meta = ensure_split(store, src.dataset, src.split, src.ids, src.labels, src.class_names, src.source)
         if "label_matrix" in src.extra:  # multi-label targets (a manifest's `labels` column)
-            from featcache.store.tasks import write_label_matrix
+            from featcache.store import write_label_matrix
 
             write_label_matrix(
                 store, src.dataset, src.split, src.extra["label_matrix"][: len(src)], src.extra["label_names"]

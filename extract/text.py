@@ -71,8 +71,7 @@ def write_embeddings(
     cache: Any, dataset: str, backbone: str, m: np.ndarray, prov: dict, name: str, overwrite: bool
 ) -> None:
     """Store ``m`` with ``prov``; refuse other provenance already stored (unless ``overwrite``)."""
-    from featcache.store import write_class_embeddings
-    from featcache.store.schema import TEXT_PROVENANCE_KEY
+    from featcache.store import TEXT_PROVENANCE_KEY, write_class_embeddings
 
     g = cache._group("class_embeddings", dataset, backbone)
     if g is not None and name in {k for k, _ in g.arrays()} and not overwrite:
@@ -171,7 +170,7 @@ def run(
 def _stored_class_names(cache, dataset: str) -> list[str]:
     """The store's classes of ``dataset``: its label-matrix columns when it has multi-label
     targets (one embedding per label, as the probes' heads need), else its class names."""
-    from featcache.store.tasks import load_label_matrix
+    from featcache.store import load_label_matrix
 
     first = cache.splits(dataset)[0]
     lm = load_label_matrix(cache, dataset, first)

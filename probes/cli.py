@@ -72,8 +72,7 @@ def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
     store, else the suite's; ``--metric`` forces one), VTAB-1k's train800/val200 where the
     store holds them; the missing tasks are named in one warning, none present is an error."""
     from featcache.errors import ConfigError, NotInStoreError
-    from featcache.store import open_cache
-    from featcache.store.tasks import task_metric
+    from featcache.store import open_cache, task_metric
     from featcache.suites import load_suite, warn_missing
 
     if getattr(args, "dataset", None):

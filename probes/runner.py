@@ -41,8 +41,7 @@ from featcache.probes.store_lookup import (  # the store side, shared with Probe
     text_fingerprint,
 )
 from featcache.probes.store_lookup import store_fingerprints as store_fingerprints  # its old home
-from featcache.store import combine_fingerprints
-from featcache.store.rows import StoredRows
+from featcache.store import StoredRows, combine_fingerprints
 
 if TYPE_CHECKING:
     import polars as pl
@@ -147,7 +146,7 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
 def _attach_label_matrices(cache, ds: str, data: _Data) -> None:
     """Multi-label targets (:mod:`featcache.store.tasks`) of every split, aligned by id;
     their hash joins the split's fingerprint (so run ids follow the targets)."""
-    from featcache.store.tasks import load_label_matrix
+    from featcache.store import load_label_matrix
 
     loaded = {s: load_label_matrix(cache, ds, s) for s in data.splits()}
     found = {s: v for s, v in loaded.items() if v is not None}
@@ -497,7 +496,7 @@ def _task_metric(caches, backbones: list[str], cfg: ProbeConfig, data: dict[str,
     from dataclasses import replace
 
     from featcache.core.metrics import MULTILABEL_DEFAULT
-    from featcache.store.tasks import task_metric
+    from featcache.store import task_metric
 
     multilabel = next(iter(data.values())).train.Y is not None
     metric = (

@@ -115,22 +115,13 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
         val = cfg.val_split_used(proto, c.splits(cfg.dataset))
         names: list[str] = [cfg.train_split, *([val] if val else []), *cfg.eval_splits]
         read = dict.fromkeys(names)
-        fp = {s: _stored_fingerprint(c, b, cfg.dataset, s, cfg.kind) for s in read}
+        fp = {s: c.stored_fingerprint(b, cfg.dataset, s, cfg.kind) for s in read}
         text = [t] if (t := text_fingerprint(c, b, cfg)) else []
         out[b] = {
             es: combine_fingerprints(fp[cfg.train_split], fp[val] if val else "", fp[es], *text)
             for es in cfg.eval_splits
         }
     return out
-
-
-def _stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: str) -> str:
-    """:attr:`SplitData.fingerprint` from the provenance record (load() reads complete
-    features only)."""
-    from featcache.store.cache import features_fingerprint
-
-    prov = cache.provenance(backbone, dataset, split, kind).to_attrs()
-    return features_fingerprint(prov, cache.split_meta(dataset, split).fingerprint)
 
 
 def resolve_val_source(cfg: ProbeConfig, proto: Protocol, caches: list | None = None) -> ProbeConfig:

@@ -305,18 +305,9 @@ def _run_ids(cfg: RetrievalConfig, b: str, fingerprint: str, setups) -> list[str
 
 def _stored_fingerprint(cfg: RetrievalConfig, cache, b: str) -> str:
     """:attr:`_Pair.fingerprint` from the provenance records alone (no feature is read)."""
-    q = stored_fingerprint(cache, b, cfg.dataset, cfg.query_split, cfg.kind)
-    g = q if cfg.same_split else stored_fingerprint(cache, b, cfg.dataset, cfg.gallery_split, cfg.kind)
+    q = cache.stored_fingerprint(b, cfg.dataset, cfg.query_split, cfg.kind)
+    g = q if cfg.same_split else cache.stored_fingerprint(b, cfg.dataset, cfg.gallery_split, cfg.kind)
     return cfg.pair_fingerprint(q, g)
-
-
-def stored_fingerprint(cache, backbone: str, dataset: str, split: str, kind: str = "pooled") -> str:
-    """``cache.load(...).fingerprint`` from the provenance record and the split's fingerprint
-    alone, without reading the features (load() reads complete features only)."""
-    from featcache.store.cache import features_fingerprint
-
-    prov = cache.provenance(backbone, dataset, split, kind).to_attrs()
-    return features_fingerprint(prov, cache.split_meta(dataset, split).fingerprint)
 
 
 @dataclass
@@ -397,7 +388,7 @@ def _label_matrices(cache, dataset: str, q_split: str, g_split: str):
     """Multi-label targets of the query and gallery splits (:mod:`featcache.store.tasks`, e.g. a
     CLIP_benchmark multi-label export): ``(query matrix, gallery matrix, hash)`` in the split's
     row order, or ``None`` when the splits are single-label."""
-    from featcache.store.tasks import load_label_matrix
+    from featcache.store import load_label_matrix
 
     q = load_label_matrix(cache, dataset, q_split)
     g = q if g_split == q_split else load_label_matrix(cache, dataset, g_split)

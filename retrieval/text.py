@@ -72,7 +72,6 @@ def run_text_retrieval(
     A run already in ``results`` is skipped (its stored rows are returned) unless ``force``;
     deciding reads the caption embeddings (for their provenance), not the image features."""
     from featcache.core.stagerun import collect, finished, pending
-    from featcache.retrieval.run import stored_fingerprint
     from featcache.store import open_cache
 
     t0 = time.perf_counter()
@@ -83,7 +82,7 @@ def run_text_retrieval(
     emb, image_ids, prov = cache.load_caption_embeddings(dataset, split, backbone)
     done = finished(results, force)
     if done:
-        rid = _run_id(backbone, dataset, split, ks, stored_fingerprint(cache, backbone, dataset, split), prov)
+        rid = _run_id(backbone, dataset, split, ks, cache.stored_fingerprint(backbone, dataset, split), prov)
         if not pending({backbone: [rid]}, done, lambda b: f"image-text {b}/{dataset}/{split}", results, log):
             return collect("retrieval", results, [], [rid])
     rows = _text_rows(cache_path, cache.load(backbone, dataset, split), emb, image_ids, prov, ks, t0)

@@ -1,31 +1,47 @@
-"""The on-disk feature cache (Zarr v3). Layout: :mod:`featcache.store.schema`."""
+"""The on-disk feature cache (Zarr v3). Layout: :mod:`featcache.store.schema`.
 
-from featcache.store.cache import (
-    FeatureCache,
-    Features,
-    combine_fingerprints,
-    dataset_fingerprint,
-    ensure_split,
-    open_cache,
-    write_caption_embeddings,
-    write_class_embeddings,
+Everything a stage needs is exported here; stages import ``featcache.store`` only, never one
+of its submodules (``tests/test_store_api.py`` checks it), so the modules inside may move."""
+
+from featcache.store.cache import FeatureCache, Features, open_cache
+from featcache.store.cli import add_storage_option_argument, parse_storage_options
+from featcache.store.fingerprints import combine_fingerprints, dataset_fingerprint
+from featcache.store.rows import StoredRows
+from featcache.store.schema import (
+    MAX_CHUNK_ROWS,
+    SCHEMA_VERSION,
+    TEXT_PROVENANCE_KEY,
+    FeatureProvenance,
+    SplitMeta,
 )
-from featcache.store.schema import SCHEMA_VERSION, FeatureProvenance, SplitMeta
+from featcache.store.space import no_space
+from featcache.store.tasks import load_label_matrix, task_metric, write_label_matrix, write_task_metric
 from featcache.store.writer import FeatureWriter, make_provenance, write_features
+from featcache.store.writing import ensure_split, write_caption_embeddings, write_class_embeddings
 
 __all__ = [
+    "MAX_CHUNK_ROWS",
     "SCHEMA_VERSION",
+    "TEXT_PROVENANCE_KEY",
     "FeatureCache",
     "FeatureProvenance",
     "FeatureWriter",
     "Features",
     "SplitMeta",
+    "StoredRows",
+    "add_storage_option_argument",
     "combine_fingerprints",
     "dataset_fingerprint",
     "ensure_split",
+    "load_label_matrix",
     "make_provenance",
+    "no_space",
     "open_cache",
+    "parse_storage_options",
+    "task_metric",
     "write_caption_embeddings",
     "write_class_embeddings",
     "write_features",
+    "write_label_matrix",
+    "write_task_metric",
 ]

@@ -1,21 +1,18 @@
-"""Reading (and low-level writing) of a featcache root. See :mod:`featcache.store.schema`
-for the layout."""
+"""Reading a featcache root: :class:`FeatureCache` (listing, splits, features, catalog,
+class and caption embeddings) and :func:`open_cache`. Writing lives in
+:mod:`featcache.store.writing` (splits, embeddings) and :mod:`featcache.store.writer`
+(feature chunks); see :mod:`featcache.store.schema` for the layout."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from numpy.typing import ArrayLike, DTypeLike
+from numpy.typing import DTypeLike
 
 from featcache.errors import (
     CacheNotWritableError,
@@ -27,22 +24,22 @@ from featcache.errors import (
     SchemaMismatchError,
 )
 from featcache.store import manifest
-from featcache.store.arrays import checksummed, create_row_array  # re-exported: their old home
-from featcache.store.integrity import AUX_ARRAYS, GroupScan, as_str, present_rows, read_done, scan_group
-from featcache.store.locks import StoreLock
+from featcache.store.fingerprints import dataset_fingerprint, features_fingerprint
+from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, scan_group
+from featcache.store.metadata import named_damage, translating
+from featcache.store.root import create_root, open_or_create, root_unrecorded
 from featcache.store.schema import (
     GROUP_KEY,
     PROVENANCE_KEY,
     ROOT_KEY,
-    SCHEMA_VERSION,
     SPLIT_KEY,
     TEXT_PROVENANCE_KEY,
     FeatureGroupMeta,
     FeatureProvenance,
     RootMeta,
     SplitMeta,
-    check_name,
 )
+from featcache.store.snapshot import damage_message, read_group, scan_group_lazy
 from featcache.store.space import NO_SPACE_THEN, no_space
 
 if TYPE_CHECKING:
@@ -50,31 +47,8 @@ if TYPE_CHECKING:
     from zarr.storage import StoreLike
 
 log = logging.getLogger(__name__)
-#: attempts of a whole-group read before a load says the group keeps changing under it
-SNAPSHOT_TRIES = 8
 
-__all__ = ["AUX_ARRAYS", "FeatureCache", "Features", "open_cache"]
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def dataset_fingerprint(ids: np.ndarray, labels: np.ndarray, class_names: list[str] | tuple[str, ...]) -> str:
-    """sha256 over ids, labels and class names: two splits with the same rows agree."""
-    h = hashlib.sha256()
-    h.update("\n".join(map(str, ids)).encode())
-    h.update(b"\0")
-    h.update(np.asarray(labels, dtype="<i8").tobytes())
-    h.update(b"\0")
-    h.update("\n".join(class_names).encode())
-    return h.hexdigest()
-
-
-def combine_fingerprints(*fps: str) -> str:
-    """One 16-hex-digit fingerprint of several (train, val, eval split...), in order."""
-    return hashlib.sha256("|".join(fps).encode()).hexdigest()[:16]
-
+__all__ = ["FeatureCache", "Features", "open_cache"]
 
 _as_str = as_str
 
@@ -113,22 +87,6 @@ class Features:
         )
 
 
-def features_fingerprint(provenance: dict[str, Any], dataset_fingerprint: str, complete: bool = True) -> str:
-    """:attr:`Features.fingerprint` from the provenance record (``to_attrs()``) and the split's
-    fingerprint alone, without reading the features (``complete``: every row chunk done, as
-    :meth:`FeatureCache.load` requires unless ``allow_partial``)."""
-    blob = json.dumps(
-        {
-            "identity": FeatureProvenance.from_attrs(provenance).identity() if provenance else {},
-            "dataset": dataset_fingerprint,
-            "complete": complete,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 class FeatureCache:
     """A featcache root: many backbones x datasets x splits.
 
@@ -158,8 +116,6 @@ class FeatureCache:
                 g = g[p]
             except KeyError:
                 return None
-            except Exception as exc:
-                raise self._damaged(exc) from None
         return g
 
     def _existing(self, *parts: str) -> Any:
@@ -172,33 +128,28 @@ class FeatureCache:
     def _children(self, g) -> list[str]:
         if g is None:
             return []
-        try:
-            return sorted(k for k, _ in g.groups())
-        except Exception as exc:
-            raise self._damaged(exc) from None
+        return sorted(k for k, _ in g.groups())
 
-    def _damaged(self, exc: Exception) -> Exception:
-        """A damaged metadata document met while reading: one error naming it (local stores)."""
-        from featcache.store.metadata import is_metadata_error, named_metadata_error
-
-        named = named_metadata_error(self.path, exc) if is_metadata_error(exc) else None
-        return named if named is not None else exc
-
+    @translating
     def backbones(self) -> list[str]:
         return self._children(self._group("features"))
 
+    @translating
     def datasets(self) -> list[str]:
         return self._children(self._group("datasets"))
 
+    @translating
     def splits(self, dataset: str) -> list[str]:
         return self._children(self._group("datasets", dataset))
 
+    @translating
     def kinds(self, backbone: str, dataset: str, split: str) -> list[str]:
         g = self._group("features", backbone, dataset, split)
         if g is None or GROUP_KEY not in g.attrs:
             return []
         return list(FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=g.path).kinds)
 
+    @translating
     def entries(self) -> list[tuple[str, str, str]]:
         out = []
         for b in self.backbones():
@@ -215,6 +166,7 @@ class FeatureCache:
         return "the store holds: " + ", ".join(f"{b}/{d}/{s}" for b, d, s in ents)
 
     # ------------------------------------------------------------------ split
+    @translating
     def split_meta(self, dataset: str, split: str) -> SplitMeta:
         g = self._group("datasets", dataset, split)
         if g is None:
@@ -224,6 +176,7 @@ class FeatureCache:
             )
         return SplitMeta.from_attrs(dict(g.attrs.get(SPLIT_KEY, {})), where=g.path)
 
+    @translating
     def split_rows(self, dataset: str, split: str, *, check: bool = False) -> tuple[np.ndarray, np.ndarray, SplitMeta]:
         """ids, labels and metadata of a split; ``check`` recomputes the fingerprint."""
         meta = self.split_meta(dataset, split)
@@ -265,6 +218,7 @@ class FeatureCache:
             )
         return g
 
+    @translating
     def provenance(self, backbone: str, dataset: str, split: str, kind: str = "pooled") -> FeatureProvenance:
         g = self._feature_group(backbone, dataset, split)
         if kind not in g:
@@ -274,16 +228,26 @@ class FeatureCache:
             )
         return FeatureProvenance.from_attrs(dict(g[kind].attrs.get(PROVENANCE_KEY, {})), where=g[kind].path)
 
+    @translating
     def group_meta(self, backbone: str, dataset: str, split: str) -> FeatureGroupMeta:
         g = self._feature_group(backbone, dataset, split)
         return FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=g.path)
 
+    @translating
+    def stored_fingerprint(self, backbone: str, dataset: str, split: str, kind: str = "pooled") -> str:
+        """``load(...).fingerprint`` of complete features from their provenance record and their
+        split's fingerprint alone, without reading a feature (what stages key their results by)."""
+        prov = self.provenance(backbone, dataset, split, kind).to_attrs()
+        return features_fingerprint(prov, self.split_meta(dataset, split).fingerprint)
+
+    @translating
     def scan(self, backbone: str, dataset: str, split: str, kinds: Sequence[str] | None = None) -> GroupScan:
         """Read and check every marked chunk of a feature group (see :mod:`.integrity`)."""
         g = self._feature_group(backbone, dataset, split)
         gm = self.group_meta(backbone, dataset, split)
         return scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, gm.kinds if kinds is None else kinds)
 
+    @translating
     def chunk_status(self, backbone: str, dataset: str, split: str) -> dict[str, Any]:
         """Which row chunks are marked done, and which marked chunks are damaged (missing,
         failing their checksum or contradicting the arrays beside them)."""
@@ -298,6 +262,7 @@ class FeatureCache:
             "complete": sc.complete,
         }
 
+    @translating
     def load(
         self,
         backbone: str,
@@ -380,11 +345,11 @@ class FeatureCache:
             )
         self._check_place(g, gm, kind)
         if lazy:
-            X, valid, errors, sc = self._scan_group_lazy(g, gm, kind, check)
+            X, valid, errors, sc = scan_group_lazy(g, gm, kind, check)
         else:
-            X, valid, errors, sc = self._read_group(g, gm, kind, check, dtype)
+            X, valid, errors, sc = read_group(g, gm, kind, check, dtype)
         if not sc.complete:
-            msg = _damage_message(f"{backbone}/{dataset}/{split}", sc)
+            msg = damage_message(f"{backbone}/{dataset}/{split}", sc)
             if not allow_partial:
                 raise (CorruptStoreError if sc.damaged or sc.missing_arrays else IncompleteStoreError)(msg)
             log.warning(msg)
@@ -412,84 +377,40 @@ class FeatureCache:
 
     def _check_place(self, g, gm: FeatureGroupMeta, kind: str) -> None:
         """Refuse a group whose documents or chunks were moved there from another path or
-        backbone (:func:`~featcache.store.summary.check_place`)."""
+        backbone, a complete one without the summary that binds its chunks to it
+        (:func:`~featcache.store.summary.check_place`), and an array whose fill value would
+        read a lost chunk as data (:func:`~featcache.store.integrity.fill_problems`)."""
         from featcache.store.summary import check_place
 
-        found, _ = check_place(g, g.path, gm, (kind, "valid", "error"))
+        for name, why in fill_problems(g, (kind,)).items():
+            raise CorruptStoreError(
+                f"{g.path}/{name}: {why}; run `featcache verify --repair {self.path}` (it marks every chunk "
+                "for recomputation), then re-run the extract that wrote it (it recreates the array)"
+            )
+        complete = bool(read_done(g, gm.n_chunks).all())
+        found, _ = check_place(g, g.path, gm, (kind, "valid", "error"), complete=complete, store=self.path)
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
             raise CorruptStoreError(f"{found[0][1]}{more}; `featcache verify {self.path}` lists what is wrong")
-
-    def _scan_group_lazy(self, g, gm: FeatureGroupMeta, kind: str, check: bool):
-        """(StoredRows view, valid, errors, scan): with ``check``, every marked chunk is
-        read once, one at a time, and checked as :func:`scan_group` does."""
-        from featcache.store.rows import StoredRows
-
-        if check:
-            sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), finite=True)
-        else:
-            sc = GroupScan(gm.n_chunks, read_done(g, gm.n_chunks))
-        valid = np.asarray(g["valid"][:], dtype=bool)
-        errors = _as_str(g["error"][:])
-        return StoredRows([g[kind]], finite=[sc.finite.get(kind)]), valid, errors, sc
-
-    def _read_group(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype: DTypeLike = np.float32):
-        """A consistent snapshot of a feature group: the chunks marked done before the arrays
-        are read are the chunks the scan calls done (a writer marks a chunk only after its
-        arrays, so their rows read afterwards are final). The read is retried when a chunk
-        marked done is no longer marked after it (rewritten: ``--overwrite``) or breaks an
-        invariant that a re-read no longer shows. On a decode failure or an invariant broken
-        for good, a chunk-by-chunk scan names the damage (readable chunks are returned)."""
-        for attempt in range(SNAPSHOT_TRIES):
-            got = self._read_once(g, gm, kind, check, dtype)
-            if got is not None:
-                return got
-            time.sleep(0.01 * 2**attempt)  # let the writer finish its chunk
-        raise IncompleteStoreError(
-            f"{g.path} changed during {SNAPSHOT_TRIES} reads in a row (an extract is writing it); "
-            "load it again when that extract has finished"
-        )
-
-    def _read_once(self, g, gm: FeatureGroupMeta, kind: str, check: bool, dtype):
-        """One snapshot attempt of :meth:`_read_group`; None when the group changed under it."""
-        done = read_done(g, gm.n_chunks)
-        try:
-            X = np.asarray(g[kind][:], dtype=dtype or g[kind].dtype)
-            valid = np.asarray(g["valid"][:], dtype=bool)
-            errors = _as_str(g["error"][:])
-            if "done" not in g:
-                raise IncompleteStoreError("the group has no done array")  # read chunk by chunk below
-        except Exception:
-            sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,))
-            got = _read_chunks(g, gm, kind, sc, dtype)
-            return (*got, sc) if read_done(g, gm.n_chunks)[sc.done].all() else None
-        if not read_done(g, gm.n_chunks)[done].all():
-            return None  # a chunk marked done was reset meanwhile (the group is being rewritten)
-        sc = GroupScan(gm.n_chunks, done)
-        if check:
-            rows = (present_rows(X) != valid) | ((errors != "") == valid)
-            chunks = [i for i in np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist() if done[i]]
-            if chunks:
-                sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), chunks=chunks)
-                if not sc.done[done].all() or not set(chunks) <= set(sc.bad_chunks):
-                    return None  # what was read is not what is stored now: read again
-                sc.done = done  # chunks marked since the first read were not read whole
-        return X, valid, errors, sc
 
     # ------------------------------------------------------------------ catalog
     def _completeness(self, b: str, d: str, s: str, g) -> tuple[bool, int]:
         """(complete, invalid rows) of a feature group: from its summary while that matches the
         chunk markers and checksums (:mod:`.summary`), else by reading every marked chunk (a
         lost or corrupt chunk makes the group incomplete)."""
-        from featcache.store.summary import trusted_summary
+        from featcache.store.summary import SUMMARY_KEY, trusted_summary
 
         gm = self.group_meta(b, d, s)
         summ = trusted_summary(g, gm.n, gm.n_chunks, gm.kinds)
         if summ is not None:
             return True, summ["rows"] - summ["valid"]
         complete = self.scan(b, d, s).complete
+        if complete and not isinstance(g.attrs.get(SUMMARY_KEY), dict):  # bound to nothing: load refuses it
+            log.warning("%s/%s/%s: complete but its summary is missing; run `featcache verify %s`", b, d, s, self.path)
+            complete = False
         return complete, int((~np.asarray(g["valid"][:], dtype=bool)).sum())
 
+    @translating
     def catalog(self) -> pl.DataFrame:
         """One row per backbone x dataset x split x kind, as a polars DataFrame."""
         import polars as pl
@@ -547,6 +468,7 @@ class FeatureCache:
         return pl.DataFrame(rows, schema=schema, orient="row" if rows else None)
 
     # ------------------------------------------------------------------ class embeddings
+    @translating
     def load_class_embeddings(self, dataset: str, name: str = "text", backbone: str | None = None) -> np.ndarray:
         """A [C, D] class-embedding matrix: ``backbone``'s own (its text tower's) when stored,
         else the dataset-level one (backbone-agnostic, older stores)."""
@@ -566,6 +488,7 @@ class FeatureCache:
             "featcache.store.write_class_embeddings(path, dataset, matrix, name, backbone=...)"
         )
 
+    @translating
     def class_embeddings_provenance(self, dataset: str, name: str = "text", backbone: str | None = None) -> dict:
         """What made the matrix :meth:`load_class_embeddings` returns (tower, weights hash,
         templates and their hash, as ``featcache embed-classes`` records it); ``{}`` when nothing
@@ -578,6 +501,7 @@ class FeatureCache:
                 return dict(g[name].attrs.get(TEXT_PROVENANCE_KEY, {}))
         return {}
 
+    @translating
     def load_caption_embeddings(self, dataset: str, split: str, backbone: str) -> tuple[np.ndarray, np.ndarray, dict]:
         """``(embeddings [T, D] float32, image ids [T], provenance)`` of the captions of
         ``dataset``/``split`` embedded by ``backbone``'s text tower (:func:`write_caption_embeddings`)."""
@@ -609,58 +533,6 @@ def _warn_unlisted(store, entries: list[tuple[str, str, str]]) -> None:
             )
 
 
-def _damage_message(where: str, sc: GroupScan) -> str:
-    parts = []
-    todo = int((~sc.done).sum())
-    if todo:
-        parts.append(f"{todo} of {sc.n_chunks} row chunks unfinished")
-    for name, chunks in sorted(sc.damaged.items()):
-        reasons = sc.reasons.get(name, {})
-        lost = [i for i in chunks if reasons.get(i, "").startswith("missing")]
-        broken = [i for i in chunks if i not in lost]
-        if lost:
-            parts.append(f"chunk files missing for {name}: {lost[:10]}")
-        if broken:
-            parts.append(f"{name} chunk(s) {broken[:10]} corrupt ({reasons[broken[0]]})")
-    if sc.missing_arrays:
-        parts.append(f"arrays missing: {sc.missing_arrays}")
-    return (
-        f"{where} is incomplete: " + "; ".join(parts) + "; re-run the same `featcache extract` command "
-        "to recompute exactly these chunks (or `featcache verify --repair`), or pass allow_partial=True"
-    )
-
-
-def _read_chunks(g, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype: DTypeLike = np.float32):
-    """Read what is readable, chunk by chunk (damaged chunks become NaN / invalid / "")."""
-    X = np.full((gm.n, g[kind].shape[1]), np.nan, dtype or g[kind].dtype)
-    valid = np.zeros(gm.n, bool)
-    errors = np.full(gm.n, "", dtype=object)
-    bad = set(sc.bad_chunks) | set(np.flatnonzero(~sc.done).tolist())
-    if sc.missing_arrays:
-        bad = set(range(gm.n_chunks))
-    for i in range(gm.n_chunks):
-        if i in bad:
-            continue
-        s, e = i * gm.chunk_rows, min((i + 1) * gm.chunk_rows, gm.n)
-        X[s:e] = g[kind][s:e]
-        valid[s:e] = g["valid"][s:e]
-        errors[s:e] = _as_str(g["error"][s:e])
-    return X, valid, errors.astype(str)
-
-
-def _open_or_create(store, kwargs: dict):
-    """``zarr.open_group(mode="a")``, which checks for a group and then creates one: a job
-    that creates the same new store between the two makes it raise ContainsGroupError. The
-    group exists then, and a second open finds it."""
-    import zarr
-    from zarr import errors as zarr_errors
-
-    try:
-        return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
-    except zarr_errors.ContainsGroupError:
-        return zarr.open_group(store, mode="a", zarr_format=3, **kwargs)
-
-
 def open_cache(
     store: str | os.PathLike | StoreLike, mode: str = "r", storage_options: dict | None = None
 ) -> FeatureCache:
@@ -671,11 +543,17 @@ def open_cache(
     (``LocalStore``, ``MemoryStore``, ``FsspecStore``, ``ObjectStore``...).
     ``mode="r"`` opens an existing store read-only; ``"a"`` creates it if needed.
     """
+    if mode not in ("r", "a"):
+        raise ConfigError(f"open_cache(mode={mode!r}): mode must be 'r' (read) or 'a' (read and write)")
+    with named_damage(os.fspath(store) if isinstance(store, (str, os.PathLike)) else None):
+        return _open(store, mode, storage_options)
+
+
+def _open(store: Any, mode: str, storage_options: dict | None) -> FeatureCache:
+    """:func:`open_cache` once its arguments are checked."""
     import zarr
     from zarr import errors as zarr_errors
 
-    if mode not in ("r", "a"):
-        raise ConfigError(f"open_cache(mode={mode!r}): mode must be 'r' (read) or 'a' (read and write)")
     label = str(store) if not isinstance(store, str) else store
     if hasattr(store, "__fspath__"):
         store = str(store)
@@ -689,7 +567,7 @@ def open_cache(
             ) from None
         return FeatureCache(root, label, "r")
     try:
-        root = _open_or_create(store, kwargs)
+        root = open_or_create(store, kwargs)
     except NotADirectoryError as exc:
         raise CacheNotWritableError(
             f"cache path {label} cannot be created: a parent of it is a file, not a directory ({exc}); "
@@ -701,201 +579,7 @@ def open_cache(
         raise CacheNotWritableError(
             f"cache path {label} is not writable ({exc}); choose a writable --cache or fix the permissions"
         ) from None
-    if ROOT_KEY not in root.attrs or _root_unrecorded(root):
+    if ROOT_KEY not in root.attrs or root_unrecorded(root):
         with no_space(label, "the store's root metadata", 4096):
-            root = _create_root(root, label)
+            root = create_root(root, label)
     return FeatureCache(root, label, "a")
-
-
-def _root_unrecorded(root, unit: str = "") -> bool:
-    """A part of a store written with digests whose digest file is missing because its writer
-    was stopped between the two writes (e.g. by a full disk): the next writer records it."""
-    return manifest.DIGESTS_KEY in root.attrs and manifest.read_raw(root.store, manifest.manifest_key(unit)) is None
-
-
-def _create_root(root, label: str):
-    """Write the featcache root attributes once, under the root lock (another job may win)."""
-    import zarr
-
-    with StoreLock(root, "root", timeout=60, what=f"creating {label}"):
-        root = zarr.open_group(root.store, mode="a", zarr_format=3)  # re-read: another job may have won
-        if ROOT_KEY not in root.attrs:
-            with warnings.catch_warnings():  # the lock folder is not a zarr node
-                warnings.simplefilter("ignore")
-                foreign = [k for k in root if k != "locks"]
-            if foreign:
-                raise SchemaMismatchError(
-                    f"{label} is a non-empty zarr group that is not a featcache store; choose a new --cache path"
-                )
-            from featcache import __version__
-
-            meta = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
-            root.update_attributes({ROOT_KEY: meta, manifest.DIGESTS_KEY: manifest.FORMAT})
-            manifest.record(root, "")
-        elif _root_unrecorded(root):
-            manifest.record(root, "")
-    return root
-
-
-def remove_group(cache: FeatureCache, *parts: str) -> None:
-    """Delete a sub-group through the Store API (used by --overwrite, under the group's lock)."""
-    parent = cache._group(*parts[:-1])
-    if parent is not None and parts[-1] in parent:
-        del parent[parts[-1]]
-
-
-def ensure_split(
-    cache: FeatureCache,
-    dataset: str,
-    split: str,
-    ids: np.ndarray,
-    labels: np.ndarray,
-    class_names: list[str],
-    source: str,
-    chunk_rows: int = 65536,
-) -> SplitMeta:
-    """Create the dataset split (ids, labels) or check the existing one is identical.
-
-    Safe under concurrent writers: creation happens under the split's lock, so a split
-    without metadata is one whose writer died (never one another job is writing). Stored
-    ids/labels that no longer match the fingerprint (damage) are rewritten from the data.
-    """
-    check_name("dataset", dataset)
-    check_name("split", split)
-    ids = np.asarray(ids).astype(str)
-    labels = np.asarray(labels, dtype=np.int64)
-    if len(ids) != len(labels):
-        raise SchemaMismatchError(f"{len(ids)} ids but {len(labels)} labels")
-    if len(set(ids.tolist())) != len(ids):
-        raise SchemaMismatchError(f"sample ids of {dataset}/{split} are not unique; give each sample a distinct id")
-    fp = dataset_fingerprint(ids, labels, class_names)
-    unit = f"datasets/{dataset}/{split}"
-    meta = _existing_split(cache, dataset, split, fp, len(ids))
-    if meta is not None and not _root_unrecorded(cache.root, unit):
-        return meta
-    with StoreLock(cache.root, unit, timeout=600, what=unit):
-        meta = _existing_split(cache, dataset, split, fp, len(ids))  # another job may have written it
-        if meta is not None:
-            if _root_unrecorded(cache.root, unit):  # its writer stopped before recording its digests
-                manifest.record(cache.root, unit)
-            return meta
-        g = cache._group("datasets", dataset, split)
-        if g is not None and SPLIT_KEY in g.attrs:  # metadata sound, arrays damaged: rewrite them
-            log.warning("datasets/%s/%s: ids/labels damaged; rewriting them from the data", dataset, split)
-            meta = SplitMeta.from_attrs(dict(g.attrs[SPLIT_KEY]), where=g.path)
-            _write_rows(g, ids, labels, chunk_rows)
-            manifest.record(cache.root, f"datasets/{dataset}/{split}")
-            return meta
-        if g is not None:
-            log.info("datasets/%s/%s was left unfinished by a dead job; writing it again", dataset, split)
-        meta = SplitMeta(SCHEMA_VERSION, dataset, split, len(ids), tuple(class_names), fp, source, now_iso())
-        manifest.forget(cache.root, f"datasets/{dataset}/{split}")
-        sg = cache.root.require_group(f"datasets/{dataset}/{split}")
-        _write_rows(sg, ids, labels, chunk_rows)
-        sg.attrs[SPLIT_KEY] = meta.to_attrs()  # written last: a split without attrs is unfinished
-        manifest.record(cache.root, f"datasets/{dataset}/{split}")
-    return meta
-
-
-def _split_fix(stored: int, n: int) -> str:
-    """How to go on when a split's rows differ from the stored ones (a --limit change)."""
-    if stored == n:
-        return "use another dataset name (--dataset-name / dataset_name=) or a new cache"
-    return (
-        f"a stored split does not grow or shrink in place (a different --limit / limit=?): to reuse "
-        f"its features keep its {stored} rows (--limit {stored}, or the limit it was written with); "
-        f"for {n} rows, extract every backbone again under another dataset name "
-        "(--dataset-name / dataset_name=) or into a new cache"
-    )
-
-
-def _existing_split(cache: FeatureCache, dataset: str, split: str, fp: str, n: int) -> SplitMeta | None:
-    """The stored split's metadata when it is finished, sound and identical; None to (re)write."""
-    g = cache._group("datasets", dataset, split)
-    if g is None or SPLIT_KEY not in g.attrs:
-        return None
-    meta = SplitMeta.from_attrs(dict(g.attrs[SPLIT_KEY]), where=g.path)
-    if meta.fingerprint != fp:
-        raise SchemaMismatchError(
-            f"dataset {dataset!r} split {split!r} already exists in {cache.path} with different "
-            f"rows (fingerprint {meta.fingerprint[:12]} vs {fp[:12]}, n {meta.n} vs {n}); " + _split_fix(meta.n, n)
-        )
-    try:
-        cache.split_rows(dataset, split, check=True)
-    except CorruptStoreError:
-        return None
-    return meta
-
-
-def _write_rows(g, ids: np.ndarray, labels: np.ndarray, chunk_rows: int) -> None:
-    a = create_row_array(g, "ids", len(ids), chunk_rows)
-    if len(ids):
-        a[:] = ids
-    b = create_row_array(g, "labels", len(ids), chunk_rows)
-    if len(ids):
-        b[:] = labels
-
-
-def write_class_embeddings(
-    path_or_cache: str | os.PathLike | FeatureCache,
-    dataset: str,
-    matrix: np.ndarray,
-    name: str = "text",
-    backbone: str | None = None,
-) -> None:
-    """Store a [C, D] class-embedding matrix beside ``dataset`` (ELEVATER language-initialised
-    head, zero-shot). With ``backbone`` (its text tower's embeddings) it is stored for that
-    backbone x dataset, under ``class_embeddings/<dataset>/<backbone>/<name>``, and refused
-    when D differs from the width of the backbone's stored features of ``dataset``."""
-    cache = path_or_cache if isinstance(path_or_cache, FeatureCache) else open_cache(path_or_cache, "a")
-    check_name("dataset", dataset)
-    check_name("embedding", name)
-    m = np.asarray(matrix, dtype=np.float32)
-    if m.ndim != 2:
-        raise SchemaMismatchError(f"class embeddings must be [n_classes, dim], got shape {m.shape}")
-    where = f"class_embeddings/{dataset}"
-    if backbone is not None:
-        check_name("backbone", backbone)
-        _check_embedding_width(cache, backbone, dataset, m.shape[1])
-        where += f"/{backbone}"
-    g = cache.root.require_group(where)
-    a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(), overwrite=True)
-    a[:] = m
-
-
-def write_caption_embeddings(
-    cache: FeatureCache, dataset: str, split: str, backbone: str, emb: np.ndarray, image_ids: ArrayLike, prov: dict
-) -> None:
-    """Store caption embeddings ``[T, D]`` and the id of each caption's image (several captions
-    may share one image) under ``caption_embeddings/<dataset>/<split>/<backbone>``, with ``prov``."""
-    for what, v in (("dataset", dataset), ("split", split), ("backbone", backbone)):
-        check_name(what, v)
-    m = np.asarray(emb, dtype=np.float32)
-    ids = np.asarray(image_ids).astype(str)
-    if m.ndim != 2 or m.shape[0] != ids.shape[0] or m.shape[0] == 0:
-        raise SchemaMismatchError(f"caption embeddings {m.shape} need one image id per row (got {ids.shape[0]})")
-    _check_embedding_width(cache, backbone, dataset, m.shape[1])
-    g = cache.root.require_group(f"caption_embeddings/{dataset}/{split}/{backbone}")
-    a = g.create_array(
-        "embeddings", shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(), overwrite=True
-    )
-    a[:] = m
-    b = g.create_array(
-        "image_ids", shape=ids.shape, dtype=str, chunks=ids.shape, compressors=checksummed(), overwrite=True
-    )
-    b[:] = ids
-    a.attrs[TEXT_PROVENANCE_KEY] = prov
-
-
-def _check_embedding_width(cache: FeatureCache, backbone: str, dataset: str, width: int) -> None:
-    """Refuse class embeddings whose width differs from ``backbone``'s features of ``dataset``."""
-    for b, d, split in cache.entries():
-        if (b, d) == (backbone, dataset) and "pooled" in cache.kinds(b, d, split):
-            dim = int(cache._feature_group(b, d, split)["pooled"].shape[1])
-            if dim != width:
-                raise SchemaMismatchError(
-                    f"class embeddings of width {width} do not match {backbone}'s {dim}-d features "
-                    f"of {dataset!r}; store the matrix of this backbone's own text tower "
-                    f"(one row per class, {dim} columns)"
-                )
-            return

@@ -46,7 +46,7 @@ def add_storage_option_argument(p: argparse.ArgumentParser) -> None:
 def run_ls(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from featcache.store import open_cache
+    from featcache.store.cache import open_cache
 
     cat = open_cache(args.path, storage_options=parse_storage_options(args.storage_options)).catalog()
     if cat.is_empty():
@@ -58,7 +58,7 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from featcache.store import open_cache
+    from featcache.store.cache import open_cache
     from featcache.store.verify import VerifyReport, verify
 
     opts = parse_storage_options(args.storage_options)

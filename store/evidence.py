@@ -125,7 +125,7 @@ def check_unit(store, unit: str, skip: set[str]) -> tuple[list[tuple[str, str]],
 
 
 def _split_unit(store, unit: str, attrs: dict, skip: set[str], out: list, fixes: dict) -> None:
-    from featcache.store.cache import create_row_array
+    from featcache.store.arrays import create_row_array
     from featcache.store.schema import SPLIT_KEY, SplitMeta
 
     meta = SplitMeta.from_attrs(dict(attrs.get(SPLIT_KEY, {})), where=unit)

@@ -151,3 +151,32 @@ def present_rows(x: np.ndarray, block_rows: int = 8192) -> np.ndarray:
         b = x[s : s + block_rows]
         out[s : s + block_rows] = ~np.isnan(b if b.dtype.kind == "f" else b.astype(np.float32)).all(axis=1)
     return out
+
+
+def fill_problems(g, kinds) -> dict[str, str]:
+    """Arrays of a feature group whose fill value is not the one featcache's writer sets, as
+    name -> why. A chunk object that is missing reads as the fill value, and the writer's
+    fill values (NaN features, invalid rows, an error text, not done) are what make a lost
+    chunk break the row invariants; any other fill value would hide it (features of zeros
+    marked valid), so the array is damage whatever its chunks hold."""
+    out = {}
+    for name in (*kinds, "valid", "error", "done"):
+        try:
+            fill = g[name].fill_value
+        except KeyError:
+            continue  # a missing array is named on its own
+        if name in kinds:
+            ok = isinstance(fill, (float, np.floating)) and bool(np.isnan(fill))
+            want = "NaN"
+        elif name == "valid":
+            ok, want = fill is not None and not bool(fill), "false"
+        elif name == "error":
+            ok, want = str(fill) in (UNWRITTEN_ERROR, ""), repr(UNWRITTEN_ERROR)
+        else:
+            ok, want = fill is not None and int(fill) == 0, "0"
+        if not ok:
+            shown = fill.item() if isinstance(fill, np.generic) else fill
+            out[name] = (
+                f"fill_value {shown!r} in its zarr.json, featcache writes {want} (a missing chunk would read as data)"
+            )
+    return out

@@ -10,12 +10,18 @@ damage that zarr accepts (a digit of a shape, a letter of a provenance value).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 from featcache.errors import CorruptStoreError
 from featcache.store import manifest
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: exception types zarr raises for a damaged metadata document (translated only when a
 #: damaged document is found on disk)
@@ -209,3 +215,37 @@ def between_changed(store, rels: list[str], skip: set[str], path: str = "") -> l
         why = "differs from the group document featcache writes there"
         out.append((rel, f"{where(rel)}: {why}; {advice(store, rel, {}, path)[1]}"))
     return out
+
+
+def _root_of(obj: Any) -> str | None:
+    """The local path of the store a store object works on (a FeatureCache, a FeatureWriter, a path)."""
+    if isinstance(obj, (str, os.PathLike)):
+        return os.fspath(obj)
+    path = getattr(getattr(obj, "cache", obj), "path", None)
+    return path if isinstance(path, str) else None
+
+
+@contextlib.contextmanager
+def named_damage(root: str | None) -> Iterator[None]:
+    """Turn zarr's error for a damaged metadata document of the store at ``root`` into one
+    :class:`~featcache.errors.CorruptStoreError` naming the document and what to run; every
+    other error passes unchanged. The store's entry points are the one place this happens."""
+    try:
+        yield
+    except Exception as exc:
+        named = named_metadata_error(root, exc) if is_metadata_error(exc) else None
+        if named is None:
+            raise
+        raise named from None
+
+
+def translating(fn: F) -> F:
+    """:func:`named_damage` around a store entry point (a method of a FeatureCache or a
+    FeatureWriter, or a function whose first argument is a cache or its path)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with named_damage(_root_of(args[0]) if args else None):
+            return fn(*args, **kwargs)
+
+    return cast(F, wrapper)

@@ -151,11 +151,21 @@ def trusted_summary(g, n: int, n_chunks: int, kinds) -> dict[str, Any] | None:
     return s
 
 
-def check_place(g: Any, where: str, gm: Any, names: Sequence[str]) -> tuple[list[tuple[str, str]], str | None]:
-    """(problems as (array name or "" for the group, line), note) binding a feature group at node ``where`` to its place: its group
-    metadata must name this path, and, where its summary recorded them, the ``place`` digest
-    (path + backbone identity) and each of ``names``' chunk digests must match what is stored.
-    ``note``: what cannot be checked (a summary written before these digests, or none yet)."""
+#: problem name of a complete group without its summary: every chunk must be recomputed
+UNBOUND = "summary"
+
+
+def check_place(
+    g: Any, where: str, gm: Any, names: Sequence[str], *, complete: bool = False, store: str = ""
+) -> tuple[list[tuple[str, str]], str | None]:
+    """(problems as (array name, "" for the group or :data:`UNBOUND`, line), note) binding a
+    feature group at node ``where`` to its place: its group metadata must name this path, and,
+    where its summary recorded them, the ``place`` digest (path + backbone identity) and each of
+    ``names``' chunk digests must match what is stored. A ``complete`` group (every chunk marked
+    done) must have its summary: its writer records it under its lock when it marks the last
+    chunk, so a complete group without one lost it, and its chunks are bound to nothing.
+    ``note``: what cannot be checked (a summary written before these digests, or none yet);
+    ``store``: the store's path, for the command a problem line names."""
     parts = where.split("/")
     problems = []
     named = f"features/{gm.backbone}/{gm.dataset}/{gm.split}"
@@ -168,6 +178,15 @@ def check_place(g: Any, where: str, gm: Any, names: Sequence[str]) -> tuple[list
             )
         )
     s = g.attrs.get(SUMMARY_KEY)
+    if not isinstance(s, dict) and complete:
+        cmd = f"featcache verify --repair {store}".rstrip()
+        line = (
+            f"{where}: every row chunk is marked done but its summary ({SUMMARY_KEY}: the digests that bind "
+            "its chunks to this place and backbone) is missing, so chunks moved here from another group "
+            f"cannot be told from its own: run `{cmd}` (it marks every chunk for recomputation), then "
+            "re-run the extract that wrote it"
+        )
+        return [*problems, (UNBOUND, line)], None
     if not isinstance(s, dict) or not isinstance(s.get("arrays"), dict) or "place" not in s:
         why = "it is not complete yet" if not isinstance(s, dict) else "its summary was written before them"
         return problems, f"{where}: chunks not bound to their place ({why}): a chunk folder moved here is not detected"

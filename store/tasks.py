@@ -18,7 +18,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from featcache.errors import NotInStoreError, SchemaMismatchError
-from featcache.store.cache import FeatureCache, checksummed, open_cache
+from featcache.store.arrays import checksummed
+from featcache.store.cache import FeatureCache, open_cache
 
 if TYPE_CHECKING:
     CacheLike = str | os.PathLike | FeatureCache  # a store path, or an open FeatureCache

@@ -17,6 +17,7 @@ import numpy as np
 
 from featcache.errors import FeatcacheError
 from featcache.store.cache import FeatureCache, open_cache
+from featcache.store.integrity import fill_problems
 from featcache.store.locks import StoreLock
 
 log = logging.getLogger(__name__)
@@ -329,7 +330,13 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
         if name in g and g[name].shape != (gm.n,):
             rep.problems.append(f"{where}/{name}: shape {g[name].shape} != ({gm.n},)")
     _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep)
-    moved = _check_place(g, where, gm, rep, skip=set(sc.damaged))
+    moved = _check_place(g, where, gm, rep, skip=set(sc.damaged), complete=not todo, store=cache.path)
+    for name, why in fill_problems(g, gm.kinds).items():
+        rep.problems.append(
+            f"{where}/{name}: {why}; `featcache verify --repair` marks every chunk for recomputation, then "
+            "re-run the extract that wrote it (it recreates the array)"
+        )
+        moved.add(name)
     bad = sorted(set(sc.bad_chunks) | set(todo))
     if bad or sc.missing_arrays or moved:
         every = (set(sc.missing_arrays) & {"valid", "error", *lost_kinds}) | moved
@@ -338,15 +345,16 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
             _invalidate(cache, b, d, s, gm, sc, every=bool(moved))
 
 
-def _check_place(g, where: str, gm, rep: VerifyReport, skip: set[str]) -> set[str]:
+def _check_place(g, where: str, gm, rep: VerifyReport, skip: set[str], complete: bool, store: str) -> set[str]:
     """The group bound to its place (:func:`~featcache.store.summary.check_place`); returns the
-    arrays whose chunks were moved there from elsewhere (every chunk must be recomputed).
+    arrays whose chunks were moved there from elsewhere, or ``summary`` for a complete group
+    without its summary (every chunk must be recomputed: nothing binds them to it).
     ``skip``: arrays with damaged chunks, already named chunk by chunk (a truncated chunk also
     changes the array's chunk digest; naming it twice would say "moved" of a damaged chunk)."""
     from featcache.store.summary import check_place
 
     names = [n for n in (*gm.kinds, "valid", "error", "done") if n not in skip]
-    found, note = check_place(g, where, gm, names)
+    found, note = check_place(g, where, gm, names, complete=complete, store=store)
     rep.problems.extend(line for _, line in found)
     if note:
         rep.notes.append(note)

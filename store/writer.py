@@ -21,14 +21,11 @@ from numpy.typing import ArrayLike
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
 from featcache.store.arrays import create_aux_array, create_feature_array  # re-exported: their old home
-from featcache.store.cache import (
-    FeatureCache,
-    ensure_split,
-    now_iso,
-    open_cache,
-)
-from featcache.store.integrity import read_done, scan_group
+from featcache.store.cache import FeatureCache, open_cache
+from featcache.store.integrity import fill_problems, read_done, scan_group
 from featcache.store.locks import StoreLock, local_root
+from featcache.store.metadata import translating
+from featcache.store.root import now_iso
 from featcache.store.schema import (
     GROUP_KEY,
     MAX_CHUNK_ROWS,
@@ -41,7 +38,8 @@ from featcache.store.schema import (
     provenance_digest,
 )
 from featcache.store.space import no_space
-from featcache.store.summary import clear_summary, write_summary
+from featcache.store.summary import UNBOUND, check_place, clear_summary, write_summary
+from featcache.store.writing import ensure_split
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +109,7 @@ class FeatureWriter:
             if k in g
         }
 
+    @translating
     def prepare(self, *, overwrite: bool = False) -> FeatureWriter:
         """Take the group's writer lock, then create arrays, or validate and reuse existing
         ones (resume; missing ``valid``/``error``/``done`` arrays are recreated and their
@@ -157,6 +156,7 @@ class FeatureWriter:
                 self._remove_orphan_writes()
                 self._restore_aux_arrays()
                 self._restore_lost_kinds(lost)
+                self._recompute_unbound()
                 if not read_done(self.group, self.n_chunks).all():  # chunks will be written
                     clear_summary(self.group)
                 return self
@@ -203,6 +203,35 @@ class FeatureWriter:
             self.group["done"][:] = 0
             clear_summary(self.group)
 
+    def _recompute_unbound(self) -> None:
+        """Recompute every chunk of a group whose chunks nothing binds to it: an array whose fill
+        value would read a lost chunk as data (recreated with the writer's), a complete group
+        without its summary, or chunks whose digests differ from its summary's (moved here).
+        Resuming would record their digests as they are."""
+        g = self.group
+        gm = FeatureGroupMeta.from_attrs(dict(g.attrs[GROUP_KEY]), where=self.path)
+        bad_fill = fill_problems(g, tuple(self.provenances))
+        for name, why in bad_fill.items():
+            log.warning("%s/%s: %s; recreating it (every chunk is recomputed)", self.path, name, why)
+            if name in self.provenances:
+                self._create_kind(g, name, self.provenances[name])
+            else:
+                create_aux_array(g, name, self.n, self.chunk_rows, self.n_chunks)
+        unbound = []
+        if read_done(g, self.n_chunks).all():  # else the summary is stale and goes: chunks will be written
+            names = (*self.provenances, "valid", "error", "done")
+            found, _ = check_place(g, self.path, gm, names, complete=True, store=self.cache.path)
+            unbound = [line for name, line in found if name]
+            if unbound and all(name != UNBOUND for name, _ in found if name):
+                sc = scan_group(g, self.n, self.chunk_rows, self.n_chunks, tuple(self.provenances))
+                if sc.damaged:  # a damaged chunk changes its array's digest too: recompute just those
+                    unbound = []
+        if bad_fill or unbound:
+            for line in unbound[:3]:
+                log.warning("%s; recomputing every chunk", line)
+            g["done"][:] = 0
+            clear_summary(g)
+
     def _create_kind(self, g, kind: str, prov: FeatureProvenance) -> None:
         a = create_feature_array(g, kind, self.n, self.chunk_rows, prov.dim, prov.dtype)
         doc = prov.to_attrs()
@@ -248,6 +277,7 @@ class FeatureWriter:
         g.attrs[GROUP_KEY] = meta.to_attrs()  # last: marks the group as created
         self.group = g
 
+    @translating
     def attach(self) -> FeatureWriter:
         """Open arrays created by another rank; settings must match exactly."""
         old = self.existing()
@@ -273,6 +303,7 @@ class FeatureWriter:
     def chunk_range(self, i: int) -> tuple[int, int]:
         return i * self.chunk_rows, min((i + 1) * self.chunk_rows, self.n)
 
+    @translating
     def pending_chunks(self) -> list[int]:
         """Chunks not marked done, plus marked chunks that are damaged: missing, failing
         their checksum, or contradicting the arrays beside them (read chunk by chunk)."""
@@ -288,6 +319,7 @@ class FeatureWriter:
             )
         return sorted(int(i) for i in todo)
 
+    @translating
     def write_chunk(
         self,
         i: int,
@@ -329,6 +361,7 @@ class FeatureWriter:
         nothing half-written stays, and ``done`` is set only after the chunk's arrays)."""
         return no_space(f"{self.cache.path}/{self.path}", what, need)
 
+    @translating
     def mark_complete(self, **stats: Any) -> None:
         """Record run statistics (images/s, device, ...) in every kind's provenance."""
         valid = np.asarray(self.group["valid"][:], dtype=bool)
@@ -411,6 +444,7 @@ def make_provenance(
     )
 
 
+@translating
 def write_features(
     path: str | os.PathLike | FeatureCache,
     *,

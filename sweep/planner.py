@@ -265,7 +265,6 @@ def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) 
 
 def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
     from featcache.retrieval import RetrievalConfig
-    from featcache.store.cache import features_fingerprint
 
     rc = RetrievalConfig(
         cache=config.cache,
@@ -279,12 +278,8 @@ def _retrieval_item(config: SweepConfig, cache, b: str, d: str) -> WorkItem:
         progress=False,
     )
 
-    def fp(split: str) -> str:  # the stage loads complete features only
-        prov = cache.provenance(b, d, split, config.feature_kind).to_attrs()
-        return features_fingerprint(prov, cache.split_meta(d, split).fingerprint)
-
-    q = fp(config.eval_split)
-    g = q if rc.same_split else fp(config.gallery_split)
+    q = cache.stored_fingerprint(b, d, config.eval_split, config.feature_kind)
+    g = q if rc.same_split else cache.stored_fingerprint(b, d, config.gallery_split, config.feature_kind)
     return _item("retrieval", rc, rc.run_ids(b, rc.pair_fingerprint(q, g)), b, d, "semantic")
 
 
