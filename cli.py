@@ -2,7 +2,9 @@
 
 Each stage owns a small ``cli`` module exposing ``register(subparsers)``; those modules
 import only ``argparse`` at module level so ``featcache extract`` starts fast on a GPU box
-that has torch and timm but not polars, faiss or matplotlib.
+that has torch and timm but not polars, faiss or matplotlib. ``featcache COMMAND`` imports
+and builds only the module that registers COMMAND (:data:`COMMANDS`); the command listing
+(``featcache --help``) and an unknown command build every one.
 """
 
 from __future__ import annotations
@@ -20,14 +22,48 @@ from featcache.errors import FeatcacheError
 #: the attribute that marks the logging handlers main() added (removed again by the next main())
 _CLI_MARK = "featcache_cli"
 
-#: each package's ``register(subparsers)``, which adds its commands, in help order (imported
-#: when the parser is built; a package missing from this build adds none)
-COMMANDS: Registry[Callable[[Any], None]] = Registry("command module")
-for _pkg in ("extract", "suites", "finetune", "store", "probes", "retrieval", "sweep", "analysis", "demo"):
-    COMMANDS.register(_pkg, f"featcache.{_pkg}.cli:register")
+#: command word -> the ``register(subparsers)`` of the stage package that adds it, in help order
+#: (imported when the parser is built; a package missing from this build adds none): ``featcache
+#: probe`` imports and builds the probes package's parsers only (tests/test_cli_lazy.py holds
+#: these words to what each module registers, tests/test_registry_contract.py every cli.py to one)
+COMMANDS: Registry[Callable[[Any], None]] = Registry("command")
+for _pkg, _words in (
+    ("extract", ("extract", "embed-classes", "embed-captions", "models", "fetch-weights")),
+    ("suites", ("suites",)),
+    ("finetune", ("finetune",)),
+    ("store", ("ls", "verify")),
+    ("probes", ("probe",)),
+    ("retrieval", ("retrieve", "retrieve-text")),
+    ("sweep", ("sweep",)),
+    ("analysis", ("rank", "shift", "report")),
+    ("demo", ("demo",)),
+):
+    for _word in _words:
+        COMMANDS.register(_word, f"featcache.{_pkg}.cli:register")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_modules() -> list[str]:
+    """The modules that register commands, each once, in help order."""
+    return list(dict.fromkeys((e.spec or "").partition(":")[0] for e in COMMANDS.entries()))
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command word of a command line (after the global flags), None when there is none or
+    help or the version is asked for before it."""
+    words = iter(argv)
+    for w in words:
+        if w in ("-h", "--help", "--version") or w == "--":
+            return None
+        if w == "--log-file":
+            next(words, None)
+        elif not w.startswith("-"):
+            return w
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command-line parser: every command's, or (``argv`` naming a command in
+    :data:`COMMANDS`) only the parsers of the module that registers that command."""
     parser = argparse.ArgumentParser(
         prog="featcache",
         description="Run every backbone over every image once; probe, retrieve and rank from the cache.",
@@ -42,14 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="also append the log to PATH (at INFO even with -q; DEBUG with -vv)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for entry in COMMANDS.entries():
+    command = command_of(argv) if argv is not None else None
+    found = COMMANDS.get_entry(command) if command else None
+    done: list[Callable[[Any], None]] = []
+    for entry in [found] if found is not None else COMMANDS.entries():
         try:
             register = entry.load()
         except ModuleNotFoundError as exc:  # a stage not installed in this build
             if exc.name != (entry.spec or "").partition(":")[0]:
                 raise
             continue
-        register(sub)
+        if register not in done:  # once per module, however many commands it adds
+            done.append(register)
+            register(sub)
     return parser
 
 
@@ -110,7 +151,7 @@ def _damaged_store(args, exc: Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     # Stages read ``args.no_progress`` (their --no-progress flag) to set ``progress=``; -q implies it.
     args.no_progress = bool(getattr(args, "no_progress", False) or args.quiet)
