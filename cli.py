@@ -22,24 +22,29 @@ from featcache.errors import FeatcacheError
 #: the attribute that marks the logging handlers main() added (removed again by the next main())
 _CLI_MARK = "featcache_cli"
 
-#: each stage package's ``register(subparsers)``, which adds its commands, in help order
-#: (imported when the parser is built; a package missing from this build adds none). The
-#: aliases are the command words a package registers besides its own name, so ``featcache
-#: probe`` imports and builds the probes package's parsers only (tests/cli/test_cli_lazy.py
-#: holds these words to what each module registers).
-COMMANDS: Registry[Callable[[Any], None]] = Registry("command module")
+#: command word -> the ``register(subparsers)`` of the stage package that adds it, in help order
+#: (imported when the parser is built; a package missing from this build adds none): ``featcache
+#: probe`` imports and builds the probes package's parsers only (tests/test_cli_lazy.py holds
+#: these words to what each module registers, tests/contracts/test_registry_contract.py every cli.py to one)
+COMMANDS: Registry[Callable[[Any], None]] = Registry("command")
 for _pkg, _words in (
-    ("extract", ("embed-classes", "embed-captions", "models", "fetch-weights")),
-    ("suites", ()),
-    ("finetune", ()),
+    ("extract", ("extract", "embed-classes", "embed-captions", "models", "fetch-weights")),
+    ("suites", ("suites",)),
+    ("finetune", ("finetune",)),
     ("store", ("ls", "verify")),
     ("probes", ("probe",)),
     ("retrieval", ("retrieve", "retrieve-text")),
-    ("sweep", ()),
+    ("sweep", ("sweep",)),
     ("analysis", ("rank", "shift", "report")),
-    ("demo", ()),
+    ("demo", ("demo",)),
 ):
-    COMMANDS.register(_pkg, f"featcache.{_pkg}.cli:register", aliases=_words)
+    for _word in _words:
+        COMMANDS.register(_word, f"featcache.{_pkg}.cli:register")
+
+
+def command_modules() -> list[str]:
+    """The modules that register commands, each once, in help order."""
+    return list(dict.fromkeys((e.spec or "").partition(":")[0] for e in COMMANDS.entries()))
 
 
 def command_of(argv: list[str]) -> str | None:
@@ -75,6 +80,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     command = command_of(argv) if argv is not None else None
     found = COMMANDS.get_entry(command) if command else None
+    done: list[Callable[[Any], None]] = []
     for entry in [found] if found is not None else COMMANDS.entries():
         try:
             register = entry.load()
@@ -82,9 +88,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             if exc.name != (entry.spec or "").partition(":")[0]:
                 raise
             continue
-        register(sub)
-    if found is not None and command not in sub.choices:  # a package's name, not a command word
-        return build_parser()
+        if register not in done:  # once per module, however many commands it adds
+            done.append(register)
+            register(sub)
     return parser
 
 
@@ -133,6 +139,17 @@ def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = Fal
         )
 
 
+def _damaged_store(args, exc: Exception):
+    """zarr's error for a damaged metadata document of the command's local store, as one
+    named line (which document, what is wrong, what to run); None for any other error."""
+    from featcache.store.metadata import is_metadata_error, named_metadata_error
+
+    path = getattr(args, "cache", None) or getattr(args, "path", None)
+    if not is_metadata_error(exc) or not isinstance(path, str):
+        return None
+    return named_metadata_error(path, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -152,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.func(args)
     except FeatcacheError as exc:
         msg = f"featcache {args.command}: error: {exc}"
+        _log_to_file(file_handler, msg, exc_info=True)
+        print(msg, file=sys.stderr)
+        return 1
+    except Exception as exc:
+        named = _damaged_store(args, exc)
+        if named is None:
+            raise
+        msg = f"featcache {args.command}: error: {named}"
         _log_to_file(file_handler, msg, exc_info=True)
         print(msg, file=sys.stderr)
         return 1

@@ -24,13 +24,13 @@ import importlib
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, Generic, TypeVar, overload
 
-from featcache.errors import ConfigError, FeatcacheError
+from featcache.errors import ConfigError, FeatcacheError, UsageError
 
 __all__ = ["Entry", "Registry"]
 
 T = TypeVar("T")
 
-#: the default refusal of a taken name; ``{kind}``, ``{name}`` and ``{by}`` are filled in
+#: the default refusal of a taken name (``{kind}``, ``{name}``, ``{by}`` and ``{prev}`` are filled in)
 DUPLICATE = "{kind} {name!r} is already registered (by {by}); register yours under another name"
 
 
@@ -93,7 +93,9 @@ class Registry(MutableMapping[str, T], Generic[T]):
     ``duplicate`` is the refusal's text (``{kind}``, ``{name}``, ``{by}``: where the member
     taken is defined, ``{prev}``: that member); ``key(member)`` says what makes two members
     the same (default: the member itself; e.g. a dataclass's function); ``idempotent``:
-    registering the same member again is a no-op (else refused like any other). A mapping: ``reg[name]`` (aliases too) gives the object, ``list(reg)`` the names without
+    registering the same member again is a no-op (else refused like any other).
+
+    A mapping: ``reg[name]`` (aliases too) gives the object, ``list(reg)`` the names without
     aliases, ``reg.entry(name)`` the usage and note without importing anything; ``reg[name] =
     member`` replaces a member outright, keeping its usage (for a test that swaps one in, as
     ``monkeypatch.setitem`` does), ``del reg[name]`` removes it."""
@@ -108,7 +110,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
         idempotent: bool = True,
     ):
         if not (isinstance(error, type) and issubclass(error, FeatcacheError)):
-            raise TypeError(f"Registry error must be a FeatcacheError subclass, got {error!r}")
+            raise UsageError(f"Registry error must be a FeatcacheError subclass, got {error!r}")
         self.kind, self.error, self.duplicate = kind, error, duplicate
         self._key: Callable[[T], Any] = key or (lambda obj: obj)
         self.idempotent = idempotent
