@@ -47,7 +47,7 @@ def digits():
 
 @pytest.fixture(scope="module")
 def moto_s3():
-    """A moto S3 server on loopback (as tests/test_s3.py starts it), with one bucket."""
+    """A moto S3 server on loopback (as tests/store/test_s3.py starts it), with one bucket."""
     pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")
     import boto3
