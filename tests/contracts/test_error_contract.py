@@ -24,11 +24,15 @@ def _library_files() -> list[Path]:
 # The one exception to the rule: inside a class's ``__getitem__`` or ``__iter__`` method, the
 # builtins Python's data model names for those protocols (``__getitem__``: TypeError for a key
 # of the wrong type, IndexError past the end of a sequence, which also ends old-style
-# iteration, KeyError for a missing mapping key; ``__iter__``: TypeError for an object that
-# cannot be iterated). Nowhere else, not even NotImplementedError (use abc.abstractmethod),
+# iteration, KeyError for a missing mapping key; ``__delitem__``: KeyError for a missing mapping
+# key; ``__iter__``: TypeError for an object that cannot be iterated). Nowhere else, not even NotImplementedError (use abc.abstractmethod),
 # SystemExit (a CLI raises a FeatcacheError; cli.main prints it as one line and exits 1) or a
 # module __getattr__'s AttributeError (featcache.errors.NoSuchNameError is one).
-PROTOCOL_RAISES = {"__getitem__": {"TypeError", "IndexError", "KeyError"}, "__iter__": {"TypeError"}}
+PROTOCOL_RAISES = {
+    "__getitem__": {"TypeError", "IndexError", "KeyError"},
+    "__delitem__": {"KeyError"},
+    "__iter__": {"TypeError"},
+}
 
 
 def _plain_raises(path: Path, root: Path = ROOT) -> list[str]:
