@@ -1,4 +1,4 @@
-"""Thin command-line front end: ``featcache extract|ls|verify|probe|retrieve|finetune|sweep|rank|shift|report|demo``.
+"""Thin command-line front end: ``featcache extract|ls|verify|probe|retrieve|similarity|audit|finetune|sweep|rank|shift|report|demo``.
 
 Each stage owns a small ``cli`` module exposing ``register(subparsers)``; those modules
 import only ``argparse`` at module level so ``featcache extract`` starts fast on a GPU box
@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "featcache.store.cli",
     "featcache.probes.cli",
     "featcache.retrieval.cli",
+    "featcache.similarity.cli",
     "featcache.sweep.cli",
     "featcache.analysis.cli",
     "featcache.demo.cli",
