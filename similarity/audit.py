@@ -26,6 +26,7 @@ from featcache.errors import DataError
 from featcache.similarity.config import AuditConfig
 from featcache.similarity.content import content_hashes, image_source
 from featcache.similarity.neighbours import cosine_topk, default_threshold, knn_top1, unit_rows
+from featcache.similarity.streaming import take_rows
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def _valid(f) -> tuple[Any, np.ndarray, np.ndarray]:
     if not ok.all():
         log.warning("%s/%s: %d invalid row(s) left out (images that failed)", f.dataset, f.split, int((~ok).sum()))
     idx = np.flatnonzero(ok)
-    X = f.X.take(idx) if hasattr(f.X, "take") else f.X[idx]
+    X = take_rows(f.X, idx)
     return X, np.asarray(f.ids).astype(str)[idx], np.asarray(f.labels, np.int64)[idx]
 
 
@@ -138,13 +139,9 @@ def _pairs(sp: _Split, thr: float, k: int, exact, train_X, train_ids: np.ndarray
     ex = set(exact or ())
     missing = sorted(p for p in ex if p not in near)
     if missing:  # exact copies outside the top k (their features differ?): score them too
-        q = unit_rows(
-            np.asarray(
-                sp.X.take(np.array([p[0] for p in missing])) if hasattr(sp.X, "take") else sp.X[[p[0] for p in missing]]
-            )
-        )
+        q = unit_rows(np.asarray(take_rows(sp.X, [p[0] for p in missing])))
         g_rows = np.array([p[1] for p in missing])
-        g = unit_rows(np.asarray(train_X.take(g_rows) if hasattr(train_X, "take") else train_X[g_rows]))
+        g = unit_rows(np.asarray(take_rows(train_X, g_rows)))
         near.update({p: float(c) for p, c in zip(missing, np.einsum("ij,ij->i", q, g))})
     known = exact is not None
     return [

@@ -26,7 +26,7 @@ RDM_CHOICES = ("correlation", "cosine")
 
 
 def parse_memory(text: str | int) -> int:
-    """``"2GB"``, ``"512MiB"``, ``1e9`` -> bytes (at least 16 MB)."""
+    """``"2GB"``, ``"512MiB"``, ``1e9`` -> bytes (at least 1 MiB)."""
     if isinstance(text, (int, float)):
         val = int(text)
     else:
@@ -35,8 +35,8 @@ def parse_memory(text: str | int) -> int:
             raise ConfigError(f"--max-memory {text!r} is invalid: write e.g. 2GB, 512MB or 1e9")
         base = 1024 if m.group(3) else 1000
         val = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
-    if val < 16 * 1024**2:
-        raise ConfigError(f"--max-memory {text!r} is below 16 MB; give at least a few hundred MB, e.g. 2GB")
+    if val < 1024**2:
+        raise ConfigError(f"--max-memory {text!r} is below 1 MB; give at least a few hundred MB, e.g. 2GB")
     return val
 
 

@@ -21,7 +21,7 @@ from featcache.errors import DataError, UsageError
 from featcache.similarity.align import align_ids
 from featcache.similarity.config import SimilarityConfig
 from featcache.similarity.measures import rbf_cka, rsa
-from featcache.similarity.streaming import LinearCKAStream, MinibatchCKA, paired_blocks
+from featcache.similarity.streaming import LinearCKAStream, MinibatchCKA, paired_blocks, take_rows
 
 if TYPE_CHECKING:
     import polars as pl
@@ -68,9 +68,7 @@ def _sample(n: int, k: int, seed: int, salt: int) -> np.ndarray:
 
 
 def _rows(X, idx: np.ndarray) -> np.ndarray:
-    if hasattr(X, "take"):
-        return np.asarray(X.take(idx), np.float64)
-    return np.asarray(X[idx], np.float64)
+    return np.asarray(take_rows(X, idx), np.float64)
 
 
 def _rbf(X, Y, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
@@ -171,8 +169,7 @@ def _aligned(fa, fb):
             int((~ok).sum()),
         )
     ia, ib = ia[ok], ib[ok]
-    take = lambda X, i: X.take(i) if hasattr(X, "take") else X[i]  # noqa: E731
-    return take(fa.X, ia), take(fb.X, ib)
+    return take_rows(fa.X, ia), take_rows(fb.X, ib)
 
 
 def _pair_rows(cfg: SimilarityConfig, fa, fb, run_ids: dict[str, str]) -> list[dict[str, Any]]:

@@ -25,7 +25,12 @@ import numpy as np
 from featcache.errors import DataError
 from featcache.similarity.measures import _ratio, center_gram, debiased_dot, gram_linear, gram_rbf
 
-__all__ = ["LinearCKAStream", "MinibatchCKA", "iter_blocks", "paired_blocks"]
+__all__ = ["LinearCKAStream", "MinibatchCKA", "iter_blocks", "paired_blocks", "take_rows"]
+
+
+def take_rows(X, idx):
+    """Rows ``idx`` of ``X``: an array's copy, or a lazy stored view's new view (nothing read)."""
+    return X[np.asarray(idx)] if isinstance(X, np.ndarray) else X.take(idx)
 
 
 def iter_blocks(X, rows: int) -> Iterator[np.ndarray]:
