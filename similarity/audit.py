@@ -185,7 +185,7 @@ def run_audit(config: AuditConfig) -> AuditReport:
     thr, rule = (
         (float(cfg.threshold), "given")
         if cfg.threshold is not None
-        else (default_threshold(nn1), "Q3 + 3 IQR of nearest-neighbour cosines")
+        else (default_threshold(nn1), "a tenth of the median nearest-neighbour distance")
     )
     exact, sources = _exact(cfg, cache, train_ids, splits)
     rows, report = [], AuditReport(cfg.backbone, cfg.dataset, thr, rule, None, exact_checked=exact is not None)
@@ -242,7 +242,7 @@ def _plot_nn(nn1: np.ndarray, thr: float, rule: str, cfg: AuditConfig, out: Path
     ax.axvline(thr, color="#c44e52", linestyle="--", label=f"threshold {thr:.4f} ({rule})")
     ax.set_xlabel(f"cosine to the nearest {cfg.train_split} row ({cfg.backbone})")
     ax.set_ylabel("query rows")
-    ax.set_title(f"{cfg.dataset}: nearest training neighbour of {', '.join(cfg.query_splits)} rows", fontsize=9)
+    ax.set_title(f"{cfg.dataset}: nearest training neighbour of each query row", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _atomic(out.with_name(out.stem + ".nn.png"), lambda p: fig.savefig(p, format="png", dpi=110))

@@ -97,7 +97,7 @@ def image_source(source: str, split: str, ids: Sequence[str], data_root: str | N
     ids = [str(i) for i in ids]
     if data_root is None and source == "sklearn.datasets.load_digits":
         return _digits_source()
-    folder = Path(data_root or source)
+    folder = Path(data_root or re.sub(r"\[[^\]]*\]$", "", source))  # "DIR[:2000]": a --limit'd split
     if not folder.is_dir():
         return None
     return _idx_source(folder, split, ids) or _file_source(folder, ids)

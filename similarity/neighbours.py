@@ -17,12 +17,10 @@ import numpy as np
 from featcache.core.metrics import top1
 from featcache.errors import DataError
 
-__all__ = ["FENCE_IQR", "cosine_topk", "default_threshold", "knn_top1", "unit_rows"]
+__all__ = ["NEAR_FRACTION", "cosine_topk", "default_threshold", "knn_top1", "unit_rows"]
 
-#: Tukey's "far out" fence: Q3 + 3 IQR of the nearest-neighbour cosines
-FENCE_IQR = 3.0
-#: the default threshold never exceeds this (identical features: identical images)
-MAX_THRESHOLD = 1.0 - 1e-6
+#: a near-duplicate is closer than this fraction of the median nearest-neighbour distance
+NEAR_FRACTION = 0.1
 
 
 def unit_rows(X: np.ndarray) -> np.ndarray:
@@ -72,15 +70,18 @@ def cosine_topk(Q, G, k: int, *, block_rows: int = 8192) -> tuple[np.ndarray, np
 
 
 def default_threshold(nn_cosines: np.ndarray) -> float:
-    """The cosine above which a nearest training row is a near-duplicate: Tukey's far-out
-    fence ``Q3 + 3 IQR`` of the queries' nearest-neighbour cosines (an outlier of the upper
-    tail), capped at ``1 - 1e-6`` (then only identical features are flagged)."""
+    """The cosine above which a nearest training row is a near-duplicate: closer than a tenth
+    of the median nearest-neighbour distance, ``1 - NEAR_FRACTION * median(1 - cos)``.
+
+    Scaled by the data (a backbone whose neighbours are all close gets a higher threshold) and
+    robust to duplicates (they move the median only when they are half the rows). An outlier
+    fence (Q3 + 3 IQR) was rejected: with the spread of real nearest-neighbour cosines it lies
+    above 1 and would flag nothing but identical features."""
     s = np.asarray(nn_cosines, np.float64)
     s = s[np.isfinite(s)]
     if not s.size:
         raise DataError("no nearest-neighbour cosine to choose a threshold from")
-    q1, q3 = np.percentile(s, [25, 75])
-    return float(min(q3 + FENCE_IQR * (q3 - q1), MAX_THRESHOLD))
+    return float(1.0 - NEAR_FRACTION * np.median(1.0 - np.clip(s, -1.0, 1.0)))
 
 
 def knn_top1(

@@ -7,9 +7,9 @@ import shutil
 
 import numpy as np
 import pytest
-
 import similarity_refs as ref
 from conftest import FIXTURE_INPUT_SIZE, LITE0
+
 from featcache.similarity import LinearCKAStream, SimilarityConfig, compare, run_similarity
 from featcache.similarity.streaming import paired_blocks
 
@@ -111,9 +111,11 @@ def test_cli_writes_rows_skips_finished_pairs_and_the_report_draws_them(two_back
     assert main(argv) == 0
     df = read_results(res)
     assert sorted(df["metric"].to_list()) == ["cka_debiased", "cka_linear", "cka_rbf", "rsa_spearman"]
-    assert set(df["kind"]) == {"similarity"} and df["n_eval"].to_list() == [450] * 4
+    assert set(df["kind"]) == {"similarity"}
+    assert df["n_eval"].to_list() == [450] * 4
     row = df.filter(pl.col("metric") == "cka_linear").row(0, named=True)
-    assert row["backbone"] == LITE0 and row["protocol"] == f"vs:{RANDOM}"
+    assert row["backbone"] == LITE0
+    assert row["protocol"] == f"vs:{RANDOM}"
     assert f'"backbone_b": "{RANDOM}"' in row["hparams"]
     X, Y = _eager(two_backbones, LITE0).X.astype(float), _eager(two_backbones, RANDOM).X.astype(float)
     assert row["value"] == pytest.approx(ref.feature_space_linear_cka(X, Y), rel=1e-9)
