@@ -134,3 +134,38 @@ def test_one_backbone_and_unknown_backbones_are_refused(digits_cache, two_backbo
         run_similarity(SimilarityConfig(cache=two_backbones, dataset="digits", backbones=("nope", LITE0)))
     with pytest.raises(ConfigError, match="at least two"):
         SimilarityConfig(cache=two_backbones, dataset="digits", backbones=(LITE0,))
+
+
+def test_report_draws_the_heatmap_and_the_audit_table(two_backbones, tmp_path):
+    """Similarity and audit rows beside real retrieval rows: the report shows a heatmap per
+    measure and the audit table, and the ranking sees only the retrieval rows."""
+    from featcache.analysis.loaded import load_results
+    from featcache.analysis.report import write_report
+    from featcache.retrieval import RetrievalConfig, run_retrieval
+    from featcache.similarity import AuditConfig, run_audit
+
+    res = str(tmp_path / "r.parquet")
+    run_similarity(SimilarityConfig(cache=two_backbones, dataset="digits", results_path=res, progress=False))
+    run_retrieval(
+        RetrievalConfig(
+            cache=two_backbones,
+            dataset="digits",
+            backbones=(LITE0, RANDOM),
+            query_split="test",
+            gallery_split="same",
+            results_path=res,
+            progress=False,
+        )
+    )
+    run_audit(
+        AuditConfig(
+            cache=two_backbones, dataset="digits", backbone=LITE0, out=str(tmp_path / "a.csv"), results_path=res
+        )
+    )
+    loaded = load_results(res)
+    assert not set(loaded.rows["kind"].unique()) & {"similarity", "audit"}
+    html = write_report(tmp_path / "report.html", res).read_text()
+    assert html.count('alt="linear CKA on digits/test') == 1
+    assert html.count("<figure><img alt=") >= 4
+    assert 'id="audit-table"' in html
+    assert "knn_top1_clean" in html
