@@ -16,6 +16,7 @@ from the cached features.
 from __future__ import annotations
 
 from featcache.similarity.align import AlignmentError, align_ids
+from featcache.similarity.audit import AuditReport, run_audit
 from featcache.similarity.config import MEASURES, AuditConfig, SimilarityConfig
 from featcache.similarity.measures import center_gram, cka, gram_linear, gram_rbf, linear_cka, rbf_cka, rdm, rsa
 from featcache.similarity.runner import compare, run_similarity
@@ -25,6 +26,7 @@ __all__ = [
     "MEASURES",
     "AlignmentError",
     "AuditConfig",
+    "AuditReport",
     "LinearCKAStream",
     "MinibatchCKA",
     "SimilarityConfig",
@@ -41,13 +43,3 @@ __all__ = [
     "run_audit",
     "run_similarity",
 ]
-
-
-def __getattr__(name: str):
-    if name == "run_audit":
-        from featcache.similarity.audit import run_audit
-
-        return run_audit
-    from featcache.errors import NoSuchNameError
-
-    raise NoSuchNameError(f"module 'featcache.similarity' has no attribute {name!r}")
