@@ -143,3 +143,19 @@ def test_bad_audit_input_is_refused(fmnist_cache, tmp_path):
         run_audit(
             AuditConfig(cache=fmnist_cache, dataset=DS, backbone=LITE0, out=str(tmp_path / "p.csv"), query_splits="val")
         )
+
+
+def test_audit_cli_on_digits(digits_cache, tmp_path, capsys):
+    """The command line: digits through lite0, images reachable through scikit-learn."""
+    from featcache.cli import main
+
+    out = tmp_path / "pairs.parquet"
+    argv = ["audit", "--cache", digits_cache, "--dataset", "digits", "--backbone", LITE0, "--out", str(out)]
+    assert main([*argv, "--k", "3", "--knn-k", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "exact duplicates checked by content hash" in text
+    assert "test: " in text
+    assert out.exists()
+    assert (tmp_path / "pairs.nn.png").exists()
+    assert main([*argv[:-1], str(tmp_path / "pairs.txt")]) == 1  # one-line error, nothing written
+    assert "end it in .csv or .parquet" in capsys.readouterr().err
