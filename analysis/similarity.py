@@ -78,22 +78,9 @@ def similarity_matrices(frame) -> list[SimilarityMatrix]:
 
 def similarity_heatmap(m: SimilarityMatrix, path: str | os.PathLike) -> Path:
     """``m`` as an annotated heatmap PNG at ``path`` (matplotlib Figure, no pyplot)."""
-    from featcache.analysis.plots import _figure, _save
+    from featcache.analysis import plots
 
-    n = len(m.backbones)
-    fig = _figure(1.6 + 0.9 * n, 1.2 + 0.8 * n)
-    ax = fig.add_subplot()
-    im = ax.imshow(m.values, vmin=min(0.0, float(np.nanmin(m.values))), vmax=1.0, cmap="viridis")
-    ax.set_xticks(range(n), m.backbones, rotation=45, ha="right", fontsize=8)
-    ax.set_yticks(range(n), m.backbones, fontsize=8)
-    for i in range(n):
-        for j in range(n):
-            v = m.values[i, j]
-            if np.isfinite(v):
-                ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=7, color="w" if v < 0.6 else "k")
-    fig.colorbar(im, ax=ax, label=m.metric)
-    ax.set_title(m.title, fontsize=9)
-    return _save(fig, path)
+    return plots.similarity_heatmap(m.backbones, m.values, path, title=m.title, label=m.metric)
 
 
 def audit_table(frame) -> Any:
