@@ -52,7 +52,7 @@ def _latest(frame):
     )
 
 
-def similarity_matrices(frame) -> list[SimilarityMatrix]:
+def similarity_matrices(frame: Any) -> list[SimilarityMatrix]:
     """The similarity rows of ``frame`` (a results table as read) as symmetric matrices, the
     diagonal 1 (a representation compared with itself), sorted by dataset, split and measure."""
     import polars as pl
@@ -83,7 +83,7 @@ def similarity_heatmap(m: SimilarityMatrix, path: str | os.PathLike) -> Path:
     return plots.similarity_heatmap(m.backbones, m.values, path, title=m.title, label=m.metric)
 
 
-def audit_table(frame) -> Any:
+def audit_table(frame: Any) -> Any:
     """One row per backbone, dataset and audited split of the ``kind="audit"`` rows: the
     fraction of rows flagged, kNN and 1-NN top-1 with and without them; None without rows."""
     import polars as pl

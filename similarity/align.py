@@ -4,6 +4,7 @@ one-line error naming how many ids are duplicated or missing, never a silent mis
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import DataError
 
@@ -24,7 +25,9 @@ def _duplicates(ids: np.ndarray, name: str) -> None:
         )
 
 
-def align_ids(ids_a, ids_b, name_a: str = "a", name_b: str = "b") -> tuple[np.ndarray, np.ndarray]:
+def align_ids(
+    ids_a: ArrayLike, ids_b: ArrayLike, name_a: str = "a", name_b: str = "b"
+) -> tuple[np.ndarray, np.ndarray]:
     """Index arrays ``(ia, ib)`` with ``ids_a[ia] == ids_b[ib]``, in the order of ``ids_a``.
 
     Refuses (:class:`AlignmentError`) duplicated ids on either side and ids present on one

@@ -11,6 +11,7 @@ of those nearest-neighbour cosines; :func:`knn_top1` is the temperature-weighted
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def _blocks(X, rows: int) -> Iterator[tuple[int, np.ndarray]]:
         yield s, np.asarray(X[s : s + rows])
 
 
-def cosine_topk(Q, G, k: int, *, block_rows: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+def cosine_topk(Q: Any, G: Any, k: int, *, block_rows: int = 8192) -> tuple[np.ndarray, np.ndarray]:
     """``(cosines [nq, k], gallery rows [nq, k])``, best first, of each query row's ``k``
     nearest rows of ``G`` by cosine. ``Q`` and ``G`` are arrays or lazy stored views (read
     in blocks of ``block_rows``). Exactly tied cosines are kept in no particular order."""

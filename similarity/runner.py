@@ -91,7 +91,7 @@ def _rsa(X, Y, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, 
     return rsa(_rows(X, idx), _rows(Y, idx), cfg.rdm), {"rows": int(idx.size)}
 
 
-def compare(X, Y, cfg: SimilarityConfig) -> dict[str, tuple[float, dict[str, Any]]]:
+def compare(X: Any, Y: Any, cfg: SimilarityConfig) -> dict[str, tuple[float, dict[str, Any]]]:
     """``{measure: (value, estimator details)}`` for aligned rows ``X`` and ``Y`` (arrays or
     lazy stored views), each measure of ``cfg.measures``."""
     if X.shape[0] != Y.shape[0]:

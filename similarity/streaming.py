@@ -19,8 +19,10 @@ full-data CKA: it is a different number from ``rbf_cka`` on all rows.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from featcache.errors import DataError
 from featcache.similarity.measures import _ratio, center_gram, debiased_dot, gram_linear, gram_rbf
@@ -28,12 +30,12 @@ from featcache.similarity.measures import _ratio, center_gram, debiased_dot, gra
 __all__ = ["LinearCKAStream", "MinibatchCKA", "iter_blocks", "paired_blocks", "take_rows"]
 
 
-def take_rows(X, idx):
+def take_rows(X: Any, idx: ArrayLike) -> Any:
     """Rows ``idx`` of ``X``: an array's copy, or a lazy stored view's new view (nothing read)."""
     return X[np.asarray(idx)] if isinstance(X, np.ndarray) else X.take(idx)
 
 
-def iter_blocks(X, rows: int) -> Iterator[np.ndarray]:
+def iter_blocks(X: Any, rows: int) -> Iterator[np.ndarray]:
     """Blocks of ``rows`` rows of ``X``: an array, or a lazy stored view with ``iter_raw``
     (each stored chunk decoded once a pass)."""
     rows = max(1, int(rows))
@@ -45,7 +47,7 @@ def iter_blocks(X, rows: int) -> Iterator[np.ndarray]:
         yield np.asarray(X[s : s + rows])
 
 
-def paired_blocks(X, Y, rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def paired_blocks(X: Any, Y: Any, rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Row blocks of ``X`` and ``Y`` side by side (same rows, same order)."""
     if X.shape[0] != Y.shape[0]:
         raise DataError(f"X has {X.shape[0]} rows and Y {Y.shape[0]}; align them by sample id first")
