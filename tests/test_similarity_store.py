@@ -80,7 +80,7 @@ def test_compare_lazy_views_in_blocks_equals_in_memory(two_backbones):
 
 def test_kernel_estimators_past_the_memory_bound(two_backbones):
     """A bound too small for 450 x 450 Gram matrices: minibatch RBF CKA over a sample and RSA
-    over a sample of rows, both recorded; the minibatch estimate stays near the full value."""
+    over a sample of rows, the estimator and its sizes recorded."""
     from featcache.store import open_cache
 
     cache = open_cache(two_backbones)
