@@ -76,6 +76,22 @@ def test_minibatch_equals_efficient_cka_port():
     assert MinibatchCKA().update(X, Y).result() == pytest.approx(linear_cka(X, Y, True), rel=1e-10)
 
 
+def test_minibatch_rbf_is_the_debiased_rbf_cka_per_minibatch():
+    """featcache's extension: efficient_CKA's estimator on Gaussian Gram matrices, each
+    minibatch with its own median bandwidth (or a fixed sigma)."""
+    X, Y = _pair(12, n=90)
+    one = MinibatchCKA("rbf", 0.5).update(X, Y).result()
+    assert one == pytest.approx(ref.cka(ref.gram_rbf(X, 0.5), ref.gram_rbf(Y, 0.5), debiased=True), rel=1e-10)
+    est = MinibatchCKA("rbf", sigma=2.0)
+    parts = [(X[:45], Y[:45]), (X[45:], Y[45:])]
+    est.update_all(parts)
+    kx = [ref.center_gram(gram_rbf(a, sigma=2.0), unbiased=True) for a, _ in parts]
+    ky = [ref.center_gram(gram_rbf(b, sigma=2.0), unbiased=True) for _, b in parts]
+    xy = sum(np.vdot(a, b) for a, b in zip(kx, ky))
+    want = xy / np.sqrt(sum(np.vdot(a, a) for a in kx) * sum(np.vdot(b, b) for b in ky))
+    assert est.result() == pytest.approx(want, rel=1e-12)
+
+
 def test_thingsvision_where_definitions_match():
     X, Y = _pair(4)
     tv = ref.CKANumPy(len(X), "linear")
