@@ -34,6 +34,7 @@ for _pkg, _words in (
     ("store", ("ls", "verify")),
     ("probes", ("probe",)),
     ("retrieval", ("retrieve", "retrieve-text")),
+    ("similarity", ("similarity", "audit")),
     ("sweep", ("sweep",)),
     ("analysis", ("rank", "shift", "report")),
     ("demo", ("demo",)),

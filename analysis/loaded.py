@@ -218,6 +218,18 @@ def load_results(
     return _merged(frame, source, tuple(ext), resolve_metric(metric, frame), groups, percent, external_kind)
 
 
+def _scores_only(frame):
+    """The rows that score a backbone on a task: similarity and audit rows
+    (:data:`~featcache.core.results.NON_SCORE_KINDS`) are read by their own report sections."""
+    import polars as pl
+
+    from featcache.core.results import NON_SCORE_KINDS
+
+    if "kind" not in frame.columns:
+        return frame
+    return frame.filter(~pl.col("kind").is_in(list(NON_SCORE_KINDS)))
+
+
 def _read_results(path):
     from featcache.core.results import read_results
 
@@ -230,7 +242,8 @@ def _merged(results, source, external, metric, groups, percent, external_kind) -
     declared = metric == TASK
     tables = []
     if results is not None:
-        f = with_declared_rows(results) if declared else results
+        f = _scores_only(results)
+        f = with_declared_rows(f) if declared else f
         tables.append(load_table(f, source=source, groups=groups))
     tables += [with_declared_rows(t, external=True) if declared else t for t in external]
     rows, coverage = merge_tables(tables)

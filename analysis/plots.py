@@ -351,3 +351,21 @@ def best_vs_rest(differences, best: str, path, *, aggregation: str = "zscore") -
     ax.set_title(f"How sure is the first place of {_short(best)}?")
     ax.legend(fontsize=7, loc="best")
     return _save(fig, path)
+
+
+def similarity_heatmap(names, values, path, *, title: str, label: str) -> Path:
+    """A symmetric backbone x backbone similarity matrix (CKA, RSA) with its values written in."""
+    n = len(names)
+    fig = _figure(1.6 + 0.9 * n, 1.2 + 0.8 * n)
+    ax = fig.add_subplot()
+    im = ax.imshow(values, vmin=min(0.0, float(np.nanmin(values))), vmax=1.0, cmap="viridis")
+    ax.set_xticks(range(n), names, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(n), names, fontsize=8)
+    for i in range(n):
+        for j in range(n):
+            v = values[i, j]
+            if np.isfinite(v):
+                ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=7, color="w" if v < 0.6 else "k")
+    fig.colorbar(im, ax=ax, label=label)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)

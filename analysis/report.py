@@ -499,6 +499,22 @@ def _shift(loaded: LoadedResults, shift_splits, tmp: Path) -> dict[str, Any]:
     return ctx
 
 
+def _similarity(results, tmp: Path) -> dict[str, Any]:
+    """The similarity heatmaps and the near-duplicate audit table, from the results table's
+    ``similarity`` and ``audit`` rows (:mod:`featcache.analysis.similarity`)."""
+    from featcache.analysis.similarity import audit_table, similarity_heatmap, similarity_matrices
+
+    figs = []
+    for i, m in enumerate(similarity_matrices(results)):
+        path = similarity_heatmap(m, tmp / f"similarity_{i}.png")
+        figs.append(_figure(path, f"{m.title}: {len(m.backbones)} backbones, rows joined by sample id"))
+    audit = audit_table(results)
+    return {
+        "similarity": {"figures": figs} if figs else None,
+        "audit": table_cells(audit, table_id="audit-table") if audit is not None else None,
+    }
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -581,6 +597,8 @@ def write_report(
         "cost_absent": "",
         "catalog": _catalog(catalog_df),
         "shift": None,
+        "similarity": None,
+        "audit": None,
         "notes": [],
     }
     kw = {"on_constant": "drop", "n_boot": 1000, "retrieval_metric": "auto", **kw_in}
@@ -610,6 +628,7 @@ def write_report(
         ctx.update(_details(raw, r, {"metric": loaded.metric, **kw}, tmp))
         if shift_splits is not None:
             ctx["shift"] = _shift(loaded, shift_splits, tmp)
+        ctx.update(_similarity(loaded.results, tmp))
         doc = _render(ctx)
     _write_atomic(out, doc)
     log.info("report written to %s", out)

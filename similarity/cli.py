@@ -1,0 +1,69 @@
+"""``featcache similarity`` (CKA and RSA between backbones) and ``featcache audit``
+(train/test near-duplicates). Imports only argparse at module level."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    from featcache.similarity.config import AuditConfig, SimilarityConfig
+
+    p = subparsers.add_parser(
+        "similarity",
+        help="CKA (linear, debiased, RBF) and RSA between every pair of backbones on one split",
+        description=(
+            "Compare backbones' representations of the same images: rows are joined by sample id "
+            "(a missing or duplicated id is an error). Linear and debiased CKA stream the rows "
+            "(any N, memory bounded by --max-memory); RBF CKA uses every row when the Gram "
+            "matrices fit, else google-research's minibatch estimator on a random sample; RSA "
+            "compares RDMs of at most the rows that fit. One results row per pair and measure "
+            "(kind similarity; the report draws them as heatmaps)."
+        ),
+    )
+    SimilarityConfig.add_arguments(p)
+    p.set_defaults(func=run)
+    a = subparsers.add_parser(
+        "audit",
+        help="near-duplicates between test (and val) and training rows, and kNN top-1 without them",
+        description=(
+            "For each query row (--query splits), its nearest training rows by cosine of one "
+            "backbone's features; every pair above --threshold (default: chosen from the "
+            "nearest-neighbour similarity distribution, plotted beside --out), exact duplicates "
+            "by image content hash where the images are reachable, and kNN top-1 recomputed "
+            "with the flagged query rows left out."
+        ),
+    )
+    AuditConfig.add_arguments(a)
+    a.set_defaults(func=run_audit_cli)
+
+
+def run(args) -> int:
+    from dataclasses import replace
+
+    from featcache.core.results import check_results_path
+    from featcache.similarity.config import SimilarityConfig
+    from featcache.similarity.runner import run_similarity
+
+    cfg = SimilarityConfig.from_args(args)
+    if cfg.results_path is not None:
+        check_results_path(cfg.results_path)
+    if getattr(args, "no_progress", False):
+        cfg = replace(cfg, progress=False)
+    frame = run_similarity(cfg)
+    for r in frame.iter_rows(named=True):
+        print(f"{r['backbone']}  {r['protocol']}  {cfg.dataset}/{cfg.split}  {r['metric']}={r['value']:.4f}")
+    print(f"{frame.height} rows" + (f" -> {cfg.results_path}" if cfg.results_path else ""))
+    return 0
+
+
+def run_audit_cli(args) -> int:
+    from dataclasses import replace
+
+    from featcache.similarity.audit import run_audit
+    from featcache.similarity.config import AuditConfig
+
+    cfg = AuditConfig.from_args(args)
+    if getattr(args, "no_progress", False):
+        cfg = replace(cfg, progress=False)
+    report = run_audit(cfg)
+    print(report.summary())
+    return 0

@@ -1,0 +1,186 @@
+"""The similarity stage's configurations: one frozen dataclass per command, the single
+source of its flags, run ids and recorded hparams.
+
+>>> cfg = SimilarityConfig(cache="cache.zarr", dataset="digits", results_path="r.parquet")
+>>> cfg.measures
+('cka_linear', 'cka_debiased', 'cka_rbf', 'rsa_spearman')
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from featcache.core import configs
+from featcache.core.configs import Interval, OneOf, flag
+from featcache.errors import ConfigError
+
+__all__ = ["MEASURES", "AuditConfig", "SimilarityConfig", "parse_memory"]
+
+#: the metric names written, one row per backbone pair and measure
+MEASURES = ("cka_linear", "cka_debiased", "cka_rbf", "rsa_spearman")
+RDM_CHOICES = ("correlation", "cosine")
+
+
+def parse_memory(text: str | int) -> int:
+    """``"2GB"``, ``"512MiB"``, ``1e9`` -> bytes (at least 1 MiB)."""
+    if isinstance(text, (int, float)):
+        val = int(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))
+        if not m:
+            raise ConfigError(f"--max-memory {text!r} is invalid: write e.g. 2GB, 512MB or 1e9")
+        base = 1024 if m.group(3) else 1000
+        val = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+    if val < 1024**2:
+        raise ConfigError(f"--max-memory {text!r} is below 1 MB; give at least a few hundred MB, e.g. 2GB")
+    return val
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in str(text).split(",") if t.strip())
+
+
+def _measures(text: str) -> tuple[str, ...]:
+    got = _csv(text)
+    bad = [m for m in got if m not in MEASURES]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"--measures takes a comma-separated subset of {','.join(MEASURES)}")
+    return got
+
+
+def _backbones(value: Any) -> tuple[str, ...] | None:
+    if value is None or value == "all":
+        return None
+    bb = _csv(value) if isinstance(value, str) else tuple(str(v) for v in value)
+    return None if bb in ((), ("all",)) else tuple(dict.fromkeys(bb))
+
+
+@dataclass(frozen=True)
+class SimilarityConfig:
+    """CKA and RSA between every pair of backbones on one split (``featcache similarity``).
+
+    ``backbones=None``: every backbone holding the split. Linear and debiased CKA stream the
+    rows (any N); RBF CKA uses every row when the ``[n, n]`` Gram matrices fit in
+    ``max_memory`` and google-research's minibatch estimator on a random sample otherwise;
+    RSA compares RDMs of at most the rows that fit (a random sample, seeded by ``seed``).
+    """
+
+    cache: str = flag(help="feature cache root (local dir or fsspec URL)", required=True)
+    dataset: str = flag(help="dataset key in the store", required=True)
+    backbones: tuple[str, ...] | None = flag(None, "backbones; None = all", cli=False)
+    split: str = flag("test", "split whose rows are compared")
+    kind: str = flag("pooled", "feature kind in the store")
+    measures: tuple[str, ...] = flag(MEASURES, f"comma-separated subset of {','.join(MEASURES)}", type=_measures)
+    rbf_threshold: float = flag(
+        1.0, "RBF bandwidth as a fraction of the median distance (google-research's gram_rbf)", type=float
+    )
+    rbf_sigma: float | None = flag(None, "a fixed RBF bandwidth instead of the median heuristic", type=float)
+    rdm: str = flag(
+        "correlation", "RSA dissimilarity: 1 - Pearson correlation, or 1 - cosine", check=OneOf(*RDM_CHOICES)
+    )
+    max_memory: str = flag("2GB", "memory bound for blocks, Gram matrices and RDMs")
+    seed: int = flag(0, "seed of the row samples of RBF CKA (large N) and RSA", type=int, check=Interval(int, 0))
+    results_path: str | None = flag(
+        None, "results parquet to append to (pairs already there are skipped unless --force)", name="--results"
+    )
+    force: bool = flag(False, "recompute pairs already in the results table", action="store_true")
+    progress: bool = flag(True, "no progress bars (implied by -q)", negate="--no-progress")
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "cache", os.fspath(self.cache))
+        set_(self, "backbones", _backbones(self.backbones))
+        ms = _csv(self.measures) if isinstance(self.measures, str) else tuple(self.measures)
+        bad = [m for m in ms if m not in MEASURES]
+        if bad or not ms:
+            raise ConfigError(f"measures {bad or ms!r} are invalid: choose from {MEASURES}")
+        set_(self, "measures", tuple(dict.fromkeys(ms)))
+        if self.results_path is not None:
+            set_(self, "results_path", os.fspath(self.results_path))
+        if not float(self.rbf_threshold) > 0:
+            raise ConfigError(f"--rbf-threshold {self.rbf_threshold!r} is invalid: must be > 0")
+        if self.rbf_sigma is not None and not float(self.rbf_sigma) > 0:
+            raise ConfigError(f"--rbf-sigma {self.rbf_sigma!r} is invalid: must be > 0")
+        if self.backbones is not None and len(self.backbones) < 2:
+            raise ConfigError("similarity compares pairs: give at least two backbones (--backbones a,b) or --all")
+        configs.check_fields(self)
+        parse_memory(self.max_memory)
+
+    @property
+    def memory(self) -> int:
+        return parse_memory(self.max_memory)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        who = parser.add_mutually_exclusive_group(required=True)
+        who.add_argument("--backbones", help="comma-separated backbone keys (at least two)")
+        who.add_argument("--all", action="store_true", help="every backbone that holds the split")
+        configs.add_arguments(parser, cls)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SimilarityConfig:
+        return configs.from_namespace(cls, args, backbones=None if args.all else args.backbones)
+
+    def hparams(self, measure: str) -> dict[str, Any]:
+        """The options a ``measure`` row depends on (recorded in its hparams)."""
+        hp: dict[str, Any] = {"feature_kind": self.kind}
+        if measure == "cka_rbf":
+            hp.update(rbf_threshold=None if self.rbf_sigma else self.rbf_threshold, rbf_sigma=self.rbf_sigma)
+        if measure in ("cka_rbf", "rsa_spearman"):
+            hp.update(max_memory=self.memory, seed=self.seed)
+        if measure == "rsa_spearman":
+            hp["rdm"] = self.rdm
+        return hp
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """Train/test near-duplicate audit of one backbone's features (``featcache audit``)."""
+
+    cache: str = flag(help="feature cache root", required=True)
+    dataset: str = flag(help="dataset key in the store", required=True)
+    backbone: str = flag(help="backbone key in the store whose features are searched", required=True)
+    out: str = flag(help="pairs table to write: .csv or .parquet", required=True)
+    train_split: str = flag("train", "the split searched (the training rows)")
+    query_splits: tuple[str, ...] = flag(
+        ("test", "val"), "comma-separated splits audited (those absent are skipped)", type=_csv, name="--query"
+    )
+    kind: str = flag("pooled", "feature kind in the store")
+    threshold: float | None = flag(
+        None,
+        "cosine above which a pair is listed (default: chosen from the nearest-neighbour distribution)",
+        type=float,
+    )
+    k: int = flag(5, "nearest training rows kept per query row", type=int, check=Interval(int, 1, 1000))
+    knn_k: int = flag(20, "k of the kNN classifier whose top-1 is recomputed", type=int, check=Interval(int, 1))
+    data_root: str | None = flag(None, "dataset folder, for content hashes of the images (default: as extracted)")
+    max_memory: str = flag("2GB", "memory bound for the similarity blocks")
+    results_path: str | None = flag(None, "results parquet the audit's summary rows are appended to", name="--results")
+    progress: bool = flag(True, "no progress bars (implied by -q)", negate="--no-progress")
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "cache", os.fspath(self.cache))
+        set_(self, "out", os.fspath(self.out))
+        qs = _csv(self.query_splits) if isinstance(self.query_splits, str) else tuple(self.query_splits)
+        set_(self, "query_splits", qs)
+        if not str(self.out).lower().endswith((".csv", ".parquet")):
+            raise ConfigError(f"--out {self.out!r} is invalid: end it in .csv or .parquet")
+        if self.threshold is not None and not -1.0 <= float(self.threshold) <= 1.0:
+            raise ConfigError(f"--threshold {self.threshold!r} is invalid: a cosine lies in [-1, 1]")
+        if self.train_split in qs:
+            raise ConfigError(f"--query {','.join(qs)} includes the searched split {self.train_split!r}")
+        configs.check_fields(self)
+        parse_memory(self.max_memory)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        configs.add_arguments(parser, cls)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> AuditConfig:
+        return configs.from_namespace(cls, args)

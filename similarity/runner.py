@@ -1,0 +1,235 @@
+"""``featcache similarity`` as a library call: every backbone pair's CKA and RSA on one split,
+written as results rows (``kind="similarity"``, one row per pair and measure).
+
+A row's ``backbone`` is the pair's first backbone, ``protocol`` is ``vs:<second>``, and its
+hparams name both (``backbone_a``, ``backbone_b``) with the estimator used and the rows it saw.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from featcache.core.stagerun import Stage, collect, finished, pending, write_rows
+from featcache.errors import DataError, UsageError
+from featcache.similarity.align import align_ids
+from featcache.similarity.config import SimilarityConfig
+from featcache.similarity.measures import rbf_cka, rsa
+from featcache.similarity.streaming import LinearCKAStream, MinibatchCKA, paired_blocks, take_rows
+
+if TYPE_CHECKING:
+    import polars as pl
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STAGE", "Budget", "compare", "run_similarity"]
+
+#: the stage's identity for the shared run skeleton (not a sweep stage)
+STAGE = Stage("similarity", "featcache.similarity:run_similarity")
+#: largest minibatch of the kernel estimator
+MAX_MINIBATCH = 4096
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How ``max_memory`` bytes are spent for features of widths ``dx`` and ``dy``."""
+
+    memory: int
+    dx: int
+    dy: int
+
+    @property
+    def block_rows(self) -> int:
+        """Rows per streamed block: float64 copies of both sides, three times over, in a quarter."""
+        return int(min(65536, max(256, self.memory // (4 * 3 * 8 * (self.dx + self.dy)))))
+
+    @property
+    def gram_rows(self) -> int:
+        """Most rows whose ``[n, n]`` float64 Gram matrices or RDMs (six of them) fit."""
+        return int(max(16, math.isqrt(self.memory // 48)))
+
+    @property
+    def sample_rows(self) -> int:
+        """Most rows of both sides (float64) held at once for the kernel estimator, in half."""
+        return int(max(self.gram_rows, self.memory // (2 * 8 * (self.dx + self.dy))))
+
+
+def _sample(n: int, k: int, seed: int, salt: int) -> np.ndarray:
+    """``k`` of ``n`` row positions, sorted (store order: each chunk decoded once)."""
+    if k >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng([seed, salt]).choice(n, k, replace=False))
+
+
+def _rows(X, idx: np.ndarray) -> np.ndarray:
+    return np.asarray(take_rows(X, idx), np.float64)
+
+
+def _rbf(X, Y, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
+    n = X.shape[0]
+    kw = {"sigma": cfg.rbf_sigma} if cfg.rbf_sigma else {"threshold": cfg.rbf_threshold}
+    if n <= budget.gram_rows:
+        return rbf_cka(np.asarray(X), np.asarray(Y), **kw), {"rbf_estimator": "full", "rows": n}
+    idx = _sample(n, budget.sample_rows, cfg.seed, 1)
+    x, y = _rows(X, idx), _rows(Y, idx)
+    perm = np.random.default_rng([cfg.seed, 2]).permutation(idx.size)
+    b = min(MAX_MINIBATCH, budget.gram_rows)
+    est = MinibatchCKA("rbf", cfg.rbf_threshold, cfg.rbf_sigma)
+    for s in range(0, perm.size, b):
+        est.update(x[perm[s : s + b]], y[perm[s : s + b]])
+    return est.result(), {"rbf_estimator": "minibatch", "rows": int(idx.size - est.skipped), "minibatch": b}
+
+
+def _rsa(X, Y, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
+    idx = _sample(X.shape[0], budget.gram_rows, cfg.seed, 3)
+    return rsa(_rows(X, idx), _rows(Y, idx), cfg.rdm), {"rows": int(idx.size)}
+
+
+def compare(X: Any, Y: Any, cfg: SimilarityConfig) -> dict[str, tuple[float, dict[str, Any]]]:
+    """``{measure: (value, estimator details)}`` for aligned rows ``X`` and ``Y`` (arrays or
+    lazy stored views), each measure of ``cfg.measures``."""
+    if X.shape[0] != Y.shape[0]:
+        raise DataError(f"X has {X.shape[0]} rows and Y {Y.shape[0]}; align them by sample id first")
+    budget = Budget(cfg.memory, int(X.shape[1]), int(Y.shape[1]))
+    out: dict[str, tuple[float, dict[str, Any]]] = {}
+    if {"cka_linear", "cka_debiased"} & set(cfg.measures):
+        s = LinearCKAStream()
+        for bx, by in paired_blocks(X, Y, budget.block_rows):
+            s.update(bx, by)
+        info = {"rows": s.n, "block_rows": budget.block_rows}
+        for m, deb in (("cka_linear", False), ("cka_debiased", True)):
+            if m in cfg.measures:
+                out[m] = (s.result(debiased=deb), info)
+    if "cka_rbf" in cfg.measures:
+        out["cka_rbf"] = _rbf(X, Y, cfg, budget)
+    if "rsa_spearman" in cfg.measures:
+        out["rsa_spearman"] = _rsa(X, Y, cfg, budget)
+    return out
+
+
+def _backbones(cfg: SimilarityConfig, cache) -> list[str]:
+    held = list(dict.fromkeys(b for b, d, s in cache.entries() if d == cfg.dataset and s == cfg.split))
+    if cfg.backbones is None:
+        if len(held) < 2:
+            raise DataError(
+                f"{len(held)} backbone(s) in {cfg.cache} hold {cfg.dataset}/{cfg.split} ({held}); similarity "
+                "compares pairs: extract a second backbone on that split first"
+            )
+        return held
+    missing = [b for b in cfg.backbones if b not in held]
+    if missing:
+        raise DataError(
+            f"backbone(s) {missing} hold no features of {cfg.dataset}/{cfg.split} in {cfg.cache} "
+            f"(those that do: {held}); fix --backbones or run `featcache extract`"
+        )
+    return list(cfg.backbones)
+
+
+def _fingerprint(cache, cfg: SimilarityConfig, b: str) -> str:
+    """``cache.load(...).fingerprint`` from the provenance record alone (no feature read)."""
+    return cache.stored_fingerprint(b, cfg.dataset, cfg.split, cfg.kind)
+
+
+def _run_ids(cfg: SimilarityConfig, a: str, b: str, fps: dict[str, str]) -> dict[str, str]:
+    from featcache.core.results import make_run_id
+
+    return {
+        m: make_run_id(
+            kind="similarity",
+            backbone_a=a,
+            backbone_b=b,
+            dataset=cfg.dataset,
+            split=cfg.split,
+            metric=m,
+            store=[fps[a], fps[b]],
+            **cfg.hparams(m),
+        )
+        for m in cfg.measures
+    }
+
+
+def _aligned(fa, fb):
+    """The two backbones' valid rows joined by sample id (lazy views stay lazy)."""
+    ia, ib = align_ids(fa.ids, fb.ids, fa.backbone, fb.backbone)
+    ok = np.asarray(fa.valid, bool)[ia] & np.asarray(fb.valid, bool)[ib]
+    if not ok.all():
+        log.warning(
+            "%s vs %s: %d row(s) dropped (invalid in either: images that failed)",
+            fa.backbone,
+            fb.backbone,
+            int((~ok).sum()),
+        )
+    ia, ib = ia[ok], ib[ok]
+    return take_rows(fa.X, ia), take_rows(fb.X, ib)
+
+
+def _pair_rows(cfg: SimilarityConfig, fa, fb, run_ids: dict[str, str]) -> list[dict[str, Any]]:
+    from featcache.store import combine_fingerprints
+
+    t0 = time.perf_counter()
+    X, Y = _aligned(fa, fb)
+    got = compare(X, Y, cfg)
+    secs = time.perf_counter() - t0
+    rows = []
+    for m, (value, info) in got.items():
+        rows.append(
+            {
+                "run_id": run_ids[m],
+                "kind": "similarity",
+                "backbone": fa.backbone,
+                "dataset": cfg.dataset,
+                "protocol": f"vs:{fb.backbone}",
+                "eval_split": cfg.split,
+                "metric": m,
+                "value": float(value),
+                "n_eval": int(X.shape[0]),
+                "hparams": {"backbone_a": fa.backbone, "backbone_b": fb.backbone, **cfg.hparams(m), **info},
+                "fit_seconds": secs,
+                "store_fingerprint": combine_fingerprints(fa.fingerprint, fb.fingerprint),
+            }
+        )
+    return rows
+
+
+def run_similarity(config: SimilarityConfig) -> pl.DataFrame:
+    """Every pair of ``config``'s backbones compared on ``config.split``; the rows (polars),
+    appended to ``config.results_path`` pair by pair when it is set. Pairs whose rows are
+    all in the table are skipped unless ``config.force``."""
+    from featcache.core.progress import tqdm
+    from featcache.core.results import check_results_path
+    from featcache.store import open_cache
+
+    if not isinstance(config, SimilarityConfig):
+        raise UsageError(f"run_similarity takes a SimilarityConfig, got {type(config).__name__}")
+    cfg = config
+    if cfg.results_path is not None:
+        check_results_path(cfg.results_path)
+    cache = open_cache(cfg.cache)
+    backbones = _backbones(cfg, cache)
+    fps = {b: _fingerprint(cache, cfg, b) for b in backbones}
+    ids = {(a, b): _run_ids(cfg, a, b, fps) for a, b in itertools.combinations(backbones, 2)}
+    done = finished(cfg.results_path, cfg.force)
+    todo = pending(
+        {p: list(r.values()) for p, r in ids.items()},
+        done,
+        lambda p: f"similarity {p[0]} vs {p[1]} on {cfg.dataset}/{cfg.split}",
+        cfg.results_path,
+        log,
+    )
+    feats: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for a, b in tqdm(todo, desc="similarity pairs", unit="pair", disable=not cfg.progress):
+        for name in (a, b):
+            if name not in feats:
+                feats[name] = cache.load(name, cfg.dataset, cfg.split, cfg.kind, lazy=True)
+        new = _pair_rows(cfg, feats[a], feats[b], ids[(a, b)])
+        write_rows(cfg.results_path, new)
+        rows += new
+    wanted = [r for p in ids.values() for r in p.values()]
+    return collect(STAGE, cfg.results_path, rows, wanted, append=False)
