@@ -130,6 +130,15 @@ def configure_logging(verbose: int = 0, quiet: bool = False, log_file: str | Non
     return fh
 
 
+#: what an interrupted command leaves, and how to go on
+RESUME = {
+    "extract": (
+        ": the chunks written so far are kept; run the same `featcache extract` command again to resume "
+        "(`featcache ls` shows the rows not computed yet)"
+    ),
+}
+
+
 def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = False) -> None:
     """An error the CLI prints to stderr itself, also recorded in --log-file (not printed twice)."""
     if handler is not None:
@@ -138,17 +147,6 @@ def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = Fal
                 "featcache.cli", logging.ERROR, __file__, 0, msg, (), sys.exc_info() if exc_info else None
             )
         )
-
-
-def _damaged_store(args, exc: Exception):
-    """zarr's error for a damaged metadata document of the command's local store, as one
-    named line (which document, what is wrong, what to run); None for any other error."""
-    from featcache.store.metadata import is_metadata_error, named_metadata_error
-
-    path = getattr(args, "cache", None) or getattr(args, "path", None)
-    if not is_metadata_error(exc) or not isinstance(path, str):
-        return None
-    return named_metadata_error(path, exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,17 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         _log_to_file(file_handler, msg, exc_info=True)
         print(msg, file=sys.stderr)
         return 1
-    except Exception as exc:
-        named = _damaged_store(args, exc)
-        if named is None:
-            raise
-        msg = f"featcache {args.command}: error: {named}"
-        _log_to_file(file_handler, msg, exc_info=True)
-        print(msg, file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
-        _log_to_file(file_handler, "interrupted")
-        print("interrupted", file=sys.stderr)
+        msg = "interrupted" + RESUME.get(args.command, "")
+        _log_to_file(file_handler, msg)
+        print(msg, file=sys.stderr)
         return 130
     finally:
         if file_handler is not None:  # main() called in-process (tests, notebooks) leaves no open file
