@@ -54,8 +54,9 @@ CHUNK_ROWS = 16
 
 
 def _block_rows(n_q: int, n_g: int, max_memory: int, dev) -> int:
-    if dev is None:  # scores (4 B/cell) + per-thread chunk buffers (~14 B x G x CHUNK_ROWS)
-        rows = rows_per_block(n_g, max(1, max_memory - 8 * 14 * CHUNK_ROWS * n_g), 4)
+    if dev is None:  # scores (4 B/cell) + per-thread chunk buffers (~14 B x G x CHUNK_ROWS each)
+        chunks = min(max_memory // 2, _n_threads() * 14 * CHUNK_ROWS * n_g)
+        rows = rows_per_block(n_g, max_memory - chunks, 4)
         return max(1, min(n_q, rows, NUMPY_MAX_BLOCK_ROWS))
     return max(1, min(n_q, rows_per_block(n_g, max_memory, 24)))
 
