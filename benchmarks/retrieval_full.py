@@ -46,15 +46,16 @@ KS = (1, 5, 10)
 TOL = 1e-6
 
 
-def plain_loop(Xq, Xg, yq, yg, ks=KS, block=256) -> dict:
+def plain_loop(Xq, Xg, yq, yg, ks=KS, block=256, device="cpu") -> dict:
     """The plain PyTorch loop (BoB main_ret.py's way): float32 cosine GEMM per block of 256
     queries, argsort, relevance gathered, cumsum for AP, first hit for MRR."""
     import torch
     import torch.nn.functional as F
 
-    q, g = F.normalize(torch.from_numpy(Xq).float(), dim=1), F.normalize(torch.from_numpy(Xg).float(), dim=1)
-    yq, yg = torch.from_numpy(yq), torch.from_numpy(yg)
-    pos = torch.arange(1, g.shape[0] + 1, dtype=torch.float32)
+    q = F.normalize(torch.from_numpy(Xq).float().to(device), dim=1)
+    g = F.normalize(torch.from_numpy(Xg).float().to(device), dim=1)
+    yq, yg = torch.from_numpy(yq).to(device), torch.from_numpy(yg).to(device)
+    pos = torch.arange(1, g.shape[0] + 1, dtype=torch.float32, device=device)
     sums = {"map": 0.0, "mrr": 0.0, **{f"{m}@{k}": 0.0 for m in ("hit", "recall", "precision") for k in ks}}
     n_scored = 0
     for s in range(0, q.shape[0], block):
@@ -111,6 +112,7 @@ def arm(a) -> dict:
             progress=False,
             max_memory=a.max_memory,
             exact_scores=a.exact_scores,
+            backend=a.backend,
         )
         out = run_retrieval(cfg)
         vals = dict(zip(out["metric"].to_list(), out["value"].to_list()))
@@ -121,7 +123,7 @@ def arm(a) -> dict:
 
         c = open_cache(a.store)
         q, g = c.load(a.backbone, a.dataset, "test"), c.load(a.backbone, a.dataset, "train")
-        vals = plain_loop(np.asarray(q.X), np.asarray(g.X), np.asarray(q.labels), np.asarray(g.labels))
+        vals = plain_loop(np.asarray(q.X), np.asarray(g.X), np.asarray(q.labels), np.asarray(g.labels), device=a.device)
         timing = {"compute_seconds": time.perf_counter() - t0}  # features loaded + ranked
     return {"arm": a.arm, "seconds": time.perf_counter() - t0, "vm_hwm_bytes": _vm_hwm(), "metrics": vals, **timing}
 
@@ -129,6 +131,7 @@ def arm(a) -> dict:
 def run_arm(a, which: str, threads: int) -> dict:
     cmd = [sys.executable, __file__, "--arm", which, "--threads", str(threads), "--store", a.store]
     cmd += ["--backbone", a.backbone, "--dataset", a.dataset, "--max-memory", a.max_memory]
+    cmd += ["--device", a.device, "--backend", a.backend]
     cmd += ["--exact-scores"] if a.exact_scores else []
     env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
@@ -162,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts, one run of both arms each")
     ap.add_argument("--max-memory", default="2GB")
     ap.add_argument("--exact-scores", action="store_true", help="featcache arm with --exact-scores")
+    ap.add_argument("--device", default="cpu", help="the plain loop's torch device (cuda: on the GPU)")
+    ap.add_argument("--backend", default="auto", help="featcache's --backend (auto: torch-cuda on a GPU)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
