@@ -219,3 +219,21 @@ def test_metrics_with_ties_equal_the_old_ones_at_1_and_2_threads(X, seed, monkey
                 got = full_ranking_metrics(Q, Q, rel, "ip", KS, progress=False, bob=True, backend=backend)
             got["mrr_bob"] = float(np.sum(got.pop("rr_bob")) / rel.n_queries)
             assert_equal_metrics(got, want, atol=1e-12)
+
+
+def test_exact_scores_flag_reaches_the_config_and_the_hparams():
+    import argparse
+
+    from featcache.retrieval import RetrievalConfig
+
+    p = argparse.ArgumentParser()
+    RetrievalConfig.add_arguments(p)
+    base = ["--cache", "c.zarr", "--dataset", "d", "--backbone", "b", "--results", "r.parquet"]
+    base += ["--query", "test", "--gallery", "train"]
+    fast = RetrievalConfig.from_args(p.parse_args(base))
+    exact = RetrievalConfig.from_args(p.parse_args([*base, "--exact-scores"]))
+    assert (fast.exact_scores, exact.exact_scores) == (False, True)
+    assert fast.hparams(backend="numpy", relevance_sha="")["scores"] == "float32"
+    assert exact.hparams(backend="numpy", relevance_sha="")["scores"] == "float64-rounded"
+    # the run id does not depend on it (stored runs are not recomputed)
+    assert fast.run_definition("b", "semantic", "", "fp") == exact.run_definition("b", "semantic", "", "fp")
