@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU check: `pytest -m gpu` plus the extraction, probe-sweep and retrieval
-# benchmarks at GPU sizes, each step bounded so the whole script ends within 8 minutes on
-# one H200 (420 s of steps, each killed 10 s after its limit at worst). Results go to
-# OUTDIR: extract.json, probe_sweep.json, retrieval.json, a log per step and summary.json
-# (mode, seconds, per-step rc / seconds / timed_out): 8 files.
+# One prepared GPU check: `pytest -m gpu` plus the extraction, probe-sweep, retrieval and
+# full-ranking (featcache against a plain PyTorch loop, both on the GPU) benchmarks at GPU
+# sizes, each step bounded so the whole script ends within 9 minutes on one H200 (470 s of
+# steps, each killed 10 s after its limit at worst). Results go to OUTDIR: extract.json,
+# probe_sweep.json, retrieval.json, retrieval_full.json, a log per step and summary.json
+# (mode, seconds, per-step rc / seconds / timed_out): 10 files.
 #
 #   benchmarks/gpu_check.sh OUTDIR            # on a CUDA machine
 #   benchmarks/gpu_check.sh --dry OUTDIR      # same code paths on the CPU at tiny sizes
@@ -11,7 +12,7 @@
 #
 # Needs featcache importable with its dependencies (PYTHON, default .venv/bin/python if
 # present, else python3) and Fashion-MNIST at /usr/share/datasets/fashion-mnist (Debian's
-# dataset-fashion-mnist). GPU_CHECK_BUDGET_S (default 420 s) bounds the four steps together;
+# dataset-fashion-mnist). GPU_CHECK_BUDGET_S (default 470 s) bounds the five steps together;
 # each step also has its own cap. Exit status: 0 when every step passed, else 1.
 set -u
 
@@ -27,7 +28,7 @@ repo="$(dirname "$here")"
 if [ -z "${PYTHON:-}" ]; then
     if [ -x "$repo/.venv/bin/python" ]; then PYTHON="$repo/.venv/bin/python"; else PYTHON=python3; fi
 fi
-budget="${GPU_CHECK_BUDGET_S:-420}"
+budget="${GPU_CHECK_BUDGET_S:-470}"
 mkdir -p "$out" || { echo "cannot create $out" >&2; exit 2; }
 out="$(cd "$out" && pwd)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/featcache-gpu-check.XXXXXX")"
@@ -54,7 +55,8 @@ if [ "$dry" = "1" ]; then
     extract_args=(--n 32 --input-size 64 --batch-size 16 --repeats 1 --workers 0)
     probe_args=(--n-train 200 --n-test 60 --input-size 64 --max-iter 50 --tol 1e-3)
     retrieval_args=(--n-query 60 --n-gallery 240 --naive-sample 10 --k 10)
-    caps=(75 60 120 60)
+    full_args=(--threads 1)
+    caps=(75 60 120 60 60)
 else
     mode=gpu
     if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -65,7 +67,8 @@ else
     extract_args=(--n 4096 --input-size 224 --batch-size 256 --repeats 2)
     probe_args=(--n-train 10000 --n-test 2000 --input-size 112)
     retrieval_args=(--n-query 2000 --k 100 --naive-sample 200 --repeat 2)
-    caps=(90 110 150 60)
+    full_args=(--threads "$(nproc)")
+    caps=(90 110 150 60 50)
 fi
 cache="$work/fmnist.zarr"
 
@@ -115,6 +118,8 @@ run_step probe_sweep "${caps[2]}" "$PYTHON" benchmarks/probe_sweep.py --cache "$
 run_step retrieval "${caps[3]}" "$PYTHON" benchmarks/retrieval.py --cache "$cache" \
     --dataset fashion-mnist-small --query test --gallery train "${retrieval_args[@]}" \
     --out "$out/retrieval.json"
+run_step retrieval_full "${caps[4]}" "$PYTHON" benchmarks/retrieval_full.py --store "$cache" \
+    --dataset fashion-mnist-small --device "$device" "${full_args[@]}" --json "$out/retrieval_full.json"
 
 "$PYTHON" - "$summary" "$out/summary.json" "$mode" "$(($(date +%s) - start))" <<'EOF'
 import json, sys

@@ -27,8 +27,9 @@ from featcache.errors import ConfigError
 from featcache.models.sources import model_help
 from featcache.store import MAX_CHUNK_ROWS
 
-#: --precision words: ``default`` is the old ``auto`` (bf16 on CUDA, fp32 on CPU); ``auto`` adds
-#: bf16 CPUs and the first-batch agreement check (:mod:`featcache.extract.auto`)
+#: --precision words: ``auto`` (the default since issue 48) is bf16 on CUDA and on bf16 CPUs after
+#: the first-batch agreement check (:mod:`featcache.extract.auto`); ``default`` is the behaviour
+#: before it (bf16 on CUDA, fp32 on CPU, no check)
 EXTRACT_PRECISIONS = ("default", *PRECISIONS)
 BACKENDS = ("auto", "eager", "compile", "onnxruntime", "openvino")  # featcache.extract.backends.BACKENDS
 
@@ -122,12 +123,12 @@ class ExtractConfig:
     overwrite: bool = flag(False, "replace features stored with other settings", action="store_true")
     limit: int | Mapping[str, int] | None = flag(None, "first N rows of each split only (N > 0)", type=int)
     amp: str = flag(
-        "default",
-        "compute precision (default: bf16 autocast on CUDA, fp32 on CPU; auto: bf16 autocast "
-        "on CUDA or on a CPU with avx512_bf16/AMX where the job's first batch's bf16 features "
-        "agree with fp32 (every row's cosine >= 0.98), else fp32; bf16: the same check, refused "
-        "if it fails or the CPU lacks bf16 hardware; fp16 applies on CUDA only; a resume with "
-        "auto keeps the stored precision)",
+        "auto",
+        "compute precision (auto, the default: bf16 autocast on CUDA or on a CPU with "
+        "avx512_bf16/AMX where the job's first batch's bf16 features agree with fp32 (every row's "
+        "cosine >= 0.98), else fp32, and a resume keeps the stored precision; default: the "
+        "behaviour before auto, bf16 autocast on CUDA, fp32 on CPU, no check; bf16: the auto "
+        "check, refused if it fails or the CPU lacks bf16 hardware; fp16 applies on CUDA only)",
         name="--precision",
         check=OneOf(*EXTRACT_PRECISIONS),
     )

@@ -1,158 +1,64 @@
-"""Full-ranking retrieval (mAP over the whole gallery) by blockwise exact scoring.
+"""Full-ranking retrieval (mAP over the whole gallery) by blockwise scoring and one sort per row.
 
 Queries are processed in blocks of B rows so that only a [B, G] score block exists at a time
-(numpy: one buffer reused for every block; each row is sorted in a one-row buffer); B follows
-from ``max_memory``. The N x N matrix never exists.
+(numpy: one buffer reused for every block, ranked by threads in chunks of a few rows); B
+follows from ``max_memory``. The N x N matrix never exists.
 
-Under the tie policy of :mod:`featcache.retrieval.metrics` a relevant item p needs only
-counts, no argsort of the row: with the row sorted (a fast SIMD sort of float32 values) and
-the relevant scores sorted,
+Each row is sorted once (:mod:`featcache.retrieval.sortedrows`): the relevance flags
+gathered in the sorted order give every relevant item's rank under both tie rules, the
+policy of :mod:`featcache.retrieval.metrics` (``ties="block"``: a tie group ranked as a
+block at its last position) and Battle of the Backbones' (``ties="index"``: bob-retrieval
+``retrieval/main_ret.py``'s ``torch.argsort(-sim, dim=0)``, read as a stable sort: exact
+ties in gallery order). The metrics follow from cumulative counts over those ranks.
 
-    r_p  = #{i : s_i >= s_p} - #{excluded i : s_i >= s_p}
-    tp_p = #{relevant i : s_i >= s_p}
-
-each a binary search (the query itself and junk items are the excluded ones).
-
-``ties="index"`` ranks as Battle of the Backbones' code does instead (bob-retrieval
-``retrieval/main_ret.py``: ``torch.argsort(-sim, dim=0)``, read as a stable sort): exactly
-tied items in gallery order, so every item has its own position (:func:`row_ranks_index`).
+Scores: float32 GEMM by default (``exact_scores=False``), as a plain PyTorch loop computes
+them. A float32 GEMM rounds a score differently depending on where its query row sits in
+the BLAS block, so two items whose scores are within a float32 rounding step may rank in
+either order, with another block size, thread count, backend or machine. ``exact_scores``
+sums every score in float64 and rounds it once (:func:`featcache.retrieval.search.score_block`):
+the same on every machine and block size, at twice the GEMM time (numpy path; the torch
+path always scores in float32 on its device).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from featcache.errors import ConfigError, InternalError
+from featcache.errors import ConfigError
 from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.prepared import PreparedRows, as_prepared
+from featcache.retrieval.search import DEFAULT_MAX_MEMORY, exact_matmul, rows_per_block, score_block
+from featcache.retrieval.sortedrows import SortedRanks, block_metrics, rank_block, rank_sorted, tie_row_ranks
 
 if TYPE_CHECKING:
     from featcache.retrieval.relevance import Relevance
-from featcache.retrieval.search import (
-    DEFAULT_MAX_MEMORY,
-    exact_matmul,
-    rows_per_block,
-    score_block,
-)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TIE_RULES", "full_ranking", "full_ranking_metrics", "row_ranks", "row_ranks_index"]
+__all__ = ["TIE_RULES", "full_ranking", "full_ranking_metrics"]
 
 #: ``block``: featcache's tie policy (:mod:`featcache.retrieval.metrics`); ``index``: a
 #: stable argsort of the negated scores (ties in gallery order, as Battle of the Backbones)
 TIE_RULES = ("block", "index")
 
-
-def row_ranks(s: np.ndarray, s_sorted: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(ranks, tp)`` of the items ``pos`` in one query's ranking (ranks ascending), items
-    ``excl`` removed; ``s_sorted`` is ``np.sort(s)``."""
-    R = pos.size
-    if R == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    pv = s[pos]
-    pv.sort()
-    n_ge = s_sorted.size - np.searchsorted(s_sorted, pv, "left")
-    if excl.size:
-        ev = np.sort(s[excl])
-        n_ge -= ev.size - np.searchsorted(ev, pv, "left")
-    new_group = np.empty(R, bool)
-    new_group[0] = True
-    np.not_equal(pv[1:], pv[:-1], out=new_group[1:])
-    if new_group.all():  # no ties among the relevant items
-        tp = np.arange(1, R + 1, dtype=np.int64)
-    else:  # tp = R - (index of the first item of its tie group), in ascending order
-        starts = np.flatnonzero(new_group)
-        first = np.repeat(starts, np.diff(np.append(starts, R)))
-        tp = (R - first)[::-1].astype(np.int64)
-    return n_ge[::-1].astype(np.int64), tp
-
-
-def row_ranks_index(s: np.ndarray, pos: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(ranks, tp)`` of the items ``pos`` in the order ``np.argsort(-s, kind="stable")``
-    (exact ties in gallery order), items ``excl`` removed: every item has its own position,
-    so ``tp`` is 1..R."""
-    R = pos.size
-    if R == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    order = np.argsort(-s, kind="stable")
-    place = np.empty(s.size, np.int64)
-    place[order] = np.arange(s.size)
-    r = np.sort(place[pos])
-    if excl.size:
-        r -= np.searchsorted(np.sort(place[excl]), r, "left")
-    return r + 1, np.arange(1, R + 1, dtype=np.int64)
-
-
-def _rank_rows(
-    S: np.ndarray, lo: int, hi: int, relevance, start: int, ties: str = "block"
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`row_ranks` of rows ``lo:hi`` of a score block. Each row is sorted in a reused
-    one-row buffer that stays in the core's cache for the binary searches that follow (numpy
-    releases the GIL in sort and searchsorted, so threads run this in parallel).
-    ``ties="index"``: :func:`row_ranks_index` instead."""
-    if ties == "index":
-        return [
-            row_ranks_index(S[j], relevance.positives(start + j), relevance.excluded(start + j)) for j in range(lo, hi)
-        ]
-    buf = np.empty(S.shape[1], S.dtype)
-    out = []
-    for j in range(lo, hi):
-        np.copyto(buf, S[j])
-        buf.sort()
-        out.append(row_ranks(S[j], buf, relevance.positives(start + j), relevance.excluded(start + j)))
-    return out
-
-
-def _block_masks(relevance, start: int, stop: int, n_g: int) -> tuple[np.ndarray, np.ndarray]:
-    pos = np.zeros((stop - start, n_g), bool)
-    excl = np.zeros((stop - start, n_g), bool)
-    for j, i in enumerate(range(start, stop)):
-        pos[j, relevance.positives(i)] = True
-        excl[j, relevance.excluded(i)] = True
-    return pos, excl
-
-
-def _block_ranks_torch(St, relevance, start: int, stop: int):
-    """Batched :func:`row_ranks` of a score block on a torch device (GPU): the same counts by
-    ``torch.searchsorted`` over whole rows; only the ranks travel back to the host."""
-    import torch
-
-    dev = St.device
-    pos_np, excl_np = _block_masks(relevance, start, stop, St.shape[1])
-    pos = torch.from_numpy(pos_np).to(dev)
-    excl = torch.from_numpy(excl_np).to(dev)
-    neg_inf = torch.tensor(float("-inf"), dtype=St.dtype, device=dev)
-    S_ex = torch.where(excl, neg_inf, St)  # excluded items never count as ranked above
-    S_sorted = torch.sort(S_ex, dim=1).values
-    P = torch.where(pos, S_ex, neg_inf)
-    pv_asc = torch.sort(P, dim=1).values
-    pv_desc = torch.flip(pv_asc, dims=[1])
-    n = St.shape[1]
-    n_ge = n - torch.searchsorted(S_sorted, pv_desc, side="left")
-    tp = n - torch.searchsorted(pv_asc, pv_desc, side="left")
-    R = pos.sum(1)
-    valid = torch.arange(n, device=dev)[None, :] < R[:, None]
-    counts = R.cpu().numpy()
-    r_flat = n_ge[valid].cpu().numpy().astype(np.int64)
-    tp_flat = tp[valid].cpu().numpy().astype(np.int64)
-    splits = np.cumsum(counts)[:-1]
-    return np.split(r_flat, splits), np.split(tp_flat, splits)
-
-
-NUMPY_MAX_BLOCK_ROWS = 2048  # the GEMM runs at full speed from ~512 rows on; more only costs memory
+#: query rows per score block on the CPU: the float32 GEMM runs at full speed from ~256 rows
+NUMPY_MAX_BLOCK_ROWS = 256
+#: rows a thread sorts at once (their int64 argsort stays within a few MB per thread)
+CHUNK_ROWS = 16
 
 
 def _block_rows(n_q: int, n_g: int, max_memory: int, dev) -> int:
-    if dev is None:  # scores (4 B/cell) + per-thread row buffers and temporaries (~64 B x G)
-        rows = rows_per_block(n_g, max(1, max_memory - 64 * n_g), 4)
+    if dev is None:  # scores (4 B/cell) + per-thread chunk buffers (~14 B x G x CHUNK_ROWS each)
+        chunks = min(max_memory // 2, _n_threads() * 14 * CHUNK_ROWS * n_g)
+        rows = rows_per_block(n_g, max_memory - chunks, 4)
         return max(1, min(n_q, rows, NUMPY_MAX_BLOCK_ROWS))
-    return max(1, min(n_q, rows_per_block(n_g, max_memory, 44)))
+    return max(1, min(n_q, rows_per_block(n_g, max_memory, 24)))
 
 
 def _torch_device(backend: str):
@@ -168,6 +74,131 @@ def _torch_device(backend: str):
     return None
 
 
+def _n_threads() -> int:
+    """Threads ranking a block: the CPUs this process may run on (at most 8)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def concat_ranks(parts: Sequence[SortedRanks]) -> SortedRanks:
+    """One :class:`SortedRanks` of consecutive blocks."""
+    if len(parts) == 1:
+        return parts[0]
+    counts = np.concatenate([np.diff(p.indptr) for p in parts])
+    indptr = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return SortedRanks(
+        indptr,
+        np.concatenate([p.r_index for p in parts]),
+        np.concatenate([p.r_block for p in parts]),
+        np.concatenate([p.tp_block for p in parts]),
+    )
+
+
+def _rank_rows(S: np.ndarray, relevance: Relevance, start: int) -> SortedRanks:
+    """Ranks of the rows of a score block ``S`` (queries ``start:start + len(S)``), in
+    chunks of :data:`CHUNK_ROWS`; ``S`` is negated in place (its excluded items +inf)."""
+    parts = []
+    for lo in range(0, S.shape[0], CHUNK_ROWS):
+        Sc = S[lo : lo + CHUNK_ROWS]
+        a, b = start + lo, start + lo + Sc.shape[0]
+        np.negative(Sc, out=Sc)
+        rows, cols = relevance.excluded_pairs(a, b)
+        Sc[rows, cols] = np.inf
+        parts.append(rank_block(Sc, relevance.positive_mask(a, b)))
+    return concat_ranks(parts)
+
+
+def _scores(Qb: np.ndarray, G: PreparedRows, metric: str, g_sq, exact: bool, out: np.ndarray) -> np.ndarray:
+    """Scores [b, G] into ``out``: :func:`score_block` (``exact``), else one float32 GEMM."""
+    if exact:
+        return score_block(Qb, G, metric, g_sq, out=out)
+    for lo, hi, Gb in G.blocks():
+        np.matmul(Qb, Gb.T, out=out[:, lo:hi])
+    if metric == "l2":
+        out *= 2
+        out -= np.einsum("ij,ij->i", Qb, Qb)[:, None]
+        out -= g_sq[None, :]
+    return out
+
+
+def _rank_block_torch(St, relevance: Relevance, start: int, stop: int) -> SortedRanks:
+    """:func:`~featcache.retrieval.sortedrows.rank_block` on a torch device: the sort and the
+    gathered flags there; the relevant items' positions and the few score lookups the tie
+    resolution needs travel to the host (:func:`~featcache.retrieval.sortedrows.rank_sorted`)."""
+    import torch
+
+    dev = St.device
+    b, n = St.shape
+    neg = torch.neg(St)
+    rows, cols = relevance.excluded_pairs(start, stop)
+    if rows.size:
+        neg[torch.from_numpy(rows).to(dev), torch.from_numpy(cols).to(dev)] = float("inf")
+    pos_np = relevance.positive_mask(start, stop)
+    order = torch.argsort(neg, dim=1)
+    r, c = torch.nonzero(torch.gather(torch.from_numpy(pos_np).to(dev), 1, order), as_tuple=True)
+    of, sf = order.reshape(-1), neg.reshape(-1)
+
+    def idx(p):
+        return of[torch.from_numpy(p).to(dev)].cpu().numpy()
+
+    def val(p):
+        pt = torch.from_numpy(p).to(dev)
+        return sf[(pt // n) * n + of[pt]].cpu().numpy()
+
+    def tie_row(i):
+        return tie_row_ranks(neg[i].cpu().numpy(), pos_np[i])
+
+    return rank_sorted(b, n, r.cpu().numpy(), c.cpu().numpy(), val, idx, tie_row)
+
+
+def _blocks(Q, G, relevance, metric, B, dev, progress, exact: bool):
+    """Yield ``(start, stop, SortedRanks)`` per block of B queries."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from featcache.core.progress import tqdm
+
+    n_q, n_g = Q.shape[0], G.shape[0]
+    if dev is not None:
+        import torch
+
+        Gt = G.to_torch(dev)
+        g_sq_t = (Gt * Gt).sum(1) if metric == "l2" else None
+    g_sq = G.sq_norms() if metric == "l2" and dev is None else None
+    how = f"torch {dev}" if dev is not None else f"numpy, {'float64-rounded' if exact else 'float32'} scores"
+    log.info("full ranking: %d queries x %d gallery, blocks of %d rows (%s)", n_q, n_g, B, how)
+    n_threads = _n_threads() if dev is None else 1
+    buf = np.empty((B, n_g), np.float32) if dev is None else None  # one score block, reused
+    with ThreadPoolExecutor(n_threads) as pool:
+        for start in tqdm(range(0, n_q, B), desc="full ranking", unit="block", disable=not progress):
+            stop = min(n_q, start + B)
+            if dev is not None:
+                Qb = torch.from_numpy(Q.block(start, stop)).to(dev)
+                St = Qb @ Gt.T
+                if metric == "l2":
+                    St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
+                yield start, stop, _rank_block_torch(St, relevance, start, stop)
+                del St
+                continue
+            assert buf is not None  # allocated for the numpy path
+            S = _scores(Q.block(start, stop), G, metric, g_sq, exact, buf[: stop - start])
+            bounds = np.linspace(0, stop - start, n_threads + 1).astype(int)
+            parts = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+            futures = [pool.submit(_rank_rows, S[lo:hi], relevance, start + lo) for lo, hi in parts]
+            yield start, stop, concat_ranks([f.result() for f in futures])
+
+
+def _setup(Q, G, metric, backend, max_memory, ties="block"):
+    if ties not in TIE_RULES:
+        raise ConfigError(f"ties must be one of {', '.join(TIE_RULES)}; got {ties!r}")
+    Q, G = as_prepared(Q, metric), as_prepared(G, metric)
+    dev = _torch_device(backend)
+    return Q, G, dev, _block_rows(Q.shape[0], G.shape[0], max_memory, dev)
+
+
 def full_ranking(
     Q: np.ndarray | PreparedRows,
     G: np.ndarray | PreparedRows,
@@ -178,30 +209,33 @@ def full_ranking(
     backend: str = "numpy",
     progress: bool = True,
     ties: str = "block",
+    exact_scores: bool = False,
 ) -> RankedRelevance:
     """Ranks of every relevant item of every query over the whole gallery.
 
     ``Q``, ``G``: features already prepared (:func:`featcache.retrieval.search.prepare`),
     or :class:`~featcache.retrieval.prepared.PreparedRows` (a streamed gallery is scored
     block by block; on a GPU its blocks fill one device tensor).
-    ``backend``: ``torch-cuda``/``faiss-gpu`` score, sort and count each block on the GPU
+    ``backend``: ``torch-cuda``/``faiss-gpu`` score, sort and gather each block on the GPU
     (torch; ``torch-cpu`` runs that code on the CPU), anything else on the CPU with numpy.
-    Memory: about 4 (numpy: one reused float32 score block of at most 2048 rows, plus a few
-    G-sized row buffers per thread) or 44 (torch) bytes x G per query row of a block;
-    ``max_memory`` bounds the block.
-    ``ties``: one of :data:`TIE_RULES` (``index``: Battle of the Backbones' order; on a torch
-    device the scores are computed there and ranked on the host).
+    Memory: one float32 score block of at most 256 rows (numpy; plus a few G-sized chunk
+    buffers per thread) or about 24 bytes x G per query row (torch); ``max_memory`` bounds
+    the block. ``ties``: one of :data:`TIE_RULES`. ``exact_scores``: float64-rounded
+    scores (numpy path; see the module docstring).
     """
-    if ties not in TIE_RULES:
-        raise ConfigError(f"ties must be one of {', '.join(TIE_RULES)}; got {ties!r}")
-    n_q, n_g = Q.shape[0], G.shape[0]
-    dev = _torch_device(backend)
-    # numpy: scores + sorted copy + temporaries; torch: ~6 float and 2 int64 [B, G] arrays
-    B = _block_rows(n_q, n_g, max_memory, dev)
-    if dev is not None:
-        with exact_matmul():
-            return _full_ranking(Q, G, relevance, metric, B, dev, progress, ties=ties)[0]
-    return _full_ranking(Q, G, relevance, metric, B, None, progress, ties=ties)[0]
+    Q, G, dev, B = _setup(Q, G, metric, backend, max_memory, ties)
+    with exact_matmul() if dev is not None else _nothing():
+        parts = [sr for _, _, sr in _blocks(Q, G, relevance, metric, B, dev, progress, exact_scores)]
+    sr = concat_ranks(parts) if parts else SortedRanks(*(np.zeros(n, np.int64) for n in (1, 0, 0, 0)))
+    return sr.ranked(relevance.n_relevant(), ties)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def full_ranking_metrics(
@@ -214,105 +248,26 @@ def full_ranking_metrics(
     max_memory: int = DEFAULT_MAX_MEMORY,
     backend: str = "numpy",
     progress: bool = True,
+    exact_scores: bool = False,
+    bob: bool = False,
 ) -> dict[str, np.ndarray]:
     """Per-query metrics of the full ranking (``map``, ``mrr`` and every @k metric), equal to
-    ``compute_metrics(full_ranking(...), ks)`` but keeping only ranks <= max(ks): memory
-    O(Q x max(ks)) instead of one entry per (query, relevant item)."""
-    from featcache.retrieval.metrics import compute_metrics
+    ``compute_metrics(full_ranking(...), ks)``, computed block by block from one sort per
+    row: memory O(block x G), nothing kept per relevant item.
 
+    ``bob``: also Battle of the Backbones' per query from the same sort (``map_bob``,
+    ``mp@k`` and ``rr_bob``, the reciprocal rank of the first positive, 0 without one:
+    :func:`~featcache.retrieval.revisited.bob_mrr` is its sum over all queries / their number).
+    """
     ks = sorted({int(k) for k in ks})
-    n_q, n_g = Q.shape[0], G.shape[0]
-    dev = _torch_device(backend)
-    B = _block_rows(n_q, n_g, max_memory, dev)
-    if dev is not None:
-        with exact_matmul():
-            rr, ap, rec = _full_ranking(Q, G, relevance, metric, B, dev, progress, keep=ks[-1])
-    else:
-        rr, ap, rec = _full_ranking(Q, G, relevance, metric, B, None, progress, keep=ks[-1])
-    out = {"map": ap, "mrr": rec}
-    out.update(compute_metrics(rr, ks, full=False))
-    return out
-
-
-def _full_ranking(Q, G, relevance, metric, B, dev, progress, keep: int | None = None, ties: str = "block"):
-    Q, G = as_prepared(Q, metric), as_prepared(G, metric)
-    n_q, n_g = Q.shape[0], G.shape[0]
-    if dev is not None:
-        import torch
-
-        Gt = G.to_torch(dev)
-        g_sq_t = (Gt * Gt).sum(1) if metric == "l2" else None
-    g_sq = G.sq_norms() if metric == "l2" and dev is None else None
-    log.info(
-        "full ranking: %d queries x %d gallery, blocks of %d rows (%s)",
-        n_q,
-        n_g,
-        B,
-        "torch " + str(dev) if dev is not None else "numpy",
-    )
-    n_relevant = relevance.n_relevant()
-    all_ranks: list[np.ndarray] = []
-    all_tp: list[np.ndarray] = []
-    ap = np.full(n_q, np.nan)
-    rec = np.full(n_q, np.nan)
-
-    def add(i: int, r: np.ndarray, tp: np.ndarray) -> None:
-        if keep is not None:
-            if r.size:
-                ap[i] = float(np.sum(tp / r)) / r.size
-                rec[i] = 1.0 / r[0]
-            cut = np.searchsorted(r, keep, "right")
-            r, tp = r[:cut], tp[:cut]
-        all_ranks.append(r)
-        all_tp.append(tp)
-
-    try:
-        from featcache.core.progress import tqdm
-    except ImportError:  # pragma: no cover
-
-        def tqdm(x, **_):
-            return x
-
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    n_threads = max(1, min(8, os.cpu_count() or 1)) if dev is None else 1
-    buf = np.empty((B, n_g), np.float32) if dev is None else None  # one score block, reused
-    with ThreadPoolExecutor(n_threads) as pool:
-        for start in tqdm(range(0, n_q, B), desc="full ranking", unit="block", disable=not progress):
-            stop = min(n_q, start + B)
-            if dev is not None:
-                Qb = torch.from_numpy(Q.block(start, stop)).to(dev)
-                St = Qb @ Gt.T
-                if metric == "l2":
-                    assert g_sq_t is not None  # computed above for l2
-                    St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
-                if ties == "index":  # BoB's order: rank the device's scores on the host
-                    rows = _rank_rows(St.cpu().numpy(), 0, stop - start, relevance, start, ties)
-                    r, tp = [a for a, _ in rows], [t for _, t in rows]
-                else:
-                    r, tp = _block_ranks_torch(St, relevance, start, stop)
-                for j, (rj, tj) in enumerate(zip(r, tp)):
-                    add(start + j, rj, tj)
-                del St
-                continue
-            b = stop - start
-            assert buf is not None  # allocated for the numpy path
-            S = score_block(Q.block(start, stop), G, metric, g_sq, out=buf[:b])
-            bounds = np.linspace(0, b, n_threads + 1).astype(int)
-            parts = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
-            futures = [pool.submit(_rank_rows, S, lo, hi, relevance, start, ties) for lo, hi in parts]
-            results = [f.result() for f in futures]
-            i = start
-            for res in results:
-                for r, tp in res:
-                    add(i, r, tp)
-                    i += 1
-    counts = np.array([r.size for r in all_ranks], np.int64)
-    if keep is None and np.any(counts != n_relevant):
-        raise InternalError("internal error: ranked relevant items != number of relevant items")
-    indptr = np.zeros(n_q + 1, np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    ranks = np.concatenate(all_ranks) if all_ranks else np.zeros(0, np.int64)
-    tp = np.concatenate(all_tp) if all_tp else np.zeros(0, np.int64)
-    return RankedRelevance(indptr, ranks, n_relevant, depth=keep, tp=tp), ap, rec
+    Q, G, dev, B = _setup(Q, G, metric, backend, max_memory)
+    n_rel = relevance.n_relevant()
+    out: dict[str, list[np.ndarray]] = {}
+    with exact_matmul() if dev is not None else _nothing():
+        for start, stop, sr in _blocks(Q, G, relevance, metric, B, dev, progress, exact_scores):
+            for name, v in block_metrics(sr, n_rel[start:stop], ks, bob).items():
+                out.setdefault(name, []).append(v)
+    if not out:  # no query
+        empty = SortedRanks(*(np.zeros(n, np.int64) for n in (1, 0, 0, 0)))
+        return block_metrics(empty, n_rel[:0], ks, bob)
+    return {name: np.concatenate(v) for name, v in out.items()}

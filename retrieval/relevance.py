@@ -92,6 +92,19 @@ class Relevance(abc.ABC):
     def excluded(self, i: int) -> np.ndarray:
         return self.excl_cols[self.excl_indptr[i] : self.excl_indptr[i + 1]]
 
+    def positive_mask(self, start: int, stop: int) -> np.ndarray:
+        """Relevance flags [stop - start, G] (bool) of the queries ``start:stop``."""
+        out = np.zeros((stop - start, self.n_gallery), bool)
+        for j, i in enumerate(range(start, stop)):
+            out[j, self.positives(i)] = True
+        return out
+
+    def excluded_pairs(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows - start, cols)`` of the excluded items of the queries ``start:stop``."""
+        lo, hi = self.excl_indptr[start], self.excl_indptr[stop]
+        rows = np.repeat(np.arange(stop - start, dtype=np.int64), np.diff(self.excl_indptr[start : stop + 1]))
+        return rows, self.excl_cols[lo:hi]
+
     def max_excluded(self) -> int:
         return int(np.diff(self.excl_indptr).max(initial=0))
 
@@ -145,6 +158,14 @@ class SemanticRelevance(Relevance):
         if o >= 0:
             cols = cols[cols != o]
         return cols
+
+    def positive_mask(self, start: int, stop: int) -> np.ndarray:
+        """Relevance flags [stop - start, G]: one label comparison, the query's own id cleared."""
+        out = self.gallery_labels[None, :] == self.query_labels[start:stop, None]
+        own = self._own[start:stop]
+        has = np.flatnonzero(own >= 0)
+        out[has, own[has]] = False
+        return out
 
     def is_positive(self, rows: ArrayLike, cols: ArrayLike) -> np.ndarray:
         rows = np.asarray(rows, np.int64)

@@ -68,6 +68,8 @@ def evaluate(
     backend: str = "auto",
     max_memory: int | str = "2GB",
     progress: bool = False,
+    exact_scores: bool = False,
+    bob: bool = False,
 ) -> dict:
     """Retrieval metrics of queries ``Xq`` against gallery ``Xg``.
 
@@ -76,6 +78,9 @@ def evaluate(
     ``max_memory`` bounds the score blocks; features whose float32 copy exceeds a quarter of
     it stay in their dtype and are converted block by block as they are scored (host memory
     stays bounded with the numpy and CUDA backends; see :func:`~featcache.retrieval.topk`).
+    ``exact_scores``: float64-rounded full-ranking scores (see :mod:`featcache.retrieval.ranking`);
+    ``bob`` (full ranking): Battle of the Backbones' per-query values from the same sort, under
+    ``"bob"`` (``map_bob``, ``mp@k``, ``rr_bob``).
     Returns ``{"means", "per_query", "n_queries", "n_scored", "n_without_relevant", "backend"}``.
     """
     ks = _check_ks(ks)
@@ -89,8 +94,18 @@ def evaluate(
     if full:
         backend = _ranking_backend(backend)
         per_query = full_ranking_metrics(
-            Q, G, relevance, metric, ks, max_memory=mem, backend=backend, progress=progress
+            Q,
+            G,
+            relevance,
+            metric,
+            ks,
+            max_memory=mem,
+            backend=backend,
+            progress=progress,
+            exact_scores=exact_scores,
+            bob=bob,
         )
+        bob_q = {name: per_query.pop(name) for name in list(per_query) if name in _BOB_KEYS or name.startswith("mp@")}
     else:
         kmax = ks[-1]
         # one column more than needed: a tie group crossing rank kmax is seen (and excluded)
@@ -112,6 +127,7 @@ def evaluate(
     if n_none:
         log.info("%d of %d queries have no relevant gallery item; excluded from the means", n_none, Q.shape[0])
     return {
+        **({"bob": bob_q} if full and bob else {}),
         "means": means,
         "per_query": per_query,
         "n_queries": int(Q.shape[0]),
@@ -119,6 +135,9 @@ def evaluate(
         "n_without_relevant": n_none,
         "backend": backend,
     }
+
+
+_BOB_KEYS = ("map_bob", "rr_bob")
 
 
 def _ranking_backend(backend: str) -> str:
@@ -498,10 +517,12 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
             backend=cfg.backend,
             max_memory=cfg.max_memory,
             progress=cfg.progress,
+            exact_scores=cfg.exact_scores,
+            bob=True,
         )
     means = res["means"]
     if cfg.full_ranking:
-        means = {**means, **_bob_means(cfg, d, rel, table, protocol.startswith("revisited-"))}
+        means = {**means, **_bob_means(cfg, d, rel, table, protocol.startswith("revisited-"), res.get("bob"))}
     elif protocol.startswith("revisited-"):
         raise DataError("revisited Oxford/Paris AP needs the full ranking; drop --top-k-only (full=False)")
     else:
@@ -544,33 +565,51 @@ def _retrieval_rows(cfg: RetrievalConfig, d: _Pair, protocol: str, table, rel_ha
     ]
 
 
-def _bob_means(cfg: RetrievalConfig, d: _Pair, rel, table, revisited: bool) -> dict[str, float]:
+def _bob_means(cfg: RetrievalConfig, d: _Pair, rel, table, revisited: bool, per_query=None) -> dict[str, float]:
     """Battle of the Backbones' definitions (bob-retrieval ``compute_map``, revisitop's code)
     over the full ranking: ``map_bob`` (revisitop's trapezoidal AP), ``mp@k`` (revisitop's
     mP@k), ``mrr_bob`` (before junk removal, over all queries), ranked in BoB's order (its
     ``torch.argsort(-sim)``: exact ties in gallery order, ``ties="index"``), not featcache's
     block rule. Revisited Oxford/Paris keeps its older names ``map_revisitop`` and
-    ``mp_revisitop@k`` (the same values) too."""
+    ``mp_revisitop@k`` (the same values) too. ``per_query``: those values already computed
+    from the sort of :func:`evaluate` (``map_bob``, ``mp@k``, ``rr_bob``); otherwise (e.g.
+    a results-only caller) the full ranking is computed here."""
     mem = parse_memory(cfg.max_memory)
     Q, G = d.prepared(cfg.metric, cfg.max_memory)
 
     def rank(r):
         backend = _ranking_backend(cfg.backend)
-        return full_ranking(Q, G, r, cfg.metric, max_memory=mem, backend=backend, progress=cfg.progress, ties=BOB_TIES)
+        return full_ranking(
+            Q,
+            G,
+            r,
+            cfg.metric,
+            max_memory=mem,
+            backend=backend,
+            progress=cfg.progress,
+            ties=BOB_TIES,
+            exact_scores=cfg.exact_scores,
+        )
 
-    rr = rank(rel)
-    per_query = {"map_bob": revisited_ap(rr)}
-    for k in cfg.ks:
-        per_query[f"mp@{k}"] = revisited_precision_at_k(rr, k)
+    rr = None
+    if per_query is None:
+        rr = rank(rel)
+        per_query = {"map_bob": revisited_ap(rr), "rr_bob": None}
+        per_query.update({f"mp@{k}": revisited_precision_at_k(rr, k) for k in cfg.ks})
+    per_query = dict(per_query)
+    rr_bob = per_query.pop("rr_bob")
     if revisited:
         per_query["map_revisitop"] = per_query["map_bob"]
         per_query.update({f"mp_revisitop@{k}": per_query[f"mp@{k}"] for k in cfg.ks})
-    means = summarize(per_query, rr.n_relevant)[0]
+    means = summarize(per_query, rel.n_relevant())[0]
     if table is not None and bool(np.any(np.asarray(table[2]) == "junk")):  # BoB's MRR ranks junk items too
         keep = np.asarray(table[2]) != "junk"
         rel = ExplicitRelevance(d.idq, d.idg, *(np.asarray(c)[keep] for c in table), exclude_self=rel.exclude_self)
-        rr = rank(rel)
-    means["mrr_bob"] = bob_mrr(rr)
+        means["mrr_bob"] = bob_mrr(rank(rel))
+    elif rr is not None:
+        means["mrr_bob"] = bob_mrr(rr)
+    else:  # bob_mrr: the reciprocal first ranks summed over all queries / their number
+        means["mrr_bob"] = float(np.sum(rr_bob) / rr_bob.size) if rr_bob.size else float("nan")
     return means
 
 

@@ -119,6 +119,7 @@ def digits_cache(tmp_path_factory) -> str:
             workers=1,
             progress=False,
             chunk_rows=512,
+            amp="fp32",  # the same features on every CPU (auto would be bf16 on an AMX one)
         )
     )
 
@@ -144,6 +145,7 @@ def fmnist_cache(tmp_path_factory) -> str:
             workers=1,
             progress=False,
             chunk_rows=512,
+            amp="fp32",  # the same features on every CPU (auto would be bf16 on an AMX one)
         )
     )
 

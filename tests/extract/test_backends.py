@@ -36,13 +36,14 @@ ATOL, COS = 1e-4, 0.999999
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory) -> np.ndarray:
     cache = str(tmp_path_factory.mktemp("eager") / "c.zarr")
-    extract(ExtractConfig(LITE0, WEIGHTS, "digits", ["test"], cache, **KW))
+    # fp32 named: the engines compute fp32 only, and auto would be bf16 on an AMX CPU
+    extract(ExtractConfig(LITE0, WEIGHTS, "digits", ["test"], cache, amp="fp32", **KW))
     return open_cache(cache).load(KEY, "digits", "test").X
 
 
 def _run(tmp_path, backend: str) -> tuple[np.ndarray, dict]:
     cache = str(tmp_path / "c.zarr")
-    extract(ExtractConfig(LITE0, WEIGHTS, "digits", ["test"], cache, backend=backend, **KW))
+    extract(ExtractConfig(LITE0, WEIGHTS, "digits", ["test"], cache, backend=backend, amp="fp32", **KW))
     c = open_cache(cache)
     return c.load(KEY, "digits", "test").X, c.provenance(KEY, "digits", "test").extra
 

@@ -319,7 +319,8 @@ def test_resume_refuses_another_precision_or_cpu_isa(tmp_path, monkeypatch):
     import featcache.core.cpu as fcpu
 
     cache = str(tmp_path / "c.zarr")
-    extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, threads=1, write=False, **KW))
+    # fp32 named: the default (auto) computes bf16 on this CPU
+    extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="fp32", threads=1, write=False, **KW))
     with pytest.raises(ProvenanceMismatchError, match=r"precision: stored='none' requested='bf16'"):
         extract(ExtractConfig(LITE0, "random:0", "digits", ["test"], cache, amp="bf16", threads=1, **KW))
     monkeypatch.setattr(fcpu, "bf16_flags", lambda: ())
