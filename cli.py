@@ -93,6 +93,15 @@ def configure_logging(verbose: int = 0, quiet: bool = False, log_file: str | Non
     return fh
 
 
+#: what an interrupted command leaves, and how to go on
+RESUME = {
+    "extract": (
+        ": the chunks written so far are kept; run the same `featcache extract` command again to resume "
+        "(`featcache ls` shows the rows not computed yet)"
+    ),
+}
+
+
 def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = False) -> None:
     """An error the CLI prints to stderr itself, also recorded in --log-file (not printed twice)."""
     if handler is not None:
@@ -126,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        _log_to_file(file_handler, "interrupted")
-        print("interrupted", file=sys.stderr)
+        msg = "interrupted" + RESUME.get(args.command, "")
+        _log_to_file(file_handler, msg)
+        print(msg, file=sys.stderr)
         return 130
     finally:
         if file_handler is not None:  # main() called in-process (tests, notebooks) leaves no open file
