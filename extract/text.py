@@ -71,10 +71,9 @@ def write_embeddings(
     cache: Any, dataset: str, backbone: str, m: np.ndarray, prov: dict, name: str, overwrite: bool
 ) -> None:
     """Store ``m`` with ``prov``; refuse other provenance already stored (unless ``overwrite``)."""
-    from featcache.store import TEXT_PROVENANCE_KEY, write_class_embeddings
+    from featcache.store import write_class_embeddings
 
-    g = cache._group("class_embeddings", dataset, backbone)
-    if g is not None and name in {k for k, _ in g.arrays()} and not overwrite:
+    if cache.has_class_embeddings(dataset, name, backbone) and not overwrite:
         old = cache.class_embeddings_provenance(dataset, name, backbone)
         diff = {k: (old.get(k), v) for k, v in prov.items() if old.get(k) != v and (k in old or not old)}
         if diff:
@@ -82,8 +81,7 @@ def write_embeddings(
                 f"class embeddings {name!r} of {backbone}/{dataset} came from other settings {diff}; "
                 "pass --overwrite (Python: overwrite=True) to replace them"
             )
-    write_class_embeddings(cache, dataset, m, name, backbone=backbone)
-    cache.root[f"class_embeddings/{dataset}/{backbone}/{name}"].attrs[TEXT_PROVENANCE_KEY] = prov
+    write_class_embeddings(cache, dataset, m, name, backbone=backbone, provenance=prov)
 
 
 def recorded_model(cache: Any, dataset: str, backbone: str | None) -> tuple[str, str, str]:

@@ -394,21 +394,26 @@ class FeatureCache:
             raise CorruptStoreError(f"{found[0][1]}{more}; `featcache verify {self.path}` lists what is wrong")
 
     # ------------------------------------------------------------------ catalog
-    def _completeness(self, b: str, d: str, s: str, g) -> tuple[bool, int]:
-        """(complete, invalid rows) of a feature group: from its summary while that matches the
-        chunk markers and checksums (:mod:`.summary`), else by reading every marked chunk (a
-        lost or corrupt chunk makes the group incomplete)."""
+    def _completeness(self, b: str, d: str, s: str, g) -> tuple[bool, int, int]:
+        """(complete, invalid rows, rows never computed) of a feature group: from its summary
+        while that matches the chunk markers and checksums (:mod:`.summary`), else by reading
+        every marked chunk (a lost or corrupt chunk makes the group incomplete). Invalid rows
+        are rows of computed chunks (unreadable images); rows of chunks not marked done (an
+        interrupted extract) are never computed, not invalid."""
         from featcache.store.summary import SUMMARY_KEY, trusted_summary
 
         gm = self.group_meta(b, d, s)
         summ = trusted_summary(g, gm.n, gm.n_chunks, gm.kinds)
         if summ is not None:
-            return True, summ["rows"] - summ["valid"]
-        complete = self.scan(b, d, s).complete
+            return True, summ["rows"] - summ["valid"], 0
+        sc = self.scan(b, d, s)
+        complete = sc.complete
         if complete and not isinstance(g.attrs.get(SUMMARY_KEY), dict):  # bound to nothing: load refuses it
             log.warning("%s/%s/%s: complete but its summary is missing; run `featcache verify %s`", b, d, s, self.path)
             complete = False
-        return complete, int((~np.asarray(g["valid"][:], dtype=bool)).sum())
+        computed = np.repeat(sc.done, gm.chunk_rows)[: gm.n]
+        invalid = ~np.asarray(g["valid"][:], dtype=bool) & computed
+        return complete, int(invalid.sum()), int((~computed).sum())
 
     @translating
     def catalog(self) -> pl.DataFrame:
@@ -422,13 +427,13 @@ class FeatureCache:
             g = self._existing("features", b, d, s)
             try:  # the writer's summary while it matches the stored chunks, else read every marked chunk
                 self.split_meta(d, s)  # features without their split are not usable
-                complete, n_invalid = self._completeness(b, d, s, g)
+                complete, n_invalid, n_pending = self._completeness(b, d, s, g)
             except SchemaMismatchError as exc:
                 log.warning("skipping %s/%s/%s: %s", b, d, s, exc)
                 continue
             except Exception as exc:
                 log.warning("%s/%s/%s is damaged (%s); run `featcache verify`", b, d, s, type(exc).__name__)
-                complete, n_invalid = False, None
+                complete, n_invalid, n_pending = False, None, None
             for kind in self.kinds(b, d, s):
                 prov = self.provenance(b, d, s, kind)
                 rows.append(
@@ -442,6 +447,7 @@ class FeatureCache:
                         "dtype": prov.dtype,
                         "complete": complete,
                         "n_invalid": n_invalid,
+                        "n_not_computed": n_pending,
                         "bytes": int(g[kind].nbytes_stored()),
                         "weights": prov.weights_source,
                         "images_per_s": prov.images_per_s,
@@ -459,6 +465,7 @@ class FeatureCache:
             "dtype": pl.Utf8,
             "complete": pl.Boolean,
             "n_invalid": pl.Int64,
+            "n_not_computed": pl.Int64,
             "bytes": pl.Int64,
             "weights": pl.Utf8,
             "images_per_s": pl.Float64,
@@ -487,6 +494,13 @@ class FeatureCache:
             + f" (present: {have}; backbones with their own: {per_bb}); store them with "
             "featcache.store.write_class_embeddings(path, dataset, matrix, name, backbone=...)"
         )
+
+    @translating
+    def has_class_embeddings(self, dataset: str, name: str = "text", backbone: str | None = None) -> bool:
+        """Whether a class-embedding matrix ``name`` is stored for ``dataset`` (``backbone``'s own
+        when given, else the dataset-level one); no fallback from one to the other."""
+        g = self._group("class_embeddings", dataset, *([backbone] if backbone else []))
+        return g is not None and name in {k for k, _ in g.arrays()}
 
     @translating
     def class_embeddings_provenance(self, dataset: str, name: str = "text", backbone: str | None = None) -> dict:

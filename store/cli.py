@@ -48,13 +48,37 @@ def run_ls(args: argparse.Namespace) -> int:
 
     from featcache.store.cache import open_cache
 
-    cat = open_cache(args.path, storage_options=parse_storage_options(args.storage_options)).catalog()
+    cache = open_cache(args.path, storage_options=parse_storage_options(args.storage_options))
+    cat = cache.catalog()
     if cat.is_empty():
         print(f"{args.path}: no features yet")
         return 0
     with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200):
         print(cat.drop("created") if not args.long else cat)
+    for line in _not_complete(cache, cat, args.path):
+        print(line)
     return 0
+
+
+def _not_complete(cache, cat, path: str) -> list[str]:
+    """One line per group that is not complete: rows never computed (an interrupted extract,
+    resumed by the same command) or damage (what `verify` names)."""
+    out = []
+    seen = set()
+    for r in cat.filter(~cat["complete"]).iter_rows(named=True):
+        key = (r["backbone"], r["dataset"], r["split"])
+        if key in seen:
+            continue
+        seen.add(key)
+        where = "/".join(key)
+        if r["n_not_computed"]:
+            out.append(
+                f"{where}: {r['n_not_computed']} of {r['n']} rows not computed yet (an extract was interrupted, "
+                f"or is running): resume with {_extract_hint(cache, *key, path)}"
+            )
+        else:
+            out.append(f"{where}: damaged; `featcache verify {path}` names what, and what to run")
+    return out
 
 
 def run_verify(args: argparse.Namespace) -> int:

@@ -42,7 +42,9 @@ def damage_message(where: str, sc: GroupScan) -> str:
     )
 
 
-def read_chunks(g: Any, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype: DTypeLike = np.float32):
+def read_chunks(
+    g: Any, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype: DTypeLike = np.float32
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read what is readable, chunk by chunk (damaged chunks become NaN / invalid / "")."""
     X = np.full((gm.n, g[kind].shape[1]), np.nan, dtype or g[kind].dtype)
     valid = np.zeros(gm.n, bool)
@@ -60,7 +62,9 @@ def read_chunks(g: Any, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype: D
     return X, valid, errors.astype(str)
 
 
-def scan_group_lazy(g: Any, gm: FeatureGroupMeta, kind: str, check: bool):
+def scan_group_lazy(
+    g: Any, gm: FeatureGroupMeta, kind: str, check: bool
+) -> tuple[Any, np.ndarray, np.ndarray, GroupScan]:
     """(StoredRows view, valid, errors, scan): with ``check``, every marked chunk is
     read once, one at a time, and checked as :func:`scan_group` does."""
     from featcache.store.rows import StoredRows
@@ -74,7 +78,9 @@ def scan_group_lazy(g: Any, gm: FeatureGroupMeta, kind: str, check: bool):
     return StoredRows([g[kind]], finite=[sc.finite.get(kind)]), valid, errors, sc
 
 
-def read_group(g: Any, gm: FeatureGroupMeta, kind: str, check: bool, dtype: DTypeLike = np.float32):
+def read_group(
+    g: Any, gm: FeatureGroupMeta, kind: str, check: bool, dtype: DTypeLike = np.float32
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, GroupScan]:
     """A consistent snapshot of a feature group: the chunks marked done before the arrays
     are read are the chunks the scan calls done (a writer marks a chunk only after its
     arrays, so their rows read afterwards are final). The read is retried when a chunk

@@ -132,11 +132,13 @@ def write_class_embeddings(
     matrix: np.ndarray,
     name: str = "text",
     backbone: str | None = None,
+    provenance: dict | None = None,
 ) -> None:
     """Store a [C, D] class-embedding matrix beside ``dataset`` (ELEVATER language-initialised
     head, zero-shot). With ``backbone`` (its text tower's embeddings) it is stored for that
     backbone x dataset, under ``class_embeddings/<dataset>/<backbone>/<name>``, and refused
-    when D differs from the width of the backbone's stored features of ``dataset``."""
+    when D differs from the width of the backbone's stored features of ``dataset``.
+    ``provenance``: what made it (:meth:`FeatureCache.class_embeddings_provenance` returns it)."""
     cache = path_or_cache if isinstance(path_or_cache, FeatureCache) else open_cache(path_or_cache, "a")
     check_name("dataset", dataset)
     check_name("embedding", name)
@@ -151,6 +153,8 @@ def write_class_embeddings(
     g = cache.root.require_group(where)
     a = g.create_array(name, shape=m.shape, dtype="float32", chunks=m.shape, compressors=checksummed(), overwrite=True)
     a[:] = m
+    if provenance is not None:
+        a.attrs[TEXT_PROVENANCE_KEY] = provenance
 
 
 @translating

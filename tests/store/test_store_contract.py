@@ -233,8 +233,13 @@ class FeatureCacheTests:
     def test_class_embeddings_round_trip(self, target, digits):
         self.write(target, digits)
         m = np.arange(10 * DIM, dtype=np.float32).reshape(10, DIM)
-        write_class_embeddings(self.cache(target), "digits", m, backbone="pix")
-        np.testing.assert_array_equal(self.cache(target, "r").load_class_embeddings("digits", backbone="pix"), m)
+        assert not self.cache(target, "r").has_class_embeddings("digits", backbone="pix")
+        write_class_embeddings(self.cache(target), "digits", m, backbone="pix", provenance={"tower": "t"})
+        c = self.cache(target, "r")
+        np.testing.assert_array_equal(c.load_class_embeddings("digits", backbone="pix"), m)
+        assert c.has_class_embeddings("digits", backbone="pix")
+        assert not c.has_class_embeddings("digits")  # no dataset-level matrix: no fallback
+        assert c.class_embeddings_provenance("digits", backbone="pix") == {"tower": "t"}
         with pytest.raises(SchemaMismatchError, match="width 3"):
             write_class_embeddings(self.cache(target), "digits", m[:, :3], backbone="pix")
 
@@ -253,6 +258,16 @@ class FeatureCacheTests:
         assert attrs["featcache_features"]["n"] == N
         assert attrs["featcache_summary"]["rows"] == N
         assert attrs["featcache_summary"]["valid"] == N - 2
+
+    def test_a_complete_group_without_its_summary_is_refused_then_recomputed(self, target, digits):
+        valid = self.write(target, digits)
+        g = zarr.open_group(self.raw(target), path=GROUP, mode="r+")
+        del g.attrs["featcache_summary"]  # nothing binds its chunks to this group any more
+        with pytest.raises(CorruptStoreError, match="every row chunk is marked done but its summary"):
+            self.cache(target, "r").load("pix", "digits", "train")
+        self.write(target, digits)  # the same write again recomputes every chunk
+        f = self.cache(target, "r").load("pix", "digits", "train")
+        np.testing.assert_array_equal(f.X[valid], digits[0][valid])
 
 
 class TestLocalStore(FeatureCacheTests):

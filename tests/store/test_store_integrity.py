@@ -210,3 +210,74 @@ def test_an_edited_fill_value_is_recreated_by_a_plain_rerun(pair, tmp_path):
     (pooled / "c" / "0" / "0").unlink()
     _write(path, R1, pair[1][R1], pair[2])  # no --repair first: the writer checks the fill value too
     np.testing.assert_array_equal(open_cache(path).load(R1, "digits", "test").X, pair[1][R1])
+
+
+# ---------------------------------------------------------------- issue 50 item 4: newcomer cases
+def _interrupted(path: Path, X: np.ndarray, y: np.ndarray) -> None:
+    """An extract killed after its second chunk: rows 16-31 written (row 20 unreadable), the rest not."""
+    from featcache.store import FeatureWriter, ensure_split, make_provenance
+
+    c = open_cache(path, "a")
+    meta = ensure_split(c, "digits", "test", np.array([f"t{i}" for i in range(N)]), y, [str(i) for i in range(10)], "x")
+    prov = make_provenance(
+        backbone=R0,
+        dataset="digits",
+        split="test",
+        kind="pooled",
+        dim=X.shape[1],
+        n=N,
+        dataset_fingerprint=meta.fingerprint,
+        chunk_rows=CHUNK,
+        model_name="tf_efficientnet_lite0",
+        weights_source="random:0",
+        data_config={"input_size": [3, 112, 112]},
+    )
+    w = FeatureWriter(c, R0, "digits", "test", {"pooled": prov}).prepare()
+    valid = np.ones(CHUNK, bool)
+    valid[4] = False
+    w.write_chunk(1, {"pooled": X[16:32]}, valid, ["decode error: truncated" if not v else "" for v in valid])
+    w.release()  # killed
+
+
+def test_ls_tells_rows_never_computed_from_unreadable_ones_and_how_to_resume(pair, tmp_path, capsys):
+    path = tmp_path / "c.zarr"
+    _interrupted(path, pair[1][R0], pair[2])
+    before = _files(path)
+    row = open_cache(path).catalog().row(0, named=True)
+    assert (row["complete"], row["n_invalid"], row["n_not_computed"]) == (False, 1, 48)  # before: n_invalid 49
+    rc, out = _cli(capsys, "ls", str(path))
+    assert rc == 0, out
+    (line,) = [x for x in out.splitlines() if x.startswith(f"{R0}/digits/test:")]
+    assert line.startswith(
+        f"{R0}/digits/test: 48 of 64 rows not computed yet (an extract was interrupted, or is running): "
+        "resume with `featcache extract --model tf_efficientnet_lite0 --weights random:0 "
+    ), line
+    assert f"--split test --backbone-name {R0} --input-size 112 --chunk-rows 16" in line, line
+    assert _files(path) == before
+
+
+def test_ls_names_a_damaged_group_and_what_to_run(pair, tmp_path, capsys):
+    path = _fresh(pair, tmp_path)
+    (path / GROUPS[R1] / "pooled" / "c" / "2" / "0").unlink()
+    rc, out = _cli(capsys, "ls", str(path))
+    assert rc == 0, out
+    assert f"{R1}/digits/test: damaged; `featcache verify {path}` names what, and what to run" in out, out
+    assert f"{R0}/digits/test:" not in out, out
+
+
+def test_an_interrupted_extract_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    import featcache.extract.pipeline as pipeline
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "extract", interrupted)
+    argv = ["extract", "--model", "tf_efficientnet_lite0", "--weights", "random:0", "--data", "digits"]
+    capsys.readouterr()
+    rc = main([*argv, "--cache", str(tmp_path / "c.zarr")])
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err.strip() == (
+        "interrupted: the chunks written so far are kept; run the same `featcache extract` command again to "
+        "resume (`featcache ls` shows the rows not computed yet)"
+    )
