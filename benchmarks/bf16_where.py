@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, HERE)
     from bf16_cpu import first_rows
 
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
 
     torch.set_num_threads(1)
     bb = create_backbone(

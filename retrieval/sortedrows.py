@@ -18,7 +18,7 @@ ranks (:func:`block_metrics`), shared by the numpy and the torch paths.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +88,15 @@ def _walk(val, flat: np.ndarray, c: np.ndarray, v: np.ndarray, n: int, step: int
     return e, active
 
 
-def rank_sorted(b: int, n: int, r: np.ndarray, c: np.ndarray, val, idx, tie_row) -> SortedRanks:
+def rank_sorted(
+    b: int,
+    n: int,
+    r: np.ndarray,
+    c: np.ndarray,
+    val: Callable[[np.ndarray], np.ndarray],
+    idx: Callable[[np.ndarray], np.ndarray],
+    tie_row: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> SortedRanks:
     """:class:`SortedRanks` of b rows of n items sorted ascending by negated score (excluded
     items +inf, last) from the (row ``r``, position ``c``) of each relevant item, row-major.
 
