@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+#: ``FEATCACHE_CPU_BF16=0`` treats this CPU as one without bf16 units: ``--precision auto``
+#: computes fp32 and an explicit bf16 is refused, as on an AVX2 CPU. The test suite sets it, so
+#: that its verdicts are the same on every CPU (tests of the bf16 paths set the flags themselves).
+BF16_ENV = "FEATCACHE_CPU_BF16"
 
 
 @functools.cache
@@ -32,7 +38,10 @@ def cpu_flags() -> frozenset[str]:
 
 def bf16_flags() -> tuple[str, ...]:
     """The bf16 ISA extensions this CPU has (AMX first), from its flags or, without
-    ``/proc/cpuinfo``, torch's oneDNN check (reported as ``avx512_bf16``)."""
+    ``/proc/cpuinfo``, torch's oneDNN check (reported as ``avx512_bf16``); none where
+    ``FEATCACHE_CPU_BF16=0``."""
+    if os.environ.get(BF16_ENV, "1") == "0":
+        return ()
     flags = cpu_flags()
     if flags:
         return tuple(f for f in BF16_FLAGS if f in flags)

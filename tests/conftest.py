@@ -22,6 +22,9 @@ def pytest_configure(config):
     threads spread over all cores and N workers oversubscribe them N-fold. The worker is pinned to
     its share (extraction reads the affinity; subprocesses inherit it) and the thread pools read
     their size from the environment. Every numeric test is measured at 1 and 2 threads."""
+    # --precision auto picks bf16 on CPUs with AMX/avx512_bf16: the suite computes fp32 on every
+    # CPU (its bit-identity checks hold everywhere); the bf16 tests set the CPU's flags themselves
+    os.environ.setdefault("FEATCACHE_CPU_BF16", "0")
     count, worker = os.environ.get("PYTEST_XDIST_WORKER_COUNT"), os.environ.get("PYTEST_XDIST_WORKER")
     if not (count and worker and hasattr(os, "sched_setaffinity")):
         return

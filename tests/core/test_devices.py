@@ -55,3 +55,17 @@ def test_auto_device_logs_the_stage_line(caplog):
     assert ("featcache.models.model", "no CUDA device; backbone runs on CPU") in lines
     with pytest.raises(BackendUnavailableError, match="device='cuda:0' requested but CUDA is not available"):
         devices.resolve_device("cuda:0")
+
+
+def test_featcache_cpu_bf16_0_hides_the_cpus_bf16_units(monkeypatch):
+    """The suite's switch (tests/conftest.py): with ``FEATCACHE_CPU_BF16=0`` a CPU with AMX reads
+    as one without bf16 units, so extract's ``auto`` computes fp32 and an explicit bf16 is refused."""
+    monkeypatch.setattr(fcpu, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16", "avx512_bf16"}))
+    monkeypatch.setenv(fcpu.BF16_ENV, "1")
+    assert fcpu.bf16_flags() == ("amx_bf16", "avx512_bf16")
+    assert fcpu.bf16_support()[0] and devices.resolve_precision("bf16", "cpu") == "bf16"
+    monkeypatch.setenv(fcpu.BF16_ENV, "0")
+    assert fcpu.bf16_flags() == ()
+    assert not fcpu.bf16_support()[0]  # what extract's auto asks (extract/auto.py)
+    with pytest.raises(BackendUnavailableError):
+        devices.resolve_precision("bf16", "cpu")
