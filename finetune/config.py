@@ -234,7 +234,7 @@ class FinetuneConfig:
             data_config=_jsonable(backbone.data_config),
             train_split=self.train_split,
             precision=precision,
-            val_source=self.val_source if proto.split.startswith("vtab1k") else None,
+            val_source=self.val_source if proto.val_source_choice else None,
             limit=self.limit,
             **({"resize": self.resize} if self.resize != "timm" else {}),  # existing run ids stay
             **({"metric": self.metric} if self.metric not in (None, "top1") else {}),

@@ -361,3 +361,12 @@ def test_the_layer_check_sees_a_stage_importing_a_stage_and_a_layer_importing_up
         "featcache.extract.cli (extract) imports featcache.probes.fit (probes)",
     ]  # the demo orchestrates the probes; models -> data -> core is the layers' way down
     assert cycles(folder_graph(graph)) == [["data", "extract", "models"]]
+
+
+def test_the_probe_config_reads_no_store():
+    """probes/store_lookup.py reads the store for a ProbeConfig (its run ids, fingerprints and
+    val source); the config imports none of it, not even for type checkers: no mutual import."""
+    graph = import_graph(ROOT, "featcache")
+    assert "featcache.probes.config" not in graph["featcache.probes.store_lookup"]
+    assert "featcache.probes.store_lookup" not in graph["featcache.probes.config"]
+    assert "store_lookup" not in (ROOT / "probes" / "config.py").read_text()

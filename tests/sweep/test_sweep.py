@@ -293,6 +293,7 @@ def test_items_keyed_by_stage_run_ids_skip_plain_runs(two_backbone_store, tmp_pa
     """Runs written by a plain run_probes / run_retrieval are recognised from the stage's own
     run ids (computed from provenance, no features read) and not sent to a worker."""
     from featcache.probes import ProbeConfig, run_probes
+    from featcache.probes.store_lookup import run_ids
     from featcache.retrieval import RetrievalConfig, run_retrieval
 
     results = tmp_path / "r.parquet"
@@ -300,7 +301,7 @@ def test_items_keyed_by_stage_run_ids_skip_plain_runs(two_backbone_store, tmp_pa
         two_backbone_store, (RANDOM,), "digits", "fewshot:5", seeds=(0, 1), results_path=str(results), progress=False
     )
     rows = run_probes(pc)
-    assert set(pc.run_ids().values()) == set(rows.filter(pl.col("seed") >= 0)["run_id"].to_list())
+    assert set(run_ids(pc).values()) == set(rows.filter(pl.col("seed") >= 0)["run_id"].to_list())
     run_retrieval(
         RetrievalConfig(
             cache=two_backbone_store, dataset="digits", backbones=(RANDOM,), results_path=str(results), progress=False
