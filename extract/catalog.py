@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import BackboneError, ConfigError, ProvenanceMismatchError
+from featcache.errors import BackboneError, ConfigError, CorruptWeightsError, ProvenanceMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -144,14 +144,32 @@ def _record(bb: Any, model: str, weights: str) -> dict[str, Any]:
     }
 
 
-def fetch(items: Sequence[tuple[str, str]], manifest: str | None = None) -> list[dict[str, Any]]:
-    """Build each ``(model, weights)`` once through its library's client (downloading what is
-    not cached); write the manifest (JSON list) if given."""
+def _fetch_one(model: str, weights: str, force: bool) -> Any:
+    """The backbone, downloaded where not cached; a cached file that fails its source's
+    promise (:class:`CorruptWeightsError`) is removed and fetched again with ``force``."""
     from featcache.extract.backbones import create_backbone
 
+    try:
+        return create_backbone(model, weights, device="cpu")
+    except CorruptWeightsError as exc:
+        if not (force and exc.paths):
+            raise
+        for p in exc.paths:
+            logger.warning("removing %s (it failed its sha256 check); fetching it again", p)
+            Path(p).unlink(missing_ok=True)
+    return create_backbone(model, weights, device="cpu")
+
+
+def fetch(
+    items: Sequence[tuple[str, str]], manifest: str | None = None, *, force: bool = False
+) -> list[dict[str, Any]]:
+    """Build each ``(model, weights)`` once through its library's client (downloading what is
+    not cached, each file checked against what its source promised); write the manifest (JSON
+    list) if given, only after every entry passed. ``force``: replace cached files that fail
+    the check by a new download."""
     records = []
     for model, weights in items:
-        bb = create_backbone(model, weights, device="cpu")
+        bb = _fetch_one(model, weights, force)
         records.append(_record(bb, model, weights))
         logger.info("fetched %s (%s): sha256 %s", model, weights, bb.weights_sha256[:12])
     if manifest:

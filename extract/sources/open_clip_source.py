@@ -158,6 +158,12 @@ def build(
     path, more = (None, {}) if hub_name and seed is None else _weights_file(open_clip, name, weights, offline)
     if hub_name and seed is None and hub.is_offline(offline) and _hub_file(name[7:]) is None:
         raise hub.missing(f"open_clip:{name}", f"--model open_clip:{name}")
+    from featcache.extract import weights as _w
+
+    fetch = f"--model open_clip:{name}" + ("" if hub_name else f" --weights {weights}")
+    cached = _hub_file(name[7:]) if hub_name and seed is None else path
+    # what the cache holds is checked before open_clip reads it
+    checked = {cached: _w.checked_sha256(cached, fetch)} if cached is not None else {}
     model, transform = _create(open_clip, name, path, seed)
     if hub_name and seed is None:  # open_clip downloaded config and weights itself: record the cached file
         path = _hub_file(name[7:])
@@ -165,9 +171,7 @@ def build(
     if seed is not None:
         sha, tag, wfile = S.load_weights(model, weights, "open_clip", name)
     elif path is not None:
-        from featcache.extract import weights as _w
-
-        sha, wfile = _w.file_sha256(path), path
+        sha, wfile = checked.get(path) or _w.checked_sha256(path, fetch), path
         tag = f"@{more['pretrained_tag']}" if "pretrained_tag" in more else "" if hub_name else f"@{Path(path).stem}"
         more["weight_files"] = {Path(path).name: sha}
     else:

