@@ -1,0 +1,95 @@
+"""Issue 50, item 4: invalid numbers refused by the config constraints, dataset aliases stored
+under the canonical name, and the listed tracebacks and misleading lines turned into one line
+that says what to do. Each test damages or mistypes, runs the user's command, and asserts the
+one line and that nothing written changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from featcache.cli import main
+
+
+def one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith(f"featcache {command}: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def small_store(tmp_path) -> str:
+    from sklearn.datasets import load_digits
+
+    from featcache.store import write_features
+
+    d = load_digits()
+    path = str(tmp_path / "c.zarr")
+    for split, lo, hi in (("train", 0, 300), ("test", 1000, 1100)):
+        write_features(
+            path,
+            backbone="pix",
+            dataset="digits",
+            split=split,
+            X=d.data[lo:hi].astype(np.float32),
+            ids=[f"d{i}" for i in range(lo, hi)],
+            labels=d.target[lo:hi],
+            class_names=[str(c) for c in d.target_names],
+            chunk_rows=64,
+        )
+    return path
+
+
+def _tree(path: str | Path) -> dict[str, bytes]:
+    root = Path(path)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "want"),
+    [
+        ("--max-iter", "-1", "--max-iter -1 is invalid: must be an integer >= 1"),
+        ("--max-iter", "0", "--max-iter 0 is invalid: must be an integer >= 1"),
+        ("--tol", "-1", "--tol -1.0 is invalid: must be a finite number >= 0"),
+        ("--tol", "nan", "--tol nan is invalid: must be a finite number >= 0"),
+        ("--max-host-bytes", "0", "--max-host-bytes 0 is invalid: must be an integer >= 1"),
+        ("--epochs", "0", "--epochs 0 is invalid: must be an integer >= 1"),
+        ("--search-epochs", "-3", "--search-epochs -3 is invalid: must be an integer >= 1"),
+    ],
+)
+def test_probe_numbers_are_refused_before_anything_runs(small_store, tmp_path, capsys, flag, value, want):
+    before = _tree(small_store)
+    results = tmp_path / "r.parquet"
+    args = ["probe", "--cache", small_store, "--dataset", "digits", "--backbone", "pix", "--results", str(results)]
+    assert main([*args, flag, value]) == 1
+    assert want in one_error_line(capsys, "probe")
+    assert not results.exists()
+    assert _tree(small_store) == before
+
+
+@pytest.mark.parametrize("alias", ["fmnist", "fashion_mnist", "FMNIST"])
+def test_dataset_alias_is_stored_under_the_canonical_name(tmp_path, alias):
+    from featcache.extract import default_name
+    from featcache.store import open_cache
+
+    assert default_name(alias) == "fashion-mnist"
+    cache = str(tmp_path / "c.zarr")
+    args = ["extract", "--model", "test_resnet", "--weights", "random:0", "--data", alias, "--split", "test"]
+    assert main([*args, "--limit", "8", "--input-size", "32", "--cache", cache, "--no-progress"]) == 0
+    assert open_cache(cache).datasets() == ["fashion-mnist"]
+
+
+@pytest.mark.parametrize("value", ["1e400", "inf", "lots"])
+def test_retrieve_max_memory_that_is_no_size_is_one_line(small_store, tmp_path, capsys, value):
+    before = _tree(small_store)
+    results = tmp_path / "r.parquet"
+    args = ["retrieve", "--cache", small_store, "--dataset", "digits", "--query", "test", "--gallery", "train"]
+    args += ["--backbone", "pix", "--index", "auto", "--max-memory", value, "--results", str(results)]
+    assert main(args) == 1
+    assert "write e.g. 2GB" in one_error_line(capsys, "retrieve")
+    assert not results.exists()
+    assert _tree(small_store) == before
