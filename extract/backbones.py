@@ -180,10 +180,11 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
             got = _w.find_timm_cached_checkpoint(cfg)
             if got is not None:  # downloaded bytes that differ from their ETag fail to load: say so
                 _w.checked_sha256(got, fetch)
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise WeightsNotFoundError(
-                f"cannot fetch timm weights for {name!r} ({type(exc).__name__}: {first})"
-            ) from None
+            if hub.is_network_error(exc):
+                import huggingface_hub.constants as hc  # what timm's download asked (read at its import)
+
+                raise hub.unreachable(f"timm weights for {name!r}", fetch, exc, hc.ENDPOINT) from None
+            raise WeightsNotFoundError(f"cannot fetch timm weights for {name!r} ({hub.reason(exc)})") from None
         path = _w.find_timm_cached_checkpoint(cfg)
     if path is None:
         raise WeightsNotFoundError(f"timm loaded {name!r} but its weights file is not in the hub cache to hash")

@@ -199,3 +199,56 @@ def test_package_checkpoint_that_differs_from_its_record_is_refused(tmp_path, mo
     assert "RECORD" in line
     assert "--force-reinstall" in line
     assert _nothing_stored(cache)
+
+
+def _hub_in_trouble(model: str, weights: str, url: str, tmp_path, capsys) -> None:
+    manifest = tmp_path / "m.json"
+    args = ["fetch-weights", "--model", model, "--weights", weights, "--manifest", str(manifest)]
+    assert main(args) == 1
+    line = _one_error_line(capsys)
+    assert "downloads are off" not in line
+    assert f"the hub at {url} did not answer" in line
+    assert f"featcache fetch-weights --model {model}" in line
+    assert "--offline" in line
+    assert not manifest.exists()
+
+
+@pytest.mark.parametrize("fault", ["500", "unreachable"])
+def test_a_hub_in_trouble_is_not_called_offline(clip_dir, hub_cache, monkeypatch, tmp_path, capsys, fault):
+    """Downloads on, the hub answers 500 (or nothing listens): the line says the hub did not
+    answer and what to do, never that downloads are off; nothing is cached or recorded."""
+    with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
+        srv.status = 500
+        url = srv.url if fault == "500" else "http://127.0.0.1:9"
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        _hub_in_trouble(f"hf:{REPO}", "dir", url, tmp_path, capsys)
+    assert not any(hub_cache.rglob("blobs/*"))
+
+
+@pytest.mark.slow
+def test_timm_download_from_a_hub_in_trouble_is_one_line(clip_dir, hub_cache, monkeypatch, tmp_path, capsys):
+    """timm's own download (huggingface_hub retries a 500 for about a minute first)."""
+    import huggingface_hub.constants as hc
+
+    with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
+        srv.status = 500
+        monkeypatch.setattr(hc, "ENDPOINT", srv.url)  # what timm's download reads (set at import)
+        _hub_in_trouble("test_vit.r160_in1k", "pretrained", srv.url, tmp_path, capsys)
+    assert not any(hub_cache.rglob("blobs/*"))
+
+
+def test_an_empty_ref_is_named_not_blamed_on_the_image_processor(clip_dir, hub_cache, monkeypatch, tmp_path, capsys):
+    put_in_hub_cache(hub_cache, REPO, _files(clip_dir), COMMIT)
+    ref = hub_cache / "models--featcache-test--tiny-clip" / "refs" / "main"
+    ref.write_text("")  # what a kill during the ref's write leaves
+    cache = tmp_path / "c.zarr"
+    assert _extract(f"hf:{REPO}", "dir", cache) == 1
+    line = _one_error_line(capsys)
+    assert "image processor" not in line
+    assert f"{ref} is damaged" in line
+    assert f"featcache fetch-weights --model hf:{REPO} --force" in line
+    assert _nothing_stored(cache)
+    with HubServer(REPO, _files(clip_dir), COMMIT) as srv:  # where the hub is reachable, --force mends it
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        assert main(["fetch-weights", "--model", f"hf:{REPO}", "--force"]) == 0
+    assert ref.read_text() == COMMIT

@@ -69,10 +69,15 @@ def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tup
                 raise hub.missing(f"open_clip:{name} ({weights})", f"--model open_clip:{name} --weights {weights}")
         else:
             path = open_clip.download_pretrained(cfg, cache_dir=str(hub.hf_cache_dir()) if repo else None)
-    except FileNotFoundError as exc:
+    except Exception as exc:  # hub and network errors of many types
         if isinstance(exc, BackboneError):
             raise
-        raise BackboneError(f"cannot download open_clip:{name} {weights} ({str(exc)[:200]})") from None
+        fetch = f"--model open_clip:{name} --weights {weights}"
+        if hub.is_network_error(exc):
+            import huggingface_hub.constants as hc  # what open_clip's download asked (read at its import)
+
+            raise hub.unreachable(f"open_clip:{name} ({weights})", fetch, exc, hc.ENDPOINT) from None
+        raise BackboneError(f"cannot download open_clip:{name} {weights} ({hub.reason(exc)})") from None
     return path, {"pretrained_tag": weights, "hub_id": repo, "revision": hub.revision_of(path)}
 
 
