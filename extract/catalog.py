@@ -66,6 +66,17 @@ def _timm() -> Iterator[tuple[str, str, bool | None]]:
     for name in timm.list_pretrained():
         cfg = timm.models.get_pretrained_cfg(name)
         yield name, "pretrained", find_timm_cached_checkpoint(cfg.to_dict()) is not None if cfg else None
+    yield from _packages()
+
+
+def _packages() -> Iterator[tuple[str, str, bool | None]]:
+    """timm models whose weights ship in a Python package (``package:NAME``): cached when installed."""
+    import importlib.util
+
+    from featcache.extract.backbones import PACKAGE_WEIGHTS
+
+    for name, package in PACKAGE_WEIGHTS.items():
+        yield name, f"package:{package}", importlib.util.find_spec(package) is not None
 
 
 def _open_clip() -> Iterator[tuple[str, str, bool | None]]:
@@ -109,7 +120,14 @@ _LISTERS = {"timm": _timm, "open_clip": _open_clip, "torchvision": _torchvision,
 def read_list(path: str) -> list[tuple[str, str]]:
     """``MODEL [WEIGHTS]`` per line (``#`` comments); WEIGHTS defaults to the source's own."""
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigError(
+            f"cannot read --list {path!r} ({why}); give a text file with 'MODEL [WEIGHTS]' per line"
+        ) from None
+    for n, line in enumerate(text.splitlines(), 1):
         parts = line.split("#", 1)[0].split()
         if not parts:
             continue
@@ -167,14 +185,39 @@ def fetch(
     not cached, each file checked against what its source promised); write the manifest (JSON
     list) if given, only after every entry passed. ``force``: replace cached files that fail
     the check by a new download."""
+    if manifest:
+        _check_writable(manifest)  # before anything is downloaded
     records = []
     for model, weights in items:
         bb = _fetch_one(model, weights, force)
         records.append(_record(bb, model, weights))
         logger.info("fetched %s (%s): sha256 %s", model, weights, bb.weights_sha256[:12])
     if manifest:
-        Path(manifest).write_text(json.dumps(records, indent=1) + "\n")
+        try:
+            Path(manifest).write_text(json.dumps(records, indent=1) + "\n")
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write --manifest {manifest!r} ({exc.strerror}); the weights are cached: run the same "
+                "command with a writable --manifest path (nothing is downloaded again)"
+            ) from None
     return records
+
+
+def _check_writable(manifest: str) -> None:
+    """A ``--manifest`` path that cannot be written: one line before any download."""
+    p = Path(manifest)
+    folder = p.parent if str(p.parent) else Path(".")
+    why = (
+        "it is a folder"
+        if p.is_dir()
+        else "its folder does not exist"
+        if not folder.is_dir()
+        else "it is not writable"
+        if (p.exists() and not os.access(p, os.W_OK)) or not os.access(folder, os.W_OK)
+        else ""
+    )
+    if why:
+        raise ConfigError(f"cannot write --manifest {manifest!r} ({why}); give a writable file path")
 
 
 def verify(manifest: str) -> list[dict[str, Any]]:
@@ -188,6 +231,7 @@ def verify(manifest: str) -> list[dict[str, Any]]:
         raise ConfigError(
             f"cannot read manifest {manifest!r} ({exc}); write one with featcache fetch-weights"
         ) from None
+    _check_records(records, manifest)
     out = []
     for rec in records:
         bb = create_backbone(rec["model"], rec["weights"], device="cpu", offline=True)
@@ -200,6 +244,22 @@ def verify(manifest: str) -> list[dict[str, Any]]:
             )
         out.append(got)
     return out
+
+
+def _check_records(records: Any, manifest: str) -> None:
+    """A manifest is a JSON list of objects, each with a ``model`` and ``weights`` string."""
+    if not isinstance(records, list):
+        raise ConfigError(
+            f"manifest {manifest!r} is a JSON {type(records).__name__}, not the list `featcache fetch-weights "
+            "--manifest` writes; write it again with that command"
+        )
+    for i, rec in enumerate(records):
+        bad = [k for k in ("model", "weights") if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
+        if bad:
+            raise ConfigError(
+                f"manifest {manifest!r} entry {i} has no {' or '.join(bad)} ({str(rec)[:80]}); each entry needs "
+                "'model' and 'weights' as `featcache fetch-weights --manifest` writes them; write it again"
+            )
 
 
 def as_rows(entries: Sequence[ModelEntry]) -> list[dict[str, Any]]:

