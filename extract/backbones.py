@@ -142,8 +142,10 @@ def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, 
             "(set HF_HOME), "
             f"or pass a checkpoint path{_package_hint(name)}"
         )
-    sha = _w.checked_sha256(path, f"--model {name} --weights pretrained")
-    model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    fetch = f"--model {name} --weights pretrained"
+    sha = _w.checked_sha256(path, fetch)
+    with _w.reading(path, fetch):
+        model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     return model, sha, name, str(path)
 
 
@@ -172,7 +174,8 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     fetch = f"--model {name} --weights pretrained"
     sha = _w.checked_sha256(path, fetch) if path is not None else None  # checked before timm reads it
     if path is not None and not hub_id:
-        model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+        with _w.reading(path, fetch):
+            model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     else:
         try:
             model = _new_model(name, keep_head, pretrained=True)

@@ -12,16 +12,17 @@ names them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import BackboneError, CorruptWeightsError, WeightsNotFoundError
+from featcache.errors import BackboneError, CorruptWeightsError, FeatcacheError, WeightsNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def checked_sha256(path: str | os.PathLike, fetch: str, package: str | None = No
     or the ``RECORD`` of the installed ``package``) before the file is used; a mismatch is one
     line naming the file and the command that re-fetches it (``fetch``: its ``--model ...
     --weights ...`` arguments)."""
-    got = file_sha256(path)
+    with reading(path, fetch):
+        got = file_sha256(path)
     promise = promised_sha256(path)
     if promise is None and package is not None:
         rec = package_record_sha256(path, package)
@@ -104,6 +106,41 @@ def checked_sha256(path: str | os.PathLike, fetch: str, package: str | None = No
         f"it was not used; {redo}",
         paths=tuple(files),
     )
+
+
+def refetch_paths(path: str | os.PathLike) -> tuple[str, ...]:
+    """The files a re-fetch replaces for a cached weight file: the file (a hub snapshot link)
+    and what it links to (the blob); nothing for a file outside the libraries' caches."""
+    p = Path(path)
+    target = p.resolve()
+    if target.is_dir():
+        return ()
+    in_hub = target.parent.name == "blobs" or "snapshots" in p.parts
+    in_torch = target.parent == torch_hub_dir().resolve()
+    return tuple(dict.fromkeys([str(p), str(target)])) if in_hub or in_torch else ()
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike, fetch: str) -> Iterator[None]:
+    """Reading weight file ``path`` (hashing it, or a library loading it): any failure of the
+    libraries' many kinds (a truncated safetensors header, a damaged pickle, a link to a
+    deleted blob) becomes one line naming the file and the command that fetches it again."""
+    try:
+        yield
+    except FeatcacheError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        paths = refetch_paths(path)
+        what = "missing (a link to a deleted file?)" if not Path(path).exists() else "damaged or truncated"
+        redo = (
+            f"re-download it with `featcache fetch-weights {fetch} --force`"
+            if paths
+            else "replace it with an intact copy (re-download or re-export it)"
+        )
+        raise CorruptWeightsError(
+            f"cannot read weight file {str(path)!r} ({type(exc).__name__}: {first}); it is {what}: {redo}", paths=paths
+        ) from None
 
 
 def _check_file(path: str | os.PathLike) -> Path:

@@ -252,3 +252,53 @@ def test_an_empty_ref_is_named_not_blamed_on_the_image_processor(clip_dir, hub_c
         monkeypatch.setenv("HF_ENDPOINT", srv.url)
         assert main(["fetch-weights", "--model", f"hf:{REPO}", "--force"]) == 0
     assert ref.read_text() == COMMIT
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.unlink()  # a copy in the snapshot (no link): the file itself is damaged
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage", ["truncated copy", "empty copy", "deleted blob", "truncated local dir"])
+@pytest.mark.parametrize("command", ["extract", "verify"])
+def test_damaged_or_missing_weight_files_are_one_line(clip_dir, hub_cache, tmp_path, capsys, damage, command):
+    """Damaged, truncated and missing weight files (Hugging Face cache, timm's hub file, a
+    save_pretrained folder) in ``extract`` and ``fetch-weights --verify``: one line naming the
+    file and how to get it back, no traceback, nothing stored."""
+    import shutil
+
+    import timm
+    from safetensors.torch import save_file
+
+    if damage == "truncated local dir":
+        d = tmp_path / "clip"
+        shutil.copytree(clip_dir, d)
+        model, weights, target = f"hf:{d}", "dir", d / "model.safetensors"
+        _truncate(target)
+    elif damage == "deleted blob":
+        snap = put_in_hub_cache(hub_cache, REPO, _files(clip_dir), COMMIT)
+        model, weights, target = f"hf:{REPO}", "dir", snap / "model.safetensors"
+        target.resolve().unlink()
+    else:  # timm's pretrained file, in a cache laid out without links
+        w = tmp_path / "model.safetensors"
+        save_file(timm.create_model("test_vit").state_dict(), str(w))
+        snap = put_in_hub_cache(hub_cache, "timm/test_vit.r160_in1k", {"model.safetensors": w}, COMMIT, link=False)
+        model, weights, target = "test_vit.r160_in1k", "pretrained", snap / "model.safetensors"
+        _truncate(target) if damage == "truncated copy" else target.write_bytes(b"")
+    cache = tmp_path / "c.zarr"
+    if command == "extract":
+        assert _extract(model, weights, cache) == 1
+    else:
+        manifest = tmp_path / "m.json"
+        manifest.write_text(json.dumps([{"model": model, "weights": weights}]))
+        assert main(["fetch-weights", "--verify", str(manifest)]) == 1
+    line = _one_error_line(capsys)
+    assert f"cannot read weight file {str(target)!r}" in line
+    assert "missing" in line if damage == "deleted blob" else "damaged or truncated" in line
+    if damage == "truncated local dir":
+        assert "replace it with an intact copy" in line
+    else:
+        assert f"featcache fetch-weights --model {model}" in line
+        assert "--force" in line
+    assert _nothing_stored(cache)

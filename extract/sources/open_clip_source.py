@@ -6,6 +6,7 @@ tower): the mean of block N's patch tokens, from open_clip's own ``visual.forwar
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,8 @@ def build(
     cached = _hub_file(name[7:]) if hub_name and seed is None else path
     # what the cache holds is checked before open_clip reads it
     checked = {cached: _w.checked_sha256(cached, fetch)} if cached is not None else {}
-    model, transform = _create(open_clip, name, path, seed)
+    with _w.reading(cached, fetch) if cached is not None else contextlib.nullcontext():
+        model, transform = _create(open_clip, name, path, seed)
     if hub_name and seed is None:  # open_clip downloaded config and weights itself: record the cached file
         path = _hub_file(name[7:])
         more = {"hub_id": name[7:], "revision": hub.revision_of(path)}

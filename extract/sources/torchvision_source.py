@@ -148,8 +148,10 @@ def build(
         from featcache.extract import weights as _w
 
         path = _download(member, name, offline)
-        sha = _w.checked_sha256(path, f"--model torchvision:{name} --weights {member.name}")
-        model = torchvision.models.get_model(name, weights=member)
+        fetch = f"--model torchvision:{name} --weights {member.name}"
+        sha = _w.checked_sha256(path, fetch)
+        with _w.reading(path, fetch):
+            model = torchvision.models.get_model(name, weights=member)
         tag, wfile = f"@{member.name}", path
         more = {"weights_enum": str(member), "weights_url": member.url}
     else:
