@@ -302,3 +302,21 @@ def test_damaged_or_missing_weight_files_are_one_line(clip_dir, hub_cache, tmp_p
         assert f"featcache fetch-weights --model {model}" in line
         assert "--force" in line
     assert _nothing_stored(cache)
+
+
+def test_torchvision_weights_without_network_are_one_line(hub_cache, tmp_path, monkeypatch, capsys):
+    """Downloads on, nothing answers (a refused proxy stands for no network): one line, no
+    URLError chain; nothing lands in torch hub's cache."""
+    for var in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    cache = tmp_path / "c.zarr"
+    args = ["extract", "--model", "torchvision:mobilenet_v3_small", "--weights", "IMAGENET1K_V1", "--data", "digits"]
+    assert main([*args, "--split", "test", "--limit", "4", "--cache", str(cache), "--no-progress"]) == 1
+    line = _one_error_line(capsys)
+    assert "cannot download torchvision:mobilenet_v3_small weights IMAGENET1K_V1" in line
+    assert "featcache fetch-weights --model torchvision:mobilenet_v3_small --weights IMAGENET1K_V1" in line
+    assert "--offline" in line
+    assert not list((tmp_path / "torch").rglob("*.pth"))
+    assert _nothing_stored(cache)
