@@ -190,3 +190,22 @@ def test_report_into_a_read_only_folder_is_one_line(small_store, tmp_path, capsy
         assert main(["report", "--results", str(results), "--out", str(out / "report.html")]) == 1
         assert "not writable" in one_error_line(capsys, "report")
     assert not list(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "want"),
+    [
+        ("--momentum", "-0.5", "--momentum -0.5 is invalid: must be a finite number >= 0"),
+        ("--momentum", "2", "--momentum 2.0 is invalid: must be at most 1"),
+        ("--weight-decay", "-1", "--weight-decay -1.0 is invalid: must be a finite number >= 0"),
+        ("--workers", "-1", "--workers -1 is invalid: must be an integer >= 0"),
+        ("--input-size", "0", "--input-size 0 is invalid: must be an integer >= 1"),
+    ],
+)
+def test_finetune_numbers_are_refused_before_anything_runs(tmp_path, capsys, flag, value, want):
+    results = tmp_path / "r.parquet"
+    args = ["finetune", "--model", "test_resnet", "--weights", "random:0", "--data", "digits"]
+    assert main([*args, "--results", str(results), flag, value]) == 1
+    assert want in one_error_line(capsys, "finetune")
+    assert not results.exists()
+    assert not list(tmp_path.iterdir())
