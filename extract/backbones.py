@@ -177,6 +177,11 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
         with _w.reading(path, fetch):
             model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     else:
+        if path is None and cfg.get("hf_hub_id"):  # a hub that does not answer: now, not after a minute of retries
+            repo = cfg["hf_hub_id"].split("@")[0]
+            hub.check_reachable(
+                repo, cfg.get("hf_hub_filename") or "model.safetensors", f"timm weights for {name!r}", fetch
+            )
         try:
             model = _new_model(name, keep_head, pretrained=True)
         except Exception as exc:  # network and hub errors of many types

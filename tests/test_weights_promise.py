@@ -216,24 +216,17 @@ def _hub_in_trouble(model: str, weights: str, url: str, tmp_path, capsys) -> Non
 @pytest.mark.parametrize("fault", ["500", "unreachable"])
 def test_a_hub_in_trouble_is_not_called_offline(clip_dir, hub_cache, monkeypatch, tmp_path, capsys, fault):
     """Downloads on, the hub answers 500 (or nothing listens): the line says the hub did not
-    answer and what to do, never that downloads are off; nothing is cached or recorded."""
-    with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
-        srv.status = 500
-        url = srv.url if fault == "500" else "http://127.0.0.1:9"
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        _hub_in_trouble(f"hf:{REPO}", "dir", url, tmp_path, capsys)
-    assert not any(hub_cache.rglob("blobs/*"))
-
-
-@pytest.mark.slow
-def test_timm_download_from_a_hub_in_trouble_is_one_line(clip_dir, hub_cache, monkeypatch, tmp_path, capsys):
-    """timm's own download (huggingface_hub retries a 500 for about a minute first)."""
+    answer and what to do, never that downloads are off, for huggingface_hub's snapshot and for
+    timm's own download; nothing is cached or recorded."""
     import huggingface_hub.constants as hc
 
     with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
         srv.status = 500
-        monkeypatch.setattr(hc, "ENDPOINT", srv.url)  # what timm's download reads (set at import)
-        _hub_in_trouble("test_vit.r160_in1k", "pretrained", srv.url, tmp_path, capsys)
+        url = srv.url if fault == "500" else "http://127.0.0.1:9"
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setattr(hc, "ENDPOINT", url)  # what timm's download reads (set at import)
+        _hub_in_trouble(f"hf:{REPO}", "dir", url, tmp_path, capsys)
+        _hub_in_trouble("test_vit.r160_in1k", "pretrained", url, tmp_path, capsys)
     assert not any(hub_cache.rglob("blobs/*"))
 
 

@@ -110,6 +110,25 @@ def unreachable(what: str, fetch: str, exc: BaseException, endpoint: str | None 
     )
 
 
+def check_reachable(repo_id: str, filename: str, what: str, fetch: str) -> None:
+    """One request (huggingface_hub's ``get_hf_file_metadata``, without its retries) before a
+    library's own download, which retries an unreachable hub for about a minute: a hub that
+    does not answer, or answers 5xx, is :func:`unreachable` at once; any answer from the hub
+    itself (a 404 the library falls back from included) lets the download go on."""
+    import huggingface_hub as hh
+    import huggingface_hub.constants as hc
+
+    endpoint = os.environ.get("HF_ENDPOINT") or hc.ENDPOINT
+    try:
+        hh.get_hf_file_metadata(hh.hf_hub_url(repo_id, filename, endpoint=endpoint), timeout=10, endpoint=endpoint)
+    except Exception as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int) and status < 500:
+            return
+        if is_network_error(exc):
+            raise unreachable(what, fetch, exc, endpoint) from None
+
+
 def snapshot(repo_id: str, revision: str | None, *, offline: bool = False, fetch: str = "") -> Path:
     """The local snapshot folder of hub repo ``repo_id`` at ``revision`` (default ``main``):
     downloaded by ``huggingface_hub.snapshot_download`` (config, processor, tokenizer and
