@@ -313,3 +313,17 @@ def test_torchvision_weights_without_network_are_one_line(hub_cache, tmp_path, m
     assert "--offline" in line
     assert not list((tmp_path / "torch").rglob("*.pth"))
     assert _nothing_stored(cache)
+
+
+def test_open_clip_download_from_a_hub_in_trouble_is_one_line(clip_dir, hub_cache, monkeypatch, tmp_path, capsys):
+    """open_clip's pretrained tag, downloads on, the hub answering 500: one whole line with
+    --offline, checked with one request before open_clip's own download (which retries)."""
+    pytest.importorskip("open_clip")
+    import huggingface_hub.constants as hc
+
+    with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
+        srv.status = 500
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        monkeypatch.setattr(hc, "ENDPOINT", srv.url)
+        _hub_in_trouble("open_clip:ViT-B-32", "laion2b_s34b_b79k", srv.url, tmp_path, capsys)
+    assert not any(hub_cache.rglob("blobs/*"))

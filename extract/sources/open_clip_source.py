@@ -69,6 +69,12 @@ def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tup
             if path is None:
                 raise hub.missing(f"open_clip:{name} ({weights})", f"--model open_clip:{name} --weights {weights}")
         else:
+            if cfg.get("hf_hub") and cached_file(cfg) is None:  # a hub that does not answer: now, not in a minute
+                hub.check_reachable(
+                    *_hub_repo_file(cfg["hf_hub"]),
+                    f"open_clip:{name} ({weights})",
+                    f"--model open_clip:{name} --weights {weights}",
+                )
             path = open_clip.download_pretrained(cfg, cache_dir=str(hub.hf_cache_dir()) if repo else None)
     except Exception as exc:  # hub and network errors of many types
         if isinstance(exc, BackboneError):
@@ -82,6 +88,16 @@ def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tup
     return path, {"pretrained_tag": weights, "hub_id": repo, "revision": hub.revision_of(path)}
 
 
+def _hub_repo_file(hf_hub: str) -> tuple[str, str]:
+    """(repo, file) of an open_clip ``hf_hub`` entry (``ORG/NAME/`` names its default file)."""
+    import os
+
+    if hf_hub.endswith("/"):
+        return hf_hub.rstrip("/"), "open_clip_pytorch_model.bin"
+    repo, fname = os.path.split(hf_hub.rstrip("/"))
+    return repo, fname
+
+
 def cached_file(cfg: dict[str, Any]) -> str | None:
     """The cached file of an open_clip pretrained config (hub cache or its url's cache)."""
     import os
@@ -91,14 +107,7 @@ def cached_file(cfg: dict[str, Any]) -> str | None:
     if cfg.get("hf_hub"):
         from huggingface_hub import try_to_load_from_cache
 
-        repo, fname = (
-            os.path.split(cfg["hf_hub"].rstrip("/"))
-            if not cfg["hf_hub"].endswith("/")
-            else (
-                cfg["hf_hub"].rstrip("/"),
-                "open_clip_pytorch_model.bin",
-            )
-        )
+        repo, fname = _hub_repo_file(cfg["hf_hub"])
         stem = fname.rsplit(".", 1)[0]
         for f in (f"{stem}.safetensors", fname):
             hit = try_to_load_from_cache(repo, f, cache_dir=str(hub.hf_cache_dir()))
