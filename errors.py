@@ -48,6 +48,16 @@ class WeightsNotFoundError(BackboneError, FileNotFoundError):
     """Pretrained weights could not be found locally."""
 
 
+class CorruptWeightsError(BackboneError):
+    """A weight file's bytes do not match what its source promised (the Hugging Face blob's
+    content address, torch hub's hash prefix, the installing package's RECORD); ``paths``: the
+    cached files a re-fetch replaces."""
+
+    def __init__(self, message: str, paths: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.paths = tuple(paths)
+
+
 class DataError(FeatcacheError, ValueError):
     """A data spec, path or split is unusable."""
 

@@ -531,9 +531,32 @@ def _render(context: dict[str, Any]) -> str:
     return env.get_template("report.html.j2").render(**context)
 
 
+def _check_out(out: Path) -> None:
+    """A report path that cannot be written: one line before the report is computed."""
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    why = (
+        "it is a folder"
+        if out.is_dir()
+        else f"{folder} is not a folder"
+        if not folder.is_dir()
+        else f"{folder} is not writable"
+        if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK))
+        else ""
+    )
+    if why:
+        raise ResultsError(f"cannot write the report to {out} ({why}); give --out a writable .html path")
+
+
 def _write_atomic(out: Path, doc: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmpf = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmpf = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as exc:
+        raise ResultsError(
+            f"cannot write the report to {out} ({exc.strerror}); give --out a writable .html path"
+        ) from None
     os.close(fd)
     try:
         Path(tmpf).write_text(doc, encoding="utf-8")
@@ -570,6 +593,7 @@ def write_report(
     out = Path(out_html)
     if out.suffix.lower() not in (".html", ".htm"):
         raise ResultsError(f"report path {out} should end in .html")
+    _check_out(out)
     kw_in = dict(rank_kwargs or {})
     if (
         provenance is None

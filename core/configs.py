@@ -39,7 +39,8 @@ T = TypeVar("T")
 
 class Interval:
     """A field constraint (as scikit-learn's ``Interval``): an instance of ``kind`` in
-    ``[lo, hi]`` (``None``: unbounded); ``None`` passes (an optional field left unset)."""
+    ``[lo, hi]`` (``None``: unbounded); ``None`` passes (an optional field left unset). A
+    ``float`` interval takes integers too, never NaN or infinity."""
 
     def __init__(self, kind: type, lo: float | None = None, hi: float | None = None, *, hi_text: str = "") -> None:
         self.kind, self.lo, self.hi, self.hi_text = kind, lo, hi, hi_text
@@ -48,8 +49,15 @@ class Interval:
         """``None`` if ``value`` is allowed, else what is wanted instead."""
         if value is None:
             return None
-        what = "an integer" if self.kind is int else "a number"
-        if isinstance(value, bool) or not isinstance(value, self.kind) or (self.lo is not None and value < self.lo):
+        what = "an integer" if self.kind is int else "a finite number"
+        kinds = (int, float) if self.kind is float else self.kind
+        finite = not isinstance(value, float) or value - value == 0  # NaN and inf fail
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, kinds)
+            or not finite
+            or (self.lo is not None and value < self.lo)
+        ):
             return f"must be {what}" + (f" >= {self.lo}" if self.lo is not None else "")
         if self.hi is not None and value > self.hi:
             return self.hi_text or f"must be at most {self.hi}"

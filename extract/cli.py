@@ -180,7 +180,7 @@ def run_fetch_weights(args: argparse.Namespace) -> int:
         for r in catalog.verify(args.verify):
             print(f"ok {r['model']} ({r['weights']}): sha256 {r['weights_sha256'][:16]} revision {r['revision']}")
         return 0
-    for r in catalog.fetch(catalog.check_items(args.model, args.weights, args.list), args.manifest):
+    for r in catalog.fetch(catalog.check_items(args.model, args.weights, args.list), args.manifest, force=args.force):
         print(f"fetched {r['model']} ({r['weights']}): sha256 {r['weights_sha256'][:16]} revision {r['revision']}")
     if args.manifest:
         print(f"manifest {args.manifest}: verify offline with featcache fetch-weights --verify {args.manifest}")
@@ -279,6 +279,7 @@ def register(sub) -> None:
     )
     f.add_argument("--list", default=None, help="a file with 'MODEL [WEIGHTS]' per line")
     f.add_argument("--manifest", default=None, help="write what was fetched (revision, sha256 per file) to this JSON")
+    f.add_argument("--force", action="store_true", help="fetch again cached files that fail their source's sha256")
     f.add_argument(
         "--verify",
         default=None,

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from featcache.core.configs import flag, float_list, int_list, str_tuple
+from featcache.core.configs import Interval, check_fields, flag, float_list, int_list, str_tuple
 from featcache.data import format_help
 from featcache.errors import ConfigError, DataError
 from featcache.models import model_help
@@ -95,12 +95,14 @@ class FinetuneConfig:
         "(VTAB: 0.9; the paper says 'shortly before the end')",
         type=float,
     )
-    momentum: float | None = flag(None, "SGD momentum (VTAB: 0.9)", type=float)
+    momentum: float | None = flag(None, "SGD momentum (VTAB: 0.9)", type=float, check=Interval(float, 0, 1))
     weight_decay: float | None = flag(
-        None, "0 for fine-tuning (VTAB); VTAB's from-scratch runs use 0.01 x lr", type=float
+        None, "0 for fine-tuning (VTAB); VTAB's from-scratch runs use 0.01 x lr", type=float, check=Interval(float, 0)
     )
-    input_size: int | None = flag(None, "override the model's input resolution", type=int)
-    pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int)
+    input_size: int | None = flag(None, "override the model's input resolution", type=int, check=Interval(int, 1))
+    pre_resize: int | None = flag(
+        None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=Interval(int, 1)
+    )
     resize: str = flag(
         "timm",
         "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
@@ -133,7 +135,9 @@ class FinetuneConfig:
     )
     checkpoint_dir: str | None = flag(None, "default: RESULTS.finetune-ckpt")
     checkpoint_every: int = flag(DEFAULT_CHECKPOINT_EVERY, "steps between checkpoints", type=int)
-    workers: int | None = flag(None, "DataLoader workers (default: min(4, cpus))", type=int)
+    workers: int | None = flag(
+        None, "DataLoader workers (default: min(4, cpus))", type=int, check=Interval(int, 0, 256)
+    )
     memory_limit_gb: float = flag(
         4.0,
         "preprocessed images (uint8) kept in memory, all pools together; "
@@ -185,6 +189,7 @@ class FinetuneConfig:
         return proto, out
 
     def _check(self) -> None:
+        check_fields(self)  # --momentum, --weight-decay, --input-size, --workers ... (one line naming the flag)
         if not self.data:
             raise FinetuneConfigError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
         if self.metric is not None and self.metric not in SELECTION_METRICS:

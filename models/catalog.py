@@ -14,12 +14,13 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import BackboneError, ConfigError, ProvenanceMismatchError
+from featcache.errors import BackboneError, ConfigError, CorruptWeightsError, ProvenanceMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,14 @@ def list_models(pattern: str = "*", sources: Sequence[str] | None = None) -> Ite
 def read_list(path: str) -> list[tuple[str, str]]:
     """``MODEL [WEIGHTS]`` per line (``#`` comments); WEIGHTS defaults to the source's own."""
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigError(
+            f"cannot read --list {path!r} ({why}); give a text file with 'MODEL [WEIGHTS]' per line"
+        ) from None
+    for n, line in enumerate(text.splitlines(), 1):
         parts = line.split("#", 1)[0].split()
         if not parts:
             continue
@@ -97,19 +105,62 @@ def _record(bb: Any, model: str, weights: str) -> dict[str, Any]:
     }
 
 
-def fetch(items: Sequence[tuple[str, str]], manifest: str | None = None) -> list[dict[str, Any]]:
-    """Build each ``(model, weights)`` once through its library's client (downloading what is
-    not cached); write the manifest (JSON list) if given."""
+def _fetch_one(model: str, weights: str, force: bool) -> Any:
+    """The backbone, downloaded where not cached; a cached file that fails its source's
+    promise (:class:`CorruptWeightsError`) is removed and fetched again with ``force``."""
     from featcache.models.backbones import create_backbone
 
+    try:
+        return create_backbone(model, weights, device="cpu")
+    except CorruptWeightsError as exc:
+        if not (force and exc.paths):
+            raise
+        for p in exc.paths:
+            logger.warning("removing %s (it failed its sha256 check); fetching it again", p)
+            Path(p).unlink(missing_ok=True)
+    return create_backbone(model, weights, device="cpu")
+
+
+def fetch(
+    items: Sequence[tuple[str, str]], manifest: str | None = None, *, force: bool = False
+) -> list[dict[str, Any]]:
+    """Build each ``(model, weights)`` once through its library's client (downloading what is
+    not cached, each file checked against what its source promised); write the manifest (JSON
+    list) if given, only after every entry passed. ``force``: replace cached files that fail
+    the check by a new download."""
+    if manifest:
+        _check_writable(manifest)  # before anything is downloaded
     records = []
     for model, weights in items:
-        bb = create_backbone(model, weights, device="cpu")
+        bb = _fetch_one(model, weights, force)
         records.append(_record(bb, model, weights))
         logger.info("fetched %s (%s): sha256 %s", model, weights, bb.weights_sha256[:12])
     if manifest:
-        Path(manifest).write_text(json.dumps(records, indent=1) + "\n")
+        try:
+            Path(manifest).write_text(json.dumps(records, indent=1) + "\n")
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write --manifest {manifest!r} ({exc.strerror}); the weights are cached: run the same "
+                "command with a writable --manifest path (nothing is downloaded again)"
+            ) from None
     return records
+
+
+def _check_writable(manifest: str) -> None:
+    """A ``--manifest`` path that cannot be written: one line before any download."""
+    p = Path(manifest)
+    folder = p.parent if str(p.parent) else Path(".")
+    why = (
+        "it is a folder"
+        if p.is_dir()
+        else "its folder does not exist"
+        if not folder.is_dir()
+        else "it is not writable"
+        if (p.exists() and not os.access(p, os.W_OK)) or not os.access(folder, os.W_OK)
+        else ""
+    )
+    if why:
+        raise ConfigError(f"cannot write --manifest {manifest!r} ({why}); give a writable file path")
 
 
 def verify(manifest: str) -> list[dict[str, Any]]:
@@ -123,6 +174,7 @@ def verify(manifest: str) -> list[dict[str, Any]]:
         raise ConfigError(
             f"cannot read manifest {manifest!r} ({exc}); write one with featcache fetch-weights"
         ) from None
+    _check_records(records, manifest)
     out = []
     for rec in records:
         bb = create_backbone(rec["model"], rec["weights"], device="cpu", offline=True)
@@ -135,6 +187,22 @@ def verify(manifest: str) -> list[dict[str, Any]]:
             )
         out.append(got)
     return out
+
+
+def _check_records(records: Any, manifest: str) -> None:
+    """A manifest is a JSON list of objects, each with a ``model`` and ``weights`` string."""
+    if not isinstance(records, list):
+        raise ConfigError(
+            f"manifest {manifest!r} is a JSON {type(records).__name__}, not the list `featcache fetch-weights "
+            "--manifest` writes; write it again with that command"
+        )
+    for i, rec in enumerate(records):
+        bad = [k for k in ("model", "weights") if not isinstance(rec, dict) or not isinstance(rec.get(k), str)]
+        if bad:
+            raise ConfigError(
+                f"manifest {manifest!r} entry {i} has no {' or '.join(bad)} ({str(rec)[:80]}); each entry needs "
+                "'model' and 'weights' as `featcache fetch-weights --manifest` writes them; write it again"
+            )
 
 
 def as_rows(entries: Sequence[ModelEntry]) -> list[dict[str, Any]]:

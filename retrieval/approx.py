@@ -19,11 +19,13 @@ from featcache.retrieval.index import (
     BuiltIndex,
     build_index,
     candidate_factories,
+    check_index_dir,
     estimated_index_bytes,
     index_dir,
     index_key,
     index_search,
     load_index,
+    rows_digest,
     save_index,
     search_params,
     set_search_params,
@@ -171,10 +173,20 @@ def choose_index(G: PreparedRows, spec: IndexSpec, n_holdout: int = 1000) -> Bui
     return built
 
 
-def obtain_index(spec: IndexSpec, G: PreparedRows, gallery_fingerprint: str, cache: str) -> BuiltIndex:
+def obtain_index(
+    spec: IndexSpec,
+    G: PreparedRows,
+    gallery_fingerprint: str,
+    cache: str,
+    gallery_ids: Any = None,
+    gallery: dict | None = None,
+) -> BuiltIndex:
     """The index of ``spec`` over gallery ``G``: read back from the store's index folder when
-    one was built from the same gallery and spec (and its checksum matches), else built (or
-    chosen, for ``auto``) and stored. User-given nprobe/efSearch are set last."""
+    its record names the same gallery (fingerprint, rows, width, row ids ``gallery_ids``) and
+    spec, its checksum matches and the index itself holds those rows (:func:`load_index`),
+    else built (or chosen, for ``auto``) and stored. ``gallery``: where the gallery lies in
+    the store (backbone, dataset, split, kind), recorded so ``featcache verify`` can tell a
+    stale index. User-given nprobe/efSearch are set last."""
     where = spec.where or index_dir(cache)
     if spec.factory != AUTO:  # a search flag the index lacks fails before anything is built or written
         import faiss
@@ -187,19 +199,29 @@ def obtain_index(spec: IndexSpec, G: PreparedRows, gallery_fingerprint: str, cac
     extra = (spec.max_bytes, spec.min_recall, spec.k) if spec.factory == AUTO else None
     name = spec.factory if extra is None else f"{spec.factory}|{extra}"
     key = index_key(gallery_fingerprint, name, spec.metric, spec.seed, spec.n_train)
-    expect = {"gallery_fingerprint": gallery_fingerprint, "metric": spec.metric, "n_gallery": int(G.shape[0])}
-    built = load_index(where, key, expect)
+    expect = {
+        "gallery_fingerprint": gallery_fingerprint,
+        "metric": spec.metric,
+        "n_gallery": int(G.shape[0]),
+        "dim": int(G.shape[1]),
+        "key": key,
+        **({"factory": spec.factory} if spec.factory != AUTO else {}),
+        **({"gallery_ids_sha256": rows_digest(gallery_ids)} if gallery_ids is not None else {}),
+    }
+    built = load_index(where, key, expect, G)
     if built is not None:
         log.info("reusing stored index %s (%s, sha256 %s)", key, built.factory, built.provenance["sha256"][:12])
         stored = built.provenance.get("search_params", {})
         set_search_params(built.index, built.factory, stored.get("nprobe"), stored.get("ef_search"))
     else:
+        check_index_dir(where)  # before the (long) build
         built = (
             choose_index(G, spec)
             if spec.factory == AUTO
             else build_index(G, spec.factory, spec.metric, seed=spec.seed, n_train=spec.n_train)
         )
-        save_index(built, where, key, {**expect, "key": key, "search_params": search_params(built.index)})
+        binding = {"gallery": gallery} if gallery else {}
+        save_index(built, where, key, {**expect, **binding, "search_params": search_params(built.index)})
     set_search_params(built.index, built.factory, spec.nprobe, spec.ef_search)
     return built
 

@@ -8,6 +8,10 @@ from featcache.retrieval.config import RetrievalConfig
 
 
 def register(subparsers) -> None:
+    from featcache.retrieval.index import verify_index_records
+    from featcache.store.verify import register_beside_check
+
+    register_beside_check("retrieval indexes", verify_index_records)  # `featcache verify` checks them too
     p = subparsers.add_parser(
         "retrieve",
         help="retrieval metrics (mAP, MRR, recall@k, hit@k) and k-NN accuracy from cached features",

@@ -197,6 +197,9 @@ class RetrievalConfig:
             raise RetrievalConfigError(f"min_recall must be in (0, 1], got {self.min_recall!r}")
         if int(self.recall_queries) < 1 or int(self.shards) < 0:
             raise RetrievalConfigError("recall_queries must be >= 1 and shards >= 0")
+        from featcache.retrieval.search import parse_memory
+
+        parse_memory(self.max_memory)  # --max-memory 1e400, 'lots': one line before any compute
 
     @property
     def full_ranking(self) -> bool:

@@ -463,18 +463,78 @@ def _read_index(fs, path: str, sha256: str) -> Any:
     return index if digest.hexdigest() == sha256 else None
 
 
-def load_index(where: str, key: str, expect: dict) -> BuiltIndex | None:
-    """The stored index ``key`` if its record matches ``expect`` and its bytes its checksum;
-    None (and a warning when something stored was refused) otherwise. The bytes are hashed
-    before FAISS reads them (corrupt bytes are never deserialised) and again as it reads."""
+#: what a stored index's record must hold, and of which type (a record without them is damaged)
+RECORD_FIELDS: dict[str, type] = {
+    "factory": str,
+    "metric": str,
+    "dim": int,
+    "n_gallery": int,
+    "sha256": str,
+    "bytes": int,
+}
+#: gallery rows searched to check that a stored index holds this gallery's rows (its own row
+#: found among its top :data:`SELF_K`); below :data:`SELF_MIN_ROWS` rows chance finds them too
+SELF_ROWS, SELF_K, SELF_MIN_ROWS = 32, 10, 40
+
+
+def read_record(fs, path: str) -> tuple[dict | None, str]:
+    """A stored index's record, or (None, why it is unusable): unreadable, truncated (what a
+    kill during its write leaves), not a JSON object (``[]``, ``null``) or missing a field."""
+    try:
+        with fs.open(path) as fh:
+            prov = json.load(fh)
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None, f"unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+    if not isinstance(prov, dict):
+        return None, f"not an index record (a JSON {type(prov).__name__})"
+    bad = [k for k, t in RECORD_FIELDS.items() if not isinstance(prov.get(k), t) or isinstance(prov.get(k), bool)]
+    return (None, f"missing or mistyped {', '.join(bad)}") if bad else (prov, "")
+
+
+def index_disagrees(index: Any, prov: dict) -> str:
+    """Why the index itself contradicts its record (FAISS ``ntotal``/``d`` against the
+    recorded gallery rows and width), or ''."""
+    if int(index.ntotal) != prov["n_gallery"] or int(index.d) != prov["dim"]:
+        return (
+            f"it holds {int(index.ntotal)} x {int(index.d)} vectors but its record says "
+            f"{prov['n_gallery']} x {prov['dim']}"
+        )
+    return ""
+
+
+def gallery_disagrees(index: Any, G: PreparedRows) -> str:
+    """Why the index does not hold gallery ``G``'s rows, or '': a seeded sample of the rows is
+    searched and at least half must find themselves among the index's top :data:`SELF_K` (an
+    index built from other features, such as another backbone's of the same width, finds
+    them by chance only)."""
+    if int(index.ntotal) != G.shape[0] or int(index.d) != G.shape[1]:
+        return f"it holds {int(index.ntotal)} x {int(index.d)} vectors, the gallery is {G.shape[0]} x {G.shape[1]}"
+    if G.shape[0] < SELF_MIN_ROWS:
+        return ""
+    rows = _sample(G.shape[0], SELF_ROWS, 0)
+    _, ix = index.search(np.ascontiguousarray(G.take(rows), np.float32), SELF_K)
+    found = int((ix == rows[:, None]).any(axis=1).sum())
+    if 2 * found < rows.size:
+        return f"only {found} of {rows.size} gallery rows find themselves among its top {SELF_K}: other features"
+    return ""
+
+
+def load_index(where: str, key: str, expect: dict, G: PreparedRows | None = None) -> BuiltIndex | None:
+    """The stored index ``key`` if its record matches ``expect``, its bytes its checksum and
+    the index itself its record and gallery ``G`` (:func:`index_disagrees`,
+    :func:`gallery_disagrees`); None (and a warning when something stored was refused)
+    otherwise, so the caller rebuilds it. The bytes are hashed before FAISS reads them
+    (corrupt bytes are never deserialised) and again as it reads."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(where)
     blob = f"{root}/{key}.faiss"
     if not fs.exists(f"{root}/{key}.json") or not fs.exists(blob):
         return None
-    with fs.open(f"{root}/{key}.json") as fh:
-        prov = json.load(fh)
+    prov, why = read_record(fs, f"{root}/{key}.json")
+    if prov is None:
+        log.warning("stored index record %s/%s.json is %s; refused, rebuilding the index", where, key, why)
+        return None
     diff = sorted(k for k, v in expect.items() if prov.get(k) != v)
     if diff:
         log.warning("stored index %s/%s was built from other %s; refused, rebuilding it", where, key, diff)
@@ -483,4 +543,83 @@ def load_index(where: str, key: str, expect: dict) -> BuiltIndex | None:
     if index is None:
         log.warning("stored index %s/%s.faiss does not match its recorded sha256; refused, rebuilding it", where, key)
         return None
+    why = index_disagrees(index, prov) or (gallery_disagrees(index, G) if G is not None else "")
+    if why:
+        log.warning("stored index %s/%s.faiss does not fit this gallery (%s); refused, rebuilding it", where, key, why)
+        return None
     return BuiltIndex(index, prov["factory"], prov, reused=True)
+
+
+def rows_digest(ids: Any) -> str:
+    """sha256 of the gallery's row ids, in order (the rows an index's positions stand for)."""
+    return hashlib.sha256(json.dumps([str(i) for i in np.asarray(ids).tolist()]).encode()).hexdigest()
+
+
+def _stored_problem(fs, root: str, key: str) -> str:
+    """What is wrong with stored index ``key`` (its record, its bytes, the index against its
+    record), or ''. An index file without a record is what an interrupted save leaves: no damage."""
+    prov, why = read_record(fs, f"{root}/{key}.json")
+    if prov is None:
+        return f"record {key}.json is {why}"
+    blob = f"{root}/{key}.faiss"
+    if not fs.exists(blob):
+        return f"index file {key}.faiss is missing"
+    if fs.size(blob) != prov["bytes"] or _file_sha256(fs, blob) != prov["sha256"]:
+        return f"index file {key}.faiss does not match its record's sha256/bytes"
+    index = _read_index(fs, blob, prov["sha256"])
+    if index is None:
+        return f"index file {key}.faiss changed while it was read"
+    why = index_disagrees(index, prov)
+    return f"index file {key}.faiss contradicts its record: {why}" if why else ""
+
+
+def verify_index_records(cache: str, repair: bool = False) -> list[str]:
+    """``featcache verify``'s check of the indexes stored beside store ``cache``: one problem line
+    per record that is unreadable, truncated or not a record, per index file missing or not
+    matching its record's sha256/bytes, and per index whose ``ntotal``/``d`` contradict its
+    record. ``repair``: the damaged index and record are removed (the next ``retrieve
+    --index`` rebuilds them)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(index_dir(cache))
+    if not fs.isdir(root):
+        return []
+    keys = sorted({n.rsplit("/", 1)[-1][: -len(".json")] for n in fs.ls(root, detail=False) if n.endswith(".json")})
+    out = []
+    for key in keys:
+        why = _stored_problem(fs, root, key)
+        if not why:
+            continue
+        if repair:
+            for suffix in (".json", ".faiss"):
+                if fs.exists(f"{root}/{key}{suffix}"):
+                    fs.rm(f"{root}/{key}{suffix}")
+        then = "removed by --repair" if repair else "`featcache verify --repair` removes it"
+        out.append(f"stored index {root}/{key}: {why}; the next `featcache retrieve --index` rebuilds it ({then})")
+    return out
+
+
+def check_index_dir(where: str) -> None:
+    """A folder an index can be stored in, else one line before the index is built: a file at
+    ``where``, a folder that cannot be made, a read-only local folder."""
+    import os
+
+    import fsspec
+
+    from featcache.errors import CacheNotWritableError
+
+    fs, root = fsspec.core.url_to_fs(where)
+    why = "it is a file" if fs.exists(root) and not fs.isdir(root) else ""
+    if not why:
+        try:
+            fs.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    if not why and local and not os.access(root, os.W_OK | os.X_OK):
+        why = "it is not writable"
+    if why:
+        raise CacheNotWritableError(
+            f"cannot store FAISS indexes in {where} ({why}); give --index-dir a writable folder "
+            "(default: <cache>.indexes beside the store)"
+        )

@@ -248,7 +248,8 @@ def _index_result(cfg: RetrievalConfig, d: _Pair, rel: Relevance) -> tuple[dict,
     spec = cfg.index_spec(max(cfg.ks))
     assert spec is not None  # index rows are made only when --index is given
     if cfg.metric not in d._indexes:
-        d._indexes[cfg.metric] = obtain_index(spec, G, d.g_fingerprint, cfg.cache)
+        where = {"backbone": d.backbone, "dataset": cfg.dataset, "split": d.g_split, "kind": cfg.kind}
+        d._indexes[cfg.metric] = obtain_index(spec, G, d.g_fingerprint, cfg.cache, d.idg, where)
     built = d._indexes[cfg.metric]
     t0 = time.perf_counter()
     per_query, _, ix = evaluate_index(built.index, Q, rel, cfg.metric, cfg.ks)

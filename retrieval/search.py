@@ -55,13 +55,16 @@ def parse_memory(text: str | int | float | None) -> int:
     if text is None:
         return DEFAULT_MAX_MEMORY
     if isinstance(text, (int, float)):
-        val = int(text)
+        num = float(text)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))
         if not m:
             raise DataError(f"cannot parse memory size {text!r}; write e.g. 2GB, 512MB or 1e9")
         base = 1024 if m.group(3) else 1000
-        val = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
+        num = float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_")
+    if not num - num == 0:  # inf (1e400) and NaN
+        raise DataError(f"max memory {text!r} is not a finite size; write e.g. 2GB, 512MB or 1e9")
+    val = int(text) if isinstance(text, int) else int(num)
     if val < 1024**2:
         raise DataError(f"max memory {text!r} is below 1 MB; give at least a few hundred MB, e.g. 2GB")
     return val

@@ -28,6 +28,16 @@ REPAIR_NO_SPACE_THEN = (
 )
 
 
+#: checks of what a stage keeps beside a store (the store knows no stage): name -> ``fn(path,
+#: repair) -> problem lines``, registered by the stage (:func:`register_beside_check`)
+BESIDE_CHECKS: dict = {}
+
+
+def register_beside_check(name: str, check) -> None:
+    """Have ``verify`` run ``check(path, repair)`` too, its lines counted as problems."""
+    BESIDE_CHECKS[name] = check
+
+
 @dataclass
 class VerifyReport:
     problems: list[str] = field(default_factory=list)
@@ -76,6 +86,11 @@ def verify(
             _check_group(cache, b, d, s, rep, repair)
         except Exception as exc:
             rep.problems.append(f"{where}: {type(exc).__name__}: {exc}")
+    for name, check in BESIDE_CHECKS.items() if local else ():
+        try:
+            rep.problems += check(os.fspath(path), repair)
+        except Exception as exc:
+            rep.problems.append(f"{name}: {type(exc).__name__}: {exc}")
     rep.repaired = repair
     for p in rep.problems:
         log.warning("verify: %s", p)

@@ -243,10 +243,14 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------ the Hugging Face hub, offline
-def put_in_hub_cache(cache: Path, repo: str, files: dict[str, Path], commit: str, ref: str = "main") -> Path:
+def put_in_hub_cache(
+    cache: Path, repo: str, files: dict[str, Path], commit: str, ref: str = "main", link: bool = True
+) -> Path:
     """Files laid out as ``huggingface_hub`` caches a model repo: ``models--ORG--NAME/blobs/<sha256>``,
-    ``snapshots/<commit>/<name>`` (a copy; the hub links to the blob) and ``refs/<ref>``."""
+    ``snapshots/<commit>/<name>`` (a relative link to the blob, as the hub makes it; a copy with
+    ``link=False``, as on a file system without links) and ``refs/<ref>``."""
     import hashlib
+    import os
     import shutil
 
     root = cache / ("models--" + repo.replace("/", "--"))
@@ -256,7 +260,11 @@ def put_in_hub_cache(cache: Path, repo: str, files: dict[str, Path], commit: str
     for name, src in files.items():
         blob = root / "blobs" / hashlib.sha256(src.read_bytes()).hexdigest()
         shutil.copyfile(src, blob)
-        shutil.copyfile(src, snap / name)
+        (snap / name).unlink(missing_ok=True)
+        if link:
+            os.symlink(os.path.relpath(blob, snap), snap / name)
+        else:
+            shutil.copyfile(src, snap / name)
     (root / "refs").mkdir(exist_ok=True)
     (root / "refs" / ref).write_text(commit)
     return snap
@@ -267,9 +275,11 @@ class HubServer:
     reads it: ``GET /api/models/{repo}/revision/{rev}`` (id, sha), ``GET /api/models/{repo}/tree/{rev}``
     (the file list) and ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with the headers its
     ``get_hf_file_metadata`` reads (``X-Repo-Commit``, ``ETag``: the sha256 of an LFS file,
-    ``Content-Length``). ``requests``: the paths asked for."""
+    ``Content-Length``). ``requests``: the paths asked for; ``served``: bytes served in place of
+    a file's own (its ETag still the sha256 of the file's own bytes); ``status``: an HTTP status
+    every request is answered with instead (a hub in trouble)."""
 
-    def __init__(self, repo: str, files: dict[str, Path], commit: str):
+    def __init__(self, repo: str, files: dict[str, Path], commit: str, served: dict[str, bytes] | None = None):
         import hashlib
         import http.server
         import threading
@@ -277,6 +287,7 @@ class HubServer:
         self.repo, self.commit, self.requests = repo, commit, []
         self.files = {n: p.read_bytes() for n, p in files.items()}
         self.sha = {n: hashlib.sha256(b).hexdigest() for n, b in self.files.items()}
+        self.served, self.status = dict(served or {}), None
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -295,6 +306,8 @@ class HubServer:
             def _route(self, head):
                 path = self.path.split("?", 1)[0]
                 server.requests.append(f"{self.command} {path}")
+                if server.status is not None:
+                    return self._send(server.status, b"hub in trouble", {"Content-Type": "text/plain"}, head)
                 api = f"/api/models/{server.repo}/"
                 if path.startswith(api + "revision/"):
                     body = json.dumps(
@@ -324,7 +337,8 @@ class HubServer:
                             "ETag": f'"{server.sha[name]}"',
                             "Content-Type": "application/octet-stream",
                         }
-                        return self._send(200, server.files[name], hdr, head)
+                        body = server.served.get(name, server.files[name])
+                        return self._send(200, body, hdr, head)
                     return self._send(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": server.commit}, head)
                 return self._send(404, b"", {"X-Error-Code": "RepoNotFound"}, head)
 

@@ -52,12 +52,13 @@ __all__ = [
 
 def default_name(spec: str) -> str:
     """The dataset name a spec gets when none is given: its folder's or file's name (see each
-    format's ``name_of``), else its kind."""
+    format's ``name_of``), else its format's canonical kind (an alias such as ``fmnist`` or
+    ``fashion_mnist`` is stored as ``fashion-mnist``, where every later command finds it)."""
     kind, arg = parse_spec(spec)
     fmt = FORMATS.get(kind)
     if arg and fmt is not None and fmt.name_of is not None:
-        return fmt.name_of(arg) or kind
-    return kind
+        return fmt.name_of(arg) or fmt.kind
+    return fmt.kind if fmt is not None else kind
 
 
 def open_dataset(spec: str, name: str | None = None, *, options: ReadOptions | None = None) -> dict[str, SplitSource]:

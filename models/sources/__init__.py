@@ -197,6 +197,7 @@ def load_weights(
         return hashlib.sha256(f"random:{seed}".encode()).hexdigest(), f"@random{seed}", None
     p = Path(weights).expanduser()
     if p.is_file():
+        sha = _w.checked_sha256(p, f"--model {source}:{name} --weights {p}")
         sd = _w.unwrap_state_dict(_w.read_state_dict(p), str(p))
         sd = {k: v for k, v in sd.items() if not any(k == d or k.startswith(d + ".") for d in drop)}
         missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -205,7 +206,7 @@ def load_weights(
                 f"{p} does not fit {source}:{name} (missing {list(missing)[:5]}, unexpected "
                 f"{list(unexpected)[:5]}); pass the checkpoint of this architecture"
             )
-        return _w.file_sha256(p), f"@{p.stem}", str(p)
+        return sha, f"@{p.stem}", str(p)
     raise BackboneError(
         f"{source}:{name} needs weights='random:SEED', a checkpoint file (.pth/.safetensors) or one of "
         f"the library's own weight names; got {weights!r}"

@@ -126,9 +126,10 @@ def build(
         model = S.seeded(seed, lambda: transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code))
         sha, tag = S.load_weights(model, weights, "hf", name)[:2]
         used, files = weights, []
-    else:
-        model = transformers.AutoModel.from_pretrained(d, **trust)
-        where["weight_files"] = {f.name: _w.file_sha256(f) for f in files}
+    else:  # each file checked against what the hub promised before transformers reads it
+        where["weight_files"] = {f.name: _w.checked_sha256(f, f"--model hf:{name}") for f in files}
+        with _w.reading(files[0] if files else d, f"--model hf:{name}"):
+            model = transformers.AutoModel.from_pretrained(d, **trust)
         sha, tag, used = (where["weight_files"][files[0].name] if files else S.state_sha256(model)), "", "dir"
     is_clip = hasattr(model, "get_image_features")
     vision = model.vision_model if is_clip else model

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from featcache.errors import BackboneError, WeightsNotFoundError
+from featcache.errors import BackboneError, CorruptWeightsError, WeightsNotFoundError
 from featcache.models.weights import hf_cache_dir  # the one reading of HF_HUB_CACHE/HF_HOME
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "missing",
     "revision_of",
     "snapshot",
+    "unreachable",
 ]
 
 #: ``ORG/NAME`` (optionally ``@REVISION``): a hub repository id
@@ -65,6 +66,69 @@ def missing(what: str, fetch: str) -> WeightsNotFoundError:
     )
 
 
+_NET_MODULES = ("huggingface_hub", "httpx", "httpcore", "requests", "urllib3", "urllib", "socket", "ssl")
+
+
+def reason(exc: BaseException) -> str:
+    """The innermost cause of a failed download as one short clause, never cut mid-word."""
+    inner, seen = exc, {id(exc)}
+    while (nxt := inner.__cause__ or inner.__context__) is not None and id(nxt) not in seen:
+        inner = nxt
+        seen.add(id(nxt))
+    text = " ".join((str(inner).strip().splitlines() or [""])[0].split())
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+    if len(first) > 160:
+        first = first[:160].rsplit(" ", 1)[0] + " ..."
+    return f"{type(inner).__name__}: {first}" if first else type(inner).__name__
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """Whether a failed download (or anything in its chain) is the network's or the hub's doing."""
+    e: BaseException | None = exc
+    for _ in range(10):
+        if e is None:
+            return False
+        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__module__.split(".")[0] in _NET_MODULES:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def unreachable(what: str, fetch: str, exc: BaseException, endpoint: str | None = None) -> WeightsNotFoundError:
+    """The one-line error of a download that failed with downloads on: the hub did not answer
+    (unreachable, an HTTP error) and the cache does not hold it; what to do about each.
+    ``endpoint``: the hub asked (default ``HF_ENDPOINT``, else huggingface_hub's own)."""
+    if endpoint is None:
+        import huggingface_hub.constants as hc
+
+        endpoint = os.environ.get("HF_ENDPOINT") or hc.ENDPOINT
+    return WeightsNotFoundError(
+        f"cannot download {what}: the hub at {endpoint} did not answer as expected ({reason(exc)}) and it is not in "
+        f"the Hugging Face cache ({hf_cache_dir()}); check the network (or HF_ENDPOINT) and run the command again, "
+        f"or on a machine that reaches the hub run `featcache fetch-weights {fetch}` and copy the cache here "
+        "(--offline reads only the cache, without waiting for the hub)"
+    )
+
+
+def check_reachable(repo_id: str, filename: str, what: str, fetch: str) -> None:
+    """One request (huggingface_hub's ``get_hf_file_metadata``, without its retries) before a
+    library's own download, which retries an unreachable hub for about a minute: a hub that
+    does not answer, or answers 5xx, is :func:`unreachable` at once; any answer from the hub
+    itself (a 404 the library falls back from included) lets the download go on."""
+    import huggingface_hub as hh
+    import huggingface_hub.constants as hc
+
+    endpoint = os.environ.get("HF_ENDPOINT") or hc.ENDPOINT
+    try:
+        hh.get_hf_file_metadata(hh.hf_hub_url(repo_id, filename, endpoint=endpoint), timeout=10, endpoint=endpoint)
+    except Exception as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int) and status < 500:
+            return
+        if is_network_error(exc):
+            raise unreachable(what, fetch, exc, endpoint) from None
+
+
 def snapshot(repo_id: str, revision: str | None, *, offline: bool = False, fetch: str = "") -> Path:
     """The local snapshot folder of hub repo ``repo_id`` at ``revision`` (default ``main``):
     downloaded by ``huggingface_hub.snapshot_download`` (config, processor, tokenizer and
@@ -92,9 +156,28 @@ def snapshot(repo_id: str, revision: str | None, *, offline: bool = False, fetch
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
         raise BackboneError(f"{what}: no such model or revision on the hub ({first})") from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        raise missing(what, fetch or f"--model {what}") from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
+        if is_offline(offline):
+            raise missing(what, fetch or f"--model {what}") from None
+        raise unreachable(what, fetch or f"--model {what}", exc) from None
     except Exception as exc:  # network errors: httpx's and huggingface_hub's many types
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise BackboneError(f"cannot download {what} ({type(exc).__name__}: {first}); or pass --offline") from None
+        raise unreachable(what, fetch or f"--model {what}", exc) from None
+    if revision_of(str(path) + "/") is None or not Path(path).is_dir():
+        raise _damaged_ref(repo_id, revision, what)
     return Path(path)
+
+
+def _damaged_ref(repo_id: str, revision: str | None, what: str) -> CorruptWeightsError:
+    """A cached ref (``refs/main``) that names no snapshot (empty, truncated): the cache is
+    damaged, not the model; ``fetch-weights --force`` removes the ref and fetches it again."""
+    ref = hf_cache_dir() / ("models--" + repo_id.replace("/", "--")) / "refs" / (revision or "main")
+    try:
+        text = ref.read_text()[:60]
+    except OSError as exc:
+        text = f"unreadable: {exc.strerror}"
+    return CorruptWeightsError(
+        f"{what}: the Hugging Face cache's {ref} is damaged (it names no snapshot: {text!r}); run "
+        f"`featcache fetch-weights --model {what} --force` where the hub is reachable (or write the snapshot's "
+        "commit sha into it)",
+        paths=(str(ref),),
+    )

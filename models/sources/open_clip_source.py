@@ -6,6 +6,7 @@ tower): the mean of block N's patch tokens, from open_clip's own ``visual.forwar
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,12 +70,33 @@ def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tup
             if path is None:
                 raise hub.missing(f"open_clip:{name} ({weights})", f"--model open_clip:{name} --weights {weights}")
         else:
+            if cfg.get("hf_hub") and cached_file(cfg) is None:  # a hub that does not answer: now, not in a minute
+                hub.check_reachable(
+                    *_hub_repo_file(cfg["hf_hub"]),
+                    f"open_clip:{name} ({weights})",
+                    f"--model open_clip:{name} --weights {weights}",
+                )
             path = open_clip.download_pretrained(cfg, cache_dir=str(hub.hf_cache_dir()) if repo else None)
-    except FileNotFoundError as exc:
+    except Exception as exc:  # hub and network errors of many types
         if isinstance(exc, BackboneError):
             raise
-        raise BackboneError(f"cannot download open_clip:{name} {weights} ({str(exc)[:200]})") from None
+        fetch = f"--model open_clip:{name} --weights {weights}"
+        if hub.is_network_error(exc):
+            import huggingface_hub.constants as hc  # what open_clip's download asked (read at its import)
+
+            raise hub.unreachable(f"open_clip:{name} ({weights})", fetch, exc, hc.ENDPOINT) from None
+        raise BackboneError(f"cannot download open_clip:{name} {weights} ({hub.reason(exc)})") from None
     return path, {"pretrained_tag": weights, "hub_id": repo, "revision": hub.revision_of(path)}
+
+
+def _hub_repo_file(hf_hub: str) -> tuple[str, str]:
+    """(repo, file) of an open_clip ``hf_hub`` entry (``ORG/NAME/`` names its default file)."""
+    import os
+
+    if hf_hub.endswith("/"):
+        return hf_hub.rstrip("/"), "open_clip_pytorch_model.bin"
+    repo, fname = os.path.split(hf_hub.rstrip("/"))
+    return repo, fname
 
 
 def cached_file(cfg: dict[str, Any]) -> str | None:
@@ -86,14 +108,7 @@ def cached_file(cfg: dict[str, Any]) -> str | None:
     if cfg.get("hf_hub"):
         from huggingface_hub import try_to_load_from_cache
 
-        repo, fname = (
-            os.path.split(cfg["hf_hub"].rstrip("/"))
-            if not cfg["hf_hub"].endswith("/")
-            else (
-                cfg["hf_hub"].rstrip("/"),
-                "open_clip_pytorch_model.bin",
-            )
-        )
+        repo, fname = _hub_repo_file(cfg["hf_hub"])
         stem = fname.rsplit(".", 1)[0]
         for f in (f"{stem}.safetensors", fname):
             hit = try_to_load_from_cache(repo, f, cache_dir=str(hub.hf_cache_dir()))
@@ -159,16 +174,21 @@ def build(
     path, more = (None, {}) if hub_name and seed is None else _weights_file(open_clip, name, weights, offline)
     if hub_name and seed is None and hub.is_offline(offline) and _hub_file(name[7:]) is None:
         raise hub.missing(f"open_clip:{name}", f"--model open_clip:{name}")
-    model, transform = _create(open_clip, name, path, seed)
+    from featcache.models import weights as _w
+
+    fetch = f"--model open_clip:{name}" + ("" if hub_name else f" --weights {weights}")
+    cached = _hub_file(name[7:]) if hub_name and seed is None else path
+    # what the cache holds is checked before open_clip reads it
+    checked = {cached: _w.checked_sha256(cached, fetch)} if cached is not None else {}
+    with _w.reading(cached, fetch) if cached is not None else contextlib.nullcontext():
+        model, transform = _create(open_clip, name, path, seed)
     if hub_name and seed is None:  # open_clip downloaded config and weights itself: record the cached file
         path = _hub_file(name[7:])
         more = {"hub_id": name[7:], "revision": hub.revision_of(path)}
     if seed is not None:
         sha, tag, wfile = S.load_weights(model, weights, "open_clip", name)
     elif path is not None:
-        from featcache.models import weights as _w
-
-        sha, wfile = _w.file_sha256(path), path
+        sha, wfile = checked.get(path) or _w.checked_sha256(path, fetch), path
         tag = f"@{more['pretrained_tag']}" if "pretrained_tag" in more else "" if hub_name else f"@{Path(path).stem}"
         more["weight_files"] = {Path(path).name: sha}
     else:

@@ -126,7 +126,15 @@ def _download(member: Any, name: str, offline: bool) -> Any:
                 f"(--offline / HF_HUB_OFFLINE=1); on a connected machine run `featcache fetch-weights "
                 f"--model torchvision:{name} --weights {member.name}` and copy TORCH_HOME here"
             )
-        member.get_state_dict(progress=False, check_hash=True)
+        try:
+            member.get_state_dict(progress=False, check_hash=True)
+        except Exception as exc:  # urllib's URLError chain, torch hub's hash check, a full disk ...
+            fetch = f"--model torchvision:{name} --weights {member.name}"
+            raise WeightsNotFoundError(
+                f"cannot download torchvision:{name} weights {member.name} from {member.url} ({hub.reason(exc)}); "
+                "check the network and run the command again, or on a machine that reaches it run `featcache "
+                f"fetch-weights {fetch}` and copy TORCH_HOME here (--offline reads only torch hub's cache)"
+            ) from None
     return path
 
 
@@ -151,8 +159,11 @@ def build(
         from featcache.models import weights as _w
 
         path = _download(member, name, offline)
-        model = torchvision.models.get_model(name, weights=member)
-        sha, tag, wfile = _w.file_sha256(path), f"@{member.name}", path
+        fetch = f"--model torchvision:{name} --weights {member.name}"
+        sha = _w.checked_sha256(path, fetch)
+        with _w.reading(path, fetch):
+            model = torchvision.models.get_model(name, weights=member)
+        tag, wfile = f"@{member.name}", path
         more = {"weights_enum": str(member), "weights_url": member.url}
     else:
         model = S.seeded(seed, lambda: torchvision.models.get_model(name, weights=None))

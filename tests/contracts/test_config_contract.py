@@ -115,7 +115,7 @@ STAGES = {
             "gallery_split": "same",
             "ks": (2, 3),
             "relevance": "rel.parquet",
-            "max_memory": "1MB",
+            "max_memory": "512MB",
             "kind": "cls",
             "results_path": "r.parquet",
             "index": "IVF8,Flat",

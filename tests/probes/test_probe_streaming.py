@@ -132,7 +132,7 @@ def test_run_probes_streamed_halving_records_it(digits_cache, tmp_path, small_bl
     grid = list(DEFAULT_CS[12:30:3])
     base = {"results_path": tmp_path / "r.parquet", "progress": False, "Cs": grid, "backend": "torch"}
     ref = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", **base))
-    new = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", sweep="halving", max_host_bytes=0, **base))
+    new = run_probes(ProbeConfig(digits_cache, [LITE0], "digits", "full", sweep="halving", max_host_bytes=1, **base))
     hr, hn = json.loads(ref["hparams"][0]), json.loads(new["hparams"][0])
     assert "sweep" not in hr
     assert "streamed" not in hr

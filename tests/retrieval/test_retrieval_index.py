@@ -289,7 +289,8 @@ def test_index_streams_to_and_from_files_as_faiss_serialises_it(tmp_path):
     index.train(X)
     index.add(X)
     ref = faiss.serialize_index(index).tobytes()
-    prov = save_index(BuiltIndex(index, "IVF4,Flat", {"factory": "IVF4,Flat"}), str(tmp_path), "k", {"n": 3000})
+    record = {"factory": "IVF4,Flat", "metric": "ip", "dim": 16, "n_gallery": 3000}  # as build_index records
+    prov = save_index(BuiltIndex(index, "IVF4,Flat", record), str(tmp_path), "k", {"n": 3000})
     with open(tmp_path / "k.faiss", "rb") as fh:
         assert fh.read() == ref
     assert prov["sha256"] == hashlib.sha256(ref).hexdigest()

@@ -137,7 +137,7 @@ def test_runner_on_a_lazy_split_matches_in_memory(digits_cache, tmp_path, monkey
     from featcache.probes import DEFAULT_CS, ProbeConfig, run_probes
     from featcache.probes import logistic as L
 
-    # a streamed sweep under max_host_bytes=0 fits one C at a time along the path (block=1);
+    # a streamed sweep under max_host_bytes=1 (every fit streams) fits one C at a time along the path (block=1);
     # the in-memory one takes the same path here (its CPU default, 8 heads at once from zero,
     # is another optimisation path: on the digits features it scored the best C 1/337 apart,
     # exactly this test's margin), so only the order of the float32 sums differs
@@ -152,14 +152,14 @@ def test_runner_on_a_lazy_split_matches_in_memory(digits_cache, tmp_path, monkey
         return out, json.loads(out["hparams"][0]), out.filter(pl.col("metric") == "top1")["value"][0]
 
     # one C: the fits differ in float32 summation order only (store order vs id order)
-    (mem, hm, tm), (lazy, hl, tl) = (run(f"{i}.parquet", [0.3], max_host_bytes=m) for i, m in ((1, None), (2, 0)))
+    (mem, hm, tm), (lazy, hl, tl) = (run(f"{i}.parquet", [0.3], max_host_bytes=m) for i, m in ((1, None), (2, 1)))
     assert hl["streamed"]
     assert "streamed" not in hm
     assert mem["run_id"][0] == lazy["run_id"][0]  # streaming changes summation order only
     assert abs(tm - tl) <= 1 / mem["n_eval"][0] + 1e-12
     # a sweep: the same selection up to one near-tied validation image (as before lazy loads)
     grid = list(DEFAULT_CS[14:26:2])
-    (_, hm, _), (_, hl, _) = (run(f"{i}.parquet", grid, max_host_bytes=m) for i, m in ((3, None), (4, 0)))
+    (_, hm, _), (_, hl, _) = (run(f"{i}.parquet", grid, max_host_bytes=m) for i, m in ((3, None), (4, 1)))
     assert hl["val_top1"] >= hm["val_top1"] - 1 / hm["n_val"] - 1e-12
 
 
@@ -191,7 +191,7 @@ def test_load_scan_tells_which_rows_are_finite_without_reading(digits_cache, tmp
     assert StoredRows.concatenate([sel, StoredRows([counted])]).known_nonfinite() is None
     unchecked = open_cache(str(p)).load(LITE0, "digits", "train", lazy=True, check=False)
     assert unchecked.X.known_nonfinite() is None
-    for m in (0, None):  # streamed (lazy split) and in memory: the same refusal
+    for m in (1, None):  # streamed (lazy split) and in memory: the same refusal
         cfg = ProbeConfig(str(p), [LITE0], "digits", "full", Cs=[0.3], max_host_bytes=m, progress=False)
         with pytest.raises(ProbeError, match="1 rows marked valid hold NaN or inf"):
             run_probes(cfg)
