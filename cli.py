@@ -10,6 +10,7 @@ and builds only the module that registers COMMAND (:data:`COMMANDS`); the comman
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -41,6 +42,24 @@ for _pkg, _words in (
 ):
     for _word in _words:
         COMMANDS.register(_word, f"featcache.{_pkg}.cli:register")
+
+
+#: what ``featcache verify`` checks beside a store that the stages keep there (the store knows no
+#: stage, so the entry point names them): each a ``module:function`` that registers its check
+VERIFY_CHECKS = ("featcache.retrieval.cli:register_verify_checks",)
+
+
+def _register_verify_checks() -> None:
+    """Import and run each of :data:`VERIFY_CHECKS` (a stage missing from this build: none)."""
+    for spec in VERIFY_CHECKS:
+        module, _, attr = spec.partition(":")
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        getattr(mod, attr)()
 
 
 def command_modules() -> list[str]:
@@ -162,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command == "verify":
+        _register_verify_checks()
     log = logging.getLogger("featcache.cli")
     log.debug("featcache %s: %s", __version__, " ".join(sys.argv if argv is None else ["featcache", *argv]))
     try:

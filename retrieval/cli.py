@@ -7,11 +7,17 @@ from dataclasses import replace
 from featcache.retrieval.config import RetrievalConfig
 
 
-def register(subparsers) -> None:
+def register_verify_checks() -> None:
+    """``featcache verify`` checks the stored retrieval indexes beside a store too (the store
+    knows no stage: the entry point, cli.VERIFY_CHECKS, calls this)."""
     from featcache.retrieval.index import verify_index_records
-    from featcache.store.verify import register_beside_check
+    from featcache.store import register_beside_check
 
-    register_beside_check("retrieval indexes", verify_index_records)  # `featcache verify` checks them too
+    register_beside_check("retrieval indexes", verify_index_records)
+
+
+def register(subparsers) -> None:
+    register_verify_checks()
     p = subparsers.add_parser(
         "retrieve",
         help="retrieval metrics (mAP, MRR, recall@k, hit@k) and k-NN accuracy from cached features",

@@ -16,6 +16,7 @@ from featcache.store.schema import (
 )
 from featcache.store.space import no_space
 from featcache.store.tasks import load_label_matrix, task_metric, write_label_matrix, write_task_metric
+from featcache.store.verify import register_beside_check
 from featcache.store.writer import FeatureWriter, make_provenance, write_features
 from featcache.store.writing import ensure_split, write_caption_embeddings, write_class_embeddings
 
@@ -38,6 +39,7 @@ __all__ = [
     "no_space",
     "open_cache",
     "parse_storage_options",
+    "register_beside_check",
     "task_metric",
     "write_caption_embeddings",
     "write_class_embeddings",

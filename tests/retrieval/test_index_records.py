@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +159,15 @@ def test_verify_repair_removes_a_forged_index(tmp_path, capsys):
     assert not blob.exists()
     assert not blob.with_suffix(".json").exists()
     assert rec["n_gallery"] == 200
+
+
+def test_a_fresh_featcache_verify_checks_the_indexes_too(tmp_path):
+    """``featcache verify`` in its own process (which builds the store's parser only) runs the
+    retrieval stage's index check too: cli.VERIFY_CHECKS registers it, not an earlier retrieve."""
+    cache = _store(tmp_path / "c.zarr", backbones=("a",))
+    assert _retrieve(cache, tmp_path / "r.parquet") == 0
+    (blob,) = _pairs(cache).values()
+    blob.write_bytes(blob.read_bytes()[:-8])  # the bytes changed, the record not
+    run = subprocess.run([sys.executable, "-m", "featcache", "verify", cache], capture_output=True, text=True)
+    assert run.returncode == 1, run.stderr
+    assert "does not match its record's sha256/bytes" in run.stdout
