@@ -60,9 +60,18 @@ LONGEST_FILES = (
 )
 
 
+#: the session stores below: on a fresh clone the first test that asks for one extracts it
+#: (minutes on 2 cores), so a test that uses one, itself or through another fixture, is `slow`
+STORE_FIXTURES = frozenset({"digits_cache", "fmnist_cache"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the store users are `slow` by then
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within a file
+    for item in items:
+        if STORE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     try:
         import torch
 
