@@ -11,7 +11,6 @@ __version__ = "0.1.0"
 
 from typing import TYPE_CHECKING
 
-from featcache.core import moved as _moved
 from featcache.core._lazy import lazy_exports
 from featcache.errors import (
     FeatcacheError,
@@ -34,6 +33,3 @@ __all__ = [
 
 #: ``open_cache`` (:func:`featcache.store.open_cache`) imports zarr on first use
 __getattr__, __dir__ = lazy_exports(__name__, {"open_cache": "featcache.store.cache"})
-
-#: ``featcache.core.protocols`` and the other modules that moved into :mod:`featcache.core` still import
-_moved.install()

@@ -2,7 +2,9 @@
 
 Each stage owns a small ``cli`` module exposing ``register(subparsers)``; those modules
 import only ``argparse`` at module level so ``featcache extract`` starts fast on a GPU box
-that has torch and timm but not polars, faiss or matplotlib.
+that has torch and timm but not polars, faiss or matplotlib. ``featcache COMMAND`` imports
+and builds only the module that registers COMMAND (:data:`COMMANDS`); the command listing
+(``featcache --help``) and an unknown command build every one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,38 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: command -> the module in COMMAND_MODULES that registers it: ``featcache probe`` imports and
+#: builds that module's parsers only (tests/cli/test_cli_lazy.py holds the table to the modules)
+COMMANDS = {
+    **dict.fromkeys(("extract", "embed-classes", "embed-captions", "models", "fetch-weights"), "featcache.extract.cli"),
+    "suites": "featcache.suites.cli",
+    "finetune": "featcache.finetune.cli",
+    **dict.fromkeys(("ls", "verify"), "featcache.store.cli"),
+    "probe": "featcache.probes.cli",
+    **dict.fromkeys(("retrieve", "retrieve-text"), "featcache.retrieval.cli"),
+    "sweep": "featcache.sweep.cli",
+    **dict.fromkeys(("rank", "shift", "report"), "featcache.analysis.cli"),
+    "demo": "featcache.demo.cli",
+}
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command word of a command line (after the global flags), None when there is none or
+    help or the version is asked for before it."""
+    words = iter(argv)
+    for w in words:
+        if w in ("-h", "--help", "--version") or w == "--":
+            return None
+        if w == "--log-file":
+            next(words, None)
+        elif not w.startswith("-"):
+            return w
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command-line parser: every command's, or (``argv`` naming a command in
+    :data:`COMMANDS`) only the parsers of the module that registers that command."""
     parser = argparse.ArgumentParser(
         prog="featcache",
         description="Run every backbone over every image once; probe, retrieve and rank from the cache.",
@@ -47,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also append the log to PATH (at INFO even with -q; DEBUG with -vv)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    command = command_of(argv) if argv is not None else None
+    only = COMMANDS.get(command) if command else None
+    for name in (only,) if only in COMMAND_MODULES else COMMAND_MODULES:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:  # a stage not installed in this build
@@ -115,7 +150,7 @@ def _damaged_store(args, exc: Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     # Stages read ``args.no_progress`` (their --no-progress flag) to set ``progress=``; -q implies it.
     args.no_progress = bool(getattr(args, "no_progress", False) or args.quiet)

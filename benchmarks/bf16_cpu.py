@@ -115,9 +115,9 @@ def first_rows(spec: str, split: str, bb, n: int | None = None):
     """(preprocessed float batch of the split's first ``n`` rows, their labels), as the pipeline makes it."""
     import torch
 
+    from featcache.data.preprocess import split_transform
+    from featcache.data.readers import open_dataset
     from featcache.extract.batching import ImageRows, collate
-    from featcache.extract.preprocess import split_transform
-    from featcache.extract.readers import open_dataset
 
     src = open_dataset(spec)[split]
     if n is not None:
@@ -135,8 +135,8 @@ def digits_accuracy(size: int, batch: int) -> dict:
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import FeatureHead
+    from featcache.models.backbones import create_backbone
 
     bb = create_backbone(LITE0, LITE0_WEIGHTS, device="cpu", input_size=size)
     bb.model = bb.model.to(memory_format=torch.channels_last)
@@ -189,8 +189,8 @@ def main() -> None:
     from extract_throughput import bare_forward
 
     from featcache.core.cpu import bf16_support, cpu_isa
-    from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import FeatureHead, default_parallelism
+    from featcache.models.backbones import create_backbone
 
     if a.digits_accuracy:
         load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

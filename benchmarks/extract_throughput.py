@@ -242,8 +242,8 @@ def backend_forward(head, backend: str, amp: str, x, batches: int) -> tuple[floa
 
 def decode_rate(bb, data: str, split: str, n: int) -> float:
     """Decode + preprocess alone (one core, as between forwards): images/s over the first ``n`` rows."""
+    from featcache.data.readers import open_dataset
     from featcache.extract.auto import first_batch
-    from featcache.extract.readers import open_dataset
 
     src = open_dataset(data)[split].subset(n)
     first_batch(src, bb, n, True)  # opens the source (an IDX file is decompressed once)
@@ -280,8 +280,8 @@ def roofline_rows(args, name: str, root: Path, peak: dict) -> list[dict]:
     import torch
 
     from featcache.extract.auto import candidates
-    from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import FeatureHead, choose_workers, default_parallelism
+    from featcache.models.backbones import create_backbone
 
     model, weights = PRESETS[name]
     bb = create_backbone(model, weights, device="cpu", input_size=224)
@@ -416,13 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from featcache.core.allocator import tune_cpu_allocator
-    from featcache.extract.backbones import create_backbone
     from featcache.extract.pipeline import (
         DEFAULT_CHUNK_ROWS,
         FeatureHead,
         default_parallelism,
         recorded_precision,
     )
+    from featcache.models.backbones import create_backbone
 
     chunk_rows = args.chunk_rows or DEFAULT_CHUNK_ROWS
     root = Path(args.tmp or tempfile.mkdtemp(prefix="featcache-bench-"))

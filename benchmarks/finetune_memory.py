@@ -47,7 +47,7 @@ from pathlib import Path
 CHILD = """
 import sys
 if sys.argv[1] == "reference":
-    import featcache.extract.preprocess as P
+    import featcache.data.preprocess as P
     import featcache.finetune.train as T
     P.split_transform = lambda transform: None  # the pool keeps the transform's float32
     T.CPU_EVAL_PIXELS = 10**12  # 256 images per eval batch at any size

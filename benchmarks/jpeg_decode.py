@@ -4,7 +4,7 @@ Writes real JPEG files into a temp dir (Fashion-MNIST items upscaled to 224-512 
 grayscale and as RGB, and scikit-image photos resized to 224-512 px), then times, per image,
 what one extraction DataLoader worker does: ``decode_image(path)`` with the decoder under test,
 then the shared resize/crop of lite0's eval transform at ``--input-size``
-(:class:`featcache.extract.preprocess.FastPreprocess`). Each decoder runs in its own child
+(:class:`featcache.data.preprocess.FastPreprocess`). Each decoder runs in its own child
 process (one torch thread, as a worker) so its peak RSS is its own; rounds alternate the
 order and the best round of each is reported, with the ratio vs PIL from the same run. The
 children also check that both decoders give identical preprocessed arrays on every file.
@@ -38,7 +38,7 @@ def write_jpegs(root: Path, n: int, quality: int = 90) -> list[str]:
     from PIL import Image
     from skimage import data as skdata
 
-    from featcache.extract.readers import open_dataset
+    from featcache.data.readers import open_dataset
 
     fm = open_dataset("fashion-mnist")["test"]
     photos = [Image.fromarray(getattr(skdata, p)()) for p in PHOTOS]
@@ -60,8 +60,8 @@ def write_jpegs(root: Path, n: int, quality: int = 90) -> list[str]:
 def _fast(input_size: int):
     import timm
 
-    from featcache.extract.backbones import make_transform
-    from featcache.extract.preprocess import split_transform
+    from featcache.data.preprocess import split_transform
+    from featcache.models.backbones import make_transform
 
     cfg = timm.data.resolve_model_data_config(timm.create_model(LITE0, pretrained=False))
     return split_transform(make_transform(cfg, input_size=input_size))
@@ -73,14 +73,14 @@ def child(args) -> None:
 
     import torch
 
-    from featcache.extract.decode import decode_image
-    from featcache.extract.source import ReadOptions
+    from featcache.data.decode import decode_image
+    from featcache.data.source import ReadOptions
 
     torch.set_num_threads(1)
     paths = Path(args.files).read_text().split("\n")
     fast = _fast(args.input_size)
     if args.arm == "nvjpeg":
-        from featcache.extract.decode import decode_jpeg_batch
+        from featcache.data.decode import decode_jpeg_batch
 
         blobs = [Path(p).read_bytes() for p in paths]
         decode_jpeg_batch(blobs[:8])  # warm up CUDA

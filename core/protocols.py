@@ -308,6 +308,12 @@ class Protocol:
     shots: int = -1  # examples per class, -1 = all
     fraction: float | None = None  # subset fraction
     median_over_seeds: bool = False  # report the median row (VTAB) beside each seed
+    #: the plan takes its validation rows where the config's ``val_source`` says (VTAB-1k: 800/200
+    #: of train or a val split); runs record the choice (run ids, hparams)
+    val_source_choice: bool = False
+    #: the order the plan takes its held-out rows in when not the canonical one (``"dataset"``:
+    #: the dataset's own, as the ELEVATER toolkit does); runs record it in their run ids
+    holdout_order: str | None = None
 
     @property
     def row_protocol(self) -> str:
@@ -686,6 +692,7 @@ def elevater_full(arg: str | None = None) -> Protocol:
         split="elevater-full",
         solver="elevater",
         grid=ELEVATER_SGD,
+        holdout_order="dataset",
     )
 
 
@@ -709,6 +716,7 @@ def _vtab1k(spec: str, arg: str | None, split: str, solver: str = "lbfgs", grid=
         grid=CGrid() if grid is None else grid,
         seeds=(0, 1, 2),
         median_over_seeds=True,
+        val_source_choice=True,
         **extra,
     )
 
@@ -772,6 +780,7 @@ def vtab1k_light(arg: str | None = None) -> Protocol:
         grid=VTAB_SGD,
         seeds=(0, 1, 2),
         pairs_with="vtab1k-sgd",
+        val_source_choice=True,
     )
 
 

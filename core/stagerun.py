@@ -17,8 +17,10 @@ what happens around that is here, once:
   :func:`canonical_order` the split checks.
 
 :data:`STAGES` maps a stage name (a sweep work item's ``kind``) to its :class:`Stage`; the
-sweep's executor is a lookup in it. This module imports no stage (entry points are
-``"module:function"`` strings, imported when called), so every stage may import it.
+sweep's executor is a lookup in it. Each stage registers its own :class:`Stage` in its package's
+``__init__`` (its entry point a ``"module:function"`` string of its own package, imported when
+called, so registering imports no runner); this module imports no stage, so every stage may
+import it.
 """
 
 from __future__ import annotations
@@ -117,18 +119,6 @@ def get_stage(name: str) -> Stage:
         return STAGES[name]
     except KeyError:
         raise ConfigError(f"unknown stage {name!r}; registered stages: {sorted(STAGES)}") from None
-
-
-register_stage(Stage("probe", "featcache.probes:run_probes", "protocol", ("val_source", "task_metric")))
-register_stage(Stage("retrieval", "featcache.retrieval:run_retrieval"))
-register_stage(
-    Stage(
-        "finetune",
-        "featcache.finetune:finetune",
-        "always",
-        ("finetune_protocol", "pairs_with", "scaled", "val_source", "task_metric"),
-    )
-)
 
 
 # ------------------------------------------------------------------ the skeleton

@@ -1,7 +1,7 @@
 """``featcache demo``: the main job end to end, on data where backbones differ.
 
 Data: the first few thousand Fashion-MNIST images (Debian's ``dataset-fashion-mnist``, read
-through :func:`featcache.extract.open_dataset`), or scikit-learn's digits when
+through :func:`featcache.data.open_dataset`), or scikit-learn's digits when
 Fashion-MNIST is not installed (logged and said in the summary: on 8x8 digits a random-init
 network is a strong baseline, so pretrained backbones need not beat it there).
 
@@ -147,9 +147,9 @@ def choose_data(
 ) -> DemoData:
     """The demo's data: Fashion-MNIST when installed (``auto``), else digits with a warning.
     ``fashion-mnist[:DIR]`` insists (a missing folder is an error); ``digits`` forces digits."""
+    from featcache.data.readers import open_dataset, parse_spec
+    from featcache.data.readers.folders import FASHION_MNIST_DIR
     from featcache.errors import DataError
-    from featcache.extract.readers import open_dataset, parse_spec
-    from featcache.extract.readers.folders import FASHION_MNIST_DIR
 
     kind, arg = parse_spec(want)
     if kind == "digits":

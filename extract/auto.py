@@ -296,8 +296,8 @@ def first_batch(src: Any, bb: Any, batch_size: int, channels_last: bool) -> tupl
     one core), made as :mod:`featcache.extract.loop` makes batches."""
     import torch
 
+    from featcache.data.preprocess import split_transform
     from featcache.extract.batching import ImageRows, collate
-    from featcache.extract.preprocess import split_transform
 
     cuda = bb.device.startswith("cuda")
     fast = split_transform(bb.transform)

@@ -7,14 +7,14 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 
+from featcache.data.source import SplitSource
 from featcache.errors import DataError
-from featcache.extract.source import SplitSource
 
 
 class ImageRows:
     """Map-style dataset: row -> (row, image tensor, ok, error text). Never raises per image.
 
-    With ``fast`` (:class:`~featcache.extract.preprocess.FastPreprocess`) the image tensor is
+    With ``fast`` (:class:`~featcache.data.preprocess.FastPreprocess`) the image tensor is
     ``uint8 [H, W, 3]`` and the batch is normalised after stacking (:func:`collate` on CPU,
     on the device for CUDA); otherwise it is ``transform(img)``, float ``[C, H, W]``.
     """

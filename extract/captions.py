@@ -97,7 +97,7 @@ def run(
     import torch
 
     from featcache.core.prompts import templates_sha256
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
     from featcache.store import open_cache, write_caption_embeddings
 
     cache = open_cache(cache_path, "a")

@@ -160,7 +160,7 @@ def run_embed_captions(args: argparse.Namespace) -> int:
 
 def run_models(args: argparse.Namespace) -> int:
     """``featcache models``: the names each installed source offers, and whether cached."""
-    from featcache.extract.catalog import SOURCES, list_models
+    from featcache.models.catalog import SOURCES, list_models
 
     n = 0
     for e in list_models(args.pattern, args.source or SOURCES):
@@ -175,7 +175,7 @@ def run_models(args: argparse.Namespace) -> int:
 
 def run_fetch_weights(args: argparse.Namespace) -> int:
     """``featcache fetch-weights``: pre-fetch models (connected), or ``--verify`` them offline."""
-    from featcache.extract import catalog
+    from featcache.models import catalog
 
     if args.verify:
         for r in catalog.verify(args.verify):

@@ -21,10 +21,10 @@ from typing import Any
 from featcache.core import configs
 from featcache.core.configs import Interval, Matches, OneOf, flag, renamed_kwargs
 from featcache.core.devices import PRECISION_ALIASES, PRECISIONS
+from featcache.data.readers import format_help
+from featcache.data.source import DEFAULT_MAX_IMAGE_PIXELS
 from featcache.errors import ConfigError
-from featcache.extract.readers import format_help
-from featcache.extract.source import DEFAULT_MAX_IMAGE_PIXELS
-from featcache.extract.sources import model_help
+from featcache.models.sources import model_help
 from featcache.store.schema import MAX_CHUNK_ROWS
 
 #: --precision words: ``default`` is the old ``auto`` (bf16 on CUDA, fp32 on CPU); ``auto`` adds
@@ -43,8 +43,8 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
 
 
 def weights_help() -> str:
-    """The ``--weights`` help, from the weight-source registry (:mod:`featcache.extract.backbones`)."""
-    from featcache.extract.backbones import weights_help
+    """The ``--weights`` help, from the weight-source registry (:mod:`featcache.models.backbones`)."""
+    from featcache.models.backbones import weights_help
 
     return weights_help()
 
@@ -200,7 +200,7 @@ class ExtractConfig:
         if self.model is None or (isinstance(self.model, str) and not self.model):
             bad("--model", repr(self.model), "give a timm model name")
         if isinstance(self.model, str):
-            from featcache.extract.sources import parse_model
+            from featcache.models.sources import parse_model
 
             parse_model(self.model)  # an unknown SOURCE: prefix: one line before anything is read
         configs.check_fields(self)
@@ -237,7 +237,7 @@ class ExtractConfig:
         """Settings recorded beside each feature array's provenance (``extra``), as requested
         (``resize`` where featcache builds the transform: timm models and ``python:``/module
         models; the other sources preprocess with their library's own)."""
-        from featcache.extract.sources import parse_model
+        from featcache.models.sources import parse_model
 
         out = {
             "precision_requested": self.amp,

@@ -11,7 +11,7 @@ from featcache.errors import ConfigError, FeatcacheError
 if TYPE_CHECKING:
     import torch
 
-    from featcache.extract.model import Backbone
+    from featcache.models.model import Backbone
 
 FEATURE_KINDS_HELP = "pooled, tokens_mean, cls, stageN_avg (N = stage index)"
 _STAGE_RE = re.compile(r"^stage(\d+)_avg$")

@@ -39,7 +39,7 @@ def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
     """(DataLoader over this rank's chunks, the fast preprocessing or None)."""
     from torch.utils.data import DataLoader
 
-    from featcache.extract.preprocess import split_transform
+    from featcache.data.preprocess import split_transform
 
     cuda = bb.device.startswith("cuda")
     fast = split_transform(bb.transform)

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from featcache.data.readers import open_dataset, parse_spec, select_splits
+from featcache.data.source import ReadOptions, SplitSource
 from featcache.errors import DataError, ProvenanceMismatchError, UsageError
 from featcache.extract.batching import chunk_batches
 from featcache.extract.config import DEFAULT_CHUNK_ROWS, ExtractConfig
@@ -37,9 +39,7 @@ from featcache.extract.distributed import (
 )
 from featcache.extract.features import FEATURE_KINDS_HELP, FeatureHead
 from featcache.extract.loop import SplitReport, run_split
-from featcache.extract.readers import open_dataset, parse_spec, select_splits
 from featcache.extract.settings import compute_settings, recorded_precision  # also importable from here
-from featcache.extract.source import ReadOptions, SplitSource
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +150,12 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     """
     import torch
 
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
     from featcache.store import open_cache
 
     if not isinstance(config, ExtractConfig):
         raise UsageError("extract() takes an ExtractConfig: extract(ExtractConfig(model, weights, data, ...))")
-    from featcache.extract.decode import resolve_decoder
+    from featcache.data.decode import resolve_decoder
 
     cfg = config
     in_memory = parse_spec(cfg.data)[0] in ("digits", "fashion-mnist")  # no image files to decode
@@ -437,7 +437,7 @@ def _prepare(writer, stored, overwrite: bool, auto_decoder: bool = False) -> Non
 def _check_resize(writer, stored) -> None:
     """Features made with another resize mode (part of the data config, so of the identity)
     are refused with the flag that reproduces them."""
-    from featcache.extract.model import resize_mode
+    from featcache.models.model import resize_mode
 
     old = resize_mode(stored.data_config or {})
     new = resize_mode(next(iter(writer.provenances.values())).data_config or {})

@@ -131,7 +131,7 @@ def run(
     ELEVATER's own with ``templates="elevater"``, CLIP_benchmark's where it names the dataset
     with ``templates="clip-benchmark"``, else the store's. ``prompt_dataset``: the dataset's
     name in those sets (default ``dataset``, matched as :func:`featcache.core.prompts.resolve_dataset`)."""
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
     from featcache.store import open_cache
 
     cache = open_cache(cache_path, "a")

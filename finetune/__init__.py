@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from featcache.core._lazy import lazy_exports
+from featcache.core.stagerun import Stage, register_stage
 from featcache.finetune.config import FinetuneConfig
 
 if TYPE_CHECKING:
@@ -22,3 +23,13 @@ __all__ = ["FinetuneConfig", "finetune"]
 
 #: the runner imports torch on first use
 __getattr__, __dir__ = lazy_exports(__name__, {"finetune": "featcache.finetune.runner"})
+
+#: this stage's entry in the stage registry (the sweep runs its work items through it)
+register_stage(
+    Stage(
+        "finetune",
+        "featcache.finetune:finetune",
+        "always",
+        ("finetune_protocol", "pairs_with", "scaled", "val_source", "task_metric"),
+    )
+)

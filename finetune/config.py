@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from featcache.core.configs import flag, float_list, int_list, str_tuple
+from featcache.data import format_help
 from featcache.errors import ConfigError, DataError
-from featcache.extract import format_help, model_help
+from featcache.models import model_help
 
 if TYPE_CHECKING:
     from featcache.core.protocols import Protocol, SGDGrid
@@ -27,7 +28,7 @@ SELECTION_METRICS = ("top1", "mean_per_class")
 
 
 def _weights_help() -> str:
-    from featcache.extract import weights_help
+    from featcache.models import weights_help
 
     return weights_help() + " (hf:DIR: dir, its own weights; an nn.Module: module, as it is)"
 
@@ -233,7 +234,7 @@ class FinetuneConfig:
             data_config=_jsonable(backbone.data_config),
             train_split=self.train_split,
             precision=precision,
-            val_source=self.val_source if proto.split.startswith("vtab1k") else None,
+            val_source=self.val_source if proto.val_source_choice else None,
             limit=self.limit,
             **({"resize": self.resize} if self.resize != "timm" else {}),  # existing run ids stay
             **({"metric": self.metric} if self.metric not in (None, "top1") else {}),

@@ -16,7 +16,7 @@ from featcache.errors import DataError
 if TYPE_CHECKING:
     import torch
 
-    from featcache.extract import SplitSource
+    from featcache.data import SplitSource
 
 __all__ = ["Pool", "Split", "prepare_split"]
 
@@ -84,7 +84,7 @@ class Pool:
     ``memory_limit`` bytes, else loaded through a DataLoader per batch.
 
     When the backbone's eval transform splits into a per-image ``uint8`` part and a batched
-    normalisation (:func:`featcache.extract.split_transform`, the extraction's fast path,
+    normalisation (:func:`featcache.data.split_transform`, the extraction's fast path,
     bit-identical to the transform) the pool holds ``uint8 [N, H, W, 3]`` (a quarter of
     float32) and each batch is normalised when it is drawn; otherwise it holds the
     transform's float32 ``[N, C, H, W]``. ``nbytes`` is what the pool holds (0 when
@@ -102,7 +102,7 @@ class Pool:
         progress: bool,
         what: str,
     ) -> None:
-        from featcache.extract import split_transform
+        from featcache.data import split_transform
 
         self.items = items
         self.fast = split_transform(transform)

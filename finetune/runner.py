@@ -141,7 +141,7 @@ class _Data:
 
 
 def _open_data(cfg: FinetuneConfig, proto: Protocol) -> _Data:
-    from featcache.extract import default_name, open_dataset
+    from featcache.data import default_name, open_dataset
 
     dname = cfg.dataset_name or default_name(cfg.data)
     splits = open_dataset(cfg.data, dname)
@@ -274,7 +274,7 @@ def finetune(config: FinetuneConfig) -> pl.DataFrame:
 def _build(cfg: FinetuneConfig, proto: Protocol, data: _Data, dev: str, prec: str) -> _Run:
     import copy
 
-    from featcache.extract import create_backbone
+    from featcache.models import create_backbone
 
     bb = create_backbone(  # any model source; an nn.Module is copied, the caller's stays as it is
         cfg.model if isinstance(cfg.model, str) else copy.deepcopy(cfg.model),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from featcache.core._lazy import lazy_exports
+from featcache.core.stagerun import Stage, register_stage
 
 if TYPE_CHECKING:
     from featcache.probes.config import ProbeConfig
@@ -43,3 +44,6 @@ __getattr__, __dir__ = lazy_exports(
         "run_probes": "featcache.probes.runner",
     },
 )
+
+#: this stage's entry in the stage registry (the sweep runs its work items through it)
+register_stage(Stage("probe", "featcache.probes:run_probes", "protocol", ("val_source", "task_metric")))

@@ -213,7 +213,8 @@ class ProbeConfig:
         from featcache.probes.solvers import get_solver
 
         # the backend and max_host_bytes change float summation order only, so they stay out
-        keep = ("metric", *get_solver(proto.solver).run_option_keys(proto))
+        solver_ = get_solver(proto.solver)
+        keep = ("metric", *solver_.run_option_keys(proto))
         solver = self.solver_options()
         opts = {k: solver[k] for k in solver if k in keep}
         for k, default in (("sweep", "exhaustive"), ("final_epoch", "last")):
@@ -222,14 +223,11 @@ class ProbeConfig:
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
-        if proto.split.startswith("vtab1k"):
+        if proto.val_source_choice:
             opts["val_source"] = self.val_source
-        if proto.split == "elevater-full":  # its first-20% rows are taken in the dataset's own order
-            opts["holdout_order"] = "dataset"
-        if proto.solver == "elevater":  # the toolkit's loop: BN modes, seeded nn.Linear init, its batches
-            from featcache.probes.elevater import HEAD_LOOP
-
-            opts["head_loop"] = HEAD_LOOP
+        if proto.holdout_order:  # ELEVATER's full protocol: its first-20% rows, in the dataset's own order
+            opts["holdout_order"] = proto.holdout_order
+        opts.update(solver_.recorded)  # elevater: the toolkit's loop (BN modes, seeded init, its batches)
         return opts
 
     def val_split_used(self, proto: Protocol, splits: Iterable[str]) -> str | None:
@@ -258,18 +256,3 @@ class ProbeConfig:
             options=self.run_options(proto),
             store_fingerprint=store_fingerprint,
         )
-
-    def run_ids(self) -> dict[tuple[str, int, str], str]:
-        """``{(backbone, seed, eval split): run id}`` of every run this config makes, from the
-        store's provenance records alone (no feature is read): the ids :func:`run_probes`
-        skips when they are in the results."""
-        from featcache.probes.store_lookup import resolve_val_source, store_fingerprints
-
-        proto, cfg = self.resolve()
-        cfg = resolve_val_source(cfg, proto)
-        return {
-            (b, s, es): cfg.run_id(proto, b, s, es, fp)
-            for b, fps in store_fingerprints(cfg, proto).items()
-            for s in cfg.seeds or ()
-            for es, fp in fps.items()
-        }

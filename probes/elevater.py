@@ -375,6 +375,7 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
     options=("search_epochs", "final_epochs", "final_epoch"),
     fit_multilabel=fit_elevater_multilabel,
     multilabel_head_init=True,
+    recorded={"head_loop": HEAD_LOOP},  # the toolkit's loop: BN modes, seeded nn.Linear init, its batches
 )
 def fit_elevater(req: FitRequest) -> FitOutcome:
     """Search (lr, wd) on ``plan.tr``/``plan.va``, refit on ``plan.fin``; ``head_init``: [C, D]

@@ -32,7 +32,7 @@ from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
 from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
-from featcache.probes.store_lookup import (  # the store side, shared with ProbeConfig.run_ids
+from featcache.probes.store_lookup import (  # the store side, shared with store_lookup.run_ids
     TEXT_SOURCE_KEYS,
     cache_for,
     open_caches,
@@ -413,7 +413,7 @@ def _probe_one(
         **({"class_embeddings": text} if text else {}),
         n_invalid={s: v.n_invalid for s, v in d.splits().items()},
     )
-    if proto.split.startswith("vtab1k"):
+    if proto.val_source_choice:
         hp.setdefault("val_source", cfg.val_source)
     hp["task_metric"] = opts["metric"]
     rows = []

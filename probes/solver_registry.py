@@ -9,7 +9,7 @@ all. Public names are re-exported from :mod:`featcache.probes.solvers`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,8 @@ class Solver:
     multi-label targets (``None``: refused); ``streams``: it can read a train split left in
     the store block by block; ``default_head_init``: the class embeddings it starts from
     when the config names none; ``multilabel_head_init``: ``fit_multilabel`` takes class
-    embeddings too (one row per label column)."""
+    embeddings too (one row per label column); ``recorded``: settings of its own that every
+    run records in its run id (``register_solver(recorded={...})``)."""
 
     name: str
     fit: Callable[[FitRequest], FitOutcome]
@@ -65,6 +66,9 @@ class Solver:
     streams: bool = False
     default_head_init: str | None = None  # the class embeddings it needs when none is given
     multilabel_head_init: bool = False  # its multi-label fitter takes class embeddings (one per label)
+    #: fixed ``(key, value)`` settings of its own every run records (they enter the run ids), e.g.
+    #: the training loop it runs
+    recorded: tuple[tuple[str, Any], ...] = ()
 
     def run_option_keys(self, proto: Any) -> tuple[str, ...]:  # a featcache.core.protocols.Protocol
         """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
@@ -82,6 +86,7 @@ def register_solver(
     streams: bool = False,
     default_head_init: str | None = None,
     multilabel_head_init: bool = False,
+    recorded: Mapping[str, Any] | None = None,
 ) -> Callable:
     """Decorator: register ``fit(request) -> FitOutcome`` as the solver ``name`` (the value
     protocols give as ``Protocol(solver=name)``); a duplicate name is refused."""
@@ -89,7 +94,16 @@ def register_solver(
     def deco(fn: Callable[[FitRequest], FitOutcome]):
         if name in SOLVERS:
             raise ProtocolError(f"probe solver {name!r} is already registered")
-        SOLVERS[name] = Solver(name, fn, options, fit_multilabel, streams, default_head_init, multilabel_head_init)
+        SOLVERS[name] = Solver(
+            name,
+            fn,
+            options,
+            fit_multilabel,
+            streams,
+            default_head_init,
+            multilabel_head_init,
+            tuple((recorded or {}).items()),
+        )
         return fn
 
     return deco

@@ -2,9 +2,9 @@
 read): the caches it names, the one holding a backbone's features for the dataset, the
 backbones ``all`` stands for, and the store fingerprints a run id covers.
 
-Both the stage (:mod:`featcache.probes.runner`) and its config
-(:meth:`~featcache.probes.config.ProbeConfig.run_ids`, the ids a run would make) use these,
-so they sit below both.
+The stage (:mod:`featcache.probes.runner`) and :func:`run_ids` (the ids a run of a config would
+make, which the sweep plans with) use these; they read a :class:`~featcache.probes.config.ProbeConfig`,
+which imports nothing of them (a config reads no store).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TEXT_SOURCE_KEYS", "resolve_val_source", "store_fingerprints", "text_fingerprint"]
+__all__ = ["TEXT_SOURCE_KEYS", "resolve_val_source", "run_ids", "store_fingerprints", "text_fingerprint"]
 
 
 def open_caches(cache_path) -> list:
@@ -166,3 +166,17 @@ def resolve_val_source(cfg: ProbeConfig, proto: Protocol, caches: list | None = 
         return official
     log.info("%s: no val split in the store; %s selects on %s[800:1000]", cfg.dataset, proto.spec, cfg.train_split)
     return replace(cfg, val_source="split-800-200")
+
+
+def run_ids(config: ProbeConfig) -> dict[tuple[str, int, str], str]:
+    """``{(backbone, seed, eval split): run id}`` of every run ``config`` makes, from the
+    store's provenance records alone (no feature is read): the ids :func:`run_probes`
+    skips when they are in the results."""
+    proto, cfg = config.resolve()
+    cfg = resolve_val_source(cfg, proto)
+    return {
+        (b, s, es): cfg.run_id(proto, b, s, es, fp)
+        for b, fps in store_fingerprints(cfg, proto).items()
+        for s in cfg.seeds or ()
+        for es, fp in fps.items()
+    }

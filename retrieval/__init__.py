@@ -14,6 +14,7 @@ classification. Metric formulas and the tie policy: :mod:`featcache.retrieval.me
 
 from __future__ import annotations
 
+from featcache.core.stagerun import Stage, register_stage
 from featcache.retrieval.config import RetrievalConfig
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE, knn_accuracy, knn_predict, knn_votes
 from featcache.retrieval.metrics import (
@@ -84,3 +85,6 @@ __all__ = [
     "table_from_revisitop_gnd",
     "topk",
 ]
+
+#: this stage's entry in the stage registry (the sweep runs its work items through it)
+register_stage(Stage("retrieval", "featcache.retrieval:run_retrieval"))

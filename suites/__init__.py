@@ -247,8 +247,8 @@ def present_tasks(suite: Suite, data_root: str) -> list[tuple[Task, str]]:
     (``DIR/<task name or alias>`` in any supported layout); the missing ones named in one warning, none is an error."""
     from pathlib import Path
 
+    from featcache.data import detect_spec
     from featcache.errors import DataError
-    from featcache.extract import detect_spec
 
     if not data_root or not Path(data_root).is_dir():
         raise DataError(f"--suite {suite.name} needs --data-root DIR, an existing folder with one entry per task")

@@ -47,7 +47,7 @@ def run_suites(args: argparse.Namespace) -> int:
 def _present(suite, root: str) -> dict[str, str | None]:
     from pathlib import Path
 
-    from featcache.extract import detect_spec
+    from featcache.data import detect_spec
 
     return {
         t.name: next((s for n in t.dir_names for s in [detect_spec(Path(root) / n)] if s), None) for t in suite.tasks

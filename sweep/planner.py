@@ -5,7 +5,7 @@ An item carries the stage's own frozen config (:class:`~featcache.probes.ProbeCo
 backbone, dataset, protocol and seed; :class:`~featcache.retrieval.RetrievalConfig`;
 :class:`~featcache.finetune.FinetuneConfig`) and the store path or URL, never arrays. Its
 ``run_ids`` are the ids the stage itself gives its rows, computed from the config and the
-store's provenance records without reading features (``ProbeConfig.run_ids``,
+store's provenance records without reading features (``featcache.probes.store_lookup.run_ids``,
 ``RetrievalConfig.run_ids``), so an item whose runs are all in the results, whoever wrote
 them (a plain ``featcache probe`` too), is skipped. A fine-tune's run ids depend on the built
 backbone (weights hash, resolved preprocessing): its item is always sent, and the stage skips
@@ -243,6 +243,7 @@ def _item(kind: str, config, run_ids, backbone: str, dataset: str, protocol: str
 
 def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) -> list[WorkItem]:
     from featcache.probes import ProbeConfig
+    from featcache.probes.store_lookup import run_ids as probe_run_ids
 
     out = []
     for p in protocols:
@@ -260,7 +261,7 @@ def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) 
                 kind=config.feature_kind,
                 progress=False,
             )
-            out.append(_item("probe", pc, pc.run_ids().values(), b, d, p, s))
+            out.append(_item("probe", pc, probe_run_ids(pc).values(), b, d, p, s))
     return out
 
 

@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 
 from featcache.cli import main
+from featcache.data.readers.folders import FASHION_MNIST_DIR
 from featcache.demo.run import (
     BASELINE,
     FT_PROTOCOL,
@@ -23,7 +24,6 @@ from featcache.demo.run import (
     probe_top1,
 )
 from featcache.errors import DataError
-from featcache.extract.readers.folders import FASHION_MNIST_DIR
 
 LITE0, RANDOM = "tf_efficientnet_lite0", "tf_efficientnet_lite0@random0"
 TINY = [

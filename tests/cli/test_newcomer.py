@@ -132,7 +132,7 @@ def test_retrieve_on_a_wrong_dataset_lists_the_datasets(two_datasets, tmp_path, 
 @pytest.mark.parametrize("module", ["efficientnet_lite0", "efficientnet-lite0", "efficientnet_lite0_pytorch"])
 def test_package_weights_suggest_a_distribution_that_exists(module):
     from featcache.errors import WeightsNotFoundError
-    from featcache.extract.weights import find_package_checkpoint
+    from featcache.models.weights import find_package_checkpoint
 
     with pytest.raises(WeightsNotFoundError) as ei:
         find_package_checkpoint(module)
@@ -144,7 +144,7 @@ def test_package_weights_suggest_a_distribution_that_exists(module):
 
 def test_package_weights_never_invent_a_distribution_name():
     from featcache.errors import WeightsNotFoundError
-    from featcache.extract.weights import find_package_checkpoint
+    from featcache.models.weights import find_package_checkpoint
 
     with pytest.raises(WeightsNotFoundError) as ei:
         find_package_checkpoint("my_ckpt_module")
@@ -154,8 +154,8 @@ def test_package_weights_never_invent_a_distribution_name():
 def test_bare_path_as_data_suggests_the_scheme(tmp_path):
     from PIL import Image
 
+    from featcache.data.readers import open_dataset
     from featcache.errors import DataError
-    from featcache.extract.readers import open_dataset
 
     for c in ("cat", "dog"):
         (tmp_path / "imgs" / c).mkdir(parents=True)

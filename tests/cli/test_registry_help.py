@@ -13,8 +13,8 @@ import pytest
 from featcache import suites
 from featcache.cli import build_parser
 from featcache.core import metrics, protocols
-from featcache.extract import backbones, sources
-from featcache.extract.readers import registry as formats
+from featcache.data.readers import registry as formats
+from featcache.models import backbones, sources
 
 #: registry -> [(command, option dest)] whose help (or choices) names every member
 WHERE = {

@@ -1,19 +1,18 @@
 """The root reads as the architecture: entry points and folders only; the shared core imports no
-stage; the paths of modules that moved into ``featcache.core`` still import, with a warning."""
+stage; the paths of modules that moved into ``featcache.core``, ``featcache.models`` and
+``featcache.data`` are gone (no alias answers for them)."""
 
 from __future__ import annotations
 
 import importlib
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 from test_import_layers import _imports, _modules
 
 import featcache
-from featcache.core.moved import MOVED
 
 ROOT = Path(featcache.__file__).parent
 #: what sits at the root besides the folders: the package, ``python -m featcache``, the CLI, the errors
@@ -38,48 +37,52 @@ def test_the_core_imports_no_stage_store_or_analysis():
     assert not bad, "the core must not import a stage, the store or the analysis:\n" + "\n".join(sorted(bad))
 
 
-def test_no_library_module_imports_a_moved_path():
-    """featcache's own code uses the new paths (an old one would warn at every import)."""
-    found = {
-        f"{p.relative_to(ROOT)}: {dep}"
-        for p in ROOT.rglob("*.py")
-        if not {"tests", "benchmarks", "docs", ".venv"} & set(p.relative_to(ROOT).parts)
-        for dep in _imports("featcache.x", p)
-        if dep in MOVED
-    }
-    assert not found, "import these from featcache.core:\n" + "\n".join(sorted(found))
+#: module paths that are gone (no alias is left): the loose root modules that moved into
+#: ``featcache.core`` (0.1.0) and the model and image modules that left ``featcache.extract`` for
+#: the ``featcache.models`` and ``featcache.data`` layers
+GONE = (
+    *(
+        f"featcache.{name}"
+        for name in (
+            "_lazy",
+            "allocator",
+            "configs",
+            "cpu",
+            "devices",
+            "formatting",
+            "metrics",
+            "optional",
+            "progress",
+            "prompts",
+            "protocols",
+            "results",
+            "splits",
+            "stagerun",
+        )
+    ),
+    "featcache.core.moved",
+    *(f"featcache.extract.{name}" for name in ("backbones", "catalog", "model", "sources", "weights")),
+    *(f"featcache.extract.{name}" for name in ("decode", "preprocess", "readers", "source")),
+)
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_a_moved_path_is_the_same_module_and_warns(old):
-    """Checked in a fresh interpreter: the alias warns on the first import of the old path only."""
-    new = MOVED[old]
+def test_the_old_module_paths_are_gone():
+    """Checked in a fresh interpreter (no earlier import can have left an entry in sys.modules),
+    after importing every stage: nothing answers for an old path."""
     code = (
-        "import warnings, importlib, sys\n"
-        "warnings.simplefilter('error')\n"
-        f"new = importlib.import_module({new!r})\n"
-        "try:\n"
-        f"    importlib.import_module({old!r})\n"
-        "except FutureWarning as w:\n"
-        "    print(w)\n"
-        "warnings.simplefilter('ignore')\n"
-        f"old = importlib.import_module({old!r})\n"
-        "assert old is new, (old, new)\n"
-        f"assert old.__spec__.name == {new!r}, old.__spec__\n"
+        "import importlib, sys\n"
+        "import featcache, featcache.extract, featcache.core, featcache.models, featcache.data\n"
+        "assert not any(type(f).__module__.startswith('featcache') for f in sys.meta_path), sys.meta_path\n"
+        "for old in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(old)\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        assert exc.name == old, (old, exc.name)\n"
+        "    else:\n"
+        "        raise AssertionError(old + ' still imports')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert f"{old} moved to {new}" in out
-
-
-def test_from_featcache_import_a_moved_module_and_its_names():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from featcache import protocols  # noqa: F401  (the old spelling under test)
-        from featcache.splits import canonical_order
-    core_splits = importlib.import_module("featcache.core.splits")
-    assert canonical_order is core_splits.canonical_order
-    assert sys.modules["featcache.protocols"] is importlib.import_module("featcache.core.protocols")
-    assert all(issubclass(w.category, FutureWarning) for w in caught if "moved to" in str(w.message))
+    out = subprocess.run([sys.executable, "-c", code, *GONE], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_an_unknown_submodule_still_fails_as_python_says():

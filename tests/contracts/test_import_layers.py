@@ -238,7 +238,7 @@ def test_the_whole_package_scan_sees_circles_between_packages_and_root_modules(t
 
 
 def test_every_package_is_shipped():
-    """pyproject lists packages one by one: a new subpackage (extract/readers) must be in it."""
+    """pyproject lists packages one by one: a new subpackage (data/readers) must be in it."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
@@ -249,3 +249,124 @@ def test_every_package_is_shipped():
         if not skip & set(p.relative_to(ROOT).parts)
     }
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+#: the stages: each runs one step of the work and has its own command
+STAGES = {"extract", "probes", "retrieval", "finetune", "sweep", "suites", "analysis", "demo"}
+#: the layers below the stages: what more than one stage builds on (models and images)
+LAYERS = {"models", "data"}
+#: below the layers: the store, the shared core and the public errors
+BASE = {"store", "core", "errors"}
+#: stages that run other stages, as they always have: the demo is the whole pipeline on a small
+#: task, the sweep plans and runs the probe, retrieval and fine-tuning grids
+ORCHESTRATORS = {
+    "demo": {"extract", "probes", "retrieval", "finetune", "analysis"},
+    "sweep": {"probes", "retrieval", "finetune"},
+}
+#: the single module-level edges between stages that are not orchestration: the suites are the
+#: benchmarks' task catalogue that the `--suite` option of extract, probe and finetune expands
+#: (the suites stage's own command is `featcache suites`), and a suite's retrieval metrics are
+#: checked against the names `featcache retrieve` writes (its metric registry)
+CATALOGUE_EDGES = {
+    ("featcache.extract.cli", "featcache.suites"),
+    ("featcache.probes.cli", "featcache.suites"),
+    ("featcache.finetune.cli", "featcache.suites"),
+    ("featcache.suites", "featcache.retrieval.metrics"),
+}
+
+
+def _folder(mod: str) -> str:
+    """The top folder (or root module) of a featcache module: ``featcache.extract.cli`` -> ``extract``,
+    ``featcache.errors`` -> ``errors``, the package itself -> ``featcache``."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "featcache"
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that breaks the layers: stages -> layers -> store/core/errors, no stage imports
+    another stage (ORCHESTRATORS and CATALOGUE_EDGES excepted), no layer imports a stage, the base
+    imports no layer or stage; the package itself (``featcache.__version__``) is below them all."""
+    out = []
+    for mod, deps in sorted(graph.items()):
+        src = _folder(mod)
+        for dep in sorted(deps):
+            dst = _folder(dep)
+            if dst in (src, "featcache") or (mod, dep) in CATALOGUE_EDGES:
+                continue
+            if src in STAGES:
+                ok = dst in LAYERS | BASE or dst in ORCHESTRATORS.get(src, set())
+            elif src in LAYERS:
+                ok = dst in LAYERS | BASE
+            elif src in BASE:
+                ok = dst in BASE and not (src == "core" and dst == "store")
+            else:  # the root modules: the package, the command line, `python -m featcache`
+                ok = dst not in STAGES | LAYERS or src in ("cli", "__main__")
+            if not ok:
+                out.append(f"{mod} ({src}) imports {dep} ({dst})")
+    return out
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Top folder -> the top folders its modules import (the package's own ``__init__`` left out:
+    it is the version every folder may read, and imports only the core and the errors)."""
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        src = _folder(mod)
+        out.setdefault(src, set()).update(_folder(d) for d in deps if _folder(d) not in (src, "featcache"))
+    return out
+
+
+def test_the_stages_sit_on_the_layers_and_the_layers_on_the_store_and_core():
+    graph = import_graph(ROOT, "featcache")
+    folders = {_folder(m) for m in graph}
+    assert folders >= STAGES | LAYERS | BASE  # every named folder exists...
+    assert folders - {"featcache", "cli", "__main__"} <= STAGES | LAYERS | BASE, "a new folder: name its place above"
+    assert {"featcache.models.backbones", "featcache.data.readers"} <= graph["featcache.extract.pipeline"] | {
+        d for m in graph if m.startswith("featcache.extract.") for d in graph[m]
+    }  # ...and the stages' edges into the layers
+    assert all((a in graph and b in graph and b in graph[a]) for a, b in CATALOGUE_EDGES), "a stale exception"
+    assert graph["featcache"] <= {m for m in graph if _folder(m) in ("core", "errors")}
+    bad = layer_violations(graph)
+    assert not bad, (
+        "imports across the layers (stages -> models/data -> store/core/errors; a stage imports no other "
+        "stage): move the shared piece into models/, data/, the store or the core:\n" + "\n".join(bad)
+    )
+
+
+def test_no_two_folders_import_each_other_even_through_others():
+    folders = folder_graph(import_graph(ROOT, "featcache"))
+    assert "data" in folders["extract"]
+    assert "models" in folders["data"]
+    found = cycles(folders)
+    assert not found, f"folders that import each other (through the folders between them): {found}"
+
+
+def test_the_layer_check_sees_a_stage_importing_a_stage_and_a_layer_importing_up(tmp_path):
+    for folder, body in {
+        "core": {"a.py": "from featcache.errors import E\n"},
+        "data": {"read.py": "def f():\n    from featcache.extract.pipeline import run\n"},
+        "models": {"m.py": "from featcache.data import read\n"},
+        "extract": {"pipeline.py": "from featcache.models import m\n", "cli.py": "import featcache.probes.fit\n"},
+        "probes": {"fit.py": "from featcache.core import a\n"},
+        "demo": {"run.py": "from featcache.probes import fit\n"},
+    }.items():
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+        for name, text in body.items():
+            (tmp_path / folder / name).write_text(text)
+    (tmp_path / "errors.py").write_text("class E(Exception):\n    pass\n")
+    graph = import_graph(tmp_path, "featcache")
+    assert layer_violations(graph) == [
+        "featcache.data.read (data) imports featcache.extract.pipeline (extract)",
+        "featcache.extract.cli (extract) imports featcache.probes.fit (probes)",
+    ]  # the demo orchestrates the probes; models -> data -> core is the layers' way down
+    assert cycles(folder_graph(graph)) == [["data", "extract", "models"]]
+
+
+def test_the_probe_config_reads_no_store():
+    """probes/store_lookup.py reads the store for a ProbeConfig (its run ids, fingerprints and
+    val source); the config imports none of it, not even for type checkers: no mutual import."""
+    graph = import_graph(ROOT, "featcache")
+    assert "featcache.probes.config" not in graph["featcache.probes.store_lookup"]
+    assert "featcache.probes.store_lookup" not in graph["featcache.probes.config"]
+    assert "store_lookup" not in (ROOT / "probes" / "config.py").read_text()

@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 
 from featcache.core.protocols import register_protocol
+from featcache.data.readers import open_dataset
+from featcache.data.readers.registry import FORMATS, register_format
 from featcache.errors import BackboneError, ConfigError, ProtocolError
-from featcache.extract.backbones import list_weights_sources, register_weights_source
-from featcache.extract.readers import open_dataset
-from featcache.extract.readers.registry import FORMATS, register_format
+from featcache.models.backbones import list_weights_sources, register_weights_source
 
 
 def _other(*args):  # a second function, never called
@@ -48,6 +48,7 @@ def test_protocols_refuse_duplicates():
 
 
 def test_stages_refuse_duplicates():
+    import featcache.probes  # noqa: F401  (registers the probe stage)
     from featcache.core.stagerun import STAGES, Stage, register_stage
 
     first = STAGES["probe"]
@@ -166,7 +167,7 @@ def _write_vtab1k(root: Path, rows) -> str:
 
 def _fmnist_rows() -> dict[str, list[tuple[str, np.ndarray]]]:
     """Real Fashion-MNIST test images (read from the IDX bytes directly), 3 train + 2 test per class."""
-    from featcache.extract.readers.folders import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR
+    from featcache.data.readers.folders import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR
 
     d = Path(FASHION_MNIST_DIR)
     if not (d / "t10k-images-idx3-ubyte.gz").is_file():
@@ -182,7 +183,7 @@ def _fmnist_rows() -> dict[str, list[tuple[str, np.ndarray]]]:
 
 
 def _write_fashion_mnist(root: Path, rows) -> str:
-    from featcache.extract.readers.folders import FASHION_MNIST_CLASSES
+    from featcache.data.readers.folders import FASHION_MNIST_CLASSES
 
     root.mkdir(parents=True)
     for split, prefix in (("train", "train"), ("test", "t10k")):

@@ -43,7 +43,7 @@ def test_auto_device_logs_the_stage_line(caplog):
 
     if torch.cuda.is_available():
         pytest.skip("auto resolves to CUDA here")
-    from featcache.extract.model import backbone_device
+    from featcache.models.model import backbone_device
 
     with caplog.at_level(logging.INFO):
         assert FT.resolve_device("auto") == backbone_device("auto") == "cpu"
@@ -52,6 +52,6 @@ def test_auto_device_logs_the_stage_line(caplog):
         "featcache.finetune.train",
         "no CUDA device: fine-tuning runs on CPU (fp32); use a scaled-down schedule",
     ) in lines
-    assert ("featcache.extract.model", "no CUDA device; backbone runs on CPU") in lines
+    assert ("featcache.models.model", "no CUDA device; backbone runs on CPU") in lines
     with pytest.raises(BackendUnavailableError, match="device='cuda:0' requested but CUDA is not available"):
         devices.resolve_device("cuda:0")

@@ -4,12 +4,14 @@ real digits labels), parametrised specs, registration, and configs built from th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
 from featcache.core import protocols as P
-from featcache.errors import DataError, ProbeError, ProtocolError
+from featcache.errors import DataError, FeatcacheError, ProbeError, ProtocolError
 from featcache.finetune import FinetuneConfig
 from featcache.finetune import data as FD
 from featcache.finetune import runner as FR
@@ -87,7 +89,7 @@ def test_vtab1k_pool_is_fixed_first_800_and_200_in_dataset_order(request, cache_
     """VTAB-1k as published: train[:800] and train[800:1000] in the store's row order (the
     reader's order), identical for seeds 0, 1, 2, on the probe side (store) and the fine-tune
     side (images from the reader) alike; ``vtab1k-stratified`` keeps the seeded draw."""
-    from featcache.extract.readers import open_dataset
+    from featcache.data.readers import open_dataset
     from featcache.store import open_cache
 
     cache = open_cache(request.getfixturevalue(cache_fixture))
@@ -268,3 +270,59 @@ def test_finetune_config_from_the_cli_and_scaled_from():
     assert full.scaled_from(P.get_protocol("full", "finetune")) == {}
     with pytest.raises(DataError, match="last_decay"):
         FinetuneConfig("m", data="digits", last_decay=1.5).resolve()
+
+
+def _every_protocol():
+    """Every registered protocol of both stages, parametrised ones with a typical argument."""
+    for stage in ("probe", "finetune"):
+        for name in P.list_protocols(stage):
+            for spec in (name, f"{name}:5", f"{name}:10%"):
+                try:
+                    yield P.get_protocol(spec, stage)
+                    break
+                except FeatcacheError:
+                    continue
+            else:
+                raise AssertionError(f"no spec of {name} builds")
+
+
+def test_the_protocol_and_the_solver_carry_their_rules_not_the_stages():
+    """Whether runs record --val-source and the held-out order are fields of the protocol,
+    the fixed settings a solver records a field of the solver: the same values the split and
+    solver names gave before, and no stage tests a protocol's or solver's name any more."""
+    import featcache
+    from featcache.probes.solvers import get_solver
+
+    protocols = list(_every_protocol())
+    assert len(protocols) >= 12
+    for p in protocols:
+        assert p.val_source_choice == p.split.startswith("vtab1k"), p.spec
+        assert p.holdout_order == ("dataset" if p.split == "elevater-full" else None), p.spec
+        assert get_solver(p.solver).recorded == ((("head_loop", "toolkit"),) if p.solver == "elevater" else ()), p.spec
+    root = Path(featcache.__file__).parent
+    for f in ("probes/config.py", "probes/runner.py", "finetune/config.py", "finetune/runner.py"):
+        text = (root / f).read_text()
+        for rule in ('.split.startswith("vtab1k")', "proto.split ==", "proto.solver =="):
+            assert rule not in text, f"{f} tests a protocol or solver name ({rule})"
+
+
+def test_a_new_protocol_gets_the_val_source_rule_by_its_field(monkeypatch):
+    from dataclasses import replace
+
+    from featcache.probes import ProbeConfig
+
+    vtab = P.get_protocol("vtab1k")
+    mine = replace(vtab, spec="my-vtab", name="my-vtab", split="vtab1k", val_source_choice=False)
+    cfg = ProbeConfig(
+        cache="c.zarr",
+        backbones="b",
+        dataset="d",
+        protocol="vtab1k",
+        results_path="r.parquet",
+        val_source="official-val",
+    )
+    assert cfg.run_options(vtab)["val_source"] == "official-val"
+    assert "val_source" not in cfg.run_options(mine)  # the field, not the split name, decides
+    full = P.get_protocol("full")
+    assert cfg.run_options(replace(full, val_source_choice=True))["val_source"] == "official-val"
+    assert cfg.run_options(replace(full, holdout_order="dataset"))["holdout_order"] == "dataset"

@@ -13,7 +13,7 @@ from featcache.errors import DataError, ProbeError, SplitError
 
 @pytest.fixture(scope="module")
 def digits_y() -> np.ndarray:
-    from featcache.extract.readers import open_dataset
+    from featcache.data.readers import open_dataset
 
     tr = open_dataset("digits")["train"]
     return np.asarray(tr.labels)[S.canonical_order(tr.ids)]

@@ -62,6 +62,10 @@ def test_a_stage_declares_one_of_the_three_median_rules():
 
 
 def test_an_unknown_stage_names_the_registered_ones():
+    import featcache.finetune
+    import featcache.probes
+    import featcache.retrieval  # noqa: F401  (each registers its stage)
+
     with pytest.raises(ConfigError, match=r"registered stages: \['finetune', 'probe', 'retrieval'\]"):
         get_stage("linear")
 
@@ -77,6 +81,28 @@ def test_median_rule_per_stage():
     assert not get_stage("retrieval").wants_medians("semantic")
     assert "task_metric" in probe.median_carry
     assert "task_metric" in get_stage("finetune").median_carry
+
+
+def test_each_stage_registers_its_own_stage_and_the_skeleton_names_none():
+    """In a fresh interpreter the skeleton alone knows no stage; importing a stage's package
+    (not its runner) registers that stage; the skeleton's source names no stage's module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from featcache.core.stagerun import STAGES\n"
+        "assert not STAGES, STAGES\n"
+        "import featcache.probes\n"
+        "assert set(STAGES) == {'probe'}, STAGES\n"
+        "assert 'featcache.probes.runner' not in sys.modules\n"
+        "import featcache.finetune, featcache.retrieval\n"
+        "assert set(STAGES) == {'probe', 'finetune', 'retrieval'}, STAGES\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    source = (ROOT / "core" / "stagerun.py").read_text()
+    assert not [s for s in STAGE_PACKAGES if f'"featcache.{s}' in source]  # no entry point string
 
 
 def test_skeleton_imports_no_stage_and_the_sweep_no_runner():

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from featcache.data.decode import to_rgb
+from featcache.data.readers import open_dataset, select_splits
+from featcache.data.readers.folders import FASHION_MNIST_CLASSES, read_idx
 from featcache.errors import DataError
-from featcache.extract.decode import to_rgb
-from featcache.extract.readers import open_dataset, select_splits
-from featcache.extract.readers.folders import FASHION_MNIST_CLASSES, read_idx
 
 FMNIST = "/usr/share/datasets/fashion-mnist"
 
@@ -160,8 +160,8 @@ def test_max_image_pixels_above_pils_own_bound_decodes(tmp_path, monkeypatch, fm
     """PIL refuses images above 2 * Image.MAX_IMAGE_PIXELS at open: a higher --max-image-pixels
     must still decode them, and PIL's own bound is back afterwards (no process-wide change).
     PIL's bound is scaled down here so that a real photo-sized image stands for a 180 MP one."""
-    from featcache.extract.decode import decode_image
-    from featcache.extract.source import ReadOptions
+    from featcache.data.decode import decode_image
+    from featcache.data.source import ReadOptions
 
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)
     img = Image.fromarray(fmnist_arrays[0][0]).resize((56, 56))  # 3136 px > 2 * 500

@@ -14,11 +14,11 @@ from PIL import Image
 from skimage import data as skdata
 
 from featcache.cli import main
+from featcache.data.decode import decode_image, resolve_decoder, torchvision_decode
+from featcache.data.readers import open_dataset
+from featcache.data.source import ReadOptions
 from featcache.errors import ConfigError
 from featcache.extract import ExtractConfig
-from featcache.extract.decode import decode_image, resolve_decoder, torchvision_decode
-from featcache.extract.readers import open_dataset
-from featcache.extract.source import ReadOptions
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -188,7 +188,7 @@ def test_extraction_is_bit_identical_and_recorded(tmp_path, capsys):
 @pytest.mark.gpu
 def test_nvjpeg_batch_is_close_to_pil():
     """nvJPEG (batched, on the GPU) is not libjpeg-turbo: same shapes, pixels within a few levels."""
-    from featcache.extract.decode import decode_jpeg_batch
+    from featcache.data.decode import decode_jpeg_batch
 
     blobs = [b for n, b in _real_jpegs().items() if "camera" not in n and "gray" not in n]
     out = decode_jpeg_batch(blobs, "cuda")

@@ -12,9 +12,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from featcache.data.readers import open_dataset
 from featcache.errors import DataError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.readers import open_dataset
 from featcache.probes import ProbeConfig, run_probes
 
 LITE0 = "tf_efficientnet_lite0"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from featcache.data.readers import open_dataset
 from featcache.errors import DataError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.readers import open_dataset
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -203,7 +203,7 @@ def test_clip_benchmark_templates_and_bad_layouts(tmp_path):
 
 
 def test_detect_spec_names_each_layout(tmp_path):
-    from featcache.extract.readers import detect_spec
+    from featcache.data.readers import detect_spec
 
     (tmp_path / "hub" / "data").mkdir(parents=True)
     (tmp_path / "hub" / "data" / "train-00000-of-00001.parquet").write_bytes(b"")

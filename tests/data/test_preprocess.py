@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from featcache.extract.backbones import make_transform
-from featcache.extract.preprocess import split_transform
-from featcache.extract.readers import open_dataset, select_splits
+from featcache.data.preprocess import split_transform
+from featcache.data.readers import open_dataset, select_splits
+from featcache.models.backbones import make_transform
 
 LITE0_CFG = {
     "input_size": (3, 224, 224),

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from featcache.cli import main
-from featcache.extract.model import VTAB_RESIZE, TF1BilinearResize, TFBilinearResize, make_transform
+from featcache.models.model import VTAB_RESIZE, TF1BilinearResize, TFBilinearResize, make_transform
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

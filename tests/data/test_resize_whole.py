@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from featcache.cli import main
-from featcache.extract.backbones import create_backbone, make_transform
-from featcache.extract.preprocess import split_transform
-from featcache.extract.readers import open_dataset, select_splits
+from featcache.data.preprocess import split_transform
+from featcache.data.readers import open_dataset, select_splits
+from featcache.models.backbones import create_backbone, make_transform
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"
@@ -58,7 +58,7 @@ def test_whole_resize_fast_path_equals_reference_transform(timm_cfg, size):
 def test_default_stays_timm_eval_transform(timm_cfg):
     import timm.data
 
-    from featcache.extract.backbones import make_data_config
+    from featcache.models.backbones import make_data_config
 
     assert "resize" not in make_data_config(timm_cfg)  # identity of existing stores unchanged
     assert make_data_config(timm_cfg, resize="whole")["resize"] == "whole"

@@ -12,10 +12,10 @@ import polars as pl
 import pytest
 import webdataset as wds
 
+from featcache.data.readers import open_dataset
+from featcache.data.source import StringColumn
 from featcache.errors import DataError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.readers import open_dataset
-from featcache.extract.source import StringColumn
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

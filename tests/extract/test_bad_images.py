@@ -13,7 +13,7 @@ from PIL import Image, ImageFile
 from skimage import data as skdata
 
 from featcache.cli import main
-from featcache.extract.readers import open_dataset
+from featcache.data.readers import open_dataset
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 
 from featcache.cli import main
+from featcache.data.readers import open_dataset
+from featcache.data.source import ReadOptions, escape_name
 from featcache.errors import ConfigError, DataError, ProvenanceMismatchError
 from featcache.extract import ExtractConfig, extract
-from featcache.extract.readers import open_dataset
-from featcache.extract.source import ReadOptions, escape_name
 from featcache.store import dataset_fingerprint, open_cache
 
 LITE0 = "tf_efficientnet_lite0"

@@ -16,6 +16,7 @@ from model_source_fixtures import register_tiny_open_clip, save_tiny_hf_clip
 from featcache.cli import main
 from featcache.extract import ExtractConfig, extract
 from featcache.probes.elevater import zeroshot_logits
+from featcache.probes.store_lookup import run_ids
 from featcache.store import open_cache
 
 N = 40
@@ -326,7 +327,7 @@ def test_zeroshot_is_a_protocol_row_and_a_report_setting(tiny, oc_store, tmp_pat
     assert src["templates_sha256"] == templates_sha256(load_templates(str(tmpl), "digits"))
     assert src["n_templates"] == 2
     zcfg = ProbeConfig(cache, "oc", "digits", "zeroshot", results_path=res, progress=False)
-    assert set(zs["run_id"]) == set(zcfg.run_ids().values())  # the ids run_probes gave them
+    assert set(zs["run_id"]) == set(run_ids(zcfg).values())  # the ids run_probes gave them
 
 
 def test_new_template_set_reruns_zeroshot_same_one_skips(tiny, oc_store, tmp_path):
@@ -352,12 +353,12 @@ def test_new_template_set_reruns_zeroshot_same_one_skips(tiny, oc_store, tmp_pat
 
     assert _embed(cache, tiny[0], "--templates", str(a)) == 0
     first = run()
-    ids_a = set(zcfg.run_ids().values())
+    ids_a = set(run_ids(zcfg).values())
     assert set(first["run_id"]) == ids_a
     assert _embed(cache, tiny[0], "--templates", str(a), "--overwrite") == 0  # same set again
     assert run().height == first.height  # skipped: same embeddings, same ids
     assert _embed(cache, tiny[0], "--templates", str(b), "--overwrite") == 0
-    ids_b = set(zcfg.run_ids().values())
+    ids_b = set(run_ids(zcfg).values())
     assert ids_b.isdisjoint(ids_a)
     second = run()
     assert second.height == 2 * first.height  # reran without --force, the first rows kept
@@ -382,7 +383,7 @@ def test_new_template_set_reruns_zeroshot_same_one_skips(tiny, oc_store, tmp_pat
         rcfg.run_id(proto, "oc", seed, "test", combine_fingerprints(split_fp[rcfg.train_split], "", split_fp["test"]))
         for seed in rcfg.seeds
     }
-    assert set(hcfg.run_ids().values()) == want
+    assert set(run_ids(hcfg).values()) == want
 
 
 def test_multilabel_dataset_embeds_its_label_columns_and_zeroshot_ranks_them(tiny, oc_store, tmp_path):

@@ -28,8 +28,8 @@ def photo_folder(tmp_path_factory):
 def test_stored_features_equal_direct_forward(tmp_path, photo_folder):
     import torch
 
-    from featcache.extract.backbones import create_backbone
-    from featcache.extract.decode import load_image_file
+    from featcache.data.decode import load_image_file
+    from featcache.models.backbones import create_backbone
 
     cache = tmp_path / "c.zarr"
     assert (

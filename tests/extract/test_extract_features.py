@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from featcache.cli import main
-from featcache.extract import ExtractConfig, backbones, extract
-from featcache.extract.readers import open_dataset
+from featcache.data.readers import open_dataset
+from featcache.extract import ExtractConfig, extract
+from featcache.models import backbones
 from featcache.store import open_cache
 
 LITE0 = "tf_efficientnet_lite0"

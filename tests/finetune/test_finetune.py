@@ -43,7 +43,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def digits_splits():
-    from featcache.extract.readers import open_dataset
+    from featcache.data.readers import open_dataset
 
     sp = open_dataset("digits")
     names = list(sp["train"].class_names)
@@ -217,7 +217,7 @@ def test_neutral_metrics_match_probes_and_sklearn():
 def test_batchnorm_statistics_update_during_training(one_thread, digits_splits):
     import torch
 
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
 
     bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
     net = FT.Net.build(bb.model, bb.feature_dim, 10)
@@ -254,7 +254,7 @@ def test_batchnorm_statistics_update_during_training(one_thread, digits_splits):
 
 def test_bf16_autocast_training_step(one_thread, digits_splits):
     """The CUDA default precision path (bf16 autocast, fp32 loss) on the CPU autocast backend."""
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
 
     bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
     net = FT.Net.build(bb.model, bb.feature_dim, 10)
@@ -355,7 +355,7 @@ def test_pool_keeps_uint8_and_gives_the_transforms_floats(digits_splits):
     the backbone's eval transform, held or streamed; the limit counts the uint8 bytes."""
     import torch
 
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
 
     bb = create_backbone(LITE0, LITE0_WEIGHTS, input_size=32, trainable=True)
     tr = digits_splits[0]

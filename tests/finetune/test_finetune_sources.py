@@ -78,7 +78,7 @@ def _check_rows(df, bb, source: str, arch: str, model: str):
 
 @pytest.mark.slow
 def test_finetune_torchvision_model(one_thread, tmp_path):
-    from featcache.extract import create_backbone
+    from featcache.models import create_backbone
 
     spec = "torchvision:mobilenet_v3_small"
     df = F.finetune(FinetuneConfig(spec, "random:0", "digits", "full", results_path=tmp_path / "r.parquet", **TINY))
@@ -90,7 +90,7 @@ def test_finetune_open_clip_image_tower(one_thread, tmp_path):
     pytest.importorskip("open_clip")
     from model_source_fixtures import register_tiny_open_clip
 
-    from featcache.extract import create_backbone
+    from featcache.models import create_backbone
 
     spec = f"open_clip:{register_tiny_open_clip(tmp_path / 'oc')}"
     df = F.finetune(FinetuneConfig(spec, "random:0", "digits", "full", **TINY))
@@ -101,7 +101,7 @@ def test_finetune_python_module_from_the_cli(one_thread, user_net, tmp_path):
     import polars as pl
 
     from featcache.cli import main
-    from featcache.extract import create_backbone
+    from featcache.models import create_backbone
 
     spec, res = f"python:{user_net}:make", tmp_path / "r.parquet"
     argv = ["finetune", "--model", spec, "--weights", "random:3", "--data", "digits", "--protocol", "full"]
@@ -115,7 +115,7 @@ def test_finetune_an_nn_module_object_leaves_it_untouched(one_thread, user_net):
 
     import torch
 
-    from featcache.extract import create_backbone
+    from featcache.models import create_backbone
 
     torch.manual_seed(5)
     net = importlib.import_module(user_net).make()
@@ -125,19 +125,20 @@ def test_finetune_an_nn_module_object_leaves_it_untouched(one_thread, user_net):
     _check_rows(df, create_backbone(net, "module"), "module", "TinyNet", "module:TinyNet")
 
 
-def test_finetune_reads_extract_through_its_public_names_only():
-    """The model-source seam is :func:`featcache.extract.create_backbone`: fine-tuning imports
-    the extract package's public names, never a module inside it (sources, backbones...)."""
+def test_finetune_reads_the_layers_through_their_public_names_only():
+    """The model-source seam is :func:`featcache.models.create_backbone`: fine-tuning imports the
+    models and data layers' public names, never a module inside them (sources, backbones,
+    readers...), and nothing of the extract stage."""
     import ast
+    import importlib
     from pathlib import Path
 
-    import featcache.extract as E
-
+    layers = ("featcache.models", "featcache.data")
     root = Path(F.__file__).parent
     for f in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("featcache.extract"):
-                assert node.module == "featcache.extract", f"{f.name} imports {node.module}"
-                assert {a.name for a in node.names} <= set(E.__all__), f.name
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith((*layers, "featcache.extract")):
+                assert node.module in layers, f"{f.name} imports {node.module}"
+                assert {a.name for a in node.names} <= set(importlib.import_module(node.module).__all__), f.name
             if isinstance(node, ast.Import):
-                assert not any(a.name.startswith("featcache.extract") for a in node.names), f.name
+                assert not any(a.name.startswith((*layers, "featcache.extract")) for a in node.names), f.name

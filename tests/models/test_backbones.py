@@ -15,8 +15,8 @@ timm = pytest.importorskip("timm")
 skdata = pytest.importorskip("skimage.data")
 
 from featcache.errors import BackboneError, WeightsNotFoundError  # noqa: E402
-from featcache.extract import weights as W  # noqa: E402
-from featcache.extract.backbones import (  # noqa: E402
+from featcache.models import weights as W  # noqa: E402
+from featcache.models.backbones import (  # noqa: E402
     PACKAGE_WEIGHTS,
     create_backbone,
     list_weights_sources,

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from featcache.extract import ExtractConfig, create_backbone, extract, open_dataset
-from featcache.extract.sources import list_sources
+from featcache.data import open_dataset
+from featcache.extract import ExtractConfig, extract
+from featcache.models import create_backbone
+from featcache.models.sources import list_sources
 from featcache.store import open_cache
 
 pytest.importorskip("open_clip")

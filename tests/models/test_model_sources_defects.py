@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from featcache.errors import BackboneError
-from featcache.extract import ExtractConfig, create_backbone
+from featcache.extract import ExtractConfig
+from featcache.models import create_backbone
 
 pytest.importorskip("open_clip")
 pytest.importorskip("transformers")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from featcache.errors import FeatcacheError, WeightsNotFoundError
-from featcache.extract import ExtractConfig, create_backbone, extract
+from featcache.extract import ExtractConfig, extract
+from featcache.models import create_backbone
 
 pytest.importorskip("transformers")
 pytest.importorskip("huggingface_hub")

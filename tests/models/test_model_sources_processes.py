@@ -23,7 +23,7 @@ import model_source_fixtures as M
 from kill9 import chunk_bytes, group_arrays, kill_when, marked_chunks
 
 from featcache.extract import extract
-from featcache.extract.sources import list_sources
+from featcache.models.sources import list_sources
 
 GROUP = "features/bb/digits/test"
 N_CHUNKS = M.ROWS // M.CHUNK
@@ -78,7 +78,7 @@ def forkserver():
             "transformers",
             "sklearn.datasets",
             "featcache.extract.pipeline",
-            *(f"featcache.extract.sources.{s}_source" for s in ("torchvision", "open_clip", "hf", "python")),
+            *(f"featcache.models.sources.{s}_source" for s in ("torchvision", "open_clip", "hf", "python")),
         ]
     )
     return ctx

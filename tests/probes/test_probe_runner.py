@@ -14,6 +14,7 @@ import pytest
 from featcache.core.results import RESULT_COLUMNS
 from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes import ProbeConfig, run_probes
+from featcache.probes.store_lookup import run_ids
 
 LITE0 = "tf_efficientnet_lite0"
 SMALL_GRID = [1e-3, 1e-2, 1e-1, 1.0]  # keeps most tests quick; the default grid runs once
@@ -461,4 +462,4 @@ def test_vtab1k_selects_on_val200_by_default_where_the_store_holds_it(digits_fea
     assert df["train_split"][0] == "train800[:800]+val200[:200]"
     suite = replace(base, train_split="train800", val_split="val200", val_source="official-val")
     assert run_probes(suite)["run_id"].to_list() == df["run_id"].to_list()
-    assert set(base.run_ids().values()) == set(df["run_id"].to_list())
+    assert set(run_ids(base).values()) == set(df["run_id"].to_list())

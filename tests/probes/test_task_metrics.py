@@ -194,8 +194,8 @@ def test_manifest_labels_column_becomes_the_stored_label_matrix(tmp_path):
     import polars as pl
     from PIL import Image
 
+    from featcache.data.readers.folders import FASHION_MNIST_CLASSES, read_idx
     from featcache.extract import ExtractConfig, extract
-    from featcache.extract.readers.folders import FASHION_MNIST_CLASSES, read_idx
 
     d = "/usr/share/datasets/fashion-mnist"
     images, labels = read_idx(f"{d}/t10k-images-idx3-ubyte.gz")[:10], read_idx(f"{d}/t10k-labels-idx1-ubyte.gz")[:10]

@@ -21,7 +21,7 @@ from model_source_fixtures import register_tiny_open_clip
 
 from featcache.cli import main
 from featcache.core.results import read_results
-from featcache.extract.readers import open_dataset
+from featcache.data.readers import open_dataset
 from featcache.retrieval.text import text_image_recall
 from featcache.store import open_cache
 

@@ -546,8 +546,8 @@ def test_huge_chunk_rows_is_refused_before_anything_is_written(tmp_path, capsys)
 
 def test_minor_fifo_short_results_table_and_repair_exit(tmp_path, caplog):
     from featcache.core.results import check_results_path, read_results
+    from featcache.data.readers import open_dataset
     from featcache.errors import ResultsError
-    from featcache.extract.readers import open_dataset
 
     root = tmp_path / "folder"
     (root / "cat").mkdir(parents=True)

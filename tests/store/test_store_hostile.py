@@ -126,9 +126,9 @@ def _hostile_folder(root):
 
 
 def test_hostile_folder_links_are_invalid_rows_never_followed_outside(tmp_path):
+    from featcache.data.readers import open_dataset
+    from featcache.data.source import ReadOptions
     from featcache.errors import DataError
-    from featcache.extract.readers import open_dataset
-    from featcache.extract.source import ReadOptions
 
     root = tmp_path / "folder"
     bad = _hostile_folder(root)
@@ -148,8 +148,8 @@ def test_hostile_folder_links_are_invalid_rows_never_followed_outside(tmp_path):
 
 
 def test_hostile_class_folders_and_walk_errors_are_one_refusal(tmp_path, monkeypatch):
+    from featcache.data.readers import open_dataset
     from featcache.errors import DataError
-    from featcache.extract.readers import open_dataset
 
     root = tmp_path / "folder"
     _png(root / "cat" / "ok.png")

@@ -37,7 +37,7 @@ def suite_root(tmp_path_factory):
     """salman-12's dtd (declared top1) and fgvc_aircraft (declared mean_per_class): the four
     confusable upper-body classes (t-shirt, pullover, coat, shirt); aircraft's test set is
     imbalanced, so its mean-per-class differs from its top-1."""
-    from featcache.extract.readers import open_dataset
+    from featcache.data.readers import open_dataset
 
     fm = open_dataset("fashion-mnist")["test"]
     by_class = {c: np.flatnonzero(fm.labels[:1000] == c) for c in (0, 2, 4, 6)}

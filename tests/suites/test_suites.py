@@ -87,7 +87,7 @@ def _task_data(root):
     """dtd as an image folder and dsprites_loc in the VTAB-1k file-list layout (real images)."""
     from skimage import data
 
-    from featcache.extract.readers import open_dataset
+    from featcache.data.readers import open_dataset
 
     photos = [Image.fromarray(f()).reduce(8) for f in (data.astronaut, data.chelsea, data.coffee, data.rocket)]
     for split in ("train", "test"):
@@ -160,8 +160,8 @@ def test_extract_data_or_suite(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
     assert main([*base, "--suite", "vtab-1k", "--data-root", str(tmp_path / "none")]) == 1
     assert "existing folder" in capsys.readouterr().err
-    from featcache.extract.readers.registry import open_format
-    from featcache.extract.source import ReadOptions
+    from featcache.data.readers.registry import open_format
+    from featcache.data.source import ReadOptions
 
     with pytest.raises(DataError):
         open_format("vtab1k", str(tmp_path), "x", ReadOptions())

@@ -1,7 +1,7 @@
 """Image decoding: every reader turns bytes or a file into a PIL image here.
 
 :func:`decode_image` opens an image, checks its pixel count against
-:attr:`~featcache.extract.source.ReadOptions.max_image_pixels`, decodes it fully, applies the
+:attr:`~featcache.data.source.ReadOptions.max_image_pixels`, decodes it fully, applies the
 EXIF orientation and converts it to 8-bit RGB (or 8-bit grayscale, left as one band): grey,
 palette, CMYK, 16-bit and RGBA images all become 8-bit RGB. :class:`PathLoader` is the picklable
 loader of row ``i`` from a column of file paths that readers hand to :class:`SplitSource`.
@@ -12,7 +12,7 @@ PIL and torchvision both decode JPEG with libjpeg-turbo (same IDCT, same fancy c
 upsampling), so for baseline and progressive JPEGs in YCbCr or grayscale the decoded ``uint8``
 pixels are identical (tested on Fashion-MNIST and scikit-image photos at 224-512 px, every
 chroma subsampling). Everything after the decode (resize, crop, normalisation) is the shared
-PIL pipeline of :mod:`featcache.extract.preprocess`, so the features are bit-identical too.
+PIL pipeline of :mod:`featcache.data.preprocess`, so the features are bit-identical too.
 
 Where the codecs do not agree the image is routed to PIL, per image:
 
@@ -48,8 +48,8 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from featcache.data.source import ReadOptions, StringColumn
 from featcache.errors import DataError
-from featcache.extract.source import ReadOptions, StringColumn
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from featcache.errors import BackboneError, WeightsNotFoundError
-from featcache.extract.weights import hf_cache_dir  # the one reading of HF_HUB_CACHE/HF_HOME
+from featcache.models.weights import hf_cache_dir  # the one reading of HF_HUB_CACHE/HF_HOME
 
 __all__ = [
     "HUB_ID",
@@ -48,7 +48,7 @@ def revision_of(path: str | os.PathLike | None) -> str | None:
 
 def file_hashes(paths: Any, root: str | os.PathLike | None = None) -> dict[str, str]:
     """``{file name (relative to root): sha256}`` of weight files, in name order."""
-    from featcache.extract.weights import file_sha256
+    from featcache.models.weights import file_sha256
 
     out = {}
     for p in sorted(Path(x) for x in paths):
@@ -69,7 +69,7 @@ def snapshot(repo_id: str, revision: str | None, *, offline: bool = False, fetch
     """The local snapshot folder of hub repo ``repo_id`` at ``revision`` (default ``main``):
     downloaded by ``huggingface_hub.snapshot_download`` (config, processor, tokenizer and
     safetensors/bin weights) unless cached, only the cache when offline."""
-    from featcache.extract import sources as S
+    from featcache.models import sources as S
 
     hub = S.require("huggingface_hub", "hf")
     from huggingface_hub.errors import (

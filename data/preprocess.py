@@ -3,7 +3,7 @@
 timm's eval transform ends in ``ToTensor`` + ``Normalize``, run per image: a permute copy,
 a float conversion, a division and the normalisation, each a pass over a float image, plus
 per-image Python overhead. :func:`split_transform` cuts the same transform (built by
-:func:`featcache.extract.model.make_transform` from timm's resolved data config) into
+:func:`featcache.models.model.make_transform` from timm's resolved data config) into
 
 * a per-image part, PIL image -> ``uint8`` array ``[H, W, 3]`` (the resize/crop steps), and
 * :meth:`FastPreprocess.normalize`, run once per batch on the stacked ``uint8`` tensor with
@@ -96,11 +96,11 @@ class FastPreprocess:
 
 def split_transform(transform: Any) -> FastPreprocess | None:
     """The fast form of ``transform`` if it is [ToRGB, (Resize | CenterCrop)*, ToTensor,
-    Normalize] (what :func:`~featcache.extract.model.make_transform` builds for timm's
+    Normalize] (what :func:`~featcache.models.model.make_transform` builds for timm's
     eval configs), else ``None``."""
     from torchvision import transforms as T
 
-    from featcache.extract.model import ToRGB
+    from featcache.models.model import ToRGB
 
     steps = _flatten(transform)
     if len(steps) < 3 or not isinstance(steps[0], ToRGB):

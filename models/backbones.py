@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from featcache.errors import BackboneError, WeightsNotFoundError
-from featcache.extract import weights as _w
-from featcache.extract.model import (  # noqa: F401 - DATA_CONFIG_KEYS, RESIZE_MODES, resize_mode: re-exported
+from featcache.models import weights as _w
+from featcache.models.model import (  # noqa: F401 - DATA_CONFIG_KEYS, RESIZE_MODES, resize_mode: re-exported
     DATA_CONFIG_KEYS,
     RESIZE_MODES,
     Backbone,
@@ -156,7 +156,7 @@ def _timm_pretrained(name: str, arg: str, keep_head: bool) -> tuple[Any, str, st
     with ``--offline`` / ``HF_HUB_OFFLINE=1`` only the cache is read."""
     import timm
 
-    from featcache.extract.sources import hub, store_key
+    from featcache.models.sources import hub, store_key
 
     hub_id = name[len("hf-hub:") :] if name.startswith(("hf-hub:", "hf_hub:")) else None
     pcfg = None if hub_id else timm.models.get_pretrained_cfg(name)
@@ -249,7 +249,7 @@ def _hub_record(weights: str, wfile: str | None, sha: str) -> dict[str, Any]:
         return {}
     from importlib.metadata import version
 
-    from featcache.extract.sources import hub
+    from featcache.models.sources import hub
 
     return {
         "revision": hub.revision_of(wfile),
@@ -295,12 +295,12 @@ def create_backbone(
     ``data_config``. The model is in eval mode with ``requires_grad=False`` unless ``trainable``.
 
     ``name`` may name another model source (``open_clip:ARCH``, ``torchvision:NAME``,
-    ``hf:DIR|ORG/NAME[@REV]``, ``python:MODULE:CALLABLE``, see :mod:`featcache.extract.sources`)
+    ``hf:DIR|ORG/NAME[@REV]``, ``python:MODULE:CALLABLE``, see :mod:`featcache.models.sources`)
     or be an ``nn.Module``; a bare name (or ``timm:NAME``) is a timm model. ``offline`` (or
     ``HF_HUB_OFFLINE=1``): read only the caches; ``trust_remote_code``: let ``hf:`` run a
     model folder's own Python code.
     """
-    from featcache.extract import sources
+    from featcache.models import sources
 
     source, name = sources.parse_model(name)
     if source != "timm":
@@ -364,7 +364,7 @@ def _other_source(
 ) -> Backbone:
     """A non-timm source; ``input_size``/``pre_resize``/``resize`` apply where featcache builds
     the preprocessing (a ``python:`` factory or module without a transform), else refused."""
-    from featcache.extract import sources
+    from featcache.models import sources
 
     given = [f for f, v in (("input_size", input_size), ("pre_resize", pre_resize)) if v]
     if resize not in (None, "timm"):
@@ -373,7 +373,7 @@ def _other_source(
         raise BackboneError(f"keep_head applies to timm models only; model source {source!r} has no classifier head")
     sizes = {"input_size": input_size, "pre_resize": pre_resize, "resize": resize}
     if source == "module":
-        from featcache.extract.sources.python_source import from_module
+        from featcache.models.sources.python_source import from_module
 
         return from_module(name, weights, device=device, trainable=trainable, **sizes)
     if source == "python":

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from featcache.errors import BackboneError, WeightsNotFoundError
-from featcache.extract import sources as S
+from featcache.models import sources as S
 
 _HEADS = ("fc", "classifier", "heads", "head")
 
@@ -91,7 +91,7 @@ def _enum_weights(enum: Any, weights: str, name: str) -> Any:
     ``ResNet50_Weights.IMAGENET1K_V2``), or None for random/checkpoint weights."""
     from pathlib import Path
 
-    from featcache.extract.weights import CHECKPOINT_SUFFIXES
+    from featcache.models.weights import CHECKPOINT_SUFFIXES
 
     p = Path(weights).expanduser()
     if S.seed_of(weights, "torchvision") is not None or p.suffix in CHECKPOINT_SUFFIXES or p.exists():
@@ -113,7 +113,7 @@ def _download(member: Any, name: str, offline: bool) -> Any:
 
     import torch
 
-    from featcache.extract.sources import hub
+    from featcache.models.sources import hub
 
     path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(member.url))
     if not os.path.isfile(path):
@@ -145,7 +145,7 @@ def build(
     seed = S.seed_of(weights, "torchvision")
     more: dict[str, Any] = {}
     if member is not None:  # torchvision's own builder with its weights (read from torch hub's cache)
-        from featcache.extract import weights as _w
+        from featcache.models import weights as _w
 
         path = _download(member, name, offline)
         model = torchvision.models.get_model(name, weights=member)

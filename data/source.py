@@ -44,7 +44,7 @@ class ReadOptions:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     exif_transpose: bool = True
     allow_empty_classes: bool = False
-    decoder: str = "pil"  # pil | torchvision (JPEGs; resolved, see featcache.extract.decode)
+    decoder: str = "pil"  # pil | torchvision (JPEGs; resolved, see featcache.data.decode)
     follow_symlinks: bool = False  # imagefolder: read symlinks that point outside the folder
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from featcache.data.decode import decode_image
+from featcache.data.readers.registry import register_format
+from featcache.data.source import ReadOptions, SplitSource, escape_name, integer_classes, integral_labels
 from featcache.errors import DataError
-from featcache.extract.decode import decode_image
-from featcache.extract.readers.registry import register_format
-from featcache.extract.source import ReadOptions, SplitSource, escape_name, integer_classes, integral_labels
 
 log = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from featcache.data.decode import PathLoader, decode_image
+from featcache.data.readers.registry import register_format
+from featcache.data.readers.webdataset import read_webdataset
+from featcache.data.source import ReadOptions, SplitSource, StringColumn, escape_name, integer_classes
 from featcache.errors import DataError
-from featcache.extract.decode import PathLoader, decode_image
-from featcache.extract.readers.registry import register_format
-from featcache.extract.readers.webdataset import read_webdataset
-from featcache.extract.source import ReadOptions, SplitSource, StringColumn, escape_name, integer_classes
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from featcache.errors import BackboneError
-from featcache.extract import sources as S
-from featcache.extract import weights as _w
+from featcache.models import sources as S
+from featcache.models import weights as _w
 
 KINDS = ("pooled", "pooler", "cls", "tokens_mean")
 
@@ -61,7 +61,7 @@ def _size(processor: Any) -> tuple[int, int, int]:
 def _locate(name: str, offline: bool) -> tuple[Path, dict[str, Any]]:
     """The model folder of ``hf:DIR`` or ``hf:ORG/NAME[@REVISION]`` (a hub id, read through
     ``huggingface_hub`` into its cache) and what to record of it."""
-    from featcache.extract.sources import hub
+    from featcache.models.sources import hub
 
     d = Path(name).expanduser()
     if d.is_dir():

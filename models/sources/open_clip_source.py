@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from featcache.errors import BackboneError
-from featcache.extract import sources as S
+from featcache.models import sources as S
 
 
 class OpenClipText:
@@ -47,7 +47,7 @@ def _weights_file(open_clip: Any, name: str, weights: str, offline: bool) -> tup
     hub cache, or None (``random:SEED``; ``hf-hub:`` names, which open_clip loads itself)."""
     from pathlib import Path
 
-    from featcache.extract.sources import hub
+    from featcache.models.sources import hub
 
     if S.seed_of(weights, "open_clip") is not None:
         return None, {}
@@ -80,7 +80,7 @@ def cached_file(cfg: dict[str, Any]) -> str | None:
     """The cached file of an open_clip pretrained config (hub cache or its url's cache)."""
     import os
 
-    from featcache.extract.sources import hub
+    from featcache.models.sources import hub
 
     if cfg.get("hf_hub"):
         from huggingface_hub import try_to_load_from_cache
@@ -132,7 +132,7 @@ def _hub_file(repo: str) -> str | None:
 
     from huggingface_hub import try_to_load_from_cache
 
-    from featcache.extract.sources import hub
+    from featcache.models.sources import hub
 
     for f in ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin"):
         hit = try_to_load_from_cache(repo, f, cache_dir=str(hub.hf_cache_dir()))
@@ -149,7 +149,7 @@ class _DropRandomInitWarning:
 def build(
     name: str, weights: str, *, device: str = "cpu", trainable: bool = False, offline: bool = False, **_: Any
 ) -> Any:
-    from featcache.extract.sources import hub
+    from featcache.models.sources import hub
 
     open_clip = S.require("open_clip", "open_clip")
     _check_name(open_clip, name)
@@ -165,7 +165,7 @@ def build(
     if seed is not None:
         sha, tag, wfile = S.load_weights(model, weights, "open_clip", name)
     elif path is not None:
-        from featcache.extract import weights as _w
+        from featcache.models import weights as _w
 
         sha, wfile = _w.file_sha256(path), path
         tag = f"@{more['pretrained_tag']}" if "pretrained_tag" in more else "" if hub_name else f"@{Path(path).stem}"

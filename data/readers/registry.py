@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from featcache.data.source import ReadOptions, SplitSource
 from featcache.errors import ConfigError, DataError
-from featcache.extract.source import ReadOptions, SplitSource
 
 __all__ = ["FORMATS", "DataFormat", "format_help", "format_usages", "open_format", "parse_spec", "register_format"]
 

@@ -1,17 +1,17 @@
 """Data readers: a data spec ``KIND[:ARG]`` names a registered format, read by
-:func:`open_dataset` into one :class:`~featcache.extract.source.SplitSource` per split.
+:func:`open_dataset` into one :class:`~featcache.data.source.SplitSource` per split.
 
 One module per family of formats, each registering its readers with
-:func:`~featcache.extract.readers.registry.register_format`:
+:func:`~featcache.data.readers.registry.register_format`:
 
-* :mod:`~featcache.extract.readers.folders`: ``digits``, ``fashion-mnist[:DIR]``,
+* :mod:`~featcache.data.readers.folders`: ``digits``, ``fashion-mnist[:DIR]``,
   ``imagefolder:DIR``, ``manifest:FILE``;
-* :mod:`~featcache.extract.readers.webdataset`: ``webdataset:PATTERN`` tar shards;
-* :mod:`~featcache.extract.readers.benchmarks`: the layouts benchmarks are distributed in
+* :mod:`~featcache.data.readers.webdataset`: ``webdataset:PATTERN`` tar shards;
+* :mod:`~featcache.data.readers.benchmarks`: the layouts benchmarks are distributed in
   (``clip-benchmark:DIR``, ``hf:PATH``, ``vtab1k:DIR``).
 
 Grey, palette, CMYK, 16-bit and RGBA images all become 8-bit RGB
-(:mod:`featcache.extract.decode`).
+(:mod:`featcache.data.decode`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from pathlib import Path
 
 # isort: off
 # the built-in formats register on import, in the order the --data help and errors list them
-from featcache.extract.readers import folders  # noqa: F401
-from featcache.extract.readers import webdataset  # noqa: F401
-from featcache.extract.readers import benchmarks  # noqa: F401
+from featcache.data.readers import folders  # noqa: F401
+from featcache.data.readers import webdataset  # noqa: F401
+from featcache.data.readers import benchmarks  # noqa: F401
 
 # isort: on
-from featcache.errors import DataError
-from featcache.extract.readers.benchmarks import detect_spec
-from featcache.extract.readers.registry import (
+from featcache.data.readers.benchmarks import detect_spec
+from featcache.data.readers.registry import (
     FORMATS,
     format_help,
     format_usages,
@@ -36,7 +35,8 @@ from featcache.extract.readers.registry import (
     parse_spec,
     register_format,
 )
-from featcache.extract.source import ReadOptions, SplitSource
+from featcache.data.source import ReadOptions, SplitSource
+from featcache.errors import DataError
 
 __all__ = [
     "FORMATS",

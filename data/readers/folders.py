@@ -20,7 +20,7 @@ spec                        source
                             Paths stay in compact numpy buffers (:class:`StringColumn`).
 ==========================  ================================================================
 
-Per image (:class:`~featcache.extract.source.ReadOptions`): dangling symlinks and images above
+Per image (:class:`~featcache.data.source.ReadOptions`): dangling symlinks and images above
 ``max_image_pixels`` become invalid rows; EXIF orientation is applied unless
 ``exif_transpose=False``; class folders without images are an error unless
 ``allow_empty_classes``.
@@ -38,10 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from featcache.errors import DataError
-from featcache.extract.decode import PathLoader, load_image_file
-from featcache.extract.readers.registry import register_format
-from featcache.extract.source import (
+from featcache.data.decode import PathLoader, load_image_file
+from featcache.data.readers.registry import register_format
+from featcache.data.source import (
     ReadOptions,
     SplitSource,
     StringColumn,
@@ -49,6 +48,7 @@ from featcache.extract.source import (
     integer_classes,
     integral_labels,
 )
+from featcache.errors import DataError
 
 if TYPE_CHECKING:
     import polars as pl

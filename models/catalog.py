@@ -61,7 +61,7 @@ def list_models(pattern: str = "*", sources: Sequence[str] = SOURCES) -> Iterato
 def _timm() -> Iterator[tuple[str, str, bool | None]]:
     import timm
 
-    from featcache.extract.weights import find_timm_cached_checkpoint
+    from featcache.models.weights import find_timm_cached_checkpoint
 
     for name in timm.list_pretrained():
         cfg = timm.models.get_pretrained_cfg(name)
@@ -71,7 +71,7 @@ def _timm() -> Iterator[tuple[str, str, bool | None]]:
 def _open_clip() -> Iterator[tuple[str, str, bool | None]]:
     import open_clip
 
-    from featcache.extract.sources.open_clip_source import cached_file
+    from featcache.models.sources.open_clip_source import cached_file
 
     for arch, tag in open_clip.list_pretrained():
         yield f"open_clip:{arch}", tag, cached_file(open_clip.get_pretrained_cfg(arch, tag)) is not None
@@ -93,7 +93,7 @@ def _torchvision() -> Iterator[tuple[str, str, bool | None]]:
 
 def _hf() -> Iterator[tuple[str, str, bool | None]]:
     """The model repos in the Hugging Face hub cache (the hub itself is not listed offline)."""
-    from featcache.extract.sources.hub import hf_cache_dir
+    from featcache.models.sources.hub import hf_cache_dir
 
     root = hf_cache_dir()
     for d in sorted(root.glob("models--*--*")) if root.is_dir() else []:
@@ -147,7 +147,7 @@ def _record(bb: Any, model: str, weights: str) -> dict[str, Any]:
 def fetch(items: Sequence[tuple[str, str]], manifest: str | None = None) -> list[dict[str, Any]]:
     """Build each ``(model, weights)`` once through its library's client (downloading what is
     not cached); write the manifest (JSON list) if given."""
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
 
     records = []
     for model, weights in items:
@@ -162,7 +162,7 @@ def fetch(items: Sequence[tuple[str, str]], manifest: str | None = None) -> list
 def verify(manifest: str) -> list[dict[str, Any]]:
     """Rebuild every manifest entry offline (caches only) and compare the sha256 of its weight
     files with the manifest's; a difference raises :class:`ProvenanceMismatchError`."""
-    from featcache.extract.backbones import create_backbone
+    from featcache.models.backbones import create_backbone
 
     try:
         records = json.loads(Path(manifest).read_text())

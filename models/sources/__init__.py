@@ -17,7 +17,7 @@ is one module here plus its :func:`register_source` entry:
 
 In Python, ``ExtractConfig(model=<nn.Module>)`` uses the module itself.
 
-Each source builds a :class:`~featcache.extract.model.Backbone` whose ``features_fn``
+Each source builds a :class:`~featcache.models.model.Backbone` whose ``features_fn``
 computes the feature kinds it declares and whose ``data_config`` records the source, the
 architecture, the library and its version (part of the stored identity, so a resume with
 another source or library version is refused).
@@ -174,7 +174,7 @@ def load_weights(
     the classifier of a ``num_classes=0`` model."""
     from pathlib import Path
 
-    from featcache.extract import weights as _w
+    from featcache.models import weights as _w
 
     if seed_of(weights, source) is not None:
         seed = seed_of(weights, source)
@@ -253,7 +253,7 @@ for _name, _usage, _note in (
     ("hf", "hf:DIR", "save_pretrained"),
     ("python", "python:MODULE:CALLABLE", "an nn.Module factory"),
 ):
-    register_source(_name, f"featcache.extract.sources.{_name}_source", usage=_usage, note=_note)
+    register_source(_name, f"featcache.models.sources.{_name}_source", usage=_usage, note=_note)
 
 
 def describe(out: Any) -> str:
@@ -313,7 +313,7 @@ def finish(
     import torch
     from torchvision import transforms as T
 
-    from featcache.extract.model import Backbone, ToRGB, backbone_device
+    from featcache.models.model import Backbone, ToRGB, backbone_device
 
     dev = backbone_device(device)
     model = model.to(dev).eval()

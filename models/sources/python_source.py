@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from featcache.errors import BackboneError
-from featcache.extract import sources as S
+from featcache.models import sources as S
 
 KINDS = ("pooled",)
 
@@ -20,7 +20,7 @@ def _default_transform(input_size: Any = None, pre_resize: Any = None, resize: A
     from timm.data.config import resolve_data_config
     from timm.data.constants import DEFAULT_CROP_PCT
 
-    from featcache.extract.model import make_data_config, make_transform
+    from featcache.models.model import make_data_config, make_transform
 
     cfg = make_data_config(
         resolve_data_config(args={"crop_pct": DEFAULT_CROP_PCT}),

@@ -1,5 +1,5 @@
 """The :class:`Backbone` record every model source builds (timm models in
-:mod:`featcache.extract.backbones`, the other libraries in :mod:`featcache.extract.sources`),
+:mod:`featcache.models.backbones`, the other libraries in :mod:`featcache.models.sources`),
 its eval preprocessing from a timm data config (:func:`make_transform`) and the device it
 runs on."""
 
