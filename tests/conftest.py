@@ -155,17 +155,3 @@ def fmnist_cache(tmp_path_factory) -> str:
             chunk_rows=512,
         )
     )
-
-
-@pytest.fixture(scope="session")
-def digits16(digits_cache):
-    """lite0 digits train features as stored (float16), and a fixed 75/25 train/val split."""
-    import numpy as np
-
-    from featcache.store import open_cache
-
-    tr = open_cache(digits_cache).load(LITE0, "digits", "train")
-    X, y = tr.X.astype(np.float16), np.asarray(tr.labels)
-    p = np.random.default_rng(0).permutation(y.size)
-    k = int(0.75 * y.size)
-    return X, y, p[:k], p[k:]
