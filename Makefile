@@ -13,7 +13,7 @@ FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
 APT_LOCK_TIMEOUT ?= 600
 APT_GET := apt-get -o DPkg::Lock::Timeout=$(APT_LOCK_TIMEOUT)
 
-.PHONY: setup system-deps demo-deps demo test lint docs docs-serve
+.PHONY: setup system-deps demo-deps demo test test-fast lint docs docs-serve
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
@@ -53,6 +53,11 @@ demo: setup demo-deps
 TEST_WORKERS ?= auto
 test: setup system-deps
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# the tier for iterating: everything not marked `slow` (no session stores extracted, no
+# torchrun/Dask/moto/Chromium/kill -9 subprocesses), the same workers; `make test` runs it all
+test-fast: setup system-deps
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # pyright (basic mode, settings in pyproject's [tool.pyright]) finds `import featcache.x` only through a
 # folder named featcache; a clone may be named otherwise, so it runs in a temporary folder holding a

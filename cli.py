@@ -25,7 +25,7 @@ _CLI_MARK = "featcache_cli"
 
 #: command word -> the ``register(subparsers)`` of the stage package that adds it, in help order
 #: (imported when the parser is built; a package missing from this build adds none): ``featcache
-#: probe`` imports and builds the probes package's parsers only (tests/test_cli_lazy.py holds
+#: probe`` imports and builds the probes package's parsers only (tests/cli/test_cli_lazy.py holds
 #: these words to what each module registers, tests/contracts/test_registry_contract.py every cli.py to one)
 COMMANDS: Registry[Callable[[Any], None]] = Registry("command")
 for _pkg, _words in (

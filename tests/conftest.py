@@ -63,9 +63,18 @@ LONGEST_FILES = (
 )
 
 
+#: the session stores below: on a fresh clone the first test that asks for one extracts it
+#: (minutes on 2 cores), so a test that uses one, itself or through another fixture, is `slow`
+STORE_FIXTURES = frozenset({"digits_cache", "fmnist_cache"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the store users are `slow` by then
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within a file
+    for item in items:
+        if STORE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     try:
         import torch
 
@@ -151,17 +160,3 @@ def fmnist_cache(tmp_path_factory) -> str:
             amp="fp32",  # the same features on every CPU (auto would be bf16 on an AMX one)
         )
     )
-
-
-@pytest.fixture(scope="session")
-def digits16(digits_cache):
-    """lite0 digits train features as stored (float16), and a fixed 75/25 train/val split."""
-    import numpy as np
-
-    from featcache.store import open_cache
-
-    tr = open_cache(digits_cache).load(LITE0, "digits", "train")
-    X, y = tr.X.astype(np.float16), np.asarray(tr.labels)
-    p = np.random.default_rng(0).permutation(y.size)
-    k = int(0.75 * y.size)
-    return X, y, p[:k], p[k:]

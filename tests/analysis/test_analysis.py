@@ -437,6 +437,7 @@ def test_bob_table8_linear_probe_vs_finetune():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rank_digits_with_external_finetune_writes_tables_and_plots(digits_results, tmp_path):
     out = api.rank(digits_results["path"], [digits_results["ft_path"]], tmp_path / "rank", n_boot=300, seed=3)
     lf = out["lin_ft"]
@@ -497,6 +498,7 @@ def test_rank_digits_with_external_finetune_writes_tables_and_plots(digits_resul
     assert summary["top3_overall"]["best"] == order[0]
 
 
+@pytest.mark.slow
 def test_bootstrap_is_paired_deterministic_and_covers_the_estimate(digits_results):
     a = api.rank(digits_results["path"], n_boot=400, seed=11)
     b = api.rank(digits_results["path"], n_boot=400, seed=11)
@@ -526,6 +528,7 @@ def test_bootstrap_is_paired_deterministic_and_covers_the_estimate(digits_result
         api.rank(digits_results["path"], n_boot=10, resample="backbones")
 
 
+@pytest.mark.slow
 def test_bootstrap_chunking_agreement_and_lower_is_better(digits_results, monkeypatch):
     a = api.rank(digits_results["path"], n_boot=250, seed=5)
     sa = api.rank(digits_results["path"], n_boot=120, seed=5, resample="seeds")
@@ -878,6 +881,7 @@ def test_report_is_self_contained(report_html):
     assert "<script" not in text
 
 
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium(report_html, tmp_path):
     """The report in a real browser at laptop width: every section there, every plot decodes,
     nothing wider than 1280 px, no console error; a screenshot of each section is not blank."""
@@ -994,6 +998,7 @@ def test_report_without_catalog_and_with_a_single_backbone(tmp_path, digits_resu
         write_report(tmp_path / "r.txt", one)
 
 
+@pytest.mark.slow
 def test_cli_rank_shift_report(digits_results, tmp_path, capsys):
     from featcache.cli import main
 
@@ -1067,6 +1072,7 @@ def test_cli_rank_shift_report(digits_results, tmp_path, capsys):
     assert "DATASET=GROUP" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
     store = pytest.importorskip("featcache.store")
     from sklearn.datasets import load_digits
@@ -1102,6 +1108,7 @@ def test_cli_report_reads_the_store_catalog(digits_results, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_report_reads_the_results_parquet_once(digits_results, tmp_path, monkeypatch):
     """write_report from a path (declared-metric check, ranking, shift) reads the file once."""
     import featcache.core.results as R

@@ -297,6 +297,7 @@ def test_more_k_values_do_not_change_the_rankings_weights(tmp_path):
     assert any("the mean over 8 k values" in n for n in many["notes"])
 
 
+@pytest.mark.slow
 def test_two_backbones_say_what_cannot_be_concluded(tmp_path):
     import polars as pl
 

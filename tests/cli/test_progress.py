@@ -32,6 +32,7 @@ def _check(capsys, argv, want: str, no_progress_flag: bool = True) -> None:
     assert any(want in d for d in shown), (want, shown)
 
 
+@pytest.mark.slow
 def test_extract_progress(tmp_path, capsys):
     def argv(i):
         return [
@@ -128,6 +129,7 @@ def _external(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_rank_bootstrap_progress(tmp_path, capsys):
     ext = _external(tmp_path)
 

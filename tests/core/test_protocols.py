@@ -80,6 +80,7 @@ def test_different_seeds_select_different_examples(digits):
     assert a.final.size == 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cache_fixture", "dataset", "limit"),
     [("digits_cache", "digits", None), ("fmnist_cache", "fashion-mnist-small", 2000)],

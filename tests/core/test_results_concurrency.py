@@ -49,6 +49,7 @@ def _writer(root: str, writer: int, barrier) -> None:
         append_results(target, _rows(99, rep, 0), replace_runs=True)
 
 
+@pytest.mark.slow
 def test_concurrent_appends_lose_no_rows(tmp_path):
     """4 processes append into the same table at once, 20 repetitions (the "Must show"
     figure): every row present exactly once, the shared run once."""

@@ -40,6 +40,7 @@ def _appender(path: str, writer: int, started) -> None:
         append_results(path, _rows(writer, i))
 
 
+@pytest.mark.slow
 def test_reads_during_appends_never_fail(tmp_path):
     """Appender processes replace the table over and over while this process reads it in
     a loop: every read sees one whole table (the figure in docs/store.md)."""

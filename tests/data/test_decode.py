@@ -50,6 +50,7 @@ def _real_jpegs() -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.slow
 def test_torchvision_pixels_equal_pil_on_real_jpegs():
     for name, blob in _real_jpegs().items():
         with Image.open(io.BytesIO(blob)) as im:
@@ -154,6 +155,7 @@ def _extract(manifest: Path, cache: Path, decoder: str) -> int:
     )
 
 
+@pytest.mark.slow
 def test_extraction_is_bit_identical_and_recorded(tmp_path, capsys):
     files = dict(list(_real_jpegs().items())[::3])
     files["cmyk.jpg"] = _jpeg(Image.fromarray(skdata.coffee()).convert("CMYK"), quality=90)

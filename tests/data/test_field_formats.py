@@ -66,6 +66,7 @@ def _extract(spec, cache, name):
     extract(cfg)
 
 
+@pytest.mark.slow
 def test_clip_benchmark_keys_restart_per_split(fm_rows, tmp_path):
     spec = _clip_benchmark(tmp_path / "task", fm_rows, lambda c, i: {"cls": c})
     splits = open_dataset(spec)
@@ -79,6 +80,7 @@ def test_clip_benchmark_keys_restart_per_split(fm_rows, tmp_path):
     assert df.filter(df["metric"] == "top1")["value"][0] > 0.3
 
 
+@pytest.mark.slow
 def test_clip_benchmark_multilabel_npy(fm_rows, tmp_path):
     from featcache.store import open_cache
     from featcache.store.tasks import load_label_matrix
@@ -162,6 +164,7 @@ def _hf_parquet(root, rows):
     return f"hf:{root}"
 
 
+@pytest.mark.slow
 def test_full_selects_on_a_hugging_face_validation_split(fm_rows, tmp_path, caplog):
     spec = _hf_parquet(tmp_path / "hf", fm_rows)
     cache = str(tmp_path / "c.zarr")

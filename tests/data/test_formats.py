@@ -140,6 +140,7 @@ def extracted(tmp_path_factory):
     return open_cache(cache), imgs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "splits"),
     [

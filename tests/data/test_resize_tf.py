@@ -168,6 +168,7 @@ def test_whole_tf_is_not_pil_antialiased_resize():
     assert float((tf_like - want).abs().max()) < 1e-5
 
 
+@pytest.mark.slow
 def test_whole_tf_recorded_in_provenance(tmp_path):
     from skimage import data
 

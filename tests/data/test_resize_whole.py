@@ -68,6 +68,7 @@ def test_default_stays_timm_eval_transform(timm_cfg):
     assert torch.equal(t(im), ref(im))
 
 
+@pytest.mark.slow
 def test_whole_resize_recorded_and_resume_refused(tmp_path, capsys):
     from skimage import data
 

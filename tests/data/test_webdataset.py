@@ -87,6 +87,7 @@ def test_glob_and_errors(shards):
         open_dataset(f"webdataset:{shards}/nothing-*.tar")
 
 
+@pytest.mark.slow
 def test_extract_from_shards_equals_extract_from_the_arrays(shards, tmp_path):
     kw = {
         "input_size": 32,

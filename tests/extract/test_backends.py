@@ -55,6 +55,7 @@ def _agrees(x: np.ndarray, ref: np.ndarray) -> None:
     assert cos.min() >= COS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
 def test_engine_backend_keeps_eager_features_and_is_recorded(tmp_path, eager, backend):
     pytest.importorskip(backend)
@@ -209,6 +210,7 @@ def _auto_costs(monkeypatch, tmp_path, costs: dict, threads: int = 1):
     return key
 
 
+@pytest.mark.slow
 def test_auto_measures_records_its_choice_and_resumes_like_the_explicit_backend(tmp_path, eager, monkeypatch, caplog):
     """auto measures onnxruntime (worth it: eager is cached as very slow), chooses it, keeps the
     engine it built, records choice and reason; a resume with --backend eager is refused, one
@@ -284,6 +286,7 @@ def bf16_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("FEATCACHE_BACKEND_COSTS", str(tmp_path / "costs.json"))
 
 
+@pytest.mark.slow
 def test_precision_auto_is_bf16_after_the_recorded_check_and_resumes_like_explicit_bf16(tmp_path, bf16_cpu):
     cache = str(tmp_path / "c.zarr")
     extract(ExtractConfig(LITE0, WEIGHTS, "digits", ["test"], cache, amp="auto", write=False, **KW))

@@ -126,6 +126,7 @@ def runs(tmp_path_factory):
     return root, names, same_as, dirty, clean
 
 
+@pytest.mark.slow
 def test_bad_images_keep_their_rows(runs, capsys, monkeypatch):
     root, names, same_as, dirty, clean = runs
 

@@ -62,6 +62,7 @@ def tiny(tmp_path_factory):
     return register_tiny_open_clip(tmp / "oc"), save_tiny_hf_clip(tmp / "hfclip")
 
 
+@pytest.mark.slow
 def test_open_clip_zeroshot_equals_open_clip(tiny, tmp_path, capsys):
     import open_clip
 

@@ -24,6 +24,7 @@ def photo_folder(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_stored_features_equal_direct_forward(tmp_path, photo_folder):
     import torch
 
@@ -70,6 +71,7 @@ def test_stored_features_equal_direct_forward(tmp_path, photo_folder):
     assert f.class_names == ["astronaut", "cat", "coffee"]
 
 
+@pytest.mark.slow
 def test_fashion_mnist_subset_cli_rerun_is_noop(tmp_path, capsys):
     cache = tmp_path / "fm.zarr"
     args = [

@@ -35,6 +35,7 @@ def _reference_inputs(bb, split, n: int) -> torch.Tensor:
     return torch.stack([bb.transform(split.load(i)) for i in range(n)])
 
 
+@pytest.mark.slow
 def test_vit_pooled_tokens_mean_cls_from_one_forward(tmp_path, monkeypatch):
     n = 24
     seen = _count_forwards(monkeypatch, "patch_embed")
@@ -86,6 +87,7 @@ def test_vit_pooled_tokens_mean_cls_from_one_forward(tmp_path, monkeypatch):
     assert np.abs(f["tokens_mean"].X - f["cls"].X).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_lite0_stage_averages_and_pooled(tmp_path, monkeypatch):
     n = 40
     seen = _count_forwards(monkeypatch, "conv_stem")
@@ -187,6 +189,7 @@ def _cli(cache, *extra):
     )
 
 
+@pytest.mark.slow
 def test_rerun_with_other_settings_is_refused_until_overwrite(tmp_path, capsys):
     cache = str(tmp_path / "c.zarr")
     assert _cli(cache) == 0

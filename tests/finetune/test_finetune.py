@@ -311,6 +311,7 @@ def test_cpu_bf16_precision_needs_bf16_hardware_and_records_the_isa(monkeypatch,
         FT.resolve_precision("bf16", "cpu")
 
 
+@pytest.mark.slow
 def test_selection_grid_full_protocol(one_thread, tmp_path):
     """Several configs: each trains on train minus the seeded 10% holdout, is scored on the
     holdout, the best (ties: first) is refit on all of train."""
@@ -383,6 +384,7 @@ def test_cpu_eval_batch_bounded_by_pixels():
     assert FT.eval_batch_size("cuda", 224 * 224) == FT.eval_batch_size("cuda:1", 512 * 512) == 256
 
 
+@pytest.mark.slow
 def test_streaming_images_equal_preprocessed_pool(one_thread, caplog):
     """Datasets too big for memory stream images through a DataLoader: same numbers."""
     kw = {

@@ -76,6 +76,7 @@ def _check_rows(df, bb, source: str, arch: str, model: str):
     assert hp["candidates"][0]["steps"] == 7
 
 
+@pytest.mark.slow
 def test_finetune_torchvision_model(one_thread, tmp_path):
     from featcache.models import create_backbone
 
@@ -84,6 +85,7 @@ def test_finetune_torchvision_model(one_thread, tmp_path):
     _check_rows(df, create_backbone(spec, "random:0"), "torchvision", "mobilenet_v3_small", spec)
 
 
+@pytest.mark.slow
 def test_finetune_open_clip_image_tower(one_thread, tmp_path):
     pytest.importorskip("open_clip")
     from model_source_fixtures import register_tiny_open_clip

@@ -70,6 +70,7 @@ def test_dinov2_grid_is_its_own():
     np.testing.assert_allclose(DINOV2_C_GRID, dinov2_grid().numpy(), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_dinov2_protocol_matches_its_log_regression(pix, tmp_path):
     path, X, y = pix
     C_ref, top1_ref, ft = dinov2_log_regression(X[:N_TRAIN], y[:N_TRAIN], X[N_TRAIN:], y[N_TRAIN:])

@@ -50,6 +50,7 @@ os.execv(sys.executable, [sys.executable, "-c", *sys.argv[1:]])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc/self/status")
 def test_estimate_bounds_the_measured_peak():
     """20,000 x 512 float16 rows, 100 classes, fitted in memory: the peak RSS rises by no

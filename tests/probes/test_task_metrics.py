@@ -187,6 +187,7 @@ def test_multilabel_bad_inputs(multilabel, tmp_path):
     assert load_label_matrix(open_cache(path), "attrs", "test")[0].shape == (1000, 5)
 
 
+@pytest.mark.slow
 def test_manifest_labels_column_becomes_the_stored_label_matrix(tmp_path):
     """A manifest's ``labels`` column (``;``-separated class names) of real Fashion-MNIST PNGs
     is extracted into the split's [N, C] label matrix, row for row."""

@@ -77,6 +77,7 @@ def dino_knn_reference(Xq, yq, Xg, yg, k, T=0.07, exclude_self=False):
     return correct / len(Q)
 
 
+@pytest.mark.slow
 def test_run_retrieval_rows_and_values(pix_cache, tmp_path):
     path, X, y, _ids = pix_cache
     out = tmp_path / "results.parquet"

@@ -306,7 +306,16 @@ def test_index_streams_to_and_from_files_as_faiss_serialises_it(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "factory", ["Flat", "IVF16,Flat", "IVF16,PQ8", "HNSW8", "IVF16_HNSW8,Flat", "OPQ8,IVF16,PQ8", "IVF16,SQ8"]
+    "factory",
+    [
+        "Flat",
+        "IVF16,Flat",
+        pytest.param("IVF16,PQ8", marks=pytest.mark.slow),  # product-quantiser training
+        "HNSW8",
+        "IVF16_HNSW8,Flat",
+        pytest.param("OPQ8,IVF16,PQ8", marks=pytest.mark.slow),
+        "IVF16,SQ8",
+    ],
 )
 def test_rows_added_into_final_size_buffers_make_the_same_index(monkeypatch, factory):
     """add_rows allocates flat stores and IVF lists at their final size (no doubling

@@ -103,6 +103,7 @@ def digits():
     return X, d.target.astype(np.int64), np.array([f"d{i}" for i in range(len(X))])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["cosine", "ip", "l2"])
 def test_full_and_topk_match_reference_on_digits(digits, metric):
     X, y, ids = digits
@@ -123,6 +124,7 @@ def test_full_and_topk_match_reference_on_digits(digits, metric):
             np.testing.assert_allclose(vals.mean(), full[name].mean(), atol=1e-3, err_msg=f"{backend} {name}")
 
 
+@pytest.mark.slow
 def test_leave_one_out_on_digits_matches_reference(digits):
     # integer pixel vectors: real duplicates and exact score ties occur in this split
     X, y, ids = digits
@@ -187,6 +189,7 @@ def small_case(draw):
     return Xq, Xg, yq, yg, qids, gids, ks, metric
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_case())
 def test_hypothesis_full_and_topk_vs_reference(case):

@@ -148,6 +148,7 @@ def _reference(arch, rows, X):
         return clip_benchmark_recall(batches, lambda t: model.encode_text(tok(t)), [1, 2, 5])
 
 
+@pytest.mark.slow
 def test_recall_equals_clip_benchmark_on_its_export_and_a_manifest(data):
     tmp, arch, rows = data
     spec = _clip_benchmark_export(tmp / "export", rows)
@@ -214,6 +215,7 @@ def _hf_captions(i: int) -> list[str]:
     return out + ([f"a small {a} {b} drawing 9"] if i % 3 == 0 else [])
 
 
+@pytest.mark.slow
 def test_hf_clip_text_tower_recall_equals_clip_benchmark(data):
     """The same recall through a Hugging Face CLIPModel (a tiny config saved with save_pretrained):
     captions through featcache's hf: text tower, against CLIP_benchmark's evaluate with HF's own
@@ -266,6 +268,7 @@ def test_hf_clip_text_tower_recall_equals_clip_benchmark(data):
     assert 0 < ours["i2t_recall@5"] < 1
 
 
+@pytest.mark.slow
 def test_rerun_skips_a_finished_run_unless_forced(data, tmp_path, monkeypatch, capsys):
     from featcache.retrieval.text import run_text_retrieval
     from featcache.store.cache import FeatureCache

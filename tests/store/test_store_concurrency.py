@@ -218,6 +218,7 @@ def test_lease_on_other_stores(monkeypatch):
     assert "features~pix~d~s" not in cache.root["locks"]
 
 
+@pytest.mark.slow
 def test_library_extract_releases_its_lock(tmp_path):
     """A finished extract called again in the same process (a notebook) skips and releases
     the writer lock: a third call is not refused by the process's own stale lock, and other

@@ -100,6 +100,7 @@ def _count(name: str, n: int = 1) -> None:
     FIGURES[name] = FIGURES.get(name, 0) + n
 
 
+@pytest.mark.slow
 def test_metadata_damage_per_document_kind_is_named_and_rebuilt(ref, tmp_path, capsys):
     src, X = ref
     path = tmp_path / "c.zarr"
@@ -125,6 +126,7 @@ def test_metadata_damage_per_document_kind_is_named_and_rebuilt(ref, tmp_path, c
         np.testing.assert_array_equal(open_cache(path).load("pix", "digits", "train").X, X)
 
 
+@pytest.mark.slow
 def test_damaged_digests_and_a_store_without_digests(ref, tmp_path, capsys):
     src, X = ref
     path = tmp_path / "c.zarr"
@@ -292,6 +294,7 @@ def _load_or_error(path, backbone="r0"):
         return exc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["group folders", "pooled chunk folders", "every chunk folder"])
 def test_swapped_groups_are_named_and_never_load_as_the_other_backbone(pair, tmp_path, capsys, what):
     from featcache.errors import CorruptStoreError, IncompleteStoreError
@@ -378,6 +381,7 @@ def _consistent_damages(path) -> dict[str, tuple[str, bytes]]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("digest", ["truncated", "deleted"])
 def test_a_damaged_document_under_a_damaged_digest_is_never_recorded_as_truth(pair, tmp_path, capsys, digest):
     path = _fresh(pair, tmp_path, "ref.zarr")
@@ -416,6 +420,7 @@ def test_a_damaged_document_under_a_damaged_digest_is_never_recorded_as_truth(pa
             assert doc.read_bytes() == raw, how
 
 
+@pytest.mark.slow
 def test_a_deleted_digest_file_is_named_and_recreated_from_agreeing_documents(pair, tmp_path, capsys):
     path = _fresh(pair, tmp_path)
     for unit in ("root", "datasets~digits~train", "features~r0~digits~train"):

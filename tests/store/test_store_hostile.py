@@ -187,6 +187,7 @@ def test_hostile_class_folders_and_walk_errors_are_one_refusal(tmp_path, monkeyp
     record_figures({"hostile-folder cases tried": 4, "hostile-folder cases handled": 4})
 
 
+@pytest.mark.slow
 def test_hostile_folder_extracts_with_invalid_rows_and_no_traceback(tmp_path, capsys):
     from featcache.cli import main
 
@@ -280,6 +281,7 @@ def _tmpfs(path, size):
         subprocess.run(["umount", str(path)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_full_disk_extract_is_one_line_and_resumes_exactly(tmp_path, capsys):
     from featcache.cli import main
     from featcache.extract import extract
@@ -339,6 +341,7 @@ def _orphans(path, wait: float = 10.0) -> list[str]:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_enospc_at_every_store_write_site(tmp_path, monkeypatch, digits_pixels):
     """Each write the store makes fails in turn: one NoSpaceError naming the path, nothing
     half-written, every chunk marked done intact, and a plain re-run byte-identical."""
@@ -456,6 +459,7 @@ def _damage(doc, how: str) -> None:
         doc.write_bytes(raw[:i] + bytes([raw[i] ^ 0x04]) + raw[i + 1 :])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncate", "flip"])
 def test_damaged_metadata_is_named_per_document(tmp_path, digits_pixels, capsys, how):
     from featcache.cli import main
@@ -482,6 +486,7 @@ def test_damaged_metadata_is_named_per_document(tmp_path, digits_pixels, capsys,
         np.testing.assert_array_equal(open_cache(path).load("pix", "digits", "train").X, X)
 
 
+@pytest.mark.slow
 def test_extract_rerun_on_damaged_metadata_is_one_line(tmp_path, capsys, reference):
     from featcache.cli import main
     from featcache.extract import extract

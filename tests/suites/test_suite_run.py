@@ -56,6 +56,7 @@ def suite_root(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_extract_probe_rank_a_suite(suite_root, tmp_path, caplog, capsys):
     cache, res = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
     base = [
@@ -202,6 +203,7 @@ def test_finetune_suite_one_config_per_task(suite_root, tmp_path, caplog):
     assert "metric" not in hp
 
 
+@pytest.mark.slow
 def test_finetune_selects_on_the_declared_mean_per_class(suite_root, tmp_path):
     from dataclasses import replace
 

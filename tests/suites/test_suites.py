@@ -105,6 +105,7 @@ def _task_data(root):
         (task / f"{lst}.txt").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_extract_suite_runs_present_tasks_and_names_missing(tmp_path, capsys, caplog):
     root = tmp_path / "vtab"
     root.mkdir()

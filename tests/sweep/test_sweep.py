@@ -462,6 +462,7 @@ def test_sweep_median_rows_equal_probe_median_rows(digits_cache, tmp_path):
     assert medians(swept) == medians(together)
 
 
+@pytest.mark.slow
 def test_sweep_median_rows_equal_finetune_median_rows(tmp_path):
     """The same for fine-tuning: two seeds of a tiny real fine-tune (lite0 at 32 px on digits,
     one config of 1 step) run together, and their seed rows finished by the sweep, give equal
