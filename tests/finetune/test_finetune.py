@@ -303,7 +303,7 @@ def test_cpu_bf16_precision_needs_bf16_hardware_and_records_the_isa(monkeypatch,
     assert "bf16 autocast on cpu: oneDNN bf16 kernels (avx512_bf16)" in caplog.text
     bb = SimpleNamespace(device="cpu", weights_sha256="x", data_config={"input_size": (3, 32, 32)})
     cfg = FinetuneConfig(LITE0, LITE0_WEIGHTS, "digits", "full", steps=(2,), lrs=(0.1,))
-    proto = SimpleNamespace(spec="full", split="full")
+    proto = SimpleNamespace(spec="full", split="full", val_source_choice=False)  # as the full protocol
     assert cfg.run_options(proto, bb, "bf16")["cpu_isa"].endswith("+avx512_bf16")
     assert "cpu_isa" not in cfg.run_options(proto, bb, "fp32")
     monkeypatch.setattr(fcpu, "bf16_flags", lambda: ())
