@@ -149,7 +149,7 @@ def test_elevater_fewshot_on_real_features(digits_cache):
     assert len(hp["per_lr"]) == 6
     assert hp["scaled_from"] == {"search_epochs": 10, "final_epochs": 50}
     assert hp["head"] == "linear-default-seeded"
-    assert hp["head_loop"] == "toolkit"
+    assert hp["head_loop"] == "toolkit-stream"
     assert top["value"][0] > 0.5  # chance 0.1; 3 + 20 epochs: measured 0.5844 (zero head before: 0.6956)
 
 
