@@ -93,22 +93,13 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
     )
     if shown["group_mean"].null_count() == shown.height:
         shown = shown.drop("group_mean")
-    runner = ov.row(1, named=True) if ov.height > 1 else None
     answer = f"Use {best['backbone']}: first by mean z-score ({best['zscore']:+.2f})"
+    verdict = r.first_place is not None and r.first_place.runner_up is not None
+    if verdict:
+        answer += "; " + first_place_verdict(r.first_place)
     if 1 < ov.height <= 3:
-        answer += "; " + _few_backbones(ov.height, best["backbone"])
-    elif runner is not None:
-        sep = (
-            best["zscore_lo"] is not None
-            and runner["zscore_hi"] is not None
-            and best["zscore_lo"] > runner["zscore_hi"]
-        )
-        answer += (
-            f"; its interval lies above the runner-up {runner['backbone']}'s."
-            if sep
-            else f"; its interval overlaps the runner-up {runner['backbone']}'s ({runner['zscore']:+.2f}), "
-            "so the data do not separate them clearly."
-        )
+        few = _few_backbones(ov.height, best["backbone"])
+        answer += " " + few[0].upper() + few[1:] if verdict else "; " + few
     return {
         "answer": answer,
         "n_settings": r.zscores.width - 1,
@@ -134,6 +125,30 @@ def _retrieval_statement(r: Ranking) -> str | None:
     if not any(s.startswith("retrieval:") for s in r.scores.columns):
         return None
     return f"Retrieval settings are ranked on {retrieval_metric_text(r.retrieval_metric)}."
+
+
+def first_place_verdict(fp) -> str:
+    """The headline's one statement on first place, from the same table as the certainty plot
+    (:func:`~featcache.analysis.first_place.first_place`)."""
+    row = fp.table.row(0, named=True)
+    pct = f"{100 * fp.level:.0f}%"
+    interval = f"[{row['lo']:+.2f}, {row['hi']:+.2f}]"
+    if fp.separated:
+        text = (
+            f"its lead over the runner-up {fp.runner_up} ({row['diff']:+.2f} z) is separated: the paired "
+            f"{pct} interval {interval} excludes 0, counting {fp.covers}."
+        )
+    else:
+        text = (
+            f"its lead over the runner-up {fp.runner_up} ({row['diff']:+.2f} z) is not separated: the paired "
+            f"{pct} interval {interval} includes 0 once {fp.covers} is counted, so the data do not "
+            "tell the two apart."
+        )
+    if fp.n_datasets == 1:
+        text += (
+            " With one dataset the intervals cover its test-set noise only, not how another dataset would order them."
+        )
+    return text
 
 
 def _few_backbones(n: int, best: str) -> str:
@@ -239,16 +254,18 @@ def _certainty(r: Ranking, tmp: Path) -> dict[str, Any]:
     order = r.overall["backbone"].to_list()
     wide = wide.join(pl.DataFrame({"backbone": order, "_o": range(len(order))}), on="backbone").sort("_o").drop("_o")
     figs = []
-    if len(order) > 1 and r.differences.height:
+    fp = r.first_place
+    if len(order) > 1 and fp is not None and fp.table.height:
         from featcache.analysis import plots as P
 
-        P.best_vs_rest(r.differences, order[0], tmp / "best_vs_rest.png")
+        P.best_vs_rest(fp.table, order[0], tmp / "best_vs_rest.png", interval=f"paired {100 * fp.level:.0f}% interval")
         figs = _figures(
             tmp,
             [
                 (
                     "best_vs_rest.png",
-                    f"Bootstrap interval of the z-score difference between {order[0]} and each other backbone",
+                    f"Paired {100 * fp.level:.0f}% interval of the mean z-score lead of {order[0]} over each "
+                    f"other backbone, counting {fp.covers} (the headline's numbers)",
                 )
             ],
         )
