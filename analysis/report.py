@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,7 @@ def _interval_cell(v, lo, hi, fmt: str = "{:.3f}") -> str:
 # ----------------------------------------------------------------------------- ranking sections
 
 
-def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
+def _choose(r: Ranking, tmp: Path, scaled: AbstractSet[tuple[str, str]] = frozenset()) -> dict[str, Any]:
     import polars as pl
 
     ov = overall_with_intervals(r)
@@ -108,7 +109,9 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
         "resample": r.resample,
         "overall": table_cells(shown, table_id="overall-table"),
         "top3": table_cells(r.top3, table_id="top3-table"),
-        "weights": table_cells(r.weights, table_id="weights-table") if r.weights is not None else None,
+        "weights": table_cells(_weights_marked(r.weights, scaled), table_id="weights-table")
+        if r.weights is not None
+        else None,
         "per_setting": table_cells(_per_setting_gaps(r), table_id="gaps-table") if 1 < ov.height <= 3 else None,
         "figures": _figures(
             tmp,
@@ -118,6 +121,14 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
             ],
         ),
     }
+
+
+def _weights_marked(weights, scaled: AbstractSet[tuple[str, str]]):
+    """The settings' weights with a ``scaled`` column: the setting's schedule was scaled down."""
+    import polars as pl
+
+    marked = sorted({s for s, _ in scaled})
+    return weights.with_columns(pl.col("setting").is_in(marked).alias("scaled"))
 
 
 def _retrieval_statement(r: Ranking) -> str | None:
@@ -141,8 +152,8 @@ def first_place_verdict(fp) -> str:
     else:
         text = (
             f"its lead over the runner-up {fp.runner_up} ({row['diff']:+.2f} z) is not separated: the paired "
-            f"{pct} interval {interval} includes 0 once {fp.covers} is counted, so the data do not "
-            "tell the two apart."
+            f"{pct} interval {interval} includes 0 (counting {fp.covers}), so the data do not tell the "
+            "two apart."
         )
     if fp.n_datasets == 1:
         text += (
@@ -207,34 +218,124 @@ def _score_intervals(r: Ranking):
     )
 
 
-def _finetune(r: Ranking, tmp: Path, ft_rows) -> dict[str, Any] | None:
+def scaled_settings(results) -> set[tuple[str, str]]:
+    """(setting, backbone) cells whose rows record a scaled-down schedule (``hparams.scaled``,
+    as featcache's probes and fine-tunes write it); empty for tables without ``hparams``."""
+    import polars as pl
+
+    from featcache.analysis.tables import _read_any, load_table, task_expr
+
+    if isinstance(results, (str, os.PathLike)):
+        results = _read_any(results)
+    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns:
+        return set()
+    flag = pl.col("hparams").cast(pl.Utf8).str.json_path_match("$.scaled") == "true"
+    sub = results.filter(flag.fill_null(False))
+    if sub.height == 0:
+        return set()
+    sub = load_table(sub.drop("hparams"), percent=False).with_columns(task_expr())
+    keys = sub.select((pl.col("kind") + pl.lit(":") + pl.col("task")).alias("setting"), "backbone").unique()
+    return set(keys.iter_rows())
+
+
+def knn_gallery_notes(results) -> list[str]:
+    """One note per (backbone, dataset) whose k-NN rows have k at or above the gallery size
+    (``hparams.k_effective`` < k, or ``k_covers_gallery``): every gallery item votes there."""
+    import polars as pl
+
+    from featcache.analysis.tables import _read_any
+
+    if isinstance(results, (str, os.PathLike)):
+        results = _read_any(results)
+    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns or "kind" not in results.columns:
+        return []
+    hp = pl.col("hparams").cast(pl.Utf8)
+    knn = results.filter(pl.col("kind") == "knn").with_columns(
+        hp.str.json_path_match("$.k").cast(pl.Int64, strict=False).alias("_k"),
+        hp.str.json_path_match("$.k_effective").cast(pl.Int64, strict=False).alias("_keff"),
+        hp.str.json_path_match("$.n_gallery").cast(pl.Int64, strict=False).alias("_n"),
+        (hp.str.json_path_match("$.k_covers_gallery") == "true").fill_null(False).alias("_cov"),
+    )
+    bad = knn.filter(pl.col("_cov") | (pl.col("_keff") < pl.col("_k")) | (pl.col("_k") >= pl.col("_n")))
+    notes = []
+    for (b, ds), g in bad.group_by(["backbone", "dataset"], maintain_order=True):
+        ks = ", ".join(str(k) for k in sorted(set(g["_k"].drop_nulls().to_list())))
+        notes.append(
+            f"k-NN k={ks} for {b} on {ds}: k is at least the gallery size ({g['_n'].max()} item(s)), so "
+            "every gallery item votes and those rows are a class-prior vote, not a k-NN classifier"
+        )
+    return notes
+
+
+def _finetune_answer(r: Ranking, scaled: AbstractSet[tuple[str, str]]) -> str:
+    """The fine-tuning answer: the order's agreement (mean tau), the mean gain per backbone, and
+    flags for negative gains and scaled-down schedules with their weight in the headline."""
+    import polars as pl
+
     lf = r.lin_ft
-    if lf is None:
-        return None
-    tau = lf.mean_tau
+    assert lf is not None  # the caller checked
     if lf.n_tasks == 0:
-        answer = "Kendall tau-b is undefined on every task (see the reasons below)."
+        text = "Kendall tau-b is undefined on every setting (see the reasons below)."
     else:
         verdict = (
             "mostly keeps the linear-probe order"
-            if tau >= 0.7
+            if lf.mean_tau >= 0.7
             else "partly changes the order"
-            if tau >= 0.3
+            if lf.mean_tau >= 0.3
             else "changes the order"
         )
-        answer = (
-            f"Mean Kendall tau-b over {lf.n_tasks} task(s): {tau:.2f}. Fine-tuning {verdict} "
-            "of the backbones; see the tasks where the lines cross below."
+        text = (
+            f"Mean Kendall tau-b over {lf.n_tasks} setting(s): {lf.mean_tau:.2f}. Fine-tuning {verdict} "
+            "of the backbones; see the settings where the lines cross below."
+        )
+    pb = lf.per_backbone.drop_nulls("mean_gain").sort("backbone")
+    if pb.height:
+        gains = ", ".join(f"{b} {g:+.3f}" for b, g in pb.select("backbone", "mean_gain").iter_rows())
+        text += f" Mean gain of fine-tuning over the linear probe: {gains}."
+        neg = pb.filter(pl.col("mean_gain") < 0).height
+        if neg:
+            who = "every backbone" if neg == pb.height else f"{neg} of {pb.height} backbones"
+            text += (
+                f" Warning: fine-tuning scores below the linear probe for {who} (negative gain), so this "
+                "fine-tuning is not a fair rival of the probe; the order it gives says little."
+            )
+    ft = {s for s, _ in scaled if s.startswith("finetune:")}
+    if ft:
+        w = r.weights.filter(pl.col("setting").is_in(sorted(ft)))["weight"].sum() if r.weights is not None else 0.0
+        text += (
+            f" Warning: the fine-tune schedule of {len(ft)} setting(s) was scaled down from the protocol "
+            f"(rows record scaled/scaled_from); those settings weigh {100 * w:.0f}% of the headline z-score."
+        )
+    return text
+
+
+def _finetune(
+    r: Ranking, tmp: Path, ft_rows, scaled: AbstractSet[tuple[str, str]] = frozenset()
+) -> dict[str, Any] | None:
+    import polars as pl
+
+    lf = r.lin_ft
+    if lf is None:
+        return None
+    if ft_rows is not None and scaled:
+        cells = pl.DataFrame(
+            {"_s": [s for s, _ in scaled], "backbone": [b for _, b in scaled], "scaled": [True] * len(scaled)}
+        )
+        ft_rows = (
+            ft_rows.with_columns((pl.col("kind") + pl.lit(":") + pl.col("task")).alias("_s"))
+            .join(cells, on=["_s", "backbone"], how="left")
+            .with_columns(pl.col("scaled").fill_null(False))
+            .drop("_s")
         )
     return {
-        "answer": answer,
+        "answer": _finetune_answer(r, scaled),
         "per_task": table_cells(lf.per_task, table_id="tau-table"),
         "per_backbone": table_cells(lf.per_backbone),
         "results": table_cells(ft_rows) if ft_rows is not None else None,
         "figures": _figures(
             tmp,
             [
-                ("tau_per_task.png", "Kendall tau-b between linear-probe and fine-tune rankings per task"),
+                ("tau_per_task.png", "Kendall tau-b between linear-probe and fine-tune rankings per setting"),
                 ("linear_vs_finetune_ranks.png", "Rank of each backbone under linear probing and under fine-tuning"),
                 ("linear_vs_finetune.png", "Linear-probe score vs fine-tune score per backbone"),
             ],
@@ -372,6 +473,24 @@ def _with_std(g):
     return g.with_columns(cell.alias("value"))
 
 
+def _with_interval(g):
+    """``value`` as "value [lo, hi]" text (the 95% Clopper-Pearson interval the section
+    promises) where a row has one and its value is not already a "mean +/- std" text."""
+    import polars as pl
+
+    if g["value"].dtype == pl.Utf8 or "ci_lo" not in g.columns or g["ci_lo"].null_count() == g.height:
+        return g
+    cell = pl.struct("value", "ci_lo", "ci_hi").map_elements(
+        lambda s: (
+            _interval_cell(s["value"], s["ci_lo"], s["ci_hi"], "{:.4f}")
+            if s["ci_lo"] is not None
+            else format_cell(s["value"])
+        ),
+        return_dtype=pl.Utf8,
+    )
+    return g.with_columns(cell.alias("value"))
+
+
 def _seed_statement(r: Ranking) -> str:
     """How the seeds of the ranked settings were reduced, per rule (the report says it)."""
     from featcache.analysis.tables import SEED_RULE_TEXT
@@ -411,7 +530,7 @@ def _pivots(long) -> list[tuple[str, Any]]:
     out = []
     for (setting,), g in long.sort("setting").group_by(["setting"], maintain_order=True):
         metrics = sorted(set(g["metric"].to_list()))
-        caption, g = _seed_caption(setting, g), _with_std(g)
+        caption, g = _seed_caption(setting, g), _with_interval(_with_std(g))
         if len(metrics) > _MAX_METRIC_COLUMNS and any("@" in m for m in metrics):
             g = g.with_columns(
                 pl.col("metric").str.split("@").list.first().alias("metric family"),
@@ -587,7 +706,8 @@ def write_report(
         "version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "n_backbones": len(coverage.backbones),
-        "n_tasks": len(coverage.tasks),
+        "n_settings": raw["setting"].n_unique(),
+        "n_datasets": raw["dataset"].n_unique(),
         "n_rows": raw.height,
         "rank_error": None,
         "choose": None,
@@ -610,13 +730,15 @@ def write_report(
             log.warning("report: no ranking: %s", exc)
             ctx["rank_error"] = str(exc)
         ft_rows = _reduced(raw, ["finetune"], r.seed_reduce if r else kw.get("seed_reduce", "auto"))
+        scaled = scaled_settings(results_df)
         if r is not None:
-            ctx["choose"] = _choose(r, tmp)
+            ctx["choose"] = _choose(r, tmp, scaled)
             ctx["finetune"] = _finetune(
-                r, tmp, ft_rows.drop("setting", "seed_std", "seed_reduce") if ft_rows is not None else None
+                r, tmp, ft_rows.drop("setting", "seed_std", "seed_reduce") if ft_rows is not None else None, scaled
             )
             ctx["certainty"] = _certainty(r, tmp)
             ctx["notes"] = [*r.notes, *coverage.lines()]
+        ctx["notes"] = [*ctx["notes"], *knn_gallery_notes(results_df)]
         if ctx["finetune"] is None:
             ctx["finetune_absent"] = (
                 "the results hold no fine-tune rows (run `featcache finetune`, or pass its table with --external)."
