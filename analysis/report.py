@@ -100,7 +100,16 @@ def _choose(r: Ranking, tmp: Path, scaled: AbstractSet[tuple[str, str]] = frozen
         answer += "; " + first_place_verdict(r.first_place)
     if 1 < ov.height <= 3:
         few = _few_backbones(ov.height, best["backbone"])
-        answer += " " + few[0].upper() + few[1:] if verdict else "; " + few
+        answer += (" Also, " if verdict else "; ") + few
+    ranked_scaled = (
+        sorted({s for s, _ in scaled} & set(r.weights["setting"].to_list())) if r.weights is not None else []
+    )
+    if ranked_scaled:
+        share = r.weights.filter(pl.col("setting").is_in(ranked_scaled))["weight"].sum()
+        answer += (
+            f" Note: {len(ranked_scaled)} ranked setting(s) ran a scaled-down schedule (marked in the weights "
+            f"table); they carry {100 * share:.0f}% of the z-score."
+        )
     return {
         "answer": answer,
         "n_settings": r.zscores.width - 1,
@@ -218,16 +227,29 @@ def _score_intervals(r: Ranking):
     )
 
 
+def _with_hparams(results):
+    """``results`` as a DataFrame with an ``hparams`` column (a featcache results parquet or
+    frame), else None: only featcache's own rows record how they were run."""
+    import polars as pl
+
+    from featcache.core.results import read_parquet_checked
+
+    if isinstance(results, (str, os.PathLike)):
+        results = read_parquet_checked(results) if str(results).lower().endswith(".parquet") else None
+    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns:
+        return None
+    return results
+
+
 def scaled_settings(results) -> set[tuple[str, str]]:
     """(setting, backbone) cells whose rows record a scaled-down schedule (``hparams.scaled``,
     as featcache's probes and fine-tunes write it); empty for tables without ``hparams``."""
     import polars as pl
 
-    from featcache.analysis.tables import _read_any, load_table, task_expr
+    from featcache.analysis.tables import load_table, task_expr
 
-    if isinstance(results, (str, os.PathLike)):
-        results = _read_any(results)
-    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns:
+    results = _with_hparams(results)
+    if results is None:
         return set()
     flag = pl.col("hparams").cast(pl.Utf8).str.json_path_match("$.scaled") == "true"
     sub = results.filter(flag.fill_null(False))
@@ -243,11 +265,8 @@ def knn_gallery_notes(results) -> list[str]:
     (``hparams.k_effective`` < k, or ``k_covers_gallery``): every gallery item votes there."""
     import polars as pl
 
-    from featcache.analysis.tables import _read_any
-
-    if isinstance(results, (str, os.PathLike)):
-        results = _read_any(results)
-    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns or "kind" not in results.columns:
+    results = _with_hparams(results)
+    if results is None or "kind" not in results.columns:
         return []
     hp = pl.col("hparams").cast(pl.Utf8)
     knn = results.filter(pl.col("kind") == "knn").with_columns(

@@ -500,9 +500,8 @@ def train_task(train_dataloader, test_dataloader, config, sweep_run=False):
     model_info["model"] = model  # port: the trained head, for tests
 
     if sweep_run:  # port: each trial's score, for tests
-        TRIALS.append(
-            (config.TRAIN.LR, config.TRAIN.WD, acc1 if config.TRAIN.SEARCH_RESULT_ON_LAST_EPOCH else best_acc1)
-        )
+        score = acc1 if config.TRAIN.SEARCH_RESULT_ON_LAST_EPOCH else best_acc1
+        TRIALS.append((config.TRAIN.LR, config.TRAIN.WD, score, list(model_info["acc1_per_epoch"])))
 
     if sweep_run and config.TRAIN.SEARCH_RESULT_ON_LAST_EPOCH:
         return acc1
@@ -665,7 +664,8 @@ def fix_seed(seed):
 
 
 # ------------------------------------------------------------- glue for tests (not the toolkit's)
-#: (lr, wd, score in percent) of every search trial in order, appended by train_task (port)
+#: (lr, wd, score, per-epoch scores; in percent) of every search trial in order, appended by
+#: train_task (port)
 TRIALS: list = []
 
 

@@ -104,6 +104,7 @@ def test_the_finetune_answer_states_gains_and_flags_negative_and_scaled(tmp_path
     assert "the fine-tune schedule of 1 setting(s) was scaled down" in text
     assert "those settings weigh 33% of the headline z-score" in text  # 1 of 3 ranked settings
     assert '<th class="s">scaled</th>' in text  # the weights and fine-tune tables mark it
+    assert "Note: 1 ranked setting(s) ran a scaled-down schedule" in text  # the main headline too
     # the header counts settings and datasets as what they are (was "3 task(s)")
     assert "4 backbone(s), 3 setting(s) on 1 dataset(s)" in text
 

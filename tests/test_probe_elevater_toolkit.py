@@ -79,7 +79,7 @@ def _toolkit(plan, test, *, se, fe, one=None, metric="accuracy", multilabel=Fals
         return ref.full_model_finetune(tr, va, te, True, *one, cfg)
 
     _, info = ref.run_seeded(0, run)
-    trials = [(lr, wd, v / 100) for lr, wd, v in ref.TRIALS]
+    trials = [(lr, wd, v / 100) for lr, wd, v, _ in ref.TRIALS]
     return info["lr"], info["wd"], [a / 100 for a in info["acc1_per_epoch"]], info["model"], trials
 
 
