@@ -182,7 +182,7 @@ def rank(
     )
     out = _rank_result(raw, coverage, agg, boot, notes)
     out["setting_differences"] = differences
-    out["first_place"] = _first_place(agg, ranked_rows, n_boot=n_boot, seed=seed, ddof=ddof)
+    out["first_place"] = _first_place(agg, ranked_rows, raw, n_boot=n_boot, seed=seed, ddof=ddof)
     out.update(
         weights=_setting_weights(agg["matrix"], weights),
         metric=metric,
@@ -235,9 +235,11 @@ def _bootstrapped(agg, ranked_rows, rules, *, resample: str, n_boot: int, seed: 
     return boot, differences
 
 
-def _first_place(agg, ranked_rows, *, n_boot: int, seed: int, ddof: int):
-    """The verdict on first place with test-set noise: each cell's ``n_eval`` (proportion
-    metrics; the mean over seeds) and each setting's dataset from the ranked rows."""
+def _first_place(agg, ranked_rows, raw, *, n_boot: int, seed: int, ddof: int):
+    """The verdict on first place with test-set noise: each cell's ``n_eval`` where its ranked
+    rows are proportions (top-1 ..., also under ``--metric auto``, whose ``task`` rows are
+    copies of the declared metric's rows in ``raw``; the mean over seeds) and each setting's
+    dataset from the ranked rows."""
     import numpy as np
     import polars as pl
 
@@ -246,9 +248,19 @@ def _first_place(agg, ranked_rows, *, n_boot: int, seed: int, ddof: int):
 
     sm = agg["matrix"]
     n = np.full(sm.values.shape, np.nan)
-    if "n_eval" in ranked_rows.columns:
+    key = ["setting", "backbone", "seed", "value"]
+    prop = (
+        raw.filter(pl.col("metric").is_in(list(PROPORTION_METRICS)) & pl.col("n_eval").is_not_null())
+        .select(*key, "n_eval")
+        .unique(key)
+    )
+    is_prop = pl.col("metric").is_in(list(PROPORTION_METRICS))
+    is_knn = (pl.col("kind") == "knn") & (pl.col("metric") == "task")  # k-NN declares top-1
+    own = ranked_rows.filter((is_prop | is_knn) & pl.col("n_eval").is_not_null())
+    if prop.height or own.height:  # own: proportions ranked as such (also k-NN's pooled k values)
         cells = (
-            ranked_rows.filter(pl.col("metric").is_in(list(PROPORTION_METRICS)) & pl.col("n_eval").is_not_null())
+            pl.concat([ranked_rows.select(key).join(prop, on=key, how="inner"), own.select(*key, "n_eval")])
+            .unique(key)
             .group_by("backbone", "setting")
             .agg(pl.col("n_eval").mean())
         )

@@ -109,6 +109,7 @@ def first_place(
     rng = np.random.default_rng(seed)
     boot = _zscore_means(_resamples(values, n_eval, noisy, n_ds > 1, rng, n_boot), ddof)  # [n_boot, B]
     point = _zscore_means(values, ddof)
+    judged = n_ds > 1 or bool(noisy.any())  # else nothing was resampled: no interval to judge by
     at = {b: i for i, b in enumerate(backbones)}
     best, q = at[order[0]], (1 - level) / 2
     rows = []
@@ -124,7 +125,7 @@ def first_place(
                 "lo": lo,
                 "hi": hi,
                 "p_le_0": float(np.nanmean(d <= 0)),
-                "separated": bool(lo > 0),
+                "separated": bool(judged and lo > 0),
             }
         )
     schema = {
@@ -151,6 +152,11 @@ def first_place(
 
 def _covers(n_datasets: int, noisy: int, n_settings: int) -> str:
     """Which noise the intervals include, in words."""
+    if noisy == 0 and n_datasets == 1:
+        return (
+            "nothing: one dataset and no setting reports a proportion with its number of test rows, "
+            "so there is no noise to resample"
+        )
     if noisy == 0:
         noise = "no test-set noise (no setting reports a proportion with its number of test rows)"
     elif noisy < n_settings:
@@ -159,4 +165,4 @@ def _covers(n_datasets: int, noisy: int, n_settings: int) -> str:
         noise = "each setting's test-set noise"
     if n_datasets > 1:
         return f"{noise} and the choice of settings (drawn with replacement from {n_datasets} datasets)"
-    return f"{noise} only: with one dataset the settings are not resampled"
+    return f"{noise}; with one dataset the settings are not resampled"

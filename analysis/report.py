@@ -152,6 +152,11 @@ def first_place_verdict(fp) -> str:
     (:func:`~featcache.analysis.first_place.first_place`)."""
     row = fp.table.row(0, named=True)
     pct = f"{100 * fp.level:.0f}%"
+    if fp.n_datasets == 1 and fp.noisy_settings == 0:
+        return (
+            f"whether its lead over the runner-up {fp.runner_up} ({row['diff']:+.2f} z) is more than noise "
+            "cannot be judged: with one dataset and no test-set sizes (n_eval) there is nothing to resample."
+        )
     interval = f"[{row['lo']:+.2f}, {row['hi']:+.2f}]"
     if fp.separated:
         text = (
@@ -466,7 +471,27 @@ def _reduced(raw, kinds: Sequence[str], seed_reduce: str = "auto"):
     from featcache.analysis.tables import reduce_seeds, with_intervals
 
     sub = raw.filter(pl.col("kind").is_in(list(kinds)))
-    return with_intervals(reduce_seeds(sub, how=seed_reduce)) if sub.height else None
+    return _task_intervals(with_intervals(reduce_seeds(sub, how=seed_reduce))) if sub.height else None
+
+
+def _task_intervals(red):
+    """``task`` rows (``--metric auto``: copies of each run's declared-metric row) take the
+    interval of the row they copy (same setting, backbone and value), so the overview shows it."""
+    import polars as pl
+
+    src = (
+        red.filter((pl.col("metric") != "task") & pl.col("ci_lo").is_not_null())
+        .select("setting", "backbone", "value", pl.col("ci_lo").alias("_lo"), pl.col("ci_hi").alias("_hi"))
+        .unique(["setting", "backbone", "value"])
+    )
+    if src.height == 0 or not (red["metric"] == "task").any():
+        return red
+    out = red.join(src, on=["setting", "backbone", "value"], how="left")
+    is_task = pl.col("metric") == "task"
+    return out.with_columns(
+        pl.when(is_task).then(pl.col("ci_lo").fill_null(pl.col("_lo"))).otherwise(pl.col("ci_lo")).alias("ci_lo"),
+        pl.when(is_task).then(pl.col("ci_hi").fill_null(pl.col("_hi"))).otherwise(pl.col("ci_hi")).alias("ci_hi"),
+    ).drop("_lo", "_hi")
 
 
 def _seed_caption(setting: str, g) -> str:

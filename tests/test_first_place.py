@@ -75,7 +75,7 @@ def test_a_gap_at_the_test_noise_level_is_not_separated_and_says_one_dataset():
     assert (fp.best, fp.runner_up) == ("w", "x")
     assert not fp.separated
     assert fp.n_datasets == 1
-    assert fp.covers.endswith("only: with one dataset the settings are not resampled")
+    assert fp.covers.endswith("; with one dataset the settings are not resampled")
     text = first_place_verdict(fp)
     assert "With one dataset the intervals cover its test-set noise only" in text
     # the settings-only bootstrap (no test noise) separates them: the two verdicts of before
@@ -85,9 +85,16 @@ def test_a_gap_at_the_test_noise_level_is_not_separated_and_says_one_dataset():
 
 
 def test_without_n_eval_the_verdict_says_it_counts_no_test_noise():
-    fp = api.rank(_noise_level_gap(1_000).with_columns(pl.lit(None, pl.Int64).alias("n_eval")), n_boot=200).first_place
+    """No test-set sizes: across datasets the settings are still resampled; within one dataset
+    nothing is, and the verdict says first place cannot be judged (never "separated")."""
+    df = _table({b: [0.9 - 0.05 * i] * 3 for i, b in enumerate(BACKBONES)}, ["a", "b", "c"], None)
+    fp = api.rank(df, n_boot=200).first_place
     assert fp.noisy_settings == 0
     assert fp.covers.startswith("no test-set noise")
+    fp = api.rank(_noise_level_gap(1_000).with_columns(pl.lit(None, pl.Int64).alias("n_eval")), n_boot=200).first_place
+    assert fp.covers.startswith("nothing: one dataset")
+    assert not fp.separated
+    assert "cannot be judged" in first_place_verdict(fp)
 
 
 def test_first_place_is_seeded_and_checks_its_input():
