@@ -106,6 +106,9 @@ class Ranking(ItemAccess):
     efficiency: Any = None
     efficiency_rho: float | None = None
     efficiency_p: float | None = None
+    #: the one verdict on first place (:func:`~featcache.analysis.first_place.first_place`):
+    #: paired interval of the first's z-score lead with each setting's test-set noise
+    first_place: Any = None
     files: list[Path] = field(default_factory=list)
 
 
@@ -179,6 +182,7 @@ def rank(
     )
     out = _rank_result(raw, coverage, agg, boot, notes)
     out["setting_differences"] = differences
+    out["first_place"] = _first_place(agg, ranked_rows, raw, n_boot=n_boot, seed=seed, ddof=ddof)
     out.update(
         weights=_setting_weights(agg["matrix"], weights),
         metric=metric,
@@ -229,6 +233,48 @@ def _bootstrapped(agg, ranked_rows, rules, *, resample: str, n_boot: int, seed: 
         ranked_rows, agg["matrix"], agg["overall"]["backbone"][0], rules=seed_rule, n_boot=n_boot, seed=seed
     )
     return boot, differences
+
+
+def _first_place(agg, ranked_rows, raw, *, n_boot: int, seed: int, ddof: int):
+    """The verdict on first place with test-set noise: each cell's ``n_eval`` where its ranked
+    rows are proportions (top-1 ..., also under ``--metric auto``, whose ``task`` rows are
+    copies of the declared metric's rows in ``raw``; the mean over seeds) and each setting's
+    dataset from the ranked rows."""
+    import numpy as np
+    import polars as pl
+
+    from featcache.analysis.first_place import first_place
+    from featcache.analysis.tables import PROPORTION_METRICS
+
+    sm = agg["matrix"]
+    n = np.full(sm.values.shape, np.nan)
+    key = ["setting", "backbone", "seed", "value"]
+    prop = (
+        raw.filter(pl.col("metric").is_in(list(PROPORTION_METRICS)) & pl.col("n_eval").is_not_null())
+        .select(*key, "n_eval")
+        .unique(key)
+    )
+    is_prop = pl.col("metric").is_in(list(PROPORTION_METRICS))
+    is_knn = (pl.col("kind") == "knn") & (pl.col("metric") == "task")  # k-NN declares top-1
+    own = ranked_rows.filter((is_prop | is_knn) & pl.col("n_eval").is_not_null())
+    if prop.height or own.height:  # own: proportions ranked as such (also k-NN's pooled k values)
+        cells = (
+            pl.concat([ranked_rows.select(key).join(prop, on=key, how="inner"), own.select(*key, "n_eval")])
+            .unique(key)
+            .group_by("backbone", "setting")
+            .agg(pl.col("n_eval").mean())
+        )
+        bi = {b: i for i, b in enumerate(sm.backbones)}
+        si = {s: j for j, s in enumerate(sm.settings)}
+        for b, s, v in cells.iter_rows():
+            if b in bi and s in si:
+                n[bi[b], si[s]] = v
+    ds = dict(ranked_rows.group_by("setting").agg(pl.col("dataset").first()).iter_rows())
+    order = agg["overall"]["backbone"].to_list()
+    return first_place(
+        sm.values, sm.backbones, order, n_eval=n, datasets=[ds.get(s, s) for s in sm.settings],
+        n_boot=n_boot, seed=seed, ddof=ddof,
+    )  # fmt: skip
 
 
 def _rank_options(r: Ranking, *, ddof: int, on_constant: str) -> dict[str, Any]:
@@ -427,6 +473,8 @@ TABLES = (
 def _write_rank_outputs(r: Ranking, outp: Path, options: dict[str, Any], *, plots: bool) -> list[Path]:
     """Every table as parquet + Markdown, the plots as PNG and ``summary.json``."""
     tbls = {k: getattr(r, k) for k in TABLES}
+    if r.first_place is not None:
+        tbls["first_place"] = r.first_place.table
     lf = r.lin_ft
     if lf is not None:
         tbls["lin_ft_per_task"] = lf.per_task
@@ -441,11 +489,26 @@ def _write_rank_outputs(r: Ranking, outp: Path, options: dict[str, Any], *, plot
         "n_tau_tasks": lf.n_tasks if lf else 0,
         "lin_ft_missing": lf.missing if lf else None,
         "top3_overall": r.top3.row(-1, named=True),
+        "first_place": _first_place_summary(r.first_place),
         "notes": r.notes,
         "options": options,
     }
     (outp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return [*files, outp / "summary.json"]
+
+
+def _first_place_summary(fp) -> dict[str, Any] | None:
+    """summary.json's record of the verdict on first place."""
+    if fp is None:
+        return None
+    return {
+        "best": fp.best,
+        "runner_up": fp.runner_up,
+        "separated": fp.separated,
+        "covers": fp.covers,
+        "n_datasets": fp.n_datasets,
+        "level": fp.level,
+    }
 
 
 def overall_with_intervals(r: Ranking) -> pl.DataFrame:

@@ -310,9 +310,12 @@ def task_scores(wide, path, *, metric: str) -> Path:
     return _save(fig, path)
 
 
-def best_vs_rest(differences, best: str, path, *, aggregation: str = "zscore") -> Path:
-    """Bootstrap 95% intervals of (best - other) in ``aggregation`` for every other backbone:
-    an interval that excludes 0 means the data separate the two."""
+def best_vs_rest(
+    differences, best: str, path, *, aggregation: str = "zscore", interval: str = "95% bootstrap interval"
+) -> Path:
+    """Intervals of (best - other) in ``aggregation`` for every other backbone (``differences``:
+    the pairwise table, or :class:`~featcache.analysis.first_place.FirstPlace`'s ``table``, the
+    headline's numbers): an interval that excludes 0 means the data separate the two."""
     import polars as pl
 
     d = differences.filter((pl.col("aggregation") == aggregation) & ((pl.col("a") == best) | (pl.col("b") == best)))
@@ -346,7 +349,7 @@ def best_vs_rest(differences, best: str, path, *, aggregation: str = "zscore") -
     )
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(y, [_short(other[i]) for i in order], fontsize=8)
-    ax.set_xlabel(f"{_short(best)} minus backbone ({aggregation}, 95% bootstrap interval)")
+    ax.set_xlabel(f"{_short(best)} minus backbone ({aggregation}, {interval})")
     ax.set_ylabel("compared backbone")
     ax.set_title(f"How sure is the first place of {_short(best)}?")
     ax.legend(fontsize=7, loc="best")

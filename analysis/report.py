@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,7 @@ def _interval_cell(v, lo, hi, fmt: str = "{:.3f}") -> str:
 # ----------------------------------------------------------------------------- ranking sections
 
 
-def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
+def _choose(r: Ranking, tmp: Path, scaled: AbstractSet[tuple[str, str]] = frozenset()) -> dict[str, Any]:
     import polars as pl
 
     ov = overall_with_intervals(r)
@@ -93,21 +94,21 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
     )
     if shown["group_mean"].null_count() == shown.height:
         shown = shown.drop("group_mean")
-    runner = ov.row(1, named=True) if ov.height > 1 else None
     answer = f"Use {best['backbone']}: first by mean z-score ({best['zscore']:+.2f})"
+    verdict = r.first_place is not None and r.first_place.runner_up is not None
+    if verdict:
+        answer += "; " + first_place_verdict(r.first_place)
     if 1 < ov.height <= 3:
-        answer += "; " + _few_backbones(ov.height, best["backbone"])
-    elif runner is not None:
-        sep = (
-            best["zscore_lo"] is not None
-            and runner["zscore_hi"] is not None
-            and best["zscore_lo"] > runner["zscore_hi"]
-        )
+        few = _few_backbones(ov.height, best["backbone"])
+        answer += (" Also, " if verdict else "; ") + few
+    ranked_scaled = (
+        sorted({s for s, _ in scaled} & set(r.weights["setting"].to_list())) if r.weights is not None else []
+    )
+    if ranked_scaled:
+        share = r.weights.filter(pl.col("setting").is_in(ranked_scaled))["weight"].sum()
         answer += (
-            f"; its interval lies above the runner-up {runner['backbone']}'s."
-            if sep
-            else f"; its interval overlaps the runner-up {runner['backbone']}'s ({runner['zscore']:+.2f}), "
-            "so the data do not separate them clearly."
+            f" Note: {len(ranked_scaled)} ranked setting(s) ran a scaled-down schedule (marked in the weights "
+            f"table); they carry {100 * share:.0f}% of the z-score."
         )
     return {
         "answer": answer,
@@ -117,7 +118,9 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
         "resample": r.resample,
         "overall": table_cells(shown, table_id="overall-table"),
         "top3": table_cells(r.top3, table_id="top3-table"),
-        "weights": table_cells(r.weights, table_id="weights-table") if r.weights is not None else None,
+        "weights": table_cells(_weights_marked(r.weights, scaled), table_id="weights-table")
+        if r.weights is not None
+        else None,
         "per_setting": table_cells(_per_setting_gaps(r), table_id="gaps-table") if 1 < ov.height <= 3 else None,
         "figures": _figures(
             tmp,
@@ -129,11 +132,48 @@ def _choose(r: Ranking, tmp: Path) -> dict[str, Any]:
     }
 
 
+def _weights_marked(weights, scaled: AbstractSet[tuple[str, str]]):
+    """The settings' weights with a ``scaled`` column: the setting's schedule was scaled down."""
+    import polars as pl
+
+    marked = sorted({s for s, _ in scaled})
+    return weights.with_columns(pl.col("setting").is_in(marked).alias("scaled"))
+
+
 def _retrieval_statement(r: Ranking) -> str | None:
     """Which AP the retrieval settings are ranked on (None without retrieval settings)."""
     if not any(s.startswith("retrieval:") for s in r.scores.columns):
         return None
     return f"Retrieval settings are ranked on {retrieval_metric_text(r.retrieval_metric)}."
+
+
+def first_place_verdict(fp) -> str:
+    """The headline's one statement on first place, from the same table as the certainty plot
+    (:func:`~featcache.analysis.first_place.first_place`)."""
+    row = fp.table.row(0, named=True)
+    pct = f"{100 * fp.level:.0f}%"
+    if fp.n_datasets == 1 and fp.noisy_settings == 0:
+        return (
+            f"whether its lead over the runner-up {fp.runner_up} ({row['diff']:+.2f} z) is more than noise "
+            "cannot be judged: with one dataset and no test-set sizes (n_eval) there is nothing to resample."
+        )
+    interval = f"[{row['lo']:+.2f}, {row['hi']:+.2f}]"
+    if fp.separated:
+        text = (
+            f"its lead over the runner-up {fp.runner_up} ({row['diff']:+.2f} z) is separated: the paired "
+            f"{pct} interval {interval} excludes 0, counting {fp.covers}."
+        )
+    else:
+        text = (
+            f"its lead over the runner-up {fp.runner_up} ({row['diff']:+.2f} z) is not separated: the paired "
+            f"{pct} interval {interval} includes 0 (counting {fp.covers}), so the data do not tell the "
+            "two apart."
+        )
+    if fp.n_datasets == 1:
+        text += (
+            " With one dataset the intervals cover its test-set noise only, not how another dataset would order them."
+        )
+    return text
 
 
 def _few_backbones(n: int, best: str) -> str:
@@ -192,34 +232,134 @@ def _score_intervals(r: Ranking):
     )
 
 
-def _finetune(r: Ranking, tmp: Path, ft_rows) -> dict[str, Any] | None:
-    lf = r.lin_ft
-    if lf is None:
+def _with_hparams(results):
+    """``results`` as a DataFrame with an ``hparams`` column (a featcache results parquet or
+    frame), else None: only featcache's own rows record how they were run."""
+    import polars as pl
+
+    from featcache.core.results import read_parquet_checked
+
+    if isinstance(results, (str, os.PathLike)):
+        results = read_parquet_checked(results) if str(results).lower().endswith(".parquet") else None
+    if not isinstance(results, pl.DataFrame) or "hparams" not in results.columns:
         return None
-    tau = lf.mean_tau
+    return results
+
+
+def scaled_settings(results) -> set[tuple[str, str]]:
+    """(setting, backbone) cells whose rows record a scaled-down schedule (``hparams.scaled``,
+    as featcache's probes and fine-tunes write it); empty for tables without ``hparams``."""
+    import polars as pl
+
+    from featcache.analysis.tables import load_table, task_expr
+
+    results = _with_hparams(results)
+    if results is None:
+        return set()
+    flag = pl.col("hparams").cast(pl.Utf8).str.json_path_match("$.scaled") == "true"
+    sub = results.filter(flag.fill_null(False))
+    if sub.height == 0:
+        return set()
+    sub = load_table(sub.drop("hparams"), percent=False).with_columns(task_expr())
+    keys = sub.select((pl.col("kind") + pl.lit(":") + pl.col("task")).alias("setting"), "backbone").unique()
+    return set(keys.iter_rows())
+
+
+def knn_gallery_notes(results) -> list[str]:
+    """One note per (backbone, dataset) whose k-NN rows have k at or above the gallery size
+    (``hparams.k_effective`` < k, or ``k_covers_gallery``): every gallery item votes there."""
+    import polars as pl
+
+    results = _with_hparams(results)
+    if results is None or "kind" not in results.columns:
+        return []
+    hp = pl.col("hparams").cast(pl.Utf8)
+    knn = results.filter(pl.col("kind") == "knn").with_columns(
+        hp.str.json_path_match("$.k").cast(pl.Int64, strict=False).alias("_k"),
+        hp.str.json_path_match("$.k_effective").cast(pl.Int64, strict=False).alias("_keff"),
+        hp.str.json_path_match("$.n_gallery").cast(pl.Int64, strict=False).alias("_n"),
+        (hp.str.json_path_match("$.k_covers_gallery") == "true").fill_null(False).alias("_cov"),
+    )
+    bad = knn.filter(pl.col("_cov") | (pl.col("_keff") < pl.col("_k")) | (pl.col("_k") >= pl.col("_n")))
+    notes = []
+    for (b, ds), g in bad.group_by(["backbone", "dataset"], maintain_order=True):
+        ks = ", ".join(str(k) for k in sorted(set(g["_k"].drop_nulls().to_list())))
+        notes.append(
+            f"k-NN k={ks} for {b} on {ds}: k is at least the gallery size ({g['_n'].max()} item(s)), so "
+            "every gallery item votes and those rows are a class-prior vote, not a k-NN classifier"
+        )
+    return notes
+
+
+def _finetune_answer(r: Ranking, scaled: AbstractSet[tuple[str, str]]) -> str:
+    """The fine-tuning answer: the order's agreement (mean tau), the mean gain per backbone, and
+    flags for negative gains and scaled-down schedules with their weight in the headline."""
+    import polars as pl
+
+    lf = r.lin_ft
+    assert lf is not None  # the caller checked
     if lf.n_tasks == 0:
-        answer = "Kendall tau-b is undefined on every task (see the reasons below)."
+        text = "Kendall tau-b is undefined on every setting (see the reasons below)."
     else:
         verdict = (
             "mostly keeps the linear-probe order"
-            if tau >= 0.7
+            if lf.mean_tau >= 0.7
             else "partly changes the order"
-            if tau >= 0.3
+            if lf.mean_tau >= 0.3
             else "changes the order"
         )
-        answer = (
-            f"Mean Kendall tau-b over {lf.n_tasks} task(s): {tau:.2f}. Fine-tuning {verdict} "
-            "of the backbones; see the tasks where the lines cross below."
+        text = (
+            f"Mean Kendall tau-b over {lf.n_tasks} setting(s): {lf.mean_tau:.2f}. Fine-tuning {verdict} "
+            "of the backbones; see the settings where the lines cross below."
+        )
+    pb = lf.per_backbone.drop_nulls("mean_gain").sort("backbone")
+    if pb.height:
+        gains = ", ".join(f"{b} {g:+.3f}" for b, g in pb.select("backbone", "mean_gain").iter_rows())
+        text += f" Mean gain of fine-tuning over the linear probe: {gains}."
+        neg = pb.filter(pl.col("mean_gain") < 0).height
+        if neg:
+            who = "every backbone" if neg == pb.height else f"{neg} of {pb.height} backbones"
+            text += (
+                f" Warning: fine-tuning scores below the linear probe for {who} (negative gain), so this "
+                "fine-tuning is not a fair rival of the probe; the order it gives says little."
+            )
+    ft = {s for s, _ in scaled if s.startswith("finetune:")}
+    if ft:
+        w = r.weights.filter(pl.col("setting").is_in(sorted(ft)))["weight"].sum() if r.weights is not None else 0.0
+        text += (
+            f" Warning: the fine-tune schedule of {len(ft)} setting(s) was scaled down from the protocol "
+            f"(rows record scaled/scaled_from); those settings weigh {100 * w:.0f}% of the headline z-score."
+        )
+    return text
+
+
+def _finetune(
+    r: Ranking, tmp: Path, ft_rows, scaled: AbstractSet[tuple[str, str]] = frozenset()
+) -> dict[str, Any] | None:
+    import polars as pl
+
+    lf = r.lin_ft
+    if lf is None:
+        return None
+    if ft_rows is not None and scaled:
+        cells = pl.DataFrame(
+            {"_s": [s for s, _ in scaled], "backbone": [b for _, b in scaled], "scaled": [True] * len(scaled)}
+        )
+        ft_rows = (
+            ft_rows.with_columns((pl.col("kind") + pl.lit(":") + pl.col("task")).alias("_s"))
+            .join(cells, on=["_s", "backbone"], how="left")
+            .with_columns(pl.col("scaled").fill_null(False))
+            .drop("_s")
         )
     return {
-        "answer": answer,
+        "answer": _finetune_answer(r, scaled),
         "per_task": table_cells(lf.per_task, table_id="tau-table"),
         "per_backbone": table_cells(lf.per_backbone),
         "results": table_cells(ft_rows) if ft_rows is not None else None,
         "figures": _figures(
             tmp,
             [
-                ("tau_per_task.png", "Kendall tau-b between linear-probe and fine-tune rankings per task"),
+                ("tau_per_task.png", "Kendall tau-b between linear-probe and fine-tune rankings per setting"),
                 ("linear_vs_finetune_ranks.png", "Rank of each backbone under linear probing and under fine-tuning"),
                 ("linear_vs_finetune.png", "Linear-probe score vs fine-tune score per backbone"),
             ],
@@ -239,16 +379,18 @@ def _certainty(r: Ranking, tmp: Path) -> dict[str, Any]:
     order = r.overall["backbone"].to_list()
     wide = wide.join(pl.DataFrame({"backbone": order, "_o": range(len(order))}), on="backbone").sort("_o").drop("_o")
     figs = []
-    if len(order) > 1 and r.differences.height:
+    fp = r.first_place
+    if len(order) > 1 and fp is not None and fp.table.height:
         from featcache.analysis import plots as P
 
-        P.best_vs_rest(r.differences, order[0], tmp / "best_vs_rest.png")
+        P.best_vs_rest(fp.table, order[0], tmp / "best_vs_rest.png", interval=f"paired {100 * fp.level:.0f}% interval")
         figs = _figures(
             tmp,
             [
                 (
                     "best_vs_rest.png",
-                    f"Bootstrap interval of the z-score difference between {order[0]} and each other backbone",
+                    f"Paired {100 * fp.level:.0f}% interval of the mean z-score lead of {order[0]} over each "
+                    f"other backbone, counting {fp.covers} (the headline's numbers)",
                 )
             ],
         )
@@ -329,7 +471,27 @@ def _reduced(raw, kinds: Sequence[str], seed_reduce: str = "auto"):
     from featcache.analysis.tables import reduce_seeds, with_intervals
 
     sub = raw.filter(pl.col("kind").is_in(list(kinds)))
-    return with_intervals(reduce_seeds(sub, how=seed_reduce)) if sub.height else None
+    return _task_intervals(with_intervals(reduce_seeds(sub, how=seed_reduce))) if sub.height else None
+
+
+def _task_intervals(red):
+    """``task`` rows (``--metric auto``: copies of each run's declared-metric row) take the
+    interval of the row they copy (same setting, backbone and value), so the overview shows it."""
+    import polars as pl
+
+    src = (
+        red.filter((pl.col("metric") != "task") & pl.col("ci_lo").is_not_null())
+        .select("setting", "backbone", "value", pl.col("ci_lo").alias("_lo"), pl.col("ci_hi").alias("_hi"))
+        .unique(["setting", "backbone", "value"])
+    )
+    if src.height == 0 or not (red["metric"] == "task").any():
+        return red
+    out = red.join(src, on=["setting", "backbone", "value"], how="left")
+    is_task = pl.col("metric") == "task"
+    return out.with_columns(
+        pl.when(is_task).then(pl.col("ci_lo").fill_null(pl.col("_lo"))).otherwise(pl.col("ci_lo")).alias("ci_lo"),
+        pl.when(is_task).then(pl.col("ci_hi").fill_null(pl.col("_hi"))).otherwise(pl.col("ci_hi")).alias("ci_hi"),
+    ).drop("_lo", "_hi")
 
 
 def _seed_caption(setting: str, g) -> str:
@@ -350,6 +512,24 @@ def _with_std(g):
         return g
     cell = pl.struct("value", "seed_std").map_elements(
         lambda s: format_cell(s["value"]) + ("" if s["seed_std"] is None else f" +/- {format_cell(s['seed_std'])}"),
+        return_dtype=pl.Utf8,
+    )
+    return g.with_columns(cell.alias("value"))
+
+
+def _with_interval(g):
+    """``value`` as "value [lo, hi]" text (the 95% Clopper-Pearson interval the section
+    promises) where a row has one and its value is not already a "mean +/- std" text."""
+    import polars as pl
+
+    if g["value"].dtype == pl.Utf8 or "ci_lo" not in g.columns or g["ci_lo"].null_count() == g.height:
+        return g
+    cell = pl.struct("value", "ci_lo", "ci_hi").map_elements(
+        lambda s: (
+            _interval_cell(s["value"], s["ci_lo"], s["ci_hi"], "{:.4f}")
+            if s["ci_lo"] is not None
+            else format_cell(s["value"])
+        ),
         return_dtype=pl.Utf8,
     )
     return g.with_columns(cell.alias("value"))
@@ -394,7 +574,7 @@ def _pivots(long) -> list[tuple[str, Any]]:
     out = []
     for (setting,), g in long.sort("setting").group_by(["setting"], maintain_order=True):
         metrics = sorted(set(g["metric"].to_list()))
-        caption, g = _seed_caption(setting, g), _with_std(g)
+        caption, g = _seed_caption(setting, g), _with_interval(_with_std(g))
         if len(metrics) > _MAX_METRIC_COLUMNS and any("@" in m for m in metrics):
             g = g.with_columns(
                 pl.col("metric").str.split("@").list.first().alias("metric family"),
@@ -610,7 +790,8 @@ def write_report(
         "version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "n_backbones": len(coverage.backbones),
-        "n_tasks": len(coverage.tasks),
+        "n_settings": raw["setting"].n_unique(),
+        "n_datasets": raw["dataset"].n_unique(),
         "n_rows": raw.height,
         "rank_error": None,
         "choose": None,
@@ -635,13 +816,15 @@ def write_report(
             log.warning("report: no ranking: %s", exc)
             ctx["rank_error"] = str(exc)
         ft_rows = _reduced(raw, ["finetune"], r.seed_reduce if r else kw.get("seed_reduce", "auto"))
+        scaled = scaled_settings(results_df)
         if r is not None:
-            ctx["choose"] = _choose(r, tmp)
+            ctx["choose"] = _choose(r, tmp, scaled)
             ctx["finetune"] = _finetune(
-                r, tmp, ft_rows.drop("setting", "seed_std", "seed_reduce") if ft_rows is not None else None
+                r, tmp, ft_rows.drop("setting", "seed_std", "seed_reduce") if ft_rows is not None else None, scaled
             )
             ctx["certainty"] = _certainty(r, tmp)
             ctx["notes"] = [*r.notes, *coverage.lines()]
+        ctx["notes"] = [*ctx["notes"], *knn_gallery_notes(results_df)]
         if ctx["finetune"] is None:
             ctx["finetune_absent"] = (
                 "the results hold no fine-tune rows (run `featcache finetune`, or pass its table with --external)."

@@ -9,11 +9,20 @@ scored on its best validation epoch; the best (lr, wd) (from the toolkit's initi
 0, lr 0, wd 0) is retrained for ``final_epochs`` on train+val. The head is the toolkit's
 ``Classifier`` on features: ``BatchNorm1d(affine=False)`` (``ElevaterGrid.features="bn"``:
 batch statistics while training, running statistics at evaluation) or L2 normalisation
-(``"l2"``: ``NORMALIZE_VISUAL_FEATURE``), then ``nn.Linear`` (its default initialisation,
-seeded, or with ``head_init`` the L2-normalised class text embeddings and a zero bias:
-ELEVATER's language-initialised head), the logits times the fixed logit scale. Batches follow
-the toolkit's ``DataLoader`` (generator seeded 0; a base seed drawn before each epoch's
+(``"l2"``: ``NORMALIZE_VISUAL_FEATURE``), then ``nn.Linear`` (its default initialisation, or
+with ``head_init`` the L2-normalised class text embeddings and a zero bias: ELEVATER's
+language-initialised head), the logits times the fixed logit scale. Batches follow the
+toolkit's ``DataLoader`` (generator seeded 0; a base seed drawn before each epoch's
 permutation); a batch of one row is skipped, as ``train_one`` does.
+
+Randomness is the toolkit's one stream: ``commands/linear_probe.py:62-66`` seeds torch once
+(``--fix_seed``, here the fit's seed) and never again, so every trial's ``Classifier``
+(``full_model_finetune.py:232``, its ``nn.Linear`` at ``:104``) draws its initial weights
+from the running stream, which every validation pass advances too (its unshuffled
+``DataLoader`` has ``generator=None``, so torch's ``_BaseDataLoaderIter.__init__`` draws one
+int64 base seed from the stream per pass). A fit here holds that stream as one private
+``torch.Generator``, seeded once per fit (the process's global generator is not touched), and
+replays the draws in the toolkit's order: the head, then one draw after each epoch.
 """
 
 from __future__ import annotations
@@ -31,9 +40,12 @@ from featcache.probes.solver_registry import FitOutcome, FitRequest, register_so
 
 __all__ = [
     "ElevaterHead",
+    "draw_loader_seed",
     "fit_elevater",
     "fit_elevater_multilabel",
     "l2_normalise",
+    "linear_from_stream",
+    "random_stream",
     "search_weight_decay",
     "train_elevater_head",
     "zeroshot_logits",
@@ -41,8 +53,9 @@ __all__ = [
 
 #: the toolkit's ``create_dataloader`` seeds every loader's generator with 0
 LOADER_SEED = 0
-#: recorded in the hparams (and the run id) of every ELEVATER fit since the loop is the toolkit's
-HEAD_LOOP = "toolkit"
+#: recorded in the hparams (and the run id) of every ELEVATER fit since the loop is the toolkit's;
+#: "-stream": since its random stream is the toolkit's too (seeded once per fit, issue 49)
+HEAD_LOOP = "toolkit-stream"
 
 
 def l2_normalise(X: np.ndarray) -> np.ndarray:
@@ -60,36 +73,73 @@ def zeroshot_logits(X: np.ndarray, text: np.ndarray) -> np.ndarray:
 def search_weight_decay(
     score: Callable[[int], float], n_wds: int, coarse: Sequence[int], spans: Sequence[int], start: float = -math.inf
 ) -> tuple[int, float, int]:
-    """ELEVATER's coarse-to-fine search over weight-decay indices ``0..n_wds-1``: score the
-    ``coarse`` indices, then for each span the neighbours ``peak -/+ span`` (clipped) of the
-    best so far; a candidate wins only when strictly better than the best so far, which starts
-    at ``start`` with peak ``-1`` (the toolkit's ``hyperparameter_sweep``: 0; a search where
-    nothing beats it keeps peak -1, the neighbours of -1 are 0 and ``span - 1``, and the toolkit
-    then reads ``l2_lambda_list[-1]``, the last value). Returns (best index, its score, number
-    of distinct trials). Scores are cached (a clipped neighbour is not rerun)."""
-    seen: dict[int, float] = {}
+    """ELEVATER's coarse-to-fine search over weight-decay indices ``0..n_wds-1``
+    (``hyperparameter_sweep``, full_model_finetune.py:160-215): score the ``coarse`` indices,
+    then for each span the neighbours ``peak -/+ span`` (clipped to the ends) of the best so
+    far that differ from the peak; a candidate wins only when strictly better than the best so
+    far, which starts at ``start`` with peak ``-1`` (the toolkit: 0; a search where nothing
+    beats it keeps peak -1, the neighbours of -1 are 0 and ``span - 1``, and the toolkit then
+    reads ``l2_lambda_list[-1]``, the last value). Every candidate is a new trial, as in the
+    toolkit (:185-204): an index already scored, or both clipped neighbours at the same index,
+    is trained again (from the next draws of the fit's random stream), never read from a
+    cache. Returns (best index, its score, number of trials)."""
+    n = 0
 
     def s(i: int) -> float:
-        if i not in seen:
-            seen[i] = score(i)
-        return seen[i]
+        nonlocal n
+        n += 1
+        return score(i)
 
     peak, best = -1, start
     for i in coarse:
-        if s(i) > best:
-            peak, best = i, s(i)
+        if (v := s(i)) > best:
+            peak, best = i, v
     for span in spans:
-        cands = [j for j in (max(peak - span, 0), min(peak + span, n_wds - 1)) if j != peak]
-        for j in cands:
-            if s(j) > best:
-                peak, best = j, s(j)
-    return peak, best, len(seen)
+        left, right = max(peak - span, 0), min(peak + span, n_wds - 1)
+        for j in [k for k in (left, right) if k != peak]:
+            if (v := s(j)) > best:
+                peak, best = j, v
+    return peak, best, n
+
+
+def random_stream(seed: int) -> Any:
+    """The fit's random stream: a CPU ``torch.Generator`` in the state ``torch.manual_seed(seed)``
+    leaves the global one in (the toolkit's ``--fix_seed``, commands/linear_probe.py:62-66)."""
+    import torch
+
+    return torch.Generator().manual_seed(int(seed))
+
+
+def linear_from_stream(dim: int, n_out: int, rng: Any) -> Any:
+    """``torch.nn.Linear(dim, n_out)`` with its default initialisation drawn from ``rng`` (a
+    ``torch.Generator``, advanced by exactly the draws the constructor makes from the global
+    generator; an int: a fresh stream seeded with it). The global generator is left as it was."""
+    import torch
+
+    gen = rng if isinstance(rng, torch.Generator) else random_stream(int(rng))
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(gen.get_state())
+        lin = torch.nn.Linear(dim, n_out)  # reset_parameters: kaiming_uniform_ W, uniform_ b
+        gen.set_state(torch.get_rng_state())
+    return lin
+
+
+def draw_loader_seed(rng: Any) -> int:
+    """One validation pass's draw: iterating a ``DataLoader`` built with ``generator=None``
+    draws its base seed, one int64, from the global stream (torch/utils/data/dataloader.py,
+    ``_BaseDataLoaderIter.__init__``: ``torch.empty((), dtype=torch.int64).random_(generator=
+    loader.generator)``); the toolkit's unshuffled validation and test loaders are such
+    (feature.py:96, ``generator=generator if shuffle else None``)."""
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
 
 
 class ElevaterHead:
     """The toolkit's ``Classifier`` head on features, as a torch module's state: normalisation
     (``"bn"``: channel BatchNorm without affine, running statistics with momentum 0.1;
-    ``"l2"``: ``F.normalize``), linear layer, logits times ``exp(log_scale)``."""
+    ``"l2"``: ``F.normalize``), linear layer (default initialisation drawn from ``rng``: the
+    fit's ``torch.Generator``, or an int seeding a fresh one), logits times ``exp(log_scale)``."""
 
     def __init__(
         self,
@@ -97,7 +147,7 @@ class ElevaterHead:
         n_out: int,
         features: str,
         logit_scale: float,
-        seed: int,
+        rng: Any,
         init: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         import torch
@@ -106,9 +156,7 @@ class ElevaterHead:
             raise ProbeError(f"ElevaterGrid.features must be 'bn' or 'l2', got {features!r}")
         self.features = features
         self.bn = torch.nn.BatchNorm1d(dim, affine=False) if features == "bn" else torch.nn.Identity()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(seed))  # the default nn.Linear init, seeded, on the CPU generator
-            self.lin = torch.nn.Linear(dim, n_out)
+        self.lin = linear_from_stream(dim, n_out, rng)
         if init is not None:
             with torch.no_grad():
                 self.lin.weight.copy_(torch.as_tensor(np.asarray(init[0]), dtype=torch.float32))
@@ -171,16 +219,21 @@ def train_elevater_head(
     loss: str = "ce",
     init: tuple[np.ndarray, np.ndarray] | None = None,
     on_epoch: Callable[[ElevaterHead], object] | None = None,
+    rng: Any = None,
 ) -> ElevaterHead:
-    """The toolkit's ``train_task`` loop on features: per epoch ``train_one`` (training mode,
-    SGD with ``grid.momentum``/``grid.nesterov`` and weight decay on W and b, constant ``lr``;
+    """The toolkit's ``train_task`` loop on features (full_model_finetune.py:229-288): the
+    ``Classifier`` (its ``nn.Linear`` drawn from ``rng``, the fit's random stream; ``None``: a
+    fresh stream seeded with ``seed``), then per epoch ``train_one`` (training mode, SGD with
+    ``grid.momentum``/``grid.nesterov`` and weight decay on W and b, constant ``lr``;
     cross-entropy on class indices or, ``loss="bce"``, ``BCEWithLogitsLoss`` on an [n, C] 0/1
-    matrix), then ``on_epoch(head)`` (the caller scores it; the head is in evaluation mode).
-    Batches of ``grid.batch_size`` come from the toolkit's ``DataLoader`` (shuffled, generator
-    seeded :data:`LOADER_SEED`, no dropped remainder) over the row indices; a batch of one row
-    is skipped. ``init``: ``(W [K, D], b [K])``, else ``nn.Linear``'s default
-    initialisation drawn after ``torch.manual_seed(seed)``. A diverged head keeps training,
-    as in the toolkit (its :attr:`ElevaterHead.finite` says so)."""
+    matrix) and the validation pass: one draw from ``rng`` (:func:`draw_loader_seed`, made
+    whether or not the caller scores), then ``on_epoch(head)`` (the caller scores it; the head
+    is in evaluation mode). Batches of ``grid.batch_size`` come from the toolkit's
+    ``DataLoader`` (shuffled, its own generator seeded :data:`LOADER_SEED`, no dropped
+    remainder) over the row indices; a batch of one row is skipped. ``init``:
+    ``(W [K, D], b [K])`` written over the drawn initialisation (the toolkit draws it first
+    too). A diverged head keeps training, as in the toolkit (its :attr:`ElevaterHead.finite`
+    says so)."""
     import torch
 
     if loss not in ("ce", "bce"):
@@ -190,7 +243,8 @@ def train_elevater_head(
     X_t = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(device)
     y_t = torch.from_numpy(np.asarray(y, np.float32 if bce else np.int64)).to(device)
     n = X_t.shape[0]
-    head = ElevaterHead(X_t.shape[1], n_out, grid.features, grid.logit_scale, seed, init).to(device)
+    rng = random_stream(seed) if rng is None else rng
+    head = ElevaterHead(X_t.shape[1], n_out, grid.features, grid.logit_scale, rng, init).to(device)
     opt = torch.optim.SGD(
         head.lin.parameters(), lr=lr, momentum=grid.momentum, weight_decay=weight_decay, nesterov=grid.nesterov
     )
@@ -214,34 +268,51 @@ def train_elevater_head(
             criterion(head.forward(X_t[bi]), y_t[bi]).backward()
             opt.step()
         head.train(False)
+        draw_loader_seed(rng)  # validate(): iterating the unshuffled loader (train_task, :270)
         if on_epoch is not None:
             on_epoch(head)
     return head
 
 
 def _search(
-    grid, val_score: Callable[[float, float], float], metric: str, epochs_of: dict
-) -> tuple[tuple[float, float, float], list[dict[str, Any]], int]:
-    """ELEVATER's (lr, wd) search (``hyperparameter_sweep_lr``): per lr of the grid the
-    coarse-to-fine weight-decay search of ``val_score(lr, wd)``; an lr wins only when strictly
-    better than the best so far, which starts at the toolkit's (score 0, lr 0, wd 0). Returns
-    ((score, lr, wd) of the best, per-lr records, trials)."""
+    grid, val_score: Callable[[float, float], float], metric: str, trial_epochs: Sequence[int] | None = None
+) -> tuple[tuple[float, float, float], int, list[dict[str, Any]], int]:
+    """ELEVATER's (lr, wd) search (``hyperparameter_sweep_lr``, full_model_finetune.py:422-442):
+    per lr of the grid the coarse-to-fine weight-decay search of ``val_score(lr, wd)`` (one
+    call per trial, in the toolkit's order); an lr wins only when strictly better than the best
+    so far, which starts at the toolkit's (score 0, lr 0, wd 0). ``trial_epochs``: each
+    trial's best epoch, in call order (filled by ``val_score``). Returns ((score, lr, wd) of
+    the best, its trial's best epoch, per-lr records with every trial's score, trials)."""
     if not grid.lrs:
         raise ProbeError("the ELEVATER grid has no learning rate")
     best: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    trials, per_lr = 0, []
+    best_epoch, trials, per_lr = 0, 0, []
     for lr in grid.lrs:
-        i, sc, n = search_weight_decay(
-            lambda k, lr=lr: val_score(lr, grid.wds[k]), len(grid.wds), grid.coarse, grid.spans, start=0.0
-        )
-        trials += n
+        log: list[tuple[int, float]] = []  # (weight-decay index, score) of each trial, in order
+
+        def score(k: int, lr=lr, log=log) -> float:
+            log.append((k, val_score(lr, grid.wds[k])))
+            return log[-1][1]
+
+        i, sc, n = search_weight_decay(score, len(grid.wds), grid.coarse, grid.spans, start=0.0)
         wd = grid.wds[i]  # i = -1 (nothing beat 0): the toolkit's l2_lambda_list[-1]
+        # the winning trial: the first at index i scoring sc (a later equal score cannot win)
+        win = next((t for t, (k, v) in enumerate(log) if k == i and v == sc), None)
+        epoch = trial_epochs[trials + win] if trial_epochs is not None and win is not None else 0
+        trials += n
         per_lr.append(
-            {"lr": lr, "weight_decay": wd, f"val_{metric}": sc, "best_epoch": epochs_of.get((lr, wd), 0), "trials": n}
+            {
+                "lr": lr,
+                "weight_decay": wd,
+                f"val_{metric}": sc,
+                "best_epoch": epoch,
+                "trials": n,
+                "trial_scores": [[grid.wds[k], v] for k, v in log],
+            }
         )
         if best[0] < sc:
-            best = (sc, lr, wd)
-    return best, per_lr, trials
+            best, best_epoch = (sc, lr, wd), epoch
+    return best, best_epoch, per_lr, trials
 
 
 def _best_epoch(scores: list[float]) -> tuple[float, int]:
@@ -253,7 +324,7 @@ def _best_epoch(scores: list[float]) -> tuple[float, int]:
     return best, at
 
 
-def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, epochs_of: dict, head: str) -> dict:
+def _hparams(req: FitRequest, device: str, best, best_epoch: int, per_lr, trials: int, head: str) -> dict:
     """The results-row record of one ELEVATER fit (single- or multi-label)."""
     grid, opts = req.proto.grid, req.opts
     sc, lr, wd = best
@@ -265,8 +336,9 @@ def _hparams(req: FitRequest, device: str, best, per_lr, trials: int, epochs_of:
         "lr": lr,
         "weight_decay": wd,
         f"val_{metric}": sc,
-        "best_epoch": epochs_of.get((lr, wd), 0),
+        "best_epoch": best_epoch,
         "selection": f"val {metric} at each trial's best search epoch (ties: earlier epoch, smaller lr, earlier probe)",
+        "random_stream": "one torch generator seeded once per fit: every head's init and one draw per validation pass",
         "trials": trials,
         "per_lr": per_lr,
         "search_epochs": se,
@@ -311,21 +383,23 @@ def _epoch_score(metric: str, y: np.ndarray, X: np.ndarray, head: ElevaterHead) 
 
 
 def _fit(req: FitRequest, sets, n_out: int, loss: str, metric: str, init) -> tuple:
-    """Search on ``sets`` = ((Xtr, ytr), (Xva, yva), (Xfin, yfin)), then the final run: returns
-    (final head, epoch heads of the final run for best-test, best, per_lr, trials, epochs_of,
+    """Search on ``sets`` = ((Xtr, ytr), (Xva, yva), (Xfin, yfin)), then the final run, all
+    from one random stream seeded once with the fit's seed (never reseeded): returns (final
+    head, epoch heads of the final run for best-test, best, its best epoch, per_lr, trials,
     device, seconds)."""
     from featcache.probes.logistic import cpu_threads, resolve_backend
 
-    grid, opts, seed = req.proto.grid, req.opts, req.seed
+    grid, opts = req.proto.grid, req.opts
     device = resolve_backend("torch")[1]
     (Xtr, ytr), (Xva, yva), (Xfin, yfin) = sets
-    epochs_of: dict[tuple[float, float], int] = {}
+    rng = random_stream(req.seed)  # linear_probe.py:62-66: torch.manual_seed(fix_seed), once
+    trial_epochs: list[int] = []
 
     def train(X, y, lr, wd, epochs, on_epoch=None) -> ElevaterHead:
         with cpu_threads(device):
             return train_elevater_head(
-                X, y, n_out, lr=lr, weight_decay=wd, epochs=epochs, grid=grid, seed=seed, device=device,
-                loss=loss, init=init, on_epoch=on_epoch,
+                X, y, n_out, lr=lr, weight_decay=wd, epochs=epochs, grid=grid, device=device,
+                loss=loss, init=init, on_epoch=on_epoch, rng=rng,
             )  # fmt: skip
 
     def val_score(lr, wd) -> float:
@@ -333,16 +407,17 @@ def _fit(req: FitRequest, sets, n_out: int, loss: str, metric: str, init) -> tup
         =False: it validates after every epoch and keeps the first strict maximum, from 0)."""
         scores: list[float] = []
         train(Xtr, ytr, lr, wd, opts["search_epochs"], lambda h: scores.append(_epoch_score(metric, yva, Xva, h)))
-        best, epochs_of[(lr, wd)] = _best_epoch(scores)
+        best, at = _best_epoch(scores)
+        trial_epochs.append(at)
         return best
 
     t0 = time.perf_counter()
-    best, per_lr, trials = _search(grid, val_score, metric, epochs_of)
+    best, best_epoch, per_lr, trials = _search(grid, val_score, metric, trial_epochs)
     _, lr, wd = best
     heads: list[ElevaterHead] = []
     keep = (lambda h: heads.append(h.snapshot())) if opts.get("final_epoch") == "best-test" else None
     final = train(Xfin, yfin, lr, wd, opts["final_epochs"], keep)
-    return final, heads, best, per_lr, trials, epochs_of, device, time.perf_counter() - t0
+    return final, heads, best, best_epoch, per_lr, trials, device, time.perf_counter() - t0
 
 
 def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
@@ -362,9 +437,9 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
     C = Ys[0].shape[1]
     # head_init: one normalised text embedding per label column, bias 0 (as for single-label)
     init = None if req.head_init is None else (l2_normalise(np.asarray(req.head_init)), np.zeros(C))
-    final, heads, best, per_lr, trials, epochs_of, device, seconds = _fit(req, sets, C, "bce", metric, init)
+    final, heads, best, best_epoch, per_lr, trials, device, seconds = _fit(req, sets, C, "bce", metric, init)
     head = "linear-default-seeded" if init is None else "text-initialised"
-    hp = _hparams(req, device, best, per_lr, trials, epochs_of, head)
+    hp = _hparams(req, device, best, best_epoch, per_lr, trials, head)
     hp.update(loss="bce", n_labels=int(C), scores="softmax over the label columns (the toolkit's validate)")
     epochs = tuple(h.predict_proba for h in heads)
     return FitOutcome(final.snapshot().predict_proba, None, hp, final.finite, seconds, epochs)
@@ -392,8 +467,8 @@ def fit_elevater(req: FitRequest) -> FitOutcome:
     init = None if head_init is None else (l2_normalise(np.asarray(head_init)[classes]), np.zeros(K))
     sets = [(np.asarray(X, np.float64), np.searchsorted(classes, y)) for X, y in (plan.tr, plan.va, plan.fin)]
     metric = opts.get("metric") or "top1"
-    final, heads, best, per_lr, trials, epochs_of, device, seconds = _fit(req, sets, K, "ce", metric, init)
+    final, heads, best, best_epoch, per_lr, trials, device, seconds = _fit(req, sets, K, "ce", metric, init)
     head = "linear-default-seeded" if init is None else "text-initialised"
-    hp = _hparams(req, device, best, per_lr, trials, epochs_of, head)
+    hp = _hparams(req, device, best, best_epoch, per_lr, trials, head)
     epochs = tuple(h.predict_proba for h in heads)
     return FitOutcome(final.snapshot().predict_proba, classes, hp, final.finite, seconds, epochs)

@@ -254,8 +254,11 @@ def compare_with_exact(
     backend: str = "auto",
     max_memory: int | str = "2GB",
 ) -> tuple[dict[str, float], dict]:
-    """``index_recall@k`` (approximate top-k against exact, excluded items removed in both)
-    and ``delta_{map,mrr,recall}@k`` (approximate minus exact mean) on a seeded sample of
+    """``index_recall@k`` (approximate top-k against exact, excluded items removed in both),
+    ``delta_{map,mrr,recall}@k`` (approximate minus exact mean) and beside each its distance
+    from exact search ``absdelta_...`` (``|delta|``: a positive delta is not "better than
+    exact", AP@k can rise when the index drops relevant items that exact search ranks low,
+    since AP@k divides by the relevant items found in the top k) on a seeded sample of
     ``n_sample`` queries, searched exactly; and what was compared (for hparams)."""
     per_query, ix_a = approx
     nq = Q.shape[0]
@@ -271,4 +274,5 @@ def compare_with_exact(
     for name, value in approx_s.items():
         if name.split("@")[0] in DELTA_METRICS:
             out[f"delta_{name}"] = value - exact[name]
+            out[f"absdelta_{name}"] = abs(value - exact[name])
     return out, {"n_compared_queries": int(rows.size), "exact_backend": used}

@@ -79,7 +79,17 @@ def run(args) -> int:
     frame = run_retrieval(cfg)
     shown = {"map", "mrr", "top1", "map_revisitop", "map_bob", "mrr_bob"} | {
         f"{m}@{k}"
-        for m in ("map", "recall", "hit", "precision", "mp", "mp_revisitop", "index_recall", "delta_map")
+        for m in (
+            "map",
+            "recall",
+            "hit",
+            "precision",
+            "mp",
+            "mp_revisitop",
+            "index_recall",
+            "delta_map",
+            "absdelta_map",
+        )
         for k in cfg.ks
     }
     for (kind, backbone, protocol), g in frame.group_by(["kind", "backbone", "protocol"], maintain_order=True):

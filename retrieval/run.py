@@ -268,6 +268,13 @@ def _index_result(cfg: RetrievalConfig, d: _Pair, rel: Relevance) -> tuple[dict,
         max_memory=cfg.max_memory,
     )
     log.info("%s index %s: %s", d.backbone, built.factory, {k: round(v, 4) for k, v in cmp.items()})
+    below = _below_min_recall(cmp, spec.min_recall)
+    if below:  # every factory, not only auto: its metrics are not exact search's
+        log.warning(
+            "%s index %s: %s below --min-recall %s; its metrics differ from exact search's by the "
+            "absdelta_* rows (a positive delta_map is not better than exact: see docs/retrieval.md)",
+            d.backbone, built.factory, ", ".join(f"{k} {v:.3f}" for k, v in below.items()), spec.min_recall,
+        )  # fmt: skip
     p = built.provenance
     train_sha = hashlib.sha256(json.dumps(p.get("train_rows", [])).encode()).hexdigest()[:16]
     index_hp = {
@@ -283,9 +290,16 @@ def _index_result(cfg: RetrievalConfig, d: _Pair, rel: Relevance) -> tuple[dict,
         "reused": built.reused,
         "key": p.get("key"),
     }
+    if below:
+        index_hp.update(min_recall=spec.min_recall, below_min_recall=below)
     res = {"means": {**means, **cmp}, "n_queries": int(Q.shape[0]), "n_scored": n_scored}
     res.update(n_without_relevant=n_none, backend="faiss-index")
     return res, {"index": index_hp, "index_search_seconds": search_s, **info}
+
+
+def _below_min_recall(cmp: dict[str, float], min_recall: float) -> dict[str, float]:
+    """The ``index_recall@k`` values under ``min_recall``."""
+    return {k: v for k, v in cmp.items() if k.startswith("index_recall@") and v < min_recall}
 
 
 def _sharded_result(cfg: RetrievalConfig, d: _Pair, rel: Relevance) -> tuple[dict, dict]:
@@ -653,6 +667,13 @@ def _knn_rows(cfg: RetrievalConfig, d: _Pair) -> list[dict]:
     rows = []
     for k, vals in acc.items():
         hpk = cfg.knn_hparams(k, backend=used, n_gallery=int(d.Xg.shape[0]))
+        if k >= hpk["n_gallery"] - (1 if cfg.same_split else 0):  # every gallery item votes
+            hpk["k_covers_gallery"] = True
+            log.warning(
+                "%s %s: kNN k=%d with a gallery of %d item(s): every item votes, so this row is a "
+                "class-prior vote, not a k-NN classifier; use k below the gallery size",
+                d.backbone, cfg.dataset, k, hpk["n_gallery"],
+            )  # fmt: skip
         rid = make_run_id(**cfg.knn_definition(d.backbone, k, d.fingerprint))
         for name, value in vals.items():
             rows.append(

@@ -14,17 +14,27 @@ vision_evaluation/evaluators.py ``MemorizingEverythingEvaluator.calculate_score`
 ``MeanAveragePrecisionNPointsEvaluator``; prediction_filters.py ``TopKPredictionFilter``).
 
 The statements are the toolkit's; what had to change to run on cached features on a CPU is
-marked ``# port:``: the backbone is the identity (the features are its output), ``.cuda()``
-calls and cudnn flags are dropped, ``config`` is a namespace, the language-initialised head
-takes the text matrix directly, and the head's ``nn.Linear`` draws its default initialisation
-after ``torch.manual_seed(config.INIT_SEED)`` (the toolkit draws it from the process's
-global stream, seeded once by ``--fix_seed`` and consumed by the backbone's construction, which
-no cache can replay; featcache seeds each trial's head the same way). ``train_task`` also
-records each epoch's validation score in ``model_info['acc1_per_epoch']`` (port: for tests).
+marked ``# port:``: the backbone is the identity (the features are its output; with it
+``get_model`` makes no random draw), ``.cuda()`` calls and cudnn flags are dropped, ``config``
+is a namespace, the language-initialised head takes the text matrix directly. The random
+stream is the toolkit's, draw for draw (issue 49): :func:`fix_seed` seeds torch once, as
+vision_benchmark/commands/linear_probe.py:62-66 does before anything else, and nothing
+reseeds it; each trial's ``Classifier`` (full_model_finetune.py:232) draws its ``nn.Linear``
+(:104) from that running stream, and each ``validate`` pass (:270) draws one int64 base seed
+from it by iterating its unshuffled loader (feature.py:96 gives such a loader
+``generator=None``; torch's ``_BaseDataLoaderIter.__init__`` then draws from the global
+generator). The shuffled train loaders draw from their own generator, seeded 0 afresh by
+every ``create_dataloader`` (feature.py:84-85), so every trial sees the same batches.
+Clipped neighbours of the weight-decay search are trained again (full_model_finetune.py:185-204),
+each time from the stream's next draws. :func:`run_seeded` runs a port entry point so
+seeded, leaving the caller's global generator as it was. ``train_task`` also records each
+epoch's validation score in ``model_info['acc1_per_epoch']``, and the sweeps each trial's
+(lr, wd, score) in :data:`TRIALS` (port: for tests).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from types import SimpleNamespace
 
@@ -289,7 +299,6 @@ def make_config(dim, n_classes, *, dataset="digits", metric="accuracy", epochs=1
         SCHEDULE=[],
         CLIP_GRAD_NORM=0.0,
         TEXT=None,
-        INIT_SEED=0,
     )
     t.update(train)
     return Config(
@@ -335,10 +344,13 @@ class Classifier(torch.nn.Module):
             input_dim,
             affine=False,
         )
+        # full_model_finetune.py:104: kaiming_uniform_ W then uniform_ b, from the global stream
         self.layers = torch.nn.Sequential(torch.nn.Linear(input_dim, output_dim))
 
         if config.TRAIN.INIT_HEAD_WITH_TEXT_ENCODER:
-            zeroshot_weights = torch.as_tensor(config.TRAIN.TEXT).T  # port: [D, K] normalised text
+            # port: [D, K] normalised text, a fresh tensor per Classifier as extract_text_features
+            # returns one (as_tensor would share the array, and training would write into it)
+            zeroshot_weights = torch.tensor(config.TRAIN.TEXT).T
             self.layers[0].weight.data = (
                 zeroshot_weights.T.to(self.layers[0].weight.dtype).to(self.layers[0].weight.device).contiguous()
             )
@@ -394,7 +406,7 @@ def hyperparameter_sweep(train_dataloader, val_dataloader, config):
     peak_idx = -1
     peak_score = 0
     iter_num = 0
-    for idx in l2_lambda_init_idx:
+    for idx in l2_lambda_init_idx:  # full_model_finetune.py:168-181: the 7 coarse points
         config.defrost()
         config.TRAIN.WD = l2_lambda_list[idx]
 
@@ -409,6 +421,8 @@ def hyperparameter_sweep(train_dataloader, val_dataloader, config):
             peak_idx = idx
             peak_score = best_score_
 
+    # :184-211: neighbours at spans 8, 4, 2, 1; every one is a new train_task (a new head from
+    # the stream's next draws), also an index scored before or both clipped ends at one index
     step_span = 8
     while step_span > 0:
         left, right = max(peak_idx - step_span, 0), min(peak_idx + step_span, len(l2_lambda_list) - 1)
@@ -452,9 +466,10 @@ def clone_loader(loader, shuffle=True):
 def train_task(train_dataloader, test_dataloader, config, sweep_run=False):
     best_acc1 = 0
 
-    torch.manual_seed(config.TRAIN.INIT_SEED)  # port: the head's seeded default init (module doc)
+    # full_model_finetune.py:232: the head's nn.Linear (:104) draws from the running global stream
     model = Classifier(config, 0)
 
+    # :236: a new shuffled loader, its own generator seeded 0 (feature.py:84-85): no global draw
     train_dataloader = clone_loader(train_dataloader)
 
     if config.DATASET.DATASET in MULTILABEL_DATASETS:
@@ -472,7 +487,8 @@ def train_task(train_dataloader, test_dataloader, config, sweep_run=False):
         # train for one epoch
         train_one(train_dataloader, model, criterion, optimizer, epoch, config)
 
-        # evaluate on validation set
+        # evaluate on validation set (:270): iterating the unshuffled loader draws one base seed
+        # from the global stream (torch _BaseDataLoaderIter.__init__, generator=None)
         acc1, logits = validate(test_dataloader, model, criterion, epoch, config, return_logits=True)
         model_info["acc1_per_epoch"].append(acc1)
 
@@ -482,6 +498,10 @@ def train_task(train_dataloader, test_dataloader, config, sweep_run=False):
         best_acc1 = max(acc1, best_acc1)
 
     model_info["model"] = model  # port: the trained head, for tests
+
+    if sweep_run:  # port: each trial's score, for tests
+        score = acc1 if config.TRAIN.SEARCH_RESULT_ON_LAST_EPOCH else best_acc1
+        TRIALS.append((config.TRAIN.LR, config.TRAIN.WD, score, list(model_info["acc1_per_epoch"])))
 
     if sweep_run and config.TRAIN.SEARCH_RESULT_ON_LAST_EPOCH:
         return acc1
@@ -540,6 +560,8 @@ def validate(val_loader, model, criterion, epoch, config, return_logits=False):
     targets = []
 
     model.eval()
+    # full_model_finetune.py:362: the iterator's __init__ draws its int64 base seed from the
+    # global stream (the loader's generator is None: feature.py:96)
     for batch in val_loader:
         images, target = batch[:2]
 
@@ -575,6 +597,7 @@ def adjust_learning_rate(optimizer, epoch, config):
 
 
 def hyperparameter_sweep_lr(train_dataloader, val_dataloader, config):
+    # full_model_finetune.py:422-442: the 6 learning rates in order, one weight-decay search each
     learning_rate_list = np.logspace(-6, -1, num=6).tolist()
     best_score = 0
     best_lr = 0
@@ -623,12 +646,43 @@ def full_model_finetune(train_dataloader, val_dataloader, test_dataloader, no_hy
         trainval_dataloader = merge_trainval_loader(train_dataloader, val_dataloader)
     else:
         trainval_dataloader = train_dataloader
+    # :493: the final head draws from the stream where the search left it (no reseeding)
     best_acc1, model_info = train_task(trainval_dataloader, test_dataloader, config)
     model_info.update(lr=best_lr, wd=best_l2_lambda)  # port: the selection, for tests
     return best_acc1, model_info
 
 
+# ------------------------------------------------------------- commands/linear_probe.py
+def fix_seed(seed):
+    """linear_probe.py:62-66 (``--fix_seed``, default 0): the process's streams seeded once,
+    before the data loaders and every ``train_task``; nothing seeds them again."""
+    if seed != -1:
+        random.seed(seed)
+        np.random.seed(seed)  # noqa: NPY002 (as the toolkit writes it)
+        torch.manual_seed(seed)
+        # port: torch.cuda.manual_seed_all(seed) seeds GPU streams, which nothing here uses
+
+
 # ------------------------------------------------------------- glue for tests (not the toolkit's)
+#: (lr, wd, score, per-epoch scores; in percent) of every search trial in order, appended by
+#: train_task (port)
+TRIALS: list = []
+
+
+def run_seeded(seed, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` after :func:`fix_seed` (``seed``), as one toolkit process runs
+    it; :data:`TRIALS` starts empty. The caller's global torch/numpy/random states are restored."""
+    TRIALS.clear()
+    np_state, py_state = np.random.get_state(), random.getstate()  # noqa: NPY002
+    try:
+        with torch.random.fork_rng(devices=[]):
+            fix_seed(seed)
+            return fn(*args, **kwargs)
+    finally:
+        np.random.set_state(np_state)  # noqa: NPY002
+        random.setstate(py_state)
+
+
 def loaders(X_full, y_full, train_idx, val_idx, X_test, y_test, batch_size=64):
     """get_dataloader's two Subset loaders over one dataset (train shuffled, val not) and the
     unshuffled test loader, from float32 features and labels (int [n] or 0/1 [n, C])."""

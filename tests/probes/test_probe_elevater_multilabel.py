@@ -86,24 +86,27 @@ def digits_even(digits_cache, tmp_path_factory):
     return path, feats
 
 
-def _toolkit_final_head(X, Y, lr, wd, epochs, seed, batch_size=64, text=None):
-    """The toolkit's final run on (X, Y) as the ported ``train_task`` runs it
-    (elevater_toolkit_ref: ``Classifier``'s channel BatchNorm, seeded ``nn.Linear`` or the
-    text-initialised head, SGD momentum 0.9 with weight decay, ``BCEWithLogitsLoss`` for
-    ``MULTILABEL_DATASETS``, the DataLoader's batches); returns ``scores(X)``: validate's
-    softmax of the outputs."""
+def _toolkit_run(plan, search_epochs, final_epochs, text=None):
+    """The toolkit's whole run on the plan's rows as the port runs it (elevater_toolkit_ref:
+    ``full_model_finetune`` with its (lr, wd) search, then the final run on train+val, in one
+    random stream seeded once, ``Classifier``'s channel BatchNorm, its ``nn.Linear`` drawn from
+    that stream or the text-initialised head, SGD momentum 0.9 with weight decay,
+    ``BCEWithLogitsLoss`` for ``MULTILABEL_DATASETS``, the DataLoader's batches); returns
+    (selected lr, wd, ``scores(X)``: validate's softmax of the final head's outputs)."""
     import elevater_toolkit_ref as ref
-    import torch
 
-    data = ref.FeatureData(torch.as_tensor(np.asarray(X, np.float32)), torch.as_tensor(np.asarray(Y, np.float32)))
+    Xf, Y = np.asarray(plan.fin[0], np.float32), plan.Y[2].astype(np.float32)
+    at = {r.tobytes(): i for i, r in enumerate(Xf)}
+    ti, vi = ([at[r.tobytes()] for r in np.asarray(X, np.float32)] for X in (plan.tr[0], plan.va[0]))
+    assert ti == sorted(ti)  # the toolkit's train Subset is list(set(...)): the dataset's order
+    tr, va, te = ref.loaders(Xf, Y, ti, vi, Xf, Y)  # te: the final run's validate only
     train = {} if text is None else {"INIT_HEAD_WITH_TEXT_ENCODER": True, "TEXT": _unit(text)}
     cfg = ref.make_config(
-        X.shape[1], Y.shape[1], dataset="voc-2007-classification", metric="11point_mAP", epochs=epochs,
-        LR=lr, WD=wd, INIT_SEED=seed, **train,
+        Xf.shape[1], Y.shape[1], dataset="voc-2007-classification", metric="11point_mAP",
+        epochs=search_epochs, extra_final=final_epochs - search_epochs, **train,
     )  # fmt: skip
-    loader = ref.create_dataloader(data, batch_size)
-    _, info = ref.train_task(loader, ref.create_dataloader(data, batch_size, shuffle=False), cfg)
-    return lambda Z: ref.predict_proba(info["model"], Z)
+    _, info = ref.run_seeded(0, ref.full_model_finetune, tr, va, te, False, None, None, cfg)
+    return info["lr"], info["wd"], lambda Z: ref.predict_proba(info["model"], Z)
 
 
 def _unit(M):
@@ -146,9 +149,8 @@ def test_elevater_multilabel_trains_a_bce_sgd_head_scored_with_the_toolkits_map(
     assert 0.5 < value < 1.0
     # (a) the head is the toolkit's BCE-trained SGD head with the selected (lr, wd)
     plan = seen["req"].plan
-    ref = _toolkit_final_head(
-        np.asarray(plan.fin[0], np.float64), plan.Y[2], hp["lr"], hp["weight_decay"], hp["final_epochs"], 0
-    )
+    lr, wd, ref = _toolkit_run(plan, hp["search_epochs"], hp["final_epochs"])
+    assert (hp["lr"], hp["weight_decay"]) == pytest.approx((lr, wd), rel=1e-14)
     assert plan.Y[2].shape == (100, len(COLUMNS))
     np.testing.assert_allclose(S, ref(np.asarray(te.X, np.float64)), atol=2e-5)
     assert math.isfinite(hp["val_map11_elevater"])
@@ -264,14 +266,11 @@ def test_elevater_multilabel_language_initialised_head(digits_even, monkeypatch,
     assert hp["head"] == "text-initialised"
     assert hp["head_init"] == "text"
     plan, te = seen["req"].plan, feats["test"]
-    ref = _toolkit_final_head(
-        np.asarray(plan.fin[0], np.float64), plan.Y[2], hp["lr"], hp["weight_decay"], hp["final_epochs"], 0, text=text
-    )
+    lr, wd, ref = _toolkit_run(plan, hp["search_epochs"], hp["final_epochs"], text=text)
+    assert (hp["lr"], hp["weight_decay"]) == pytest.approx((lr, wd), rel=1e-14)
     S = seen["out"].predict(np.asarray(te.X, np.float64))
     np.testing.assert_allclose(S, ref(np.asarray(te.X, np.float64)), atol=2e-5)
-    zero = _toolkit_final_head(
-        np.asarray(plan.fin[0], np.float64), plan.Y[2], hp["lr"], hp["weight_decay"], hp["final_epochs"], 0
-    )
+    *_, zero = _toolkit_run(plan, hp["search_epochs"], hp["final_epochs"])
     assert np.abs(S - zero(np.asarray(te.X, np.float64))).max() > 1e-3  # the start mattered
     # a wrong number of rows (one per digit class instead of per label column) is refused
     write_class_embeddings(path, DS, text[:10], "short", backbone=LITE0)
