@@ -11,6 +11,7 @@ ids/labels are rewritten by that re-run too (the split is rebuilt from the data)
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,10 +31,10 @@ REPAIR_NO_SPACE_THEN = (
 
 #: checks of what a stage keeps beside a store (the store knows no stage): name -> ``fn(path,
 #: repair) -> problem lines``, registered by the stage (:func:`register_beside_check`)
-BESIDE_CHECKS: dict = {}
+BESIDE_CHECKS: dict[str, Callable[[str, bool], list[str]]] = {}
 
 
-def register_beside_check(name: str, check) -> None:
+def register_beside_check(name: str, check: Callable[[str, bool], list[str]]) -> None:
     """Have ``verify`` run ``check(path, repair)`` too, its lines counted as problems."""
     BESIDE_CHECKS[name] = check
 
