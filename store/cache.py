@@ -343,11 +343,20 @@ class FeatureCache:
                 f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
                 "re-extract with --overwrite"
             )
-        self._check_place(g, gm, kind)
+        finishing = self._check_place(g, gm, kind, prov)
         if lazy:
             X, valid, errors, sc = scan_group_lazy(g, gm, kind, check)
         else:
             X, valid, errors, sc = read_group(g, gm, kind, check, dtype)
+        if finishing and sc.complete:  # every chunk marked, completion not recorded yet
+            msg = (
+                f"{backbone}/{dataset}/{split}: every row chunk is marked done but its writer has not recorded "
+                "completion yet (an extract still finishing it, or one stopped just before): wait for it, or "
+                "re-run that extract"
+            )
+            if not allow_partial:
+                raise IncompleteStoreError(msg)
+            log.warning(msg)
         if not sc.complete:
             msg = damage_message(f"{backbone}/{dataset}/{split}", sc)
             if not allow_partial:
@@ -372,15 +381,17 @@ class FeatureCache:
             provenance=prov.to_attrs(),
             dataset_fingerprint=smeta.fingerprint,
             errors=errors,
-            complete=sc.complete,
+            complete=sc.complete and not finishing,
         )
 
-    def _check_place(self, g, gm: FeatureGroupMeta, kind: str) -> None:
+    def _check_place(self, g, gm: FeatureGroupMeta, kind: str, prov: FeatureProvenance) -> bool:
         """Refuse a group whose documents or chunks were moved there from another path or
         backbone, a complete one without the summary that binds its chunks to it
         (:func:`~featcache.store.summary.check_place`), and an array whose fill value would
-        read a lost chunk as data (:func:`~featcache.store.integrity.fill_problems`)."""
-        from featcache.store.summary import check_place
+        read a lost chunk as data (:func:`~featcache.store.integrity.fill_problems`). True where
+        every chunk is marked but the writer has recorded neither its summary nor its completion
+        (it records the summary first): a writer finishing the group, not damage."""
+        from featcache.store.summary import SUMMARY_KEY, check_place
 
         for name, why in fill_problems(g, (kind,)).items():
             raise CorruptStoreError(
@@ -388,10 +399,14 @@ class FeatureCache:
                 "for recomputation), then re-run the extract that wrote it (it recreates the array)"
             )
         complete = bool(read_done(g, gm.n_chunks).all())
-        found, _ = check_place(g, g.path, gm, (kind, "valid", "error"), complete=complete, store=self.path)
+        finishing = complete and prov.completed is None and SUMMARY_KEY not in g.attrs
+        found, _ = check_place(
+            g, g.path, gm, (kind, "valid", "error"), complete=complete and not finishing, store=self.path
+        )
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
             raise CorruptStoreError(f"{found[0][1]}{more}; `featcache verify {self.path}` lists what is wrong")
+        return finishing
 
     # ------------------------------------------------------------------ catalog
     def _completeness(self, b: str, d: str, s: str, g) -> tuple[bool, int, int]:

@@ -363,9 +363,15 @@ class FeatureWriter:
 
     @translating
     def mark_complete(self, **stats: Any) -> None:
-        """Record run statistics (images/s, device, ...) in every kind's provenance."""
+        """Record run statistics (images/s, device, ...) in every kind's provenance. The lock
+        holder records the group summary first: a reader that finds every chunk marked and
+        neither a summary nor ``completed`` in the provenance sees a writer finishing, one that
+        finds ``completed`` without a summary sees a summary lost (damage)."""
         valid = np.asarray(self.group["valid"][:], dtype=bool)
         n_invalid = int((~valid).sum())
+        if self._lock is not None:  # the lock holder (rank 0) records what ls reads
+            with self.no_space("the group summary", 4096):
+                write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)
         for kind in self.provenances:
             arr = self.group[kind]
             d = dict(arr.attrs[PROVENANCE_KEY])
@@ -375,10 +381,8 @@ class FeatureWriter:
             FeatureProvenance.from_attrs(d, where=arr.path)  # validate before writing
             with self.no_space(f"{kind}'s provenance", 4096):
                 arr.update_attributes({PROVENANCE_KEY: d, PROVENANCE_DIGEST_KEY: provenance_digest(d)})
-        if self._lock is not None:  # the lock holder (rank 0) records what ls reads
-            with self.no_space("the group summary", 4096):
-                write_summary(self.group, self.n, self.n_chunks, tuple(self.provenances), valid)
-                manifest.record(self.cache.root, self.path)
+        if self._lock is not None:
+            manifest.record(self.cache.root, self.path)
         self.release()
 
 

@@ -76,7 +76,7 @@ def test_probe_numbers_are_refused_before_anything_runs(small_store, tmp_path, c
 
 @pytest.mark.parametrize("alias", ["fmnist", "fashion_mnist", "FMNIST"])
 def test_dataset_alias_is_stored_under_the_canonical_name(tmp_path, alias):
-    from featcache.extract import default_name
+    from featcache.data import default_name
     from featcache.store import open_cache
 
     assert default_name(alias) == "fashion-mnist"

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LITE0
 
 from featcache.similarity import AuditConfig, run_audit
 from featcache.similarity.neighbours import default_threshold
+
+LITE0 = "tf_efficientnet_lite0"  # the conftest session stores' backbone
 
 DS = "fashion-mnist-small"
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

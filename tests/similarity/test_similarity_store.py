@@ -8,10 +8,12 @@ import shutil
 import numpy as np
 import pytest
 import similarity_refs as ref
-from conftest import FIXTURE_INPUT_SIZE, LITE0
 
 from featcache.similarity import LinearCKAStream, SimilarityConfig, compare, run_similarity
 from featcache.similarity.streaming import paired_blocks
+
+LITE0 = "tf_efficientnet_lite0"  # the conftest session stores' backbone
+FIXTURE_INPUT_SIZE = 112  # their input size (tests/conftest.py)
 
 RANDOM = f"{LITE0}@random0"
 
