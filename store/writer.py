@@ -382,7 +382,8 @@ class FeatureWriter:
             with self.no_space(f"{kind}'s provenance", 4096):
                 arr.update_attributes({PROVENANCE_KEY: d, PROVENANCE_DIGEST_KEY: provenance_digest(d)})
         if self._lock is not None:
-            manifest.record(self.cache.root, self.path)
+            with self.no_space("the store's manifest", 4096):
+                manifest.record(self.cache.root, self.path)
         self.release()
 
 
