@@ -244,17 +244,14 @@ def _first_place(agg, ranked_rows, raw, *, n_boot: int, seed: int, ddof: int):
     import polars as pl
 
     from featcache.analysis.first_place import first_place
-    from featcache.analysis.tables import PROPORTION_METRICS
+    from featcache.core.metrics import proportion_metrics
 
+    props = list(proportion_metrics())
     sm = agg["matrix"]
     n = np.full(sm.values.shape, np.nan)
     key = ["setting", "backbone", "seed", "value"]
-    prop = (
-        raw.filter(pl.col("metric").is_in(list(PROPORTION_METRICS)) & pl.col("n_eval").is_not_null())
-        .select(*key, "n_eval")
-        .unique(key)
-    )
-    is_prop = pl.col("metric").is_in(list(PROPORTION_METRICS))
+    prop = raw.filter(pl.col("metric").is_in(props) & pl.col("n_eval").is_not_null()).select(*key, "n_eval").unique(key)
+    is_prop = pl.col("metric").is_in(props)
     is_knn = (pl.col("kind") == "knn") & (pl.col("metric") == "task")  # k-NN declares top-1
     own = ranked_rows.filter((is_prop | is_knn) & pl.col("n_eval").is_not_null())
     if prop.height or own.height:  # own: proportions ranked as such (also k-NN's pooled k values)
