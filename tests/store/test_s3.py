@@ -4,8 +4,6 @@ server mode on loopback, resume after an interruption, read back, verify, overwr
 from __future__ import annotations
 
 import json
-import logging
-import socket
 
 import numpy as np
 import pytest
@@ -25,28 +23,8 @@ GROUP = f"features/{LITE0}/digits/test"
 
 
 @pytest.fixture(scope="module")
-def s3():
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="bucket")
-    try:
-        yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    finally:
-        server.stop()
+def s3(s3_bucket):
+    return s3_bucket("bucket")
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,7 @@ zarr Store API (raw bytes), never through featcache."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
-import socket
 
 import numpy as np
 import pytest
@@ -25,30 +23,8 @@ N, DIM, CHUNK = 200, 24, 50
 
 
 @pytest.fixture(scope="module")
-def s3_server():
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="backends")
-    try:
-        yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    finally:
-        server.stop()
+def s3_server(s3_bucket):
+    return s3_bucket("backends")
 
 
 class Backend:

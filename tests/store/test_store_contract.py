@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import socket
 
 import numpy as np
 import pytest
@@ -46,31 +44,9 @@ def digits():
 
 
 @pytest.fixture(scope="module")
-def moto_s3():
-    """A moto S3 server on loopback (as tests/store/test_s3.py starts it), with one bucket."""
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="contract")
-    try:
-        yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    finally:
-        server.stop()
+def moto_s3(s3_bucket):
+    """A bucket on the moto S3 server on loopback (tests/store/conftest.py)."""
+    return s3_bucket("contract")
 
 
 class FeatureCacheTests:
