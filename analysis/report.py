@@ -104,7 +104,7 @@ def _choose(r: Ranking, tmp: Path, scaled: AbstractSet[tuple[str, str]] = frozen
     ranked_scaled = (
         sorted({s for s, _ in scaled} & set(r.weights["setting"].to_list())) if r.weights is not None else []
     )
-    if ranked_scaled:
+    if ranked_scaled and r.weights is not None:
         share = r.weights.filter(pl.col("setting").is_in(ranked_scaled))["weight"].sum()
         answer += (
             f" Note: {len(ranked_scaled)} ranked setting(s) ran a scaled-down schedule (marked in the weights "

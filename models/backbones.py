@@ -290,10 +290,10 @@ def list_pretrained() -> Iterator[tuple[str, str, bool | None]]:
     for name in timm.list_pretrained():
         cfg = timm.models.get_pretrained_cfg(name)
         yield name, "pretrained", _w.find_timm_cached_checkpoint(cfg.to_dict()) is not None if cfg else None
-    yield from _package_weights()
+    yield from _list_package_weights()
 
 
-def _package_weights() -> Iterator[tuple[str, str, bool | None]]:
+def _list_package_weights() -> Iterator[tuple[str, str, bool | None]]:
     """timm models whose weights ship in a Python package (``package:NAME``): cached when installed."""
     import importlib.util
 

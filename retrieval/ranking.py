@@ -178,7 +178,7 @@ def _blocks(Q, G, relevance, metric, B, dev, progress, exact: bool):
             if dev is not None:
                 Qb = torch.from_numpy(Q.block(start, stop)).to(dev)
                 St = Qb @ Gt.T
-                if metric == "l2":
+                if g_sq_t is not None:  # metric == "l2"
                     St = 2 * St - (Qb * Qb).sum(1)[:, None] - g_sq_t[None, :]
                 yield start, stop, _rank_block_torch(St, relevance, start, stop)
                 del St

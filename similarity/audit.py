@@ -152,7 +152,7 @@ def _pairs(sp: _Split, thr: float, k: int, exact, train_X, train_ids: np.ndarray
 
 def _metrics(sp: _Split, flagged: np.ndarray, train_y: np.ndarray, cfg: AuditConfig, n_exact: int) -> dict[str, Any]:
     keep = ~flagged
-    m = {"n": int(sp.ids.size), "n_flagged": int(flagged.sum()), "n_exact": n_exact}
+    m: dict[str, Any] = {"n": int(sp.ids.size), "n_flagged": int(flagged.sum()), "n_exact": n_exact}
     for name, k in (("knn_top1", cfg.knn_k), ("nn1_top1", 1)):
         m[name] = knn_top1(sp.cos, sp.nbr, train_y, sp.labels, k)
         m[f"{name}_clean"] = (

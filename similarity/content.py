@@ -20,6 +20,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -61,7 +62,8 @@ def _idx_source(folder: Path, split: str, ids: Sequence[str]) -> ImageSource | N
 def _digits_source() -> ImageSource:
     from sklearn.datasets import load_digits
 
-    images = load_digits().images.astype(np.uint8)
+    d: Any = load_digits()  # a Bunch (scikit-learn types it as Bunch or an (X, y) tuple)
+    images = d.images.astype(np.uint8)
 
     def pixels(i: str) -> np.ndarray:
         return images[int(str(i).rsplit("-", 1)[1])]
@@ -84,7 +86,9 @@ def _file_source(folder: Path, ids: Sequence[str]) -> ImageSource | None:
     return ImageSource(lambda i: (folder / str(i)).read_bytes(), pixels, f"files under {folder}")
 
 
-def image_source(source: str, split: str, ids: Sequence[str], data_root: str | None = None) -> ImageSource | None:
+def image_source(
+    source: str, split: str, ids: Sequence[str] | np.ndarray, data_root: str | None = None
+) -> ImageSource | None:
     """The :class:`ImageSource` of a split (its store ``source`` string and ids), or None."""
     ids = [str(i) for i in ids]
     if data_root is None and source == "sklearn.datasets.load_digits":
@@ -95,6 +99,6 @@ def image_source(source: str, split: str, ids: Sequence[str], data_root: str | N
     return _idx_source(folder, split, ids) or _file_source(folder, ids)
 
 
-def content_hashes(src: ImageSource, ids: Sequence[str]) -> np.ndarray:
+def content_hashes(src: ImageSource, ids: Sequence[str] | np.ndarray) -> np.ndarray:
     """sha256 hex digest of each id's image bytes (object array)."""
     return np.array([hashlib.sha256(src.raw(str(i))).hexdigest() for i in ids], dtype=object)

@@ -115,7 +115,9 @@ def cka(Kx: np.ndarray, Ky: np.ndarray, debiased: bool = False) -> float:
     return float(np.vdot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def debiased_dot(xty: float, rows_x: np.ndarray, rows_y: np.ndarray, sq_x: float, sq_y: float, n: int) -> float:
+def debiased_dot(
+    xty: float, rows_x: np.ndarray | float, rows_y: np.ndarray | float, sq_x: float, sq_y: float, n: int
+) -> float:
     """``n (n - 3)`` times the unbiased linear HSIC from feature-space sums: ``xty`` =
     ``||X_c^T Y_c||_F^2``, ``rows_*`` the centred rows' squared norms (or their dot product
     as a number), ``sq_*`` their totals."""

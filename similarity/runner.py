@@ -73,7 +73,7 @@ def _rows(X, idx: np.ndarray) -> np.ndarray:
 
 def _rbf(X, Y, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
     n = X.shape[0]
-    kw = {"sigma": cfg.rbf_sigma} if cfg.rbf_sigma else {"threshold": cfg.rbf_threshold}
+    kw: dict[str, Any] = {"sigma": cfg.rbf_sigma} if cfg.rbf_sigma else {"threshold": cfg.rbf_threshold}
     if n <= budget.gram_rows:
         return rbf_cka(np.asarray(X), np.asarray(Y), **kw), {"rbf_estimator": "full", "rows": n}
     idx = _sample(n, budget.sample_rows, cfg.seed, 1)
