@@ -112,7 +112,7 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     section = re.search(r"Linear probe vs fine-tune(.*?)(<h[23][ >]|$)", html, re.S)
     assert section, "no linear-vs-fine-tune section in the report"
     assert "skipped" not in section.group(1).lower()
-    assert 'alt="Kendall tau-b between linear-probe and fine-tune rankings per task"' in section.group(1)
+    assert 'alt="Kendall tau-b between linear-probe and fine-tune rankings per setting"' in section.group(1)
     assert 'alt="Rank of each backbone under linear probing and under fine-tuning"' in section.group(1)
     assert "Kendall tau-b" in section.group(1)
 

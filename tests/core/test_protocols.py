@@ -302,7 +302,9 @@ def test_the_protocol_and_the_solver_carry_their_rules_not_the_stages():
     for p in protocols:
         assert p.val_source_choice == p.split.startswith("vtab1k"), p.spec
         assert p.holdout_order == ("dataset" if p.split == "elevater-full" else None), p.spec
-        assert get_solver(p.solver).recorded == ((("head_loop", "toolkit"),) if p.solver == "elevater" else ()), p.spec
+        assert get_solver(p.solver).recorded == (
+            (("head_loop", "toolkit-stream"),) if p.solver == "elevater" else ()
+        ), p.spec
     root = Path(featcache.__file__).parent
     for f in ("probes/config.py", "probes/runner.py", "finetune/config.py", "finetune/runner.py"):
         text = (root / f).read_text()
