@@ -23,6 +23,7 @@ __all__ = [
     "RDM_METHODS",
     "center_gram",
     "cka",
+    "cka_ratio",
     "debiased_dot",
     "gram_linear",
     "gram_rbf",
@@ -141,10 +142,11 @@ def linear_cka(X: np.ndarray, Y: np.ndarray, debiased: bool = False) -> float:
         xty = debiased_dot(xty, rx, ry, sx, sy, n)
         xx = debiased_dot(xx, rx, rx, sx, sx, n)
         yy = debiased_dot(yy, ry, ry, sy, sy, n)
-    return _ratio(xty, xx, yy)
+    return cka_ratio(xty, xx, yy)
 
 
-def _ratio(xy: float, xx: float, yy: float) -> float:
+def cka_ratio(xy: float, xx: float, yy: float) -> float:
+    """CKA from its three HSIC terms: ``xy / sqrt(xx yy)``; a constant side is refused."""
     if not (xx > 0 and yy > 0):
         raise DataError("a representation is constant over the samples (zero variance); CKA is undefined")
     return float(xy / np.sqrt(xx * yy))

@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from featcache.errors import DataError
-from featcache.similarity.measures import _ratio, center_gram, debiased_dot, gram_linear, gram_rbf
+from featcache.similarity.measures import center_gram, cka_ratio, debiased_dot, gram_linear, gram_rbf
 
 __all__ = ["LinearCKAStream", "MinibatchCKA", "iter_blocks", "paired_blocks", "take_rows"]
 
@@ -144,11 +144,11 @@ class LinearCKAStream:
             raise DataError(f"{n} samples streamed; CKA needs at least {4 if debiased else 2}")
         c = self._centred()
         if not debiased:
-            return _ratio(c["xy"], c["xx"], c["yy"])
+            return cka_ratio(c["xy"], c["xx"], c["yy"])
         xy = debiased_dot(c["xy"], c["rs"], 1.0, c["tx"], c["ty"], n)
         xx = debiased_dot(c["xx"], c["rr"], 1.0, c["tx"], c["tx"], n)
         yy = debiased_dot(c["yy"], c["ss"], 1.0, c["ty"], c["ty"], n)
-        return _ratio(xy, xx, yy)
+        return cka_ratio(xy, xx, yy)
 
 
 class MinibatchCKA:
@@ -192,4 +192,4 @@ class MinibatchCKA:
     def result(self) -> float:
         if not self.batches:
             raise DataError("no minibatch of at least 4 rows was seen; minibatch CKA needs one")
-        return _ratio(self.hxy, self.hxx, self.hyy)
+        return cka_ratio(self.hxy, self.hxx, self.hyy)
