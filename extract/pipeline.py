@@ -343,7 +343,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             dataset=src.dataset,
             split=src.split,
             kind=k,
-            dim=job.dims[k],
+            dim=job.dims[k][-1],  # D of the per-row shape (wip/ndstore: the whole shape)
             n=len(src),
             dataset_fingerprint=meta.fingerprint,
             chunk_rows=cfg.chunk_rows,
