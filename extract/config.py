@@ -226,6 +226,10 @@ class ExtractConfig:
             bad("--compile", "with --backend " + self.backend, "give one of them (--compile is --backend compile)")
         if not self.features:
             bad("--features", "''", "name at least one feature kind")
+        from featcache.models.sources.tokens import parse_token_kind
+
+        for kind in self.features:  # a malformed blocks:K / tokens@GxG: one line before any model is built
+            parse_token_kind(kind)
         for opt, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):
             if name is not None:
                 check_store_key(name, opt)

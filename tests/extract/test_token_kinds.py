@@ -278,3 +278,12 @@ def test_extract_refuses_before_any_image_when_the_disk_cannot_hold_the_store(tm
     cfg = ExtractConfig("test_vit", "random:0", "digits", ["test"], str(cache), features=["pooled", "tokens"], limit=n)
     with pytest.raises(NoSpaceError):  # the library call refuses the same way (its figure in the log)
         extract(cfg)
+
+
+def test_a_malformed_token_kind_is_refused_by_the_config_before_any_model(monkeypatch):
+    from featcache.extract import ExtractConfig
+
+    monkeypatch.setattr(backbones, "create_backbone", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ConfigError, match=r"^feature kind 'tokens@4x2' is malformed: spell tokens@GxG") as e:
+        ExtractConfig("test_vit", "random:0", "digits", cache="c.zarr", features=("pooled", "tokens@4x2"))
+    assert "\n" not in str(e.value)
