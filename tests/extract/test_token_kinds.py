@@ -287,3 +287,33 @@ def test_a_malformed_token_kind_is_refused_by_the_config_before_any_model(monkey
     with pytest.raises(ConfigError, match=r"^feature kind 'tokens@4x2' is malformed: spell tokens@GxG") as e:
         ExtractConfig("test_vit", "random:0", "digits", cache="c.zarr", features=("pooled", "tokens@4x2"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_extract_cli_pooled_blocks_tokens_on_digits(tmp_path, capsys):
+    """`featcache extract --features pooled,blocks:2,tokens` on digits: N-d arrays in the store,
+    read back as [n, K, D] / [n, T, D], equal to the DINOv2 port on the same images."""
+    from featcache.store import open_cache
+
+    n, cache = 24, tmp_path / "c.zarr"
+    args = ["extract", "--model", "test_vit", "--weights", "random:0", "--data", "digits", "--split", "test"]
+    args += ["--cache", str(cache), "--limit", str(n), "--features", "pooled,blocks:2,tokens", "--dtype", "float32"]
+    assert main([*args, "--batch-size", "8", "--chunk-rows", "16", "--no-progress"]) == 0
+    assert (
+        "test: pooled 24 x (64,) = 6.1 kB, blocks:2 24 x (2, 64) = 12.3 kB, tokens 24 x (100, 64)"
+        in capsys.readouterr().out
+    )
+    c, key = open_cache(str(cache)), "test_vit@random0"
+    assert c.kinds(key, "digits", "test") == ["pooled", "blocks:2", "tokens"]
+    f = {k: c.load(key, "digits", "test", kind=k) for k in ("pooled", "blocks:2", "tokens")}
+    assert [f[k].X.shape for k in f] == [(n, 64), (n, 2, 64), (n, 100, 64)]
+    bb = backbones.create_backbone("test_vit", "random:0")
+    split = open_dataset("digits")["test"]
+    x = torch.stack([bb.transform(split.load(i)) for i in range(n)])
+    with torch.inference_mode():
+        ref = dinov2_get_intermediate_layers(bb.model, x, n=2, return_class_token=True, norm=True)
+        pooled = FeatureHead(bb, ["pooled"])(x)["pooled"]
+    np.testing.assert_allclose(f["blocks:2"].X, torch.stack([c for _, c in ref], 1).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f["tokens"].X, ref[-1][0].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f["pooled"].X, pooled.numpy(), rtol=1e-5, atol=1e-5)
+    assert all(f[k].valid.all() for k in f)
