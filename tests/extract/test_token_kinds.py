@@ -298,7 +298,8 @@ def test_extract_cli_pooled_blocks_tokens_on_digits(tmp_path, capsys):
     n, cache = 24, tmp_path / "c.zarr"
     args = ["extract", "--model", "test_vit", "--weights", "random:0", "--data", "digits", "--split", "test"]
     args += ["--cache", str(cache), "--limit", str(n), "--features", "pooled,blocks:2,tokens", "--dtype", "float32"]
-    assert main([*args, "--batch-size", "8", "--chunk-rows", "16", "--no-progress"]) == 0
+    args += ["--batch-size", "8", "--chunk-rows", "16", "--no-progress"]
+    assert main(args) == 0
     assert (
         "test: pooled 24 x (64,) = 6.1 kB, blocks:2 24 x (2, 64) = 12.3 kB, tokens 24 x (100, 64)"
         in capsys.readouterr().out
@@ -317,3 +318,8 @@ def test_extract_cli_pooled_blocks_tokens_on_digits(tmp_path, capsys):
     np.testing.assert_allclose(f["tokens"].X, ref[-1][0].numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(f["pooled"].X, pooled.numpy(), rtol=1e-5, atol=1e-5)
     assert all(f[k].valid.all() for k in f)
+    assert main(args) == 0  # complete: nothing left to write, so nothing needed
+    assert (
+        "test: pooled 0 x (64,) = 0 B, blocks:2 0 x (2, 64) = 0 B, tokens 0 x (100, 64) = 0 B"
+        in capsys.readouterr().out
+    )
