@@ -1,0 +1,279 @@
+"""``dinov2-linear`` against a port of DINOv2's own linear evaluation (facebookresearch/dinov2 at
+b8931f7, ``dinov2/eval/linear.py`` and ``dinov2/data/samplers.py``): the same linear inputs, head
+initialisations, sample order, learning rates and weights after one and several SGD steps, at 1
+and 2 torch threads, on real cached features (lite0 digits features arranged as ``[n, 5, 256]``:
+four class-token slots and a mean-patch slot); then the protocol end to end from a store."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from featcache.core.protocols import DINOV2_LINEAR, get_protocol
+from featcache.probes.dinov2_linear import (
+    JointHeads,
+    cosine_lrs,
+    head_specs,
+    infinite_batches,
+    linear_input,
+    resolve_input_kinds,
+    sharded_infinite_pass,
+)
+
+LITE0 = "tf_efficientnet_lite0"
+LRS = list(DINOV2_LINEAR.lrs)
+
+
+# ---------------------------------------------------------------- the port
+# Ported from dinov2/eval/linear.py:171-183 (create_linear_input)
+def create_linear_input(x_tokens_list, use_n_blocks, use_avgpool):
+    intermediate_output = x_tokens_list[-use_n_blocks:]
+    output = torch.cat([class_token for _, class_token in intermediate_output], dim=-1)
+    if use_avgpool:
+        output = torch.cat(
+            (
+                output,
+                torch.mean(intermediate_output[-1][0], dim=1),  # patch tokens
+            ),
+            dim=-1,
+        )
+        output = output.reshape(output.shape[0], -1)
+    return output.float()
+
+
+# Ported from dinov2/eval/linear.py:186-201 (LinearClassifier)
+class LinearClassifier(nn.Module):
+    def __init__(self, out_dim, use_n_blocks, use_avgpool, num_classes=1000):
+        super().__init__()
+        self.out_dim = out_dim
+        self.use_n_blocks = use_n_blocks
+        self.use_avgpool = use_avgpool
+        self.num_classes = num_classes
+        self.linear = nn.Linear(out_dim, num_classes)
+        self.linear.weight.data.normal_(mean=0.0, std=0.01)
+        self.linear.bias.data.zero_()
+
+    def forward(self, x_tokens_list):
+        output = create_linear_input(x_tokens_list, self.use_n_blocks, self.use_avgpool)
+        return self.linear(output)
+
+
+# Ported from dinov2/eval/linear.py:204-214 (AllClassifiers)
+class AllClassifiers(nn.Module):
+    def __init__(self, classifiers_dict):
+        super().__init__()
+        self.classifiers_dict = nn.ModuleDict()
+        self.classifiers_dict.update(classifiers_dict)
+
+    def forward(self, inputs):
+        return {k: v.forward(inputs) for k, v in self.classifiers_dict.items()}
+
+    def __len__(self):
+        return len(self.classifiers_dict)
+
+
+# Ported from dinov2/eval/linear.py:231-232 (scale_lr; distributed.get_global_size() = 1)
+def scale_lr(learning_rates, batch_size):
+    return learning_rates * (batch_size * 1) / 256.0
+
+
+# Ported from dinov2/eval/linear.py:235-256 (setup_linear_classifiers; no .cuda(), no DDP)
+def setup_linear_classifiers(sample_output, n_last_blocks_list, learning_rates, batch_size, num_classes=1000):
+    linear_classifiers_dict = nn.ModuleDict()
+    optim_param_groups = []
+    for n in n_last_blocks_list:
+        for avgpool in [False, True]:
+            for _lr in learning_rates:
+                lr = scale_lr(_lr, batch_size)
+                out_dim = create_linear_input(sample_output, use_n_blocks=n, use_avgpool=avgpool).shape[1]
+                linear_classifier = LinearClassifier(
+                    out_dim, use_n_blocks=n, use_avgpool=avgpool, num_classes=num_classes
+                )
+                linear_classifiers_dict[f"classifier_{n}_blocks_avgpool_{avgpool}_lr_{lr:.5f}".replace(".", "_")] = (
+                    linear_classifier
+                )
+                optim_param_groups.append({"params": linear_classifier.parameters(), "lr": lr})
+    linear_classifiers = AllClassifiers(linear_classifiers_dict)
+    return linear_classifiers, optim_param_groups
+
+
+# Ported from dinov2/data/samplers.py:125-143 (_shuffle_tensor_slice)
+def _shuffle_tensor_slice(*, tensor, start=0, step=1, generator):
+    stop = len(tensor)
+    count = stop // step
+    drop_count = stop - step * count
+    if drop_count:
+        warnings.warn(f"# of dropped samples: {drop_count}")
+    dtype = np.int32 if stop <= 2**31 else np.int64
+    result = np.empty(count, dtype=dtype)
+    for i in range(count):
+        j = torch.randint(0, i + 1, size=(1,), generator=generator).item() if i > 0 else 0
+        result[i] = result[j]
+        result[j] = tensor[start + i * step].item()
+    return result
+
+
+# Ported from dinov2/data/samplers.py:160-162 (_make_seed)
+def _make_seed(seed, start, iter_count):
+    return seed + start + (iter_count << 24)
+
+
+# Ported from dinov2/data/samplers.py:208-229 (ShardedInfiniteSampler._shuffled_iterator; start 0,
+# step 1, _iter_count from 0)
+def sharded_infinite_sampler(sample_count, seed):
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    dtype = torch.int32 if sample_count <= 2**31 else torch.int64
+    perm = torch.randperm(sample_count, dtype=dtype, generator=generator)
+    iter_count = 0
+    while True:
+        generator.manual_seed(_make_seed(seed, 0, iter_count))
+        yield from _shuffle_tensor_slice(tensor=perm, start=0, step=1, generator=generator)
+        iter_count += 1
+
+
+# Ported from dinov2/eval/linear.py:517-519 (run_eval_linear's optimiser and scheduler) and
+# 342-364 (eval_linear's loop: forward, summed losses, zero_grad, backward, step, scheduler.step);
+# the loader's batches are consecutive batch_size slices of the sampler (make_data_loader).
+def reference_train(x_tokens_list_of, y, n_last_blocks_list, batch_size, n_classes, seed, max_iter, steps):
+    torch.manual_seed(seed)
+    sample_output = x_tokens_list_of(np.arange(1))
+    linear_classifiers, optim_param_groups = setup_linear_classifiers(
+        sample_output, n_last_blocks_list, LRS, batch_size, n_classes
+    )
+    optimizer = torch.optim.SGD(optim_param_groups, momentum=0.9, weight_decay=0)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max_iter, eta_min=0)
+    init = [[p.detach().clone() for p in g["params"]] for g in optimizer.param_groups]
+    stream = sharded_infinite_sampler(len(y), 0)
+    for _ in range(steps):
+        idx = np.fromiter(itertools.islice(stream, batch_size), np.int64)
+        features = x_tokens_list_of(idx)
+        labels = torch.from_numpy(y[idx])
+        outputs = linear_classifiers(features)
+        losses = {f"loss_{k}": nn.CrossEntropyLoss()(v, labels) for k, v in outputs.items()}
+        loss = sum(losses.values())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    return linear_classifiers, optimizer, init
+
+
+# ---------------------------------------------------------------- data
+@pytest.fixture(scope="module")
+def slots(digits_cache):
+    """Real features as [n, 5, 256] (lite0 digits pooled, 1280 = 5 x 256) and labels; the port's
+    x_tokens_list: 4 blocks of (patch tokens [n, 3, 256], class token [n, 256]) whose last patch
+    tokens average to slot 4 exactly (they are slot 4 - e, slot 4, slot 4 + e)."""
+    from featcache.store import open_cache
+
+    f = open_cache(digits_cache).load(LITE0, "digits", "train")
+    X = np.asarray(f.X, np.float32).reshape(-1, 5, 256)[:600]
+    y = np.asarray(f.labels, np.int64)[:600]
+    return X, y
+
+
+def tokens_list(X: np.ndarray):
+    """The port's ``x_tokens_list`` of rows ``idx`` of X (class tokens slots 0..3, oldest first;
+    the last block's patch tokens three copies of slot 4, whose torch.mean is slot 4 again)."""
+    Xt = torch.from_numpy(X)
+
+    def of(idx):
+        x = Xt[torch.from_numpy(np.asarray(idx, np.int64))]
+        patch = x[:, 4:5].expand(-1, 3, -1).contiguous()
+        return [(patch, x[:, i]) for i in range(4)]
+
+    return of
+
+
+def test_linear_inputs_equal_create_linear_input(slots):
+    X, _ = slots
+    of = tokens_list(X)
+    idx = np.arange(37)
+    for n, avg in itertools.product((1, 4), (False, True)):
+        ours = linear_input(torch.from_numpy(X[idx]), n, avg)
+        ref = create_linear_input(of(idx), n, avg)
+        assert ours.shape == ref.shape == (37, (n + avg) * 256)
+        assert torch.equal(ours, ref)
+    with pytest.raises(Exception, match="n_blocks must lie in 1..4"):
+        linear_input(torch.from_numpy(X[idx]), 5, False)
+
+
+@pytest.mark.parametrize("batch_size", [128, 256])
+def test_heads_and_init_equal_setup_linear_classifiers(slots, batch_size):
+    X, y = slots
+    torch.manual_seed(3)
+    clf, groups = setup_linear_classifiers(tokens_list(X)(np.arange(1)), [1, 4], LRS, batch_size, 10)
+    groups = [{"params": list(g["params"]), "lr": g["lr"]} for g in groups]
+    specs = head_specs((1, 4), LRS, batch_size)
+    heads = JointHeads(specs, 256, 10, torch.Generator().manual_seed(3))
+    assert len(specs) == len(groups) == 52
+    for i, (s, g) in enumerate(zip(specs, groups)):
+        W, b = heads.head(i)
+        assert s.lr == g["lr"]
+        assert torch.equal(W, g["params"][0]) and torch.equal(b, g["params"][1])
+    # the reference's names (scaled lr, .5f) collide at batch 128: 48 heads in its dict; ours are unique
+    assert len(clf) == (48 if batch_size == 128 else 52)
+    assert len({s.name for s in specs}) == 52
+
+
+def test_sampler_and_cosine_schedule_equal_the_reference():
+    for n, seed in ((50, 0), (7, 5), (1, 0)):
+        ref = np.fromiter(itertools.islice(sharded_infinite_sampler(n, seed), 4 * n + 3), np.int64)
+        ours = np.concatenate(list(itertools.islice(infinite_batches(n, 3, seed), (4 * n + 3) // 3 + 1)))
+        assert np.array_equal(ours[: ref.size], ref)
+    perm = torch.randperm(40, dtype=torch.int32, generator=torch.Generator().manual_seed(9))
+    for it in (0, 255, 256, 300):  # seed + (it << 24) past 2**32: torch keeps the low 32 bits
+        g = torch.Generator()
+        g.manual_seed(_make_seed(9, 0, it))
+        ref = _shuffle_tensor_slice(tensor=perm, generator=g)
+        assert np.array_equal(sharded_infinite_pass(perm.numpy(), 9, it), ref)
+    base = np.array([scale_lr(lr, 128) for lr in LRS])
+    opt = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))], "lr": lr} for lr in base], momentum=0.9)
+    sch = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 17, eta_min=0)
+    ours = cosine_lrs(base, 17)
+    for _ in range(17):
+        assert np.array_equal(next(ours), [g["lr"] for g in opt.param_groups])
+        opt.step()
+        sch.step()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_sgd_steps_equal_the_reference_loop(slots, threads, steps):
+    from featcache.probes.dinov2_linear import train_joint
+
+    X, y = slots
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        clf, opt, init = reference_train(tokens_list(X), y, [1, 4], 128, 10, 0, 10, steps)
+        specs = head_specs((1, 4), LRS, 128)
+        heads = JointHeads(specs, 256, 10, torch.Generator().manual_seed(0))
+        train_joint(heads, torch.from_numpy(X), torch.from_numpy(y), 10, 128, 0, 0.9, steps=steps)
+    finally:
+        torch.set_num_threads(prev)
+    in_dict = {id(m.linear.weight) for m in clf.classifiers_dict.values()}
+    compared = 0
+    for i, g in enumerate(opt.param_groups):
+        w_ref, b_ref = g["params"]
+        W, b = heads.head(i)
+        if id(w_ref) not in in_dict:  # a head the reference's name collision dropped: it never trains
+            assert torch.equal(w_ref, init[i][0])
+            continue
+        compared += 1
+        assert not torch.equal(w_ref, init[i][0])
+        # float32 rounding: the stacked matmuls and the written-out softmax gradient sum in
+        # another order than nn.Linear + autograd: a few ulps of the weights' scale per step,
+        # while the smallest lr's update is ~100x that per step
+        for ours, ref in ((W, w_ref), (b, b_ref)):
+            ref = ref.detach().numpy()
+            ulp = np.finfo(np.float32).eps * float(np.abs(ref).max())
+            np.testing.assert_allclose(ours.numpy(), ref, rtol=0, atol=4 * steps * ulp)
+    assert compared == 48
