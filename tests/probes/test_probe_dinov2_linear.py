@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from featcache.core.protocols import DINOV2_LINEAR, get_protocol
+from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes.dinov2_linear import (
     JointHeads,
     cosine_lrs,
@@ -109,7 +110,7 @@ def _shuffle_tensor_slice(*, tensor, start=0, step=1, generator):
     count = stop // step
     drop_count = stop - step * count
     if drop_count:
-        warnings.warn(f"# of dropped samples: {drop_count}")
+        warnings.warn(f"# of dropped samples: {drop_count}")  # noqa: B028 (the reference's line)
     dtype = np.int32 if stop <= 2**31 else np.int64
     result = np.empty(count, dtype=dtype)
     for i in range(count):
@@ -201,13 +202,13 @@ def test_linear_inputs_equal_create_linear_input(slots):
         ref = create_linear_input(of(idx), n, avg)
         assert ours.shape == ref.shape == (37, (n + avg) * 256)
         assert torch.equal(ours, ref)
-    with pytest.raises(Exception, match="n_blocks must lie in 1..4"):
+    with pytest.raises(ProbeError, match=r"n_blocks must lie in 1\.\.4"):
         linear_input(torch.from_numpy(X[idx]), 5, False)
 
 
 @pytest.mark.parametrize("batch_size", [128, 256])
 def test_heads_and_init_equal_setup_linear_classifiers(slots, batch_size):
-    X, y = slots
+    X, _ = slots
     torch.manual_seed(3)
     clf, groups = setup_linear_classifiers(tokens_list(X)(np.arange(1)), [1, 4], LRS, batch_size, 10)
     groups = [{"params": list(g["params"]), "lr": g["lr"]} for g in groups]
@@ -217,7 +218,8 @@ def test_heads_and_init_equal_setup_linear_classifiers(slots, batch_size):
     for i, (s, g) in enumerate(zip(specs, groups)):
         W, b = heads.head(i)
         assert s.lr == g["lr"]
-        assert torch.equal(W, g["params"][0]) and torch.equal(b, g["params"][1])
+        assert torch.equal(W, g["params"][0])
+        assert torch.equal(b, g["params"][1])
     # the reference's names (scaled lr, .5f) collide at batch 128: 48 heads in its dict; ours are unique
     assert len(clf) == (48 if batch_size == 128 else 52)
     assert len({s.name for s in specs}) == 52
@@ -277,3 +279,159 @@ def test_sgd_steps_equal_the_reference_loop(slots, threads, steps):
             ulp = np.finfo(np.float32).eps * float(np.abs(ref).max())
             np.testing.assert_allclose(ours.numpy(), ref, rtol=0, atol=4 * steps * ulp)
     assert compared == 48
+
+
+# ---------------------------------------------------------------- the protocol from a store
+VIT = "test_vit"  # timm's tiny ViT (64-d, class token), random weights: the real extract path
+VIT_KEY = f"{VIT}@random0"
+
+
+@pytest.fixture(scope="module")
+def vit_store(tmp_path_factory):
+    """digits through a random-weight tiny ViT: class token (``cls``: the last block's, through
+    the final norm) and mean patch token (``tokens_mean``), 300 train / 120 test rows."""
+    from featcache.extract import ExtractConfig, extract
+
+    path = str(tmp_path_factory.mktemp("dl") / "vit.zarr")
+    extract(
+        ExtractConfig(
+            VIT,
+            "random:0",
+            "digits",
+            ["train", "test"],
+            path,
+            features=["cls", "tokens_mean"],
+            limit={"train": 300, "test": 120},
+            batch_size=60,
+            chunk_rows=64,
+            workers=0,
+            dtype="float32",
+            amp="fp32",
+            progress=False,
+        )
+    )
+    return path
+
+
+def _cfg(cache, results, **kw):
+    from featcache.probes import ProbeConfig
+
+    base = {"sgd_epochs": 2, "epoch_length": 100, "batch_size": 64, "progress": False}
+    return ProbeConfig(cache, (VIT_KEY,), "digits", "dinov2-linear", results_path=str(results), **{**base, **kw})
+
+
+def test_input_kinds_are_resolved_from_the_store():
+    assert resolve_input_kinds(["pooled", "blocks:4", "blocks:1", "cls", "tokens@2x2", "tokens"]) == (
+        "blocks:4",
+        "tokens",
+    )
+    assert resolve_input_kinds(["pooled", "cls", "tokens@2x2", "tokens@4x4", "tokens_mean"]) == ("cls", "tokens_mean")
+    assert resolve_input_kinds(["pooled", "tokens@2x2", "tokens@4x4"]) == ("pooled", "tokens@4x4")
+    assert resolve_input_kinds(["blocks:4", "tokens@2x2", "tokens"], "blocks:4+tokens@2x2") == (
+        "blocks:4",
+        "tokens@2x2",
+    )
+    with pytest.raises(NotInStoreError, match="--features blocks:4,tokens_mean"):
+        resolve_input_kinds(["pooled"])
+    with pytest.raises(NotInStoreError, match="no kind"):
+        resolve_input_kinds(["pooled", "tokens"], "blocks:4+tokens")
+    with pytest.raises(ProbeError, match="CLS\\+PATCH"):
+        resolve_input_kinds(["pooled", "tokens"], "tokens+pooled")
+
+
+def test_store_without_patch_tokens_is_refused(digits_cache, tmp_path):
+    from featcache.probes import ProbeConfig, run_probes
+
+    cfg = ProbeConfig(digits_cache, (LITE0,), "digits", "dinov2-linear", results_path=str(tmp_path / "r.parquet"))
+    with pytest.raises(NotInStoreError, match="mean patch token"):
+        run_probes(cfg)
+
+
+def test_batch_options_belong_to_dinov2_linear(tmp_path):
+    from featcache.probes import ProbeConfig
+
+    with pytest.raises(ProbeError, match="--batch-size"):
+        ProbeConfig("c.zarr", ("a",), "digits", "full", results_path="r.parquet", batch_size=64).resolve()
+    proto, cfg = ProbeConfig("c.zarr", ("a",), "digits", "dinov2-linear", results_path="r.parquet").resolve()
+    assert (cfg.sgd_epochs, cfg.epoch_length, cfg.batch_size) == (10, 1250, 128)
+    assert proto.split == "no-refit"
+    assert get_protocol("dinov2-linear").grid.lrs[0] == 1e-5
+
+
+def _recomputed_top1(cache: str, head: str, iters: int, batch: int) -> float:
+    """The reported head's test top-1 rebuilt outside the runner: the store's input in id order,
+    the protocol's plan for seed 0, the joint heads trained on its train rows, the named head."""
+    from featcache.core.stagerun import canonical_order
+    from featcache.probes.dinov2_linear import load_linear_input, train_joint
+    from featcache.store import open_cache
+
+    c = open_cache(cache)
+    (Xtr, ytr), (Xte, yte) = (
+        (f.X[o], np.asarray(f.labels)[o])
+        for f in (load_linear_input(c, VIT_KEY, "digits", s) for s in ("train", "test"))
+        for o in [canonical_order(np.asarray(f.ids).astype(str))]
+    )
+    sp = get_protocol("dinov2-linear").plan(ytr, 0)
+    specs = head_specs((1,), LRS, batch)
+    heads = JointHeads(specs, Xtr.shape[2], 10, torch.Generator().manual_seed(0))
+    train_joint(heads, torch.from_numpy(Xtr[sp.train]), torch.from_numpy(ytr[sp.train]), iters, batch, 0, 0.9)
+    i = [s.name for s in specs].index(head)
+    W, b = heads.head(i)
+    Z = linear_input(torch.from_numpy(Xte), specs[i].n_blocks, specs[i].avgpool) @ W.T + b
+    return float(np.mean(Z.argmax(1).numpy() == yte))
+
+
+@pytest.mark.slow
+def test_protocol_end_to_end_on_digits(vit_store, tmp_path):
+    from featcache.probes import run_probes
+    from featcache.probes.store_lookup import run_ids
+
+    cfg = _cfg(vit_store, tmp_path / "r.parquet")
+    df = run_probes(cfg)
+    top1 = df.filter(df["metric"] == "top1").row(0, named=True)
+    hp = top1["hparams"] if isinstance(top1["hparams"], dict) else json.loads(top1["hparams"])
+    assert top1["protocol"] == "dinov2-linear"
+    assert top1["train_split"] == "train[-10%]"
+    assert (hp["cls_source"], hp["patch_source"], hp["input"], hp["slots"]) == (
+        "cls",
+        "tokens_mean",
+        "cls+tokens_mean",
+        2,
+    )
+    assert hp["heads"] == 26  # a class token of one block: n_last_blocks {1} x avgpool x 13 lrs
+    assert hp["n_last_blocks_list"] == [1]
+    assert (hp["epochs"], hp["epoch_length"], hp["batch_size"], hp["iterations"]) == (2, 100, 64, 200)
+    assert hp["scaled"] is True
+    scores = list(hp["per_head"].values())
+    best = int(np.argmax(scores))
+    assert hp["head"] == list(hp["per_head"])[best]
+    assert hp["val_top1"] == scores[best]
+    assert hp["lr"] == hp["base_lr"] * 64 / 256
+    assert hp["n_train"] == hp["n_train_final"] == 270  # no refit: the heads trained on train
+    assert hp["n_val"] == 30
+    assert top1["value"] == _recomputed_top1(vit_store, hp["head"], 200, 64)
+    # the run ids planned from provenance alone (sweep) are the runner's
+    assert set(run_ids(cfg).values()) == set(df["run_id"].to_list())
+    # the same seed is the same run: skipped, the same rows
+    again = run_probes(cfg)
+    assert again.sort("metric")["value"].to_list() == df.sort("metric")["value"].to_list()
+
+
+@pytest.mark.slow
+def test_cli_and_sweep_accept_dinov2_linear(vit_store, tmp_path):
+    import polars as pl
+
+    from featcache.cli import main
+    from featcache.probes.store_lookup import run_ids
+    from featcache.sweep.planner import SweepConfig, plan
+
+    res = str(tmp_path / "r.parquet")
+    argv = ["probe", "--cache", vit_store, "--backbone", VIT_KEY, "--dataset", "digits"]
+    argv += ["--protocol", "dinov2-linear", "--epochs", "1", "--epoch-length", "20", "--batch-size", "32"]
+    assert main([*argv, "--results", res, "--no-progress"]) == 0
+    rows = pl.read_parquet(res)
+    assert set(rows["protocol"]) == {"dinov2-linear"}
+    p = plan(SweepConfig(cache=vit_store, results_path=res, backbones=(VIT_KEY,), protocols=("dinov2-linear",)))
+    assert [i.label for i in p.items] == [f"probe {VIT_KEY}/digits dinov2-linear seed 0"]
+    cfg = _cfg(vit_store, res, sgd_epochs=None, epoch_length=None, batch_size=None)
+    assert p.items[0].run_id in set(run_ids(cfg).values())
