@@ -49,6 +49,8 @@ from featcache.probes.solver_registry import FitOutcome, FitRequest, register_so
 if TYPE_CHECKING:
     import torch
 
+    from featcache.store import FeatureCache, Features
+
 __all__ = [
     "HeadSpec",
     "JointHeads",
@@ -184,7 +186,9 @@ class JointHeads:
     :func:`head_specs` order) ``nn.Linear``'s default (kaiming-uniform weight, uniform bias),
     then ``weight.normal_(0, init_std)``, ``bias.zero_()``."""
 
-    def __init__(self, specs: Sequence[HeadSpec], D: int, n_classes: int, generator, init_std: float = 0.01):
+    def __init__(
+        self, specs: Sequence[HeadSpec], D: int, n_classes: int, generator: torch.Generator, init_std: float = 0.01
+    ) -> None:
         import torch
 
         self.specs = list(specs)
@@ -275,7 +279,10 @@ def score_heads(heads: JointHeads, X: torch.Tensor, y: np.ndarray, metric: str, 
     """Each head's ``metric`` on (X, y) (probabilities of its softmax; top-1 as the reference)."""
     import torch
 
-    from featcache.probes.solvers import val_score
+    from featcache.core.metrics import METRICS
+
+    def val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:  # solvers.val_score (no import circle)
+        return float(np.mean(P.argmax(1) == y)) if metric == "top1" else float(METRICS[metric](y, P))
 
     scores: list[float] = [0.0] * len(heads.specs)
     with torch.no_grad():
@@ -345,7 +352,7 @@ def _mean_tokens(f, block_rows: int = 4096) -> np.ndarray:
     return out
 
 
-def stored_input_fingerprint(cache, backbone: str, dataset: str, split: str, kind: str = "auto") -> str:
+def stored_input_fingerprint(cache: FeatureCache, backbone: str, dataset: str, split: str, kind: str = "auto") -> str:
     """:func:`load_linear_input`'s fingerprint from the provenance records alone (no read)."""
     from featcache.store import combine_fingerprints
 
@@ -353,7 +360,7 @@ def stored_input_fingerprint(cache, backbone: str, dataset: str, split: str, kin
     return combine_fingerprints(*(cache.stored_fingerprint(backbone, dataset, split, k) for k in kinds))
 
 
-def load_linear_input(cache, backbone: str, dataset: str, split: str, kind: str = "auto"):
+def load_linear_input(cache: FeatureCache, backbone: str, dataset: str, split: str, kind: str = "auto") -> Features:
     """The split's ``[n, S, D]`` input (:class:`~featcache.store.Features`, ``kind``
     ``"CLS+PATCH"``): the last :data:`MAX_BLOCKS` class-token slots of the class-token kind,
     then the mean patch token; ``input_info`` records the sources. Rows are valid where both
