@@ -128,7 +128,8 @@ class _Job:
     bb: Any
     head: FeatureHead
     fwd: Any
-    dims: dict[str, int]
+    #: each kind's width D (an int), or its per-row shape ``(*inner, D)`` (``blocks:4``: ``(4, D)``)
+    dims: dict[str, int | tuple[int, ...]]
     key: str
     rank: int
     world: int
@@ -343,7 +344,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             dataset=src.dataset,
             split=src.split,
             kind=k,
-            dim=job.dims[k],
+            dim=_row_shape(job.dims[k]),  # inner = shape[:-1], dim = shape[-1]
             n=len(src),
             dataset_fingerprint=meta.fingerprint,
             chunk_rows=cfg.chunk_rows,
@@ -361,6 +362,14 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
         )
         for k in job.head.kinds
     }
+
+
+def _row_shape(dims: Any) -> tuple[int, ...]:
+    """A kind's per-row shape from what ``FeatureHead.dims`` gives for it: an int D (``(D,)``)
+    or a shape ``(*inner, D)``."""
+    if isinstance(dims, (tuple, list)):  # torch.Size too
+        return tuple(int(x) for x in dims)
+    return (int(dims),)
 
 
 # --------------------------------------------------------------------------- compute settings
