@@ -340,14 +340,14 @@ def resolve_input_kinds(available: Sequence[str], kind: str = "auto") -> tuple[s
     return cls_kind, patches[0][1]
 
 
-def _mean_tokens(f, block_rows: int = 4096) -> np.ndarray:
-    """Mean over the token axis of a ``[n, T, D]`` kind, read block by block (float32)."""
-    X = f.X
-    if X.ndim == 2:
-        return np.asarray(X, np.float32)
-    out = np.empty((X.shape[0], X.shape[-1]), np.float32)
-    for a in range(0, X.shape[0], block_rows):
-        out[a : a + block_rows] = np.asarray(X[a : a + block_rows], np.float32).mean(axis=1)
+def _mean_tokens(cache: FeatureCache, f: Features) -> np.ndarray:
+    """The mean over the token axis of ``f``'s ``[n, T, D]`` kind, streamed from the store in
+    row blocks of whole chunks (:meth:`FeatureCache.iter_blocks`, memory bounded), float32."""
+    if f.X.ndim == 2:  # tokens_mean: the mean the extract computed (float32, before storage)
+        return np.asarray(f.X, np.float32)
+    out = np.empty((f.X.shape[0], f.X.shape[-1]), np.float32)
+    for start, X in cache.iter_blocks(f.backbone, f.dataset, f.split, f.kind):
+        out[start : start + X.shape[0]] = X.mean(axis=1)
     return out
 
 
@@ -373,7 +373,7 @@ def load_linear_input(cache: FeatureCache, backbone: str, dataset: str, split: s
         raise ProbeError(f"{backbone}/{dataset}/{split}: kinds {cls_kind} and {patch_kind} hold different rows")
     Xc = np.asarray(fc.X, np.float32)
     Xc = Xc[:, None, :] if Xc.ndim == 2 else Xc[:, -MAX_BLOCKS:]
-    Xp = _mean_tokens(fp)
+    Xp = _mean_tokens(cache, fp)
     if Xp.shape[-1] != Xc.shape[-1]:
         raise ProbeError(
             f"{backbone}/{dataset}/{split}: {cls_kind} has width {Xc.shape[-1]} but {patch_kind} {Xp.shape[-1]}; "

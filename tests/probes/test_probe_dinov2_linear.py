@@ -25,6 +25,7 @@ from featcache.probes.dinov2_linear import (
     linear_input,
     resolve_input_kinds,
     sharded_infinite_pass,
+    train_joint,
 )
 
 LITE0 = "tf_efficientnet_lite0"
@@ -249,8 +250,6 @@ def test_sampler_and_cosine_schedule_equal_the_reference():
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("steps", [1, 4])
 def test_sgd_steps_equal_the_reference_loop(slots, threads, steps):
-    from featcache.probes.dinov2_linear import train_joint
-
     X, y = slots
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -362,7 +361,7 @@ def _recomputed_top1(cache: str, head: str, iters: int, batch: int) -> float:
     """The reported head's test top-1 rebuilt outside the runner: the store's input in id order,
     the protocol's plan for seed 0, the joint heads trained on its train rows, the named head."""
     from featcache.core.stagerun import canonical_order
-    from featcache.probes.dinov2_linear import load_linear_input, train_joint
+    from featcache.probes.dinov2_linear import load_linear_input
     from featcache.store import open_cache
 
     c = open_cache(cache)
@@ -435,3 +434,104 @@ def test_cli_and_sweep_accept_dinov2_linear(vit_store, tmp_path):
     assert [i.label for i in p.items] == [f"probe {VIT_KEY}/digits dinov2-linear seed 0"]
     cfg = _cfg(vit_store, res, sgd_epochs=None, epoch_length=None, batch_size=None)
     assert p.items[0].run_id in set(run_ids(cfg).values())
+
+
+# ---------------------------------------------------------------- N-d kinds in the store
+def _digits_kinds() -> tuple[dict[str, np.ndarray], np.ndarray, list[str]]:
+    """Real rows shaped like the N-d kinds, from scikit-learn's digits (8 x 8 pixels, D = 16):
+    ``blocks:4`` the four 4 x 4 quadrants (as four class tokens), ``tokens`` a 3 x 3 grid of
+    4 x 4 windows at stride 2 (as nine patch tokens), ``tokens@2x2`` its area-pooled 2 x 2 grid
+    would need overlapping windows, so the quadrants again; ``pooled`` the quadrants' mean."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    img = d.images.astype(np.float32) / 16
+    n = img.shape[0]
+    quads = img.reshape(n, 2, 4, 2, 4).transpose(0, 1, 3, 2, 4).reshape(n, 4, 16)
+    win = np.stack([img[:, r : r + 4, c : c + 4].reshape(n, 16) for r in (0, 2, 4) for c in (0, 2, 4)], axis=1)
+    feats = {"blocks:4": quads, "tokens": win, "tokens@2x2": quads, "pooled": quads.mean(1)}
+    return feats, d.target, [str(c) for c in d.target_names]
+
+
+def _write_store(path: str, backbone: str, kinds: tuple[str, ...]) -> None:
+    """``kinds`` of :func:`_digits_kinds` as train (first 1,200 rows) and test (the rest) of one
+    backbone, through the store's writer API (float16, as an extract stores them)."""
+    from featcache.store import FeatureWriter, ensure_split, make_provenance, open_cache
+
+    feats, y, names = _digits_kinds()
+    cache = open_cache(path, "a")
+    for split, rows in (("train", slice(0, 1200)), ("test", slice(1200, None))):
+        ids = np.array([f"d{i:04d}" for i in range(y.size)])[rows]
+        meta = ensure_split(cache, "digits", split, ids, y[rows], names, "digits")
+        provs = {
+            k: make_provenance(
+                backbone=backbone,
+                dataset="digits",
+                split=split,
+                kind=k,
+                dim=feats[k].shape[1:],
+                n=ids.size,
+                dataset_fingerprint=meta.fingerprint,
+                chunk_rows=256,
+            )
+            for k in kinds
+        }
+        w = FeatureWriter(cache, backbone, "digits", split, provs).prepare()
+        for i in w.pending_chunks():
+            a, e = w.chunk_range(i)
+            w.write_chunk(i, {k: feats[k][rows][a:e] for k in kinds}, np.ones(e - a, bool))
+        w.mark_complete()
+
+
+@pytest.mark.parametrize(
+    ("kinds", "cls_source", "patch", "heads", "floor"),
+    [
+        (("blocks:4", "tokens"), "blocks:4", "mean(tokens)", 52, 0.8),
+        # a CNN: no class token; its pooled is its tokens' mean, so the input is one 16-d vector twice
+        (("pooled", "tokens@2x2"), "pooled", "mean(tokens@2x2)", 26, 0.6),
+    ],
+)
+def test_nd_kinds_from_the_store(tmp_path, kinds, cls_source, patch, heads, floor):
+    from featcache.core.stagerun import canonical_order
+    from featcache.probes import ProbeConfig, run_probes
+    from featcache.probes.dinov2_linear import load_linear_input
+    from featcache.store import open_cache
+
+    path = str(tmp_path / "nd.zarr")
+    _write_store(path, "pix", kinds)
+    f = load_linear_input(open_cache(path), "pix", "digits", "train")
+    feats, _, _ = _digits_kinds()
+    stored = {k: feats[k][:1200].astype(np.float16).astype(np.float32) for k in kinds}
+    cls = stored[kinds[0]] if stored[kinds[0]].ndim == 3 else stored[kinds[0]][:, None]
+    assert np.array_equal(f.X[:, :-1], cls)
+    np.testing.assert_allclose(f.X[:, -1], stored[kinds[1]].mean(1), rtol=1e-6, atol=1e-7)
+    assert f.X.shape == (1200, cls.shape[1] + 1, 16)
+    cfg = ProbeConfig(
+        path,
+        ("pix",),
+        "digits",
+        "dinov2-linear",
+        results_path=str(tmp_path / "r.parquet"),
+        sgd_epochs=2,
+        epoch_length=100,
+        batch_size=64,
+        progress=False,
+    )
+    df = run_probes(cfg)
+    top1 = df.filter(df["metric"] == "top1").row(0, named=True)
+    hp = top1["hparams"] if isinstance(top1["hparams"], dict) else json.loads(top1["hparams"])
+    assert (hp["cls_source"], hp["patch_source"], hp["heads"]) == (cls_source, patch, heads)
+    assert hp["n_last_blocks_list"] == ([1, 4] if heads == 52 else [1])
+    assert top1["value"] > floor  # digits pixels, 200 steps of batch 64; ten classes
+    # the reported head, rebuilt outside the runner on the plan's train rows
+    te = load_linear_input(open_cache(path), "pix", "digits", "test")
+    o, ot = canonical_order(np.asarray(f.ids).astype(str)), canonical_order(np.asarray(te.ids).astype(str))
+    (Xtr, ytr), (Xte, yte) = (f.X[o], np.asarray(f.labels)[o]), (te.X[ot], np.asarray(te.labels)[ot])
+    sp = get_protocol("dinov2-linear").plan(ytr, 0)
+    specs = head_specs(hp["n_last_blocks_list"], LRS, 64)
+    jh = JointHeads(specs, 16, 10, torch.Generator().manual_seed(0))
+    train_joint(jh, torch.from_numpy(Xtr[sp.train]), torch.from_numpy(ytr[sp.train]), 200, 64, 0, 0.9)
+    i = [s.name for s in specs].index(hp["head"])
+    W, b = jh.head(i)
+    Z = linear_input(torch.from_numpy(Xte), specs[i].n_blocks, specs[i].avgpool) @ W.T + b
+    assert top1["value"] == float(np.mean(Z.argmax(1).numpy() == yte))
