@@ -413,7 +413,6 @@ def _grid_heads(req: FitRequest, S: int) -> tuple[list[HeadSpec], dict[str, Any]
 @register_solver(
     "dinov2-linear",
     options=("sgd_epochs", "batch_size", "epoch_length"),
-    recorded={"head_loop": "joint-stacked"},
     load=load_linear_input,
     input_fingerprint=stored_input_fingerprint,
 )
