@@ -19,7 +19,8 @@ reference's 13 lrs x n_last_blocks {1, 4} x avgpool:
    streams the tokens to their mean) over the heads' step rate (rows/s trained): above 1,
    reading is not the bottleneck.
 
-Prints every figure as a ratio measured in this run, with peak RSS, ``lscpu``'s model, the
+Each arm runs ``--iters`` iterations ``--reps`` times, the arms interleaved (a change of load
+hits them alike); medians are reported. Prints every figure as a ratio measured in this run, with peak RSS, ``lscpu``'s model, the
 torch threads and ``uptime``'s load.
 
     python benchmarks/dinov2_linear_grid.py [--iters 200] [--threads 1] [--cache C --backbone B --dataset D]
@@ -207,7 +208,8 @@ def _inputs(args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=200, help="training iterations per measured run")
+    ap.add_argument("--iters", type=int, default=50, help="training iterations per measured run")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every arm (medians reported)")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=5000)
@@ -241,19 +243,28 @@ def main(argv=None) -> int:
     blocks = tuple(b for b in DINOV2_LINEAR.n_last_blocks if b <= X.shape[1] - 1)
     specs = head_specs(blocks, DINOV2_LINEAR.lrs, args.batch)
     featcache_run(X, y, specs, n_cls, 5, args.batch)  # warm-up (allocator, kernels)
-    joint = featcache_run(X, y, specs, n_cls, args.iters, args.batch)
     sample = [
         next(s for s in specs if (s.n_blocks, s.avgpool) == v)
         for v in dict.fromkeys((s.n_blocks, s.avgpool) for s in specs)
     ]
-    single = float(np.mean([featcache_run(X, y, [s], n_cls, args.iters, args.batch) for s in sample]))
-    bare = bare_loop(X, y, specs, n_cls, args.iters, args.batch)
-    stacked = bare_stacked(X, y, specs, n_cls, args.iters, args.batch)
+    arms = {
+        "joint": lambda: featcache_run(X, y, specs, n_cls, args.iters, args.batch),
+        "single": lambda: float(np.mean([featcache_run(X, y, [s], n_cls, args.iters, args.batch) for s in sample])),
+        "bare": lambda: bare_loop(X, y, specs, n_cls, args.iters, args.batch),
+        "stacked": lambda: bare_stacked(X, y, specs, n_cls, args.iters, args.batch),
+    }
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(args.reps):  # the arms interleaved, so a change of load hits each alike
+        for k, arm in arms.items():
+            times[k].append(arm())
+    joint, single, bare, stacked = (float(np.median(times[k])) for k in arms)
     per_epoch = X.shape[0] / args.batch  # iterations per pass over the rows
     fig = {
         "source": source,
         "heads": len(specs),
         "iters": args.iters,
+        "reps": args.reps,
+        "seconds_per_rep": times,
         "batch": args.batch,
         "threads": args.threads,
         "joint_s_per_iter": joint / args.iters,
@@ -277,7 +288,10 @@ def main(argv=None) -> int:
         fig["read_over_step"] = fig["store_read_rows_per_s"] / fig["heads_step_rows_per_s"]
         fig["default_schedule_train_s"] = full
         fig["read_share_of_default_run"] = read_s / (read_s + full)
-    print(f"dinov2-linear grid, {source}; {len(specs)} heads, batch {args.batch}, {args.threads} thread(s)")
+    print(
+        f"dinov2-linear grid, {source}; {len(specs)} heads, batch {args.batch}, {args.threads} thread(s), "
+        f"medians of {args.reps} interleaved runs of {args.iters} iterations"
+    )
     print(f"  CPU: {fig['cpu']}; load average: {fig['load']}")
     print(f"  joint pass ({len(specs)} heads): {fig['joint_s_per_iter'] * 1e3:.2f} ms/iter")
     print(
