@@ -381,10 +381,19 @@ def load_linear_input(cache: FeatureCache, backbone: str, dataset: str, split: s
         )
     name = f"{cls_kind}+{patch_kind}"
     out = Features(
-        backbone, dataset, split, name, np.concatenate([Xc, Xp[:, None, :]], axis=1), fc.labels, fc.ids,
-        np.asarray(fc.valid, bool) & np.asarray(fp.valid, bool), fc.class_names, fc.provenance,
-        fc.dataset_fingerprint, fingerprint=combine_fingerprints(fc.fingerprint, fp.fingerprint),
-    )  # fmt: skip
+        backbone=backbone,
+        dataset=dataset,
+        split=split,
+        kind=name,
+        X=np.concatenate([Xc, Xp[:, None, :]], axis=1),
+        labels=fc.labels,
+        ids=fc.ids,
+        valid=np.asarray(fc.valid, bool) & np.asarray(fp.valid, bool),
+        class_names=fc.class_names,
+        provenance=fc.provenance,
+        dataset_fingerprint=fc.dataset_fingerprint,
+        fingerprint=combine_fingerprints(fc.fingerprint, fp.fingerprint),
+    )
     out.input_info = {  # type: ignore[attr-defined]
         "input": name,
         "cls_source": cls_kind,
