@@ -354,6 +354,7 @@ def test_batch_options_belong_to_dinov2_linear(tmp_path):
     proto, cfg = ProbeConfig("c.zarr", ("a",), "digits", "dinov2-linear", results_path="r.parquet").resolve()
     assert (cfg.sgd_epochs, cfg.epoch_length, cfg.batch_size) == (10, 1250, 128)
     assert proto.split == "no-refit"
+    assert {"sgd_epochs": 10, "batch_size": 128, "epoch_length": 1250}.items() <= cfg.run_options(proto).items()
     assert get_protocol("dinov2-linear").grid.lrs[0] == 1e-5
 
 
@@ -523,6 +524,9 @@ def test_nd_kinds_from_the_store(tmp_path, kinds, cls_source, patch, heads, floo
     assert (hp["cls_source"], hp["patch_source"], hp["heads"]) == (cls_source, patch, heads)
     assert hp["n_last_blocks_list"] == ([1, 4] if heads == 52 else [1])
     assert top1["value"] > floor  # digits pixels, 200 steps of batch 64; ten classes
+    from featcache.probes.store_lookup import run_ids
+
+    assert set(run_ids(cfg).values()) == set(df["run_id"].to_list())  # planned from provenance alone
     # the reported head, rebuilt outside the runner on the plan's train rows
     te = load_linear_input(open_cache(path), "pix", "digits", "test")
     o, ot = canonical_order(np.asarray(f.ids).astype(str)), canonical_order(np.asarray(te.ids).astype(str))
