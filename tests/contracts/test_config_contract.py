@@ -69,6 +69,8 @@ STAGES = {
             "sgd_epochs": 7,
             "search_epochs": 2,
             "final_epochs": 3,
+            "batch_size": 16,
+            "epoch_length": 5,
         },
     ),
     "finetune": (
