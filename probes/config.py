@@ -51,6 +51,11 @@ class ProbeConfig:
     )
     results_path: str | None = flag(None, "results parquet to append to", name="--results", required=True)
     force: bool = flag(False, "re-run runs already in the results table", action="store_true")
+    predictions: str | None = flag(
+        None,
+        "also write each evaluated row's predicted class (id, label, prediction, per run id) to this "
+        "parquet, to compare runs on the same rows (McNemar); runs skipped as already done write none",
+    )
     backend: str = flag("auto", choices=["auto", "sklearn", "cuml", "torch"])
     Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
     max_iter: int = flag(1000, type=int, check=Interval(int, 1))

@@ -314,6 +314,10 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     proto, cfg = config.resolve()
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before the fits
+    if cfg.predictions is not None:
+        from featcache.probes.predictions import check_predictions_path
+
+        check_predictions_path(cfg.predictions)
     caches = open_caches(cfg.cache)
     cfg = resolve_val_source(cfg, proto, caches)
     backbones = resolve_backbones(caches, cfg)
@@ -344,8 +348,15 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
         ),
     )
     new_rows: list[dict] = []
+    preds: list | None = [] if cfg.predictions is not None else None
     for b, seed in tqdm(todo, desc=f"probe {proto.spec}", disable=not cfg.progress):
-        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids[(b, seed)], src.get(b))
+        new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids[(b, seed)], src.get(b), preds)
+    if preds:
+        from featcache.probes.predictions import write_predictions
+
+        log.info(
+            "per-row predictions of %d run(s) written to %s", len(preds), write_predictions(cfg.predictions, preds)
+        )
     wanted = [r for v in run_ids.values() for r, _ in v.values()]
     return collect("probe", cfg.results_path, new_rows, wanted, protocol=proto)
 
@@ -392,9 +403,11 @@ def _probe_one(
     hi_matrix,
     run_ids: dict[str, tuple[str, str]],
     text: dict | None = None,
+    predictions: list | None = None,
 ) -> list[dict]:
     """Plan, select, refit and evaluate one backbone and seed; its result rows (``text``: where
-    the class embeddings came from, recorded in hparams; its digest is in the run id, :func:`text_fingerprint`)."""
+    the class embeddings came from, recorded in hparams; its digest is in the run id, :func:`text_fingerprint`;
+    ``predictions``: a list the per-row predictions of each eval split are appended to)."""
     n_cls = len(d.names) if d.train.Y is None else d.train.Y.shape[1]  # multi-label: one per label column
     if hi_matrix is not None and hi_matrix.shape != (n_cls, d.train.X.shape[1]):
         raise ProbeError(
@@ -431,8 +444,11 @@ def _probe_one(
         if out.epoch_predicts:  # final_epoch="best-test": the epoch is chosen on this eval split
             predict, epoch = _best_test_epoch(cfg, d, plan, out, es, ev, opts["metric"])
             hp_es = {**hp, "reported_epoch": epoch, "reported_epoch_split": es}
-        vals = _evaluate(cfg, d, plan, predict, classes, es, ev)
+        scores: list[np.ndarray] = []
+        vals = _evaluate(cfg, d, plan, predict, classes, es, ev, keep=scores)
         rid, fp = run_ids[es]
+        if predictions is not None and plan.Y is None:
+            predictions.append(_prediction_frame(rid, b, proto, seed, es, ev, d.names, classes, scores[0]))
         rows += [
             {
                 "run_id": rid,
@@ -480,9 +496,21 @@ def _best_test_epoch(cfg: ProbeConfig, d: _Data, plan: _Plan, out, es: str, ev: 
     return out.epoch_predicts[best], best + 1
 
 
-def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str, ev: SplitData) -> dict[str, float]:
+def _prediction_frame(rid: str, b: str, proto: Protocol, seed: int, es: str, ev: SplitData, names, classes, P):
+    """The per-row predictions of one eval split (``--predictions``), class names as text."""
+    from featcache.probes.predictions import prediction_frame
+
+    names = np.asarray(names, dtype=object)
+    pred = names[np.asarray(classes)[np.argmax(P, axis=1)]]
+    return prediction_frame(rid, b, proto.spec, seed, es, ev.ids, names[ev.y], pred)
+
+
+def _evaluate(
+    cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str, ev: SplitData, keep: list | None = None
+) -> dict[str, float]:
     """The metrics of one eval split (read once per final fit): multi-label targets get the
-    ranking metrics of the per-class scores; single-label ones ``metric_names`` of the task."""
+    ranking metrics of the per-class scores; single-label ones ``metric_names`` of the task.
+    ``keep``: a list the single-label score matrix is appended to."""
     X = ev.X if isinstance(ev.X, np.ndarray) else np.asarray(ev.X, np.float32)  # a lazy split is read now
     assert cfg.metric is not None  # run_probes sets the task metric (_task_metric) before any fit
     if plan.Y is not None:
@@ -496,6 +524,8 @@ def _evaluate(cfg: ProbeConfig, d: _Data, plan: _Plan, predict, classes, es: str
             "use a protocol or seed whose training sample covers every class"
         )
     P = predict(X)
+    if keep is not None:
+        keep.append(P)
     return compute_all(np.searchsorted(classes, ev.y), P, cfg.metrics or metric_names(P.shape[1], cfg.metric))
 
 

@@ -56,6 +56,7 @@ STAGES = {
             "protocol": "fewshot:5",
             "seeds": (3, 4),
             "results_path": "r.parquet",
+            "predictions": "p.parquet",
             "max_iter": 50,
             "tol": 0.01,
             "max_host_bytes": 4096,
