@@ -241,12 +241,39 @@ def test_nd_roundtrip_hypothesis(tmp_path_factory, n, inner, d, chunk, dtype, se
 
 
 def test_pipeline_turns_each_kinds_dims_into_inner_and_dim():
-    from featcache.extract.pipeline import _row_shape
+    """The extract's provenances from ``FeatureHead.dims``: an int (a ``[N, D]`` kind, as
+    before) or a per-row shape (``blocks:4`` -> inner (4,), ``tokens`` -> inner (T,))."""
+    from types import SimpleNamespace
+
+    from featcache.extract.pipeline import _provenances, _row_shape
 
     assert _row_shape(1280) == (1280,)
     assert _row_shape(np.int64(7)) == (7,)
     assert _row_shape((4, 192)) == (4, 192)
     assert _row_shape([196, 192]) == (196, 192)
+    dims = {"pooled": 1280, "blocks:4": (4, 192), "tokens": (196, 192), "cls": (192,)}
+    cfg = SimpleNamespace(recorded=dict, chunk_rows=64, dtype="float16", batch_size=32, channels_last=False)
+    bb = SimpleNamespace(device="cuda:0", name="vit", weights_source="w", weights_sha256="s", data_config={})
+    job = SimpleNamespace(
+        bb=bb, cfg=cfg, record=None, backend="eager", decoder="pil", key="vit", amp="none",
+        head=SimpleNamespace(kinds=list(dims)), dims=dims,
+    )  # fmt: skip
+
+    class Src:  # a split of 300 rows
+        dataset, split = "digits", "train"
+
+        def __len__(self) -> int:
+            return 300
+
+    provs = _provenances(job, Src(), SimpleNamespace(fingerprint="f"), 1)
+    got = {k: (p.inner, p.dim, p.row_shape) for k, p in provs.items()}
+    assert got == {
+        "pooled": ((), 1280, (1280,)),
+        "blocks:4": ((4,), 192, (4, 192)),
+        "tokens": ((196,), 192, (196, 192)),
+        "cls": ((), 192, (192,)),
+    }
+    assert "inner" not in provs["pooled"].to_attrs()
 
 
 # ---------------------------------------------------------------- streaming in row blocks
@@ -438,10 +465,11 @@ def test_a_flipped_byte_in_one_nd_chunk_is_named_refused_repaired_byte_identical
     assert verify(str(path)) == []
 
 
-@pytest.mark.parametrize("damage", ["deleted", "garbled"])
+@pytest.mark.parametrize("damage", ["deleted", "garbled", "codec changed, digests deleted"])
 def test_a_damaged_nd_array_document_is_rebuilt_byte_identical(nd_reference, tmp_path, damage):
     """``verify --repair`` rebuilds a kind's zarr.json (shape and chunks with ``inner``) from the
-    group's metadata and the kept provenance; the digest recorded by the writer accepts it."""
+    group's metadata and the kept provenance; the digest recorded by the writer accepts it.
+    Without digests, from the evidence (its provenance and the group metadata)."""
     from featcache.store.verify import verify
 
     path = _fresh_copy(nd_reference, tmp_path)
@@ -449,6 +477,10 @@ def test_a_damaged_nd_array_document_is_rebuilt_byte_identical(nd_reference, tmp
     good = doc.read_bytes()
     if damage == "deleted":
         doc.unlink()
+    elif damage.startswith("codec"):
+        (path / ".featcache-manifest/features~pix~digits~train.json").unlink()
+        doc.write_bytes(good.replace(b'"level": 3', b'"level": 5'))
+        assert doc.read_bytes() != good
     else:
         doc.write_bytes(good.replace(b'"shape": [\n    300,\n    4,', b'"shape": [\n    300,\n    5,'))
         assert doc.read_bytes() != good
