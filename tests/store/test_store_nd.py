@@ -280,7 +280,7 @@ def test_pipeline_turns_each_kinds_dims_into_inner_and_dim():
 def test_iter_blocks_equals_load_in_whole_chunks_within_max_memory(tmp_path):
     import tracemalloc
 
-    from featcache.store.blocks import block_bytes
+    from featcache.store import block_bytes
 
     feats, y, names = digits_nd()
     valid = np.ones(len(y), bool)
@@ -313,7 +313,7 @@ def test_iter_blocks_equals_load_in_whole_chunks_within_max_memory(tmp_path):
 
 def test_iter_blocks_refuses_a_budget_below_one_chunk_and_bad_rows_in_one_line(tmp_path):
     from featcache.errors import ConfigError
-    from featcache.store.blocks import block_bytes
+    from featcache.store import block_bytes
 
     feats, y, names = digits_nd(64)
     cache = write_group(tmp_path / "c.zarr", {"tokens@3x3": feats["tokens@3x3"]}, y, names, chunk_rows=32)
