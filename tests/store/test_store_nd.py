@@ -197,6 +197,24 @@ def test_write_chunk_refuses_rows_of_another_shape(tmp_path):
         w.release()
 
 
+def test_another_token_grid_for_a_stored_kind_is_refused_then_overwritten(tmp_path):
+    from featcache.errors import ProvenanceMismatchError
+
+    feats, y, names = digits_nd(40)
+    kw = {"backbone": "pix", "dataset": "digits", "split": "train", "ids": [f"d{i}" for i in range(40)]}
+    kw.update(labels=y, class_names=names, kind="tokens", dtype="float16", chunk_rows=16)
+    write_features(tmp_path / "c.zarr", X=feats["tokens"], **kw)  # 2 x 2 quadrants: [40, 4, 16]
+    grid3 = feats["tokens@3x3"][:, :, :16]  # a 3 x 3 grid: [40, 9, 16], the same D
+    with pytest.raises(ProvenanceMismatchError, match=r"tokens\.inner: stored=\[4\] requested=\[9\]"):
+        write_features(tmp_path / "c.zarr", X=grid3, **kw)
+    np.testing.assert_array_equal(  # nothing written was lost
+        open_cache(tmp_path / "c.zarr").load("pix", "digits", "train", kind="tokens").X,
+        feats["tokens"].astype(np.float16).astype(np.float32),
+    )
+    write_features(tmp_path / "c.zarr", X=grid3, overwrite=True, **kw)
+    assert open_cache(tmp_path / "c.zarr").load("pix", "digits", "train", kind="tokens").X.shape == (40, 9, 16)
+
+
 @pytest.mark.parametrize("store", ["local", "memory"])
 def test_write_features_takes_nd_rows(tmp_path, store):
     feats, y, names = digits_nd(90)
