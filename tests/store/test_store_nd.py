@@ -181,6 +181,19 @@ def test_nd_kinds_are_listed_loaded_and_read_lazily_by_their_spelling(tmp_path):
     assert cat["complete"].all()
 
 
+def test_ls_shows_each_arrays_shape(tmp_path, capsys):
+    from featcache.cli import main
+
+    feats, y, names = digits_nd(40)
+    write_group(tmp_path / "c.zarr", {"pooled": feats["pooled"], "blocks:4": feats["tokens"]}, y, names, chunk_rows=16)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "c.zarr")]) == 0
+    out = capsys.readouterr().out
+    assert "shape" in out
+    assert "40x64" in out
+    assert "40x4x16" in out
+
+
 def test_write_chunk_refuses_rows_of_another_shape(tmp_path):
     feats, y, names = digits_nd(40)
     cache = open_cache(tmp_path / "c.zarr", "a")
