@@ -3,6 +3,7 @@
 Everything a stage needs is exported here; stages import ``featcache.store`` only, never one
 of its submodules (``tests/test_store_api.py`` checks it), so the modules inside may move."""
 
+from featcache.store.blocks import DEFAULT_BLOCK_MEMORY, block_bytes
 from featcache.store.cache import FeatureCache, Features, open_cache
 from featcache.store.cli import add_storage_option_argument, parse_storage_options
 from featcache.store.fingerprints import combine_fingerprints, dataset_fingerprint
@@ -21,6 +22,7 @@ from featcache.store.writer import FeatureWriter, make_provenance, write_feature
 from featcache.store.writing import ensure_split, write_caption_embeddings, write_class_embeddings
 
 __all__ = [
+    "DEFAULT_BLOCK_MEMORY",
     "MAX_CHUNK_ROWS",
     "SCHEMA_VERSION",
     "TEXT_PROVENANCE_KEY",
@@ -31,6 +33,7 @@ __all__ = [
     "SplitMeta",
     "StoredRows",
     "add_storage_option_argument",
+    "block_bytes",
     "combine_fingerprints",
     "dataset_fingerprint",
     "ensure_split",

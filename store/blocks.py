@@ -106,12 +106,20 @@ def _read_block(plan: BlockPlan, c0: int, c1: int, s: int, e: int) -> np.ndarray
     arrays = {name: g[name] for name in (kind, "valid", "error")}
     out = np.empty((e - s, *arrays[kind].shape[1:]), np.float32)
     scan = GroupScan(gm.n_chunks, np.ones(gm.n_chunks, bool))
+    base = c0 * cr
+    side = {}  # valid and error of the whole block in one read (small); per chunk when that fails
+    for name in ("valid", "error"):
+        try:
+            side[name] = np.asarray(arrays[name][base : min(c1 * cr, gm.n)])
+        except Exception:
+            side[name] = None  # read chunk by chunk below, to name the chunk
     for c in range(c0, c1):
         cs, ce = c * cr, min((c + 1) * cr, gm.n)
         data = {}
         for name, arr in arrays.items():
             try:
-                data[name] = np.asarray(arr[cs:ce])
+                got = side.get(name)
+                data[name] = got[cs - base : ce - base] if got is not None else np.asarray(arr[cs:ce])
             except Exception as exc:
                 scan.add(name, c, f"unreadable ({_short(exc)})")
         if "error" in data:
