@@ -53,6 +53,11 @@ bob-linear     probe   Battle of the Backbones' linear probe (bob-classification
                        head, LARS, 90 epochs, lr 0.1 x batch / 256 (batch 512), 10 warmup
                        epochs then cosine, no weight decay, on all of train; nothing is
                        selected; the last epoch is reported (BoB reports its best test epoch).
+attentive:V    probe   attentive probes on ``tokens`` (V = ``vjepa``: V-JEPA's
+                       AttentiveClassifier; ``aim``: AIM's AttentionPoolingClassifier): a
+                       4 lr x 5 wd grid of heads trained together with V-JEPA's AdamW recipe
+                       (cosine lr and wd, grad clip 1.0, 20 epochs), the best head chosen on
+                       validation (as ``full``), reported on test without a refit.
 subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
                        kept, at least one example per class), then ``full`` on that subset.
 vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
@@ -100,6 +105,7 @@ __all__ = [
     "C_GRID",
     "STAGES",
     "VAL_SOURCES",
+    "AttentiveGrid",
     "CGrid",
     "ElevaterGrid",
     "LarsGrid",
@@ -254,6 +260,33 @@ class LarsGrid:
     bn_eps: float = 1e-6
 
 
+#: the attentive probes' heads (:mod:`featcache.probes.attentive_modules`)
+ATTENTIVE_VARIANTS = ("vjepa", "aim")
+
+
+@dataclass(frozen=True)
+class AttentiveGrid:
+    """Attentive probes on tokens (:mod:`featcache.probes.attentive`): ``variant``'s head
+    (``vjepa``: V-JEPA's AttentiveClassifier; ``aim``: AIM's AttentionPoolingClassifier), one
+    per ``lrs`` x ``wds`` (V-JEPA 2's image-probe grid, 20 heads), trained together with V-JEPA's
+    recipe: AdamW, lr cosine from each head's lr to ``final_lr`` after ``warmup_epochs`` (from
+    ``start_lr``; None: the head's lr), weight decay cosine from each head's wd to ``final_wd``,
+    gradient norm clipped to ``clip`` per head, ``epochs`` epochs of ``batch_size`` rows (V-JEPA:
+    20 epochs, 16 x 64 GPUs); rows read in blocks of ``block_bytes`` float32 bytes."""
+
+    variant: str
+    lrs: tuple[float, ...] = (5e-4, 1e-3, 1.5e-3, 2e-3)
+    wds: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
+    epochs: int = 20
+    batch_size: int = 1024
+    warmup_epochs: float = 0.0
+    start_lr: float | None = None
+    final_lr: float = 0.0
+    final_wd: float = 1e-6
+    clip: float = 1.0
+    block_bytes: int = 256 << 20
+
+
 BOB_LARS = LarsGrid()
 #: VTAB's third lr drop, at 90 % of the steps
 VTAB_LAST_DECAY = 0.9
@@ -303,7 +336,7 @@ class Protocol:
     stage: str  # "probe" or "finetune"
     split: str  # split plan: one of SPLITS
     solver: str  # "lbfgs" or "sgd"
-    grid: CGrid | SGDGrid | ElevaterGrid | LarsGrid
+    grid: CGrid | SGDGrid | ElevaterGrid | LarsGrid | AttentiveGrid
     seeds: tuple[int, ...] = (0,)
     pairs_with: str | None = None  # the other stage's protocol with the same examples
     shots: int = -1  # examples per class, -1 = all
@@ -736,6 +769,25 @@ def bob_linear(arg: str | None = None) -> Protocol:
     """Battle of the Backbones' linear probe (:class:`LarsGrid`) trained on all of train."""
     _no_arg("bob-linear", arg)
     return Protocol(spec="bob-linear", name="bob-linear", stage="probe", split="train", solver="lars", grid=BOB_LARS)
+
+
+@register_protocol("attentive", usage="attentive:VARIANT (vjepa or aim)", note="a learned-query head grid on tokens")
+def attentive(arg: str | None = None) -> Protocol:
+    """Attentive probes on token features (:class:`AttentiveGrid`): V-JEPA's or AIM's head,
+    a 4 lr x 5 wd grid trained together, the best head chosen on validation (the dataset's
+    val split, else a stratified 10% of train, as ``full``), reported on test without a refit."""
+    if arg not in ATTENTIVE_VARIANTS:
+        raise ProtocolError(
+            f"attentive needs a variant, one of {sorted(ATTENTIVE_VARIANTS)}: e.g. attentive:vjepa (got {arg!r})"
+        )
+    return Protocol(
+        spec=f"attentive:{arg}",
+        name="attentive",
+        stage="probe",
+        split="full",
+        solver="attentive",
+        grid=AttentiveGrid(variant=arg),
+    )
 
 
 @register_protocol("subset", usage="subset:F% (e.g. subset:1%, subset:10%)")
