@@ -48,6 +48,7 @@ __all__ = [
     "BF16_MIN_COSINE",
     "cosine_wd",
     "fit_attentive",
+    "grid_step",
     "param_groups",
     "predict_logits",
     "shuffle_block_rows",
@@ -75,7 +76,8 @@ def warmup_cosine_lr(
 
 def cosine_wd(step: int, ref_wd: float, final_wd: float, t_max: int) -> float:
     """jepa ``CosineWDSchedule.step`` at its ``step``-th call."""
-    wd = final_wd + (ref_wd - final_wd) * 0.5 * (1.0 + math.cos(math.pi * step / t_max))
+    progress = step / t_max
+    wd = final_wd + (ref_wd - final_wd) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return max(final_wd, wd) if final_wd <= ref_wd else min(final_wd, wd)
 
 
@@ -198,15 +200,8 @@ def train_attentive_grid(
             for i in range(0, len(xblock), batch):
                 step += 1
                 _set_schedules(opt, combos, grid, step, warm, t_max)
-                xb, yb = xblock[i : i + batch], yblock[i : i + batch]
-                with torch.autocast(device.split(":")[0], dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                    losses = [torch.nn.functional.cross_entropy(h(xb).float(), yb) for h in heads]
-                torch.stack(losses).sum().backward()
-                for k, h in enumerate(heads):
-                    torch.nn.utils.clip_grad_norm_(h.parameters(), grid.clip)
-                    finite[k] = finite[k] and bool(torch.isfinite(losses[k]))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                ok = grid_step(heads, opt, xblock[i : i + batch], yblock[i : i + batch], grid.clip, dtype)
+                finite = [f and o for f, o in zip(finite, ok)]
     for h in heads:
         h.eval()
     info = {
@@ -221,6 +216,24 @@ def train_attentive_grid(
         "amp_dtype": dtype,
     }
     return heads, info
+
+
+def grid_step(heads: list, opt: Any, xb: Any, yb: Any, clip: float, dtype: Any = None) -> list[bool]:
+    """One optimisation step of every head on batch ``(xb, yb)``: cross-entropy, one backward
+    over the heads' summed losses, each head's gradient norm clipped to ``clip``, one AdamW
+    step (``opt`` holds every head's groups, their lr / wd already set). Returns each head's
+    loss finiteness."""
+    import torch
+
+    dev = xb.device.type
+    with torch.autocast(dev, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        losses = [torch.nn.functional.cross_entropy(h(xb).float(), yb) for h in heads]
+    torch.stack(losses).sum().backward()
+    for h in heads:
+        torch.nn.utils.clip_grad_norm_(h.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [bool(torch.isfinite(loss)) for loss in losses]
 
 
 def _set_schedules(opt: Any, combos: list, grid: Any, step: int, warm: int, t_max: int) -> None:

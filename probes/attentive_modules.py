@@ -43,6 +43,23 @@ def attention_heads(dim: int, most: int = 16) -> int:
     return max(h for h in range(1, min(most, dim) + 1) if dim % h == 0)
 
 
+def trunc_normal_(tensor: Any, std: float, a: float = -2.0, b: float = 2.0) -> Any:
+    """Fill ``tensor`` in place from N(0, std) truncated to [a, b] (absolute bounds) by the
+    inverse-CDF method the reference uses (jepa ``src/utils/tensors.py``, as torch's
+    ``trunc_normal_`` did before it switched to rejection sampling): one ``uniform_`` draw per
+    value, so the random stream advances exactly as the reference's."""
+    import torch
+
+    def cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    with torch.no_grad():
+        tensor.uniform_(2 * cdf(a / std) - 1, 2 * cdf(b / std) - 1)
+        tensor.erfinv_()
+        tensor.mul_(std * math.sqrt(2.0))
+        return tensor.clamp_(min=a, max=b)
+
+
 @functools.cache
 def _classes() -> dict[str, Any]:
     import torch
@@ -95,7 +112,7 @@ def _classes() -> dict[str, Any]:
             self.query_tokens = nn.Parameter(torch.zeros(1, 1, dim))
             self.cross_attention_block = CrossAttentionBlock(dim, num_heads, mlp_ratio, qkv_bias)
             self.init_std = init_std
-            nn.init.trunc_normal_(self.query_tokens, std=init_std)
+            trunc_normal_(self.query_tokens, std=init_std)
             self.apply(self._init_weights)
             with torch.no_grad():  # _rescale_blocks: layer 1 of a complete block
                 self.cross_attention_block.xattn.proj.weight.div_(math.sqrt(2.0))
@@ -103,7 +120,7 @@ def _classes() -> dict[str, Any]:
 
         def _init_weights(self, m):
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=self.init_std)
+                trunc_normal_(m.weight, std=self.init_std)
                 if m.bias is not None:
                     nn.init.constant_(m.bias, 0)
             elif isinstance(m, nn.LayerNorm):
