@@ -93,11 +93,11 @@ def nonfinite_rows(X, block_bytes: int | None = None) -> np.ndarray:
     known = X.known_nonfinite() if hasattr(X, "known_nonfinite") else None
     if known is not None:
         return known
-    n, d = X.shape
+    n, d = X.shape[0], int(np.prod(X.shape[1:]))  # a row may be [T, D] (tokens)
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     bad = np.zeros(n, bool)
     for s, e, raw in raw_blocks(X, _rows_for(d, 0, block_bytes // 4)):
-        bad[s:e] = ~np.isfinite(raw).all(axis=1)
+        bad[s:e] = ~np.isfinite(raw).reshape(e - s, -1).all(axis=1)
     return bad
 
 

@@ -482,3 +482,14 @@ def test_protocol_spec_and_errors():
         get_protocol("attentive:clip")
     with pytest.raises(ProbeError, match="--features tokens"):
         _check_tokens(np.zeros((3, 8)), "attentive:aim")
+
+
+def test_nonfinite_rows_of_token_rows():
+    """The runner's finite check reads [n, T, D] rows whole (a NaN in any token marks its row)."""
+    from featcache.probes._stream import nonfinite_rows
+
+    X = np.zeros((300, 8, 16), np.float16)
+    X[7, 3, 5] = np.nan
+    X[250, 0, 0] = np.inf
+    np.testing.assert_array_equal(np.flatnonzero(nonfinite_rows(X)), [7, 250])
+    np.testing.assert_array_equal(np.flatnonzero(nonfinite_rows(_stored(X, 64))), [7, 250])
