@@ -66,7 +66,7 @@ def make_tokens(n: int, img: int, folder: str) -> None:
     out = []
     with torch.inference_mode():
         for s in range(0, n, 256):
-            x = torch.from_numpy(X[s : s + 256]).float().div(255).unsqueeze(1)
+            x = torch.tensor(X[s : s + 256], dtype=torch.float32).div(255).unsqueeze(1)
             x = F.interpolate(x, size=(img, img), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
             out.append(model.forward_features((x - 0.5) / 0.5)[:, model.num_prefix_tokens :].half().numpy())
     T = np.concatenate(out)

@@ -152,6 +152,7 @@ SPLITS = (
     "elevater-full",
     "elevater-fewshot",
     "train",
+    "select",
 )
 #: DINOv2's C grid (dinov2/eval/log_regression.py: ``10 ** torch.linspace(-6, 5, 45)``, float32):
 #: the float32 exponents, each power rounded from its decimal value (float32 power kernels, too,
@@ -546,8 +547,18 @@ def _plan_train(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *
     return SplitPlan(e, e, np.arange(y.size), train_name, {"val": "none (nothing is selected)"})
 
 
+def _plan_select(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+    """Train once and select on held-out rows, no refit (a grid of heads trained together, as
+    the attentive probes): ``full``'s train and validation rows, the final fit being the train
+    fit (so ``train_split`` names the rows actually trained on)."""
+    sp = _plan_full(p, y, seed, n_val, val_source, train_name, val_name)
+    label = train_name if n_val is not None else f"{train_name}[{1 - HOLDOUT_FRACTION:.0%}]"
+    return SplitPlan(sp.train, sp.val, sp.train, label, {**sp.info, "refit": "none"})
+
+
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
     "train": _plan_train,
+    "select": _plan_select,
     "dinov2": _plan_dinov2,
     "full": _plan_full,
     "elevater-full": _plan_elevater_full,
@@ -784,7 +795,7 @@ def attentive(arg: str | None = None) -> Protocol:
         spec=f"attentive:{arg}",
         name="attentive",
         stage="probe",
-        split="full",
+        split="select",
         solver="attentive",
         grid=AttentiveGrid(variant=arg),
     )

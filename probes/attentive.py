@@ -333,7 +333,10 @@ def _hparams(g: Any, epochs: int, device: str, info: dict, scores: list, metric:
         "selection": f"best of {len(scores)} heads (lr x wd) on val {metric}; no refit",
         "lr": lr,
         "weight_decay": wd,
-        "heads": [{"lr": c[0], "weight_decay": c[1], "val": float(s)} for c, s in zip(info["combos"], scores)],
+        "heads": [
+            {"lr": c[0], "weight_decay": c[1], "val": float(s) if np.isfinite(s) else None}
+            for c, s in zip(info["combos"], scores)
+        ],
         "epochs": epochs,
         "optimizer": "AdamW(betas=(0.9, 0.999), eps=1e-8), no decay on biases and 1-D parameters",
         "lr_schedule": f"warmup {g.warmup_epochs} epochs then cosine to {g.final_lr}",

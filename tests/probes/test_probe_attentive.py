@@ -448,6 +448,8 @@ def test_protocol_fits_on_digit_tokens(variant, digit_tokens):
     proto = get_protocol(f"attentive:{variant}")
     proto = replace(proto, grid=replace(proto.grid, lrs=(1e-2, 1e-4), wds=(1e-3,), batch_size=64))
     sp = proto.plan(y[:1400], seed=0)
+    assert sp.train_split == "train[90%]"
+    np.testing.assert_array_equal(sp.final, sp.train)  # no refit: the final fit is the train fit
     plan = SimpleNamespace(tr=(X[sp.train], y[sp.train]), va=(X[sp.val], y[sp.val]), fin=(X[sp.final], y[sp.final]))
     fit = get_solver(proto.solver).fit
     req = FitRequest(proto, plan, {"sgd_epochs": 6, "metric": "top1"}, None, 0)
@@ -473,7 +475,7 @@ def test_protocol_spec_and_errors():
     assert (p.spec, p.solver, p.split, len(p.grid.lrs) * len(p.grid.wds)) == (
         "attentive:vjepa",
         "attentive",
-        "full",
+        "select",
         20,
     )
     with pytest.raises(ProtocolError, match="attentive:vjepa"):
