@@ -53,6 +53,7 @@ __all__ = [
     "predict_logits",
     "shuffle_block_rows",
     "train_attentive_grid",
+    "val_score",
     "warmup_cosine_lr",
 ]
 
@@ -284,7 +285,6 @@ def fit_attentive(req: FitRequest) -> FitOutcome:
 
     from featcache.core.devices import resolve_device
     from featcache.probes.logistic import cpu_threads
-    from featcache.probes.solvers import val_score
 
     g, (Xtr, ytr), (Xva, yva) = req.proto.grid, req.plan.tr, req.plan.va
     epochs = req.opts["sgd_epochs"] or g.epochs
@@ -318,6 +318,15 @@ def fit_attentive(req: FitRequest) -> FitOutcome:
         "%s: best head lr=%g wd=%g (val %s %.4f of %d heads)", req.proto.spec, lr, wd, metric, scores[best], len(heads)
     )
     return FitOutcome(predict, classes, hp, bool(info["finite"][best]), time.perf_counter() - t0)
+
+
+def val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
+    """A head's validation score: the task metric of its probabilities (top-1 by default)."""
+    if metric == "top1":
+        return float(np.mean(P.argmax(1) == y))
+    from featcache.core.metrics import METRICS
+
+    return float(METRICS[metric](y, P))
 
 
 def _hparams(g: Any, epochs: int, device: str, info: dict, scores: list, metric: str, best: int) -> dict[str, Any]:

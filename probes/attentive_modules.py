@@ -61,7 +61,7 @@ def trunc_normal_(tensor: Any, std: float, a: float = -2.0, b: float = 2.0) -> A
 
 
 @functools.cache
-def _classes() -> dict[str, Any]:
+def _vjepa_class() -> Any:
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -141,6 +141,15 @@ def _classes() -> dict[str, Any]:
         def forward(self, x):
             return self.linear(self.pooler(x).squeeze(1))
 
+    return AttentiveClassifier
+
+
+@functools.cache
+def _aim_class() -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
     class AttentionPoolingClassifier(nn.Module):
         """AIM's attention-pooling classifier (one query, batch norm, no MLP)."""
 
@@ -163,10 +172,11 @@ def _classes() -> dict[str, Any]:
             out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, 1, C)
             return self.linear(out.mean(dim=1))
 
-    return {"vjepa": AttentiveClassifier, "aim": AttentionPoolingClassifier}
+    return AttentionPoolingClassifier
 
 
 def build_attentive_head(variant: str, dim: int, n_classes: int, num_heads: int) -> Any:
     """A fresh ``variant`` head (``torch.nn.Module``) for tokens of width ``dim``, initialised
     from torch's current random stream as the reference initialises it."""
-    return _classes()[variant](dim, n_classes, num_heads)
+    cls = _vjepa_class() if variant == "vjepa" else _aim_class()
+    return cls(dim, n_classes, num_heads)
