@@ -308,6 +308,7 @@ def fit_attentive(req: FitRequest) -> FitOutcome:
     best = int(np.argmax(scores))
     lr, wd = info["combos"][best]
     hp = _hparams(g, epochs, device, info, scores, metric, best)
+    hp["tokens_read"] = "in memory" if isinstance(Xtr, np.ndarray) else "from the store, block by block"
     best_head = heads[best]
 
     def predict(Xe: np.ndarray) -> np.ndarray:

@@ -495,3 +495,39 @@ def test_nonfinite_rows_of_token_rows():
     X[250, 0, 0] = np.inf
     np.testing.assert_array_equal(np.flatnonzero(nonfinite_rows(X)), [7, 250])
     np.testing.assert_array_equal(np.flatnonzero(nonfinite_rows(_stored(X, 64))), [7, 250])
+
+
+@pytest.mark.slow
+def test_runner_reads_tokens_from_the_store_in_memory_or_streamed(tmp_path):
+    """``featcache probe --protocol attentive:aim`` end to end: ``test_vit`` tokens of digits
+    extracted into a store (``--features pooled,tokens``), the runner loads kind ``tokens`` by
+    itself and writes result rows; with ``max_host_bytes=1`` the train split stays in the store
+    and is read block by block, with the same numbers and run ids."""
+    import json
+
+    from featcache.extract import ExtractConfig, extract
+    from featcache.probes import ProbeConfig
+    from featcache.probes.runner import run_probes
+
+    cache = str(tmp_path / "c.zarr")
+    extract(ExtractConfig("test_vit", "random:0", "digits", ["train", "test"], cache, features=["pooled", "tokens"],
+                          limit=160, batch_size=80, progress=False))  # fmt: skip
+    cfg = ProbeConfig(cache, ("test_vit@random0",), "digits", "attentive:aim", results_path=str(tmp_path / "m.parquet"),
+                      sgd_epochs=2, progress=False)  # fmt: skip
+    assert cfg.resolve()[1].kind == "tokens"
+    mem = run_probes(cfg)
+    lazy = run_probes(replace(cfg, results_path=str(tmp_path / "s.parquet"), max_host_bytes=1))
+    assert set(mem["protocol"]) == {"attentive:aim"}
+    assert set(mem["train_split"]) == {"train[90%]"}
+    assert "top1" in set(mem["metric"])
+    hp_m, hp_s = json.loads(mem["hparams"][0]), json.loads(lazy["hparams"][0])
+    assert (hp_m["tokens_read"], hp_s["tokens_read"]) == ("in memory", "from the store, block by block")
+    assert len(hp_m["heads"]) == 20
+    assert hp_m["heads"] == hp_s["heads"]
+    assert mem["value"].to_list() == lazy["value"].to_list()
+    assert mem["run_id"].to_list() == lazy["run_id"].to_list()
+    import polars as pl
+
+    again = run_probes(cfg)  # recorded: a second run finds its rows and appends nothing
+    assert pl.read_parquet(cfg.results_path).height == mem.height
+    assert again["value"].to_list() == mem["value"].to_list()
