@@ -349,6 +349,9 @@ class Protocol:
     #: the order the plan takes its held-out rows in when not the canonical one (``"dataset"``:
     #: the dataset's own, as the ELEVATER toolkit does); runs record it in their run ids
     holdout_order: str | None = None
+    #: the feature kind its runs read when the config leaves ``kind`` at ``pooled`` (the
+    #: attentive probes: ``tokens``; a ``tokens@GxG`` kind named in the config is kept)
+    kind: str | None = None
 
     @property
     def row_protocol(self) -> str:
@@ -798,6 +801,7 @@ def attentive(arg: str | None = None) -> Protocol:
         split="select",
         solver="attentive",
         grid=AttentiveGrid(variant=arg),
+        kind="tokens",
     )
 
 

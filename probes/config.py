@@ -173,8 +173,8 @@ class ProbeConfig:
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeConfigError(f"{f} must be >= 1 (got {getattr(out, f)})")
-        if proto.solver == "attentive" and out.kind == "pooled":  # they pool token rows: tokens unless told
-            out = replace(out, kind="tokens")
+        if proto.kind and out.kind == "pooled":  # e.g. the attentive probes read tokens unless told
+            out = replace(out, kind=proto.kind)
         if isinstance(g, CGrid) and g.fixed:  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
             out = replace(out, **dict(g.fixed))
         from featcache.probes.solvers import get_solver
