@@ -531,3 +531,27 @@ def test_runner_reads_tokens_from_the_store_in_memory_or_streamed(tmp_path):
     again = run_probes(cfg)  # recorded: a second run finds its rows and appends nothing
     assert pl.read_parquet(cfg.results_path).height == mem.height
     assert again["value"].to_list() == mem["value"].to_list()
+
+
+@pytest.mark.parametrize(("bound", "chosen"), [(0.98, "bf16"), (1.5, "fp32")])
+def test_bf16_where_the_cpu_has_amx_and_the_check_holds(monkeypatch, digit_tokens, bound, chosen):
+    """``amp="auto"`` on a CPU whose flags show AMX: bf16 autocast when the fresh heads' bf16
+    logits agree with fp32 on the first batch (every row's cosine >= the bound), else fp32;
+    the check is recorded. Without AMX (the suite's FEATCACHE_CPU_BF16=0): fp32, no check."""
+    from featcache.core import cpu
+    from featcache.probes import attentive
+
+    X, y = digit_tokens
+    grid = replace(get_protocol("attentive:aim").grid, lrs=(1e-2,), wds=(1e-3,), batch_size=64)
+    _, plain = train_attentive_grid(X[:128], y[:128], 10, grid, epochs=1, seed=0)
+    assert plain["amp"]["precision"] == "fp32"
+    assert "cosine_min" not in plain["amp"]
+    monkeypatch.setenv(cpu.BF16_ENV, "1")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    monkeypatch.setattr(attentive, "BF16_MIN_COSINE", bound)
+    heads, info = train_attentive_grid(X[:128], y[:128], 10, grid, epochs=1, seed=0)
+    assert info["amp"]["precision"] == chosen
+    assert info["amp"]["why"] == "AMX (amx_bf16)"
+    assert 0.98 < info["amp"]["cosine_min"] <= 1.0
+    assert (info["amp_dtype"] is torch.bfloat16) == (chosen == "bf16")
+    assert np.isfinite(predict_logits(heads, X[:10], "cpu", info["amp_dtype"])).all()
