@@ -59,6 +59,11 @@ dinov2-linear  probe   DINOv2's ``eval/linear.py``: 52 linear heads (n_last_bloc
                        cosine over 10 x 1250 iterations of batch 128, lr x batch / 256, heads
                        N(0, 0.01); the best head on val (the dataset's, else a seeded 10%
                        holdout) is reported on test without a refit (as the reference).
+attentive:V    probe   attentive probes on ``tokens`` (V = ``vjepa``: V-JEPA's
+                       AttentiveClassifier; ``aim``: AIM's AttentionPoolingClassifier): a
+                       4 lr x 5 wd grid of heads trained together with V-JEPA's AdamW recipe
+                       (cosine lr and wd, grad clip 1.0, 20 epochs), the best head chosen on
+                       validation (as ``full``), reported on test without a refit.
 subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
                        kept, at least one example per class), then ``full`` on that subset.
 vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
@@ -106,6 +111,7 @@ __all__ = [
     "C_GRID",
     "STAGES",
     "VAL_SOURCES",
+    "AttentiveGrid",
     "CGrid",
     "Dinov2LinearGrid",
     "ElevaterGrid",
@@ -284,6 +290,35 @@ class Dinov2LinearGrid:
 
 
 DINOV2_LINEAR = Dinov2LinearGrid()
+
+
+#: the attentive probes' heads (:mod:`featcache.probes.attentive_modules`)
+ATTENTIVE_VARIANTS = ("vjepa", "aim")
+
+
+@dataclass(frozen=True)
+class AttentiveGrid:
+    """Attentive probes on tokens (:mod:`featcache.probes.attentive`): ``variant``'s head
+    (``vjepa``: V-JEPA's AttentiveClassifier; ``aim``: AIM's AttentionPoolingClassifier), one
+    per ``lrs`` x ``wds`` (V-JEPA 2's image-probe grid, 20 heads), trained together with V-JEPA's
+    recipe: AdamW, lr cosine from each head's lr to ``final_lr`` after ``warmup_epochs`` (from
+    ``start_lr``; None: the head's lr), weight decay cosine from each head's wd to ``final_wd``,
+    gradient norm clipped to ``clip`` per head, ``epochs`` epochs of ``batch_size`` rows (V-JEPA:
+    20 epochs, 16 x 64 GPUs); rows read in blocks of ``block_bytes`` float32 bytes."""
+
+    variant: str
+    lrs: tuple[float, ...] = (5e-4, 1e-3, 1.5e-3, 2e-3)
+    wds: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
+    epochs: int = 20
+    batch_size: int = 1024
+    warmup_epochs: float = 0.0
+    start_lr: float | None = None
+    final_lr: float = 0.0
+    final_wd: float = 1e-6
+    clip: float = 1.0
+    block_bytes: int = 256 << 20
+
+
 BOB_LARS = LarsGrid()
 #: VTAB's third lr drop, at 90 % of the steps
 VTAB_LAST_DECAY = 0.9
@@ -333,7 +368,7 @@ class Protocol:
     stage: str  # "probe" or "finetune"
     split: str  # split plan: one of SPLITS
     solver: str  # "lbfgs" or "sgd"
-    grid: CGrid | SGDGrid | ElevaterGrid | LarsGrid | Dinov2LinearGrid
+    grid: CGrid | SGDGrid | ElevaterGrid | LarsGrid | Dinov2LinearGrid | AttentiveGrid
     seeds: tuple[int, ...] = (0,)
     pairs_with: str | None = None  # the other stage's protocol with the same examples
     shots: int = -1  # examples per class, -1 = all
@@ -345,6 +380,9 @@ class Protocol:
     #: the order the plan takes its held-out rows in when not the canonical one (``"dataset"``:
     #: the dataset's own, as the ELEVATER toolkit does); runs record it in their run ids
     holdout_order: str | None = None
+    #: the feature kind its runs read when the config leaves ``kind`` at ``pooled`` (the
+    #: attentive probes: ``tokens``; a ``tokens@GxG`` kind named in the config is kept)
+    kind: str | None = None
 
     @property
     def row_protocol(self) -> str:
@@ -544,12 +582,14 @@ def _plan_train(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *
 
 
 def _plan_no_refit(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
-    """``full``'s train and val (the dataset's val split, else a stratified seeded 10% of
-    train) with no refit: the heads trained on ``train`` are the ones reported
-    (``dinov2-linear``: ``run_eval_linear`` evaluates the heads it trained, it never refits)."""
+    """Train once and select on held-out rows, no refit (a grid of heads trained together:
+    ``dinov2-linear``, as ``run_eval_linear`` evaluates the heads it trained, and the attentive
+    probes): ``full``'s train and validation rows (the dataset's val split, else a stratified
+    seeded 10% of train), the final fit being the train fit, so ``train_split`` names the rows
+    actually trained on (``train``, or ``train[90%]`` beside a holdout)."""
     sp = _plan_full(p, y, seed, n_val, val_source, train_name, val_name)
-    train_label = train_name if n_val is not None else f"{train_name}[-{HOLDOUT_FRACTION:.0%}]"
-    return SplitPlan(sp.train, sp.val, sp.train, train_label, {**sp.info, "refit": "none"})
+    label = train_name if n_val is not None else f"{train_name}[{1 - HOLDOUT_FRACTION:.0%}]"
+    return SplitPlan(sp.train, sp.val, sp.train, label, {**sp.info, "refit": "none"})
 
 
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
@@ -790,6 +830,26 @@ def dinov2_linear(arg: str | None = None) -> Protocol:
         split="no-refit",
         solver="dinov2-linear",
         grid=DINOV2_LINEAR,
+    )
+
+
+@register_protocol("attentive", usage="attentive:VARIANT (vjepa or aim)", note="a learned-query head grid on tokens")
+def attentive(arg: str | None = None) -> Protocol:
+    """Attentive probes on token features (:class:`AttentiveGrid`): V-JEPA's or AIM's head,
+    a 4 lr x 5 wd grid trained together, the best head chosen on validation (the dataset's
+    val split, else a stratified 10% of train, as ``full``), reported on test without a refit."""
+    if arg not in ATTENTIVE_VARIANTS:
+        raise ProtocolError(
+            f"attentive needs a variant, one of {sorted(ATTENTIVE_VARIANTS)}: e.g. attentive:vjepa (got {arg!r})"
+        )
+    return Protocol(
+        spec=f"attentive:{arg}",
+        name="attentive",
+        stage="probe",
+        split="no-refit",
+        solver="attentive",
+        grid=AttentiveGrid(variant=arg),
+        kind="tokens",
     )
 
 

@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 
 def human(n: float) -> str:
     """Bytes in decimal units (kB, MB, GB, TB)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB", "GB"):
         n /= 1000
-    raise AssertionError("unreachable")
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} TB"
 
 
 @dataclass(frozen=True)

@@ -93,13 +93,13 @@ def nonfinite_rows(X, block_bytes: int | None = None) -> np.ndarray:
     known = X.known_nonfinite() if hasattr(X, "known_nonfinite") else None
     if known is not None:
         return known
-    if isinstance(X, np.ndarray) and X.ndim > 2:  # [n, S, D] inputs (dinov2-linear), in memory
+    if isinstance(X, np.ndarray) and X.ndim > 2:  # [n, S, D] / [n, T, D] rows, in memory
         return np.asarray(~np.isfinite(X.reshape(X.shape[0], -1)).all(axis=1))
-    n, d = X.shape
+    n, d = X.shape[0], int(np.prod(X.shape[1:]))  # a stored row may be [T, D] (tokens)
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     bad = np.zeros(n, bool)
     for s, e, raw in raw_blocks(X, _rows_for(d, 0, block_bytes // 4)):
-        bad[s:e] = ~np.isfinite(raw).all(axis=1)
+        bad[s:e] = ~np.isfinite(raw).reshape(e - s, -1).all(axis=1)
     return bad
 
 

@@ -81,7 +81,7 @@ class ProbeConfig:
     val_split: str = flag(
         "val", "the dataset's own validation split, used when present (default: 'val', else 'validation')"
     )
-    kind: str = flag("pooled", "feature kind in the cache")
+    kind: str = flag("pooled", "feature kind in the cache (attentive:*: tokens unless a tokens@GxG kind is named)")
     val_source: str = flag(
         "auto",
         "vtab1k selection data (the paper's two readings): official-val (VTAB's val200: the first "
@@ -193,6 +193,8 @@ class ProbeConfig:
         for f in ("search_epochs", "final_epochs"):
             if getattr(out, f) is not None and getattr(out, f) < 1:
                 raise ProbeConfigError(f"{f} must be >= 1 (got {getattr(out, f)})")
+        if proto.kind and out.kind == "pooled":  # e.g. the attentive probes read tokens unless told
+            out = replace(out, kind=proto.kind)
         if isinstance(g, CGrid) and g.fixed:  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
             out = replace(out, **dict(g.fixed))
         from featcache.probes.solvers import get_solver

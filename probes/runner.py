@@ -189,7 +189,8 @@ def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:
     if not get_solver(proto.solver).streams:
         return False
     prov = cache.provenance(b, ds, cfg.train_split, cfg.kind)
-    return use_streaming(prov.n, prov.dim, 0, 0, cfg.max_host_bytes)
+    row = int(np.prod(getattr(prov, "row_shape", None) or (prov.dim,)))  # [T, D] rows (tokens) count whole
+    return use_streaming(prov.n, row, 0, 0, cfg.max_host_bytes)
 
 
 def _check_alignment(per_backbone: dict[str, dict[str, SplitData]]) -> None:

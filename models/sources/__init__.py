@@ -33,6 +33,7 @@ from typing import Any
 
 from featcache.core.registry import Registry
 from featcache.errors import BackboneError, ConfigError
+from featcache.models.sources.tokens import check_kinds
 
 SourceBuilder = Callable[..., Any]
 #: what a source lists for ``featcache models``: ``(model, weights, cached)`` rows (``cached``
@@ -241,16 +242,6 @@ def seeded(seed: int | None, fn: Callable[[], Any]) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return fn()
-
-
-def check_kinds(kinds: Any, offered: tuple[str, ...], name: str) -> None:
-    """Every kind asked for is offered (``blocks:4`` is offered as ``blocks:K``, ``tokens@2x2``
-    as ``tokens@GxG``)."""
-    from featcache.models.sources.tokens import kind_template
-
-    bad = [k for k in kinds if kind_template(k) not in offered]
-    if bad:
-        raise BackboneError(f"{name} offers feature kinds {', '.join(offered)}; not {', '.join(bad)}")
 
 
 def input_size_of(transform: Any, default: int = 224) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any
 
-from featcache.errors import ConfigError
+from featcache.errors import BackboneError, ConfigError
 
 #: how the token kinds are spelled in --features, and how a source lists them in ``Backbone.kinds``
 TOKEN_KINDS = ("blocks:K", "tokens", "tokens@GxG")
@@ -107,3 +107,11 @@ def map_pool(fmap: Any, g: int, name: str, what: str = "final feature map") -> A
 def map_tokens(fmap: Any) -> Any:
     """A feature map ``[B, C, H, W]`` as its positions ``[B, H*W, C]`` (row-major over H then W)."""
     return fmap.flatten(2).transpose(1, 2)
+
+
+def check_kinds(kinds: Any, offered: tuple[str, ...], name: str) -> None:
+    """Every kind asked for is offered (``blocks:4`` is offered as ``blocks:K``, ``tokens@2x2``
+    as ``tokens@GxG``)."""
+    bad = [k for k in kinds if kind_template(k) not in offered]
+    if bad:
+        raise BackboneError(f"{name} offers feature kinds {', '.join(offered)}; not {', '.join(bad)}")

@@ -280,7 +280,7 @@ def _every_protocol():
     """Every registered protocol of both stages, parametrised ones with a typical argument."""
     for stage in ("probe", "finetune"):
         for name in P.list_protocols(stage):
-            for spec in (name, f"{name}:5", f"{name}:10%"):
+            for spec in (name, f"{name}:5", f"{name}:10%", f"{name}:vjepa"):
                 try:
                     yield P.get_protocol(spec, stage)
                     break

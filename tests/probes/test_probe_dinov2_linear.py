@@ -391,7 +391,7 @@ def test_protocol_end_to_end_on_digits(vit_store, tmp_path):
     top1 = df.filter(df["metric"] == "top1").row(0, named=True)
     hp = top1["hparams"] if isinstance(top1["hparams"], dict) else json.loads(top1["hparams"])
     assert top1["protocol"] == "dinov2-linear"
-    assert top1["train_split"] == "train[-10%]"
+    assert top1["train_split"] == "train[90%]"
     assert (hp["cls_source"], hp["patch_source"], hp["input"], hp["slots"]) == (
         "cls",
         "tokens_mean",

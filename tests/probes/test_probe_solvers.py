@@ -80,9 +80,12 @@ def test_every_probe_protocol_has_a_registered_solver():
     from featcache.probes.solvers import get_solver
 
     for name in list_protocols("probe"):
-        spec = {"fewshot": "fewshot:5", "elevater-fewshot": "elevater-fewshot:5", "subset": "subset:10%"}.get(
-            name, name
-        )
+        spec = {
+            "fewshot": "fewshot:5",
+            "elevater-fewshot": "elevater-fewshot:5",
+            "subset": "subset:10%",
+            "attentive": "attentive:vjepa",
+        }.get(name, name)
         proto = get_protocol(spec)
         solver = get_solver(proto.solver)
         assert set(solver.run_option_keys(proto)) <= set(

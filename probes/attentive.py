@@ -1,0 +1,360 @@
+"""Attentive probes on cached tokens (``attentive:vjepa``, ``attentive:aim``): a grid of heads
+trained together in one pass over the tokens, the best head chosen on validation.
+
+Each head is the reference module of its variant (:mod:`featcache.probes.attentive_modules`)
+trained with V-JEPA's frozen-evaluation recipe (facebookresearch/jepa at 51c59d5,
+``evals/image_classification_frozen/eval.py`` ``init_opt`` / ``run_one_epoch`` and
+``src/utils/schedulers.py``): AdamW (torch defaults: betas 0.9/0.999, eps 1e-8) with two
+parameter groups, weight decay on every parameter except biases and 1-D ones; before every
+step the lr follows ``WarmupCosineSchedule`` (no warmup: the head's lr, cosine to 0 over all
+steps) and the weight decay ``CosineWDSchedule`` (the head's wd, cosine to 1e-6); cross-entropy,
+``clip_grad_norm_(head.parameters(), 1.0)``, step. The grid is V-JEPA 2's image-probe grid
+(facebookresearch/vjepa2 ``configs/eval/vitl/in1k.yaml``: lr {5e-4, 1e-3, 1.5e-3, 2e-3} x wd
+{5e-4, 1e-3, 2e-3, 4e-3, 8e-3}, 20 heads). Every head sees the same batches: each block of
+token rows is read once per epoch and each batch feeds every head (one backward over the sum
+of the heads' losses, one AdamW step over every head's groups).
+
+Batches: each epoch visits the rows in blocks of ``shuffle_block_rows`` consecutive rows, the
+block order and the rows inside each block permuted (seeded ``torch.Generator``), batches of
+``batch_size`` cut inside a block (the last one may be partial). The block is the unit a
+streamed split is read in, so a split read from the store block by block trains on exactly
+the batches of the same split held in memory. Validation and test logits are computed block by
+block too.
+
+Precision: bf16 autocast where the device computes bf16 fast (CUDA; a CPU with AMX, as
+:func:`featcache.core.cpu.bf16_flags` says) and the freshly built heads' logits under bf16 agree
+with fp32 on the first training batch (every row's cosine >= :data:`BF16_MIN_COSINE`); else
+fp32. The choice and the check are recorded in the results row's hparams.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from featcache.errors import ProbeError
+from featcache.probes.attentive_modules import attention_heads, build_attentive_head
+from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BF16_MIN_COSINE",
+    "cosine_wd",
+    "fit_attentive",
+    "grid_step",
+    "param_groups",
+    "predict_logits",
+    "shuffle_block_rows",
+    "train_attentive_grid",
+    "val_score",
+    "warmup_cosine_lr",
+]
+
+#: the bf16 agreement bound (the extract stage's ``--precision auto`` bound)
+BF16_MIN_COSINE = 0.98
+#: float32 bytes of one shuffle/read block of token rows
+BLOCK_BYTES = 256 << 20
+#: batch rows of a prediction pass
+PREDICT_ROWS = 1024
+
+
+def warmup_cosine_lr(
+    step: int, warmup_steps: int, start_lr: float, ref_lr: float, final_lr: float, t_max: int
+) -> float:
+    """jepa ``WarmupCosineSchedule.step`` at its ``step``-th call (``t_max``: all steps)."""
+    if step < warmup_steps:
+        return start_lr + step / max(1, warmup_steps) * (ref_lr - start_lr)
+    progress = (step - warmup_steps) / max(1, t_max - warmup_steps)
+    return max(final_lr, final_lr + (ref_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def cosine_wd(step: int, ref_wd: float, final_wd: float, t_max: int) -> float:
+    """jepa ``CosineWDSchedule.step`` at its ``step``-th call."""
+    progress = step / t_max
+    wd = final_wd + (ref_wd - final_wd) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return max(final_wd, wd) if final_wd <= ref_wd else min(final_wd, wd)
+
+
+def param_groups(head: Any, lr: float = 0.0) -> list[dict[str, Any]]:
+    """V-JEPA's ``init_opt`` groups of one head: decayed (neither bias nor 1-D), then excluded."""
+    named = list(head.named_parameters())
+    return [
+        {"params": [p for n, p in named if "bias" not in n and p.ndim != 1], "lr": lr},
+        {
+            "params": [p for n, p in named if "bias" in n or p.ndim == 1],
+            "lr": lr,
+            "WD_exclude": True,
+            "weight_decay": 0,
+        },
+    ]
+
+
+def shuffle_block_rows(n: int, row_bytes: int, batch_size: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """Rows of one shuffle/read block: a whole number of batches within ``block_bytes`` of
+    float32 rows (at least one batch), at most all ``n`` rows."""
+    batches = max(1, block_bytes // max(1, row_bytes * batch_size))
+    return int(min(n, batches * batch_size))
+
+
+def _epoch_blocks(n: int, rows: int, gen: Any) -> list[tuple[int, int, Any]]:
+    """One epoch's (start, end, row permutation) blocks, in their permuted order."""
+    import torch
+
+    starts = list(range(0, n, rows))
+    order = torch.randperm(len(starts), generator=gen).tolist()
+    out = []
+    for i in order:
+        a = starts[i]
+        b = min(n, a + rows)
+        out.append((a, b, torch.randperm(b - a, generator=gen)))
+    return out
+
+
+def _read(X: Any, a: int, b: int) -> np.ndarray:
+    """Rows ``a:b`` of an in-memory array or a store view, as float32."""
+    return np.asarray(X[a:b], dtype=np.float32)
+
+
+def _blocks(X: Any, spans: list[tuple[int, int, Any]]) -> Iterator[tuple[np.ndarray, Any]]:
+    """The blocks of ``spans`` read in order, the next one read in a thread while the
+    caller trains on the current one."""
+    if not spans:
+        return
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_read, X, spans[0][0], spans[0][1])
+        for i, (_, _, perm) in enumerate(spans):
+            block = fut.result()
+            if i + 1 < len(spans):
+                fut = pool.submit(_read, X, spans[i + 1][0], spans[i + 1][1])
+            yield block, perm
+
+
+def _amp_check(heads: list, xb: Any, device: str) -> tuple[Any, dict[str, Any]]:
+    """(autocast dtype or None, record): bf16 where the device has it and the heads agree."""
+    import torch
+
+    from featcache.core.cpu import bf16_flags
+
+    if device.startswith("cuda"):
+        why = "CUDA"
+    elif "amx_bf16" in bf16_flags():
+        why = "AMX (amx_bf16)"
+    else:
+        return None, {"precision": "fp32", "why": "no CUDA device and no AMX on this CPU"}
+    for h in heads:
+        h.eval()
+    with torch.no_grad():
+        ref = torch.stack([h(xb) for h in heads]).float()
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+            low = torch.stack([h(xb) for h in heads]).float()
+    cos = float(torch.nn.functional.cosine_similarity(ref, low, dim=-1).min())
+    ok = cos >= BF16_MIN_COSINE
+    rec = {"precision": "bf16" if ok else "fp32", "why": why, "cosine_min": round(cos, 6), "threshold": BF16_MIN_COSINE}
+    return (torch.bfloat16 if ok else None), rec
+
+
+def _grid_heads(variant: str, dim: int, n_classes: int, n_heads: int, seed: int) -> list:
+    """``n_heads`` fresh heads drawn in turn from torch's stream seeded with ``seed`` (the
+    process's stream is restored afterwards)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        return [build_attentive_head(variant, dim, n_classes, attention_heads(dim)) for _ in range(n_heads)]
+
+
+def train_attentive_grid(
+    X: Any, y: np.ndarray, n_classes: int, grid: Any, epochs: int, seed: int, device: str = "cpu", amp: str = "auto"
+) -> tuple[list, dict[str, Any]]:
+    """Train ``grid``'s lr x wd heads of ``grid.variant`` on tokens ``X`` ``[n, T, D]`` (an
+    array or a store view, read block by block) with labels ``y`` (0..n_classes-1).
+    ``amp``: ``auto`` (see the module docstring) or ``fp32``. Returns (heads, info)."""
+    import torch
+
+    n, T, D = X.shape
+    combos = [(lr, wd) for lr in grid.lrs for wd in grid.wds]
+    heads = [h.to(device) for h in _grid_heads(grid.variant, D, n_classes, len(combos), seed)]
+    opt = torch.optim.AdamW([g for h in heads for g in param_groups(h)])
+    batch = int(min(grid.batch_size, n))
+    rows = shuffle_block_rows(n, T * D * 4, batch, grid.block_bytes)
+    per_epoch = sum(math.ceil((min(n, a + rows) - a) / batch) for a in range(0, n, rows))
+    t_max, warm = epochs * per_epoch, int(grid.warmup_epochs * per_epoch)
+    y_t = torch.from_numpy(np.asarray(y, np.int64))
+    gen = torch.Generator().manual_seed(int(seed))
+    dtype, rec = None, {"precision": "fp32", "why": "asked"}
+    step, finite = 0, [True] * len(heads)
+    for _ in range(epochs):
+        spans = _epoch_blocks(n, rows, gen)
+        for (a, _, _), (block, perm) in zip(spans, _blocks(X, spans)):
+            xblock, yblock = torch.from_numpy(block)[perm].to(device), y_t[a : a + len(block)][perm].to(device)
+            if step == 0 and amp == "auto":
+                dtype, rec = _amp_check(heads, xblock[:batch], device)
+            for h in heads:
+                h.train()
+            for i in range(0, len(xblock), batch):
+                step += 1
+                _set_schedules(opt, combos, grid, step, warm, t_max)
+                ok = grid_step(heads, opt, xblock[i : i + batch], yblock[i : i + batch], grid.clip, dtype)
+                finite = [f and o for f, o in zip(finite, ok)]
+    for h in heads:
+        h.eval()
+    info = {
+        "combos": combos,
+        "finite": finite,
+        "batch_size": batch,
+        "steps_per_epoch": per_epoch,
+        "steps": step,
+        "shuffle_block_rows": rows,
+        "attention_heads": attention_heads(D),
+        "amp": rec,
+        "amp_dtype": dtype,
+    }
+    return heads, info
+
+
+def grid_step(heads: list, opt: Any, xb: Any, yb: Any, clip: float, dtype: Any = None) -> list[bool]:
+    """One optimisation step of every head on batch ``(xb, yb)``: cross-entropy, one backward
+    over the heads' summed losses, each head's gradient norm clipped to ``clip``, one AdamW
+    step (``opt`` holds every head's groups, their lr / wd already set). Returns each head's
+    loss finiteness."""
+    import torch
+
+    dev = xb.device.type
+    with torch.autocast(dev, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        losses = [torch.nn.functional.cross_entropy(h(xb).float(), yb) for h in heads]
+    torch.stack(losses).sum().backward()
+    for h in heads:
+        torch.nn.utils.clip_grad_norm_(h.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return [bool(torch.isfinite(loss)) for loss in losses]
+
+
+def _set_schedules(opt: Any, combos: list, grid: Any, step: int, warm: int, t_max: int) -> None:
+    """Every head's groups at the schedules' ``step``-th call (two groups per head, in order)."""
+    for k, (lr, wd) in enumerate(combos):
+        start = grid.start_lr if grid.start_lr is not None else lr
+        new_lr = warmup_cosine_lr(step, warm, start, lr, grid.final_lr, t_max)
+        new_wd = cosine_wd(step, wd, grid.final_wd, t_max)
+        for g in opt.param_groups[2 * k : 2 * k + 2]:
+            g["lr"] = new_lr
+            if not g.get("WD_exclude"):
+                g["weight_decay"] = new_wd
+
+
+def predict_logits(heads: list, X: Any, device: str, dtype: Any = None, rows: int = PREDICT_ROWS) -> np.ndarray:
+    """Logits ``[H, n, K]`` (float64) of ``heads`` (eval mode) on tokens ``X``, block by block."""
+    import torch
+
+    n = X.shape[0]
+    out = None
+    with torch.no_grad():
+        for a in range(0, n, rows):
+            xb = torch.from_numpy(_read(X, a, min(n, a + rows))).to(device)
+            with torch.autocast(device.split(":")[0], dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                z = torch.stack([h(xb).float() for h in heads]).double().cpu().numpy()
+            if out is None:
+                out = np.empty((len(heads), n, z.shape[-1]))
+            out[:, a : a + len(xb)] = z
+    if out is None:
+        raise ProbeError("no rows to predict")
+    return out
+
+
+def _check_tokens(X: Any, spec: str) -> None:
+    if len(getattr(X, "shape", ())) != 3:
+        raise ProbeError(
+            f"{spec} pools token features [n, T, D] but got an array of shape {tuple(X.shape)}; "
+            "extract them with `featcache extract ... --features tokens` (or tokens@GxG for large "
+            "datasets) and probe with --kind tokens"
+        )
+
+
+@register_solver("attentive", options=("sgd_epochs",), streams=True)
+def fit_attentive(req: FitRequest) -> FitOutcome:
+    """Train the protocol's head grid on the plan's train rows, choose the best head on its
+    validation rows (the task metric), report that head (no refit)."""
+    from scipy.special import softmax
+
+    from featcache.core.devices import resolve_device
+    from featcache.probes.logistic import cpu_threads
+
+    g, (Xtr, ytr), (Xva, yva) = req.proto.grid, req.plan.tr, req.plan.va
+    epochs = req.opts["sgd_epochs"] or g.epochs
+    for X in (Xtr, Xva):
+        _check_tokens(X, req.proto.spec)
+    if not len(yva):
+        raise ProbeError(f"{req.proto.spec} chooses its head on validation rows and the plan has none")
+    classes = np.unique(np.concatenate([ytr, yva]))
+    device = resolve_device("auto")
+    t0 = time.perf_counter()
+    with cpu_threads(device):
+        heads, info = train_attentive_grid(
+            Xtr, np.searchsorted(classes, ytr), classes.size, g, epochs, req.seed, device
+        )
+        Z = predict_logits(heads, Xva, device, info["amp_dtype"])
+    metric = req.opts.get("metric", "top1")
+    scores = [
+        val_score(metric, np.searchsorted(classes, yva), softmax(z, axis=1)) if ok else -np.inf
+        for z, ok in zip(Z, info["finite"])
+    ]
+    best = int(np.argmax(scores))
+    lr, wd = info["combos"][best]
+    hp = _hparams(g, epochs, device, info, scores, metric, best)
+    hp["tokens_read"] = "in memory" if isinstance(Xtr, np.ndarray) else "from the store, block by block"
+    best_head = heads[best]
+
+    def predict(Xe: np.ndarray) -> np.ndarray:
+        with cpu_threads(device):
+            return softmax(predict_logits([best_head], Xe, device, info["amp_dtype"])[0], axis=1)
+
+    log.info(
+        "%s: best head lr=%g wd=%g (val %s %.4f of %d heads)", req.proto.spec, lr, wd, metric, scores[best], len(heads)
+    )
+    return FitOutcome(predict, classes, hp, bool(info["finite"][best]), time.perf_counter() - t0)
+
+
+def val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
+    """A head's validation score: the task metric of its probabilities (top-1 by default)."""
+    if metric == "top1":
+        return float(np.mean(P.argmax(1) == y))
+    from featcache.core.metrics import METRICS
+
+    return float(METRICS[metric](y, P))
+
+
+def _hparams(g: Any, epochs: int, device: str, info: dict, scores: list, metric: str, best: int) -> dict[str, Any]:
+    """The results row's record of one grid fit."""
+    from featcache.probes.attentive_modules import ATTENTIVE_VARIANTS
+
+    lr, wd = info["combos"][best]
+    hp = {
+        "solver": "attentive",
+        "variant": g.variant,
+        "module": ATTENTIVE_VARIANTS[g.variant],
+        "device": device,
+        "selection": f"best of {len(scores)} heads (lr x wd) on val {metric}; no refit",
+        "lr": lr,
+        "weight_decay": wd,
+        "heads": [
+            {"lr": c[0], "weight_decay": c[1], "val": float(s) if np.isfinite(s) else None}
+            for c, s in zip(info["combos"], scores)
+        ],
+        "epochs": epochs,
+        "optimizer": "AdamW(betas=(0.9, 0.999), eps=1e-8), no decay on biases and 1-D parameters",
+        "lr_schedule": f"warmup {g.warmup_epochs} epochs then cosine to {g.final_lr}",
+        "wd_schedule": f"cosine to {g.final_wd}",
+        "grad_clip": g.clip,
+        **{k: info[k] for k in ("batch_size", "steps_per_epoch", "steps", "shuffle_block_rows", "attention_heads")},
+        "precision": info["amp"],
+    }
+    if epochs != g.epochs:
+        hp.update(scaled=True, scaled_from={"epochs": g.epochs})
+    return hp
