@@ -38,6 +38,8 @@ DEFAULT_CHUNK_ROWS = 1024
 MAX_INPUT_SIDE = 4096
 #: most images of one forward pass (a larger one is refused before anything is written)
 MAX_BATCH = 65536
+#: most augmented views of the train split (--views): each is a full pass over it
+MAX_VIEWS = 1024
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _SIDE = Interval(int, 1, MAX_INPUT_SIDE, hi_text=f"must be at most {MAX_INPUT_SIDE} pixels a side")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
@@ -120,6 +122,20 @@ class ExtractConfig:
         check=OneOf("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"),
     )
     features: tuple[str, ...] = flag(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
+    views: int = flag(
+        0,
+        "also extract K seeded augmented views of the train split (RandomResizedCrop(scale 0.08-1, bicubic) + "
+        "horizontal flip, the DINOv2/MAE train transform), stored as splits train@view0 .. train@view{K-1}; "
+        "val/test keep the deterministic view; K=8 after K=4 computes views 4-7 only",
+        type=int,
+        check=Interval(int, 0, MAX_VIEWS, hi_text=f"must be at most {MAX_VIEWS} views"),
+    )
+    view_seed: int = flag(
+        0,
+        "seed of the views' random crops and flips (each image's draws are seeded by (seed, view, row))",
+        type=int,
+        check=Interval(int, 0, 2**32 - 1),
+    )
     overwrite: bool = flag(False, "replace features stored with other settings", action="store_true")
     limit: int | Mapping[str, int] | None = flag(None, "first N rows of each split only (N > 0)", type=int)
     amp: str = flag(

@@ -40,6 +40,7 @@ from featcache.extract.distributed import (
 from featcache.extract.features import FEATURE_KINDS_HELP, FeatureHead
 from featcache.extract.loop import SplitReport, run_split
 from featcache.extract.settings import compute_settings, recorded_precision  # also importable from here
+from featcache.extract.views import with_views
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         dims = head.dims(tuple(bb.data_config["input_size"]))
         workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
         key = cfg.backbone_name or bb.default_key
+        sources = with_views(sources, cfg.views, cfg.view_seed, bb, lambda s: _limited(cfg, s))
         res = _resolve(cfg, store, head, dev, key, sources, threads)
         if cfg.workers is None and res.forward_ips and res.decode_ips:
             workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head)
@@ -333,6 +335,9 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
 
     bb, cfg = job.bb, job.cfg
     extra = {**cfg.recorded(), **(job.record or {}), "backend": job.backend, "threads": threads, "decoder": job.decoder}
+    data_config = _jsonable(bb.data_config)
+    if "view" in src.extra:  # an augmented view: its transform, seed and index are part of what it is
+        data_config["view"] = src.extra["view"].spec()
     if bb.device.startswith("cpu"):
         from featcache.core.cpu import cpu_isa
 
@@ -351,7 +356,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             model_name=bb.name,
             weights_source=bb.weights_source,
             weights_sha256=bb.weights_sha256,
-            data_config=_jsonable(bb.data_config),
+            data_config=data_config,
             pooling=k,
             device=bb.device,
             batch_size=cfg.batch_size,
