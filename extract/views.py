@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from featcache.data.source import SplitSource
 from featcache.data.views import ViewTransform, view_split
-from featcache.errors import ConfigError
+from featcache.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ def check_view_backbone(bb: Any) -> None:
         )
 
 
-def with_views(sources: list[SplitSource], views: int, seed: int, bb: Any, limited) -> list[SplitSource]:
+def with_views(
+    sources: list[SplitSource], views: int, seed: int, bb: Any, limited: Callable[[SplitSource], SplitSource]
+) -> list[SplitSource]:
     """``sources`` with ``views`` view splits of the train split after it (``limited``: the
     row limit applied to a source). Refused when no train split is extracted."""
     if not views:
@@ -86,7 +89,7 @@ class ViewRows:
         try:
             a = self.view(self.source.load(i), i)
             if a.shape != (h, w, c):
-                raise ValueError(f"view produced {a.shape[1]}x{a.shape[0]}x{a.shape[2]}, expected {w}x{h}x{c}")
+                raise DataError(f"view produced {a.shape[1]}x{a.shape[0]}x{a.shape[2]}, expected {w}x{h}x{c}")
             return i, torch.from_numpy(a), True, ""
         except Exception as exc:  # any decode/transform failure becomes an invalid row
             return i, torch.zeros((h, w, c), dtype=torch.uint8), False, f"{type(exc).__name__}: {exc}"[:500]

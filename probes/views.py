@@ -15,7 +15,7 @@ Evaluation always reads the deterministic features.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,14 @@ def view_splits(splits: Sequence[str], train_split: str, views: int) -> list[str
 
 
 def load_views(
-    cache: Any, backbone: str, dataset: str, cfg: Any, train: Any, names: list[str], load_split, lazy: bool
+    cache: Any,
+    backbone: str,
+    dataset: str,
+    cfg: Any,
+    train: Any,
+    names: list[str],
+    load_split: Callable[..., Any],
+    lazy: bool,
 ) -> list:
     """Views ``0 .. cfg.views-1`` of ``cfg.train_split`` (``load_split``: the runner's loader of
     one split's valid rows in id order), each row-aligned with ``train``; a store with fewer
