@@ -94,10 +94,15 @@ class ViewTransform:
         for step in self.pre:
             img = step(img)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(view_draw_seed(self.seed, self.view, row))
+            # the CPU generator only: torch.manual_seed would also queue lazy seeds of every
+            # accelerator backend (a traceback captured per call, most of a view's time)
+            torch.default_generator.manual_seed(view_draw_seed(self.seed, self.view, row))
             return self.flip(self.crop(img))
 
     def __call__(self, img: Any, row: int) -> np.ndarray:
+        if getattr(img, "mode", None) == "L":  # one band resampled, then stacked: the same values
+            a = np.asarray(self.geometric(img, row), dtype=np.uint8)  # as PIL gives each band of RGB
+            return np.stack([a, a, a], axis=-1)
         img = self.geometric(self.fast.to_rgb(img), row)
         return np.array(img, dtype=np.uint8)  # a writable copy (torch.from_numpy)
 
@@ -121,7 +126,7 @@ class ViewTransform:
             ),
             "seed": self.seed,
             "index": self.view,
-            "draws": "torch.manual_seed(SeedSequence([seed, index, row]).generate_state(1, uint64)) per image",
+            "draws": "torch.default_generator.manual_seed(SeedSequence([seed, index, row]).generate_state(1, uint64)) per image",
         }
 
     def __repr__(self) -> str:

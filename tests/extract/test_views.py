@@ -85,6 +85,14 @@ def test_view_transform_is_torchvisions_crop_and_flip_with_the_seeded_draws():
             want = ref(img)
             assert torch.equal(got, want), (seed, view, row)
     assert flips == {True, False}  # both branches of the flip were exercised
+    from PIL import Image
+    from skimage import data as photos
+
+    photo = Image.fromarray(photos.astronaut()).resize((96, 80))  # an RGB image: the 3-band path
+    vt = ViewTransform(cfg, 4, 2)
+    got = vt.normalize(torch.from_numpy(vt(photo, 11))[None], channels_last=False)[0]
+    torch.manual_seed(view_draw_seed(4, 2, 11))
+    assert torch.equal(got, ref(photo))
     a = ViewTransform(cfg, 0, 0)(src.load(3), 3)
     assert not np.array_equal(a, ViewTransform(cfg, 0, 1)(src.load(3), 3))  # another view, another crop
     assert not np.array_equal(a, ViewTransform(cfg, 1, 0)(src.load(3), 3))  # another seed, another crop
