@@ -128,12 +128,14 @@ class ExtractConfig:
         "horizontal flip, the DINOv2/MAE train transform), stored as splits train@view0 .. train@view{K-1}; "
         "val/test keep the deterministic view; K=8 after K=4 computes views 4-7 only",
         type=int,
+        metavar="K",
         check=Interval(int, 0, MAX_VIEWS, hi_text=f"must be at most {MAX_VIEWS} views"),
     )
     view_seed: int = flag(
         0,
         "seed of the views' random crops and flips (each image's draws are seeded by (seed, view, row))",
         type=int,
+        metavar="S",
         check=Interval(int, 0, 2**32 - 1),
     )
     overwrite: bool = flag(False, "replace features stored with other settings", action="store_true")

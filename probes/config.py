@@ -104,6 +104,7 @@ class ProbeConfig:
         "dinov2-linear draw one view per image per epoch (seeded); full/fewshot/subset fit on all K views "
         "with sample weight 1/K; selection and evaluation read the deterministic features (default 0: none)",
         type=int,
+        metavar="K",
         check=Interval(int, 0),
     )
     search_epochs: int | None = flag(

@@ -148,6 +148,7 @@ STAGES = {
             "data": ("d=digits",),
             "scheduler": "tcp://127.0.0.1:8786",
             "workers": 0,
+            "views": 2,
         },
     ),
 }

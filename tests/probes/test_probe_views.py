@@ -146,3 +146,16 @@ def test_views_refusals(views_cache):
     with pytest.raises(ProbeError, match="does not train on augmented views") as e:
         _probe(views_cache, "salman", views=2)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_sweep_passes_views_to_the_protocols_that_train_on_them(views_cache, tmp_path):
+    from featcache.sweep.planner import SweepConfig, plan
+
+    cfg = SweepConfig(
+        cache=views_cache, results_path=str(tmp_path / "r.parquet"), protocols=("bob-linear", "salman", "full"), views=2
+    )
+    got = {i.protocol: i.config.views for i in plan(cfg).items}
+    assert got == {"bob-linear": 2, "salman": 0, "full": 2}
+    plain = {i.protocol: i.run_id for i in plan(SweepConfig(cache=views_cache, results_path=cfg.results_path)).items}
+    assert plain["full"] != next(i.run_id for i in plan(cfg).items if i.protocol == "full")
