@@ -147,6 +147,7 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
         from featcache.probes.views import load_views
 
         data.views = load_views(c, b, ds, cfg, tr, names, _load_split, lazy)
+        tr.fingerprint = combine_fingerprints(tr.fingerprint, *(v.fingerprint for v in data.views))  # run ids
     _attach_label_matrices(c, ds, data)
     return data
 

@@ -116,6 +116,11 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
         names: list[str] = [cfg.train_split, *([val] if val else []), *cfg.eval_splits]
         read = dict.fromkeys(names)
         fp = {s: c.stored_fingerprint(b, cfg.dataset, s, cfg.kind) for s in read}
+        if cfg.views:  # the views' features join the train split's (as run_probes combines them)
+            from featcache.probes.views import view_splits
+
+            views = [c.stored_fingerprint(b, cfg.dataset, v, cfg.kind) for v in view_splits(cfg.train_split, cfg.views)]
+            fp[cfg.train_split] = combine_fingerprints(fp[cfg.train_split], *views)
         text = [t] if (t := text_fingerprint(c, b, cfg)) else []
         out[b] = {
             es: combine_fingerprints(fp[cfg.train_split], fp[val] if val else "", fp[es], *text)

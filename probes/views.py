@@ -50,7 +50,7 @@ def stack_views(views: Sequence[Any], y: np.ndarray) -> tuple[np.ndarray, np.nda
     return X, np.tile(np.asarray(y), len(views))
 
 
-def view_splits(splits: Sequence[str], train_split: str, views: int) -> list[str]:
+def view_splits(train_split: str, views: int) -> list[str]:
     """The split names of views ``0 .. views-1`` of ``train_split``."""
     from featcache.data.views import view_split
 
@@ -71,7 +71,7 @@ def load_views(
     one split's valid rows in id order), each row-aligned with ``train``; a store with fewer
     views is refused with the extract command that adds them."""
     out = []
-    for v, name in enumerate(view_splits(cache.splits(dataset), cfg.train_split, cfg.views)):
+    for v, name in enumerate(view_splits(cfg.train_split, cfg.views)):
         try:
             got = load_split(cache, backbone, dataset, name, cfg.kind, names, lazy=lazy)
         except NotInStoreError:

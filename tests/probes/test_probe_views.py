@@ -100,6 +100,10 @@ def test_probes_with_views_run_are_deterministic_and_differ(views_cache, protoco
     two = _probe(views_cache, protocol, views=2, **kw)
     assert {m: r["value"] for m, r in one.items()} == {m: r["value"] for m, r in two.items()}
     assert one["top1"]["run_id"] == two["top1"]["run_id"] != plain["top1"]["run_id"]
+    from featcache.probes.store_lookup import run_ids
+
+    cfg = ProbeConfig(cache=views_cache, backbones=LITE0, dataset="digits", protocol=protocol, views=2, **kw)
+    assert list(run_ids(cfg).values()) == [one["top1"]["run_id"]]  # what sweep and skip-if-done read
     assert one["nll"]["value"] != plain["nll"]["value"]
     assert one["top1"]["hparams"]["views"] == 2
     assert "views" not in plain["top1"]["hparams"]
