@@ -183,3 +183,30 @@ def test_kill9_during_a_view_and_resume_is_byte_identical(tmp_path):
     assert f"{N // CHUNK - marked} of {N // CHUNK} chunks left" in run.stderr
     for split in ("train", "train@view0"):
         assert chunk_bytes(_group(cache, split)) == chunk_bytes(_group(ref, split)), split
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_write_the_same_views(tmp_path):
+    """`torchrun --nproc-per-node 2` (each rank owning every other chunk) writes the views a
+    single process writes, byte for byte: the draws follow the row, not the rank."""
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    one, two = tmp_path / "one.zarr", tmp_path / "two.zarr"
+    extract(_cfg(one, limit=64, views=1, view_seed=2, threads=1, device="cpu"))
+    args = [
+        *("-m", "featcache", "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS, "--data", "digits"),
+        *("--split", "train", "--limit", "64", "--input-size", "32", "--chunk-rows", "16", "--batch-size", "8"),
+        *("--workers", "0", "--threads", "1", "--device", "cpu", "--precision", "fp32", "--views", "1"),
+        *("--view-seed", "2", "--no-progress", "--cache", str(two)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", *args], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 1 computes 2 of the 4 pending chunks" in run.stderr
+    for split in ("train", "train@view0"):
+        assert chunk_bytes(_group(two, split)) == chunk_bytes(_group(one, split)), split
