@@ -1,7 +1,7 @@
 """Statistics used by the analysis stage (numpy and scipy).
 
-Clopper-Pearson intervals, Kendall tau-b and ranks (scipy), BoB z-scores, average ranks and
-the bootstrap line fit of Recht et al.
+Clopper-Pearson intervals, McNemar's exact test of two classifiers on the same rows, Kendall
+tau-b and ranks (scipy), BoB z-scores, average ranks and the bootstrap line fit of Recht et al.
 Nothing here reads files or knows about result tables.
 """
 
@@ -18,6 +18,7 @@ __all__ = [
     "clopper_pearson",
     "kendall_tau_b",
     "linear_fit",
+    "mcnemar",
     "rankdata",
     "zscores",
 ]
@@ -45,6 +46,32 @@ def clopper_pearson(k: ArrayLike, n: ArrayLike, alpha: float = 0.05) -> tuple[np
         lo = np.where(k == 0, 0.0, betaincinv(k, n - k + 1, alpha / 2))
         hi = np.where(k == n, 1.0, betaincinv(k + 1, n - k, 1 - alpha / 2))
     return lo, hi
+
+
+def mcnemar(correct_a: ArrayLike, correct_b: ArrayLike) -> tuple[int, int, float]:
+    """McNemar's exact two-sided test of two classifiers scored on the same rows.
+
+    ``correct_a`` / ``correct_b``: one boolean per row (the row's prediction was right). Returns
+    ``(n_a_only, n_b_only, p)``: the discordant counts (rows only ``a`` got right, rows only ``b``
+    got right) and the exact binomial p-value of ``n_a_only`` among the discordant rows under
+    p = 1/2 (1.0 without discordant rows).
+
+    >>> mcnemar([True, True, True, False], [False, False, True, False])
+    (2, 0, 0.5)
+    """
+    from scipy.stats import binomtest
+
+    a, b = np.asarray(correct_a), np.asarray(correct_b)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ResultsError(
+            f"McNemar compares two classifiers on the same rows: got shapes {a.shape} and {b.shape}; "
+            "pass one boolean per evaluated row for each, in the same row order"
+        )
+    if a.dtype != bool or b.dtype != bool:
+        raise ResultsError("McNemar takes booleans (prediction == label per row); compare the predictions first")
+    n_a, n_b = int((a & ~b).sum()), int((~a & b).sum())
+    p = float(binomtest(n_a, n_a + n_b, 0.5).pvalue) if n_a + n_b else 1.0
+    return n_a, n_b, min(p, 1.0)
 
 
 def rankdata(x: ArrayLike, *, descending: bool = True, axis: int = -1) -> np.ndarray:

@@ -195,7 +195,8 @@ def _agreement(out: Mapping[str, Any], ref: Mapping[str, Any], ok: Any = None) -
 
     diff, cos = 0.0, 1.0
     for k, r in ref.items():
-        a, b = out[k].detach().double().cpu(), r.detach().double().cpu()
+        # one cosine per row over its whole array (a token kind's row is [T, D])
+        a, b = out[k].detach().double().cpu().flatten(1), r.detach().double().cpu().flatten(1)
         if ok is not None:
             a, b = a[ok], b[ok]
         if not len(a):

@@ -61,7 +61,7 @@ def run_extract(args: argparse.Namespace) -> int:
     from featcache.extract.pipeline import dist_info, extract
 
     for cfg, task in configs:
-        reports = extract(cfg)
+        reports = extract(cfg, on_size=print)  # the store size needed, before any image is read
         if dist_info()[0] == 0:
             if task is not None and cfg.write:
                 _record_task_metric(cfg, task)

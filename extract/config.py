@@ -121,7 +121,14 @@ class ExtractConfig:
         "centres) | whole-tf: the earlier name of whole-tf2",
         check=OneOf("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"),
     )
-    features: tuple[str, ...] = flag(("pooled",), "pooled,tokens_mean,cls,stageN_avg (one forward)", type=_csv)
+    features: tuple[str, ...] = flag(
+        ("pooled",),
+        "feature kinds, comma-separated, all from one forward: pooled, tokens_mean, cls, stageN_avg (vectors); "
+        "blocks:K (class tokens of the last K blocks through the final norm, K x D a row), tokens (the last "
+        "block's patch tokens, or a CNN's final map positions, T x D), tokens@GxG (tokens area-pooled to G x G, "
+        "G*G x D; for large datasets)",
+        type=_csv,
+    )
     views: int = flag(
         0,
         "also extract K seeded augmented views of the train split (RandomResizedCrop(scale 0.08-1, bicubic) + "
@@ -137,6 +144,12 @@ class ExtractConfig:
         type=int,
         metavar="S",
         check=Interval(int, 0, 2**32 - 1),
+    )
+    size_check: bool = flag(
+        True,
+        "do not refuse a job whose uncompressed store size (printed before any image is read) exceeds the free "
+        "space of the store's disk",
+        negate="--no-size-check",
     )
     overwrite: bool = flag(False, "replace features stored with other settings", action="store_true")
     limit: int | Mapping[str, int] | None = flag(None, "first N rows of each split only (N > 0)", type=int)
@@ -231,6 +244,10 @@ class ExtractConfig:
             bad("--compile", "with --backend " + self.backend, "give one of them (--compile is --backend compile)")
         if not self.features:
             bad("--features", "''", "name at least one feature kind")
+        from featcache.models.sources.tokens import parse_token_kind
+
+        for kind in self.features:  # a malformed blocks:K / tokens@GxG: one line before any model is built
+            parse_token_kind(kind)
         for opt, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):
             if name is not None:
                 check_store_key(name, opt)

@@ -1,19 +1,35 @@
-"""Feature kinds computed from one forward pass (pooled, tokens_mean, cls, stageN_avg)."""
+"""Feature kinds computed from one forward pass: the vectors (pooled, tokens_mean, cls,
+stageN_avg) and the token kinds of :mod:`featcache.models.sources.tokens` (blocks:K, tokens,
+tokens@GxG), whose per-row shapes are ``(K, D)``, ``(T, D)`` and ``(G*G, D)``."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.models.sources.tokens import (
+    check_blocks,
+    grid_pool,
+    kind_template,
+    map_pool,
+    map_tokens,
+    no_class_token,
+    parse_token_kind,
+    token_grid,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from featcache.models.model import Backbone
 
-FEATURE_KINDS_HELP = "pooled, tokens_mean, cls, stageN_avg (N = stage index)"
+FEATURE_KINDS_HELP = (
+    "pooled, tokens_mean, cls, stageN_avg (N = stage index), blocks:K (class tokens of the last K blocks), "
+    "tokens (patch tokens), tokens@GxG (tokens area-pooled to G x G)"
+)
 _STAGE_RE = re.compile(r"^stage(\d+)_avg$")
 
 
@@ -27,9 +43,10 @@ class FeatureHead:
         if not self.kinds:
             raise FeatcacheError(f"no feature kinds requested; choose from {FEATURE_KINDS_HELP}")
         self.stages: list[int] = []
+        self.blocks = 0  # the largest K of the blocks:K kinds asked for (0: none)
         self.features_fn = getattr(backbone, "features_fn", None)
         if self.features_fn is not None:  # a non-timm source computes its own kinds
-            bad = [k for k in self.kinds if k not in backbone.kinds]
+            bad = [k for k in self.kinds if kind_template(k) not in backbone.kinds]
             if bad:
                 raise ConfigError(
                     f"{backbone.name} offers {', '.join(backbone.kinds)}; not {', '.join(bad)}: choose from those "
@@ -38,39 +55,42 @@ class FeatureHead:
             return
         for k in self.kinds:
             m = _STAGE_RE.match(k)
+            tok = parse_token_kind(k)
             if m:
                 self.stages.append(int(m.group(1)))
+            elif tok is not None:
+                self.blocks = max(self.blocks, tok[1]) if tok[0] == "blocks" else self.blocks
             elif k not in ("pooled", "tokens_mean", "cls"):
                 raise FeatcacheError(f"unknown feature kind {k!r}; choose from {FEATURE_KINDS_HELP}")
         if self.stages and not hasattr(self.model, "forward_intermediates"):
             raise FeatcacheError(f"{backbone.name} has no forward_intermediates; stageN_avg kinds are unavailable")
         self.n_prefix = int(getattr(self.model, "num_prefix_tokens", 1 if hasattr(self.model, "cls_token") else 0))
+        if self.blocks:
+            self._check_blocks()
+
+    def _check_blocks(self) -> None:
+        """blocks:K needs a class token, timm's forward_intermediates with prefix tokens, K <= blocks."""
+        m, name = self.model, self.bb.name
+        if getattr(m, "cls_token", None) is None or self.n_prefix < 1:
+            raise no_class_token(name)
+        fi = getattr(m, "forward_intermediates", None)
+        if fi is None or "return_prefix_tokens" not in inspect.signature(fi).parameters or not hasattr(m, "blocks"):
+            raise no_class_token(name, "gives no per-block prefix tokens (timm forward_intermediates)")
+        check_blocks(self.blocks, len(m.blocks), name)
 
     def __call__(self, x: torch.Tensor) -> dict[str, Any]:
         if self.features_fn is not None:
             return self.features_fn(x, self.kinds)
-        m = self.model
-        inter = {}
-        if self.stages:
-            final, feats = m.forward_intermediates(x, indices=sorted(set(self.stages)))
-            inter = dict(zip(sorted(set(self.stages)), feats))
-        else:
-            final = m.forward_features(x)
+        final, inter, cls = self._forward(x)
         out = {}
         for k in self.kinds:
             if k == "pooled":
-                out[k] = m.forward_head(final, pre_logits=True)
+                out[k] = self.model.forward_head(final, pre_logits=True)
             elif k in ("tokens_mean", "cls"):
-                if final.ndim != 3:
-                    raise FeatcacheError(
-                        f"{k} needs a token (transformer) backbone; {self.bb.name} outputs {tuple(final.shape)}"
-                    )
-                if k == "cls":
-                    if self.n_prefix < 1:
-                        raise FeatcacheError(f"{self.bb.name} has no class token; use pooled or tokens_mean")
-                    out[k] = final[:, 0]
-                else:
-                    out[k] = final[:, self.n_prefix :].mean(dim=1)
+                out[k] = self._vector_token_kind(k, final)
+            elif (tok := parse_token_kind(k)) is not None:
+                kind, n = tok
+                out[k] = cls[:, cls.shape[1] - n :] if kind == "blocks" else self._tokens(final, x, n)
             else:
                 stage = _STAGE_RE.match(k)
                 assert stage is not None  # the kind was validated as stageN
@@ -78,14 +98,71 @@ class FeatureHead:
                 out[k] = t.mean(dim=(2, 3)) if t.ndim == 4 else t.mean(dim=1)
         return out
 
-    def dims(self, shape: tuple[int, ...]) -> dict[str, int]:
+    def _forward(self, x: torch.Tensor) -> tuple[Any, dict[int, Any], Any]:
+        """(final features, stage index -> intermediate, class tokens ``[B, K, D]`` of the last
+        K blocks through the final norm, or None), all from one forward pass."""
+        import torch
+
+        m = self.model
+        stages = sorted(set(self.stages))
+        if not self.blocks:  # the forward of the vector kinds, unchanged
+            if stages:
+                final, feats = m.forward_intermediates(x, indices=stages)
+                return final, dict(zip(stages, feats)), None
+            return m.forward_features(x), {}, None
+        n = len(m.blocks)
+        last = list(range(n - self.blocks, n))
+        take = sorted(set(stages) | set(last))
+        final, feats = m.forward_intermediates(
+            x, indices=take, norm=False, return_prefix_tokens=True, output_fmt="NLC"
+        )  # fmt: skip
+        got = dict(zip(take, feats))  # block -> (patch tokens, prefix tokens)
+        # DINOv2's get_intermediate_layers(norm=True): the final norm over the block's whole output, then token 0
+        cls = torch.stack([m.norm(torch.cat([got[i][1], got[i][0]], dim=1))[:, 0] for i in last], dim=1)
+        return final, {i: self._nchw(got[i][0], x) for i in stages}, cls
+
+    def _nchw(self, t: Any, x: Any) -> Any:
+        """NLC patch tokens as timm's NCHW intermediates (what stageN_avg averages)."""
+        h, w = self.model.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
+        return t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous()
+
+    def _vector_token_kind(self, k: str, final: Any) -> Any:
+        if final.ndim != 3:
+            raise FeatcacheError(
+                f"{k} needs a token (transformer) backbone; {self.bb.name} outputs {tuple(final.shape)}"
+            )
+        if k == "cls":
+            if self.n_prefix < 1:
+                raise FeatcacheError(f"{self.bb.name} has no class token; use pooled or tokens_mean")
+            return final[:, 0]
+        return final[:, self.n_prefix :].mean(dim=1)
+
+    def _tokens(self, final: Any, x: Any, g: int) -> Any:
+        """``tokens`` (g == 0) or ``tokens@GxG``: a ViT's patch tokens through the final norm
+        (prefix/register tokens excluded), or a CNN's final map positions."""
+        name = self.bb.name
+        if final.ndim == 4:  # a feature map: NCHW, or NHWC where timm says so (Swin)
+            fmap = final.permute(0, 3, 1, 2) if getattr(self.model, "output_fmt", "NCHW") == "NHWC" else final
+            return map_tokens(fmap) if g == 0 else map_pool(fmap, g, name)
+        if final.ndim != 3:
+            raise FeatcacheError(f"tokens need a token or feature-map backbone; {name} outputs {tuple(final.shape)}")
+        patches = final[:, self.n_prefix :]
+        if g == 0:
+            return patches
+        pe = getattr(self.model, "patch_embed", None)
+        hw = pe.dynamic_feat_size(tuple(x.shape[-2:])) if hasattr(pe, "dynamic_feat_size") else None
+        return grid_pool(patches, token_grid(patches.shape[1], hw, name), g, name)
+
+    def dims(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Each kind's per-row shape, e.g. ``{"pooled": (1280,), "blocks:4": (4, 192)}``, from
+        one forward of a zero image of ``shape`` (C, H, W); refuses kinds the model cannot give."""
         import torch
 
         with torch.inference_mode():
             x = torch.zeros((1, *shape), device=self.bb.device)
             if self.stages:
                 self._check_stages(x)
-            return {k: int(v.shape[-1]) for k, v in self(x).items()}
+            return {k: tuple(int(s) for s in v.shape[1:]) for k, v in self(x).items()}
 
     def _check_stages(self, x) -> None:
         """timm asserts on a stage index out of range; name the kind and the stages there are."""

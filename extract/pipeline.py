@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +129,8 @@ class _Job:
     bb: Any
     head: FeatureHead
     fwd: Any
-    dims: dict[str, int]
+    #: each kind's width D (an int), or its per-row shape ``(*inner, D)`` (``blocks:4``: ``(4, D)``)
+    dims: dict[str, int | tuple[int, ...]]
     key: str
     rank: int
     world: int
@@ -142,12 +143,14 @@ class _Job:
     record: dict[str, Any] | None = None
 
 
-def extract(config: ExtractConfig) -> list[SplitReport]:
+def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = None) -> list[SplitReport]:
     """Extract features for every requested split of ``config.data`` into ``config.cache``.
 
     Re-running a finished extraction does nothing; an interrupted one recomputes only its
     unfinished chunks (refused, with the differences, if the device kind, precision, CPU
     thread count, CPU ISA or forward backend differ from the recorded ones). Returns one :class:`SplitReport` per split.
+    Before any image is read, the store size the job needs is reported (``on_size``, else the
+    log) and checked against the store disk's free space (:mod:`.sizing`; ``size_check=False``: not).
     """
     import torch
 
@@ -187,6 +190,8 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
         workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
         key = cfg.backbone_name or bb.default_key
         sources = with_views(sources, cfg.views, cfg.view_seed, bb, lambda s: _limited(cfg, s))
+        if cfg.size_check:
+            _check_size(cfg, store, key, sources, dims, on_size if rank == 0 else (lambda _: None))
         res = _resolve(cfg, store, head, dev, key, sources, threads)
         if cfg.workers is None and res.forward_ips and res.decode_ips:
             workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head)
@@ -198,6 +203,18 @@ def extract(config: ExtractConfig) -> list[SplitReport]:
     finally:
         torch.set_num_threads(old_threads)
         close_dist(own_group)
+
+
+def _check_size(cfg: ExtractConfig, store, key: str, sources, dims, on_size) -> None:
+    """Report the store size the job needs (rows still to write x per-row shape x dtype bytes)
+    and refuse, before any image is read, when the store's disk cannot hold it."""
+    from featcache.extract.sizing import check_space, plan_size, stored_fraction
+
+    limited = [_limited(cfg, s) for s in sources]
+    done = {} if cfg.overwrite else {
+        (s.split, k): f for s in limited for k, f in stored_fraction(store, key, s.dataset, s.split, dims).items()
+    }  # fmt: skip
+    check_space(cfg.cache, plan_size({s.split: len(s) for s in limited}, dims, cfg.dtype, done), on_size)
 
 
 def _limited(cfg: ExtractConfig, src: SplitSource) -> SplitSource:
@@ -348,7 +365,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             dataset=src.dataset,
             split=src.split,
             kind=k,
-            dim=job.dims[k],
+            dim=_row_shape(job.dims[k]),  # inner = shape[:-1], dim = shape[-1]
             n=len(src),
             dataset_fingerprint=meta.fingerprint,
             chunk_rows=cfg.chunk_rows,
@@ -366,6 +383,14 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
         )
         for k in job.head.kinds
     }
+
+
+def _row_shape(dims: Any) -> tuple[int, ...]:
+    """A kind's per-row shape from what ``FeatureHead.dims`` gives for it: an int D (``(D,)``)
+    or a shape ``(*inner, D)``."""
+    if isinstance(dims, (tuple, list)):  # torch.Size too
+        return tuple(int(x) for x in dims)
+    return (int(dims),)
 
 
 # --------------------------------------------------------------------------- compute settings

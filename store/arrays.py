@@ -65,13 +65,16 @@ def create_aux_array(g: zarr.Group, name: str, n: int, chunk_rows: int, n_chunks
     raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
 
 
-def create_feature_array(g: zarr.Group, kind: str, n: int, chunk_rows: int, dim: int, dtype: str) -> zarr.Array:
-    """(Re)create the ``[n, dim]`` array of one feature kind (NaN until its chunks are written)."""
+def create_feature_array(
+    g: zarr.Group, kind: str, n: int, chunk_rows: int, dim: int, dtype: str, inner: tuple[int, ...] = ()
+) -> zarr.Array:
+    """(Re)create the ``[n, *inner, dim]`` array of one feature kind (NaN until its chunks are
+    written); a chunk holds whole rows: ``(chunk_rows, *inner, dim)``."""
     return g.create_array(
         kind,
-        shape=(n, dim),
+        shape=(n, *inner, dim),
         dtype=dtype,
-        chunks=(chunk_rows, dim),
+        chunks=(chunk_rows, *inner, dim),
         fill_value=np.nan,
         compressors=checksummed(),
         config=_WRITE_EMPTY_CHUNKS,

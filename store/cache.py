@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from featcache.errors import (
     SchemaMismatchError,
 )
 from featcache.store import manifest
+from featcache.store.blocks import DEFAULT_BLOCK_MEMORY
 from featcache.store.fingerprints import dataset_fingerprint, features_fingerprint
 from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, scan_group
 from featcache.store.metadata import named_damage, translating
@@ -332,17 +333,7 @@ class FeatureCache:
         gm = self.group_meta(backbone, dataset, split)
         prov = self.provenance(backbone, dataset, split, kind)
         ids, labels, smeta = self.split_rows(dataset, split, check=check)
-        if prov.dataset_fingerprint != smeta.fingerprint:
-            raise SchemaMismatchError(
-                f"features {backbone}/{dataset}/{split} were computed on a different version of "
-                f"the split (fingerprint {prov.dataset_fingerprint[:12]} vs {smeta.fingerprint[:12]}); "
-                "re-extract with --overwrite"
-            )
-        if g[kind].shape != (smeta.n, prov.dim) or gm.n != smeta.n:
-            raise CorruptStoreError(
-                f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
-                "re-extract with --overwrite"
-            )
+        self._check_kind(g, gm, prov, smeta, f"{backbone}/{dataset}/{split}", kind)
         finishing = self._check_place(g, gm, kind, prov)
         if lazy:
             X, valid, errors, sc = scan_group_lazy(g, gm, kind, check)
@@ -383,6 +374,62 @@ class FeatureCache:
             errors=errors,
             complete=sc.complete and not finishing,
         )
+
+    @staticmethod
+    def _check_kind(g, gm: FeatureGroupMeta, prov: FeatureProvenance, smeta: SplitMeta, where: str, kind: str) -> None:
+        """Refuse a kind computed on other rows of the split, or whose array's shape is not
+        ``(rows, *inner, dim)`` of its provenance."""
+        if prov.dataset_fingerprint != smeta.fingerprint:
+            raise SchemaMismatchError(
+                f"features {where} were computed on a different version of "
+                f"the split (fingerprint {prov.dataset_fingerprint[:12]} vs {smeta.fingerprint[:12]}); "
+                "re-extract with --overwrite"
+            )
+        if g[kind].shape != (smeta.n, *prov.row_shape) or gm.n != smeta.n:
+            raise CorruptStoreError(
+                f"{where}/{kind}: shape {g[kind].shape} != {(smeta.n, *prov.row_shape)}; re-extract with --overwrite"
+            )
+
+    @translating
+    def iter_blocks(
+        self,
+        backbone: str,
+        dataset: str,
+        split: str,
+        kind: str = "pooled",
+        *,
+        max_memory: int = DEFAULT_BLOCK_MEMORY,
+        rows: slice | tuple[int, int] | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Stream a complete kind as ``(first row, float32 block)`` pairs, each block whole
+        stored chunks (``[b, *inner, dim]``, cut only at the ends of ``rows``), in order, for
+        readers of arrays larger than memory (``tokens``). Memory stays within ``max_memory``
+        bytes (the block handed out, the one being read and one decoded chunk); a budget that
+        cannot hold one chunk's block is refused in one line. Every chunk is checked as
+        :meth:`load` checks it (checksum, row invariants, place); invalid rows are NaN (labels,
+        ids and ``valid``: ``load(..., lazy=True)`` or :meth:`split_rows`). The same refusals
+        as ``load`` for a group that is incomplete, damaged or being rewritten.
+
+        >>> for start, X in cache.iter_blocks("vit", "digits", "train", "tokens", max_memory=1 << 28):  # doctest: +SKIP
+        ...     head.partial_fit(X, y[start : start + len(X)])
+        """
+        from featcache.store.blocks import iter_planned, plan_blocks
+
+        where = f"{backbone}/{dataset}/{split}"
+        g = self._feature_group(backbone, dataset, split)
+        gm = self.group_meta(backbone, dataset, split)
+        prov = self.provenance(backbone, dataset, split, kind)
+        self._check_kind(g, gm, prov, self.split_rows(dataset, split, check=True)[2], where, kind)
+        plan = plan_blocks(g, gm, kind, where, max_memory, rows)
+        finishing = self._check_place(g, gm, kind, prov)
+        done = read_done(g, gm.n_chunks)
+        if finishing or not done.all():
+            raise IncompleteStoreError(
+                f"{where}: {int((~done).sum())} of {gm.n_chunks} row chunks unfinished"
+                + (" (its writer is recording completion)" if finishing else "")
+                + "; streaming needs complete features: wait for the extract, or re-run the same `featcache extract`"
+            )
+        return iter_planned(plan)
 
     def _check_place(self, g, gm: FeatureGroupMeta, kind: str, prov: FeatureProvenance) -> bool:
         """Refuse a group whose documents or chunks were moved there from another path or
@@ -432,7 +479,8 @@ class FeatureCache:
 
     @translating
     def catalog(self) -> pl.DataFrame:
-        """One row per backbone x dataset x split x kind, as a polars DataFrame."""
+        """One row per backbone x dataset x split x kind, as a polars DataFrame (``shape``: the
+        array's shape as ``rows x *inner x dim``)."""
         import polars as pl
 
         rows = []
@@ -463,6 +511,7 @@ class FeatureCache:
                         "complete": complete,
                         "n_invalid": n_invalid,
                         "n_not_computed": n_pending,
+                        "shape": "x".join(map(str, (prov.n, *prov.row_shape))),
                         "bytes": int(g[kind].nbytes_stored()),
                         "weights": prov.weights_source,
                         "images_per_s": prov.images_per_s,
@@ -481,6 +530,7 @@ class FeatureCache:
             "complete": pl.Boolean,
             "n_invalid": pl.Int64,
             "n_not_computed": pl.Int64,
+            "shape": pl.Utf8,  # rows x *inner x dim, e.g. 300x4x192 for blocks:4
             "bytes": pl.Int64,
             "weights": pl.Utf8,
             "images_per_s": pl.Float64,

@@ -187,7 +187,7 @@ def _feature_unit(store, unit: str, attrs: dict, skip: set[str], out: list, fixe
                 )
 
         def make(g, kind=kind, prov=prov, kattrs=kattrs):
-            a = create_feature_array(g, kind, gm.n, gm.chunk_rows, prov.dim, prov.dtype)
+            a = create_feature_array(g, kind, gm.n, gm.chunk_rows, prov.dim, prov.dtype, prov.inner)
             a.update_attributes({k: kattrs[k] for k in (PROVENANCE_KEY, PROVENANCE_DIGEST_KEY) if k in kattrs})
             return a
 

@@ -110,7 +110,7 @@ def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None,
                 scan.add(name, i, f"unreadable ({_short(exc)})")
         for k, fin in scan.finite.items():
             if k in data:
-                fin[s:e] = np.isfinite(data[k]).all(axis=1)
+                fin[s:e] = row_all(np.isfinite(data[k]))
         _check_rows(scan, i, data, kinds)
     for name in scan.damaged:
         scan.damaged[name].sort()
@@ -143,13 +143,20 @@ def _check_rows(scan: GroupScan, i: int, data: dict, kinds) -> None:
                 scan.add(k, i, "missing (valid rows without features)")
 
 
+def row_all(mask: np.ndarray) -> np.ndarray:
+    """Per row (axis 0), whether every value of a ``[n, ...]`` boolean mask is set."""
+    return mask.reshape(mask.shape[0], int(np.prod(mask.shape[1:]))).all(axis=1)  # no -1: 0 rows reshape too
+
+
 def present_rows(x: np.ndarray, block_rows: int = 8192) -> np.ndarray:
     """Rows that hold features (not all NaN), checked in row blocks: the NaN mask of a
-    whole split would be one byte per value (2.6 GB at 1.28M x 2048)."""
+    whole split would be one byte per value (2.6 GB at 1.28M x 2048). ``x`` is ``[n, D]``
+    or ``[n, *inner, D]`` (a row is every value behind its index)."""
     out = np.empty(x.shape[0], bool)
-    for s in range(0, x.shape[0], block_rows):
-        b = x[s : s + block_rows]
-        out[s : s + block_rows] = ~np.isnan(b if b.dtype.kind == "f" else b.astype(np.float32)).all(axis=1)
+    step = max(1, block_rows // max(1, int(np.prod(x.shape[1:-1]))))  # the same mask size per block
+    for s in range(0, x.shape[0], step):
+        b = x[s : s + step]
+        out[s : s + step] = ~row_all(np.isnan(b if b.dtype.kind == "f" else b.astype(np.float32)))
     return out
 
 

@@ -203,7 +203,7 @@ def _array_doc(rel: str, store, entries: dict) -> bytes:
                 )
             else:
                 prov = FeatureProvenance.from_attrs(dict(entry["attributes"][PROVENANCE_KEY]))
-                a = create_feature_array(g, name, gm.n, gm.chunk_rows, prov.dim, prov.dtype)
+                a = create_feature_array(g, name, gm.n, gm.chunk_rows, prov.dim, prov.dtype, prov.inner)
     except NotDerivable:
         raise
     except Exception as exc:  # damaged copies: a schema error, a missing key

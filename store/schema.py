@@ -12,7 +12,8 @@ Layout (schema version 1; readable with plain ``zarr.open_group``)::
           embeddings [T, D] float32           one row per caption (the text tower's output)
           image_ids  [T]    string            the id of each caption's image (several per image)
       features/<backbone>/<dataset>/<split>/ attrs["featcache_features"] -> FeatureGroupMeta
-          <kind>   [N, D] float16|float32     e.g. ``pooled``; attrs["featcache_provenance"]
+          <kind>   [N, *inner, D] float16|float32  e.g. ``pooled`` [N, D], ``blocks:4`` [N, 4, D],
+                                              ``tokens`` [N, T, D]; attrs["featcache_provenance"]
           valid    [N]    bool                False where the image failed to decode
           error    [N]    string              decode error text ("" when valid)
           done     [n_chunks] uint8           1 once row chunk i of every array is written
@@ -27,6 +28,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+import numpy as np
 
 from featcache.errors import SchemaMismatchError
 
@@ -104,7 +107,7 @@ class _Schema:
             )
         kwargs = dict(attrs)
         for f in _fields(cls):
-            if f.name in kwargs and isinstance(kwargs[f.name], list) and f.type in ("tuple[str, ...]",):
+            if f.name in kwargs and isinstance(kwargs[f.name], list) and f.type in _TUPLE_TYPES:
                 kwargs[f.name] = tuple(kwargs[f.name])
             if f.name in kwargs and not _type_ok(f.type, kwargs[f.name]):
                 raise SchemaMismatchError(
@@ -119,6 +122,8 @@ class _Schema:
         """Per-schema value checks beyond types (overridden where a schema has any)."""
 
 
+_TUPLE_TYPES = ("tuple[str, ...]", "tuple[int, ...]")
+
 _TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "str": (str,),
@@ -128,6 +133,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "str | None": (str, type(None)),
     "dict[str, Any]": (dict,),
     "tuple[str, ...]": (tuple,),
+    "tuple[int, ...]": (tuple, int),
 }
 
 
@@ -139,6 +145,8 @@ def _type_ok(annotation: object, value: Any) -> bool:
         return False  # JSON true is not a row count
     if want == (tuple,):
         return isinstance(value, tuple) and all(isinstance(x, str) for x in value)
+    if want == (tuple, int):
+        return isinstance(value, tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
     return isinstance(value, want)
 
 
@@ -209,6 +217,10 @@ class FeatureProvenance(_Schema):
     created: str = ""
     completed: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the axes between rows and ``dim`` (``blocks:4``: ``(4,)``, ``tokens``: ``(T,)``); ``()`` for a
+    #: ``[N, D]`` kind, and then absent from the attrs, so older stores' documents, digests and
+    #: fingerprints are unchanged
+    inner: tuple[int, ...] = ()
 
     #: fields that define *what* the features are; a re-run must match them to resume
     IDENTITY = (
@@ -224,8 +236,31 @@ class FeatureProvenance(_Schema):
         "chunk_rows",
     )
 
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, (list, tuple)) and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in self.inner
+        ):
+            object.__setattr__(self, "inner", tuple(int(x) for x in self.inner))
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one row: ``(*inner, dim)``."""
+        return (*self.inner, self.dim)
+
+    def to_attrs(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.inner:
+            d["inner"] = list(self.inner)
+        else:
+            del d["inner"]  # a [N, D] kind's document is the one written before inner existed
+        return d
+
     def _check_values(self, where: str) -> None:
         bad = []
+        if not isinstance(self.inner, tuple) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in self.inner
+        ):
+            bad.append(f"inner {self.inner!r} (a list of positive ints: the axes between rows and dim)")
         if self.dtype not in ("float16", "float32"):
             bad.append(f"dtype {self.dtype!r} (float16 or float32)")
         if not _DEVICE_RE.match(self.device):
@@ -242,11 +277,17 @@ class FeatureProvenance(_Schema):
             )
 
     def identity(self) -> dict[str, Any]:
-        return {k: _jsonable(getattr(self, k)) for k in self.IDENTITY}
+        """The IDENTITY fields, plus ``inner`` where it is not empty (so a ``[N, D]`` kind's
+        identity, and every fingerprint made from it, is the one before ``inner`` existed)."""
+        out = {k: _jsonable(getattr(self, k)) for k in self.IDENTITY}
+        if self.inner:
+            out["inner"] = list(self.inner)
+        return out
 
     def differences(self, other: FeatureProvenance) -> dict[str, tuple[Any, Any]]:
         a, b = self.identity(), other.identity()
-        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        keys = [*a, *(k for k in b if k not in a)]  # only ``inner`` may be absent on one side
+        return {k: (a.get(k, []), b.get(k, [])) for k in keys if a.get(k, []) != b.get(k, [])}
 
 
 @dataclass(frozen=True)

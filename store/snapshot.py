@@ -46,7 +46,7 @@ def read_chunks(
     g: Any, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype: DTypeLike = np.float32
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read what is readable, chunk by chunk (damaged chunks become NaN / invalid / "")."""
-    X = np.full((gm.n, g[kind].shape[1]), np.nan, dtype or g[kind].dtype)
+    X = np.full((gm.n, *g[kind].shape[1:]), np.nan, dtype or g[kind].dtype)
     valid = np.zeros(gm.n, bool)
     errors = np.full(gm.n, "", dtype=object)
     bad = set(sc.bad_chunks) | set(np.flatnonzero(~sc.done).tolist())

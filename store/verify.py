@@ -18,7 +18,7 @@ import numpy as np
 
 from featcache.errors import FeatcacheError
 from featcache.store.cache import FeatureCache, open_cache
-from featcache.store.integrity import fill_problems
+from featcache.store.integrity import fill_problems, row_all
 from featcache.store.locks import StoreLock
 
 log = logging.getLogger(__name__)
@@ -396,8 +396,8 @@ def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
             rep.problems.append(f"{where}/{kind}: {exc}")
             continue
         arr = g[kind]
-        if arr.shape != (gm.n, prov.dim):
-            rep.problems.append(f"{where}/{kind}: shape {arr.shape} != ({gm.n}, {prov.dim})")
+        if arr.shape != (gm.n, *prov.row_shape):
+            rep.problems.append(f"{where}/{kind}: shape {arr.shape} != {(gm.n, *prov.row_shape)}")
             continue
         _check_provenance_against(arr, prov, gm, f"{where}/{kind}", rep)
         if smeta is not None and prov.dataset_fingerprint != smeta.fingerprint:
@@ -407,7 +407,7 @@ def _check_kinds(cache, g, gm, smeta, sc, b, d, s, rep: VerifyReport) -> None:
             if not check[start:stop].any():
                 continue
             x = np.asarray(arr[start:stop])[check[start:stop]]
-            bad = ~np.isfinite(x).all(axis=1)
+            bad = ~row_all(np.isfinite(x))
             if bad.any():
                 rows = (np.flatnonzero(check[start:stop])[bad] + start)[:5].tolist()
                 rep.problems.append(f"{where}/{kind}: {int(bad.sum())} valid row(s) with NaN/inf (rows {rows})")

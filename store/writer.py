@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -70,10 +71,11 @@ class FeatureWriter:
             raise SchemaMismatchError("open the cache with mode='a' to write features")
         for name, what in ((backbone, "backbone"), (dataset, "dataset"), (split, "split")):
             check_name(what, name)
-        for k in provenances:
+        for k, prov in provenances.items():
             check_name("feature kind", k)
             if k in ("valid", "error", "done"):
                 raise SchemaMismatchError(f"feature kind name {k!r} is reserved")
+            prov._check_values(f"feature kind {k!r}")  # what a reader checks, before anything is written
         first = next(iter(provenances.values()))
         if not 1 <= first.chunk_rows <= MAX_CHUNK_ROWS:
             raise SchemaMismatchError(
@@ -233,7 +235,7 @@ class FeatureWriter:
             clear_summary(g)
 
     def _create_kind(self, g, kind: str, prov: FeatureProvenance) -> None:
-        a = create_feature_array(g, kind, self.n, self.chunk_rows, prov.dim, prov.dtype)
+        a = create_feature_array(g, kind, self.n, self.chunk_rows, prov.dim, prov.dtype, prov.inner)
         doc = prov.to_attrs()
         a.update_attributes({PROVENANCE_KEY: doc, PROVENANCE_DIGEST_KEY: provenance_digest(doc)})
 
@@ -338,8 +340,11 @@ class FeatureWriter:
         for kind, x in features.items():
             x = np.asarray(x)
             prov = self.provenances[kind]
-            if x.shape != (rows, prov.dim):
-                raise SchemaMismatchError(f"chunk {i}: {kind} has shape {x.shape}, expected ({rows}, {prov.dim})")
+            if x.shape != (rows, *prov.row_shape):
+                raise SchemaMismatchError(
+                    f"chunk {i}: {kind} has shape {x.shape}, expected {(rows, *prov.row_shape)} "
+                    "(rows x the kind's per-row shape)"
+                )
             xs[kind] = x = x.astype(prov.dtype, copy=True)
             x[~valid] = np.nan
         errs = np.asarray([""] * rows if errors is None else [str(e) for e in errors], dtype=object)
@@ -410,7 +415,7 @@ def make_provenance(
     dataset: str,
     split: str,
     kind: str,
-    dim: int,
+    dim: int | Sequence[int],
     n: int,
     dataset_fingerprint: str,
     chunk_rows: int,
@@ -422,8 +427,20 @@ def make_provenance(
     pooling: str = "",
     **extra_fields: Any,
 ) -> FeatureProvenance:
-    """Fill versions and timestamps; everything else comes from the caller."""
+    """Fill versions and timestamps; everything else comes from the caller.
+
+    ``dim``: the width D of a ``[n, D]`` kind, or a kind's per-row shape ``(*inner, D)``
+    (``blocks:4``: ``(4, D)``; ``tokens``: ``(T, D)``), recorded as ``inner`` and ``dim``."""
     from featcache import __version__
+
+    if not isinstance(dim, (int, np.integer)):
+        shape = tuple(int(x) for x in dim)
+        if not shape or "inner" in extra_fields:
+            raise SchemaMismatchError(
+                f"make_provenance(kind={kind!r}): dim {dim!r} must be an int or a per-row shape (*inner, D), "
+                "without a separate inner="
+            )
+        dim, extra_fields["inner"] = shape[-1], shape[:-1]
 
     return FeatureProvenance(
         schema_version=SCHEMA_VERSION,
@@ -477,8 +494,8 @@ def write_features(
     X = np.asarray(X)
     if not 1 <= chunk_rows <= MAX_CHUNK_ROWS:  # before the split is written
         raise SchemaMismatchError(f"chunk_rows {chunk_rows} is out of range: give 1..{MAX_CHUNK_ROWS} rows per chunk")
-    if X.ndim != 2:
-        raise SchemaMismatchError(f"X must be [n, dim], got shape {X.shape}")
+    if X.ndim < 2:
+        raise SchemaMismatchError(f"X must be [n, dim] or [n, *inner, dim], got shape {X.shape}")
     labels = np.asarray(labels, dtype=np.int64)
     if class_names is None:
         class_names = [str(c) for c in range(int(labels.max()) + 1 if len(labels) else 0)]
@@ -489,7 +506,7 @@ def write_features(
         dataset=dataset,
         split=split,
         kind=kind,
-        dim=X.shape[1],
+        dim=tuple(X.shape[1:]),
         n=X.shape[0],
         dataset_fingerprint=meta.fingerprint,
         chunk_rows=chunk_rows,

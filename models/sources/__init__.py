@@ -244,7 +244,11 @@ def seeded(seed: int | None, fn: Callable[[], Any]) -> Any:
 
 
 def check_kinds(kinds: Any, offered: tuple[str, ...], name: str) -> None:
-    bad = [k for k in kinds if k not in offered]
+    """Every kind asked for is offered (``blocks:4`` is offered as ``blocks:K``, ``tokens@2x2``
+    as ``tokens@GxG``)."""
+    from featcache.models.sources.tokens import kind_template
+
+    bad = [k for k in kinds if kind_template(k) not in offered]
     if bad:
         raise BackboneError(f"{name} offers feature kinds {', '.join(offered)}; not {', '.join(bad)}")
 

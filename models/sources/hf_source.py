@@ -3,7 +3,9 @@ vision tower and text tower; ``Dinov2Model`` or any ``AutoModel`` vision model),
 directory's own image processor. Kinds: ``pooled`` (``CLIPModel``: ``get_image_features``,
 the projected embedding; others: ``pooler_output``), ``pooler`` (``pooler_output``), ``cls``
 (token 0 of ``last_hidden_state``), ``tokens_mean`` (mean of the other tokens), ``stageN_avg``
-(mean of the non-CLS tokens of layer N's output, ``hidden_states[N + 1]``, N = 0..layers-1)."""
+(mean of the non-CLS tokens of layer N's output, ``hidden_states[N + 1]``, N = 0..layers-1);
+``blocks:K``, ``tokens``, ``tokens@GxG`` from the same hidden states through the tower's final
+layer norm (:class:`_TokenKinds`; ``blocks:K`` only for a tower with a class token)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 from featcache.errors import BackboneError
 from featcache.models import sources as S
 from featcache.models import weights as _w
+from featcache.models.sources.tokens import TOKEN_KINDS, check_blocks, grid_pool, parse_token_kind, token_grid
 
 KINDS = ("pooled", "pooler", "cls", "tokens_mean")
 
@@ -94,6 +97,47 @@ def _check_code(d: Path, name: str, trust: bool) -> None:
         )
 
 
+class _TokenKinds:
+    """blocks:K, tokens, tokens@GxG of a Hugging Face vision tower from its hidden states
+    (``output_hidden_states=True``; ``hidden_states[i + 1]`` is block i's output), each through the
+    tower's final layer norm (``post_layernorm``: CLIP's pooler path; ``layernorm``: ViT, DINOv2),
+    prefix tokens (class + ``num_register_tokens``) excluded from the patch tokens."""
+
+    def __init__(self, norm: Any, n_prefix: int, has_cls: bool, layers: int, patch: Any, name: str):
+        self.norm, self.n_prefix, self.has_cls, self.layers, self.patch, self.name = (
+            norm, n_prefix, has_cls, layers, patch, name,
+        )  # fmt: skip
+        self.offered = () if norm is None else TOKEN_KINDS if has_cls else TOKEN_KINDS[1:]
+
+    @classmethod
+    def of(cls, vision: Any, vcfg: Any, layers: int, name: str) -> _TokenKinds:
+        import torch
+
+        inner = getattr(vision, "vision_model", vision)  # CLIPVisionModel wraps its transformer
+        norm = next(
+            (m for a in ("post_layernorm", "layernorm") if isinstance(m := getattr(inner, a, None), torch.nn.Module)),
+            None,
+        )
+        emb = getattr(inner, "embeddings", None)
+        has_cls = any(getattr(emb, a, None) is not None for a in ("cls_token", "class_embedding"))
+        n_prefix = 1 + int(getattr(vcfg, "num_register_tokens", 0) or 0) if has_cls else 0
+        return cls(norm, n_prefix, has_cls, layers, getattr(vcfg, "patch_size", None), name)
+
+    def __call__(self, kind: str, hidden: Any, x: Any) -> Any:
+        import torch
+
+        what, n = parse_token_kind(kind) or ("", 0)
+        if what == "blocks":
+            check_blocks(n, self.layers, self.name)
+            return torch.stack([self.norm(h)[:, 0] for h in hidden[len(hidden) - n :]], dim=1)
+        patches = self.norm(hidden[-1])[:, self.n_prefix :]
+        if what == "tokens":
+            return patches
+        p = self.patch if isinstance(self.patch, (tuple, list)) else (self.patch, self.patch)
+        hw = (x.shape[-2] // int(p[0]), x.shape[-1] // int(p[1])) if self.patch else None
+        return grid_pool(patches, token_grid(patches.shape[1], hw, self.name), n, self.name)
+
+
 def build(
     name: str,
     weights: str,
@@ -134,16 +178,20 @@ def build(
     is_clip = hasattr(model, "get_image_features")
     vision = model.vision_model if is_clip else model
 
-    layers = int(getattr(model.config, "vision_config", model.config).num_hidden_layers)
-    kinds_all = (*KINDS, *(f"stage{i}_avg" for i in range(layers)))
+    vcfg = getattr(model.config, "vision_config", model.config)
+    layers = int(vcfg.num_hidden_layers)
+    tok = _TokenKinds.of(vision, vcfg, layers, f"hf:{name}")
+    kinds_all = (*KINDS, *(f"stage{i}_avg" for i in range(layers)), *tok.offered)
 
     def features(x: Any, kinds: Any) -> dict[str, Any]:
         S.check_kinds(kinds, kinds_all, f"hf:{name}")
-        stages = any(k.startswith("stage") for k in kinds)
-        out = vision(pixel_values=x, output_hidden_states=True) if stages else vision(pixel_values=x)
+        hidden = any(k.startswith("stage") or parse_token_kind(k) is not None for k in kinds)
+        out = vision(pixel_values=x, output_hidden_states=True) if hidden else vision(pixel_values=x)
         res: dict[str, Any] = {}
         for k in kinds:
-            if k.startswith("stage"):
+            if parse_token_kind(k) is not None:
+                res[k] = tok(k, out.hidden_states, x)
+            elif k.startswith("stage"):
                 res[k] = out.hidden_states[int(k[5:-4]) + 1][:, 1:].mean(dim=1)
             elif k == "pooled":
                 res[k] = model.visual_projection(out.pooler_output) if is_clip else out.pooler_output

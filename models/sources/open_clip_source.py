@@ -2,7 +2,10 @@
 embedding zero-shot uses) with open_clip's own eval transform; the text tower
 (``encode_text`` on open_clip's tokenizer) embeds class names. ``stageN_avg`` (a ViT image
 tower): the mean of block N's patch tokens, from open_clip's own ``visual.forward_intermediates``
-(whose ``image_features`` is then ``pooled``, the same forward)."""
+(whose ``image_features`` is then ``pooled``, the same forward). ``blocks:K``, ``tokens``,
+``tokens@GxG`` (a class-token ViT tower): from the same ``forward_intermediates`` with its prefix
+tokens, each block's output through the tower's final norm ``ln_post``
+(:mod:`featcache.models.sources.tokens`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 
 from featcache.errors import BackboneError
 from featcache.models import sources as S
+from featcache.models.sources.tokens import TOKEN_KINDS, check_blocks, grid_pool, parse_token_kind, token_grid
 
 
 class OpenClipText:
@@ -33,6 +37,34 @@ def _n_blocks(visual: Any) -> int:
     """Blocks of a ViT image tower with ``forward_intermediates`` (0: no stage kinds)."""
     blocks = getattr(getattr(visual, "transformer", None), "resblocks", None)
     return len(blocks) if blocks is not None and hasattr(visual, "forward_intermediates") else 0
+
+
+def _token_kinds(visual: Any, n_blocks: int) -> tuple[str, ...]:
+    """blocks:K, tokens, tokens@GxG for a class-token ViT tower (its ``ln_post`` the final norm);
+    none for a tower that pools with attention (CoCa's ``attn_pool``) or is not a ViT."""
+    return TOKEN_KINDS if n_blocks and getattr(visual, "attn_pool", None) is None else ()
+
+
+def _vector_kinds(kinds: Any) -> list[str]:
+    """The kinds of the vector path (pooled, stageN_avg)."""
+    return [k for k in kinds if parse_token_kind(k) is None]
+
+
+def _token_outputs(toks: dict[str, tuple[str, int]], normed: list[Any], grid: Any, name: str) -> dict[str, Any]:
+    """The token kinds from the last K blocks' outputs through the final norm ``[B, 1 + T, D]``
+    (oldest first; one class token first)."""
+    import torch
+
+    res = {}
+    for k, (kind, n) in toks.items():
+        if kind == "blocks":
+            res[k] = torch.stack([t[:, 0] for t in normed[len(normed) - n :]], dim=1)
+        else:
+            patches = normed[-1][:, 1:]
+            res[k] = (
+                patches if kind == "tokens" else grid_pool(patches, token_grid(patches.shape[1], grid, name), n, name)
+            )
+    return res
 
 
 def _check_name(open_clip: Any, name: str) -> None:
@@ -196,16 +228,31 @@ def build(
     size = model.visual.image_size
     size = (3, *(size if isinstance(size, (tuple, list)) else (size, size)))
 
-    kinds = ("pooled", *(f"stage{i}_avg" for i in range(_n_blocks(model.visual))))
+    n_blocks = _n_blocks(model.visual)
+    kinds = ("pooled", *(f"stage{i}_avg" for i in range(n_blocks)), *_token_kinds(model.visual, n_blocks))
 
     def features(x: Any, kinds_: Any) -> dict[str, Any]:
+        import torch
+
         S.check_kinds(kinds_, kinds, f"open_clip:{name}")
-        stages = sorted({int(k[5:-4]) for k in kinds_ if k != "pooled"})
-        if not stages:
+        stages = sorted({int(k[5:-4]) for k in kinds_ if k.startswith("stage")})
+        toks = {k: t for k in kinds_ if (t := parse_token_kind(k)) is not None}
+        if not stages and not toks:
             return {"pooled": model.encode_image(x)}
-        out = model.visual.forward_intermediates(x, indices=stages, output_fmt="NLC")
-        got = dict(zip(stages, out["image_intermediates"]))
-        return {k: out["image_features"] if k == "pooled" else got[int(k[5:-4])].mean(dim=1) for k in kinds_}
+        k_max = max([n for kind, n in toks.values() if kind == "blocks"] + [1 if toks else 0])
+        check_blocks(k_max, n_blocks, f"open_clip:{name}")
+        last = list(range(n_blocks - k_max, n_blocks))
+        take = sorted(set(stages) | set(last))
+        out = model.visual.forward_intermediates(x, indices=take, output_fmt="NLC", output_extra_tokens=bool(toks))
+        got = dict(zip(take, out["image_intermediates"]))
+        res = {
+            k: out["image_features"] if k == "pooled" else got[int(k[5:-4])].mean(dim=1) for k in _vector_kinds(kinds_)
+        }
+        if toks:
+            pre = dict(zip(take, out["image_intermediates_prefix"]))
+            normed = [model.visual.ln_post(torch.cat([pre[i], got[i]], dim=1)) for i in last]  # the final norm
+            res.update(_token_outputs(toks, normed, model.visual.grid_size, f"open_clip:{name}"))
+        return {k: res[k] for k in kinds_}
 
     return S.finish(
         source="open_clip",

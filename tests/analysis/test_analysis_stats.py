@@ -212,3 +212,49 @@ def test_bootstrap_linear_fit_degenerate_inputs():
     fit = stats.bootstrap_linear_fit([0.5, 0.6], [0.4, 0.55], n_boot=2000)
     assert fit["n_degenerate"] > 0  # resamples drawing one point twice have no slope
     assert fit["a"] == pytest.approx(1.5)
+
+
+def _mcnemar_brute(a, b):
+    """McNemar's exact test by counting: twice the binomial tail of the smaller discordant count."""
+    n01 = sum(1 for x, y in zip(a, b) if x and not y)
+    n10 = sum(1 for x, y in zip(a, b) if y and not x)
+    n = n01 + n10
+    tail = sum(math.comb(n, i) for i in range(min(n01, n10) + 1)) / 2**n
+    return n01, n10, min(1.0, 2 * tail)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=80))
+def test_mcnemar_equals_counting(pairs):
+    a = np.array([p[0] for p in pairs])
+    b = np.array([p[1] for p in pairs])
+    n01, n10, p = stats.mcnemar(a, b)
+    r01, r10, rp = _mcnemar_brute(a.tolist(), b.tolist())
+    assert (n01, n10) == (r01, r10)
+    assert p == pytest.approx(rp, rel=1e-9, abs=1e-15)
+    assert stats.mcnemar(b, a)[2] == pytest.approx(p, rel=1e-12)  # symmetric
+
+
+def test_mcnemar_on_two_digits_classifiers():
+    """Two real classifiers on the digits test rows: the counts are the off-diagonal cells of
+    scikit-learn's confusion matrix of the two correctness vectors."""
+    from sklearn.datasets import load_digits
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import confusion_matrix
+    from sklearn.neighbors import KNeighborsClassifier
+
+    X, y = load_digits(return_X_y=True)
+    tr, te = slice(0, 1000), slice(1000, None)
+    ra = LogisticRegression(max_iter=200).fit(X[tr], y[tr]).predict(X[te]) == y[te]
+    rb = KNeighborsClassifier(1).fit(X[tr], y[tr]).predict(X[te]) == y[te]
+    cm = confusion_matrix(ra, rb, labels=[False, True])
+    n01, n10, p = stats.mcnemar(ra, rb)
+    assert (n01, n10) == (cm[1, 0], cm[0, 1])
+    assert 0 < p <= 1
+
+
+def test_mcnemar_refuses_misaligned_rows():
+    with pytest.raises(ResultsError, match="same rows"):
+        stats.mcnemar(np.ones(3, bool), np.ones(4, bool))
+    with pytest.raises(ResultsError, match="booleans"):
+        stats.mcnemar(np.ones(3), np.ones(3))

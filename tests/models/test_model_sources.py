@@ -295,5 +295,10 @@ def test_a_kind_a_source_lacks_names_what_it_offers(models, tmp_path):
         FeatcacheError, match=r"offers pooled, stage0_avg, stage1_avg, stage2_avg, stage3_avg; not stage4"
     ):
         extract(ExtractConfig("torchvision:resnet18", "random:0", "digits", features=("stage4_avg",), **base))
-    with pytest.raises(FeatcacheError, match=r"offers pooled, pooler, cls, tokens_mean, stage0_avg, stage1_avg; not"):
+    with pytest.raises(
+        FeatcacheError,
+        match=r"offers pooled, pooler, cls, tokens_mean, stage0_avg, stage1_avg, blocks:K, tokens, tokens@GxG; not",
+    ):
         extract(ExtractConfig(models["hf"][0], "dir", "digits", features=("stage2_avg",), **base))
+    with pytest.raises(FeatcacheError, match=r"stage3_avg; not tokens, blocks:2: choose from those"):  # issue 46 kinds
+        extract(ExtractConfig("torchvision:resnet18", "random:0", "digits", features=("tokens", "blocks:2"), **base))

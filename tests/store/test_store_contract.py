@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import numpy as np
 import pytest
@@ -35,12 +36,11 @@ GROUP = "features/pix/digits/train"
 
 
 @pytest.fixture(scope="module")
-def digits():
+def digits_pixels():
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    X = d.data[:N, :DIM].astype(np.float32)
-    return X, d.target[:N], [str(c) for c in d.target_names]
+    return d.data[:N].astype(np.float32), d.target[:N], [str(c) for c in d.target_names]
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +55,21 @@ class FeatureCacheTests:
     instance on the same bytes, for damage)."""
 
     opts: dict | None = None
+    #: the feature kind written and read, and its axes between rows and DIM (issue 46: an N-d
+    #: kind, ``rows x *INNER x DIM``, passes the same contract)
+    KIND = "pooled"
+    INNER: tuple[int, ...] = ()
 
     @pytest.fixture
     def target(self, tmp_path):
         raise NotImplementedError
+
+    @pytest.fixture
+    def digits(self, digits_pixels):
+        """Rows of KIND's shape from digits' pixels: ``[N, DIM]``, or ``[N, *INNER, DIM]``."""
+        X, y, names = digits_pixels
+        width = int(np.prod(self.INNER, dtype=int)) * DIM
+        return X[:, :width].reshape(N, *self.INNER, DIM), y, names
 
     def raw(self, target):
         raise NotImplementedError
@@ -107,6 +118,7 @@ class FeatureCacheTests:
             class_names=names,
             chunk_rows=CHUNK,
             valid=valid,
+            kind=self.KIND,
             **kw,
         )
         return valid
@@ -114,7 +126,7 @@ class FeatureCacheTests:
     # ---------------------------------------------------------------- the contract
     def test_round_trip(self, target, digits):
         valid = self.write(target, digits)
-        f = self.cache(target, "r").load("pix", "digits", "train")
+        f = self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND)
         np.testing.assert_array_equal(f.X[valid], digits[0][valid])
         assert np.isnan(f.X[~valid]).all()
         assert f.valid.tolist() == valid.tolist()
@@ -122,7 +134,7 @@ class FeatureCacheTests:
         np.testing.assert_array_equal(f.labels, digits[1])
         assert f.complete
         assert f.class_names == digits[2]
-        lazy = self.cache(target, "r").load("pix", "digits", "train", lazy=True)
+        lazy = self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND, lazy=True)
         np.testing.assert_array_equal(np.asarray(lazy.X[np.flatnonzero(valid)]), digits[0][valid])
 
     def test_listing_and_catalog(self, target, digits):
@@ -132,7 +144,7 @@ class FeatureCacheTests:
         assert c.backbones() == ["pix"]
         assert c.datasets() == ["digits"]
         assert c.splits("digits") == ["test", "train"]
-        assert c.kinds("pix", "digits", "train") == ["pooled"]
+        assert c.kinds("pix", "digits", "train") == [self.KIND]
         assert c.entries() == [("pix", "digits", "test"), ("pix", "digits", "train")]
         cat = c.catalog()
         assert cat["complete"].to_list() == [True, True]
@@ -144,18 +156,18 @@ class FeatureCacheTests:
         self.write(target, digits)
         self.write(target, digits, backbone="pix2", weights_source="random:1")
         c = self.cache(target, "r")
-        fps = {b: c.stored_fingerprint(b, "digits", "train") for b in ("pix", "pix2")}
-        assert fps["pix"] == c.load("pix", "digits", "train").fingerprint
-        assert fps["pix2"] == c.load("pix2", "digits", "train").fingerprint
+        fps = {b: c.stored_fingerprint(b, "digits", "train", self.KIND) for b in ("pix", "pix2")}
+        assert fps["pix"] == c.load("pix", "digits", "train", kind=self.KIND).fingerprint
+        assert fps["pix2"] == c.load("pix2", "digits", "train", kind=self.KIND).fingerprint
         assert fps["pix"] != fps["pix2"]  # another backbone identity, another fingerprint
-        with pytest.raises(NotInStoreError, match="pooled"):
+        with pytest.raises(NotInStoreError, match=re.escape(self.KIND)):
             c.stored_fingerprint("pix", "digits", "train", "cls")
 
     def test_absent_features_are_named(self, target, digits):
         self.write(target, digits)
         c = self.cache(target, "r")
         with pytest.raises(NotInStoreError, match=r"no features for backbone 'vit'.*featcache extract"):
-            c.load("vit", "digits", "train")
+            c.load("vit", "digits", "train", kind=self.KIND)
         with pytest.raises(NotInStoreError, match="split 'val'"):
             c.split_meta("digits", "val")
 
@@ -167,24 +179,24 @@ class FeatureCacheTests:
             backbone="pix",
             dataset="digits",
             split="train",
-            kind="pooled",
-            dim=DIM,
+            kind=self.KIND,
+            dim=(*self.INNER, DIM),
             n=N,
             dataset_fingerprint=meta.fingerprint,
             chunk_rows=CHUNK,
             dtype="float32",
         )
-        w = FeatureWriter(c, "pix", "digits", "train", {"pooled": prov}).prepare()
-        w.write_chunk(1, {"pooled": X[40:80]}, np.ones(40, bool))
+        w = FeatureWriter(c, "pix", "digits", "train", {self.KIND: prov}).prepare()
+        w.write_chunk(1, {self.KIND: X[40:80]}, np.ones(40, bool))
         w.release()  # the job dies
         with pytest.raises(IncompleteStoreError, match="2 of 3 row chunks unfinished"):
-            self.cache(target, "r").load("pix", "digits", "train")
-        part = self.cache(target, "r").load("pix", "digits", "train", allow_partial=True)
+            self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND)
+        part = self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND, allow_partial=True)
         assert part.valid.tolist() == [False] * 40 + [True] * 40 + [False] * 40
         assert not part.complete
         assert self.cache(target, "r").catalog()["complete"].to_list() == [False]
         valid = self.write(target, digits)
-        f = self.cache(target, "r").load("pix", "digits", "train")
+        f = self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND)
         np.testing.assert_array_equal(f.X[valid], X[valid])
 
     def test_rewrite_is_a_no_op(self, target, digits):
@@ -202,9 +214,9 @@ class FeatureCacheTests:
     def test_read_only_cache_refuses_to_write(self, target, digits):
         self.write(target, digits)
         c = self.cache(target, "r")
-        prov = c.provenance("pix", "digits", "train")
+        prov = c.provenance("pix", "digits", "train", self.KIND)
         with pytest.raises(SchemaMismatchError, match="mode='a'"):
-            FeatureWriter(c, "pix", "digits", "train", {"pooled": prov})
+            FeatureWriter(c, "pix", "digits", "train", {self.KIND: prov})
 
     def test_class_embeddings_round_trip(self, target, digits):
         self.write(target, digits)
@@ -216,15 +228,16 @@ class FeatureCacheTests:
         assert c.has_class_embeddings("digits", backbone="pix")
         assert not c.has_class_embeddings("digits")  # no dataset-level matrix: no fallback
         assert c.class_embeddings_provenance("digits", backbone="pix") == {"tower": "t"}
-        with pytest.raises(SchemaMismatchError, match="width 3"):
-            write_class_embeddings(self.cache(target), "digits", m[:, :3], backbone="pix")
+        if self.KIND == "pooled":  # the width is checked against pooled features
+            with pytest.raises(SchemaMismatchError, match="width 3"):
+                write_class_embeddings(self.cache(target), "digits", m[:, :3], backbone="pix")
 
     def test_deleted_chunk_is_refused_and_recomputed(self, target, digits):
         self.write(target, digits)
         good = self.chunks(target)
-        self.delete(target, f"{GROUP}/pooled/c/1/0")
-        with pytest.raises(CorruptStoreError, match=r"chunk files missing for pooled: \[1\]"):
-            self.cache(target, "r").load("pix", "digits", "train")
+        self.delete(target, f"{GROUP}/{self.KIND}/c/1/" + "0/" * len(self.INNER) + "0")
+        with pytest.raises(CorruptStoreError, match=re.escape(f"chunk files missing for {self.KIND}: [1]")):
+            self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND)
         self.write(target, digits)  # the same write again recomputes chunk 1 only
         assert self.chunks(target) == good
 
@@ -240,9 +253,9 @@ class FeatureCacheTests:
         g = zarr.open_group(self.raw(target), path=GROUP, mode="r+")
         del g.attrs["featcache_summary"]  # nothing binds its chunks to this group any more
         with pytest.raises(CorruptStoreError, match="every row chunk is marked done but its summary"):
-            self.cache(target, "r").load("pix", "digits", "train")
+            self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND)
         self.write(target, digits)  # the same write again recomputes every chunk
-        f = self.cache(target, "r").load("pix", "digits", "train")
+        f = self.cache(target, "r").load("pix", "digits", "train", kind=self.KIND)
         np.testing.assert_array_equal(f.X[valid], digits[0][valid])
 
 
@@ -275,3 +288,29 @@ class TestS3Store(FeatureCacheTests):
         return zarr.storage.FsspecStore.from_url(
             target, storage_options={**(self.opts or {}), "skip_instance_cache": True}
         )
+
+
+# ---------------------------------------------------------------- the contract on N-d kinds (issue 46)
+class TestLocalStoreTokens(TestLocalStore):
+    KIND = "tokens@2x2"
+    INNER = (4,)
+
+
+class TestMemoryStoreBlocks(TestMemoryStore):
+    KIND = "blocks:4"
+    INNER = (4,)
+
+
+class TestLocalStoreTwoInnerAxes(TestLocalStore):
+    KIND = "tokens"
+    INNER = (2, 2)
+
+
+class TestS3StoreTokens(TestS3Store):  # slow, as its parent: ':' and '@' in S3 keys
+    KIND = "tokens@2x2"
+    INNER = (4,)
+
+
+class TestS3StoreBlocks(TestS3Store):
+    KIND = "blocks:4"
+    INNER = (4,)
