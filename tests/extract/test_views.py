@@ -46,6 +46,11 @@ def _group(cache: Path, split: str) -> Path:
     return cache / FEAT / split
 
 
+def _chunks(group: Path) -> dict[str, bytes]:
+    """Every chunk object of every array of a group (N-d kinds included), by path."""
+    return {str(f.relative_to(group)): f.read_bytes() for f in sorted(group.glob("*/c/**/*")) if f.is_file()}
+
+
 def test_view_split_names():
     assert view_split("train", 7) == "train@view7"
     assert parse_view_split("train@view12") == ("train", 12)
@@ -104,20 +109,22 @@ def test_views_are_idempotent_extend_and_do_not_depend_on_workers(tmp_path):
     nothing; K=8 leaves views 0-3 byte-identical and adds 4-7; a store written in one K=8 run
     with 2 DataLoader workers holds the same bytes; the provenance records spec, seed, index."""
     plain, a, b = tmp_path / "plain.zarr", tmp_path / "a.zarr", tmp_path / "b.zarr"
-    extract(_cfg(plain))
-    reps = extract(_cfg(a, views=4, view_seed=7))
+    kinds = {"features": ("pooled", "tokens")}  # a vector kind and an N-d one ([n, T, D])
+    extract(_cfg(plain, **kinds))
+    reps = extract(_cfg(a, views=4, view_seed=7, **kinds))
     assert [r.split for r in reps] == ["train", *(f"train@view{v}" for v in range(4))]
-    assert chunk_bytes(_group(a, "train")) == chunk_bytes(_group(plain, "train"))  # views leave train as it was
-    first = {v: chunk_bytes(_group(a, f"train@view{v}")) for v in range(4)}
+    assert _chunks(_group(a, "train")) == _chunks(_group(plain, "train"))  # views leave train as it was
+    first = {v: _chunks(_group(a, f"train@view{v}")) for v in range(4)}
+    assert any(k.startswith("tokens/") for k in first[0])
     assert first[0] != first[1]
-    again = extract(_cfg(a, views=4, view_seed=7))
+    again = extract(_cfg(a, views=4, view_seed=7, **kinds))
     assert all(r.skipped and r.chunks_computed == 0 for r in again)
-    more = extract(_cfg(a, views=8, view_seed=7))
+    more = extract(_cfg(a, views=8, view_seed=7, **kinds))
     assert [r.skipped for r in more] == [True] * 5 + [False] * 4
-    assert {v: chunk_bytes(_group(a, f"train@view{v}")) for v in range(4)} == first
-    extract(_cfg(b, views=8, view_seed=7, workers=2))
+    assert {v: _chunks(_group(a, f"train@view{v}")) for v in range(4)} == first
+    extract(_cfg(b, views=8, view_seed=7, workers=2, **kinds))
     for v in range(8):
-        assert chunk_bytes(_group(b, f"train@view{v}")) == chunk_bytes(_group(a, f"train@view{v}")), v
+        assert _chunks(_group(b, f"train@view{v}")) == _chunks(_group(a, f"train@view{v}")), v
     c = open_cache(a)
     prov = c.provenance(LITE0, "digits", "train@view5", "pooled")
     spec = prov.data_config["view"]
@@ -129,8 +136,9 @@ def test_views_are_idempotent_extend_and_do_not_depend_on_workers(tmp_path):
     assert np.array_equal(f0.ids, c.load(LITE0, "digits", "train").ids)
     assert f0.complete
     assert not np.array_equal(f0.X, f5.X)
+    assert c.load(LITE0, "digits", "train@view5", kind="tokens").X.shape == (64, 1, 1280)
     with pytest.raises(Exception, match="data_config"):  # another seed never mixes into stored views
-        extract(_cfg(a, views=1, view_seed=8))
+        extract(_cfg(a, views=1, view_seed=8, **kinds))
 
 
 def test_views_refusals(tmp_path):
