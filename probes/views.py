@@ -123,5 +123,5 @@ def check_view_solver(proto: Any, views: int) -> None:
     if views and proto.solver not in VIEW_SOLVERS:
         raise ProbeError(
             f"--views {views}: protocol {proto.spec} (solver {proto.solver!r}) does not train on augmented views; "
-            "use full, fewshot:N, subset:F%, bob-linear or dinov2-linear, or drop --views"
+            "use full, fewshot:N, subset:F%, dinov2, vtab1k, bob-linear or dinov2-linear, or drop --views"
         )
