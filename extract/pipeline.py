@@ -40,7 +40,7 @@ from featcache.extract.distributed import (
 from featcache.extract.features import FEATURE_KINDS_HELP, FeatureHead
 from featcache.extract.loop import SplitReport, run_split
 from featcache.extract.settings import compute_settings, recorded_precision  # also importable from here
-from featcache.extract.views import with_views
+from featcache.extract.views import check_view_splits, with_views
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,8 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
         cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder, follow_symlinks=cfg.follow_symlinks
     )
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
+    if cfg.views:  # refused before the model is built
+        check_view_splits(sources, cfg.views)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     bb = create_backbone(
         cfg.model,

@@ -21,7 +21,7 @@ from featcache.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VIEW_BASE_SPLIT", "ViewRows", "check_view_backbone", "with_views"]
+__all__ = ["VIEW_BASE_SPLIT", "ViewRows", "check_view_backbone", "check_view_splits", "with_views"]
 
 #: the split augmented views are made of (evaluation splits keep the deterministic view)
 VIEW_BASE_SPLIT = "train"
@@ -46,13 +46,7 @@ def with_views(
     if not views:
         return sources
     check_view_backbone(bb)
-    train = next((s for s in sources if s.split == VIEW_BASE_SPLIT), None)
-    if train is None:
-        have = ", ".join(s.split for s in sources)
-        raise ConfigError(
-            f"--views {views} augments the {VIEW_BASE_SPLIT!r} split, which this job does not extract "
-            f"(splits: {have}); add --split {VIEW_BASE_SPLIT}"
-        )
+    train = check_view_splits(sources, views)
     base = limited(train)
     out: list[SplitSource] = []
     for s in sources:
@@ -68,6 +62,18 @@ def with_views(
             ]
     log.info("%d augmented view(s) of %s/%s, view seed %d", views, train.dataset, VIEW_BASE_SPLIT, seed)
     return out
+
+
+def check_view_splits(sources: list[SplitSource], views: int) -> SplitSource:
+    """The train split among ``sources``; one-line refusal when the job does not extract it."""
+    train = next((s for s in sources if s.split == VIEW_BASE_SPLIT), None)
+    if train is None:
+        have = ", ".join(s.split for s in sources)
+        raise ConfigError(
+            f"--views {views} augments the {VIEW_BASE_SPLIT!r} split, which this job does not extract "
+            f"(splits: {have}); add --split {VIEW_BASE_SPLIT}"
+        )
+    return train
 
 
 class ViewRows:
