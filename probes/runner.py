@@ -146,7 +146,12 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     if cfg.views:
         from featcache.probes.views import load_views
 
-        data.views = load_views(c, b, ds, cfg, tr, names, _load_split, lazy)
+        own = getattr(get_solver(proto.solver), "load", None)  # a solver's own input (dinov2-linear's)
+
+        def load_view(*args, **kw) -> SplitData:
+            return _load_split(*args, **kw, **({"load": own} if own is not None else {}))
+
+        data.views = load_views(c, b, ds, cfg, tr, names, load_view, lazy)
         tr.fingerprint = combine_fingerprints(tr.fingerprint, *(v.fingerprint for v in data.views))  # run ids
     _attach_label_matrices(c, ds, data)
     return data

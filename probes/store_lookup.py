@@ -117,9 +117,11 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
         read = dict.fromkeys(names)
         fp = {s: c.stored_fingerprint(b, cfg.dataset, s, cfg.kind) for s in read}
         if cfg.views:  # the views' features join the train split's (as run_probes combines them)
+            from featcache.probes.solvers import get_solver
             from featcache.probes.views import view_splits
 
-            views = [c.stored_fingerprint(b, cfg.dataset, v, cfg.kind) for v in view_splits(cfg.train_split, cfg.views)]
+            stored_fp = getattr(get_solver(proto.solver), "input_fingerprint", None) or type(c).stored_fingerprint
+            views = [stored_fp(c, b, cfg.dataset, v, cfg.kind) for v in view_splits(cfg.train_split, cfg.views)]
             fp[cfg.train_split] = combine_fingerprints(fp[cfg.train_split], *views)
         text = [t] if (t := text_fingerprint(c, b, cfg)) else []
         out[b] = {
