@@ -53,6 +53,12 @@ bob-linear     probe   Battle of the Backbones' linear probe (bob-classification
                        head, LARS, 90 epochs, lr 0.1 x batch / 256 (batch 512), 10 warmup
                        epochs then cosine, no weight decay, on all of train; nothing is
                        selected; the last epoch is reported (BoB reports its best test epoch).
+dinov2-linear  probe   DINOv2's ``eval/linear.py``: 52 linear heads (n_last_blocks {1, 4} x avgpool
+                       {no, yes} x 13 lrs) trained jointly on the class tokens of the last
+                       blocks (+ the mean patch token), SGD momentum 0.9, no weight decay,
+                       cosine over 10 x 1250 iterations of batch 128, lr x batch / 256, heads
+                       N(0, 0.01); the best head on val (the dataset's, else a seeded 10%
+                       holdout) is reported on test without a refit (as the reference).
 subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
                        kept, at least one example per class), then ``full`` on that subset.
 vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
@@ -101,6 +107,7 @@ __all__ = [
     "STAGES",
     "VAL_SOURCES",
     "CGrid",
+    "Dinov2LinearGrid",
     "ElevaterGrid",
     "LarsGrid",
     "Protocol",
@@ -146,6 +153,7 @@ SPLITS = (
     "elevater-full",
     "elevater-fewshot",
     "train",
+    "no-refit",
 )
 #: DINOv2's C grid (dinov2/eval/log_regression.py: ``10 ** torch.linspace(-6, 5, 45)``, float32):
 #: the float32 exponents, each power rounded from its decimal value (float32 power kernels, too,
@@ -254,6 +262,28 @@ class LarsGrid:
     bn_eps: float = 1e-6
 
 
+@dataclass(frozen=True)
+class Dinov2LinearGrid:
+    """DINOv2's linear evaluation (``dinov2/eval/linear.py``: ``get_args_parser`` defaults,
+    ``setup_linear_classifiers``, ``run_eval_linear``): one linear head per (n_last_blocks,
+    avgpool, lr), all trained at once on the same batches; SGD (momentum 0.9, weight decay 0),
+    each head's lr = lr x batch x world / 256 (world 1 here), ``CosineAnnealingLR`` to 0 over
+    ``epochs x epoch_length`` iterations (an epoch is ``epoch_length`` iterations, not a pass
+    over the data); heads' weight N(0, ``init_std``), bias 0."""
+
+    lrs: tuple[float, ...] = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+    n_last_blocks: tuple[int, ...] = (1, 4)
+    avgpool: tuple[bool, ...] = (False, True)
+    batch_size: int = 128
+    epochs: int = 10
+    epoch_length: int = 1250
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    init_std: float = 0.01
+    sampler_seed: int = 0  # run_eval_linear's ``seed = 0`` for its ShardedInfiniteSampler
+
+
+DINOV2_LINEAR = Dinov2LinearGrid()
 BOB_LARS = LarsGrid()
 #: VTAB's third lr drop, at 90 % of the steps
 VTAB_LAST_DECAY = 0.9
@@ -303,7 +333,7 @@ class Protocol:
     stage: str  # "probe" or "finetune"
     split: str  # split plan: one of SPLITS
     solver: str  # "lbfgs" or "sgd"
-    grid: CGrid | SGDGrid | ElevaterGrid | LarsGrid
+    grid: CGrid | SGDGrid | ElevaterGrid | LarsGrid | Dinov2LinearGrid
     seeds: tuple[int, ...] = (0,)
     pairs_with: str | None = None  # the other stage's protocol with the same examples
     shots: int = -1  # examples per class, -1 = all
@@ -513,7 +543,17 @@ def _plan_train(p: Protocol, y, seed, n_val, val_source, train_name, val_name, *
     return SplitPlan(e, e, np.arange(y.size), train_name, {"val": "none (nothing is selected)"})
 
 
+def _plan_no_refit(p: Protocol, y, seed, n_val, val_source, train_name, val_name, **_) -> SplitPlan:
+    """``full``'s train and val (the dataset's val split, else a stratified seeded 10% of
+    train) with no refit: the heads trained on ``train`` are the ones reported
+    (``dinov2-linear``: ``run_eval_linear`` evaluates the heads it trained, it never refits)."""
+    sp = _plan_full(p, y, seed, n_val, val_source, train_name, val_name)
+    train_label = train_name if n_val is not None else f"{train_name}[-{HOLDOUT_FRACTION:.0%}]"
+    return SplitPlan(sp.train, sp.val, sp.train, train_label, {**sp.info, "refit": "none"})
+
+
 _PLANNERS: dict[str, Callable[..., SplitPlan]] = {
+    "no-refit": _plan_no_refit,
     "train": _plan_train,
     "dinov2": _plan_dinov2,
     "full": _plan_full,
@@ -736,6 +776,21 @@ def bob_linear(arg: str | None = None) -> Protocol:
     """Battle of the Backbones' linear probe (:class:`LarsGrid`) trained on all of train."""
     _no_arg("bob-linear", arg)
     return Protocol(spec="bob-linear", name="bob-linear", stage="probe", split="train", solver="lars", grid=BOB_LARS)
+
+
+@register_protocol("dinov2-linear", note="DINOv2's 52 jointly trained linear heads")
+def dinov2_linear(arg: str | None = None) -> Protocol:
+    """DINOv2's linear evaluation (:class:`Dinov2LinearGrid`) on the class tokens of the last
+    blocks and the mean patch token (the ``dinov2-linear`` solver builds that input)."""
+    _no_arg("dinov2-linear", arg)
+    return Protocol(
+        spec="dinov2-linear",
+        name="dinov2-linear",
+        stage="probe",
+        split="no-refit",
+        solver="dinov2-linear",
+        grid=DINOV2_LINEAR,
+    )
 
 
 @register_protocol("subset", usage="subset:F% (e.g. subset:1%, subset:10%)")

@@ -93,6 +93,8 @@ def nonfinite_rows(X, block_bytes: int | None = None) -> np.ndarray:
     known = X.known_nonfinite() if hasattr(X, "known_nonfinite") else None
     if known is not None:
         return known
+    if isinstance(X, np.ndarray) and X.ndim > 2:  # [n, S, D] inputs (dinov2-linear), in memory
+        return np.asarray(~np.isfinite(X.reshape(X.shape[0], -1)).all(axis=1))
     n, d = X.shape
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     bad = np.zeros(n, bool)

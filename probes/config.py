@@ -96,7 +96,21 @@ class ProbeConfig:
     )
     prompt_dataset: str | None = flag(None, "with --templates: the dataset's name in that set (as embed-classes)")
     sgd_epochs: int | None = flag(
-        None, "salman, bob-linear: training epochs (papers: 150, 90)", name="--epochs", type=int, check=Interval(int, 1)
+        None,
+        "salman, bob-linear, dinov2-linear: training epochs (papers: 150, 90; dinov2-linear: 10 epochs of "
+        "--epoch-length iterations)",
+        name="--epochs",
+        type=int,
+        check=Interval(int, 1),
+    )
+    batch_size: int | None = flag(
+        None, "dinov2-linear: rows per training batch (reference: 128)", type=int, check=Interval(int, 1)
+    )
+    epoch_length: int | None = flag(
+        None,
+        "dinov2-linear: iterations per epoch (reference: 1250; an epoch is not a pass over the data)",
+        type=int,
+        check=Interval(int, 1),
     )
     views: int = flag(
         0,
@@ -177,6 +191,7 @@ class ProbeConfig:
             search_epochs=self.search_epochs if self.search_epochs is not None else getattr(g, "search_epochs", None),
             final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
         )
+        out = _dinov2_linear_schedule(proto, out)
         if out.final_epoch not in ("last", "best-test"):
             raise ProbeConfigError(f"final_epoch must be 'last' or 'best-test' (got {out.final_epoch!r})")
         for f in ("search_epochs", "final_epochs"):
@@ -219,6 +234,8 @@ class ProbeConfig:
             "final_epoch": str(self.final_epoch),
             "sweep": str(self.sweep),
             "max_host_bytes": opt(int, self.max_host_bytes),
+            "batch_size": opt(int, self.batch_size),
+            "epoch_length": opt(int, self.epoch_length),
         }
 
     def run_options(self, proto: Protocol) -> dict[str, Any]:
@@ -273,3 +290,24 @@ class ProbeConfig:
             options=self.run_options(proto),
             store_fingerprint=store_fingerprint,
         )
+
+
+def _dinov2_linear_schedule(proto: Protocol, cfg: ProbeConfig) -> ProbeConfig:
+    """``cfg`` with ``batch_size`` / ``epoch_length`` from a ``dinov2-linear`` grid; refused
+    for the other protocols (which fix their own batches)."""
+    from featcache.core.protocols import Dinov2LinearGrid
+
+    g = proto.grid
+    if isinstance(g, Dinov2LinearGrid):
+        return replace(
+            cfg,
+            batch_size=g.batch_size if cfg.batch_size is None else cfg.batch_size,
+            epoch_length=g.epoch_length if cfg.epoch_length is None else cfg.epoch_length,
+        )
+    given = [f for f, v in (("--batch-size", cfg.batch_size), ("--epoch-length", cfg.epoch_length)) if v is not None]
+    if given:
+        raise ProbeConfigError(
+            f"{', '.join(given)} set the dinov2-linear schedule; {proto.spec} fixes its own batches: "
+            f"drop {' and '.join(given)} or use --protocol dinov2-linear"
+        )
+    return cfg

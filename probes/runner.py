@@ -61,6 +61,7 @@ class SplitData:
     fingerprint: str
     rows: np.ndarray | None = None  # each row's position in the store (the dataset's own order)
     Y: np.ndarray | None = None  # multi-label targets [N, C] bool, same row order
+    input_info: dict[str, Any] | None = None  # a solver's own input (Solver.load): its sources
 
 
 @dataclass
@@ -93,10 +94,15 @@ class _Data:
 
 
 # ------------------------------------------------------------------ loading
-def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: bool = False) -> SplitData:
+def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: bool = False, load=None) -> SplitData:
     """A split's valid rows in id order; ``lazy``: features stay in the store (a
-    :class:`~featcache.store.rows.StoredRows` view in the stored dtype, read block by block)."""
-    f = cache.load(backbone, dataset, split, kind=kind, lazy=lazy)
+    :class:`~featcache.store.rows.StoredRows` view in the stored dtype, read block by block);
+    ``load``: the solver's own input loader (:attr:`Solver.load <featcache.probes.solvers.Solver.load>`)."""
+    f = (
+        cache.load(backbone, dataset, split, kind=kind, lazy=lazy)
+        if load is None
+        else load(cache, backbone, dataset, split, kind)
+    )
     valid = np.asarray(f.valid, bool)
     ids = np.asarray(f.ids)[valid].astype(str)
     order = canonical_order(ids)
@@ -112,7 +118,8 @@ def _load_split(cache, backbone, dataset, split, kind, train_names=None, lazy: b
     names = np.asarray(f.class_names, dtype=object)
     y_names = names[np.asarray(f.labels)[rows]]
     y = label_positions(y_names, list(f.class_names) if train_names is None else train_names, f"{dataset}/{split}")
-    return SplitData(split, X, y, ids[order], int((~valid).sum()), f.fingerprint, rows=rows)
+    info = getattr(f, "input_info", None)
+    return SplitData(split, X, y, ids[order], int((~valid).sum()), f.fingerprint, rows=rows, input_info=info)
 
 
 def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
@@ -123,12 +130,13 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     if cfg.train_split not in splits:
         raise NotInStoreError(f"dataset {ds!r} has no split {cfg.train_split!r} (has {splits})")
     lazy = _large(c, b, ds, cfg, proto)
-    tr = _load_split(c, b, ds, cfg.train_split, cfg.kind, lazy=lazy)
+    load = get_solver(proto.solver).load
+    tr = _load_split(c, b, ds, cfg.train_split, cfg.kind, lazy=lazy, load=load)
     names = list(c.split_meta(ds, cfg.train_split).class_names)
     va = None
     val_name = cfg.val_split_used(proto, splits)
     if val_name:  # lazy with train: the final fit is on train+val
-        va = _load_split(c, b, ds, val_name, cfg.kind, names, lazy=lazy)
+        va = _load_split(c, b, ds, val_name, cfg.kind, names, lazy=lazy, load=load)
         log.info("%s %s: selecting on the dataset's own %r split", b, ds, val_name)
     elif proto.uses_val_split(cfg.val_source):
         log.info("%s %s: no %r split; selecting on a holdout of %r", b, ds, cfg.val_split, cfg.train_split)
@@ -138,7 +146,7 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
             raise NotInStoreError(
                 f"dataset {ds!r} has no split {s!r} to evaluate on (has {splits}); pass --eval-split with one of them"
             )
-        evals[s] = _load_split(c, b, ds, s, cfg.kind, names, lazy=lazy)  # lazy: read after the fits
+        evals[s] = _load_split(c, b, ds, s, cfg.kind, names, lazy=lazy, load=load)  # lazy: read after the fits
         for fitted in (tr, va) if va is not None else (tr,):
             check_disjoint(fitted.name, fitted.ids, s, evals[s].ids)
     check_two_classes(tr.y, f"{b}/{ds}/{cfg.train_split}", "a probe")
@@ -146,10 +154,8 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     if cfg.views:
         from featcache.probes.views import load_views
 
-        own = getattr(get_solver(proto.solver), "load", None)  # a solver's own input (dinov2-linear's)
-
-        def load_view(*args, **kw) -> SplitData:
-            return _load_split(*args, **kw, **({"load": own} if own is not None else {}))
+        def load_view(*args, **kw) -> SplitData:  # through the solver's own input loader, as train
+            return _load_split(*args, **kw, load=load)
 
         data.views = load_views(c, b, ds, cfg, tr, names, load_view, lazy)
         tr.fingerprint = combine_fingerprints(tr.fingerprint, *(v.fingerprint for v in data.views))  # run ids
@@ -441,6 +447,8 @@ def _probe_one(
         **({"class_embeddings": text} if text else {}),
         n_invalid={s: v.n_invalid for s, v in d.splits().items()},
     )
+    if d.train.input_info:  # the solver built its input from several kinds (dinov2-linear)
+        hp.update(d.train.input_info)
     if proto.val_source_choice:
         hp.setdefault("val_source", cfg.val_source)
     hp["task_metric"] = opts["metric"]

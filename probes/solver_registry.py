@@ -70,6 +70,14 @@ class Solver:
     #: fixed ``(key, value)`` settings of its own every run records (they enter the run ids), e.g.
     #: the training loop it runs
     recorded: tuple[tuple[str, Any], ...] = ()
+    #: its input when not one stored kind: ``load(cache, backbone, dataset, split, kind)`` returns
+    #: what ``FeatureCache.load`` does (X, ids, valid, labels, class_names, fingerprint), e.g.
+    #: ``dinov2-linear``'s ``[n, S, D]`` stack of class tokens and mean patch token; ``None``:
+    #: ``FeatureCache.load(..., kind=kind)``
+    load: Callable[..., Any] | None = None
+    #: with ``load``: ``input_fingerprint(cache, backbone, dataset, split, kind)``, the fingerprint of
+    #: what ``load`` returns from provenance records only (run ids planned without reading features)
+    input_fingerprint: Callable[..., str] | None = None
 
     def run_option_keys(self, proto: Any) -> tuple[str, ...]:  # a featcache.core.protocols.Protocol
         """The keys of ``ProbeConfig.solver_options()`` that enter ``proto``'s run ids."""
@@ -89,6 +97,8 @@ def register_solver(
     default_head_init: str | None = None,
     multilabel_head_init: bool = False,
     recorded: Mapping[str, Any] | None = None,
+    load: Callable[..., Any] | None = None,
+    input_fingerprint: Callable[..., str] | None = None,
 ) -> Callable:
     """Decorator: register ``fit(request) -> FitOutcome`` as the solver ``name`` (the value
     protocols give as ``Protocol(solver=name)``); a duplicate name is refused."""
@@ -105,6 +115,8 @@ def register_solver(
                 default_head_init,
                 multilabel_head_init,
                 tuple((recorded or {}).items()),
+                load,
+                input_fingerprint,
             ),
         )
         return fn

@@ -40,6 +40,7 @@ def get_solver(name: str) -> Solver:
 def _load_builtins() -> None:
     """Import the built-in fitters that live in modules of their own: they register on import
     (into :mod:`~featcache.probes.solver_registry`, which imports none of them)."""
+    import featcache.probes.dinov2_linear
     import featcache.probes.elevater
     import featcache.probes.lars  # noqa: F401
 

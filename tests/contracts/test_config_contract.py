@@ -72,6 +72,8 @@ STAGES = {
             "views": 2,
             "search_epochs": 2,
             "final_epochs": 3,
+            "batch_size": 16,
+            "epoch_length": 5,
         },
     ),
     "finetune": (
