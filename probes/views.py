@@ -22,10 +22,10 @@ import numpy as np
 
 from featcache.errors import NotInStoreError, ProbeError
 
-__all__ = ["VIEW_SOLVERS", "check_view_solver", "load_views", "stack_views", "view_choice", "view_splits"]
+__all__ = ["VIEW_SOLVERS", "PassViews", "check_view_solver", "load_views", "stack_views", "view_choice", "view_splits"]
 
 #: the probe solvers that train on views (an epoch-based solver registers its name here)
-VIEW_SOLVERS: set[str] = {"lbfgs", "lars"}
+VIEW_SOLVERS: set[str] = {"lbfgs", "lars", "dinov2-linear"}
 _DRAW_TAG = 0x76696577  # "view": keeps this stream apart from any other seeded by (seed, epoch)
 
 
@@ -36,6 +36,37 @@ def view_choice(seed: int, epoch: int, n_rows: int, n_views: int) -> np.ndarray:
         raise ProbeError(f"view_choice needs n_views >= 1 (got {n_views})")
     rng = np.random.default_rng([int(seed), int(epoch), _DRAW_TAG])
     return rng.integers(0, n_views, size=int(n_rows), dtype=np.int64)
+
+
+class PassViews:
+    """The view of each row occurrence in an endless stream of batches (``dinov2-linear``'s
+    sampler): a row's k-th occurrence is in the k-th pass over the rows, and is seen in view
+    ``view_choice(seed, k, n_rows, n_views)[row]`` (one view per image per pass, seeded)."""
+
+    def __init__(self, seed: int, n_rows: int, n_views: int):
+        self.seed, self.n, self.k = int(seed), int(n_rows), int(n_views)
+        self.count = np.zeros(self.n, np.int64)
+        self._draws: dict[int, np.ndarray] = {}
+
+    def views_of(self, idx: np.ndarray) -> np.ndarray:
+        """The view of each row of the next batch ``idx`` (a row twice in one batch, across a
+        pass boundary, gets its two passes' views)."""
+        idx = np.asarray(idx, np.int64)
+        order = np.argsort(idx, kind="stable")
+        s = idx[order]
+        pos = np.arange(s.size)
+        start = np.maximum.accumulate(np.where(np.r_[True, s[1:] != s[:-1]], pos, 0))
+        occ = np.empty_like(idx)
+        occ[order] = self.count[s] + pos - start
+        np.add.at(self.count, idx, 1)
+        out = np.empty_like(idx)
+        for p in np.unique(occ):
+            if p not in self._draws:
+                self._draws = {q: d for q, d in self._draws.items() if q >= p - 1}
+                self._draws[int(p)] = view_choice(self.seed, int(p), self.n, self.k)
+            m = occ == p
+            out[m] = self._draws[int(p)][idx[m]]
+        return out
 
 
 def stack_views(views: Sequence[Any], y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

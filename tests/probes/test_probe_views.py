@@ -43,6 +43,7 @@ def views_cache(tmp_path_factory) -> str:
             amp="fp32",
             views=2,
             view_seed=5,
+            features=("pooled", "tokens"),  # dinov2-linear's input for a CNN: pooled + the mean of tokens
         )
     )
     return path
@@ -93,7 +94,14 @@ def test_stacked_views_at_C_over_K_are_sample_weight_one_over_K():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("protocol", "kw"), [("bob-linear", {"sgd_epochs": 12}), ("full", {"Cs": (0.01, 0.1, 1.0)})])
+@pytest.mark.parametrize(
+    ("protocol", "kw"),
+    [
+        ("bob-linear", {"sgd_epochs": 12}),
+        ("full", {"Cs": (0.01, 0.1, 1.0)}),
+        ("dinov2-linear", {"sgd_epochs": 2, "epoch_length": 20, "batch_size": 64}),
+    ],
+)
 def test_probes_with_views_run_are_deterministic_and_differ(views_cache, protocol, kw):
     plain = _probe(views_cache, protocol, **kw)
     one = _probe(views_cache, protocol, views=2, **kw)
@@ -163,3 +171,41 @@ def test_sweep_passes_views_to_the_protocols_that_train_on_them(views_cache, tmp
     assert got == {"bob-linear": 2, "salman": 0, "full": 2}
     plain = {i.protocol: i.run_id for i in plan(SweepConfig(cache=views_cache, results_path=cfg.results_path)).items}
     assert plain["full"] != next(i.run_id for i in plan(cfg).items if i.protocol == "full")
+
+
+def test_pass_views_give_each_row_one_view_per_pass_of_the_sampler():
+    """dinov2-linear's endless batches: the k-th time a row comes up is its k-th pass, and it is
+    read in view_choice(seed, k)[row] (brute force over the sampler's stream, batches that span
+    two passes included)."""
+    from featcache.probes.dinov2_linear import infinite_batches
+    from featcache.probes.views import PassViews
+
+    n, bs, k, seed = 50, 16, 3, 7
+    pv, seen = PassViews(seed, n, k), np.zeros(n, np.int64)
+    batches = infinite_batches(n, bs, 0)
+    for _ in range(40):  # 640 rows: 12.8 passes
+        idx = next(batches)
+        got = pv.views_of(idx)
+        for r, g in zip(idx.tolist(), got.tolist()):
+            assert g == view_choice(seed, int(seen[r]), n, k)[r]
+            seen[r] += 1
+    assert seen.min() == 12
+
+
+def test_dinov2_joint_heads_on_identical_views_are_the_plain_heads():
+    import torch
+
+    from featcache.probes.dinov2_linear import JointHeads, head_specs, train_joint
+
+    rng = np.random.default_rng(2)
+    X = torch.from_numpy(rng.normal(size=(80, 2, 8)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 3, 80))
+    specs = head_specs([1], [0.01, 0.1], 32)
+    a, b = (JointHeads(specs, 8, 3, torch.Generator().manual_seed(0)) for _ in range(2))
+    train_joint(a, X, y, 30, 32, 0, 0.9)
+    train_joint(b, X, y, 30, 32, 0, 0.9, views=torch.stack([X, X]), view_seed=4)
+    for i in range(len(specs)):
+        assert all(torch.equal(u, v) for u, v in zip(a.head(i), b.head(i)))
+    c = JointHeads(specs, 8, 3, torch.Generator().manual_seed(0))
+    train_joint(c, X, y, 30, 32, 0, 0.9, views=torch.stack([X, X + 1.0]), view_seed=4)
+    assert not torch.equal(a.head(0)[0], c.head(0)[0])
