@@ -38,6 +38,8 @@ DEFAULT_CHUNK_ROWS = 1024
 MAX_INPUT_SIDE = 4096
 #: most images of one forward pass (a larger one is refused before anything is written)
 MAX_BATCH = 65536
+#: most augmented views of the train split (--views): each is a full pass over it
+MAX_VIEWS = 1024
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _SIDE = Interval(int, 1, MAX_INPUT_SIDE, hi_text=f"must be at most {MAX_INPUT_SIDE} pixels a side")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
@@ -126,6 +128,22 @@ class ExtractConfig:
         "block's patch tokens, or a CNN's final map positions, T x D), tokens@GxG (tokens area-pooled to G x G, "
         "G*G x D; for large datasets)",
         type=_csv,
+    )
+    views: int = flag(
+        0,
+        "also extract K seeded augmented views of the train split (RandomResizedCrop(scale 0.08-1, bicubic) + "
+        "horizontal flip, the DINOv2/MAE train transform), stored as splits train@view0 .. train@view{K-1}; "
+        "val/test keep the deterministic view; K=8 after K=4 computes views 4-7 only",
+        type=int,
+        metavar="K",
+        check=Interval(int, 0, MAX_VIEWS, hi_text=f"must be at most {MAX_VIEWS} views"),
+    )
+    view_seed: int = flag(
+        0,
+        "seed of the views' random crops and flips (each image's draws are seeded by (seed, view, row))",
+        type=int,
+        metavar="S",
+        check=Interval(int, 0, 2**32 - 1),
     )
     size_check: bool = flag(
         True,

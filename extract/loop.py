@@ -42,8 +42,15 @@ def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
     from featcache.data.preprocess import split_transform
 
     cuda = bb.device.startswith("cuda")
-    fast = split_transform(bb.transform)
-    ds = ImageRows(src, bb.transform, tuple(bb.data_config["input_size"]), fast)
+    shape = tuple(bb.data_config["input_size"])
+    if "view" in src.extra:  # an augmented view (featcache.extract.views): seeded per row
+        from featcache.extract.views import ViewRows
+
+        fast = src.extra["view"]
+        ds = ViewRows(src, fast, shape)
+    else:
+        fast = split_transform(bb.transform)
+        ds = ImageRows(src, bb.transform, shape, fast)
     if chunks:
         # open the source once in this process (e.g. decompress an IDX file, open a shard) so
         # forked workers inherit it instead of each redoing it; a broken first image is fine

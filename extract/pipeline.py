@@ -40,6 +40,7 @@ from featcache.extract.distributed import (
 from featcache.extract.features import FEATURE_KINDS_HELP, FeatureHead
 from featcache.extract.loop import SplitReport, run_split
 from featcache.extract.settings import compute_settings, recorded_precision  # also importable from here
+from featcache.extract.views import check_view_splits, with_views
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
         cfg.max_image_pixels, cfg.exif_transpose, cfg.allow_empty_classes, decoder, follow_symlinks=cfg.follow_symlinks
     )
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
+    if cfg.views:  # refused before the model is built
+        check_view_splits(sources, cfg.views)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     bb = create_backbone(
         cfg.model,
@@ -188,6 +191,7 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
         dims = head.dims(tuple(bb.data_config["input_size"]))
         workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
         key = cfg.backbone_name or bb.default_key
+        sources = with_views(sources, cfg.views, cfg.view_seed, bb, lambda s: _limited(cfg, s))
         if cfg.size_check:
             _check_size(cfg, store, key, sources, dims, on_size if rank == 0 else (lambda _: None))
         res = _resolve(cfg, store, head, dev, key, sources, threads)
@@ -350,6 +354,9 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
 
     bb, cfg = job.bb, job.cfg
     extra = {**cfg.recorded(), **(job.record or {}), "backend": job.backend, "threads": threads, "decoder": job.decoder}
+    data_config = _jsonable(bb.data_config)
+    if "view" in src.extra:  # an augmented view: its transform, seed and index are part of what it is
+        data_config["view"] = src.extra["view"].spec()
     if bb.device.startswith("cpu"):
         from featcache.core.cpu import cpu_isa
 
@@ -368,7 +375,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             model_name=bb.name,
             weights_source=bb.weights_source,
             weights_sha256=bb.weights_sha256,
-            data_config=_jsonable(bb.data_config),
+            data_config=data_config,
             pooling=k,
             device=bb.device,
             batch_size=cfg.batch_size,

@@ -117,6 +117,15 @@ class ProbeConfig:
         type=int,
         check=Interval(int, 1),
     )
+    views: int = flag(
+        0,
+        "train on the train split's first K augmented views (featcache extract --views K): bob-linear and "
+        "dinov2-linear draw one view per image per epoch (seeded); full/fewshot/subset fit on all K views "
+        "with sample weight 1/K; selection and evaluation read the deterministic features (default 0: none)",
+        type=int,
+        metavar="K",
+        check=Interval(int, 0),
+    )
     search_epochs: int | None = flag(
         None, "elevater-*: epochs per search trial (paper: 10)", type=int, check=Interval(int, 1)
     )
@@ -253,6 +262,8 @@ class ProbeConfig:
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)
+        if self.views:  # recorded only when used: earlier run ids stay
+            opts["views"] = self.views
         if proto.val_source_choice:
             opts["val_source"] = self.val_source
         if proto.holdout_order:  # ELEVATER's full protocol: its first-20% rows, in the dataset's own order

@@ -239,12 +239,19 @@ def train_joint(
     momentum: float,
     *,
     steps: int | None = None,
+    views: torch.Tensor | None = None,
+    view_seed: int = 0,
 ) -> dict[str, Any]:
     """SGD (momentum, no weight decay, dampening 0) of every head at once, the loss the sum of
     each head's mean cross-entropy, cosine lrs over ``max_iter`` (:func:`cosine_lrs`), batches
     from :func:`infinite_batches`; ``steps`` (default ``max_iter``) of them. Gradients are
-    written out: (softmax - one-hot) / B."""
+    written out: (softmax - one-hot) / B. ``views`` (``[K, n, S, D]``, ``--views K``): each
+    row is read in one view per pass over the rows (:class:`~featcache.probes.views.PassViews`)."""
     import torch
+
+    from featcache.probes.views import PassViews
+
+    pv = None if views is None else PassViews(view_seed, int(X.shape[0]), int(views.shape[0]))
 
     lr_index = {v: torch.tensor(m) for v, m in heads.members.items()}
     bufW = {v: torch.zeros_like(w) for v, w in heads.W.items()}
@@ -254,8 +261,9 @@ def train_joint(
     rows = torch.arange(batch_size, device=X.device)
     with torch.no_grad():
         for _ in range(max_iter if steps is None else steps):
-            idx = torch.from_numpy(next(batches)).to(X.device)
-            xb, yb = X[idx], y[idx]
+            idx_np = next(batches)
+            idx = torch.from_numpy(idx_np).to(X.device)
+            xb, yb = (X[idx] if pv is None else views[torch.from_numpy(pv.views_of(idx_np)).to(X.device), idx]), y[idx]
             lr_all = torch.from_numpy(next(lrs)).to(X.device)
             for v in heads.variants:
                 W, b = heads.W[v], heads.b[v]
@@ -450,7 +458,13 @@ def fit_dinov2_linear(req: FitRequest) -> FitOutcome:
         heads.to(device)
         X_t = torch.from_numpy(np.ascontiguousarray(Xtr)).to(device)
         y_t = torch.from_numpy(np.searchsorted(classes, ytr).astype(np.int64)).to(device)
-        info = train_joint(heads, X_t, y_t, max_iter, sched["batch_size"], g.sampler_seed + req.seed, g.momentum)
+        V_t = None
+        if req.plan.views:  # --views K: one view per row per pass, seeded
+            V_t = torch.from_numpy(np.stack([np.asarray(v, np.float32) for v in req.plan.views["tr"]])).to(device)
+        info = train_joint(
+            heads, X_t, y_t, max_iter, sched["batch_size"], g.sampler_seed + req.seed, g.momentum,
+            views=V_t, view_seed=req.seed,
+        )  # fmt: skip
         pos = np.searchsorted(classes, yva)
         if (classes[np.minimum(pos, classes.size - 1)] != yva).any():
             raise ProbeError("the validation rows hold classes absent from the training rows; resample the split")
@@ -495,6 +509,11 @@ def _hparams(req: FitRequest, specs, scores, best: int, sched, max_iter: int, de
             "leaving the 1e-5 heads unscored); the head is selected on val and reported on test"
         ),
     }
+    if req.plan.views:
+        hp.update(
+            views=len(req.plan.views["tr"]),
+            view_draw="one view per row per pass over the training rows (probes.views.PassViews)",
+        )
     if (sched["epochs"], sched["epoch_length"], sched["batch_size"]) != (g.epochs, g.epoch_length, g.batch_size):
         hp.update(
             scaled=True, scaled_from={"epochs": g.epochs, "epoch_length": g.epoch_length, "batch_size": g.batch_size}

@@ -95,14 +95,21 @@ def small_train_note(n: int, batch_size: int) -> str:
     )
 
 
-def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: int, seed: int, device: str):
-    """Train BN + linear head; returns (predict_logits, info) with the BN in eval mode."""
+def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: int, seed: int, device: str, views=None):
+    """Train BN + linear head; returns (predict_logits, info) with the BN in eval mode.
+
+    ``views`` (``[K, n, D]``, the rows' augmented views): each epoch trains on the view of
+    each row that :func:`~featcache.probes.views.view_choice` draws for (seed, epoch)."""
     import torch
+
+    from featcache.probes.views import view_choice
 
     gen = torch.Generator().manual_seed(int(seed))
     X_t = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(device)
     y_t = torch.from_numpy(np.asarray(y, np.int64)).to(device)
     n, D = X_t.shape
+    V_t = None if views is None else torch.from_numpy(np.ascontiguousarray(views, np.float32)).to(device)
+    rows = torch.arange(n, device=device)
     batch = min(grid.batch_size, n)  # drop_last with fewer rows than a batch would train nothing: recorded
     per_epoch = n // batch
     lr = grid.blr * batch / 256
@@ -119,6 +126,8 @@ def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: i
     finite = True
     bn.train()
     for epoch in range(epochs):
+        if V_t is not None:  # this epoch's view of every row
+            X_t = V_t[torch.from_numpy(view_choice(seed, epoch, n, V_t.shape[0])).to(device), rows]
         perm = torch.randperm(n, generator=gen).to(device)
         for i in range(per_epoch):
             for g in opt.param_groups:
@@ -157,9 +166,12 @@ def fit_bob_linear(req: FitRequest) -> FitOutcome:
     classes = np.unique(y)
     device = resolve_backend("torch")[1]
     t0 = time.perf_counter()
+    views = None
+    if req.plan.views:  # --views K: one view per row per epoch, seeded
+        views = np.stack([np.asarray(v, np.float32) for v in req.plan.views["fin"]])
     with cpu_threads(device):
         logits, info, ok = train_bob_head(
-            np.asarray(X), np.searchsorted(classes, y), classes.size, g, epochs, req.seed, device
+            np.asarray(X), np.searchsorted(classes, y), classes.size, g, epochs, req.seed, device, views
         )
     hp = {
         "solver": "lars",
@@ -178,4 +190,6 @@ def fit_bob_linear(req: FitRequest) -> FitOutcome:
     }
     if epochs != g.epochs:
         hp.update(scaled=True, scaled_from={"epochs": g.epochs})
+    if views is not None:
+        hp.update(views=len(views), view_draw="one view per row per epoch (probes.views.view_choice(seed, epoch))")
     return FitOutcome(lambda Xe: softmax(logits(Xe), axis=1), classes, hp, ok, time.perf_counter() - t0)

@@ -74,6 +74,9 @@ class _Plan:
     train_split: str
     info: dict[str, Any] = field(default_factory=dict)
     Y: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # multi-label targets of tr, va, fin
+    #: ``--views K``: per plan part ("tr", "fin"), the K views' X in that part's row order (rows
+    #: of a val split, which has no views, repeat its deterministic features)
+    views: dict[str, list[np.ndarray | StoredRows]] | None = None
 
 
 @dataclass
@@ -84,6 +87,7 @@ class _Data:
     val: SplitData | None
     evals: dict[str, SplitData]
     names: list[str]
+    views: list[SplitData] = field(default_factory=list)  # --views K: train's views, aligned by id
 
     def splits(self) -> dict[str, SplitData]:
         return {self.train.name: self.train, **({self.val.name: self.val} if self.val else {}), **self.evals}
@@ -147,6 +151,14 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
             check_disjoint(fitted.name, fitted.ids, s, evals[s].ids)
     check_two_classes(tr.y, f"{b}/{ds}/{cfg.train_split}", "a probe")
     data = _Data(tr, va, evals, names)
+    if cfg.views:
+        from featcache.probes.views import load_views
+
+        def load_view(*args, **kw) -> SplitData:  # through the solver's own input loader, as train
+            return _load_split(*args, **kw, load=load)
+
+        data.views = load_views(c, b, ds, cfg, tr, names, load_view, lazy)
+        tr.fingerprint = combine_fingerprints(tr.fingerprint, *(v.fingerprint for v in data.views))  # run ids
     _attach_label_matrices(c, ds, data)
     return data
 
@@ -228,8 +240,11 @@ def _take(train: SplitData, val: SplitData | None, pos: np.ndarray) -> tuple[np.
     return X, np.concatenate([train.y[a], val.y[b]])
 
 
-def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, val_source: str) -> _Plan:
-    """The protocol's seeded plan (:meth:`Protocol.plan`) as the arrays the fits use."""
+def _plan(
+    proto: Protocol, seed: int, train: SplitData, val: SplitData | None, val_source: str, views: list | None = None
+) -> _Plan:
+    """The protocol's seeded plan (:meth:`Protocol.plan`) as the arrays the fits use (with
+    ``views``, the train split's views of the train and final rows too)."""
     sp: SplitPlan = proto.plan(
         train.y,
         seed,
@@ -248,9 +263,15 @@ def _plan(proto: Protocol, seed: int, train: SplitData, val: SplitData | None, v
             assert val.Y is not None  # _attach_label_matrices gives every split targets or none
             rows = np.concatenate([train.Y, val.Y])
         Y = (rows[sp.train], rows[sp.val], rows[sp.final])
-    return _Plan(
+    plan = _Plan(
         _take(train, val, sp.train), _take(train, val, sp.val), _take(train, val, sp.final), sp.train_split, sp.info, Y
     )
+    if views:
+        from dataclasses import replace
+
+        vs = [replace(train, X=v.X) for v in views]
+        plan.views = {part: [_take(v, val, pos)[0] for v in vs] for part, pos in (("tr", sp.train), ("fin", sp.final))}
+    return plan
 
 
 # ------------------------------------------------------------------ fitting
@@ -313,6 +334,10 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     from featcache.core.results import check_results_path
 
     proto, cfg = config.resolve()
+    if cfg.views:
+        from featcache.probes.views import check_view_solver
+
+        check_view_solver(proto, cfg.views)
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before the fits
     if cfg.predictions is not None:
@@ -327,6 +352,8 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     cfg = _task_metric(caches, backbones, cfg, data)
     if data[backbones[0]].train.Y is not None:
         _check_multilabel(proto, cfg)
+        if cfg.views:
+            raise ProbeError(f"--views {cfg.views}: multi-label targets are fitted without views; drop --views")
     hi = {b: _class_embeddings(caches, b, cfg) for b in backbones} if cfg.head_init else {}
     src = {b: text_source(cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
     text_fp = {b: text_fingerprint(cache_for(caches, b, cfg.dataset), b, cfg) for b in hi}
@@ -417,7 +444,7 @@ def _probe_one(
             "column of a label matrix) of the dataset, in its class order, with the backbone's "
             f"feature dimension; store {b}'s own with write_class_embeddings(..., backbone={b!r})"
         )
-    plan = _plan(proto, seed, d.train, d.val, cfg.val_source)
+    plan = _plan(proto, seed, d.train, d.val, cfg.val_source, d.views)
     opts = cfg.solver_options()
     solver = get_solver(proto.solver)
     fit = solver.fit if plan.Y is None else solver.fit_multilabel

@@ -130,12 +130,19 @@ def _fit_lbfgs(req: FitRequest) -> FitOutcome:
     Xtr, ytr = plan.tr
     hi = None if req.head_init is None else req.head_init[np.unique(ytr)]
     Xva, yva = plan.va
+    fin, Cs, K = plan.fin, opts["Cs"], 1
+    if plan.views:  # --views K: every view of every training row, weight 1/K (= C / K on the stack)
+        from featcache.probes.views import stack_views
+
+        K = len(plan.views["tr"])
+        (Xtr, ytr), fin = stack_views(plan.views["tr"], ytr), stack_views(plan.views["fin"], plan.fin[1])
+        Cs = [c / K for c in Cs]
     sw = sweep_C(
         Xtr,
         ytr,
         Xva,
         yva,
-        opts["Cs"],
+        Cs,
         backend=opts["backend"],
         max_iter=opts["max_iter"],
         tol=opts["tol"],
@@ -153,10 +160,10 @@ def _fit_lbfgs(req: FitRequest) -> FitOutcome:
         standardize=opts["standardize"],
         max_host_bytes=opts.get("max_host_bytes"),
     )
-    same = np.array_equal(np.unique(plan.fin[1]), np.unique(ytr))
-    probe.fit(*plan.fin, init=sw.heads[sw.best_index] if same else None)
+    same = np.array_equal(np.unique(fin[1]), np.unique(ytr))
+    probe.fit(*fin, init=sw.heads[sw.best_index] if same else None)
     hp = {
-        "C": sw.best_C,
+        "C": sorted(opts["Cs"])[sw.best_index] if K > 1 else sw.best_C,
         "selection": f"val {sw.metric} (ties: smaller C)",
         "val_top1": sw.val_top1[sw.best_index],
         f"val_{sw.metric}": sw.val_scores[sw.best_index],
@@ -183,6 +190,8 @@ def _fit_lbfgs(req: FitRequest) -> FitOutcome:
         )
     if probe.streamed_ or sw.info.get("streamed"):
         hp["streamed"] = True
+    if plan.views:
+        hp.update(views=K, view_weight=f"1/{K}: all {K} views of each training row, fitted at C/{K}")
     return FitOutcome(probe.predict_proba, probe.classes_, hp, probe.converged_, sw.seconds + probe.fit_seconds_)
 
 

@@ -119,6 +119,11 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
         read = dict.fromkeys(names)
         stored = get_solver(proto.solver).input_fingerprint or type(c).stored_fingerprint
         fp = {s: stored(c, b, cfg.dataset, s, cfg.kind) for s in read}
+        if cfg.views:  # the views' features join the train split's (as run_probes combines them)
+            from featcache.probes.views import view_splits
+
+            views = [stored(c, b, cfg.dataset, v, cfg.kind) for v in view_splits(cfg.train_split, cfg.views)]
+            fp[cfg.train_split] = combine_fingerprints(fp[cfg.train_split], *views)
         text = [t] if (t := text_fingerprint(c, b, cfg)) else []
         out[b] = {
             es: combine_fingerprints(fp[cfg.train_split], fp[val] if val else "", fp[es], *text)

@@ -144,6 +144,13 @@ class SweepConfig:
         2, "LocalCluster worker processes (default 2; 0: run here, one item at a time)", type=int, show_default=False
     )
     force: bool = flag(False, "rerun items already done", action="store_true")
+    views: int = flag(
+        0,
+        "probe protocols that train on augmented views (bob-linear, dinov2-linear, the L-BFGS ones) use the "
+        "store's first K views (featcache extract --views K); the others run without (default 0: none)",
+        type=int,
+        metavar="K",
+    )
     train_split: str = flag("train", cli=False)
     eval_split: str = flag("test", cli=False)
     gallery_split: str = flag("train", cli=False)
@@ -169,6 +176,8 @@ class SweepConfig:
             object.__setattr__(self, "seeds", seed_tuple(self.seeds, SweepError))
             if not self.seeds:
                 raise SweepError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
+        if isinstance(self.views, bool) or not isinstance(self.views, int) or self.views < 0:
+            raise SweepError(f"views must be an integer >= 0 (0: no augmented views), got {self.views!r}")
         if self.workers < 0:
             raise SweepError(f"workers must be >= 0 (0: run in this process), got {self.workers}")
         unknown = sorted(set(dict(self.finetune_options)) - set(FINETUNE_OPTIONS))
@@ -241,11 +250,14 @@ def _item(kind: str, config, run_ids, backbone: str, dataset: str, protocol: str
 
 
 def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) -> list[WorkItem]:
+    from featcache.core.protocols import get_protocol
     from featcache.probes import ProbeConfig
     from featcache.probes.store_lookup import run_ids as probe_run_ids
+    from featcache.probes.views import VIEW_SOLVERS
 
     out = []
     for p in protocols:
+        views = config.views if config.views and get_protocol(p, "probe").solver in VIEW_SOLVERS else 0
         for s in config.seeds or default_seeds(p):
             pc = ProbeConfig(
                 config.cache,
@@ -258,6 +270,7 @@ def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) 
                 eval_splits=(config.eval_split,),
                 train_split=config.train_split,
                 kind=config.feature_kind,
+                views=views,
                 progress=False,
             )
             out.append(_item("probe", pc, probe_run_ids(pc).values(), b, d, p, s))

@@ -45,6 +45,8 @@ STAGES = {
             "features": ("pooled", "cls"),
             "limit": 5,
             "max_image_pixels": 1000,
+            "views": 3,
+            "view_seed": 9,
         },
     ),
     "probe": (
@@ -68,6 +70,7 @@ STAGES = {
             "templates": "clip",
             "prompt_dataset": "cifar10",
             "sgd_epochs": 7,
+            "views": 2,
             "search_epochs": 2,
             "final_epochs": 3,
             "batch_size": 16,
@@ -148,6 +151,7 @@ STAGES = {
             "data": ("d=digits",),
             "scheduler": "tcp://127.0.0.1:8786",
             "workers": 0,
+            "views": 2,
         },
     ),
 }
