@@ -25,7 +25,7 @@ from featcache.errors import (
 )
 from featcache.store import manifest
 from featcache.store.fingerprints import dataset_fingerprint, features_fingerprint
-from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, scan_group
+from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, refuse_bad_shape, scan_group
 from featcache.store.metadata import named_damage, translating
 from featcache.store.root import create_root, open_or_create, root_unrecorded
 from featcache.store.schema import (
@@ -338,6 +338,7 @@ class FeatureCache:
                 f"the split (fingerprint {prov.dataset_fingerprint[:12]} vs {smeta.fingerprint[:12]}); "
                 "re-extract with --overwrite"
             )
+        refuse_bad_shape(g, gm, {kind: prov}, smeta.n, self.path)
         if g[kind].shape != (smeta.n, prov.dim) or gm.n != smeta.n:
             raise CorruptStoreError(
                 f"{backbone}/{dataset}/{split}/{kind}: shape {g[kind].shape} != ({smeta.n}, {prov.dim}); "
