@@ -363,7 +363,9 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
             _invalidate(cache, b, d, s, gm, sc, every=bool(moved))
 
 
-def _check_shapes(cache: FeatureCache, g, gm, split_n: int | None, key, rep: VerifyReport, repair: bool) -> bool:
+def _check_shapes(
+    cache: FeatureCache, g, gm, split_n: int | None, key: tuple[str, str, str], rep: VerifyReport, repair: bool
+) -> bool:
     """Feature arrays whose shape or chunk rows differ from their group's (a ``zarr.json``
     changed after it was written, its digest perhaps recorded again), one line each; with
     ``repair`` restored from the group metadata and provenance where they agree with each
@@ -374,7 +376,7 @@ def _check_shapes(cache: FeatureCache, g, gm, split_n: int | None, key, rep: Ver
     provs = {}
     for kind in gm.kinds:
         try:
-            provs[kind] = cache.provenance(*key, kind)
+            provs[kind] = cache.provenance(key[0], key[1], key[2], kind)
         except Exception:
             continue  # a missing or unreadable provenance is named by the kinds' check
     left = False
@@ -402,9 +404,9 @@ def _restore_shape(cache: FeatureCache, rel: str, shape: tuple[int, ...], chunk_
     from featcache.store import manifest
     from featcache.store.space import no_space
 
-    store, unit, key = cache.root.store, manifest.unit_of(rel), manifest.doc_key(rel)
+    store, unit, key = cache.root.store, manifest.unit_of(rel) or "", manifest.doc_key(rel)
     try:
-        body = manifest.load(store, unit or "")
+        body = manifest.load(store, unit)
     except ValueError:
         return False
     docs = (body or {}).get("documents", {})
@@ -420,7 +422,7 @@ def _restore_shape(cache: FeatureCache, rel: str, shape: tuple[int, ...], chunk_
     ):
         manifest.write_raw(store, key, data)
         if body is not None:
-            manifest.record(cache.root, unit or "")
+            manifest.record(cache.root, unit)
     return True
 
 
