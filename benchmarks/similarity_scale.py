@@ -65,13 +65,41 @@ def write_store(path: str, n: int, dim: int, seed: int) -> None:
             dataset_fingerprint=meta.fingerprint, chunk_rows=CHUNK, dtype="float16",
         )  # fmt: skip
         w = FeatureWriter(cache, b, "synth", "test", {"pooled": prov}).prepare(overwrite=True)
-        for i in w.pending_chunks():
+        todo, t0 = w.pending_chunks(), time.perf_counter()
+        for k, i in enumerate(todo, 1):
             s, e = w.chunk_range(i)
             w.write_chunk(i, {"pooled": _rows(b, s, e, dim, seed)}, np.ones(e - s, bool))
+            if k % 16 == 0 or k == len(todo):
+                print(f"  {b}: {k}/{len(todo)} chunks in {time.perf_counter() - t0:.0f} s", flush=True)
         w.mark_complete()
 
 
+def _heartbeat(which: str, every: float = 120.0) -> None:
+    """Print, every ``every`` seconds to stderr, the arm's elapsed time and bytes read so far
+    (``/proc/self/io`` rchar: the stored chunks it has decoded), so a long run shows progress."""
+    import threading
+
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while True:
+            time.sleep(every)
+            try:
+                with open("/proc/self/io") as fh:
+                    rchar = next(int(ln.split()[1]) for ln in fh if ln.startswith("rchar"))
+            except (OSError, StopIteration):
+                rchar = -1
+            print(
+                f"  [{which}] {time.perf_counter() - t0:.0f} s, {rchar / 2**30:.2f} GiB read",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    threading.Thread(target=beat, daemon=True).start()
+
+
 def arm(store: str, which: str, max_memory: str) -> dict:
+    _heartbeat(which)
     t0 = time.perf_counter()
     if which == "stream":
         from featcache.similarity import SimilarityConfig, run_similarity
@@ -111,7 +139,7 @@ def _notebook_cka(x: np.ndarray, y: np.ndarray, debiased: bool) -> float:
 
 def run_arm(store: str, which: str, max_memory: str) -> dict:
     cmd = [sys.executable, __file__, "--arm", which, "--store", store, "--max-memory", max_memory]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)  # progress on stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -136,7 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=2048, help="feature width of both backbones (default 2048)")
     ap.add_argument("--arms", default="stream,numpy", help="stream,numpy (numpy needs ~4 x N x D x 8 bytes)")
     ap.add_argument("--max-memory", default="2GB", help="the stream arm's --max-memory (default 2GB)")
-    ap.add_argument("--store", default=None, help="an existing store of this script (default: written to a temp dir)")
+    ap.add_argument(
+        "--store", default=None, help="a store of this script: written there (and kept) if absent (default: a temp dir)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
@@ -147,7 +177,7 @@ def main(argv=None) -> int:
     tmp = None if a.store else tempfile.mkdtemp(prefix="similarity-scale-")
     store = a.store or os.path.join(tmp, "synth.zarr")
     try:
-        if tmp:
+        if tmp or not os.path.exists(store):
             t0 = time.perf_counter()
             write_store(store, a.n, a.dim, a.seed)
             print(f"wrote {a.n} x {a.dim} float16 x 2 backbones in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -26,7 +26,7 @@ from featcache.errors import (
 from featcache.store import manifest
 from featcache.store.blocks import DEFAULT_BLOCK_MEMORY
 from featcache.store.fingerprints import dataset_fingerprint, features_fingerprint
-from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, scan_group
+from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, refuse_bad_shape, scan_group
 from featcache.store.metadata import named_damage, translating
 from featcache.store.root import create_root, open_or_create, root_unrecorded
 from featcache.store.schema import (
@@ -333,6 +333,7 @@ class FeatureCache:
         gm = self.group_meta(backbone, dataset, split)
         prov = self.provenance(backbone, dataset, split, kind)
         ids, labels, smeta = self.split_rows(dataset, split, check=check)
+        refuse_bad_shape(g, gm, {kind: prov}, smeta.n, self.path)
         self._check_kind(g, gm, prov, smeta, f"{backbone}/{dataset}/{split}", kind)
         finishing = self._check_place(g, gm, kind, prov)
         if lazy:

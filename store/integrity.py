@@ -187,3 +187,74 @@ def fill_problems(g, kinds) -> dict[str, str]:
                 f"fill_value {shown!r} in its zarr.json, featcache writes {want} (a missing chunk would read as data)"
             )
     return out
+
+
+def feature_shape(gm, prov) -> tuple[int, ...]:
+    """The shape featcache's writer gives a feature array: the group's rows, the provenance's
+    inner dimensions (none for pooled features), its width."""
+    return (gm.n, *tuple(getattr(prov, "inner", None) or ()), prov.dim)
+
+
+def shape_problems(g, gm, provs: dict) -> dict[str, str]:
+    """Feature arrays of a group whose shape or chunk rows differ from what its group metadata
+    and their provenance give, as kind -> what differs: a ``zarr.json`` changed after it was
+    written (its digest perhaps recorded again). Reading such an array would misalign rows
+    with their ids, so nothing reads one before it is restored."""
+    out = {}
+    for kind, prov in provs.items():
+        try:
+            arr = g[kind]
+        except KeyError:
+            continue  # a missing array is named on its own
+        want = feature_shape(gm, prov)
+        chunk = arr.chunks[0] if arr.chunks else None
+        # a provenance changed after writing is named on its own: its width is no evidence
+        got = tuple(arr.shape) if provenance_sound(arr) else tuple(arr.shape[:1]) + want[1:]
+        if got != want or chunk != gm.chunk_rows:
+            out[kind] = (
+                f"shape {tuple(arr.shape)} in chunks of {chunk} rows, but its group metadata and provenance "
+                f"give {want} in chunks of {gm.chunk_rows} rows (changed after it was written)"
+            )
+    return out
+
+
+def provenance_sound(arr) -> bool:
+    """Whether a feature array's provenance matches the digest its writer kept beside it (or
+    none was kept: a store written before provenance digests)."""
+    from featcache.store.schema import PROVENANCE_DIGEST_KEY, PROVENANCE_KEY, provenance_digest
+
+    digest = arr.attrs.get(PROVENANCE_DIGEST_KEY)
+    return digest is None or digest == provenance_digest(dict(arr.attrs.get(PROVENANCE_KEY, {})))
+
+
+def shape_restorable(arr, gm, prov, split_n: int | None) -> bool:
+    """Whether the evidence a feature array's shape is restored from agrees with itself: the
+    group metadata, the provenance (matching its own digest) and the split (when known) on
+    rows and chunk rows."""
+    return provenance_sound(arr) and gm.n == prov.n and gm.chunk_rows == prov.chunk_rows and split_n in (None, gm.n)
+
+
+def shape_line(where: str, why: str, path: str, restorable: bool) -> str:
+    """The one line for a feature array whose shape differs from its group's: what differs and
+    what to run (``verify --repair`` restores it when the evidence agrees, else ``--overwrite``)."""
+    if restorable:
+        todo = (
+            f"run `featcache verify --repair {path}`: it restores the document from them "
+            "(no chunk is touched or recomputed)"
+        )
+    else:
+        todo = (
+            "they disagree with each other or with the split too, so nothing says which is right: "
+            "re-run the extract that wrote it with --overwrite"
+        )
+    return f"{where}/zarr.json: {why}; {todo}"
+
+
+def refuse_bad_shape(g, gm, provs: dict, split_n: int | None, path: str) -> None:
+    """Raise :class:`~featcache.errors.CorruptStoreError` (one line: what differs, what to
+    run) when a feature array of ``provs`` has another shape than its group gives it."""
+    from featcache.errors import CorruptStoreError
+
+    for kind, why in shape_problems(g, gm, provs).items():
+        ok = shape_restorable(g[kind], gm, provs[kind], split_n)
+        raise CorruptStoreError(shape_line(f"{g.path}/{kind}", why, path, ok))

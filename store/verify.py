@@ -314,6 +314,8 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
         smeta = cache.split_meta(d, s)
     except Exception:  # a damaged split is named on its own; this group's chunks are still checked
         smeta = None
+    if not _check_shapes(cache, g, gm, None if smeta is None else smeta.n, (b, d, s), rep, repair):
+        return  # its chunks would be read misaligned: the shape is named (above) first
     sc = cache.scan(b, d, s)
     todo = np.flatnonzero(~sc.done).tolist()
     if todo:
@@ -359,6 +361,69 @@ def _check_group(cache: FeatureCache, b: str, d: str, s: str, rep: VerifyReport,
         rep.to_recompute[(b, d, s)] = list(range(gm.n_chunks)) if every else bad
         if repair:
             _invalidate(cache, b, d, s, gm, sc, every=bool(moved))
+
+
+def _check_shapes(
+    cache: FeatureCache, g, gm, split_n: int | None, key: tuple[str, str, str], rep: VerifyReport, repair: bool
+) -> bool:
+    """Feature arrays whose shape or chunk rows differ from their group's (a ``zarr.json``
+    changed after it was written, its digest perhaps recorded again), one line each; with
+    ``repair`` restored from the group metadata and provenance where they agree with each
+    other and the split. False while one is left: its chunks cannot be read aligned."""
+    from featcache.store.integrity import feature_shape, shape_line, shape_problems, shape_restorable
+
+    where = "features/" + "/".join(key)
+    provs = {}
+    for kind in gm.kinds:
+        try:
+            provs[kind] = cache.provenance(key[0], key[1], key[2], kind)
+        except Exception:
+            continue  # a missing or unreadable provenance is named by the kinds' check
+    left = False
+    for kind, why in shape_problems(g, gm, provs).items():
+        ok = shape_restorable(g[kind], gm, provs[kind], split_n)
+        shape = feature_shape(gm, provs[kind])
+        rep.problems.append(shape_line(f"{where}/{kind}", why, cache.path, ok))
+        if repair and ok and _restore_shape(cache, f"{where}/{kind}", shape, gm.chunk_rows):
+            rep.rebuilt.append(
+                f"{where}/{kind}/zarr.json: shape {shape} in chunks of {gm.chunk_rows} rows restored from its "
+                "group metadata and provenance (no chunk touched)"
+            )
+        else:
+            left = True
+    return not left
+
+
+def _restore_shape(cache: FeatureCache, rel: str, shape: tuple[int, ...], chunk_rows: int) -> bool:
+    """Rewrite feature array ``rel``'s document with ``shape`` and row chunks of ``chunk_rows``
+    (everything else as it is), and its unit's digests with it, under the unit's writer lock.
+    False (nothing written) when another document of the unit differs from its digest: those
+    are named on their own, and recording the digests now would bless them."""
+    import json
+
+    from featcache.store import manifest
+    from featcache.store.space import no_space
+
+    store, unit, key = cache.root.store, manifest.unit_of(rel) or "", manifest.doc_key(rel)
+    try:
+        body = manifest.load(store, unit)
+    except ValueError:
+        return False
+    docs = (body or {}).get("documents", {})
+    if any(manifest.sha256(manifest.read_raw(store, k) or b"") != e.get("sha256") for k, e in docs.items() if k != key):
+        return False
+    doc = json.loads(manifest.read_raw(store, key) or b"{}")
+    doc["shape"] = list(shape)
+    doc["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [chunk_rows, *shape[1:]]}}
+    data = json.dumps(doc, indent=2).encode()  # as zarr writes its documents
+    with (
+        StoreLock(cache.root, unit, timeout=0, what=unit),
+        no_space(cache.path, f"the restored {key}", len(data), REPAIR_NO_SPACE_THEN),
+    ):
+        manifest.write_raw(store, key, data)
+        if body is not None:
+            manifest.record(cache.root, unit)
+    return True
 
 
 def _check_place(g, where: str, gm, rep: VerifyReport, skip: set[str], complete: bool, store: str) -> set[str]:

@@ -23,7 +23,7 @@ from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
 from featcache.store.arrays import create_aux_array, create_feature_array  # re-exported: their old home
 from featcache.store.cache import FeatureCache, open_cache
-from featcache.store.integrity import fill_problems, read_done, scan_group
+from featcache.store.integrity import fill_problems, read_done, refuse_bad_shape, scan_group
 from featcache.store.locks import StoreLock, local_root
 from featcache.store.metadata import translating
 from featcache.store.root import now_iso
@@ -155,6 +155,8 @@ class FeatureWriter:
                 self._empty_group()
             else:
                 self.group = self.cache.root[self.path]
+                gm = FeatureGroupMeta.from_attrs(dict(self.group.attrs[GROUP_KEY]), where=self.path)
+                refuse_bad_shape(self.group, gm, old, self.n, self.cache.path)  # resuming would misalign rows
                 self._remove_orphan_writes()
                 self._restore_aux_arrays()
                 self._restore_lost_kinds(lost)

@@ -277,7 +277,8 @@ class HubServer:
     ``get_hf_file_metadata`` reads (``X-Repo-Commit``, ``ETag``: the sha256 of an LFS file,
     ``Content-Length``). ``requests``: the paths asked for; ``served``: bytes served in place of
     a file's own (its ETag still the sha256 of the file's own bytes); ``status``: an HTTP status
-    every request is answered with instead (a hub in trouble)."""
+    every request is answered with instead (a hub in trouble), or ``"close"``: every connection
+    closed without an answer."""
 
     def __init__(self, repo: str, files: dict[str, Path], commit: str, served: dict[str, bytes] | None = None):
         import hashlib
@@ -306,6 +307,9 @@ class HubServer:
             def _route(self, head):
                 path = self.path.split("?", 1)[0]
                 server.requests.append(f"{self.command} {path}")
+                if server.status == "close":  # the connection closed without an answer
+                    self.close_connection = True
+                    return None
                 if server.status is not None:
                     return self._send(server.status, b"hub in trouble", {"Content-Type": "text/plain"}, head)
                 api = f"/api/models/{server.repo}/"

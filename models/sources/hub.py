@@ -66,7 +66,11 @@ def missing(what: str, fetch: str) -> WeightsNotFoundError:
     )
 
 
-_NET_MODULES = ("huggingface_hub", "httpx", "httpcore", "requests", "urllib3", "urllib", "socket", "ssl")
+#: libraries whose errors are the network's or the hub's (huggingface_hub 2.x speaks through
+#: its own httpx2/httpcore2: a connection closed without an answer is httpx2.RemoteProtocolError)
+_NET_MODULES = (
+    "huggingface_hub", "httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3", "urllib", "socket", "ssl",
+)  # fmt: skip
 
 
 def reason(exc: BaseException) -> str:

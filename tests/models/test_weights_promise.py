@@ -218,16 +218,27 @@ def test_a_hub_in_trouble_is_not_called_offline(clip_dir, hub_cache, monkeypatch
     """Downloads on, the hub answers 500 (or nothing listens): the line says the hub did not
     answer and what to do, never that downloads are off, for huggingface_hub's snapshot and for
     timm's own download; nothing is cached or recorded."""
-    import huggingface_hub.constants as hc
 
     with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
         srv.status = 500
         url = srv.url if fault == "500" else "http://127.0.0.1:9"
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.setattr(hc, "ENDPOINT", url)  # what timm's download reads (set at import)
+        _point_hub_at(monkeypatch, url)
         _hub_in_trouble(f"hf:{REPO}", "dir", url, tmp_path, capsys)
         _hub_in_trouble("test_vit.r160_in1k", "pretrained", url, tmp_path, capsys)
+    if fault == "500":  # asked at the loopback hub, not at huggingface.co (a DNS failure here)
+        assert [r for r in srv.requests if "/timm/test_vit.r160_in1k/resolve/" in r], srv.requests
     assert not any(hub_cache.rglob("blobs/*"))
+
+
+def _point_hub_at(monkeypatch, url: str) -> None:
+    """huggingface_hub's endpoint as if HF_ENDPOINT had been set before it was imported: its
+    ``ENDPOINT`` and the download URL template it formats from it at import (``hf_hub_url``
+    only swaps a URL's prefix that equals the current ``ENDPOINT``)."""
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setattr(hc, "ENDPOINT", url)
+    monkeypatch.setattr(hc, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
 
 
 def test_an_empty_ref_is_named_not_blamed_on_the_image_processor(clip_dir, hub_cache, monkeypatch, tmp_path, capsys):
@@ -319,11 +330,10 @@ def test_open_clip_download_from_a_hub_in_trouble_is_one_line(clip_dir, hub_cach
     """open_clip's pretrained tag, downloads on, the hub answering 500: one whole line with
     --offline, checked with one request before open_clip's own download (which retries)."""
     pytest.importorskip("open_clip")
-    import huggingface_hub.constants as hc
 
     with HubServer(REPO, _files(clip_dir), COMMIT) as srv:
         srv.status = 500
-        monkeypatch.setenv("HF_ENDPOINT", srv.url)
-        monkeypatch.setattr(hc, "ENDPOINT", srv.url)
+        _point_hub_at(monkeypatch, srv.url)
         _hub_in_trouble("open_clip:ViT-B-32", "laion2b_s34b_b79k", srv.url, tmp_path, capsys)
+    assert [r for r in srv.requests if "/laion/CLIP-ViT-B-32-laion2B-s34B-b79K/resolve/" in r], srv.requests
     assert not any(hub_cache.rglob("blobs/*"))

@@ -291,7 +291,7 @@ def test_pipeline_turns_each_kinds_dims_into_inner_and_dim():
     )  # fmt: skip
 
     class Src:  # a split of 300 rows
-        dataset, split = "digits", "train"
+        dataset, split, extra = "digits", "train", {}
 
         def __len__(self) -> int:
             return 300
