@@ -150,7 +150,7 @@ class FeatureHead:
         if g == 0:
             return patches
         pe = getattr(self.model, "patch_embed", None)
-        hw = pe.dynamic_feat_size(tuple(x.shape[-2:])) if hasattr(pe, "dynamic_feat_size") else None
+        hw = pe.dynamic_feat_size(tuple(x.shape[-2:])) if pe is not None and hasattr(pe, "dynamic_feat_size") else None
         return grid_pool(patches, token_grid(patches.shape[1], hw, name), g, name)
 
     def dims(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:

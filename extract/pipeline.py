@@ -130,7 +130,7 @@ class _Job:
     head: FeatureHead
     fwd: Any
     #: each kind's width D (an int), or its per-row shape ``(*inner, D)`` (``blocks:4``: ``(4, D)``)
-    dims: dict[str, int | tuple[int, ...]]
+    dims: Mapping[str, int | tuple[int, ...]]
     key: str
     rank: int
     world: int

@@ -263,7 +263,11 @@ def train_joint(
         for _ in range(max_iter if steps is None else steps):
             idx_np = next(batches)
             idx = torch.from_numpy(idx_np).to(X.device)
-            xb, yb = (X[idx] if pv is None else views[torch.from_numpy(pv.views_of(idx_np)).to(X.device), idx]), y[idx]
+            if pv is None or views is None:
+                xb = X[idx]
+            else:
+                xb = views[torch.from_numpy(pv.views_of(idx_np)).to(X.device), idx]
+            yb = y[idx]
             lr_all = torch.from_numpy(next(lrs)).to(X.device)
             for v in heads.variants:
                 W, b = heads.W[v], heads.b[v]

@@ -379,7 +379,7 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     preds: list | None = [] if cfg.predictions is not None else None
     for b, seed in tqdm(todo, desc=f"probe {proto.spec}", disable=not cfg.progress):
         new_rows += _probe_one(cfg, proto, b, seed, data[b], hi.get(b), run_ids[(b, seed)], src.get(b), preds)
-    if preds:
+    if preds and cfg.predictions is not None:
         from featcache.probes.predictions import write_predictions
 
         log.info(

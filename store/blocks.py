@@ -76,9 +76,10 @@ def _row_range(rows: Any, n: int) -> tuple[int, int]:
     if isinstance(rows, slice) and rows.step in (None, 1):
         start, stop, _ = rows.indices(n)
         return start, max(start, stop)
-    pair = isinstance(rows, tuple) and len(rows) == 2 and all(isinstance(x, (int, np.integer)) for x in rows)
-    if pair and 0 <= rows[0] <= rows[1] <= n:
-        return int(rows[0]), int(rows[1])
+    if isinstance(rows, tuple) and len(rows) == 2 and all(isinstance(x, (int, np.integer)) for x in rows):
+        lo, hi = int(rows[0]), int(rows[1])
+        if 0 <= lo <= hi <= n:
+            return lo, hi
     raise ConfigError(f"rows={rows!r}: give None (every row), a slice without a step, or (start, stop) within 0..{n}")
 
 

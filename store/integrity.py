@@ -145,7 +145,8 @@ def _check_rows(scan: GroupScan, i: int, data: dict, kinds) -> None:
 
 def row_all(mask: np.ndarray) -> np.ndarray:
     """Per row (axis 0), whether every value of a ``[n, ...]`` boolean mask is set."""
-    return mask.reshape(mask.shape[0], int(np.prod(mask.shape[1:]))).all(axis=1)  # no -1: 0 rows reshape too
+    flat = mask.reshape(mask.shape[0], int(np.prod(mask.shape[1:])))  # no -1: 0 rows reshape too
+    return np.asarray(flat.all(axis=1))
 
 
 def present_rows(x: np.ndarray, block_rows: int = 8192) -> np.ndarray:

