@@ -140,24 +140,11 @@ def _amp_check(heads: list, xb: Any, device: str) -> tuple[Any, dict[str, Any]]:
     """(autocast dtype or None, record): bf16 where the device has it and the heads agree."""
     import torch
 
-    from featcache.core.cpu import bf16_flags
+    from featcache.probes._precision import bf16_choice
 
-    if device.startswith("cuda"):
-        why = "CUDA"
-    elif "amx_bf16" in bf16_flags():
-        why = "AMX (amx_bf16)"
-    else:
-        return None, {"precision": "fp32", "why": "no CUDA device and no AMX on this CPU"}
     for h in heads:
         h.eval()
-    with torch.no_grad():
-        ref = torch.stack([h(xb) for h in heads]).float()
-        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
-            low = torch.stack([h(xb) for h in heads]).float()
-    cos = float(torch.nn.functional.cosine_similarity(ref, low, dim=-1).min())
-    ok = cos >= BF16_MIN_COSINE
-    rec = {"precision": "bf16" if ok else "fp32", "why": why, "cosine_min": round(cos, 6), "threshold": BF16_MIN_COSINE}
-    return (torch.bfloat16 if ok else None), rec
+    return bf16_choice(device, lambda: torch.stack([h(xb) for h in heads]), BF16_MIN_COSINE)
 
 
 def _grid_heads(variant: str, dim: int, n_classes: int, n_heads: int, seed: int) -> list:

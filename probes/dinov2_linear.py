@@ -68,6 +68,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 REFERENCE = "facebookresearch/dinov2 dinov2/eval/linear.py"
+#: the bf16 agreement bound (the extract stage's ``--precision auto`` bound, as the attentive probes')
+BF16_MIN_COSINE = 0.98
 
 
 @dataclass(frozen=True)
@@ -241,12 +243,15 @@ def train_joint(
     steps: int | None = None,
     views: torch.Tensor | None = None,
     view_seed: int = 0,
+    amp: Any = None,
 ) -> dict[str, Any]:
     """SGD (momentum, no weight decay, dampening 0) of every head at once, the loss the sum of
     each head's mean cross-entropy, cosine lrs over ``max_iter`` (:func:`cosine_lrs`), batches
     from :func:`infinite_batches`; ``steps`` (default ``max_iter``) of them. Gradients are
     written out: (softmax - one-hot) / B. ``views`` (``[K, n, S, D]``, ``--views K``): each
-    row is read in one view per pass over the rows (:class:`~featcache.probes.views.PassViews`)."""
+    row is read in one view per pass over the rows (:class:`~featcache.probes.views.PassViews`).
+    ``amp`` (``torch.bfloat16`` or None): the two matmuls of a step under that autocast, the
+    weights, momentum buffers and softmax in fp32."""
     import torch
 
     from featcache.probes.views import PassViews
@@ -259,7 +264,8 @@ def train_joint(
     base = np.array([s.lr for s in heads.specs], np.float64)
     batches, lrs = infinite_batches(int(X.shape[0]), batch_size, seed), cosine_lrs(base, max_iter)
     rows = torch.arange(batch_size, device=X.device)
-    with torch.no_grad():
+    cast = torch.autocast(X.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
+    with torch.no_grad(), cast:
         for _ in range(max_iter if steps is None else steps):
             idx_np = next(batches)
             idx = torch.from_numpy(idx_np).to(X.device)
@@ -273,11 +279,11 @@ def train_joint(
                 W, b = heads.W[v], heads.b[v]
                 H, C, d = W.shape
                 x = linear_input(xb, *v)
-                P = softmax_rows(torch.addmm(b.reshape(1, H * C), x, W.reshape(H * C, d).T).view(-1, H, C))
+                P = softmax_rows(torch.addmm(b.reshape(1, H * C), x, W.reshape(H * C, d).T).float().view(-1, H, C))
                 P[rows, :, yb] -= 1.0
                 P /= batch_size
                 G = P.reshape(batch_size, H * C)
-                bufW[v].mul_(momentum).add_((G.T @ x).view(H, C, d))
+                bufW[v].mul_(momentum).add_((G.T @ x).float().view(H, C, d))
                 bufb[v].mul_(momentum).add_(G.sum(0).view(H, C))
                 lr = lr_all[lr_index[v]].to(W.dtype)
                 W.sub_(lr.view(H, 1, 1) * bufW[v])
@@ -465,9 +471,10 @@ def fit_dinov2_linear(req: FitRequest) -> FitOutcome:
         V_t = None
         if req.plan.views:  # --views K: one view per row per pass, seeded
             V_t = torch.from_numpy(np.stack([np.asarray(v, np.float32) for v in req.plan.views["tr"]])).to(device)
+        amp, precision = _precision(heads, X_t, device, sched["batch_size"])
         info = train_joint(
             heads, X_t, y_t, max_iter, sched["batch_size"], g.sampler_seed + req.seed, g.momentum,
-            views=V_t, view_seed=req.seed,
+            views=V_t, view_seed=req.seed, amp=amp,
         )  # fmt: skip
         pos = np.searchsorted(classes, yva)
         if (classes[np.minimum(pos, classes.size - 1)] != yva).any():
@@ -483,7 +490,19 @@ def fit_dinov2_linear(req: FitRequest) -> FitOutcome:
             return softmax(torch.addmm(b, x, W.T).double().numpy(), axis=1)
 
     hp = _hparams(req, specs, scores, best, sched, max_iter, device)
+    hp["precision"] = precision
     return FitOutcome(predict, classes, hp, info["finite"], time.perf_counter() - t0)
+
+
+def _precision(heads: JointHeads, X: torch.Tensor, device: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
+    """bf16 autocast for training where the device has it and the fresh heads' logits on the
+    first rows agree with fp32 (:func:`~featcache.probes._precision.bf16_choice`); else fp32."""
+    import torch
+
+    from featcache.probes._precision import bf16_choice
+
+    xb = X[:batch_size]
+    return bf16_choice(device, lambda: torch.cat([heads.logits(xb, v) for v in heads.variants], 1), BF16_MIN_COSINE)
 
 
 def _hparams(req: FitRequest, specs, scores, best: int, sched, max_iter: int, device: str) -> dict[str, Any]:

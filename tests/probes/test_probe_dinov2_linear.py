@@ -539,3 +539,39 @@ def test_nd_kinds_from_the_store(tmp_path, kinds, cls_source, patch, heads, floo
     W, b = jh.head(i)
     Z = linear_input(torch.from_numpy(Xte), specs[i].n_blocks, specs[i].avgpool) @ W.T + b
     assert top1["value"] == float(np.mean(Z.argmax(1).numpy() == yte))
+
+
+@pytest.mark.parametrize(("bound", "chosen"), [(0.98, "bf16"), (1.5, "fp32")])
+def test_bf16_where_the_cpu_has_amx_and_the_check_holds(monkeypatch, slots, bound, chosen):
+    """On a CPU whose flags show AMX, the heads train under bf16 autocast when the fresh heads'
+    bf16 logits agree with fp32 on the first batch (every row's cosine >= the bound), else in
+    fp32; bf16 training ends near the fp32 heads (the weights, buffers and softmax stay fp32).
+    Without AMX (the suite's FEATCACHE_CPU_BF16=0): fp32, no check."""
+    from featcache.core import cpu
+    from featcache.probes import dinov2_linear as dl
+
+    X, y = slots
+    specs = head_specs((1, 4), LRS, 128)
+
+    def trained(amp):
+        heads = JointHeads(specs, 256, 10, torch.Generator().manual_seed(0))
+        train_joint(heads, torch.from_numpy(X), torch.from_numpy(y), 20, 128, 0, 0.9, amp=amp)
+        return heads
+
+    heads = JointHeads(specs, 256, 10, torch.Generator().manual_seed(0))
+    amp, rec = dl._precision(heads, torch.from_numpy(X), "cpu", 128)
+    assert (amp, rec["precision"]) == (None, "fp32")
+    assert "cosine_min" not in rec
+    monkeypatch.setenv(cpu.BF16_ENV, "1")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    monkeypatch.setattr(dl, "BF16_MIN_COSINE", bound)
+    amp, rec = dl._precision(heads, torch.from_numpy(X), "cpu", 128)
+    assert rec["precision"] == chosen
+    assert rec["why"] == "AMX (amx_bf16)"
+    assert 0.98 < rec["cosine_min"] <= 1.0
+    assert (amp is torch.bfloat16) == (chosen == "bf16")
+    low, ref = trained(torch.bfloat16), trained(None)
+    for v in ref.variants:
+        assert low.W[v].dtype == torch.float32
+        err = float((low.W[v] - ref.W[v]).norm() / ref.W[v].norm())
+        assert err < 2e-2, (v, err)
