@@ -293,6 +293,12 @@ def test_full_disk_extract_is_one_line_and_resumes_exactly(tmp_path, capsys):
     with _tmpfs(tmp_path / "small", "160k") as small:
         cache = small / "c.zarr"
         capsys.readouterr()
+        assert main([*argv, "--cache", str(cache)]) == 1  # the size check: refused before any image is read
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert "--no-size-check" in err.strip().splitlines()[-1]
+        assert not cache.exists() or open_cache(cache).catalog().height == 0  # no feature written
+        argv.append("--no-size-check")  # compression may make it fit: the writer's own full-disk path
         assert main([*argv, "--cache", str(cache)]) == 1
         err = capsys.readouterr().err
         assert "Traceback" not in err

@@ -268,7 +268,7 @@ def test_ls_names_a_damaged_group_and_what_to_run(pair, tmp_path, capsys):
 def test_an_interrupted_extract_says_how_to_resume(tmp_path, capsys, monkeypatch):
     import featcache.extract.pipeline as pipeline
 
-    def interrupted(cfg):
+    def interrupted(cfg, **kw):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pipeline, "extract", interrupted)
