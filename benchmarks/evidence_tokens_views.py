@@ -91,7 +91,8 @@ def probe_all(a, out: Path) -> list[dict]:
 
     table, ref = [], None
     for label, over in runs(a):
-        if a.skip_attentive and over["protocol"].startswith("attentive"):
+        if over["protocol"] in a.skip:
+            print(json.dumps({"run": label, "skipped": "--skip"}), flush=True)
             continue
         t0 = time.perf_counter()
         cfg = ProbeConfig(
@@ -149,6 +150,30 @@ def sizes(cache: str) -> list[dict]:
     return cat.select("split", "kind", "shape", "bytes").sort("split", "kind").to_dicts()
 
 
+def markdown(info: dict) -> str:
+    """The docs' tables from ``evidence.json``: the runs, then the extraction cost and sizes."""
+    out = [
+        "| run | top-1 | 95% interval | right only here / only in `full` | McNemar p |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for r in info["table"]:
+        vs = "reference" if "mcnemar_p" not in r else f"{r['better_only']} / {r['full_only']}"
+        p = "" if "mcnemar_p" not in r else f"{r['mcnemar_p']:.2g}"
+        out.append(f"| {r['run']} | {r['top1']:.4f} | {r['lo']:.4f}-{r['hi']:.4f} | {vs} | {p} |")
+    c = info["cost"]
+    out += [
+        "",
+        f"Extraction of {c['rows']} images in one run: pooled alone {c['pooled_s']:.1f} s; pooled + tokens "
+        f"{c['pooled_tokens_s']:.1f} s (**{c['tokens_ratio']:.2f}x**); one augmented view of pooled "
+        f"{c['one_view_s']:.1f} s (**{c['view_ratio']:.2f}x**).",
+        "",
+        "| split | kind | shape | stored |",
+        "|---|---|---|---:|",
+    ]
+    out += [f"| {s['split']} | {s['kind']} | {s['shape']} | {s['bytes'] / 1e6:.1f} MB |" for s in info["sizes"]]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", required=True)
@@ -158,9 +183,13 @@ def main(argv=None) -> int:
     ap.add_argument("--views", type=int, default=8)
     ap.add_argument("--view-counts", default="1,4,8")
     ap.add_argument("--attentive-epochs", type=int, default=1, help="recipe: 20; CPU time: 20 heads x 1280-d tokens")
-    ap.add_argument("--skip-attentive", action="store_true")
+    ap.add_argument("--skip", action="append", default=[], help="leave this protocol's rows out (repeatable)")
     ap.add_argument("--cost-rows", type=int, default=1024)
+    ap.add_argument("--table-only", action="store_true", help="print the docs' tables from OUT_DIR/evidence.json")
     a = ap.parse_args(argv)
+    if a.table_only:
+        print(markdown(json.loads((Path(a.out_dir) / "evidence.json").read_text())))
+        return 0
     a.view_counts = [int(k) for k in a.view_counts.split(",")]
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,8 +201,7 @@ def main(argv=None) -> int:
     info["load_after"] = os.getloadavg()
     (out / "evidence.json").write_text(json.dumps(info, indent=1))
     print(json.dumps({k: info[k] for k in ("cpu", "load_before", "load_after", "cost")}, indent=1))
-    for s in info["sizes"]:
-        print(f"{s['split']:>12} {s['kind']:>7} {s['shape']:>14} {s['bytes'] / 1e6:9.1f} MB")
+    print(markdown(info))
     return 0
 
 
