@@ -75,8 +75,11 @@ def runs(a) -> list[tuple[str, dict]]:
         (f"attentive:aim ({a.attentive_epochs} ep)", {"protocol": "attentive:aim", "sgd_epochs": a.attentive_epochs}),
     ]
     for k in a.view_counts:
-        out.append((f"full, {k} view(s)", {"protocol": "full", "views": k}))
-        out.append((f"bob-linear, {k} view(s)", {"protocol": "bob-linear", "views": k}))
+        out += [
+            (f"{p}, {k} view(s)", {"protocol": p, "views": k})
+            for p in a.view_protocols
+            if p != "full" or k <= a.full_views
+        ]
     out.append(
         (f"dinov2-linear, {max(a.view_counts)} views", {"protocol": "dinov2-linear", "views": max(a.view_counts)})
     )
@@ -182,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=10000, help="first N train and test images")
     ap.add_argument("--views", type=int, default=8)
     ap.add_argument("--view-counts", default="1,4,8")
+    ap.add_argument("--view-protocols", default="full,bob-linear", help="linear protocols trained on views")
+    ap.add_argument("--full-views", type=int, default=8, help="most views `full` (L-BFGS on K x the rows) runs with")
     ap.add_argument("--attentive-epochs", type=int, default=1, help="recipe: 20; CPU time: 20 heads x 1280-d tokens")
     ap.add_argument("--skip", action="append", default=[], help="leave this protocol's rows out (repeatable)")
     ap.add_argument("--cost-rows", type=int, default=1024)
@@ -191,6 +196,7 @@ def main(argv=None) -> int:
         print(markdown(json.loads((Path(a.out_dir) / "evidence.json").read_text())))
         return 0
     a.view_counts = [int(k) for k in a.view_counts.split(",")]
+    a.view_protocols = a.view_protocols.split(",")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info = {"cpu": _cpu(), "cpus": os.cpu_count(), "load_before": os.getloadavg(), "args": vars(a)}
