@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError
-from featcache.store.integrity import GroupScan, _check_rows, _short, as_str
+from featcache.store.integrity import GroupScan, as_str, check_chunk_rows, short_error
 from featcache.store.schema import FeatureGroupMeta
 from featcache.store.snapshot import damage_message
 
@@ -122,10 +122,10 @@ def _read_block(plan: BlockPlan, c0: int, c1: int, s: int, e: int) -> np.ndarray
                 got = side.get(name)
                 data[name] = got[cs - base : ce - base] if got is not None else np.asarray(arr[cs:ce])
             except Exception as exc:
-                scan.add(name, c, f"unreadable ({_short(exc)})")
+                scan.add(name, c, f"unreadable ({short_error(exc)})")
         if "error" in data:
             data["error"] = as_str(data["error"])
-        _check_rows(scan, c, data, (kind,))
+        check_chunk_rows(scan, c, data, (kind,))
         if scan.damaged:
             if not _done(g, c, c + 1):
                 raise _changed(plan)

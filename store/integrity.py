@@ -59,7 +59,7 @@ class GroupScan:
             self.reasons.setdefault(name, {})[i] = why
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text[:120]}"
 
@@ -81,7 +81,7 @@ def read_done(g, n_chunks: int, scan: GroupScan | None = None) -> np.ndarray:
                 out[i] = bool(arr[i])
             except Exception as exc:
                 if scan is not None:
-                    scan.add("done", i, _short(exc))
+                    scan.add("done", i, short_error(exc))
         return out
 
 
@@ -107,17 +107,17 @@ def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None,
             try:
                 data[name] = np.asarray(arr[s:e])
             except Exception as exc:
-                scan.add(name, i, f"unreadable ({_short(exc)})")
+                scan.add(name, i, f"unreadable ({short_error(exc)})")
         for k, fin in scan.finite.items():
             if k in data:
                 fin[s:e] = row_all(np.isfinite(data[k]))
-        _check_rows(scan, i, data, kinds)
+        check_chunk_rows(scan, i, data, kinds)
     for name in scan.damaged:
         scan.damaged[name].sort()
     return scan
 
 
-def _check_rows(scan: GroupScan, i: int, data: dict, kinds) -> None:
+def check_chunk_rows(scan: GroupScan, i: int, data: dict, kinds) -> None:
     if "valid" not in data:
         return
     valid = data["valid"].astype(bool)
