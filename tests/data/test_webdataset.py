@@ -123,6 +123,7 @@ def test_extract_from_shards_equals_extract_from_the_arrays(shards, tmp_path):
     assert "no image member" in t.errors[7]
 
 
+@pytest.mark.slow  # builds a 1,000,000-row manifest
 def test_million_row_manifest_opens_compactly(tmp_path):
     n = 1_000_000
     i = np.arange(n)

@@ -301,6 +301,7 @@ class TestMemoryStoreBlocks(TestMemoryStore):
     INNER = (4,)
 
 
+@pytest.mark.slow  # two inner axes; one inner axis runs in the fast tier
 class TestLocalStoreTwoInnerAxes(TestLocalStore):
     KIND = "tokens"
     INNER = (2, 2)

@@ -474,7 +474,7 @@ def _flip(f) -> None:
     f.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("kind", ND_KINDS)
+@pytest.mark.parametrize("kind", ["blocks:4", pytest.param("tokens@3x3", marks=pytest.mark.slow)])
 def test_a_flipped_byte_in_one_nd_chunk_is_named_refused_repaired_byte_identical(nd_data, nd_reference, tmp_path, kind):
     from featcache.errors import CorruptStoreError
     from featcache.store.verify import verify
@@ -496,7 +496,14 @@ def test_a_flipped_byte_in_one_nd_chunk_is_named_refused_repaired_byte_identical
     assert verify(str(path)) == []
 
 
-@pytest.mark.parametrize("damage", ["deleted", "garbled", "codec changed, digests deleted"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "deleted",
+        pytest.param("garbled", marks=pytest.mark.slow),
+        pytest.param("codec changed, digests deleted", marks=pytest.mark.slow),
+    ],
+)
 def test_a_damaged_nd_array_document_is_rebuilt_byte_identical(nd_reference, tmp_path, damage):
     """``verify --repair`` rebuilds a kind's zarr.json (shape and chunks with ``inner``) from the
     group's metadata and the kept provenance; the digest recorded by the writer accepts it.
