@@ -31,14 +31,6 @@ MODEL, WEIGHTS = "tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_mo
 DATASET = "fashion-mnist"
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
 def _extract(cache: str, a, *, features, views=0, limit=None, splits=("train", "test")) -> float:
     from featcache.extract import ExtractConfig, extract
 
@@ -207,9 +199,10 @@ def main(argv=None) -> int:
     a.attentive = [x for x in a.attentive.split(",") if x]
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from featcache.core.cpu import cpu_model
     from featcache.probes.logistic import solver_threads
 
-    info = {"cpu": _cpu(), "cpus": os.cpu_count(), "load_before": os.getloadavg(), "args": vars(a)}
+    info = {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": os.getloadavg(), "args": vars(a)}
     info["probe_threads"] = solver_threads()  # FEATCACHE_PROBE_THREADS, else half the cores
     info["extract_s"] = _extract(a.cache, a, features=["pooled", "tokens"], views=a.views, limit=a.limit)
     info["table"] = probe_all(a, out)

@@ -19,14 +19,6 @@ import time
 from pathlib import Path
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
 def exact_over_the_full_dataset() -> dict:
     """Test images whose bytes equal a training image's, over the whole dataset (no features)."""
     from featcache.similarity.content import content_hashes, image_source
@@ -49,12 +41,13 @@ def main(argv=None) -> int:
     ap.add_argument("--limit-train", type=int, default=None, help="first N training images only (a shorter run)")
     ap.add_argument("--limit-test", type=int, default=None, help="first N test images only")
     a = ap.parse_args(argv)
+    from featcache.core.cpu import cpu_model
     from featcache.extract import ExtractConfig, extract
     from featcache.similarity import AuditConfig, run_audit
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    info = {"cpu": _cpu(), "cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    info = {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_before": os.getloadavg()}
     t0 = time.perf_counter()
     extract(
         ExtractConfig(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -144,14 +143,10 @@ def run_arm(store: str, which: str, max_memory: str) -> dict:
 
 
 def _machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = cpu or "unknown"
+    from featcache.core.cpu import cpu_model
+
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "loadavg": os.getloadavg(),
         "threads": os.environ.get("OMP_NUM_THREADS"),

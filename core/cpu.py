@@ -36,6 +36,22 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``), else ``platform.processor()``,
+    else ``unknown``: the label benchmarks print beside their figures."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def bf16_flags() -> tuple[str, ...]:
     """The bf16 ISA extensions this CPU has (AMX first), from its flags or, without
     ``/proc/cpuinfo``, torch's oneDNN check (reported as ``avx512_bf16``); none where
