@@ -197,6 +197,9 @@ def main(argv=None) -> int:
     a.view_counts = [int(k) for k in a.view_counts.split(",")]
     a.view_protocols = a.view_protocols.split(",")
     a.attentive = [x for x in a.attentive.split(",") if x]
+    bad = [x for x in a.attentive if not x.partition(":")[2].isdigit() or int(x.partition(":")[2]) < 1]
+    if bad:
+        ap.error(f"--attentive takes VARIANT:EPOCHS (e.g. aim:5, epochs >= 1), got {', '.join(bad)}")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from featcache.core.cpu import cpu_model
