@@ -1,14 +1,16 @@
 """Backbone-similarity heatmaps and the near-duplicate audit table, read from a results table.
 
 ``featcache similarity`` writes one ``kind="similarity"`` row per backbone pair and measure
-(``backbone`` the first, ``protocol`` ``vs:<second>``); :func:`similarity_matrices` turns them
-into one symmetric matrix per dataset, split and measure, :func:`similarity_heatmap` draws
-one. ``featcache audit --results`` writes ``kind="audit"`` rows; :func:`audit_table` lays them
+(``backbone`` the first, ``protocol`` ``vs:<second>``, the measure's name for the report in
+its hparams' ``measure_text``: the analysis imports no stage, so a newly registered measure
+needs nothing here); :func:`similarity_matrices` turns them into one symmetric matrix per
+dataset, split and measure, :func:`similarity_heatmap` draws one. ``featcache audit --results`` writes ``kind="audit"`` rows; :func:`audit_table` lays them
 out one line per backbone and split, with the change in top-1 when flagged rows are left out.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,27 +20,32 @@ import numpy as np
 
 __all__ = ["SimilarityMatrix", "audit_table", "similarity_heatmap", "similarity_matrices"]
 
-MEASURE_TEXT = {
-    "cka_linear": "linear CKA",
-    "cka_debiased": "debiased linear CKA",
-    "cka_rbf": "RBF CKA",
-    "rsa_spearman": "RSA (Spearman of RDMs)",
-}
-
 
 @dataclass(frozen=True)
 class SimilarityMatrix:
-    """One measure between every pair of ``backbones`` on ``dataset``/``split`` (NaN: not run)."""
+    """One measure between every pair of ``backbones`` on ``dataset``/``split`` (NaN: not run);
+    ``text``: the measure's name in the report (its rows' ``measure_text``; empty: the metric)."""
 
     dataset: str
     split: str
     metric: str
     backbones: tuple[str, ...]
     values: np.ndarray
+    text: str = ""
 
     @property
     def title(self) -> str:
-        return f"{MEASURE_TEXT.get(self.metric, self.metric)} on {self.dataset}/{self.split}"
+        return f"{self.text or self.metric} on {self.dataset}/{self.split}"
+
+
+def _measure_text(hparams: list[Any]) -> str:
+    """The ``measure_text`` the rows recorded (the last that has one); "" in a table written
+    before rows recorded it."""
+    for h in reversed(hparams):
+        hp = json.loads(h) if isinstance(h, str) else (h or {})
+        if hp.get("measure_text"):
+            return str(hp["measure_text"])
+    return ""
 
 
 def _latest(frame):
@@ -72,7 +79,8 @@ def similarity_matrices(frame: Any) -> list[SimilarityMatrix]:
         np.fill_diagonal(M, 1.0)
         for x, y, v in zip(a, b, g["value"].to_list(), strict=True):
             M[pos[x], pos[y]] = M[pos[y], pos[x]] = v
-        out.append(SimilarityMatrix(str(ds), str(split), str(metric), names, M))
+        text = _measure_text(g["hparams"].to_list()) if "hparams" in g.columns else ""
+        out.append(SimilarityMatrix(str(ds), str(split), str(metric), names, M, text))
     return out
 
 

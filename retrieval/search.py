@@ -13,11 +13,11 @@ first k entries of the list.
 from __future__ import annotations
 
 import logging
-import re
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from featcache.core.memory import parse_memory as _parse_memory
 from featcache.core.optional import import_faiss
 from featcache.errors import BackendUnavailableError, DataError
 from featcache.retrieval.prepared import METRICS, PreparedRows, as_prepared, prepare, prepared_pair
@@ -51,23 +51,9 @@ DEFAULT_MAX_MEMORY = 2 * 1024**3
 
 
 def parse_memory(text: str | int | float | None) -> int:
-    """``"2GB"``, ``"512MiB"``, ``"1e9"``, ``1000000`` -> bytes."""
-    if text is None:
-        return DEFAULT_MAX_MEMORY
-    if isinstance(text, (int, float)):
-        num = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))
-        if not m:
-            raise DataError(f"cannot parse memory size {text!r}; write e.g. 2GB, 512MB or 1e9")
-        base = 1024 if m.group(3) else 1000
-        num = float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_")
-    if not num - num == 0:  # inf (1e400) and NaN
-        raise DataError(f"max memory {text!r} is not a finite size; write e.g. 2GB, 512MB or 1e9")
-    val = int(text) if isinstance(text, int) else int(num)
-    if val < 1024**2:
-        raise DataError(f"max memory {text!r} is below 1 MB; give at least a few hundred MB, e.g. 2GB")
-    return val
+    """``"2GB"``, ``"512MiB"``, ``"1e9"``, ``1000000`` -> bytes; ``None``: the default 2 GiB
+    (:func:`featcache.core.memory.parse_memory`, refusing with a :class:`DataError`)."""
+    return _parse_memory(text, name="max memory", error=DataError, default=DEFAULT_MAX_MEMORY)
 
 
 def _faiss():

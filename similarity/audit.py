@@ -83,7 +83,7 @@ def _valid(f) -> tuple[Any, np.ndarray, np.ndarray]:
 
 
 def _block_rows(cfg: AuditConfig) -> int:
-    from featcache.similarity.config import parse_memory
+    from featcache.core.memory import parse_memory
 
     return int(min(16384, max(256, math.isqrt(parse_memory(cfg.max_memory) // 16))))
 

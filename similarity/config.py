@@ -10,34 +10,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from featcache.core import configs
 from featcache.core.configs import Interval, OneOf, flag
+from featcache.core.memory import parse_memory
 from featcache.errors import ConfigError
+from featcache.similarity.measures import RDM_METHODS
+from featcache.similarity.registry import MEASURES
 
-__all__ = ["MEASURES", "AuditConfig", "SimilarityConfig", "parse_memory"]
-
-#: the metric names written, one row per backbone pair and measure
-MEASURES = ("cka_linear", "cka_debiased", "cka_rbf", "rsa_spearman")
-RDM_CHOICES = ("correlation", "cosine")
-
-
-def parse_memory(text: str | int) -> int:
-    """``"2GB"``, ``"512MiB"``, ``1e9`` -> bytes (at least 1 MiB)."""
-    if isinstance(text, (int, float)):
-        val = int(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))
-        if not m:
-            raise ConfigError(f"--max-memory {text!r} is invalid: write e.g. 2GB, 512MB or 1e9")
-        base = 1024 if m.group(3) else 1000
-        val = int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
-    if val < 1024**2:
-        raise ConfigError(f"--max-memory {text!r} is below 1 MB; give at least a few hundred MB, e.g. 2GB")
-    return val
+__all__ = ["MEASURES", "AuditConfig", "SimilarityConfig"]
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -50,6 +33,11 @@ def _measures(text: str) -> tuple[str, ...]:
     if bad or not got:
         raise argparse.ArgumentTypeError(f"--measures takes a comma-separated subset of {','.join(MEASURES)}")
     return got
+
+
+def _measures_help() -> str:
+    """The ``--measures`` help as the registry is now (a measure registered later is in it)."""
+    return f"comma-separated subset of {','.join(MEASURES)}"
 
 
 def _backbones(value: Any) -> tuple[str, ...] | None:
@@ -74,14 +62,12 @@ class SimilarityConfig:
     backbones: tuple[str, ...] | None = flag(None, "backbones; None = all", cli=False)
     split: str = flag("test", "split whose rows are compared")
     kind: str = flag("pooled", "feature kind in the store")
-    measures: tuple[str, ...] = flag(MEASURES, f"comma-separated subset of {','.join(MEASURES)}", type=_measures)
+    measures: tuple[str, ...] = flag(help=_measures_help, type=_measures, default_factory=lambda: tuple(MEASURES))
     rbf_threshold: float = flag(
         1.0, "RBF bandwidth as a fraction of the median distance (google-research's gram_rbf)", type=float
     )
     rbf_sigma: float | None = flag(None, "a fixed RBF bandwidth instead of the median heuristic", type=float)
-    rdm: str = flag(
-        "correlation", "RSA dissimilarity: 1 - Pearson correlation, or 1 - cosine", check=OneOf(*RDM_CHOICES)
-    )
+    rdm: str = flag("correlation", lambda: f"RSA dissimilarity: {RDM_METHODS.help(', or ')}", check=OneOf(*RDM_METHODS))
     max_memory: str = flag("2GB", "memory bound for blocks, Gram matrices and RDMs")
     seed: int = flag(0, "seed of the row samples of RBF CKA (large N) and RSA", type=int, check=Interval(int, 0))
     results_path: str | None = flag(
@@ -97,7 +83,7 @@ class SimilarityConfig:
         ms = _csv(self.measures) if isinstance(self.measures, str) else tuple(self.measures)
         bad = [m for m in ms if m not in MEASURES]
         if bad or not ms:
-            raise ConfigError(f"measures {bad or ms!r} are invalid: choose from {MEASURES}")
+            raise ConfigError(f"measures {bad or ms!r} are invalid: choose from {tuple(MEASURES)}")
         set_(self, "measures", tuple(dict.fromkeys(ms)))
         if self.results_path is not None:
             set_(self, "results_path", os.fspath(self.results_path))
@@ -127,14 +113,7 @@ class SimilarityConfig:
 
     def hparams(self, measure: str) -> dict[str, Any]:
         """The options a ``measure`` row depends on (recorded in its hparams)."""
-        hp: dict[str, Any] = {"feature_kind": self.kind}
-        if measure == "cka_rbf":
-            hp.update(rbf_threshold=None if self.rbf_sigma else self.rbf_threshold, rbf_sigma=self.rbf_sigma)
-        if measure in ("cka_rbf", "rsa_spearman"):
-            hp.update(max_memory=self.memory, seed=self.seed)
-        if measure == "rsa_spearman":
-            hp["rdm"] = self.rdm
-        return hp
+        return {"feature_kind": self.kind, **MEASURES.resolve(measure).hparams(self)}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from featcache.core.registry import Registry
 from featcache.errors import DataError
 
 __all__ = [
@@ -34,7 +35,19 @@ __all__ = [
     "spearman",
 ]
 
-RDM_METHODS = ("correlation", "cosine")
+#: RDM methods: each maps rows to the rows whose cosine similarity is the method's similarity;
+#: its ``info`` names a row whose dissimilarities are undefined (a zero row after the map)
+RDM_METHODS: Registry = Registry("RDM method", DataError)
+
+
+@RDM_METHODS.register("correlation", note="1 - Pearson correlation", info="constant")
+def _centred_rows(X: np.ndarray) -> np.ndarray:
+    return X - X.mean(1, keepdims=True)
+
+
+@RDM_METHODS.register("cosine", note="1 - cosine", info="all-zero")
+def _rows(X: np.ndarray) -> np.ndarray:
+    return X
 
 
 def _f64(X: np.ndarray, what: str = "X") -> np.ndarray:
@@ -169,13 +182,12 @@ def rdm(X: np.ndarray, method: str = "correlation") -> np.ndarray:
     """Representational dissimilarity matrix ``1 - similarity`` between rows:
     ``correlation`` (Pearson across each row's features) or ``cosine``."""
     if method not in RDM_METHODS:
-        raise DataError(f"unknown RDM method {method!r}; choose one of {RDM_METHODS}")
-    X = _f64(X)
-    if method == "correlation":
-        X = X - X.mean(1, keepdims=True)
+        raise DataError(f"unknown RDM method {method!r}; choose one of {tuple(RDM_METHODS)}")
+    entry = RDM_METHODS.entry(method)
+    X = entry.load()(_f64(X))
     norms = np.linalg.norm(X, axis=1)
     if (norms == 0).any():
-        kind = "constant" if method == "correlation" else "all-zero"
+        kind = entry.info
         raise DataError(f"{int((norms == 0).sum())} row(s) are {kind}; their {method} dissimilarity is undefined")
     U = X / norms[:, None]
     return 1.0 - np.clip(U @ U.T, -1.0, 1.0)

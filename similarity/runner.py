@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,8 +18,8 @@ from featcache.core.stagerun import Stage, collect, finished, pending, write_row
 from featcache.errors import DataError, UsageError
 from featcache.similarity.align import align_ids
 from featcache.similarity.config import SimilarityConfig
-from featcache.similarity.measures import rbf_cka, rsa
-from featcache.similarity.streaming import LinearCKAStream, MinibatchCKA, paired_blocks, take_rows
+from featcache.similarity.registry import MEASURES, Budget, Measure
+from featcache.similarity.streaming import paired_blocks, take_rows
 
 if TYPE_CHECKING:
     import polars as pl
@@ -32,85 +30,36 @@ __all__ = ["STAGE", "Budget", "compare", "run_similarity"]
 
 #: the stage's identity for the shared run skeleton (not a sweep stage)
 STAGE = Stage("similarity", "featcache.similarity:run_similarity")
-#: largest minibatch of the kernel estimator
-MAX_MINIBATCH = 4096
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How ``max_memory`` bytes are spent for features of widths ``dx`` and ``dy``."""
-
-    memory: int
-    dx: int
-    dy: int
-
-    @property
-    def block_rows(self) -> int:
-        """Rows per streamed block: float64 copies of both sides, three times over, in a quarter."""
-        return int(min(65536, max(256, self.memory // (4 * 3 * 8 * (self.dx + self.dy)))))
-
-    @property
-    def gram_rows(self) -> int:
-        """Most rows whose ``[n, n]`` float64 Gram matrices or RDMs (six of them) fit."""
-        return int(max(16, math.isqrt(self.memory // 48)))
-
-    @property
-    def sample_rows(self) -> int:
-        """Most rows of both sides (float64) held at once for the kernel estimator, in half."""
-        return int(max(self.gram_rows, self.memory // (2 * 8 * (self.dx + self.dy))))
-
-
-def _sample(n: int, k: int, seed: int, salt: int) -> np.ndarray:
-    """``k`` of ``n`` row positions, sorted (store order: each chunk decoded once)."""
-    if k >= n:
-        return np.arange(n)
-    return np.sort(np.random.default_rng([seed, salt]).choice(n, k, replace=False))
-
-
-def _rows(X, idx: np.ndarray) -> np.ndarray:
-    return np.asarray(take_rows(X, idx), np.float64)
-
-
-def _rbf(X, Y, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
-    n = X.shape[0]
-    kw: dict[str, Any] = {"sigma": cfg.rbf_sigma} if cfg.rbf_sigma else {"threshold": cfg.rbf_threshold}
-    if n <= budget.gram_rows:
-        return rbf_cka(np.asarray(X), np.asarray(Y), **kw), {"rbf_estimator": "full", "rows": n}
-    idx = _sample(n, budget.sample_rows, cfg.seed, 1)
-    x, y = _rows(X, idx), _rows(Y, idx)
-    perm = np.random.default_rng([cfg.seed, 2]).permutation(idx.size)
-    b = min(MAX_MINIBATCH, budget.gram_rows)
-    est = MinibatchCKA("rbf", cfg.rbf_threshold, cfg.rbf_sigma)
-    for s in range(0, perm.size, b):
-        est.update(x[perm[s : s + b]], y[perm[s : s + b]])
-    return est.result(), {"rbf_estimator": "minibatch", "rows": int(idx.size - est.skipped), "minibatch": b}
-
-
-def _rsa(X, Y, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
-    idx = _sample(X.shape[0], budget.gram_rows, cfg.seed, 3)
-    return rsa(_rows(X, idx), _rows(Y, idx), cfg.rdm), {"rows": int(idx.size)}
 
 
 def compare(X: Any, Y: Any, cfg: SimilarityConfig) -> dict[str, tuple[float, dict[str, Any]]]:
     """``{measure: (value, estimator details)}`` for aligned rows ``X`` and ``Y`` (arrays or
-    lazy stored views), each measure of ``cfg.measures``."""
+    lazy stored views), each measure of ``cfg.measures`` in the registry's order."""
     if X.shape[0] != Y.shape[0]:
         raise DataError(f"X has {X.shape[0]} rows and Y {Y.shape[0]}; align them by sample id first")
     budget = Budget(cfg.memory, int(X.shape[1]), int(Y.shape[1]))
-    out: dict[str, tuple[float, dict[str, Any]]] = {}
-    if {"cka_linear", "cka_debiased"} & set(cfg.measures):
-        s = LinearCKAStream()
-        for bx, by in paired_blocks(X, Y, budget.block_rows):
+    chosen = {m: MEASURES[m] for m in MEASURES if m in cfg.measures}
+    out = _streamed({m: ms for m, ms in chosen.items() if ms.streams}, X, Y, cfg, budget)
+    out.update({m: ms.fn(X, Y, cfg, budget) for m, ms in chosen.items() if not ms.streams})
+    return {m: out[m] for m in chosen}
+
+
+def _streamed(
+    measures: dict[str, Measure], X: Any, Y: Any, cfg: SimilarityConfig, budget: Budget
+) -> dict[str, tuple[float, dict[str, Any]]]:
+    """The streaming ``measures`` from one pass over the row blocks: one accumulator per
+    statistic, shared by the measures that name it."""
+    if not measures:
+        return {}
+    factories = dict.fromkeys(ms.statistic for ms in measures.values() if ms.statistic is not None)
+    stats = {make: make() for make in factories}
+    n = 0
+    for bx, by in paired_blocks(X, Y, budget.block_rows):
+        for s in stats.values():
             s.update(bx, by)
-        info = {"rows": s.n, "block_rows": budget.block_rows}
-        for m, deb in (("cka_linear", False), ("cka_debiased", True)):
-            if m in cfg.measures:
-                out[m] = (s.result(debiased=deb), info)
-    if "cka_rbf" in cfg.measures:
-        out["cka_rbf"] = _rbf(X, Y, cfg, budget)
-    if "rsa_spearman" in cfg.measures:
-        out["rsa_spearman"] = _rsa(X, Y, cfg, budget)
-    return out
+        n += int(bx.shape[0])
+    info = {"rows": n, "block_rows": budget.block_rows}
+    return {m: (ms.fn(stats[ms.statistic], cfg), info) for m, ms in measures.items()}
 
 
 def _backbones(cfg: SimilarityConfig, cache) -> list[str]:
@@ -189,7 +138,13 @@ def _pair_rows(cfg: SimilarityConfig, fa, fb, run_ids: dict[str, str]) -> list[d
                 "metric": m,
                 "value": float(value),
                 "n_eval": int(X.shape[0]),
-                "hparams": {"backbone_a": fa.backbone, "backbone_b": fb.backbone, **cfg.hparams(m), **info},
+                "hparams": {
+                    "backbone_a": fa.backbone,
+                    "backbone_b": fb.backbone,
+                    **cfg.hparams(m),
+                    **info,
+                    "measure_text": MEASURES[m].text,  # the report's name for it (analysis/ reads it here)
+                },
                 "fit_seconds": secs,
                 "store_fingerprint": combine_fingerprints(fa.fingerprint, fb.fingerprint),
             }

@@ -300,6 +300,7 @@ def _every_registry() -> dict[str, Registry]:
     from featcache.models import backbones, sources
     from featcache.probes import solvers
     from featcache.retrieval import metrics as retrieval_metrics
+    from featcache.similarity import measures, registry
 
     solvers._load_builtins()
     return {
@@ -314,6 +315,8 @@ def _every_registry() -> dict[str, Registry]:
         "model source": sources.SOURCES,
         "model listing": sources.LISTINGS,
         "weights source": backbones.WEIGHTS_SOURCES,
+        "similarity measure": registry.MEASURES,
+        "RDM method": measures.RDM_METHODS,
     }
 
 
@@ -329,6 +332,8 @@ REGISTRIES = [
     "model source",
     "model listing",
     "weights source",
+    "similarity measure",
+    "RDM method",
 ]
 
 

@@ -3,8 +3,6 @@ weights on digits; the audit on the Fashion-MNIST store; the report's similarity
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import similarity_refs as ref
@@ -13,33 +11,7 @@ from featcache.similarity import LinearCKAStream, SimilarityConfig, compare, run
 from featcache.similarity.streaming import paired_blocks
 
 LITE0 = "tf_efficientnet_lite0"  # the conftest session stores' backbone
-FIXTURE_INPUT_SIZE = 112  # their input size (tests/conftest.py)
-
-RANDOM = f"{LITE0}@random0"
-
-
-@pytest.fixture(scope="module")
-def two_backbones(digits_cache, tmp_path_factory) -> str:
-    """A copy of the digits store with a second backbone: lite0 with random:0 weights (test split)."""
-    from featcache.extract import ExtractConfig, extract
-
-    path = str(tmp_path_factory.mktemp("sim") / "digits2.zarr")
-    shutil.copytree(digits_cache, path)
-    extract(
-        ExtractConfig(
-            LITE0,
-            "random:0",
-            "digits",
-            ["test"],
-            path,
-            input_size=FIXTURE_INPUT_SIZE,
-            batch_size=64,
-            workers=1,
-            progress=False,
-            chunk_rows=128,
-        )
-    )
-    return path
+RANDOM = f"{LITE0}@random0"  # the second backbone of the two_backbones store (conftest.py)
 
 
 def _eager(path: str, b: str):
