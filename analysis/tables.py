@@ -360,6 +360,19 @@ def reduce_seeds(df, *, how: str = "median"):
     )
 
 
+def negate_lower_is_better(df, *ranked: str):
+    """``df`` with the ``value`` of every lower-is-better metric negated (so that higher is
+    better for every metric ranked), when one of the ``ranked`` metrics is lower-is-better
+    (:func:`~featcache.core.metrics.lower_is_better`); else ``df`` as it is."""
+    import polars as pl
+
+    lower = lower_is_better()
+    if not lower.intersection(ranked):
+        return df
+    negated = pl.when(pl.col("metric").is_in(sorted(lower))).then(-pl.col("value")).otherwise(pl.col("value"))
+    return df.with_columns(negated.alias("value"))
+
+
 def score_matrix(reduced, *, settings: Sequence[str] | None = None, backbones: Sequence[str] | None = None):
     """Backbone x setting matrix (NaN where missing) from a seed-reduced table holding one
     metric per setting. Returns ``(backbones, settings, matrix)``."""
