@@ -381,25 +381,18 @@ def _record_missing_cells(coverage, sm) -> None:
 
 def _ranked_rows(raw, sm_kept, metric: str, retrieval_metric: str):
     """The unreduced rows of the ranked metric in the kept settings, lower-is-better metrics
-    negated as in :func:`~featcache.analysis.rankings.select_settings` (for the seed bootstrap)."""
+    negated (:func:`~featcache.analysis.tables.negate_lower_is_better`, as the ranking does;
+    for the seed bootstrap)."""
     import polars as pl
 
-    from featcache.core.metrics import lower_is_better
+    from featcache.analysis.tables import negate_lower_is_better
 
     is_ret = pl.col("kind") == "retrieval"
     ranked = raw.filter(
         pl.col("setting").is_in(sm_kept.settings)
         & ((is_ret & (pl.col("metric") == retrieval_metric)) | (~is_ret & (pl.col("metric") == metric)))
     )
-    lower = lower_is_better()
-    if metric in lower or retrieval_metric in lower:
-        ranked = ranked.with_columns(
-            pl.when(pl.col("metric").is_in(sorted(lower)))
-            .then(-pl.col("value"))
-            .otherwise(pl.col("value"))
-            .alias("value")
-        )
-    return ranked
+    return negate_lower_is_better(ranked, metric, retrieval_metric)
 
 
 def _rank_result(raw, coverage, agg, boot, notes) -> dict[str, Any]:

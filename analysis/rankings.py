@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from featcache.analysis import stats
-from featcache.analysis.tables import score_matrix
-from featcache.core.metrics import lower_is_better
+from featcache.analysis.tables import negate_lower_is_better, score_matrix
 from featcache.errors import ResultsError
 
 log = logging.getLogger(__name__)
@@ -266,14 +265,7 @@ def select_settings(
             f"no rows with metric {metric!r} (retrieval: {retrieval_metric!r}) "
             f"for kinds {list(kinds) if kinds else 'any'}; the tables hold (kind, metric) {have}"
         )
-    lower = lower_is_better()
-    if metric in lower or retrieval_metric in lower:
-        sub = sub.with_columns(
-            pl.when(pl.col("metric").is_in(sorted(lower)))
-            .then(-pl.col("value"))
-            .otherwise(pl.col("value"))
-            .alias("value")
-        )
+    sub = negate_lower_is_better(sub, metric, retrieval_metric)
     b, s, m = score_matrix(sub)
     g = {}
     for r in sub.select("setting", "dataset", "group").unique().iter_rows(named=True):

@@ -221,17 +221,36 @@ class Coverage:
         return out
 
 
+def _protocol(spec: str | None):
+    """The registered probe protocol a results row's ``protocol`` names (a fine-tune row names
+    its probe pair), or ``None`` (empty, ``knn``, a protocol registered elsewhere)."""
+    from featcache.core.protocols import get_protocol
+    from featcache.errors import ProtocolError
+
+    try:
+        return get_protocol(spec, "probe") if spec else None
+    except ProtocolError:
+        return None
+
+
+def protocol_label(spec: str | None) -> str:
+    """How a task names protocol ``spec`` after its dataset: the protocol's ``table_label``
+    (``""`` for the default ``full``, ``zero-shot``, ELEVATER's name for its column), else the spec."""
+    proto = _protocol(spec)
+    return (spec or "") if proto is None or proto.table_label is None else proto.table_label
+
+
 def task_expr():
     """Polars expression naming a task: dataset, plus protocol and eval split when they
-    are not the defaults (``cifar10``, ``cifar10 (fewshot:5)``, ``cifar10 @test_v2``); the
-    zero-shot protocol reads ``cifar10 (zero-shot)``, ELEVATER's name for its column."""
+    are not the defaults (``cifar10``, ``cifar10 (fewshot:5)``, ``cifar10 @test_v2``); a
+    protocol reads as its :func:`protocol_label` (``cifar10 (zero-shot)``)."""
     import polars as pl
 
-    proto = pl.when(pl.col("protocol") == "zeroshot").then(pl.lit("zero-shot")).otherwise(pl.col("protocol"))
+    proto = pl.col("protocol").map_elements(protocol_label, return_dtype=pl.Utf8, skip_nulls=True)
     split = pl.col("eval_split")
     return (
         pl.col("dataset")
-        + pl.when(proto.is_in(["", "full"])).then(pl.lit("")).otherwise(pl.lit(" (") + proto + pl.lit(")"))
+        + pl.when(proto == "").then(pl.lit("")).otherwise(pl.lit(" (") + proto + pl.lit(")"))
         + pl.when(split.is_in(["", "test"])).then(pl.lit("")).otherwise(pl.lit(" @") + split)
     ).alias("task")
 
@@ -273,10 +292,6 @@ def merge_tables(tables: Sequence) -> tuple[Any, Coverage]:
     return df, cov
 
 
-#: how each paper aggregates a setting's seeds, by protocol-name prefix (``how="auto"``):
-#: ELEVATER's tables give mean +/- std over its three few-shot seeds (Li et al. 2022, Table 2);
-#: every other protocol takes the median (VTAB: the median of 3 runs; featcache's default)
-SEED_RULES: tuple[tuple[str, str], ...] = (("elevater-", "mean"),)
 #: what each rule reports, as the report states it
 SEED_RULE_TEXT = {
     "median": "median over seeds (VTAB's rule)",
@@ -287,10 +302,13 @@ SEED_REDUCTIONS = ("auto", "median", "mean")
 
 def seed_rule(protocol: str | None, how: str = "auto") -> str:
     """``median`` or ``mean`` for a setting of ``protocol``: ``how`` itself unless ``auto``,
-    which follows the protocol's paper (:data:`SEED_RULES`)."""
+    which follows the protocol's paper (its ``seed_rule``: ELEVATER's tables give mean +/- std
+    over its three few-shot seeds, Li et al. 2022, Table 2; VTAB the median of 3 runs, also
+    featcache's default and the rule of a protocol not registered here)."""
     if how != "auto":
         return how
-    return next((rule for prefix, rule in SEED_RULES if (protocol or "").startswith(prefix)), "median")
+    proto = _protocol(protocol)
+    return "median" if proto is None else proto.seed_rule
 
 
 def reduce_seeds(df, *, how: str = "median"):
@@ -319,9 +337,9 @@ def reduce_seeds(df, *, how: str = "median"):
             f"{ex['setting']} ({ex['metric']}, seed {ex['seed']}, sources {ex['sources']}); "
             "deduplicate the tables or give the runs distinct protocols/seeds"
         )
-    rule = pl.lit(how if how != "auto" else "median")
-    for prefix, r in reversed(SEED_RULES if how == "auto" else ()):
-        rule = pl.when(pl.col("protocol").fill_null("").str.starts_with(prefix)).then(pl.lit(r)).otherwise(rule)
+    protocol = pl.col("protocol").fill_null("")
+    rules = {p: seed_rule(p, how) for p in df.select(protocol.unique())["protocol"].to_list()}
+    rule = protocol.replace_strict(rules, return_dtype=pl.Utf8)
     out = (
         df.group_by(keys, maintain_order=True)
         .agg(
@@ -340,6 +358,19 @@ def reduce_seeds(df, *, how: str = "median"):
     return out.with_columns(value.alias("value")).select(
         *keys, "value", "n_seeds", "n_eval", "group", "dataset", "seed_std", "seed_reduce"
     )
+
+
+def negate_lower_is_better(df, *ranked: str):
+    """``df`` with the ``value`` of every lower-is-better metric negated (so that higher is
+    better for every metric ranked), when one of the ``ranked`` metrics is lower-is-better
+    (:func:`~featcache.core.metrics.lower_is_better`); else ``df`` as it is."""
+    import polars as pl
+
+    lower = lower_is_better()
+    if not lower.intersection(ranked):
+        return df
+    negated = pl.when(pl.col("metric").is_in(sorted(lower))).then(-pl.col("value")).otherwise(pl.col("value"))
+    return df.with_columns(negated.alias("value"))
 
 
 def score_matrix(reduced, *, settings: Sequence[str] | None = None, backbones: Sequence[str] | None = None):

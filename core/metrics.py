@@ -35,6 +35,7 @@ __all__ = [
     "MetricInfo",
     "compute_all",
     "ece",
+    "finetune_metrics",
     "lower_is_better",
     "map11",
     "map11_elevater",
@@ -288,12 +289,15 @@ class MetricInfo:
     it and the probes select on it; ``multilabel``: defined for multi-label targets;
     ``higher_is_better``: its direction (a lower-is-better metric is never converted from
     percent and is negated when ranked); ``proportion``: a binomial proportion of the rows
-    scored (Clopper-Pearson intervals apply when their number is known)."""
+    scored (Clopper-Pearson intervals apply when their number is known); ``finetune``:
+    fine-tuning selects on it too (computed from the val rows' class probabilities,
+    single-label targets)."""
 
     task: bool = False
     multilabel: bool = False
     higher_is_better: bool = True
     proportion: bool = False
+    finetune: bool = False
 
 
 #: metric name -> function(y_true, proba) used for result rows; each entry's ``info`` is its
@@ -313,17 +317,21 @@ def register_metric(
     multilabel: bool = False,
     higher_is_better: bool = True,
     proportion: bool = False,
+    finetune: bool = False,
     aliases: tuple[str, ...] = (),
 ) -> None:
     """Register ``fn(y_true, scores) -> float`` as metric ``name`` (:data:`METRICS`); ``task``:
     a task may declare it, and the probes select hyper-parameters on it (higher is better;
     ``featcache probe --metric`` offers it); ``multilabel``: it is defined for multi-label
-    targets; ``higher_is_better``, ``proportion``: see :class:`MetricInfo`; ``aliases``: other
-    names results tables use for it. A taken name is refused."""
+    targets; ``higher_is_better``, ``proportion``, ``finetune``: see :class:`MetricInfo`;
+    ``aliases``: other names results tables use for it. A taken name is refused."""
     global TASK_METRICS, MULTILABEL_METRICS
     if task and not higher_is_better:
         raise ConfigError(f"metric {name!r}: a task metric is selected on, so higher must be better")
-    METRICS.register(name, fn, aliases=aliases, info=MetricInfo(task, multilabel, higher_is_better, proportion))
+    if finetune and not task:
+        raise ConfigError(f"metric {name!r}: fine-tuning selects on task metrics only; register it with task=True")
+    info = MetricInfo(task, multilabel, higher_is_better, proportion, finetune)
+    METRICS.register(name, fn, aliases=aliases, info=info)
     if task:
         TASK_METRICS = (*TASK_METRICS, name)
     if multilabel:
@@ -345,6 +353,12 @@ def lower_is_better() -> frozenset[str]:
     return frozenset(n for n, info in _infos().items() if not info.higher_is_better)
 
 
+def finetune_metrics() -> tuple[str, ...]:
+    """The task metrics fine-tuning selects on (registered with ``finetune=True``), in
+    registration order."""
+    return tuple(n for n in METRICS if (METRICS.entry(n).info or MetricInfo()).finetune)
+
+
 def proportion_metrics() -> frozenset[str]:
     """Every registered metric name (aliases included) that is a binomial proportion."""
     return frozenset(n for n, info in _infos().items() if info.proportion)
@@ -352,9 +366,9 @@ def proportion_metrics() -> frozenset[str]:
 
 # in the order a results row set lists them (metric_names); task and multi-label metrics in the
 # order the --metric choices and multi-label rows list them
-register_metric("top1", top1, task=True, proportion=True, aliases=("accuracy", "acc"))
+register_metric("top1", top1, task=True, proportion=True, finetune=True, aliases=("accuracy", "acc"))
 register_metric("top5", top5, proportion=True)
-register_metric("mean_per_class", mean_per_class, task=True)
+register_metric("mean_per_class", mean_per_class, task=True, finetune=True)
 register_metric("nll", nll, higher_is_better=False, aliases=("ce", "loss", "cross_entropy"))
 register_metric("ece", ece, higher_is_better=False)
 register_metric("map11", map11, task=True, multilabel=True)

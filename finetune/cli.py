@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from featcache.core.configs import add_arguments, from_namespace
-from featcache.finetune.config import SELECTION_METRICS, FinetuneConfig
+from featcache.finetune.config import FinetuneConfig, selection_metrics
 
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +43,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> FinetuneConfig:
 def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
     """One :class:`FinetuneConfig` per task of ``--suite`` whose data is under ``--data-root``
     (dataset key = task name, or ``<--dataset-name>-<task>`` as extract); VTAB-1k file lists
-    train on train800 and select on val200; each selects on its task's metric (top1 or
-    mean_per_class; multi-label tasks are skipped); the missing tasks are named in one warning."""
+    train on train800 and select on val200; each selects on its task's metric (one of
+    :func:`selection_metrics`; multi-label tasks are skipped); the missing tasks are named in one warning."""
     from featcache.errors import ConfigError
     from featcache.suites import load_suite, present_tasks, warn_missing
 
@@ -61,7 +61,7 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
             FinetuneConfig.val_split,
         ):
             splits = {"train_split": "train800", "val_split": "val200", "val_source": "official-val"}
-        if task.metric not in SELECTION_METRICS:
+        if task.metric not in selection_metrics():
             warn_missing(suite, [task.name], f"declare {task.metric}, which fine-tuning cannot select on")
             continue
         configs.append(

@@ -17,14 +17,20 @@ from featcache.models import model_help
 if TYPE_CHECKING:
     from featcache.core.protocols import Protocol, SGDGrid
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "SELECTION_METRICS", "VTAB_INPUT_SIZE", "FinetuneConfig", "FinetuneConfigError"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "VTAB_INPUT_SIZE", "FinetuneConfig", "FinetuneConfigError", "selection_metrics"]
 
 DEFAULT_CHECKPOINT_EVERY = 250
 #: the input resolution of the published protocol (other sizes are a scaled-down run)
 VTAB_INPUT_SIZE = 224
-#: the task metrics a fine-tune selects on (the runner computes these two on val; multi-label
-#: metrics are the probes'), so not every task metric of :mod:`featcache.core.metrics`
-SELECTION_METRICS = ("top1", "mean_per_class")
+
+
+def selection_metrics() -> tuple[str, ...]:
+    """The task metrics a fine-tune selects on: those registered with ``finetune=True`` in
+    :mod:`featcache.core.metrics` (the runner computes them on val; multi-label metrics are the
+    probes')."""
+    from featcache.core.metrics import finetune_metrics
+
+    return finetune_metrics()
 
 
 def _weights_help() -> str:
@@ -147,7 +153,7 @@ class FinetuneConfig:
     metric: str | None = flag(
         None,
         "the task's metric: selects the config on val and is recorded as hparams.task_metric (default top1)",
-        choices=SELECTION_METRICS,
+        choices=selection_metrics,
     )
     force: bool = flag(False, "rerun seeds already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
@@ -192,9 +198,9 @@ class FinetuneConfig:
         check_fields(self)  # --momentum, --weight-decay, --input-size, --workers ... (one line naming the flag)
         if not self.data:
             raise FinetuneConfigError("no data given; pass a data spec, e.g. data='digits' (--data digits)")
-        if self.metric is not None and self.metric not in SELECTION_METRICS:
+        if self.metric is not None and self.metric not in selection_metrics():
             raise FinetuneConfigError(
-                f"fine-tuning selects on {' or '.join(SELECTION_METRICS)}, not {self.metric!r} "
+                f"fine-tuning selects on {' or '.join(selection_metrics())}, not {self.metric!r} "
                 "(multi-label tasks: use the probes)"
             )
         if self.resize not in ("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"):

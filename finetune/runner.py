@@ -460,9 +460,9 @@ def _select_one(run: _Run, s: int, plan: SplitPlan, c: TrainConfig, key: dict, k
         score = float(np.mean(P.argmax(1) == run.pool.y[pva]))
     rec = {"val_top1": score, "finite": res.finite, "seconds": res.seconds}
     if _val_key(run) != "val_top1":  # the task's metric selects (val_top1 stays for the record)
-        from featcache.core.metrics import mean_per_class
+        from featcache.core.metrics import METRICS
 
-        rec[_val_key(run)] = float(mean_per_class(run.pool.y[pva], P)) if res.finite else -1.0
+        rec[_val_key(run)] = float(METRICS[run.cfg.metric](run.pool.y[pva], P)) if res.finite else -1.0
     if outcome is not None:
         atomic_json(rec, outcome)
         if ck is not None and ck.exists():

@@ -134,17 +134,17 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
 
 def resolve_val_source(cfg: ProbeConfig, proto: Protocol, caches: list | None = None) -> ProbeConfig:
     """``cfg`` with ``val_source="auto"`` resolved against the store (``caches``: the opened
-    ``cfg.cache``). The ``vtab1k`` split plan selects on VTAB's ``val200`` wherever the store
-    holds it: with the default split names, on ``train800``/``val200`` when both are stored
-    (as ``--suite vtab-1k``), else on the first 200 of the ``val200`` or the dataset's own val
-    split (``official-val``); without one, on ``train[800:1000]`` (``split-800-200``). Every
-    other protocol: ``split-800-200`` (their plans ignore it; ``vtab1k-stratified`` keeps its
-    earlier rule)."""
+    ``cfg.cache``). A protocol whose split plan says so (:attr:`Protocol.auto_official_val`: the
+    ``vtab1k`` plan) selects on VTAB's ``val200`` wherever the store holds it: with the default
+    split names, on ``train800``/``val200`` when both are stored (as ``--suite vtab-1k``), else
+    on the first 200 of the ``val200`` or the dataset's own val split (``official-val``);
+    without one, on ``train[800:1000]`` (``split-800-200``). Every other protocol:
+    ``split-800-200`` (their plans ignore it; ``vtab1k-stratified`` keeps its earlier rule)."""
     from dataclasses import replace
 
     if cfg.val_source != "auto":
         return cfg
-    if proto.split != "vtab1k":
+    if not proto.auto_official_val:
         return replace(cfg, val_source="split-800-200")
     caches = open_caches(cfg.cache) if caches is None else caches
     splits = set(next((c.splits(cfg.dataset) for c in caches if cfg.dataset in c.datasets()), []))

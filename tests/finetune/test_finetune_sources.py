@@ -142,3 +142,24 @@ def test_finetune_reads_the_layers_through_their_public_names_only():
                 assert {a.name for a in node.names} <= set(importlib.import_module(node.module).__all__), f.name
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith((*layers, "featcache.extract")) for a in node.names), f.name
+
+
+def test_finetune_selects_on_the_metrics_registered_for_it(monkeypatch):
+    from featcache.cli import build_parser
+    from featcache.core import metrics
+    from featcache.finetune.config import FinetuneConfigError, selection_metrics
+
+    def choices():
+        sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+        return list(next(a for a in sub["finetune"]._actions if a.dest == "metric").choices)
+
+    assert selection_metrics() == ("top1", "mean_per_class") == tuple(choices())
+    cfg = FinetuneConfig("m", data="d", results_path="r.parquet", metric="t55_top1")
+    with pytest.raises(FinetuneConfigError, match="selects on top1 or mean_per_class, not 't55_top1'"):
+        cfg.resolve()
+    monkeypatch.setattr(metrics, "TASK_METRICS", metrics.TASK_METRICS)  # restored after
+    with metrics.METRICS.restored():
+        metrics.register_metric("t55_top1", metrics.top1, task=True, finetune=True)
+        assert selection_metrics() == ("top1", "mean_per_class", "t55_top1") == tuple(choices())
+        assert cfg.resolve()[1].metric == "t55_top1"
+    assert "t55_top1" not in selection_metrics()
