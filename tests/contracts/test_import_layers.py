@@ -257,6 +257,10 @@ STAGES = {"extract", "probes", "retrieval", "similarity", "finetune", "sweep", "
 LAYERS = {"models", "data"}
 #: below the layers: the store, the shared core, the public errors and the version
 BASE = {"store", "core", "errors", "_version"}
+#: above everything: ``featcache.testing``, the contracts a member written outside the repository
+#: runs on itself (as ``zarr.testing``): it may import any stage, layer or base module it tests
+#: (``check_source`` runs extract -> store -> load), and no module of the library imports it
+TESTING = {"testing"}
 #: stages that run other stages, as they always have: the demo is the whole pipeline on a small
 #: task, the sweep plans and runs the probe, retrieval and fine-tuning grids
 ORCHESTRATORS = {
@@ -285,8 +289,8 @@ def _folder(mod: str) -> str:
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     """Every import that breaks the layers: stages -> layers -> store/core/errors/version, no stage
     imports another stage (ORCHESTRATORS and CATALOGUE_EDGES excepted), no layer imports a stage,
-    the base imports no layer or stage. Only the root modules import the package ``featcache``
-    itself (the CLI, for the version)."""
+    the base imports no layer or stage; testing/ imports what it tests and nothing imports it.
+    Only the root modules import the package ``featcache`` itself (the CLI, for the version)."""
     out = []
     for mod, deps in sorted(graph.items()):
         src = _folder(mod)
@@ -294,7 +298,11 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
             dst = _folder(dep)
             if dst == src or (mod, dep) in CATALOGUE_EDGES:
                 continue
-            if src in STAGES:
+            if src in TESTING:
+                ok = True
+            elif dst in TESTING:
+                ok = False
+            elif src in STAGES:
                 ok = dst in LAYERS | BASE or dst in ORCHESTRATORS.get(src, set())
             elif src in LAYERS:
                 ok = dst in LAYERS | BASE
@@ -320,8 +328,10 @@ def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 def test_the_stages_sit_on_the_layers_and_the_layers_on_the_store_and_core():
     graph = import_graph(ROOT, "featcache")
     folders = {_folder(m) for m in graph}
-    assert folders >= STAGES | LAYERS | BASE  # every named folder exists...
-    assert folders - {"featcache", "cli", "__main__"} <= STAGES | LAYERS | BASE, "a new folder: name its place above"
+    assert folders >= STAGES | LAYERS | BASE | TESTING  # every named folder exists...
+    assert folders - {"featcache", "cli", "__main__"} <= STAGES | LAYERS | BASE | TESTING, (
+        "a new folder: name its place above"
+    )
     assert {"featcache.models.backbones", "featcache.data.readers"} <= graph["featcache.extract.pipeline"] | {
         d for m in graph if m.startswith("featcache.extract.") for d in graph[m]
     }  # ...and the stages' edges into the layers
@@ -350,6 +360,8 @@ def test_the_layer_check_sees_a_stage_importing_a_stage_and_a_layer_importing_up
         "extract": {"pipeline.py": "from featcache.models import m\n", "cli.py": "import featcache.probes.fit\n"},
         "probes": {"fit.py": "from featcache.core import a\n"},
         "demo": {"run.py": "from featcache.probes import fit\n"},
+        "testing": {"contract.py": "from featcache.extract import pipeline\nfrom featcache.probes import fit\n"},
+        "analysis": {"plot.py": "from featcache.testing import contract\n"},
     }.items():
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text("")
@@ -358,9 +370,10 @@ def test_the_layer_check_sees_a_stage_importing_a_stage_and_a_layer_importing_up
     (tmp_path / "errors.py").write_text("class E(Exception):\n    pass\n")
     graph = import_graph(tmp_path, "featcache")
     assert layer_violations(graph) == [
+        "featcache.analysis.plot (analysis) imports featcache.testing.contract (testing)",
         "featcache.data.read (data) imports featcache.extract.pipeline (extract)",
         "featcache.extract.cli (extract) imports featcache.probes.fit (probes)",
-    ]  # the demo orchestrates the probes; models -> data -> core is the layers' way down
+    ]  # the demo orchestrates the probes; testing imports the stages it tests; models -> data -> core
     assert cycles(folder_graph(graph)) == [["data", "extract", "models"]]
 
 
