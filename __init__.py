@@ -7,10 +7,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
+from featcache._version import __version__
 from featcache.core._lazy import lazy_exports
 from featcache.errors import (
     FeatcacheError,

@@ -62,6 +62,33 @@ def _register_verify_checks() -> None:
         getattr(mod, attr)()
 
 
+#: the environment variable naming a user's own modules (comma-separated, importable from
+#: PYTHONPATH) that the CLI imports before it builds its parser: what they register (a model
+#: source, a data format, a retrieval metric...) is then a member like a built-in one
+PLUGINS_ENV = "FEATCACHE_PLUGINS"
+
+
+def load_plugins() -> list[str]:
+    """Import each module named in ``$FEATCACHE_PLUGINS``; the names imported (one missing: a
+    :class:`~featcache.errors.ConfigError` saying how to fix it)."""
+    import os
+
+    from featcache.errors import ConfigError
+
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # the plugin itself imports something missing: its own error
+                raise
+            raise ConfigError(
+                f"{PLUGINS_ENV} names module {name!r}, which cannot be imported: "
+                f"put its folder on PYTHONPATH or take it out of {PLUGINS_ENV}"
+            ) from exc
+    return names
+
+
 def command_modules() -> list[str]:
     """The modules that register commands, each once, in help order."""
     return list(dict.fromkeys((e.spec or "").partition(":")[0] for e in COMMANDS.entries()))
@@ -169,6 +196,11 @@ def _log_to_file(handler: logging.Handler | None, msg: str, exc_info: bool = Fal
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        load_plugins()
+    except FeatcacheError as exc:
+        print(f"featcache: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     # Stages read ``args.no_progress`` (their --no-progress flag) to set ``progress=``; -q implies it.

@@ -768,7 +768,7 @@ def write_report(
     Ranking problems (e.g. a single backbone) are shown in the page and logged rather than
     aborting the report. Returns the path written (atomically).
     """
-    from featcache import __version__
+    from featcache._version import __version__
 
     out = Path(out_html)
     if out.suffix.lower() not in (".html", ".htm"):

@@ -104,7 +104,7 @@ def rows_to_frame(rows: Iterable[Mapping[str, Any]]):
     fields get defaults, unknown fields are an error (typos would silently vanish)."""
     import polars as pl
 
-    from featcache import __version__
+    from featcache._version import __version__
 
     rows = [dict(r) for r in rows]
     required = ("run_id", "kind", "backbone", "dataset", "metric", "value")

@@ -1,7 +1,7 @@
 """The on-disk feature cache (Zarr v3). Layout: :mod:`featcache.store.schema`.
 
 Everything a stage needs is exported here; stages import ``featcache.store`` only, never one
-of its submodules (``tests/test_store_api.py`` checks it), so the modules inside may move."""
+of its submodules (``tests/contracts/test_store_api.py`` checks it), so the modules inside may move."""
 
 from featcache.store.blocks import DEFAULT_BLOCK_MEMORY, block_bytes
 from featcache.store.cache import FeatureCache, Features, open_cache

@@ -53,7 +53,7 @@ def create_root(root: Any, label: str) -> Any:
                 raise SchemaMismatchError(
                     f"{label} is a non-empty zarr group that is not a featcache store; choose a new --cache path"
                 )
-            from featcache import __version__
+            from featcache._version import __version__
 
             meta = RootMeta(SCHEMA_VERSION, __version__, now_iso()).to_attrs()
             root.update_attributes({ROOT_KEY: meta, manifest.DIGESTS_KEY: manifest.FORMAT})

@@ -433,7 +433,7 @@ def make_provenance(
 
     ``dim``: the width D of a ``[n, D]`` kind, or a kind's per-row shape ``(*inner, D)``
     (``blocks:4``: ``(4, D)``; ``tokens``: ``(T, D)``), recorded as ``inner`` and ``dim``."""
-    from featcache import __version__
+    from featcache._version import __version__
 
     if not isinstance(dim, (int, np.integer)):
         shape = tuple(int(x) for x in dim)

@@ -1,6 +1,7 @@
 """The root reads as the architecture: entry points and folders only; the shared core imports no
-stage; the paths of modules that moved into ``featcache.core``, ``featcache.models`` and
-``featcache.data`` are gone (no alias answers for them)."""
+stage; no module below the root imports the package ``featcache`` itself (the version is
+``featcache._version``); the paths of modules that moved into ``featcache.core``,
+``featcache.models`` and ``featcache.data`` are gone (no alias answers for them)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,44 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_import_layers import _imports, _modules
+from test_import_layers import _imports, _modules, import_graph
 
 import featcache
 
 ROOT = Path(featcache.__file__).parent
-#: what sits at the root besides the folders: the package, ``python -m featcache``, the CLI, the errors
-ROOT_MODULES = {"__init__.py", "__main__.py", "cli.py", "errors.py"}
+#: what sits at the root besides the folders: the package, ``python -m featcache``, the CLI, the
+#: errors and the version
+ROOT_MODULES = {"__init__.py", "__main__.py", "_version.py", "cli.py", "errors.py"}
 #: what the core may import: itself, the errors (a module at the root, like sklearn.exceptions) and
-#: the package's version (``featcache/__init__`` imports only the core and the errors)
-CORE_MAY_IMPORT = ("featcache.core", "featcache.errors", "featcache.__version__")
+#: the package's version (``featcache._version``, which imports nothing)
+CORE_MAY_IMPORT = ("featcache.core", "featcache.errors", "featcache._version")
 
 
 def test_the_root_holds_only_the_entry_points_and_the_errors():
     assert {p.name for p in ROOT.glob("*.py")} == ROOT_MODULES
+
+
+def test_no_module_below_the_root_imports_the_package_itself():
+    """``featcache/__init__`` imports the core (its lazy exports) and the errors: a module below
+    the root that imports the package (``from featcache import __version__``) hangs on it; the
+    version is read from ``featcache._version`` (``from featcache import errors``, a submodule,
+    is no import of the package's own body)."""
+    graph = import_graph(ROOT, "featcache")
+    assert "featcache" in graph["featcache.cli"]  # the scan sees an import of the package...
+    assert "featcache._version" in graph["featcache.store.root"]  # ...and of the version module
+    root = {"featcache", *(f"featcache.{Path(n).stem}" for n in ROOT_MODULES - {"__init__.py"})}
+    bad = sorted(m for m in set(graph) - root if "featcache" in graph[m])
+    assert not bad, "import the version as `from featcache._version import __version__`:\n" + "\n".join(bad)
+
+
+def test_the_version_module_agrees_with_the_package_and_pyproject():
+    """``_version.py`` holds the version the package reports; pyproject's (the wheel's) agrees."""
+    import tomllib
+
+    from featcache._version import __version__
+
+    assert featcache.__version__ == __version__
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"] == __version__
 
 
 def test_the_core_imports_no_stage_store_or_analysis():

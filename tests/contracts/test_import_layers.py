@@ -255,8 +255,12 @@ def test_every_package_is_shipped():
 STAGES = {"extract", "probes", "retrieval", "similarity", "finetune", "sweep", "suites", "analysis", "demo"}
 #: the layers below the stages: what more than one stage builds on (models and images)
 LAYERS = {"models", "data"}
-#: below the layers: the store, the shared core and the public errors
-BASE = {"store", "core", "errors"}
+#: below the layers: the store, the shared core, the public errors and the version
+BASE = {"store", "core", "errors", "_version"}
+#: above everything: ``featcache.testing``, the contracts a member written outside the repository
+#: runs on itself (as ``zarr.testing``): it may import any stage, layer or base module it tests
+#: (``check_source`` runs extract -> store -> load), and no module of the library imports it
+TESTING = {"testing"}
 #: stages that run other stages, as they always have: the demo is the whole pipeline on a small
 #: task, the sweep plans and runs the probe, retrieval and fine-tuning grids
 ORCHESTRATORS = {
@@ -283,17 +287,22 @@ def _folder(mod: str) -> str:
 
 
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Every import that breaks the layers: stages -> layers -> store/core/errors, no stage imports
-    another stage (ORCHESTRATORS and CATALOGUE_EDGES excepted), no layer imports a stage, the base
-    imports no layer or stage; the package itself (``featcache.__version__``) is below them all."""
+    """Every import that breaks the layers: stages -> layers -> store/core/errors/version, no stage
+    imports another stage (ORCHESTRATORS and CATALOGUE_EDGES excepted), no layer imports a stage,
+    the base imports no layer or stage; testing/ imports what it tests and nothing imports it.
+    Only the root modules import the package ``featcache`` itself (the CLI, for the version)."""
     out = []
     for mod, deps in sorted(graph.items()):
         src = _folder(mod)
         for dep in sorted(deps):
             dst = _folder(dep)
-            if dst in (src, "featcache") or (mod, dep) in CATALOGUE_EDGES:
+            if dst == src or (mod, dep) in CATALOGUE_EDGES:
                 continue
-            if src in STAGES:
+            if src in TESTING:
+                ok = True
+            elif dst in TESTING:
+                ok = False
+            elif src in STAGES:
                 ok = dst in LAYERS | BASE or dst in ORCHESTRATORS.get(src, set())
             elif src in LAYERS:
                 ok = dst in LAYERS | BASE
@@ -308,7 +317,7 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Top folder -> the top folders its modules import (the package's own ``__init__`` left out:
-    it is the version every folder may read, and imports only the core and the errors)."""
+    only the root modules import it, and it imports only the core, the errors and the version)."""
     out: dict[str, set[str]] = {}
     for mod, deps in graph.items():
         src = _folder(mod)
@@ -319,13 +328,15 @@ def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 def test_the_stages_sit_on_the_layers_and_the_layers_on_the_store_and_core():
     graph = import_graph(ROOT, "featcache")
     folders = {_folder(m) for m in graph}
-    assert folders >= STAGES | LAYERS | BASE  # every named folder exists...
-    assert folders - {"featcache", "cli", "__main__"} <= STAGES | LAYERS | BASE, "a new folder: name its place above"
+    assert folders >= STAGES | LAYERS | BASE | TESTING  # every named folder exists...
+    assert folders - {"featcache", "cli", "__main__"} <= STAGES | LAYERS | BASE | TESTING, (
+        "a new folder: name its place above"
+    )
     assert {"featcache.models.backbones", "featcache.data.readers"} <= graph["featcache.extract.pipeline"] | {
         d for m in graph if m.startswith("featcache.extract.") for d in graph[m]
     }  # ...and the stages' edges into the layers
     assert all((a in graph and b in graph and b in graph[a]) for a, b in CATALOGUE_EDGES), "a stale exception"
-    assert graph["featcache"] <= {m for m in graph if _folder(m) in ("core", "errors")}
+    assert graph["featcache"] <= {m for m in graph if _folder(m) in ("core", "errors", "_version")}
     bad = layer_violations(graph)
     assert not bad, (
         "imports across the layers (stages -> models/data -> store/core/errors; a stage imports no other "
@@ -349,6 +360,8 @@ def test_the_layer_check_sees_a_stage_importing_a_stage_and_a_layer_importing_up
         "extract": {"pipeline.py": "from featcache.models import m\n", "cli.py": "import featcache.probes.fit\n"},
         "probes": {"fit.py": "from featcache.core import a\n"},
         "demo": {"run.py": "from featcache.probes import fit\n"},
+        "testing": {"contract.py": "from featcache.extract import pipeline\nfrom featcache.probes import fit\n"},
+        "analysis": {"plot.py": "from featcache.testing import contract\n"},
     }.items():
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text("")
@@ -357,9 +370,10 @@ def test_the_layer_check_sees_a_stage_importing_a_stage_and_a_layer_importing_up
     (tmp_path / "errors.py").write_text("class E(Exception):\n    pass\n")
     graph = import_graph(tmp_path, "featcache")
     assert layer_violations(graph) == [
+        "featcache.analysis.plot (analysis) imports featcache.testing.contract (testing)",
         "featcache.data.read (data) imports featcache.extract.pipeline (extract)",
         "featcache.extract.cli (extract) imports featcache.probes.fit (probes)",
-    ]  # the demo orchestrates the probes; models -> data -> core is the layers' way down
+    ]  # the demo orchestrates the probes; testing imports the stages it tests; models -> data -> core
     assert cycles(folder_graph(graph)) == [["data", "extract", "models"]]
 
 

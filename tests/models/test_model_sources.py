@@ -1,6 +1,7 @@
 """Contract test over every registered model source: extract -> store -> load round trip,
 provenance, and features equal to the library's own forward on the same preprocessed batch
-(bit-identical on CPU fp32)."""
+(bit-identical on CPU fp32), through the shipped :func:`featcache.testing.check_source` that a
+source written outside this repository runs on itself."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from featcache.data import open_dataset
 from featcache.extract import ExtractConfig, extract
 from featcache.models import create_backbone
 from featcache.models.sources import list_sources
 from featcache.store import open_cache
+from featcache.testing import check_source, source_batch
 
 pytest.importorskip("open_clip")
 pytest.importorskip("transformers")
@@ -86,8 +87,7 @@ def _tensor(out):
 
 
 def _batch(bb, n=N):
-    src = open_dataset("digits")["test"]
-    return torch.stack([bb.transform(src.load(i)) for i in range(n)])
+    return source_batch(bb, "digits", "test", n)
 
 
 def test_every_registered_source_is_covered(models):
@@ -96,44 +96,13 @@ def test_every_registered_source_is_covered(models):
 
 @pytest.mark.parametrize("source", ["timm", "torchvision", "open_clip", "hf", "hf-dinov2", "python", "module"])
 def test_source_contract(models, source, tmp_path):
+    """The shipped contract (featcache.testing.check_source): extract -> store -> load, provenance,
+    resume, features bit-identical to the library's own forward."""
     spec, weights, ref = models[source]
-    cache = str(tmp_path / "c.zarr")
-    cfg = ExtractConfig(
-        spec,
-        weights,
-        "digits",
-        cache=cache,
-        splits=("test",),
-        limit=N,
-        batch_size=N,
-        dtype="float32",
-        channels_last=False,
-        progress=False,
-        device="cpu",
-        threads=1,
-    )
-    extract(cfg)
-    bb = create_backbone(spec, weights)
-    fc = open_cache(cache, "r")
-    (key,) = {b for b, _, _ in fc.entries()}
-    assert key == bb.default_key
-    f = fc.load(key, "digits", "test")
-    assert f.X.shape == (N, bb.feature_dim)
-    prov = fc.provenance(key, "digits", "test", "pooled")
-    assert prov.weights_sha256 == bb.weights_sha256
+    got = check_source(spec, weights, ref, tmp_path / "c.zarr", n=N)
     if source == "timm":  # timm:NAME is the bare name: same key, same provenance
-        assert key == "test_resnet@random0"
-        assert prov.model_name == "test_resnet"
-        return
-    assert prov.data_config["source"] == bb.source
-    assert prov.data_config["library_version"]
-    assert prov.model_name == bb.name
-    torch.set_num_threads(1)
-    with torch.inference_mode():
-        want = ref(_batch(bb)).float().numpy()
-    np.testing.assert_array_equal(f.X, want)
-    # a re-run resumes (nothing to do); another source under the same key is refused
-    assert extract(cfg)[0].chunks_computed == 0
+        assert got.key == "test_resnet@random0"
+        assert got.provenance.model_name == "test_resnet"
 
 
 def test_resume_refuses_another_source(models, tmp_path):

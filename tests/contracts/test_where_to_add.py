@@ -1,0 +1,317 @@
+"""The "where to add" table of docs/development.md, tried as a contributor would: a new member
+of each kind is ONE file (written here into a temporary folder, outside the package), and the
+command line finds it with nothing else edited. The CLI imports the file as a user's module
+through ``FEATCACHE_PLUGINS`` (``featcache.cli.load_plugins``), exactly as
+``FEATCACHE_PLUGINS=mymodule featcache ...`` does from a shell.
+
+Each row of :data:`KINDS` is one kind: the file's text, the registries its registration goes
+into (restored after the test) and a check that drives the CLI and looks for the member. A new
+extension point adds a row."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from featcache.cli import PLUGINS_ENV, main
+
+#: ``cli(*argv)``: run ``featcache ARGV`` in this process; its stdout (``--help`` included), each
+#: run of white space one blank
+CLI = Callable[..., str]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One extension point: ``source`` is the member's one file, ``registries`` the registries
+    it registers into (restored afterwards), ``check(cli, tmp_path)`` finds it through the CLI."""
+
+    source: str
+    registries: Callable[[], tuple]
+    check: Callable[[CLI, Path], None]
+
+
+# ------------------------------------------------------------------ a model source
+MODEL_SOURCE = '''
+"""A model source in one file: ``--model wheresrc:WIDTH``, a tiny conv net of that width."""
+from featcache.models import sources as S
+
+
+def build(name, weights, *, device="cpu", trainable=False, **options):
+    import torch  # on first use, as every source: `featcache extract --help` imports no torch
+    from torchvision import transforms as T
+
+    torch.manual_seed(int(weights.partition(":")[2] or 0))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, int(name), 3, stride=2), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()
+    )
+    sha = S.state_sha256(model)
+    return S.finish(
+        source="wheresrc", name=name, model=model, transform=T.Compose([T.Resize((32, 32)), T.ToTensor()]),
+        weights=weights, device=device, trainable=trainable, kinds=("pooled",), library="torch",
+        features_fn=lambda x, kinds: {"pooled": model(x)}, sha=sha, tag=f"@{sha[:8]}", wfile=None,
+    )
+
+
+S.register_source("wheresrc", __name__, usage="wheresrc:WIDTH", note="a tiny net for the table")
+'''
+
+
+def _model_source_registries() -> tuple:
+    from featcache.models import sources
+
+    return sources.SOURCES, sources.LISTINGS
+
+
+def _find_model_source(cli: CLI, tmp_path: Path) -> None:
+    for command in ("extract", "finetune"):
+        assert "wheresrc:WIDTH (a tiny net for the table)" in cli(command, "--help")
+
+
+# ------------------------------------------------------------------ a data format
+DATA_FORMAT = '''
+"""A data format in one file (docs/development.md's example): ``--data listfile:FILE``."""
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from featcache.data.decode import PathLoader
+from featcache.data.readers.registry import register_format
+from featcache.data.source import ReadOptions, SplitSource, StringColumn, integer_classes
+
+
+@register_format("wherelist", usage="wherelist:FILE", note="lines 'path label'")
+def listfile(file: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
+    rows = [ln.rsplit(" ", 1) for ln in Path(file).read_text().splitlines() if ln.strip()]
+    paths = StringColumn.from_polars(pl.Series([str(Path(file).parent / p) for p, _ in rows]))
+    labels = np.array([int(lab) for _, lab in rows], np.int64)
+    classes = integer_classes(labels, f"listfile {file}")
+    ids = np.array([p for p, _ in rows])
+    loader = PathLoader(paths, options)
+    return {"all": SplitSource(name, "all", ids, labels, classes, loader, f"wherelist:{file}")}
+'''
+
+
+def _data_format_registries() -> tuple:
+    from featcache.data.readers import registry
+
+    return (registry.FORMATS,)
+
+
+def _find_data_format(cli: CLI, tmp_path: Path) -> None:
+    for command in ("extract", "finetune"):
+        assert "wherelist:FILE (lines 'path label')" in cli(command, "--help")
+
+
+# ------------------------------------------------------------------ a retrieval metric
+RETRIEVAL_METRIC = '''
+"""A retrieval metric in one file (docs/development.md's example): ``wherefound@k``."""
+import numpy as np
+
+from featcache.retrieval.metrics import RankedRelevance, register_retrieval_metric
+
+
+@register_retrieval_metric("wherefound", full=False, at_k=True)
+def found_at_k(rr: RankedRelevance, k: int) -> np.ndarray:
+    """Per query: how many relevant items lie within the top k."""
+    return np.bincount(rr.query_index(), weights=rr.ranks <= k, minlength=rr.n_queries)
+'''
+
+
+def _retrieval_metric_registries() -> tuple:
+    from featcache.retrieval import metrics
+
+    return (metrics.RETRIEVAL_METRICS,)
+
+
+def _find_retrieval_metric(cli: CLI, tmp_path: Path) -> None:
+    """``featcache retrieve`` writes the new metric's rows: per query, the relevant items (same
+    label) within the top k, each query itself left out."""
+    import polars as pl
+
+    from featcache.store import open_cache, write_features
+
+    labels = np.repeat([0, 1, 2], 4)  # 12 rows, 4 per class: 3 relevant items per query
+    X = np.eye(12, 8, dtype=np.float32) + labels[:, None].astype(np.float32)
+    cache, results = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
+    write_features(
+        open_cache(cache, "a"),
+        backbone="pix",
+        dataset="toy",
+        split="train",
+        X=X,
+        ids=[f"r{i}" for i in range(12)],
+        labels=labels,
+        class_names=["a", "b", "c"],
+    )
+    cli(*f"retrieve --cache {cache} --dataset toy --all --query train --gallery train".split(),
+        *f"--k 1,3,20 --results {results} --no-progress".split())  # fmt: skip
+    rows = pl.read_parquet(results).filter(pl.col("metric").str.starts_with("wherefound@"))
+    got = dict(zip(rows["metric"], rows["value"]))
+    assert set(got) == {"wherefound@1", "wherefound@3", "wherefound@20"}, got
+    assert got["wherefound@20"] == 3.0  # every relevant item found at the full depth
+
+
+# ------------------------------------------------------------------ a store backend
+STORE_BACKEND = '''
+"""A store backend in one file: a zarr Store (a local folder that counts its writes)."""
+from zarr.storage import LocalStore
+
+
+class WhereStore(LocalStore):
+    writes = 0
+
+    async def set(self, key, value):
+        type(self).writes += 1
+        await super().set(key, value)
+'''
+
+
+def _find_store_backend(cli: CLI, tmp_path: Path) -> None:
+    """One round trip through the new Store, then ``featcache ls`` reads what it wrote."""
+    from where_store_backend import WhereStore
+
+    from featcache.store import open_cache, write_features
+
+    X = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
+    store = WhereStore(tmp_path / "c.zarr")
+    write_features(
+        open_cache(store, "a"),
+        backbone="pix",
+        dataset="toy",
+        split="train",
+        X=X,
+        ids=[f"r{i}" for i in range(40)],
+        labels=np.arange(40) % 2,
+        class_names=["a", "b"],
+        chunk_rows=16,
+    )
+    assert WhereStore.writes > 0  # the bytes went through the new Store
+    np.testing.assert_array_equal(open_cache(WhereStore(tmp_path / "c.zarr"), "r").load("pix", "toy", "train").X, X)
+    listing = cli("ls", str(tmp_path / "c.zarr"))
+    assert "pix" in listing, listing
+    assert "toy" in listing, listing
+
+
+#: kind -> its one file and how the CLI finds it (the lead adds rows for the other kinds)
+KINDS = {
+    "model source": Kind(MODEL_SOURCE, _model_source_registries, _find_model_source),
+    "data format": Kind(DATA_FORMAT, _data_format_registries, _find_data_format),
+    "retrieval metric": Kind(RETRIEVAL_METRIC, _retrieval_metric_registries, _find_retrieval_metric),
+    "store backend": Kind(STORE_BACKEND, lambda: (), _find_store_backend),
+}
+
+
+def _module_name(kind: str) -> str:
+    return "where_" + kind.replace(" ", "_")
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_new_member_is_one_file_the_cli_finds(kind, tmp_path, monkeypatch, capsys):
+    row, name = KINDS[kind], _module_name(kind)
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / f"{name}.py").write_text(textwrap.dedent(row.source))
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    monkeypatch.setenv(PLUGINS_ENV, name)
+
+    def cli(*argv: str) -> str:
+        capsys.readouterr()
+        try:
+            rc = main(list(argv))
+        except SystemExit as exc:  # --help
+            rc = exc.code
+        out, err = capsys.readouterr()
+        assert rc in (0, None), (argv, rc, err)
+        return " ".join(out.split())  # argparse wraps the help at the terminal's width
+
+    with contextlib.ExitStack() as stack:
+        for registry in row.registries():
+            stack.enter_context(registry.restored())
+        try:
+            row.check(cli, tmp_path)
+        finally:
+            sys.modules.pop(name, None)
+
+
+def test_the_cli_imports_the_plugins_named_in_the_environment(tmp_path):
+    """From a shell: ``FEATCACHE_PLUGINS=mod featcache extract --help`` with the module's folder on
+    PYTHONPATH shows the module's data format; a module that is not there is one error line."""
+    (tmp_path / "where_shell_format.py").write_text(textwrap.dedent(DATA_FORMAT))
+    path = os.pathsep.join([str(tmp_path), *sys.path])
+    env = {**os.environ, "PYTHONPATH": path, PLUGINS_ENV: "where_shell_format"}
+    run = [sys.executable, "-m", "featcache", "extract", "--help"]
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "wherelist:FILE" in out.stdout
+    out = subprocess.run(run, capture_output=True, text=True, env={**env, PLUGINS_ENV: "no_such_plugin"}, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"featcache: error: {PLUGINS_ENV} names module 'no_such_plugin', which cannot be imported: "
+        f"put its folder on PYTHONPATH or take it out of {PLUGINS_ENV}"
+    ]
+
+
+OUTSIDE_TESTS = """
+import pytest
+from where_store_backend import WhereStore
+
+from featcache.testing import FeatureCacheTests
+
+
+class TestWhereStore(FeatureCacheTests):
+    @pytest.fixture
+    def target(self, tmp_path):
+        return WhereStore(tmp_path / "c.zarr")
+
+    def raw(self, target):
+        return WhereStore(target.root)
+"""
+
+
+@pytest.mark.slow  # a pytest run of its own: about 10 s on 2 cores
+def test_a_store_backend_outside_the_repository_runs_the_shipped_contract(tmp_path):
+    """The store backend's file and a test module of its own, both outside the repository (no
+    conftest of ours): the module subclasses featcache.testing.FeatureCacheTests, as a backend's
+    own package would, and every test of the contract passes on it."""
+    (tmp_path / "where_store_backend.py").write_text(textwrap.dedent(STORE_BACKEND))
+    (tmp_path / "test_where_store.py").write_text(textwrap.dedent(OUTSIDE_TESTS))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    run = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "test_where_store.py"]
+    out = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    from featcache.testing import FeatureCacheTests
+
+    contract = [n for n in dir(FeatureCacheTests) if n.startswith("test_")]
+    assert f"{len(contract)} passed" in out.stdout, out.stdout[-1000:]
+
+
+@pytest.mark.slow  # an extraction (torch): about 5 s
+def test_the_one_file_model_source_passes_the_shipped_source_contract(tmp_path, monkeypatch):
+    """The model source row's file is a whole source: featcache.testing.check_source extracts with
+    it, resumes, and finds the features equal to the net's own forward."""
+    (tmp_path / "where_model_source.py").write_text(textwrap.dedent(MODEL_SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from featcache.testing import check_source
+
+    with contextlib.ExitStack() as stack:
+        for registry in _model_source_registries():
+            stack.enter_context(registry.restored())
+        try:
+            import where_model_source
+
+            def forward(x):
+                return where_model_source.build("8", "random:0").model(x)
+
+            got = check_source("wheresrc:8", "random:0", forward, tmp_path / "c.zarr")
+        finally:
+            sys.modules.pop("where_model_source", None)
+    assert got.features.X.shape == (6, 8)
