@@ -278,7 +278,7 @@ class ExtractConfig:
         """Settings recorded beside each feature array's provenance (``extra``), as requested
         (``resize`` where featcache builds the transform: timm models and ``python:``/module
         models; the other sources preprocess with their library's own)."""
-        from featcache.models.sources import parse_model
+        from featcache.models.sources import parse_model, source_rules
 
         out = {
             "precision_requested": self.amp,
@@ -286,7 +286,7 @@ class ExtractConfig:
             "exif_transpose": self.exif_transpose,
             "max_image_pixels": self.max_image_pixels,
         }
-        if parse_model(self.model)[0] in ("timm", "python", "module"):
+        if source_rules(parse_model(self.model)[0]).preprocessing:
             out["resize"] = self.resize
         return out
 
