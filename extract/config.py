@@ -25,6 +25,7 @@ from featcache.data.readers import format_help
 from featcache.data.source import DEFAULT_MAX_IMAGE_PIXELS
 from featcache.errors import ConfigError
 from featcache.extract.backends import BACKENDS
+from featcache.models.model import RESIZE_MODES, VTAB_RESIZE, resize_help
 from featcache.models.sources import model_help
 from featcache.store import MAX_CHUNK_ROWS
 
@@ -122,12 +123,8 @@ class ExtractConfig:
     pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=_SIDE)
     resize: str = flag(
         "timm",
-        "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-        "image to the input size, no crop (PIL antialiased bilinear) | whole-tf1: the same with "
-        "VTAB's own resize, TF1's tf.image.resize (legacy bilinear: no antialias, no half-pixel "
-        "centres; the vtab-1k suite's default) | whole-tf2: TF2's tf.image.resize (half-pixel "
-        "centres) | whole-tf: the earlier name of whole-tf2",
-        check=OneOf("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"),
+        lambda: f"{resize_help()} (the vtab-1k suite's default: {VTAB_RESIZE})",
+        check=OneOf(*RESIZE_MODES),
     )
     features: tuple[str, ...] = flag(
         ("pooled",),
