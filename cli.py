@@ -10,10 +10,12 @@ and builds only the module that registers COMMAND (:data:`COMMANDS`); the comman
 from __future__ import annotations
 
 import argparse
-import importlib
+import ast
 import logging
+import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from featcache import __version__
@@ -23,43 +25,58 @@ from featcache.errors import FeatcacheError
 #: the attribute that marks the logging handlers main() added (removed again by the next main())
 _CLI_MARK = "featcache_cli"
 
-#: command word -> the ``register(subparsers)`` of the stage package that adds it, in help order
-#: (imported when the parser is built; a package missing from this build adds none): ``featcache
-#: probe`` imports and builds the probes package's parsers only (tests/cli/test_cli_lazy.py holds
-#: these words to what each module registers, tests/contracts/test_registry_contract.py every cli.py to one)
+#: command word -> the ``register(subparsers)`` of the stage package that adds it (imported when
+#: the parser is built): :func:`discover` fills it from each ``featcache/<package>/cli.py``
+#: without importing one, so ``featcache probe`` imports and builds the probes package's parsers
+#: only (tests/cli/test_cli_lazy.py holds these words to what each module registers)
 COMMANDS: Registry[Callable[[Any], None]] = Registry("command")
-for _pkg, _words in (
-    ("extract", ("extract", "embed-classes", "embed-captions", "models", "fetch-weights")),
-    ("suites", ("suites",)),
-    ("finetune", ("finetune",)),
-    ("store", ("ls", "verify")),
-    ("probes", ("probe",)),
-    ("retrieval", ("retrieve", "retrieve-text")),
-    ("similarity", ("similarity", "audit")),
-    ("sweep", ("sweep",)),
-    ("analysis", ("rank", "shift", "report")),
-    ("demo", ("demo",)),
-):
-    for _word in _words:
-        COMMANDS.register(_word, f"featcache.{_pkg}.cli:register")
+#: a check ``featcache verify`` runs beside a store that a stage keeps there: check name ->
+#: ``"module:function"`` (the store knows no stage: each stage's cli.py declares its own in a
+#: literal ``BESIDE_STORE = {name: "module:function"}``, registered lazily before verify runs)
+BESIDE_STORE: dict[str, str] = {}
 
 
-#: what ``featcache verify`` checks beside a store that the stages keep there (the store knows no
-#: stage, so the entry point names them): each a ``module:function`` that registers its check
-VERIFY_CHECKS = ("featcache.retrieval.cli:register_verify_checks",)
+#: a command word as a stage's cli.py adds it: ``add_parser("word"`` (a literal first argument)
+_ADD_PARSER = re.compile(r"""\.add_parser\(\s*["']([\w-]+)["']""")
 
 
-def _register_verify_checks() -> None:
-    """Import and run each of :data:`VERIFY_CHECKS` (a stage missing from this build: none)."""
-    for spec in VERIFY_CHECKS:
-        module, _, attr = spec.partition(":")
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        getattr(mod, attr)()
+def _declared(path: Path) -> tuple[list[str], dict[str, str]]:
+    """The command words a stage's cli.py adds (the literal first argument of each
+    ``add_parser`` call, in source order) and its literal ``BESIDE_STORE``, read from its text
+    (a regular expression, then ``ast`` only for a module that has a ``BESIDE_STORE``)."""
+    text = path.read_text(encoding="utf-8")
+    beside: dict[str, str] = {}
+    if "\nBESIDE_STORE" in text:
+        for node in ast.parse(text, str(path)).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BESIDE_STORE" for t in node.targets):
+                beside = dict(ast.literal_eval(node.value))
+    return _ADD_PARSER.findall(text), beside
+
+
+def discover() -> None:
+    """Register the commands (and checks beside a store) of every ``featcache/<package>/cli.py``
+    found on the package's path, packages in name order; a package missing from this build adds
+    none. A new stage is its package's cli.py with ``register(subparsers)``: no list to edit."""
+    import featcache
+
+    found = sorted({p.parent.name: p for base in featcache.__path__ for p in Path(base).glob("*/cli.py")}.items())
+    for package, path in found:
+        words, beside = _declared(path)
+        for word in words:
+            COMMANDS.register(word, f"featcache.{package}.cli:register")
+        BESIDE_STORE.update(beside)
+
+
+discover()
+
+
+def _register_beside_checks() -> None:
+    """Register each of :data:`BESIDE_STORE` in the store's checks, lazily (its module is
+    imported when ``verify`` runs the check)."""
+    from featcache.store import register_beside_check
+
+    for name, spec in BESIDE_STORE.items():
+        register_beside_check(name, spec)
 
 
 #: the environment variable naming a user's own modules (comma-separated, importable from
@@ -213,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if args.command == "verify":
-        _register_verify_checks()
+    if getattr(args, "beside_checks", False):  # a command that checks what the stages keep beside a store
+        _register_beside_checks()
     log = logging.getLogger("featcache.cli")
     log.debug("featcache %s: %s", __version__, " ".join(sys.argv if argv is None else ["featcache", *argv]))
     try:

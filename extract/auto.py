@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from featcache.extract.backends import engines
+
 log = logging.getLogger(__name__)
 
 #: environment variable naming the cost cache file (tests point it at a temporary folder)
@@ -48,7 +50,6 @@ PRIOR_STARTUP_S = {"onnxruntime": 15.0, "openvino": 60.0, "compile": 300.0}
 CALIBRATE_FRACTION = 0.1
 #: no measurement at all for jobs of at most this many batches (nothing could repay it)
 MIN_BATCHES_TO_MEASURE = 8
-ENGINES = ("onnxruntime", "openvino")
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def record_costs(key: str, costs: Mapping[str, BackendCost]) -> None:
 def candidates(device: str, precision: str) -> tuple[str, ...]:
     """Backends that can run ``precision`` on ``device``: the engines on a CPU in fp32 only."""
     if device.startswith("cpu") and precision in ("fp32", "none"):
-        return ("eager", "compile", *ENGINES)
+        return ("eager", "compile", *engines())
     return ("eager", "compile")
 
 
@@ -338,7 +339,7 @@ def resolve_precision_auto(
         hw, why = (
             (True, "CUDA") if dev.startswith("cuda") else bf16_support() if dev.startswith("cpu") else (False, dev)
         )
-        if cfg.backend in ENGINES:
+        if cfg.backend in engines():
             rec["precision_reason"] = f"fp32: --backend {cfg.backend} computes fp32 only"
             return "none", rec
         if not hw:
@@ -385,7 +386,7 @@ def resolve_backend_auto(
         check_backend(old, amp, dev)
         rec["backend_reason"] = "resumed: the stored features were computed with it"
         return Resolved(amp, old, make_forward(head, old), rec)
-    cands = [b for b in candidates(dev, amp) if b not in ENGINES or importlib.util.find_spec(b) is not None]
+    cands = [b for b in candidates(dev, amp) if b not in engines() or importlib.util.find_spec(b) is not None]
     key = cost_key(head.bb.name, head.bb.data_config["input_size"], amp, dev, threads)
     costs = load_costs(key)
     built: dict[str, Callable] = {}

@@ -21,16 +21,35 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from featcache.core.registry import Registry
 from featcache.errors import ConfigError
-from featcache.extract.config import BACKENDS
 
 log = logging.getLogger(__name__)
 
-#: the pip install line of each engine's package (a missing one is named with it)
-_PIP = {"onnxruntime": "pip install onnxruntime onnx", "openvino": "pip install openvino"}
+
+@dataclass(frozen=True)
+class ForwardBackend:
+    """One ``--backend`` of the feature forward. ``make(head)``: the head's forward as a
+    callable ``x -> {kind: tensor}`` (``None``: ``auto``, which :mod:`featcache.extract.auto`
+    resolves to another one); ``pip``: set for a CPU engine computing fp32 only, the pip line
+    that installs its package (the package of the backend's name, imported before any work)."""
+
+    make: Callable[[Any], Callable] | None
+    pip: str = ""
+
+
+#: the ``--backend`` words of ``featcache extract``, in help order (a new one:
+#: ``BACKENDS.register(name, ForwardBackend(make))`` in its own module, or ``"module:attr"``)
+BACKENDS: Registry[ForwardBackend] = Registry("forward backend", ConfigError)
+
+
+def engines() -> list[str]:
+    """The registered CPU engines (the backends with a ``pip`` line)."""
+    return [name for name in BACKENDS if BACKENDS[name].pip]
 
 
 def check_backend(backend: str, amp: str, device: str) -> None:
@@ -38,9 +57,10 @@ def check_backend(backend: str, amp: str, device: str) -> None:
     engine with an autocast precision), saying what to use instead."""
     if backend not in BACKENDS:
         raise ConfigError(f"--backend {backend} is invalid: choose one of {', '.join(BACKENDS)}")
-    if backend in _PIP and not device.startswith("cpu"):
+    engine = bool(BACKENDS[backend].pip)
+    if engine and not device.startswith("cpu"):
         raise ConfigError(f"--backend {backend} runs on the CPU only; use --device cpu or --backend eager|compile")
-    if backend in _PIP and amp != "none":
+    if engine and amp != "none":
         raise ConfigError(
             f"--backend {backend} computes fp32 only; use --precision fp32 (Python: amp='fp32') or --backend eager|compile"
         )
@@ -68,7 +88,7 @@ def _need(pkg: str, backend: str) -> Any:
     try:
         return importlib.import_module(pkg)
     except ImportError:
-        raise ConfigError(f"--backend {backend} needs the {pkg} package: {_PIP[backend]}") from None
+        raise ConfigError(f"--backend {backend} needs the {pkg} package: {BACKENDS[backend].pip}") from None
 
 
 def export_onnx(head, x, path: Path) -> None:
@@ -137,41 +157,71 @@ def _openvino(head, x) -> Callable:
 
 
 def make_forward(head, backend: str = "eager") -> Callable:
-    """The head's forward on ``backend``: eager, ``compile`` (inductor, with freezing: the
-    weights become constants, valid since the forward runs under inference mode), or an engine
-    built from the first batch it sees (its build time falls in the first call; ``fwd.stats["build_s"]``
-    holds it afterwards, for ``compile`` the first call's time)."""
-    if backend == "eager":
-        return head.__call__
-    if backend == "compile":
-        import torch
-
-        compiled = torch.compile(head.__call__, options={"freezing": True})
-        first: dict[str, float] = {}
-
-        def run_compiled(x):
-            if "build_s" in first:
-                return compiled(x)
-            t = time.perf_counter()
-            out = compiled(x)
-            first["build_s"] = time.perf_counter() - t  # the compile, plus one batch
-            return out
-
-        run_compiled.stats = first  # type: ignore[attr-defined]
-        return run_compiled
-    if backend not in ("onnxruntime", "openvino"):
+    """The head's forward on ``backend`` (a name in :data:`BACKENDS` other than ``auto``):
+    eager, ``compile`` (inductor, with freezing: the weights become constants, valid since the
+    forward runs under inference mode), or an engine built from the first batch it sees (its
+    build time falls in the first call; ``fwd.stats["build_s"]`` holds it afterwards, for
+    ``compile`` the first call's time)."""
+    be = BACKENDS.get(backend)
+    if be is None or be.make is None:
         raise ConfigError(f"--backend {backend} is invalid: choose one of {', '.join(BACKENDS)}")
-    _need(backend, backend)  # fail before any work, not at the first batch
-    build = _onnxruntime if backend == "onnxruntime" else _openvino
-    state: dict[str, Any] = {}
+    return be.make(head)
 
-    def fwd(x):
-        if "run" not in state:
-            log.info("building the %s engine for %s (batch %d)", backend, head.bb.name, x.shape[0])
-            t = time.perf_counter()
-            state["run"] = build(head, x.contiguous())
-            state["build_s"] = time.perf_counter() - t
-        return state["run"](x)
 
-    fwd.stats = state  # type: ignore[attr-defined]  # build_s: the engine's build time, once built
-    return fwd
+def _eager(head) -> Callable:
+    return head.__call__
+
+
+def _compiled(head) -> Callable:
+    import torch
+
+    compiled = torch.compile(head.__call__, options={"freezing": True})
+    first: dict[str, float] = {}
+
+    def run_compiled(x):
+        if "build_s" in first:
+            return compiled(x)
+        t = time.perf_counter()
+        out = compiled(x)
+        first["build_s"] = time.perf_counter() - t  # the compile, plus one batch
+        return out
+
+    run_compiled.stats = first  # type: ignore[attr-defined]
+    return run_compiled
+
+
+def _engine(backend: str, build: Callable[[Any, Any], Callable]) -> Callable[[Any], Callable]:
+    """A CPU engine's ``make``: its package checked now, the engine built by ``build(head,
+    x)`` from the first batch."""
+
+    def make(head) -> Callable:
+        _need(backend, backend)  # fail before any work, not at the first batch
+        state: dict[str, Any] = {}
+
+        def fwd(x):
+            if "run" not in state:
+                log.info("building the %s engine for %s (batch %d)", backend, head.bb.name, x.shape[0])
+                t = time.perf_counter()
+                state["run"] = build(head, x.contiguous())
+                state["build_s"] = time.perf_counter() - t
+            return state["run"](x)
+
+        fwd.stats = state  # type: ignore[attr-defined]  # build_s: the engine's build time, once built
+        return fwd
+
+    return make
+
+
+BACKENDS.register("eager", ForwardBackend(_eager), note="PyTorch, the default")
+BACKENDS.register("compile", ForwardBackend(_compiled), note="torch.compile, inductor with freezing")
+for _name, _build, _pip in (
+    ("onnxruntime", _onnxruntime, "pip install onnxruntime onnx"),
+    ("openvino", _openvino, "pip install openvino"),
+):
+    BACKENDS.register(_name, ForwardBackend(_engine(_name, _build), _pip), note=f"CPU engine, fp32; {_pip}")
+BACKENDS.register(
+    "auto",
+    ForwardBackend(None),
+    note="the least start-up + images / rate among the backends measured on this machine and cached, "
+    "features within 1e-4 of eager's; eager for short jobs",
+)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import BackboneError, ConfigError, DataError
+from featcache.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def run(
     import torch
 
     from featcache.core.prompts import templates_sha256
-    from featcache.models.backbones import create_backbone
+    from featcache.extract.text import text_tower_backbone
     from featcache.store import open_cache, write_caption_embeddings
 
     cache = open_cache(cache_path, "a")
@@ -111,19 +111,7 @@ def run(
             f"{len(missing)} captioned images are not in {dataset}/{split} of the store (e.g. {missing[0]!r}); "
             "extract the same images (same --data) first"
         )
-    want_sha = None
-    if model is None:
-        from featcache.extract.text import recorded_model
-
-        model, weights, want_sha = recorded_model(cache, dataset, backbone)
-    bb = create_backbone(model, weights or "timm", device=device)  # after the captions are read and matched
-    if want_sha is not None and bb.weights_sha256 != want_sha:
-        raise DataError(
-            f"backbone {backbone!r} was extracted with weights sha256 {want_sha[:12]}... but {model} now has "
-            f"{bb.weights_sha256[:12]}...; give --model and --weights of the same weights"
-        )
-    if bb.text_tower is None:
-        raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
+    bb = text_tower_backbone(cache, dataset, backbone, model, weights, device)  # after the captions are matched
     image_ids = [i for i, cs in caps.items() for _ in cs]
     texts = [c for cs in caps.values() for c in cs]
     with torch.no_grad():

@@ -187,6 +187,26 @@ def run_fetch_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _text_tower_arguments(p: argparse.ArgumentParser, cache_help: str, dataset_help: str) -> None:
+    """The flags of a command that embeds text with a backbone's text tower (embed-classes,
+    embed-captions): the store, the dataset, the backbone and its model, weights and device."""
+    p.add_argument("--cache", required=True, help=cache_help)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="open_clip:ARCH | hf:DIR|ORG/NAME (a CLIPModel), as for extract; default: the model recorded for "
+        "--backbone's features (the text tower follows the image tower)",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="as for extract (a tag, random:SEED, a checkpoint; hf: the model's own); default: --backbone's recorded",
+    )
+    p.add_argument("--dataset", required=True, help=dataset_help)
+    p.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+
+
 def register(sub) -> None:
     from featcache.models.sources import LISTINGS
 
@@ -196,19 +216,9 @@ def register(sub) -> None:
     e = sub.add_parser(
         "embed-classes", help="class embeddings from a backbone's text tower (zeroshot, --head-init text)"
     )
-    e.add_argument("--cache", required=True, help="feature cache holding --dataset")
-    e.add_argument(
-        "--model",
-        default=None,
-        help="open_clip:ARCH | hf:DIR|ORG/NAME (a CLIPModel), as for extract; default: the model recorded for "
-        "--backbone's features (the text tower follows the image tower)",
+    _text_tower_arguments(
+        e, "feature cache holding --dataset", "dataset key in the store (its class names are embedded)"
     )
-    e.add_argument(
-        "--weights",
-        default=None,
-        help="as for extract (a tag, random:SEED, a checkpoint; hf: the model's own); default: --backbone's recorded",
-    )
-    e.add_argument("--dataset", required=True, help="dataset key in the store (its class names are embedded)")
     e.add_argument(
         "--templates",
         default="clip-imagenet",
@@ -229,27 +239,13 @@ def register(sub) -> None:
         help="the dataset's name in ELEVATER's / CLIP_benchmark's sets (default: --dataset, matched by letters "
         "and digits and by the elevater-ic suite's task names)",
     )
-    e.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
     e.add_argument("--name", default="text", help="embedding name (--head-init NAME)")
-    e.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     e.add_argument("--overwrite", action="store_true", help="replace embeddings made with another tower/templates")
     e.set_defaults(func=run_embed_classes)
     c = sub.add_parser(
         "embed-captions", help="caption embeddings from a backbone's text tower (featcache retrieve-text)"
     )
-    c.add_argument("--cache", required=True, help="feature cache holding the images' features")
-    c.add_argument(
-        "--model",
-        default=None,
-        help="open_clip:ARCH | hf:DIR|ORG/NAME (a CLIPModel), as for extract; default: the model recorded for "
-        "--backbone's features (the text tower follows the image tower)",
-    )
-    c.add_argument(
-        "--weights",
-        default=None,
-        help="as for extract (a tag, random:SEED, a checkpoint; hf: the model's own); default: --backbone's recorded",
-    )
-    c.add_argument("--dataset", required=True, help="dataset key in the store")
+    _text_tower_arguments(c, "feature cache holding the images' features", "dataset key in the store")
     c.add_argument("--split", default="test", help="split of the captioned images (default test)")
     c.add_argument(
         "--captions",
@@ -257,8 +253,6 @@ def register(sub) -> None:
         help="CLIP_benchmark's retrieval export DIR (<split>/*.tar with .txt captions, one per line) or a "
         "manifest CSV/parquet with a caption column and id (or path); several rows or lines = several captions",
     )
-    c.add_argument("--backbone", default=None, help="backbone key in the store (default: as extract names it)")
-    c.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     c.set_defaults(func=run_embed_captions)
     m = sub.add_parser("models", help="list/search the model names each installed source offers, and what is cached")
     m.add_argument(

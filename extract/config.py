@@ -24,6 +24,8 @@ from featcache.core.devices import PRECISION_ALIASES, PRECISIONS
 from featcache.data.readers import format_help
 from featcache.data.source import DEFAULT_MAX_IMAGE_PIXELS
 from featcache.errors import ConfigError
+from featcache.extract.backends import BACKENDS
+from featcache.models.model import RESIZE_MODES, VTAB_RESIZE, resize_help
 from featcache.models.sources import model_help
 from featcache.store import MAX_CHUNK_ROWS
 
@@ -31,9 +33,16 @@ from featcache.store import MAX_CHUNK_ROWS
 #: the first-batch agreement check (:mod:`featcache.extract.auto`); ``default`` is the behaviour
 #: before it (bf16 on CUDA, fp32 on CPU, no check)
 EXTRACT_PRECISIONS = ("default", *PRECISIONS)
-BACKENDS = ("auto", "eager", "compile", "onnxruntime", "openvino")  # featcache.extract.backends.BACKENDS
 
 DEFAULT_CHUNK_ROWS = 1024
+
+
+def _registered_backend(value: Any) -> str | None:
+    """``--backend``'s check: a name in :data:`~featcache.extract.backends.BACKENDS`."""
+    return None if value in BACKENDS else f"choose one of {', '.join(BACKENDS)}"
+
+
+_registered_backend.shown = str  # type: ignore[attr-defined]
 #: largest --input-size / --pre-resize side: one 3 x 4096 x 4096 float32 image is 200 MB already
 MAX_INPUT_SIDE = 4096
 #: most images of one forward pass (a larger one is refused before anything is written)
@@ -114,12 +123,8 @@ class ExtractConfig:
     pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=_SIDE)
     resize: str = flag(
         "timm",
-        "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-        "image to the input size, no crop (PIL antialiased bilinear) | whole-tf1: the same with "
-        "VTAB's own resize, TF1's tf.image.resize (legacy bilinear: no antialias, no half-pixel "
-        "centres; the vtab-1k suite's default) | whole-tf2: TF2's tf.image.resize (half-pixel "
-        "centres) | whole-tf: the earlier name of whole-tf2",
-        check=OneOf("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"),
+        lambda: f"{resize_help()} (the vtab-1k suite's default: {VTAB_RESIZE})",
+        check=OneOf(*RESIZE_MODES),
     )
     features: tuple[str, ...] = flag(
         ("pooled",),
@@ -166,12 +171,9 @@ class ExtractConfig:
     channels_last: bool = flag(True, "keep NCHW memory format", negate="--no-channels-last")
     backend: str = flag(
         "eager",
-        "forward backend: eager (PyTorch, the default) | compile (torch.compile, inductor with "
-        "freezing) | onnxruntime | openvino (CPU engines, fp32; pip install onnxruntime onnx / "
-        "openvino) | auto (the least start-up + images / rate among the backends measured on "
-        "this machine and cached, features within 1e-4 of eager's; eager for short jobs; a "
-        "resume keeps the stored backend)",
-        check=OneOf(*BACKENDS),
+        lambda: f"forward backend: {BACKENDS.help()}; a resume keeps the stored backend",
+        check=_registered_backend,
+        choices=BACKENDS.names,
     )
     compile: bool = flag(False, "same as --backend compile", action="store_true")
     exif_transpose: bool = flag(
@@ -273,7 +275,7 @@ class ExtractConfig:
         """Settings recorded beside each feature array's provenance (``extra``), as requested
         (``resize`` where featcache builds the transform: timm models and ``python:``/module
         models; the other sources preprocess with their library's own)."""
-        from featcache.models.sources import parse_model
+        from featcache.models.sources import parse_model, source_rules
 
         out = {
             "precision_requested": self.amp,
@@ -281,7 +283,7 @@ class ExtractConfig:
             "exif_transpose": self.exif_transpose,
             "max_image_pixels": self.max_image_pixels,
         }
-        if parse_model(self.model)[0] in ("timm", "python", "module"):
+        if source_rules(parse_model(self.model)[0]).preprocessing:
             out["resize"] = self.resize
         return out
 

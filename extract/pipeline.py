@@ -450,18 +450,12 @@ def _prepare(writer, stored, overwrite: bool, auto_decoder: bool = False) -> Non
 def _check_resize(writer, stored) -> None:
     """Features made with another resize mode (part of the data config, so of the identity)
     are refused with the flag that reproduces them."""
-    from featcache.models.model import resize_mode
+    from featcache.models.model import RESIZE_MODES, resize_mode
 
     old = resize_mode(stored.data_config or {})
     new = resize_mode(next(iter(writer.provenances.values())).data_config or {})
     if old != new:
-        how = {
-            "timm": "timm's resize + centre crop",
-            "whole": "the whole image resized, no crop",
-            "whole-tf1": "the whole image resized by TF1's tf.image.resize, VTAB's legacy bilinear",
-            "whole-tf2": "the whole image resized by TF2's tf.image.resize, half-pixel centres",
-            "whole-tf": "the earlier name of whole-tf2: TF2's tf.image.resize",
-        }
+        how = RESIZE_MODES
         raise ProvenanceMismatchError(
             f"{writer.path} holds features made with --resize {old} ({how[old]}), not --resize {new} "
             f"({how[new]}); re-run with --resize {old} to resume or reuse them, use another --backbone-name "

@@ -29,7 +29,7 @@ from featcache.core.prompts import (
     template_label,
     templates_sha256,
 )
-from featcache.errors import BackboneError, ConfigError, SchemaMismatchError
+from featcache.errors import BackboneError, ConfigError, ProvenanceMismatchError, SchemaMismatchError
 
 __all__ = ["TEMPLATE_SETS", "embed_classes", "load_templates", "run", "templates_sha256", "write_embeddings"]
 
@@ -106,6 +106,29 @@ def recorded_model(cache: Any, dataset: str, backbone: str | None) -> tuple[str,
     return prov.model_name, prov.weights_source, prov.weights_sha256
 
 
+def text_tower_backbone(
+    cache: Any, dataset: str, backbone: str | None, model: Any, weights: str | None, device: str
+) -> Any:
+    """The backbone whose text tower embeds for ``backbone``'s features of ``dataset``: ``model``
+    (with ``weights``), or with ``model=None`` the recorded one (:func:`recorded_model`), then
+    held to the recorded weights' sha256. Refused: weights that changed since (a
+    :class:`ProvenanceMismatchError`), a backbone without a text tower (a BackboneError)."""
+    from featcache.models.backbones import create_backbone
+
+    want_sha = None
+    if model is None:
+        model, weights, want_sha = recorded_model(cache, dataset, backbone)
+    bb = create_backbone(model, weights or "timm", device=device)
+    if want_sha is not None and bb.weights_sha256 != want_sha:
+        raise ProvenanceMismatchError(
+            f"backbone {backbone!r} was extracted with weights sha256 {want_sha[:12]}... but {model} "
+            f"({weights}) now has {bb.weights_sha256[:12]}...; give --model and --weights of the same weights"
+        )
+    if bb.text_tower is None:
+        raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
+    return bb
+
+
 def run(
     cache_path: str,
     model: Any,
@@ -128,7 +151,6 @@ def run(
     ELEVATER's own with ``templates="elevater"``, CLIP_benchmark's where it names the dataset
     with ``templates="clip-benchmark"``, else the store's. ``prompt_dataset``: the dataset's
     name in those sets (default ``dataset``, matched as :func:`featcache.core.prompts.resolve_dataset`)."""
-    from featcache.models.backbones import create_backbone
     from featcache.store import open_cache
 
     cache = open_cache(cache_path, "a")
@@ -138,17 +160,7 @@ def run(
     pd = prompt_dataset or dataset
     classes = _class_names(classnames, templates, pd, stored)  # bad names/templates fail before the model
     tmpl = load_templates(templates, pd)
-    want_sha = None
-    if model is None:
-        model, weights, want_sha = recorded_model(cache, dataset, backbone)
-    bb = create_backbone(model, weights or "timm", device=device)
-    if want_sha is not None and bb.weights_sha256 != want_sha:
-        raise SchemaMismatchError(
-            f"backbone {backbone!r} was extracted with weights sha256 {want_sha[:12]}... but {model} "
-            f"({weights}) now has {bb.weights_sha256[:12]}...; give --model and --weights of the same weights"
-        )
-    if bb.text_tower is None:
-        raise BackboneError(f"{bb.name} has no text tower; use an open_clip:ARCH or hf:DIR CLIPModel backbone")
+    bb = text_tower_backbone(cache, dataset, backbone, model, weights, device)
     m = embed_classes(bb.text_tower.encode, classes, tmpl)
     key = backbone or bb.default_key
     prov = {

@@ -418,7 +418,7 @@ def _other_source(
         from featcache.models.sources.python_source import from_module
 
         return from_module(name, weights, device=device, trainable=trainable, **sizes)
-    if source == "python":
+    if sources.source_rules(source).preprocessing:  # featcache builds its preprocessing
         return sources.builder(source)(name, weights, device=device, trainable=trainable, **sizes, **options)
     if given:
         raise BackboneError(

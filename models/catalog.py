@@ -81,14 +81,11 @@ def read_list(path: str) -> list[tuple[str, str]]:
 
 
 def default_weights(model: str) -> str:
-    """The weights a bare model name fetches: timm's ``pretrained``, hf's own, torchvision's DEFAULT."""
-    if model.startswith("hf:"):
-        return "dir"
-    if model.startswith("torchvision:"):
-        return "DEFAULT"
-    if model.startswith("open_clip:") and not model.startswith("open_clip:hf-hub:"):
-        raise ConfigError(f"{model}: name its pretrained tag (see `featcache models --source open_clip`)")
-    return "pretrained" if not model.startswith("open_clip:") else "timm"
+    """The weights a bare model name fetches, by its source's registration (timm's
+    ``pretrained``, hf's own, torchvision's DEFAULT; a source without a default: a ConfigError)."""
+    from featcache.models.sources import parse_model, source_rules
+
+    return source_rules(parse_model(model)[0]).default_weights(model)
 
 
 def _record(bb: Any, model: str, weights: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from featcache.core.devices import resolve_device
@@ -30,14 +31,27 @@ __all__ = [
 ]
 
 DATA_CONFIG_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
-#: ``timm``: timm's eval transform (resize the short side, centre-crop ``crop_pct``);
-#: ``whole``: resize the whole image to the input size, no crop (VTAB's geometry; PIL's
-#: antialiased bilinear); ``whole-tf1``: the same with VTAB's own ``tf.image.resize`` as
-#: task_adaptation runs it under TensorFlow 1 (legacy bilinear: no antialias, no half-pixel
-#: centres, float result: :class:`TF1BilinearResize`); ``whole-tf2``: TensorFlow 2's
-#: ``tf.image.resize`` (half-pixel centres: :class:`TFBilinearResize`); ``whole-tf``: the
-#: earlier name of ``whole-tf2`` (the same pixels), kept so stores made with it resume
-RESIZE_MODES = ("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf")
+#: the resize modes (``--resize``) -> what each does, in the words of the help and of a refused
+#: resume; ``whole-tf1`` is VTAB's own ``tf.image.resize`` as task_adaptation runs it under
+#: TensorFlow 1 (:class:`TF1BilinearResize`), ``whole-tf2`` TensorFlow 2's (half-pixel centres:
+#: :class:`TFBilinearResize`), ``whole-tf`` kept so stores made with it resume
+RESIZE_MODES: Mapping[str, str] = MappingProxyType(
+    {
+        "timm": "the model's eval transform: resize the short side, centre crop",
+        "whole": "the whole image resized to the input size, no crop (PIL antialiased bilinear)",
+        "whole-tf1": "the whole image resized by VTAB's own resize, TF1's tf.image.resize "
+        "(legacy bilinear: no antialias, no half-pixel centres)",
+        "whole-tf2": "the whole image resized by TF2's tf.image.resize, half-pixel centres",
+        "whole-tf": "the earlier name of whole-tf2: TF2's tf.image.resize",
+    }
+)
+
+
+def resize_help() -> str:
+    """``--resize``'s help: each mode and what it does."""
+    return " | ".join(f"{mode}: {text}" for mode, text in RESIZE_MODES.items())
+
+
 #: the resize rule of VTAB's own pipeline (task_adaptation's ``data_loader.preprocess_fn``)
 VTAB_RESIZE = "whole-tf1"
 

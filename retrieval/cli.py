@@ -6,18 +6,12 @@ from dataclasses import replace
 
 from featcache.retrieval.config import RetrievalConfig
 
-
-def register_verify_checks() -> None:
-    """``featcache verify`` checks the stored retrieval indexes beside a store too (the store
-    knows no stage: the entry point, cli.VERIFY_CHECKS, calls this)."""
-    from featcache.retrieval.index import verify_index_records
-    from featcache.store import register_beside_check
-
-    register_beside_check("retrieval indexes", verify_index_records)
+#: ``featcache verify`` checks the stored retrieval indexes beside a store too (the store knows
+#: no stage: featcache.cli reads this literal and registers it, imported when verify runs it)
+BESIDE_STORE = {"retrieval indexes": "featcache.retrieval.index:verify_index_records"}
 
 
 def register(subparsers) -> None:
-    register_verify_checks()
     p = subparsers.add_parser(
         "retrieve",
         help="retrieval metrics (mAP, MRR, recall@k, hit@k) and k-NN accuracy from cached features",

@@ -21,6 +21,7 @@ from featcache.errors import ConfigError, DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.prepared import METRICS  # the similarities the search computes
 from featcache.retrieval.revisited import REVISITED_SETUPS
+from featcache.retrieval.search import BACKENDS  # the search backends' registry
 
 if TYPE_CHECKING:
     from featcache.retrieval.approx import IndexSpec
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 DEFAULT_KS = (1, 5, 10, 100)
-BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
 TIE_POLICY = "tie groups ranked as a block at their last position (sklearn AP convention)"
 #: the order Battle of the Backbones' metrics (map_bob, mp@k, mrr_bob) are computed in
 BOB_TIE_POLICY = "stable argsort of the negated similarity: exact ties in gallery order (BoB's code)"
@@ -117,7 +117,7 @@ class RetrievalConfig:
     max_memory: str | int = flag(
         "2GB", "memory bound for score blocks, and for the index with --index auto (default 2GB)", show_default=False
     )
-    backend: str = flag("auto", "search backend", show_default=False, choices=BACKENDS)
+    backend: str = flag("auto", "search backend", show_default=False, choices=BACKENDS.names)
     exact_scores: bool = flag(
         False,
         "full ranking: sum every score in float64 and round it once (bit-identical on every machine, "
@@ -171,7 +171,7 @@ class RetrievalConfig:
         if self.metric not in METRICS:
             raise RetrievalConfigError(f"unknown similarity {self.metric!r}; choose one of {METRICS}")
         if self.backend not in BACKENDS:
-            raise RetrievalConfigError(f"unknown retrieval backend {self.backend!r}; choose one of {BACKENDS}")
+            raise RetrievalConfigError(BACKENDS.unknown(self.backend, what="unknown retrieval backend"))
         rv = (self.revisited,) if isinstance(self.revisited, str) else tuple(self.revisited)
         unknown = sorted(set(rv) - set(REVISITED_SETUPS))
         if not rv or unknown:

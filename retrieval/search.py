@@ -13,12 +13,15 @@ first k entries of the list.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from featcache.core.memory import parse_memory as _parse_memory
 from featcache.core.optional import import_faiss
+from featcache.core.registry import Registry
 from featcache.errors import BackendUnavailableError, DataError
 from featcache.retrieval.prepared import METRICS, PreparedRows, as_prepared, prepare, prepared_pair
 
@@ -31,6 +34,7 @@ __all__ = [
     "BACKENDS",
     "FAISS_GPU_MAX_K",
     "METRICS",
+    "SearchBackend",
     "choose_backend",
     "drop_excluded",
     "parse_memory",
@@ -42,7 +46,6 @@ __all__ = [
     "topk",
 ]
 
-BACKENDS = ("auto", "faiss-gpu", "torch-cuda", "faiss-cpu", "torch-cpu", "numpy")
 #: largest k faiss-gpu's exact search selects (GPU_MAX_SELECTION_K)
 FAISS_GPU_MAX_K = 2048
 #: query blocks scored on the CPU are padded to this many rows (see score_block)
@@ -84,39 +87,57 @@ def _faiss_gpus() -> int:
     return int(get()) if get else 0
 
 
-def choose_backend(backend: str = "auto", k: int | None = None, streamed: bool = False) -> str:
-    """Resolve ``auto``: faiss-gpu if faiss sees a GPU (and k <= 2048), else torch on CUDA,
-    else faiss on the CPU, or numpy for ``streamed`` features (a flat FAISS index would hold
-    their whole float32 copy). Explicit choices are checked; the choice is logged."""
-    if backend not in BACKENDS:
-        raise DataError(f"unknown search backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "auto":
-        if _faiss_gpus() > 0 and (k is None or k <= FAISS_GPU_MAX_K):
-            chosen = "faiss-gpu"
-        elif _cuda_available():
-            chosen = "torch-cuda"
-            if _faiss_gpus() > 0:
-                log.info("k=%s exceeds faiss-gpu's limit %d; using the torch CUDA path", k, FAISS_GPU_MAX_K)
-        else:
-            try:
-                _faiss()
-                chosen = "faiss-cpu"
-            except BackendUnavailableError:
-                chosen = "numpy"
-            if chosen == "faiss-cpu" and streamed:
-                log.info("features streamed: searching with numpy (FAISS would hold them whole in float32)")
-                chosen = "numpy"
-        no_gpu = " (no CUDA GPU found; CPU fallback)" if chosen in ("faiss-cpu", "numpy") else ""
-        log.info("retrieval search backend: %s%s", chosen, no_gpu)
-        return chosen
-    if backend == "faiss-gpu" and _faiss_gpus() == 0:
+def _choose_auto(k: int | None, streamed: bool) -> str:
+    """``auto``: faiss-gpu if faiss sees a GPU (and k <= 2048), else torch on CUDA, else faiss
+    on the CPU, or numpy for ``streamed`` features (a flat FAISS index would hold their whole
+    float32 copy)."""
+    if _faiss_gpus() > 0 and (k is None or k <= FAISS_GPU_MAX_K):
+        chosen = "faiss-gpu"
+    elif _cuda_available():
+        chosen = "torch-cuda"
+        if _faiss_gpus() > 0:
+            log.info("k=%s exceeds faiss-gpu's limit %d; using the torch CUDA path", k, FAISS_GPU_MAX_K)
+    else:
+        try:
+            _faiss()
+            chosen = "faiss-cpu"
+        except BackendUnavailableError:
+            chosen = "numpy"
+        if chosen == "faiss-cpu" and streamed:
+            log.info("features streamed: searching with numpy (FAISS would hold them whole in float32)")
+            chosen = "numpy"
+    no_gpu = " (no CUDA GPU found; CPU fallback)" if chosen in ("faiss-cpu", "numpy") else ""
+    log.info("retrieval search backend: %s%s", chosen, no_gpu)
+    return chosen
+
+
+def _check_faiss_gpu(k: int | None, streamed: bool) -> str:
+    if _faiss_gpus() == 0:
         raise BackendUnavailableError("faiss-gpu requested but faiss sees no GPU; use --backend auto or faiss-cpu")
-    if backend == "torch-cuda" and not _cuda_available():
-        raise BackendUnavailableError("torch-cuda requested but CUDA is not available; use --backend auto")
-    if backend == "faiss-gpu" and k is not None and k > FAISS_GPU_MAX_K:
+    if k is not None and k > FAISS_GPU_MAX_K:
         fallback = "torch-cuda" if _cuda_available() else "faiss-cpu"
         log.warning("k=%d exceeds faiss-gpu's limit %d; searching with %s instead", k, FAISS_GPU_MAX_K, fallback)
         return fallback
+    return "faiss-gpu"
+
+
+def _check_torch_cuda(k: int | None, streamed: bool) -> str:
+    if not _cuda_available():
+        raise BackendUnavailableError("torch-cuda requested but CUDA is not available; use --backend auto")
+    return "torch-cuda"
+
+
+def choose_backend(backend: str = "auto", k: int | None = None, streamed: bool = False) -> str:
+    """The backend that searches for ``backend`` (a name in :data:`BACKENDS`): its entry's
+    ``choose`` resolves ``auto``, refuses what this machine cannot run and falls back past a
+    limit (faiss-gpu's k <= 2048); the choice is logged."""
+    if backend not in BACKENDS:
+        raise DataError(BACKENDS.unknown(backend))
+    be = BACKENDS[backend]
+    if be.choose is not None:
+        chosen = be.choose(k, streamed)
+        if backend == "auto" or chosen != backend:  # auto and a fallback log their own line
+            return chosen
     log.info("retrieval search backend: %s", backend)
     return backend
 
@@ -377,16 +398,55 @@ def raw_search(
     blocks (FAISS searches all queries in one call, so its bar moves once). ``Q``, ``G``:
     prepared float32 arrays or :class:`PreparedRows`."""
     Q, G = as_prepared(Q, metric), as_prepared(G, metric)
-    if backend not in ("faiss-gpu", "faiss-cpu", "torch-cuda", "torch-cpu", "numpy"):
-        raise DataError(f"unknown backend {backend!r}")
+    be = BACKENDS.get(backend)
+    if be is None or be.search is None:
+        raise DataError(f"unknown backend {backend!r}; give a searching one of {', '.join(searching_backends())}")
     with _bar(Q.shape[0], progress) as bar:
-        if backend.startswith("faiss"):
-            out = _search_faiss(Q, G, k, metric, gpu=backend == "faiss-gpu")
-            bar.update(Q.shape[0])
-            return out
-        if backend.startswith("torch"):
-            return _search_torch(Q, G, k, metric, backend.split("-")[1], max_memory, bar)
-        return _search_numpy(Q, G, k, metric, max_memory, bar)
+        return be.search(Q, G, k, metric, max_memory, bar)
+
+
+def searching_backends() -> list[str]:
+    """The backends that search (every name in :data:`BACKENDS` but ``auto``)."""
+    return [e.name for e in BACKENDS.entries() if e.name != "auto"]
+
+
+@dataclass(frozen=True)
+class SearchBackend:
+    """One ``--backend`` of the exact search. ``search(Q, G, k, metric, max_memory, bar)``:
+    top-k of :class:`PreparedRows` as :func:`raw_search` returns them (order among equal scores
+    free; ``bar.update(n)`` per query rows done); ``None`` for a name that only chooses
+    (``auto``). ``choose(k, streamed)``: the backend that runs for this request, raising
+    :class:`BackendUnavailableError` for one this machine lacks (``None``: itself, always)."""
+
+    search: Callable[..., tuple[np.ndarray, np.ndarray]] | None
+    choose: Callable[[int | None, bool], str] | None = None
+
+
+def _faiss_search(gpu: bool) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
+    def search(Q: Any, G: Any, k: int, metric: str, max_memory: int, bar: Any) -> tuple[np.ndarray, np.ndarray]:
+        out = _search_faiss(Q, G, k, metric, gpu=gpu)
+        bar.update(Q.shape[0])  # FAISS searches every query in one call
+        return out
+
+    return search
+
+
+def _torch_search(device: str) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
+    def search(Q: Any, G: Any, k: int, metric: str, max_memory: int, bar: Any) -> tuple[np.ndarray, np.ndarray]:
+        return _search_torch(Q, G, k, metric, device, max_memory, bar)
+
+    return search
+
+
+#: the ``--backend`` words of the exact search, in help order (a new one: ``BACKENDS.register(
+#: name, SearchBackend(search, choose))`` in its own module, or ``"module:attr"`` imported on first use)
+BACKENDS: Registry[SearchBackend] = Registry("search backend", DataError)
+BACKENDS.register("auto", SearchBackend(None, _choose_auto), note="the fastest this machine has")
+BACKENDS.register("faiss-gpu", SearchBackend(_faiss_search(gpu=True), _check_faiss_gpu))
+BACKENDS.register("torch-cuda", SearchBackend(_torch_search("cuda"), _check_torch_cuda))
+BACKENDS.register("faiss-cpu", SearchBackend(_faiss_search(gpu=False)))
+BACKENDS.register("torch-cpu", SearchBackend(_torch_search("cpu")))
+BACKENDS.register("numpy", SearchBackend(_search_numpy))
 
 
 def policy_sort(sc: np.ndarray, ix: np.ndarray):

@@ -160,4 +160,4 @@ def register(sub) -> None:
         "extract to recompute exactly those chunks",
     )
     add_storage_option_argument(p)
-    p.set_defaults(func=run_verify)
+    p.set_defaults(func=run_verify, beside_checks=True)  # featcache.cli registers the stages' checks

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from featcache.core.registry import Registry
 from featcache.errors import FeatcacheError
 from featcache.store.cache import FeatureCache, open_cache
 from featcache.store.integrity import fill_problems, row_all
@@ -30,13 +31,15 @@ REPAIR_NO_SPACE_THEN = (
 
 
 #: checks of what a stage keeps beside a store (the store knows no stage): name -> ``fn(path,
-#: repair) -> problem lines``, registered by the stage (:func:`register_beside_check`)
-BESIDE_CHECKS: dict[str, Callable[[str, bool], list[str]]] = {}
+#: repair) -> problem lines``, registered by the stage, as ``"module:function"`` imported when
+#: verify first runs it (``featcache verify`` registers what each stage's cli.py declares)
+BESIDE_CHECKS: Registry[Callable[[str, bool], list[str]]] = Registry("check beside a store")
 
 
-def register_beside_check(name: str, check: Callable[[str, bool], list[str]]) -> None:
-    """Have ``verify`` run ``check(path, repair)`` too, its lines counted as problems."""
-    BESIDE_CHECKS[name] = check
+def register_beside_check(name: str, check: Callable[[str, bool], list[str]] | str) -> None:
+    """Have ``verify`` run ``check(path, repair)`` too (or the ``"module:function"`` it names),
+    its lines counted as problems."""
+    BESIDE_CHECKS.register(name, check)
 
 
 @dataclass
@@ -87,9 +90,9 @@ def verify(
             _check_group(cache, b, d, s, rep, repair)
         except Exception as exc:
             rep.problems.append(f"{where}: {type(exc).__name__}: {exc}")
-    for name, check in BESIDE_CHECKS.items() if local else ():
+    for name in BESIDE_CHECKS if local else ():
         try:
-            rep.problems += check(os.fspath(path), repair)
+            rep.problems += BESIDE_CHECKS[name](os.fspath(path), repair)
         except Exception as exc:
             rep.problems.append(f"{name}: {type(exc).__name__}: {exc}")
     rep.repaired = repair

@@ -165,8 +165,10 @@ def _suite(raw: dict[str, Any], where: str) -> Suite:
     names = [n for t in tasks for n in t.dir_names]
     if len(set(names)) != len(names):
         raise SuiteError(f"{where}: task names/aliases repeat: {sorted({n for n in names if names.count(n) > 1})}")
-    if suite.resize not in ("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"):
-        raise SuiteError(f"{where}: resize {suite.resize!r} must be timm, whole, whole-tf1, whole-tf2 or whole-tf")
+    from featcache.models.model import RESIZE_MODES
+
+    if suite.resize not in RESIZE_MODES:
+        raise SuiteError(f"{where}: resize {suite.resize!r} must be one of {', '.join(RESIZE_MODES)}")
     return suite
 
 

@@ -29,6 +29,7 @@ import hashlib
 import importlib
 import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from featcache.core.registry import Registry
@@ -45,6 +46,7 @@ __all__ = [
     "SOURCES",
     "Lister",
     "SourceBuilder",
+    "SourceRules",
     "as_mapping",
     "builder",
     "check_kinds",
@@ -59,6 +61,7 @@ __all__ = [
     "require",
     "seed_of",
     "seeded",
+    "source_rules",
     "state_sha256",
     "store_key",
 ]
@@ -72,19 +75,62 @@ _EXTRAS = {"open_clip": "clip", "hf": "hf"}
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_.@+=-]")
 
 
+@dataclass(frozen=True)
+class SourceRules:
+    """What featcache does with a source's models outside its ``build``, kept on its registration.
+
+    ``weights``: the weights a model named without them gets (a model list's ``MODEL`` line, a
+    bare ``--model``): a string, a function of the model name (which may refuse with a
+    :class:`ConfigError` saying what to name), or ``None``: none, the user names them (a
+    ConfigError says so; never a silent default). ``preprocessing``: featcache builds the
+    model's preprocessing, so ``input_size``, ``pre_resize`` and ``resize`` apply (and ``resize``
+    is recorded with its features); else the source's library preprocesses and they are refused."""
+
+    weights: str | Callable[[str], str] | None = None
+    preprocessing: bool = False
+
+    def default_weights(self, model: str) -> str:
+        """The weights ``model`` gets when none are named, or a ConfigError saying to name them."""
+        if self.weights is None:
+            raise ConfigError(f"{model}: its model source has no default weights; name them (MODEL WEIGHTS)")
+        return self.weights(model) if callable(self.weights) else self.weights
+
+
+#: the rules of the models not built by a registered source: timm's (the default source) and an
+#: ``nn.Module`` given in Python (``"module"``)
+BUILTIN_RULES = {"timm": SourceRules("pretrained", preprocessing=True), "module": SourceRules(preprocessing=True)}
+
+
+def source_rules(source: str) -> SourceRules:
+    """The :class:`SourceRules` of ``source`` (as :func:`parse_model` names it)."""
+    if source in BUILTIN_RULES:
+        return BUILTIN_RULES[source]
+    return SOURCES.entry(source).info
+
+
 def register_source(
-    name: str, module: str, *, usage: str | None = None, note: str = "", listing: str | None = None
+    name: str,
+    module: str,
+    *,
+    usage: str | None = None,
+    note: str = "",
+    listing: str | None = None,
+    weights: str | Callable[[str], str] | None = None,
+    preprocessing: bool = False,
 ) -> None:
     """Register source ``name`` whose ``build(name, weights, device=...)`` lives in ``module``
     (imported only when the source is used, so ``--help`` stays fast). ``usage``: how the
     ``--model`` help names it (default ``NAME:MODEL``), ``note``: a short gloss there;
     ``listing``: ``"module:function"`` of its :data:`Lister` (``featcache models``; None: it
-    lists nothing). A name taken by another module is refused; the same module again is a no-op."""
-    if name == "timm":
+    lists nothing); ``weights`` and ``preprocessing``: its :class:`SourceRules` (default: no
+    default weights, the library's own preprocessing). A name taken by another module is
+    refused; the same module again is a no-op."""
+    if name in BUILTIN_RULES:
         raise BackboneError(
             SOURCES.duplicate.format(kind=SOURCES.kind, name=name, by="featcache.models.backbones, the default source")
         )
-    SOURCES.register(name, f"{module}:build", usage=usage or f"{name}:MODEL", note=note)
+    rules = SourceRules(weights, preprocessing)
+    SOURCES.register(name, f"{module}:build", usage=usage or f"{name}:MODEL", note=note, info=rules)
     if listing is not None:
         LISTINGS.register(name, listing)
 
@@ -259,14 +305,29 @@ def as_mapping(obj: Any) -> Mapping[str, Any]:
     return obj if isinstance(obj, Mapping) else {}
 
 
-for _name, _usage, _note, _lists in (
-    ("torchvision", "torchvision:NAME", "", True),
-    ("open_clip", "open_clip:ARCH", "", True),
-    ("hf", "hf:DIR", "save_pretrained", True),
-    ("python", "python:MODULE:CALLABLE", "an nn.Module factory", False),
+def _open_clip_weights(model: str) -> str:
+    """open_clip: an ``hf-hub:`` model's weights come with it (``timm``); any other names its tag."""
+    if not model.startswith("open_clip:hf-hub:"):
+        raise ConfigError(f"{model}: name its pretrained tag (see `featcache models --source open_clip`)")
+    return "timm"
+
+
+for _name, _usage, _note, _lists, _weights, _pre in (
+    ("torchvision", "torchvision:NAME", "", True, "DEFAULT", False),
+    ("open_clip", "open_clip:ARCH", "", True, _open_clip_weights, False),
+    ("hf", "hf:DIR", "save_pretrained", True, "dir", False),
+    ("python", "python:MODULE:CALLABLE", "an nn.Module factory", False, "pretrained", True),
 ):
     _module = f"featcache.models.sources.{_name}_source"
-    register_source(_name, _module, usage=_usage, note=_note, listing=f"{_module}:list_models" if _lists else None)
+    register_source(
+        _name,
+        _module,
+        usage=_usage,
+        note=_note,
+        listing=f"{_module}:list_models" if _lists else None,
+        weights=_weights,
+        preprocessing=_pre,
+    )
 
 
 def describe(out: Any) -> str:

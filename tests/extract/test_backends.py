@@ -338,3 +338,46 @@ def test_precision_auto_is_fp32_without_bf16_hardware_and_says_why(tmp_path, mon
     assert prov.amp == "none"
     assert prov.extra["precision_check"] is None
     assert "neither amx_bf16 nor avx512_bf16" in prov.extra["precision_reason"]
+
+
+# --------------------------------------------------------------------------- a registered backend
+PLUGIN = """
+from featcache.extract.backends import BACKENDS, ForwardBackend
+
+MADE = []
+
+
+def make(head):
+    MADE.append(head.bb.name)
+    return head.__call__
+
+
+BACKENDS.register("eager-twin", ForwardBackend(make), note="a test's copy of eager")
+"""
+
+
+def test_a_backend_registered_in_its_own_module_is_a_flag_and_runs_the_forward(tmp_path, monkeypatch, eager):
+    """One module registering a backend: --backend takes it, extract builds its forward and
+    records it, no other file edited."""
+    import argparse
+    import importlib
+    import sys
+
+    from featcache.extract.backends import BACKENDS
+
+    (tmp_path / "fc_forward_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with BACKENDS.restored():
+        plugin = importlib.import_module("fc_forward_plugin")
+        monkeypatch.delitem(sys.modules, "fc_forward_plugin")
+        p = argparse.ArgumentParser()
+        ExtractConfig.add_arguments(p)
+        args = p.parse_args(["--model", LITE0, "--data", "digits", "--cache", "c.zarr", "--backend", "eager-twin"])
+        assert args.backend == "eager-twin"
+        assert "eager-twin (a test's copy of eager)" in next(a.help for a in p._actions if a.dest == "backend")
+        x, extra = _run(tmp_path, "eager-twin")
+    assert plugin.MADE == [LITE0]
+    assert extra["backend"] == "eager-twin"
+    np.testing.assert_array_equal(x, eager)
+    with pytest.raises(ConfigError, match="--backend eager-twin is invalid: choose one of eager, compile"):
+        ExtractConfig(LITE0, WEIGHTS, "digits", cache=str(tmp_path / "d.zarr"), backend="eager-twin")

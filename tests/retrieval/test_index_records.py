@@ -163,7 +163,7 @@ def test_verify_repair_removes_a_forged_index(tmp_path, capsys):
 
 def test_a_fresh_featcache_verify_checks_the_indexes_too(tmp_path):
     """``featcache verify`` in its own process (which builds the store's parser only) runs the
-    retrieval stage's index check too: cli.VERIFY_CHECKS registers it, not an earlier retrieve."""
+    retrieval stage's index check too: featcache.cli registers the BESIDE_STORE that retrieval/cli.py declares, not an earlier retrieve."""
     cache = _store(tmp_path / "c.zarr", backbones=("a",))
     assert _retrieve(cache, tmp_path / "r.parquet") == 0
     (blob,) = _pairs(cache).values()
