@@ -325,7 +325,7 @@ def _hparams(g: Any, epochs: int, device: str, info: dict, scores: list, metric:
     hp = {
         "solver": "attentive",
         "variant": g.variant,
-        "module": ATTENTIVE_VARIANTS[g.variant],
+        "module": ATTENTIVE_VARIANTS.entry(g.variant).note,
         "device": device,
         "selection": f"best of {len(scores)} heads (lr x wd) on val {metric}; no refit",
         "lr": lr,
