@@ -301,7 +301,7 @@ def _every_registry() -> dict[str, Registry]:
     from featcache.probes import solvers
     from featcache.retrieval import metrics as retrieval_metrics
 
-    solvers._load_builtins()
+    solvers.find_solvers()
     return {
         "probe protocol": protocols.PROTOCOLS["probe"],
         "finetune protocol": protocols.PROTOCOLS["finetune"],
