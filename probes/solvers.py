@@ -57,7 +57,7 @@ __all__ = [
     "register_solver",
 ]
 
-_found = False
+_found: list[tuple[str, str]] = []  # (name, "module:function") of the built-in solvers, read once
 
 
 def get_solver(name: str) -> Solver:
@@ -69,21 +69,18 @@ def get_solver(name: str) -> Solver:
 
 
 def find_solvers() -> None:
-    """Register every built-in solver lazily, once: each ``@register_solver("name", ...)``
-    decorating a top-level function of a module of :mod:`featcache.probes` becomes the entry
-    ``name -> featcache.probes.<module>:<function>`` (read from the source; the module is
+    """Register every built-in solver lazily: each ``@register_solver("name", ...)`` decorating
+    a top-level function of a module of :mod:`featcache.probes` becomes the entry
+    ``name -> featcache.probes.<module>:<function>`` (read from the source once; the module is
     imported on the solver's first lookup). A name already registered is left as it is."""
-    global _found
-    if _found:
-        return
-    _found = True
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        text = path.read_text(encoding="utf-8")
-        if "@register_solver(" not in text:
-            continue
-        for name, fn in _decorated(ast.parse(text)):
-            if name not in SOLVERS:
-                register_solver(name, f"{__package__}.{path.stem}:{fn}")
+    if not _found:
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if "@register_solver(" in text:
+                _found.extend((name, f"{__package__}.{path.stem}:{fn}") for name, fn in _decorated(ast.parse(text)))
+    for name, target in _found:
+        if name not in SOLVERS:
+            register_solver(name, target)
 
 
 def _decorated(tree: ast.Module) -> list[tuple[str, str]]:
