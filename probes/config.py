@@ -1,5 +1,9 @@
-"""The probe stage's config: one frozen dataclass, the single source of ``featcache probe``'s
-flags, of the probe run ids' options and of the hyper-parameters recorded in result rows."""
+"""The probe stage's config: one frozen dataclass holding the fields every probe run has and
+the protocol's solver's options (that solver's own frozen dataclass, :class:`Solver.options
+<featcache.probes.solver_registry.Solver>`), the source of ``featcache probe``'s flags (its
+fields' and every registered solver's options'), of the probe run ids' options and of the
+hyper-parameters recorded in result rows. The solver is looked up once, when the config is made
+(:attr:`ProbeConfig.solver`)."""
 
 from __future__ import annotations
 
@@ -162,6 +166,14 @@ class ProbeConfig:
         put("_proto", proto)
         put("_solver", solver)
         put("options", _solver_options(solver, proto, self.options))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the looked-up protocol and solver (found again by name on load)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_solver")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
     @property
     def solver(self) -> Solver:

@@ -99,6 +99,17 @@ def test_featcache_probe_takes_the_new_solvers_flags(toy_module):
     assert "boosting rounds" in sub.format_help()
 
 
+def test_a_config_pickles_and_finds_its_solver_again():
+    import copy
+    import pickle
+
+    cfg = ProbeConfig("c.zarr", ("b",), "d", "dinov2-linear", batch_size=8)
+    for again in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
+        assert again == cfg
+        assert again.solver is cfg.solver
+        assert again.batch_size == 8
+
+
 def test_views_are_refused_for_a_solver_that_does_not_train_on_them():
     from featcache.probes.views import check_view_solver
 
