@@ -22,6 +22,30 @@ class ProbeNotFittedError(ProbeError, NotFittedError):
     """A probe was used before ``fit``; both featcache's ProbeError and sklearn's NotFittedError."""
 
 
+def check_labels(y: Any, n: int | None, *, column: bool = False) -> np.ndarray:
+    """``y`` as an array of ``n`` labels, one per feature row (``column``: a ``[n, 1]`` column
+    passes too, as scikit-learn takes it); else a ProbeError saying the shape wanted."""
+    y = np.asarray(y)
+    if n is not None and (y.shape[0] != n if y.ndim else not column):
+        raise ProbeError(f"labels must be 1-D with {n} entries (one per feature row), got shape {y.shape}")
+    if y.ndim > 1 and not (column and y.ndim == 2 and y.shape[1] == 1):
+        raise ProbeError(
+            f"labels must be 1-D with {n} entries, got shape {y.shape}; multi-output targets are not supported"
+        )
+    return y
+
+
+def label_indices(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(class index per row as int64, the sorted classes) of training labels with two classes or more."""
+    classes, y_idx = np.unique(y, return_inverse=True)
+    if classes.size < 2:
+        raise ProbeError(
+            f"the training labels hold a single class ({classes[0]!r}); one class is not enough, "
+            "a classifier needs at least two: check the split/label column or sample more data"
+        )
+    return y_idx.astype(np.int64), classes
+
+
 def validate_fit_data(est, X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate ``X [n, D]`` and labels ``y``; returns (X float32, class index per row, classes).
 
@@ -32,13 +56,7 @@ def validate_fit_data(est, X, y, cast: bool = True) -> tuple[np.ndarray, np.ndar
     scikit-learn's ``validate_data``.
     """
     if y is not None and not hasattr(X, "toarray"):  # length mismatch: featcache's message
-        y_arr, n = np.asarray(y), len(X) if hasattr(X, "__len__") else None
-        if n is not None and y_arr.ndim >= 1 and y_arr.shape[0] != n:
-            raise ProbeError(f"labels must be 1-D with {n} entries (one per feature row), got shape {y_arr.shape}")
-        if y_arr.ndim > 2 or (y_arr.ndim == 2 and y_arr.shape[1] != 1):
-            raise ProbeError(
-                f"labels must be 1-D with {n} entries, got shape {y_arr.shape}; multi-output targets are not supported"
-            )
+        check_labels(y, len(X) if hasattr(X, "__len__") else None, column=True)
     # scikit-learn's validate_data is unannotated (its y defaults to the string "no_validation")
     y_in: Any = y
     validated: Any = validate_data(est, X, y_in, ensure_all_finite=False)
@@ -54,15 +72,10 @@ def validate_fit_data(est, X, y, cast: bool = True) -> tuple[np.ndarray, np.ndar
             "re-extract the features (`featcache verify` finds broken chunks)"
         )
     check_classification_targets(y)
-    classes, y_idx = np.unique(y, return_inverse=True)
-    if classes.size < 2:
-        raise ProbeError(
-            f"the training labels hold a single class ({classes[0]!r}); one class is not enough, "
-            "a classifier needs at least two: check the split/label column or sample more data"
-        )
+    y_idx, classes = label_indices(y)
     if cast or X.dtype.kind != "f":
         X = X.astype(np.float32, copy=False)
-    return X, y_idx.astype(np.int64), classes
+    return X, y_idx, classes
 
 
 def validate_predict_data(est, X) -> np.ndarray:

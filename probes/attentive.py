@@ -40,7 +40,7 @@ import numpy as np
 
 from featcache.errors import ProbeError
 from featcache.probes.attentive_modules import attention_heads, build_attentive_head
-from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
+from featcache.probes.solver_registry import EpochsOptions, FitOutcome, FitRequest, register_solver
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def _check_tokens(X: Any, spec: str) -> None:
         )
 
 
-@register_solver("attentive", options=("sgd_epochs",), streams=True)
+@register_solver("attentive", options=EpochsOptions, streams=True)
 def fit_attentive(req: FitRequest) -> FitOutcome:
     """Train the protocol's head grid on the plan's train rows, choose the best head on its
     validation rows (the task metric), report that head (no refit)."""
@@ -325,7 +325,7 @@ def _hparams(g: Any, epochs: int, device: str, info: dict, scores: list, metric:
     hp = {
         "solver": "attentive",
         "variant": g.variant,
-        "module": ATTENTIVE_VARIANTS[g.variant],
+        "module": ATTENTIVE_VARIANTS.entry(g.variant).note,
         "device": device,
         "selection": f"best of {len(scores)} heads (lr x wd) on val {metric}; no refit",
         "lr": lr,

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
+
+from featcache.core.registry import Registry
+from featcache.errors import ProbeError
 
 __all__ = ["ATTENTIVE_VARIANTS", "attention_heads", "build_attentive_head"]
 
-#: the attentive probe variants: name -> the reference module it reproduces
-ATTENTIVE_VARIANTS = {
-    "vjepa": "facebookresearch/jepa src/models/attentive_pooler.py AttentiveClassifier (depth 1)",
-    "aim": "apple/ml-aim aim-v1/aim/v1/torch/layers.py AttentionPoolingClassifier",
-}
+#: the attentive probe variants: name -> the function building its head class (torch imported
+#: when called); each entry's ``note`` is the reference module it reproduces (recorded in hparams)
+ATTENTIVE_VARIANTS: Registry[Callable[[], Any]] = Registry("attentive variant", ProbeError)
 
 
 def attention_heads(dim: int, most: int = 16) -> int:
@@ -60,6 +62,9 @@ def trunc_normal_(tensor: Any, std: float, a: float = -2.0, b: float = 2.0) -> A
         return tensor.clamp_(min=a, max=b)
 
 
+@ATTENTIVE_VARIANTS.register(
+    "vjepa", note="facebookresearch/jepa src/models/attentive_pooler.py AttentiveClassifier (depth 1)"
+)
 @functools.cache
 def _vjepa_class() -> Any:
     import torch
@@ -144,6 +149,7 @@ def _vjepa_class() -> Any:
     return AttentiveClassifier
 
 
+@ATTENTIVE_VARIANTS.register("aim", note="apple/ml-aim aim-v1/aim/v1/torch/layers.py AttentionPoolingClassifier")
 @functools.cache
 def _aim_class() -> Any:
     import torch
@@ -178,5 +184,5 @@ def _aim_class() -> Any:
 def build_attentive_head(variant: str, dim: int, n_classes: int, num_heads: int) -> Any:
     """A fresh ``variant`` head (``torch.nn.Module``) for tokens of width ``dim``, initialised
     from torch's current random stream as the reference initialises it."""
-    cls = _vjepa_class() if variant == "vjepa" else _aim_class()
+    cls = ATTENTIVE_VARIANTS.resolve(variant)()
     return cls(dim, n_classes, num_heads)

@@ -25,6 +25,7 @@ def register(subparsers) -> None:
     who.add_argument("--backbone", action="append", help="backbone key (repeatable)")
     who.add_argument("--all", action="store_true", help="every backbone with features for --dataset")
     add_arguments(p, ProbeConfig)  # every other flag comes from the config's fields
+    add_solver_arguments(p)  # and from each registered solver's options
     optional_flag(p, "dataset")  # --suite names the datasets instead
     from featcache.suites import suite_names
 
@@ -41,6 +42,23 @@ def register(subparsers) -> None:
         help="with --suite: the prefix extract --suite --dataset-name used (datasets PREFIX-<task>)",
     )
     p.set_defaults(func=run)
+
+
+def add_solver_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per option field of the registered solvers (a field several solvers read,
+    e.g. ``--epochs``, once: as the first of them declares it)."""
+    from featcache.probes.solvers import SOLVERS, option_fields
+
+    for name, (_, owners) in option_fields().items():
+        add_arguments(p, SOLVERS[owners[0]].options, only=(name,))
+
+
+def solver_options_of(args: argparse.Namespace) -> dict:
+    """The solver options on a parsed command line (every registered solver's; ``ProbeConfig``
+    keeps the protocol's solver's and drops the others at their defaults)."""
+    from featcache.probes.solvers import option_fields
+
+    return {name: getattr(args, name) for name in option_fields() if hasattr(args, name)}
 
 
 def optional_flag(p: argparse.ArgumentParser, dest: str) -> None:
@@ -62,7 +80,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> ProbeConfig:
         args,
         cache=args.cache if len(args.cache) > 1 else args.cache[0],
         backbones="all" if args.all else args.backbone,
-        **{"progress": progress, **overrides},
+        **{"progress": progress, "options": solver_options_of(args), **overrides},
     )
 
 

@@ -1,23 +1,23 @@
-"""The probe stage's config: one frozen dataclass, the single source of ``featcache probe``'s
-flags, of the probe run ids' options and of the hyper-parameters recorded in result rows."""
+"""The probe stage's config: one frozen dataclass holding the fields every probe run has and
+the protocol's solver's options (that solver's own frozen dataclass, :class:`Solver.options
+<featcache.probes.solver_registry.Solver>`), the source of ``featcache probe``'s flags (its
+fields' and every registered solver's options'), of the probe run ids' options and of the
+hyper-parameters recorded in result rows. The solver is looked up once, when the config is made
+(:attr:`ProbeConfig.solver`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from featcache.core.configs import Interval, check_fields, flag, seed_tuple, str_tuple
-from featcache.errors import ConfigError, ProbeError
+from featcache.probes.solver_registry import SOLVERS, ProbeConfigError, Solver, option_values
 
-__all__ = ["ProbeConfig"]
+__all__ = ["ProbeConfig", "ProbeConfigError"]
 
 if TYPE_CHECKING:
     from featcache.core.protocols import Protocol
-
-
-class ProbeConfigError(ConfigError, ProbeError):
-    """An invalid ProbeConfig value (a ConfigError; still a ProbeError, as it was)."""
 
 
 def _protocol_help() -> str:
@@ -32,6 +32,29 @@ def _task_metrics() -> tuple[str, ...]:
     return metrics.TASK_METRICS
 
 
+def _names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
+
+
+def _accepts_options(cls: type) -> type:
+    """``cls.__init__`` also takes the solver's options as keywords (into ``options``)."""
+    import functools
+
+    init, names = cls.__init__, _names(cls)
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, options: Any = None, **kw: Any) -> None:
+        extra = {k: kw.pop(k) for k in list(kw) if k not in names}
+        if extra:
+            base = option_values(options) if is_dataclass(options) else dict(options or {})
+            options = {**base, **extra}
+        init(self, *args, options=options, **kw)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_accepts_options
 @dataclass(frozen=True)
 class ProbeConfig:
     """What ``featcache probe`` / :func:`featcache.probes.runner.run_probes` runs.
@@ -56,23 +79,11 @@ class ProbeConfig:
         "also write each evaluated row's predicted class (id, label, prediction, per run id) to this "
         "parquet, to compare runs on the same rows (McNemar); runs skipped as already done write none",
     )
-    backend: str = flag("auto", choices=["auto", "sklearn", "cuml", "torch"])
-    Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
-    max_iter: int = flag(1000, type=int, check=Interval(int, 1))
-    tol: float = flag(1e-4, type=float, check=Interval(float, 0))
-    sweep: str = flag(
-        "exhaustive",
-        "C selection: every C to convergence, or a loose early-stopped scan of the warm-started path, then a climb from its best at full tolerance (torch backend)",
-        choices=["exhaustive", "halving"],
-    )
     max_host_bytes: int | None = flag(
         None,
         "stream training rows in blocks when an in-memory fit would allocate more than this many bytes (default 1 GiB)",
         type=int,
         check=Interval(int, 1),
-    )
-    standardize: bool = flag(
-        True, "fit on raw features (default: z-score with training statistics)", negate="--no-standardize"
     )
     eval_splits: tuple[str, ...] = flag(
         ("test",), "split(s) to evaluate on (repeatable; default: test)", name="--eval-split", action="append"
@@ -100,23 +111,6 @@ class ProbeConfig:
         "embeddings made with another set are refused (default: any set; the tower is always checked)",
     )
     prompt_dataset: str | None = flag(None, "with --templates: the dataset's name in that set (as embed-classes)")
-    sgd_epochs: int | None = flag(
-        None,
-        "salman, bob-linear, dinov2-linear: training epochs (papers: 150, 90; dinov2-linear: 10 epochs of "
-        "--epoch-length iterations)",
-        name="--epochs",
-        type=int,
-        check=Interval(int, 1),
-    )
-    batch_size: int | None = flag(
-        None, "dinov2-linear: rows per training batch (reference: 128)", type=int, check=Interval(int, 1)
-    )
-    epoch_length: int | None = flag(
-        None,
-        "dinov2-linear: iterations per epoch (reference: 1250; an epoch is not a pass over the data)",
-        type=int,
-        check=Interval(int, 1),
-    )
     views: int = flag(
         0,
         "train on the train split's first K augmented views (featcache extract --views K): bob-linear and "
@@ -126,22 +120,6 @@ class ProbeConfig:
         metavar="K",
         check=Interval(int, 0),
     )
-    search_epochs: int | None = flag(
-        None, "elevater-*: epochs per search trial (paper: 10)", type=int, check=Interval(int, 1)
-    )
-    final_epochs: int | None = flag(
-        None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int, check=Interval(int, 1)
-    )
-    final_epoch: str = flag(
-        "last",
-        "elevater-*: the epoch of the final run that is reported: 'last' (default, an honest "
-        "held-out number) or 'best-test', the ELEVATER toolkit's rule, which SELECTS THE EPOCH "
-        "ON THE TEST SPLIT (each eval split picks its own best epoch; optimistic)",
-        choices=["last", "best-test"],
-    )
-    vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
-    last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
-    sgd_standardize: bool = flag(False, cli=False)
     metrics: tuple[str, ...] | None = flag(None, cli=False)  # None: every metric
     metric: str | None = flag(
         None,
@@ -150,6 +128,12 @@ class ProbeConfig:
         choices=_task_metrics,
     )
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
+    #: the protocol's solver's options (its own frozen dataclass, :attr:`Solver.options
+    #: <featcache.probes.solver_registry.Solver.options>`); given as a mapping or as keywords
+    #: (``ProbeConfig(..., Cs=[1.0], max_iter=500)``): each option is a keyword and, on the
+    #: command line, a flag; an option of another solver is ignored, or refused where that
+    #: solver's options say so (``exclusive``). Its values read as attributes (``cfg.Cs``).
+    options: Any = flag(None, cli=False)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -161,14 +145,10 @@ class ProbeConfig:
             if isinstance(self.cache, str) or hasattr(self.cache, "__fspath__")
             else tuple(str(c) for c in self.cache),
         )
-        check_fields(self)  # --max-iter, --tol, --max-host-bytes, --epochs ... (one line naming the flag)
+        check_fields(self)  # --max-host-bytes, --views ... (one line naming the flag)
         put("backbones", str_tuple(self.backbones))
         put("seeds", seed_tuple(self.seeds, ProbeConfigError))
         put("eval_splits", str_tuple(self.eval_splits))
-        if self.Cs is not None:
-            put("Cs", tuple(sorted(float(c) for c in self.Cs)))
-        if self.vtab_steps is not None:
-            put("vtab_steps", tuple(int(s) for s in self.vtab_steps))
         if self.metrics is not None:
             put("metrics", str_tuple(self.metrics))
         if self.results_path is not None:
@@ -178,82 +158,70 @@ class ProbeConfig:
 
             if self.metric not in TASK_METRICS:
                 raise ProbeConfigError(f"unknown task metric {self.metric!r}; choose one of {TASK_METRICS}")
-
-    def resolve(self) -> tuple[Protocol, ProbeConfig]:
-        """(protocol, config with every ``None`` grid/schedule/seed field filled in from it)."""
-        from featcache.core.protocols import CGrid, SGDGrid, get_protocol
+        from featcache.core.protocols import get_protocol
+        from featcache.probes.solvers import get_solver
 
         proto = get_protocol(self.protocol, "probe")
-        g = proto.grid
-        cgrid = g if isinstance(g, CGrid) else CGrid()
+        solver = get_solver(proto.solver)  # resolved once: the runner and the store lookup read cfg.solver
+        put("_proto", proto)
+        put("_solver", solver)
+        put("options", _solver_options(solver, proto, self.options))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the looked-up protocol and solver (found again by name on load)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_proto", "_solver")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    @property
+    def solver(self) -> Solver:
+        """The protocol's registered solver (looked up once, when the config is made)."""
+        return self.__dict__["_solver"]
+
+    def __getattr__(self, name: str) -> Any:
+        """An option of the solver reads as an attribute (``cfg.Cs``, ``cfg.sgd_epochs``)."""
+        options = self.__dict__.get("options")
+        if not name.startswith("_") and options is not None and name in _names(type(options)):
+            return getattr(options, name)
+        from featcache.errors import NoSuchNameError
+
+        raise NoSuchNameError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def resolve(self) -> tuple[Protocol, ProbeConfig]:
+        """(protocol, config with every ``None`` option and the seeds filled in from it)."""
+        proto, solver = self.__dict__["_proto"], self.solver
+        resolve = getattr(self.options, "resolve", None)
         out = replace(
             self,
             seeds=proto.seeds if self.seeds is None else self.seeds,
-            Cs=cgrid.Cs if self.Cs is None else self.Cs,
-            vtab_steps=self.vtab_steps if self.vtab_steps is not None else getattr(g, "steps", None),
-            last_decay=self.last_decay if self.last_decay is not None else getattr(g, "last_decay", None),
-            sgd_epochs=self.sgd_epochs if self.sgd_epochs is not None else getattr(g, "epochs", None),
-            search_epochs=self.search_epochs if self.search_epochs is not None else getattr(g, "search_epochs", None),
-            final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
+            options=resolve(proto) if resolve is not None else self.options,
         )
-        out = _dinov2_linear_schedule(proto, out)
-        if out.final_epoch not in ("last", "best-test"):
-            raise ProbeConfigError(f"final_epoch must be 'last' or 'best-test' (got {out.final_epoch!r})")
-        for f in ("search_epochs", "final_epochs"):
-            if getattr(out, f) is not None and getattr(out, f) < 1:
-                raise ProbeConfigError(f"{f} must be >= 1 (got {getattr(out, f)})")
         if proto.kind and out.kind == "pooled":  # e.g. the attentive probes read tokens unless told
             out = replace(out, kind=proto.kind)
-        if isinstance(g, CGrid) and g.fixed:  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
-            out = replace(out, **dict(g.fixed))
-        from featcache.probes.solvers import get_solver
-
-        solver = get_solver(proto.solver)
         if solver.default_head_init and out.head_init is None:  # zeroshot: the text head is the classifier
             out = replace(out, head_init=solver.default_head_init)
         if not out.seeds:
             raise ProbeConfigError("seeds is empty; give at least one seed, e.g. --seeds 0,1,2")
         if not out.backbones:
             raise ProbeConfigError("no backbone given; pass --backbone NAME (repeatable) or --all")
-        if out.sgd_epochs is not None and isinstance(g, SGDGrid) and g.epochs is not None and out.sgd_epochs < 3:
-            raise ProbeConfigError(f"{proto.spec} needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
         return proto, out
 
     def solver_options(self) -> dict[str, Any]:
-        """The solver settings the fitters of :mod:`featcache.probes.solvers` read (a resolved config)."""
-
-        def opt(cast, v):  # grid fields a protocol does not use stay None
-            return None if v is None else cast(v)
-
-        return {
-            "Cs": list(self.Cs or ()),
-            "backend": self.backend,
-            "max_iter": int(self.max_iter),
-            "tol": float(self.tol),
-            "standardize": bool(self.standardize),
-            "sgd_epochs": opt(int, self.sgd_epochs),
-            "vtab_steps": opt(tuple, self.vtab_steps),
-            "last_decay": opt(float, self.last_decay),
-            "sgd_standardize": bool(self.sgd_standardize),
-            "metric": self.metric or "top1",
-            "search_epochs": opt(int, self.search_epochs),
-            "final_epochs": opt(int, self.final_epochs),
-            "final_epoch": str(self.final_epoch),
-            "sweep": str(self.sweep),
-            "max_host_bytes": opt(int, self.max_host_bytes),
-            "batch_size": opt(int, self.batch_size),
-            "epoch_length": opt(int, self.epoch_length),
-        }
+        """What the solver's fitter reads (a resolved config): its options, the task metric
+        and ``max_host_bytes``."""
+        opts = option_values(self.options)
+        if "Cs" in opts:
+            opts["Cs"] = list(opts["Cs"] or ())
+        return {**opts, "metric": self.metric or "top1", "max_host_bytes": self.max_host_bytes}
 
     def run_options(self, proto: Protocol) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the task metric and the solver
         settings the protocol's solver declares it reads (:mod:`featcache.probes.solvers`),
         plus the data choices (a resolved config)."""
-        from featcache.probes.solvers import get_solver
-
         # the backend and max_host_bytes change float summation order only, so they stay out
-        solver_ = get_solver(proto.solver)
-        keep = ("metric", *solver_.run_option_keys(proto))
+        keep = ("metric", *self.solver.run_option_keys(proto))
         solver = self.solver_options()
         opts = {k: solver[k] for k in solver if k in keep}
         for k, default in (("sweep", "exhaustive"), ("final_epoch", "last")):
@@ -268,7 +236,7 @@ class ProbeConfig:
             opts["val_source"] = self.val_source
         if proto.holdout_order:  # ELEVATER's full protocol: its first-20% rows, in the dataset's own order
             opts["holdout_order"] = proto.holdout_order
-        opts.update(solver_.recorded)  # elevater: the toolkit's loop (BN modes, seeded init, its batches)
+        opts.update(self.solver.recorded)  # elevater: the toolkit's loop (BN modes, seeded init, its batches)
         return opts
 
     def val_split_used(self, proto: Protocol, splits: Iterable[str]) -> str | None:
@@ -299,22 +267,44 @@ class ProbeConfig:
         )
 
 
-def _dinov2_linear_schedule(proto: Protocol, cfg: ProbeConfig) -> ProbeConfig:
-    """``cfg`` with ``batch_size`` / ``epoch_length`` from a ``dinov2-linear`` grid; refused
-    for the other protocols (which fix their own batches)."""
-    from featcache.core.protocols import Dinov2LinearGrid
+def _solver_options(solver: Solver, proto: Protocol, given: Any) -> Any:
+    """``solver``'s options from ``given`` (``None``, a mapping, or an options dataclass: the
+    solver's own, or another solver's after a change of protocol). An option of another
+    solver is dropped; one it calls ``exclusive``, set, is refused; a name no solver reads is
+    refused."""
+    if given is None:
+        return solver.options()
+    if isinstance(given, solver.options):
+        return given
+    values = option_values(given) if is_dataclass(given) else dict(given)
+    own = _names(solver.options)
+    foreign = {k: v for k, v in values.items() if k not in own}
+    if foreign:
+        _check_foreign(solver, proto, foreign)
+    return solver.make_options(values)
 
-    g = proto.grid
-    if isinstance(g, Dinov2LinearGrid):
-        return replace(
-            cfg,
-            batch_size=g.batch_size if cfg.batch_size is None else cfg.batch_size,
-            epoch_length=g.epoch_length if cfg.epoch_length is None else cfg.epoch_length,
-        )
-    given = [f for f, v in (("--batch-size", cfg.batch_size), ("--epoch-length", cfg.epoch_length)) if v is not None]
-    if given:
+
+def _check_foreign(solver: Solver, proto: Protocol, foreign: dict[str, Any]) -> None:
+    """Refuse names no registered solver reads, and set options other solvers keep to themselves."""
+    from featcache.probes.solvers import option_fields
+
+    known = option_fields()
+    unknown = sorted(set(foreign) - set(known))
+    if unknown:
         raise ProbeConfigError(
-            f"{', '.join(given)} set the dinov2-linear schedule; {proto.spec} fixes its own batches: "
-            f"drop {' and '.join(given)} or use --protocol dinov2-linear"
+            f"ProbeConfig has no option {', '.join(map(repr, unknown))}; the solvers' options are {sorted(known)}"
         )
-    return cfg
+    refused = []
+    for name, value in foreign.items():
+        f, owners = known[name]
+        if value != f.default:  # checked as its solver checks it, even where it is ignored
+            SOLVERS[owners[0]].options(**{name: value})
+        kept = [o for o in owners if name in getattr(SOLVERS[o].options, "exclusive", ())]
+        if kept and value != f.default:
+            refused.append(((f.metadata.get("name") or "--" + name.replace("_", "-")), kept[0]))
+    if refused:
+        flags = [r[0] for r in refused]
+        raise ProbeConfigError(
+            f"{', '.join(flags)} set the {refused[0][1]} solver's options; {proto.spec} (solver {solver.name!r}) "
+            f"fixes its own: drop {' and '.join(flags)} or use a protocol of the {refused[0][1]} solver"
+        )

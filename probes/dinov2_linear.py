@@ -39,12 +39,13 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from featcache.core.configs import Interval, check_fields, flag
 from featcache.errors import NotInStoreError, ProbeError
-from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
+from featcache.probes.solver_registry import FitOutcome, FitRequest, ProbeConfigError, epochs_option, register_solver
 
 if TYPE_CHECKING:
     import torch
@@ -422,6 +423,45 @@ def load_linear_input(cache: FeatureCache, backbone: str, dataset: str, split: s
 
 
 # ------------------------------------------------------------------ solver
+@dataclass(frozen=True)
+class Dinov2LinearOptions:
+    """``dinov2-linear``'s schedule; ``None``: the protocol grid's (10 epochs of 1250 iterations
+    of 128 rows). Another protocol refuses ``--batch-size`` and ``--epoch-length`` (it fixes its own
+    batches) rather than ignoring them (``exclusive``)."""
+
+    exclusive: ClassVar[tuple[str, ...]] = ("batch_size", "epoch_length")
+
+    sgd_epochs: int | None = epochs_option()
+    batch_size: int | None = flag(
+        None, "dinov2-linear: rows per training batch (reference: 128)", type=int, check=Interval(int, 1)
+    )
+    epoch_length: int | None = flag(
+        None,
+        "dinov2-linear: iterations per epoch (reference: 1250; an epoch is not a pass over the data)",
+        type=int,
+        check=Interval(int, 1),
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def resolve(self, proto: Any) -> Dinov2LinearOptions:
+        """The grid's schedule where not given (a grid without one: refused)."""
+        from dataclasses import replace
+
+        from featcache.core.protocols import Dinov2LinearGrid
+
+        g = proto.grid
+        if not isinstance(g, Dinov2LinearGrid):
+            raise ProbeConfigError(f"the dinov2-linear solver needs a Dinov2LinearGrid; {proto.spec} has {g!r}")
+        return replace(
+            self,
+            sgd_epochs=g.epochs if self.sgd_epochs is None else self.sgd_epochs,
+            batch_size=g.batch_size if self.batch_size is None else self.batch_size,
+            epoch_length=g.epoch_length if self.epoch_length is None else self.epoch_length,
+        )
+
+
 def _grid_heads(req: FitRequest, S: int) -> tuple[list[HeadSpec], dict[str, Any]]:
     """The grid's heads for an input of ``S`` slots (n_last_blocks limited to S - 1)."""
     g, opts = req.proto.grid, req.opts
@@ -439,7 +479,8 @@ def _grid_heads(req: FitRequest, S: int) -> tuple[list[HeadSpec], dict[str, Any]
 
 @register_solver(
     "dinov2-linear",
-    options=("sgd_epochs", "batch_size", "epoch_length"),
+    options=Dinov2LinearOptions,
+    views=True,
     load=load_linear_input,
     input_fingerprint=stored_input_fingerprint,
 )

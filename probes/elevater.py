@@ -31,12 +31,14 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from featcache.core.configs import Interval, check_fields, flag
 from featcache.errors import MetricInputError, ProbeError
-from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
+from featcache.probes.solver_registry import FitOutcome, FitRequest, ProbeConfigError, register_solver
 
 __all__ = [
     "ElevaterHead",
@@ -445,9 +447,44 @@ def fit_elevater_multilabel(req: FitRequest) -> FitOutcome:
     return FitOutcome(final.snapshot().predict_proba, None, hp, final.finite, seconds, epochs)
 
 
+@dataclass(frozen=True)
+class ElevaterOptions:
+    """The ELEVATER search's epochs and reporting rule; ``None``: the protocol grid's (10, 50)."""
+
+    search_epochs: int | None = flag(
+        None, "elevater-*: epochs per search trial (paper: 10)", type=int, check=Interval(int, 1)
+    )
+    final_epochs: int | None = flag(
+        None, "elevater-*: epochs of the final run on train+val (paper: 50)", type=int, check=Interval(int, 1)
+    )
+    final_epoch: str = flag(
+        "last",
+        "elevater-*: the epoch of the final run that is reported: 'last' (default, an honest "
+        "held-out number) or 'best-test', the ELEVATER toolkit's rule, which SELECTS THE EPOCH "
+        "ON THE TEST SPLIT (each eval split picks its own best epoch; optimistic)",
+        choices=["last", "best-test"],
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.final_epoch not in ("last", "best-test"):
+            raise ProbeConfigError(f"final_epoch must be 'last' or 'best-test' (got {self.final_epoch!r})")
+
+    def resolve(self, proto: Any) -> ElevaterOptions:
+        """The grid's epochs where not given."""
+        from dataclasses import replace
+
+        g = proto.grid
+        return replace(
+            self,
+            search_epochs=self.search_epochs if self.search_epochs is not None else getattr(g, "search_epochs", None),
+            final_epochs=self.final_epochs if self.final_epochs is not None else getattr(g, "final_epochs", None),
+        )
+
+
 @register_solver(
     "elevater",
-    options=("search_epochs", "final_epochs", "final_epoch"),
+    options=ElevaterOptions,
     fit_multilabel=fit_elevater_multilabel,
     multilabel_head_init=True,
     recorded={"head_loop": HEAD_LOOP},  # the toolkit's loop: BN modes, seeded nn.Linear init, its batches

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featcache.errors import ProbeError
-from featcache.probes.solver_registry import FitOutcome, FitRequest, register_solver
+from featcache.probes.solver_registry import EpochsOptions, FitOutcome, FitRequest, register_solver
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +153,7 @@ def train_bob_head(X: np.ndarray, y: np.ndarray, n_classes: int, grid, epochs: i
     return logits, info, finite and bool(torch.isfinite(head.weight).all())
 
 
-@register_solver("lars", options=("sgd_epochs",))
+@register_solver("lars", options=EpochsOptions, views=True)
 def fit_bob_linear(req: FitRequest) -> FitOutcome:
     """Train BoB's BN + linear head with LARS on the plan's final rows (nothing is selected)."""
     from scipy.special import softmax

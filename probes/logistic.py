@@ -27,96 +27,53 @@ from numpy.typing import ArrayLike
 from sklearn.base import BaseEstimator, ClassifierMixin
 
 from featcache.core.protocols import C_GRID
-from featcache.errors import BackendUnavailableError, ProbeError
+from featcache.errors import ProbeError
 from featcache.probes._estimator import (
     SoftmaxPredictMixin,
+    check_labels,
+    label_indices,
     softmax_proba,
     validate_fit_data,
 )
 from featcache.probes._stream import state_heads, use_streaming
+from featcache.probes.backends import BACKENDS, cuda_available
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "sklearn", "cuml", "torch")
 #: Kornblith et al. / DINOv2 grid: 45 values log-spaced over [1e-6, 1e5] (the protocols' grid)
 DEFAULT_CS = C_GRID
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # pragma: no cover - torch is a hard dependency
-        return False
-
-
-def _cuml_available() -> bool:
-    try:
-        import cuml  # noqa: F401  # pyright: ignore[reportMissingImports]  # optional gpu extra
-    except ImportError:
-        return False
-    except Exception as exc:  # a broken CUDA install raises other errors at import: say so
-        log.warning("cuML is installed but failed to import (%s: %s); not using it", type(exc).__name__, exc)
-        return False
-    return True
-
-
 def resolve_backend(backend: str = "auto") -> tuple[str, str]:
-    """Return ``(backend, device)`` for a requested backend; logs what ``auto`` chose."""
+    """Return ``(backend, device)`` for a requested backend (:data:`~featcache.probes.backends.BACKENDS`);
+    logs what ``auto`` chose."""
     if backend not in BACKENDS:
-        raise ProbeError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    cuda = _cuda_available()
-    if backend == "auto":
-        if cuda and _cuml_available():
-            choice = ("cuml", "cuda")
-        elif cuda:
-            choice = ("torch", "cuda")
-        else:
-            choice = ("torch", "cpu")
+        raise ProbeError(BACKENDS.unknown(backend, what="unknown backend", known="choose one of"))
+    cuda = cuda_available()
+    choice = BACKENDS[backend](cuda)
+    if choice[0] != backend:  # auto: say what it chose
         log.info(
-            "probe backend auto -> %s on %s%s",
+            "probe backend %s -> %s on %s%s",
+            backend,
             choice[0],
             choice[1],
             "" if cuda else " (no CUDA GPU found; CPU fallback)",
         )
-        return choice
-    if backend == "cuml":
-        if not cuda:
-            raise BackendUnavailableError(
-                "backend='cuml' needs a CUDA GPU and none is visible; use backend='torch' or "
-                "'sklearn' (or 'auto', which falls back to the CPU)"
-            )
-        if not _cuml_available():
-            raise BackendUnavailableError(
-                "backend='cuml' needs RAPIDS cuML: pip install 'featcache[gpu]' (cuml-cu12), "
-                "or use backend='torch', which also runs on the GPU"
-            )
-        return ("cuml", "cuda")
-    if backend == "torch":
-        return ("torch", "cuda" if cuda else "cpu")
-    return ("sklearn", "cpu")
+    return choice
 
 
 def _check_Xy(X, y, cast: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     X = np.asarray(X)
     if X.ndim != 2:
         raise ProbeError(f"features must be a 2-D array [n_samples, n_features], got shape {X.shape}")
-    y = np.asarray(y)
-    if y.ndim != 1 or y.shape[0] != X.shape[0]:
-        raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries, got shape {y.shape}")
+    y = check_labels(y, X.shape[0])
     from featcache.probes._stream import check_finite_rows
 
     check_finite_rows(X)
-    classes, y_idx = np.unique(y, return_inverse=True)
-    if classes.size < 2:
-        raise ProbeError(
-            f"the training labels hold a single class ({classes[0]!r}); a classifier needs at "
-            "least two: check the split/label column or sample more data"
-        )
+    y_idx, classes = label_indices(y)
     if cast or X.dtype.kind != "f":
         X = X.astype(np.float32, copy=False)
-    return X, y_idx.astype(np.int64), classes
+    return X, y_idx, classes
 
 
 def _is_lazy(X) -> bool:
@@ -138,20 +95,13 @@ def _lazy_Xy(X: Any, y: ArrayLike) -> tuple[Any, np.ndarray, np.ndarray]:
     decoded once per pass (the objective is a sum over rows: the order changes nothing)."""
     from featcache.probes._stream import check_finite_rows
 
-    y = np.asarray(y)
-    if y.ndim != 1 or y.shape[0] != X.shape[0]:
-        raise ProbeError(f"labels must be 1-D with {X.shape[0]} entries (one per feature row), got shape {y.shape}")
+    y = check_labels(y, X.shape[0])
     if hasattr(X, "sorted_order"):
         order = X.sorted_order()
         X, y = X.take(order), y[order]
     check_finite_rows(X)
-    classes, y_idx = np.unique(y, return_inverse=True)
-    if classes.size < 2:
-        raise ProbeError(
-            f"the training labels hold a single class ({classes[0]!r}); a "
-            "classifier needs at least two: check the split/label column"
-        )
-    return X, y_idx.astype(np.int64), classes
+    y_idx, classes = label_indices(y)
+    return X, y_idx, classes
 
 
 def _validate_lazy(est, X: Any, y: ArrayLike) -> tuple[Any, np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ from featcache.core.stagerun import (
 from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
-from featcache.probes.solvers import SOLVERS, FitRequest, get_solver
+from featcache.probes.solvers import SOLVERS, FitRequest
 from featcache.probes.store_lookup import (  # the store side, shared with store_lookup.run_ids
     TEXT_SOURCE_KEYS,
     cache_for,
@@ -130,7 +130,7 @@ def _load_backbone(caches, b: str, cfg: ProbeConfig, proto: Protocol) -> _Data:
     if cfg.train_split not in splits:
         raise NotInStoreError(f"dataset {ds!r} has no split {cfg.train_split!r} (has {splits})")
     lazy = _large(c, b, ds, cfg, proto)
-    load = get_solver(proto.solver).load
+    load = cfg.solver.load
     tr = _load_split(c, b, ds, cfg.train_split, cfg.kind, lazy=lazy, load=load)
     names = list(c.split_meta(ds, cfg.train_split).class_names)
     va = None
@@ -198,7 +198,7 @@ def _large(cache, b: str, ds: str, cfg: ProbeConfig, proto: Protocol) -> bool:
     the L-BFGS probe will stream it: its float32 copy alone would exceed ``max_host_bytes``."""
     from featcache.probes._stream import use_streaming
 
-    if not get_solver(proto.solver).streams:
+    if not cfg.solver.streams:
         return False
     prov = cache.provenance(b, ds, cfg.train_split, cfg.kind)
     row = int(np.prod(getattr(prov, "row_shape", None) or (prov.dim,)))  # [T, D] rows (tokens) count whole
@@ -337,7 +337,7 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     if cfg.views:
         from featcache.probes.views import check_view_solver
 
-        check_view_solver(proto, cfg.views)
+        check_view_solver(cfg.solver, proto, cfg.views)
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before the fits
     if cfg.predictions is not None:
@@ -392,7 +392,7 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
 def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:
     """Multi-label targets need a solver with a multi-label fitter (one that takes class
     embeddings when head_init is set)."""
-    solver = get_solver(proto.solver)
+    solver = cfg.solver
     if solver.fit_multilabel is None:
         ok = [n for n in SOLVERS if SOLVERS[n].fit_multilabel is not None]
         raise ProbeError(
@@ -446,7 +446,7 @@ def _probe_one(
         )
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source, d.views)
     opts = cfg.solver_options()
-    solver = get_solver(proto.solver)
+    solver = cfg.solver
     fit = solver.fit if plan.Y is None else solver.fit_multilabel
     assert fit is not None  # multi-label targets: run_probes checked the solver has a fitter (_check_multilabel)
     out = fit(FitRequest(proto, plan, opts, hi_matrix, seed))

@@ -3,50 +3,148 @@
 The registry itself (:data:`SOLVERS`, :func:`register_solver`, :class:`FitRequest`,
 :class:`FitOutcome`, :class:`Solver`) is :mod:`featcache.probes.solver_registry`, which imports
 no fitter; this module defines the built-in L-BFGS, SGD and zero-shot fitters, re-exports the
-registry's names and is the one module that imports the fitters living elsewhere
-(``elevater``, ``lars``), so :func:`get_solver` sees every built-in one.
+registry's names, and finds every other built-in solver: :func:`get_solver` reads the
+``@register_solver("name", ...)`` decorators of the modules of :mod:`featcache.probes` (their
+source, nothing imported) and registers each as ``module:function``, imported on first use.
+A solver is one module: its fit function decorated with :func:`register_solver`, which
+carries its options (a frozen dataclass of its own), whether it trains on views, and the rest
+of :class:`Solver` (see docs/development.md).
 
 A fitter takes a :class:`FitRequest` (the protocol, one seed's plan of train / val / final
 rows, the solver options of a resolved :class:`~featcache.probes.config.ProbeConfig`, the
-optional head-init matrix and the seed) and returns a frozen :class:`FitOutcome`. Each
-registered :class:`Solver` also declares the keys of ``ProbeConfig.solver_options()`` that
-enter its run ids (``options``) and whether it fits multi-label targets (``fit_multilabel``).
-Register a new one with :func:`register_solver` (see docs/development.md).
+optional head-init matrix and the seed) and returns a frozen :class:`FitOutcome`.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
 import time
-from typing import cast
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
+from featcache.core.configs import Interval, check_fields, flag
 from featcache.errors import ProbeError, ProtocolError
-from featcache.probes.logistic import LogisticProbe, resolve_backend, select_index, sweep_C
-from featcache.probes.solver_registry import SOLVERS, FitOutcome, FitRequest, Solver, register_solver
+from featcache.probes.backends import BACKENDS
+from featcache.probes.solver_registry import (
+    SOLVERS,
+    EpochsOptions,
+    FitOutcome,
+    FitRequest,
+    NoOptions,
+    ProbeConfigError,
+    Solver,
+    epochs_option,
+    register_solver,
+)
 
-__all__ = ["SOLVERS", "FitOutcome", "FitRequest", "Solver", "get_solver", "register_solver"]
+__all__ = [
+    "SOLVERS",
+    "EpochsOptions",
+    "FitOutcome",
+    "FitRequest",
+    "LbfgsOptions",
+    "NoOptions",
+    "SGDOptions",
+    "Solver",
+    "find_solvers",
+    "get_solver",
+    "option_fields",
+    "register_solver",
+]
+
+_found: list[tuple[str, str]] = []  # (name, "module:function") of the built-in solvers, read once
 
 
 def get_solver(name: str) -> Solver:
     """The registered solver ``name`` (an error lists the registered ones)."""
-    _load_builtins()
+    find_solvers()
     if name not in SOLVERS:
         raise ProtocolError(SOLVERS.unknown(name, what="no probe solver", known="registered:"))
     return SOLVERS[name]
 
 
-def _load_builtins() -> None:
-    """Import the built-in fitters that live in modules of their own: they register on import
-    (into :mod:`~featcache.probes.solver_registry`, which imports none of them)."""
-    import featcache.probes.attentive
-    import featcache.probes.dinov2_linear
-    import featcache.probes.elevater
-    import featcache.probes.lars  # noqa: F401
+def find_solvers() -> None:
+    """Register every built-in solver lazily: each ``@register_solver("name", ...)`` decorating
+    a top-level function of a module of :mod:`featcache.probes` becomes the entry
+    ``name -> featcache.probes.<module>:<function>`` (read from the source once; the module is
+    imported on the solver's first lookup). A name already registered is left as it is."""
+    if not _found:
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if "@register_solver(" in text:
+                _found.extend((name, f"{__package__}.{path.stem}:{fn}") for name, fn in _decorated(ast.parse(text)))
+    for name, target in _found:
+        if name not in SOLVERS:
+            register_solver(name, target)
+
+
+def _decorated(tree: ast.Module) -> list[tuple[str, str]]:
+    """(solver name, function) of each top-level ``@register_solver("name", ...)``."""
+    out = []
+    for node in tree.body:
+        for d in getattr(node, "decorator_list", ()):
+            first = d.args[0] if isinstance(d, ast.Call) and d.args else None
+            named = isinstance(first, ast.Constant) and isinstance(first.value, str)
+            if named and getattr(d.func, "id", None) == "register_solver":
+                out.append((first.value, node.name))
+    return out
+
+
+def option_fields() -> dict[str, tuple[dataclasses.Field, list[str]]]:
+    """Every registered solver's option fields by name: (the first solver's field, the
+    solvers that read it), in registration order (what ``featcache probe`` adds as flags)."""
+    find_solvers()
+    out: dict[str, tuple[dataclasses.Field, list[str]]] = {}
+    for name in SOLVERS:
+        for f in dataclasses.fields(SOLVERS[name].options):
+            out.setdefault(f.name, (f, []))[1].append(name)
+    return out
 
 
 # ------------------------------------------------------------------ L-BFGS
+@dataclass(frozen=True)
+class LbfgsOptions:
+    """The L-BFGS probe's options (``full``, ``fewshot:N``, ``subset:F%``, ``dinov2``, ``vtab1k``)."""
+
+    backend: str = flag("auto", choices=lambda: list(BACKENDS))
+    Cs: tuple[float, ...] | None = flag(None, cli=False)  # None: the protocol's C grid
+    max_iter: int = flag(1000, type=int, check=Interval(int, 1))
+    tol: float = flag(1e-4, type=float, check=Interval(float, 0))
+    sweep: str = flag(
+        "exhaustive",
+        "C selection: every C to convergence, or a loose early-stopped scan of the warm-started path, then a climb from its best at full tolerance (torch backend)",
+        choices=["exhaustive", "halving"],
+    )
+    standardize: bool = flag(
+        True, "fit on raw features (default: z-score with training statistics)", negate="--no-standardize"
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        put = object.__setattr__
+        if self.Cs is not None:
+            put(self, "Cs", tuple(sorted(float(c) for c in self.Cs)))
+        put(self, "max_iter", int(self.max_iter))
+        put(self, "tol", float(self.tol))
+        put(self, "standardize", bool(self.standardize))
+        put(self, "sweep", str(self.sweep))
+
+    def resolve(self, proto: Any) -> LbfgsOptions:
+        """The protocol's C grid unless given, then the settings its grid fixes (e.g. DINOv2's)."""
+        from featcache.core.protocols import CGrid
+
+        g = proto.grid
+        out = self if self.Cs is not None else replace(self, Cs=(g if isinstance(g, CGrid) else CGrid()).Cs)
+        if isinstance(g, CGrid) and g.fixed:  # e.g. dinov2 (its log_regression.py): raw features, tol 1e-12
+            out = replace(out, **dict(g.fixed))
+        return out
+
+
 def _fit_ovr(req: FitRequest) -> FitOutcome:
     """One-vs-rest L-BFGS probes for multi-label targets: every class sweeps the C grid
     (binary :func:`sweep_C`); one C for all classes is selected on the task's ranking metric
@@ -55,6 +153,7 @@ def _fit_ovr(req: FitRequest) -> FitOutcome:
     from sklearn.multiclass import OneVsRestClassifier
 
     from featcache.core.metrics import METRICS
+    from featcache.probes.logistic import LogisticProbe, select_index, sweep_C
 
     plan, opts = req.plan, req.opts
     # one-vs-rest fits are in memory: a lazily loaded split is read here (stored dtype)
@@ -121,11 +220,18 @@ def check_both_labels(Ytr: np.ndarray, Yfin: np.ndarray, what: str) -> None:
 
 
 @register_solver(
-    "lbfgs", options=("Cs", "max_iter", "tol", "standardize", "sweep"), fit_multilabel=_fit_ovr, streams=True
+    "lbfgs",
+    options=LbfgsOptions,
+    run_options=("Cs", "max_iter", "tol", "standardize", "sweep"),  # backend: float summation order only
+    views=True,
+    fit_multilabel=_fit_ovr,
+    streams=True,
 )
 def _fit_lbfgs(req: FitRequest) -> FitOutcome:
     """The C sweep on validation (:func:`sweep_C`), then a refit on the final data (warm
     started from the selected head when the class sets agree)."""
+    from featcache.probes.logistic import LogisticProbe, sweep_C
+
     plan, opts = req.plan, req.opts
     Xtr, ytr = plan.tr
     hi = None if req.head_init is None else req.head_init[np.unique(ytr)]
@@ -196,6 +302,38 @@ def _fit_lbfgs(req: FitRequest) -> FitOutcome:
 
 
 # ------------------------------------------------------------------ SGD
+@dataclass(frozen=True)
+class SGDOptions:
+    """The SGD probe's options (``salman``, ``vtab1k-sgd``); ``None``: the protocol grid's."""
+
+    sgd_epochs: int | None = epochs_option()
+    vtab_steps: tuple[int, ...] | None = flag(None, cli=False)  # None: the protocol's schedules
+    last_decay: float | None = flag(None, cli=False)  # None: the protocol's (0.9)
+    sgd_standardize: bool = flag(False, cli=False)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        put = object.__setattr__
+        if self.vtab_steps is not None:
+            put(self, "vtab_steps", tuple(int(s) for s in self.vtab_steps))
+        if self.last_decay is not None:
+            put(self, "last_decay", float(self.last_decay))
+        put(self, "sgd_standardize", bool(self.sgd_standardize))
+
+    def resolve(self, proto: Any) -> SGDOptions:
+        """The grid's schedule where not given; an epoch grid needs 3 epochs or more."""
+        g = proto.grid
+        out = replace(
+            self,
+            vtab_steps=self.vtab_steps if self.vtab_steps is not None else getattr(g, "steps", None),
+            last_decay=self.last_decay if self.last_decay is not None else getattr(g, "last_decay", None),
+            sgd_epochs=self.sgd_epochs if self.sgd_epochs is not None else getattr(g, "epochs", None),
+        )
+        if out.sgd_epochs is not None and getattr(g, "epochs", None) is not None and out.sgd_epochs < 3:
+            raise ProbeConfigError(f"{proto.spec} needs sgd_epochs >= 3 (the lr drops at 1/3 and 2/3 of training)")
+        return out
+
+
 def _sgd_options(proto) -> tuple[str, ...]:
     return ("sgd_standardize", *proto.grid.run_options)
 
@@ -241,11 +379,12 @@ def sgd_configs(grid, n: int, opts: dict) -> list[dict]:
 _SGD_PROBE_KEYS = ("lr", "steps", "batch_size", "momentum", "weight_decay", "milestones", "drop_remainder")
 
 
-@register_solver("sgd", options=_sgd_options)
+@register_solver("sgd", options=SGDOptions, run_options=_sgd_options)
 def _fit_sgd(req: FitRequest) -> FitOutcome:
     """Each config of the protocol's :class:`~featcache.core.protocols.SGDGrid` trained on the
     plan's train rows and scored on its val rows; the best refit on the final rows (with
     ``grid.refit_epochs``: as many epochs as the selection fits, over the larger data)."""
+    from featcache.probes.logistic import resolve_backend, select_index
     from featcache.probes.sgd import SGDProbe
 
     plan, opts, g = req.plan, req.opts, req.proto.grid
@@ -316,6 +455,19 @@ def val_score(metric: str, y: np.ndarray, P: np.ndarray) -> float:
 ZEROSHOT_SCALE = 100.0
 
 
+def _zeroshot_multilabel(req: FitRequest) -> FitOutcome:
+    """Multi-label targets: the same scores, one column per label."""
+    return _zeroshot(req)
+
+
+# the text head is the whole classifier, for single- and multi-label targets alike
+@register_solver(
+    "zeroshot",
+    options=NoOptions,
+    default_head_init="text",
+    fit_multilabel=_zeroshot_multilabel,
+    multilabel_head_init=True,
+)
 def _zeroshot(req: FitRequest) -> FitOutcome:
     """The text head alone, no training: softmax(scale * normalised features . normalised
     text), scale = CLIP's logit scale 100 (top-1 does not depend on it). Multi-label targets
@@ -331,7 +483,3 @@ def _zeroshot(req: FitRequest) -> FitOutcome:
     return FitOutcome(
         lambda X: softmax(ZEROSHOT_SCALE * zeroshot_logits(X, text), axis=1), np.arange(text.shape[0]), hp, True, 0.0
     )
-
-
-# the text head is the whole classifier, for single- and multi-label targets alike
-register_solver("zeroshot", default_head_init="text", fit_multilabel=_zeroshot, multilabel_head_init=True)(_zeroshot)

@@ -108,8 +108,6 @@ def text_fingerprint(cache: FeatureCache, b: str, cfg: ProbeConfig) -> str:
 def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str, str]]:
     """``{backbone: {eval split: store fingerprint}}`` of a resolved config, as
     :func:`run_probes` computes them, from provenance records only (no feature is read)."""
-    from featcache.probes.solvers import get_solver
-
     caches = open_caches(cfg.cache)
     out = {}
     for b in resolve_backbones(caches, cfg):
@@ -117,7 +115,7 @@ def store_fingerprints(cfg: ProbeConfig, proto: Protocol) -> dict[str, dict[str,
         val = cfg.val_split_used(proto, c.splits(cfg.dataset))
         names: list[str] = [cfg.train_split, *([val] if val else []), *cfg.eval_splits]
         read = dict.fromkeys(names)
-        stored = get_solver(proto.solver).input_fingerprint or type(c).stored_fingerprint
+        stored = cfg.solver.input_fingerprint or type(c).stored_fingerprint
         fp = {s: stored(c, b, cfg.dataset, s, cfg.kind) for s in read}
         if cfg.views:  # the views' features join the train split's (as run_probes combines them)
             from featcache.probes.views import view_splits

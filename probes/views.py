@@ -22,10 +22,8 @@ import numpy as np
 
 from featcache.errors import NotInStoreError, ProbeError
 
-__all__ = ["VIEW_SOLVERS", "PassViews", "check_view_solver", "load_views", "stack_views", "view_choice", "view_splits"]
+__all__ = ["PassViews", "check_view_solver", "load_views", "stack_views", "view_choice", "view_splits"]
 
-#: the probe solvers that train on views (an epoch-based solver registers its name here)
-VIEW_SOLVERS: set[str] = {"lbfgs", "lars", "dinov2-linear"}
 _DRAW_TAG = 0x76696577  # "view": keeps this stream apart from any other seeded by (seed, epoch)
 
 
@@ -149,10 +147,15 @@ def extract_command(cache_path: str, backbone: str, dataset: str, prov: Any, vie
     return " ".join(parts)
 
 
-def check_view_solver(proto: Any, views: int) -> None:
-    """``--views`` only with a solver that trains on views (one line naming those protocols)."""
-    if views and proto.solver not in VIEW_SOLVERS:
+def check_view_solver(solver: Any, proto: Any, views: int) -> None:
+    """``--views`` only with a solver that trains on views (``register_solver(views=True)``;
+    one line naming those solvers)."""
+    if views and not solver.views:
+        from featcache.probes.solver_registry import SOLVERS  # every one found (cfg.solver was looked up)
+
+        ok = [n for n in SOLVERS if SOLVERS[n].views]
         raise ProbeError(
             f"--views {views}: protocol {proto.spec} (solver {proto.solver!r}) does not train on augmented views; "
-            "use full, fewshot:N, subset:F%, dinov2, vtab1k, bob-linear or dinov2-linear, or drop --views"
+            f"use a protocol of the solvers {ok} (e.g. full, fewshot:N, subset:F%, bob-linear or dinov2-linear), "
+            "or drop --views"
         )

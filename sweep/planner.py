@@ -252,12 +252,12 @@ def _item(kind: str, config, run_ids, backbone: str, dataset: str, protocol: str
 def _probe_items(config: SweepConfig, b: str, d: str, protocols: Sequence[str]) -> list[WorkItem]:
     from featcache.core.protocols import get_protocol
     from featcache.probes import ProbeConfig
+    from featcache.probes.solvers import get_solver
     from featcache.probes.store_lookup import run_ids as probe_run_ids
-    from featcache.probes.views import VIEW_SOLVERS
 
     out = []
     for p in protocols:
-        views = config.views if config.views and get_protocol(p, "probe").solver in VIEW_SOLVERS else 0
+        views = config.views if config.views and get_solver(get_protocol(p, "probe").solver).views else 0
         for s in config.seeds or default_seeds(p):
             pc = ProbeConfig(
                 config.cache,

@@ -302,7 +302,7 @@ def _every_registry() -> dict[str, Registry]:
     from featcache.retrieval import metrics as retrieval_metrics
     from featcache.similarity import measures, registry
 
-    solvers._load_builtins()
+    solvers.find_solvers()
     return {
         "probe protocol": protocols.PROTOCOLS["probe"],
         "finetune protocol": protocols.PROTOCOLS["finetune"],

@@ -56,7 +56,9 @@ def test_best_test_epoch_is_the_toolkits_rule_on_real_features(digits_cache):
 def test_the_option_says_it_selects_on_test_and_is_checked():
     from dataclasses import fields
 
-    f = next(f for f in fields(ProbeConfig) if f.name == "final_epoch")
+    from featcache.probes.elevater import ElevaterOptions
+
+    f = next(f for f in fields(ElevaterOptions) if f.name == "final_epoch")  # the elevater solver's option
     assert f.default == "last"
     assert "ON THE TEST SPLIT" in f.metadata["help"]
     with pytest.raises(ProbeError, match="best-test"):
