@@ -88,6 +88,7 @@ PLUGINS_ENV = "FEATCACHE_PLUGINS"
 def load_plugins() -> list[str]:
     """Import each module named in ``$FEATCACHE_PLUGINS``; the names imported (one missing: a
     :class:`~featcache.errors.ConfigError` saying how to fix it)."""
+    import importlib
     import os
 
     from featcache.errors import ConfigError
