@@ -81,8 +81,15 @@ def _config(store, results, **kw) -> SweepConfig:
 
 @pytest.fixture(scope="module")
 def serial_rows(two_backbone_store, tmp_path_factory):
+    """The serial sweep's rows, its BLAS on one thread as Dask's workers run theirs
+    (distributed's nanny sets OPENBLAS_NUM_THREADS=1): on some CPUs (AMD EPYC with OpenBLAS's
+    Haswell kernels) a float32 GEMM rounds otherwise on one thread than on two, and the
+    retrieval scores are float32 GEMMs."""
+    from threadpoolctl import threadpool_limits
+
     results = tmp_path_factory.mktemp("serial") / "results.parquet"
-    report = run_sweep(_config(two_backbone_store, results, workers=0), progress=False)
+    with threadpool_limits(1):
+        report = run_sweep(_config(two_backbone_store, results, workers=0), progress=False)
     assert not report.failed
     assert len(report.outcomes) == 4
     return _comparable(read_results(results))
