@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from featcache.errors import ProbeError
+from featcache.errors import ProbeError, ProtocolError
 from featcache.probes.attentive_modules import attention_heads, build_attentive_head
 from featcache.probes.solver_registry import EpochsOptions, FitOutcome, FitRequest, register_solver
 
@@ -264,7 +264,17 @@ def _check_tokens(X: Any, spec: str) -> None:
         )
 
 
-@register_solver("attentive", options=EpochsOptions, streams=True)
+def _accepts(proto: Any) -> None:
+    """The protocol's head variant is one this module builds (one line naming the registered)."""
+    from featcache.probes.attentive_modules import ATTENTIVE_VARIANTS
+
+    if proto.grid.variant not in ATTENTIVE_VARIANTS:
+        raise ProtocolError(
+            ATTENTIVE_VARIANTS.unknown(proto.grid.variant, what=f"{proto.spec}: no attentive head", known="built:")
+        )
+
+
+@register_solver("attentive", options=EpochsOptions, streams=True, accepts=_accepts)
 def fit_attentive(req: FitRequest) -> FitOutcome:
     """Train the protocol's head grid on the plan's train rows, choose the best head on its
     validation rows (the task metric), report that head (no refit)."""

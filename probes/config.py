@@ -163,6 +163,8 @@ class ProbeConfig:
 
         proto = get_protocol(self.protocol, "probe")
         solver = get_solver(proto.solver)  # resolved once: the runner and the store lookup read cfg.solver
+        if solver.accepts is not None:
+            solver.accepts(proto)
         put("_proto", proto)
         put("_solver", solver)
         put("options", _solver_options(solver, proto, self.options))

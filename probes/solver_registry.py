@@ -109,7 +109,9 @@ class Solver:
     the store block by block; ``default_head_init``: the class embeddings it starts from
     when the config names none; ``multilabel_head_init``: ``fit_multilabel`` takes class
     embeddings too (one row per label column); ``recorded``: settings of its own that every
-    run records in its run id (``register_solver(recorded={...})``)."""
+    run records in its run id (``register_solver(recorded={...})``); ``accepts(proto)``:
+    refuses, with one line, a protocol naming it that it cannot run (e.g. an attentive head
+    variant it does not build), checked when the probe config is made."""
 
     name: str
     fit: Callable[[FitRequest], FitOutcome]
@@ -131,6 +133,7 @@ class Solver:
     #: with ``load``: ``input_fingerprint(cache, backbone, dataset, split, kind)``, the fingerprint of
     #: what ``load`` returns from provenance records only (run ids planned without reading features)
     input_fingerprint: Callable[..., str] | None = None
+    accepts: Callable[[Any], None] | None = None
 
     def __call__(self, request: FitRequest) -> FitOutcome:
         """``fit(request)`` (the decorated fit function's name is the solver)."""
@@ -166,6 +169,7 @@ def register_solver(
     recorded: Mapping[str, Any] | None = None,
     load: Callable[..., Any] | None = None,
     input_fingerprint: Callable[..., str] | None = None,
+    accepts: Callable[[Any], None] | None = None,
 ) -> Any:
     """Decorator: register ``fit(request) -> FitOutcome`` as the solver ``name`` (the value
     protocols give as ``Protocol(solver=name)``) with what it reads and does (see
@@ -189,6 +193,7 @@ def register_solver(
             tuple((recorded or {}).items()),
             load,
             input_fingerprint,
+            accepts,
         )
         prev = SOLVERS.get_entry(name)
         if prev is None or prev.loaded or prev.spec != f"{fn.__module__}:{fn.__qualname__}":

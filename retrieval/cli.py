@@ -62,6 +62,24 @@ def run_text(args) -> int:
     return 0
 
 
+#: what a run prints beside the registered retrieval metrics (each in its full and @k forms): the
+#: kNN top-1 and the index-effect figures, which come from their own modules
+_SHOWN_FULL = ("top1",)
+_SHOWN_AT_K = ("index_recall", "delta_map", "absdelta_map")
+
+
+def _shown(metric: str, ks) -> bool:
+    """Whether ``featcache retrieve`` prints ``metric``: a registered retrieval metric (full, or
+    at one of ``ks`` where it has an @k form), or one of the figures above."""
+    from featcache.retrieval.metrics import RETRIEVAL_METRICS
+
+    name, at, k = metric.partition("@")
+    reg = RETRIEVAL_METRICS.get(name)
+    if not at:
+        return name in _SHOWN_FULL or (reg is not None and reg.full)
+    return k.isdigit() and int(k) in ks and (name in _SHOWN_AT_K or (reg is not None and reg.at_k))
+
+
 def run(args) -> int:
     from featcache.core.results import check_results_path
     from featcache.retrieval.run import run_retrieval
@@ -71,23 +89,8 @@ def run(args) -> int:
     if getattr(args, "no_progress", False):  # -q
         cfg = replace(cfg, progress=False)
     frame = run_retrieval(cfg)
-    shown = {"map", "mrr", "top1", "map_revisitop", "map_bob", "mrr_bob"} | {
-        f"{m}@{k}"
-        for m in (
-            "map",
-            "recall",
-            "hit",
-            "precision",
-            "mp",
-            "mp_revisitop",
-            "index_recall",
-            "delta_map",
-            "absdelta_map",
-        )
-        for k in cfg.ks
-    }
     for (kind, backbone, protocol), g in frame.group_by(["kind", "backbone", "protocol"], maintain_order=True):
-        vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(g["metric"], g["value"]) if m in shown)
+        vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(g["metric"], g["value"]) if _shown(m, cfg.ks))
         print(f"{backbone}  {cfg.dataset}  {kind}:{protocol}  {vals}")
     print(f"{frame.height} rows -> {cfg.results_path}")
     return 0

@@ -33,7 +33,7 @@ import numpy as np
 from featcache.errors import ConfigError
 from featcache.retrieval.metrics import RankedRelevance
 from featcache.retrieval.prepared import PreparedRows, as_prepared
-from featcache.retrieval.search import DEFAULT_MAX_MEMORY, exact_matmul, rows_per_block, score_block
+from featcache.retrieval.search import BACKENDS, DEFAULT_MAX_MEMORY, exact_matmul, rows_per_block, score_block
 from featcache.retrieval.sortedrows import SortedRanks, block_metrics, rank_block, rank_sorted, tie_row_ranks
 
 if TYPE_CHECKING:
@@ -62,16 +62,16 @@ def _block_rows(n_q: int, n_g: int, max_memory: int, dev) -> int:
 
 
 def _torch_device(backend: str):
-    if backend in ("torch-cuda", "faiss-gpu"):
-        import torch
+    """The torch device a search backend ranks on (``SearchBackend.ranking_device``; CUDA only
+    where it is available), ``None``: numpy."""
+    dev = BACKENDS[backend].ranking_device if backend in BACKENDS else None
+    if dev is None:
+        return None
+    import torch
 
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-    if backend == "torch-cpu":
-        import torch
-
-        return torch.device("cpu")
-    return None
+    if dev == "cuda" and not torch.cuda.is_available():
+        return None
+    return torch.device(dev)
 
 
 def _n_threads() -> int:

@@ -141,12 +141,14 @@ _BOB_KEYS = ("map_bob", "rr_bob")
 
 
 def _ranking_backend(backend: str) -> str:
-    """The full-ranking backend for a requested search backend."""
-    chosen = choose_backend(backend)
-    out = {"faiss-gpu": "torch-cuda", "torch-cuda": "torch-cuda", "torch-cpu": "torch-cpu"}.get(chosen, "numpy")
-    if chosen == "faiss-gpu" and not _cuda():
-        out = "numpy"
-    return out
+    """The full-ranking backend for a requested search backend (the name recorded): ``torch-DEV``
+    for a backend ranking on a torch device (``SearchBackend.ranking_device``), else ``numpy``."""
+    from featcache.retrieval.search import BACKENDS
+
+    dev = BACKENDS[choose_backend(backend)].ranking_device
+    if dev == "cuda" and not _cuda():
+        dev = None
+    return f"torch-{dev}" if dev else "numpy"
 
 
 def _cuda() -> bool:

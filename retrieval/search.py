@@ -416,10 +416,13 @@ class SearchBackend:
     top-k of :class:`PreparedRows` as :func:`raw_search` returns them (order among equal scores
     free; ``bar.update(n)`` per query rows done); ``None`` for a name that only chooses
     (``auto``). ``choose(k, streamed)``: the backend that runs for this request, raising
-    :class:`BackendUnavailableError` for one this machine lacks (``None``: itself, always)."""
+    :class:`BackendUnavailableError` for one this machine lacks (``None``: itself, always).
+    ``ranking_device``: the torch device the full ranking (``--full``) runs on when this
+    backend is chosen (``"cuda"`` falls back to numpy without CUDA; ``None``: numpy)."""
 
     search: Callable[..., tuple[np.ndarray, np.ndarray]] | None
     choose: Callable[[int | None, bool], str] | None = None
+    ranking_device: str | None = None
 
 
 def _faiss_search(gpu: bool) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
@@ -442,10 +445,10 @@ def _torch_search(device: str) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
 #: name, SearchBackend(search, choose))`` in its own module, or ``"module:attr"`` imported on first use)
 BACKENDS: Registry[SearchBackend] = Registry("search backend", DataError)
 BACKENDS.register("auto", SearchBackend(None, _choose_auto), note="the fastest this machine has")
-BACKENDS.register("faiss-gpu", SearchBackend(_faiss_search(gpu=True), _check_faiss_gpu))
-BACKENDS.register("torch-cuda", SearchBackend(_torch_search("cuda"), _check_torch_cuda))
+BACKENDS.register("faiss-gpu", SearchBackend(_faiss_search(gpu=True), _check_faiss_gpu, "cuda"))
+BACKENDS.register("torch-cuda", SearchBackend(_torch_search("cuda"), _check_torch_cuda, "cuda"))
 BACKENDS.register("faiss-cpu", SearchBackend(_faiss_search(gpu=False)))
-BACKENDS.register("torch-cpu", SearchBackend(_torch_search("cpu")))
+BACKENDS.register("torch-cpu", SearchBackend(_torch_search("cpu"), ranking_device="cpu"))
 BACKENDS.register("numpy", SearchBackend(_search_numpy))
 
 

@@ -109,7 +109,6 @@ from featcache.core.protocols.base import (
     split_rules,
 )
 from featcache.core.protocols.grids import (
-    ATTENTIVE_VARIANTS,
     BOB_LARS,
     C_GRID,
     DINOV2_C_GRID,
@@ -132,7 +131,6 @@ from featcache.core.splits import VAL_SOURCES
 from featcache.errors import ProtocolError
 
 __all__ = [
-    "ATTENTIVE_VARIANTS",
     "BOB_LARS",
     "C_GRID",
     "DINOV2_C_GRID",

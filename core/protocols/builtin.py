@@ -8,7 +8,6 @@ import re
 
 from featcache.core.protocols.base import Protocol, register_fixed_protocol, register_protocol
 from featcache.core.protocols.grids import (
-    ATTENTIVE_VARIANTS,
     BOB_LARS,
     DINOV2_C_GRID,
     DINOV2_LINEAR,
@@ -97,15 +96,15 @@ register_fixed_protocol(
 )
 
 
-@register_protocol("attentive", usage="attentive:VARIANT (vjepa or aim)", note="a learned-query head grid on tokens")
+@register_protocol("attentive", usage="attentive:VARIANT (e.g. vjepa, aim)", note="a learned-query head grid on tokens")
 def attentive(arg: str | None = None) -> Protocol:
-    """Attentive probes on token features (:class:`AttentiveGrid`): V-JEPA's or AIM's head,
-    a 4 lr x 5 wd grid trained together, the best head chosen on validation (the dataset's
-    val split, else a stratified 10% of train, as ``full``), reported on test without a refit."""
-    if arg not in ATTENTIVE_VARIANTS:
-        raise ProtocolError(
-            f"attentive needs a variant, one of {sorted(ATTENTIVE_VARIANTS)}: e.g. attentive:vjepa (got {arg!r})"
-        )
+    """Attentive probes on token features (:class:`AttentiveGrid`): a head variant (V-JEPA's,
+    AIM's: the attentive solver's registry, which refuses one it does not build when the probe
+    config is made), a 4 lr x 5 wd grid trained together, the best head chosen on validation
+    (the dataset's val split, else a stratified 10% of train, as ``full``), reported on test
+    without a refit."""
+    if not re.fullmatch(r"[a-z][a-z0-9_-]*", arg or ""):
+        raise ProtocolError(f"attentive needs a head variant: e.g. attentive:vjepa or attentive:aim (got {arg!r})")
     grid = AttentiveGrid(variant=arg)
     return Protocol(f"attentive:{arg}", "attentive", "probe", "no-refit", "attentive", grid, kind="tokens")
 

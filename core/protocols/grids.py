@@ -14,7 +14,6 @@ import numpy as np
 from featcache.errors import InternalError
 
 __all__ = [
-    "ATTENTIVE_VARIANTS",
     "BOB_LARS",
     "C_GRID",
     "DINOV2_C_GRID",
@@ -178,10 +177,6 @@ class Dinov2LinearGrid:
 
 
 DINOV2_LINEAR = Dinov2LinearGrid()
-
-
-#: the attentive probes' heads (:mod:`featcache.probes.attentive_modules`)
-ATTENTIVE_VARIANTS = ("vjepa", "aim")
 
 
 @dataclass(frozen=True)

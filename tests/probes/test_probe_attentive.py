@@ -480,8 +480,14 @@ def test_protocol_spec_and_errors():
     )
     with pytest.raises(ProtocolError, match="attentive:vjepa"):
         get_protocol("attentive")
-    with pytest.raises(ProtocolError, match="one of"):
-        get_protocol("attentive:clip")
+    # the head variants are the attentive solver's registry: an unknown one is refused when the
+    # probe config is made (before any read), naming the variants it builds
+    from featcache.probes.config import ProbeConfig
+
+    with pytest.raises(ProtocolError, match="no attentive head 'clip'.*built: vjepa, aim"):
+        ProbeConfig("c.zarr", ("b",), "d", "attentive:clip")
+    with pytest.raises(ProtocolError, match="needs a head variant"):
+        get_protocol("attentive:")
     with pytest.raises(ProbeError, match="--features tokens"):
         _check_tokens(np.zeros((3, 8)), "attentive:aim")
 
