@@ -13,6 +13,7 @@ from featcache.core.configs import Interval, check_fields, flag, float_list, int
 from featcache.data import format_help
 from featcache.errors import ConfigError, DataError
 from featcache.models import model_help
+from featcache.models.model import RESIZE_MODES, resize_help
 
 if TYPE_CHECKING:
     from featcache.core.protocols import Protocol, SGDGrid
@@ -109,14 +110,7 @@ class FinetuneConfig:
     pre_resize: int | None = flag(
         None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=Interval(int, 1)
     )
-    resize: str = flag(
-        "timm",
-        "timm: the model's eval transform (resize, centre crop) | whole: resize the whole "
-        "image to the input size | whole-tf1: the same with VTAB's own resize (TF1's "
-        "tf.image.resize, legacy bilinear) | whole-tf2: TF2's tf.image.resize (half-pixel "
-        "centres) | whole-tf: the earlier name of whole-tf2",
-        choices=["timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"],
-    )
+    resize: str = flag("timm", lambda: resize_help(), choices=list(RESIZE_MODES))
     device: str = flag("auto", "auto | cpu | cuda[:N]")
     precision: str = flag("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16"])
     eval_splits: tuple[str, ...] = flag(
@@ -203,10 +197,9 @@ class FinetuneConfig:
                 f"fine-tuning selects on {' or '.join(selection_metrics())}, not {self.metric!r} "
                 "(multi-label tasks: use the probes)"
             )
-        if self.resize not in ("timm", "whole", "whole-tf1", "whole-tf2", "whole-tf"):
-            raise FinetuneConfigError(
-                f"resize must be timm, whole, whole-tf1, whole-tf2 or whole-tf, got {self.resize!r}"
-            )
+        if self.resize not in RESIZE_MODES:
+            *most, last = RESIZE_MODES
+            raise FinetuneConfigError(f"resize must be {', '.join(most)} or {last}, got {self.resize!r}")
         if not self.steps or min(self.steps) < 1:
             raise FinetuneConfigError(f"steps must be positive integers, got {self.steps!r}")
         if not self.lrs or min(self.lrs) <= 0:
