@@ -18,7 +18,14 @@ from featcache.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from featcache.data.preprocess import split_transform
-    from featcache.data.readers import default_name, detect_spec, format_help, open_dataset, register_format
+    from featcache.data.readers import (
+        default_name,
+        detect_spec,
+        format_help,
+        official_val,
+        open_dataset,
+        register_format,
+    )
     from featcache.data.source import SplitSource
 
 __all__ = [
@@ -26,6 +33,7 @@ __all__ = [
     "default_name",
     "detect_spec",
     "format_help",
+    "official_val",
     "open_dataset",
     "register_format",
     "split_transform",
@@ -38,6 +46,7 @@ __getattr__, __dir__ = lazy_exports(
         "default_name": "featcache.data.readers",
         "detect_spec": "featcache.data.readers",
         "format_help": "featcache.data.readers",
+        "official_val": "featcache.data.readers",
         "open_dataset": "featcache.data.readers",
         "register_format": "featcache.data.readers",
         "split_transform": "featcache.data.preprocess",

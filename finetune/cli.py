@@ -45,6 +45,7 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
     (dataset key = task name, or ``<--dataset-name>-<task>`` as extract); VTAB-1k file lists
     train on train800 and select on val200; each selects on its task's metric (one of
     :func:`selection_metrics`; multi-label tasks are skipped); the missing tasks are named in one warning."""
+    from featcache.data import official_val
     from featcache.errors import ConfigError
     from featcache.suites import load_suite, present_tasks, warn_missing
 
@@ -56,11 +57,9 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
     configs = []
     for task, spec in present_tasks(suite, args.data_root):
         splits = {}
-        if spec.startswith("vtab1k:") and (args.train_split, args.val_split) == (
-            FinetuneConfig.train_split,
-            FinetuneConfig.val_split,
-        ):
-            splits = {"train_split": "train800", "val_split": "val200", "val_source": "official-val"}
+        pair = official_val(spec)  # the format's own (train, val) pair, e.g. VTAB-1k's train800/val200
+        if pair and (args.train_split, args.val_split) == (FinetuneConfig.train_split, FinetuneConfig.val_split):
+            splits = {"train_split": pair[0], "val_split": pair[1], "val_source": "official-val"}
         if task.metric not in selection_metrics():
             warn_missing(suite, [task.name], f"declare {task.metric}, which fine-tuning cannot select on")
             continue

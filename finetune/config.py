@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 from featcache.core.configs import Interval, check_fields, flag, float_list, int_list, str_tuple
 from featcache.data import format_help
 from featcache.errors import ConfigError, DataError
-from featcache.models import model_help
-from featcache.models.model import RESIZE_MODES, resize_help
+from featcache.models import RESIZE_MODES, model_help, resize_help
 
 if TYPE_CHECKING:
     from featcache.core.protocols import Protocol, SGDGrid

@@ -19,9 +19,10 @@ from featcache.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from featcache.models.backbones import create_backbone, weights_help
+    from featcache.models.model import RESIZE_MODES, resize_help
     from featcache.models.sources import model_help
 
-__all__ = ["create_backbone", "model_help", "weights_help"]
+__all__ = ["RESIZE_MODES", "create_backbone", "model_help", "resize_help", "weights_help"]
 
 #: imported on first use so ``--help`` imports no torch/timm stack
 __getattr__, __dir__ = lazy_exports(
@@ -30,5 +31,7 @@ __getattr__, __dir__ = lazy_exports(
         "create_backbone": "featcache.models.backbones",
         "model_help": "featcache.models.sources",
         "weights_help": "featcache.models.backbones",
+        "RESIZE_MODES": "featcache.models.model",
+        "resize_help": "featcache.models.model",
     },
 )

@@ -242,7 +242,7 @@ class _HFImageLoader:
 
 
 # --------------------------------------------------------------------------- VTAB-1k file lists
-@register_format("vtab1k", "vtab-1k", usage="vtab1k:DIR", note="train800.txt ...")
+@register_format("vtab1k", "vtab-1k", usage="vtab1k:DIR", note="train800.txt ...", official_val=("train800", "val200"))
 def vtab1k(root: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     """One task in the VTAB-1k file-list layout (see the module table)."""
     d = Path(root)

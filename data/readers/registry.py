@@ -16,7 +16,16 @@ from featcache.core.registry import Registry
 from featcache.data.source import ReadOptions, SplitSource
 from featcache.errors import ConfigError, DataError
 
-__all__ = ["FORMATS", "DataFormat", "format_help", "format_usages", "open_format", "parse_spec", "register_format"]
+__all__ = [
+    "FORMATS",
+    "DataFormat",
+    "format_help",
+    "format_usages",
+    "official_val",
+    "open_format",
+    "parse_spec",
+    "register_format",
+]
 
 #: ``(ARG, dataset name, options) -> {split: SplitSource}``; ARG is a ``str``, or ``None`` for a
 #: format registered with ``missing=None`` only, so a reader of a path may declare ``str`` (``Any``
@@ -42,6 +51,9 @@ class DataFormat:
     missing: str | None = "{kind} needs a path: --data {kind}:PATH"
     #: the default dataset name of ``ARG``; None: the dataset is named by its kind
     name_of: Callable[[str], str] | None = path_name
+    #: the (train, val) splits the format ships as its official selection pair (VTAB-1k:
+    #: train800, val200), which fine-tuning selects on by default; None: it ships none
+    official_val: tuple[str, str] | None = None
 
 
 #: every registered format by its first kind, in registration order (its other kinds are aliases:
@@ -55,6 +67,7 @@ def register_format(
     note: str = "",
     missing: str | None = DataFormat.missing,
     name_of: Callable[[str], str] | None = path_name,
+    official_val: tuple[str, str] | None = None,
 ) -> Callable[[Reader], Reader]:
     """Register a reader ``(ARG, dataset name, options) -> {split: SplitSource}`` under the spec
     kinds ``kinds`` (the first is the name the help lists, as ``usage``, default
@@ -63,7 +76,7 @@ def register_format(
         raise ConfigError("register_format needs at least one spec kind, e.g. @register_format('myformat')")
 
     def deco(fn: Reader) -> Reader:
-        fmt = DataFormat(kinds[0], fn, usage or f"{kinds[0]}:PATH", note, missing, name_of)
+        fmt = DataFormat(kinds[0], fn, usage or f"{kinds[0]}:PATH", note, missing, name_of, official_val)
         FORMATS.register(kinds[0], fmt, usage=fmt.usage, note=note, aliases=kinds[1:])
         return fn
 
@@ -85,6 +98,14 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     """``KIND[:ARG]`` -> (lower-case kind, ARG or None)."""
     kind, _, arg = spec.partition(":")
     return kind.strip().lower(), (arg or None)
+
+
+def official_val(spec: str) -> tuple[str, str] | None:
+    """The (train, val) splits the format of ``spec`` ships as its official selection pair
+    (:attr:`DataFormat.official_val`), read from the registry alone (nothing opened)."""
+    kind, _ = parse_spec(spec)
+    fmt = FORMATS.get(kind)
+    return None if fmt is None else fmt.official_val
 
 
 def open_format(kind: str, arg: str | None, name: str, options: ReadOptions) -> dict[str, SplitSource]:

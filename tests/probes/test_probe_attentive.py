@@ -484,7 +484,7 @@ def test_protocol_spec_and_errors():
     # probe config is made (before any read), naming the variants it builds
     from featcache.probes.config import ProbeConfig
 
-    with pytest.raises(ProtocolError, match="no attentive head 'clip'.*built: vjepa, aim"):
+    with pytest.raises(ProtocolError, match=r"no attentive head 'clip'.*built: vjepa, aim"):
         ProbeConfig("c.zarr", ("b",), "d", "attentive:clip")
     with pytest.raises(ProtocolError, match="needs a head variant"):
         get_protocol("attentive:")
