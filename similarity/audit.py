@@ -26,11 +26,13 @@ import numpy as np
 
 from featcache.errors import DataError
 from featcache.similarity.audit_checks import (
-    COLLAPSE_COSINE,
+    COLLAPSE_NN_COSINE,
+    COLLAPSE_RANDOM_COSINE,
     check_finite,
     check_out,
     check_vector_kind,
     collapse,
+    is_collapsed,
     write_pairs,
 )
 from featcache.similarity.config import AuditConfig
@@ -68,8 +70,8 @@ class AuditReport:
 
     @property
     def collapsed(self) -> bool:
-        """Whether a query split's random pairs are as alike as near-copies (:data:`COLLAPSE_COSINE`)."""
-        return any(m["random_pair_cosine"] >= COLLAPSE_COSINE for m in self.splits.values())
+        """Whether a query split's feature space is collapsed (:func:`.audit_checks.is_collapsed`)."""
+        return any(m["collapsed"] for m in self.splits.values())
 
     def summary(self) -> str:
         lines = [
@@ -90,11 +92,12 @@ class AuditReport:
 
 def collapse_warning(report: AuditReport) -> str:
     """The one line that says a collapsed space's flags are no evidence."""
-    worst = max(m["random_pair_cosine"] for m in report.splits.values())
+    m = next(m for m in report.splits.values() if m["collapsed"])
     return (
-        f"  WARNING: collapsed feature space: random (query, training) pairs have a median cosine of "
-        f"{worst:.4f} (>= {COLLAPSE_COSINE}), so unrelated images are as alike as near-copies here; the "
-        f"flags below are not evidence of duplicates (audit a backbone with trained weights)"
+        f"  WARNING: collapsed feature space: median cosine {m['nn_cosine_median']:.4f} to the nearest training "
+        f"row (>= {COLLAPSE_NN_COSINE}) and {m['random_pair_cosine']:.4f} between random pairs "
+        f"(>= {COLLAPSE_RANDOM_COSINE}): unrelated images are as alike as near-copies here, so the flags "
+        "below are not evidence of duplicates (audit a backbone with trained weights)"
     )
 
 
@@ -182,6 +185,8 @@ def _metrics(sp: _Split, flagged: np.ndarray, train_X, train_y: np.ndarray, cfg:
     keep = ~flagged
     m: dict[str, Any] = {"n": int(sp.ids.size), "n_flagged": int(flagged.sum()), "n_exact": n_exact}
     m["random_pair_cosine"] = collapse(sp.X, train_X)
+    m["nn_cosine_median"] = float(np.median(sp.cos[:, 0]))
+    m["collapsed"] = is_collapsed(m["nn_cosine_median"], m["random_pair_cosine"])
     for name, k in (("knn_top1", cfg.knn_k), ("nn1_top1", 1)):
         m[name] = knn_top1(sp.cos, sp.nbr, train_y, sp.labels, k)
         m[f"{name}_clean"] = (
@@ -319,8 +324,9 @@ def _write_results(report: AuditReport, cfg: AuditConfig) -> None:
         }
         rid = make_run_id(**base, **hp, feature_kind=cfg.kind)
         # the recorded flag: the report warns beside a collapsed space's audit rows
-        hp = {**hp, "collapsed": m["random_pair_cosine"] >= COLLAPSE_COSINE, "collapse_cosine": COLLAPSE_COSINE}
-        for metric in ("knn_top1", "knn_top1_clean", "nn1_top1", "nn1_top1_clean", "random_pair_cosine"):
+        hp = {**hp, "collapsed": m["collapsed"], "collapse_rule": [COLLAPSE_NN_COSINE, COLLAPSE_RANDOM_COSINE]}
+        metrics = ("knn_top1", "knn_top1_clean", "nn1_top1", "nn1_top1_clean", "nn_cosine_median", "random_pair_cosine")
+        for metric in metrics:
             rows.append({**base, "run_id": rid, "metric": metric, "value": m[metric], "n_eval": m["n"], "hparams": hp})
         rows.append(
             {
