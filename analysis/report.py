@@ -692,7 +692,20 @@ def _similarity(results, tmp: Path) -> dict[str, Any]:
     return {
         "similarity": {"figures": figs} if figs else None,
         "audit": table_cells(audit, table_id="audit-table") if audit is not None else None,
+        "audit_collapsed": _collapsed_audits(results) if audit is not None else [],
     }
+
+
+def _collapsed_audits(results) -> list[str]:
+    """``backbone on dataset/split`` of each audit whose rows record a collapsed feature space
+    (hparams ``collapsed``: featcache audit found random pairs as alike as near-copies)."""
+    import polars as pl
+
+    if "hparams" not in results.columns:
+        return []
+    au = results.filter((pl.col("kind") == "audit") & pl.col("hparams").str.contains('"collapsed": true'))
+    keys = au.select("backbone", "dataset", "eval_split").unique().sort(["backbone", "dataset", "eval_split"])
+    return [f"{b} on {d}/{s}" for b, d, s in keys.rows()]
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -414,40 +414,55 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
 
     Safe for concurrent writers (processes, Dask workers, several ``featcache`` commands):
     the read-modify-replace runs under an exclusive lock file ``.<name>.lock`` beside the
-    table, so no append loses another's rows. The new table is written to a temporary file
-    and renamed over the old one, so readers never see a partial table; temporary files of
-    killed appends are removed by the next append. Rows of a run_id already in the table
-    are replaced when ``replace_runs`` (``--force``), so a table never holds a run twice.
-    Extra user columns of the table are kept (null in the new rows). A table that fails its
-    checksum is refused (:class:`~featcache.errors.CorruptResultsError`), never rewritten.
-    Returns the full table (schema columns).
+    table (:func:`append_table`), so no append loses another's rows. The new table is written
+    to a temporary file and renamed over the old one, so readers never see a partial table;
+    temporary files of killed appends are removed by the next append. Rows of a run_id
+    already in the table are replaced when ``replace_runs`` (``--force``), so a table never
+    holds a run twice. Extra user columns of the table are kept (null in the new rows). A
+    table that fails its checksum is refused (:class:`~featcache.errors.CorruptResultsError`),
+    never rewritten. Returns the full table (schema columns).
     """
     import polars as pl
-    from filelock import Timeout
 
     new = rows if isinstance(rows, pl.DataFrame) else rows_to_frame(rows)
     new = new.select(list(RESULT_COLUMNS)).cast(_schema())
     p = check_results_path(path)
+    table = append_table(p, new, read=_read_raw, keys=("run_id",) if replace_runs else (), what="result rows")
+    return table.select(list(RESULT_COLUMNS))
+
+
+def append_table(
+    path: str | os.PathLike,
+    new,
+    *,
+    read: Callable[[Path], Any],
+    keys: Sequence[str] | None = (),
+    what: str = "rows",
+    encode: Callable[[Any], bytes] = table_bytes,
+):
+    """The one locked, atomic append of every table featcache appends to (results,
+    ``probe --predictions``, the audit's pairs): under the lock file ``.<name>.lock`` beside the
+    table, remove the temporary files of killed writers, read the table there with ``read``
+    (which refuses a file that is not the table the caller owns: nothing is replaced then),
+    drop its rows whose ``keys`` columns match a new row (``keys=None``: every row, the new
+    rows replace the table), append ``new``, write ``encode(table)`` to a temporary file and
+    rename it over the table. Returns the table written."""
+    import polars as pl
+    from filelock import Timeout
+
+    p = Path(path)
     try:
         with _lock(p):
             _remove_orphans(p)
+            table = new
             if p.exists():
-                old = _read_raw(p)
-                if replace_runs:
-                    old = old.filter(~pl.col("run_id").is_in(new["run_id"].unique().to_list()))
+                old = read(p)
+                if keys is None:
+                    old = old.clear()
+                elif keys:
+                    old = old.join(new.select(list(keys)).unique(), on=list(keys), how="anti", nulls_equal=True)
                 table = pl.concat([old, new], how="diagonal_relaxed").select(old.columns)
-            else:
-                table = new
-            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-            os.close(fd)
-            try:
-                with open(tmp, "wb") as fh:
-                    fh.write(table_bytes(table))
-                os.chmod(tmp, p.stat().st_mode & 0o777 if p.exists() else 0o644)  # not mkstemp's 0600
-                os.replace(tmp, p)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            _replace(p, encode(table))
     except Timeout as exc:
         raise ResultsError(
             f"another process has held the lock on {p} for over {LOCK_TIMEOUT:.0f} s; "
@@ -456,17 +471,31 @@ def append_results(path: str | os.PathLike, rows, *, replace_runs: bool = True):
     except Exception as exc:  # a full disk: the temporary file is gone, the table unchanged
         if isinstance(exc, (PermissionError, IsADirectoryError)):  # changed since the up-front check
             raise ResultsError(
-                f"cannot append {len(new)} result rows to {p}: {type(exc).__name__}: {exc.strerror or exc} "
+                f"cannot append {len(new)} {what} to {p}: {type(exc).__name__}: {exc.strerror or exc} "
                 f"({exc.filename}); the table is unchanged. Fix that path's permissions (or choose another "
-                "results path) and re-run: runs already in the table are skipped"
+                "path) and re-run: runs already in the results table are skipped"
             ) from None
         if not NoSpaceError.caused_by(exc):
             raise
         need = (p.stat().st_size if p.exists() else 0) + int(new.estimated_size())
         raise NoSpaceError.about(
-            p, f"{len(new)} new result rows", need, "The table is unchanged; free space, then re-run."
+            p, f"{len(new)} new {what}", need, "The table is unchanged; free space, then re-run."
         ) from None
-    return table.select(list(RESULT_COLUMNS))
+    return table
+
+
+def _replace(p: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``p`` and rename it over ``p`` (its mode kept)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    os.close(fd)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, p.stat().st_mode & 0o777 if p.exists() else 0o644)  # not mkstemp's 0600
+        os.replace(tmp, p)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def median_rows(frame, kind: str, carry: Sequence[str] = (), *, run_id: Callable[..., str] = make_run_id) -> list[dict]:

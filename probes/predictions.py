@@ -3,8 +3,10 @@ evaluated sample and run id, so two runs can be compared on the same rows (McNem
 :func:`featcache.analysis.stats.mcnemar`) without refitting either.
 
 The table is a parquet file with the columns of :data:`PREDICTION_COLUMNS`. Writing appends;
-rows of a run id written again (``--force``) replace the earlier ones. The file is replaced
-atomically (a temporary file renamed over it), so a crash leaves the previous table whole.
+rows of a run id written again (``--force``) replace the earlier ones. Appends go through the
+results table's locked, atomic append (:func:`featcache.core.results.append_table`): two probes
+writing one table at once both keep their rows, a crash leaves the previous table whole, and
+the temporary file of a killed writer is removed by the next write.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import polars as pl
 
 from featcache.errors import ResultsError
 
-__all__ = ["PREDICTION_COLUMNS", "check_predictions_path", "prediction_frame", "write_predictions"]
+__all__ = [
+    "PREDICTION_COLUMNS",
+    "check_predictions_path",
+    "predicted_run_ids",
+    "prediction_frame",
+    "read_predictions",
+    "write_predictions",
+]
 
 #: the columns of a predictions table, in order
 PREDICTION_COLUMNS = {
@@ -37,12 +46,15 @@ PREDICTION_COLUMNS = {
 _HINT = "pass --predictions with a new or existing featcache predictions .parquet file"
 
 
-def check_predictions_path(path: str | os.PathLike) -> Path:
-    """Refuse, before any fit, a predictions path that is a folder, not parquet, another table,
-    or in a folder where no file can be created; creates missing parent folders."""
+def check_predictions_path(path: str | os.PathLike, results_path: str | os.PathLike | None = None) -> Path:
+    """Refuse, before any fit, a predictions path that is a folder, not parquet, another table
+    (the results table ``results_path`` too, even before it exists), or in a folder where no
+    file can be created; creates missing parent folders."""
     p = Path(path)
     if "://" in str(path):
         raise ResultsError(f"--predictions {path}: give a local file path ({_HINT})")
+    if results_path is not None and os.path.abspath(p) == os.path.abspath(results_path):
+        raise ResultsError(f"--predictions {p} is the results table (--results); {_HINT} beside it")
     if p.is_dir():
         raise ResultsError(f"predictions path {p} is a folder; {_HINT}, e.g. {p / 'predictions.parquet'}")
     if p.suffix != ".parquet":
@@ -96,24 +108,33 @@ def prediction_frame(
     )
 
 
+def read_predictions(path: str | os.PathLike) -> pl.DataFrame:
+    """The predictions table at ``path`` (checksum verified where it has one); a file that is
+    not a predictions table is refused, never replaced."""
+    from featcache.core.results import read_parquet_checked
+
+    p = Path(path)
+    df = read_parquet_checked(p)
+    if list(df.columns) != list(PREDICTION_COLUMNS):
+        raise ResultsError(f"{p} is a parquet file but not a predictions table (columns {list(df.columns)}); {_HINT}")
+    return df.cast(PREDICTION_COLUMNS)
+
+
+def predicted_run_ids(path: str | os.PathLike | None) -> set[str]:
+    """Run ids with rows in the predictions table at ``path`` (none without one)."""
+    if path is None or not Path(path).exists():
+        return set()
+    return set(read_predictions(path)["run_id"].unique().to_list())
+
+
 def write_predictions(path: str | os.PathLike, frames: Sequence[pl.DataFrame]) -> Path:
     """Append ``frames`` to the predictions table at ``path`` (rows of the same run ids and
-    eval splits replaced), atomically."""
+    eval splits replaced) through the locked, atomic append of the results table."""
+    from featcache.core.results import append_table
+
     p = check_predictions_path(path)
     if not frames:
         return p
     new = pl.concat(list(frames), how="vertical")
-    if p.exists():
-        old = pl.read_parquet(p)
-        keys = new.select("run_id", "eval_split").unique()
-        old = old.join(keys, on=["run_id", "eval_split"], how="anti")
-        new = pl.concat([old, new], how="vertical")
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        new.write_parquet(tmp)
-        os.replace(tmp, p)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    append_table(p, new, read=read_predictions, keys=("run_id", "eval_split"), what="prediction rows")
     return p

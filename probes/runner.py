@@ -343,7 +343,7 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     if cfg.predictions is not None:
         from featcache.probes.predictions import check_predictions_path
 
-        check_predictions_path(cfg.predictions)
+        check_predictions_path(cfg.predictions, cfg.results_path)
     caches = open_caches(cfg.cache)
     cfg = resolve_val_source(cfg, proto, caches)
     backbones = resolve_backbones(caches, cfg)
@@ -369,7 +369,7 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
         "list[tuple[str, int]]",
         pending(
             {k: [r for r, _ in v.values()] for k, v in run_ids.items()},
-            finished(cfg.results_path, cfg.force),
+            _finished(cfg, data[backbones[0]].train.Y is None),
             describe,
             cfg.results_path,
             log,
@@ -387,6 +387,18 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
         )
     wanted = [r for v in run_ids.values() for r, _ in v.values()]
     return collect("probe", cfg.results_path, new_rows, wanted, protocol=proto)
+
+
+def _finished(cfg: ProbeConfig, single_label: bool) -> set[str]:
+    """Run ids in the results table; with ``--predictions`` (single-label targets, the ones that
+    have predictions) only those whose predictions are in that table too, so a run whose
+    predictions were lost or never asked for is run again rather than skipped."""
+    done = finished(cfg.results_path, cfg.force)
+    if cfg.predictions is None or not single_label or not done:
+        return done
+    from featcache.probes.predictions import predicted_run_ids
+
+    return done & predicted_run_ids(cfg.predictions)
 
 
 def _check_multilabel(proto: Protocol, cfg: ProbeConfig) -> None:

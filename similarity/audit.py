@@ -7,7 +7,9 @@ cosines, drawn in ``<out>.nn.png``); exact duplicates by content hash where the 
 reachable (:mod:`.content`), with thumbnails of the closest pairs in ``<out>.pairs.png``; and
 kNN / 1-NN top-1 with and without the flagged query rows. The pairs table goes to ``out``
 (CSV or parquet: query_split, query_id, train_id, cosine, exact_content); with
-``results_path`` the summary is appended as ``kind="audit"`` rows.
+``results_path`` the summary is appended as ``kind="audit"`` rows. What is checked before the
+search (``--out``, the kind, non-finite features) and the collapsed-space test are in
+:mod:`.audit_checks`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import DataError
+from featcache.similarity.audit_checks import (
+    COLLAPSE_NN_COSINE,
+    COLLAPSE_RANDOM_COSINE,
+    check_finite,
+    check_out,
+    check_vector_kind,
+    collapse,
+    is_collapsed,
+    write_pairs,
+)
 from featcache.similarity.config import AuditConfig
 from featcache.similarity.content import content_hashes, image_source
 from featcache.similarity.neighbours import cosine_topk, default_threshold, knn_top1, unit_rows
@@ -31,8 +43,6 @@ from featcache.similarity.streaming import take_rows
 log = logging.getLogger(__name__)
 
 __all__ = ["AuditReport", "run_audit"]
-
-PAIR_COLUMNS = ("query_split", "query_id", "train_id", "cosine", "exact_content")
 
 
 @dataclass
@@ -58,11 +68,18 @@ class AuditReport:
     exact_checked: bool = False
     files: list[str] = field(default_factory=list)
 
+    @property
+    def collapsed(self) -> bool:
+        """Whether a query split's feature space is collapsed (:func:`.audit_checks.is_collapsed`)."""
+        return any(m["collapsed"] for m in self.splits.values())
+
     def summary(self) -> str:
         lines = [
             f"{self.backbone}  {self.dataset}  threshold cosine >= {self.threshold:.4f} ({self.threshold_rule}); "
             f"exact duplicates {'checked by content hash' if self.exact_checked else 'not checked (images unreachable)'}"
         ]
+        if self.collapsed:
+            lines.append(collapse_warning(self))
         for s, m in self.splits.items():
             lines.append(
                 f"  {s}: {m['n_flagged']} of {m['n']} rows flagged ({m['n_exact']} exact); "
@@ -73,13 +90,26 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _valid(f) -> tuple[Any, np.ndarray, np.ndarray]:
+def collapse_warning(report: AuditReport) -> str:
+    """The one line that says a collapsed space's flags are no evidence."""
+    m = next(m for m in report.splits.values() if m["collapsed"])
+    return (
+        f"  WARNING: collapsed feature space: median cosine {m['nn_cosine_median']:.4f} to the nearest training "
+        f"row (>= {COLLAPSE_NN_COSINE}) and {m['random_pair_cosine']:.4f} between random pairs "
+        f"(>= {COLLAPSE_RANDOM_COSINE}): unrelated images are as alike as near-copies here, so the flags "
+        "below are not evidence of duplicates (audit a backbone with trained weights)"
+    )
+
+
+def _valid(f, cfg: AuditConfig) -> tuple[Any, np.ndarray, np.ndarray]:
     ok = np.asarray(f.valid, bool)
     if not ok.all():
         log.warning("%s/%s: %d invalid row(s) left out (images that failed)", f.dataset, f.split, int((~ok).sum()))
     idx = np.flatnonzero(ok)
     X = take_rows(f.X, idx)
-    return X, np.asarray(f.ids).astype(str)[idx], np.asarray(f.labels, np.int64)[idx]
+    ids = np.asarray(f.ids).astype(str)[idx]
+    check_finite(X, ids, f"{cfg.backbone}/{cfg.dataset}/{f.split} ({cfg.kind})", _block_rows(cfg))
+    return X, ids, np.asarray(f.labels, np.int64)[idx]
 
 
 def _block_rows(cfg: AuditConfig) -> int:
@@ -99,8 +129,9 @@ def _search(cfg: AuditConfig, cache, train_X) -> list[_Split]:
     kk = max(cfg.k, cfg.knn_k)
     out = []
     for s in todo:
+        check_vector_kind(cache, cfg.backbone, cfg.dataset, s, cfg.kind)
         f = cache.load(cfg.backbone, cfg.dataset, s, cfg.kind, lazy=True)
-        X, ids, labels = _valid(f)
+        X, ids, labels = _valid(f, cfg)
         cos, nbr = cosine_topk(X, train_X, kk, block_rows=_block_rows(cfg))
         out.append(_Split(s, ids, labels, X, cos, nbr))
         log.info("audit %s: %d query rows searched against %d training rows", s, len(ids), train_X.shape[0])
@@ -150,9 +181,12 @@ def _pairs(sp: _Split, thr: float, k: int, exact, train_X, train_ids: np.ndarray
     ]
 
 
-def _metrics(sp: _Split, flagged: np.ndarray, train_y: np.ndarray, cfg: AuditConfig, n_exact: int) -> dict[str, Any]:
+def _metrics(sp: _Split, flagged: np.ndarray, train_X, train_y: np.ndarray, cfg: AuditConfig, n_exact: int):
     keep = ~flagged
     m: dict[str, Any] = {"n": int(sp.ids.size), "n_flagged": int(flagged.sum()), "n_exact": n_exact}
+    m["random_pair_cosine"] = collapse(sp.X, train_X)
+    m["nn_cosine_median"] = float(np.median(sp.cos[:, 0]))
+    m["collapsed"] = is_collapsed(m["nn_cosine_median"], m["random_pair_cosine"])
     for name, k in (("knn_top1", cfg.knn_k), ("nn1_top1", 1)):
         m[name] = knn_top1(sp.cos, sp.nbr, train_y, sp.labels, k)
         m[f"{name}_clean"] = (
@@ -168,13 +202,15 @@ def run_audit(config: AuditConfig) -> AuditReport:
     from featcache.store import open_cache
 
     cfg = config
+    check_out(cfg.out, cfg.results_path)  # --out the audit does not own fails before anything
     if cfg.results_path is not None:
         from featcache.core.results import check_results_path
 
         check_results_path(cfg.results_path)  # a bad --results fails before the search
     cache = open_cache(cfg.cache)
+    check_vector_kind(cache, cfg.backbone, cfg.dataset, cfg.train_split, cfg.kind)
     tr = cache.load(cfg.backbone, cfg.dataset, cfg.train_split, cfg.kind, lazy=True)
-    train_X, train_ids, train_y = _valid(tr)
+    train_X, train_ids, train_y = _valid(tr, cfg)
     splits = _search(cfg, cache, train_X)
     for sp in splits:
         if list(cache.split_meta(cfg.dataset, sp.name).class_names) != list(tr.class_names):
@@ -194,7 +230,9 @@ def run_audit(config: AuditConfig) -> AuditReport:
         got = _pairs(sp, thr, cfg.k, ex, train_X, train_ids)
         rows += got
         flagged = np.isin(sp.ids, [r[1] for r in got])
-        report.splits[sp.name] = _metrics(sp, flagged, train_y, cfg, len({i for i, _ in ex or ()}))
+        report.splits[sp.name] = _metrics(sp, flagged, train_X, train_y, cfg, len({i for i, _ in ex or ()}))
+    if report.collapsed:
+        log.warning(collapse_warning(report).strip())
     schema = {
         "query_split": pl.Utf8,
         "query_id": pl.Utf8,
@@ -203,8 +241,8 @@ def run_audit(config: AuditConfig) -> AuditReport:
         "exact_content": pl.Boolean,
     }
     report.pairs = pl.DataFrame(rows, schema=schema, orient="row")
-    report.files.append(_write_pairs(report.pairs, Path(cfg.out)))
-    report.files.append(_plot_nn(nn1, thr, rule, cfg, Path(cfg.out)))
+    report.files.append(write_pairs(report.pairs, Path(cfg.out)))
+    report.files.append(_plot_nn(nn1, thr, rule, cfg, Path(cfg.out), report.collapsed))
     if sources and report.pairs.height:
         report.files.append(_plot_pairs(report.pairs, sources, cfg, Path(cfg.out)))
     if cfg.results_path is not None:
@@ -226,23 +264,21 @@ def _atomic(out: Path, write) -> str:
     return str(out)
 
 
-def _write_pairs(pairs, out: Path) -> str:
-    if out.suffix.lower() == ".csv":
-        return _atomic(out, lambda p: pairs.write_csv(p))
-    return _atomic(out, lambda p: pairs.write_parquet(p))
-
-
-def _plot_nn(nn1: np.ndarray, thr: float, rule: str, cfg: AuditConfig, out: Path) -> str:
+def _plot_nn(nn1: np.ndarray, thr: float, rule: str, cfg: AuditConfig, out: Path, collapsed: bool = False) -> str:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot()
-    ax.hist(nn1, bins=100, color="#4c72b0")
+    ax.hist(np.asarray(nn1, np.float64), bins=100, color="#4c72b0")  # float64: a collapsed space spans ~1e-7
     ax.set_yscale("log")
     ax.axvline(thr, color="#c44e52", linestyle="--", label=f"threshold {thr:.4f} ({rule})")
     ax.set_xlabel(f"cosine to the nearest {cfg.train_split} row ({cfg.backbone})")
     ax.set_ylabel("query rows")
-    ax.set_title(f"{cfg.dataset}: nearest training neighbour of each query row", fontsize=9)
+    ax.set_title(
+        f"{cfg.dataset}: nearest training neighbour of each query row"
+        + ("\ncollapsed feature space: the flags are not evidence" if collapsed else ""),
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _atomic(out.with_name(out.stem + ".nn.png"), lambda p: fig.savefig(p, format="png", dpi=110))
@@ -287,7 +323,10 @@ def _write_results(report: AuditReport, cfg: AuditConfig) -> None:
             "eval_split": s,
         }
         rid = make_run_id(**base, **hp, feature_kind=cfg.kind)
-        for metric in ("knn_top1", "knn_top1_clean", "nn1_top1", "nn1_top1_clean"):
+        # the recorded flag: the report warns beside a collapsed space's audit rows
+        hp = {**hp, "collapsed": m["collapsed"], "collapse_rule": [COLLAPSE_NN_COSINE, COLLAPSE_RANDOM_COSINE]}
+        metrics = ("knn_top1", "knn_top1_clean", "nn1_top1", "nn1_top1_clean", "nn_cosine_median", "random_pair_cosine")
+        for metric in metrics:
             rows.append({**base, "run_id": rid, "metric": metric, "value": m[metric], "n_eval": m["n"], "hparams": hp})
         rows.append(
             {

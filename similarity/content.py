@@ -7,9 +7,11 @@ The store keeps features, ids and the split's ``source`` string, not images. Rea
 - Fashion-MNIST / MNIST IDX files in a folder (ids ``train-00000`` / ``test-00000``), the
   split's ``source`` or ``--data-root``;
 - image files whose ids are paths relative to the split's ``source`` folder or ``--data-root``
-  (imagefolder and manifest stores).
+  (imagefolder stores: ``imagefolder:DIR``);
+- any other registered data format's ``KIND:ARG`` record (manifest, vtab1k, hf, webdataset...),
+  read again through that format's reader (pixels hashed, not file bytes).
 
-Anything else gives ``None``: the audit then reports exact duplicates as unknown. IDX files are
+A ``[:N]`` suffix (``--limit``) is the same source. Anything else gives ``None``: the audit then reports exact duplicates as unknown. IDX files are
 read by the data layer's reader (:func:`featcache.data.readers.folders.read_idx`).
 """
 
@@ -86,17 +88,55 @@ def _file_source(folder: Path, ids: Sequence[str]) -> ImageSource | None:
     return ImageSource(lambda i: (folder / str(i)).read_bytes(), pixels, f"files under {folder}")
 
 
+def _format_source(kind: str, arg: str, split: str, ids: Sequence[str]) -> ImageSource | None:
+    """The images of a split recorded as ``KIND:ARG`` by a registered data format (manifest,
+    vtab1k, hf, webdataset...), read again through that format's reader; None when it cannot
+    (the files moved, the format needs options it did not record)."""
+    from featcache.data.readers import FORMATS  # registers every built-in format
+    from featcache.data.readers.registry import open_format
+    from featcache.data.source import ReadOptions
+    from featcache.errors import FeatcacheError
+
+    if kind not in FORMATS.names(aliases=True):
+        return None
+    for a in dict.fromkeys((arg, str(Path(arg).parent))):  # vtab1k:DIR/split.txt, hf:DIR/split
+        try:
+            sp = open_format(kind, a, "audit", ReadOptions()).get(split)
+        except (FeatcacheError, OSError, ValueError) as exc:
+            log.debug("%s:%s not readable again: %s", kind, a, exc)
+            continue
+        if sp is None:
+            continue
+        row = {str(i): n for n, i in enumerate(sp.ids)}
+        if not all(str(i) in row for i in ids[:100]):
+            return None
+
+        def pixels(i: str, sp=sp, row=row) -> np.ndarray:
+            return np.asarray(sp.load(row[str(i)]))
+
+        return ImageSource(lambda i: pixels(i).tobytes(), pixels, f"{kind}:{a} ({split})")
+    return None
+
+
 def image_source(
     source: str, split: str, ids: Sequence[str] | np.ndarray, data_root: str | None = None
 ) -> ImageSource | None:
-    """The :class:`ImageSource` of a split (its store ``source`` string and ids), or None."""
+    """The :class:`ImageSource` of a split (its store ``source`` string and ids), or None.
+
+    A ``[:N]`` suffix (a split extracted with ``--limit``) names the same images' first N."""
     ids = [str(i) for i in ids]
-    if data_root is None and source == "sklearn.datasets.load_digits":
+    base = re.sub(r"\[[^\]]*\]$", "", source)  # "DIR[:2000]": a --limit'd split
+    if data_root is None and base == "sklearn.datasets.load_digits":
         return _digits_source()
-    folder = Path(data_root or re.sub(r"\[[^\]]*\]$", "", source))  # "DIR[:2000]": a --limit'd split
-    if not folder.is_dir():
-        return None
-    return _idx_source(folder, split, ids) or _file_source(folder, ids)
+    kind, _, arg = base.partition(":")
+    if data_root is None and kind == "imagefolder":  # imagefolder:DIR: ids are paths under DIR
+        base = arg
+    folder = Path(data_root or base)
+    if folder.is_dir():
+        return _idx_source(folder, split, ids) or _file_source(folder, ids)
+    if data_root is None and arg and len(kind) > 1:  # KIND:ARG of another registered format
+        return _format_source(kind.lower(), arg, split, ids)
+    return None
 
 
 def content_hashes(src: ImageSource, ids: Sequence[str] | np.ndarray) -> np.ndarray:

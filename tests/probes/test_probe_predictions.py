@@ -67,3 +67,17 @@ def test_bad_predictions_path_fails_before_any_fit(digits_cache, tmp_path, name,
     with pytest.raises(ResultsError, match=why):
         run_probes(cfg)
     assert not (tmp_path / "res.parquet").exists()  # nothing was fitted or written
+
+
+def test_a_rerun_writes_predictions_the_table_lacks(digits_cache, tmp_path):
+    """Issue 60: a run in the results table whose predictions are missing (lost to a concurrent
+    writer, or --predictions not given the first time) is run again, not skipped as done."""
+    first = run_probes(_cfg(digits_cache, tmp_path, predictions=None))
+    assert not (tmp_path / "p.parquet").exists()
+    again = run_probes(_cfg(digits_cache, tmp_path))
+    P = pl.read_parquet(tmp_path / "p.parquet")
+    assert P["run_id"].unique().to_list() == first.filter(pl.col("metric") == "top1")["run_id"].to_list()
+    assert again.sort("metric")["value"].to_list() == first.sort("metric")["value"].to_list()
+    before = (tmp_path / "p.parquet").stat().st_mtime_ns
+    run_probes(_cfg(digits_cache, tmp_path))  # both tables hold the run now: skipped
+    assert (tmp_path / "p.parquet").stat().st_mtime_ns == before
