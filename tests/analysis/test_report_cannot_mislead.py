@@ -16,10 +16,12 @@ import polars as pl
 import pytest
 
 from featcache.analysis import plots
-from featcache.analysis.rankings import BASELINE_SUFFIX, random_baselines, throughput_note
-from featcache.analysis.report import is_numeric_text, write_report
+from featcache.analysis import rankings as R
+from featcache.analysis import report as REP
+from featcache.analysis.report import write_report
 
 LITE0, RANDOM = "tf_efficientnet_lite0", "tf_efficientnet_lite0@random0"
+BASELINE_SUFFIX = " (random baseline)"  # rankings.BASELINE_SUFFIX, spelled out: the words the reader sees
 
 
 def _rows(scores: dict[str, list[float]], *, seeds=(0,), knn_ks=(), n_eval: int = 300) -> pl.DataFrame:
@@ -105,9 +107,9 @@ def test_the_catalog_weights_say_which_backbone_is_random_whatever_its_key():
         {"backbone": ["mine", "x@random0", LITE0], "weights": ["random:3", "package:efficientnet", "timm"]}
     )
     names = ["mine", "x@random0", LITE0, RANDOM, "vit@random12"]
-    assert random_baselines(names, cat) == {"mine", RANDOM, "vit@random12"}
-    assert random_baselines(names) == {"x@random0", RANDOM, "vit@random12"}
-    assert random_baselines(["a@randomness", "random:0"]) == set()
+    assert R.random_baselines(names, cat) == {"mine", RANDOM, "vit@random12"}
+    assert R.random_baselines(names) == {"x@random0", RANDOM, "vit@random12"}
+    assert R.random_baselines(["a@randomness", "random:0"]) == set()
 
 
 def test_only_random_baselines_ranked_recommend_nothing(tmp_path):
@@ -141,7 +143,8 @@ def test_the_plot_under_the_headline_draws_the_headline_interval(tmp_path):
     choose, certainty = _section(text, "choose"), _section(text, "certainty")
     interval = re.search(r"the paired 95% interval (\[[-+]\d\.\d\d, [-+]\d\.\d\d\])", choose).group(1)
     lead = [c for c in _cells(choose, "overall-table") if c.endswith("]")]
-    assert lead and lead[0].endswith(interval)  # the runner-up's row: the headline's numbers
+    assert lead
+    assert lead[0].endswith(interval)  # the runner-up's row: the headline's numbers
     assert "The headline&#39;s interval: paired 95% interval" in choose
     assert "bootstrap interval" not in re.sub(r'<p class="note" id="interval-rule">.*?</p>', "", choose, flags=re.S)
     assert "Mean z-score with its 95% bootstrap interval resampling" in certainty
@@ -215,7 +218,7 @@ def test_throughput_of_an_old_store_says_threads_and_load_were_not_recorded(tmp_
 
 def test_a_backbone_without_conditions_among_recorded_ones_is_named():
     cat = _catalog({"a": 20.5, "b": 80.1}, {"a": 1, "b": 1}, {"a": 0.4, "b": None})
-    note, comparable = throughput_note(cat)
+    note, comparable = R.throughput_note(cat)
     assert not comparable
     assert "not recorded for b" in note
 
@@ -225,9 +228,9 @@ def test_a_backbone_without_conditions_among_recorded_ones_is_named():
 
 def test_numeric_text_cells_are_marked_to_never_wrap(tmp_path):
     for v in ("0.7527", "+0.25 [-0.30, +0.79]", "0.81 +/- 0.02", "1e-05", "-1.37"):
-        assert is_numeric_text(v), v
+        assert REP.is_numeric_text(v), v
     for v in ("tf_efficientnet_lite0", "knn:ds0 (knn-k10)", "True", "", "not recorded"):
-        assert not is_numeric_text(v), v
+        assert not REP.is_numeric_text(v), v
     text = _report(tmp_path, _rows({"a": [0.8, 0.7], "b": [0.7, 0.75], "c": [0.6, 0.5]}))
     assert "td.n{white-space:nowrap" in text
     assert '<td class="n">0.75</td>' in text
