@@ -468,10 +468,6 @@ def _certainty(r: Ranking, tmp: Path) -> dict[str, Any]:
     wide = b.pivot(on="aggregation", index="backbone", values="cell")
     order = r.overall["backbone"].to_list()
     wide = wide.join(pl.DataFrame({"backbone": order, "_o": range(len(order))}), on="backbone").sort("_o").drop("_o")
-    from featcache.analysis import plots as P
-
-    interval = f"95% bootstrap interval, resampling {r.resample} (not the headline's)"
-    P.overall_intervals(overall_with_intervals(r), tmp / "overall.png", interval=interval)
     figs = _figures(
         tmp,
         [
