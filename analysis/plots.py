@@ -303,17 +303,16 @@ def cost_bars(table, path) -> Path:
 
 def _throughput_conditions(ax, table, y, v) -> None:
     """Each throughput bar labelled with the threads and load average it was measured at (a
-    throughput is a property of the run, not of the backbone), or "not recorded"."""
+    throughput is a property of the run, not of the backbone), or "not recorded"; the axis
+    leaves room for the label."""
     t = table["extract_threads"].to_list() if "extract_threads" in table.columns else [None] * len(y)
     ld = table["load_avg"].to_list() if "load_avg" in table.columns else [None] * len(y)
     for yi, vi, ti, li in zip(y, np.nan_to_num(v), t, ld):
         text = (
-            "threads, load: not recorded"
-            if ti in (None, "not recorded") and li in (None, "not recorded")
-            else f"{ti} thread(s), load {li}"
+            "not recorded" if ti in (None, "not recorded") and li in (None, "not recorded") else f"{ti} thr, load {li}"
         )
         ax.text(vi, yi, " " + text, va="center", ha="left", fontsize=6)
-    ax.set_xlim(0, max(1.0, float(np.nanmax(v)) if np.isfinite(v).any() else 1.0) * 1.9)
+    ax.set_xlim(0, max(1.0, float(np.nanmax(v)) if np.isfinite(v).any() else 1.0) * 2.6)
 
 
 def task_scores(wide, path, *, metric: str) -> Path:
