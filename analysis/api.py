@@ -516,7 +516,9 @@ def rank_plots(r: Ranking, outp: Path) -> list[Path]:
     from featcache.analysis import plots as P
 
     files = [
-        P.overall_intervals(overall_with_intervals(r), outp / "overall.png"),
+        P.overall_intervals(
+            overall_with_intervals(r), outp / "overall.png", interval=f"95% bootstrap interval, resampling {r.resample}"
+        ),
         P.zscore_heatmap(r.zscores, outp / "zscore_heatmap.png", order=r.overall["backbone"].to_list()),
     ]
     lf = r.lin_ft

@@ -67,9 +67,18 @@ def _backbone_legend(ax, colors: dict, names, **kw) -> None:
     ax.legend(handles=handles, title="backbone", fontsize=7, title_fontsize=8, **kw)
 
 
-def overall_intervals(overall, path, *, score: str = "zscore", lo: str = "zscore_lo", hi: str = "zscore_hi") -> Path:
+def overall_intervals(
+    overall,
+    path,
+    *,
+    score: str = "zscore",
+    lo: str = "zscore_lo",
+    hi: str = "zscore_hi",
+    interval: str = "95% bootstrap interval",
+) -> Path:
     """Overall ranking: one row per backbone (best on top), the aggregate score and its bootstrap
-    interval as a horizontal error bar."""
+    interval as a horizontal error bar; ``interval`` names that interval in the legend (the
+    report says which resampling it is, so it is not read as the headline's)."""
     names = overall["backbone"].to_list()
     v = overall[score].fill_null(np.nan).to_numpy().astype(float)
     lo_v = overall[lo].fill_null(np.nan).to_numpy().astype(float) if lo in overall.columns else v
@@ -78,7 +87,7 @@ def overall_intervals(overall, path, *, score: str = "zscore", lo: str = "zscore
     ax = fig.add_subplot()
     y = np.arange(len(names))[::-1]
     err = np.vstack([np.nan_to_num(v - lo_v), np.nan_to_num(hi_v - v)])
-    ax.errorbar(v, y, xerr=err, fmt="o", color="tab:blue", ecolor="tab:gray", capsize=3, label="95% bootstrap interval")
+    ax.errorbar(v, y, xerr=err, fmt="o", color="tab:blue", ecolor="tab:gray", capsize=3, label=interval)
     ax.plot(v, y, "o", color="tab:blue", label="mean z-score")
     ax.axvline(0, color="k", lw=0.6)
     ax.set_yticks(y, [_short(b) for b in names], fontsize=8)
@@ -280,6 +289,8 @@ def cost_bars(table, path) -> Path:
     for k, (ax, c) in enumerate(zip(axes, cols)):
         v = table[c].cast(float).fill_null(np.nan).to_numpy()
         ax.barh(y, np.nan_to_num(v), color=[colors[b] for b in names])
+        if c == "images_per_s":
+            _throughput_conditions(ax, table, y, v)
         ax.set_yticks(y, [_short(b) for b in names] if k == 0 else [""] * len(names), fontsize=7)
         ax.set_xlabel(labels[c], fontsize=8)
         if k == 0:
@@ -288,6 +299,20 @@ def cost_bars(table, path) -> Path:
     _backbone_legend(axes[-1], colors, names, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     return _save(fig, path)
+
+
+def _throughput_conditions(ax, table, y, v) -> None:
+    """Each throughput bar labelled with the threads and load average it was measured at (a
+    throughput is a property of the run, not of the backbone), or "not recorded"; the axis
+    leaves room for the label."""
+    t = table["extract_threads"].to_list() if "extract_threads" in table.columns else [None] * len(y)
+    ld = table["load_avg"].to_list() if "load_avg" in table.columns else [None] * len(y)
+    for yi, vi, ti, li in zip(y, np.nan_to_num(v), t, ld):
+        text = (
+            "not recorded" if ti in (None, "not recorded") and li in (None, "not recorded") else f"{ti} thr, load {li}"
+        )
+        ax.text(vi, yi, " " + text, va="center", ha="left", fontsize=6)
+    ax.set_xlim(0, max(1.0, float(np.nanmax(v)) if np.isfinite(v).any() else 1.0) * 2.6)
 
 
 def task_scores(wide, path, *, metric: str) -> Path:

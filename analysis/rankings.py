@@ -7,13 +7,16 @@
   settings, their Kendall agreement, and good/better/best tables.
 * :func:`bootstrap_aggregate` - seeded paired bootstrap (tasks or seeds) for aggregate scores
   and for differences between backbones.
-* :func:`calibration_summary`, :func:`efficiency_summary` - ECE/NLL and throughput per backbone.
+* :func:`calibration_summary`, :func:`efficiency_summary` - ECE/NLL and throughput per backbone
+  (with the threads and load it was measured at: :func:`throughput_note`).
+* :func:`random_baselines` - which backbones are random-init baselines (the one place that knows).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -696,9 +699,90 @@ def calibration_summary(reduced, *, accuracy_metric: str = "top1", metrics: Sequ
     return table, corr
 
 
+#: catalog columns that say how a throughput was measured (torch threads, 1-minute load
+#: average when the extraction started); stores written before they were recorded lack them
+THROUGHPUT_CONDITIONS = ("extract_threads", "load_avg")
+#: two extractions whose load averages differ by at least this much ran on a differently busy
+#: machine (about one more busy core): their throughputs are not comparable
+LOAD_AVG_TOLERANCE = 1.0
+
+
+def throughput_conditions(provenance):
+    """Per backbone, how its throughput was measured: ``extract_threads`` (the distinct thread
+    counts of its extractions, ``"2"`` or ``"1, 2"``) and ``load_avg`` (``"4.2"`` or the range
+    ``"3.9 to 5.2"``), as text; ``"not recorded"`` where the catalog has no such value."""
+    pl = _pl()
+
+    def values(g, col: str) -> list[float]:
+        if col not in g.columns:
+            return []
+        return [float(v) for v in g[col].cast(pl.Float64).drop_nulls().to_list() if v == v]
+
+    rows = []
+    for (b,), g in provenance.group_by(["backbone"], maintain_order=True):
+        t, ld = values(g, "extract_threads"), values(g, "load_avg")
+        lo, hi = (f"{min(ld):.1f}", f"{max(ld):.1f}") if ld else ("", "")
+        rows.append(
+            {
+                "backbone": b,
+                "extract_threads": ", ".join(str(int(x)) for x in sorted(set(t))) or "not recorded",
+                "load_avg": ("not recorded" if not ld else lo if lo == hi else f"{lo} to {hi}"),
+            }
+        )
+    return pl.DataFrame(rows, schema={"backbone": pl.Utf8, "extract_threads": pl.Utf8, "load_avg": pl.Utf8})
+
+
+def throughput_note(provenance) -> tuple[str, bool]:
+    """Whether the throughputs of different backbones in ``provenance`` (a catalog with
+    ``images_per_s`` and, from newer stores, :data:`THROUGHPUT_CONDITIONS`) can be compared: a
+    throughput depends on the torch threads and on the machine's load, not on the backbone alone.
+    Returns the sentence the report prints and whether they are comparable."""
+    pl = _pl()
+    rows = provenance.filter(pl.col("images_per_s").is_not_null())
+    have = [c for c in THROUGHPUT_CONDITIONS if c in rows.columns]
+    cond = rows.select("backbone", *[pl.col(c).cast(pl.Float64) for c in have])
+    recorded = cond.drop_nulls().filter(~pl.any_horizontal(pl.col(c).is_nan() for c in have)) if have else cond.clear()
+    missing = sorted(set(cond["backbone"].to_list()) - set(recorded["backbone"].to_list()))
+    if len(have) < len(THROUGHPUT_CONDITIONS) or recorded.height == 0:
+        return (
+            "Threads and machine load were not recorded for these extractions (stores written before "
+            "featcache recorded them): each throughput depends on them as much as on the backbone, so the "
+            "throughputs of different backbones are not comparable."
+        ), False
+    out = []
+    if missing:
+        out.append(
+            f"Threads and machine load were not recorded for {', '.join(missing)}: its throughput is not "
+            "comparable with the others'."
+        )
+    comparable = not missing
+    threads = sorted({int(t) for t in recorded["extract_threads"].to_list()})
+    loads = recorded["load_avg"]
+    spread = float(loads.max() - loads.min())
+    if len(threads) > 1 or spread >= LOAD_AVG_TOLERANCE:
+        comparable = False
+        what = []
+        if len(threads) > 1:
+            what.append(f"thread counts ({', '.join(map(str, threads))})")
+        if spread >= LOAD_AVG_TOLERANCE:
+            what.append(f"load averages ({loads.min():.1f} to {loads.max():.1f})")
+        out.append(
+            f"The throughputs were measured at different {' and '.join(what)}, so they are not comparable "
+            "between backbones (a busy machine or fewer threads slows any backbone); re-extract at one "
+            "--threads on an idle machine to compare them."
+        )
+    elif recorded["backbone"].n_unique() > 1:
+        out.append(
+            f"Every throughput was measured at {threads[0]} thread(s) with a load average of "
+            f"{loads.min():.1f} to {loads.max():.1f} (within {LOAD_AVG_TOLERANCE:g}): comparable."
+        )
+    return " ".join(out), comparable
+
+
 def efficiency_summary(provenance, overall=None):
     """Throughput and peak memory per backbone from a provenance/catalog DataFrame passed by
-    the caller (columns backbone, images_per_s, optionally peak_memory_bytes / peak_mem*).
+    the caller (columns backbone, images_per_s, optionally peak_memory_bytes / peak_mem*), with
+    the threads and load average it was measured at (:func:`throughput_conditions`).
 
     With ``overall`` (from :func:`aggregate`), adds the z-score and the Spearman correlation
     between throughput and z-score (BoB reports rho = -0.41). Returns ``(table, rho, p)``.
@@ -710,6 +794,7 @@ def efficiency_summary(provenance, overall=None):
     aggs = [pl.col("images_per_s").cast(pl.Float64).median().alias("images_per_s")]
     aggs += [pl.col(c).cast(pl.Float64).max().alias(c) for c in mem_cols]
     table = provenance.group_by("backbone").agg(aggs).sort("backbone")
+    table = table.join(throughput_conditions(provenance), on="backbone", how="left")
     rho = p = float("nan")
     if overall is not None:
         table = table.join(overall.select("backbone", "zscore"), on="backbone", how="left")
@@ -720,6 +805,37 @@ def efficiency_summary(provenance, overall=None):
             res = spearmanr(t["images_per_s"].to_numpy(), t["zscore"].to_numpy())
             rho, p = float(res.statistic), float(res.pvalue)  # pyright: ignore[reportAttributeAccessIssue]  # scipy's result class declares neither
     return table, rho, p
+
+
+# ---------------------------------------------------------------------------------------------
+# random-init baselines
+# ---------------------------------------------------------------------------------------------
+
+#: what the report appends to a random-init backbone's name wherever it is ranked
+BASELINE_SUFFIX = " (random baseline)"
+#: a store's ``weights`` of a seeded random init (``--weights random:SEED``) ...
+_RANDOM_WEIGHTS = re.compile(r"random:\d+")
+#: ... and the backbone key extract gives it without ``--backbone-name`` (``MODEL@randomSEED``)
+_RANDOM_KEY = re.compile(r".+@random\d+")
+
+
+def random_baselines(backbones: Sequence[str], catalog=None) -> set[str]:
+    """The backbones of ``backbones`` whose weights are a seeded random init: the store
+    catalog's ``weights`` where it names the backbone (``random:SEED``; it holds the weights
+    whatever ``--backbone-name`` was), else the key extract gives them (``MODEL@randomSEED``).
+    A results table records no weights, so without a catalog the key is all there is."""
+    weights: dict[str, set[str]] = {}
+    if catalog is not None and {"backbone", "weights"} <= set(catalog.columns):
+        for b, w in catalog.select("backbone", "weights").iter_rows():
+            if w:
+                weights.setdefault(b, set()).add(str(w))
+    out = set()
+    for b in backbones:
+        known = weights.get(b)
+        random = all(_RANDOM_WEIGHTS.fullmatch(w) for w in known) if known else bool(_RANDOM_KEY.fullmatch(b))
+        if random:
+            out.add(b)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -26,6 +27,7 @@ from featcache.analysis.loaded import (
     retrieval_metric_list,
     retrieval_metric_text,
 )
+from featcache.analysis.rankings import BASELINE_SUFFIX, THROUGHPUT_CONDITIONS, random_baselines, throughput_note
 from featcache.core.formatting import format_cell, table_cells
 from featcache.errors import ResultsError
 
@@ -49,6 +51,7 @@ CATALOG_COLUMNS = (
     "n_invalid",
     "size_mib",
     "images_per_s",
+    *THROUGHPUT_CONDITIONS,
 )
 #: pivot tables with more metric columns than this are split by cut-off (``recall@5`` -> recall, k=5)
 _MAX_METRIC_COLUMNS = 8
@@ -73,33 +76,126 @@ def _interval_cell(v, lo, hi, fmt: str = "{:.3f}") -> str:
 # ----------------------------------------------------------------------------- ranking sections
 
 
-def _choose(r: Ranking, tmp: Path, scaled: AbstractSet[tuple[str, str]] = frozenset()) -> dict[str, Any]:
+def _choose(
+    r: Ranking,
+    tmp: Path,
+    scaled: AbstractSet[tuple[str, str]] = frozenset(),
+    baselines: AbstractSet[str] = frozenset(),
+) -> dict[str, Any]:
+    """The first section: the headline (:func:`_headline`), the ranking table with the lead of
+    the first backbone and its paired interval (the headline's numbers, drawn by the plot below
+    it), the weights, the per-setting differences and good/better/best."""
     import polars as pl
 
     ov = overall_with_intervals(r)
-    best = ov.row(0, named=True)
+    lead = _lead_column(r)
     shown = ov.select(
         "position",
         "backbone",
-        pl.struct("zscore", "zscore_lo", "zscore_hi")
-        .map_elements(
-            lambda s: _interval_cell(s["zscore"], s["zscore_lo"], s["zscore_hi"], "{:+.2f}"), return_dtype=pl.Utf8
-        )
-        .alias("z-score [95% interval]"),
+        pl.col("zscore").map_elements(lambda v: _interval_cell(v, None, None, "{:+.2f}"), return_dtype=pl.Utf8),
         "mean",
         "avg_rank",
         "group_mean",
         *[c for c in ov.columns if c.startswith("mean[")],
         "n_settings",
     )
+    if lead is not None:
+        shown = shown.join(lead, on="backbone", how="left").select(
+            "position", "backbone", "zscore", lead.columns[1], *shown.columns[3:]
+        )
     if shown["group_mean"].null_count() == shown.height:
         shown = shown.drop("group_mean")
-    answer = f"Use {best['backbone']}: first by mean z-score ({best['zscore']:+.2f})"
+    figs = []
+    fp = r.first_place
+    if ov.height > 1 and fp is not None and fp.table.height:
+        from featcache.analysis import plots as P
+
+        best = ov["backbone"][0]
+        P.best_vs_rest(fp.table, best, tmp / "best_vs_rest.png", interval=f"paired {100 * fp.level:.0f}% interval")
+        figs = _figures(
+            tmp,
+            [
+                (
+                    "best_vs_rest.png",
+                    f"The headline's interval: paired {100 * fp.level:.0f}% interval of the mean z-score lead of "
+                    f"{best} over each other backbone, counting {fp.covers}",
+                )
+            ],
+        )
+    return {
+        "answer": _headline(r, ov, scaled, baselines),
+        "interval": _interval_statement(r),
+        "n_settings": r.zscores.width - 1,
+        "seeds": _seed_statement(r),
+        "retrieval": _retrieval_statement(r),
+        "overall": table_cells(shown, table_id="overall-table"),
+        "top3": table_cells(r.top3, table_id="top3-table"),
+        "weights": table_cells(_weights_marked(r.weights, scaled), table_id="weights-table")
+        if r.weights is not None
+        else None,
+        "per_setting": table_cells(_per_setting_gaps(r), table_id="gaps-table") if 1 < ov.height <= 3 else None,
+        "figures": figs + _figures(tmp, [("zscore_heatmap.png", "z-score of every backbone on every setting")]),
+    }
+
+
+def _lead_column(r: Ranking):
+    """backbone -> "lead of the first over it [paired interval]" (the first place's table, the
+    headline's numbers); None without a verdict."""
+    import polars as pl
+
+    fp = r.first_place
+    if fp is None or fp.table.height == 0:
+        return None
+    name = f"lead of {fp.best} [paired {100 * fp.level:.0f}% interval]"
+    return fp.table.select(
+        pl.col("b").alias("backbone"),
+        pl.struct("diff", "lo", "hi")
+        .map_elements(lambda x: _interval_cell(x["diff"], x["lo"], x["hi"], "{:+.2f}"), return_dtype=pl.Utf8)
+        .alias(name),
+    )
+
+
+def _interval_statement(r: Ranking) -> str:
+    """Which interval the first section uses, said where it is used."""
+    fp = r.first_place
+    if fp is None or fp.runner_up is None:
+        return "One backbone: there is no lead to give an interval for."
+    return (
+        f"The interval in the headline, in the ranking table's lead column and in the plot below is one: the "
+        f"paired {100 * fp.level:.0f}% interval of the first backbone's mean z-score lead, counting {fp.covers}. "
+        f"The bootstrap over {r.resample} in section 3 answers another question (how the aggregates move when "
+        "the settings are redrawn) and is not used here."
+    )
+
+
+def _headline(r: Ranking, ov, scaled: AbstractSet[tuple[str, str]], baselines: AbstractSet[str]) -> str:
+    """The answer to "which backbone?": the first backbone, unless it is a random-init baseline
+    (then that no pretrained backbone beat it), the verdict on its lead and what few backbones
+    or scaled-down schedules change."""
+    import polars as pl
+
+    best = ov.row(0, named=True)
+    pretrained = ov.filter(~pl.col("backbone").is_in(sorted(baselines)))
+    if best["backbone"] not in baselines:
+        answer = f"Use {best['backbone']}: first by mean z-score ({best['zscore']:+.2f})"
+    elif pretrained.height == 0:
+        answer = (
+            f"Every ranked backbone is a random-init baseline ({', '.join(ov['backbone'].to_list())}): there is "
+            "no pretrained backbone to recommend"
+        )
+    else:
+        p = pretrained.row(0, named=True)
+        answer = (
+            f"No pretrained backbone beat the random baseline: {best['backbone']} is first by mean z-score "
+            f"({best['zscore']:+.2f}), the best pretrained backbone {p['backbone']} is #{p['position']} "
+            f"({p['zscore']:+.2f}); do not use the random baseline, look at why the pretrained features do not "
+            "help here (input size, data, too few images)"
+        )
     verdict = r.first_place is not None and r.first_place.runner_up is not None
     if verdict:
         answer += "; " + first_place_verdict(r.first_place)
     if 1 < ov.height <= 3:
-        few = _few_backbones(ov.height, best["backbone"])
+        few = _few_backbones(ov.height, best["backbone"], r.setting_differences)
         answer += (" Also, " if verdict else "; ") + few
     ranked_scaled = (
         sorted({s for s, _ in scaled} & set(r.weights["setting"].to_list())) if r.weights is not None else []
@@ -110,26 +206,7 @@ def _choose(r: Ranking, tmp: Path, scaled: AbstractSet[tuple[str, str]] = frozen
             f" Note: {len(ranked_scaled)} ranked setting(s) ran a scaled-down schedule (marked in the weights "
             f"table); they carry {100 * share:.0f}% of the z-score."
         )
-    return {
-        "answer": answer,
-        "n_settings": r.zscores.width - 1,
-        "seeds": _seed_statement(r),
-        "retrieval": _retrieval_statement(r),
-        "resample": r.resample,
-        "overall": table_cells(shown, table_id="overall-table"),
-        "top3": table_cells(r.top3, table_id="top3-table"),
-        "weights": table_cells(_weights_marked(r.weights, scaled), table_id="weights-table")
-        if r.weights is not None
-        else None,
-        "per_setting": table_cells(_per_setting_gaps(r), table_id="gaps-table") if 1 < ov.height <= 3 else None,
-        "figures": _figures(
-            tmp,
-            [
-                ("overall.png", "Overall ranking: mean z-score with its 95% bootstrap interval"),
-                ("zscore_heatmap.png", "z-score of every backbone on every setting"),
-            ],
-        ),
-    }
+    return answer
 
 
 def _weights_marked(weights, scaled: AbstractSet[tuple[str, str]]):
@@ -176,8 +253,10 @@ def first_place_verdict(fp) -> str:
     return text
 
 
-def _few_backbones(n: int, best: str) -> str:
-    """What a ranking of two or three backbones can and cannot say."""
+def _few_backbones(n: int, best: str, differences=None) -> str:
+    """What a ranking of two or three backbones can and cannot say, and whether the per-setting
+    differences have intervals of their own to judge by (``differences``: the ranking's
+    :func:`~featcache.analysis.rankings.setting_differences`)."""
     if n == 2:
         what = (
             "with 2 backbones every z-score is +1 or -1, so the mean z-score only counts the settings "
@@ -185,10 +264,21 @@ def _few_backbones(n: int, best: str) -> str:
         )
     else:
         what = "with 3 backbones the z-scores take few values and their intervals say little"
-    return (
-        f"{what}. Nothing about backbones in general follows from so few; judge by the per-setting "
-        "differences below, each with its own paired interval over seeds."
-    )
+    total = differences["setting"].n_unique() if differences is not None else 0
+    with_iv = differences.drop_nulls("lo")["setting"].n_unique() if differences is not None else 0
+    if with_iv == 0:
+        judge = (
+            "the per-setting differences below have no interval of their own (every setting has one seed: "
+            "nothing to pair); run more seeds (e.g. --seeds 0,1,2) to judge each setting"
+        )
+    elif with_iv < total:
+        judge = (
+            f"judge by the per-setting differences below: {with_iv} of {total} setting(s) have a paired "
+            "interval over seeds (the others have one seed)"
+        )
+    else:
+        judge = "judge by the per-setting differences below, each with its own paired interval over seeds"
+    return f"{what}. Nothing about backbones in general follows from so few; {judge}."
 
 
 def _per_setting_gaps(r: Ranking):
@@ -378,22 +468,17 @@ def _certainty(r: Ranking, tmp: Path) -> dict[str, Any]:
     wide = b.pivot(on="aggregation", index="backbone", values="cell")
     order = r.overall["backbone"].to_list()
     wide = wide.join(pl.DataFrame({"backbone": order, "_o": range(len(order))}), on="backbone").sort("_o").drop("_o")
-    figs = []
-    fp = r.first_place
-    if len(order) > 1 and fp is not None and fp.table.height:
-        from featcache.analysis import plots as P
-
-        P.best_vs_rest(fp.table, order[0], tmp / "best_vs_rest.png", interval=f"paired {100 * fp.level:.0f}% interval")
-        figs = _figures(
-            tmp,
-            [
-                (
-                    "best_vs_rest.png",
-                    f"Paired {100 * fp.level:.0f}% interval of the mean z-score lead of {order[0]} over each "
-                    f"other backbone, counting {fp.covers} (the headline's numbers)",
-                )
-            ],
-        )
+    figs = _figures(
+        tmp,
+        [
+            (
+                "overall.png",
+                f"Mean z-score with its 95% bootstrap interval resampling {r.resample}: how each backbone's "
+                "aggregate moves when the settings are redrawn. Overlap here or not, the first place is judged "
+                "on the paired interval of section 1 (the headline's).",
+            )
+        ],
+    )
     return {
         "resample": r.resample,
         "n_boot": r.n_boot,
@@ -405,8 +490,9 @@ def _certainty(r: Ranking, tmp: Path) -> dict[str, Any]:
     }
 
 
-def _cost(r: Ranking | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | None, str]:
-    """Throughput and peak memory (provenance) with the store size per backbone (catalog)."""
+def _cost(r: Ranking | None, catalog_df, tmp: Path, provenance=None) -> tuple[dict[str, Any] | None, str]:
+    """Throughput (with the threads and load it was measured at, and whether the backbones'
+    figures are comparable) and peak memory (provenance) with the store size per backbone (catalog)."""
     import polars as pl
 
     from featcache.analysis import plots as P
@@ -453,11 +539,27 @@ def _cost(r: Ranking | None, catalog_df, tmp: Path) -> tuple[dict[str, Any] | No
     figs = _figures(
         tmp,
         [
-            ("cost.png", "Throughput, peak memory and store size per backbone"),
-            ("efficiency.png", "Mean z-score vs extraction throughput"),
+            (
+                "cost.png",
+                "Throughput (at the threads and load beside each bar), peak memory and store size per backbone",
+            ),
+            ("efficiency.png", "Mean z-score vs extraction throughput (threads and load: the table above)"),
         ],
     )
-    return {"table": table_cells(table, table_id="efficiency-table"), "notes": notes, "figures": figs}, ""
+    comparable, same = throughput_note(provenance) if eff is not None and provenance is not None else ("", True)
+    if not same:
+        notes = [
+            n + " The throughputs are not comparable (above), so neither is this correlation."
+            if n.startswith("Spearman")
+            else n
+            for n in notes
+        ]
+    return {
+        "table": table_cells(table, table_id="efficiency-table"),
+        "comparable": comparable,
+        "notes": notes,
+        "figures": figs,
+    }, ""
 
 
 # ----------------------------------------------------------------------------- detail tables
@@ -645,6 +747,45 @@ def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) 
     return ctx
 
 
+def _named(table, names: Mapping[str, str]):
+    """``table`` (a DataFrame or :class:`LoadedResults`) with each backbone of ``names`` renamed
+    (a random-init baseline named as such, :func:`~featcache.analysis.rankings.random_baselines`),
+    so every table and plot of the report that ranks it says so."""
+    import dataclasses
+
+    import polars as pl
+
+    if not names or table is None:
+        return table
+    if isinstance(table, LoadedResults):
+        cov = dataclasses.replace(table.coverage, backbones=[names.get(b, b) for b in table.coverage.backbones])
+        return dataclasses.replace(table, rows=_named(table.rows, names), coverage=cov)
+    if "backbone" not in table.columns:
+        return table
+    return table.with_columns(pl.col("backbone").replace(dict(names)))
+
+
+def _settings_count(r: Ranking, raw) -> tuple[int, str]:
+    """The header's count of settings: the ranked ones, as the ranking counts them (a setting is
+    a kind:task; kNN's k values pool into one), and a note on the results' settings that are not
+    ranked or were pooled."""
+    ranked = r.zscores.columns[1:]
+    pooled = [p for x in (r.weights["pools"].to_list() if r.weights is not None else []) if x for p in x.split(", ")]
+    covered = set(ranked) | set(pooled)
+    rest = sorted(
+        s for s in set(raw["setting"].to_list()) if s not in covered and not any(c.startswith(s + " [") for c in ranked)
+    )
+    parts = []
+    if pooled:
+        parts.append(f"{len(pooled)} kNN k value(s) pooled into their setting")
+    if rest:
+        parts.append(f"{len(rest)} more in the results not ranked: {', '.join(rest)}")
+    note = "ranked settings (kind:task), as the ranking and its plots count them" + (
+        f"; {'; '.join(parts)}" if parts else ""
+    )
+    return len(ranked), note
+
+
 def _catalog(catalog_df) -> dict[str, Any] | None:
     import polars as pl
 
@@ -653,9 +794,14 @@ def _catalog(catalog_df) -> dict[str, Any] | None:
     t = catalog_df
     if "bytes" in t.columns:
         t = t.with_columns((pl.col("bytes") / 2**20).alias("size_mib"))
-    t = t.select([c for c in CATALOG_COLUMNS if c in t.columns])
     if "images_per_s" in t.columns and t["images_per_s"].null_count() == t.height:
-        t = t.drop("images_per_s")
+        t = t.drop("images_per_s", *[c for c in THROUGHPUT_CONDITIONS if c in t.columns])
+    elif "images_per_s" in t.columns:  # every throughput with how it was measured, or that it was not recorded
+        t = t.with_columns(
+            pl.col(c).cast(pl.Utf8).fill_null("not recorded") if c in t.columns else pl.lit("not recorded").alias(c)
+            for c in THROUGHPUT_CONDITIONS
+        )
+    t = t.select([c for c in CATALOG_COLUMNS if c in t.columns])
     return {
         "summary": f"{catalog_df.height} feature array(s) in the store",
         "table": table_cells(t, table_id="catalog-table"),
@@ -711,6 +857,13 @@ def _collapsed_audits(results) -> list[str]:
 # ----------------------------------------------------------------------------- entry point
 
 
+def is_numeric_text(value: Any) -> bool:
+    """Whether a table cell reads as numbers ("0.7527", "+0.25 [-0.30, +0.79]", "0.81 +/- 0.02"): the template marks it ``class="n"``, which never wraps, so no number breaks
+    mid-value however narrow the window."""
+    t = re.sub(r"nan|inf|e(?=[+-]?\d)", "", str(value), flags=re.I)
+    return any(ch.isdigit() for ch in t) and not any(ch.isalpha() for ch in t)
+
+
 def _render(context: dict[str, Any]) -> str:
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
@@ -721,6 +874,7 @@ def _render(context: dict[str, Any]) -> str:
         trim_blocks=True,
         lstrip_blocks=True,
     )
+    env.tests["numeric"] = is_numeric_text
     return env.get_template("report.html.j2").render(**context)
 
 
@@ -797,6 +951,8 @@ def write_report(
         provenance = catalog_df  # the store catalog carries images_per_s / peak_memory_mb
     load = {k: kw_in.pop(k, None) for k in ("percent", "external_kind", "groups")}
     loaded = load_results(results_df, external, metric=kw_in.pop("metric", "auto"), **load)  # auto: declared metrics
+    names = {b: b + BASELINE_SUFFIX for b in random_baselines(loaded.coverage.backbones, catalog_df)}
+    loaded, catalog_df, provenance = _named(loaded, names), _named(catalog_df, names), _named(provenance, names)
     raw, coverage = loaded.rows, loaded.coverage
     ctx: dict[str, Any] = {
         "title": title,
@@ -804,6 +960,7 @@ def write_report(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "n_backbones": len(coverage.backbones),
         "n_settings": raw["setting"].n_unique(),
+        "settings_note": "",
         "n_datasets": raw["dataset"].n_unique(),
         "n_rows": raw.height,
         "rank_error": None,
@@ -829,9 +986,10 @@ def write_report(
             log.warning("report: no ranking: %s", exc)
             ctx["rank_error"] = str(exc)
         ft_rows = _reduced(raw, ["finetune"], r.seed_reduce if r else kw.get("seed_reduce", "auto"))
-        scaled = scaled_settings(results_df)
+        scaled = {(s, names.get(b, b)) for s, b in scaled_settings(results_df)}
         if r is not None:
-            ctx["choose"] = _choose(r, tmp, scaled)
+            ctx["n_settings"], ctx["settings_note"] = _settings_count(r, raw)
+            ctx["choose"] = _choose(r, tmp, scaled, set(names.values()))
             ctx["finetune"] = _finetune(
                 r, tmp, ft_rows.drop("setting", "seed_std", "seed_reduce") if ft_rows is not None else None, scaled
             )
@@ -844,7 +1002,7 @@ def write_report(
                 if ft_rows is None
                 else "fine-tune rows are present but no ranking could be computed."
             )
-        ctx["cost"], ctx["cost_absent"] = _cost(r, catalog_df, tmp)
+        ctx["cost"], ctx["cost_absent"] = _cost(r, catalog_df, tmp, provenance)
         ctx.update(_details(raw, r, {"metric": loaded.metric, **kw}, tmp))
         if shift_splits is not None:
             ctx["shift"] = _shift(loaded, shift_splits, tmp)
