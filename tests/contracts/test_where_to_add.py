@@ -202,12 +202,268 @@ def _find_store_backend(cli: CLI, tmp_path: Path) -> None:
     assert "toy" in listing, listing
 
 
-#: kind -> its one file and how the CLI finds it (the lead adds rows for the other kinds)
+# ------------------------------------------------------------------ a toy store for the stage rows
+def _toy_store(tmp_path: Path, backbones: tuple[str, ...] = ("pix",)) -> str:
+    """Two splits (train 60 rows, test 30 rows) of three separable classes per backbone."""
+    from featcache.store import open_cache, write_features
+
+    cache = str(tmp_path / "toy.zarr")
+    rng = np.random.default_rng(0)
+    for b, backbone in enumerate(backbones):
+        for split, n in (("train", 60), ("test", 30)):
+            labels = np.arange(n) % 3
+            X = (np.eye(3, 6)[labels] * 4 + rng.normal(size=(n, 6)) * (0.5 + b)).astype(np.float32)
+            write_features(
+                open_cache(cache, "a"),
+                backbone=backbone,
+                dataset="toy",
+                split=split,
+                X=X,
+                ids=[f"{split}{i}" for i in range(n)],
+                labels=labels,
+                class_names=["a", "b", "c"],
+            )
+    return cache
+
+
+def _probe_rows(cli: CLI, tmp_path: Path, protocol: str) -> dict[str, float]:
+    """``featcache probe --protocol PROTOCOL`` on the toy store: its results rows, metric -> value."""
+    import polars as pl
+
+    cache, results = _toy_store(tmp_path), str(tmp_path / "r.parquet")
+    cli("probe", "--cache", cache, "--dataset", "toy", "--all", "--protocol", protocol, "--results", results)
+    rows = pl.read_parquet(results).filter(pl.col("protocol") == protocol)
+    assert rows.height, f"no rows of {protocol}"
+    return dict(zip(rows["metric"], rows["value"]))
+
+
+# ------------------------------------------------------------------ a solver (and the protocol naming it)
+SOLVER = '''
+"""A solver in one file: the nearest class mean, with an option of its own (--where-shrink),
+and the fixed protocol that names it."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from featcache.core.configs import Interval, check_fields, flag
+from featcache.core.protocols import CGrid, register_fixed_protocol
+from featcache.probes.solver_registry import FitOutcome, register_solver
+
+
+@dataclass(frozen=True)
+class WhereOptions:
+    where_shrink: float = flag(0.0, "where-means: shrink the class means to 0", type=float, check=Interval(float, 0, 1))
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@register_solver("where-means", options=WhereOptions)
+def fit_means(req):
+    X, y = np.asarray(req.plan.fin[0], np.float64), np.asarray(req.plan.fin[1])
+    classes = np.unique(y)
+    means = np.stack([X[y == c].mean(0) for c in classes]) * (1 - req.opts["where_shrink"])
+
+    def predict(Z):
+        d = -((np.asarray(Z, np.float64)[:, None, :] - means[None]) ** 2).sum(-1)
+        e = np.exp(d - d.max(1, keepdims=True))
+        return e / e.sum(1, keepdims=True)
+
+    return FitOutcome(predict, classes, {"where_shrink": req.opts["where_shrink"]}, True, 0.0)
+
+
+register_fixed_protocol("where-ncm", note="nearest class mean", split="full", solver="where-means", grid=CGrid())
+'''
+
+
+def _solver_registries() -> tuple:
+    from featcache.core import protocols
+    from featcache.probes.solvers import SOLVERS
+
+    return SOLVERS, protocols.PROTOCOLS["probe"]
+
+
+def _find_solver(cli: CLI, tmp_path: Path) -> None:
+    help_ = cli("probe", "--help")
+    assert "--where-shrink" in help_
+    assert "where-ncm (nearest class mean)" in help_
+    rows = _probe_rows(cli, tmp_path, "where-ncm")
+    assert rows["top1"] == 1.0  # three well separated classes
+
+
+# ------------------------------------------------------------------ a protocol
+PROTOCOL = '''
+"""A protocol in one file: L-BFGS over a three-value C grid on the full training split."""
+from featcache.core.protocols import CGrid, register_fixed_protocol
+
+register_fixed_protocol(
+    "where-lbfgs3", note="L-BFGS, C in 0.1, 1, 10", split="full", solver="lbfgs", grid=CGrid(Cs=(0.1, 1.0, 10.0))
+)
+'''
+
+
+def _protocol_registries() -> tuple:
+    from featcache.core import protocols
+
+    return (protocols.PROTOCOLS["probe"],)
+
+
+def _find_protocol(cli: CLI, tmp_path: Path) -> None:
+    assert "where-lbfgs3 (L-BFGS, C in 0.1, 1, 10)" in cli("probe", "--help")
+    assert _probe_rows(cli, tmp_path, "where-lbfgs3")["top1"] == 1.0
+
+
+# ------------------------------------------------------------------ a split plan
+SPLIT_PLAN = '''
+"""A split plan in one file: the first half of train fits, the second half selects (and the
+protocol that names it, which is how a plan is chosen)."""
+import numpy as np
+
+from featcache.core.protocols import CGrid, SplitPlan, register_fixed_protocol, register_split_plan
+
+
+@register_split_plan("where-halves", val_split=False, note="first half fits, second half selects")
+def halves(p, y, seed, n_val, val_source, train_name, val_name, **_):
+    idx = np.arange(y.size)
+    return SplitPlan(idx[: y.size // 2], idx[y.size // 2 :], idx, f"{train_name}[halves]", {"val": "second half"})
+
+
+register_fixed_protocol("where-halved", note="C chosen on the second half", split="where-halves", solver="lbfgs",
+                        grid=CGrid())
+'''
+
+
+def _split_plan_registries() -> tuple:
+    from featcache.core import protocols
+
+    return protocols.PROTOCOLS["probe"], protocols.SPLIT_PLANS
+
+
+def _find_split_plan(cli: CLI, tmp_path: Path) -> None:
+    from featcache.core.protocols import list_split_plans
+
+    assert _probe_rows(cli, tmp_path, "where-halved")["top1"] == 1.0
+    assert "where-halves" in list_split_plans()  # the CLI imported the module
+
+
+# ------------------------------------------------------------------ a similarity measure
+MEASURE = '''
+"""A similarity measure in one file: squared linear CKA, from the shared streamed statistic."""
+from featcache.similarity import register_measure
+from featcache.similarity.streaming import LinearCKAStream
+
+
+@register_measure("where_cka_sq", text="squared linear CKA", statistic=LinearCKAStream)
+def cka_squared(stat, cfg):
+    return stat.result() ** 2
+'''
+
+
+def _measure_registries() -> tuple:
+    from featcache.similarity import MEASURES
+
+    return (MEASURES,)
+
+
+def _find_measure(cli: CLI, tmp_path: Path) -> None:
+    import polars as pl
+
+    assert "where_cka_sq" in cli("similarity", "--help")
+    cache, results = _toy_store(tmp_path, ("pix", "pax")), str(tmp_path / "r.parquet")
+    cli(
+        *f"similarity --cache {cache} --dataset toy --all --measures where_cka_sq,cka_linear --results {results}".split()
+    )
+    got = dict(zip(*pl.read_parquet(results).select("metric", "value")))
+    assert got["where_cka_sq"] == pytest.approx(got["cka_linear"] ** 2, rel=1e-12)
+
+
+# ------------------------------------------------------------------ a retrieval search backend
+SEARCH_BACKEND = '''
+"""A search backend in one file: brute force over float64 scores, counting its calls."""
+import numpy as np
+
+from featcache.retrieval.search import BACKENDS, SearchBackend
+
+CALLS = []
+
+
+def search(Q, G, k, metric, max_memory, bar):
+    CALLS.append(k)
+    S = Q.block(0, Q.shape[0]).astype(np.float64) @ G.block(0, G.shape[0]).astype(np.float64).T
+    kk = min(k, S.shape[1])
+    idx = np.argsort(-S, axis=1, kind="stable")[:, :kk]
+    bar.update(Q.shape[0])
+    return np.take_along_axis(S, idx, 1).astype(np.float32), idx.astype(np.int64)
+
+
+BACKENDS.register("where-brute", SearchBackend(search), note="brute force (a contributor's)")
+'''
+
+
+def _search_backend_registries() -> tuple:
+    from featcache.retrieval.search import BACKENDS
+
+    return (BACKENDS,)
+
+
+def _find_search_backend(cli: CLI, tmp_path: Path) -> None:
+    import polars as pl
+
+    assert "where-brute" in cli("retrieve", "--help")
+    cache = _toy_store(tmp_path)
+    rows = {}
+    for backend in ("where-brute", "numpy"):
+        results = str(tmp_path / f"{backend}.parquet")
+        cli(*f"retrieve --cache {cache} --dataset toy --all --query test --gallery train --top-k-only".split(),
+            *f"--k 1,5 --backend {backend} --results {results} --no-progress".split())  # fmt: skip
+        df = pl.read_parquet(results).sort("metric")
+        rows[backend] = dict(zip(df["metric"], df["value"]))
+    assert sys.modules["where_search_backend"].CALLS  # the new backend searched
+    assert rows["where-brute"] == rows["numpy"]
+
+
+# ------------------------------------------------------------------ an extraction backend
+FORWARD_BACKEND = '''
+"""An extraction (forward) backend in one file: the eager forward under torch.inference_mode."""
+from featcache.extract.backends import BACKENDS, ForwardBackend
+
+
+def make(head):
+    import torch
+
+    def forward(x):
+        with torch.inference_mode():
+            return head(x)
+
+    return forward
+
+
+BACKENDS.register("where-inference", ForwardBackend(make), note="eager under inference_mode")
+'''
+
+
+def _forward_backend_registries() -> tuple:
+    from featcache.extract.backends import BACKENDS
+
+    return (BACKENDS,)
+
+
+def _find_forward_backend(cli: CLI, tmp_path: Path) -> None:
+    assert "where-inference" in cli("extract", "--help")
+
+
+#: kind -> its one file and how the CLI finds it
 KINDS = {
     "model source": Kind(MODEL_SOURCE, _model_source_registries, _find_model_source),
     "data format": Kind(DATA_FORMAT, _data_format_registries, _find_data_format),
     "retrieval metric": Kind(RETRIEVAL_METRIC, _retrieval_metric_registries, _find_retrieval_metric),
     "store backend": Kind(STORE_BACKEND, lambda: (), _find_store_backend),
+    "solver": Kind(SOLVER, _solver_registries, _find_solver),
+    "protocol": Kind(PROTOCOL, _protocol_registries, _find_protocol),
+    "split plan": Kind(SPLIT_PLAN, _split_plan_registries, _find_split_plan),
+    "similarity measure": Kind(MEASURE, _measure_registries, _find_measure),
+    "search backend": Kind(SEARCH_BACKEND, _search_backend_registries, _find_search_backend),
+    "extraction backend": Kind(FORWARD_BACKEND, _forward_backend_registries, _find_forward_backend),
 }
 
 
