@@ -38,30 +38,34 @@ BESIDE_STORE: dict[str, str] = {}
 
 #: a command word as a stage's cli.py adds it: ``add_parser("word"`` (a literal first argument)
 _ADD_PARSER = re.compile(r"""\.add_parser\(\s*["']([\w-]+)["']""")
+_HELP_ORDER = re.compile(r"^HELP_ORDER = (\d+)", re.M)
 
 
-def _declared(path: Path) -> tuple[list[str], dict[str, str]]:
+def _declared(path: Path) -> tuple[list[str], dict[str, str], int]:
     """The command words a stage's cli.py adds (the literal first argument of each
-    ``add_parser`` call, in source order) and its literal ``BESIDE_STORE``, read from its text
-    (a regular expression, then ``ast`` only for a module that has a ``BESIDE_STORE``)."""
+    ``add_parser`` call, in source order), its literal ``BESIDE_STORE`` and its literal
+    ``HELP_ORDER`` (where its commands stand in ``featcache --help``; default 100), read from its
+    text (regular expressions, then ``ast`` only for a module that has a ``BESIDE_STORE``)."""
     text = path.read_text(encoding="utf-8")
     beside: dict[str, str] = {}
     if "\nBESIDE_STORE" in text:
         for node in ast.parse(text, str(path)).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BESIDE_STORE" for t in node.targets):
                 beside = dict(ast.literal_eval(node.value))
-    return _ADD_PARSER.findall(text), beside
+    order = _HELP_ORDER.search(text)
+    return _ADD_PARSER.findall(text), beside, int(order.group(1)) if order else 100
 
 
 def discover() -> None:
     """Register the commands (and checks beside a store) of every ``featcache/<package>/cli.py``
-    found on the package's path, packages in name order; a package missing from this build adds
-    none. A new stage is its package's cli.py with ``register(subparsers)``: no list to edit."""
+    found on the package's path, in the order their ``HELP_ORDER`` gives (then by name); a package
+    missing from this build adds none. A new stage is its package's cli.py with
+    ``register(subparsers)``: no list to edit."""
     import featcache
 
-    found = sorted({p.parent.name: p for base in featcache.__path__ for p in Path(base).glob("*/cli.py")}.items())
-    for package, path in found:
-        words, beside = _declared(path)
+    paths = {p.parent.name: p for base in featcache.__path__ for p in Path(base).glob("*/cli.py")}
+    found = sorted(((*_declared(path), package) for package, path in paths.items()), key=lambda d: (d[2], d[3]))
+    for words, beside, _, package in found:
         for word in words:
             COMMANDS.register(word, f"featcache.{package}.cli:register")
         BESIDE_STORE.update(beside)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 90
+
 
 def _groups(items: list[str] | None) -> dict[str, str] | None:
     if not items:

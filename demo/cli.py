@@ -7,6 +7,9 @@ import argparse
 from featcache.demo.run import FMNIST_CPU_SIZE, FMNIST_TEST, FMNIST_TRAIN, PRETRAINED, DemoConfig, run
 from featcache.errors import ConfigError
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 95
+
 
 def run_demo(args: argparse.Namespace) -> int:
     """The CLI entry point: builds the config, runs, prints the summary."""

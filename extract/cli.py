@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import cast
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 10
+
 
 def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of :class:`~featcache.extract.config.ExtractConfig` (its single source)."""

@@ -12,6 +12,9 @@ import argparse
 from featcache.core.configs import add_arguments, from_namespace
 from featcache.finetune.config import FinetuneConfig, selection_metrics
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 30
+
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p, FinetuneConfig)

@@ -7,6 +7,9 @@ import argparse
 from featcache.core.configs import add_arguments, from_namespace
 from featcache.probes.config import ProbeConfig
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 50
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(

@@ -6,6 +6,9 @@ from dataclasses import replace
 
 from featcache.retrieval.config import RetrievalConfig
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 60
+
 #: ``featcache verify`` checks the stored retrieval indexes beside a store too (the store knows
 #: no stage: featcache.cli reads this literal and registers it, imported when verify runs it)
 BESIDE_STORE = {"retrieval indexes": "featcache.retrieval.index:verify_index_records"}

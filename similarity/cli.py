@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 70
+
 
 def register(subparsers) -> None:
     from featcache.similarity.config import AuditConfig, SimilarityConfig

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 40
+
 
 def parse_storage_options(pairs: list[str] | None) -> dict | None:
     """``k=v`` pairs (plus ``FEATCACHE_STORAGE_OPTIONS``, a JSON object) -> fsspec storage

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 20
+
 
 def run_suites(args: argparse.Namespace) -> int:
     from featcache.suites import list_suites, load_suite

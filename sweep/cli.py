@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+#: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
+HELP_ORDER = 80
+
 #: SweepConfig fields whose flags are in the "fine-tunes" group
 _FT_FIELDS = ("finetune", "data")
 

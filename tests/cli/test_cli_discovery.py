@@ -62,3 +62,14 @@ def test_a_stage_check_beside_the_store_runs_in_featcache_verify(stage, tmp_path
     assert cli.main(["verify", str(tmp_path / "s.zarr")]) == 1
     assert "hello check saw s.zarr" in capsys.readouterr().out
     assert BESIDE_CHECKS.entry("hello check").spec == "featcache.fchello.cli:check"
+
+
+def test_the_command_listing_follows_the_stages_help_order():
+    """``featcache --help`` lists the commands in the order the stages' ``HELP_ORDER`` literals
+    give (the workflow: extract first, the demo last), not by package name."""
+    words = list(cli.COMMANDS)
+    assert words[0] == "extract"
+    assert words[-1] == "demo"
+    assert words.index("ls") < words.index("probe") < words.index("retrieve") < words.index("rank")
+    orders = [cli._declared(p)[2] for p in sorted(cli.Path(featcache.__path__[0]).glob("*/cli.py"))]
+    assert 100 not in orders  # every built-in stage declares its place
