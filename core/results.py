@@ -254,6 +254,15 @@ def read_parquet_checked(path: str | os.PathLike):
         raise _damaged(p, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
 
 
+def try_write_beside(p: Path) -> None:
+    """Make ``p``'s folder and a temporary file in it, removed at once: raises the ``OSError``
+    that writing ``p`` would meet (a read-only folder, a missing permission)."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=p.parent)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_results_path(path: str | os.PathLike | None) -> Path:
     """Check, before any compute, that ``path`` can hold a featcache results table.
 
@@ -295,10 +304,7 @@ def check_results_path(path: str | os.PathLike | None) -> Path:
                 )
             break
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=p.parent)
-        os.close(fd)
-        os.unlink(probe)
+        try_write_beside(p)
     except OSError as exc:
         raise ResultsError(
             f"cannot write results to {p}: {exc.strerror or exc}; choose a writable "

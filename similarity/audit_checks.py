@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,11 +77,10 @@ def check_out(out: str | os.PathLike, results_path: str | os.PathLike | None) ->
             raise ResultsError(f"--out {p}: {f} is a folder; {_HINT}, e.g. {f / 'pairs.csv'}")
     if p.exists():
         read_pairs(p)  # refuses a file that is not a pairs table, whatever it is
+    from featcache.core.results import try_write_beside
+
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=p.parent)
-        os.close(fd)
-        os.unlink(tmp)
+        try_write_beside(p)
     except OSError as exc:
         raise ResultsError(
             f"cannot write --out {p}: {exc.strerror or exc}; choose a writable folder (or fix its permissions)"
