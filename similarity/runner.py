@@ -127,6 +127,8 @@ def _pair_rows(cfg: SimilarityConfig, fa, fb, run_ids: dict[str, str]) -> list[d
     secs = time.perf_counter() - t0
     rows = []
     for m, (value, info) in got.items():
+        if info.get("estimate"):
+            log.warning("%s of %s vs %s is an estimate: %s", m, fa.backbone, fb.backbone, info["estimate"])
         rows.append(
             {
                 "run_id": run_ids[m],
