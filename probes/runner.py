@@ -445,7 +445,7 @@ def _probe_one(
             f"feature dimension; store {b}'s own with write_class_embeddings(..., backbone={b!r})"
         )
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source, d.views)
-    opts = cfg.solver_options()
+    opts, capped = _cap_batch(cfg.solver_options(), int(plan.fin[1].size), b)
     solver = cfg.solver
     fit = solver.fit if plan.Y is None else solver.fit_multilabel
     assert fit is not None  # multi-label targets: run_probes checked the solver has a fitter (_check_multilabel)
@@ -466,6 +466,7 @@ def _probe_one(
     if proto.val_source_choice:
         hp.setdefault("val_source", cfg.val_source)
     hp["task_metric"] = opts["metric"]
+    hp.update(capped)
     rows = []
     for es, ev in d.evals.items():
         hp_es = hp
@@ -510,6 +511,17 @@ def _probe_one(
             conv,
         )
     return rows
+
+
+def _cap_batch(opts: dict[str, Any], n: int, b: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``opts`` with a ``batch_size`` larger than the ``n`` rows fitted capped at ``n`` (a
+    batch of 10^9 rows would stack the sampler's passes for minutes), and what the row
+    records of it (``batch_size_given``; nothing when no cap)."""
+    given = opts.get("batch_size")
+    if not isinstance(given, int) or given <= n:
+        return opts, {}
+    log.warning("%s: --batch-size %d is larger than the %d training rows; capped at %d (recorded)", b, given, n, n)
+    return {**opts, "batch_size": n}, {"batch_size_given": given, "batch_size": n}
 
 
 def _best_test_epoch(cfg: ProbeConfig, d: _Data, plan: _Plan, out, es: str, ev: SplitData, metric: str):
