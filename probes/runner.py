@@ -28,7 +28,7 @@ from featcache.core.stagerun import (
     label_positions,
     pending,
 )
-from featcache.errors import NotInStoreError, ProbeError
+from featcache.errors import IncompleteStoreError, NotInStoreError, ProbeError, StoreBusyError
 from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
 from featcache.probes.solvers import SOLVERS, FitRequest
@@ -322,6 +322,46 @@ def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
 
 
 # ------------------------------------------------------------------ main entry
+def _writer_busy(cache, b: str, ds: str) -> str | None:
+    """The split of ``b``/``ds`` whose writer lock another job holds now (local stores: a
+    remote lease is not probed, that would write one), or None."""
+    from featcache.store.locks import StoreLock, local_root
+
+    if local_root(cache.root.store) is None:
+        return None
+    for split in cache.splits(ds):
+        try:
+            StoreLock(cache.root, f"features/{b}/{ds}/{split}", timeout=0).acquire().release()
+        except StoreBusyError:
+            return split
+        except Exception:  # a read-only store: nobody can be writing it
+            return None
+    return None
+
+
+def _load_all(caches, backbones: list[str], cfg: ProbeConfig, proto: Protocol) -> dict[str, _Data]:
+    """Every backbone's splits; one that another job is writing is refused in one line saying
+    so, or with ``--all`` (several backbones) reported and skipped: the others are probed."""
+    data = {}
+    for b in backbones:
+        try:
+            data[b] = _load_backbone(caches, b, cfg, proto)
+        except IncompleteStoreError as exc:
+            split = _writer_busy(cache_for(caches, b, cfg.dataset), b, cfg.dataset)
+            if split is None:
+                raise
+            msg = (
+                f"{b}/{cfg.dataset}/{split} is being written by another job (its writer lock is held); "
+                "wait for that job to finish, then run the probe again"
+            )
+            if list(cfg.backbones) != ["all"] or len(backbones) == 1:
+                raise StoreBusyError(msg) from exc
+            log.warning("%s: skipped, the other backbones are probed", msg)
+    if not data:
+        raise StoreBusyError("every backbone of --all is being written by another job; run the probe when they finish")
+    return data
+
+
 def run_probes(config: ProbeConfig) -> pl.DataFrame:
     """Probe ``config.backbones`` on ``config.dataset`` with ``config.protocol``; returns the
     rows of these runs (a polars DataFrame in the results schema).
@@ -347,7 +387,8 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     caches = open_caches(cfg.cache)
     cfg = resolve_val_source(cfg, proto, caches)
     backbones = resolve_backbones(caches, cfg)
-    data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
+    data = _load_all(caches, backbones, cfg, proto)
+    backbones = [b for b in backbones if b in data]
     _check_alignment({b: d.splits() for b, d in data.items()})
     cfg = _task_metric(caches, backbones, cfg, data)
     if data[backbones[0]].train.Y is not None:
