@@ -55,6 +55,8 @@ class Interval:
         what = "an integer" if self.kind is int else "a finite number"
         kinds = (int, float) if self.kind is float else self.kind
         finite = not isinstance(value, float) or value - value == 0  # NaN and inf fail
+        if not finite:
+            return self.wanted()  # the whole range: NaN and inf are refused whatever the bounds
         if (
             isinstance(value, bool)
             or not isinstance(value, kinds)
@@ -220,8 +222,8 @@ def add_arguments(
             parser.add_argument(m["negate"], dest=f.name, action="store_false", default=argparse.SUPPRESS, help=help_)
             continue
         name = m["name"] or "--" + f.name.replace("_", "-")
-        if kw.get("type") in _NUMBERS:
-            kw["type"] = _finite(kw["type"], m["check"])
+        if kw.get("type") in _NUMBERS and not (kw["type"] is float and isinstance(m["check"], Interval)):
+            kw["type"] = _finite(kw["type"], m["check"])  # (a float Interval refuses NaN itself, in check_fields)
         if kw.get("action") not in ("store_true", "store_false") and "choices" not in kw:
             kw.setdefault("metavar", name.lstrip("-").replace("-", "_").upper())
         if kw.get("action") == "append" or f.default is _MISSING:
@@ -235,7 +237,8 @@ def add_arguments(
 
 def _finite(cast: Callable[[str], Any], check: Callable[[Any], str | None] | None) -> Callable[[str], Any]:
     """argparse type: ``cast``'s number(s), NaN, infinity and overflow (``1e400``) refused at
-    the boundary with the field's valid range (its :class:`Interval`), in one line."""
+    the boundary with the field's valid range (its :class:`Interval`), in one line. A float
+    field with an Interval is left to it (``check_fields``: the same words, exit 1)."""
 
     def parse(text: str) -> Any:
         want = check.wanted() if isinstance(check, Interval) else "must be a finite number"

@@ -325,7 +325,7 @@ def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
 def _writer_busy(cache, b: str, ds: str) -> str | None:
     """The split of ``b``/``ds`` whose writer lock another job holds now (local stores: a
     remote lease is not probed, that would write one), or None."""
-    from featcache.store.locks import StoreLock, local_root
+    from featcache.store import StoreLock, local_root
 
     if local_root(cache.root.store) is None:
         return None
