@@ -39,11 +39,14 @@ T = TypeVar("T")
 
 class Interval:
     """A field constraint (as scikit-learn's ``Interval``): an instance of ``kind`` in
-    ``[lo, hi]`` (``None``: unbounded); ``None`` passes (an optional field left unset). A
-    ``float`` interval takes integers too, never NaN or infinity."""
+    ``[lo, hi]`` (``None``: unbounded; ``open_lo``: ``lo`` itself excluded); ``None`` passes
+    (an optional field left unset). A ``float`` interval takes integers too, never NaN or
+    infinity."""
 
-    def __init__(self, kind: type, lo: float | None = None, hi: float | None = None, *, hi_text: str = "") -> None:
-        self.kind, self.lo, self.hi, self.hi_text = kind, lo, hi, hi_text
+    def __init__(
+        self, kind: type, lo: float | None = None, hi: float | None = None, *, hi_text: str = "", open_lo: bool = False
+    ) -> None:
+        self.kind, self.lo, self.hi, self.hi_text, self.open_lo = kind, lo, hi, hi_text, open_lo
 
     def __call__(self, value: Any) -> str | None:
         """``None`` if ``value`` is allowed, else what is wanted instead."""
@@ -52,16 +55,24 @@ class Interval:
         what = "an integer" if self.kind is int else "a finite number"
         kinds = (int, float) if self.kind is float else self.kind
         finite = not isinstance(value, float) or value - value == 0  # NaN and inf fail
+        if not finite:
+            return self.wanted()  # the whole range: NaN and inf are refused whatever the bounds
         if (
             isinstance(value, bool)
             or not isinstance(value, kinds)
             or not finite
-            or (self.lo is not None and value < self.lo)
+            or (self.lo is not None and (value <= self.lo if self.open_lo else value < self.lo))
         ):
-            return f"must be {what}" + (f" >= {self.lo}" if self.lo is not None else "")
+            return f"must be {what}" + (f" {'>' if self.open_lo else '>='} {self.lo}" if self.lo is not None else "")
         if self.hi is not None and value > self.hi:
             return self.hi_text or f"must be at most {self.hi}"
         return None
+
+    def wanted(self) -> str:
+        """The whole range in words (``must be a finite number > 0 and at most 1000``)."""
+        what = "an integer" if self.kind is int else "a finite number"
+        lo = f" {'>' if self.open_lo else '>='} {self.lo}" if self.lo is not None else ""
+        return f"must be {what}{lo}" + (f" and at most {self.hi}" if self.hi is not None else "")
 
     shown = staticmethod(str)
 
@@ -211,6 +222,8 @@ def add_arguments(
             parser.add_argument(m["negate"], dest=f.name, action="store_false", default=argparse.SUPPRESS, help=help_)
             continue
         name = m["name"] or "--" + f.name.replace("_", "-")
+        if kw.get("type") in _NUMBERS and not (kw["type"] is float and isinstance(m["check"], Interval)):
+            kw["type"] = _finite(kw["type"], m["check"])  # (a float Interval refuses NaN itself, in check_fields)
         if kw.get("action") not in ("store_true", "store_false") and "choices" not in kw:
             kw.setdefault("metavar", name.lstrip("-").replace("-", "_").upper())
         if kw.get("action") == "append" or f.default is _MISSING:
@@ -220,6 +233,25 @@ def add_arguments(
         if m["required"] and f.name not in optional:
             kw["required"] = True
         parser.add_argument(name, dest=f.name, help=help_, **kw)
+
+
+def _finite(cast: Callable[[str], Any], check: Callable[[Any], str | None] | None) -> Callable[[str], Any]:
+    """argparse type: ``cast``'s number(s), NaN, infinity and overflow (``1e400``) refused at
+    the boundary with the field's valid range (its :class:`Interval`), in one line. A float
+    field with an Interval is left to it (``check_fields``: the same words, exit 1)."""
+
+    def parse(text: str) -> Any:
+        want = check.wanted() if isinstance(check, Interval) else "must be a finite number"
+        try:
+            got = cast(text)
+        except (ValueError, OverflowError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: {want}") from None
+        if any(isinstance(v, float) and not v - v == 0 for v in (got if isinstance(got, list) else [got])):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: {want}")
+        return got
+
+    parse.__name__ = getattr(cast, "__name__", "number")  # argparse names the type in its messages
+    return parse
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace, **extra: Any) -> T:
@@ -276,6 +308,10 @@ def int_list(text: str) -> list[int]:
 def float_list(text: str) -> list[float]:
     """argparse type: ``0.1,0.01`` -> [0.1, 0.01]."""
     return _split(text, float, "numbers")
+
+
+#: the argparse types whose values :func:`add_arguments` checks at the boundary (``_finite``)
+_NUMBERS: tuple[Callable[[str], Any], ...] = (int, float, int_list, float_list)
 
 
 def str_tuple(value: str | Iterable[object]) -> tuple[str, ...]:

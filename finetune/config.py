@@ -202,7 +202,7 @@ class FinetuneConfig:
         if not self.steps or min(self.steps) < 1:
             raise FinetuneConfigError(f"steps must be positive integers, got {self.steps!r}")
         if not self.lrs or min(self.lrs) <= 0:
-            raise FinetuneConfigError(f"learning rates must be positive, got {self.lrs!r}")
+            raise FinetuneConfigError(f"--lrs: learning rates must be positive, got {self.lrs!r}")
         mb = self.micro_batch
         if self.batch_size is None or self.batch_size < 1 or (mb is not None and not 1 <= mb <= self.batch_size):
             raise FinetuneConfigError(

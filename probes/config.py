@@ -306,7 +306,9 @@ def _check_foreign(solver: Solver, proto: Protocol, foreign: dict[str, Any]) -> 
             refused.append(((f.metadata.get("name") or "--" + name.replace("_", "-")), kept[0]))
     if refused:
         flags = [r[0] for r in refused]
+        own = [f.metadata.get("name") or "--" + f.name.replace("_", "-") for f in fields(solver.options)]
+        takes = f"the options --protocol {proto.spec} takes: {', '.join(own)}" if own else "it takes no solver option"
         raise ProbeConfigError(
-            f"{', '.join(flags)} set the {refused[0][1]} solver's options; {proto.spec} (solver {solver.name!r}) "
-            f"fixes its own: drop {' and '.join(flags)} or use a protocol of the {refused[0][1]} solver"
+            f"--protocol {proto.spec} does not take {' or '.join(flags)}: it fixes its own batches and schedule "
+            f"({takes}); drop {' and '.join(flags)}, which only the {refused[0][1]} protocol reads"
         )

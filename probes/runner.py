@@ -28,7 +28,7 @@ from featcache.core.stagerun import (
     label_positions,
     pending,
 )
-from featcache.errors import NotInStoreError, ProbeError
+from featcache.errors import IncompleteStoreError, NotInStoreError, ProbeError, StoreBusyError
 from featcache.probes._stream import nonfinite_rows
 from featcache.probes.config import ProbeConfig
 from featcache.probes.solvers import SOLVERS, FitRequest
@@ -322,6 +322,46 @@ def _check_text_provenance(cache, b: str, cfg: ProbeConfig) -> None:
 
 
 # ------------------------------------------------------------------ main entry
+def _writer_busy(cache, b: str, ds: str) -> str | None:
+    """The split of ``b``/``ds`` whose writer lock another job holds now (local stores: a
+    remote lease is not probed, that would write one), or None."""
+    from featcache.store import StoreLock, local_root
+
+    if local_root(cache.root.store) is None:
+        return None
+    for split in cache.splits(ds):
+        try:
+            StoreLock(cache.root, f"features/{b}/{ds}/{split}", timeout=0).acquire().release()
+        except StoreBusyError:
+            return split
+        except Exception:  # a read-only store: nobody can be writing it
+            return None
+    return None
+
+
+def _load_all(caches, backbones: list[str], cfg: ProbeConfig, proto: Protocol) -> dict[str, _Data]:
+    """Every backbone's splits; one that another job is writing is refused in one line saying
+    so, or with ``--all`` (several backbones) reported and skipped: the others are probed."""
+    data = {}
+    for b in backbones:
+        try:
+            data[b] = _load_backbone(caches, b, cfg, proto)
+        except IncompleteStoreError as exc:
+            split = _writer_busy(cache_for(caches, b, cfg.dataset), b, cfg.dataset)
+            if split is None:
+                raise
+            msg = (
+                f"{b}/{cfg.dataset}/{split} is being written by another job (its writer lock is held); "
+                "wait for that job to finish, then run the probe again"
+            )
+            if list(cfg.backbones) != ["all"] or len(backbones) == 1:
+                raise StoreBusyError(msg) from exc
+            log.warning("%s: skipped, the other backbones are probed", msg)
+    if not data:
+        raise StoreBusyError("every backbone of --all is being written by another job; run the probe when they finish")
+    return data
+
+
 def run_probes(config: ProbeConfig) -> pl.DataFrame:
     """Probe ``config.backbones`` on ``config.dataset`` with ``config.protocol``; returns the
     rows of these runs (a polars DataFrame in the results schema).
@@ -347,7 +387,8 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     caches = open_caches(cfg.cache)
     cfg = resolve_val_source(cfg, proto, caches)
     backbones = resolve_backbones(caches, cfg)
-    data = {b: _load_backbone(caches, b, cfg, proto) for b in backbones}
+    data = _load_all(caches, backbones, cfg, proto)
+    backbones = [b for b in backbones if b in data]
     _check_alignment({b: d.splits() for b, d in data.items()})
     cfg = _task_metric(caches, backbones, cfg, data)
     if data[backbones[0]].train.Y is not None:
@@ -457,7 +498,7 @@ def _probe_one(
             f"feature dimension; store {b}'s own with write_class_embeddings(..., backbone={b!r})"
         )
     plan = _plan(proto, seed, d.train, d.val, cfg.val_source, d.views)
-    opts = cfg.solver_options()
+    opts, capped = _cap_batch(cfg.solver_options(), int(plan.fin[1].size), b)
     solver = cfg.solver
     fit = solver.fit if plan.Y is None else solver.fit_multilabel
     assert fit is not None  # multi-label targets: run_probes checked the solver has a fitter (_check_multilabel)
@@ -478,6 +519,7 @@ def _probe_one(
     if proto.val_source_choice:
         hp.setdefault("val_source", cfg.val_source)
     hp["task_metric"] = opts["metric"]
+    hp.update(capped)
     rows = []
     for es, ev in d.evals.items():
         hp_es = hp
@@ -522,6 +564,17 @@ def _probe_one(
             conv,
         )
     return rows
+
+
+def _cap_batch(opts: dict[str, Any], n: int, b: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``opts`` with a ``batch_size`` larger than the ``n`` rows fitted capped at ``n`` (a
+    batch of 10^9 rows would stack the sampler's passes for minutes), and what the row
+    records of it (``batch_size_given``; nothing when no cap)."""
+    given = opts.get("batch_size")
+    if not isinstance(given, int) or given <= n:
+        return opts, {}
+    log.warning("%s: --batch-size %d is larger than the %d training rows; capped at %d (recorded)", b, given, n, n)
+    return {**opts, "batch_size": n}, {"batch_size_given": given, "batch_size": n}
 
 
 def _best_test_epoch(cfg: ProbeConfig, d: _Data, plan: _Plan, out, es: str, ev: SplitData, metric: str):

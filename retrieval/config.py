@@ -197,9 +197,11 @@ class RetrievalConfig:
             raise RetrievalConfigError(f"min_recall must be in (0, 1], got {self.min_recall!r}")
         if int(self.recall_queries) < 1 or int(self.shards) < 0:
             raise RetrievalConfigError("recall_queries must be >= 1 and shards >= 0")
-        from featcache.retrieval.search import parse_memory
+        from featcache.core.memory import parse_memory
+        from featcache.retrieval.search import DEFAULT_MAX_MEMORY
 
-        parse_memory(self.max_memory)  # --max-memory 1e400, 'lots': one line before any compute
+        # --max-memory 1e400, 'lots': one line naming the flag before any compute
+        parse_memory(self.max_memory, error=RetrievalConfigError, default=DEFAULT_MAX_MEMORY)
 
     @property
     def full_ranking(self) -> bool:

@@ -55,7 +55,29 @@ def run(args) -> int:
     for r in frame.iter_rows(named=True):
         print(f"{r['backbone']}  {r['protocol']}  {cfg.dataset}/{cfg.split}  {r['metric']}={r['value']:.4f}")
     print(f"{frame.height} rows" + (f" -> {cfg.results_path}" if cfg.results_path else ""))
+    line = estimates_line(frame, cfg.max_memory)
+    if line:
+        print(line)
     return 0
+
+
+def estimates_line(frame, max_memory: str) -> str:
+    """One line naming the measures whose rows are estimates (``estimate`` in their hparams),
+    or "" when every value is exact."""
+    import json
+
+    notes: dict[str, str] = {}
+    for r in frame.iter_rows(named=True):
+        hp = r["hparams"] if isinstance(r["hparams"], dict) else json.loads(r["hparams"] or "{}")
+        if hp.get("estimate"):
+            notes.setdefault(r["metric"], hp["estimate"])
+    if not notes:
+        return ""
+    what = "; ".join(f"{m}: {note}" for m, note in notes.items())
+    return (
+        f"note: estimates, not exact values, within --max-memory {max_memory} ({what}); each row records "
+        "its estimator in its hparams (estimate); a larger --max-memory gives the exact values"
+    )
 
 
 def run_audit_cli(args) -> int:

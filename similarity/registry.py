@@ -12,7 +12,9 @@ the stage needs from it (a measure is one file: this one, or a module of your ow
   ``fn(stat, cfg) -> value``; its rows record ``rows`` and ``block_rows``.
 - no ``statistic``: the measure takes the aligned rows, ``fn(X, Y, cfg, budget) -> (value,
   details)``, and keeps its ``[n, n]`` Gram matrices or RDMs within ``budget``
-  (:class:`Budget`: every row when they fit, else a seeded sample).
+  (:class:`Budget`): every row when they fit, else in blocks of rows when its exact value
+  can be accumulated so, else an estimate, whose ``details`` then hold ``estimate``: one
+  line saying which estimator on how many rows (the CLI prints it, the row records it).
 - ``hparams(cfg)``: the options its rows record beside ``feature_kind`` (their run ids
   depend on them); ``text``: how the report names it (each row records it in its hparams as
   ``measure_text``, where the analysis reads it: the analysis imports no stage).
@@ -33,16 +35,20 @@ import numpy as np
 
 from featcache.core.registry import Registry
 from featcache.errors import ConfigError
+from featcache.similarity.blocked import blocked_rbf_cka
 from featcache.similarity.measures import rbf_cka, rsa
 from featcache.similarity.streaming import LinearCKAStream, MinibatchCKA, take_rows
 
 if TYPE_CHECKING:
     from featcache.similarity.config import SimilarityConfig
 
-__all__ = ["MAX_MINIBATCH", "MEASURES", "Budget", "Measure", "register_measure"]
+__all__ = ["EXACT_MAX_ROWS", "MAX_MINIBATCH", "MEASURES", "Budget", "Measure", "register_measure"]
 
 #: largest minibatch of the kernel estimator
 MAX_MINIBATCH = 4096
+#: most rows whose RBF CKA is computed exactly in row blocks when the Gram matrices do not
+#: fit (its cost grows as rows squared: past this, the minibatch estimate, recorded as such)
+EXACT_MAX_ROWS = 50_000
 
 
 @dataclass(frozen=True)
@@ -145,12 +151,16 @@ def _rbf_hparams(cfg: SimilarityConfig) -> dict[str, Any]:
 
 @register_measure("cka_rbf", text="RBF CKA", hparams=_rbf_hparams)
 def cka_rbf(X: Any, Y: Any, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
-    """RBF CKA on every row when the Gram matrices fit, else google-research's minibatch
-    estimator on a seeded sample."""
+    """RBF CKA on every row: in memory when the Gram matrices fit, else accumulated in row
+    blocks (the same value, up to float64 rounding); past :data:`EXACT_MAX_ROWS` rows,
+    google-research's minibatch estimator on a seeded sample (recorded as an estimate)."""
     n = X.shape[0]
     kw: dict[str, Any] = {"sigma": cfg.rbf_sigma} if cfg.rbf_sigma else {"threshold": cfg.rbf_threshold}
     if n <= budget.gram_rows:
         return rbf_cka(np.asarray(X), np.asarray(Y), **kw), {"rbf_estimator": "full", "rows": n}
+    if n <= EXACT_MAX_ROWS:
+        value, info = blocked_rbf_cka(X, Y, cfg.rbf_threshold, cfg.rbf_sigma, budget.memory)
+        return value, {"rbf_estimator": "blocks", "rows": n, **info}
     idx = _sample(n, budget.sample_rows, cfg.seed, 1)
     x, y = _rows(X, idx), _rows(Y, idx)
     perm = np.random.default_rng([cfg.seed, 2]).permutation(idx.size)
@@ -158,7 +168,9 @@ def cka_rbf(X: Any, Y: Any, cfg: SimilarityConfig, budget: Budget) -> tuple[floa
     est = MinibatchCKA("rbf", cfg.rbf_threshold, cfg.rbf_sigma)
     for s in range(0, perm.size, b):
         est.update(x[perm[s : s + b]], y[perm[s : s + b]])
-    return est.result(), {"rbf_estimator": "minibatch", "rows": int(idx.size - est.skipped), "minibatch": b}
+    rows = int(idx.size - est.skipped)
+    note = f"google-research's minibatch estimate on {rows} of {n} rows (minibatches of {b}, seed {cfg.seed})"
+    return est.result(), {"rbf_estimator": "minibatch", "rows": rows, "minibatch": b, "estimate": note}
 
 
 def _rsa_hparams(cfg: SimilarityConfig) -> dict[str, Any]:
@@ -167,6 +179,12 @@ def _rsa_hparams(cfg: SimilarityConfig) -> dict[str, Any]:
 
 @register_measure("rsa_spearman", text="RSA (Spearman of RDMs)", hparams=_rsa_hparams)
 def rsa_spearman(X: Any, Y: Any, cfg: SimilarityConfig, budget: Budget) -> tuple[float, dict[str, Any]]:
-    """RSA on the RDMs of at most the rows that fit (a seeded sample)."""
-    idx = _sample(X.shape[0], budget.gram_rows, cfg.seed, 3)
-    return rsa(_rows(X, idx), _rows(Y, idx), cfg.rdm), {"rows": int(idx.size)}
+    """RSA on the RDMs of every row when they fit, else of a seeded sample of the rows that
+    fit (recorded as an estimate: Spearman's ranks of all ``n^2 / 2`` dissimilarities need
+    them all at once)."""
+    n = int(X.shape[0])
+    idx = _sample(n, budget.gram_rows, cfg.seed, 3)
+    value, info = rsa(_rows(X, idx), _rows(Y, idx), cfg.rdm), {"rows": int(idx.size)}
+    if idx.size < n:
+        info["estimate"] = f"RDMs of a sample of {idx.size} of {n} rows (seed {cfg.seed})"
+    return value, info

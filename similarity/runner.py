@@ -64,6 +64,12 @@ def _streamed(
 
 def _backbones(cfg: SimilarityConfig, cache) -> list[str]:
     held = list(dict.fromkeys(b for b, d, s in cache.entries() if d == cfg.dataset and s == cfg.split))
+    if not held:
+        splits = sorted({s for _, d, s in cache.entries() if d == cfg.dataset})
+        raise DataError(
+            f"no backbone in {cfg.cache} holds split {cfg.split!r} of {cfg.dataset} (its splits: {splits}); "
+            "pass --split with one of them"
+        )
     if cfg.backbones is None:
         if len(held) < 2:
             raise DataError(
@@ -78,6 +84,23 @@ def _backbones(cfg: SimilarityConfig, cache) -> list[str]:
             f"(those that do: {held}); fix --backbones or run `featcache extract`"
         )
     return list(cfg.backbones)
+
+
+def _vectors(cache, cfg: SimilarityConfig, b: str):
+    """``b``'s rows of ``cfg.kind`` (lazy); an N-d kind (tokens, blocks) is refused naming the
+    vector kinds the store holds for it."""
+    f = cache.load(b, cfg.dataset, cfg.split, cfg.kind, lazy=True)
+    if len(f.X.shape) == 2:
+        return f
+    vec = [
+        k
+        for k in cache.kinds(b, cfg.dataset, cfg.split)
+        if len(cache.load(b, cfg.dataset, cfg.split, k, lazy=True).X.shape) == 2
+    ]
+    raise DataError(
+        f"--kind {cfg.kind} holds [rows, {', '.join(map(str, f.X.shape[1:]))}] per image for {b}; similarity "
+        f"compares one vector per image: pass --kind with one of its vector kinds {vec} (pool tokens at extract)"
+    )
 
 
 def _fingerprint(cache, cfg: SimilarityConfig, b: str) -> str:
@@ -127,6 +150,8 @@ def _pair_rows(cfg: SimilarityConfig, fa, fb, run_ids: dict[str, str]) -> list[d
     secs = time.perf_counter() - t0
     rows = []
     for m, (value, info) in got.items():
+        if info.get("estimate"):
+            log.warning("%s of %s vs %s is an estimate: %s", m, fa.backbone, fb.backbone, info["estimate"])
         rows.append(
             {
                 "run_id": run_ids[m],
@@ -182,7 +207,7 @@ def run_similarity(config: SimilarityConfig) -> pl.DataFrame:
     for a, b in tqdm(todo, desc="similarity pairs", unit="pair", disable=not cfg.progress):
         for name in (a, b):
             if name not in feats:
-                feats[name] = cache.load(name, cfg.dataset, cfg.split, cfg.kind, lazy=True)
+                feats[name] = _vectors(cache, cfg, name)
         new = _pair_rows(cfg, feats[a], feats[b], ids[(a, b)])
         write_rows(cfg.results_path, new)
         rows += new

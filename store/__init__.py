@@ -7,6 +7,7 @@ from featcache.store.blocks import DEFAULT_BLOCK_MEMORY, block_bytes
 from featcache.store.cache import FeatureCache, Features, open_cache
 from featcache.store.cli import add_storage_option_argument, parse_storage_options
 from featcache.store.fingerprints import combine_fingerprints, dataset_fingerprint
+from featcache.store.locks import StoreLock, local_root
 from featcache.store.rows import StoredRows
 from featcache.store.schema import (
     MAX_CHUNK_ROWS,
@@ -31,6 +32,7 @@ __all__ = [
     "FeatureWriter",
     "Features",
     "SplitMeta",
+    "StoreLock",
     "StoredRows",
     "add_storage_option_argument",
     "block_bytes",
@@ -38,6 +40,7 @@ __all__ = [
     "dataset_fingerprint",
     "ensure_split",
     "load_label_matrix",
+    "local_root",
     "make_provenance",
     "no_space",
     "open_cache",

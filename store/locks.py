@@ -42,7 +42,7 @@ def _lock_name(name: str) -> str:
     return name.replace("/", "~")
 
 
-def local_root(store) -> str | None:
+def local_root(store: Any) -> str | None:
     from zarr.storage import LocalStore
 
     return str(store.root) if isinstance(store, LocalStore) else None
@@ -51,7 +51,7 @@ def local_root(store) -> str | None:
 class StoreLock:
     """Exclusive writer lock on ``name`` (e.g. ``features/<b>/<d>/<s>``) in one store."""
 
-    def __init__(self, root_group, name: str, *, timeout: float = 0.0, what: str = ""):
+    def __init__(self, root_group: Any, name: str, *, timeout: float = 0.0, what: str = "") -> None:
         self.root = root_group
         self.name = name
         self.timeout = timeout

@@ -575,3 +575,19 @@ def test_bf16_where_the_cpu_has_amx_and_the_check_holds(monkeypatch, slots, boun
         assert low.W[v].dtype == torch.float32
         err = float((low.W[v] - ref.W[v]).norm() / ref.W[v].norm())
         assert err < 2e-2, (v, err)
+
+
+@pytest.mark.slow
+def test_a_batch_larger_than_the_data_is_capped_and_recorded(vit_store, tmp_path):
+    """Issue 60: ``--batch-size 1000000000`` ran for the whole 600 s limit (the sampler stacked
+    10^9 rows); it is capped at the rows fitted, and the row records both."""
+    import time
+
+    from featcache.probes import run_probes
+
+    t0 = time.perf_counter()
+    df = run_probes(_cfg(vit_store, tmp_path / "r.parquet", batch_size=10**9, sgd_epochs=1, epoch_length=5))
+    assert time.perf_counter() - t0 < 120
+    top1 = df.filter(df["metric"] == "top1").row(0, named=True)
+    hp = top1["hparams"] if isinstance(top1["hparams"], dict) else json.loads(top1["hparams"])
+    assert (hp["batch_size"], hp["batch_size_given"]) == (270, 10**9)

@@ -52,9 +52,12 @@ def test_compare_lazy_views_in_blocks_equals_in_memory(two_backbones):
     assert got["rsa_spearman"][0] == pytest.approx(want, rel=1e-9)
 
 
-def test_kernel_estimators_past_the_memory_bound(two_backbones):
-    """A bound too small for 450 x 450 Gram matrices: minibatch RBF CKA over a sample and RSA
-    over a sample of rows, the estimator and its sizes recorded."""
+def test_kernel_estimators_past_the_memory_bound(two_backbones, monkeypatch):
+    """A bound too small for 1,350 x 1,350 Gram matrices: RBF CKA on every row in blocks (the
+    full formula's value; before issue 60 the minibatch estimator, unannounced), and past
+    EXACT_MAX_ROWS the minibatch estimator over a sample, recorded as an estimate."""
+    from featcache.similarity import registry
+    from featcache.similarity.measures import rbf_cka
     from featcache.store import open_cache
 
     cache = open_cache(two_backbones)
@@ -70,8 +73,14 @@ def test_kernel_estimators_past_the_memory_bound(two_backbones):
     X, Y = np.asarray(la.X, np.float64), np.asarray(lb.X, np.float64)
     big_x, big_y = np.tile(X, (3, 1)), np.tile(Y, (3, 1))  # 1350 rows: past the bound
     got = compare(big_x, big_y, cfg2)["cka_rbf"]
+    assert got[1]["rbf_estimator"] == "blocks"
+    assert "estimate" not in got[1]
+    assert got[0] == pytest.approx(rbf_cka(big_x, big_y), rel=1e-9)
+    monkeypatch.setattr(registry, "EXACT_MAX_ROWS", 1000)
+    got = compare(big_x, big_y, cfg2)["cka_rbf"]
     assert got[1]["rbf_estimator"] == "minibatch"
     assert got[1]["minibatch"] == Budget(cfg2.memory, 1280, 1280).gram_rows
+    assert got[1]["estimate"].startswith("google-research's minibatch estimate on ")
 
 
 def test_cli_writes_rows_skips_finished_pairs_and_the_report_draws_them(two_backbones, tmp_path, capsys):
