@@ -197,9 +197,14 @@ def test_language_initialised_head_matters_and_is_not_worse_than_zeroshot(digits
     earlier batch 32 and Nesterov, under which this comparison was measured) is patched in."""
     from dataclasses import replace
 
+    from featcache.core.protocols import builtin  # where the elevater-fewshot factory reads its grid
+
     monkeypatch.setattr(
-        P, "ELEVATER_SGD", replace(P.ELEVATER_SGD, features="l2", logit_scale=1 / 0.07, batch_size=32, nesterov=True)
+        builtin,
+        "ELEVATER_SGD",
+        replace(P.ELEVATER_SGD, features="l2", logit_scale=1 / 0.07, batch_size=32, nesterov=True),
     )
+    assert P.get_protocol("elevater-fewshot:5").grid.features == "l2"  # the patch reaches the protocol
     zs, hz = _top1_hp(run_probes(ProbeConfig(digits_with_text, LITE0, "digits", "zeroshot", progress=False)))
     assert hz["solver"] == "zeroshot"
     assert hz["n_train"] == 0
