@@ -63,6 +63,23 @@ def test_streamed_blocks_equal_prepare_bit_for_bit(X, metric):
     np.testing.assert_array_equal(P.sq_norms(), np.einsum("ij,ij->i", ref, ref))
 
 
+def _assert_streamed_equal_held(held, streamed, backend):
+    """The full ranking's float32 scores (numpy): a GEMM's sums depend on the block shapes on
+    some CPUs (OpenBLAS's Haswell kernels on AMD EPYC: a held and a streamed gallery round 1
+    of 1,347 digits queries' near-tie otherwise), so per query the values are equal except
+    where a near-tie swapped, and every mean within 1e-6 (the bound the exact-vs-float32
+    comparison of test_retrieval_fullsort holds); elsewhere (torch) bit for bit."""
+    for name, vals in held["per_query"].items():
+        got = streamed["per_query"][name]
+        if backend != "numpy":
+            np.testing.assert_array_equal(got, vals, err_msg=name)
+            continue
+        assert np.mean(got != vals) <= 0.01, (
+            name
+        )  # measured: 1 query of 1,347 differs on AMD EPYC; none on Ice Lake (CI)
+        assert abs(np.nanmean(got) - np.nanmean(vals)) <= 1e-6, name
+
+
 @pytest.mark.parametrize("metric", ["cosine", "l2"])
 @pytest.mark.parametrize("backend", ["numpy", "torch-cpu"])
 def test_streamed_gallery_metrics_equal_held_on_lite0_digits(digits_cache, caplog, metric, backend):
@@ -73,8 +90,12 @@ def test_streamed_gallery_metrics_equal_held_on_lite0_digits(digits_cache, caplo
         streamed = evaluate(X, X, rel, metric=metric, backend=backend, max_memory=SMALL)
     assert "streamed in float32 blocks" in caplog.text
     assert held["per_query"].keys() == streamed["per_query"].keys()
-    for name, vals in held["per_query"].items():
-        np.testing.assert_array_equal(streamed["per_query"][name], vals, err_msg=name)
+    _assert_streamed_equal_held(held, streamed, backend)
+    if backend == "numpy":  # --exact-scores: bit for bit on every machine
+        exact = evaluate(X, X, rel, metric=metric, backend=backend, exact_scores=True)
+        exact_s = evaluate(X, X, rel, metric=metric, backend=backend, exact_scores=True, max_memory=SMALL)
+        for name, vals in exact["per_query"].items():
+            np.testing.assert_array_equal(exact_s["per_query"][name], vals, err_msg=name)
     top_held = evaluate(X, X, rel, metric=metric, backend=backend, full=False)
     top_streamed = evaluate(X, X, rel, metric=metric, backend=backend, full=False, max_memory=SMALL)
     for name, vals in top_held["per_query"].items():
@@ -99,7 +120,11 @@ def test_streamed_topk_lists_equal_held_on_lite0_fashion_mnist(fmnist_cache):
 
 
 def test_run_retrieval_rows_equal_when_streamed(digits_cache, tmp_path):
-    cfg = RetrievalConfig(digits_cache, "digits", (LITE0,), backend="numpy", knn_ks=(10, 20), progress=False)
+    # --exact-scores: the rows are bit for bit equal on every machine (the float32 scores'
+    # sums depend on the block shapes on some CPUs: see _assert_streamed_equal_held)
+    cfg = RetrievalConfig(
+        digits_cache, "digits", (LITE0,), backend="numpy", knn_ks=(10, 20), progress=False, exact_scores=True
+    )
     held = run_retrieval(cfg).sort(["run_id", "metric"])
     streamed = run_retrieval(replace(cfg, max_memory=SMALL)).sort(["run_id", "metric"])
     assert held["run_id"].to_list() == streamed["run_id"].to_list()  # memory is not part of a run's identity
