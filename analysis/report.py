@@ -747,7 +747,7 @@ def _details(raw, r: Ranking | None, rank_kwargs: Mapping[str, Any], tmp: Path) 
     return ctx
 
 
-def _named(table, names: Mapping[str, str]):
+def _named(table: Any, names: Mapping[str, str]) -> Any:
     """``table`` (a DataFrame or :class:`LoadedResults`) with each backbone of ``names`` renamed
     (a random-init baseline named as such, :func:`~featcache.analysis.rankings.random_baselines`),
     so every table and plot of the report that ranks it says so."""

@@ -462,6 +462,7 @@ def _select_one(run: _Run, s: int, plan: SplitPlan, c: TrainConfig, key: dict, k
     if _val_key(run) != "val_top1":  # the task's metric selects (val_top1 stays for the record)
         from featcache.core.metrics import METRICS
 
+        assert run.cfg.metric is not None  # _val_key names it
         rec[_val_key(run)] = float(METRICS[run.cfg.metric](run.pool.y[pva], P)) if res.finite else -1.0
     if outcome is not None:
         atomic_json(rec, outcome)

@@ -117,7 +117,7 @@ def read_predictions(path: str | os.PathLike) -> pl.DataFrame:
     df = read_parquet_checked(p)
     if list(df.columns) != list(PREDICTION_COLUMNS):
         raise ResultsError(f"{p} is a parquet file but not a predictions table (columns {list(df.columns)}); {_HINT}")
-    return df.cast(PREDICTION_COLUMNS)
+    return df.select(pl.col(c).cast(t) for c, t in PREDICTION_COLUMNS.items())
 
 
 def predicted_run_ids(path: str | os.PathLike | None) -> set[str]:

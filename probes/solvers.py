@@ -87,10 +87,13 @@ def _decorated(tree: ast.Module) -> list[tuple[str, str]]:
     """(solver name, function) of each top-level ``@register_solver("name", ...)``."""
     out = []
     for node in tree.body:
-        for d in getattr(node, "decorator_list", ()):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for d in node.decorator_list:
             first = d.args[0] if isinstance(d, ast.Call) and d.args else None
-            named = isinstance(first, ast.Constant) and isinstance(first.value, str)
-            if named and getattr(d.func, "id", None) == "register_solver":
+            if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+                continue
+            if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "register_solver":
                 out.append((first.value, node.name))
     return out
 

@@ -116,7 +116,7 @@ def kth_smallest(tiles: Callable[[], Iterator[np.ndarray]], ks: tuple[int, ...],
             return [found[k] for k in ks]
         if spans:
             j0, j1 = min(spans), max(spans)
-            lo, hi = (edges[j0 - 1] if j0 > 0 else lo), (edges[j1] if j1 < edges.size else hi)
+            lo, hi = (float(edges[j0 - 1]) if j0 > 0 else lo), (float(edges[j1]) if j1 < edges.size else hi)
             expect = int((lt[j1] if j1 < edges.size else inside) - (le[j0 - 1] if j0 > 0 else 0))
         sample = sample[(sample > lo) & (sample < hi)]
         edges = np.unique(np.quantile(sample, np.linspace(0, 1, EDGES))) if sample.size else np.empty(0)
@@ -132,6 +132,7 @@ def _bandwidth(X: Any, n: int, b: int, threshold: float | None, sigma: float | N
     med = (a + c) / 2.0  # numpy's median of an even count: the mean of the middle two
     if med <= 0:
         raise DataError("the median squared distance between rows is 0 (mostly identical rows); give a fixed sigma")
+    assert threshold is not None  # a config gives one of sigma and threshold
     return 2.0 * float(threshold) ** 2 * med
 
 

@@ -184,7 +184,8 @@ def rsa_spearman(X: Any, Y: Any, cfg: SimilarityConfig, budget: Budget) -> tuple
     them all at once)."""
     n = int(X.shape[0])
     idx = _sample(n, budget.gram_rows, cfg.seed, 3)
-    value, info = rsa(_rows(X, idx), _rows(Y, idx), cfg.rdm), {"rows": int(idx.size)}
+    value = rsa(_rows(X, idx), _rows(Y, idx), cfg.rdm)
+    info: dict[str, Any] = {"rows": int(idx.size)}
     if idx.size < n:
         info["estimate"] = f"RDMs of a sample of {idx.size} of {n} rows (seed {cfg.seed})"
     return value, info

@@ -52,7 +52,7 @@ def _streamed(
     if not measures:
         return {}
     factories = dict.fromkeys(ms.statistic for ms in measures.values() if ms.statistic is not None)
-    stats = {make: make() for make in factories}
+    stats: dict[Any, Any] = {make: make() for make in factories}
     n = 0
     for bx, by in paired_blocks(X, Y, budget.block_rows):
         for s in stats.values():

@@ -5,6 +5,7 @@ factory under :func:`register_protocol` that parses it."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from featcache.core.protocols.base import Protocol, register_fixed_protocol, register_protocol
 from featcache.core.protocols.grids import (
@@ -24,7 +25,7 @@ __all__: list[str] = []
 #: what every VTAB-1k protocol shares: three seeds, the median reported, the val source chosen
 VTAB1K = {"seeds": (0, 1, 2), "median_over_seeds": True, "val_source_choice": True}
 #: ELEVATER's tables: the mean +/- std over the seeds
-ELEVATER = {"seed_rule": "mean"}
+ELEVATER: dict[str, Any] = {"seed_rule": "mean"}
 
 register_fixed_protocol(
     "full", note="z-scored features", split="full", solver="lbfgs", grid=CGrid(), pairs_with="full", table_label=""
@@ -105,6 +106,7 @@ def attentive(arg: str | None = None) -> Protocol:
     without a refit."""
     if not re.fullmatch(r"[a-z][a-z0-9_-]*", arg or ""):
         raise ProtocolError(f"attentive needs a head variant: e.g. attentive:vjepa or attentive:aim (got {arg!r})")
+    assert arg is not None  # matched above
     grid = AttentiveGrid(variant=arg)
     return Protocol(f"attentive:{arg}", "attentive", "probe", "no-refit", "attentive", grid, kind="tokens")
 
