@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from featcache.core.cpu import load_average, threads_for_load
 from featcache.data.readers import open_dataset, parse_spec, select_splits
 from featcache.data.source import ReadOptions, SplitSource
 from featcache.errors import DataError, ProvenanceMismatchError, UsageError
@@ -92,6 +93,15 @@ def default_parallelism(device: str, workers: int | None = None, threads: int | 
         workers = 0 if cpus <= 2 else max(1, cpus // 4)
     t = max(1, cpus - workers) if threads is None else threads
     return workers, t
+
+
+def _parallelism(dev: str, cfg: ExtractConfig, workers: int | None, load: float | None) -> tuple[int, int | None]:
+    """:func:`default_parallelism`, with the torch threads lowered on a busy machine as the
+    demo does (:func:`featcache.core.cpu.threads_for_load`) unless ``--threads`` was given."""
+    workers, threads = default_parallelism(dev, workers, cfg.threads)
+    if cfg.threads is None and not dev.startswith("cuda"):
+        threads = threads_for_load(threads, available_cpus(), load)
+    return workers, threads
 
 
 def choose_workers(decode_ips: float, forward_ips: float, cpus: int, device: str = "cpu") -> int:
@@ -189,17 +199,18 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, cfg.features)
         dims = head.dims(tuple(bb.data_config["input_size"]))
-        workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
+        load = load_average()  # when the extraction started: recorded beside its threads
+        workers, threads = _parallelism(dev, cfg, cfg.workers, load)
         key = cfg.backbone_name or bb.default_key
         sources = with_views(sources, cfg.views, cfg.view_seed, bb, lambda s: _limited(cfg, s))
         if cfg.size_check:
             _check_size(cfg, store, key, sources, dims, on_size if rank == 0 else (lambda _: None))
         res = _resolve(cfg, store, head, dev, key, sources, threads)
         if cfg.workers is None and res.forward_ips and res.decode_ips:
-            workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head)
+            workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head, load)
         job = _Job(
             cfg, store, bb, head, res.fwd, dims, key, rank, world, workers, threads, res.amp, decoder,
-            backend=res.backend, record=res.record,
+            backend=res.backend, record={**(res.record or {}), "load_avg": load},
         )  # fmt: skip
         return [_extract_split(job, src) for src in sources]
     finally:
@@ -241,7 +252,9 @@ def _resolve(cfg: ExtractConfig, store, head: FeatureHead, dev: str, key: str, s
     return resolve(cfg, head, dev, stored, sum(len(s) for s in limited), threads, first)
 
 
-def _measured_parallelism(dev: str, cfg: ExtractConfig, res, workers: int, threads: int | None, head):
+def _measured_parallelism(
+    dev: str, cfg: ExtractConfig, res, workers: int, threads: int | None, head, load: float | None
+) -> tuple[int, int | None]:
     """(workers, threads) from the measured decode and forward rates (:func:`choose_workers`);
     a forward built for other threads than the new count is rebuilt."""
     cpus = available_cpus()
@@ -249,7 +262,7 @@ def _measured_parallelism(dev: str, cfg: ExtractConfig, res, workers: int, threa
     w = choose_workers(res.decode_ips, fwd_all, cpus, dev)
     if w == workers:
         return workers, threads
-    new_w, new_t = default_parallelism(dev, w, cfg.threads)
+    new_w, new_t = _parallelism(dev, cfg, w, load)
     log.info(
         "%d decode worker(s): decode+preprocess %.0f img/s a core, forward %.0f img/s on %d core(s)",
         new_w, res.decode_ips, fwd_all, cpus,
