@@ -162,9 +162,6 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
     Before any image is read, the store size the job needs is reported (``on_size``, else the
     log) and checked against the store disk's free space (:mod:`.sizing`; ``size_check=False``: not).
     """
-    import torch
-
-    from featcache.models.backbones import create_backbone
     from featcache.store import open_cache
 
     if not isinstance(config, ExtractConfig):
@@ -180,7 +177,47 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     if cfg.views:  # refused before the model is built
         check_view_splits(sources, cfg.views)
+    new_dir = _new_local_dir(cfg.cache)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
+    try:
+        return _extract_job(cfg, store, decoder, sources, on_size)
+    except BaseException:
+        if new_dir is not None:
+            _remove_if_empty(new_dir, cfg.cache)
+        raise
+
+
+def _new_local_dir(cache: Any) -> str | None:
+    """The outermost folder of a local store path that does not exist yet (what opening the
+    store creates), else None (an existing store, or not a local path)."""
+    path = os.fspath(cache) if isinstance(cache, (str, os.PathLike)) else None
+    if path is None or "://" in path or os.path.exists(path):
+        return None
+    top = os.path.abspath(path)
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
+    return top
+
+
+def _remove_if_empty(top: str, cache: Any) -> None:
+    """Remove the folders a failed job created for its store when the store holds nothing
+    (no dataset split, no feature group): a failed extract leaves no empty store behind."""
+    import shutil
+
+    root = os.path.abspath(os.fspath(cache))
+    if any(os.path.exists(os.path.join(root, part)) for part in ("datasets", "features")):
+        return
+    shutil.rmtree(top, ignore_errors=True)
+    log.info("removed the empty store %s that this failed job had created", root)
+
+
+def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> list[SplitReport]:
+    """:func:`extract` once the store is open: build the backbone, resolve the job's settings,
+    extract every split."""
+    import torch
+
+    from featcache.models.backbones import create_backbone
+
     bb = create_backbone(
         cfg.model,
         cfg.weights,
@@ -198,6 +235,9 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
         if cfg.channels_last:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, cfg.features)
+        from featcache.models.sizes import check_input_size
+
+        check_input_size(bb, head if cfg.input_size is not None else None)  # before any image is read
         dims = head.dims(tuple(bb.data_config["input_size"]))
         load = load_average()  # when the extraction started: recorded beside its threads
         workers, threads = _parallelism(dev, cfg, cfg.workers, load)
