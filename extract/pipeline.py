@@ -248,6 +248,7 @@ def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> l
         res = _resolve(cfg, store, head, dev, key, sources, threads)
         if cfg.workers is None and res.forward_ips and res.decode_ips:
             workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head, load)
+        cfg = _check_request(cfg, store, key, sources, res.amp, bb, rank, world)
         job = _Job(
             cfg, store, bb, head, res.fwd, dims, key, rank, world, workers, threads, res.amp, decoder,
             backend=res.backend, record={**(res.record or {}), "load_avg": load},
@@ -256,6 +257,22 @@ def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> l
     finally:
         torch.set_num_threads(old_threads)
         close_dist(own_group)
+
+
+def _check_request(cfg: ExtractConfig, store, key: str, sources, amp: str, bb, rank: int, world: int):
+    """The job's request against the store's recorded one (:mod:`.request`); where it replaced a
+    request of which nothing was written, the empty groups of the old one are rewritten."""
+    from featcache.extract.request import check_request, job_request
+
+    if not cfg.write or not sources:
+        return cfg
+    new = job_request(cfg, amp, bb.data_config["input_size"])
+    train = any(s.split == "train" for s in sources)
+    fn = check_request if rank == 0 else None
+    replaced = agree(world, rank, "set-up", fn, store, key, sources[0].dataset, new, train, cfg.overwrite)
+    if world > 1:
+        replaced = gather(world, replaced)[0]
+    return cfg.replace(overwrite=True) if replaced else cfg
 
 
 def _check_size(cfg: ExtractConfig, store, key: str, sources, dims, on_size) -> None:
