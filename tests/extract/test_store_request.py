@@ -71,19 +71,21 @@ def test_a_resume_with_other_settings_is_refused_once_something_was_written(tmp_
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.count(flag) >= 2, msg  # the stored and the requested value
-    assert "--overwrite" in msg and "--backbone-name" in msg
+    assert "--overwrite" in msg
+    assert "--backbone-name" in msg
     (rep,) = extract(_cfg(cache, **old))[:1]  # the stored request resumes
     assert rep.chunks_computed == 2
 
 
 @pytest.mark.parametrize("case", PARAMS)
 def test_with_nothing_written_the_new_request_replaces_the_old_one(tmp_path, monkeypatch, caplog, case):
-    old, new, flag = CASES[case]
+    old, new, _ = CASES[case]
     cache = tmp_path / "s.zarr"
     _interrupted(cache, 0, monkeypatch, **old)
     with caplog.at_level(logging.WARNING):
         reps = extract(_cfg(cache, **new))
-    assert "nothing of the recorded request" in caplog.text and "replaced by this one" in caplog.text
+    assert "nothing of the recorded request" in caplog.text
+    assert "replaced by this one" in caplog.text
     assert all(r.chunks_computed == r.chunks_total for r in reps)
     again = extract(_cfg(cache, **new))  # the next plain resume is the new request's
     assert all(r.skipped for r in again)
