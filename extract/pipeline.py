@@ -237,7 +237,7 @@ def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> l
         head = FeatureHead(bb, cfg.features)
         from featcache.models.sizes import check_input_size
 
-        check_input_size(bb, head if cfg.input_size is not None else None)  # before any image is read
+        check_input_size(bb, bb.model if cfg.input_size is not None else None)  # before any image is read
         dims = head.dims(tuple(bb.data_config["input_size"]))
         load = load_average()  # when the extraction started: recorded beside its threads
         workers, threads = _parallelism(dev, cfg, cfg.workers, load)

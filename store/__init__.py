@@ -7,6 +7,7 @@ from featcache.store.blocks import DEFAULT_BLOCK_MEMORY, block_bytes
 from featcache.store.cache import FeatureCache, Features, open_cache
 from featcache.store.cli import add_storage_option_argument, parse_storage_options
 from featcache.store.fingerprints import combine_fingerprints, dataset_fingerprint
+from featcache.store.locks import StoreLock
 from featcache.store.rows import StoredRows
 from featcache.store.schema import (
     MAX_CHUNK_ROWS,
@@ -19,7 +20,13 @@ from featcache.store.space import no_space
 from featcache.store.tasks import load_label_matrix, task_metric, write_label_matrix, write_task_metric
 from featcache.store.verify import register_beside_check
 from featcache.store.writer import FeatureWriter, make_provenance, write_features
-from featcache.store.writing import ensure_split, write_caption_embeddings, write_class_embeddings
+from featcache.store.writing import (
+    ensure_split,
+    read_request,
+    write_caption_embeddings,
+    write_class_embeddings,
+    write_request,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_MEMORY",
@@ -31,6 +38,7 @@ __all__ = [
     "FeatureWriter",
     "Features",
     "SplitMeta",
+    "StoreLock",
     "StoredRows",
     "add_storage_option_argument",
     "block_bytes",
@@ -42,11 +50,13 @@ __all__ = [
     "no_space",
     "open_cache",
     "parse_storage_options",
+    "read_request",
     "register_beside_check",
     "task_metric",
     "write_caption_embeddings",
     "write_class_embeddings",
     "write_features",
     "write_label_matrix",
+    "write_request",
     "write_task_metric",
 ]

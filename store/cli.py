@@ -137,7 +137,7 @@ def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
         base, view = s.split("@view", 1) if "@view" in s else (s, None)
         source = cache.split_meta(d, base).source
         args = ["--model", p.model_name, "--weights", p.weights_source, "--data", data_spec(source) or f"<{source}>"]
-        args += ["--dataset-name", d, "--split", base, "--limit", str(p.n), "--backbone-name", b]
+        args += ["--dataset-name", d, "--split", base, "--backbone-name", b]
         if "input_size" in dc:
             args += ["--input-size", str(dc["input_size"][-1])]
         if isinstance(dc.get("view"), dict):
@@ -145,7 +145,7 @@ def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
         elif view is not None:
             args += ["--views", str(int(view) + 1)]
         args += ["--chunk-rows", str(p.chunk_rows), "--dtype", p.dtype, "--features", ",".join(kinds)]
-        args += ["--precision", {"none": "fp32"}.get(p.amp, p.amp), "--cache", path]
+        args += ["--limit", str(p.n), "--precision", {"none": "fp32"}.get(p.amp, p.amp), "--cache", path]
         return f"`featcache extract {shlex.join(args)}` (the command that wrote it, as the store recorded it)"
     except Exception:
         try:

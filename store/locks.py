@@ -51,7 +51,7 @@ def local_root(store) -> str | None:
 class StoreLock:
     """Exclusive writer lock on ``name`` (e.g. ``features/<b>/<d>/<s>``) in one store."""
 
-    def __init__(self, root_group, name: str, *, timeout: float = 0.0, what: str = ""):
+    def __init__(self, root_group: Any, name: str, *, timeout: float = 0.0, what: str = ""):
         self.root = root_group
         self.name = name
         self.timeout = timeout
