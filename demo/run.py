@@ -193,13 +193,11 @@ def cpu_threads(n: int | None):
     every barrier; a train step measured 9-17 s against 1.2 s with 1 thread), else unchanged."""
     import torch
 
+    from featcache.core.cpu import threads_for_load
+
     before = torch.get_num_threads()
     if n is None:
-        cpus = os.cpu_count() or 1
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        if cpus > 1 and load >= cpus:
-            log.info("demo: load %.1f on %d cores: running torch with 1 thread", load, cpus)
-            n = 1
+        n = threads_for_load(None, os.cpu_count() or 1)
     if n:
         torch.set_num_threads(n)
     try:

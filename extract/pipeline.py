@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from featcache.core.cpu import load_average, threads_for_load
 from featcache.data.readers import open_dataset, parse_spec, select_splits
 from featcache.data.source import ReadOptions, SplitSource
 from featcache.errors import DataError, ProvenanceMismatchError, UsageError
@@ -94,6 +95,15 @@ def default_parallelism(device: str, workers: int | None = None, threads: int | 
     return workers, t
 
 
+def _parallelism(dev: str, cfg: ExtractConfig, workers: int | None, load: float | None) -> tuple[int, int | None]:
+    """:func:`default_parallelism`, with the torch threads lowered on a busy machine as the
+    demo does (:func:`featcache.core.cpu.threads_for_load`) unless ``--threads`` was given."""
+    workers, threads = default_parallelism(dev, workers, cfg.threads)
+    if cfg.threads is None and not dev.startswith("cuda"):
+        threads = threads_for_load(threads, available_cpus(), load)
+    return workers, threads
+
+
 def choose_workers(decode_ips: float, forward_ips: float, cpus: int, device: str = "cpu") -> int:
     """DataLoader workers from measured rates: ``decode_ips`` (decode + preprocess, images/s on
     one core) and ``forward_ips`` (the forward on all ``cpus`` cores, or on the GPU).
@@ -152,9 +162,6 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
     Before any image is read, the store size the job needs is reported (``on_size``, else the
     log) and checked against the store disk's free space (:mod:`.sizing`; ``size_check=False``: not).
     """
-    import torch
-
-    from featcache.models.backbones import create_backbone
     from featcache.store import open_cache
 
     if not isinstance(config, ExtractConfig):
@@ -170,7 +177,47 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     if cfg.views:  # refused before the model is built
         check_view_splits(sources, cfg.views)
+    new_dir = _new_local_dir(cfg.cache)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
+    try:
+        return _extract_job(cfg, store, decoder, sources, on_size)
+    except BaseException:
+        if new_dir is not None:
+            _remove_if_empty(new_dir, cfg.cache)
+        raise
+
+
+def _new_local_dir(cache: Any) -> str | None:
+    """The outermost folder of a local store path that does not exist yet (what opening the
+    store creates), else None (an existing store, or not a local path)."""
+    path = os.fspath(cache) if isinstance(cache, (str, os.PathLike)) else None
+    if path is None or "://" in path or os.path.exists(path):
+        return None
+    top = os.path.abspath(path)
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
+    return top
+
+
+def _remove_if_empty(top: str, cache: Any) -> None:
+    """Remove the folders a failed job created for its store when the store holds nothing
+    (no dataset split, no feature group): a failed extract leaves no empty store behind."""
+    import shutil
+
+    root = os.path.abspath(os.fspath(cache))
+    if any(os.path.exists(os.path.join(root, part)) for part in ("datasets", "features")):
+        return
+    shutil.rmtree(top, ignore_errors=True)
+    log.info("removed the empty store %s that this failed job had created", root)
+
+
+def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> list[SplitReport]:
+    """:func:`extract` once the store is open: build the backbone, resolve the job's settings,
+    extract every split."""
+    import torch
+
+    from featcache.models.backbones import create_backbone
+
     bb = create_backbone(
         cfg.model,
         cfg.weights,
@@ -188,23 +235,44 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
         if cfg.channels_last:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, cfg.features)
+        from featcache.models.sizes import check_input_size
+
+        check_input_size(bb, bb.model if cfg.input_size is not None else None)  # before any image is read
         dims = head.dims(tuple(bb.data_config["input_size"]))
-        workers, threads = default_parallelism(dev, cfg.workers, cfg.threads)
+        load = load_average()  # when the extraction started: recorded beside its threads
+        workers, threads = _parallelism(dev, cfg, cfg.workers, load)
         key = cfg.backbone_name or bb.default_key
         sources = with_views(sources, cfg.views, cfg.view_seed, bb, lambda s: _limited(cfg, s))
         if cfg.size_check:
             _check_size(cfg, store, key, sources, dims, on_size if rank == 0 else (lambda _: None))
         res = _resolve(cfg, store, head, dev, key, sources, threads)
         if cfg.workers is None and res.forward_ips and res.decode_ips:
-            workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head)
+            workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head, load)
+        cfg = _check_request(cfg, store, key, sources, res.amp, bb, rank, world)
         job = _Job(
             cfg, store, bb, head, res.fwd, dims, key, rank, world, workers, threads, res.amp, decoder,
-            backend=res.backend, record=res.record,
+            backend=res.backend, record={**(res.record or {}), "load_avg": load},
         )  # fmt: skip
         return [_extract_split(job, src) for src in sources]
     finally:
         torch.set_num_threads(old_threads)
         close_dist(own_group)
+
+
+def _check_request(cfg: ExtractConfig, store, key: str, sources, amp: str, bb, rank: int, world: int):
+    """The job's request against the store's recorded one (:mod:`.request`); where it replaced a
+    request of which nothing was written, the empty groups of the old one are rewritten."""
+    from featcache.extract.request import check_request, job_request
+
+    if not cfg.write or not sources:
+        return cfg
+    new = job_request(cfg, amp, bb.data_config["input_size"])
+    train = any(s.split == "train" for s in sources)
+    fn = check_request if rank == 0 else None
+    replaced = agree(world, rank, "set-up", fn, store, key, sources[0].dataset, new, train, cfg.overwrite)
+    if world > 1:
+        replaced = gather(world, replaced)[0]
+    return cfg.replace(overwrite=True) if replaced else cfg
 
 
 def _check_size(cfg: ExtractConfig, store, key: str, sources, dims, on_size) -> None:
@@ -241,7 +309,9 @@ def _resolve(cfg: ExtractConfig, store, head: FeatureHead, dev: str, key: str, s
     return resolve(cfg, head, dev, stored, sum(len(s) for s in limited), threads, first)
 
 
-def _measured_parallelism(dev: str, cfg: ExtractConfig, res, workers: int, threads: int | None, head):
+def _measured_parallelism(
+    dev: str, cfg: ExtractConfig, res, workers: int, threads: int | None, head, load: float | None
+) -> tuple[int, int | None]:
     """(workers, threads) from the measured decode and forward rates (:func:`choose_workers`);
     a forward built for other threads than the new count is rebuilt."""
     cpus = available_cpus()
@@ -249,7 +319,7 @@ def _measured_parallelism(dev: str, cfg: ExtractConfig, res, workers: int, threa
     w = choose_workers(res.decode_ips, fwd_all, cpus, dev)
     if w == workers:
         return workers, threads
-    new_w, new_t = default_parallelism(dev, w, cfg.threads)
+    new_w, new_t = _parallelism(dev, cfg, w, load)
     log.info(
         "%d decode worker(s): decode+preprocess %.0f img/s a core, forward %.0f img/s on %d core(s)",
         new_w, res.decode_ips, fwd_all, cpus,

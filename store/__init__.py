@@ -20,7 +20,13 @@ from featcache.store.space import no_space
 from featcache.store.tasks import load_label_matrix, task_metric, write_label_matrix, write_task_metric
 from featcache.store.verify import register_beside_check
 from featcache.store.writer import FeatureWriter, make_provenance, write_features
-from featcache.store.writing import ensure_split, write_caption_embeddings, write_class_embeddings
+from featcache.store.writing import (
+    ensure_split,
+    read_request,
+    write_caption_embeddings,
+    write_class_embeddings,
+    write_request,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_MEMORY",
@@ -45,11 +51,13 @@ __all__ = [
     "no_space",
     "open_cache",
     "parse_storage_options",
+    "read_request",
     "register_beside_check",
     "task_metric",
     "write_caption_embeddings",
     "write_class_embeddings",
     "write_features",
     "write_label_matrix",
+    "write_request",
     "write_task_metric",
 ]

@@ -517,6 +517,8 @@ class FeatureCache:
                         "weights": prov.weights_source,
                         "images_per_s": prov.images_per_s,
                         "peak_memory_mb": prov.peak_memory_mb,
+                        "extract_threads": _int_or_none((prov.extra or {}).get("threads")),
+                        "load_avg": _float_or_none((prov.extra or {}).get("load_avg")),
                         "created": prov.created,
                     }
                 )
@@ -536,6 +538,8 @@ class FeatureCache:
             "weights": pl.Utf8,
             "images_per_s": pl.Float64,
             "peak_memory_mb": pl.Float64,
+            "extract_threads": pl.Int64,  # torch CPU threads of the extraction (null on CUDA, older stores)
+            "load_avg": pl.Float64,  # the 1-minute load average when the extraction started
             "created": pl.Utf8,
         }
         return pl.DataFrame(rows, schema=schema, orient="row" if rows else None)
@@ -663,3 +667,11 @@ def _open(store: Any, mode: str, storage_options: dict | None) -> FeatureCache:
         with no_space(label, "the store's root metadata", 4096):
             root = create_root(root, label)
     return FeatureCache(root, label, "a")
+
+
+def _int_or_none(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _float_or_none(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

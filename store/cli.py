@@ -127,24 +127,56 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
-    """The settings of the extract command that wrote a feature group, from its provenance."""
+    """The extract command that recomputes a feature group's damaged chunks, with the settings
+    its provenance and its split recorded: data source, limit, views and view seed (a view split
+    ``train@viewV`` is re-run as ``--split train --views V+1``), input size, precision."""
+    import shlex
+
     try:
         kinds = cache.kinds(b, d, s)
         g = cache._feature_group(b, d, s)
         p = cache.provenance(b, d, s, next(k for k in kinds if k in g))  # a kind whose array survives
-        size = p.data_config.get("input_size", [0, 0, 0])[-1]
-        return (
-            f"`featcache extract --model {p.model_name} --weights {p.weights_source} --data <source of "
-            f"{d}> --dataset-name {d} --split {s} --backbone-name {b} --input-size {size} --chunk-rows "
-            f"{p.chunk_rows} --dtype {p.dtype} --features {','.join(cache.kinds(b, d, s))} --cache {path}` "
-            "(the same command that wrote it)"
-        )
+        dc = p.data_config or {}
+        base, view = s.split("@view", 1) if "@view" in s else (s, None)
+        source = cache.split_meta(d, base).source
+        args = ["--model", p.model_name, "--weights", p.weights_source, "--data", data_spec(source) or f"<{source}>"]
+        args += ["--dataset-name", d, "--split", base, "--backbone-name", b]
+        if "input_size" in dc:
+            args += ["--input-size", str(dc["input_size"][-1])]
+        if isinstance(dc.get("view"), dict):
+            args += ["--views", str(int(dc["view"]["index"]) + 1), "--view-seed", str(int(dc["view"]["seed"]))]
+        elif view is not None:
+            args += ["--views", str(int(view) + 1)]
+        args += ["--chunk-rows", str(p.chunk_rows), "--dtype", p.dtype, "--features", ",".join(kinds)]
+        args += ["--limit", str(p.n), "--precision", {"none": "fp32"}.get(p.amp, p.amp), "--cache", path]
+        return f"`featcache extract {shlex.join(args)}` (the command that wrote it, as the store recorded it)"
     except Exception:
         try:
             kinds = f"--features {','.join(cache.kinds(b, d, s))} "
         except Exception:
             kinds = ""
         return f"the `featcache extract` command that wrote it ({kinds}--split {s} --cache {path})"
+
+
+#: recorded split sources (``SplitSource.source``) that are not themselves a data spec
+_SOURCE_SPECS = {"sklearn.datasets.load_digits": "digits"}
+
+
+def data_spec(source: str) -> str | None:
+    """The ``--data`` spec that reads a recorded split source again (a ``[:N]`` limit dropped:
+    the command gives ``--limit``), None where the source does not say."""
+    import re
+
+    source = re.sub(r"(\[:\d+\])+$", "", source)
+    if source in _SOURCE_SPECS:
+        return _SOURCE_SPECS[source]
+    if source.startswith("vtab1k:"):  # vtab1k:DIR/<split>.txt
+        return source.rsplit("/", 1)[0]
+    if source.startswith("/"):  # the Fashion-MNIST reader records its folder
+        return f"fashion-mnist:{source}"
+    if re.match(r"^(imagefolder|manifest|webdataset):", source):
+        return source
+    return None
 
 
 def register(sub) -> None:

@@ -194,3 +194,31 @@ def _check_embedding_width(cache: FeatureCache, backbone: str, dataset: str, wid
                     f"(one row per class, {dim} columns)"
                 )
             return
+
+
+#: where the request each backbone x dataset was extracted with is kept (not a zarr node, as the manifest)
+REQUESTS_DIR = ".featcache-requests"
+
+
+def _request_key(backbone: str, dataset: str) -> str:
+    return f"{REQUESTS_DIR}/{check_name('backbone', backbone)}~{check_name('dataset', dataset)}.json"
+
+
+def read_request(cache: FeatureCache, backbone: str, dataset: str) -> dict | None:
+    """The recorded extraction request of ``backbone`` x ``dataset`` (None: none, or unreadable)."""
+    import json
+
+    raw = manifest.read_raw(cache.root.store, _request_key(backbone, dataset))
+    try:
+        doc = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def write_request(cache: FeatureCache, backbone: str, dataset: str, request: dict) -> None:
+    """Record the extraction request of ``backbone`` x ``dataset`` (its writer holds the lock)."""
+    import json
+
+    data = json.dumps(request, sort_keys=True).encode()
+    manifest.write_raw(cache.root.store, _request_key(backbone, dataset), data)

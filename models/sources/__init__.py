@@ -352,7 +352,7 @@ def probe_width(features_fn: Callable[[Any, Any], dict[str, Any]], x: Any, name:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise BackboneError(
             f"{name} fails on a [2, {', '.join(map(str, x.shape[1:]))}] batch ({type(exc).__name__}: {first}); "
-            "it must take preprocessed images and return a [B, D] tensor"
+            "it must take preprocessed images of this size (--input-size: give one it takes) and return a [B, D] tensor"
         ) from None
     if not torch.is_tensor(out) or out.ndim != 2 or out.shape[0] != x.shape[0]:
         raise BackboneError(

@@ -137,7 +137,7 @@ def test_views_are_idempotent_extend_and_do_not_depend_on_workers(tmp_path):
     assert f0.complete
     assert not np.array_equal(f0.X, f5.X)
     assert c.load(LITE0, "digits", "train@view5", kind="tokens").X.shape == (64, 1, 1280)
-    with pytest.raises(Exception, match="data_config"):  # another seed never mixes into stored views
+    with pytest.raises(Exception, match="--view-seed 7"):  # another seed never mixes into stored views
         extract(_cfg(a, views=1, view_seed=8, **kinds))
 
 
