@@ -223,9 +223,12 @@ class FeatureCache:
     def provenance(self, backbone: str, dataset: str, split: str, kind: str = "pooled") -> FeatureProvenance:
         g = self._feature_group(backbone, dataset, split)
         if kind not in g:
+            present = self.kinds(backbone, dataset, split)
             raise NotInStoreError(
-                f"feature kind {kind!r} not stored for {backbone}/{dataset}/{split}; "
-                f"kinds present: {self.kinds(backbone, dataset, split)}"
+                f"feature kind {kind!r} not stored for {backbone}/{dataset}/{split}; kinds present: {present}; "
+                f"add it with `featcache extract` on the same model and data with --features "
+                f"{','.join([*present, kind])} (every kind from one forward) and --overwrite, or into "
+                "another --backbone-name"
             )
         return FeatureProvenance.from_attrs(dict(g[kind].attrs.get(PROVENANCE_KEY, {})), where=g[kind].path)
 

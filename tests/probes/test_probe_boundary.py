@@ -91,3 +91,26 @@ def test_with_all_a_busy_backbone_is_skipped_and_the_others_probed(monkeypatch, 
     named = ProbeConfig("c.zarr", ("busy", "b"), "d", results_path="r.parquet")
     with pytest.raises(StoreBusyError, match=r"busy/d/train is being written by another job .* run the probe again"):
         runner._load_all([], ["busy", "b"], named, None)
+
+
+def test_an_attentive_probe_on_a_store_without_tokens_says_how_to_add_them(tmp_path):
+    """Issue 60: the refusal names the kinds present and the extract that adds tokens."""
+    import numpy as np
+
+    from featcache.probes import run_probes
+    from featcache.store import open_cache, write_features
+
+    cache = str(tmp_path / "c.zarr")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 30), ("test", 15)):
+        X = rng.normal(size=(n, 4)).astype(np.float32)
+        ids = [f"{split}{i}" for i in range(n)]
+        write_features(
+            open_cache(cache, "a"), backbone="pix", dataset="toy", split=split, X=X, ids=ids, labels=np.arange(n) % 3
+        )
+    from featcache.errors import NotInStoreError
+
+    with pytest.raises(NotInStoreError, match=r"kinds present: \['pooled'\]; add it with `featcache extract`") as err:
+        run_probes(ProbeConfig(cache, ("pix",), "toy", "attentive:vjepa", progress=False))
+    assert "--features pooled,tokens" in str(err.value)
+    assert "--overwrite, or into another --backbone-name" in str(err.value)
