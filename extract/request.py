@@ -67,18 +67,19 @@ def check_request(store: Any, key: str, dataset: str, new: dict[str, Any], train
         old = read_request(store, key, dataset)
         if isinstance(old, dict) and not train:  # a job without train keeps the recorded views
             new = {**new, "views": old.get("views", 0), "view_seed": old.get("view_seed", 0)}
+        was: dict[str, Any] = old if isinstance(old, dict) else {}  # diffs exist only beside a recorded one
         diffs = [] if overwrite or not isinstance(old, dict) else differences(old, new, train)
         replaced = bool(diffs) and not _written(store.root.get(where))
         if diffs and not replaced:
             raise ProvenanceMismatchError(
-                f"{store.path}: {where} was extracted with {_flags(old, diffs)}, not {_flags(new, diffs)}; a resume "
-                f"would mix them: re-run with {_flags(old, diffs)}, use another --backbone-name, or --overwrite "
+                f"{store.path}: {where} was extracted with {_flags(was, diffs)}, not {_flags(new, diffs)}; a resume "
+                f"would mix them: re-run with {_flags(was, diffs)}, use another --backbone-name, or --overwrite "
                 "to replace them"
             )
         if replaced:
             log.warning(
                 "%s: nothing of the recorded request (%s) was written; it is replaced by this one (%s)",
-                where, _flags(old, diffs), _flags(new, diffs),
+                where, _flags(was, diffs), _flags(new, diffs),
             )  # fmt: skip
         if old is None and store.root.get(where) is not None:
             return False  # groups written before requests were recorded: their own checks apply
