@@ -89,3 +89,60 @@ def test_with_nothing_written_the_new_request_replaces_the_old_one(tmp_path, mon
     assert all(r.chunks_computed == r.chunks_total for r in reps)
     again = extract(_cfg(cache, **new))  # the next plain resume is the new request's
     assert all(r.skipped for r in again)
+
+
+# ------------------------------------------------------------------ after a real kill -9
+KILL_N, KILL_CHUNK = 960, 40  # 24 chunks of 2 batches
+
+
+def _argv9(cache, *extra: str) -> list[str]:
+    import sys
+
+    return [
+        sys.executable, "-m", "featcache", "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS,
+        "--data", "digits", "--split", "train", "--limit", str(KILL_N), "--input-size", "32",
+        "--chunk-rows", str(KILL_CHUNK), "--batch-size", "20", "--workers", "0", "--threads", "1",
+        "--no-progress", "--cache", str(cache), *extra,
+    ]  # fmt: skip
+
+
+#: (the killed run's flags, the resume's flags, the flag both are named by)
+KILLED = {
+    "input-size": ((), ("--input-size", "48"), "--input-size"),  # the later flag wins: 48 after 32
+    "features": (("--features", "pooled,tokens@1x1"), ("--features", "pooled"), "--features"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("min_done", [1, 4])
+@pytest.mark.parametrize("case", sorted(KILLED))
+def test_after_kill9_a_resume_with_other_settings_is_refused_and_the_same_one_completes(tmp_path, case, min_done):
+    """A real extraction SIGKILLed once ``min_done`` chunks are marked (plus a delay, so the kill
+    lands mid-forward or mid-write); a resume with another setting exits 2 with one line naming
+    both and the way out, the store untouched; the same command then completes it, and verify
+    passes."""
+    import os
+    import subprocess
+
+    from kill9 import chunk_bytes, kill_when, marked_chunks
+
+    old, new, flag = KILLED[case]
+    cache = tmp_path / "s.zarr"
+    group = cache / f"features/{LITE0}/digits/train"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen(_argv9(cache, *old), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    marked = kill_when(p, lambda: marked_chunks(group), min_done, 0.02 * min_done)
+    assert 1 <= marked < KILL_N // KILL_CHUNK
+    before = chunk_bytes(group)
+    out = subprocess.run(_argv9(cache, *new), capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.startswith("featcache")]
+    assert len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].count(flag) >= 2, lines[0]
+    assert "--overwrite" in lines[0]
+    assert chunk_bytes(group) == before  # the refused resume wrote nothing
+    done = subprocess.run(_argv9(cache, *old), capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert marked_chunks(group) == KILL_N // KILL_CHUNK
+    ok = subprocess.run([*_argv9(cache)[:3], "verify", str(cache)], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
