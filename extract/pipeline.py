@@ -237,8 +237,11 @@ def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> l
         head = FeatureHead(bb, cfg.features)
         from featcache.models.sizes import check_input_size
 
-        check_input_size(bb, bb.model if cfg.input_size is not None else None)  # before any image is read
-        dims = head.dims(tuple(bb.data_config["input_size"]))
+        def probe() -> dict[str, tuple[int, ...]]:  # one forward of a blank image: each kind's row shape
+            return head.dims(tuple(bb.data_config["input_size"]))
+
+        # before any image is read: a size the model cannot take is refused by the same forward
+        dims = check_input_size(bb, probe, asked=cfg.input_size is not None)
         load = load_average()  # when the extraction started: recorded beside its threads
         workers, threads = _parallelism(dev, cfg, cfg.workers, load)
         key = cfg.backbone_name or bb.default_key

@@ -9,11 +9,13 @@ image of the configured size, and a forward that fails is refused in one line.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from featcache.errors import ConfigError, FeatcacheError
 
 __all__ = ["check_input_size", "fixed_input_size"]
+
+T = TypeVar("T")
 
 
 def fixed_input_size(model: Any) -> tuple[int, int] | None:
@@ -31,11 +33,12 @@ def _side(hw: tuple[int, ...]) -> str:
     return str(hw[0]) if hw[0] == hw[1] else f"{hw[0]}x{hw[1]}"
 
 
-def check_input_size(bb: Any, forward: Callable[[Any], Any] | None = None) -> None:
+def check_input_size(bb: Any, probe: Callable[[], T], *, asked: bool = True) -> T:
     """Refuse, in one line naming the sizes the model takes, an input size ``bb`` cannot take:
-    against its fixed size where it has one, else by ``forward`` on one blank image (skipped
-    when None)."""
-    c, h, w = (int(s) for s in bb.data_config["input_size"])
+    against its fixed size where it has one, then by ``probe()`` (a forward of one blank image
+    of that size, e.g. the feature head's dims probe, whose result is returned): with ``asked``
+    (the user gave ``--input-size``) its failure is the refusal, else it raises as it is."""
+    _, h, w = (int(s) for s in bb.data_config["input_size"])
     fixed = fixed_input_size(bb.model)
     if fixed is not None and fixed != (h, w):
         raise ConfigError(
@@ -43,13 +46,10 @@ def check_input_size(bb: Any, forward: Callable[[Any], Any] | None = None) -> No
             "(its patch embedding is built for that size: timm's patch_embed.img_size, without dynamic_img_size); "
             f"give --input-size {_side(fixed)} or leave it out"
         )
-    if forward is None:
-        return
-    import torch
-
+    if not asked:
+        return probe()
     try:
-        with torch.inference_mode():
-            forward(torch.zeros(1, c, h, w, device=bb.device))
+        return probe()
     except FeatcacheError:
         raise  # the feature kinds' own one-line refusals
     except (RuntimeError, AssertionError, ValueError, IndexError) as exc:

@@ -57,7 +57,9 @@ def run_ls(args: argparse.Namespace) -> int:
         print(f"{args.path}: no features yet")
         return 0
     with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200):
-        print(cat.drop("created") if not args.long else cat)
+        # the short view: what a store holds; when and how fast it was extracted is in -l
+        short = [c for c in ("created", "extract_threads", "load_avg") if c in cat.columns]
+        print(cat.drop(short) if not args.long else cat)
     for line in _not_complete(cache, cat, args.path):
         print(line)
     return 0
