@@ -109,7 +109,7 @@ class FinetuneConfig:
     pre_resize: int | None = flag(
         None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=Interval(int, 1)
     )
-    resize: str = flag("timm", lambda: resize_help(), choices=list(RESIZE_MODES))
+    resize: str = flag("timm", resize_help, choices=list(RESIZE_MODES))
     device: str = flag("auto", "auto | cpu | cuda[:N]")
     precision: str = flag("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16"])
     eval_splits: tuple[str, ...] = flag(

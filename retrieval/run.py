@@ -41,7 +41,7 @@ from featcache.retrieval.revisited import (
     revisited_precision_at_k,
     revisited_table,
 )
-from featcache.retrieval.search import choose_backend, parse_memory, prepared_pair, topk
+from featcache.retrieval.search import BACKENDS, choose_backend, parse_memory, prepared_pair, topk
 
 if TYPE_CHECKING:
     import polars as pl
@@ -143,8 +143,6 @@ _BOB_KEYS = ("map_bob", "rr_bob")
 def _ranking_backend(backend: str) -> str:
     """The full-ranking backend for a requested search backend (the name recorded): ``torch-DEV``
     for a backend ranking on a torch device (``SearchBackend.ranking_device``), else ``numpy``."""
-    from featcache.retrieval.search import BACKENDS
-
     dev = BACKENDS[choose_backend(backend)].ranking_device
     if dev == "cuda" and not _cuda():
         dev = None
