@@ -92,7 +92,7 @@ def test_with_nothing_written_the_new_request_replaces_the_old_one(tmp_path, mon
 
 
 # ------------------------------------------------------------------ after a real kill -9
-KILL_N, KILL_CHUNK = 960, 40  # 24 chunks of 2 batches
+KILL_N, KILL_CHUNK = 1280, 40  # 32 chunks of 2 batches: room for the kill to land before the last
 
 
 def _argv9(cache, *extra: str) -> list[str]:

@@ -158,7 +158,7 @@ def test_views_refusals(tmp_path):
 
 
 # --------------------------------------------------------------------------- kill -9
-N, CHUNK, BATCH = 320, 20, 10
+N, CHUNK, BATCH = 640, 20, 10  # 32 chunks: room for the kill to land before the last is marked
 
 
 def _argv(cache: Path) -> list[str]:
