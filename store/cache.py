@@ -26,6 +26,7 @@ from featcache.errors import (
 from featcache.store import manifest
 from featcache.store.blocks import DEFAULT_BLOCK_MEMORY
 from featcache.store.fingerprints import dataset_fingerprint, features_fingerprint
+from featcache.store.hub import hub_store, is_hub_url
 from featcache.store.integrity import GroupScan, as_str, fill_problems, read_done, refuse_bad_shape, scan_group
 from featcache.store.metadata import named_damage, translating
 from featcache.store.root import create_root, open_or_create, root_unrecorded
@@ -644,6 +645,8 @@ def _open(store: Any, mode: str, storage_options: dict | None) -> FeatureCache:
     label = str(store) if not isinstance(store, str) else store
     if hasattr(store, "__fspath__"):
         store = str(store)
+    if is_hub_url(store):  # hf://datasets/ORG/NAME[@REV]: read through HfFileSystem (store/hub.py)
+        store, storage_options = hub_store(store, mode), None
     kwargs: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
     if mode == "r":
         try:

@@ -1,0 +1,124 @@
+"""Stores published as Hugging Face Hub datasets: ``hf://datasets/ORG/NAME[@REVISION][/PATH]``.
+
+A published folder (``featcache publish``) holds the store in ``store.zarr/``; a URL without a
+path opens that. Online the store is read through huggingface_hub's ``HfFileSystem`` (zarr's
+fsspec store, read-only), so every chunk's crc32c checksum is checked on read as on a local
+store; with ``HF_HUB_OFFLINE=1`` it is read from the local Hub cache
+(``snapshot_download(local_files_only=True)``). ``HF_ENDPOINT`` (a mirror, or a loopback server
+in the tests) and ``HF_HUB_OFFLINE`` are read when a store is opened, not only when
+huggingface_hub is imported."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from featcache.errors import ConfigError, NotInStoreError
+
+__all__ = [
+    "HF_PREFIX",
+    "STORE_DIR",
+    "HubPath",
+    "hub_endpoint",
+    "hub_offline",
+    "hub_snapshot",
+    "hub_store",
+    "is_hub_url",
+]
+
+HF_PREFIX = "hf://"
+#: where ``featcache publish`` puts the store inside the published folder
+STORE_DIR = "store.zarr"
+_URL = re.compile(r"^hf://datasets/(?P<org>[\w.-]+)/(?P<name>[\w.-]+)(?:@(?P<rev>[^/]+))?(?:/(?P<path>.*))?$")
+
+
+@dataclass(frozen=True)
+class HubPath:
+    """``hf://datasets/ORG/NAME[@REVISION][/PATH]`` parsed; ``path`` is the store's folder."""
+
+    repo_id: str
+    revision: str | None
+    path: str
+
+    @classmethod
+    def parse(cls, url: str) -> HubPath:
+        m = _URL.match(url)
+        if m is None:
+            raise ConfigError(
+                f"{url!r} is not a Hub dataset URL: write hf://datasets/ORG/NAME, hf://datasets/ORG/NAME@REVISION "
+                "or hf://datasets/ORG/NAME@REVISION/FOLDER (the store's folder, store.zarr by default)"
+            )
+        rev = m["rev"]
+        return cls(
+            f"{m['org']}/{m['name']}", rev.replace("%2F", "/") if rev else None, (m["path"] or STORE_DIR).strip("/")
+        )
+
+    def fs_path(self) -> str:
+        """The path ``HfFileSystem`` reads (a revision with ``/``, as ``refs/pr/1``, quoted)."""
+        rev = f"@{self.revision.replace('/', '%2F')}" if self.revision else ""
+        return f"datasets/{self.repo_id}{rev}/{self.path}"
+
+
+def is_hub_url(store: Any) -> bool:
+    return isinstance(store, str) and store.startswith(HF_PREFIX)
+
+
+def hub_endpoint() -> str | None:
+    """``HF_ENDPOINT`` as it is now (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as it is now, or as huggingface_hub read it at import."""
+    from huggingface_hub import constants
+
+    now = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return now or bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_snapshot(hub: HubPath, *, cache_dir: str | None = None, offline: bool | None = None) -> str:
+    """The store's folder in the local Hub cache, downloaded first unless offline (then the
+    cache must hold it): ``snapshot_download`` of the store's files only."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    offline = hub_offline() if offline is None else offline
+    where = f"hf://datasets/{hub.repo_id}" + (f"@{hub.revision}" if hub.revision else "")
+    try:
+        snap = snapshot_download(
+            hub.repo_id,
+            repo_type="dataset",
+            revision=hub.revision,
+            cache_dir=cache_dir,
+            allow_patterns=[f"{hub.path}/**"],
+            local_files_only=offline,
+            endpoint=hub_endpoint(),
+        )
+    except LocalEntryNotFoundError:
+        raise NotInStoreError(
+            f"{where} is not in the local Hub cache"
+            + (" (HF_HUB_OFFLINE is set)" if offline else "")
+            + ": pull it once online (`featcache pull URL DEST`), or unset HF_HUB_OFFLINE"
+        ) from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise NotInStoreError(f"{where}: {type(exc).__name__} on the Hub; check ORG/NAME and the revision") from None
+    folder = os.path.join(snap, hub.path)
+    if not os.path.isdir(folder):
+        raise NotInStoreError(f"{where} has no folder {hub.path}/ (a store published by `featcache publish`)")
+    return folder
+
+
+def hub_store(url: str, mode: str = "r") -> Any:
+    """What zarr opens for ``url``: a read-only fsspec store over ``HfFileSystem`` (online), or
+    the folder in the local Hub cache (offline)."""
+    if mode != "r":
+        raise ConfigError(f"{url} is read-only here: a Hub dataset is written by `featcache publish` and an upload")
+    hub = HubPath.parse(url)
+    if hub_offline():
+        return hub_snapshot(hub, offline=True)
+    from zarr.storage import FsspecStore
+
+    opts = {"endpoint": hub_endpoint()} if hub_endpoint() else {}
+    return FsspecStore.from_url(f"hf://{hub.fs_path()}", storage_options=opts, read_only=True)
