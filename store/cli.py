@@ -1,4 +1,4 @@
-"""``featcache ls`` and ``featcache verify``."""
+"""``featcache ls``, ``featcache verify``, ``featcache publish`` and ``featcache pull``."""
 
 from __future__ import annotations
 
@@ -181,6 +181,27 @@ def data_spec(source: str) -> str | None:
     return None
 
 
+def run_publish(args: argparse.Namespace) -> int:
+    from featcache.store.publish import PublishConfig, publish
+
+    kinds = tuple(k for item in args.kinds or [] for k in item.split(",") if k) or None
+    cfg = PublishConfig(
+        args.store, args.out, kinds, args.license, args.name, parse_storage_options(args.storage_options)
+    )
+    out = publish(cfg)
+    print(f"{out}: published (store.zarr/, data/*.parquet, README.md, croissant.json); upload it with")
+    print(f"  hf upload ORG/NAME {out} --repo-type dataset")
+    return 0
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from featcache.store.publish import pull
+
+    dest = pull(args.url, args.dest)
+    print(f"{dest}: pulled from {args.url}, every chunk verified; read it with `featcache ls {dest}`")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("ls", help="print the catalog of a feature cache")
     p.add_argument("path")
@@ -198,3 +219,30 @@ def register(sub) -> None:
     )
     add_storage_option_argument(p)
     p.set_defaults(func=run_verify, beside_checks=True)  # featcache.cli registers the stages' checks
+    p = sub.add_parser(
+        "publish",
+        help="write a store as a Hub-ready dataset folder (the store, Parquet, dataset card, Croissant 1.1)",
+    )
+    p.add_argument("store", help="the store to publish (a path, s3://..., hf://datasets/ORG/NAME)")
+    p.add_argument("out", help="a new folder: upload it as a Hub dataset (hf upload ORG/NAME OUT --repo-type dataset)")
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        metavar="KIND",
+        help="publish only these feature kinds (e.g. pooled; comma-separated or repeated); default: all",
+    )
+    p.add_argument(
+        "--license",
+        help="the dataset card's license (a Hub license id, e.g. cc-by-4.0); default: the store's recorded one, else other",
+    )
+    p.add_argument("--name", help="the dataset's name in the card and croissant.json (default: OUT's folder name)")
+    add_storage_option_argument(p)
+    p.set_defaults(func=run_publish)
+    p = sub.add_parser(
+        "pull",
+        help="fetch a published store (hf://datasets/ORG/NAME[@REV]) into DEST, every chunk verified "
+        "(HF_HUB_OFFLINE=1: from the local Hub cache)",
+    )
+    p.add_argument("url", help="hf://datasets/ORG/NAME[@REVISION][/FOLDER] (HF_ENDPOINT: another Hub)")
+    p.add_argument("dest", help="a new folder: the store (featcache ls DEST)")
+    p.set_defaults(func=run_pull)
