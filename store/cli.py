@@ -235,7 +235,11 @@ def register(sub) -> None:
         "--license",
         help="the dataset card's license (a Hub license id, e.g. cc-by-4.0); default: the store's recorded one, else other",
     )
-    p.add_argument("--name", help="the dataset's name in the card and croissant.json (default: OUT's folder name)")
+    p.add_argument(
+        "--name",
+        help="the dataset's name in the card and croissant.json: ORG/NAME (its Hub repo, also croissant.json's url) "
+        "or a title (default: OUT's folder name)",
+    )
     add_storage_option_argument(p)
     p.set_defaults(func=run_publish)
     p = sub.add_parser(

@@ -98,7 +98,7 @@ class PublishConfig:
     out: str
     kinds: tuple[str, ...] | None = None  # None: every kind (the Parquet mirror: every [N, D] kind)
     license: str | None = None  # a Hub license id; None: the store's recorded one, else "other"
-    name: str | None = None  # the dataset's name (card, Croissant); None: OUT's folder name
+    name: str | None = None  # ORG/NAME (its Hub repo: Croissant's url) or a title; None: OUT's folder name
     storage_options: dict | None = None
 
 
@@ -360,11 +360,10 @@ def _croissant(
         "citeAs": f"@misc{{{_safe(name)}, title={{{name}}}, note={{featcache features}}}}",
         "datePublished": date.today().isoformat(),
         "license": lic,
-        "url": f"https://huggingface.co/datasets/{name}",
         "version": "1.0.0",
         "distribution": dist,
         "recordSet": record_sets,
-    }
+    } | ({"url": f"https://huggingface.co/datasets/{name}"} if re.fullmatch(r"[\w.-]+/[\w.-]+", name) else {})
 
 
 def _record_set(g: _Group, fid: str, info: dict[str, Any]) -> dict[str, Any]:

@@ -71,9 +71,9 @@ class _Hub(BaseHTTPRequestHandler):
 
     def do_GET(self, head: bool = False) -> None:
         url = urlparse(self.path)
-        parts = [unquote(p) for p in url.path.split("/")]
+        parts = [*(unquote(p) for p in url.path.split("/")), "", ""]  # padded: /api/datasets/ORG/NAME is repo info
         prefix = ["", "api", "datasets", *REPO.split("/")]
-        if parts[:5] == prefix and parts[5] == "revision":
+        if parts[:5] == prefix and parts[5] in ("revision", ""):
             files = [p.relative_to(self.server.folder).as_posix() for p in self.server.folder.rglob("*") if p.is_file()]
             return self._json({"id": REPO, "sha": self.server.commit, "siblings": [{"rfilename": f} for f in files]})
         if parts[:5] == prefix and parts[5] == "tree":
@@ -83,14 +83,14 @@ class _Hub(BaseHTTPRequestHandler):
             recursive = parse_qs(url.query).get("recursive", ["False"])[0].lower() == "true"
             return self._json(self._listing(rel, recursive))
         if parts[:5] == ["", "datasets", *REPO.split("/"), "resolve"]:
-            return self._resolve("/".join(parts[6:]), head)
+            return self._resolve("/".join(parts[6:]).strip("/"), head)
         return self._missing()
 
     def do_HEAD(self) -> None:
         self.do_GET(head=True)
 
     def do_POST(self) -> None:
-        parts = [unquote(p) for p in urlparse(self.path).path.split("/")]
+        parts = [*(unquote(p) for p in urlparse(self.path).path.split("/")), ""]
         if parts[:5] != ["", "api", "datasets", *REPO.split("/")] or parts[5] != "paths-info":
             return self._missing()
         form = parse_qs(self.rfile.read(int(self.headers.get("Content-Length", 0))).decode())
@@ -143,9 +143,18 @@ def hub(published):
     server = _HubServer(published)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
-    yield server
+    with pytest.MonkeyPatch.context() as mp:  # read when a store is opened (huggingface_hub: at import)
+        mp.setenv("HF_ENDPOINT", server.endpoint)
+        mp.delenv("HF_HUB_OFFLINE", raising=False)
+        yield server
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture(scope="module")
+def remote(hub):
+    """The published store read through HfFileSystem from the loopback Hub."""
+    return open_cache(f"hf://datasets/{REPO}@main")
 
 
 def _store_rows(cache, split: str):
@@ -229,11 +238,14 @@ def test_publish_chosen_kinds_and_refusals(digits_cache, tmp_path, capsys):
     from featcache import cli
 
     out = tmp_path / "sub"
-    assert cli.main(["publish", digits_cache, str(out), "--kinds", "pooled", "--license", "cc-by-4.0"]) == 0
+    args = ["publish", digits_cache, str(out), "--kinds", "pooled", "--license", "cc-by-4.0", "--name", REPO]
+    assert cli.main(args) == 0
     assert verify(str(out / "store.zarr")) == []
     a, b = open_cache(digits_cache), open_cache(str(out / "store.zarr"))
     assert np.array_equal(a.load(BACKBONE, "digits", "test").X, b.load(BACKBONE, "digits", "test").X)
     assert "license: cc-by-4.0" in (out / "README.md").read_text()
+    doc = json.loads((out / "croissant.json").read_text())
+    assert (doc["license"], doc["name"], doc["url"]) == ("cc-by-4.0", REPO, f"https://huggingface.co/datasets/{REPO}")
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     assert cli.main(["publish", digits_cache, str(out)]) != 0
     assert "not an empty folder" in capsys.readouterr().err
@@ -246,10 +258,7 @@ def test_publish_chosen_kinds_and_refusals(digits_cache, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- hf:// and pull
-def test_open_hf_url_reads_the_published_store_through_hffilesystem(hub, digits_cache, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    remote = open_cache(f"hf://datasets/{REPO}@main")
+def test_open_hf_url_reads_the_published_store_through_hffilesystem(remote, digits_cache, capsys):
     local = open_cache(digits_cache)
     assert remote.entries() == local.entries()
     r, loc = remote.load(BACKBONE, "digits", "test"), local.load(BACKBONE, "digits", "test")
@@ -261,11 +270,13 @@ def test_open_hf_url_reads_the_published_store_through_hffilesystem(hub, digits_
     )
     with pytest.raises(ConfigError, match="read-only"):
         open_cache(f"hf://datasets/{REPO}", mode="a")
+    from featcache import cli
+
+    assert cli.main(["ls", f"hf://datasets/{REPO}"]) == 0  # any store path: the catalog from the summaries
+    assert "450x1280" in capsys.readouterr().out
 
 
 def test_pull_verifies_and_reads_offline_from_the_hub_cache(hub, digits_cache, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     hf_cache = tmp_path / "hub"
     dest = pull(f"hf://datasets/{REPO}", tmp_path / "pulled.zarr", cache_dir=str(hf_cache))
     assert verify(str(dest)) == []
@@ -284,18 +295,15 @@ def test_pull_verifies_and_reads_offline_from_the_hub_cache(hub, digits_cache, t
     assert not (tmp_path / "never.zarr").exists()
 
 
-def test_a_damaged_chunk_on_the_hub_is_named_on_read_and_by_pull(hub, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+def test_a_damaged_chunk_on_the_hub_is_named_on_read_and_by_pull(hub, remote, tmp_path):
     hub.damaged.add(CHUNK)
-    try:
-        remote = open_cache(f"hf://datasets/{REPO}")
+    try:  # iter_blocks checks each chunk as load does (load also re-reads a changed chunk a few times)
         with pytest.raises(CorruptStoreError, match=r"digits/test .*pooled chunk\(s\) \[0\] corrupt"):
-            remote.load(BACKBONE, "digits", "test")
-        with pytest.raises(CorruptStoreError, match=r"test.*pooled|pooled.*test") as err:
+            list(remote.iter_blocks(BACKBONE, "digits", "test", "pooled", max_memory=1 << 30))
+        with pytest.raises(CorruptStoreError, match=r"test/pooled: chunk 0 \(rows 0-449\)") as err:
             pull(f"hf://datasets/{REPO}", tmp_path / "bad.zarr", cache_dir=str(tmp_path / "hub"))
         assert "nothing was written" in str(err.value)
         assert not (tmp_path / "bad.zarr").exists()
-        assert remote.load(BACKBONE, "digits", "train").X.shape == (1347, 1280)  # the other split reads
+        assert not list(tmp_path.glob(".bad.zarr.partial-*"))
     finally:
         hub.damaged.discard(CHUNK)
