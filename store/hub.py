@@ -31,6 +31,7 @@ __all__ = [
 HF_PREFIX = "hf://"
 #: where ``featcache publish`` puts the store inside the published folder
 STORE_DIR = "store.zarr"
+_THEN = "check the network (or HF_ENDPOINT), or read the local Hub cache with HF_HUB_OFFLINE=1"
 _URL = re.compile(r"^hf://datasets/(?P<org>[\w.-]+)/(?P<name>[\w.-]+)(?:@(?P<rev>[^/]+))?(?:/(?P<path>.*))?$")
 
 
@@ -97,10 +98,14 @@ def hub_snapshot(hub: HubPath, *, cache_dir: str | None = None, offline: bool | 
             endpoint=hub_endpoint(),
         )
     except LocalEntryNotFoundError:
+        if offline:
+            raise NotInStoreError(
+                f"{where} is not in the local Hub cache (HF_HUB_OFFLINE is set): pull it once online "
+                "(`featcache pull URL DEST`), or unset HF_HUB_OFFLINE"
+            ) from None
         raise NotInStoreError(
-            f"{where} is not in the local Hub cache"
-            + (" (HF_HUB_OFFLINE is set)" if offline else "")
-            + ": pull it once online (`featcache pull URL DEST`), or unset HF_HUB_OFFLINE"
+            f"{where}: the Hub at {hub_endpoint() or 'huggingface.co'} could not be reached and the local Hub cache "
+            "does not hold it: check the network (or HF_ENDPOINT) and pull again"
         ) from None
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise NotInStoreError(f"{where}: {type(exc).__name__} on the Hub; check ORG/NAME and the revision") from None
@@ -120,5 +125,29 @@ def hub_store(url: str, mode: str = "r") -> Any:
         return hub_snapshot(hub, offline=True)
     from zarr.storage import FsspecStore
 
+    _check_repo(hub, url)
     opts = {"endpoint": hub_endpoint()} if hub_endpoint() else {}
     return FsspecStore.from_url(f"hf://{hub.fs_path()}", storage_options=opts, read_only=True)
+
+
+def _check_repo(hub: HubPath, url: str) -> None:
+    """One ``repo_info`` call, so that a missing repo or revision, or a Hub out of reach, is one
+    line before zarr reads anything."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        HfApi(endpoint=hub_endpoint()).dataset_info(hub.repo_id, revision=hub.revision)
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise NotInStoreError(f"{url}: {type(exc).__name__} on the Hub; check ORG/NAME and the revision") from None
+    except HfHubHTTPError as exc:
+        raise NotInStoreError(f"{url}: the Hub answered {exc.response.status_code}; {_THEN}") from None
+    except Exception as exc:  # huggingface_hub's HTTP client's transport errors (connection refused, timeout)
+        if not type(exc).__module__.startswith(("httpx", "httpcore", "requests", "urllib3")) and not isinstance(
+            exc, OSError
+        ):
+            raise
+        where = hub_endpoint() or "huggingface.co"
+        raise NotInStoreError(
+            f"{url}: the Hub at {where} could not be reached ({type(exc).__name__}: {exc}); {_THEN}"
+        ) from None

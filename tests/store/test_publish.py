@@ -19,14 +19,14 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from featcache.errors import ConfigError, CorruptStoreError, NotInStoreError
 from featcache.store.cache import open_cache
 from featcache.store.hub import HubPath
 from featcache.store.publish import CROISSANT_1_1, CROISSANT_CONTEXT, PublishConfig, publish, pull, sha256_file
 from featcache.store.verify import verify
-
-pytestmark = pytest.mark.slow
 
 REPO = "featcache-test/digits-lite0"
 BACKBONE = "tf_efficientnet_lite0"
@@ -162,6 +162,37 @@ def _store_rows(cache, split: str):
     return [str(i) for i in f.ids], f.labels, f.X
 
 
+# ----------------------------------------------------------------------------- fast: URLs, refusals
+_NAME = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    org=_NAME,
+    name=_NAME,
+    rev=st.none() | _NAME,
+    path=st.none() | st.from_regex(r"[a-z0-9_]{1,8}(/[a-z0-9_.]{1,8}){0,2}", fullmatch=True),
+)
+def test_hub_urls_parse_into_what_hffilesystem_reads(org, name, rev, path):
+    url = f"hf://datasets/{org}/{name}" + (f"@{rev}" if rev else "") + (f"/{path}" if path else "")
+    hub = HubPath.parse(url)
+    assert (hub.repo_id, hub.revision, hub.path) == (f"{org}/{name}", rev, path or "store.zarr")
+    assert hub.fs_path() == url.removeprefix("hf://") + ("" if path else "/store.zarr")
+
+
+def test_hub_urls_refused_in_one_line(monkeypatch, tmp_path):
+    for bad in ("hf://models/x/y", "hf://datasets/x", "hf://datasets/x/y@"):
+        with pytest.raises(ConfigError, match="not a Hub dataset URL"):
+            HubPath.parse(bad)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(NotInStoreError, match="could not be reached"):
+        open_cache("hf://datasets/org/name")
+    with pytest.raises(NotInStoreError, match="could not be reached"):
+        pull("hf://datasets/org/name", tmp_path / "x.zarr", cache_dir=str(tmp_path / "hub"))
+    assert not (tmp_path / "x.zarr").exists()
+
+
 # ----------------------------------------------------------------------------- publish
 def test_croissant_validates_and_its_records_are_the_stores_rows(published, digits_cache):
     import mlcroissant as mlc
@@ -253,12 +284,10 @@ def test_publish_chosen_kinds_and_refusals(digits_cache, tmp_path, capsys):
     with pytest.raises(NotInStoreError, match="tokens"):
         publish(PublishConfig(digits_cache, str(tmp_path / "none"), kinds=("tokens",)))
     assert not (tmp_path / "none").exists()
-    with pytest.raises(ConfigError, match="not a Hub dataset URL"):
-        HubPath.parse("hf://models/x/y")
 
 
 # ----------------------------------------------------------------------------- hf:// and pull
-def test_open_hf_url_reads_the_published_store_through_hffilesystem(remote, digits_cache, capsys):
+def test_open_hf_url_reads_the_published_store_through_hffilesystem(remote, digits_cache):
     local = open_cache(digits_cache)
     assert remote.entries() == local.entries()
     r, loc = remote.load(BACKBONE, "digits", "test"), local.load(BACKBONE, "digits", "test")
@@ -270,10 +299,11 @@ def test_open_hf_url_reads_the_published_store_through_hffilesystem(remote, digi
     )
     with pytest.raises(ConfigError, match="read-only"):
         open_cache(f"hf://datasets/{REPO}", mode="a")
-    from featcache import cli
-
-    assert cli.main(["ls", f"hf://datasets/{REPO}"]) == 0  # any store path: the catalog from the summaries
-    assert "450x1280" in capsys.readouterr().out
+    with pytest.raises(NotInStoreError, match="hf://datasets/other/repo"):
+        open_cache("hf://datasets/other/repo")
+    cat = remote.catalog()  # what `featcache ls hf://...` prints: from the groups' summaries
+    assert sorted(cat["shape"].to_list()) == ["1347x1280", "450x1280"]
+    assert cat["complete"].all()
 
 
 def test_pull_verifies_and_reads_offline_from_the_hub_cache(hub, digits_cache, tmp_path, monkeypatch):
