@@ -141,7 +141,13 @@ def _check_repo(hub: HubPath, url: str) -> None:
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise NotInStoreError(f"{url}: {type(exc).__name__} on the Hub; check ORG/NAME and the revision") from None
     except HfHubHTTPError as exc:
-        raise NotInStoreError(f"{url}: the Hub answered {exc.response.status_code}; {_THEN}") from None
+        code = exc.response.status_code
+        if code in (401, 403, 404):
+            raise NotInStoreError(
+                f"{url}: the Hub answered {code} (no such dataset or revision, or a private one: log in with "
+                "`hf auth login` or set HF_TOKEN); check ORG/NAME and the revision"
+            ) from None
+        raise NotInStoreError(f"{url}: the Hub answered {code}; {_THEN}") from None
     except Exception as exc:  # huggingface_hub's HTTP client's transport errors (connection refused, timeout)
         if not type(exc).__module__.startswith(("httpx", "httpcore", "requests", "urllib3")) and not isinstance(
             exc, OSError

@@ -299,11 +299,8 @@ def test_open_hf_url_reads_the_published_store_through_hffilesystem(remote, digi
     )
     with pytest.raises(ConfigError, match="read-only"):
         open_cache(f"hf://datasets/{REPO}", mode="a")
-    with pytest.raises(NotInStoreError, match="hf://datasets/other/repo"):
+    with pytest.raises(NotInStoreError, match=r"hf://datasets/other/repo: the Hub answered 404 .*check ORG/NAME"):
         open_cache("hf://datasets/other/repo")
-    cat = remote.catalog()  # what `featcache ls hf://...` prints: from the groups' summaries
-    assert sorted(cat["shape"].to_list()) == ["1347x1280", "450x1280"]
-    assert cat["complete"].all()
 
 
 def test_pull_verifies_and_reads_offline_from_the_hub_cache(hub, digits_cache, tmp_path, monkeypatch):
