@@ -4,10 +4,12 @@
 ``model-index: [{name, results: [{task: {type, name}, dataset: {type, name, split}, metrics:
 [{type, value, name, args}]}]}]``. ``task.type`` is a Hub task id (``image-classification``,
 ``zero-shot-image-classification``, ``image-feature-extraction`` for retrieval); top-1 is the
-Hub's ``accuracy`` (a fraction); each metric's ``args`` hold featcache's provenance."""
+Hub's ``accuracy`` (a fraction); each metric's ``args.featcache`` holds featcache's provenance as a JSON string (the
+Hub's YAML drops null values)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ def eval_results(run: Run) -> list[Any]:
             metric_type=METRIC_TYPES.get(m, m),
             metric_value=v,
             metric_name=f"{m} ({run.protocol}, seed {run.seed})",
-            metric_args={BLOCK: {**block, "metric": m}},
+            metric_args={BLOCK: json.dumps({**block, "metric": m}, sort_keys=True)},
         )
         for m, v in run.metrics.items()
     ]
@@ -85,6 +87,7 @@ def read_one(path: Path) -> Imported:
     sha = file_sha256(path)
     for i, e in enumerate(evals):
         block = (e.metric_args or {}).get(BLOCK)
+        block = json.loads(block) if isinstance(block, str) else block
         v = e.metric_value
         if not finite(v) or (block is None and e.metric_type == "accuracy" and not 0 <= v <= 1):
             got.problems.append(f"{path}: field 'results[{i}].metrics.{e.metric_type}.value' is {v!r}, not a fraction")

@@ -78,7 +78,7 @@ def group_runs(frame, weights: Mapping[str, tuple[str, str]] | None = None) -> l
     a backbone to its weights' (sha256, source)."""
     runs: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
     for row in frame.iter_rows(named=True):
-        fields, metrics = runs.setdefault(row["run_id"], ({c: row[c] for c in RUN_COLUMNS}, {}))
+        _, metrics = runs.setdefault(row["run_id"], ({c: row[c] for c in RUN_COLUMNS}, {}))
         metrics[row["metric"]] = row["value"]
     weights = weights or {}
     return [Run(f, m, *weights.get(f["backbone"], (None, None))) for f, m in runs.values()]
