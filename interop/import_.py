@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from featcache.errors import ResultsError
 from featcache.interop.formats import RESULT_FORMATS, detect_format
@@ -34,7 +35,7 @@ class ImportReport:
     problems: tuple[str, ...]
 
 
-def read_external(source: str | Path, fmt: str = "auto"):
+def read_external(source: str | Path, fmt: str = "auto") -> tuple[str, Any, tuple[str, ...]]:
     """``(format, rows, problems)``: the rows of ``source`` as results-table rows (a polars
     DataFrame with the results schema) and one line per row left out (file and field)."""
     from featcache.core.results import rows_to_frame

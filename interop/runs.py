@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from featcache.core.results import RESULT_COLUMNS, make_run_id
+from featcache.errors import NoSuchNameError
 
 #: the hparams key marking an imported row
 EXTERNAL = "external"
@@ -43,7 +44,7 @@ class Run:
     def __getattr__(self, name: str) -> Any:
         if name in RUN_COLUMNS:
             return self.fields[name]
-        raise AttributeError(name)
+        raise NoSuchNameError(f"a run has no column {name!r}; its columns: {', '.join(RUN_COLUMNS)}")
 
     @property
     def hparams(self) -> dict[str, Any]:
