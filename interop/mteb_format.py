@@ -57,8 +57,15 @@ NOTE = "featcache's own features, splits and protocol; dataset_revision is featc
 DEFAULT = ("probe", "full")  # the (kind, protocol) written outside experiments/
 
 
-def task_name(dataset: str, protocol: str) -> str:
+#: the kinds that classify (a retrieval run keeps featcache's dataset name: MIEB's task classifies)
+CLASSIFY = ("probe", "knn", "finetune")
+
+
+def task_name(dataset: str, protocol: str, kind: str = "probe") -> str:
+    """MIEB's task name for a classification run on a dataset MIEB registers, else ``dataset``."""
     key = re.sub(r"[^a-z0-9]", "", dataset.lower())
+    if kind not in CLASSIFY:
+        return dataset
     return (ZERO_SHOT if protocol == "zeroshot" else MIEB_TASKS).get(key, dataset)
 
 
@@ -142,7 +149,7 @@ def round_scores(scores: Any, n: int = 6) -> Any:
 def task_result(runs: Sequence[Run]) -> dict[str, Any]:
     """The TaskResult (``to_disk``'s JSON object) of one backbone's runs on one dataset."""
     first = runs[0]
-    name = task_name(first.dataset, first.protocol)
+    name = task_name(first.dataset, first.protocol, first.kind)
     splits = by(runs, "eval_split")
     created = max(datetime.fromisoformat(r.created_at) for r in runs if r.created_at)
     return {
