@@ -4,8 +4,11 @@
 timm's ``validate.py``: ``model, top1, top1_err, top5, top5_err, param_count, img_size, crop_pct,
 interpolation`` (the variants add ``top1_diff, top5_diff, rank_diff``), accuracies in percent.
 Import only: each row is one supervised model's ImageNet accuracy, kind ``finetune`` (the whole
-network trained on the task), protocol ``timm``; ``results-imagenet.csv`` is split ``val``, a
-variant its own split (``results-sketch.csv``: ``sketch``)."""
+network trained on the task) with protocol ``full``, the linear-probe protocol a featcache
+fine-tune row carries too, so the linear-vs-fine-tune analysis pairs a backbone's featcache probe
+on ``imagenet`` with timm's number (``hparams.published``: where it came from);
+``results-imagenet.csv`` is split ``val``, a variant its own split (``results-sketch.csv``:
+``sketch``). A backbone pairs when its featcache name is timm's model name (with its tag)."""
 
 from __future__ import annotations
 
@@ -71,10 +74,13 @@ def read(path: Path) -> Imported:
                     "kind": "finetune",
                     "backbone": row["model"].strip(),
                     "dataset": "imagenet",
-                    "protocol": NAME,
+                    "protocol": "full",
                     "train_split": "train",
                     "eval_split": split_of(f),
-                    "hparams": {k: row.get(k) for k in KEEP if row.get(k) not in (None, "")},
+                    "hparams": {
+                        "published": "timm validate.py (results CSV)",
+                        **{k: row.get(k) for k in KEEP if row.get(k) not in (None, "")},
+                    },
                 }
                 got.rows += external_rows(base, metrics, fmt=NAME, path=f, sha=sha)
     return got

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from featcache.analysis import load_results
 from featcache.cli import main
 from featcache.core.results import read_results
 from featcache.errors import ResultsError
@@ -208,7 +209,7 @@ def test_timm_csv_rows_become_external_finetune_rows(tmp_path):
     df = read_results(results)
     eva = df.filter((df["backbone"] == "eva_giant_patch14_560.m30m_ft_in22k_in1k") & (df["metric"] == "top1"))
     assert eva["value"][0] == pytest.approx(0.89786, abs=1e-12)
-    assert (eva["kind"][0], eva["protocol"][0], eva["eval_split"][0]) == ("finetune", "timm", "val")
+    assert (eva["kind"][0], eva["protocol"][0], eva["eval_split"][0]) == ("finetune", "full", "val")
     assert json.loads(eva["hparams"][0])["param_count"] == "1,014.45"
 
 
@@ -237,8 +238,6 @@ def test_bad_files_are_one_line_each_and_leave_the_table(tmp_path, table):
 def test_analysis_puts_external_rows_beside_featcaches(tmp_path, table, exported):
     """Imported rows are their own source in the analysis; a run exported and imported back
     is counted once."""
-    from featcache.analysis import load_results
-
     results = tmp_path / "r.parquet"
     results.write_bytes(table.read_bytes())
     import_results(ImportConfig(str(exported["lm-eval"]), str(results)))
@@ -246,3 +245,23 @@ def test_analysis_puts_external_rows_beside_featcaches(tmp_path, table, exported
     rows = load_results(results, metric="top1").rows
     assert set(rows["source"].unique()) == {"r.parquet", "results-imagenet.csv (external)"}
     assert rows.filter(rows["source"] == "r.parquet").height == read_results(table).height
+
+
+def test_linear_vs_finetune_pairs_featcache_probes_with_timms_numbers(tmp_path):
+    """timm's published ImageNet accuracy is the fine-tune side of a backbone whose featcache
+    linear probe on imagenet/val is in the table (the probe rows here are given, the pairing is
+    what is tested)."""
+    from featcache.analysis.rankings import linear_vs_finetune
+    from featcache.analysis.tables import reduce_seeds
+    from featcache.core.results import append_results
+
+    results = tmp_path / "r.parquet"
+    names = ["eva02_large_patch14_448.mim_m38m_ft_in22k_in1k", "tf_efficientnet_l2.ns_jft_in1k"]
+    probe = {"kind": "probe", "dataset": "imagenet", "protocol": "full", "eval_split": "val", "metric": "top1"}
+    append_results(
+        results, [{**probe, "run_id": f"p{i}", "backbone": b, "value": 0.8 + i / 100} for i, b in enumerate(names)]
+    )
+    import_results(ImportConfig(str(DATA / "results-imagenet.csv"), str(results)))
+    out = linear_vs_finetune(reduce_seeds(load_results(results, metric="top1").rows))
+    pairs = {r["backbone"]: (r["linear"], r["finetune"]) for r in out.pairs.iter_rows(named=True)}
+    assert pairs == {names[0]: (0.8, pytest.approx(0.90052)), names[1]: (0.81, pytest.approx(0.88352))}
