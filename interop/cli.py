@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 #: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
-HELP_ORDER = 95
+HELP_ORDER = 92
 
 #: the formats each command offers (checked against the registry by tests/interop)
 EXPORT_FORMATS = ("clip_benchmark", "mteb", "lm-eval", "model-index")
