@@ -64,7 +64,7 @@ def export_results(config: ExportConfig) -> ExportReport:
     from featcache._version import __version__
     from featcache.core.results import read_results
 
-    fmt = RESULT_FORMATS[config.format]
+    fmt = RESULT_FORMATS.resolve(config.format)
     if fmt.write is None:
         raise ResultsError(
             f"result format {config.format!r} is read only (featcache import); export writes "

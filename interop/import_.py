@@ -44,7 +44,7 @@ def read_external(source: str | Path, fmt: str = "auto") -> tuple[str, Any, tupl
     if not path.exists():
         raise ResultsError(f"{path} does not exist; give a results file or folder to import")
     name = detect_format(path) if fmt == "auto" else fmt
-    got = RESULT_FORMATS[name].read(path)
+    got = RESULT_FORMATS.resolve(name).read(path)
     return name, rows_to_frame(got.rows), tuple(got.problems)
 
 

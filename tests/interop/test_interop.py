@@ -265,3 +265,18 @@ def test_linear_vs_finetune_pairs_featcache_probes_with_timms_numbers(tmp_path):
     out = linear_vs_finetune(reduce_seeds(load_results(results, metric="top1").rows))
     pairs = {r["backbone"]: (r["linear"], r["finetune"]) for r in out.pairs.iter_rows(named=True)}
     assert pairs == {names[0]: (0.8, pytest.approx(0.90052)), names[1]: (0.81, pytest.approx(0.88352))}
+
+
+def test_the_commands(table, tmp_path, capsys):
+    out, results = tmp_path / "cb", tmp_path / "r.parquet"
+    assert main(["export", "--format", "clip_benchmark", "--results", str(table), "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"3 run(s) -> 3 file(s) under {out} (clip_benchmark)\n"
+    assert main(["import", str(out), "--results", str(results)]) == 0
+    assert capsys.readouterr().out == f"3 external run(s), 15 row(s) (clip_benchmark) -> {results}\n"
+    (tmp_path / "notes.txt").write_text("top1 0.9\n")
+    with pytest.raises(ResultsError, match=r"notes.txt looks like no format; name it with --format"):
+        import_results(ImportConfig(str(tmp_path / "notes.txt"), str(results)))
+    with pytest.raises(ResultsError, match=r"result format 'timm' is read only"):
+        export_results(ExportConfig(str(table), str(out), "timm"))
+    with pytest.raises(ResultsError, match=r"clip-benchmark"):
+        export_results(ExportConfig(str(table), str(out), "clip-benchmark"))
