@@ -95,6 +95,8 @@ def results_file(backbone: str, runs: Sequence[Run], version: str) -> dict[str, 
     lower = {t: lower_is_better(list(r.metrics)) for t, r in tasks.items()}
     date = _date(runs)
     fit = sum(r.fit_seconds or 0.0 for r in runs)
+    seeds = {r.seed for r in runs}
+    seed = seeds.pop() if len(seeds) == 1 else None  # several: each task's config says its own
     return {
         "results": {t: task_results(r, t) for t, r in tasks.items()},
         "group_subtasks": {t: [] for t in tasks},
@@ -105,7 +107,7 @@ def results_file(backbone: str, runs: Sequence[Run], version: str) -> dict[str, 
             t: {METRIC_NAMES.get(m, m): m not in lower[t] for m in r.metrics} for t, r in tasks.items()
         },
         "n-samples": {t: {"original": r.n_eval, "effective": r.n_eval} for t, r in tasks.items()},
-        "config": {"model": backbone, "model_args": None, "batch_size": None, "random_seed": runs[0].seed},
+        "config": {"model": backbone, "model_args": None, "batch_size": None, "random_seed": seed},
         "git_hash": None,
         "date": date.replace(tzinfo=timezone.utc).timestamp(),
         "featcache_version": version,
