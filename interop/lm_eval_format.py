@@ -112,9 +112,15 @@ def results_file(backbone: str, runs: Sequence[Run], version: str) -> dict[str, 
         "date": date.replace(tzinfo=timezone.utc).timestamp(),
         "featcache_version": version,
         "task_hashes": {},
+        # asdict(GeneralConfigTracker), as save_results_aggregated appends it
         "model_source": "featcache",
         "model_name": backbone,
         "model_name_sanitized": sanitize_model_name(backbone),
+        "system_instruction": None,
+        "system_instruction_sha": None,
+        "fewshot_as_multiturn": False,
+        "chat_template": None,
+        "chat_template_sha": None,
         "total_evaluation_time_seconds": str(fit),
     }
 

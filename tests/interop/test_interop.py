@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -177,6 +178,33 @@ def test_lm_eval_reads_the_export(table, exported):
         assert data["higher_is_better"][task]["acc"] is True
         assert data["higher_is_better"][task]["nll"] is False
         assert res["acc_stderr,none"] == pytest.approx(mean_stderr([1.0] * k + [0.0] * (n - k)), rel=1e-12)
+
+
+def test_lm_eval_file_is_what_its_tracker_writes(exported, tmp_path):
+    """lm-eval's own ``EvaluationTracker.save_results_aggregated`` (lm_eval 0.4.13,
+    loggers/evaluation_tracker.py:230), given the export's results and the same model, writes
+    the same keys in the same order and the same values (but its own timer's total time)."""
+    tracking = pytest.importorskip("lm_eval.loggers.evaluation_tracker")
+
+    ours_path = next(exported["lm-eval"].rglob("results_*.json"))
+    ours = json.loads(ours_path.read_text())
+    tracker = tracking.EvaluationTracker(output_path=str(tmp_path))
+    tracker.general_config_tracker.log_experiment_args(
+        model_source="featcache",
+        model_args={"model": ours["model_name"]},
+        system_instruction=None,
+        chat_template=None,
+        fewshot_as_multiturn=False,
+    )
+    tracked = set(dataclasses.asdict(tracker.general_config_tracker)) | {"task_hashes"}
+    tracker.save_results_aggregated(results={k: v for k, v in ours.items() if k not in tracked}, samples=None)
+    golden_path = next(tmp_path.rglob("results_*.json"))
+    golden = json.loads(golden_path.read_text())
+    assert golden_path.parent.name == ours_path.parent.name  # the model's sanitized folder
+    assert list(golden) == list(ours)
+    for d in (golden, ours):
+        d.pop("total_evaluation_time_seconds")
+    assert golden == ours
 
 
 def test_the_hub_reads_the_model_card(exported):
