@@ -308,3 +308,34 @@ def test_the_commands(table, tmp_path, capsys):
         export_results(ExportConfig(str(table), str(out), "timm"))
     with pytest.raises(ResultsError, match=r"clip-benchmark"):
         export_results(ExportConfig(str(table), str(out), "clip-benchmark"))
+
+
+def test_a_folder_mteb_itself_wrote_is_imported(mteb_mod, tmp_path):
+    """A MIEB result saved by mteb's own ResultCache.save_to_cache (TaskResult.to_disk and
+    model_meta.json): one probe row per split from its accuracy, MIEB's task named back as
+    featcache's dataset, the model by model_meta's name, protocol ``mteb``."""
+    from mteb.cache import ResultCache
+    from mteb.models.model_meta import ModelMeta
+    from mteb.results.task_result import TaskResult
+
+    meta = ModelMeta(loader=None, name="org/vit-tiny", revision="0123abcd", release_date=None, languages=None,
+                     n_parameters=None, memory_usage_mb=None, max_tokens=None, embed_dim=192, license=None,
+                     open_weights=True, public_training_code=None, public_training_data=None, framework=["PyTorch"],
+                     similarity_fn_name=None, use_instructions=None, training_datasets=None, modalities=["image"])  # fmt: skip
+    entry = {"accuracy": 0.91234567, "f1": 0.9, "main_score": 0.91234567, "hf_subset": "default"}
+    res = TaskResult(dataset_revision="69a62dd171e24a133d193073e73fda4dbb823266", task_name="CIFAR10",
+                     mteb_version="2.26.24", scores={"test": [{**entry, "languages": ["eng-Latn"]}]},
+                     evaluation_time=12.5)  # fmt: skip
+    ResultCache(cache_path=tmp_path).save_to_cache(res, meta)
+    name, rows, problems = read_external(tmp_path / "results")
+    assert (name, problems, rows.height) == ("mteb", (), 1)
+    row = rows.row(0, named=True)
+    assert (row["kind"], row["backbone"], row["dataset"], row["protocol"]) == (
+        "probe",
+        "org/vit-tiny",
+        "cifar10",
+        "mteb",
+    )
+    assert (row["metric"], row["value"], row["eval_split"]) == ("top1", 0.912346, "test")  # to_disk's 6 places
+    hp = json.loads(row["hparams"])
+    assert (hp["mteb_task"], hp["model_revision"], hp["dataset_revision"][:3]) == ("CIFAR10", "0123abcd", "69a")
