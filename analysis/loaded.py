@@ -244,7 +244,29 @@ def _merged(results, source, external, metric, groups, percent, external_kind) -
     if results is not None:
         f = _scores_only(results)
         f = with_declared_rows(f) if declared else f
-        tables.append(load_table(f, source=source, groups=groups))
+        tables += _tables_by_source(f, source, groups)
     tables += [with_declared_rows(t, external=True) if declared else t for t in external]
     rows, coverage = merge_tables(tables)
     return LoadedResults(rows, coverage, metric, results, source, tuple(external), groups, percent, external_kind)
+
+
+def _tables_by_source(frame, source: str, groups) -> list:
+    """The results table's rows as analysis tables: featcache's own under ``source``, and the
+    rows ``featcache import`` added (``hparams.external.source``) each under their file's name
+    with `` (external)``, so rank and report name where a published number came from."""
+    import polars as pl
+
+    if "hparams" not in frame.columns:
+        return [load_table(frame, source=source, groups=groups)]
+    hp = pl.col("hparams").cast(pl.Utf8)
+    ext = frame.with_columns(hp.str.json_path_match("$.external.source").alias("_ext"))
+    own = ext.filter(pl.col("_ext").is_null()).drop("_ext")
+    if "run_id" in frame.columns:  # a run exported and imported back is the run itself: counted once
+        again = hp.str.json_path_match("$.external.run_id").is_in(own["run_id"].unique().to_list())
+        ext = ext.filter(~(pl.col("_ext").is_not_null() & again.fill_null(False)))
+    names = ext["_ext"].drop_nulls().unique(maintain_order=True).to_list()
+    out = [load_table(own, source=source, groups=groups)] if own.height or not names else []
+    for name in names:
+        rows = ext.filter(pl.col("_ext") == name).drop("_ext")
+        out.append(load_table(rows, source=f"{name} (external)", groups=groups))
+    return out

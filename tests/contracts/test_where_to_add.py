@@ -452,6 +452,50 @@ def _find_forward_backend(cli: CLI, tmp_path: Path) -> None:
     assert "where-inference" in cli("extract", "--help")
 
 
+# ------------------------------------------------------------------ a result format
+RESULT_FORMAT = '''
+"""A result format in one file: one TSV line per (run, metric)."""
+from featcache.interop.formats import RESULT_FORMATS, ResultFormat
+from featcache.interop.runs import Imported, external_rows
+
+
+def write(runs, ctx):
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    path = ctx.out / "rows.tsv"
+    path.write_text("".join(f"{r.backbone}\\t{r.dataset}\\t{m}\\t{v!r}\\n" for r in runs for m, v in r.metrics.items()))
+    return [path], []
+
+
+def read(path):
+    got = Imported()
+    for line in (path / "rows.tsv").read_text().splitlines():
+        b, d, m, v = line.split("\\t")
+        base = {"kind": "probe", "backbone": b, "dataset": d, "protocol": "where-tsv"}
+        got.rows += external_rows(base, {m: float(v)}, fmt="where-tsv", path=path, sha="-")
+    return got
+
+
+RESULT_FORMATS.register("where-tsv", ResultFormat(write, read, lambda p: (p / "rows.tsv").exists()))
+'''
+
+
+def _result_format_registries() -> tuple:
+    from featcache.interop.formats import RESULT_FORMATS
+
+    return (RESULT_FORMATS,)
+
+
+def _find_result_format(cli: CLI, tmp_path: Path) -> None:
+    import polars as pl
+
+    top1 = _probe_rows(cli, tmp_path, "full")["top1"]
+    results, out = str(tmp_path / "r.parquet"), str(tmp_path / "tsv")
+    cli("export", "--format", "where-tsv", "--results", results, "--out", out)
+    cli("import", out, "--results", results)  # --format auto finds it
+    rows = pl.read_parquet(results).filter((pl.col("protocol") == "where-tsv") & (pl.col("metric") == "top1"))
+    assert rows["value"].to_list() == [top1]
+
+
 #: kind -> its one file and how the CLI finds it
 KINDS = {
     "model source": Kind(MODEL_SOURCE, _model_source_registries, _find_model_source),
@@ -464,6 +508,7 @@ KINDS = {
     "similarity measure": Kind(MEASURE, _measure_registries, _find_measure),
     "search backend": Kind(SEARCH_BACKEND, _search_backend_registries, _find_search_backend),
     "extraction backend": Kind(FORWARD_BACKEND, _forward_backend_registries, _find_forward_backend),
+    "result format": Kind(RESULT_FORMAT, _result_format_registries, _find_result_format),
 }
 
 
