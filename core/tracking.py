@@ -171,9 +171,8 @@ class Tracking:
             if self.failed:
                 break
             try:
-                if self._tracker is None:
-                    self._tracker = TRACKERS.resolve(self.name)(self.uri)
-                done.append(self._tracker.log_run(run, parent))  # pyright: ignore[reportOptionalMemberAccess]
+                tracker = self._tracker = self._tracker or TRACKERS.resolve(self.name)(self.uri)
+                done.append(tracker.log_run(run, parent))
             except Exception as exc:  # a tracker's failure never costs a result
                 self._fail(exc)
         return done

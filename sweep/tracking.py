@@ -57,7 +57,8 @@ class SweepTracking:
 
         from featcache.core.results import read_results
 
-        return read_results(self.config.results_path).filter(pl.col("run_id").is_in(sorted(run_ids)))
+        table: Any = read_results(self.config.results_path)  # polars (the default backend)
+        return table.filter(pl.col("run_id").is_in(sorted(run_ids)))
 
     def _log_item(self, item: WorkItem, run_ids: Iterable[str]) -> None:
         ids = tuple(run_ids)
