@@ -193,7 +193,7 @@ def configure_logging(verbose: int = 0, quiet: bool = False, log_file: str | Non
         if root.level == logging.NOTSET or root.level > fh.level:
             root.setLevel(fh.level)
     if not verbose:
-        for noisy in ("urllib3", "botocore", "s3fs", "fsspec", "matplotlib", "PIL", "timm", "faiss.loader"):
+        for noisy in ("urllib3", "botocore", "s3fs", "fsspec", "matplotlib", "PIL", "timm", "faiss.loader", "alembic"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
     return fh
 

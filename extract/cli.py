@@ -35,6 +35,9 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
         "(DIR/<task>: VTAB-1k lists, CLIP_benchmark shards, HF on disk, image folder; DIR/<task>.csv)",
     )
     add_storage_option_argument(p)
+    from featcache.core.tracking import add_track_argument
+
+    add_track_argument(p)
 
 
 def run_extract(args: argparse.Namespace) -> int:
@@ -57,6 +60,11 @@ def run_extract(args: argparse.Namespace) -> int:
     else:
         configs = [(ExtractConfig.from_args(args, storage_options=opts), None)]
     configs = [(c.replace(progress=progress), task) for c, task in configs]
+    import functools
+
+    from featcache.core.tracking import open_tracking
+
+    tracking = open_tracking(getattr(args, "track", None))
     if _runs_on_cpu(configs[0][0].device):
         from featcache.core.allocator import tune_cpu_allocator
 
@@ -69,7 +77,46 @@ def run_extract(args: argparse.Namespace) -> int:
             if task is not None and cfg.write:
                 _record_task_metric(cfg, task)
             _print_reports(reports)
+            if tracking is not None:  # after the features are stored: a tracker never costs them
+                tracking.log(functools.partial(tracked_splits, cfg, reports))
     return 0
+
+
+def tracked_splits(cfg, reports) -> list:
+    """One :class:`~featcache.core.tracking.TrackedRun` per extracted split: its id a run id of
+    (store, backbone, dataset, split), so extracting it again updates the tracked run; params =
+    the config, metrics = what the split's extraction did, artifacts = ``store_summary.json``
+    (the store's catalog rows of that split: kinds, shapes, provenance), ``config.json`` and
+    ``report.md``."""
+    import json
+
+    from featcache.core.results import make_run_id
+    from featcache.core.tracking import TrackedRun, config_params
+    from featcache.store import open_cache
+
+    cat = open_cache(cfg.cache, storage_options=dict(cfg.storage_options or {}) or None).catalog()
+    params = {f"config.{k}": v if isinstance(v, str) else json.dumps(v) for k, v in config_params(cfg).items()}
+    out = []
+    for r in reports:
+        mine = [
+            c for c in cat.to_dicts() if (c["backbone"], c["dataset"], c["split"]) == (r.backbone, r.dataset, r.split)
+        ]
+        figures = {"rows": r.n, "chunks_total": r.chunks_total, "chunks_computed": r.chunks_computed}
+        figures.update({"n_invalid": r.n_invalid, "seconds": r.seconds, "images_per_s": r.images_per_s})
+        report = f"# extract {r.backbone} {r.dataset}/{r.split}\n\n" + "".join(
+            f"- {k}: {v}\n" for k, v in figures.items()
+        )
+        files = {
+            "store_summary.json": json.dumps(mine, indent=1, sort_keys=True, default=str),
+            "config.json": json.dumps(config_params(cfg), indent=1, sort_keys=True),
+            "report.md": report,
+        }
+        split = {"backbone": r.backbone, "dataset": r.dataset, "split": r.split}
+        rid = make_run_id(kind="extract", cache=str(cfg.cache), **split)
+        metrics = {k: float(v) for k, v in figures.items() if v is not None}
+        name = f"extract {r.backbone} {r.dataset}/{r.split}"
+        out.append(TrackedRun(rid, "extract", name, {**split, **params}, metrics, files, {"featcache.kind": "extract"}))
+    return out
 
 
 def suite_configs(args: argparse.Namespace, **overrides) -> list:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from featcache.core.configs import add_arguments, from_namespace
+from featcache.core.tracking import add_track_argument
 from featcache.finetune.config import FinetuneConfig, selection_metrics
 
 #: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
@@ -31,6 +32,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
         "data is under --data-root; the suite's resize and input size unless given",
     )
     p.add_argument("--data-root", default=None, help="with --suite: folder holding one entry per task (as extract)")
+    add_track_argument(p)
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> FinetuneConfig:
@@ -76,6 +78,7 @@ def suite_configs(args: argparse.Namespace) -> list[FinetuneConfig]:
 
 def run_finetune(args: argparse.Namespace) -> int:
     from featcache.core.results import check_results_path
+    from featcache.core.tracking import open_tracking
     from featcache.finetune.runner import finetune
 
     if args.suite:
@@ -88,6 +91,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         configs = [config_from_args(args)]
     cfg = configs[0]
     check_results_path(cfg.results_path)  # a bad --results fails before any compute
+    tracking = open_tracking(args.track, cfg.results_path)
     device = cfg.device
     if device == "auto":
         import torch
@@ -98,7 +102,10 @@ def run_finetune(args: argparse.Namespace) -> int:
 
         tune_cpu_allocator()
     for cfg in configs:
-        _print_rows(finetune(cfg), cfg)
+        rows = finetune(cfg)
+        if tracking is not None:  # after the rows are written: a tracker never costs a result
+            tracking.log_rows("finetune", rows, cfg)
+        _print_rows(rows, cfg)
     return 0
 
 

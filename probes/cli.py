@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from featcache.core.configs import add_arguments, from_namespace
+from featcache.core.tracking import add_track_argument
 from featcache.probes.config import ProbeConfig
 
 #: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
@@ -44,6 +45,7 @@ def register(subparsers) -> None:
         metavar="PREFIX",
         help="with --suite: the prefix extract --suite --dataset-name used (datasets PREFIX-<task>)",
     )
+    add_track_argument(p)
     p.set_defaults(func=run)
 
 
@@ -127,12 +129,16 @@ def suite_configs(args: argparse.Namespace) -> list[ProbeConfig]:
 
 def run(args: argparse.Namespace) -> int:
     from featcache.core.results import check_results_path
+    from featcache.core.tracking import open_tracking
     from featcache.probes.runner import run_probes
 
     configs = suite_configs(args) if args.suite else [config_from_args(args)]
     check_results_path(configs[0].results_path)  # a bad --results fails before any compute
+    tracking = open_tracking(args.track, configs[0].results_path)
     for cfg in configs:
         df = run_probes(cfg)
+        if tracking is not None:  # after the rows are written: a tracker never costs a result
+            tracking.log_rows("probe", df, cfg)
         if args.suite:
             print(f"{cfg.dataset} (train {cfg.train_split}, metric {cfg.metric or 'from the store'}):")
         print(format_table(df))

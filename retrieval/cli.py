@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from featcache.core.tracking import add_track_argument
 from featcache.retrieval.config import RetrievalConfig
 
 #: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
@@ -32,6 +33,7 @@ def register(subparsers) -> None:
         ),
     )
     RetrievalConfig.add_arguments(p)
+    add_track_argument(p)
     p.set_defaults(func=run)
     t = subparsers.add_parser(
         "retrieve-text",
@@ -45,11 +47,13 @@ def register(subparsers) -> None:
     t.add_argument("--recall-k", default="1,5,10", help="comma-separated k values (default 1,5,10)")
     t.add_argument("--results", default=None, help="results table (parquet) the rows are appended to")
     t.add_argument("--force", action="store_true", help="re-run runs already in the results table")
+    add_track_argument(t)
     t.set_defaults(func=run_text)
 
 
 def run_text(args) -> int:
     from featcache.core.results import check_results_path
+    from featcache.core.tracking import open_tracking
     from featcache.errors import ConfigError
     from featcache.retrieval.text import run_text_retrieval
 
@@ -59,7 +63,13 @@ def run_text(args) -> int:
         ks = [int(k) for k in args.recall_k.split(",") if k.strip()]
     except ValueError:
         raise ConfigError(f"--recall-k {args.recall_k!r}: give comma-separated integers, e.g. 1,5,10") from None
+    tracking = open_tracking(args.track, args.results)
     frame = run_text_retrieval(args.cache, args.backbone, args.dataset, args.split, ks, args.results, args.force)
+    if tracking is not None:
+        config = {
+            k: getattr(args, k) for k in ("cache", "backbone", "dataset", "split", "recall_k", "results", "force")
+        }
+        tracking.log_rows("retrieve-text", frame, config)
     vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(frame["metric"], frame["value"]))
     print(f"{args.backbone}  {args.dataset}/{args.split}  image-text  {vals}")
     return 0
@@ -85,13 +95,17 @@ def _shown(metric: str, ks) -> bool:
 
 def run(args) -> int:
     from featcache.core.results import check_results_path
+    from featcache.core.tracking import open_tracking
     from featcache.retrieval.run import run_retrieval
 
     cfg = RetrievalConfig.from_args(args)
     check_results_path(cfg.results_path)  # a bad --results fails before any compute
+    tracking = open_tracking(args.track, cfg.results_path)
     if getattr(args, "no_progress", False):  # -q
         cfg = replace(cfg, progress=False)
     frame = run_retrieval(cfg)
+    if tracking is not None:  # after the rows are written: a tracker never costs a result
+        tracking.log_rows("retrieve", frame, cfg)
     for (kind, backbone, protocol), g in frame.group_by(["kind", "backbone", "protocol"], maintain_order=True):
         vals = ", ".join(f"{m}={v:.4f}" for m, v in zip(g["metric"], g["value"]) if _shown(m, cfg.ks))
         print(f"{backbone}  {cfg.dataset}  {kind}:{protocol}  {vals}")

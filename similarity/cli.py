@@ -23,6 +23,9 @@ def register(subparsers) -> None:
         ),
     )
     SimilarityConfig.add_arguments(p)
+    from featcache.core.tracking import add_track_argument
+
+    add_track_argument(p)
     p.set_defaults(func=run)
     a = subparsers.add_parser(
         "audit",
@@ -43,15 +46,19 @@ def run(args) -> int:
     from dataclasses import replace
 
     from featcache.core.results import check_results_path
+    from featcache.core.tracking import open_tracking
     from featcache.similarity.config import SimilarityConfig
     from featcache.similarity.runner import run_similarity
 
     cfg = SimilarityConfig.from_args(args)
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)
+    tracking = open_tracking(args.track, cfg.results_path)
     if getattr(args, "no_progress", False):
         cfg = replace(cfg, progress=False)
     frame = run_similarity(cfg)
+    if tracking is not None:  # after the rows are written: a tracker never costs a result
+        tracking.log_rows("similarity", frame, cfg)
     for r in frame.iter_rows(named=True):
         print(f"{r['backbone']}  {r['protocol']}  {cfg.dataset}/{cfg.split}  {r['metric']}={r['value']:.4f}")
     print(f"{frame.height} rows" + (f" -> {cfg.results_path}" if cfg.results_path else ""))

@@ -34,6 +34,9 @@ def register(sub) -> None:
     add_arguments(ft, SweepConfig, only=_FT_FIELDS)
     add_arguments(ft, FinetuneFlags)
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    from featcache.core.tracking import add_track_argument
+
+    add_track_argument(p)
     p.set_defaults(func=run)
 
 
@@ -52,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from featcache.core.results import check_results_path
+    from featcache.core.tracking import open_tracking
     from featcache.sweep import plan, run_sweep
 
     check_results_path(args.results_path)
+    tracking = open_tracking(args.track, args.results_path)
     if not args.verbose:  # the cluster's start/stop chatter (distributed sets INFO on import)
         import distributed  # noqa: F401
 
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         for it in p.done:
             print(f"done  {it.run_id}  {it.label}")
         return 0
-    report = run_sweep(config, progress=not args.quiet)
+    report = run_sweep(config, progress=not args.quiet, tracking=tracking)
     for o in report.failed:
         print(f"FAILED {o.run_id}  {o.label}: {o.error}")
     print(f"{report.summary()} -> {config.results_path}")

@@ -12,11 +12,15 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from featcache.errors import SweepError
 from featcache.sweep.planner import Plan, SweepConfig, WorkItem, plan
+
+if TYPE_CHECKING:
+    from featcache.core.tracking import Tracking
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +66,18 @@ def call_stage(item: WorkItem):
     return get_stage(item.kind).run(item.config)
 
 
-def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> None:
+def finish_medians(results: str, produced: list[tuple[WorkItem, list[str]]]) -> list[tuple[str, Any]]:
     """After every seed is in: the median-over-seeds rows (``seed=-1``) each stage adds when
     it runs its seeds together (:meth:`featcache.core.stagerun.Stage.wants_medians`: the VTAB
-    protocols' probes, fine-tuning with two or more seeds), with the same carried hparams."""
+    protocols' probes, fine-tuning with two or more seeds), with the same carried hparams;
+    ``(stage, its seed and median rows)`` per stage that has any."""
     from featcache.core.stagerun import STAGES, get_stage, medians_from_table
 
     ids: dict[str, set[str]] = {}
     for it, rs in produced:
         if get_stage(it.kind).wants_medians(it.protocol):
             ids.setdefault(it.kind, set()).update(rs)
-    for kind in STAGES:
-        if ids.get(kind):
-            medians_from_table(results, kind, ids[kind])
+    return [(kind, medians_from_table(results, kind, ids[kind])) for kind in STAGES if ids.get(kind)]
 
 
 def run_item(item: WorkItem) -> ItemOutcome:
@@ -120,8 +123,15 @@ def _client(config: SweepConfig):
     return Client(cluster), cluster
 
 
-def execute(items: Iterable[WorkItem], config: SweepConfig, *, progress: bool = True) -> list[ItemOutcome]:
-    """Run ``items``; returns one outcome per item (in completion order)."""
+def execute(
+    items: Iterable[WorkItem],
+    config: SweepConfig,
+    *,
+    progress: bool = True,
+    on_done: Callable[[ItemOutcome], None] | None = None,
+) -> list[ItemOutcome]:
+    """Run ``items``; returns one outcome per item (in completion order), each also given to
+    ``on_done`` as it arrives (the sweep's tracking)."""
     from featcache.core.progress import tqdm
 
     items = list(items)
@@ -134,6 +144,8 @@ def execute(items: Iterable[WorkItem], config: SweepConfig, *, progress: bool = 
         if o.status == "failed":
             log.error("item %s (%s) failed: %s", o.run_id, o.label, o.error)
         outcomes.append(o)
+        if on_done is not None:
+            on_done(o)
         bar.update()
 
     try:
@@ -162,18 +174,30 @@ def execute(items: Iterable[WorkItem], config: SweepConfig, *, progress: bool = 
     return outcomes
 
 
-def run_sweep(config: SweepConfig, *, progress: bool = True) -> SweepReport:
-    """Check the results path, plan, and run what is missing."""
+def run_sweep(config: SweepConfig, *, progress: bool = True, tracking: Tracking | None = None) -> SweepReport:
+    """Check the results path, plan, and run what is missing; with ``tracking`` (``--track``),
+    each item's runs are logged as it finishes, nested under a parent run of the sweep
+    (:mod:`featcache.sweep.tracking`)."""
     from featcache.core.results import check_results_path
 
     check_results_path(config.results_path)
     p = plan(config)
-    outcomes = execute(p.items, config, progress=progress)
+    tracked = None
+    if tracking is not None:
+        from featcache.sweep.tracking import SweepTracking
+
+        tracked = SweepTracking(tracking, config, p)
+        tracked.done_items()
+    outcomes = execute(p.items, config, progress=progress, on_done=tracked.item if tracked else None)
     ok = {o.run_id: list(o.result_run_ids) for o in outcomes if o.status != "failed"}
     if any(i.run_id in ok for i in p.items):
         produced = [(i, ok[i.run_id]) for i in p.items if i.run_id in ok]
         produced += [(i, list(i.run_ids)) for i in p.done]
-        finish_medians(config.results_path, produced)
+        medians = finish_medians(config.results_path, produced)
+        if tracked is not None:
+            tracked.medians(medians)
+    if tracked is not None:
+        tracked.finish(outcomes)
     report = SweepReport(p, tuple(outcomes))
     log.info("sweep: %s", report.summary())
     return report

@@ -296,7 +296,7 @@ def test_data_help_and_errors_list_every_registered_format():
 def _every_registry() -> dict[str, Registry]:
     import featcache.retrieval  # noqa: F401 - Battle of the Backbones' metrics register on import
     from featcache import cli
-    from featcache.core import metrics, protocols, stagerun
+    from featcache.core import metrics, protocols, stagerun, tracking
     from featcache.models import backbones, sources
     from featcache.probes import solvers
     from featcache.retrieval import metrics as retrieval_metrics
@@ -317,6 +317,7 @@ def _every_registry() -> dict[str, Registry]:
         "weights source": backbones.WEIGHTS_SOURCES,
         "similarity measure": registry.MEASURES,
         "RDM method": measures.RDM_METHODS,
+        "tracker": tracking.TRACKERS,
     }
 
 
@@ -334,6 +335,7 @@ REGISTRIES = [
     "weights source",
     "similarity measure",
     "RDM method",
+    "tracker",
 ]
 
 

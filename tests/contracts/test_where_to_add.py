@@ -496,6 +496,51 @@ def _find_result_format(cli: CLI, tmp_path: Path) -> None:
     assert rows["value"].to_list() == [top1]
 
 
+# ------------------------------------------------------------------ an experiment tracker
+TRACKER = '''
+"""An experiment tracker in one file: each run as a JSON line appended to the file the URI names."""
+import json
+
+from featcache.core.tracking import TrackerInfo, register_tracker
+
+
+class JsonLines:
+    def __init__(self, uri):
+        self.path = uri
+
+    def log_run(self, run, parent=None):
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"run_id": run.run_id, "metrics": dict(run.metrics), "parent": parent}) + "\\n")
+        return run.run_id
+
+
+register_tracker("wherelines", JsonLines, note="JSON lines", info=TrackerInfo("runs.jsonl", "json", "-"))
+'''
+
+
+def _tracker_registries() -> tuple:
+    from featcache.core.tracking import TRACKERS
+
+    return (TRACKERS,)
+
+
+def _find_tracker(cli: CLI, tmp_path: Path) -> None:
+    import json
+
+    import polars as pl
+
+    assert "wherelines[:URI] (JSON lines)" in cli("retrieve", "--help")
+    cache, results, lines = _toy_store(tmp_path), tmp_path / "r.parquet", tmp_path / "runs.jsonl"
+    cli(*f"retrieve --cache {cache} --dataset toy --all --query test --gallery train --k 1".split(),
+        *f"--results {results} --no-progress --track wherelines:{lines}".split())  # fmt: skip
+    logged = [json.loads(line) for line in lines.read_text().splitlines()]
+    df = pl.read_parquet(results)
+    assert sorted(r["run_id"] for r in logged) == sorted(set(df["run_id"]))
+    for r in logged:
+        mine = df.filter(pl.col("run_id") == r["run_id"])
+        assert r["metrics"] == dict(zip(mine["metric"], mine["value"]))
+
+
 #: kind -> its one file and how the CLI finds it
 KINDS = {
     "model source": Kind(MODEL_SOURCE, _model_source_registries, _find_model_source),
@@ -509,6 +554,7 @@ KINDS = {
     "search backend": Kind(SEARCH_BACKEND, _search_backend_registries, _find_search_backend),
     "extraction backend": Kind(FORWARD_BACKEND, _forward_backend_registries, _find_forward_backend),
     "result format": Kind(RESULT_FORMAT, _result_format_registries, _find_result_format),
+    "tracker": Kind(TRACKER, _tracker_registries, _find_tracker),
 }
 
 
