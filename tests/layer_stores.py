@@ -49,15 +49,23 @@ def _write(path: str, backbone: str, kinds: dict[str, dict[str, np.ndarray]], id
             w.release()
 
 
-def vit_layer_store(tmp: str) -> str:
+def vit_layer_store(tmp: str, seeds: tuple[int, ...] = (0,)) -> str:
     """``tmp``/vit.zarr: ``layer{i}_cls`` and ``layer{i}_mean`` of test_vit's 6 blocks on digits
-    (train 240 / val 160 / test 150, 32 px), from ``forward_intermediates(norm=True)``."""
+    (train 240 / val 160 / test 150, 32 px), from ``forward_intermediates(norm=True)``; one
+    backbone ``test_vit@random{seed}`` per seed of the random initialisation."""
+    out = f"{tmp}/vit.zarr"
+    for seed in seeds:
+        _vit_layers(out, seed)
+    return out
+
+
+def _vit_layers(out: str, seed: int) -> None:
     import timm
     import torch
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = timm.create_model("test_vit", pretrained=False, img_size=32).eval()
     x = torch.from_numpy(np.repeat(d.images[:, None], 3, axis=1).astype(np.float32) / 16.0)
     x = torch.nn.functional.interpolate(x, size=32, mode="bilinear", align_corners=False)
@@ -73,9 +81,7 @@ def vit_layer_store(tmp: str) -> str:
             kinds[s][f"layer{i}_mean"] = patch[sl].mean(1).numpy()
     ids = {s: np.array([f"d{j:04d}" for j in range(sl.start, sl.stop)]) for s, sl in rows.items()}
     labels = {s: d.target[sl] for s, sl in rows.items()}
-    out = f"{tmp}/vit.zarr"
-    _write(out, VIT, kinds, ids, labels, [str(c) for c in range(10)])
-    return out
+    _write(out, f"test_vit@random{seed}", kinds, ids, labels, [str(c) for c in range(10)])
 
 
 def relabel_test(store: str, out: str, predictions) -> str:
