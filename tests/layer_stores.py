@@ -86,7 +86,7 @@ def _vit_layers(out: str, seed: int) -> None:
 
 def relabel_test(store: str, out: str, predictions) -> str:
     """A copy of ``store`` whose test labels are ``predictions``' (a ``--predictions`` table of
-    one run: id, prediction), every feature unchanged."""
+    one run: id, prediction; None: the test labels permuted), every feature unchanged."""
     import shutil
 
     from featcache.store import open_cache
@@ -98,8 +98,11 @@ def relabel_test(store: str, out: str, predictions) -> str:
         per_kind = {k: np.asarray(src.load(VIT, "digits", split, kind=k).X) for k in src.kinds(VIT, "digits", split)}
         f = src.load(VIT, "digits", split, kind="layer0_cls")
         kinds[split], ids[split], labels[split] = per_kind, np.asarray(f.ids), np.asarray(f.labels)
-    pred = dict(zip(predictions["id"].to_list(), predictions["prediction"].to_list()))
-    labels["test"] = np.array([int(pred[i]) for i in ids["test"]])
+    if predictions is None:  # a seeded permutation of the test labels
+        labels["test"] = np.random.default_rng(0).permutation(labels["test"])
+    else:
+        pred = dict(zip(predictions["id"].to_list(), predictions["prediction"].to_list()))
+        labels["test"] = np.array([int(pred[i]) for i in ids["test"]])
     shutil.rmtree(out)
     _write(out, VIT, kinds, ids, labels, [str(c) for c in range(10)])
     return out
