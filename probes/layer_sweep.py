@@ -34,6 +34,9 @@ __all__ = ["LAYER_SCORERS", "layer_marks", "run_layer_sweep"]
 
 log = logging.getLogger(__name__)
 
+#: a single-layer run: :func:`featcache.probes.runner.run_probes` (passed in: the runner imports this module)
+Runner = Callable[[ProbeConfig], "pl.DataFrame"]
+
 #: rule name (:attr:`Protocol.layer_selection`) -> ``fn(rows, metric, val_split) -> score`` of one
 #: layer's run rows (higher is better; ``val_split``: the split a ``val-split`` rule evaluates)
 LAYER_SCORERS: Registry[Callable[..., float]] = Registry("layer selection", ProbeError)
@@ -85,11 +88,10 @@ def layer_marks(i: int, kind: str, role: str, score: float, selection: dict[str,
     return {"layer": i, "layer_kind": kind, "layer_role": role, "layer_val_score": score, "layer_selection": selection}
 
 
-def _sweep_backbone(config: ProbeConfig, proto: Protocol, caches, b: str) -> list[dict]:
+def _sweep_backbone(config: ProbeConfig, proto: Protocol, caches, b: str, run_probes: Runner) -> list[dict]:
     """Every selected layer of ``b`` probed, the layer chosen, the rows marked."""
     from featcache.core.progress import tqdm
     from featcache.core.results import make_run_id
-    from featcache.probes.runner import run_probes
     from featcache.probes.store_lookup import cache_for
 
     c = cache_for(caches, b, config.dataset)
@@ -128,12 +130,33 @@ def _sweep_backbone(config: ProbeConfig, proto: Protocol, caches, b: str) -> lis
     return out
 
 
-def run_layer_sweep(config: ProbeConfig) -> pl.DataFrame:
-    """Probe every layer of ``config.layers`` for each backbone (``config.layer_part``), select
-    one layer per backbone by the protocol's rule, and append every layer's marked rows to
-    ``config.results_path``; returns them (the results schema)."""
-    from featcache.core.results import check_results_path, rows_to_frame
-    from featcache.core.stagerun import write_rows
+def _sweep_ids(config: ProbeConfig, proto: Protocol, caches, b: str) -> list[str]:
+    """The run ids a sweep of ``b`` writes, from the store's provenance records alone (the
+    single-layer runs' ids, :func:`~featcache.probes.store_lookup.run_ids`, and the layer list)."""
+    from featcache.core.results import make_run_id
+    from featcache.probes.store_lookup import cache_for, run_ids
+
+    assert config.layers is not None
+    c = cache_for(caches, b, config.dataset)
+    layers = select_layers(c.kinds(b, config.dataset, config.train_split), config.layers, config.layer_part)
+    kinds = [k for _, k in layers]
+    out = []
+    for kind in kinds:
+        one = replace(config, backbones=(b,), kind=kind, layers=None, results_path=None, predictions=None)
+        for rid in run_ids(one).values():
+            out.append(make_run_id(layer_sweep=rid, layers=kinds, rule=proto.layer_selection))
+    return out
+
+
+def run_layer_sweep(config: ProbeConfig, run_probes: Runner) -> pl.DataFrame:
+    """Probe every layer of ``config.layers`` for each backbone (``config.layer_part``) with
+    ``run_probes`` (:func:`featcache.probes.runner.run_probes`, which calls this for a config
+    with ``layers``), select one layer per backbone by the protocol's rule, and append every
+    layer's marked rows to ``config.results_path``; returns them (the results schema). A
+    backbone whose sweep rows are all in the table already is skipped (its stored rows
+    returned) unless ``config.force``."""
+    from featcache.core.results import check_results_path, read_results, rows_to_frame
+    from featcache.core.stagerun import finished, write_rows
     from featcache.probes.store_lookup import open_caches, resolve_backbones
 
     proto, cfg = config.resolve()
@@ -142,7 +165,22 @@ def run_layer_sweep(config: ProbeConfig) -> pl.DataFrame:
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)
     caches = open_caches(cfg.cache)
-    rows = [r for b in resolve_backbones(caches, cfg) for r in _sweep_backbone(config, proto, caches, b)]
+    done = finished(cfg.results_path, cfg.force)
+    rows, kept = [], []
+    for b in resolve_backbones(caches, cfg):
+        ids = _sweep_ids(config, proto, caches, b) if done else []
+        if ids and set(ids) <= done:
+            log.info(
+                "skip %s/%s %s --layers %s: already in %s", b, cfg.dataset, proto.spec, cfg.layers, cfg.results_path
+            )
+            kept += ids
+        else:
+            rows += _sweep_backbone(config, proto, caches, b, run_probes)
     table = rows_to_frame(rows)
     write_rows(cfg.results_path, table)
+    if kept:
+        import polars as pl
+
+        stored = read_results(cfg.results_path).filter(pl.col("run_id").is_in(kept))
+        table = pl.concat([stored, table])
     return table

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 __all__ = ["SELECTION_METRICS", "run_retrieval_layers"]
 
 log = logging.getLogger(__name__)
+
+#: a single-layer run: :func:`featcache.retrieval.run.run_retrieval` (passed in: run imports this module)
+Runner = Callable[[RetrievalConfig], "pl.DataFrame"]
 
 #: row kind -> the metrics a layer is selected on, the first a run has (mAP over the full
 #: ranking; a top-K-only run: its mrr, else recall@1; k-NN: top-1)
@@ -46,11 +50,10 @@ def _scores(val: pl.DataFrame) -> dict[tuple[str, str], tuple[str, float]]:
     return out
 
 
-def _sweep_backbone(cfg: RetrievalConfig, cache, b: str) -> list[dict]:
+def _sweep_backbone(cfg: RetrievalConfig, cache, b: str, run_retrieval: Runner) -> list[dict]:
     """Every selected layer of ``b`` run on the validation and the reported queries; marked rows."""
     from featcache.core.progress import tqdm
     from featcache.core.results import make_run_id
-    from featcache.retrieval.run import run_retrieval
 
     assert cfg.layers is not None  # run_retrieval_layers runs only with --layers
     layers = select_layers(cache.kinds(b, cfg.dataset, cfg.query_split), cfg.layers, cfg.layer_part)
@@ -78,13 +81,14 @@ def _sweep_backbone(cfg: RetrievalConfig, cache, b: str) -> list[dict]:
     return out
 
 
-def run_retrieval_layers(cfg: RetrievalConfig) -> pl.DataFrame:
-    """Retrieval and k-NN on every layer of ``cfg.layers`` for each backbone, one layer selected
-    per backbone and run on ``cfg.layer_val_split``; the marked rows of every layer, appended to
+def run_retrieval_layers(cfg: RetrievalConfig, run_retrieval: Runner, open_backbones: Callable) -> pl.DataFrame:
+    """Retrieval and k-NN on every layer of ``cfg.layers`` for each backbone with
+    ``run_retrieval`` (:func:`featcache.retrieval.run.run_retrieval`, which calls this for a
+    config with ``layers``, and its ``open_backbones``), one layer selected per backbone and run
+    on ``cfg.layer_val_split``; the marked rows of every layer, appended to
     ``cfg.results_path`` (the results schema)."""
     from featcache.core.results import check_results_path, rows_to_frame
     from featcache.core.stagerun import write_rows
-    from featcache.retrieval.run import open_backbones
 
     if cfg.kind != "pooled":
         raise DataError(f"--layers reads the per-layer kinds (layer<i>_<part>); drop --kind {cfg.kind}")
@@ -101,6 +105,6 @@ def run_retrieval_layers(cfg: RetrievalConfig) -> pl.DataFrame:
             f"--layers selects the layer with the {cfg.layer_val_split!r} split as queries, which {cfg.dataset} "
             f"does not have (splits {cache.splits(cfg.dataset)}); extract it or name another with --layer-val-split"
         )
-    table = rows_to_frame([r for b in backbones for r in _sweep_backbone(cfg, cache, b)])
+    table = rows_to_frame([r for b in backbones for r in _sweep_backbone(cfg, cache, b, run_retrieval)])
     write_rows(cfg.results_path, table)
     return table

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 BOB_TIES = "index"  # Battle of the Backbones' metrics rank exact ties in gallery order
 
-__all__ = ["DEFAULT_KS", "TIE_POLICY", "RetrievalConfig", "evaluate", "open_backbones", "run_retrieval"]
+__all__ = ["DEFAULT_KS", "TIE_POLICY", "RetrievalConfig", "evaluate", "run_retrieval"]
 
 
 def _check_ks(ks: Iterable[int]) -> list[int]:
@@ -198,12 +198,12 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
     if cfg.layers:  # a layer sweep: this function once per stored layer (retrieval.layer_sweep)
         from featcache.retrieval.layer_sweep import run_retrieval_layers
 
-        return run_retrieval_layers(cfg)
+        return run_retrieval_layers(cfg, run_retrieval, _open_backbones)
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before any compute
     if cfg.shards and cfg.index != "exact":
         raise RetrievalConfigError("--shards searches exactly; drop --index (or --shards)")
-    cache, backbones = open_backbones(cfg)
+    cache, backbones = _open_backbones(cfg)
     g_split = cfg.query_split if cfg.same_split else cfg.gallery_split
     labels = None if cfg.relevance is not None else _label_matrices(cache, cfg.dataset, cfg.query_split, g_split)
     setups = _relevance_setups(cfg, labels)
@@ -394,8 +394,7 @@ class _Pair:
         return self._prepared[key]
 
 
-def open_backbones(cfg: RetrievalConfig) -> tuple[Any, list[str]]:
-    """(the store, the backbones of ``cfg``: its own, else every one holding the query split)."""
+def _open_backbones(cfg: RetrievalConfig):
     from featcache.store import open_cache
 
     cache = open_cache(cfg.cache)

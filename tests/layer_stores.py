@@ -49,13 +49,23 @@ def _write(path: str, backbone: str, kinds: dict[str, dict[str, np.ndarray]], id
             w.release()
 
 
-def vit_layer_store(tmp: str, seeds: tuple[int, ...] = (0,)) -> str:
-    """``tmp``/vit.zarr: ``layer{i}_cls`` and ``layer{i}_mean`` of test_vit's 6 blocks on digits
-    (train 240 / val 160 / test 150, 32 px), from ``forward_intermediates(norm=True)``; one
-    backbone ``test_vit@random{seed}`` per seed of the random initialisation."""
-    out = f"{tmp}/vit.zarr"
-    for seed in seeds:
-        _vit_layers(out, seed)
+def vit_layer_store(tmp_path_factory) -> str:
+    """The session's ``layer-stores/vit.zarr`` (built once, under a file lock, by the first test
+    module that asks): ``layer{i}_cls`` and ``layer{i}_mean`` of test_vit's 6 blocks on digits
+    (train 240 / val 160 / test 150, 32 px), from ``forward_intermediates(norm=True)``; backbones
+    ``test_vit@random0`` and ``test_vit@random1`` (two seeds of the random initialisation)."""
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    root = Path(tmp_path_factory.getbasetemp()) / "layer-stores"
+    root.mkdir(parents=True, exist_ok=True)
+    out = str(root / "vit.zarr")
+    with FileLock(f"{out}.build.lock"):
+        if not (root / "built").exists():
+            for seed in (0, 1):
+                _vit_layers(out, seed)
+            (root / "built").touch()
     return out
 
 

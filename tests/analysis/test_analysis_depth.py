@@ -23,9 +23,8 @@ BACKBONES = ("test_vit@random0", "test_vit@random1")
 def results(tmp_path_factory) -> str:
     from featcache.probes import ProbeConfig, run_probes
 
-    tmp = tmp_path_factory.mktemp("depth")
-    store = vit_layer_store(str(tmp), seeds=(0, 1))
-    res = str(tmp / "res.parquet")
+    store = vit_layer_store(tmp_path_factory)
+    res = str(tmp_path_factory.mktemp("depth") / "res.parquet")
     run_probes(
         ProbeConfig(store, BACKBONES, "digits", "full", results_path=res, layers="0,2,5", Cs=(1.0,), progress=False)
     )

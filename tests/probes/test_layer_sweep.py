@@ -20,7 +20,7 @@ FAST = {"Cs": (0.1, 1.0, 10.0), "progress": False}
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    return vit_layer_store(str(tmp_path_factory.mktemp("layers")))
+    return vit_layer_store(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,16 @@ def test_one_row_per_layer_selected_on_val(sweep):
     assert {h["layer_selection"]["selected"] for h in hp} == {best}
     assert set(df["eval_split"]) == {"test"}
     assert pl.read_parquet(res).height == df.height  # the whole curve is written
+
+
+def test_a_rerun_is_skipped_from_the_provenance(store, sweep, monkeypatch):
+    from featcache.probes import layer_sweep
+
+    df, res = sweep
+    monkeypatch.setattr(layer_sweep, "_sweep_backbone", None)  # a rerun must not probe again
+    again = run_probes(ProbeConfig(store, (VIT,), "digits", "full", results_path=res, layers="all", **FAST))
+    assert sorted(again["run_id"]) == sorted(df["run_id"])
+    assert pl.read_parquet(res).height == df.height
 
 
 def test_curve_rows_equal_single_layer_runs(store, sweep):

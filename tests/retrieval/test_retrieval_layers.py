@@ -24,7 +24,7 @@ def _cfg(store: str, **kw) -> RetrievalConfig:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    return vit_layer_store(str(tmp_path_factory.mktemp("rl")))
+    return vit_layer_store(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
