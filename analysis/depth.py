@@ -114,33 +114,28 @@ def depth_table(curves: list[DepthCurve]) -> Any:
     return pl.DataFrame(recs, schema=schema, orient="row")
 
 
+def _panels(curves: list[DepthCurve]) -> list[tuple[str, str, list]]:
+    tasks = sorted({c.task for c in curves})
+    return [
+        (
+            task,
+            task.rsplit("(", 1)[-1].rstrip(")"),
+            [(c.backbone, c.layers, c.values, c.selected) for c in curves if c.task == task],
+        )
+        for task in tasks
+    ]
+
+
 def depth_figure(curves: list[DepthCurve]) -> Any:
     """A matplotlib Figure: one panel per task, a line per backbone (metric against layer
-    index), the layer selected on validation data ringed."""
-    from featcache.analysis.plots import _colors, _figure, _short
+    index), the layer selected on validation data ringed (:func:`~featcache.analysis.plots.layer_curves_figure`)."""
+    from featcache.analysis.plots import layer_curves_figure
 
-    tasks = sorted({c.task for c in curves})
-    cols = min(2, len(tasks)) or 1
-    nrows = max(1, -(-len(tasks) // cols))
-    fig = _figure(5.0 * cols, 3.4 * nrows)
-    colors = _colors([c.backbone for c in curves])
-    for t, task in enumerate(tasks):
-        ax = fig.add_subplot(nrows, cols, t + 1)
-        for c in (c for c in curves if c.task == task):
-            ax.plot(c.layers, c.values, marker="o", ms=3, color=colors[c.backbone], label=_short(c.backbone))
-            j = c.layers.index(c.selected) if c.selected in c.layers else None
-            if j is not None:
-                ax.plot([c.selected], [c.values[j]], marker="o", ms=10, mfc="none", color=colors[c.backbone])
-        ax.set_xlabel("layer (0-based block / stage index)")
-        ax.set_ylabel(task.rsplit("(", 1)[-1].rstrip(")"))
-        ax.set_title(task, fontsize=8)
-        ax.legend(title="backbone (ring: selected on val)", fontsize=7, title_fontsize=7, loc="best")
-    fig.tight_layout()
-    return fig
+    return layer_curves_figure(_panels(curves))
 
 
 def depth_plot(curves: list[DepthCurve], path: str | os.PathLike) -> Path:
     """:func:`depth_figure` saved as a PNG at ``path``."""
-    from featcache.analysis.plots import _save
+    from featcache.analysis.plots import layer_curves
 
-    return _save(depth_figure(curves), path)
+    return layer_curves(_panels(curves), path)
