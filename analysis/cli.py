@@ -154,6 +154,8 @@ def run_rank(args) -> int:
     _need_input(args)
     from featcache.analysis.api import rank
 
+    # the depth curves first: a sweep of one backbone has curves but no ranking
+    n_depth = _print_depth(args.results, args.out, plots=not args.no_plots) if args.results else 0
     out = rank(
         args.results,
         args.external,
@@ -188,7 +190,6 @@ def run_rank(args) -> int:
         print(f"note: {line}")
     if getattr(args, "index_effect", None):
         _print_index_effect(args.results, args.index_effect, args.out)
-    n_depth = _print_depth(args.results, args.out, plots=not args.no_plots) if args.results else 0
     print(f"wrote {len(out.files) + n_depth} files to {args.out}")
     return 0
 

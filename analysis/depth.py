@@ -45,6 +45,10 @@ class DepthCurve:
     values: np.ndarray
     selected: int
     rule: str
+    #: 95% Clopper-Pearson interval per layer (a proportion metric with a known ``n_eval`` and
+    #: one seed; NaN elsewhere: a mean over seeds is no binomial proportion)
+    lo: np.ndarray | None = None
+    hi: np.ndarray | None = None
 
     @property
     def task(self) -> str:
@@ -82,18 +86,29 @@ def depth_curves(frame: Any, metric: str | None = None) -> list[DepthCurve]:
     keys = ["kind", "dataset", "protocol", "eval_split", "metric", "backbone"]
     out = []
     for key, g in sorted(rows.group_by(keys), key=lambda t: tuple(map(str, t[0]))):
-        per = g.group_by("layer").agg(pl.col("value").mean()).sort("layer")
-        sel = g.sort("created_at")["selected"][-1]
-        out.append(
-            DepthCurve(
-                *map(str, key),
-                layers=tuple(per["layer"].to_list()),
-                values=per["value"].to_numpy().astype(float),
-                selected=int(sel),
-                rule=str(g["rule"][-1]),
-            )
+        per = (
+            g.group_by("layer")
+            .agg(pl.col("value").mean(), pl.col("n_eval").min(), pl.col("seed").n_unique().alias("n_seeds"))
+            .sort("layer")
         )
+        values = per["value"].to_numpy().astype(float)
+        lo, hi = _intervals(str(key[4]), values, per["n_eval"].fill_null(0).to_numpy(), per["n_seeds"].to_numpy())
+        sel = g.sort("created_at")["selected"][-1]
+        layers = tuple(per["layer"].to_list())
+        out.append(DepthCurve(*map(str, key), layers, values, int(sel), str(g["rule"][-1]), lo, hi))
     return out
+
+
+def _intervals(metric: str, v: np.ndarray, n: np.ndarray, seeds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """95% Clopper-Pearson bounds where ``metric`` is a proportion of ``n`` rows from one seed."""
+    from featcache.analysis.stats import clopper_pearson
+    from featcache.core.metrics import proportion_metrics
+
+    lo, hi = np.full(v.size, np.nan), np.full(v.size, np.nan)
+    ok = (n > 0) & (seeds == 1) & np.isfinite(v) & (v >= 0) & (v <= 1) & (metric in proportion_metrics())
+    if ok.any():
+        lo[ok], hi[ok] = clopper_pearson(v[ok] * n[ok], n[ok])
+    return lo, hi
 
 
 def depth_table(curves: list[DepthCurve]) -> Any:
@@ -107,10 +122,14 @@ def depth_table(curves: list[DepthCurve]) -> Any:
         at = dict(zip(c.layers, c.values.tolist()))
         rec = {"task": c.task, "backbone": c.backbone, "selected": c.selected, "rule": c.rule}
         rec["selected_value"] = at.get(c.selected)
+        if c.lo is not None and c.selected in c.layers:
+            j = c.layers.index(c.selected)
+            rec["selected_ci"] = f"[{c.lo[j]:.4f}, {c.hi[j]:.4f}]" if np.isfinite(c.lo[j]) else None
         rec.update({f"layer{i}": at.get(i) for i in range(depth)})
         recs.append(rec)
     schema = {"task": pl.Utf8, "backbone": pl.Utf8, "selected": pl.Int64, "rule": pl.Utf8}
-    schema.update({"selected_value": pl.Float64, **{f"layer{i}": pl.Float64 for i in range(depth)}})
+    schema.update({"selected_value": pl.Float64, "selected_ci": pl.Utf8})
+    schema.update({f"layer{i}": pl.Float64 for i in range(depth)})
     return pl.DataFrame(recs, schema=schema, orient="row")
 
 
@@ -120,7 +139,7 @@ def _panels(curves: list[DepthCurve]) -> list[tuple[str, str, list]]:
         (
             task,
             task.rsplit("(", 1)[-1].rstrip(")"),
-            [(c.backbone, c.layers, c.values, c.selected) for c in curves if c.task == task],
+            [(c.backbone, c.layers, c.values, c.selected, c.lo, c.hi) for c in curves if c.task == task],
         )
         for task in tasks
     ]

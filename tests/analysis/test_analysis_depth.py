@@ -15,6 +15,7 @@ from layer_stores import vit_layer_store
 from featcache.analysis import write_report
 from featcache.analysis.depth import depth_curves, depth_figure, depth_table
 from featcache.analysis.loaded import load_results
+from featcache.analysis.stats import clopper_pearson
 
 BACKBONES = ("test_vit@random0", "test_vit@random1")
 
@@ -41,6 +42,10 @@ def test_curves_hold_every_layer_and_the_selected_one(results):
         assert c.layers == (0, 2, 5)
         assert np.array_equal(c.values, rows["value"].to_numpy()[np.argsort([m["layer"] for m in marks])])
         assert c.selected == next(m["layer"] for m in marks if m["layer_role"] == "selected")
+        n = np.full(3, rows["n_eval"][0])  # 150 test rows, one seed: the binomial interval of each layer
+        lo, hi = clopper_pearson(c.values * n, n)
+        assert np.allclose(c.lo, lo)
+        assert np.allclose(c.hi, hi)
     wide = depth_table(curves)
     assert wide.columns[-6:] == ["layer0", "layer1", "layer2", "layer3", "layer4", "layer5"]
     assert wide["layer1"].null_count() == 2
