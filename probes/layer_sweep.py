@@ -148,6 +148,30 @@ def _sweep_ids(config: ProbeConfig, proto: Protocol, caches, b: str) -> list[str
     return out
 
 
+def _with_layers(caches, cfg: ProbeConfig, backbones: list[str]) -> list[str]:
+    """``--all``: the backbones that store per-layer kinds (the others named in one warning);
+    named backbones as given (one without layers is refused by the sweep, naming what it has)."""
+    from featcache.core.layers import stored_layers
+    from featcache.probes.store_lookup import cache_for
+
+    if list(cfg.backbones) != ["all"]:
+        return backbones
+
+    def held(b: str) -> bool:
+        kinds = cache_for(caches, b, cfg.dataset).kinds(b, cfg.dataset, cfg.train_split)
+        return bool(stored_layers(kinds, cfg.layer_part))
+
+    keep = [b for b in backbones if held(b)]
+    if not keep:
+        raise NotInStoreError(
+            f"no backbone stores per-layer kinds for {cfg.dataset}/{cfg.train_split}; extract them with "
+            "--features layers:all (or layers:1,4,-1) first"
+        )
+    if len(keep) < len(backbones):
+        log.warning("--layers --all: %s store no per-layer kinds; skipped", sorted(set(backbones) - set(keep)))
+    return keep
+
+
 def run_layer_sweep(config: ProbeConfig, run_probes: Runner) -> pl.DataFrame:
     """Probe every layer of ``config.layers`` for each backbone (``config.layer_part``) with
     ``run_probes`` (:func:`featcache.probes.runner.run_probes`, which calls this for a config
@@ -167,7 +191,7 @@ def run_layer_sweep(config: ProbeConfig, run_probes: Runner) -> pl.DataFrame:
     caches = open_caches(cfg.cache)
     done = finished(cfg.results_path, cfg.force)
     rows, kept = [], []
-    for b in resolve_backbones(caches, cfg):
+    for b in _with_layers(caches, cfg, resolve_backbones(caches, cfg)):
         ids = _sweep_ids(config, proto, caches, b) if done else []
         if ids and set(ids) <= done:
             log.info(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from featcache.core.layers import select_layers
+from featcache.core.layers import select_layers, stored_layers
 from featcache.errors import DataError
 from featcache.retrieval.config import RetrievalConfig
 
@@ -100,6 +100,11 @@ def run_retrieval_layers(cfg: RetrievalConfig, run_retrieval: Runner, open_backb
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)
     cache, backbones = open_backbones(cfg)
+    if cfg.backbones is None:  # --all: the backbones that store per-layer kinds
+        held = [b for b in backbones if stored_layers(cache.kinds(b, cfg.dataset, cfg.query_split), cfg.layer_part)]
+        if len(held) < len(backbones):
+            log.warning("--layers --all: %s store no per-layer kinds; skipped", sorted(set(backbones) - set(held)))
+        backbones = held or backbones  # none: the sweep refuses the first, naming what it stores
     if cfg.layer_val_split not in cache.splits(cfg.dataset):
         raise DataError(
             f"--layers selects the layer with the {cfg.layer_val_split!r} split as queries, which {cfg.dataset} "

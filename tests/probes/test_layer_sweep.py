@@ -92,6 +92,22 @@ def test_selection_never_reads_test(store, sweep, tmp_path):
     assert int(np.argmax(top1)) == other != sel
 
 
+def test_all_skips_backbones_without_layers(store, tmp_path):
+    import shutil
+
+    from featcache.store import open_cache, write_features
+
+    path = str(tmp_path / "mixed.zarr")
+    shutil.copytree(store, path)
+    for split in ("train", "val", "test"):
+        f = open_cache(store).load(VIT, "digits", split, kind="layer5_cls")
+        write_features(path, backbone="pooled-only", dataset="digits", split=split, X=f.X, ids=f.ids, labels=f.labels)
+    df = run_probes(ProbeConfig(path, "all", "digits", "full", layers="-1", **FAST))
+    assert sorted(set(df["backbone"])) == ["test_vit@random0", "test_vit@random1"]
+    with pytest.raises(Exception, match="no per-layer kinds"):
+        run_probes(ProbeConfig(path, ("pooled-only",), "digits", "full", layers="all", **FAST))
+
+
 def test_layer_lists_and_parts(store):
     df = run_probes(ProbeConfig(store, (VIT,), "digits", "full", layers="1,-1", layer_part="mean", **FAST))
     assert [h["layer_kind"] for h in _marks(df)] == ["layer1_mean", "layer5_mean"]
