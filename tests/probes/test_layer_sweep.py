@@ -154,3 +154,17 @@ def test_dinov2_linear_from_chosen_layers(store):
     marks = _marks(sw)
     assert [h["input"] for h in marks] == ["layer2_cls+layer2_mean", "layer5_cls+layer5_mean"]
     assert [h["layer_val_score"] for h in marks] == [h["val_top1"] for h in marks]
+
+
+def test_every_protocol_names_a_layer_rule_that_is_scored():
+    from featcache.core.protocols import LAYER_SELECTIONS, CGrid, Protocol, get_protocol, list_protocols
+    from featcache.errors import ProtocolError
+    from featcache.probes.layer_sweep import LAYER_SCORERS
+
+    assert set(LAYER_SCORERS) == set(LAYER_SELECTIONS)
+    fixed = [p for p in list_protocols() if p not in ("fewshot", "elevater-fewshot", "subset", "attentive")]
+    rules = {p: get_protocol(p).layer_selection for p in fixed}
+    assert rules["bob-linear"] == "val-split"  # it holds out nothing
+    assert rules["full"] == rules["dinov2-linear"] == "val-score"
+    with pytest.raises(ProtocolError, match="layer_selection must be one of"):
+        Protocol(spec="x", name="x", stage="probe", split="full", solver="lbfgs", grid=CGrid(), layer_selection="test")
