@@ -186,6 +186,10 @@ def run_layer_sweep(config: ProbeConfig, run_probes: Runner) -> pl.DataFrame:
     proto, cfg = config.resolve()
     if cfg.kind not in ("pooled", proto.kind):
         raise ProbeError(f"--layers reads the per-layer kinds (layer<i>_<part>); drop --kind {cfg.kind}")
+    if cfg.predictions is not None:
+        raise ProbeError(
+            "--predictions with --layers: run the selected layer alone with --kind layer<i>_<part> --predictions FILE"
+        )
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)
     caches = open_caches(cfg.cache)

@@ -113,6 +113,8 @@ def test_layer_lists_and_parts(store):
     assert [h["layer_kind"] for h in _marks(df)] == ["layer1_mean", "layer5_mean"]
     with pytest.raises(Exception, match="layer 7 is not stored"):
         run_probes(ProbeConfig(store, (VIT,), "digits", "full", layers="7", **FAST))
+    with pytest.raises(ProbeError, match="--predictions with --layers"):
+        run_probes(ProbeConfig(store, (VIT,), "digits", "full", layers="all", predictions="p.parquet", **FAST))
     with pytest.raises(ProbeError, match="drop --kind"):
         run_probes(ProbeConfig(store, (VIT,), "digits", "full", layers="all", kind="layer0_cls", **FAST))
 
