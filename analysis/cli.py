@@ -222,6 +222,8 @@ def _print_depth(results, out_dir, *, plots: bool = True) -> int:
     from featcache.core.formatting import format_table
     from featcache.core.results import read_results
 
+    if not Path(results).exists():  # rank says so, in its own words
+        return 0
     curves = depth_curves(read_results(results))
     if not curves:
         return 0
