@@ -95,17 +95,16 @@ def _vit_layers(out: str, seed: int) -> None:
 
 
 def relabel_test(store: str, out: str, predictions) -> str:
-    """A copy of ``store`` whose test labels are ``predictions``' (a ``--predictions`` table of
-    one run: id, prediction; None: the test labels permuted), every feature unchanged."""
-    import shutil
-
+    """A copy of ``store``'s test_vit@random0 class-token layers whose test labels are
+    ``predictions``' (a ``--predictions`` table of one run: id, prediction; None: the test labels
+    permuted), every feature unchanged."""
     from featcache.store import open_cache
 
-    shutil.copytree(store, out)
     src = open_cache(store)
     kinds, ids, labels = {}, {}, {}
     for split in src.splits("digits"):
-        per_kind = {k: np.asarray(src.load(VIT, "digits", split, kind=k).X) for k in src.kinds(VIT, "digits", split)}
+        kept = [k for k in src.kinds(VIT, "digits", split) if k.endswith("_cls")]  # what the sweeps read
+        per_kind = {k: np.asarray(src.load(VIT, "digits", split, kind=k).X) for k in kept}
         f = src.load(VIT, "digits", split, kind="layer0_cls")
         kinds[split], ids[split], labels[split] = per_kind, np.asarray(f.ids), np.asarray(f.labels)
     if predictions is None:  # a seeded permutation of the test labels
@@ -113,6 +112,5 @@ def relabel_test(store: str, out: str, predictions) -> str:
     else:
         pred = dict(zip(predictions["id"].to_list(), predictions["prediction"].to_list()))
         labels["test"] = np.array([int(pred[i]) for i in ids["test"]])
-    shutil.rmtree(out)
     _write(out, VIT, kinds, ids, labels, [str(c) for c in range(10)])
     return out
