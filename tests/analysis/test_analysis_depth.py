@@ -17,6 +17,9 @@ from featcache.analysis.depth import depth_curves, depth_figure, depth_table
 from featcache.analysis.loaded import load_results
 from featcache.analysis.stats import clopper_pearson
 
+#: fits and searches of seconds on a store built per session (tests/layer_stores.py)
+pytestmark = pytest.mark.slow
+
 BACKBONES = ("test_vit@random0", "test_vit@random1")
 
 

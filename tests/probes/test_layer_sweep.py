@@ -15,6 +15,9 @@ from layer_stores import VIT, vit_layer_store
 from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes import ProbeConfig, run_probes
 
+#: fits and searches of seconds on a store built per session (tests/layer_stores.py)
+pytestmark = pytest.mark.slow
+
 FAST = {"Cs": (0.1, 1.0, 10.0), "progress": False}
 
 

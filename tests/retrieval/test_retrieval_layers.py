@@ -14,6 +14,9 @@ from layer_stores import VIT, relabel_test, vit_layer_store
 from featcache.errors import DataError
 from featcache.retrieval import RetrievalConfig, run_retrieval
 
+#: fits and searches of seconds on a store built per session (tests/layer_stores.py)
+pytestmark = pytest.mark.slow
+
 LAYERS = "0,3,5"
 
 
