@@ -154,6 +154,8 @@ def run_rank(args) -> int:
     _need_input(args)
     from featcache.analysis.api import rank
 
+    # the depth curves first: a sweep of one backbone has curves but no ranking
+    n_depth = _print_depth(args.results, args.out, plots=not args.no_plots) if args.results else 0
     out = rank(
         args.results,
         args.external,
@@ -188,7 +190,7 @@ def run_rank(args) -> int:
         print(f"note: {line}")
     if getattr(args, "index_effect", None):
         _print_index_effect(args.results, args.index_effect, args.out)
-    print(f"wrote {len(out.files)} files to {args.out}")
+    print(f"wrote {len(out.files) + n_depth} files to {args.out}")
     return 0
 
 
@@ -209,6 +211,31 @@ def _print_index_effect(results, metric: str, out_dir) -> None:
             f"index {r['index']} on {r['dataset']}/{r['protocol']} @{r['eval_split']}: {verdict} "
             f"(Kendall tau-b {r['kendall_tau']:.3f} over {r['n_backbones']} backbones, {metric})"
         )
+
+
+def _print_depth(results, out_dir, *, plots: bool = True) -> int:
+    """The layer sweeps' accuracy against depth per backbone (:mod:`featcache.analysis.depth`):
+    printed, written to ``depth_curves.csv`` (and ``depth_curves.png``); the files written."""
+    from pathlib import Path
+
+    from featcache.analysis.depth import depth_curves, depth_plot, depth_table
+    from featcache.core.formatting import format_table
+    from featcache.core.results import read_results
+
+    if not Path(results).exists():  # rank says so, in its own words
+        return 0
+    curves = depth_curves(read_results(results))
+    if not curves:
+        return 0
+    table = depth_table(curves)
+    print(f"accuracy against depth ({len(curves)} layer sweep(s); selected: the layer chosen on validation data):")
+    print(format_table(table, "text", floatfmt="{:.4f}"), end="")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table.write_csv(out / "depth_curves.csv")
+    if plots:
+        depth_plot(curves, out / "depth_curves.png")
+    return 1 + int(plots)
 
 
 def run_shift(args) -> int:

@@ -220,13 +220,18 @@ def load_results(
 
 def _scores_only(frame):
     """The rows that score a backbone on a task: similarity and audit rows
-    (:data:`~featcache.core.results.NON_SCORE_KINDS`) are read by their own report sections."""
+    (:data:`~featcache.core.results.NON_SCORE_KINDS`) are read by their own report sections, and
+    so are a layer sweep's curve rows (:mod:`featcache.analysis.depth`; its selected layer's
+    rows are the backbone's score)."""
     import polars as pl
 
+    from featcache.analysis.depth import curve_rows
     from featcache.core.results import NON_SCORE_KINDS
 
     if "kind" not in frame.columns:
         return frame
+    if "hparams" in frame.columns:
+        frame = frame.filter(~curve_rows())
     return frame.filter(~pl.col("kind").is_in(list(NON_SCORE_KINDS)))
 
 

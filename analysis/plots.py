@@ -381,6 +381,42 @@ def best_vs_rest(
     return _save(fig, path)
 
 
+def layer_curves_figure(panels):
+    """Accuracy against depth (layer sweeps): one panel per ``(title, ylabel, lines)``, each line
+    ``(backbone, layers, values, selected, lo, hi)`` drawn as its metric against the layer index
+    with its interval shaded where ``lo``/``hi`` are finite, the selected layer ringed. Returns
+    the Figure."""
+    names = sorted({ln[0] for _, _, lines in panels for ln in lines})
+    colors = _colors(names)
+    cols = min(2, len(panels)) or 1
+    rows = max(1, -(-len(panels) // cols))
+    fig = _figure(5.0 * cols, 3.4 * rows)
+    for t, (title, ylabel, lines) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, t + 1)
+        shaded = False
+        for b, layers, values, selected, lo, hi in lines:
+            ax.plot(layers, values, marker="o", ms=3, color=colors[b], label=_short(b))
+            if lo is not None and np.isfinite(lo).any():
+                ax.fill_between(layers, lo, hi, color=colors[b], alpha=0.15, lw=0)
+                shaded = True
+            if selected in layers:
+                ax.plot(
+                    [selected], [values[list(layers).index(selected)]], marker="o", ms=10, mfc="none", color=colors[b]
+                )
+        ax.set_xlabel("layer (0-based block / stage index)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=8)
+        title = "backbone (ring: selected on val" + ("; band: 95% Clopper-Pearson)" if shaded else ")")
+        ax.legend(title=title, fontsize=7, title_fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+def layer_curves(panels, path) -> Path:
+    """:func:`layer_curves_figure` saved as a PNG at ``path``."""
+    return _save(layer_curves_figure(panels), path)
+
+
 def similarity_heatmap(names, values, path, *, title: str, label: str) -> Path:
     """A symmetric backbone x backbone similarity matrix (CKA, RSA) with its values written in."""
     n = len(names)

@@ -842,6 +842,27 @@ def _similarity(results, tmp: Path) -> dict[str, Any]:
     }
 
 
+def _depth(results, tmp: Path) -> dict[str, Any]:
+    """Accuracy against depth per backbone (the layer sweeps' rows, :mod:`featcache.analysis.depth`):
+    one figure and the curves' table, or None without sweep rows."""
+    from featcache.analysis.depth import depth_curves, depth_plot, depth_table
+
+    curves = depth_curves(results)
+    if not curves:
+        return {"depth": None}
+    path = depth_plot(curves, tmp / "depth_curves.png")
+    caption = (
+        f"{len(curves)} layer sweep(s): the metric each sweep selected on against the layer it read, "
+        "one line per backbone; the ring marks the layer chosen on validation data (never the split plotted)"
+    )
+    return {
+        "depth": {
+            "figures": [_figure(path, caption)],
+            "table": table_cells(depth_table(curves), table_id="depth-table"),
+        }
+    }
+
+
 def _collapsed_audits(results) -> list[str]:
     """``backbone on dataset/split`` of each audit whose rows record a collapsed feature space
     (hparams ``collapsed``: featcache audit found random pairs as alike as near-copies)."""
@@ -974,6 +995,7 @@ def write_report(
         "shift": None,
         "similarity": None,
         "audit": None,
+        "depth": None,
         "notes": [],
     }
     kw = {"on_constant": "drop", "n_boot": 1000, "retrieval_metric": "auto", **kw_in}
@@ -1007,6 +1029,7 @@ def write_report(
         if shift_splits is not None:
             ctx["shift"] = _shift(loaded, shift_splits, tmp)
         ctx.update(_similarity(loaded.results, tmp))
+        ctx.update(_depth(loaded.results, tmp))
         doc = _render(ctx)
     _write_atomic(out, doc)
     log.info("report written to %s", out)

@@ -174,6 +174,9 @@ def format_table(df) -> str:
 
 
 def _hp_short(h: dict) -> str:
+    if "layer_role" in h:  # a layer sweep's row (probes.layer_sweep): its layer, * where selected
+        star = " *selected*" if h["layer_role"] == "selected" else ""
+        return f"{h['layer_kind']}{star} " + _hp_short({k: v for k, v in h.items() if k != "layer_role"})
     if h.get("aggregate"):
         return f"median of seeds {h.get('seeds')}"
     if "C" in h:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from featcache.core.configs import Interval, check_fields, flag, seed_tuple, str_tuple
+from featcache.core.layers import LAYER_PARTS
 from featcache.probes.solver_registry import SOLVERS, ProbeConfigError, Solver, option_values
 
 __all__ = ["ProbeConfig", "ProbeConfigError"]
@@ -128,6 +129,16 @@ class ProbeConfig:
         choices=_task_metrics,
     )
     progress: bool = flag(True, "no progress bars", negate="--no-progress")
+    layers: str | None = flag(
+        None,
+        "layer sweep: run the protocol on each stored per-layer kind (all, or a comma list such as 1,4,-1), "
+        "select the layer on the protocol's validation data, report test for it and record the whole curve",
+    )
+    layer_part: str = flag(
+        "auto",
+        "with --layers: the part of each layer read (auto: the first stored of cls, avg, mean, cls_raw, mean_raw)",
+        choices=lambda: ["auto", *LAYER_PARTS],
+    )
     #: the protocol's solver's options (its own frozen dataclass, :attr:`Solver.options
     #: <featcache.probes.solver_registry.Solver.options>`); given as a mapping or as keywords
     #: (``ProbeConfig(..., Cs=[1.0], max_iter=500)``): each option is a keyword and, on the

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from featcache.core.configs import Interval, check_fields, flag
+from featcache.core.layers import parse_layer_kind
 from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes.solver_registry import FitOutcome, FitRequest, ProbeConfigError, epochs_option, register_solver
 
@@ -336,6 +337,8 @@ def resolve_input_kinds(available: Sequence[str], kind: str = "auto") -> tuple[s
     backbone without class tokens); the mean patch token from ``tokens_mean``, else ``tokens``,
     else the finest ``tokens@GxG``."""
     avail = list(available)
+    if kind.startswith("layers:") or parse_layer_kind(kind.split("+")[0].split(",")[0]) is not None:
+        return _layer_input_kinds(avail, kind)
     if "+" in kind:
         cls_kind, patch_kind = (k.strip() for k in kind.split("+", 1))
         missing = [k for k in (cls_kind, patch_kind) if k not in avail]
@@ -359,6 +362,33 @@ def resolve_input_kinds(available: Sequence[str], kind: str = "auto") -> tuple[s
     return cls_kind, patches[0][1]
 
 
+def _layer_input_kinds(avail: list[str], kind: str) -> tuple[str, str]:
+    """The input of per-layer kinds (issue 56): ``layers:LIST`` takes the class tokens of the
+    listed layers (oldest first, one slot each) and the last one's mean patch token; a single
+    ``layer{i}_cls`` (a layer sweep's point) pairs it with ``layer{i}_mean`` (``_raw``: before
+    the final norm, both); ``CLS,...+PATCH`` names them."""
+    from featcache.core.layers import layer_kind, select_layers
+
+    if "+" in kind:
+        cls_part, patch_kind = kind.split("+", 1)
+        cls_kinds = cls_part.split(",")
+    elif kind.startswith("layers:"):
+        idx = [i for i, _ in select_layers(avail, kind.removeprefix("layers:"), "cls")]
+        cls_kinds, patch_kind = [layer_kind(i, "cls") for i in idx], layer_kind(idx[-1], "mean")
+    else:
+        i, part = parse_layer_kind(kind) or (0, "")
+        cls_kinds, patch_kind = [kind], layer_kind(i, part.replace("cls", "mean"))
+    bad = [k for k in cls_kinds if (p := parse_layer_kind(k)) is None or not p[1].startswith("cls")]
+    if bad or not patch_kind.startswith("layer"):
+        raise ProbeError(
+            f"dinov2-linear input {kind!r}: give layers:LIST, layer<i>_cls or layer<i>_cls,...+layer<j>_mean"
+        )
+    missing = [k for k in (*cls_kinds, patch_kind) if k not in avail]
+    if missing:
+        raise NotInStoreError(f"dinov2-linear input {kind!r}: the store has no kind {missing} (has {avail})")
+    return ",".join(cls_kinds), patch_kind
+
+
 def _mean_tokens(cache: FeatureCache, f: Features) -> np.ndarray:
     """The mean over the token axis of ``f``'s ``[n, T, D]`` kind, streamed from the store in
     row blocks of whole chunks (:meth:`FeatureCache.iter_blocks`, memory bounded), float32."""
@@ -374,7 +404,8 @@ def stored_input_fingerprint(cache: FeatureCache, backbone: str, dataset: str, s
     """:func:`load_linear_input`'s fingerprint from the provenance records alone (no read)."""
     from featcache.store import combine_fingerprints
 
-    kinds = resolve_input_kinds(cache.kinds(backbone, dataset, split), kind)
+    cls_kind, patch_kind = resolve_input_kinds(cache.kinds(backbone, dataset, split), kind)
+    kinds = [*cls_kind.split(","), patch_kind]  # per-layer class tokens: one kind a slot
     return combine_fingerprints(*(cache.stored_fingerprint(backbone, dataset, split, k) for k in kinds))
 
 
@@ -386,11 +417,13 @@ def load_linear_input(cache: FeatureCache, backbone: str, dataset: str, split: s
     from featcache.store import Features, combine_fingerprints
 
     cls_kind, patch_kind = resolve_input_kinds(cache.kinds(backbone, dataset, split), kind)
-    fc = cache.load(backbone, dataset, split, kind=cls_kind)
-    fp = cache.load(backbone, dataset, split, kind=patch_kind, lazy=patch_kind != "tokens_mean")
-    if not np.array_equal(np.asarray(fc.ids), np.asarray(fp.ids)):
+    fcs = [cache.load(backbone, dataset, split, kind=k) for k in cls_kind.split(",")]  # layer kinds: one a slot
+    fc = fcs[0]
+    vector = patch_kind == "tokens_mean" or parse_layer_kind(patch_kind) is not None  # [n, D]: no token axis
+    fp = cache.load(backbone, dataset, split, kind=patch_kind, lazy=not vector)
+    if not all(np.array_equal(np.asarray(f.ids), np.asarray(fp.ids)) for f in fcs):
         raise ProbeError(f"{backbone}/{dataset}/{split}: kinds {cls_kind} and {patch_kind} hold different rows")
-    Xc = np.asarray(fc.X, np.float32)
+    Xc = np.stack([np.asarray(f.X, np.float32) for f in fcs], axis=1) if len(fcs) > 1 else np.asarray(fc.X, np.float32)
     Xc = Xc[:, None, :] if Xc.ndim == 2 else Xc[:, -MAX_BLOCKS:]
     Xp = _mean_tokens(cache, fp)
     if Xp.shape[-1] != Xc.shape[-1]:
@@ -407,16 +440,16 @@ def load_linear_input(cache: FeatureCache, backbone: str, dataset: str, split: s
         X=np.concatenate([Xc, Xp[:, None, :]], axis=1),
         labels=fc.labels,
         ids=fc.ids,
-        valid=np.asarray(fc.valid, bool) & np.asarray(fp.valid, bool),
+        valid=np.logical_and.reduce([np.asarray(f.valid, bool) for f in (*fcs, fp)]),
         class_names=fc.class_names,
         provenance=fc.provenance,
         dataset_fingerprint=fc.dataset_fingerprint,
-        fingerprint=combine_fingerprints(fc.fingerprint, fp.fingerprint),
+        fingerprint=combine_fingerprints(*(f.fingerprint for f in fcs), fp.fingerprint),
     )
     out.input_info = {  # type: ignore[attr-defined]
         "input": name,
         "cls_source": cls_kind,
-        "patch_source": patch_kind if patch_kind == "tokens_mean" else f"mean({patch_kind})",
+        "patch_source": patch_kind if vector else f"mean({patch_kind})",
         "slots": int(out.X.shape[1]),
     }
     return out

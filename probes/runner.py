@@ -373,6 +373,10 @@ def run_probes(config: ProbeConfig) -> pl.DataFrame:
     from featcache.core.progress import tqdm
     from featcache.core.results import check_results_path
 
+    if config.layers:  # a layer sweep: this function once per stored layer (probes.layer_sweep)
+        from featcache.probes.layer_sweep import run_layer_sweep
+
+        return run_layer_sweep(config, run_probes)
     proto, cfg = config.resolve()
     if cfg.views:
         from featcache.probes.views import check_view_solver

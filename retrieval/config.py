@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from featcache.core import configs
 from featcache.core.configs import flag, renamed_kwargs
+from featcache.core.layers import LAYER_PARTS
 from featcache.errors import ConfigError, DataError, UsageError
 from featcache.retrieval.knn import KNN_KS, KNN_TEMPERATURE
 from featcache.retrieval.prepared import METRICS  # the similarities the search computes
@@ -153,6 +154,17 @@ class RetrievalConfig:
     shard_processes: bool = flag(True, "local cluster workers are processes (False: threads)", cli=False)
     force: bool = flag(False, "re-run runs already in the results table", action="store_true")
     progress: bool = flag(True, "no progress bars (implied by -q)", negate="--no-progress")
+    layers: str | None = flag(
+        None,
+        "layer sweep: run on each stored per-layer kind (all, or a comma list such as 1,4,-1), select the "
+        "layer with --layer-val-split as the queries (never --query), report --query for it, record the curve",
+    )
+    layer_part: str = flag(
+        "auto",
+        "with --layers: the part of each layer read (auto: the first stored of cls, avg, mean, cls_raw, mean_raw)",
+        choices=lambda: ["auto", *LAYER_PARTS],
+    )
+    layer_val_split: str = flag("val", "with --layers: the query split the layer is selected on (default val)")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here

@@ -195,6 +195,10 @@ def run_retrieval(config: RetrievalConfig | str | os.PathLike, *args: Any, **kwa
     if isinstance(config, RetrievalConfig) and (args or kwargs):
         raise UsageError("run_retrieval(config) takes no further arguments; use dataclasses.replace(config, ...)")
     cfg = config if isinstance(config, RetrievalConfig) else legacy_config(config, *args, **kwargs)
+    if cfg.layers:  # a layer sweep: this function once per stored layer (retrieval.layer_sweep)
+        from featcache.retrieval.layer_sweep import run_retrieval_layers
+
+        return run_retrieval_layers(cfg, run_retrieval, _open_backbones)
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)  # an unwritable table fails before any compute
     if cfg.shards and cfg.index != "exact":

@@ -90,6 +90,7 @@ from __future__ import annotations
 
 from featcache.core.protocols import builtin, grids, plans  # plans, builtin: register the built-in members
 from featcache.core.protocols.base import (
+    LAYER_SELECTIONS,
     PROTOCOLS,
     SPLIT_PLANS,
     STAGES,
@@ -137,6 +138,7 @@ __all__ = [
     "DINOV2_LINEAR",
     "ELEVATER_MULTILABEL_VAL",
     "ELEVATER_SGD",
+    "LAYER_SELECTIONS",
     "PROTOCOLS",
     "SALMAN_SGD",
     "SPLIT_PLANS",

@@ -19,6 +19,7 @@ from featcache.core.registry import Registry
 from featcache.errors import ProtocolError, SplitError
 
 __all__ = [
+    "LAYER_SELECTIONS",
     "PROTOCOLS",
     "SPLIT_PLANS",
     "STAGES",
@@ -39,6 +40,15 @@ __all__ = [
 ]
 
 STAGES = ("probe", "finetune")
+
+#: how a layer sweep (``probe --layers``) picks its layer, named by :attr:`Protocol.layer_selection`:
+#: each reads validation data the protocol already holds out, never an eval split
+LAYER_SELECTIONS = {
+    "val-score": "the validation score the protocol's own selection recorded (hparams val_<task metric>), "
+    "mean over seeds",
+    "val-split": "the task metric on the dataset's val split (--val-split), evaluated as one more split: "
+    "for a protocol that holds out nothing (bob-linear)",
+}
 
 
 # ------------------------------------------------------------------ split plans
@@ -134,6 +144,8 @@ class Protocol:
     #: how the analysis names its tasks after the dataset (``cifar10 (fewshot:5)``): ``None``
     #: the spec, ``""`` nothing (the default protocol), else this text (``zero-shot``)
     table_label: str | None = None
+    #: how ``probe --layers`` selects the layer it reports: a key of :data:`LAYER_SELECTIONS`
+    layer_selection: str = "val-score"
 
     def __post_init__(self) -> None:
         if self.split not in SPLIT_PLANS:
@@ -142,6 +154,11 @@ class Protocol:
             )
         if self.seed_rule not in ("median", "mean"):
             raise ProtocolError(f"protocol {self.spec!r}: seed_rule must be 'median' or 'mean', got {self.seed_rule!r}")
+        if self.layer_selection not in LAYER_SELECTIONS:
+            raise ProtocolError(
+                f"protocol {self.spec!r}: layer_selection must be one of {list(LAYER_SELECTIONS)}, "
+                f"got {self.layer_selection!r}"
+            )
 
     @property
     def row_protocol(self) -> str:

@@ -85,6 +85,7 @@ register_fixed_protocol(
     split="train",
     solver="lars",
     grid=BOB_LARS,
+    layer_selection="val-split",  # it holds out nothing: a layer sweep selects on the val split
 )
 register_fixed_protocol(
     "dinov2-linear",

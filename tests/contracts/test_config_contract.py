@@ -75,6 +75,8 @@ STAGES = {
             "final_epochs": 3,
             "batch_size": 16,
             "epoch_length": 5,
+            "layers": "1,-1",
+            "layer_part": "mean",
         },
     ),
     "finetune": (
@@ -134,6 +136,9 @@ STAGES = {
             "recall_queries": 50,
             "shards": 2,
             "scheduler": "tcp://127.0.0.1:8786",
+            "layers": "all",
+            "layer_part": "cls",
+            "layer_val_split": "v",
         },
     ),
     "sweep": (
