@@ -132,7 +132,11 @@ def hub_store(url: str, mode: str = "r") -> Any:
     pinned = HubPath(hub.repo_id, commit, hub.path).fs_path()
     fs = HfFileSystem(endpoint=hub_endpoint())
     fs.resolve_path(pinned)  # the commit checked once here; every read below reuses it
-    fs.find(pinned)  # one recursive listing fills the listing cache every file open consults
+    if not fs.find(pinned):  # one recursive listing, which also fills the cache every file open consults
+        raise NotInStoreError(
+            f"{url}: the dataset has no folder {hub.path}/ at commit {commit} (`featcache publish` puts the store in "
+            f"{STORE_DIR}/; name another folder as hf://datasets/ORG/NAME@REVISION/FOLDER)"
+        )
     return _pinned_store_class()(fs=AsyncFileSystemWrapper(fs, asynchronous=True), path=pinned, read_only=True)
 
 

@@ -242,10 +242,12 @@ def test_the_folder_loads_with_datasets_and_the_card_names_what_it_holds(publish
     for split in ("train", "test"):
         ids, labels, X = _store_rows(cache, split)
         for d in (by_config[split], plain[split]):
-            d = d.with_format("numpy")
-            assert list(d["id"]) == ids
-            assert np.array_equal(d["label"], labels)
-            assert np.array_equal(np.stack(d["pooled"]).astype(np.float32), X)
+            t = d.with_format("arrow")[:]  # the rows datasets read, as one Arrow table (no per-row objects)
+            assert t["id"].to_pylist() == ids
+            assert np.array_equal(t["label"].to_numpy(), labels)
+            pooled = t["pooled"].combine_chunks()
+            assert set(pooled.value_lengths().to_numpy()) == {X.shape[1]}
+            assert np.array_equal(pooled.flatten().to_numpy().reshape(X.shape), X)
     card = DatasetCard.load(published / "README.md")
     assert card.data.license == "other"  # the store records none; the text says so
     assert "records no license" in card.text
@@ -318,6 +320,8 @@ def test_open_hf_url_reads_the_published_store_through_hffilesystem(hub, remote,
     )
     with pytest.raises(ConfigError, match="read-only"):
         open_cache(f"hf://datasets/{REPO}", mode="a")
+    with pytest.raises(NotInStoreError, match=rf"has no folder nope/ at commit {hub.commit} "):
+        open_cache(f"hf://datasets/{REPO}@main/nope")
     with pytest.raises(NotInStoreError, match=r"hf://datasets/other/repo: the Hub answered 404 .*check ORG/NAME"):
         open_cache("hf://datasets/other/repo")
 
