@@ -88,7 +88,8 @@ def run_open(args: argparse.Namespace) -> int:
         origin = hub_origin(args.path, cache.root.store)
     else:
         local = os.path.isdir(args.path)
-        origin = f"a local store at {os.path.abspath(args.path)}" if local else f"{type(cache.root.store).__name__}"
+        store = type(cache.root.store).__name__
+        origin = f"a local store at {os.path.abspath(args.path)}" if local else f"read through zarr's {store}"
     print(f"{args.path}: {origin}")
     if args.verify:
         problems, what = verify(args.path, storage_options=opts), "every chunk's checksum and the metadata"
