@@ -1,4 +1,4 @@
-"""``featcache ls``, ``featcache verify``, ``featcache publish`` and ``featcache pull``."""
+"""``featcache ls``, ``featcache open``, ``featcache verify``, ``featcache publish`` and ``featcache pull``."""
 
 from __future__ import annotations
 
@@ -47,22 +47,74 @@ def add_storage_option_argument(p: argparse.ArgumentParser) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    import polars as pl
-
     from featcache.store.cache import open_cache
 
     cache = open_cache(args.path, storage_options=parse_storage_options(args.storage_options))
+    print_catalog(cache, args.path, args.long)
+    return 0
+
+
+def print_catalog(cache, path: str, long: bool = False) -> None:
+    """What ``featcache ls`` prints: the catalog (backbones, datasets, splits, kinds, shapes,
+    rows) and a line per group that is not complete."""
+    import polars as pl
+
     cat = cache.catalog()
     if cat.is_empty():
-        print(f"{args.path}: no features yet")
-        return 0
+        print(f"{path}: no features yet")
+        return
     with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_width_chars=200):
         # the short view: what a store holds; when and how fast it was extracted is in -l
         short = [c for c in ("created", "extract_threads", "load_avg") if c in cat.columns]
-        print(cat.drop(short) if not args.long else cat)
-    for line in _not_complete(cache, cat, args.path):
+        print(cat.drop(short) if not long else cat)
+    for line in _not_complete(cache, cat, path):
         print(line)
+
+
+def run_open(args: argparse.Namespace) -> int:
+    """Open any store path (local, s3://, hf://), say where it was read from, check its metadata
+    documents against their digests (``--verify``: every chunk's checksum too) and print its
+    catalog as ``ls`` does."""
+    import os
+
+    from featcache.store.cache import open_cache
+    from featcache.store.hub import hub_origin, is_hub_url
+    from featcache.store.metadata import changed
+    from featcache.store.verify import verify
+
+    opts = parse_storage_options(args.storage_options)
+    cache = open_cache(args.path, storage_options=opts)
+    if is_hub_url(args.path):
+        origin = hub_origin(args.path, cache.root.store)
+    else:
+        local = os.path.isdir(args.path)
+        store = type(cache.root.store).__name__
+        origin = f"a local store at {os.path.abspath(args.path)}" if local else f"read through zarr's {store}"
+    print(f"{args.path}: {origin}")
+    if args.verify:
+        problems, what = verify(args.path, storage_options=opts), "every chunk's checksum and the metadata"
+    else:
+        moved, bad_units = changed(cache.root.store, set(), args.path)
+        problems, what = [line for _, line in (*moved, *bad_units)], "the metadata documents against their digests"
+    print_catalog(cache, args.path, args.long)
+    for p in problems:
+        print(f"PROBLEM {p}")
+    if problems:
+        print(f"{args.path}: {len(problems)} problem(s); {_what_next(args.path)}")
+        return 1
+    print(f"{args.path}: OK ({what} checked" + ("" if args.verify else "; --verify reads every chunk") + ")")
     return 0
+
+
+def _what_next(path: str) -> str:
+    from featcache.store.hub import is_hub_url
+
+    if is_hub_url(path):  # read-only here: nothing to repair or re-run in place
+        return (
+            "a published store is read-only here: pull it again (`featcache pull URL DEST` verifies every chunk "
+            "before DEST appears), or ask its publisher to re-upload it"
+        )
+    return f"`featcache verify {path}` names what to run"
 
 
 def _not_complete(cache, cat, path: str) -> list[str]:
@@ -87,9 +139,16 @@ def _not_complete(cache, cat, path: str) -> list[str]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from featcache.errors import ConfigError
     from featcache.store.cache import open_cache
+    from featcache.store.hub import is_hub_url
     from featcache.store.verify import VerifyReport, verify
 
+    if args.repair and is_hub_url(args.path):
+        raise ConfigError(
+            f"{args.path} is read-only here, nothing to repair in place: pull it (`featcache pull URL DEST`) and "
+            "verify or repair the copy, or ask its publisher to re-upload it"
+        )
     opts = parse_storage_options(args.storage_options)
     rep = VerifyReport()
     problems = verify(args.path, storage_options=opts, repair=args.repair, report=rep)
@@ -109,6 +168,9 @@ def run_verify(args: argparse.Namespace) -> int:
         f"{args.path}: {len(problems)} problem(s)"
         + (f", {len(rep.rebuilt)} metadata document(s) rebuilt" if rep.rebuilt else "")
     )
+    if is_hub_url(args.path):
+        print(_what_next(args.path))
+        return 1
     if rep.to_recompute or rep.bad_splits:
         print("to repair:" if not args.repair else "repaired the store side; now recompute:")
         for d, s in rep.bad_splits:
@@ -208,6 +270,16 @@ def register(sub) -> None:
     p.add_argument("-l", "--long", action="store_true", help="all columns")
     add_storage_option_argument(p)
     p.set_defaults(func=run_ls)
+    p = sub.add_parser(
+        "open",
+        help="open a store (a path, s3://..., hf://datasets/ORG/NAME[@REV]): where it was read from, its "
+        "metadata checked, and its catalog as ls shows it",
+    )
+    p.add_argument("path")
+    p.add_argument("--verify", action="store_true", help="also read every chunk and check its checksum (verify)")
+    p.add_argument("-l", "--long", action="store_true", help="all catalog columns")
+    add_storage_option_argument(p)
+    p.set_defaults(func=run_open)
     p = sub.add_parser("verify", help="re-check every chunk (checksums), fingerprint, shape and provenance")
     p.add_argument("path")
     p.add_argument(

@@ -10,6 +10,7 @@ huggingface_hub is imported."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = [
     "HubPath",
     "hub_endpoint",
     "hub_offline",
+    "hub_origin",
     "hub_snapshot",
     "hub_store",
     "is_hub_url",
@@ -116,28 +118,78 @@ def hub_snapshot(hub: HubPath, *, cache_dir: str | None = None, offline: bool | 
 
 
 def hub_store(url: str, mode: str = "r") -> Any:
-    """What zarr opens for ``url``: a read-only fsspec store over ``HfFileSystem`` (online), or
-    the folder in the local Hub cache (offline)."""
+    """What zarr opens for ``url``: a read-only fsspec store over ``HfFileSystem`` pinned to the
+    commit the revision names now (online), or the folder in the local Hub cache (offline)."""
     if mode != "r":
         raise ConfigError(f"{url} is read-only here: a Hub dataset is written by `featcache publish` and an upload")
     hub = HubPath.parse(url)
     if hub_offline():
         return hub_snapshot(hub, offline=True)
+    from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+    from huggingface_hub import HfFileSystem
+
+    commit = _check_repo(hub, url)
+    pinned = HubPath(hub.repo_id, commit, hub.path).fs_path()
+    fs = HfFileSystem(endpoint=hub_endpoint())
+    fs.resolve_path(pinned)  # the commit checked once here; every read below reuses it
+    if not fs.find(pinned):  # one recursive listing, which also fills the cache every file open consults
+        raise NotInStoreError(
+            f"{url}: the dataset has no folder {hub.path}/ at commit {commit} (`featcache publish` puts the store in "
+            f"{STORE_DIR}/; name another folder as hf://datasets/ORG/NAME@REVISION/FOLDER)"
+        )
+    return _pinned_store_class()(fs=AsyncFileSystemWrapper(fs, asynchronous=True), path=pinned, read_only=True)
+
+
+def hub_origin(url: str, store: Any) -> str:
+    """Where the store of ``url`` was read from (``store``: what zarr opened, ``hub_store``'s):
+    the repo, the revision, the commit it named, and the Hub or the local Hub cache."""
+    hub = HubPath.parse(url)
+    rev = hub.revision or "main (the default)"
+    folder = str(getattr(store, "root", ""))
+    if folder:  # offline: the snapshot folder in the local Hub cache, named by its commit
+        m = re.search(r"/snapshots/([^/]+)/", folder.replace(os.sep, "/"))
+        where = f"offline, from the local Hub cache ({folder})"
+    else:
+        m = re.search(r"@([^/]+)/", str(getattr(store, "path", "")))
+        where = f"through HfFileSystem from {hub_endpoint() or 'https://huggingface.co'}"
+    commit = m[1] if m else "unknown"
+    return f"repo {hub.repo_id}, revision {rev}, commit {commit}, folder {hub.path}/; read {where}"
+
+
+@functools.cache  # zarr imported when a store is opened, not with this module
+def _pinned_store_class() -> type:
     from zarr.storage import FsspecStore
 
-    _check_repo(hub, url)
-    opts = {"endpoint": hub_endpoint()} if hub_endpoint() else {}
-    return FsspecStore.from_url(f"hf://{hub.fs_path()}", storage_options=opts, read_only=True)
+    class PinnedHubStore(FsspecStore):
+        """A Hub dataset at one commit: its files never change, so each metadata document
+        (``*.json``) is fetched once (zarr and featcache read the group documents on every
+        access: over HTTP 11 requests for ``features/zarr.json`` in one ``ls``); chunks are
+        read, and their checksums checked, on every read."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._docs: dict[str, bytes | None] = {}
+
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            if byte_range is not None or not key.endswith(".json"):
+                return await super().get(key, prototype, byte_range)
+            if key not in self._docs:
+                buf = await super().get(key, prototype)
+                self._docs[key] = None if buf is None else buf.to_bytes()
+            raw = self._docs[key]
+            return None if raw is None else prototype.buffer.from_bytes(raw)
+
+    return PinnedHubStore
 
 
-def _check_repo(hub: HubPath, url: str) -> None:
-    """One ``repo_info`` call, so that a missing repo or revision, or a Hub out of reach, is one
-    line before zarr reads anything."""
+def _check_repo(hub: HubPath, url: str) -> str:
+    """The commit sha the revision names now, from one ``dataset_info`` call, so that a missing
+    repo or revision, or a Hub out of reach, is one line before zarr reads anything."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        HfApi(endpoint=hub_endpoint()).dataset_info(hub.repo_id, revision=hub.revision)
+        return HfApi(endpoint=hub_endpoint()).dataset_info(hub.repo_id, revision=hub.revision).sha
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise NotInStoreError(f"{url}: {type(exc).__name__} on the Hub; check ORG/NAME and the revision") from None
     except HfHubHTTPError as exc:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -180,7 +178,7 @@ def test_hub_urls_parse_into_what_hffilesystem_reads(org, name, rev, path):
     assert hub.fs_path() == url.removeprefix("hf://") + ("" if path else "/store.zarr")
 
 
-def test_hub_urls_refused_in_one_line(monkeypatch, tmp_path):
+def test_hub_urls_refused_in_one_line(monkeypatch, tmp_path, capsys):
     for bad in ("hf://models/x/y", "hf://datasets/x", "hf://datasets/x/y@"):
         with pytest.raises(ConfigError, match="not a Hub dataset URL"):
             HubPath.parse(bad)
@@ -191,6 +189,10 @@ def test_hub_urls_refused_in_one_line(monkeypatch, tmp_path):
     with pytest.raises(NotInStoreError, match="could not be reached"):
         pull("hf://datasets/org/name", tmp_path / "x.zarr", cache_dir=str(tmp_path / "hub"))
     assert not (tmp_path / "x.zarr").exists()
+    from featcache import cli
+
+    assert cli.main(["verify", "--repair", "hf://datasets/org/name"]) != 0  # before any request
+    assert "read-only here, nothing to repair in place: pull it" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- publish
@@ -215,14 +217,18 @@ def test_croissant_validates_and_its_records_are_the_stores_rows(published, digi
     assert {rs.uuid for rs in ds.metadata.record_sets} == {f"{BACKBONE}--digits/{s}" for s in ("train", "test")}
     for split in ("test", "train"):
         rs = f"{BACKBONE}--digits/{split}"
-        field = next(f for r in ds.metadata.record_sets if r.uuid == rs for f in r.fields if f.name == "pooled")
-        assert field.is_array
-        recs = list(ds.records(rs))
-        ids, labels, X = _store_rows(cache, split)
-        assert [r[f"{rs}/id"].decode() for r in recs] == ids
-        assert np.array_equal([r[f"{rs}/label"] for r in recs], labels)
-        assert all(r[f"{rs}/valid"] for r in recs)
-        assert np.array_equal(np.array([r[f"{rs}/pooled"] for r in recs], dtype=np.float32), X)
+        fields = {f.name: f for r in ds.metadata.record_sets if r.uuid == rs for f in r.fields}
+        assert sorted(fields) == ["id", "label", "pooled", "valid"]
+        assert fields["pooled"].is_array
+    # the records of one split (450 rows); the train split's Parquet rows are checked through
+    # datasets below, and every record set is built by the same code
+    rs = f"{BACKBONE}--digits/test"
+    recs = list(ds.records(rs))
+    ids, labels, X = _store_rows(cache, "test")
+    assert [r[f"{rs}/id"].decode() for r in recs] == ids
+    assert np.array_equal([r[f"{rs}/label"] for r in recs], labels)
+    assert all(r[f"{rs}/valid"] for r in recs)
+    assert np.array_equal(np.array([r[f"{rs}/pooled"] for r in recs], dtype=np.float32), X)
 
 
 def test_the_folder_loads_with_datasets_and_the_card_names_what_it_holds(published, digits_cache, tmp_path):
@@ -236,10 +242,12 @@ def test_the_folder_loads_with_datasets_and_the_card_names_what_it_holds(publish
     for split in ("train", "test"):
         ids, labels, X = _store_rows(cache, split)
         for d in (by_config[split], plain[split]):
-            d = d.with_format("numpy")
-            assert list(d["id"]) == ids
-            assert np.array_equal(d["label"], labels)
-            assert np.array_equal(np.stack(d["pooled"]).astype(np.float32), X)
+            t = d.with_format("arrow")[:]  # the rows datasets read, as one Arrow table (no per-row objects)
+            assert t["id"].to_pylist() == ids
+            assert np.array_equal(t["label"].to_numpy(), labels)
+            pooled = t["pooled"].combine_chunks()
+            assert set(pooled.value_lengths().to_numpy()) == {X.shape[1]}
+            assert np.array_equal(pooled.flatten().to_numpy().reshape(X.shape), X)
     card = DatasetCard.load(published / "README.md")
     assert card.data.license == "other"  # the store records none; the text says so
     assert "records no license" in card.text
@@ -287,8 +295,21 @@ def test_publish_chosen_kinds_and_refusals(digits_cache, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- hf:// and pull
-def test_open_hf_url_reads_the_published_store_through_hffilesystem(remote, digits_cache):
+def test_open_hf_url_reads_the_published_store_through_hffilesystem(hub, remote, digits_cache, capsys):
+    from featcache import cli
+
     local = open_cache(digits_cache)
+    # featcache open: where it was read from (the commit the revision named), the metadata documents
+    # checked against their digests, and the catalog as ls prints it
+    assert cli.main(["open", f"hf://datasets/{REPO}"]) == 0
+    out = capsys.readouterr().out
+    head = f"hf://datasets/{REPO}: repo {REPO}, revision main (the default), commit {hub.commit}, folder store.zarr/"
+    assert out.startswith(head + f"; read through HfFileSystem from {hub.endpoint}\n")
+    for split, shape in (("test", "450x1280"), ("train", "1347x1280")):
+        assert re.search(rf"{BACKBONE} .* digits .* {split} .* pooled .* {shape} ", out)
+    assert out.rstrip().endswith(
+        "OK (the metadata documents against their digests checked; --verify reads every chunk)"
+    )
     assert remote.entries() == local.entries()
     r, loc = remote.load(BACKBONE, "digits", "test"), local.load(BACKBONE, "digits", "test")
     assert np.array_equal(r.X, loc.X)
@@ -299,30 +320,43 @@ def test_open_hf_url_reads_the_published_store_through_hffilesystem(remote, digi
     )
     with pytest.raises(ConfigError, match="read-only"):
         open_cache(f"hf://datasets/{REPO}", mode="a")
+    with pytest.raises(NotInStoreError, match=rf"has no folder nope/ at commit {hub.commit} "):
+        open_cache(f"hf://datasets/{REPO}@main/nope")
     with pytest.raises(NotInStoreError, match=r"hf://datasets/other/repo: the Hub answered 404 .*check ORG/NAME"):
         open_cache("hf://datasets/other/repo")
 
 
-def test_pull_verifies_and_reads_offline_from_the_hub_cache(hub, digits_cache, tmp_path, monkeypatch):
+def test_pull_verifies_and_reads_offline_from_the_hub_cache(hub, digits_cache, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants as hf_constants
+
+    from featcache import cli
+
     hf_cache = tmp_path / "hub"
     dest = pull(f"hf://datasets/{REPO}", tmp_path / "pulled.zarr", cache_dir=str(hf_cache))
     assert verify(str(dest)) == []
     local = open_cache(digits_cache).load(BACKBONE, "digits", "train")
     assert np.array_equal(open_cache(str(dest)).load(BACKBONE, "digits", "train").X, local.X)
-    # offline, through the CLI: the Hub is never asked (the endpoint is a closed port)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hf_cache), "HF_ENDPOINT": "http://127.0.0.1:9"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), *sys.path]))
-    cmd = [sys.executable, "-m", "featcache", "pull", f"hf://datasets/{REPO}", str(tmp_path / "offline.zarr")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    # offline, through the CLI: the Hub is never asked (the endpoint is a closed port); HF_HUB_OFFLINE
+    # is read when the store is opened, not only when huggingface_hub is imported
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hf_cache))  # HF_HUB_CACHE, as read at import
+    assert cli.main(["pull", f"hf://datasets/{REPO}", str(tmp_path / "offline.zarr")]) == 0
     assert np.array_equal(open_cache(str(tmp_path / "offline.zarr")).load(BACKBONE, "digits", "train").X, local.X)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read when the store is opened, not only at import
+    capsys.readouterr()
+    assert cli.main(["open", f"hf://datasets/{REPO}@main"]) == 0  # read in place from the Hub cache
+    out = capsys.readouterr().out
+    assert f"repo {REPO}, revision main, commit {hub.commit}, folder store.zarr/; read offline" in out
+    assert "1347x1280" in out
+    assert "450x1280" in out
     with pytest.raises(NotInStoreError, match="not in the local Hub cache"):
         pull(f"hf://datasets/{REPO}", tmp_path / "never.zarr", cache_dir=str(tmp_path / "empty-cache"))
     assert not (tmp_path / "never.zarr").exists()
 
 
-def test_a_damaged_chunk_on_the_hub_is_named_on_read_and_by_pull(hub, remote, tmp_path):
+def test_a_damaged_chunk_on_the_hub_is_named_on_read_and_by_pull(hub, remote, tmp_path, capsys):
+    from featcache import cli
+
     hub.damaged.add(CHUNK)
     try:  # iter_blocks checks each chunk as load does (load also re-reads a changed chunk a few times)
         with pytest.raises(CorruptStoreError, match=r"digits/test .*pooled chunk\(s\) \[0\] corrupt"):
@@ -330,6 +364,13 @@ def test_a_damaged_chunk_on_the_hub_is_named_on_read_and_by_pull(hub, remote, tm
         with pytest.raises(CorruptStoreError, match=r"test/pooled: chunk 0 \(rows 0-449\)") as err:
             pull(f"hf://datasets/{REPO}", tmp_path / "bad.zarr", cache_dir=str(tmp_path / "hub"))
         assert "nothing was written" in str(err.value)
+        capsys.readouterr()  # verify names it, and says what fits a store that is read-only here
+        assert cli.main(["verify", f"hf://datasets/{REPO}"]) == 1
+        out = capsys.readouterr().out
+        assert re.search(r"PROBLEM features/.*/digits/test/pooled: chunk 0 \(rows 0-449\)", out)
+        assert "a published store is read-only here: pull it again" in out
+        assert "--repair" not in out
+        assert "re-run" not in out
         assert not (tmp_path / "bad.zarr").exists()
         assert not list(tmp_path.glob(".bad.zarr.partial-*"))
     finally:
