@@ -44,9 +44,12 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from featcache.errors import BackendUnavailableError, CorruptResultsError, NoSpaceError, ResultsError
+
+if TYPE_CHECKING:
+    import polars as pl
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +360,17 @@ def _read_raw(p: Path):
     return df.with_columns([pl.col(c).cast(t) for c, t in _schema().items()])
 
 
-def read_results(path: str | os.PathLike, *, extra_columns: bool = False, backend: str = "polars"):
+@overload
+def read_results(
+    path: str | os.PathLike, *, extra_columns: bool = False, backend: Literal["polars"] = "polars"
+) -> pl.DataFrame: ...
+
+
+@overload
+def read_results(path: str | os.PathLike, *, extra_columns: bool = False, backend: str) -> Any: ...
+
+
+def read_results(path: str | os.PathLike, *, extra_columns: bool = False, backend: str = "polars") -> Any:
     """Read a results parquet; validates that every schema column is present.
 
     Returns the schema columns in schema order, plus any extra user columns after them
