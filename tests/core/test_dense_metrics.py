@@ -261,20 +261,24 @@ def test_seg_metrics_equal_a_confusion_matrix(seg_split):
     got = seg_metrics(labels, pred, k)
     # 9, 10 absent from both (left out of mIoU); 7, 8 only predicted (IoU 0, left out of mAcc);
     # 3 only in the labels (IoU 0, acc 0)
-    assert np.flatnonzero(np.isnan(iou)).tolist() == [9, 10] and np.flatnonzero(np.isnan(acc)).tolist() == [7, 8, 9, 10]
-    assert iou[[3, 7, 8]].tolist() == [0.0, 0.0, 0.0] and acc[3] == 0.0
+    assert np.flatnonzero(np.isnan(iou)).tolist() == [9, 10]
+    assert np.flatnonzero(np.isnan(acc)).tolist() == [7, 8, 9, 10]
+    assert iou[[3, 7, 8]].tolist() == [0.0, 0.0, 0.0]
+    assert acc[3] == 0.0
     assert got["miou"] == pytest.approx(np.nanmean(iou), rel=1e-12)
     assert got["macc"] == pytest.approx(np.nanmean(acc), rel=1e-12)
     assert got["aacc"] == pytest.approx(tp.sum() / cm.sum(), rel=1e-12)
     rz = reduce_zero_label(labels)
-    assert set(np.unique(rz)) == {0, 1, 2, 3, 4, 5, 255} and (rz[labels == 0] == 255).all()
+    assert set(np.unique(rz)) == {0, 1, 2, 3, 4, 5, 255}
+    assert (rz[labels == 0] == 255).all()
 
 
 def test_seg_out_of_range_ids_drop_from_their_own_area():
     """As torch.histc does: a predicted id >= K counts in no area, but its pixel's label still does."""
     acc = SegmentationAccumulator(3)
     acc.update(np.array([[0, 1, 2, 2]]), np.array([[0, 1, 7, 2]]))
-    assert acc.label_area.tolist() == [1, 1, 2] and acc.pred_area.tolist() == [1, 1, 1]
+    assert acc.label_area.tolist() == [1, 1, 2]
+    assert acc.pred_area.tolist() == [1, 1, 1]
     assert acc.compute() == {"miou": pytest.approx((1 + 1 + 0.5) / 3), "macc": pytest.approx(2.5 / 3), "aacc": 0.75}
 
 
@@ -328,7 +332,8 @@ def test_depth_image_without_valid_pixel_is_left_out():
     assert got == depth_image_metrics(good, good * 1.5, eigen_crop=False)
     with pytest.raises(MetricInputError, match="bilinear"):
         depth_image_metrics(np.ones((4, 4)), np.ones((2, 2)))
-    assert "rmse" in DENSE_LOWER_IS_BETTER and "delta1" not in DENSE_LOWER_IS_BETTER
+    assert "rmse" in DENSE_LOWER_IS_BETTER
+    assert "delta1" not in DENSE_LOWER_IS_BETTER
 
 
 @settings(max_examples=25, deadline=None)
