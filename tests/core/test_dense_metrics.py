@@ -145,8 +145,8 @@ def ref_depth_eval(gts, preds, eval_range=(0.001, 10.0), ignored_value=0.0, eige
 # vpariza/open-hummingbird-eval @ 5e79da292730edded800a89828b84f38469f5476,
 # hbird/utils/eval_metrics.py:73-109 (update), 112-131 (_score_matrix), 143-159
 # (_hungarian_mapping), 191-209 (_tp_fp_fn_from_mapping), 212-218 (_miou_from_counts)
-def ref_hbird_miou(gt, pred, num_classes, ignore_index=255):
-    G = P = num_classes
+def ref_hbird_miou(gt, pred, num_classes, ignore_index=255, num_pred=None):
+    G, P = num_classes, num_pred or num_classes
     conf = torch.zeros((G, P), dtype=torch.int64)
     gt = torch.from_numpy(np.asarray(gt)).reshape(-1).long()
     pred = torch.from_numpy(np.asarray(pred)).reshape(-1).long()
@@ -361,6 +361,12 @@ def test_hbird_miou_equals_open_hummingbird_eval(seg_split, threads):
     for i in range(0, len(labels), 16):
         acc.update(labels[i : i + 16], clusters[i : i + 16])
     assert acc.compute() == pytest.approx(ref, rel=1e-12)
+    # more cluster ids (14) than classes (7 present): the unmatched fold into class 0, as upstream does
+    half = (pred == 4) & (np.indices(pred.shape).sum(0) % 2 == 0)  # class 4's cluster split in two
+    over = np.where(half, 13, clusters)
+    assert hbird_miou(labels, over, 7, num_pred_classes=14) == pytest.approx(
+        ref_hbird_miou(labels, over, 7, num_pred=14)
+    )
     # absent classes count 0: a different number from seg mIoU's nanmean
     assert acc.compute() < seg_metrics(labels, pred, 11)["miou"]
 
