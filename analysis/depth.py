@@ -95,7 +95,23 @@ def depth_curves(frame: Any, metric: str | None = None) -> list[DepthCurve]:
         lo, hi = _intervals(str(key[4]), values, per["n_eval"].fill_null(0).to_numpy(), per["n_seeds"].to_numpy())
         sel = g.sort("created_at")["selected"][-1]
         layers = tuple(per["layer"].to_list())
-        out.append(DepthCurve(*map(str, key), layers, values, int(sel), str(g["rule"][-1]), lo, hi))
+        kind, dataset, protocol, eval_split, metric_name, backbone = (str(k) for k in key)
+        out.append(
+            DepthCurve(
+                kind,
+                dataset,
+                protocol,
+                eval_split,
+                metric_name,
+                backbone,
+                layers,
+                values,
+                int(sel),
+                str(g["rule"][-1]),
+                lo,
+                hi,
+            )
+        )
     return out
 
 
@@ -122,7 +138,7 @@ def depth_table(curves: list[DepthCurve]) -> Any:
         at = dict(zip(c.layers, c.values.tolist()))
         rec = {"task": c.task, "backbone": c.backbone, "selected": c.selected, "rule": c.rule}
         rec["selected_value"] = at.get(c.selected)
-        if c.lo is not None and c.selected in c.layers:
+        if c.lo is not None and c.hi is not None and c.selected in c.layers:
             j = c.layers.index(c.selected)
             rec["selected_ci"] = f"[{c.lo[j]:.4f}, {c.hi[j]:.4f}]" if np.isfinite(c.lo[j]) else None
         rec.update({f"layer{i}": at.get(i) for i in range(depth)})

@@ -26,6 +26,7 @@ accumulated counts; :data:`DENSE_LOWER_IS_BETTER` names the direction of each.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -224,7 +225,7 @@ class DepthAccumulator:
     images (``nanmean``: images without a valid pixel are left out), as dinov3 does — never
     pooled over pixels. Keyword arguments: see :func:`depth_image_metrics`."""
 
-    def __init__(self, **options: float | bool) -> None:
+    def __init__(self, **options: Any) -> None:
         self.options = options
         depth_image_metrics(np.ones((1, 1)), np.ones((1, 1)), **options)  # a bad option fails here
         self.values: dict[str, list[float]] = {m: [] for m in DEPTH_METRICS}

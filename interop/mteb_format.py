@@ -111,7 +111,9 @@ def model_meta(name: str, revision: str) -> dict[str, Any]:
 
 def main_metric(run: Run) -> str:
     declared = run.hparams.get("task_metric")
-    return declared if declared in run.metrics else ("top1" if "top1" in run.metrics else next(iter(run.metrics)))
+    if isinstance(declared, str) and declared in run.metrics:
+        return declared
+    return "top1" if "top1" in run.metrics else next(iter(run.metrics))
 
 
 def experiment(run: Run) -> dict[str, Any]:

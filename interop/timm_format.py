@@ -31,7 +31,7 @@ def split_of(path: Path) -> str:
     return "val" if variant == "imagenet" else variant
 
 
-def _number(text: str) -> float | None:
+def _number(text: Any) -> float | None:
     try:
         return float(text)
     except (TypeError, ValueError):

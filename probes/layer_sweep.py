@@ -206,7 +206,7 @@ def run_layer_sweep(config: ProbeConfig, run_probes: Runner) -> pl.DataFrame:
             rows += _sweep_backbone(config, proto, caches, b, run_probes)
     table = rows_to_frame(rows)
     write_rows(cfg.results_path, table)
-    if kept:
+    if kept and cfg.results_path is not None:
         import polars as pl
 
         stored = read_results(cfg.results_path).filter(pl.col("run_id").is_in(kept))

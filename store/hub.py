@@ -189,7 +189,8 @@ def _check_repo(hub: HubPath, url: str) -> str:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return HfApi(endpoint=hub_endpoint()).dataset_info(hub.repo_id, revision=hub.revision).sha
+        sha = HfApi(endpoint=hub_endpoint()).dataset_info(hub.repo_id, revision=hub.revision).sha
+        return sha or hub.revision or "main"
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise NotInStoreError(f"{url}: {type(exc).__name__} on the Hub; check ORG/NAME and the revision") from None
     except HfHubHTTPError as exc:
