@@ -89,7 +89,8 @@ def _check_layers_entry(kind: str) -> None:
             f"feature kind {kind!r} is malformed: write layers:all, layers:1,4,-1 (indices, negative from the "
             "end) or layers+raw:... (also the pre-norm parts) (--features / features=)"
         )
-    parse_layers_spec(kind, 1 << 30)  # the index list's spelling, before any model is built
+    if kind.partition(":")[2].strip() != "all":
+        parse_layers_spec(kind, 1 << 30)  # the index list's spelling, before any model is built
 
 
 @renamed_kwargs(split="splits")
