@@ -436,6 +436,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
         from featcache.core.cpu import cpu_isa
 
         extra["cpu_isa"] = cpu_isa()
+    layers = getattr(job.head, "layer_records", {})  # a per-layer kind's module path and norm (issue 56)
     return {
         k: make_provenance(
             backbone=job.key,
@@ -457,7 +458,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             amp=job.amp,
             channels_last=bool(cfg.channels_last),
             extra=extra,
-            **({"layer": job.head.layer_records[k]} if k in job.head.layer_records else {}),
+            **({"layer": layers[k]} if k in layers else {}),
         )
         for k in job.head.kinds
     }
