@@ -7,7 +7,8 @@ own 224 px), on Fashion-MNIST's first ``--n`` train rows, fp32 on the CPU, the f
 worker/thread defaults: ``pooled`` then ``layers:all``, ``--repeats`` rounds interleaved, each
 extraction in its own process (so each peak RSS is its own) into a fresh store. Prints per mode
 the median wall time of the extraction (model build included) and images/s of its forward loop,
-the stored bytes of the feature group, the process's peak RSS, and the ratios layers/pooled;
+the stored bytes of the feature group, the process's peak RSS (glibc tuned as ``featcache
+extract`` tunes it: :mod:`featcache.core.allocator`), and the ratios layers/pooled;
 then the CPU (``lscpu``) and the load (``uptime``) beside the figures.
 
     python benchmarks/layers_extract.py --n 512 --repeats 2
@@ -33,8 +34,12 @@ MODELS = {
 
 
 def one(model: str, weights: str, features: str, n: int, size: int | None) -> dict:
-    """One extraction in this process: wall seconds, images/s, stored bytes, peak RSS."""
+    """One extraction in this process (with the allocator tuning ``featcache extract`` applies):
+    wall seconds, images/s, stored bytes, peak RSS."""
+    from featcache.core.allocator import tune_cpu_allocator
     from featcache.extract import ExtractConfig, extract
+
+    tune_cpu_allocator()
 
     with tempfile.TemporaryDirectory() as d:
         cfg = ExtractConfig(

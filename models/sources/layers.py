@@ -160,18 +160,24 @@ def vit_layer_outputs(records: dict[str, dict[str, Any]], got: dict[int, Any], n
     ``(patch tokens [B, T, D], prefix tokens [B, P, D] or None)``: the class token (token 0) and
     the mean patch token of ``norm`` over the block's whole output, as DINOv2's
     ``get_intermediate_layers(norm=True)`` and timm's ``forward_intermediates(norm=True)`` compute
-    them, or the same before the norm (``_raw``); each block normed once."""
+    them, or the same before the norm (``_raw``); one block at a time, its normed copy dropped
+    before the next."""
     import torch
 
-    out, normed = {}, {}
-    for k, r in records.items():
-        i, part = r["index"], r["part"]
+    out = {}
+    for i in sorted({r["index"] for r in records.values()}):
         patches, prefix = got[i]
-        if r["norm"] and i not in normed:
-            normed[i] = norm(patches if prefix is None else torch.cat([prefix, patches], dim=1))
         n_pre = 0 if prefix is None else int(prefix.shape[1])
-        if part.startswith("cls"):
-            out[k] = normed[i][:, 0] if r["norm"] else prefix[:, 0]
-        else:
-            out[k] = normed[i][:, n_pre:].mean(dim=1) if r["norm"] else patches.mean(dim=1)
-    return out
+        mine = {k: r for k, r in records.items() if r["index"] == i}
+        normed = None
+        if any(r["norm"] for r in mine.values()):
+            normed = norm(patches if prefix is None else torch.cat([prefix, patches], dim=1))
+        for k, r in mine.items():
+            src = normed if r["norm"] else None
+            if r["part"].startswith("cls"):
+                # a copy: the token's view would keep the block's whole [B, P + T, D] output alive
+                out[k] = (src[:, 0] if src is not None else prefix[:, 0]).clone()
+            else:
+                out[k] = src[:, n_pre:].mean(dim=1) if src is not None else patches.mean(dim=1)
+        del normed
+    return {k: out[k] for k in records}
