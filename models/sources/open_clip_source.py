@@ -266,7 +266,8 @@ def build(
         if toks:
             normed = [model.visual.ln_post(torch.cat([pre[i], got[i]], dim=1)) for i in last]  # the final norm
             res.update(_token_outputs(toks, normed, model.visual.grid_size, f"open_clip:{name}"))
-        res.update(vit_layer_outputs(lay, {i: (got[i], pre[i]) for i in take}, model.visual.ln_post))
+        if lay:
+            res.update(vit_layer_outputs(lay, {i: (got[i], pre[i]) for i in take}, model.visual.ln_post))
         return {k: res[k] for k in kinds_}
 
     return S.finish(
