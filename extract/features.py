@@ -141,7 +141,7 @@ class FeatureHead:
             x, indices=take, norm=False, return_prefix_tokens=True, output_fmt="NLC"
         )  # fmt: skip
         # block -> (patch tokens, prefix tokens or None: timm gives no pair without prefix tokens)
-        got = {i: f if isinstance(f, tuple) else (f, None) for i, f in zip(take, feats)}
+        got: dict[int, tuple[Any, Any]] = {i: f if isinstance(f, tuple) else (f, None) for i, f in zip(take, feats)}
         cls = None
         if self.blocks:  # DINOv2's get_intermediate_layers(norm=True): the final norm over the block's whole output
             cls = torch.stack([m.norm(torch.cat([got[i][1], got[i][0]], dim=1))[:, 0] for i in last], dim=1)

@@ -166,7 +166,8 @@ def vit_layer_outputs(records: dict[str, dict[str, Any]], got: dict[int, Any], n
 
     out = {}
     for i in sorted({r["index"] for r in records.values()}):
-        patches, prefix = got[i]
+        pair: tuple[Any, Any] = got[i]
+        patches, prefix = pair
         n_pre = 0 if prefix is None else int(prefix.shape[1])
         mine = {k: r for k, r in records.items() if r["index"] == i}
         normed = None
@@ -176,7 +177,8 @@ def vit_layer_outputs(records: dict[str, dict[str, Any]], got: dict[int, Any], n
             src = normed if r["norm"] else None
             if r["part"].startswith("cls"):
                 # a copy: the token's view would keep the block's whole [B, P + T, D] output alive
-                out[k] = (src[:, 0] if src is not None else prefix[:, 0]).clone()
+                seq: Any = src if src is not None else prefix  # a class-token part: prefix tokens exist
+                out[k] = seq[:, 0].clone()
             else:
                 out[k] = src[:, n_pre:].mean(dim=1) if src is not None else patches.mean(dim=1)
         del normed
