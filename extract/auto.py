@@ -386,7 +386,12 @@ def resolve_backend_auto(
         check_backend(old, amp, dev)
         rec["backend_reason"] = "resumed: the stored features were computed with it"
         return Resolved(amp, old, make_forward(head, old), rec)
-    cands = [b for b in candidates(dev, amp) if b not in engines() or importlib.util.find_spec(b) is not None]
+    layers = bool(getattr(head, "layer_records", None))  # per-layer kinds run on eager or compile only
+    cands = [
+        b
+        for b in candidates(dev, amp)
+        if b not in engines() or (not layers and importlib.util.find_spec(b) is not None)
+    ]
     key = cost_key(head.bb.name, head.bb.data_config["input_size"], amp, dev, threads)
     costs = load_costs(key)
     built: dict[str, Callable] = {}

@@ -165,6 +165,10 @@ def make_forward(head, backend: str = "eager") -> Callable:
     be = BACKENDS.get(backend)
     if be is None or be.make is None:
         raise ConfigError(f"--backend {backend} is invalid: choose one of {', '.join(BACKENDS)}")
+    if be.pip and getattr(head, "layer_records", None):
+        from featcache.models.sources.layers import no_layers
+
+        raise no_layers(f"--backend {backend}", "exports a fixed graph that featcache does not build for them")
     return be.make(head)
 
 

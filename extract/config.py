@@ -65,6 +65,34 @@ def _csv(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
 
+def features_csv(s: str) -> tuple[str, ...]:
+    """``--features``' comma list, where a ``layers:`` entry keeps the indices after it
+    (``pooled,layers:1,4,-1`` -> ``("pooled", "layers:1,4,-1")``)."""
+    out: list[str] = []
+    for tok in _csv(s):
+        if out and out[-1].startswith("layers") and tok.lstrip("-").isdigit():
+            out[-1] += f",{tok}"
+        else:
+            out.append(tok)
+    return tuple(out)
+
+
+def _check_layers_entry(kind: str) -> None:
+    """A ``layers...`` entry is spelled ``layers:all``, ``layers:1,4,-1`` or ``layers+raw:...``;
+    its indices are checked against the model's layers once the model is built."""
+    from featcache.core.layers import is_layers_spec, parse_layers_spec
+
+    if not kind.startswith("layers"):
+        return
+    if not is_layers_spec(kind):
+        raise ConfigError(
+            f"feature kind {kind!r} is malformed: write layers:all, layers:1,4,-1 (indices, negative from the "
+            "end) or layers+raw:... (also the pre-norm parts) (--features / features=)"
+        )
+    if kind.partition(":")[2].strip() != "all":
+        parse_layers_spec(kind, 1 << 30)  # the index list's spelling, before any model is built
+
+
 @renamed_kwargs(split="splits")
 @dataclass(frozen=True)
 class ExtractConfig:
@@ -131,8 +159,10 @@ class ExtractConfig:
         "feature kinds, comma-separated, all from one forward: pooled, tokens_mean, cls, stageN_avg (vectors); "
         "blocks:K (class tokens of the last K blocks through the final norm, K x D a row), tokens (the last "
         "block's patch tokens, or a CNN's final map positions, T x D), tokens@GxG (tokens area-pooled to G x G, "
-        "G*G x D; for large datasets)",
-        type=_csv,
+        "G*G x D; for large datasets); layers:all or layers:1,4,-1 (per layer of one forward: a ViT block's "
+        "class and mean patch tokens through the final norm, layer{i}_cls and layer{i}_mean, a CNN stage's global "
+        "average, layer{i}_avg, plus pooled); layers+raw:... also stores the ViT parts before the norm (_raw)",
+        type=features_csv,
     )
     views: int = flag(
         0,
@@ -248,8 +278,9 @@ class ExtractConfig:
             bad("--features", "''", "name at least one feature kind")
         from featcache.models.sources.tokens import parse_token_kind
 
-        for kind in self.features:  # a malformed blocks:K / tokens@GxG: one line before any model is built
+        for kind in self.features:  # a malformed blocks:K / tokens@GxG / layers:..: one line before any model
             parse_token_kind(kind)
+            _check_layers_entry(kind)
         for opt, name in (("--dataset-name", self.dataset_name), ("--backbone-name", self.backbone_name)):
             if name is not None:
                 check_store_key(name, opt)

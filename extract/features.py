@@ -1,6 +1,8 @@
 """Feature kinds computed from one forward pass: the vectors (pooled, tokens_mean, cls,
-stageN_avg) and the token kinds of :mod:`featcache.models.sources.tokens` (blocks:K, tokens,
-tokens@GxG), whose per-row shapes are ``(K, D)``, ``(T, D)`` and ``(G*G, D)``."""
+stageN_avg), the token kinds of :mod:`featcache.models.sources.tokens` (blocks:K, tokens,
+tokens@GxG), whose per-row shapes are ``(K, D)``, ``(T, D)`` and ``(G*G, D)``, and the per-layer
+kinds of :mod:`featcache.models.sources.layers` (``layers:all|LIST`` expands to ``layer{i}_cls``,
+``layer{i}_mean``, ``layer{i}_avg``, ... before any image is read)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from featcache.core.layers import is_layers_spec, parse_layer_kind
 from featcache.errors import ConfigError, FeatcacheError
+from featcache.models.sources.layers import LayerSet, expand_kinds, timm_layers, vit_layer_outputs
 from featcache.models.sources.tokens import (
     check_blocks,
     grid_pool,
@@ -28,7 +32,8 @@ if TYPE_CHECKING:
 
 FEATURE_KINDS_HELP = (
     "pooled, tokens_mean, cls, stageN_avg (N = stage index), blocks:K (class tokens of the last K blocks), "
-    "tokens (patch tokens), tokens@GxG (tokens area-pooled to G x G)"
+    "tokens (patch tokens), tokens@GxG (tokens area-pooled to G x G), layers:all|LIST and layers+raw:all|LIST "
+    "(per-layer layer{i}_cls/_mean/_avg kinds and pooled)"
 )
 _STAGE_RE = re.compile(r"^stage(\d+)_avg$")
 
@@ -39,14 +44,14 @@ class FeatureHead:
     def __init__(self, backbone: Backbone, kinds: Sequence[str]) -> None:
         self.bb = backbone
         self.model = backbone.model
-        self.kinds = list(dict.fromkeys(kinds))
+        self.features_fn = getattr(backbone, "features_fn", None)
+        self.kinds = self._expand(list(dict.fromkeys(kinds)))
         if not self.kinds:
             raise FeatcacheError(f"no feature kinds requested; choose from {FEATURE_KINDS_HELP}")
         self.stages: list[int] = []
         self.blocks = 0  # the largest K of the blocks:K kinds asked for (0: none)
-        self.features_fn = getattr(backbone, "features_fn", None)
         if self.features_fn is not None:  # a non-timm source computes its own kinds
-            bad = [k for k in self.kinds if kind_template(k) not in backbone.kinds]
+            bad = [k for k in self.kinds if kind_template(k) not in backbone.kinds and k not in self.layer_records]
             if bad:
                 raise ConfigError(
                     f"{backbone.name} offers {', '.join(backbone.kinds)}; not {', '.join(bad)}: choose from those "
@@ -60,13 +65,28 @@ class FeatureHead:
                 self.stages.append(int(m.group(1)))
             elif tok is not None:
                 self.blocks = max(self.blocks, tok[1]) if tok[0] == "blocks" else self.blocks
-            elif k not in ("pooled", "tokens_mean", "cls"):
+            elif k not in ("pooled", "tokens_mean", "cls", *self.layer_records):
                 raise FeatcacheError(f"unknown feature kind {k!r}; choose from {FEATURE_KINDS_HELP}")
         if self.stages and not hasattr(self.model, "forward_intermediates"):
             raise FeatcacheError(f"{backbone.name} has no forward_intermediates; stageN_avg kinds are unavailable")
         self.n_prefix = int(getattr(self.model, "num_prefix_tokens", 1 if hasattr(self.model, "cls_token") else 0))
         if self.blocks:
             self._check_blocks()
+
+    def _expand(self, kinds: list[str]) -> list[str]:
+        """``kinds`` with each ``layers:...`` entry expanded (:mod:`featcache.models.sources.layers`);
+        sets ``layers`` (the backbone's :class:`LayerSet`, None where no layer kind is asked) and
+        ``layer_records`` (layer kind -> what its provenance records)."""
+        self.layers: LayerSet | None = None
+        self.layer_records: dict[str, dict[str, Any]] = {}
+        if not any(is_layers_spec(k) or parse_layer_kind(k) is not None for k in kinds):
+            return kinds
+        has = self.features_fn is not None
+        self.layers = getattr(self.bb, "layers", None) if has else timm_layers(self.model)
+        out = expand_kinds(kinds, self.layers, self.bb.name)
+        assert self.layers is not None  # expand_kinds refuses a backbone without layers
+        self.layer_records = {k: self.layers.record(k) for k in out if parse_layer_kind(k) is not None}
+        return out
 
     def _check_blocks(self) -> None:
         """blocks:K needs a class token, timm's forward_intermediates with prefix tokens, K <= blocks."""
@@ -81,11 +101,13 @@ class FeatureHead:
     def __call__(self, x: torch.Tensor) -> dict[str, Any]:
         if self.features_fn is not None:
             return self.features_fn(x, self.kinds)
-        final, inter, cls = self._forward(x)
+        final, inter, cls, layer_out = self._forward(x)
         out = {}
         for k in self.kinds:
             if k == "pooled":
                 out[k] = self.model.forward_head(final, pre_logits=True)
+            elif k in layer_out:
+                out[k] = layer_out[k]
             elif k in ("tokens_mean", "cls"):
                 out[k] = self._vector_token_kind(k, final)
             elif (tok := parse_token_kind(k)) is not None:
@@ -94,32 +116,41 @@ class FeatureHead:
             else:
                 stage = _STAGE_RE.match(k)
                 assert stage is not None  # the kind was validated as stageN
-                t = inter[int(stage.group(1))]
-                out[k] = t.mean(dim=(2, 3)) if t.ndim == 4 else t.mean(dim=1)
+                out[k] = _average(inter[int(stage.group(1))])
         return out
 
-    def _forward(self, x: torch.Tensor) -> tuple[Any, dict[int, Any], Any]:
+    def _forward(self, x: torch.Tensor) -> tuple[Any, dict[int, Any], Any, dict[str, Any]]:
         """(final features, stage index -> intermediate, class tokens ``[B, K, D]`` of the last
-        K blocks through the final norm, or None), all from one forward pass."""
+        K blocks through the final norm, or None, the per-layer kinds), all from one forward pass."""
         import torch
 
         m = self.model
-        stages = sorted(set(self.stages))
-        if not self.blocks:  # the forward of the vector kinds, unchanged
+        layer_idx = sorted({p[0] for k in self.layer_records if (p := parse_layer_kind(k)) is not None})
+        vit_layers = layer_idx if self.layers is not None and self.layers.parts != ("avg",) else []
+        if not self.blocks and not vit_layers:  # the forward of the vector kinds (and CNN stages)
+            stages = sorted(set(self.stages) | set(layer_idx))
             if stages:
                 final, feats = m.forward_intermediates(x, indices=stages)
-                return final, dict(zip(stages, feats)), None
-            return m.forward_features(x), {}, None
+                got = dict(zip(stages, feats))
+                return final, got, None, {k: _average(got[r["index"]]) for k, r in self.layer_records.items()}
+            return m.forward_features(x), {}, None, {}
         n = len(m.blocks)
         last = list(range(n - self.blocks, n))
-        take = sorted(set(stages) | set(last))
+        take = sorted(set(self.stages) | set(last) | set(vit_layers))
         final, feats = m.forward_intermediates(
             x, indices=take, norm=False, return_prefix_tokens=True, output_fmt="NLC"
         )  # fmt: skip
-        got = dict(zip(take, feats))  # block -> (patch tokens, prefix tokens)
-        # DINOv2's get_intermediate_layers(norm=True): the final norm over the block's whole output, then token 0
-        cls = torch.stack([m.norm(torch.cat([got[i][1], got[i][0]], dim=1))[:, 0] for i in last], dim=1)
-        return final, {i: self._nchw(got[i][0], x) for i in stages}, cls
+        # block -> (patch tokens, prefix tokens or None: timm gives no pair without prefix tokens)
+        got: dict[int, tuple[Any, Any]] = {i: f if isinstance(f, tuple) else (f, None) for i, f in zip(take, feats)}
+        cls = None
+        if self.blocks:  # DINOv2's get_intermediate_layers(norm=True): the final norm over the block's whole output
+            cls = torch.stack([m.norm(torch.cat([got[i][1], got[i][0]], dim=1))[:, 0] for i in last], dim=1)
+        return (
+            final,
+            {i: self._nchw(got[i][0], x) for i in self.stages},
+            cls,
+            vit_layer_outputs(self.layer_records, got, m.norm),
+        )
 
     def _nchw(self, t: Any, x: Any) -> Any:
         """NLC patch tokens as timm's NCHW intermediates (what stageN_avg averages)."""
@@ -181,3 +212,8 @@ class FeatureHead:
                 f"feature kind(s) {', '.join(f'stage{i}_avg' for i in bad)}: {self.bb.name} has stages "
                 f"0..{n - 1}; choose stageN_avg with N in 0..{n - 1} (--features / features=)"
             )
+
+
+def _average(t: Any) -> Any:
+    """A stage's global average: over H, W of an NCHW map, over the tokens of an NLC one."""
+    return t.mean(dim=(2, 3)) if t.ndim == 4 else t.mean(dim=1)

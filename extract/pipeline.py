@@ -235,6 +235,8 @@ def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> l
         if cfg.channels_last:
             bb.model = bb.model.to(memory_format=torch.channels_last)
         head = FeatureHead(bb, cfg.features)
+        if head.layer_records:  # layers:... expanded: the store records (and a resume asks for) the kinds
+            cfg = cfg.replace(features=tuple(head.kinds))
         from featcache.models.sizes import check_input_size
 
         def probe() -> dict[str, tuple[int, ...]]:  # one forward of a blank image: each kind's row shape
@@ -434,6 +436,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
         from featcache.core.cpu import cpu_isa
 
         extra["cpu_isa"] = cpu_isa()
+    layers = getattr(job.head, "layer_records", {})  # a per-layer kind's module path and norm (issue 56)
     return {
         k: make_provenance(
             backbone=job.key,
@@ -455,6 +458,7 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             amp=job.amp,
             channels_last=bool(cfg.channels_last),
             extra=extra,
+            **({"layer": layers[k]} if k in layers else {}),
         )
         for k in job.head.kinds
     }

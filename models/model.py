@@ -77,6 +77,9 @@ class Backbone:
     source: str = "timm"
     #: a text tower (``encode(list[str]) -> [N, D]``) where the source has one
     text_tower: Any = None
+    #: non-timm sources: the :class:`~featcache.models.sources.layers.LayerSet` whose kinds
+    #: ``features_fn`` computes (``--features layers:...``), None where it gives none
+    layers: Any = None
 
     def embed(self, x: Any) -> Any:
         """Pooled pre-logits features ``[B, feature_dim]`` for a preprocessed batch ``x``."""

@@ -221,6 +221,10 @@ class FeatureProvenance(_Schema):
     #: ``[N, D]`` kind, and then absent from the attrs, so older stores' documents, digests and
     #: fingerprints are unchanged
     inner: tuple[int, ...] = ()
+    #: a per-layer kind's origin (issue 56): ``{"index", "part", "module", "norm", "norm_module",
+    #: "via"}``, e.g. ``module="blocks.3"``, ``norm=True``; ``{}`` for every other kind, and then
+    #: absent from the attrs (older stores' documents, digests and fingerprints are unchanged)
+    layer: dict[str, Any] = field(default_factory=dict)
 
     #: fields that define *what* the features are; a re-run must match them to resume
     IDENTITY = (
@@ -253,6 +257,8 @@ class FeatureProvenance(_Schema):
             d["inner"] = list(self.inner)
         else:
             del d["inner"]  # a [N, D] kind's document is the one written before inner existed
+        if not self.layer:
+            del d["layer"]  # likewise: only a per-layer kind records where it came from
         return d
 
     def _check_values(self, where: str) -> None:
@@ -282,11 +288,13 @@ class FeatureProvenance(_Schema):
         out = {k: _jsonable(getattr(self, k)) for k in self.IDENTITY}
         if self.inner:
             out["inner"] = list(self.inner)
+        if self.layer:
+            out["layer"] = _jsonable(self.layer)
         return out
 
     def differences(self, other: FeatureProvenance) -> dict[str, tuple[Any, Any]]:
         a, b = self.identity(), other.identity()
-        keys = [*a, *(k for k in b if k not in a)]  # only ``inner`` may be absent on one side
+        keys = [*a, *(k for k in b if k not in a)]  # only ``inner``/``layer`` may be absent on one side
         return {k: (a.get(k, []), b.get(k, [])) for k in keys if a.get(k, []) != b.get(k, [])}
 
 

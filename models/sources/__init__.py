@@ -380,6 +380,7 @@ def finish(
     text_tower: Any = None,
     input_size: Any = None,
     key_name: str | None = None,
+    layers: Any = None,
     **more: Any,
 ) -> Any:
     """The :class:`Backbone` of a non-timm source: eval mode, ``requires_grad=trainable``,
@@ -412,4 +413,5 @@ def finish(
         kinds=kinds,
         source=source,
         text_tower=text_tower,
+        layers=layers,
     )

@@ -5,7 +5,9 @@ the projected embedding; others: ``pooler_output``), ``pooler`` (``pooler_output
 (token 0 of ``last_hidden_state``), ``tokens_mean`` (mean of the other tokens), ``stageN_avg``
 (mean of the non-CLS tokens of layer N's output, ``hidden_states[N + 1]``, N = 0..layers-1);
 ``blocks:K``, ``tokens``, ``tokens@GxG`` from the same hidden states through the tower's final
-layer norm (:class:`_TokenKinds`; ``blocks:K`` only for a tower with a class token)."""
+layer norm (:class:`_TokenKinds`; ``blocks:K`` only for a tower with a class token). ``layers:...``:
+block i's class token and mean patch token (``hidden_states[i + 1]``) through the same final
+layer norm, and before it with ``layers+raw`` (:func:`_layer_set`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 from featcache.errors import BackboneError
 from featcache.models import sources as S
 from featcache.models import weights as _w
+from featcache.models.sources.layers import LayerSet, module_path, vit_layer_outputs
 from featcache.models.sources.tokens import TOKEN_KINDS, check_blocks, grid_pool, parse_token_kind, token_grid
 
 KINDS = ("pooled", "pooler", "cls", "tokens_mean")
@@ -138,6 +141,33 @@ class _TokenKinds:
         return grid_pool(patches, token_grid(patches.shape[1], hw, self.name), n, self.name)
 
 
+def _layer_set(model: Any, vision: Any, tok: _TokenKinds) -> LayerSet | None:
+    """The encoder blocks of a vision tower (the ``ModuleList`` of ``num_hidden_layers`` blocks
+    whose outputs are ``hidden_states[1:]``), by module path in ``model``; None where not found."""
+    import torch
+
+    inner = getattr(vision, "vision_model", vision)
+    enc = getattr(inner, "encoder", None)
+    blocks = next((m for a in ("layers", "layer") if isinstance(m := getattr(enc, a, None), torch.nn.ModuleList)), None)
+    if blocks is None or len(blocks) != tok.layers:
+        return None
+    path = module_path(model, blocks)
+    norm = module_path(model, tok.norm) if tok.norm is not None else ""
+    parts = ("cls", "mean") if tok.has_cls else ("mean",)
+    mods = tuple(f"{path}.{i}" for i in range(len(blocks)))
+    return LayerSet(mods, parts, norm=norm, via="transformers output_hidden_states")
+
+
+def _layer_outputs(layers: LayerSet | None, tok: _TokenKinds, kinds: Any, hidden: Any) -> dict[str, Any]:
+    """The layer kinds among ``kinds`` from the hidden states (block i's output: ``hidden[i + 1]``)."""
+    lay = {k: layers.record(k) for k in kinds if layers is not None and layers.offers(k)}
+    n = tok.n_prefix
+    got = {
+        r["index"]: (hidden[r["index"] + 1][:, n:], hidden[r["index"] + 1][:, :n] if n else None) for r in lay.values()
+    }
+    return vit_layer_outputs(lay, got, tok.norm)
+
+
 def build(
     name: str,
     weights: str,
@@ -182,13 +212,17 @@ def build(
     layers = int(vcfg.num_hidden_layers)
     tok = _TokenKinds.of(vision, vcfg, layers, f"hf:{name}")
     kinds_all = (*KINDS, *(f"stage{i}_avg" for i in range(layers)), *tok.offered)
+    layer_set = _layer_set(model, vision, tok)
 
     def features(x: Any, kinds: Any) -> dict[str, Any]:
-        S.check_kinds(kinds, kinds_all, f"hf:{name}")
-        hidden = any(k.startswith("stage") or parse_token_kind(k) is not None for k in kinds)
+        lay = [k for k in kinds if layer_set is not None and layer_set.offers(k)]
+        S.check_kinds([k for k in kinds if k not in lay], kinds_all, f"hf:{name}")
+        hidden = bool(lay) or any(k.startswith("stage") or parse_token_kind(k) is not None for k in kinds)
         out = vision(pixel_values=x, output_hidden_states=True) if hidden else vision(pixel_values=x)
-        res: dict[str, Any] = {}
+        res: dict[str, Any] = _layer_outputs(layer_set, tok, lay, out.hidden_states) if lay else {}
         for k in kinds:
+            if k in res:
+                continue
             if parse_token_kind(k) is not None:
                 res[k] = tok(k, out.hidden_states, x)
             elif k.startswith("stage"):
@@ -225,6 +259,7 @@ def build(
         input_size=_size(processor),
         text_tower=text,
         model_class=type(model).__name__,
+        layers=layer_set,
         **where,
     )
 

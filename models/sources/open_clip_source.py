@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from featcache.core.layers import parse_layer_kind
 from featcache.errors import BackboneError
 from featcache.models import sources as S
+from featcache.models.sources.layers import LayerSet, vit_layer_outputs
 from featcache.models.sources.tokens import TOKEN_KINDS, check_blocks, grid_pool, parse_token_kind, token_grid
 
 
@@ -47,7 +49,16 @@ def _token_kinds(visual: Any, n_blocks: int) -> tuple[str, ...]:
 
 def _vector_kinds(kinds: Any) -> list[str]:
     """The kinds of the vector path (pooled, stageN_avg)."""
-    return [k for k in kinds if parse_token_kind(k) is None]
+    return [k for k in kinds if parse_token_kind(k) is None and parse_layer_kind(k) is None]
+
+
+def _layer_set(visual: Any, n_blocks: int) -> LayerSet | None:
+    """The resblocks of a class-token ViT tower, through ``ln_post`` (none for CoCa's attention
+    pooling or a tower without ``forward_intermediates``)."""
+    if not _token_kinds(visual, n_blocks):
+        return None
+    mods = tuple(f"visual.transformer.resblocks.{i}" for i in range(n_blocks))
+    return LayerSet(mods, ("cls", "mean"), norm="visual.ln_post", via="open_clip visual.forward_intermediates")
 
 
 def _token_outputs(toks: dict[str, tuple[str, int]], normed: list[Any], grid: Any, name: str) -> dict[str, Any]:
@@ -230,28 +241,33 @@ def build(
 
     n_blocks = _n_blocks(model.visual)
     kinds = ("pooled", *(f"stage{i}_avg" for i in range(n_blocks)), *_token_kinds(model.visual, n_blocks))
+    layers = _layer_set(model.visual, n_blocks)
 
     def features(x: Any, kinds_: Any) -> dict[str, Any]:
         import torch
 
-        S.check_kinds(kinds_, kinds, f"open_clip:{name}")
+        lay = {k: layers.record(k) for k in kinds_ if layers is not None and layers.offers(k)}
+        S.check_kinds([k for k in kinds_ if k not in lay], kinds, f"open_clip:{name}")
         stages = sorted({int(k[5:-4]) for k in kinds_ if k.startswith("stage")})
         toks = {k: t for k in kinds_ if (t := parse_token_kind(k)) is not None}
-        if not stages and not toks:
+        if not stages and not toks and not lay:
             return {"pooled": model.encode_image(x)}
         k_max = max([n for kind, n in toks.values() if kind == "blocks"] + [1 if toks else 0])
         check_blocks(k_max, n_blocks, f"open_clip:{name}")
         last = list(range(n_blocks - k_max, n_blocks))
-        take = sorted(set(stages) | set(last))
-        out = model.visual.forward_intermediates(x, indices=take, output_fmt="NLC", output_extra_tokens=bool(toks))
+        take = sorted(set(stages) | set(last) | {r["index"] for r in lay.values()})
+        extra = bool(toks or lay)
+        out = model.visual.forward_intermediates(x, indices=take, output_fmt="NLC", output_extra_tokens=extra)
         got = dict(zip(take, out["image_intermediates"]))
         res = {
             k: out["image_features"] if k == "pooled" else got[int(k[5:-4])].mean(dim=1) for k in _vector_kinds(kinds_)
         }
+        pre = dict(zip(take, out["image_intermediates_prefix"])) if extra else {}
         if toks:
-            pre = dict(zip(take, out["image_intermediates_prefix"]))
             normed = [model.visual.ln_post(torch.cat([pre[i], got[i]], dim=1)) for i in last]  # the final norm
             res.update(_token_outputs(toks, normed, model.visual.grid_size, f"open_clip:{name}"))
+        if lay:
+            res.update(vit_layer_outputs(lay, {i: (got[i], pre[i]) for i in take}, model.visual.ln_post))
         return {k: res[k] for k in kinds_}
 
     return S.finish(
@@ -270,6 +286,7 @@ def build(
         wfile=wfile,
         input_size=size,
         text_tower=OpenClipText(model, open_clip.get_tokenizer(name), name),
+        layers=layers,
         **{k: v for k, v in more.items() if v is not None},
     )
 
