@@ -863,6 +863,19 @@ def _depth(results, tmp: Path) -> dict[str, Any]:
     }
 
 
+def _layer_cka(results, tmp: Path) -> dict[str, Any]:
+    """The layer-by-layer CKA heatmaps (``featcache similarity --layers`` rows;
+    :mod:`featcache.analysis.layer_cka`)."""
+    from featcache.analysis.layer_cka import layer_cka_heatmap, layer_cka_matrices
+
+    figs = []
+    for i, m in enumerate(layer_cka_matrices(results)):
+        path = layer_cka_heatmap(m, tmp / f"layer_cka_{i}.png")
+        how = f"{len(m.layers_a)} x {len(m.layers_b)} layers, rows joined by sample id"
+        figs.append(_figure(path, f"{m.title}: {how}" + (f" ({m.route} route)" if m.route else "")))
+    return {"layer_cka": {"figures": figs} if figs else None}
+
+
 def _collapsed_audits(results) -> list[str]:
     """``backbone on dataset/split`` of each audit whose rows record a collapsed feature space
     (hparams ``collapsed``: featcache audit found random pairs as alike as near-copies)."""
@@ -994,6 +1007,7 @@ def write_report(
         "catalog": _catalog(catalog_df),
         "shift": None,
         "similarity": None,
+        "layer_cka": None,
         "audit": None,
         "depth": None,
         "notes": [],
@@ -1030,6 +1044,7 @@ def write_report(
             ctx["shift"] = _shift(loaded, shift_splits, tmp)
         ctx.update(_similarity(loaded.results, tmp))
         ctx.update(_depth(loaded.results, tmp))
+        ctx.update(_layer_cka(loaded.results, tmp))
         doc = _render(ctx)
     _write_atomic(out, doc)
     log.info("report written to %s", out)

@@ -180,7 +180,8 @@ def _pair_rows(cfg: SimilarityConfig, fa, fb, run_ids: dict[str, str]) -> list[d
 def run_similarity(config: SimilarityConfig) -> pl.DataFrame:
     """Every pair of ``config``'s backbones compared on ``config.split``; the rows (polars),
     appended to ``config.results_path`` pair by pair when it is set. Pairs whose rows are
-    all in the table are skipped unless ``config.force``."""
+    all in the table are skipped unless ``config.force``. With ``config.layers``: the
+    layer-by-layer CKA grids (:mod:`featcache.similarity.layer_runner`)."""
     from featcache.core.progress import tqdm
     from featcache.core.results import check_results_path
     from featcache.store import open_cache
@@ -190,6 +191,10 @@ def run_similarity(config: SimilarityConfig) -> pl.DataFrame:
     cfg = config
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)
+    if cfg.layers is not None:  # layer-by-layer CKA grids (issue 56)
+        from featcache.similarity.layer_runner import run_layer_similarity
+
+        return run_layer_similarity(cfg)
     cache = open_cache(cfg.cache)
     backbones = _backbones(cfg, cache)
     fps = {b: _fingerprint(cache, cfg, b) for b in backbones}
