@@ -1,4 +1,5 @@
-"""``featcache similarity --layers``: layer-by-layer CKA grids written as results rows.
+"""``featcache similarity --layers``: layer-by-layer CKA grids written as results rows
+(:func:`~featcache.similarity.runner.run_similarity` with ``layers`` set runs them).
 
 For every backbone ``a`` with itself and every pair ``(a, b)``: linear and debiased CKA (and
 minibatch CKA with ``--minibatch``) between each stored layer kind of ``a`` and each of ``b``
@@ -18,21 +19,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featcache.core.layers import select_layers
-from featcache.core.stagerun import collect, finished, pending, write_rows
+from featcache.core.stagerun import finished, pending, write_rows
 from featcache.errors import DataError
 from featcache.similarity.align import align_ids
 from featcache.similarity.config import SimilarityConfig
 from featcache.similarity.layers import choose_route, grid_sums, minibatch_grid
 from featcache.similarity.registry import MEASURES, Budget
-from featcache.similarity.runner import STAGE, _backbones
 from featcache.similarity.streaming import take_rows
 
 if TYPE_CHECKING:
-    import polars as pl
+    from featcache.store import FeatureCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MINIBATCH_METRIC", "compare_layers", "layer_grids", "run_layer_similarity"]
+__all__ = ["MINIBATCH_METRIC", "compare_layers", "layer_grid_rows", "layer_grids"]
 
 #: the metric name of minibatch CKA rows
 MINIBATCH_METRIC = "cka_minibatch"
@@ -152,16 +152,12 @@ def _grid_rows(cfg: SimilarityConfig, cache, a: str, b: str, layers: dict[str, L
     return rows
 
 
-def run_layer_similarity(config: SimilarityConfig) -> pl.DataFrame:
-    """Every backbone's layers against its own and every other backbone's (``config.layers``),
-    appended grid by grid to ``config.results_path`` when set; finished grids are skipped
-    unless ``config.force``."""
+def layer_grid_rows(cfg: SimilarityConfig, cache: FeatureCache, backbones: list[str]) -> tuple[list[dict], list[str]]:
+    """Every backbone's layers against its own and every other backbone's (``cfg.layers``),
+    appended grid by grid to ``cfg.results_path`` when set (finished grids are skipped unless
+    ``cfg.force``): the new rows and the run ids of every grid's rows."""
     from featcache.core.progress import tqdm
-    from featcache.store import open_cache
 
-    cfg = config
-    cache = open_cache(cfg.cache)
-    backbones = _backbones(cfg, cache)
     layers = {
         b: select_layers(cache.kinds(b, cfg.dataset, cfg.split), cfg.layers or "all", cfg.layer_part) for b in backbones
     }
@@ -180,4 +176,4 @@ def run_layer_similarity(config: SimilarityConfig) -> pl.DataFrame:
         new = _grid_rows(cfg, cache, a, b, layers, ids[(a, b)])
         write_rows(cfg.results_path, new)
         rows += new
-    return collect(STAGE, cfg.results_path, rows, [r for g in ids.values() for r in g.values()], append=False)
+    return rows, [r for g in ids.values() for r in g.values()]

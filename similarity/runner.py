@@ -18,6 +18,7 @@ from featcache.core.stagerun import Stage, collect, finished, pending, write_row
 from featcache.errors import DataError, UsageError
 from featcache.similarity.align import align_ids
 from featcache.similarity.config import SimilarityConfig
+from featcache.similarity.layer_runner import layer_grid_rows
 from featcache.similarity.registry import MEASURES, Budget, Measure
 from featcache.similarity.streaming import paired_blocks, take_rows
 
@@ -191,12 +192,11 @@ def run_similarity(config: SimilarityConfig) -> pl.DataFrame:
     cfg = config
     if cfg.results_path is not None:
         check_results_path(cfg.results_path)
-    if cfg.layers is not None:  # layer-by-layer CKA grids (issue 56)
-        from featcache.similarity.layer_runner import run_layer_similarity
-
-        return run_layer_similarity(cfg)
     cache = open_cache(cfg.cache)
     backbones = _backbones(cfg, cache)
+    if cfg.layers is not None:  # layer-by-layer CKA grids (issue 56)
+        rows, wanted = layer_grid_rows(cfg, cache, backbones)
+        return collect(STAGE, cfg.results_path, rows, wanted, append=False)
     fps = {b: _fingerprint(cache, cfg, b) for b in backbones}
     ids = {(a, b): _run_ids(cfg, a, b, fps) for a, b in itertools.combinations(backbones, 2)}
     done = finished(cfg.results_path, cfg.force)
