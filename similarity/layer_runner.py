@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,14 @@ def layer_grids(A: list[Any], B: list[Any] | None, cfg: SimilarityConfig) -> tup
     out = {m: sums.cka(debiased=m == "cka_debiased") for m in cfg.layer_measures}
     info: dict[str, Any] = {"route": route, "rows": n, "block_rows": rows}
     if cfg.minibatch:
+        grams = len(A) + (0 if B is None else len(B))
+        need = 8 * grams * cfg.minibatch**2
+        if need > cfg.memory:
+            raise DataError(
+                f"--minibatch {cfg.minibatch} holds {grams} [N, N] Gram matrices ({need / 2**20:.0f} MiB), more than "
+                f"--max-memory {cfg.max_memory}: give --minibatch <= {math.isqrt(cfg.memory // (8 * grams))} or a "
+                "larger --max-memory"
+            )
         out[MINIBATCH_METRIC], mb = minibatch_grid(A, B, cfg.minibatch)
         info.update(mb)
     return out, info

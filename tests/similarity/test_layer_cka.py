@@ -108,7 +108,7 @@ def test_streamed_grid_equals_the_in_memory_formula(layer_store):
     XA, XB = [np.asarray(v, np.float64) for v in A], [np.asarray(v, np.float64) for v in B]
     want = {d: _ref_grid(XA, XB, d) for d in (False, True)}
     for route, memory in (("gram", 2**30), ("features", 2**30), ("features", 40_000)):
-        g = grid_sums(A, B, route, memory, rows=50)
+        g = grid_sums(A, B, route, memory, rows=100)
         for d in (False, True):
             np.testing.assert_allclose(g.cka(d), want[d], rtol=1e-9, atol=1e-12)
     assert want[False].shape == (N_STAGES, N_STAGES)
@@ -138,15 +138,14 @@ def test_rows_are_joined_by_id(layer_store):
 
 def test_a_backbone_with_itself_is_symmetric_with_ones_on_the_diagonal(layer_store):
     A = [f.X for f in _layers(layer_store, LITE0)]
+    want = {d: _ref_grid([np.float64(x) for x in A], [np.float64(x) for x in A], d) for d in (False, True)}
     for route in ("gram", "features"):
         g = grid_sums(A, None, route, 2**30, rows=64)
         for d in (False, True):
             M = g.cka(d)
             assert (M == M.T).all()
             np.testing.assert_allclose(np.diag(M), 1.0, rtol=1e-12)
-            np.testing.assert_allclose(
-                M, _ref_grid([np.float64(x) for x in A], [np.float64(x) for x in A], d), rtol=1e-9
-            )
+            np.testing.assert_allclose(M, want[d], rtol=1e-9)
     M, _ = minibatch_grid(A, None, 48)
     assert (M == M.T).all()
     assert np.allclose(np.diag(M), 1.0)
@@ -230,5 +229,8 @@ def test_refusals_are_one_line(layer_store):
         SimilarityConfig(cache=layer_store, dataset="digits", layers="all", measures="cka_rbf")
     with pytest.raises(ConfigError, match="no per-layer kinds"):
         run_similarity(SimilarityConfig(cache=stages, dataset="digits", layers="all", progress=False))
+    big = SimilarityConfig(cache=layer_store, dataset="digits", layers="all", minibatch=300, max_memory="2MB")
+    with pytest.raises(DataError, match=r"--minibatch 300 holds 5 \[N, N\] Gram matrices .* give --minibatch <= 223"):
+        run_similarity(big)
     with pytest.raises(ConfigError, match="layer 7 is not stored"):
         run_similarity(SimilarityConfig(cache=layer_store, dataset="digits", layers="0,7", progress=False))
