@@ -21,7 +21,7 @@ import numpy as np
 
 from featcache.core.layers import select_layers
 from featcache.core.stagerun import finished, pending, write_rows
-from featcache.errors import DataError
+from featcache.errors import ConfigError, DataError
 from featcache.similarity.align import align_ids
 from featcache.similarity.config import SimilarityConfig
 from featcache.similarity.layers import choose_route, grid_sums, minibatch_grid
@@ -161,15 +161,21 @@ def _grid_rows(cfg: SimilarityConfig, cache, a: str, b: str, layers: dict[str, L
     return rows
 
 
+def _stored_layers(cache: FeatureCache, cfg: SimilarityConfig, b: str) -> Layers:
+    """``b``'s stored layers that ``cfg.layers`` names; a refusal names the backbone."""
+    try:
+        return select_layers(cache.kinds(b, cfg.dataset, cfg.split), cfg.layers or "all", cfg.layer_part)
+    except ConfigError as exc:
+        raise ConfigError(f"{b} on {cfg.dataset}/{cfg.split}: {exc}") from None
+
+
 def layer_grid_rows(cfg: SimilarityConfig, cache: FeatureCache, backbones: list[str]) -> tuple[list[dict], list[str]]:
     """Every backbone's layers against its own and every other backbone's (``cfg.layers``),
     appended grid by grid to ``cfg.results_path`` when set (finished grids are skipped unless
     ``cfg.force``): the new rows and the run ids of every grid's rows."""
     from featcache.core.progress import tqdm
 
-    layers = {
-        b: select_layers(cache.kinds(b, cfg.dataset, cfg.split), cfg.layers or "all", cfg.layer_part) for b in backbones
-    }
+    layers = {b: _stored_layers(cache, cfg, b) for b in backbones}
     fps = {b: {k: cache.stored_fingerprint(b, cfg.dataset, cfg.split, k) for _, k in layers[b]} for b in backbones}
     pairs = [(a, a) for a in backbones] + list(itertools.combinations(backbones, 2))
     ids = {p: _run_ids(cfg, p[0], p[1], layers, fps) for p in pairs}
