@@ -827,7 +827,8 @@ def _shift(loaded: LoadedResults, shift_splits, tmp: Path) -> dict[str, Any]:
 
 def _similarity(results, tmp: Path) -> dict[str, Any]:
     """The similarity heatmaps and the near-duplicate audit table, from the results table's
-    ``similarity`` and ``audit`` rows (:mod:`featcache.analysis.similarity`)."""
+    ``similarity`` and ``audit`` rows (:mod:`featcache.analysis.similarity`), and the layer
+    CKA heatmaps (:func:`_layer_cka`)."""
     from featcache.analysis.similarity import audit_table, similarity_heatmap, similarity_matrices
 
     figs = []
@@ -839,6 +840,7 @@ def _similarity(results, tmp: Path) -> dict[str, Any]:
         "similarity": {"figures": figs} if figs else None,
         "audit": table_cells(audit, table_id="audit-table") if audit is not None else None,
         "audit_collapsed": _collapsed_audits(results) if audit is not None else [],
+        **_layer_cka(results, tmp),
     }
 
 
@@ -1007,7 +1009,6 @@ def write_report(
         "catalog": _catalog(catalog_df),
         "shift": None,
         "similarity": None,
-        "layer_cka": None,
         "audit": None,
         "depth": None,
         "notes": [],
@@ -1044,7 +1045,6 @@ def write_report(
             ctx["shift"] = _shift(loaded, shift_splits, tmp)
         ctx.update(_similarity(loaded.results, tmp))
         ctx.update(_depth(loaded.results, tmp))
-        ctx.update(_layer_cka(loaded.results, tmp))
         doc = _render(ctx)
     _write_atomic(out, doc)
     log.info("report written to %s", out)
