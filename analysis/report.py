@@ -827,7 +827,8 @@ def _shift(loaded: LoadedResults, shift_splits, tmp: Path) -> dict[str, Any]:
 
 def _similarity(results, tmp: Path) -> dict[str, Any]:
     """The similarity heatmaps and the near-duplicate audit table, from the results table's
-    ``similarity`` and ``audit`` rows (:mod:`featcache.analysis.similarity`)."""
+    ``similarity`` and ``audit`` rows (:mod:`featcache.analysis.similarity`), and the layer
+    CKA heatmaps (:func:`_layer_cka`)."""
     from featcache.analysis.similarity import audit_table, similarity_heatmap, similarity_matrices
 
     figs = []
@@ -839,6 +840,7 @@ def _similarity(results, tmp: Path) -> dict[str, Any]:
         "similarity": {"figures": figs} if figs else None,
         "audit": table_cells(audit, table_id="audit-table") if audit is not None else None,
         "audit_collapsed": _collapsed_audits(results) if audit is not None else [],
+        **_layer_cka(results, tmp),
     }
 
 
@@ -861,6 +863,19 @@ def _depth(results, tmp: Path) -> dict[str, Any]:
             "table": table_cells(depth_table(curves), table_id="depth-table"),
         }
     }
+
+
+def _layer_cka(results, tmp: Path) -> dict[str, Any]:
+    """The layer-by-layer CKA heatmaps (``featcache similarity --layers`` rows;
+    :mod:`featcache.analysis.layer_cka`)."""
+    from featcache.analysis.layer_cka import layer_cka_heatmap, layer_cka_matrices
+
+    figs = []
+    for i, m in enumerate(layer_cka_matrices(results)):
+        path = layer_cka_heatmap(m, tmp / f"layer_cka_{i}.png")
+        how = f"{len(m.layers_a)} x {len(m.layers_b)} layers, rows joined by sample id"
+        figs.append(_figure(path, f"{m.title}: {how}" + (f" ({m.route} route)" if m.route else "")))
+    return {"layer_cka": {"figures": figs} if figs else None}
 
 
 def _collapsed_audits(results) -> list[str]:

@@ -3,6 +3,9 @@ from the cached features.
 
 - :func:`run_similarity`: linear, debiased and RBF CKA and RSA for every backbone pair on
   one split, rows joined by sample id, written as results rows (``kind="similarity"``).
+- ``SimilarityConfig(layers="all")``: layer-by-layer linear, debiased (and minibatch) CKA
+  between every stored layer kind of each backbone and every layer of the others and of
+  itself (:mod:`featcache.similarity.layers`, :mod:`featcache.similarity.layer_runner`).
 - :func:`run_audit`: each test (and val) row's nearest training rows by cosine, the pairs
   above a threshold, exact duplicates by content hash, and kNN top-1 with those rows left out.
 - :mod:`featcache.similarity.measures` the measures as pure numpy functions;

@@ -59,6 +59,11 @@ def run(args) -> int:
     frame = run_similarity(cfg)
     if tracking is not None:  # after the rows are written: a tracker never costs a result
         tracking.log_rows("similarity", frame, cfg)
+    if cfg.layers is not None:
+        for line in layer_grid_lines(frame):
+            print(line)
+        print(f"{frame.height} rows" + (f" -> {cfg.results_path}" if cfg.results_path else ""))
+        return 0
     for r in frame.iter_rows(named=True):
         print(f"{r['backbone']}  {r['protocol']}  {cfg.dataset}/{cfg.split}  {r['metric']}={r['value']:.4f}")
     print(f"{frame.height} rows" + (f" -> {cfg.results_path}" if cfg.results_path else ""))
@@ -66,6 +71,26 @@ def run(args) -> int:
     if line:
         print(line)
     return 0
+
+
+def layer_grid_lines(frame) -> list[str]:
+    """Each layer CKA grid as text: a header (pair, measure, route), then one line per layer
+    of the first backbone with its values against the second's layers."""
+    import json
+
+    grids: dict[tuple[str, str, str], dict[tuple[int, int], float]] = {}
+    route: dict[tuple[str, str, str], str] = {}
+    for r in frame.iter_rows(named=True):
+        hp = r["hparams"] if isinstance(r["hparams"], dict) else json.loads(r["hparams"] or "{}")
+        key = (hp["backbone_a"], hp["backbone_b"], r["metric"])
+        grids.setdefault(key, {})[(hp["layer_a"], hp["layer_b"])] = r["value"]
+        route[key] = hp.get("route", "")
+    out = []
+    for (a, b, m), g in grids.items():
+        la, lb = sorted({i for i, _ in g}), sorted({j for _, j in g})
+        out.append(f"{a} (rows) vs {b} (columns: layers {','.join(map(str, lb))})  {m}  [{route[(a, b, m)]}]")
+        out += [f"  layer {i:>3}: " + " ".join(f"{g.get((i, j), float('nan')):.3f}" for j in lb) for i in la]
+    return out
 
 
 def estimates_line(frame, max_memory: str) -> str:

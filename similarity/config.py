@@ -15,6 +15,7 @@ from typing import Any
 
 from featcache.core import configs
 from featcache.core.configs import Interval, OneOf, flag
+from featcache.core.layers import LAYER_PARTS
 from featcache.core.memory import parse_memory
 from featcache.errors import ConfigError
 from featcache.similarity.measures import RDM_METHODS
@@ -22,6 +23,9 @@ from featcache.similarity.registry import MEASURES
 
 __all__ = ["MEASURES", "AuditConfig", "SimilarityConfig"]
 
+
+#: the measures layer-by-layer CKA computes (the streamed linear ones; minibatch CKA by --minibatch)
+LAYER_MEASURES = ("cka_linear", "cka_debiased")
 
 #: widest RBF bandwidths: past them every kernel entry rounds to 1 (a constant kernel, no CKA)
 #: and the squared bandwidth overflows a float
@@ -84,6 +88,25 @@ class SimilarityConfig:
     rdm: str = flag("correlation", lambda: f"RSA dissimilarity: {RDM_METHODS.help(', or ')}", check=OneOf(*RDM_METHODS))
     max_memory: str = flag("2GB", "memory bound for blocks, Gram matrices and RDMs")
     seed: int = flag(0, "seed of the row samples of RBF CKA (large N) and RSA", type=int, check=Interval(int, 0))
+    layers: str | None = flag(
+        None,
+        "layer-by-layer CKA: every stored layer kind (layer{i}_*) of each backbone against every layer of the "
+        "others and of itself: all, or a comma list of layer indices (negative: from the last stored layer); "
+        "linear and debiased CKA only",
+    )
+    layer_part: str = flag(
+        "auto",
+        "which part of each layer (--layers): auto (cls, else avg, else mean) or one of " + ", ".join(LAYER_PARTS),
+        check=OneOf("auto", *LAYER_PARTS),
+    )
+    minibatch: int | None = flag(
+        None,
+        "with --layers: also minibatch CKA (Nguyen et al. 2021) over minibatches of N consecutive rows (an "
+        "estimator of its own: the ratio of averaged unbiased HSICs, not the full-data CKA)",
+        type=int,
+        check=Interval(int, 4),
+        metavar="N",
+    )
     results_path: str | None = flag(
         None, "results parquet to append to (pairs already there are skipped unless --force)", name="--results"
     )
@@ -105,6 +128,17 @@ class SimilarityConfig:
             raise ConfigError("similarity compares pairs: give at least two backbones (--backbones a,b) or --all")
         configs.check_fields(self)
         parse_memory(self.max_memory)
+        if self.layers is None and self.minibatch is not None:
+            raise ConfigError("--minibatch N is minibatch CKA between layers: give --layers all (or a list) with it")
+        if self.layers is not None and not self.layer_measures:
+            raise ConfigError(
+                f"--layers computes {', '.join(LAYER_MEASURES)}; --measures {','.join(self.measures)} names neither"
+            )
+
+    @property
+    def layer_measures(self) -> tuple[str, ...]:
+        """The measures a ``--layers`` run computes: the chosen ones among :data:`LAYER_MEASURES`."""
+        return tuple(m for m in self.measures if m in LAYER_MEASURES)
 
     @property
     def memory(self) -> int:

@@ -18,6 +18,7 @@ from featcache.core.stagerun import Stage, collect, finished, pending, write_row
 from featcache.errors import DataError, UsageError
 from featcache.similarity.align import align_ids
 from featcache.similarity.config import SimilarityConfig
+from featcache.similarity.layer_runner import layer_grid_rows
 from featcache.similarity.registry import MEASURES, Budget, Measure
 from featcache.similarity.streaming import paired_blocks, take_rows
 
@@ -180,7 +181,8 @@ def _pair_rows(cfg: SimilarityConfig, fa, fb, run_ids: dict[str, str]) -> list[d
 def run_similarity(config: SimilarityConfig) -> pl.DataFrame:
     """Every pair of ``config``'s backbones compared on ``config.split``; the rows (polars),
     appended to ``config.results_path`` pair by pair when it is set. Pairs whose rows are
-    all in the table are skipped unless ``config.force``."""
+    all in the table are skipped unless ``config.force``. With ``config.layers``: the
+    layer-by-layer CKA grids (:mod:`featcache.similarity.layer_runner`)."""
     from featcache.core.progress import tqdm
     from featcache.core.results import check_results_path
     from featcache.store import open_cache
@@ -192,6 +194,9 @@ def run_similarity(config: SimilarityConfig) -> pl.DataFrame:
         check_results_path(cfg.results_path)
     cache = open_cache(cfg.cache)
     backbones = _backbones(cfg, cache)
+    if cfg.layers is not None:  # layer-by-layer CKA grids (issue 56)
+        rows, wanted = layer_grid_rows(cfg, cache, backbones)
+        return collect(STAGE, cfg.results_path, rows, wanted, append=False)
     fps = {b: _fingerprint(cache, cfg, b) for b in backbones}
     ids = {(a, b): _run_ids(cfg, a, b, fps) for a, b in itertools.combinations(backbones, 2)}
     done = finished(cfg.results_path, cfg.force)
