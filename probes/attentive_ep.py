@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -213,7 +213,10 @@ def _softmax(Z: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ solver
 @dataclass(frozen=True)
 class EpOptions:
-    """``attentive:ep``'s options: epochs, queries and batch; ``None``: the protocol grid's (90, 32, 4096)."""
+    """``attentive:ep``'s options: epochs, queries, batch and lr; ``None``: the protocol grid's (90,
+    32, 4096, 0.1 x batch / 256). Another protocol refuses the ``--ep-*`` flags (``exclusive``)."""
+
+    exclusive: ClassVar[tuple[str, ...]] = ("ep_queries", "ep_batch_size", "ep_lr")
 
     sgd_epochs: int | None = epochs_option()
     ep_queries: int | None = flag(

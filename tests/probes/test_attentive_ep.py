@@ -286,6 +286,11 @@ def test_protocol_spec():
     assert (p.spec, p.solver, p.split, p.kind) == ("attentive:ep", "attentive-ep", "no-refit", "tokens")
     g = p.grid
     assert (g.num_queries, g.blr * g.batch_size / 256, g.epochs, g.warmup_epochs) == (32, 1.6, 90, 10)
+    from featcache.probes.config import ProbeConfig
+    from featcache.probes.solver_registry import ProbeConfigError
+
+    with pytest.raises(ProbeConfigError, match="attentive:vjepa does not take --ep-queries"):
+        ProbeConfig("c.zarr", ("b",), "d", "attentive:vjepa", ep_queries=8)
 
 
 @pytest.fixture(scope="module")
