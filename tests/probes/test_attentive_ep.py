@@ -248,7 +248,7 @@ def test_two_steps_equal_reference(threads, digit_tokens):
     start = {k: v.clone() for k, v in ref.state_dict().items()}
     ref_train_one_epoch(ref, nn.CrossEntropyLoss(), batches, opt, 0, args)
     ref.eval()
-    _equal_state(ours, ref, rtol=1e-6, atol=1e-7)
+    _equal_state(ours, ref)
     assert not torch.equal(start["0.v.weight"], ref.state_dict()["0.v.weight"])  # the steps moved the head
 
 
