@@ -199,7 +199,7 @@ def train_ep(
     head.eval()
     params = sum(p.numel() for p in head.parameters())
     info = {"lr": lr, "batch_size": batch, "steps_per_epoch": steps, "steps": steps * epochs, "warmup_epochs": warm,
-            "num_queries": queries, "parameters": params, "val_by_epoch": [float(s) for s in scores],
+            "num_queries": queries, "parameters": params, "val_by_epoch": [float(s) if np.isfinite(s) else None for s in scores],
             "best_epoch": int(np.argmax(scores)) if scores else -1, "finite": finite and best_state is not None}  # fmt: skip
     return head, info
 
