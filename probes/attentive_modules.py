@@ -17,8 +17,20 @@
   projection), ``k`` / ``v`` without bias, SDPA, mean over queries, ``linear`` without bias;
   no MLP. Linears keep torch's default init.
 
-Both are built in the reference's order of construction, so a seeded build draws the same
-random numbers as the reference's (tests/probes/test_probe_attentive.py checks it).
+* ``ep``: the efficient probe of arXiv 2506.10178 as billpsomas/efficient-probing at b8f4fb8
+  builds it: ``poolings/ep.py:7-47`` ``EfficientProbing`` (``num_queries`` learned queries,
+  ``randn * 0.02``, used as is: no q or k projection, keys are the tokens themselves, scale
+  ``dim ** -0.5``; one value projection ``v`` without bias whose output is cut into
+  ``num_queries`` slices, query ``i`` reading slice ``i`` only; the slices concatenated), then
+  ``probe_heads.py:106`` ``Sequential(pooling, BatchNorm1d(dim, affine=False, eps=1e-6),
+  Linear(dim, classes))`` (``probe_heads.py:75-76``, ``:104-105``: the pooling built first, then a
+  fresh classifier; both keep torch's default init, ``main_linprobe.py`` re-initialises nothing).
+  Its parameter names are the reference head's (``0.v.weight``, ``0.cls_token``, ``2.weight``,
+  ``2.bias``).
+
+All are built in the reference's order of construction, so a seeded build draws the same
+random numbers as the reference's (tests/probes/test_probe_attentive.py and
+tests/probes/test_attentive_ep.py check it).
 """
 
 from __future__ import annotations
@@ -31,7 +43,13 @@ from typing import Any
 from featcache.core.registry import Registry
 from featcache.errors import ProbeError
 
-__all__ = ["ATTENTIVE_VARIANTS", "attention_heads", "build_attentive_head"]
+__all__ = [
+    "ATTENTIVE_VARIANTS",
+    "attention_heads",
+    "build_attentive_head",
+    "ep_parameter_count",
+    "vjepa_parameter_count",
+]
 
 #: the attentive probe variants: name -> the function building its head class (torch imported
 #: when called); each entry's ``note`` is the reference module it reproduces (recorded in hparams)
@@ -181,8 +199,67 @@ def _aim_class() -> Any:
     return AttentionPoolingClassifier
 
 
-def build_attentive_head(variant: str, dim: int, n_classes: int, num_heads: int) -> Any:
+@ATTENTIVE_VARIANTS.register(
+    "ep",
+    note="billpsomas/efficient-probing@b8f4fb8 poolings/ep.py EfficientProbing + probe_heads.py BatchNorm1d + Linear",
+)
+@functools.cache
+def _ep_class() -> Any:
+    import torch
+    from torch import nn
+
+    class EfficientProbing(nn.Module):
+        """poolings/ep.py:7-47 at b8f4fb8 (``d_out`` and ``num_heads`` kept; the leaderboard: 1, 1)."""
+
+        def __init__(self, dim: int, num_heads: int = 1, num_queries: int = 32, d_out: int = 1):
+            super().__init__()
+            self.num_heads, self.d_out, self.num_queries = num_heads, d_out, num_queries
+            self.scale = (dim // num_heads) ** -0.5
+            self.v = nn.Linear(dim, dim // d_out, bias=False)
+            self.cls_token = nn.Parameter(torch.randn(1, num_queries, dim) * 0.02)
+
+        def forward(self, x):
+            B, N, C = x.shape
+            h, Q = self.num_heads, self.num_queries
+            q = self.cls_token.expand(B, -1, -1).reshape(B, Q, h, C // h).permute(0, 2, 1, 3) * self.scale
+            k = x.reshape(B, N, h, C // h).permute(0, 2, 1, 3)
+            v = self.v(x).reshape(B, N, Q, C // (self.d_out * Q)).permute(0, 2, 1, 3)
+            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)  # [B, h, Q, N]
+            return torch.matmul(attn.squeeze(1).unsqueeze(2), v).view(B, C // self.d_out)
+
+    class EfficientProbingClassifier(nn.Sequential):
+        """EP's probe head: the pooling, a non-affine BatchNorm, the linear classifier."""
+
+        def __init__(self, dim: int, out_features: int, num_heads: int = 1, num_queries: int = 32, d_out: int = 1):
+            if num_heads != 1 or dim % (d_out * num_queries):
+                raise ProbeError(
+                    f"attentive:ep needs token width {dim} divisible by its {num_queries} queries (x d_out {d_out}) "
+                    f"and one head (got {num_heads}); pick --ep-queries dividing {dim // d_out}"
+                )
+            pooling = EfficientProbing(dim, num_heads, num_queries, d_out)  # first: fixes the random draws
+            classifier = nn.Linear(dim // d_out, out_features, bias=True)
+            super().__init__(pooling, nn.BatchNorm1d(dim // d_out, affine=False, eps=1e-6), classifier)
+
+    return EfficientProbingClassifier
+
+
+def ep_parameter_count(dim: int, n_classes: int, num_queries: int = 32) -> int:
+    """Trainable parameters of the ``ep`` head (d_out 1): ``v`` (dim x dim), the queries
+    (num_queries x dim) and the classifier (dim x classes + classes)."""
+    return dim * dim + num_queries * dim + dim * n_classes + n_classes
+
+
+def vjepa_parameter_count(dim: int, n_classes: int, mlp_ratio: float = 4.0) -> int:
+    """Parameters of the ``vjepa`` head: the query, q (dim x dim + dim), kv (2 x), the unused
+    proj (dim x dim + dim), two LayerNorms, the MLP and the classifier."""
+    hidden = int(dim * mlp_ratio)
+    attn = (dim * dim + dim) + (2 * dim * dim + 2 * dim) + (dim * dim + dim)
+    return dim + attn + 4 * dim + (dim * hidden + hidden + hidden * dim + dim) + dim * n_classes + n_classes
+
+
+def build_attentive_head(variant: str, dim: int, n_classes: int, num_heads: int, **options: Any) -> Any:
     """A fresh ``variant`` head (``torch.nn.Module``) for tokens of width ``dim``, initialised
-    from torch's current random stream as the reference initialises it."""
+    from torch's current random stream as the reference initialises it (``options``: the
+    variant's own, e.g. ``ep``'s ``num_queries``)."""
     cls = ATTENTIVE_VARIANTS.resolve(variant)()
-    return cls(dim, n_classes, num_heads)
+    return cls(dim, n_classes, num_heads, **options)

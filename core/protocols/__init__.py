@@ -64,6 +64,10 @@ attentive:V    probe   attentive probes on ``tokens`` (V = ``vjepa``: V-JEPA's
                        4 lr x 5 wd grid of heads trained together with V-JEPA's AdamW recipe
                        (cosine lr and wd, grad clip 1.0, 20 epochs), the best head chosen on
                        validation (as ``full``), reported on test without a refit.
+attentive:ep   probe   the efficient probe (arXiv 2506.10178): 32 learned queries without q/k
+                       projections, one value projection sliced per query, BatchNorm + linear;
+                       one head, LARS lr 0.1 x batch / 256, 90 epochs (10 warmup, cosine), on
+                       ``cls`` + ``tokens`` where stored; its best epoch on validation.
 subset:F%      probe   Battle of the Backbones: stratified F% of train (label distribution
                        kept, at least one example per class), then ``full`` on that subset.
 vtab1k-light   fine-   VTAB lightweight fine-tuning on the ``vtab1k`` splits; SGD grid as
@@ -122,6 +126,7 @@ from featcache.core.protocols.grids import (
     CGrid,
     Dinov2LinearGrid,
     ElevaterGrid,
+    EpGrid,
     Grid,
     LarsGrid,
     SGDGrid,
@@ -150,6 +155,7 @@ __all__ = [
     "CGrid",
     "Dinov2LinearGrid",
     "ElevaterGrid",
+    "EpGrid",
     "Grid",
     "LarsGrid",
     "Protocol",

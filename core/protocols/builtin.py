@@ -17,6 +17,7 @@ from featcache.core.protocols.grids import (
     VTAB_SGD,
     AttentiveGrid,
     CGrid,
+    EpGrid,
 )
 from featcache.errors import ProtocolError
 
@@ -108,6 +109,8 @@ def attentive(arg: str | None = None) -> Protocol:
     if not re.fullmatch(r"[a-z][a-z0-9_-]*", arg or ""):
         raise ProtocolError(f"attentive needs a head variant: e.g. attentive:vjepa or attentive:aim (got {arg!r})")
     assert arg is not None  # matched above
+    if arg == "ep":  # the efficient probe: one head, LARS, its best epoch on val (probes/attentive_ep.py)
+        return Protocol("attentive:ep", "attentive", "probe", "no-refit", "attentive-ep", EpGrid(), kind="tokens")
     grid = AttentiveGrid(variant=arg)
     return Protocol(f"attentive:{arg}", "attentive", "probe", "no-refit", "attentive", grid, kind="tokens")
 

@@ -26,6 +26,7 @@ __all__ = [
     "CGrid",
     "Dinov2LinearGrid",
     "ElevaterGrid",
+    "EpGrid",
     "Grid",
     "LarsGrid",
     "SGDGrid",
@@ -202,6 +203,28 @@ class AttentiveGrid:
     block_bytes: int = 256 << 20
 
 
+@dataclass(frozen=True)
+class EpGrid:
+    """The efficient probe ``attentive:ep`` (arXiv 2506.10178; billpsomas/efficient-probing at
+    b8f4fb8, ``main_linprobe.py:42-89`` defaults and ``util/lars.py``, ``util/lr_sched.py``): one
+    head, LARS (momentum 0.9, trust 0.001, weight decay 0), lr = ``blr`` x batch / 256 (0.1 x
+    4096 / 256 = 1.6), ``warmup_epochs`` of linear warmup then a half-cycle cosine to ``min_lr``,
+    set every iteration, ``epochs`` epochs of ``batch_size`` rows (last partial batch dropped),
+    ``num_queries`` queries; the best epoch on validation is reported (the reference: on
+    ImageNet's val, which it reports; featcache: its val split, never test)."""
+
+    variant: str = "ep"
+    num_queries: int = 32
+    blr: float = 0.1
+    batch_size: int = 4096
+    epochs: int = 90
+    warmup_epochs: int = 10
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    trust_coefficient: float = 0.001
+
+
 BOB_LARS = LarsGrid()
 #: VTAB's third lr drop, at 90 % of the steps
 VTAB_LAST_DECAY = 0.9
@@ -229,4 +252,4 @@ SALMAN_SGD = SGDGrid(
 
 
 #: any protocol's grid
-Grid = CGrid | SGDGrid | ElevaterGrid | LarsGrid | Dinov2LinearGrid | AttentiveGrid
+Grid = CGrid | SGDGrid | ElevaterGrid | LarsGrid | Dinov2LinearGrid | AttentiveGrid | EpGrid
