@@ -213,8 +213,8 @@ def attentive_grid(
     rungs = grid_rungs(plan.schedule, len(combos), t_max, plan.eta)
     mem = grid_memory(grid.variant, T, D, n_classes, batch, rows)
     groups = head_groups(range(len(combos)), mem["state"], mem["shared"], plan.max_memory, plan.what)
-    log.info(memory_line(plan.what, len(combos), mem["params"], mem["state"], 0, plan.max_memory, len(groups))
-             + f"; activations of one head at a time ~{mem['act'] / 1e6:.0f} MB, token blocks {3 * rows * T * D * 4 / 1e6:.0f} MB")  # fmt: skip
+    line = memory_line(plan.what, len(combos), mem["params"], mem["state"], mem["shared"], plan.max_memory, len(groups))
+    log.info("%s (token blocks and one head's activations: heads step one after the other)", line)
     ctx = {"X": X, "y": torch.from_numpy(np.asarray(y, np.int64)), "grid": grid, "D": D, "K": n_classes, "combos": combos,
            "device": device, "seed": seed, "rows": rows, "batch": batch, "epochs": epochs, "per_epoch": per_epoch,
            "t_max": t_max, "warm": int(grid.warmup_epochs * per_epoch), "val": val, "bar": None, "alive": len(combos),

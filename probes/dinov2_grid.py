@@ -92,7 +92,9 @@ def dinov2_grid(ctx: dict[str, Any], plan: GridPlan, max_iter: int) -> tuple[Any
     rungs = grid_rungs(plan.schedule, len(specs), max_iter, plan.eta)
     mem = grid_memory(specs, ctx["D"], ctx["C"], ctx["batch"], ctx["S"])
     groups = head_groups(range(len(specs)), mem["state"], mem["shared"], plan.max_memory, plan.what)
-    log.info(memory_line(plan.what, len(specs), mem["params"], mem["state"], 0, plan.max_memory, len(groups)))
+    log.info(
+        memory_line(plan.what, len(specs), mem["params"], mem["state"], mem["shared"], plan.max_memory, len(groups))
+    )
     ctx["amp"], ctx["precision"] = _precision(ctx, groups)
     with tqdm(total=head_steps(len(specs), rungs), desc=plan.what, unit="head-step", disable=not plan.progress) as bar:
         ctx["bar"] = bar

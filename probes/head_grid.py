@@ -210,8 +210,9 @@ def head_groups(heads: Sequence[int], per_head: int, shared: int, bound: int | N
     if size < 1:
         need = per_head + shared
         raise ProbeError(
-            f"{what}: one head needs {_gb(per_head)} (parameters, gradients, optimiser state and activations) "
-            f"beside {_gb(shared)} of batches, above --max-memory {_gb(bound)}; raise --max-memory to at least "
+            f"{what}: one head's parameters, gradients and optimiser state need {_gb(per_head)} beside "
+            f"{_gb(shared)} of shared buffers (batches, activations), above --max-memory {_gb(bound)}; "
+            "raise --max-memory to at least "
             f"{_gb(need)}, or probe narrower features (fewer tokens, e.g. --kind tokens@2x2)"
         )
     return [heads[i : i + size] for i in range(0, len(heads), size)]
@@ -222,16 +223,15 @@ def _gb(b: float) -> str:
 
 
 def memory_line(
-    what: str, n_heads: int, params: int, state_bytes: int, act_bytes: int, bound: int | None, groups: int
+    what: str, n_heads: int, params: int, state_bytes: int, shared: int, bound: int | None, groups: int
 ) -> str:
-    """The line logged before training: the grid's parameter and optimiser memory and the bound."""
-    total = n_heads * (state_bytes + act_bytes)
+    """The line logged before training: the grid's parameter and optimiser memory, the shared
+    buffers and the bound."""
     bound_s = "no --max-memory bound" if bound is None else f"--max-memory {_gb(bound)}"
     how = "one group" if groups <= 1 else f"{groups} groups of heads, one after the other"
     return (
         f"{what}: {n_heads} heads x {params / 1e6:.2f}M parameters; parameters + gradients + optimiser state "
-        f"{_gb(n_heads * state_bytes)}, activations ~{_gb(n_heads * act_bytes)} (total ~{_gb(total)}); "
-        f"{bound_s}: {how}"
+        f"{_gb(n_heads * state_bytes)}, shared buffers {_gb(shared)}; {bound_s}: {how}"
     )
 
 

@@ -99,7 +99,10 @@ def test_survivors_and_groups():
     assert survivors([1, 4], {1: -math.inf, 4: 0.1}, 1) == [4]
     assert head_groups(range(5), 100, 50, 260, "x") == [[0, 1], [2, 3], [4]]
     assert head_groups(range(5), 100, 50, None, "x") == [[0, 1, 2, 3, 4]]
-    with pytest.raises(ProbeError, match=r"attentive:vjepa: one head needs .* raise --max-memory to at least"):
+    with pytest.raises(
+        ProbeError,
+        match=r"attentive:vjepa: one head's .* need 1\.00 GB beside 0\.10 GB .* raise --max-memory to at least 1\.10 GB",
+    ):
         head_groups(range(5), 10**9, 10**8, 10**9, "attentive:vjepa")
 
 
@@ -164,7 +167,10 @@ def test_attentive_bound_below_one_head_is_refused(tokens, aim_grid):
     state (~8.5 MB) exceed a 1 MiB bound: refused before training, naming the bound to give."""
     Xtr, ytr = tokens[0][:64], tokens[1][:64]
     wide = np.concatenate([Xtr, np.zeros((64, 8, 512 - 16), np.float32)], axis=2)
-    with pytest.raises(ProbeError, match=r"^aim: one head needs 8\.[0-9] MB .* raise --max-memory to at least"):
+    with pytest.raises(
+        ProbeError,
+        match=r"^aim: one head's parameters, gradients and optimiser state need 8\.[0-9] MB .* raise --max-memory",
+    ):
         train_attentive_grid(wide, ytr, 10, aim_grid, 1, 0, amp="fp32", sched=GridPlan(max_memory=2**20, what="aim"))
 
 
