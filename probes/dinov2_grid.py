@@ -59,7 +59,7 @@ def _callbacks(ctx: dict[str, Any]) -> GridCallbacks:
 
     def train(states: list[tuple], idx: list[int], s0: int, s1: int) -> None:
         h, bW, bb = stack(states, idx)
-        ops.joint_steps(h, bW, bb, ctx["stream"], s0, s1, ctx["momentum"], ctx["amp"], ctx["bar"])
+        ops.joint_steps(h, bW, bb, ctx["stream"], s0, s1, ctx["momentum"], ctx["amp"], progress)
         for k in range(len(idx)):
             v = (h.specs[k].n_blocks, h.specs[k].avgpool)
             j = h.members[v].index(k)
@@ -72,8 +72,16 @@ def _callbacks(ctx: dict[str, Any]) -> GridCallbacks:
         return [v if f else -math.inf for v, f in zip(sc, finite)]
 
     def alive(k: int) -> None:
-        if ctx["bar"] is not None:
-            ctx["bar"].set_postfix_str(f"{k}/{len(specs)} heads training", refresh=False)
+        ctx["alive"] = k
+
+    def progress(step: int, stepped: int) -> None:
+        bar, n = ctx["bar"], ctx["stream"].max_iter
+        if bar is not None:
+            bar.update(stepped)
+            ep, E = (step - 1) // ctx["epoch_length"] + 1, math.ceil(n / ctx["epoch_length"])
+            bar.set_postfix_str(
+                f"epoch {ep}/{E}, step {step}/{n}, {ctx['alive']}/{len(specs)} heads training", refresh=False
+            )
 
     dump = lambda st: tuple(t.detach().cpu().clone() for t in st)  # noqa: E731
     load = lambda i, obj: tuple(t.to(ctx["device"]) for t in obj)  # noqa: E731

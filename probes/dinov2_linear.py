@@ -329,9 +329,10 @@ class JointStream:
 
 
 def joint_steps(heads: JointHeads, bufW: dict, bufb: dict, stream: JointStream, s0: int, s1: int, momentum: float,
-                amp: Any = None, bar: Any = None) -> None:  # fmt: skip
+                amp: Any = None, progress: Any = None) -> None:  # fmt: skip
     """Steps ``s0+1..s1`` of :func:`train_joint` on ``heads`` (a whole grid or some of its
-    heads, ``heads.index``) and their momentum buffers, in place."""
+    heads, ``heads.index``) and their momentum buffers, in place; ``progress(step, heads)``
+    after each step."""
     import torch
 
     lr_index = {v: torch.tensor([heads.index[i] for i in m]) for v, m in heads.members.items()}
@@ -353,8 +354,8 @@ def joint_steps(heads: JointHeads, bufW: dict, bufb: dict, stream: JointStream, 
                 lr = lr_all[lr_index[v]].to(W.dtype)
                 W.sub_(lr.view(H, 1, 1) * bufW[v])
                 b.sub_(lr.view(H, 1) * bufb[v])
-            if bar is not None:
-                bar.update(len(heads.specs))
+            if progress is not None:  # (step, heads stepped)
+                progress(_step, len(heads.specs))
 
 
 def score_heads(heads: JointHeads, X: torch.Tensor, y: np.ndarray, metric: str, block: int = 8192) -> list[float]:
@@ -588,7 +589,7 @@ def fit_dinov2_linear(req: FitRequest) -> FitOutcome:
         stream = JointStream(X_t, y_t, max_iter, sched["batch_size"], g.sampler_seed + req.seed, V_t, req.seed, base)
         ctx = {"ops": sys.modules[__name__], "specs": specs, "D": Xtr.shape[2], "C": classes.size, "seed": req.seed, "init_std": g.init_std,
                "device": device, "stream": stream, "momentum": g.momentum, "Xva": torch.from_numpy(Xva).to(device),
-               "yva": pos, "metric": opts["metric"], "batch": sched["batch_size"], "S": Xtr.shape[1]}  # fmt: skip
+               "yva": pos, "metric": opts["metric"], "batch": sched["batch_size"], "epoch_length": sched["epoch_length"], "S": Xtr.shape[1]}  # fmt: skip
         run, _mem = dinov2_grid(ctx, plan, max_iter)
     best = run.best  # the reference: the first head with the highest score
     scores = [-np.inf if v != v else v for v in run.val]

@@ -196,8 +196,9 @@ def survivors(alive: Sequence[int], scores: dict[int, float], keep: int) -> list
     return sorted(ranked[:keep])
 
 
-def _finite(v: float) -> float:
-    return v if v == v and v != math.inf else -math.inf
+def _finite(v: float | None) -> float:
+    """A score to rank by: NaN, +inf and ``None`` (not finite, as recorded) rank last."""
+    return v if v is not None and v == v and v != math.inf else -math.inf
 
 
 def head_groups(heads: Sequence[int], per_head: int, shared: int, bound: int | None, what: str) -> list[list[int]]:
@@ -315,7 +316,7 @@ def run_grid(
                     os.remove(spilled.pop(i))
             out_rungs.append(
                 {"rung": r_i + 1, "end_step": rung.end, "heads": len(alive), "groups": len(groups),
-                 "val": {i: val[i] for i in alive}, "kept": list(nxt)}
+                 "val": {i: val[i] if math.isfinite(val[i]) else None for i in alive}, "kept": list(nxt)}
             )  # fmt: skip
             alive, start = nxt, rung.end
     best = survivors(alive, dict(enumerate(val)), 1)[0]
