@@ -75,6 +75,13 @@ def runs(a) -> list[tuple[str, dict]]:
     out.append(
         (f"dinov2-linear, {max(a.view_counts)} views", {"protocol": "dinov2-linear", "views": max(a.view_counts)})
     )
+    for spec in a.halving:  # issue 59: --grid-schedule halving beside the full grid's rows
+        name, _, epochs = spec.partition(":")
+        if name == "dinov2-linear":
+            out.append(("dinov2-linear, halving", {"protocol": name, "grid_schedule": "halving"}))
+        else:
+            over = {"protocol": f"attentive:{name}", "sgd_epochs": int(epochs), "grid_schedule": "halving"}
+            out.append((f"attentive:{name} ({epochs} ep), halving", over))
     return out
 
 
@@ -187,6 +194,11 @@ def main(argv=None) -> int:
         default="vjepa:1,aim:1",
         help="attentive rows, VARIANT:EPOCHS comma-separated (the recipe: 20 epochs; CPU time: 20 heads x 1280-d tokens)",
     )
+    ap.add_argument(
+        "--halving",
+        default="dinov2-linear,aim:5",
+        help="rows trained by --grid-schedule halving: dinov2-linear and/or VARIANT:EPOCHS (issue 59)",
+    )
     ap.add_argument("--skip", action="append", default=[], help="leave this protocol's rows out (repeatable)")
     ap.add_argument("--cost-rows", type=int, default=2048)
     ap.add_argument("--table-only", action="store_true", help="print the docs' tables from OUT_DIR/evidence.json")
@@ -197,6 +209,7 @@ def main(argv=None) -> int:
     a.view_counts = [int(k) for k in a.view_counts.split(",")]
     a.view_protocols = a.view_protocols.split(",")
     a.attentive = [x for x in a.attentive.split(",") if x]
+    a.halving = [x for x in a.halving.split(",") if x]
     bad = [x for x in a.attentive if not x.partition(":")[2].isdigit() or int(x.partition(":")[2]) < 1]
     if bad:
         ap.error(f"--attentive takes VARIANT:EPOCHS (e.g. aim:5, epochs >= 1), got {', '.join(bad)}")

@@ -31,16 +31,21 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from featcache.core.configs import check_fields
 from featcache.errors import ProbeError, ProtocolError
 from featcache.probes.attentive_modules import attention_heads, build_attentive_head
-from featcache.probes.solver_registry import EpochsOptions, FitOutcome, FitRequest, register_solver
+from featcache.probes.head_grid import GridOutcome as _Outcome
+from featcache.probes.head_grid import grid_schedule_option, halving_eta_option, max_memory_option
+from featcache.probes.solver_registry import FitOutcome, FitRequest, epochs_option, register_solver
 
 log = logging.getLogger(__name__)
 
@@ -147,90 +152,80 @@ def _amp_check(heads: list, xb: Any, device: str) -> tuple[Any, dict[str, Any]]:
     return bf16_choice(device, lambda: torch.stack([h(xb) for h in heads]), BF16_MIN_COSINE)
 
 
-def _grid_heads(variant: str, dim: int, n_classes: int, n_heads: int, seed: int) -> list:
+def _grid_heads(variant: str, dim: int, n_classes: int, n_heads: int, seed: int, keep: Any = None) -> list:
     """``n_heads`` fresh heads drawn in turn from torch's stream seeded with ``seed`` (the
-    process's stream is restored afterwards)."""
+    process's stream is restored afterwards); ``keep``: only those indices are kept (every head
+    is still drawn, so each one's weights do not depend on which are kept)."""
     import torch
 
+    want = range(n_heads) if keep is None else set(keep)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
-        return [build_attentive_head(variant, dim, n_classes, attention_heads(dim)) for _ in range(n_heads)]
+        out = []
+        for i in range(n_heads):
+            h = build_attentive_head(variant, dim, n_classes, attention_heads(dim))
+            if i in want:
+                out.append(h)
+        return out
 
 
 def train_attentive_grid(
-    X: Any, y: np.ndarray, n_classes: int, grid: Any, epochs: int, seed: int, device: str = "cpu", amp: str = "auto"
+    X: Any,
+    y: np.ndarray,
+    n_classes: int,
+    grid: Any,
+    epochs: int,
+    seed: int,
+    device: str = "cpu",
+    amp: str = "auto",
+    *,
+    sched: Any = None,
+    val: Any = None,
+    keep: str = "all",
 ) -> tuple[list, dict[str, Any]]:
     """Train ``grid``'s lr x wd heads of ``grid.variant`` on tokens ``X`` ``[n, T, D]`` (an
     array or a store view, read block by block) with labels ``y`` (0..n_classes-1).
-    ``amp``: ``auto`` (see the module docstring) or ``fp32``. Returns (heads, info)."""
-    import torch
+    ``amp``: ``auto`` (see the module docstring) or ``fp32``. ``sched``: a
+    :class:`~featcache.probes.head_grid.GridPlan` (schedule, eta, memory bound; default the
+    full grid in one group); ``val``: ``(X_val, y_val, metric)`` the heads are scored on (halving
+    needs it); ``keep``: ``all`` returns every finished head, ``best`` only the selected one
+    (the others ``None``). Returns (heads, info)."""
+    from featcache.probes.attentive_grid import attentive_grid
 
-    n, T, D = X.shape
-    combos = [(lr, wd) for lr in grid.lrs for wd in grid.wds]
-    heads = [h.to(device) for h in _grid_heads(grid.variant, D, n_classes, len(combos), seed)]
-    opt = torch.optim.AdamW([g for h in heads for g in param_groups(h)])
-    batch = int(min(grid.batch_size, n))
-    rows = shuffle_block_rows(n, T * D * 4, batch, grid.block_bytes)
-    per_epoch = sum(math.ceil((min(n, a + rows) - a) / batch) for a in range(0, n, rows))
-    t_max, warm = epochs * per_epoch, int(grid.warmup_epochs * per_epoch)
-    y_t = torch.from_numpy(np.asarray(y, np.int64))
-    gen = torch.Generator().manual_seed(int(seed))
-    dtype, rec = None, {"precision": "fp32", "why": "asked"}
-    step, finite = 0, [True] * len(heads)
-    for _ in range(epochs):
-        spans = _epoch_blocks(n, rows, gen)
-        for (a, _, _), (block, perm) in zip(spans, _blocks(X, spans)):
-            xblock, yblock = torch.from_numpy(block)[perm].to(device), y_t[a : a + len(block)][perm].to(device)
-            if step == 0 and amp == "auto":
-                dtype, rec = _amp_check(heads, xblock[:batch], device)
-            for h in heads:
-                h.train()
-            for i in range(0, len(xblock), batch):
-                step += 1
-                _set_schedules(opt, combos, grid, step, warm, t_max)
-                ok = grid_step(heads, opt, xblock[i : i + batch], yblock[i : i + batch], grid.clip, dtype)
-                finite = [f and o for f, o in zip(finite, ok)]
-    for h in heads:
-        h.eval()
-    info = {
-        "combos": combos,
-        "finite": finite,
-        "batch_size": batch,
-        "steps_per_epoch": per_epoch,
-        "steps": step,
-        "shuffle_block_rows": rows,
-        "attention_heads": attention_heads(D),
-        "amp": rec,
-        "amp_dtype": dtype,
-    }
-    return heads, info
+    return attentive_grid(sys.modules[__name__], X, y, n_classes, grid, epochs, seed, device, amp, sched, val, keep)
 
 
 def grid_step(heads: list, opt: Any, xb: Any, yb: Any, clip: float, dtype: Any = None) -> list[bool]:
-    """One optimisation step of every head on batch ``(xb, yb)``: cross-entropy, one backward
-    over the heads' summed losses, each head's gradient norm clipped to ``clip``, one AdamW
-    step (``opt`` holds every head's groups, their lr / wd already set). Returns each head's
-    loss finiteness."""
+    """One optimisation step of every head on batch ``(xb, yb)``: cross-entropy, each head's
+    backward in turn (its gradient is that of the heads' summed losses, and only one head's
+    activations are held at a time), each head's gradient norm clipped to ``clip``, the AdamW
+    step (``opt``: one optimiser over every head's groups, or one per head; lr / wd already
+    set). Returns each head's loss finiteness."""
     import torch
 
     dev = xb.device.type
-    with torch.autocast(dev, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        losses = [torch.nn.functional.cross_entropy(h(xb).float(), yb) for h in heads]
-    torch.stack(losses).sum().backward()
+    losses = []
+    for h in heads:
+        with torch.autocast(dev, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = torch.nn.functional.cross_entropy(h(xb).float(), yb)
+        loss.backward()
+        losses.append(loss.detach())
     for h in heads:
         torch.nn.utils.clip_grad_norm_(h.parameters(), clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    for o in opt if isinstance(opt, list) else [opt]:
+        o.step()
+        o.zero_grad(set_to_none=True)
     return [bool(torch.isfinite(loss)) for loss in losses]
 
 
-def _set_schedules(opt: Any, combos: list, grid: Any, step: int, warm: int, t_max: int) -> None:
-    """Every head's groups at the schedules' ``step``-th call (two groups per head, in order)."""
-    for k, (lr, wd) in enumerate(combos):
+def set_schedules(opts: list, combos: list, grid: Any, step: int, warm: int, t_max: int) -> None:
+    """Each head's optimiser groups (``opts[k]``: head ``k``'s two groups) at the schedules'
+    ``step``-th call, from that head's (lr, wd) in ``combos``."""
+    for o, (lr, wd) in zip(opts, combos):
         start = grid.start_lr if grid.start_lr is not None else lr
         new_lr = warmup_cosine_lr(step, warm, start, lr, grid.final_lr, t_max)
         new_wd = cosine_wd(step, wd, grid.final_wd, t_max)
-        for g in opt.param_groups[2 * k : 2 * k + 2]:
+        for g in o.param_groups:
             g["lr"] = new_lr
             if not g.get("WD_exclude"):
                 g["weight_decay"] = new_wd
@@ -274,13 +269,41 @@ def _accepts(proto: Any) -> None:
         )
 
 
-@register_solver("attentive", options=EpochsOptions, streams=True, accepts=_accepts)
+@dataclass(frozen=True)
+class AttentiveOptions:
+    """``attentive:*``'s options: its epochs, the grid schedule and the memory bound
+    (:mod:`featcache.probes.head_grid`)."""
+
+    sgd_epochs: int | None = epochs_option()
+    grid_schedule: str = grid_schedule_option()
+    halving_eta: int = halving_eta_option()
+    max_memory: str | None = max_memory_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def resolve(self, proto: Any) -> AttentiveOptions:
+        """The protocol grid's epochs unless given."""
+        if self.sgd_epochs is not None:
+            return self
+        return replace(self, sgd_epochs=getattr(proto.grid, "epochs", None))
+
+
+@register_solver(
+    "attentive",
+    options=AttentiveOptions,
+    streams=True,
+    accepts=_accepts,
+    run_options=("sgd_epochs", "grid_schedule", "halving_eta"),
+)
 def fit_attentive(req: FitRequest) -> FitOutcome:
-    """Train the protocol's head grid on the plan's train rows, choose the best head on its
-    validation rows (the task metric), report that head (no refit)."""
+    """Train the protocol's head grid on the plan's train rows (all heads, or successive
+    halving), choose the best head on its validation rows (the task metric), report that head
+    (no refit)."""
     from scipy.special import softmax
 
     from featcache.core.devices import resolve_device
+    from featcache.probes.head_grid import GridPlan
     from featcache.probes.logistic import cpu_threads
 
     g, (Xtr, ytr), (Xva, yva) = req.proto.grid, req.plan.tr, req.plan.va
@@ -291,20 +314,26 @@ def fit_attentive(req: FitRequest) -> FitOutcome:
         raise ProbeError(f"{req.proto.spec} chooses its head on validation rows and the plan has none")
     classes = np.unique(np.concatenate([ytr, yva]))
     device = resolve_device("auto")
+    metric = req.opts.get("metric", "top1")
+    plan = GridPlan.from_opts(req.opts, req.proto.spec)
     t0 = time.perf_counter()
     with cpu_threads(device):
         heads, info = train_attentive_grid(
-            Xtr, np.searchsorted(classes, ytr), classes.size, g, epochs, req.seed, device
-        )
-        Z = predict_logits(heads, Xva, device, info["amp_dtype"])
-    metric = req.opts.get("metric", "top1")
-    scores = [
-        val_score(metric, np.searchsorted(classes, yva), softmax(z, axis=1)) if ok else -np.inf
-        for z, ok in zip(Z, info["finite"])
-    ]
-    best = int(np.argmax(scores))
+            Xtr, np.searchsorted(classes, ytr), classes.size, g, epochs, req.seed, device,
+            sched=plan, val=(Xva, np.searchsorted(classes, yva), metric), keep="best",
+        )  # fmt: skip
+    run = info["grid"]
+    scores = [-np.inf if v != v else v for v in run["val"]]
+    best = run["best"]
     lr, wd = info["combos"][best]
     hp = _hparams(g, epochs, device, info, scores, metric, best)
+    hp.update(plan.record(_Outcome(**run)))
+    if plan.schedule != "full":
+        hp["selection"] = (
+            f"best of the heads trained to the end by successive halving (eta {plan.eta}) on val {metric}; no refit"
+        )
+        for h, st in zip(hp["heads"], run["status"]):
+            h["status"] = st
     hp["tokens_read"] = "in memory" if isinstance(Xtr, np.ndarray) else "from the store, block by block"
     best_head = heads[best]
 

@@ -227,7 +227,12 @@ class ProbeConfig:
         opts = option_values(self.options)
         if "Cs" in opts:
             opts["Cs"] = list(opts["Cs"] or ())
-        return {**opts, "metric": self.metric or "top1", "max_host_bytes": self.max_host_bytes}
+        return {
+            **opts,
+            "metric": self.metric or "top1",
+            "max_host_bytes": self.max_host_bytes,
+            "progress": self.progress,
+        }
 
     def run_options(self, proto: Protocol) -> dict[str, Any]:
         """Options that enter the run id (and are recorded): the task metric and the solver
@@ -237,9 +242,11 @@ class ProbeConfig:
         keep = ("metric", *self.solver.run_option_keys(proto))
         solver = self.solver_options()
         opts = {k: solver[k] for k in solver if k in keep}
-        for k, default in (("sweep", "exhaustive"), ("final_epoch", "last")):
+        for k, default in (("sweep", "exhaustive"), ("final_epoch", "last"), ("grid_schedule", "full")):
             if opts.get(k) == default:  # the defaults: run ids of earlier results stay
                 del opts[k]
+        if "halving_eta" in opts and "grid_schedule" not in opts:  # eta is read by halving only
+            del opts["halving_eta"]
         if opts["metric"] == "top1":  # top-1 tasks keep the run ids they always had
             del opts["metric"]
         opts.update(kind=self.kind, head_init=self.head_init, train_split=self.train_split)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ import numpy as np
 from featcache.core.configs import Interval, check_fields, flag
 from featcache.core.layers import parse_layer_kind
 from featcache.errors import NotInStoreError, ProbeError
+from featcache.probes.head_grid import grid_schedule_option, halving_eta_option, max_memory_option
 from featcache.probes.solver_registry import FitOutcome, FitRequest, ProbeConfigError, epochs_option, register_solver
 
 if TYPE_CHECKING:
@@ -190,15 +192,23 @@ class JointHeads:
     then ``weight.normal_(0, init_std)``, ``bias.zero_()``."""
 
     def __init__(
-        self, specs: Sequence[HeadSpec], D: int, n_classes: int, generator: torch.Generator, init_std: float = 0.01
+        self,
+        specs: Sequence[HeadSpec],
+        D: int,
+        n_classes: int,
+        generator: torch.Generator,
+        init_std: float = 0.01,
+        keep: Sequence[int] | None = None,
     ) -> None:
         import torch
 
-        self.specs = list(specs)
+        self.index = list(range(len(specs))) if keep is None else sorted(keep)
+        want = set(self.index)
+        self.specs = [specs[i] for i in self.index]
         self.variants: list[tuple[int, bool]] = list(dict.fromkeys((s.n_blocks, s.avgpool) for s in self.specs))
         self.members = {v: [i for i, s in enumerate(self.specs) if (s.n_blocks, s.avgpool) == v] for v in self.variants}
         ws, bs = [], []
-        for s in self.specs:
+        for i, s in enumerate(specs):  # every head is drawn; those not kept are dropped
             d = (s.n_blocks + int(s.avgpool)) * D
             w, b = torch.empty(n_classes, d), torch.empty(n_classes)
             torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=generator)
@@ -206,15 +216,40 @@ class JointHeads:
             torch.nn.init.uniform_(b, -bound, bound, generator=generator)
             w.normal_(mean=0.0, std=init_std, generator=generator)
             b.zero_()
-            ws.append(w)
-            bs.append(b)
+            if i in want:
+                ws.append(w)
+                bs.append(b)
         self.W = {v: torch.stack([ws[i] for i in m]) for v, m in self.members.items()}
         self.b = {v: torch.stack([bs[i] for i in m]) for v, m in self.members.items()}
+
+    @classmethod
+    def from_heads(cls, specs: Sequence[HeadSpec], index: Sequence[int], Ws: Sequence, bs: Sequence) -> JointHeads:
+        """Heads ``index`` of the grid ``specs`` from their own weights (``Ws[k]`` [C, d], ``bs[k]``
+        [C]), stacked per input variant in grid order."""
+        import torch
+
+        self = cls.__new__(cls)
+        self.index = list(index)
+        self.specs = [specs[i] for i in self.index]
+        self.variants = list(dict.fromkeys((s.n_blocks, s.avgpool) for s in self.specs))
+        self.members = {v: [i for i, s in enumerate(self.specs) if (s.n_blocks, s.avgpool) == v] for v in self.variants}
+        self.W = {v: torch.stack([Ws[i] for i in m]) for v, m in self.members.items()}
+        self.b = {v: torch.stack([bs[i] for i in m]) for v, m in self.members.items()}
+        return self
 
     def to(self, device: str) -> JointHeads:
         self.W = {v: w.to(device) for v, w in self.W.items()}
         self.b = {v: b.to(device) for v, b in self.b.items()}
         return self
+
+    @property
+    def lr_base(self) -> np.ndarray:
+        """The (scaled) lr of every head of the grid these heads come from, indexed by grid
+        position (a head not held here: 0)."""
+        out = np.zeros(max(self.index) + 1 if self.index else 0, np.float64)
+        for i, s in zip(self.index, self.specs):
+            out[i] = s.lr
+        return out
 
     def head(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Head ``i``'s (weight [C, d], bias [C]) as in :func:`head_specs` order."""
@@ -256,27 +291,57 @@ def train_joint(
     weights, momentum buffers and softmax in fp32."""
     import torch
 
-    from featcache.probes.views import PassViews
-
-    pv = None if views is None else PassViews(view_seed, int(X.shape[0]), int(views.shape[0]))
-
-    lr_index = {v: torch.tensor(m) for v, m in heads.members.items()}
     bufW = {v: torch.zeros_like(w) for v, w in heads.W.items()}
     bufb = {v: torch.zeros_like(b) for v, b in heads.b.items()}
-    base = np.array([s.lr for s in heads.specs], np.float64)
-    batches, lrs = infinite_batches(int(X.shape[0]), batch_size, seed), cosine_lrs(base, max_iter)
-    rows = torch.arange(batch_size, device=X.device)
-    cast = torch.autocast(X.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
-    with torch.no_grad(), cast:
-        for _ in range(max_iter if steps is None else steps):
-            idx_np = next(batches)
+    stream = JointStream(X, y, max_iter, batch_size, seed, views, view_seed, heads.lr_base)
+    joint_steps(heads, bufW, bufb, stream, 0, max_iter if steps is None else steps, momentum, amp)
+    finite = all(bool(torch.isfinite(w).all()) for w in heads.W.values())
+    return {"finite": finite}
+
+
+class JointStream:
+    """The grid's batches and lrs (:func:`infinite_batches`, :func:`cosine_lrs` of every head's
+    ``lr_base``, the views of :class:`~featcache.probes.views.PassViews`), replayable: ``steps(s0,
+    s1)`` yields ``(step, xb, yb, lrs)`` of steps ``s0+1..s1`` from a fresh stream (the steps
+    before ``s0`` drawn, not computed), so a head trained in segments or groups sees the batches
+    of one uninterrupted run."""
+
+    def __init__(self, X, y, max_iter: int, batch_size: int, seed: int, views, view_seed: int, lr_base) -> None:
+        self.X, self.y, self.max_iter, self.batch_size, self.seed = X, y, max_iter, batch_size, seed
+        self.views, self.view_seed, self.lr_base = views, view_seed, np.asarray(lr_base, np.float64)
+
+    def steps(self, s0: int, s1: int) -> Iterator[tuple[int, Any, Any, Any]]:
+        import torch
+
+        from featcache.probes.views import PassViews
+
+        X, views = self.X, self.views
+        pv = None if views is None else PassViews(self.view_seed, int(X.shape[0]), int(views.shape[0]))
+        batches = infinite_batches(int(X.shape[0]), self.batch_size, self.seed)
+        lrs = cosine_lrs(self.lr_base, self.max_iter)
+        for step in range(1, s1 + 1):
+            idx_np, lr_np = next(batches), next(lrs)
+            v_np = None if pv is None else pv.views_of(idx_np)
+            if step <= s0:
+                continue
             idx = torch.from_numpy(idx_np).to(X.device)
-            if pv is None or views is None:
-                xb = X[idx]
-            else:
-                xb = views[torch.from_numpy(pv.views_of(idx_np)).to(X.device), idx]
-            yb = y[idx]
-            lr_all = torch.from_numpy(next(lrs)).to(X.device)
+            xb = X[idx] if v_np is None or views is None else views[torch.from_numpy(v_np).to(X.device), idx]
+            yield step, xb, self.y[idx], torch.from_numpy(lr_np).to(X.device)
+
+
+def joint_steps(heads: JointHeads, bufW: dict, bufb: dict, stream: JointStream, s0: int, s1: int, momentum: float,
+                amp: Any = None, progress: Any = None) -> None:  # fmt: skip
+    """Steps ``s0+1..s1`` of :func:`train_joint` on ``heads`` (a whole grid or some of its
+    heads, ``heads.index``) and their momentum buffers, in place; ``progress(step, heads)``
+    after each step."""
+    import torch
+
+    lr_index = {v: torch.tensor([heads.index[i] for i in m]) for v, m in heads.members.items()}
+    batch_size = stream.batch_size
+    rows = torch.arange(batch_size, device=stream.X.device)
+    cast = torch.autocast(stream.X.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
+    with torch.no_grad(), cast:
+        for _step, xb, yb, lr_all in stream.steps(s0, s1):
             for v in heads.variants:
                 W, b = heads.W[v], heads.b[v]
                 H, C, d = W.shape
@@ -290,8 +355,8 @@ def train_joint(
                 lr = lr_all[lr_index[v]].to(W.dtype)
                 W.sub_(lr.view(H, 1, 1) * bufW[v])
                 b.sub_(lr.view(H, 1) * bufb[v])
-    finite = all(bool(torch.isfinite(w).all()) for w in heads.W.values())
-    return {"finite": finite}
+            if progress is not None:  # (step, heads stepped)
+                progress(_step, len(heads.specs))
 
 
 def score_heads(heads: JointHeads, X: torch.Tensor, y: np.ndarray, metric: str, block: int = 8192) -> list[float]:
@@ -465,6 +530,9 @@ class Dinov2LinearOptions:
     exclusive: ClassVar[tuple[str, ...]] = ("batch_size", "epoch_length")
 
     sgd_epochs: int | None = epochs_option()
+    grid_schedule: str = grid_schedule_option()
+    halving_eta: int = halving_eta_option()
+    max_memory: str | None = max_memory_option()
     batch_size: int | None = flag(
         None, "dinov2-linear: rows per training batch (reference: 128)", type=int, check=Interval(int, 1)
     )
@@ -514,6 +582,7 @@ def _grid_heads(req: FitRequest, S: int) -> tuple[list[HeadSpec], dict[str, Any]
     "dinov2-linear",
     options=Dinov2LinearOptions,
     views=True,
+    run_options=("sgd_epochs", "grid_schedule", "halving_eta", "batch_size", "epoch_length"),
     load=load_linear_input,
     input_fingerprint=stored_input_fingerprint,
 )
@@ -523,6 +592,8 @@ def fit_dinov2_linear(req: FitRequest) -> FitOutcome:
     import torch
     from scipy.special import softmax
 
+    from featcache.probes.dinov2_grid import dinov2_grid
+    from featcache.probes.head_grid import GridPlan
     from featcache.probes.logistic import cpu_threads, resolve_backend
 
     g, opts = req.proto.grid, req.opts
@@ -536,26 +607,26 @@ def fit_dinov2_linear(req: FitRequest) -> FitOutcome:
     specs, sched = _grid_heads(req, Xtr.shape[1])
     max_iter = sched["epochs"] * sched["epoch_length"]
     device = resolve_backend("torch")[1]
+    pos = np.searchsorted(classes, yva)
+    if (classes[np.minimum(pos, classes.size - 1)] != yva).any():
+        raise ProbeError("the validation rows hold classes absent from the training rows; resample the split")
+    plan = GridPlan.from_opts(opts, req.proto.spec)
     t0 = time.perf_counter()
     with cpu_threads(device):
-        heads = JointHeads(specs, Xtr.shape[2], classes.size, torch.Generator().manual_seed(int(req.seed)), g.init_std)
-        heads.to(device)
         X_t = torch.from_numpy(np.ascontiguousarray(Xtr)).to(device)
         y_t = torch.from_numpy(np.searchsorted(classes, ytr).astype(np.int64)).to(device)
         V_t = None
         if req.plan.views:  # --views K: one view per row per pass, seeded
             V_t = torch.from_numpy(np.stack([np.asarray(v, np.float32) for v in req.plan.views["tr"]])).to(device)
-        amp, precision = _precision(heads, X_t, device, sched["batch_size"])
-        info = train_joint(
-            heads, X_t, y_t, max_iter, sched["batch_size"], g.sampler_seed + req.seed, g.momentum,
-            views=V_t, view_seed=req.seed, amp=amp,
-        )  # fmt: skip
-        pos = np.searchsorted(classes, yva)
-        if (classes[np.minimum(pos, classes.size - 1)] != yva).any():
-            raise ProbeError("the validation rows hold classes absent from the training rows; resample the split")
-        scores = score_heads(heads, torch.from_numpy(Xva).to(device), pos, opts["metric"])
-    best = int(np.argmax(scores))  # the reference: the first head with the highest score
-    W, b = (t.detach().cpu() for t in heads.head(best))
+        base = np.array([s.lr for s in specs], np.float64)
+        stream = JointStream(X_t, y_t, max_iter, sched["batch_size"], g.sampler_seed + req.seed, V_t, req.seed, base)
+        ctx = {"ops": sys.modules[__name__], "specs": specs, "D": Xtr.shape[2], "C": classes.size, "seed": req.seed, "init_std": g.init_std,
+               "device": device, "stream": stream, "momentum": g.momentum, "Xva": torch.from_numpy(Xva).to(device),
+               "yva": pos, "metric": opts["metric"], "batch": sched["batch_size"], "epoch_length": sched["epoch_length"], "S": Xtr.shape[1]}  # fmt: skip
+        run, _mem = dinov2_grid(ctx, plan, max_iter)
+    best = run.best  # the reference: the first head with the highest score
+    scores = [-np.inf if v != v else v for v in run.val]
+    W, b = run.kept[best]
     s = specs[best]
 
     def predict(Xe: np.ndarray) -> np.ndarray:
@@ -564,13 +635,19 @@ def fit_dinov2_linear(req: FitRequest) -> FitOutcome:
             return softmax(torch.addmm(b, x, W.T).double().numpy(), axis=1)
 
     hp = _hparams(req, specs, scores, best, sched, max_iter, device)
-    hp["precision"] = precision
-    return FitOutcome(predict, classes, hp, info["finite"], time.perf_counter() - t0)
+    hp["precision"] = ctx["precision"]
+    hp.update(plan.record(run))
+    if plan.schedule != "full":
+        hp["selection"] = f"val {opts['metric']}, first best of the heads trained to the end by successive halving"
+        hp["head_status"] = {sp.name: st for sp, st in zip(specs, run.status)}
+    finite = bool(np.isfinite(scores[best]))
+    return FitOutcome(predict, classes, hp, finite, time.perf_counter() - t0)
 
 
 def _precision(heads: JointHeads, X: torch.Tensor, device: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
     """bf16 autocast for training where the device has it and the fresh heads' logits on the
-    first rows agree with fp32 (:func:`~featcache.probes._precision.bf16_choice`); else fp32."""
+    first rows agree with fp32 (:func:`~featcache.probes._precision.bf16_choice`); else fp32.
+    (The grid checks its heads group by group: :func:`featcache.probes.dinov2_grid._precision`.)"""
     import torch
 
     from featcache.probes._precision import bf16_choice
