@@ -86,7 +86,7 @@ def layer_cka_heatmap(m: LayerCKAMatrix, path: str | os.PathLike) -> Path:
     from featcache.analysis import plots
 
     na, nb = len(m.layers_a), len(m.layers_b)
-    fig = plots._figure(2.2 + 0.45 * nb, 1.6 + 0.4 * na)
+    fig = plots.new_figure(2.2 + 0.45 * nb, 1.6 + 0.4 * na)
     ax = fig.add_subplot()
     im = ax.imshow(m.values, origin="lower", vmin=0.0, vmax=1.0, cmap="magma", aspect="auto")
     ax.set_xticks(range(nb), [str(i) for i in m.layers_b], fontsize=7)
@@ -101,4 +101,4 @@ def layer_cka_heatmap(m: LayerCKAMatrix, path: str | os.PathLike) -> Path:
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k")
     fig.colorbar(im, ax=ax, label=m.metric)
     ax.set_title(m.title, fontsize=8)
-    return plots._save(fig, path)
+    return plots.save_figure(fig, path)

@@ -16,7 +16,7 @@ import numpy as np
 _DPI = 110
 
 
-def _figure(w: float, h: float):
+def new_figure(w: float, h: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -25,7 +25,7 @@ def _figure(w: float, h: float):
     return fig
 
 
-def _save(fig, path) -> Path:
+def save_figure(fig, path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, dpi=_DPI, bbox_inches="tight", format="png")
@@ -83,7 +83,7 @@ def overall_intervals(
     v = overall[score].fill_null(np.nan).to_numpy().astype(float)
     lo_v = overall[lo].fill_null(np.nan).to_numpy().astype(float) if lo in overall.columns else v
     hi_v = overall[hi].fill_null(np.nan).to_numpy().astype(float) if hi in overall.columns else v
-    fig = _figure(6.4, max(2.2, 0.38 * len(names) + 1.2))
+    fig = new_figure(6.4, max(2.2, 0.38 * len(names) + 1.2))
     ax = fig.add_subplot()
     y = np.arange(len(names))[::-1]
     err = np.vstack([np.nan_to_num(v - lo_v), np.nan_to_num(hi_v - v)])
@@ -95,7 +95,7 @@ def overall_intervals(
     ax.set_ylabel("backbone (best on top)")
     ax.set_title("Overall ranking")
     ax.legend(fontsize=7, loc="best")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def tau_bars(per_task, path) -> Path:
@@ -104,7 +104,7 @@ def tau_bars(per_task, path) -> Path:
 
     tasks = per_task["task"].to_list()
     tau = per_task["tau"].to_numpy().astype(float)
-    fig = _figure(max(4.0, 0.5 * len(tasks) + 2), 3.6)
+    fig = new_figure(max(4.0, 0.5 * len(tasks) + 2), 3.6)
     ax = fig.add_subplot()
     x = np.arange(len(tasks))
     colors = ["tab:blue" if t >= 0 else "tab:red" for t in np.nan_to_num(tau)]
@@ -131,13 +131,13 @@ def tau_bars(per_task, path) -> Path:
         fontsize=7,
         loc="lower right",
     )
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _task_grid(n: int, w: float = 3.2, h: float = 3.0):
     ncol = min(3, max(1, n))
     nrow = math.ceil(max(1, n) / ncol)
-    fig = _figure(w * ncol + 1.6, h * nrow)
+    fig = new_figure(w * ncol + 1.6, h * nrow)
     return fig, [fig.add_subplot(nrow, ncol, i + 1) for i in range(max(1, n))]
 
 
@@ -156,7 +156,7 @@ def linear_vs_finetune_scatter(pairs, path) -> Path:
         ax.set_ylabel("fine-tune score", fontsize=8)
     _backbone_legend(axes[-1], colors, names, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def linear_vs_finetune_ranks(pairs, path) -> Path:
@@ -182,7 +182,7 @@ def linear_vs_finetune_ranks(pairs, path) -> Path:
         ax.set_title(_short(task, 28), fontsize=9)
     _backbone_legend(axes[-1], colors, names, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def zscore_heatmap(zscores, path, *, order=None) -> Path:
@@ -198,7 +198,7 @@ def zscore_heatmap(zscores, path, *, order=None) -> Path:
     m = df.select(cols).fill_null(np.nan).to_numpy().astype(float)
     # setting names whole and upright-rotated (90 degrees: each label's extent is its own column,
     # so neighbours never overlap); the figure widens with the settings instead
-    fig = _figure(max(4.5, 0.25 * len(cols) + 3.5), max(2.5, 0.32 * len(names) + 2.0))
+    fig = new_figure(max(4.5, 0.25 * len(cols) + 3.5), max(2.5, 0.32 * len(names) + 2.0))
     ax = fig.add_subplot()
     lim = max(1e-9, float(np.nanmax(np.abs(m)))) if np.isfinite(m).any() else 1.0
     im = ax.imshow(np.ma.masked_invalid(m), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
@@ -208,14 +208,14 @@ def zscore_heatmap(zscores, path, *, order=None) -> Path:
     ax.set_ylabel("backbone")
     fig.colorbar(im, ax=ax, label="z-score (blue: below mean, red: above)")
     ax.set_title("z-score per backbone and setting (blank: no result)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def shift_scatter(table, fit_row, path, *, title: str = "") -> Path:
     """acc_new vs acc_orig with Clopper-Pearson error bars, the y = x line and the fit."""
     x = table["acc_orig"].to_numpy().astype(float)
     y = table["acc_new"].to_numpy().astype(float)
-    fig = _figure(4.6, 4.2)
+    fig = new_figure(4.6, 4.2)
     ax = fig.add_subplot()
 
     def err(col_lo, col_hi, v):
@@ -252,7 +252,7 @@ def shift_scatter(table, fit_row, path, *, title: str = "") -> Path:
     handles = [Line2D([], [], marker="o", ls="-", color="0.5", label="backbone (95% interval)")]
     ax.add_artist(ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="lower right"))
     _backbone_legend(ax, colors, names, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def efficiency_scatter(table, path) -> Path:
@@ -260,7 +260,7 @@ def efficiency_scatter(table, path) -> Path:
     t = table.drop_nulls(["images_per_s", "zscore"])
     names = t["backbone"].to_list()
     colors = _colors(names)
-    fig = _figure(6.0, 3.8)
+    fig = new_figure(6.0, 3.8)
     ax = fig.add_subplot()
     for b, xi, yi in zip(names, t["images_per_s"].to_numpy(), t["zscore"].to_numpy()):
         ax.scatter([xi], [yi], color=colors[b], s=30)
@@ -270,7 +270,7 @@ def efficiency_scatter(table, path) -> Path:
     ax.set_ylabel("mean z-score")
     ax.set_title("Performance vs speed")
     _backbone_legend(ax, colors, names, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def cost_bars(table, path) -> Path:
@@ -283,7 +283,7 @@ def cost_bars(table, path) -> Path:
     labels = {"images_per_s": "images / s", "peak_memory_mib": "peak memory (MiB)", "store_mib": "store size (MiB)"}
     names = table["backbone"].to_list()
     colors = _colors(names)
-    fig = _figure(3.4 * len(cols) + 1.8, max(2.4, 0.32 * len(names) + 1.2))
+    fig = new_figure(3.4 * len(cols) + 1.8, max(2.4, 0.32 * len(names) + 1.2))
     axes = [fig.add_subplot(1, len(cols), i + 1) for i in range(len(cols))]
     y = np.arange(len(names))[::-1]
     for k, (ax, c) in enumerate(zip(axes, cols)):
@@ -298,7 +298,7 @@ def cost_bars(table, path) -> Path:
         ax.set_title(labels[c].split(" (")[0], fontsize=9)
     _backbone_legend(axes[-1], colors, names, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _throughput_conditions(ax, table, y, v) -> None:
@@ -321,7 +321,7 @@ def task_scores(wide, path, *, metric: str) -> Path:
     cols = [c for c in wide.columns if c != "backbone"]
     m = wide.select(cols).fill_null(np.nan).to_numpy().astype(float)  # [B, T]
     colors = _colors(names)
-    fig = _figure(7.0, max(2.6, 0.22 * len(names) * len(cols) + 1.4))
+    fig = new_figure(7.0, max(2.6, 0.22 * len(names) * len(cols) + 1.4))
     ax = fig.add_subplot()
     h = 0.8 / max(1, len(names))
     y0 = np.arange(len(cols))[::-1]
@@ -332,7 +332,7 @@ def task_scores(wide, path, *, metric: str) -> Path:
     ax.set_ylabel("setting (kind:task)")
     ax.set_title(f"{metric} per setting")
     ax.legend(title="backbone", fontsize=7, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def best_vs_rest(
@@ -350,7 +350,7 @@ def best_vs_rest(
     lo = np.where(sign > 0, d["lo"].to_numpy(), -d["hi"].to_numpy())
     hi = np.where(sign > 0, d["hi"].to_numpy(), -d["lo"].to_numpy())
     order = np.argsort(diff)
-    fig = _figure(6.4, max(2.2, 0.38 * len(other) + 1.2))
+    fig = new_figure(6.4, max(2.2, 0.38 * len(other) + 1.2))
     ax = fig.add_subplot()
     y = np.arange(len(other))
     sep = lo[order] > 0
@@ -378,7 +378,7 @@ def best_vs_rest(
     ax.set_ylabel("compared backbone")
     ax.set_title(f"How sure is the first place of {_short(best)}?")
     ax.legend(fontsize=7, loc="best")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def layer_curves_figure(panels):
@@ -390,7 +390,7 @@ def layer_curves_figure(panels):
     colors = _colors(names)
     cols = min(2, len(panels)) or 1
     rows = max(1, -(-len(panels) // cols))
-    fig = _figure(5.0 * cols, 3.4 * rows)
+    fig = new_figure(5.0 * cols, 3.4 * rows)
     for t, (title, ylabel, lines) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, t + 1)
         shaded = False
@@ -414,13 +414,13 @@ def layer_curves_figure(panels):
 
 def layer_curves(panels, path) -> Path:
     """:func:`layer_curves_figure` saved as a PNG at ``path``."""
-    return _save(layer_curves_figure(panels), path)
+    return save_figure(layer_curves_figure(panels), path)
 
 
 def similarity_heatmap(names, values, path, *, title: str, label: str) -> Path:
     """A symmetric backbone x backbone similarity matrix (CKA, RSA) with its values written in."""
     n = len(names)
-    fig = _figure(1.6 + 0.9 * n, 1.2 + 0.8 * n)
+    fig = new_figure(1.6 + 0.9 * n, 1.2 + 0.8 * n)
     ax = fig.add_subplot()
     im = ax.imshow(values, vmin=min(0.0, float(np.nanmin(values))), vmax=1.0, cmap="viridis")
     ax.set_xticks(range(n), names, rotation=45, ha="right", fontsize=8)
@@ -432,4 +432,4 @@ def similarity_heatmap(names, values, path, *, title: str, label: str) -> Path:
                 ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=7, color="w" if v < 0.6 else "k")
     fig.colorbar(im, ax=ax, label=label)
     ax.set_title(title, fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)

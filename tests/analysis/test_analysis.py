@@ -828,14 +828,14 @@ def report_html(digits_results, tmp_path_factory):
     append_results(d / "results.parquet", _renamed(rows_to_frame(_retrieval_rows())))
     _renamed(digits_results["ft"]).write_csv(d / "finetune.csv")
     out = d / "report.html"
-    real_save = plots._save
+    real_save = plots.save_figure
 
     def keep(fig, path):
         REPORT_FIGURES.append(fig)
         return real_save(fig, path)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plots, "_save", keep)
+        mp.setattr(plots, "save_figure", keep)
         write_report(
             out,
             read_results(d / "results.parquet"),

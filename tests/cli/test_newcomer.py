@@ -422,13 +422,13 @@ def _capture(monkeypatch):
     from featcache.analysis import plots
 
     figs = []
-    real = plots._save
+    real = plots.save_figure
 
     def keep(fig, path):
         figs.append(fig)
         return real(fig, path)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     return figs
 
 
