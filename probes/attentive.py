@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -272,7 +272,10 @@ def _accepts(proto: Any) -> None:
 @dataclass(frozen=True)
 class AttentiveOptions:
     """``attentive:*``'s options: its epochs, the grid schedule and the memory bound
-    (:mod:`featcache.probes.head_grid`)."""
+    (:mod:`featcache.probes.head_grid`). A protocol without a head grid (``full``,
+    ``attentive:ep``'s one head) refuses the grid flags instead of ignoring them (``exclusive``)."""
+
+    exclusive: ClassVar[tuple[str, ...]] = ("grid_schedule", "halving_eta", "max_memory")
 
     sgd_epochs: int | None = epochs_option()
     grid_schedule: str = grid_schedule_option()

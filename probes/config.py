@@ -321,12 +321,13 @@ def _check_foreign(solver: Solver, proto: Protocol, foreign: dict[str, Any]) -> 
             SOLVERS[owners[0]].options(**{name: value})
         kept = [o for o in owners if name in getattr(SOLVERS[o].options, "exclusive", ())]
         if kept and value != f.default:
-            refused.append(((f.metadata.get("name") or "--" + name.replace("_", "-")), kept[0]))
+            refused.append(((f.metadata.get("name") or "--" + name.replace("_", "-")), " and ".join(kept)))
     if refused:
         flags = [r[0] for r in refused]
         own = [f.metadata.get("name") or "--" + f.name.replace("_", "-") for f in fields(solver.options)]
         takes = f"the options --protocol {proto.spec} takes: {', '.join(own)}" if own else "it takes no solver option"
+        verb = "s read" if " and " in refused[0][1] else " reads"
         raise ProbeConfigError(
             f"--protocol {proto.spec} does not take {' or '.join(flags)}: it fixes its own batches and schedule "
-            f"({takes}); drop {' and '.join(flags)}, which only the {refused[0][1]} protocol reads"
+            f"({takes}); drop {' and '.join(flags)}, which only the {refused[0][1]} solver{verb}"
         )

@@ -527,7 +527,7 @@ class Dinov2LinearOptions:
     of 128 rows). Another protocol refuses ``--batch-size`` and ``--epoch-length`` (it fixes its own
     batches) rather than ignoring them (``exclusive``)."""
 
-    exclusive: ClassVar[tuple[str, ...]] = ("batch_size", "epoch_length")
+    exclusive: ClassVar[tuple[str, ...]] = ("batch_size", "epoch_length", "grid_schedule", "halving_eta", "max_memory")
 
     sgd_epochs: int | None = epochs_option()
     grid_schedule: str = grid_schedule_option()

@@ -267,3 +267,23 @@ def test_schedule_enters_the_run_id_and_the_bound_does_not():
         assert half != base
         assert (hopts["grid_schedule"], hopts["halving_eta"]) == ("halving", 3)
         assert rid(proto, grid_schedule="halving", halving_eta=2)[0] != half
+
+
+@pytest.mark.parametrize(
+    ("proto", "flag", "value"),
+    [
+        ("attentive:ep", "grid_schedule", "halving"),
+        ("attentive:ep", "max_memory", "1GB"),
+        ("full", "grid_schedule", "halving"),
+        ("bob-linear", "halving_eta", 2),
+    ],
+)
+def test_a_protocol_without_a_head_grid_refuses_the_grid_flags(proto, flag, value):
+    """attentive:ep trains one head and the logistic protocols fit no grid of heads: a grid flag
+    is one line naming the solvers that read it, never silently ignored."""
+    from featcache.probes.config import ProbeConfig
+    from featcache.probes.solver_registry import ProbeConfigError
+
+    name = "--" + flag.replace("_", "-")
+    with pytest.raises(ProbeConfigError, match=rf"does not take {name}: .*attentive and dinov2-linear solvers read$"):
+        ProbeConfig("c.zarr", ("b",), "d", proto, **{flag: value})
