@@ -156,6 +156,7 @@ def train_ep(
     Returns (best head in eval mode, info)."""
     import torch
 
+    from featcache.core.progress import tqdm
     from featcache.probes.attentive import predict_logits, val_score
     from featcache.probes.attentive_modules import build_attentive_head
     from featcache.probes.lars import lars_optimizer, lr_at
@@ -175,11 +176,14 @@ def train_ep(
     gen = torch.Generator().manual_seed(int(seed))
     y_t = torch.from_numpy(np.asarray(y, np.int64))
     best, best_state, scores, finite = -np.inf, None, [], True
+    bar = tqdm(total=epochs * steps, desc="attentive:ep", unit="step", disable=not kw.get("progress"))
     for epoch in range(epochs):
         vsel = None if views is None else view_choice(seed, epoch, n, len(views))
         perm = torch.randperm(n, generator=gen).numpy()
         head.train()
+        bar.set_postfix_str(f"epoch {epoch + 1}/{epochs}, 1 head", refresh=False)
         for i in range(steps):
+            bar.update(1)
             for g in opt.param_groups:
                 g["lr"] = lr_at(i / steps + epoch, lr, epochs, warm, grid.min_lr)
             bi = perm[i * batch : (i + 1) * batch]
@@ -194,6 +198,7 @@ def train_ep(
         scores.append(val_score(metric, val[1], P) if finite else -np.inf)
         if scores[-1] > best:  # main_linprobe.py:655: the first epoch with the highest val top-1
             best, best_state = scores[-1], copy.deepcopy(head.state_dict())
+    bar.close()
     if best_state is not None:
         head.load_state_dict(best_state)
     head.eval()
@@ -284,7 +289,7 @@ def fit_attentive_ep(req: FitRequest) -> FitOutcome:
             Xtr, np.searchsorted(classes, ytr), (Xva, np.searchsorted(classes, yva)), classes.size, g, epochs,
             req.seed, device=device, num_queries=req.opts.get("ep_queries"), views=views,
             batch_size=req.opts.get("ep_batch_size"), lr=req.opts.get("ep_lr"),
-            metric=req.opts.get("metric", "top1"),
+            metric=req.opts.get("metric", "top1"), progress=req.opts.get("progress", False),
         )  # fmt: skip
     D = Xtr.shape[-1]
     log.info("attentive:ep: %d parameters (attentive:vjepa's head at width %d: %d); best epoch %d of %d",
