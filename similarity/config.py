@@ -124,8 +124,11 @@ class SimilarityConfig:
         set_(self, "measures", tuple(dict.fromkeys(ms)))
         if self.results_path is not None:
             set_(self, "results_path", os.fspath(self.results_path))
-        if self.backbones is not None and len(self.backbones) < 2:
-            raise ConfigError("similarity compares pairs: give at least two backbones (--backbones a,b) or --all")
+        if self.backbones is not None and len(self.backbones) < (1 if self.layers is not None else 2):
+            raise ConfigError(
+                "similarity compares pairs: give at least two backbones (--backbones a,b) or --all "
+                "(with --layers, one backbone is compared with itself)"
+            )
         configs.check_fields(self)
         parse_memory(self.max_memory)
         if self.layers is None and self.minibatch is not None:
@@ -147,7 +150,9 @@ class SimilarityConfig:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         who = parser.add_mutually_exclusive_group(required=True)
-        who.add_argument("--backbones", help="comma-separated backbone keys (at least two)")
+        who.add_argument(
+            "--backbones", help="comma-separated backbone keys (at least two; with --layers one: its own layer grid)"
+        )
         who.add_argument("--all", action="store_true", help="every backbone that holds the split")
         configs.add_arguments(parser, cls)
 

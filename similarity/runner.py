@@ -72,7 +72,7 @@ def _backbones(cfg: SimilarityConfig, cache) -> list[str]:
             "pass --split with one of them"
         )
     if cfg.backbones is None:
-        if len(held) < 2:
+        if len(held) < (1 if cfg.layers is not None else 2):
             raise DataError(
                 f"{len(held)} backbone(s) in {cfg.cache} hold {cfg.dataset}/{cfg.split} ({held}); similarity "
                 "compares pairs: extract a second backbone on that split first"

