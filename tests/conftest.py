@@ -36,6 +36,12 @@ def pytest_configure(config):
         threads = len(share)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, str(threads))
+    # pools already loaded (a plugin imported numpy before this hook) sized themselves to every
+    # core: OpenBLAS at 2 threads on a worker pinned to 1 core made each small GEMM of the blocked
+    # RBF CKA cost ~46 ms instead of ~0.04 ms (test_similarity_bounded: 100 s a test). Resize them.
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(int(os.environ.get("OPENBLAS_NUM_THREADS", threads)))
 
 
 #: the test files that each took 60 s or more of one worker's time (a full run on the 2-core CI
