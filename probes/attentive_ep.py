@@ -136,7 +136,7 @@ def ep_batches(n: int, batch_size: int) -> tuple[int, int]:
 
 def _batch(X: Any, views: list | None, vsel: np.ndarray | None, bi: np.ndarray) -> np.ndarray:
     """Rows ``bi`` as float32: of ``X``, or of each row's view of this epoch."""
-    if views is None:
+    if views is None or vsel is None:  # no views: the stored rows themselves
         return np.asarray(X[bi], np.float32)
     out = np.empty((bi.size, *X.shape[1:]), np.float32)
     for v, V in enumerate(views):
