@@ -10,7 +10,7 @@ from pathlib import Path
 
 from featcache.errors import FeatcacheError, ResultsError
 from featcache.interop.formats import RESULT_FORMATS, ExportContext
-from featcache.interop.runs import EXTERNAL, group_runs
+from featcache.interop.runs import EXTERNAL, Run, group_runs, safe_name
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,12 @@ def export_results(config: ExportConfig) -> ExportReport:
     if not runs:
         raise ResultsError(f"{config.results} holds no featcache runs to export (imported rows are left out)")
     runs = group_runs(frame, weights_of(config.caches, runs)) if config.caches else runs
+    _refuse_name_clashes(runs, config.format)
     ctx = ExportContext(Path(config.out), config.org, __version__)
     files, skipped = fmt.write(runs, ctx)
+    twice = sorted({str(f) for f in files if files.count(f) > 1})
+    if twice:  # a clash safe_name does not see (a format's own spelling): never silent
+        raise ResultsError(f"{config.format} wrote {', '.join(twice)} for more than one run group; rename a backbone")
     for line in skipped:
         log.info("not exported: %s", line)
     if skipped:
@@ -86,3 +90,18 @@ def export_results(config: ExportConfig) -> ExportReport:
     if not files:
         raise ResultsError(f"no run of {config.results} fits {config.format}: {skipped[0]}")
     return ExportReport(tuple(files), len(runs) - len(skipped), tuple(skipped))
+
+
+def _refuse_name_clashes(runs: Sequence[Run], fmt: str) -> None:
+    """Backbones the formats' file and model names spell alike (``a:b`` and ``a-b``) would
+    overwrite each other's files: one line naming them, before anything is written."""
+    seen: dict[str, set[str]] = {}
+    for r in runs:
+        seen.setdefault(safe_name(r.backbone), set()).add(r.backbone)
+    clash = [sorted(v) for v in seen.values() if len(v) > 1]
+    if clash:
+        pairs = "; ".join(" and ".join(c) for c in clash)
+        raise ResultsError(
+            f"backbones {pairs} get the same name in {fmt}'s files, so one would overwrite the other; "
+            "export them to separate --out folders (filter the results table) or rename one"
+        )

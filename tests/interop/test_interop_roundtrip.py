@@ -88,3 +88,21 @@ def test_clip_benchmark_names_each_run_it_leaves_out(tmp_path):
     assert rep.skipped == ("run r1 (retrieval): CLIP_benchmark has no task for image-only retrieval rows",)
     assert [p.name for p in rep.files] == ["d_unknown_b_en_linear_probe.json"]
     assert read_results(table).height == 2
+
+
+@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+def test_backbones_spelled_alike_in_file_names_are_refused_before_writing(fmt, tmp_path):
+    """`lite:a` and `lite-a` get one folder / model name in every format: one would overwrite the
+    other's file, so the export is refused in one line naming both, and nothing is written."""
+    base = {
+        "kind": "probe", "dataset": "digits", "protocol": "full", "train_split": "train", "eval_split": "test",
+        "shots": -1, "seed": 0, "n_eval": 100, "hparams": {}, "metric": "top1", "value": 0.5,
+        "store_fingerprint": "2ab784e0d0132515", "created_at": "2026-12-07T10:00:00+00:00",
+    }  # fmt: skip
+    table = tmp_path / "r.parquet"
+    append_results(
+        table, [{**base, "run_id": "a" * 16, "backbone": "lite:a"}, {**base, "run_id": "b" * 16, "backbone": "lite-a"}]
+    )
+    with pytest.raises(ResultsError, match=r"^backbones lite-a and lite:a get the same name in .*separate --out"):
+        export_results(ExportConfig(str(table), str(tmp_path / "out"), fmt))
+    assert not (tmp_path / "out").exists()
