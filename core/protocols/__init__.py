@@ -92,7 +92,7 @@ split plan's :class:`SplitRules`, never a check of a name elsewhere.
 
 from __future__ import annotations
 
-from featcache.core.protocols import builtin, grids, plans  # plans, builtin: register the built-in members
+from featcache.core.protocols import builtin, dense, grids, plans  # plans, builtin, dense: register the built-in members
 from featcache.core.protocols.base import (
     LAYER_SELECTIONS,
     PROTOCOLS,

@@ -39,7 +39,7 @@ __all__ = [
     "split_rules",
 ]
 
-STAGES = ("probe", "finetune")
+STAGES = ("probe", "finetune", "dense")
 
 #: how a layer sweep (``probe --layers``) picks its layer, named by :attr:`Protocol.layer_selection`:
 #: each reads validation data the protocol already holds out, never an eval split
