@@ -103,19 +103,40 @@ class SegmentationAccumulator:
     ``ignore_index`` are left out; ids outside ``[0, num_classes)`` drop out of their own area
     (``torch.histc``'s range), as in the reference."""
 
-    def __init__(self, num_classes: int, *, ignore_index: int = IGNORE_INDEX, reduce_zero_label: bool = False) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+        reduce_zero_label: bool = False,
+        keep_images: bool = False,
+    ) -> None:
         self.num_classes = _check_classes(num_classes)
         self.ignore_index = int(ignore_index)
         self.reduce_zero_label = bool(reduce_zero_label)
         self.intersect = np.zeros(self.num_classes, np.int64)
         self.pred_area = np.zeros(self.num_classes, np.int64)
         self.label_area = np.zeros(self.num_classes, np.int64)
+        #: with ``keep_images``: each image's ``[3, C]`` (intersect, pred, label areas), in update
+        #: order (``update`` then takes one ``(h, w)`` map or a batch ``(b, h, w)``), for intervals
+        #: over images (:mod:`featcache.core.dense_intervals`)
+        self.images: list[np.ndarray] | None = [] if keep_images else None
 
     @property
     def union(self) -> np.ndarray:
         return self.pred_area + self.label_area - self.intersect
 
     def update(self, label: ArrayLike, pred: ArrayLike) -> None:
+        if self.images is not None and np.ndim(label) == 3:
+            for lab_i, prd_i in zip(np.asarray(label), np.asarray(pred), strict=True):
+                self.update(lab_i, prd_i)
+            return
+        before = np.stack([self.intersect, self.pred_area, self.label_area]) if self.images is not None else None
+        self._add(label, pred)
+        if before is not None and self.images is not None:
+            self.images.append(np.stack([self.intersect, self.pred_area, self.label_area]) - before)
+
+    def _add(self, label: ArrayLike, pred: ArrayLike) -> None:
         lab, prd = _int_maps(label, pred)
         if self.reduce_zero_label:
             lab = reduce_zero_label(lab, self.ignore_index)
@@ -267,14 +288,32 @@ class HummingbirdAccumulator:
     the split; pixels labelled ``ignore_index`` and ids out of range (either side) dropped."""
 
     def __init__(
-        self, num_classes: int, num_pred_classes: int | None = None, *, ignore_index: int | None = IGNORE_INDEX
+        self,
+        num_classes: int,
+        num_pred_classes: int | None = None,
+        *,
+        ignore_index: int | None = IGNORE_INDEX,
+        keep_images: bool = False,
     ) -> None:
         self.num_classes = _check_classes(num_classes)
         self.num_pred_classes = _check_classes(num_classes if num_pred_classes is None else num_pred_classes)
         self.ignore_index = ignore_index
         self.confusion = np.zeros((self.num_classes, self.num_pred_classes), np.int64)
+        #: with ``keep_images``: each image's confusion matrix, in update order (``update`` then
+        #: takes one ``(h, w)`` map or a batch ``(b, h, w)``), for intervals over images
+        self.images: list[np.ndarray] | None = [] if keep_images else None
 
     def update(self, label: ArrayLike, pred: ArrayLike) -> None:
+        if self.images is not None and np.ndim(label) == 3:
+            for lab_i, prd_i in zip(np.asarray(label), np.asarray(pred), strict=True):
+                self.update(lab_i, prd_i)
+            return
+        before = self.confusion.copy() if self.images is not None else None
+        self._add(label, pred)
+        if before is not None and self.images is not None:
+            self.images.append(self.confusion - before)
+
+    def _add(self, label: ArrayLike, pred: ArrayLike) -> None:
         lab, prd = _int_maps(label, pred)
         if self.ignore_index is not None:
             keep = lab != self.ignore_index

@@ -44,6 +44,10 @@ class DenseFit:
     scores: dict[str, dict[str, float]]
     hparams: dict[str, Any] = field(default_factory=dict)
     fit_seconds: float = 0.0
+    #: ``per_image[role]``: the per-image parts of the headline metric, image order of the eval
+    #: split (segmentation ``[N, 3, C]`` areas, Hummingbird ``[N, C, P]`` confusions, depth
+    #: ``[N]`` values), for intervals over images (:mod:`featcache.core.dense_intervals`)
+    per_image: dict[str, Any] = field(default_factory=dict)
 
 
 #: solver name -> ``fn(task: DenseTask, protocol, config, seed: int) -> DenseFit``
