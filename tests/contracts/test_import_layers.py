@@ -252,7 +252,19 @@ def test_every_package_is_shipped():
 
 
 #: the stages: each runs one step of the work and has its own command
-STAGES = {"extract", "probes", "retrieval", "similarity", "finetune", "sweep", "suites", "analysis", "demo", "interop", "dense"}
+STAGES = {
+    "extract",
+    "probes",
+    "retrieval",
+    "similarity",
+    "finetune",
+    "sweep",
+    "suites",
+    "analysis",
+    "demo",
+    "interop",
+    "dense",
+}
 #: the layers below the stages: what more than one stage builds on (models and images)
 LAYERS = {"models", "data"}
 #: below the layers: the store, the shared core, the public errors and the version
