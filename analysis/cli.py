@@ -156,6 +156,7 @@ def run_rank(args) -> int:
 
     # the depth curves first: a sweep of one backbone has curves but no ranking
     n_depth = _print_depth(args.results, args.out, plots=not args.no_plots) if args.results else 0
+    n_depth += _print_dense(args.results, args.out, plots=not args.no_plots) if args.results else 0
     out = rank(
         args.results,
         args.external,
@@ -235,6 +236,31 @@ def _print_depth(results, out_dir, *, plots: bool = True) -> int:
     table.write_csv(out / "depth_curves.csv")
     if plots:
         depth_plot(curves, out / "depth_curves.png")
+    return 1 + int(plots)
+
+
+def _print_dense(results, out_dir, *, plots: bool = True) -> int:
+    """The dense results per task (:mod:`featcache.analysis.dense`): printed, written to
+    ``dense.csv`` (and ``dense.png``); the number of files written."""
+    from pathlib import Path
+
+    from featcache.analysis.dense import dense_plot, dense_table
+    from featcache.core.formatting import format_table
+    from featcache.core.results import read_results
+
+    if not Path(results).exists():
+        return 0
+    df = read_results(results)
+    table = dense_table(df)
+    if table is None:
+        return 0
+    print("dense evaluation (featcache dense; each task's backbones best first by ranked_by):")
+    print(format_table(table, "text", floatfmt="{:.4f}"), end="")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table.write_csv(out / "dense.csv")
+    if plots:
+        dense_plot(df, out / "dense.png")
     return 1 + int(plots)
 
 

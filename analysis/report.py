@@ -865,6 +865,27 @@ def _depth(results, tmp: Path) -> dict[str, Any]:
     }
 
 
+def _dense(results, tmp: Path) -> dict[str, Any]:
+    """The dense results (``featcache dense`` rows, :mod:`featcache.analysis.dense`): every
+    backbone's dense metrics per task and a figure of the headline metrics, or None."""
+    from featcache.analysis.dense import dense_plot, dense_table
+
+    table = dense_table(results)
+    if table is None:
+        return {"dense": None}
+    path = dense_plot(results, tmp / "dense.png")
+    caption = (
+        "each dense task's headline metric per backbone (mean over seeds; whiskers: the 95% bootstrap "
+        "interval over images where the run recorded one)"
+    )
+    return {
+        "dense": {
+            "figures": [_figure(path, caption)] if path is not None else [],
+            "table": table_cells(table, table_id="dense-table"),
+        }
+    }
+
+
 def _layer_cka(results, tmp: Path) -> dict[str, Any]:
     """The layer-by-layer CKA heatmaps (``featcache similarity --layers`` rows;
     :mod:`featcache.analysis.layer_cka`)."""
@@ -1045,6 +1066,7 @@ def write_report(
             ctx["shift"] = _shift(loaded, shift_splits, tmp)
         ctx.update(_similarity(loaded.results, tmp))
         ctx.update(_depth(loaded.results, tmp))
+        ctx.update(_dense(loaded.results, tmp))
         doc = _render(ctx)
     _write_atomic(out, doc)
     log.info("report written to %s", out)

@@ -75,7 +75,7 @@ RESULT_COLUMNS: dict[str, str] = {
     "created_at": "Utf8",
 }
 
-KINDS = ("probe", "knn", "retrieval", "finetune", "similarity", "audit")
+KINDS = ("probe", "knn", "retrieval", "finetune", "similarity", "audit", "dense")
 #: kinds whose rows are no backbone's score on a task (pairwise similarity, the near-duplicate
 #: audit): analysis keeps them out of rankings and reads them for their own report sections
 NON_SCORE_KINDS = ("similarity", "audit")
