@@ -238,7 +238,7 @@ def _check_windows(table: np.ndarray, ids: np.ndarray, base_ids: np.ndarray, whe
     if wrong.size:
         i = int(wrong[0])
         raise CorruptStoreError(
-            f"{where}: window row {i} has id {have[i]!r} but points at image {base_ids[rows[i]]!r} (ids are "
+            f"{where}: window row {i} has id {str(have[i])!r} but points at image {str(base_ids[rows[i]])!r} (ids are "
             "'{image id}#w{j}'); its target would be stitched into another image: re-extract the window group "
             "with --overwrite"
         )

@@ -47,11 +47,12 @@ def mosaics(n: int = N, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tokens_of(img: np.ndarray) -> np.ndarray:
-    """[n, 16, 16] float32: each 14 x 14 patch (row-major over the 4 x 4 grid) pooled to 4 x 4."""
-    n = len(img)
-    p = img.astype(np.float32).reshape(n, 4, 14, 4, 14).transpose(0, 1, 3, 2, 4)  # n, gh, gw, 14, 14
-    p = p[..., :12, :12].reshape(n, 4, 4, 4, 3, 4, 3).mean(axis=(4, 6)) / 255.0  # each patch 4 x 4
-    return p.reshape(n, 16, 16)
+    """[n, gh * gw, 16] float32: each 14 x 14 patch (row-major over the grid) pooled to 4 x 4."""
+    n, h, w = img.shape
+    gh, gw = h // 14, w // 14
+    p = img.astype(np.float32).reshape(n, gh, 14, gw, 14).transpose(0, 1, 3, 2, 4)  # n, gh, gw, 14, 14
+    p = p[..., :12, :12].reshape(n, gh, gw, 4, 3, 4, 3).mean(axis=(4, 6)) / 255.0  # each patch 4 x 4
+    return p.reshape(n, gh * gw, 16)
 
 
 def seg_rows(n: int = N, offset: int = 0) -> dict[str, np.ndarray]:
