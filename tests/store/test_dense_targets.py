@@ -349,6 +349,21 @@ def test_a_flipped_byte_in_a_mask_chunk_is_named_refused_and_recomputed_byte_ide
     assert verify(str(path)) == []
 
 
+def test_a_deleted_mask_document_is_rebuilt_byte_identical(seg_reference, tmp_path):
+    """``verify --repair`` rebuilds an integer target's zarr.json (its dtype, fill value 0, row
+    chunks) from the group metadata and the kept provenance; the recorded digest accepts it."""
+    from featcache.store.verify import verify
+
+    path = _fresh_copy(seg_reference, tmp_path)
+    doc = path / GROUP / "mask/zarr.json"
+    good = doc.read_bytes()
+    doc.unlink()
+    assert any("val/mask/zarr.json" in p and "missing" in p for p in verify(str(path)))
+    verify(str(path), repair=True)
+    assert doc.read_bytes() == good
+    assert verify(str(path)) == []
+
+
 @pytest.mark.parametrize("kind", ["mask", pytest.param("image_size", marks=pytest.mark.slow)])
 def test_a_lost_integer_target_chunk_is_named_though_it_reads_as_zeros(seg_data, seg_reference, tmp_path, kind):
     """An integer target has no NaN: its lost chunk object reads as 0, a legal class id, so the
