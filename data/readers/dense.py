@@ -623,7 +623,10 @@ def _segfolder_classes(root: Path, masks: list[Path]) -> tuple[str, ...]:
 def segfolder(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     """A generic segmentation folder: ``PATH/<split>/images/*`` + ``PATH/<split>/masks/*.png``."""
     root = Path(arg)
-    splits = sorted(p.name for p in root.iterdir() if (p / "images").is_dir()) if root.is_dir() else []
+    found = sorted(p.name for p in root.iterdir() if (p / "images").is_dir()) if root.is_dir() else []
+    splits = [s for s in ("train", "val", "test") if s in found] + [
+        s for s in found if s not in ("train", "val", "test")
+    ]
     if not splits:
         raise DataError(f"{arg} holds no segfolder split; expected PATH/<split>/images/* and PATH/<split>/masks/*.png")
     pairs = {}
