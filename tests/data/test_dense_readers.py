@@ -281,7 +281,7 @@ def test_nyuv2_folder_reads_millimetres_as_metres(tmp_path):
             d = s.extra["target"](i)
             assert d.dtype == np.float32
             assert d.shape == s.load(i).size[::-1]
-            assert np.array_equal(d, (want[rid] / 1000.0).astype(np.float32))
+            assert np.array_equal(d, want[rid].astype(np.float32) / np.float32(1000))  # float32, as DINOv3 divides
             assert (d[:3, :4] == 0).all()
     assert float(got["train"].extra["target"](0)[5, 5]) == pytest.approx(want["00000"][5, 5] / 1000, abs=1e-6)
 
@@ -328,7 +328,7 @@ def test_nyuv2_mat_v5_with_the_official_splits(tmp_path):
 
     imgs, depths = _nyu_arrays(5)
     savemat(tmp_path / "nyu_depth_v2_labeled.mat", {"images": imgs, "depths": depths})
-    with pytest.raises(DataError, match=r"missing; put splits\.mat beside the \.mat"):
+    with pytest.raises(DataError, match=r"splits\.mat is missing; put splits\.mat .* beside the \.mat"):
         open_dataset(f"nyuv2:{tmp_path / 'nyu_depth_v2_labeled.mat'}")
     _write_splits(tmp_path, [1, 3, 4], [2, 5])
     _check_mat(open_dataset(f"nyuv2:{tmp_path / 'nyu_depth_v2_labeled.mat'}"), imgs, depths)
@@ -362,3 +362,38 @@ def test_dense_loaders_pickle(tmp_path):
     image, target = pickle.loads(pickle.dumps((s.loader, s.extra["target"])))
     assert np.array_equal(target(0), want[s.ids[0]])
     assert image(0).size == s.load(0).size
+
+
+def test_nyuv2_dinov3_lists_in_the_references_order(tmp_path):
+    """DINOv3's NYU root: ``nyu_{train,test}.txt`` lines ``/image /depth focal``, rows sorted as
+    dinov3/data/datasets/nyu.py sorts the lines."""
+    photos = _photos(3)
+    lines = []
+    for j, ph in enumerate(photos):
+        room = f"{'kitchen' if j != 1 else 'bathroom'}_{j:04d}"
+        _save(tmp_path / "sync" / room / "rgb_00000.jpg", ph, quality=90)
+        _save(tmp_path / "sync" / room / "sync_depth_00000.png", _depth_mm(ph))
+        lines.append(f"/sync/{room}/rgb_00000.jpg /sync/{room}/sync_depth_00000.png 518.8579\n")
+    (tmp_path / "nyu_train.txt").write_text("".join(lines))
+    (tmp_path / "nyu_test.txt").write_text(lines[0])
+    got = open_dataset(f"nyuv2:{tmp_path}")
+    assert got["train"].ids.tolist() == [
+        "sync/bathroom_0001/rgb_00000.jpg",
+        "sync/kitchen_0000/rgb_00000.jpg",
+        "sync/kitchen_0002/rgb_00000.jpg",
+    ]
+    assert got["test"].ids.tolist() == ["sync/kitchen_0000/rgb_00000.jpg"]
+    d = got["train"].extra["target"](0)
+    assert np.array_equal(d, _depth_mm(photos[1]).astype(np.float32) / np.float32(1000))
+    (tmp_path / "sync" / "kitchen_0002" / "sync_depth_00000.png").unlink()
+    with pytest.raises(DataError, match=r"1 listed image\(s\) or depth map\(s\) missing \(sync/kitchen_0002"):
+        open_dataset(f"nyuv2:{tmp_path}")
+
+
+def test_a_target_of_another_size_than_its_image_is_refused(tmp_path):
+    _write_segfolder(tmp_path)
+    _save(tmp_path / "train" / "masks" / "p1.png", np.zeros((7, 9), np.uint8))
+    s = open_dataset(f"segfolder:{tmp_path}")["train"]
+    h, w = s.load(1).size[::-1]
+    with pytest.raises(DataError, match=rf"p1.png is 7x9 \(h x w\) but its image .*p1.png is {h}x{w}"):
+        s.extra["target"](1)

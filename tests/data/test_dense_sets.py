@@ -95,7 +95,7 @@ def test_depth_scenes_read_back_exactly_and_are_deterministic(tmp_path):
             rgb, mm = render_scene(rng)
             assert np.array_equal(np.asarray(s.load(i)), rgb)
             depth = s.extra["target"](i)
-            assert np.array_equal(depth, (mm / 1000.0).astype(np.float32))
+            assert np.array_equal(depth, mm.astype(np.float32) / np.float32(1000))
             assert depth.max() <= 10.0
             assert depth[depth > 0].min() >= 1.0
             assert rgb.std() > 5  # textured, not flat
