@@ -428,7 +428,7 @@ def _open_mat(path: Path, field: str) -> tuple[Any, bool]:
         hdf5 = f.read(8) == _HDF5_SIGNATURE
     if hdf5:
         try:
-            import h5py
+            import h5py  # pyright: ignore[reportMissingImports]  # optional: NYU's v7.3 .mat only
         except ImportError:
             raise DataError(f"{path} is a MATLAB v7.3 (HDF5) file: reading it needs h5py (pip install h5py)") from None
         return h5py.File(path, "r")[field], True
