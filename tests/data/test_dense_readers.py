@@ -251,6 +251,10 @@ def test_segfolder_reads_16bit_ids(tmp_path):
     assert t.dtype == np.uint16
     assert t[0, 0] == 300
     assert np.array_equal(t, want["p0"])
+    (tmp_path / "classes.txt").write_text("a\nb\nc\n")  # 3 classes: uint8 masks, id 300 does not fit
+    s = open_dataset(f"segfolder:{tmp_path}")["train"]
+    with pytest.raises(DataError, match=r"p0.png holds id 300, outside 0..255 \(uint8\)"):
+        s.extra["target"](0)
 
 
 def test_segfolder_refuses_unmatched_stems_and_colour_masks(tmp_path):
