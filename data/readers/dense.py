@@ -309,9 +309,10 @@ def read_mask(path: str | Path, dtype: str = "uint8") -> np.ndarray:
                 "(L, P or 16-bit): convert colour masks to ids first"
             )
     top = np.iinfo(dtype).max
-    if a.size and (int(a.min()) < 0 or int(a.max()) > top):
+    bad = int(a.min()) if a.size and a.min() < 0 else int(a.max()) if a.size and a.max() > top else None
+    if bad is not None:
         raise DataError(
-            f"mask {escape_name(str(path))} holds id {int(a.max())}, above {top} ({dtype}); "
+            f"mask {escape_name(str(path))} holds id {bad}, outside 0..{top} ({dtype}); "
             "number the classes 0..K-1 (255 = ignore) or list them in classes.txt"
         )
     return a.astype(dtype)
@@ -483,6 +484,11 @@ def _images_by_stem(folder: Path, suffix: str = "") -> dict[str, Path]:
     return out
 
 
+def _pngs_by_stem(folder: Path) -> dict[str, Path]:
+    """``{stem: path}`` of the PNG files in ``folder`` (targets are lossless PNGs only)."""
+    return {k: v for k, v in _images_by_stem(folder).items() if v.suffix.lower() == ".png"}
+
+
 def _pair(images: dict[str, Path], masks: dict[str, Path], where: str) -> list[str]:
     """The sorted stems present in both; an image without its mask (or the reverse) is refused."""
     lone_i, lone_m = sorted(set(images) - set(masks)), sorted(set(masks) - set(images))
@@ -508,7 +514,7 @@ def ade20k(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     out = {}
     for folder, split in ADE20K_SPLITS.items():
         images = _images_by_stem(root / "images" / folder)
-        masks = _images_by_stem(root / "annotations" / folder)
+        masks = _pngs_by_stem(root / "annotations" / folder)
         if not images and not masks:
             continue
         stems = _pair(images, masks, f"ade20k {root}/images/{folder}")
@@ -661,7 +667,7 @@ def segfolder(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSourc
     pairs = {}
     for s in splits:
         images = _images_by_stem(root / s / "images")
-        masks = {k: v for k, v in _images_by_stem(root / s / "masks").items() if v.suffix.lower() == ".png"}
+        masks = _pngs_by_stem(root / s / "masks")
         stems = _pair(images, masks, f"segfolder {root / s}")
         if not stems:
             raise DataError(f"segfolder {root / s}/images holds no images; add images or remove the folder")
@@ -751,7 +757,7 @@ def _nyu_folder(root: Path, name: str, options: ReadOptions) -> dict[str, SplitS
         if not (root / s / "rgb").is_dir():
             continue
         images = _images_by_stem(root / s / "rgb")
-        depths = {k: v for k, v in _images_by_stem(root / s / "depth").items() if v.suffix.lower() == ".png"}
+        depths = _pngs_by_stem(root / s / "depth")
         stems = _pair(images, depths, f"nyuv2 {root / s}")
         out[s] = dense_source(
             name,

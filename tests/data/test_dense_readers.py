@@ -11,11 +11,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 from PIL import Image
 
 from featcache.core.dense import DenseInfo
 from featcache.data.readers import open_dataset
-from featcache.data.readers.dense import ADE20K_CLASSES, CITYSCAPES_CLASSES, VOC_CLASSES
+from featcache.data.readers.dense import (
+    ADE20K_CLASSES,
+    CITYSCAPES_CLASSES,
+    VOC_CLASSES,
+    MaskFiles,
+    read_depth_png,
+    read_mask,
+)
 from featcache.errors import DataError
 
 
@@ -241,6 +251,10 @@ def test_segfolder_reads_16bit_ids(tmp_path):
     assert t.dtype == np.uint16
     assert t[0, 0] == 300
     assert np.array_equal(t, want["p0"])
+    (tmp_path / "classes.txt").write_text("a\nb\nc\n")  # 3 classes: uint8 masks, id 300 does not fit
+    s = open_dataset(f"segfolder:{tmp_path}")["train"]
+    with pytest.raises(DataError, match=r"p0.png holds id 300, outside 0..255 \(uint8\)"):
+        s.extra["target"](0)
 
 
 def test_segfolder_refuses_unmatched_stems_and_colour_masks(tmp_path):
@@ -397,3 +411,39 @@ def test_a_target_of_another_size_than_its_image_is_refused(tmp_path):
     h, w = s.load(1).size[::-1]
     with pytest.raises(DataError, match=rf"p1.png is 7x9 \(h x w\) but its image .*p1.png is {h}x{w}"):
         s.extra["target"](1)
+
+
+_shapes = st.tuples(st.integers(1, 12), st.integers(1, 12))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data(), st.sampled_from(["L", "P", "I;16"]))
+def test_mask_png_round_trip(tmp_path_factory, data, mode):
+    """Any id map saved as an L, P (palette) or 16-bit PNG reads back as the same ids; through
+    ADE20K's reduction every 0 becomes 255 and every other id k becomes k-1."""
+    dtype = np.uint16 if mode == "I;16" else np.uint8
+    ids = data.draw(arrays(dtype, _shapes, elements=st.integers(0, 700 if mode == "I;16" else 255)))
+    path = tmp_path_factory.mktemp("m") / "m.png"
+    if mode == "P":  # with its palette, as VOC's (Pillow remaps the indices of a P image without one)
+        im = Image.frombytes("P", (ids.shape[1], ids.shape[0]), ids.tobytes())
+        im.putpalette(_voc_palette())
+    else:
+        im = Image.fromarray(ids)
+    im.save(path)
+    assert np.array_equal(read_mask(path, "uint16"), ids)
+    if mode != "I;16":
+        got = MaskFiles([path], "uint8", reduce_zero=True)(0)
+        assert np.array_equal(got, np.where(ids == 0, 255, np.where(ids == 255, 255, ids.astype(np.int64) - 1)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(arrays(np.uint16, _shapes))
+def test_depth_png_round_trip(tmp_path_factory, mm):
+    """A 16-bit depth PNG reads back as its millimetres / 1000 in float32, 0 kept as 0."""
+    path = tmp_path_factory.mktemp("d") / "d.png"
+    Image.fromarray(mm).save(path)
+    d = read_depth_png(path)
+    assert d.dtype == np.float32
+    assert np.array_equal(d, mm.astype(np.float32) / np.float32(1000))
+    assert np.array_equal(d == 0, mm == 0)
+    assert np.all(np.abs(d.astype(np.float64) - mm / 1000.0) <= 1e-7 * np.maximum(mm / 1000.0, 1))
