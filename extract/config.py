@@ -54,6 +54,29 @@ _SIDE = Interval(int, 1, MAX_INPUT_SIDE, hi_text=f"must be at most {MAX_INPUT_SI
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
 
 
+def parse_input_size(text: str) -> int | tuple[int, int]:
+    """``--input-size``: ``N`` -> N, ``HxW`` -> (H, W); anything else is one line."""
+    m = re.match(r"^\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*$", str(text))
+    if m is None:
+        raise ConfigError(f"--input-size {text!r} is invalid: write N (square) or HxW, e.g. 448 or 448x672")
+    return int(m[1]) if m[2] is None else (int(m[1]), int(m[2]))
+
+
+def _input_side(value: Any) -> str | None:
+    """``--input-size``'s check: each side in 1..MAX_INPUT_SIDE."""
+    if value is None:
+        return None
+    sides = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else ()
+    if len(sides) not in (1, 2) or not all(isinstance(v, int) and not isinstance(v, bool) for v in sides):
+        return "write N or HxW"
+    if any(v < 1 or v > MAX_INPUT_SIDE for v in sides):
+        return f"each side must be 1..{MAX_INPUT_SIDE} pixels"
+    return None
+
+
+_input_side.shown = str  # type: ignore[attr-defined]
+
+
 def weights_help() -> str:
     """The ``--weights`` help, from the weight-source registry (:mod:`featcache.models.backbones`)."""
     from featcache.models.backbones import weights_help
@@ -147,7 +170,14 @@ class ExtractConfig:
             int, 1, MAX_CHUNK_ROWS, hi_text=f"must be at most {MAX_CHUNK_ROWS} rows (one chunk is held in memory)"
         ),
     )
-    input_size: int | None = flag(None, "override the model's input resolution", type=int, check=_SIDE)
+    input_size: int | tuple[int, int] | None = flag(
+        None,
+        "override the model's input resolution: N (square) or HxW (timm models taking dynamic sizes: CNNs, ViTs "
+        "built with dynamic_img_size)",
+        type=parse_input_size,
+        metavar="N|HxW",
+        check=_input_side,
+    )
     pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=_SIDE)
     resize: str = flag(
         "timm",
@@ -179,6 +209,21 @@ class ExtractConfig:
         type=int,
         metavar="S",
         check=Interval(int, 0, 2**32 - 1),
+    )
+    windows: bool = flag(
+        False,
+        "dense datasets: also store each evaluation image's sliding windows as split {split}@win (DINOv3's slide "
+        "mode: short side resized to --window-short-side, windows of the input size at 2/3 of it, e.g. 512 at 341)",
+        action="store_true",
+    )
+    window_short_side: int | None = flag(
+        None, "dense --windows: the resized short side (default: the input size's short side)", type=int, check=_SIDE
+    )
+    flip: bool = flag(
+        False,
+        "dense datasets: also store each evaluation split's horizontally flipped rows as {split}@flip (test-time "
+        "flip averaging)",
+        action="store_true",
     )
     size_check: bool = flag(
         True,
@@ -251,6 +296,8 @@ class ExtractConfig:
             set_(self, "splits", tuple(self.splits) or None)
         set_(self, "features", (self.features,) if isinstance(self.features, str) else tuple(self.features))
         set_(self, "amp", PRECISION_ALIASES.get(self.amp, self.amp))
+        if isinstance(self.input_size, list):  # a square side given as (H, W) stays a pair, as asked
+            set_(self, "input_size", tuple(self.input_size))
         if self.compile and self.backend in ("auto", "eager"):  # --compile: the older spelling
             set_(self, "backend", "compile")
         self._validate()
