@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DenseGroup",
     "DenseImageRows",
+    "check_dense_flags",
     "dense_collate",
     "image_sizes",
     "is_dense",
@@ -96,12 +97,28 @@ def target_kinds(group: DenseGroup, input_hw: tuple[int, int]) -> dict[str, tupl
 
 def image_sizes(src: SplitSource) -> np.ndarray:
     """``[n, 2]`` original (h, w) of every image, before any image is decoded: the reader's
-    ``extra["image_size"](i)`` where it gives one (a header read), else its target's shape."""
+    ``extra["image_size"](i)`` where it gives one, else the header of the image file where the
+    loader holds file ``paths`` (PIL opens lazily), else the target's shape (the mask decoded)."""
     fn = src.extra.get("image_size")
+    paths = getattr(src.loader, "paths", None)
     out = np.zeros((len(src), 2), np.int64)
     for i in range(len(src)):
-        out[i] = fn(i) if fn is not None else np.shape(src.extra["target"](i))[:2]
+        if fn is not None:
+            out[i] = fn(i)
+        elif paths is not None and len(paths) == len(src):
+            out[i] = _header_size(str(paths[i]))
+        else:
+            out[i] = np.shape(src.extra["target"](i))[:2]
     return out
+
+
+def _header_size(path: str) -> tuple[int, int]:
+    """``(h, w)`` from an image file's header (nothing decoded)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        w, h = im.size
+    return int(h), int(w)
 
 
 def _group_source(src: SplitSource, geometry: str, group: DenseGroup, ids: Any = None) -> SplitSource:
@@ -151,15 +168,21 @@ def expand_dense(src: SplitSource, cfg: Any, data_config: dict[str, Any]) -> lis
     return out
 
 
+def check_dense_flags(sources: list[SplitSource], cfg: Any) -> None:
+    """One-line refusal (before the model is built) of ``--windows``/``--flip`` on splits
+    without per-pixel targets."""
+    if (cfg.windows or cfg.flip) and not any(is_dense(s) for s in sources):
+        raise ConfigError(
+            "--windows and --flip cut dense rows: this dataset has no per-pixel targets (use a dense reader: "
+            "ade20k:, voc:, cityscapes:, nyuv2:, segfolder:)"
+        )
+
+
 def with_dense(sources: list[SplitSource], cfg: Any, bb: Any, limited: Any) -> list[SplitSource]:
     """``sources`` with every dense split expanded into its groups (``limited``: the row limit,
     applied to the images before windows are counted); other splits are kept as they are."""
+    check_dense_flags(sources, cfg)
     if not any(is_dense(s) for s in sources):
-        if cfg.windows or cfg.flip:
-            raise ConfigError(
-                "--windows and --flip cut dense rows: this dataset has no per-pixel targets (use a dense reader: "
-                "ade20k:, voc:, cityscapes:, nyuv2:, segfolder:)"
-            )
         return sources
     if not all(k in bb.data_config for k in ("input_size", "mean", "std")):
         raise ConfigError(

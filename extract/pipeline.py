@@ -179,6 +179,10 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     if cfg.views:  # refused before the model is built
         check_view_splits(sources, cfg.views)
+    if cfg.windows or cfg.flip:
+        from featcache.extract.dense import check_dense_flags
+
+        check_dense_flags(sources, cfg)
     new_dir = _new_local_dir(cfg.cache)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     try:

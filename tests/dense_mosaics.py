@@ -96,3 +96,23 @@ def mosaic_split(split: str, n: int, *, start: int = 0, sizes=None, depth: bool 
         f"fashion-mnist mosaics {split}",
         {"dense": info, "target": target},
     )
+
+
+def write_segfolder(root, splits: dict) -> str:
+    """Write mosaics as a ``segfolder:`` (``root/<split>/images/*.png`` + ``masks/*.png`` and a
+    classes.txt); ``splits[split] = (n, start, sizes or None)``. Returns ``root``."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    root = Path(root)
+    for split, (n, start, sizes) in splits.items():
+        sizes = sizes or [(56, 56)] * n
+        (root / split / "images").mkdir(parents=True, exist_ok=True)
+        (root / split / "masks").mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            img, mask = mosaic(start + i, sizes[i])
+            Image.fromarray(img).save(root / split / "images" / f"m{start + i:04d}.png")
+            Image.fromarray(mask).save(root / split / "masks" / f"m{start + i:04d}.png")
+    (root / "classes.txt").write_text("\n".join(CLASSES) + "\n")
+    return str(root)
