@@ -80,7 +80,8 @@ def parse_layer_list(text: str, n_layers: int, flag: str = "--layers") -> list[i
             i = int(tok)
         except ValueError:
             raise ConfigError(
-                f"{flag} {text!r}: {tok!r} is not a layer index; write all or a comma list such as 1,4,-1"
+                f"{flag} {text!r}: {tok!r} is not a layer index; write all, a comma list such as 1,4,-1, "
+                "or a recipe's blocks: even4, last4, last"
             ) from None
         j = i + n_layers if i < 0 else i
         if not 0 <= j < n_layers:

@@ -110,9 +110,10 @@ def _check_layers_entry(kind: str) -> None:
     if not is_layers_spec(kind):
         raise ConfigError(
             f"feature kind {kind!r} is malformed: write layers:all, layers:1,4,-1 (indices, negative from the "
-            "end) or layers+raw:... (also the pre-norm parts) (--features / features=)"
+            "end), layers+raw:... (also the pre-norm parts) or layers:tokens:LIST (per-block patch tokens; LIST "
+            "may be even4, last4 or last) (--features / features=)"
         )
-    if kind.partition(":")[2].strip() != "all":
+    if kind.partition(":")[2].strip().removeprefix("tokens:").strip() != "all":
         parse_layers_spec(kind, 1 << 30)  # the index list's spelling, before any model is built
 
 
@@ -191,7 +192,10 @@ class ExtractConfig:
         "block's patch tokens, or a CNN's final map positions, T x D), tokens@GxG (tokens area-pooled to G x G, "
         "G*G x D; for large datasets); layers:all or layers:1,4,-1 (per layer of one forward: a ViT block's "
         "class and mean patch tokens through the final norm, layer{i}_cls and layer{i}_mean, a CNN stage's global "
-        "average, layer{i}_avg, plus pooled); layers+raw:... also stores the ViT parts before the norm (_raw)",
+        "average, layer{i}_avg, plus pooled); layers+raw:... also stores the ViT parts before the norm (_raw); "
+        "layers:tokens:LIST stores each listed ViT block's normed patch tokens and class token (layer{i}_tokens, "
+        "layer{i}_cls; dense heads), LIST may also be even4 (DINOv2/DINOv3's evenly spaced blocks, [2,5,8,11] "
+        "of 12), last4 or last",
         type=features_csv,
     )
     views: int = flag(
