@@ -64,12 +64,11 @@ class StoreSize:
         ]
         for split in dict.fromkeys(p[0] for p in self.parts):
             kinds = [p[1:] for p in self.parts if p[0] == split]
-            rows = max((p[1] for p in kinds), default=0)
             each = ", ".join(
                 f"{k} {n:,} x {tuple(s)}{' ' + d[0] if d else ''} = {human(self.bytes_of(n, s, *d))}"
                 for k, n, s, *d in kinds
             )
-            lines.append(f"  {split} ({rows:,} rows): {each}")
+            lines.append(f"  {split}: {each}")
         return "\n".join(lines)
 
 
