@@ -262,3 +262,16 @@ def test_depth_groups_store_metres_validity_and_full_maps(tmp_path, monkeypatch)
         img, d = MosaicImage(train, 0)(i), MosaicDepth(train, 0)(i)
         np.testing.assert_array_equal(view[i], DepthViewRows(dc, 3, 0)(img, d, i)[1])
     np.testing.assert_array_equal(vvalid, (view > 0).astype(np.uint8))
+
+
+def test_the_store_reads_every_dense_group_back_paired(dense_store):
+    from featcache.store.dense import read_dense
+
+    _, _, c, _ = dense_store
+    for split in ("train", "train@view1", "val", "val@win", "val@flip"):
+        rows = read_dense(c, LITE0, "mosaics", split, ("tokens",))
+        assert rows.geometry.grid == (2, 2)
+        assert rows.target[0 : len(rows)].shape == (len(rows), 48, 64)
+    win = read_dense(c, LITE0, "mosaics", "val@win", ("tokens",))
+    assert win.tables["window"].shape == (len(win), 7)
+    assert set(read_dense(c, LITE0, "mosaics", "val", ("tokens",)).full) == {"full_mask"}
