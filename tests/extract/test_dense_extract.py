@@ -194,9 +194,25 @@ def test_dense_flags_on_a_dataset_without_targets_are_one_line(tmp_path):
         extract(_cfg("digits", tmp_path / "n.zarr", splits=["test"], views=0, limit=8, input_size=32))
 
 
+#: the killed run: the CLI with every view chunk written 0.3 s late (the bytes unchanged), so the kill
+#: lands between a group's first and last chunk however fast the machine is
+_SLOW_CLI = """
+import sys, time
+from featcache.store.writer import FeatureWriter
+write = FeatureWriter.write_chunk
+def slow(self, *a, **k):
+    if "@view" in self.split:
+        time.sleep(0.3)
+    return write(self, *a, **k)
+FeatureWriter.write_chunk = slow
+from featcache.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _argv(data: str, cache) -> list[str]:
     return [
-        sys.executable, "-m", "featcache", "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS,
+        sys.executable, "-c", _SLOW_CLI, "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS,
         "--data", f"segfolder:{data}", "--dataset-name", "mosaics", "--split", "train",
         "--input-size", "48x64", "--features", "pooled,tokens", "--views", "1", "--view-seed", "3", "--chunk-rows", str(CHUNK), "--batch-size", "4", "--workers", "0", "--threads", "1",
         "--precision", "fp32", "--no-progress", "--cache", str(cache),
