@@ -200,7 +200,8 @@ class ExtractConfig:
         0,
         "also extract K seeded augmented views of the train split (RandomResizedCrop(scale 0.08-1, bicubic) + "
         "horizontal flip, the DINOv2/MAE train transform), stored as splits train@view0 .. train@view{K-1}; "
-        "val/test keep the deterministic view; K=8 after K=4 computes views 4-7 only",
+        "val/test keep the deterministic view; K=8 after K=4 computes views 4-7 only; on a dense dataset the view "
+        "is DINOv3's segmentation or NYU depth train transform with the target moved identically",
         type=int,
         metavar="K",
         check=Interval(int, 0, MAX_VIEWS, hi_text=f"must be at most {MAX_VIEWS} views"),
