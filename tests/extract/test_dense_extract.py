@@ -110,6 +110,16 @@ def test_window_table_is_dinov3s_slide_arithmetic(dense_store):
     for r, (i, y0, x0, *_rest) in enumerate(table):
         a, m = mosaic(100 + int(i), VAL_SIZES[int(i)])
         np.testing.assert_array_equal(masks[r], win(Image.fromarray(a), m, int(i), int(y0), int(x0))[1])
+    # stitched at their corners, an image's windows cover its resized mask exactly (the padding aside)
+    from featcache.data.dense_geometry import resize_target
+
+    for i, (h, w) in enumerate(VAL_SIZES):
+        rh, rw = win.resized(h, w)
+        canvas = np.full((rh + 48, rw + 64), 254, np.uint8)
+        for r in np.flatnonzero(table[:, 0] == i):
+            y0, x0 = int(table[r, 1]), int(table[r, 2])
+            canvas[y0 : y0 + 48, x0 : x0 + 64] = masks[r]
+        np.testing.assert_array_equal(canvas[:rh, :rw], resize_target(mosaic(100 + i, (h, w))[1], (rh, rw)))
 
 
 def test_features_are_the_models_forward_of_the_same_pixels(dense_store):
