@@ -118,7 +118,7 @@ class DenseConfig:
     def run_options(self) -> dict[str, Any]:
         """The options every run id of this config depends on (beside backbone, seed, store)."""
         return {
-            "kind": self.kind,
+            "feature_kind": self.kind,
             "epochs": self.epochs,
             "iterations": self.iterations,
             "batch_size": self.batch_size,
