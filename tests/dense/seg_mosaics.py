@@ -112,7 +112,19 @@ def _window_rows(split: str, ids, x, Y: np.ndarray) -> DenseRows:
 @functools.lru_cache(maxsize=1)
 def mosaic_groups(n_train: int = 48, n_val: int = 16, n_test: int = 16) -> dict[str, DenseRows]:
     """The store groups of a mosaic dataset: ``train``, ``train@view0`` (the images),
-    ``train@view1`` (flipped left-right, targets too), ``val``, ``test``, ``test@win``."""
+    ``train@view1`` (flipped left-right, targets too), ``val``, ``test``, ``test@win``
+    (computed on one torch thread: the same tokens on every machine's thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _groups(n_train, n_val, n_test)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _groups(n_train: int, n_val: int, n_test: int) -> dict[str, DenseRows]:
     X, Y = mosaics(n_train + n_val + n_test, seed=0)
     ids = np.array([f"m{i:04d}" for i in range(len(X))])
     x = _normalised(X)
