@@ -248,3 +248,8 @@ def test_featcache_dense_from_a_store(tmp_path, capsys):
     )
     assert hp["train_groups"] == ["train@view0", "train@view1"]
     assert 0 < row["value"] <= 1
+
+
+def test_bad_device_is_one_line():
+    with pytest.raises(ConfigError, match="--device 'gpu' is invalid: choose auto, cpu, cuda or cuda:N"):
+        DenseConfig(cache="c", dataset="d", backbones=("b",), device="gpu")
