@@ -35,7 +35,7 @@ import numpy as np
 
 from featcache.core.dense import DenseRows
 from featcache.core.dense_metrics import IGNORE_INDEX, HummingbirdAccumulator
-from featcache.dense.solvers import DenseEval, DenseFit, DenseTask, register_dense_solver
+from featcache.dense.solvers import DenseEval, DenseFit, DenseTask
 from featcache.errors import ConfigError, DataError
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "HbirdSettings",
     "build_index",
     "build_memory",
+    "check_index",
     "hummingbird",
     "label_transfer",
     "patch_labels",
@@ -262,6 +263,34 @@ def build_memory(groups: list[DenseRows], s: HbirdSettings, num_classes: int, se
     return HbirdMemory(torch.cat(feats), torch.cat(labs), images, len(groups))
 
 
+#: dimensions a factory string is tried with before any memory exists (config time), as
+#: retrieval's check does: 1536 divides by every usual PQ size, 720 and 1000 catch the rest
+_PROBE_DIMS = (1536, 720, 1000)
+
+
+def _faiss_line(exc: Exception | None) -> str:
+    text = " ".join(str(exc).split())
+    return text.rsplit("Error: ", 1)[-1][-200:]
+
+
+def check_index(spec: str) -> None:
+    """Refuse, in one line, a ``faiss.index_factory`` string FAISS cannot build."""
+    from featcache.core.optional import import_faiss
+
+    faiss = import_faiss()
+    last: Exception | None = None
+    for d in _PROBE_DIMS:
+        try:
+            faiss.index_factory(d, spec, faiss.METRIC_INNER_PRODUCT)
+            return
+        except RuntimeError as exc:
+            last = exc
+    raise ConfigError(
+        f"index {spec!r}: FAISS cannot build it ({_faiss_line(last)}); write exact or a factory string "
+        "such as IVF1024,Flat or HNSW32"
+    )
+
+
 def build_index(memory: HbirdMemory, s: HbirdSettings, seed: int) -> Any:
     """The FAISS inner-product index over the normalised memory: ``IndexFlatIP`` (exact) or
     ``faiss.index_factory(D, s.index, METRIC_INNER_PRODUCT)`` trained on a seeded sample."""
@@ -276,9 +305,7 @@ def build_index(memory: HbirdMemory, s: HbirdSettings, seed: int) -> Any:
         try:
             index = faiss.index_factory(d, s.index, faiss.METRIC_INNER_PRODUCT)
         except RuntimeError as exc:
-            raise ConfigError(
-                f"index {s.index!r}: FAISS cannot build it ({' '.join(str(exc).split())[-200:]})"
-            ) from exc
+            raise ConfigError(f"index {s.index!r}: FAISS cannot build it ({_faiss_line(exc)})") from exc
         if not index.is_trained:
             rows = np.random.default_rng(seed).permutation(len(x))[:INDEX_TRAIN_ROWS]
             index.train(x[np.sort(rows)])
@@ -357,7 +384,6 @@ def score_split(
     return acc.compute()
 
 
-@register_dense_solver("hummingbird", note="dense k-NN label transfer (Balazevic et al. 2023), hbird_miou")
 def hummingbird(task: DenseTask, protocol: Any, config: Any, seed: int) -> DenseFit:
     """The Hummingbird solver: memory from ``task.train``, ``hbird_miou`` of ``val`` and
     ``test`` (nothing is fitted or selected: the grid is one point)."""
@@ -377,5 +403,5 @@ def hummingbird(task: DenseTask, protocol: Any, config: Any, seed: int) -> Dense
         role: {"hbird_miou": score_split(ev, memory, index, s, info.num_classes, ignore)}
         for role, ev in (("val", task.val), ("test", task.test))
     }
-    hp = {**s.record(), "memory_rows": len(memory.labels), "epochs": memory.epochs, "seed": int(seed)}
+    hp = {**s.record(), "memory_rows": len(memory.labels), "memory_epochs": memory.epochs}
     return DenseFit(scores, hparams=hp, fit_seconds=fit_s)

@@ -3,10 +3,6 @@ naming a dense solver of :data:`featcache.dense.solvers.DENSE_SOLVERS`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from featcache.core.protocols.base import register_fixed_protocol
-
 # ---------------------------------------------------------------- segmentation (seg-linear)
 from dataclasses import dataclass
 
@@ -88,12 +84,19 @@ class HbirdGrid:
     batch_size: int = 64
 
 
-register_fixed_protocol(
+@register_protocol(
     "hummingbird",
     stage="dense",
-    note="dense k-NN label transfer from the stored training views (open-hummingbird-eval), hbird_miou",
-    split="full",
-    solver="hummingbird",
-    grid=HbirdGrid(),
-    table_label="hummingbird",
+    note="dense k-NN label transfer from the stored training views (open-hummingbird-eval): hbird_miou",
 )
+def _hummingbird(arg: str | None) -> Protocol:
+    if arg is not None:
+        raise ProtocolError(f"protocol 'hummingbird' takes no argument, got hummingbird:{arg}")
+    return Protocol(
+        spec="hummingbird",
+        name="hummingbird",
+        stage="dense",
+        split="full",
+        solver="hummingbird",
+        grid=HbirdGrid(),  # type: ignore[arg-type]  # a dense grid, outside the probes' Grid union
+    )

@@ -8,6 +8,7 @@ the refusals."""
 from __future__ import annotations
 
 import gzip
+import json
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -288,7 +289,7 @@ def test_hummingbird_equals_open_hummingbird_eval(ref_task, threads, memory_size
     assert set(fit.scores) == {"val", "test"}
     assert "miou" not in fit.scores["test"]
     assert fit.hparams["memory_rows"] == (len(fmem))
-    assert fit.hparams["epochs"] == 2
+    assert fit.hparams["memory_epochs"] == 2
     assert 0.15 < ref_test < 1.0  # the garments are found (0.288 every patch, 0.221 bounded, measured)
 
 
@@ -368,3 +369,29 @@ def test_the_protocol_is_registered_with_its_grid():
     assert (p.solver, p.grid.k, p.grid.temperature, p.grid.memory_size) == ("hummingbird", 30, 0.02, None)
     assert HbirdSettings().record()["memory_ignore_as"] == 0
     assert settings_from(p, SimpleNamespace(kind="pooled", k=10)).k == 10
+
+
+def test_run_dense_writes_hbird_rows_and_records_its_options(ref_task, tmp_path):
+    """``featcache dense --protocol hummingbird`` through the stage runner on the same rows: one
+    ``hbird_miou`` row equal to the solver's, its options in the hparams and the run id, a rerun
+    skipped, a bounded memory another run."""
+    import polars as pl
+
+    from featcache.dense import ArraySource, DenseConfig, run_dense
+
+    groups = {("lite0", "mosaics", r.split): r for r in ref_task.train}
+    groups |= {("lite0", "mosaics", s): e.rows for s, e in (("val", ref_task.val), ("test", ref_task.test))}
+    src, res = ArraySource(groups), str(tmp_path / "r.parquet")
+    cfg = DenseConfig(cache=str(tmp_path), dataset="mosaics", backbones=("lite0",), protocol="hummingbird")
+    cfg = replace(cfg, results_path=res)
+    df = run_dense(cfg, source=src)
+    assert df["metric"].to_list() == ["hbird_miou"]
+    direct = hummingbird(ref_task, PROTO, cfg, 0).scores["test"]["hbird_miou"]
+    assert df["value"][0] == pytest.approx(direct, abs=1e-12)
+    hp = json.loads(df["hparams"][0])
+    assert (hp["index"], hp["k"], hp["memory_epochs"], hp["selected_on"]) == ("exact", 30, 2, "val")
+    run_dense(cfg, source=src)  # already in the table: skipped
+    assert pl.read_parquet(res).height == 1
+    bounded = run_dense(replace(cfg, memory_size=1920), source=src)
+    assert bounded["run_id"][0] != df["run_id"][0]
+    assert pl.read_parquet(res).height == 2
