@@ -349,8 +349,12 @@ def _infos() -> dict[str, MetricInfo]:
 
 
 def lower_is_better() -> frozenset[str]:
-    """Every registered metric name (aliases included) whose lower values are better."""
-    return frozenset(n for n, info in _infos().items() if not info.higher_is_better)
+    """Every registered metric name (aliases included) whose lower values are better, and the
+    dense ones (:data:`featcache.core.dense_metrics.DENSE_LOWER_IS_BETTER`: RMSE, AbsRel, ...),
+    which result rows carry though :data:`METRICS` does not register them."""
+    from featcache.core.dense_metrics import DENSE_LOWER_IS_BETTER
+
+    return frozenset(n for n, info in _infos().items() if not info.higher_is_better) | DENSE_LOWER_IS_BETTER
 
 
 def finetune_metrics() -> tuple[str, ...]:

@@ -489,7 +489,10 @@ def test_metric_direction_is_part_of_the_registration():
     to keep by hand, and a metric registered now."""
     from featcache.core import metrics
 
-    assert metrics.lower_is_better() == {"nll", "ece", "ce", "loss", "cross_entropy"}
+    from featcache.core.dense_metrics import DENSE_LOWER_IS_BETTER
+
+    assert metrics.lower_is_better() == {"nll", "ece", "ce", "loss", "cross_entropy"} | DENSE_LOWER_IS_BETTER
+    assert {"rmse", "abs_rel"} <= DENSE_LOWER_IS_BETTER  # the dense rows' directions, which METRICS does not hold
     assert metrics.proportion_metrics() == {"top1", "top5", "accuracy", "acc"}
     with metrics.METRICS.restored():
         metrics.register_metric("r45_err", metrics.nll, higher_is_better=False, aliases=("r45_e",))
