@@ -157,6 +157,10 @@ def run_rank(args) -> int:
     # the depth curves first: a sweep of one backbone has curves but no ranking
     n_depth = _print_depth(args.results, args.out, plots=not args.no_plots) if args.results else 0
     n_depth += _print_dense(args.results, args.out, plots=not args.no_plots) if args.results else 0
+    if n_depth and args.metric == "auto" and not args.external and _dense_only(args.results):
+        print("note: the results hold dense rows only: rank them with --metric miou, hbird_miou or rmse")
+        print(f"wrote {n_depth} files to {args.out}")
+        return 0
     out = rank(
         args.results,
         args.external,
@@ -237,6 +241,15 @@ def _print_depth(results, out_dir, *, plots: bool = True) -> int:
     if plots:
         depth_plot(curves, out / "depth_curves.png")
     return 1 + int(plots)
+
+
+def _dense_only(results) -> bool:
+    """Whether a results table holds dense rows and no other kind (what ``--metric auto`` ranks)."""
+    from featcache.analysis.dense import DENSE_KIND
+    from featcache.core.results import read_results
+
+    kinds = set(read_results(results)["kind"].unique().to_list())
+    return kinds == {DENSE_KIND}
 
 
 def _print_dense(results, out_dir, *, plots: bool = True) -> int:

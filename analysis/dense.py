@@ -64,7 +64,7 @@ def dense_table(results: Any) -> Any:
         pl.col("value").mean(), pl.col("seed").n_unique().alias("seeds"), pl.col("hparams").first()
     )
     parts = []
-    for key, g in long.group_by(_KEYS, maintain_order=True):
+    for key, g in long.sort([*_KEYS, "backbone"]).group_by(_KEYS, maintain_order=True):
         head = _headline(set(g["metric"].to_list()))
         wide = g.pivot(on="metric", index="backbone", values="value")
         cols = [m for m in _ORDER if m in wide.columns] + sorted(set(wide.columns) - {"backbone", *_ORDER})
@@ -73,11 +73,15 @@ def dense_table(results: Any) -> Any:
         hp = hp.with_columns(
             pl.Series("ci95", [f"[{c[0]:.4g}, {c[1]:.4g}]" if c else "" for c in ci], dtype=pl.Utf8)
         ).drop("hparams")
-        wide = wide.join(hp, on="backbone", how="left").select("backbone", *cols, "seeds", "ci95")
+        wide = wide.join(hp, on="backbone", how="left").with_columns(pl.col(head).alias("score"))
         wide = wide.sort(head, descending=head not in DENSE_LOWER_IS_BETTER, nulls_last=True)
         lead = [pl.lit(str(v)).alias(k) for k, v in zip(_KEYS, key, strict=True)]
-        parts.append(wide.select(*lead, pl.lit(head).alias("ranked_by"), pl.all()))
-    return pl.concat(parts, how="diagonal_relaxed")
+        parts.append(wide.select(*lead, pl.lit(head).alias("ranked_by"), "backbone", "score", "ci95", "seeds", *cols))
+    out = pl.concat(parts, how="diagonal_relaxed")
+    metrics = [m for m in _ORDER if m in out.columns] + sorted(
+        set(out.columns) - {*_KEYS, "ranked_by", "backbone", "score", "ci95", "seeds", *_ORDER}
+    )
+    return out.select(*_KEYS, "ranked_by", "backbone", "score", "ci95", "seeds", *metrics)
 
 
 def dense_figure(results: Any) -> Any:

@@ -85,11 +85,25 @@ def test_the_table_orders_each_task_by_its_headline_metric(results):
     assert hb["ranked_by"].to_list() == ["hbird_miou", "hbird_miou"]
     assert hb["ci95"].to_list() == ["[0.4, 0.5]", "[0.35, 0.45]"]
     assert len(dense_figure(pl.read_parquet(results)).axes) == 3
+    assert t.columns[:8] == ["dataset", "protocol", "eval_split", "ranked_by", "backbone", "score", "ci95", "seeds"]
+    assert t.columns[8:] == ["miou", "macc", "aacc", "hbird_miou", "rmse", "delta1"]  # the references' order
+    assert t["score"].to_list() == [*depth["rmse"], *hb["hbird_miou"], *seg["miou"]]  # tasks sorted by name
 
 
 def test_no_dense_rows_no_table():
     assert dense_table(None) is None
     assert dense_table(rows_to_frame(_rows()[-2:])) is None
+
+
+def test_rank_of_dense_rows_only_says_which_metric_to_rank_on(tmp_path, capsys):
+    from featcache.cli import main
+
+    path = tmp_path / "dense.parquet"
+    append_results(path, [r for r in _rows() if r["kind"] == "dense"])
+    assert main(["rank", "--results", str(path), "--out", str(tmp_path / "rank"), "--no-progress"]) == 0
+    assert "rank them with --metric miou" in capsys.readouterr().out
+    assert main(["rank", "--results", str(path), "--out", str(tmp_path / "r2"), "--metric", "rmse"]) == 0
+    assert "random0" in capsys.readouterr().out.split("dense evaluation")[1]
 
 
 def test_rank_and_report_show_the_dense_results(results, tmp_path, capsys):

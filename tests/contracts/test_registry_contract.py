@@ -488,7 +488,6 @@ def test_metric_direction_is_part_of_the_registration():
     """The analysis reads a metric's direction and kind from its registration: the sets it used
     to keep by hand, and a metric registered now."""
     from featcache.core import metrics
-
     from featcache.core.dense_metrics import DENSE_LOWER_IS_BETTER
 
     assert metrics.lower_is_better() == {"nll", "ece", "ce", "loss", "cross_entropy"} | DENSE_LOWER_IS_BETTER
