@@ -38,6 +38,14 @@ def bins_to_depth(logits: torch.Tensor, min_depth: float, max_depth: float) -> t
     return torch.einsum("ikmn,k->imn", w, bins).unsqueeze(dim=1)
 
 
+def _lerp_matrix(n: int, factor: int, like: torch.Tensor) -> torch.Tensor:
+    """``[n * factor, n]``: ``F.interpolate(..., mode="bilinear", align_corners=False)`` along one
+    axis as a matrix (the resize is separable: ``A_h @ x @ A_w.T`` equals it up to rounding, and
+    its backward is several times faster on CPUs than the interpolation kernel's)."""
+    eye = torch.eye(n, dtype=like.dtype, device=like.device)[None, None]
+    return F.interpolate(eye, size=(n * factor, n), mode="bilinear", align_corners=False)[0, 0]
+
+
 class DepthLinearHead(nn.Module):
     """A linear depth head over ``n_blocks`` blocks of width ``dim``.
 
@@ -88,8 +96,8 @@ class DepthLinearHead(nn.Module):
         """The bin logits at ``upsample`` x the grid."""
         out = self.conv(self.bn(self.features(patches, cls)))
         if self.upsample != 1:
-            size = [s * self.upsample for s in out.shape[2:]]
-            out = F.interpolate(out, size=size, mode="bilinear", align_corners=False)
+            gh, gw = out.shape[2:]
+            out = _lerp_matrix(gh, self.upsample, out) @ out @ _lerp_matrix(gw, self.upsample, out).T
         return out
 
     def forward(self, patches: Sequence[torch.Tensor], cls: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
