@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from featcache.errors import ProtocolError
+
 __all__ = ["DepthLinearHead", "bins_to_depth"]
 
 #: dinov3 models/__init__.py:95 / DINOv2 decode_head.py:168: added to the relu'd bin logits
@@ -86,7 +88,9 @@ class DepthLinearHead(nn.Module):
         for i, x in enumerate(patches):
             if self.use_cls:
                 if cls is None:
-                    raise ValueError("this head concatenates the class token: pass cls")
+                    raise ProtocolError(
+                        "this depth head concatenates the class token: pass the blocks' class tokens (cls)"
+                    )
                 parts.append(torch.cat((x, cls[i][:, :, None, None].expand_as(x)), 1))
             else:
                 parts.append(x)

@@ -198,3 +198,11 @@ def test_bad_input_is_refused_with_the_fix(task: DenseTask) -> None:
         )
     with pytest.raises(ConfigError, match="max-memory"):
         fit_depth_linear(task, _protocol("depth-linear"), SimpleNamespace(iterations=1, max_memory="lots"), 0)
+
+
+def test_a_dinov2_head_without_class_tokens_is_refused() -> None:
+    from featcache.dense.depth_heads import DepthLinearHead
+
+    head = DepthLinearHead(8, 1, use_cls=True, batchnorm=False, upsample=4, init_std=None)
+    with pytest.raises(ProtocolError, match="class token"):
+        head([torch.zeros(1, 8, 2, 3)])
