@@ -12,7 +12,7 @@ Columns (see README, "Results schema"):
 column             dtype      meaning
 =================  =========  ==========================================================
 run_id             str        stable hash of the run definition (see :func:`make_run_id`)
-kind               str        ``probe`` | ``knn`` | ``retrieval`` | ``finetune`` | ``similarity`` | ``audit``
+kind               str        ``probe`` | ``knn`` | ``retrieval`` | ``finetune`` | ``similarity`` | ``audit`` | ``dense``
 backbone           str        backbone key in the store
 dataset            str        dataset name (the task)
 protocol           str        ``full``, ``fewshot:5``, ``vtab1k``, ``salman``, ``zeroshot``, ``image-text``...
@@ -75,7 +75,7 @@ RESULT_COLUMNS: dict[str, str] = {
     "created_at": "Utf8",
 }
 
-KINDS = ("probe", "knn", "retrieval", "finetune", "similarity", "audit")
+KINDS = ("probe", "knn", "retrieval", "finetune", "similarity", "audit", "dense")
 #: kinds whose rows are no backbone's score on a task (pairwise similarity, the near-duplicate
 #: audit): analysis keeps them out of rankings and reads them for their own report sections
 NON_SCORE_KINDS = ("similarity", "audit")
