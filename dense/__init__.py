@@ -37,6 +37,9 @@ __all__ = [
 
 #: the built-in dense solvers, each imported on first use
 register_dense_solver("seg-linear", "featcache.dense.seg:fit_seg_linear", note="DINOv3/DINOv2 linear segmentation head")
+register_dense_solver(
+    "depth-linear", "featcache.dense.depth:fit_depth_linear", note="DINOv3's NYU / DINOv2's lin. 1, lin. 4 depth heads"
+)
 
 #: this stage's entry in the stage registry (the sweep runs its work items through it)
 register_stage(STAGE)
