@@ -15,7 +15,7 @@ from featcache.store.integrity import UNWRITTEN_ERROR
 if TYPE_CHECKING:
     import zarr
 
-__all__ = ["checksummed", "create_aux_array", "create_feature_array", "create_row_array"]
+__all__ = ["checksummed", "create_aux_array", "create_feature_array", "create_row_array", "kind_fill"]
 
 
 def checksummed() -> tuple:
@@ -65,17 +65,25 @@ def create_aux_array(g: zarr.Group, name: str, n: int, chunk_rows: int, n_chunks
     raise SchemaMismatchError(f"not an auxiliary array: {name!r}")
 
 
+def kind_fill(dtype: Any) -> Any:
+    """The fill value of a feature or target array of ``dtype``: NaN for floats (a lost chunk
+    reads as NaN rows, which breaks "valid <=> features"); 0 for the integer target kinds
+    (uint8/uint16 masks, int32 tables), whose lost chunks are found by their missing chunk
+    objects instead (:func:`~featcache.store.integrity.missing_chunks`)."""
+    return np.nan if np.dtype(dtype).kind == "f" else 0
+
+
 def create_feature_array(
     g: zarr.Group, kind: str, n: int, chunk_rows: int, dim: int, dtype: str, inner: tuple[int, ...] = ()
 ) -> zarr.Array:
-    """(Re)create the ``[n, *inner, dim]`` array of one feature kind (NaN until its chunks are
-    written); a chunk holds whole rows: ``(chunk_rows, *inner, dim)``."""
+    """(Re)create the ``[n, *inner, dim]`` array of one feature kind (its fill value until its
+    chunks are written: :func:`kind_fill`); a chunk holds whole rows: ``(chunk_rows, *inner, dim)``."""
     return g.create_array(
         kind,
         shape=(n, *inner, dim),
         dtype=dtype,
         chunks=(chunk_rows, *inner, dim),
-        fill_value=np.nan,
+        fill_value=kind_fill(dtype),
         compressors=checksummed(),
         config=_WRITE_EMPTY_CHUNKS,
         overwrite=True,

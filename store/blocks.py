@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from featcache.errors import ConfigError, CorruptStoreError, IncompleteStoreError
-from featcache.store.integrity import GroupScan, as_str, check_chunk_rows, short_error
+from featcache.store.integrity import GroupScan, as_str, check_chunk_rows, is_integer, missing_chunks, short_error
 from featcache.store.schema import FeatureGroupMeta
 from featcache.store.snapshot import damage_message
 
@@ -114,8 +114,11 @@ def _read_block(plan: BlockPlan, c0: int, c1: int, s: int, e: int) -> np.ndarray
             side[name] = np.asarray(arrays[name][base : min(c1 * cr, gm.n)])
         except Exception:
             side[name] = None  # read chunk by chunk below, to name the chunk
+    lost = set(missing_chunks(arrays[kind], range(c0, c1))) if is_integer(arrays[kind]) else set()
     for c in range(c0, c1):
         cs, ce = c * cr, min((c + 1) * cr, gm.n)
+        if c in lost:
+            scan.add(kind, c, "missing (chunk object not found)")
         data = {}
         for name, arr in arrays.items():
             try:

@@ -363,7 +363,7 @@ class FeatureCache:
             row_bad = np.repeat(bad, gm.chunk_rows)[: gm.n]
             valid = valid & ~row_bad
             if isinstance(X, np.ndarray):  # eager (a lazy StoredRows view is masked through ``valid``)
-                X[row_bad] = np.nan
+                X[row_bad] = np.nan if X.dtype.kind == "f" else 0
         return Features(
             backbone=backbone,
             dataset=dataset,

@@ -197,7 +197,9 @@ def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
     import shlex
 
     try:
-        kinds = cache.kinds(b, d, s)
+        from featcache.core.dense import is_target_kind
+
+        kinds = [k for k in cache.kinds(b, d, s) if not is_target_kind(k)]  # targets come with the dense split
         g = cache._feature_group(b, d, s)
         p = cache.provenance(b, d, s, next(k for k in kinds if k in g))  # a kind whose array survives
         dc = p.data_config or {}

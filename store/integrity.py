@@ -8,6 +8,12 @@ truncated object fails to decode instead of returning other numbers. A chunk obj
 * a row is valid  <=>  its error text is empty (invalid rows always carry a reason; the
   ``error`` array's fill value is a reason too, so a lost chunk of valid rows shows)
 
+An integer target kind (a dense ``mask``, ``depth_valid``, ``image_size``, ``window``: issue 57)
+has no NaN: its invalid rows hold 0 (its fill value), a valid row may hold anything (a window of
+background only is all 0), so a lost chunk object of such an array is found by its absence from
+the store (:func:`missing_chunks`: one existence check per marked chunk, no listing), and an
+invalid row holding values breaks "invalid <=> fill".
+
 A row chunk marked done whose arrays break an invariant (or fail to decode) is *damaged*:
 readers refuse it, ``verify`` names it, and a re-run of the same extract recomputes it.
 Works on every zarr store (local, memory, object stores), with no listing.
@@ -99,8 +105,11 @@ def scan_group(g, n: int, chunk_rows: int, n_chunks: int, kinds, *, chunks=None,
     todo = np.flatnonzero(scan.done) if chunks is None else [i for i in chunks if scan.done[i]]
     if finite:
         scan.finite = {k: np.zeros(n, bool) for k in kinds if k in arrays}
+    lost = {k: set(missing_chunks(arrays[k], todo)) for k in kinds if k in arrays and is_integer(arrays[k])}
     for i in todo:
         i = int(i)
+        for k in [k for k, gone in lost.items() if i in gone]:
+            scan.add(k, i, "missing (chunk object not found)")
         s, e = i * chunk_rows, min((i + 1) * chunk_rows, n)
         data = {}
         for name, arr in arrays.items():
@@ -127,12 +136,15 @@ def check_chunk_rows(scan: GroupScan, i: int, data: dict, kinds) -> None:
         # with the features
         blame = "error"
         for k in kinds:
-            if k in data and (present_rows(data[k]) == ~err).all():
+            if k in data and data[k].dtype.kind == "f" and (present_rows(data[k]) == ~err).all():
                 blame = "valid"
                 break
         scan.add(blame, i, "missing or overwritten (valid and error disagree)")
     for k in kinds:
         if k not in data:
+            continue
+        if data[k].dtype.kind != "f":
+            check_integer_rows(scan, i, k, data[k], valid)
             continue
         present = present_rows(data[k])
         if (present != valid).any():
@@ -141,6 +153,42 @@ def check_chunk_rows(scan: GroupScan, i: int, data: dict, kinds) -> None:
                 scan.add("valid", i, "missing (rows with features are marked invalid)")
             else:
                 scan.add(k, i, "missing (valid rows without features)")
+
+
+def is_integer(arr) -> bool:
+    """Whether a stored array holds integers (an integer target kind: no NaN fill value)."""
+    return np.dtype(arr.dtype).kind in "iub"
+
+
+def check_integer_rows(scan: GroupScan, i: int, kind: str, x: np.ndarray, valid: np.ndarray) -> None:
+    """An integer target's rows of chunk ``i``: an invalid row holds only its fill value (0);
+    every row invalid while some hold values means the ``valid`` chunk was lost."""
+    held = ~row_all(x == 0) if x.size else np.zeros(len(valid), bool)
+    if (held & ~valid).any():
+        if not valid.any():
+            scan.add("valid", i, "missing (rows with targets are marked invalid)")
+        else:
+            scan.add(kind, i, "overwritten (invalid rows hold values, featcache writes 0)")
+
+
+def missing_chunks(arr, chunks) -> list[int]:
+    """Row chunks of ``chunks`` whose chunk object ``arr`` does not hold (one existence check
+    each, gathered: no listing). A missing object reads as the fill value, which for an
+    integer array is a legal value, so this is how its loss shows."""
+    import asyncio
+
+    from featcache.store._zarr_internal import sync
+
+    chunks = [int(c) for c in chunks]
+    if not chunks:
+        return []
+    enc, st, rest = arr.metadata.encode_chunk_key, arr.store_path.store, (0,) * (len(arr.shape) - 1)
+    keys = [f"{arr.path}/{enc((c, *rest))}" for c in chunks]
+
+    async def probe():
+        return await asyncio.gather(*(st.exists(k) for k in keys))
+
+    return [c for c, there in zip(chunks, sync(probe()), strict=True) if not there]
 
 
 def row_all(mask: np.ndarray) -> np.ndarray:
@@ -173,7 +221,9 @@ def fill_problems(g, kinds) -> dict[str, str]:
             fill = g[name].fill_value
         except KeyError:
             continue  # a missing array is named on its own
-        if name in kinds:
+        if name in kinds and is_integer(g[name]):
+            ok, want = fill is not None and not isinstance(fill, (float, np.floating)) and int(fill) == 0, "0"
+        elif name in kinds:
             ok = isinstance(fill, (float, np.floating)) and bool(np.isnan(fill))
             want = "NaN"
         elif name == "valid":

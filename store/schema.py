@@ -31,6 +31,14 @@ from typing import Any, cast
 
 import numpy as np
 
+from featcache.core.dense import (
+    DEPTH_KIND,
+    DEPTH_VALID_KIND,
+    FULL_PREFIX,
+    MASK_KIND,
+    SIZE_KIND,
+    WINDOW_KIND,
+)
 from featcache.errors import SchemaMismatchError
 
 SCHEMA_VERSION = 1
@@ -47,6 +55,28 @@ PROVENANCE_DIGEST_KEY = "featcache_provenance_sha256"
 #: in memory (1M rows of 2048 float32 features is 8 GiB); a larger flag is refused before
 #: anything is written
 MAX_CHUNK_ROWS = 1 << 20
+
+#: the dtypes of a model's feature kinds (``--dtype``)
+MODEL_DTYPES = ("float16", "float32")
+#: the dtypes a dense target kind (:data:`featcache.core.dense.TARGET_KINDS`) is stored in: class
+#: ids uint8/uint16, metres float32, a validity mask uint8, the small per-row tables int32
+TARGET_DTYPES: dict[str, tuple[str, ...]] = {
+    MASK_KIND: ("uint8", "uint16"),
+    FULL_PREFIX + MASK_KIND: ("uint8", "uint16"),
+    DEPTH_KIND: ("float32",),
+    FULL_PREFIX + DEPTH_KIND: ("float32",),
+    DEPTH_VALID_KIND: ("uint8",),
+    FULL_PREFIX + DEPTH_VALID_KIND: ("uint8",),
+    SIZE_KIND: ("int32",),
+    WINDOW_KIND: ("int32",),
+}
+
+
+def kind_dtypes(kind: str) -> tuple[str, ...]:
+    """The dtypes ``kind`` may be stored in: a target kind's own (:data:`TARGET_DTYPES`), else
+    float16 or float32 (every model kind)."""
+    return TARGET_DTYPES.get(kind, MODEL_DTYPES)
+
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+=,:%-]*$")
 
@@ -267,8 +297,9 @@ class FeatureProvenance(_Schema):
             isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in self.inner
         ):
             bad.append(f"inner {self.inner!r} (a list of positive ints: the axes between rows and dim)")
-        if self.dtype not in ("float16", "float32"):
-            bad.append(f"dtype {self.dtype!r} (float16 or float32)")
+        if self.dtype not in kind_dtypes(self.kind):
+            which = f" for target kind {self.kind!r}" if self.kind in TARGET_DTYPES else ""
+            bad.append(f"dtype {self.dtype!r} ({' or '.join(kind_dtypes(self.kind))}{which})")
         if not _DEVICE_RE.match(self.device):
             bad.append(f"device {self.device!r} (cpu, cuda, cuda:N or mps)")
         for name, lo in (("dim", 1), ("n", 0), ("chunk_rows", 1), ("batch_size", 0)):

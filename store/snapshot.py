@@ -11,7 +11,17 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from featcache.errors import IncompleteStoreError
-from featcache.store.integrity import GroupScan, as_str, present_rows, read_done, scan_group
+from featcache.store.arrays import kind_fill
+from featcache.store.integrity import (
+    GroupScan,
+    as_str,
+    is_integer,
+    missing_chunks,
+    present_rows,
+    read_done,
+    row_all,
+    scan_group,
+)
 from featcache.store.schema import FeatureGroupMeta
 
 #: attempts of a whole-group read before a load says the group keeps changing under it
@@ -46,7 +56,8 @@ def read_chunks(
     g: Any, gm: FeatureGroupMeta, kind: str, sc: GroupScan, dtype: DTypeLike = np.float32
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read what is readable, chunk by chunk (damaged chunks become NaN / invalid / "")."""
-    X = np.full((gm.n, *g[kind].shape[1:]), np.nan, dtype or g[kind].dtype)
+    dt = np.dtype(dtype or g[kind].dtype)
+    X = np.full((gm.n, *g[kind].shape[1:]), kind_fill(dt), dt)
     valid = np.zeros(gm.n, bool)
     errors = np.full(gm.n, "", dtype=object)
     bad = set(sc.bad_chunks) | set(np.flatnonzero(~sc.done).tolist())
@@ -76,6 +87,14 @@ def scan_group_lazy(
     valid = np.asarray(g["valid"][:], dtype=bool)
     errors = as_str(g["error"][:])
     return StoredRows([g[kind]], finite=[sc.finite.get(kind)]), valid, errors, sc
+
+
+def row_conflicts(X: np.ndarray, valid: np.ndarray, integer: bool) -> np.ndarray:
+    """Rows whose values contradict ``valid``: features present on an invalid row or absent
+    on a valid one (NaN rows); an integer target's invalid row holding other than 0."""
+    if integer:
+        return ~valid & ~row_all(np.asarray(X) == 0) if len(X) else np.zeros(0, bool)
+    return present_rows(X) != valid
 
 
 def read_group(
@@ -115,8 +134,10 @@ def _read_once(g: Any, gm: FeatureGroupMeta, kind: str, check: bool, dtype: DTyp
         return None  # a chunk marked done was reset meanwhile (the group is being rewritten)
     sc = GroupScan(gm.n_chunks, done)
     if check:
-        rows = (present_rows(X) != valid) | ((errors != "") == valid)
+        rows = row_conflicts(X, valid, is_integer(g[kind])) | ((errors != "") == valid)
         chunks = [i for i in np.unique(np.flatnonzero(rows) // gm.chunk_rows).tolist() if done[i]]
+        if is_integer(g[kind]):  # a lost chunk object reads as 0, a legal value: ask the store
+            chunks = sorted({*chunks, *missing_chunks(g[kind], np.flatnonzero(done))})
         if chunks:
             sc = scan_group(g, gm.n, gm.chunk_rows, gm.n_chunks, (kind,), chunks=chunks)
             if not sc.done[done].all() or not set(chunks) <= set(sc.bad_chunks):

@@ -21,7 +21,11 @@ from numpy.typing import ArrayLike
 
 from featcache.errors import ProvenanceMismatchError, SchemaMismatchError
 from featcache.store import manifest
-from featcache.store.arrays import create_aux_array, create_feature_array  # re-exported: their old home
+from featcache.store.arrays import (  # re-exported: their old home
+    create_aux_array,
+    create_feature_array,
+    kind_fill,
+)
 from featcache.store.cache import FeatureCache, open_cache
 from featcache.store.integrity import fill_problems, read_done, refuse_bad_shape, scan_group
 from featcache.store.locks import StoreLock, local_root
@@ -30,12 +34,15 @@ from featcache.store.root import now_iso
 from featcache.store.schema import (
     GROUP_KEY,
     MAX_CHUNK_ROWS,
+    MODEL_DTYPES,
     PROVENANCE_DIGEST_KEY,
     PROVENANCE_KEY,
     SCHEMA_VERSION,
+    TARGET_DTYPES,
     FeatureGroupMeta,
     FeatureProvenance,
     check_name,
+    kind_dtypes,
     provenance_digest,
 )
 from featcache.store.space import no_space
@@ -47,14 +54,52 @@ log = logging.getLogger(__name__)
 #: the temporary file zarr's LocalStore writes a chunk into before renaming it (``<key>.<uuid4 hex>.partial``)
 _ORPHAN_WRITE = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
-DTYPES = ("float16", "float32")
+DTYPES = MODEL_DTYPES
+
+
+def check_dtype(kind: str, dtype: str) -> None:
+    """Refuse (one line, before anything is written) a dtype ``kind`` is not stored in."""
+    allowed = kind_dtypes(kind)
+    if dtype not in allowed:
+        what = f"target kind {kind!r}" if kind in TARGET_DTYPES else f"feature kind {kind!r}"
+        raise SchemaMismatchError(
+            f"{what} cannot be stored as {dtype!r}: give dtype {' or '.join(repr(d) for d in allowed)}"
+            + (
+                " (a dense target keeps its own dtype, whatever the model kinds' --dtype)"
+                if kind in TARGET_DTYPES
+                else ""
+            )
+        )
+
+
+def as_stored(x: np.ndarray, kind: str, dtype: str, valid: np.ndarray, chunk: int) -> np.ndarray:
+    """``x`` in the kind's stored dtype, invalid rows set to its fill value (NaN, or 0 for an
+    integer target). Integer targets must hold integers the dtype can represent: a class id
+    that does not fit (a uint16 mask into uint8) is refused in one line, never wrapped."""
+    want = np.dtype(dtype)
+    if want.kind in "iu" and x.size:
+        vals = x[valid]
+        if vals.dtype.kind not in "iub" and not (np.isfinite(vals).all() and (vals == np.round(vals)).all()):
+            raise SchemaMismatchError(f"chunk {chunk}: {kind} holds non-integer values; {dtype} stores integer ids")
+        info = np.iinfo(want)
+        if vals.size and (vals.min() < info.min or vals.max() > info.max):
+            raise SchemaMismatchError(
+                f"chunk {chunk}: {kind} holds values {vals.min()}..{vals.max()} outside {dtype}'s "
+                f"{info.min}..{info.max}; store it as a wider dtype (uint16 for class ids above 255)"
+            )
+    out = x.astype(want, copy=True)
+    out[~valid] = kind_fill(want)
+    return out
 
 
 class FeatureWriter:
     """Create (or resume) ``features/<backbone>/<dataset>/<split>`` and write row chunks.
 
-    ``provenances`` maps each feature kind to its :class:`FeatureProvenance`; all share n,
-    chunk_rows and dtype.
+    ``provenances`` maps each feature kind to its :class:`FeatureProvenance`; all share n and
+    chunk_rows. A model kind is float16 or float32; a dense target kind has its own dtype
+    (:data:`~featcache.store.schema.TARGET_DTYPES`: ``mask`` uint8/uint16, ``depth`` float32,
+    ``depth_valid`` uint8, ``image_size``/``window`` int32), stored beside the model's kinds
+    in the same row chunks, so every guarantee of the group covers it.
     """
 
     def __init__(
@@ -75,6 +120,7 @@ class FeatureWriter:
             check_name("feature kind", k)
             if k in ("valid", "error", "done"):
                 raise SchemaMismatchError(f"feature kind name {k!r} is reserved")
+            check_dtype(k, prov.dtype)
             prov._check_values(f"feature kind {k!r}")  # what a reader checks, before anything is written
         first = next(iter(provenances.values()))
         if not 1 <= first.chunk_rows <= MAX_CHUNK_ROWS:
@@ -82,8 +128,6 @@ class FeatureWriter:
                 f"chunk_rows {first.chunk_rows} is out of range: give 1..{MAX_CHUNK_ROWS} rows per chunk "
                 "(one chunk of every array is held in memory)"
             )
-        if first.dtype not in DTYPES:
-            raise SchemaMismatchError(f"dtype must be one of {DTYPES}, got {first.dtype!r}")
         self.cache = cache
         self.backbone, self.dataset, self.split = backbone, dataset, split
         self.provenances = provenances
@@ -347,8 +391,7 @@ class FeatureWriter:
                     f"chunk {i}: {kind} has shape {x.shape}, expected {(rows, *prov.row_shape)} "
                     "(rows x the kind's per-row shape)"
                 )
-            xs[kind] = x = x.astype(prov.dtype, copy=True)
-            x[~valid] = np.nan
+            xs[kind] = as_stored(x, kind, prov.dtype, valid, i)
         errs = np.asarray([""] * rows if errors is None else [str(e) for e in errors], dtype=object)
         errs[valid] = ""
         errs[~valid & (errs == "")] = "marked invalid"  # invariant: invalid <=> error text

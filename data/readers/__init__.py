@@ -24,6 +24,7 @@ from pathlib import Path
 from featcache.data.readers import folders  # noqa: F401
 from featcache.data.readers import webdataset  # noqa: F401
 from featcache.data.readers import benchmarks  # noqa: F401
+from featcache.data.readers import dense  # noqa: F401
 
 # isort: on
 from featcache.data.readers.benchmarks import detect_spec
