@@ -27,8 +27,10 @@ spec                        layout
                             the official ``splits.mat`` beside it (795 train / 654 test; ids
                             the 1-based MATLAB indices, ``0001``), or a folder
                             ``PATH/{train,test}/rgb/*`` + ``PATH/{train,test}/depth/*.png``
-                            (16-bit PNG millimetres, 0 = invalid). Metres, range
-                            0.001-10 m as DINOv3's NYU config.
+                            (16-bit PNG millimetres, 0 = invalid), or DINOv3's lists
+                            ``PATH/nyu_{train,test}.txt`` (lines ``image depth focal``,
+                            sorted; ids the image paths). Metres, range 0.001-10 m as
+                            DINOv3's NYU config.
 ``segfolder:PATH``          ``PATH/<split>/images/*`` + ``PATH/<split>/masks/*.png`` with
                             matching stems (class-id PNGs: L, P or 16-bit), 255 ignored;
                             classes: ``PATH/classes.txt`` (one name per line) if present,
@@ -65,6 +67,7 @@ __all__ = [
     "DEPTH_CLASS_NAMES",
     "NYU_DEPTH_RANGE",
     "NYU_DEPTH_SCALE",
+    "NYU_LIST_FILES",
     "VOC_CLASSES",
     "DepthFiles",
     "ImageFiles",
@@ -306,17 +309,19 @@ def read_mask(path: str | Path, dtype: str = "uint8") -> np.ndarray:
                 "(L, P or 16-bit): convert colour masks to ids first"
             )
     top = np.iinfo(dtype).max
-    if a.size and (int(a.min()) < 0 or int(a.max()) > top):
+    bad = int(a.min()) if a.size and a.min() < 0 else int(a.max()) if a.size and a.max() > top else None
+    if bad is not None:
         raise DataError(
-            f"mask {escape_name(str(path))} holds id {int(a.max())}, above {top} ({dtype}); "
+            f"mask {escape_name(str(path))} holds id {bad}, outside 0..{top} ({dtype}); "
             "number the classes 0..K-1 (255 = ignore) or list them in classes.txt"
         )
     return a.astype(dtype)
 
 
 def read_depth_png(path: str | Path, scale: float = NYU_DEPTH_SCALE) -> np.ndarray:
-    """A 16-bit depth PNG as float32 metres ``[H, W]`` (``value / scale``, correctly rounded from
-    float64; 0 stays 0 = invalid); an 8-bit PNG is refused (its depth would be cut to 255 steps)."""
+    """A 16-bit depth PNG as float32 metres ``[H, W]``: ``value / scale`` divided in float32, as
+    DINOv3's ``NormalizeDepth`` divides (dinov3/eval/depth/transforms.py:172); 0 stays 0 =
+    invalid. An 8-bit PNG is refused (its depth would be cut to 255 steps)."""
     from PIL import Image
 
     with Image.open(path) as im:
@@ -325,8 +330,26 @@ def read_depth_png(path: str | Path, scale: float = NYU_DEPTH_SCALE) -> np.ndarr
                 f"depth {escape_name(str(path))} is a {im.mode} image; depth PNGs are 16-bit single-channel "
                 f"(value = metres x {scale:g}, 0 = invalid)"
             )
-        a = np.asarray(im).astype(np.float64)
-    return (a / scale).astype(np.float32)
+        a = np.asarray(im).astype(np.float32)
+    return a / np.float32(scale)
+
+
+def _image_size(path: str) -> tuple[int, int]:
+    """``(h, w)`` of an image file, read from its header only."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.size[1], im.size[0]
+
+
+def _paired(target: np.ndarray, target_path: str, image_path: str | None) -> np.ndarray:
+    """``target``, refused in one line when its size is not its image's (read from the header)."""
+    if image_path is not None and target.shape[:2] != (hw := _image_size(image_path)):
+        raise DataError(
+            f"target {escape_name(target_path)} is {target.shape[0]}x{target.shape[1]} (h x w) but its image "
+            f"{escape_name(image_path)} is {hw[0]}x{hw[1]}; a target is stored at its image's own size"
+        )
+    return target
 
 
 class ImageFiles:
@@ -341,28 +364,35 @@ class ImageFiles:
 
 
 class MaskFiles:
-    """Loader of row ``i``'s mask ids (picklable); ``reduce_zero``: ADE20K's relabelling."""
+    """Loader of row ``i``'s mask ids (picklable); ``reduce_zero``: ADE20K's relabelling;
+    ``images``: the rows' photos, whose size each mask must have."""
 
-    def __init__(self, paths: list[Path], dtype: str, reduce_zero: bool = False) -> None:
+    def __init__(self, paths: list[Path], dtype: str, reduce_zero: bool = False, images: list[Path] | None = None):
         self.paths = np.array([str(p) for p in paths])
+        self.images = None if images is None else np.array([str(p) for p in images])
         self.dtype, self.reduce_zero = dtype, reduce_zero
 
     def __call__(self, i: int) -> np.ndarray:
         p = str(self.paths[i])
-        if not self.reduce_zero:
-            return read_mask(p, self.dtype)
-        return reduce_zero_label(read_mask(p, "uint16"), IGNORE_INDEX).astype(self.dtype)
+        if self.reduce_zero:
+            m = reduce_zero_label(read_mask(p, "uint16"), IGNORE_INDEX).astype(self.dtype)
+        else:
+            m = read_mask(p, self.dtype)
+        return _paired(m, p, None if self.images is None else str(self.images[i]))
 
 
 class DepthFiles:
-    """Loader of row ``i``'s depth in metres from 16-bit PNGs (picklable)."""
+    """Loader of row ``i``'s depth in metres from 16-bit PNGs (picklable); ``images``: the rows'
+    photos, whose size each depth map must have."""
 
-    def __init__(self, paths: list[Path], scale: float) -> None:
+    def __init__(self, paths: list[Path], scale: float, images: list[Path] | None = None) -> None:
         self.paths = np.array([str(p) for p in paths])
+        self.images = None if images is None else np.array([str(p) for p in images])
         self.scale = float(scale)
 
     def __call__(self, i: int) -> np.ndarray:
-        return read_depth_png(str(self.paths[i]), self.scale)
+        p = str(self.paths[i])
+        return _paired(read_depth_png(p, self.scale), p, None if self.images is None else str(self.images[i]))
 
 
 class NyuMat:
@@ -399,7 +429,7 @@ def _open_mat(path: Path, field: str) -> tuple[Any, bool]:
         hdf5 = f.read(8) == _HDF5_SIGNATURE
     if hdf5:
         try:
-            import h5py
+            import h5py  # pyright: ignore[reportMissingImports]  # optional: NYU's v7.3 .mat only
         except ImportError:
             raise DataError(f"{path} is a MATLAB v7.3 (HDF5) file: reading it needs h5py (pip install h5py)") from None
         return h5py.File(path, "r")[field], True
@@ -454,6 +484,11 @@ def _images_by_stem(folder: Path, suffix: str = "") -> dict[str, Path]:
     return out
 
 
+def _pngs_by_stem(folder: Path) -> dict[str, Path]:
+    """``{stem: path}`` of the PNG files in ``folder`` (targets are lossless PNGs only)."""
+    return {k: v for k, v in _images_by_stem(folder).items() if v.suffix.lower() == ".png"}
+
+
 def _pair(images: dict[str, Path], masks: dict[str, Path], where: str) -> list[str]:
     """The sorted stems present in both; an image without its mask (or the reverse) is refused."""
     lone_i, lone_m = sorted(set(images) - set(masks)), sorted(set(masks) - set(images))
@@ -479,7 +514,7 @@ def ade20k(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     out = {}
     for folder, split in ADE20K_SPLITS.items():
         images = _images_by_stem(root / "images" / folder)
-        masks = _images_by_stem(root / "annotations" / folder)
+        masks = _pngs_by_stem(root / "annotations" / folder)
         if not images and not masks:
             continue
         stems = _pair(images, masks, f"ade20k {root}/images/{folder}")
@@ -488,8 +523,8 @@ def ade20k(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
             split,
             stems,
             ADE20K_CLASSES,
-            ImageFiles([images[s] for s in stems], options),
-            MaskFiles([masks[s] for s in stems], info.mask_dtype, reduce_zero=True),
+            ImageFiles(photos := [images[s] for s in stems], options),
+            MaskFiles([masks[s] for s in stems], info.mask_dtype, reduce_zero=True, images=photos),
             f"ade20k:{root.resolve()}",
             info,
         )
@@ -535,8 +570,8 @@ def voc(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
             split,
             ids,
             VOC_CLASSES,
-            ImageFiles([images[i] for i in ids], options),
-            MaskFiles(masks, info.mask_dtype),
+            ImageFiles(photos := [images[i] for i in ids], options),
+            MaskFiles(masks, info.mask_dtype, images=photos),
             f"voc:{root.resolve()}",
             info,
         )
@@ -574,7 +609,7 @@ def _cityscapes_split(root: Path, split: str, name: str, options: ReadOptions, i
         ids,
         CITYSCAPES_CLASSES,
         ImageFiles(images, options),
-        MaskFiles(masks, info.mask_dtype),
+        MaskFiles(masks, info.mask_dtype, images=images),
         f"cityscapes:{root.resolve()}",
         info,
     )
@@ -623,13 +658,16 @@ def _segfolder_classes(root: Path, masks: list[Path]) -> tuple[str, ...]:
 def segfolder(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
     """A generic segmentation folder: ``PATH/<split>/images/*`` + ``PATH/<split>/masks/*.png``."""
     root = Path(arg)
-    splits = sorted(p.name for p in root.iterdir() if (p / "images").is_dir()) if root.is_dir() else []
+    found = sorted(p.name for p in root.iterdir() if (p / "images").is_dir()) if root.is_dir() else []
+    splits = [s for s in ("train", "val", "test") if s in found] + [
+        s for s in found if s not in ("train", "val", "test")
+    ]
     if not splits:
         raise DataError(f"{arg} holds no segfolder split; expected PATH/<split>/images/* and PATH/<split>/masks/*.png")
     pairs = {}
     for s in splits:
         images = _images_by_stem(root / s / "images")
-        masks = {k: v for k, v in _images_by_stem(root / s / "masks").items() if v.suffix.lower() == ".png"}
+        masks = _pngs_by_stem(root / s / "masks")
         stems = _pair(images, masks, f"segfolder {root / s}")
         if not stems:
             raise DataError(f"segfolder {root / s}/images holds no images; add images or remove the folder")
@@ -643,7 +681,7 @@ def segfolder(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSourc
             stems,
             names,
             ImageFiles(im, options),
-            MaskFiles(ms, info.mask_dtype),
+            MaskFiles(ms, info.mask_dtype, images=im),
             f"segfolder:{root.resolve()}",
             info,
         )
@@ -719,15 +757,15 @@ def _nyu_folder(root: Path, name: str, options: ReadOptions) -> dict[str, SplitS
         if not (root / s / "rgb").is_dir():
             continue
         images = _images_by_stem(root / s / "rgb")
-        depths = {k: v for k, v in _images_by_stem(root / s / "depth").items() if v.suffix.lower() == ".png"}
+        depths = _pngs_by_stem(root / s / "depth")
         stems = _pair(images, depths, f"nyuv2 {root / s}")
         out[s] = dense_source(
             name,
             s,
             stems,
             DEPTH_CLASS_NAMES,
-            ImageFiles([images[k] for k in stems], options),
-            DepthFiles([depths[k] for k in stems], NYU_DEPTH_SCALE),
+            ImageFiles(photos := [images[k] for k in stems], options),
+            DepthFiles([depths[k] for k in stems], NYU_DEPTH_SCALE, images=photos),
             f"nyuv2:{root.resolve()}",
             info,
         )
@@ -739,17 +777,51 @@ def _nyu_folder(root: Path, name: str, options: ReadOptions) -> dict[str, SplitS
     return out
 
 
+#: DINOv3's NYU list files (dinov3/data/datasets/nyu.py): lines ``image depth focal``
+NYU_LIST_FILES = {"train": "nyu_train.txt", "test": "nyu_test.txt"}
+
+
+def _nyu_lists(root: Path, name: str, options: ReadOptions) -> dict[str, SplitSource]:
+    """DINOv3's NYU layout: ``nyu_{train,test}.txt`` lines ``image depth focal`` (paths relative
+    to ``root``, a leading ``/`` dropped), rows in sorted line order as the reference sorts them."""
+    info, out = _nyu_info(), {}
+    for s, fname in NYU_LIST_FILES.items():
+        if not (root / fname).is_file():
+            continue
+        lines = sorted(ln for ln in (root / fname).read_text(encoding="utf-8").splitlines(keepends=True) if ln.strip())
+        pairs = [(ln.split()[0].strip("/"), ln.split()[1].strip("/")) for ln in lines if len(ln.split()) >= 2]
+        if len(pairs) != len(lines):
+            raise DataError(
+                f"{root / fname}: every line is 'image depth focal' (paths relative to {root}); fix the list"
+            )
+        lost = [a for a, b in pairs if not ((root / a).is_file() and (root / b).is_file())]
+        if lost:
+            raise DataError(f"{root / fname}: {len(lost)} listed image(s) or depth map(s) missing ({_some(lost)})")
+        photos = [root / a for a, _ in pairs]
+        out[s] = dense_source(
+            name,
+            s,
+            [a for a, _ in pairs],
+            DEPTH_CLASS_NAMES,
+            ImageFiles(photos, options),
+            DepthFiles([root / b for _, b in pairs], NYU_DEPTH_SCALE, images=photos),
+            f"nyuv2:{root.resolve()}",
+            info,
+        )
+    return out
+
+
 @register_format(
     "nyuv2", usage="nyuv2:PATH", note="NYU Depth v2: labeled .mat + splits.mat, or {train,test}/{rgb,depth}"
 )
 def nyuv2(arg: str, name: str, options: ReadOptions) -> dict[str, SplitSource]:
-    """NYU Depth v2: the labeled .mat file (with ``splits.mat`` beside it) or the RGB + 16-bit
-    PNG folder layout; depth in metres."""
+    """NYU Depth v2: the labeled .mat file (with ``splits.mat`` beside it), DINOv3's list files,
+    or the RGB + 16-bit PNG folder layout; depth in metres."""
     p = Path(arg)
     if p.is_file():
         return _nyu_mat(p, name)
     if p.is_dir():
-        return _nyu_folder(p, name, options)
+        return _nyu_lists(p, name, options) or _nyu_folder(p, name, options)
     raise DataError(
         f"{arg} does not exist; give nyu_depth_v2_labeled.mat or a folder PATH/{{train,test}}/{{rgb,depth}}"
     )

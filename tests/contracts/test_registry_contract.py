@@ -11,6 +11,7 @@ import json
 import re
 import struct
 import tarfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -217,6 +218,74 @@ def _digits_full_rows(n: int = 40) -> dict[str, list[tuple[str, np.ndarray]]]:
     return {s: [(str(d.target[r]), img[r]) for r in sorted(rows)[:n]] for s, rows in (("train", tr), ("test", te))}
 
 
+def _dense_rows(name: str) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """The digits rows under a dense dataset's one label (a dense reader's labels are all 0:
+    its first class, here ``name``)."""
+    return {s: [(name, img) for _, img in items] for s, items in _digits_rows().items()}
+
+
+def _dense_pairs(root: Path, rows, image_path, mask_path, mask_dtype=np.uint8) -> None:
+    """Write every row's image and an all-zero target of its size at the given paths."""
+    for split, items in rows.items():
+        for i, (_, img) in enumerate(items):
+            for path, a in ((image_path(split, i), img), (mask_path(split, i), np.zeros(img.shape[:2], mask_dtype))):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(a).save(path)
+
+
+def _write_ade20k(root: Path, rows) -> str:
+    base, folder = root / "ADEChallengeData2016", {"train": "training", "test": "validation"}
+    _dense_pairs(
+        root,
+        rows,
+        lambda s, i: base / "images" / folder[s] / f"ADE_{s}_{i:08d}.png",
+        lambda s, i: base / "annotations" / folder[s] / f"ADE_{s}_{i:08d}.png",
+    )
+    return f"ade20k:{root}"
+
+
+def _write_voc(root: Path, rows) -> str:
+    _dense_pairs(
+        root,
+        rows,
+        lambda s, i: root / "JPEGImages" / f"{s}_{i:06d}.png",
+        lambda s, i: root / "SegmentationClass" / f"{s}_{i:06d}.png",
+    )
+    (root / "ImageSets" / "Segmentation").mkdir(parents=True)
+    for split, listing in (("train", "train"), ("test", "val")):
+        ids = "".join(f"{split}_{i:06d}\n" for i in range(len(rows[split])))
+        (root / "ImageSets" / "Segmentation" / f"{listing}.txt").write_text(ids)
+    return f"voc:{root}"
+
+
+def _write_cityscapes(root: Path, rows) -> str:
+    _dense_pairs(
+        root,
+        rows,
+        lambda s, i: root / "leftImg8bit" / s / "bonn" / f"bonn_{i:06d}_000019_leftImg8bit.png",
+        lambda s, i: root / "gtFine" / s / "bonn" / f"bonn_{i:06d}_000019_gtFine_labelTrainIds.png",
+    )
+    return f"cityscapes:{root}"
+
+
+def _write_segfolder(root: Path, rows) -> str:
+    _dense_pairs(
+        root, rows, lambda s, i: root / s / "images" / f"{i:03d}.png", lambda s, i: root / s / "masks" / f"{i:03d}.png"
+    )
+    return f"segfolder:{root}"  # no classes.txt: classes 0..the largest id (0)
+
+
+def _write_nyuv2(root: Path, rows) -> str:
+    _dense_pairs(
+        root,
+        rows,
+        lambda s, i: root / s / "rgb" / f"{i:05d}.png",
+        lambda s, i: root / s / "depth" / f"{i:05d}.png",
+        np.uint16,
+    )
+    return f"nyuv2:{root}"
+
+
 #: kind -> (the real rows, a writer of those rows in the format's layout, {format split: split})
 CONTRACT = {
     "digits": (_digits_full_rows, _digits_spec, {"train": "train", "test": "test"}),
@@ -227,6 +296,11 @@ CONTRACT = {
     "clip-benchmark": (_digits_rows, _write_clip_benchmark, {"train": "train", "test": "test"}),
     "hf": (_digits_rows, _write_hf, {"train": "train", "test": "test"}),
     "vtab1k": (_digits_rows, _write_vtab1k, {"train800": "train", "test": "test"}),
+    "ade20k": (partial(_dense_rows, "wall"), _write_ade20k, {"train": "train", "val": "test"}),
+    "voc": (partial(_dense_rows, "background"), _write_voc, {"train": "train", "val": "test"}),
+    "cityscapes": (partial(_dense_rows, "road"), _write_cityscapes, {"train": "train", "test": "test"}),
+    "segfolder": (partial(_dense_rows, "0"), _write_segfolder, {"train": "train", "test": "test"}),
+    "nyuv2": (partial(_dense_rows, "scene"), _write_nyuv2, {"train": "train", "test": "test"}),
 }
 
 
