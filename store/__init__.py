@@ -6,6 +6,7 @@ of its submodules (``tests/contracts/test_store_api.py`` checks it), so the modu
 from featcache.store.blocks import DEFAULT_BLOCK_MEMORY, block_bytes
 from featcache.store.cache import FeatureCache, Features, open_cache
 from featcache.store.cli import add_storage_option_argument, parse_storage_options
+from featcache.store.dense import dense_groups, iter_row_blocks, read_dense
 from featcache.store.fingerprints import combine_fingerprints, dataset_fingerprint
 from featcache.store.locks import StoreLock, local_root
 from featcache.store.rows import StoredRows
@@ -44,13 +45,16 @@ __all__ = [
     "block_bytes",
     "combine_fingerprints",
     "dataset_fingerprint",
+    "dense_groups",
     "ensure_split",
+    "iter_row_blocks",
     "load_label_matrix",
     "local_root",
     "make_provenance",
     "no_space",
     "open_cache",
     "parse_storage_options",
+    "read_dense",
     "read_request",
     "register_beside_check",
     "task_metric",

@@ -14,6 +14,7 @@ Layout (schema version 1; readable with plain ``zarr.open_group``)::
       features/<backbone>/<dataset>/<split>/ attrs["featcache_features"] -> FeatureGroupMeta
           <kind>   [N, *inner, D] float16|float32  e.g. ``pooled`` [N, D], ``blocks:4`` [N, 4, D],
                                               ``tokens`` [N, T, D]; attrs["featcache_provenance"]
+                                              (a dense target kind has its own dtype: TARGET_DTYPES)
           valid    [N]    bool                False where the image failed to decode
           error    [N]    string              decode error text ("" when valid)
           done     [n_chunks] uint8           1 once row chunk i of every array is written
