@@ -185,16 +185,18 @@ def _plan(grid: Any, config: Any, train: list[DenseRows], kinds: DepthKinds) -> 
 
 def _load_block(rows: DenseRows, kinds: DepthKinds, sel: slice, device: str) -> tuple:
     """One block of training rows in memory: (patch grids, class tokens, target, loss mask),
-    the rows marked invalid dropped; the mask is the reference's ``gt != 0`` and the stored
-    validity."""
+    the rows marked invalid or without a valid pixel dropped (they add nothing to a batch's
+    loss); the mask is the reference's ``gt != 0`` and the stored validity."""
     import torch
 
-    keep = np.flatnonzero(np.asarray(rows.valid[sel], dtype=bool))
-    patches, cls = _inputs(rows, kinds, sel, device)
-    tgt = torch.from_numpy(np.asarray(rows.target[sel], dtype=np.float32)).to(device)[:, None]
-    ok = tgt != 0
+    target = np.asarray(rows.target[sel], dtype=np.float32)
+    ok_np = target != 0
     if rows.target_valid is not None:
-        ok &= torch.from_numpy(np.asarray(rows.target_valid[sel]).astype(bool)).to(device)[:, None]
+        ok_np &= np.asarray(rows.target_valid[sel]).astype(bool)
+    keep = np.flatnonzero(np.asarray(rows.valid[sel], dtype=bool) & ok_np.reshape(len(ok_np), -1).any(1))
+    patches, cls = _inputs(rows, kinds, sel, device)
+    tgt = torch.from_numpy(target).to(device)[:, None]
+    ok = torch.from_numpy(ok_np).to(device)[:, None]
     idx = torch.from_numpy(keep).to(device)
     pick = [p[idx] for p in patches]
     return pick, None if cls is None else [c[idx] for c in cls], tgt[idx], ok[idx]
@@ -202,24 +204,33 @@ def _load_block(rows: DenseRows, kinds: DepthKinds, sel: slice, device: str) -> 
 
 def _batches(train: list[DenseRows], kinds: DepthKinds, plan: _Plan, gen: np.random.Generator):
     """Batches without end: per pass the row blocks of every training group in a seeded order,
-    each block's rows shuffled (one block holding every row: a plain shuffle)."""
+    each block's rows shuffled (one block holding every row: a plain shuffle, read once)."""
     import torch
 
     blocks = [
         (g, s, min(s + plan.block_rows, len(r))) for g, r in enumerate(train) for s in range(0, len(r), plan.block_rows)
     ]
+    held: dict[int, tuple] = {}
     while True:
+        rows_seen = 0
         for b in gen.permutation(len(blocks)):
             g, s, e = blocks[b]
-            patches, cls, tgt, ok = _load_block(train[g], kinds, slice(s, e), plan.device)
+            block = held.get(b) or _load_block(train[g], kinds, slice(s, e), plan.device)
+            if len(blocks) == 1:
+                held[b] = block
+            patches, cls, tgt, ok = block
+            rows_seen += len(tgt)
             order = torch.from_numpy(gen.permutation(len(tgt))).to(plan.device)
             for i in range(0, len(order), plan.batch_size):
                 j = order[i : i + plan.batch_size]
                 yield [p[j] for p in patches], None if cls is None else [c[j] for c in cls], tgt[j], ok[j]
+        if not rows_seen:
+            raise ProtocolError("no training row has a valid depth pixel; check the stored depth targets")
 
 
-def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan: _Plan, seed: int) -> list[float]:
-    """Fit ``head`` for ``plan.iterations`` steps (dinov3 ``train.py:73-122``); the losses."""
+def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan: _Plan, seed: int) -> float:
+    """Fit ``head`` for ``plan.iterations`` steps (dinov3 ``train.py:73-122``); the last loss
+    (read once at the end: no device synchronisation per step beyond the reference's own)."""
     import torch
 
     from featcache.dense.depth_losses import SigLoss, gradient_log_loss, warmup_one_cycle
@@ -227,15 +238,13 @@ def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan
     opt = torch.optim.AdamW(head.parameters(), lr=grid.lr, betas=tuple(grid.betas), weight_decay=grid.weight_decay)
     sig = SigLoss(warm_up=grid.sigloss_warmup > 0, warm_iter=grid.sigloss_warmup)
     head.train()
-    losses: list[float] = []
     batches = _batches(train, kinds, plan, np.random.default_rng(seed))
+    last = None
     with tqdm(total=plan.iterations, desc="depth-linear", unit="step", disable=not plan.progress) as bar:
-        while len(losses) < plan.iterations:
-            patches, cls, tgt, ok = next(batches)
-            if not bool(ok.any()):
-                continue  # no valid pixel: the loss is undefined, the step is not taken
+        for step in range(plan.iterations):
+            patches, cls, tgt, ok = next(batches)  # every batch has a valid pixel (_load_block)
             lr, beta1 = warmup_one_cycle(
-                len(losses), plan.iterations, plan.warmup, grid.lr, final_div_factor=grid.final_div_factor
+                step, plan.iterations, plan.warmup, grid.lr, final_div_factor=grid.final_div_factor
             )
             for g in opt.param_groups:
                 g["lr"], g["betas"] = lr, (beta1, g["betas"][1])
@@ -247,10 +256,10 @@ def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], grid.clip)
             opt.step()
-            losses.append(float(loss.detach()))
+            last = loss.detach()
             bar.update(1)
     head.eval()
-    return losses
+    return float(last) if last is not None else float("nan")
 
 
 def _ground_truth(rows: DenseRows, sel: slice, full: bool) -> list[np.ndarray]:
@@ -353,7 +362,7 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
     plan = _plan(grid, config, task.train, kinds)
     dim = int(task.train[0].kinds[kinds.patch[0]].shape[-1])
     head = _build_head(grid, dim, len(kinds.patch), max_depth, seed, plan.device)
-    losses = _train(head, task.train, kinds, grid, plan, seed)
+    final_loss = _train(head, task.train, kinds, grid, plan, seed)
     fit_s = time.perf_counter() - t0
     scores, how = {}, {}
     for role, ev in (("val", task.val), ("test", task.test)):
@@ -379,7 +388,7 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
         "kinds": [*kinds.patch, *kinds.cls],
         "views": views,
         "train_rows": sum(len(r) for r in task.train),
-        "final_loss": losses[-1],
+        "final_loss": final_loss,
         "eval_target": how["test"]["eval_target"],
         "tta_test": how["test"]["tta"],
     }

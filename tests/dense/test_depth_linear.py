@@ -200,6 +200,11 @@ def test_bad_input_is_refused_with_the_fix(task: DenseTask) -> None:
         fit_depth_linear(
             dataclasses.replace(task, train=[]), _protocol("depth-linear"), SimpleNamespace(iterations=1), 0
         )
+    empty = dataclasses.replace(task.train[0], target=np.zeros_like(task.train[0].target))
+    with pytest.raises(ProtocolError, match="no training row has a valid depth pixel"):
+        fit_depth_linear(
+            dataclasses.replace(task, train=[empty]), _protocol("depth-linear"), SimpleNamespace(iterations=1), 0
+        )
     with pytest.raises(ConfigError, match="max-memory"):
         fit_depth_linear(task, _protocol("depth-linear"), SimpleNamespace(iterations=1, max_memory="lots"), 0)
 
