@@ -154,6 +154,7 @@ class _Plan:
     block_rows: int
     device: str
     progress: bool
+    precision: str = "fp32"
 
 
 def _row_bytes(rows: DenseRows, kinds: DepthKinds) -> int:
@@ -165,7 +166,7 @@ def _row_bytes(rows: DenseRows, kinds: DepthKinds) -> int:
 def _plan(grid: Any, config: Any, train: list[DenseRows], kinds: DepthKinds) -> _Plan:
     """The schedule: the config's ``iterations``, else ``epochs`` passes over the training rows,
     else the grid's; the warm-up keeps the grid's fraction of it (config-nyu: 12800 / 38400)."""
-    from featcache.core.devices import resolve_device
+    from featcache.core.devices import resolve_device, resolve_precision
 
     bs = int(_opt(config, "batch_size", grid.batch_size))
     n_rows = sum(len(r) for r in train)
@@ -179,8 +180,9 @@ def _plan(grid: Any, config: Any, train: list[DenseRows], kinds: DepthKinds) -> 
     budget = parse_memory(_opt(config, "max_memory", None), default=2 << 30)
     block = max(bs, budget // max(1, max(_row_bytes(r, kinds) for r in train)))
     device = resolve_device(str(_opt(config, "device", "auto")), logger=log)
+    precision = resolve_precision(str(_opt(config, "precision", "fp32")), device, logger=log)
     warm = round(iters * grid.warmup_iters / grid.iterations)
-    return _Plan(iters, warm, bs, int(block), device, bool(_opt(config, "progress", False)))
+    return _Plan(iters, warm, bs, int(block), device, bool(_opt(config, "progress", False)), precision)
 
 
 def _load_block(rows: DenseRows, kinds: DepthKinds, sel: slice, device: str) -> tuple:
@@ -204,7 +206,8 @@ def _load_block(rows: DenseRows, kinds: DepthKinds, sel: slice, device: str) -> 
 
 def _batches(train: list[DenseRows], kinds: DepthKinds, plan: _Plan, gen: np.random.Generator):
     """Batches without end: per pass the row blocks of every training group in a seeded order,
-    each block's rows shuffled (one block holding every row: a plain shuffle, read once)."""
+    each block's rows shuffled. Where every row fits the memory bound the blocks are read once
+    and held (one block holding every row: a plain shuffle); else each pass reads them again."""
     import torch
 
     blocks = [
@@ -216,7 +219,7 @@ def _batches(train: list[DenseRows], kinds: DepthKinds, plan: _Plan, gen: np.ran
         for b in gen.permutation(len(blocks)):
             g, s, e = blocks[b]
             block = held.get(b) or _load_block(train[g], kinds, slice(s, e), plan.device)
-            if len(blocks) == 1:
+            if sum(e - s for _, s, e in blocks) <= plan.block_rows:
                 held[b] = block
             patches, cls, tgt, ok = block
             rows_seen += len(tgt)
@@ -249,7 +252,9 @@ def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan
             for g in opt.param_groups:
                 g["lr"], g["betas"] = lr, (beta1, g["betas"][1])
             opt.zero_grad(set_to_none=True)
-            pred = _resize(head(patches, cls), tuple(tgt.shape[-2:]))
+            with torch.autocast(plan.device.split(":")[0], dtype=torch.bfloat16, enabled=plan.precision == "bf16"):
+                out = head(patches, cls)
+            pred = _resize(out.float(), tuple(tgt.shape[-2:]))  # the loss in float32
             loss = sig(pred, tgt, ok)
             if grid.grad_weight:
                 loss = loss + grid.grad_weight * gradient_log_loss(pred, tgt, ok)
@@ -383,6 +388,7 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
         "iterations": plan.iterations,
         "warmup_iters": plan.warmup,
         "batch_size": plan.batch_size,
+        "precision": plan.precision,  # of the training steps; evaluation computes in float32
         "bins_max_depth": max_depth,
         "eval_range": list(rng),
         "kinds": [*kinds.patch, *kinds.cls],
