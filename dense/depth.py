@@ -362,7 +362,8 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
         raise ProtocolError(f"{protocol.spec} has no training rows; extract the train split")
     t0 = time.perf_counter()
     kinds = depth_kinds(task.train[0], grid.variant, grid.blocks, str(_opt(config, "kind", "tokens")))
-    rng = tuple(float(x) for x in (task.info.depth_range or DEFAULT_RANGE))
+    lo, hi = task.info.depth_range or DEFAULT_RANGE
+    rng = (float(lo), float(hi))
     max_depth = float(grid.max_depth or rng[1])
     plan = _plan(grid, config, task.train, kinds)
     dim = int(task.train[0].kinds[kinds.patch[0]].shape[-1])
@@ -404,5 +405,5 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
     fit = DenseFit(scores, hparams, fit_s)
     # the headline metric's per-image values in the eval split's row order (NaN: a row without a
     # valid pixel or marked invalid), for intervals over images (DenseFit.per_image)
-    fit.per_image = {role: how[role]["per_image_rmse"] for role in how}
+    fit.per_image = {role: how[role]["per_image_rmse"] for role in how}  # pyright: ignore[reportAttributeAccessIssue]
     return fit
