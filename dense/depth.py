@@ -213,13 +213,14 @@ def _batches(train: list[DenseRows], kinds: DepthKinds, plan: _Plan, gen: np.ran
     blocks = [
         (g, s, min(s + plan.block_rows, len(r))) for g, r in enumerate(train) for s in range(0, len(r), plan.block_rows)
     ]
+    hold = sum(e - s for _, s, e in blocks) <= plan.block_rows  # every row fits the bound
     held: dict[int, tuple] = {}
     while True:
         rows_seen = 0
         for b in gen.permutation(len(blocks)):
             g, s, e = blocks[b]
             block = held.get(b) or _load_block(train[g], kinds, slice(s, e), plan.device)
-            if sum(e - s for _, s, e in blocks) <= plan.block_rows:
+            if hold:
                 held[b] = block
             patches, cls, tgt, ok = block
             rows_seen += len(tgt)
