@@ -92,7 +92,12 @@ split plan's :class:`SplitRules`, never a check of a name elsewhere.
 
 from __future__ import annotations
 
-from featcache.core.protocols import builtin, dense, grids, plans  # plans, builtin, dense: register the built-in members
+from featcache.core.protocols import (  # plans, builtin, dense: register the built-in members
+    builtin,
+    dense,
+    grids,
+    plans,
+)
 from featcache.core.protocols.base import (
     LAYER_SELECTIONS,
     PROTOCOLS,
@@ -164,6 +169,7 @@ __all__ = [
     "SplitPlan",
     "SplitRules",
     "builtin",
+    "dense",
     "get_protocol",
     "grids",
     "list_protocols",
