@@ -11,7 +11,7 @@ difference's interval reflects the images both saw.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +23,7 @@ __all__ = [
     "Interval",
     "bootstrap_interval",
     "hbird_miou_from_confusions",
+    "headline_interval",
     "miou_from_areas",
     "paired_bootstrap",
 ]
@@ -112,3 +113,29 @@ def paired_bootstrap(
     draws = _draws(len(a), n_boot, seed)
     vals = np.array([statistic(a[d]) - statistic(b[d]) for d in draws], dtype=np.float64)
     return Interval(statistic(a) - statistic(b), *_percentiles(vals, level), len(a), n_boot, level)
+
+
+def _nanmean(values: np.ndarray) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    return float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
+
+
+#: the headline metric of a dense run (the first its scores hold) -> how its per-image parts
+#: (:attr:`featcache.dense.solvers.DenseFit.per_image`) make the split's number
+HEADLINE_STATISTICS: dict[str, Callable[[np.ndarray], float]] = {
+    "miou": miou_from_areas,
+    "hbird_miou": hbird_miou_from_confusions,
+    "rmse": _nanmean,
+}
+
+
+def headline_interval(
+    metrics: Mapping[str, float], parts: ArrayLike | None, *, n_boot: int = 1000, seed: int = 0
+) -> tuple[str, Interval] | None:
+    """``(metric, interval)`` of a dense run's headline metric (``miou``, ``hbird_miou`` or
+    ``rmse``, the first in ``metrics``) over its per-image ``parts``; None without parts or
+    headline. The interval's value equals the run's own number (the parts are its images)."""
+    name = next((m for m in HEADLINE_STATISTICS if m in metrics), None)
+    if name is None or parts is None or not len(np.asarray(parts)):
+        return None
+    return name, bootstrap_interval(parts, HEADLINE_STATISTICS[name], n_boot=n_boot, seed=seed)

@@ -406,5 +406,5 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
     fit = DenseFit(scores, hparams, fit_s)
     # the headline metric's per-image values in the eval split's row order (NaN: a row without a
     # valid pixel or marked invalid), for intervals over images (DenseFit.per_image)
-    fit.per_image = {role: how[role]["per_image_rmse"] for role in how}  # pyright: ignore[reportAttributeAccessIssue]
+    fit.per_image = {role: how[role]["per_image_rmse"] for role in how}
     return fit

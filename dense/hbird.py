@@ -433,15 +433,25 @@ def score_split(
 ) -> float:
     """``hbird_miou`` of an evaluation split's ``resize`` rows (their targets at the input size,
     as the reference scores them), streamed in blocks of ``s.batch_size`` images."""
+    return score_split_parts(ev, memory, index, s, num_classes, ignore_index)[0]
+
+
+def score_split_parts(
+    ev: DenseEval, memory: HbirdMemory, index: Any, s: HbirdSettings, num_classes: int, ignore_index: int | None
+) -> tuple[float, np.ndarray]:
+    """:func:`score_split` and each image's confusion matrix (``[N, C, C]``, row order), for
+    intervals over images."""
     rows = ev.rows
     _kind_of(rows, s.kind)
-    acc = HummingbirdAccumulator(num_classes, ignore_index=ignore_index)
+    acc = HummingbirdAccumulator(num_classes, ignore_index=ignore_index, keep_images=True)
     for tok, tgt, _ in _blocks(rows, s.kind, s.batch_size):
         if len(tok) == 0:
             continue
         grid = _grid_of(rows, s.kind, tok.shape[1])
         acc.update(tgt, predict_maps(tok, grid, tuple(tgt.shape[1:]), memory, index, s))
-    return acc.compute()
+    assert acc.images is not None  # built with keep_images
+    parts = np.stack(acc.images) if acc.images else np.zeros((0, num_classes, num_classes), np.int64)
+    return acc.compute(), parts
 
 
 def hummingbird(task: DenseTask, protocol: Any, config: Any, seed: int) -> DenseFit:
@@ -460,9 +470,10 @@ def hummingbird(task: DenseTask, protocol: Any, config: Any, seed: int) -> Dense
         index, memory = build_streamed_index(task.train, s, info.num_classes, seed)
     fit_s = time.perf_counter() - t0
     log.info("hummingbird memory: %d patches (%d epochs), %s search", len(memory.labels), memory.epochs, s.index)
-    scores = {
-        role: {"hbird_miou": score_split(ev, memory, index, s, info.num_classes, ignore)}
+    scored = {
+        role: score_split_parts(ev, memory, index, s, info.num_classes, ignore)
         for role, ev in (("val", task.val), ("test", task.test))
     }
+    scores = {role: {"hbird_miou": v} for role, (v, _) in scored.items()}
     hp = {**s.record(), "memory_rows": len(memory.labels), "memory_epochs": memory.epochs}
-    return DenseFit(scores, hparams=hp, fit_seconds=fit_s)
+    return DenseFit(scores, hparams=hp, fit_seconds=fit_s, per_image={r: p for r, (_, p) in scored.items()})

@@ -106,6 +106,19 @@ def _run_id(cfg: DenseConfig, protocol: Protocol, backbone: str, seed: int, plan
     )
 
 
+def _interval_record(fit: Any) -> dict[str, Any]:
+    """The reported split's headline metric's 95% bootstrap interval over its images (1000
+    resamples, seed 0), from the solver's per-image parts: ``ci95``, ``ci95_metric``,
+    ``ci95_images``; nothing where the solver kept no parts."""
+    from featcache.core.dense_intervals import headline_interval
+
+    got = headline_interval(fit.scores.get("test", {}), fit.per_image.get("test"))
+    if got is None:
+        return {}
+    name, iv = got
+    return {"ci95": [iv.lo, iv.hi], "ci95_metric": name, "ci95_images": iv.n_images}
+
+
 def _rows(cfg: DenseConfig, protocol: Protocol, backbone: str, seed: int, plan: TaskPlan, task, fit, rid: str, fp: str):
     """The result rows of one fitted run: one per metric of the reported split."""
     geometry = task.train[0].geometry.record() if task.train else {}
@@ -117,6 +130,7 @@ def _rows(cfg: DenseConfig, protocol: Protocol, backbone: str, seed: int, plan: 
         "train_geometry": geometry,
         **{f"val_{m}": float(v) for m, v in fit.scores.get("val", {}).items()},
         **fit.hparams,
+        **_interval_record(fit),
     }
     n_eval = len(task.test.rows)
     return [

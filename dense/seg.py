@@ -287,8 +287,19 @@ def evaluate(
     """``(miou, macc, aacc of the split, how)``: stitched windows against the original-size
     masks where the windows are stored (``how="slide"``), else the resize rows against their
     masks (``how="resize"``)."""
+    metrics, how, _ = evaluate_parts(head, ev, kinds, info, device, block)
+    return metrics, how
+
+
+def evaluate_parts(
+    head: Any, ev: DenseEval, kinds: tuple[str, ...], info: Any, device: str, block: int = 16
+) -> tuple[dict[str, float], str, np.ndarray]:
+    """:func:`evaluate` and each scored image's ``[3, C]`` areas (``[N, 3, C]``, the split's
+    readable images in row order), for intervals over images."""
     acc = SegmentationAccumulator(
-        info.num_classes, ignore_index=IGNORE_INDEX if info.ignore_index is None else info.ignore_index
+        info.num_classes,
+        ignore_index=IGNORE_INDEX if info.ignore_index is None else info.ignore_index,
+        keep_images=True,
     )
     head.eval()
     if ev.windows is not None and "full_mask" in ev.rows.full:
@@ -297,7 +308,9 @@ def evaluate(
     else:
         _score_resize(head, ev.rows, kinds, acc, device, block)
         how = "resize"
-    return acc.compute(), how
+    assert acc.images is not None  # built with keep_images
+    parts = np.stack(acc.images) if acc.images else np.zeros((0, 3, info.num_classes), np.int64)
+    return acc.compute(), how, parts
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor, ignore: int) -> torch.Tensor:
@@ -383,8 +396,8 @@ def fit_seg_linear(task: DenseTask, protocol: Any, cfg: Any, seed: int) -> Dense
     head = make_seg_head(channels, task.info.num_classes, grid.dropout).to(device)
     record = _train(head, task, kinds, grid, cfg, seed, device, precision)
     fit_seconds = time.perf_counter() - t0
-    val, how_val = evaluate(head, task.val, kinds, task.info, device)
-    test, how = evaluate(head, task.test, kinds, task.info, device)
+    val, how_val, val_parts = evaluate_parts(head, task.val, kinds, task.info, device)
+    test, how, test_parts = evaluate_parts(head, task.test, kinds, task.info, device)
     hparams = {
         "head": grid.head,
         "dropout": grid.dropout,
@@ -400,4 +413,4 @@ def fit_seg_linear(task: DenseTask, protocol: Any, cfg: Any, seed: int) -> Dense
         "device": device,
         **record,
     }
-    return DenseFit({"val": val, "test": test}, hparams, fit_seconds)
+    return DenseFit({"val": val, "test": test}, hparams, fit_seconds, {"val": val_parts, "test": test_parts})

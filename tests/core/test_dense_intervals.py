@@ -84,3 +84,19 @@ def test_bad_input_is_one_line() -> None:
         bootstrap_interval(np.zeros(0), float)
     with pytest.raises(MetricInputError, match="level"):
         bootstrap_interval(np.ones(3), lambda p: float(p.mean()), level=1.5)
+
+
+def test_headline_interval_is_the_runs_own_number() -> None:
+    from featcache.core.dense_intervals import headline_interval
+
+    lab, pred = _maps(5, n=20)
+    acc = SegmentationAccumulator(5, keep_images=True)
+    acc.update(lab, pred)
+    assert acc.images is not None
+    name, iv = headline_interval({"aacc": 0.0, **acc.compute()}, np.stack(acc.images), n_boot=100)
+    assert (name, iv.value, iv.n_images) == ("miou", acc.compute()["miou"], 20)
+    rmse = np.array([0.5, np.nan, 0.7, 0.9])  # an image without valid pixels is left out, as the mean does
+    name, iv = headline_interval({"rmse": 0.7, "delta1": 0.9}, rmse, n_boot=100)
+    assert (name, iv.value) == ("rmse", float(np.nanmean(rmse)))
+    assert headline_interval({"macc": 0.5}, np.ones((3, 3, 5))) is None  # no headline metric
+    assert headline_interval({"miou": 0.5}, None) is None  # no parts kept

@@ -103,6 +103,10 @@ def test_rows_skip_and_force(tmp_path, source, caplog):
     for key in ("views", "train_geometry", "lr", "iterations", "selected_on", "val_miou", "eval", "batch_size"):
         assert key in hp, key
     assert (hp["views"], hp["selected_on"], hp["eval"]) == (2, "val", "resize")
+    # the headline metric's interval over the test images, from the solver's per-image areas
+    miou = first.filter(pl.col("metric") == "miou")["value"][0]
+    assert (hp["ci95_metric"], hp["ci95_images"]) == ("miou", first["n_eval"][0])
+    assert hp["ci95"][0] <= miou <= hp["ci95"][1]
     with caplog.at_level(logging.INFO, logger="featcache.dense.runner"):
         again = run_dense(cfg, source=source)
     assert "skip seg-linear pixels on mos seed 0" in caplog.text
