@@ -263,3 +263,25 @@ def test_verify_names_the_extract_flags_that_recompute_a_damaged_window_group(de
     hint = "--split val --backbone-name pix --windows --window-short-side 56 "
     assert hint in out, out
     assert "--features tokens --limit 16 " in out, out
+
+
+def test_a_published_dense_group_keeps_its_targets_and_reads_back_paired(tmp_path):
+    """``publish --kinds tokens`` copies a dense group's targets with its tokens (a published
+    group reads back through ``read_dense``); the Parquet mirror holds no target table."""
+    import pyarrow.parquet as pq
+
+    from featcache.store.publish import PublishConfig, publish
+    from featcache.store.verify import verify
+
+    path = tmp_path / "c.zarr"
+    img, mask = mosaics(4)
+    write_group(path, "val", resize_rows(img, mask), RESIZE, ids=[f"m{i}" for i in range(4)])
+    win, win_ids = window_rows(img, mask)
+    write_group(path, "val@win", win, WIN, ids=win_ids)
+    out = publish(PublishConfig(str(path), str(tmp_path / "pub"), kinds=("tokens", "cls")))
+    store = str(out / "store.zarr")
+    assert verify(store) == []
+    rows = read_dense(open_cache(store), "pix", "mosaic", "val@win")
+    np.testing.assert_array_equal(rows.target[:], win["mask"])
+    assert set(rows.tables) == {"window"}
+    assert pq.read_schema(out / "data/pix--mosaic/val.parquet").names == ["id", "label", "valid", "cls"]

@@ -385,14 +385,14 @@ def test_a_deleted_mask_document_is_rebuilt_byte_identical(seg_reference, tmp_pa
     assert verify(str(path)) == []
 
 
-@pytest.mark.parametrize("kind", ["mask", pytest.param("image_size", marks=pytest.mark.slow)])
-def test_a_lost_integer_target_chunk_is_named_though_it_reads_as_zeros(seg_data, seg_reference, tmp_path, kind):
+def test_a_lost_integer_target_chunk_is_named_though_it_reads_as_zeros(seg_data, seg_reference, tmp_path):
     """An integer target has no NaN: its lost chunk object reads as 0, a legal class id, so the
     store asks whether the object exists (load eager and lazy, streaming, verify)."""
     from featcache.store.verify import verify
 
     path = _fresh_copy(seg_reference, tmp_path)
-    (path / GROUP / kind / "c/5/0").unlink() if kind == "image_size" else (path / GROUP / kind / "c/5/0/0").unlink()
+    kind = "mask"
+    (path / GROUP / kind / "c/5/0/0").unlink()
     says = re.escape(f"chunk files missing for {kind}: [5]")
     for lazy in (False, True):
         with pytest.raises(CorruptStoreError, match=says):
