@@ -164,17 +164,19 @@ def _row_bytes(rows: DenseRows, kinds: DepthKinds) -> int:
 
 
 def _plan(grid: Any, config: Any, train: list[DenseRows], kinds: DepthKinds) -> _Plan:
-    """The schedule: the config's ``iterations``, else ``epochs`` passes over the training rows,
-    else the grid's; the warm-up keeps the grid's fraction of it (config-nyu: 12800 / 38400)."""
+    """The schedule: the config's ``iterations``, else its ``epochs`` passes over the training
+    rows, else the grid's ``epochs``; the warm-up keeps the reference's fraction of it
+    (config-nyu: 12800 / 38400)."""
     from featcache.core.devices import resolve_device, resolve_precision
 
     bs = int(_opt(config, "batch_size", grid.batch_size))
     n_rows = sum(len(r) for r in train)
     iters = _opt(config, "iterations", None)
     epochs = _opt(config, "epochs", None)
-    if iters is None and epochs is not None:
+    if iters is None:
+        epochs = grid.epochs if epochs is None else epochs
         iters = math.ceil(float(epochs) * math.ceil(n_rows / bs))
-    iters = int(iters or grid.iterations)
+    iters = int(iters)
     if iters < 1 or bs < 1:
         raise ConfigError(f"depth-linear needs iterations >= 1 and batch_size >= 1, got {iters} and {bs}")
     budget = parse_memory(_opt(config, "max_memory", None), default=2 << 30)

@@ -101,6 +101,7 @@ def _torch_head_class() -> type:
             self.conv = nn.Conv2d(channels, n_classes, kernel_size=1, padding=0, stride=1)
             self.dropout = nn.Dropout2d(dropout) if dropout > 0 else nn.Identity()
             nn.init.normal_(self.conv.weight, mean=0, std=0.01)
+            assert self.conv.bias is not None  # Conv2d(bias=True), the default
             nn.init.constant_(self.conv.bias, 0)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:

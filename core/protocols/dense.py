@@ -78,7 +78,10 @@ class DepthLinearGrid:
     ``min_depth``..``max_depth`` m, SigLoss (warm-up 100 steps). ``variant``: ``dinov3`` (patch
     tokens of the last block, BatchNorm, N(0, 0.01)) or ``dinov2`` (the class token concatenated,
     ``blocks`` blocks upsampled 4x, no BatchNorm, + ``grad_weight`` x the gradient loss).
-    ``max_depth`` None: the dataset's depth range (else NYU's 10 m; DINOv2's hub head fixes 80)."""
+    ``max_depth`` None: the dataset's depth range (else NYU's 10 m; DINOv2's hub head fixes 80).
+    ``epochs``: the passes over the cached training rows (every view) a run makes by default, as
+    seg-linear's (a cache cannot draw a fresh crop at each of the reference's 38400 iterations;
+    ``--iterations 38400`` runs the reference's count); the warm-up keeps its fraction."""
 
     variant: str = "dinov3"
     blocks: int = 1
@@ -87,6 +90,7 @@ class DepthLinearGrid:
     weight_decay: float = 1e-4
     iterations: int = 38400
     warmup_iters: int = 12800
+    epochs: float = 10.0
     final_div_factor: float = 1000.0
     batch_size: int = 16
     clip: float = 35.0
