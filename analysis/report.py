@@ -886,6 +886,19 @@ def _dense(results, tmp: Path) -> dict[str, Any]:
     }
 
 
+def _no_ranking(results, exc: Exception) -> str:
+    """Why the page has no overall ranking: a table of dense rows only is ranked per dense task
+    (the Dense evaluation section), not by the classification metric the ranking reads."""
+    from featcache.analysis.dense import DENSE_KIND
+
+    if results is not None and "kind" in results.columns and set(results["kind"].unique()) == {DENSE_KIND}:
+        return (
+            "the results hold dense rows only: each dense task's backbones are ranked in Dense evaluation "
+            "below (featcache rank --metric miou, hbird_miou or rmse ranks across tasks)"
+        )
+    return str(exc)
+
+
 def _layer_cka(results, tmp: Path) -> dict[str, Any]:
     """The layer-by-layer CKA heatmaps (``featcache similarity --layers`` rows;
     :mod:`featcache.analysis.layer_cka`)."""
@@ -1041,8 +1054,8 @@ def write_report(
         try:
             r = rank(loaded, out_dir=tmp, provenance=provenance, **kw)
         except ResultsError as exc:
-            log.warning("report: no ranking: %s", exc)
-            ctx["rank_error"] = str(exc)
+            ctx["rank_error"] = _no_ranking(loaded.results, exc)
+            log.warning("report: no ranking: %s", ctx["rank_error"])
         ft_rows = _reduced(raw, ["finetune"], r.seed_reduce if r else kw.get("seed_reduce", "auto"))
         scaled = {(s, names.get(b, b)) for s, b in scaled_settings(results_df)}
         if r is not None:

@@ -104,6 +104,9 @@ def test_rank_of_dense_rows_only_says_which_metric_to_rank_on(tmp_path, capsys):
     assert "rank them with --metric miou" in capsys.readouterr().out
     assert main(["rank", "--results", str(path), "--out", str(tmp_path / "r2"), "--metric", "rmse"]) == 0
     assert "random0" in capsys.readouterr().out.split("dense evaluation")[1]
+    html = write_report(tmp_path / "r.html", str(path)).read_text()
+    assert "the results hold dense rows only" in html
+    assert 'id="dense-table"' in html
 
 
 def test_rank_and_report_show_the_dense_results(results, tmp_path, capsys):
