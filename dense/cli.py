@@ -17,7 +17,8 @@ def register(subparsers) -> None:
             "Train and score a dense head on the patch-token grids and the masks / depth maps stored "
             "beside them (featcache extract on a dense dataset: ade20k:, voc:, cityscapes:, nyuv2:, "
             "segfolder:). Selects on the val split and reports test when both are stored, else selects "
-            "on a seeded 10%% of the training images (their views left out) and reports val. One results "
+            "on a seeded 10% of the training images (their views left out) and reports the test split, or "
+            "val where no test is stored. One results "
             "row per metric (kind dense), beside every other stage's rows."
         ),
     )

@@ -29,11 +29,13 @@ def _featcache_imports(path: Path) -> set[str]:
 
 
 def test_every_stage_entry_is_its_packages_public_function():
+    import featcache.dense
     import featcache.finetune
     import featcache.probes
     import featcache.retrieval
 
     public = {
+        "dense": featcache.dense.run_dense,
         "probe": featcache.probes.run_probes,
         "finetune": featcache.finetune.finetune,
         "retrieval": featcache.retrieval.run_retrieval,
@@ -66,11 +68,14 @@ def test_an_unknown_stage_names_the_registered_ones():
     import featcache.probes
     import featcache.retrieval  # noqa: F401  (each registers its stage)
 
-    with pytest.raises(ConfigError, match=r"registered stages: \['finetune', 'probe', 'retrieval'\]"):
+    with pytest.raises(ConfigError, match=r"registered stages: \['dense', 'finetune', 'probe', 'retrieval'\]"):
         get_stage("linear")
 
 
 def test_median_rule_per_stage():
+    import featcache.finetune
+    import featcache.probes
+    import featcache.retrieval  # noqa: F401  (importing a stage's package registers its stage)
     from featcache.core.protocols import get_protocol
 
     probe = get_stage("probe")

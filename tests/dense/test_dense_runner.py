@@ -107,6 +107,7 @@ def test_rows_skip_and_force(tmp_path, source, caplog):
     miou = first.filter(pl.col("metric") == "miou")["value"][0]
     assert (hp["ci95_metric"], hp["ci95_images"]) == ("miou", first["n_eval"][0])
     assert hp["ci95"][0] <= miou <= hp["ci95"][1]
+    caplog.clear()  # the first run's lines, where an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="featcache.dense.runner"):
         again = run_dense(cfg, source=source)
     assert "skip seg-linear pixels on mos seed 0" in caplog.text
