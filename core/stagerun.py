@@ -97,9 +97,11 @@ class Stage:
         if self.medians != "protocol":
             return self.medians == "always"
         if isinstance(protocol, str):
+            from featcache.core.protocols import STAGES as PROTOCOL_STAGES
             from featcache.core.protocols import get_protocol
 
-            protocol = get_protocol(protocol)
+            # a stage with protocols of its own (dense) looks them up there; the others in probe's
+            protocol = get_protocol(protocol, self.name if self.name in PROTOCOL_STAGES else "probe")
         return bool(protocol.median_over_seeds)
 
 

@@ -46,8 +46,8 @@ def config_from_args(args: argparse.Namespace):
     from featcache.sweep.planner import FinetuneFlags, SweepConfig
 
     extra: dict[str, Any] = {"finetune_options": from_namespace(FinetuneFlags, args).options()}
-    if not hasattr(args, "protocols") and (args.retrieval or hasattr(args, "finetune")):
-        extra["protocols"] = ()  # no --protocol: retrieval and fine-tunes only
+    if not hasattr(args, "protocols") and (args.retrieval or hasattr(args, "finetune") or hasattr(args, "dense")):
+        extra["protocols"] = ()  # no --protocol: retrieval, fine-tunes and dense protocols only
     return from_namespace(SweepConfig, args, **extra)
 
 

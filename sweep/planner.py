@@ -71,6 +71,15 @@ def _protocols_help() -> str:
     )
 
 
+def _dense_help() -> str:
+    from featcache.core.protocols import protocol_usages
+
+    return (
+        f"dense protocol: {' | '.join(protocol_usages('dense'))} (repeatable; one item per backbone, dense "
+        "dataset and seed: the datasets whose store groups hold targets, featcache extract on a dense dataset)"
+    )
+
+
 def _finetune_help() -> str:
     from featcache.core.protocols import protocol_usages
 
@@ -128,6 +137,7 @@ class SweepConfig:
     seeds: tuple[int, ...] | None = flag(None, "comma-separated seeds (default: each protocol's defaults)")
     retrieval: bool = flag(False, "add a retrieval + k-NN run per backbone and dataset", action="store_true")
     finetune: tuple[str, ...] = flag((), _finetune_help, action="append", metavar="PROTOCOL")
+    dense: tuple[str, ...] = flag((), _dense_help, action="append", metavar="PROTOCOL")
     data: tuple[tuple[str, str], ...] = flag(
         (),
         "images of dataset NAME for the fine-tunes (required for each swept dataset: "
@@ -166,7 +176,7 @@ class SweepConfig:
         return self.results_path
 
     def __post_init__(self):
-        for name in ("backbones", "datasets", "protocols", "finetune"):
+        for name in ("backbones", "datasets", "protocols", "finetune", "dense"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "cache", str(self.cache))
         object.__setattr__(self, "results_path", str(self.results_path))
@@ -183,8 +193,8 @@ class SweepConfig:
         unknown = sorted(set(dict(self.finetune_options)) - set(FINETUNE_OPTIONS))
         if unknown:
             raise SweepError(f"finetune_options {unknown} are not sweep fine-tune options; use {FINETUNE_OPTIONS}")
-        if not self.protocols and not self.retrieval and not self.finetune:
-            raise SweepError("nothing to sweep: give --protocol P, --retrieval and/or --finetune P")
+        if not self.protocols and not self.retrieval and not self.finetune and not self.dense:
+            raise SweepError("nothing to sweep: give --protocol P, --retrieval, --finetune P and/or --dense P")
 
 
 @dataclass(frozen=True)
@@ -336,6 +346,35 @@ def _finetune_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem
     return out
 
 
+def _dense_items(config: SweepConfig, cache, b: str, d: str) -> list[WorkItem]:
+    """One dense item per protocol and seed where ``b`` stores ``d`` as a dense dataset (its
+    groups hold targets); the stage itself skips runs already in the table."""
+    from featcache.core.results import make_run_id
+    from featcache.dense import DenseConfig
+    from featcache.store import dense_groups
+
+    if not config.dense or not dense_groups(cache, b, d):
+        return []
+    out = []
+    for p in config.dense:
+        for s in config.seeds or (0,):
+            dc = DenseConfig(
+                config.cache,
+                d,
+                (b,),
+                p,
+                seeds=(s,),
+                results_path=config.results_path,
+                force=config.force,
+                progress=False,
+            )
+            key = make_run_id(
+                kind="sweep-dense", config={k: v for k, v in vars(dc).items() if k not in ("force", "progress")}
+            )
+            out.append(WorkItem("dense", key, dc, (), b, d, p, s))
+    return out
+
+
 def _probe_protocols(config: SweepConfig) -> list[str]:
     """The probe protocols, plus the one each fine-tune protocol pairs with (registry)."""
     from featcache.core.protocols import get_protocol, parse_protocol
@@ -385,6 +424,7 @@ def plan(config: SweepConfig) -> Plan:
                     items.append(_retrieval_item(config, cache, b, d))
                 if config.finetune:
                     items += _finetune_items(config, cache, b, d)
+                items += _dense_items(config, cache, b, d)
             except NotInStoreError as exc:  # e.g. a val split the protocol reads is not extracted
                 lacking.append(f"{b}/{d} ({exc})")
     result_ids = set() if config.force else existing_run_ids(config.results_path)

@@ -154,6 +154,7 @@ STAGES = {
             "protocols": ("fewshot:5", "vtab1k"),
             "seeds": (3, 4),
             "finetune": ("full",),
+            "dense": ("hummingbird",),
             "data": ("d=digits",),
             "scheduler": "tcp://127.0.0.1:8786",
             "workers": 0,

@@ -274,10 +274,10 @@ BASE = {"store", "core", "errors", "_version"}
 #: (``check_source`` runs extract -> store -> load), and no module of the library imports it
 TESTING = {"testing"}
 #: stages that run other stages, as they always have: the demo is the whole pipeline on a small
-#: task, the sweep plans and runs the probe, retrieval and fine-tuning grids
+#: task, the sweep plans and runs the probe, retrieval, fine-tuning and dense grids
 ORCHESTRATORS = {
     "demo": {"extract", "probes", "retrieval", "finetune", "analysis"},
-    "sweep": {"probes", "retrieval", "finetune"},
+    "sweep": {"probes", "retrieval", "finetune", "dense"},
 }
 #: the single module-level edges between stages that are not orchestration: the suites are the
 #: benchmarks' task catalogue that the `--suite` option of extract, probe and finetune expands

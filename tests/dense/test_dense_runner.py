@@ -260,6 +260,18 @@ def test_featcache_dense_from_a_store(tmp_path, capsys):
     cfg = DenseConfig(cache, "m", ("tf_efficientnet_lite0",), iterations=8, device="cpu", results_path=results)
     item = WorkItem("dense", row["run_id"], cfg, (row["run_id"],), "tf_efficientnet_lite0", "m", "seg-linear")
     assert call_stage(item).sort("metric").equals(table.sort("metric"))
+    # featcache sweep --dense: one item per dense dataset, protocol and seed, run through the stage
+    from featcache.sweep import SweepConfig, plan
+
+    items = plan(SweepConfig(cache, results, protocols=(), dense=("seg-linear", "hummingbird"))).items
+    assert [(i.kind, i.dataset, i.protocol) for i in items] == [
+        ("dense", "m", "seg-linear"),
+        ("dense", "m", "hummingbird"),
+    ]
+    assert len({i.run_id for i in items}) == 2
+    sweep = ["sweep", "--cache", cache, "--results", results, "--dense", "hummingbird", "--workers", "0"]
+    assert main(sweep) == 0
+    assert "hbird_miou" in read_results(results)["metric"].to_list()
 
 
 def test_bad_device_is_one_line():
