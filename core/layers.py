@@ -7,7 +7,20 @@ One forward pass stores, for each chosen block (ViT) or stage (CNN), kinds named
 - ``layer{i}_cls``: the block's class token through the model's final norm;
 - ``layer{i}_mean``: the block's mean patch token through the final norm;
 - ``layer{i}_cls_raw`` / ``layer{i}_mean_raw``: the same before the final norm;
-- ``layer{i}_avg``: a CNN stage's global average (no norm).
+- ``layer{i}_avg``: a CNN stage's global average (no norm);
+- ``layer{i}_tokens``: the block's patch tokens through the final norm, ``[T, D]`` row-major
+  over the token grid (issue 57's dense heads; ``--features layers:tokens:LIST`` stores them with
+  the block's ``layer{i}_cls``). Not a part of :data:`LAYER_PARTS`: sweeps never pick it.
+
+A layer list is ``all``, comma-separated indices (negative from the end), or a recipe's blocks:
+``even4`` (DINOv2's / DINOv3's ``FOUR_EVEN_INTERVALS``: ``i * (n // 4) - 1`` for i = 1..4, e.g.
+[2, 5, 8, 11] of 12 blocks; 24 blocks give the reference's forced [4, 11, 17, 23]), ``last4``
+(``FOUR_LAST``) or ``last``.
+
+>>> parse_layer_list("even4", 12), parse_layer_list("even4", 24), parse_layer_list("last4", 12)
+([2, 5, 8, 11], [4, 11, 17, 23], [8, 9, 10, 11])
+>>> parse_layers_spec("layers:tokens:even4", 12), layer_tokens_spec("layers:tokens:even4")
+(([2, 5, 8, 11], False), True)
 
 The module path of each layer (e.g. ``blocks.3``, ``stages.2``) and whether the norm was applied
 are recorded in the kind's provenance by the extraction; this module only spells and parses.
@@ -23,14 +36,18 @@ from featcache.errors import ConfigError
 
 #: the parts a layer kind can hold, in the order a sweep prefers them when the part is "auto"
 LAYER_PARTS = ("cls", "avg", "mean", "cls_raw", "mean_raw")
-_KIND_RE = re.compile(r"^layer(\d+)_(cls_raw|mean_raw|cls|mean|avg)$")
-_SPEC_RE = re.compile(r"^layers(?:\+raw)?:(.+)$")
+#: the per-block token part (dense heads): a kind of its own, outside the sweeps' LAYER_PARTS
+TOKEN_PART = "tokens"
+_KIND_RE = re.compile(r"^layer(\d+)_(cls_raw|mean_raw|cls|mean|avg|tokens)$")
+_SPEC_RE = re.compile(r"^layers(?:\+raw)?:(?:tokens:)?(.+)$")
+#: the recipes' block sets (dinov3/eval/depth/models/encoder.py:22-51, _get_backbone_out_indices)
+_RECIPES = ("even4", "last4", "last")
 
 
 def layer_kind(index: int, part: str) -> str:
     """The stored kind name of layer ``index``'s ``part`` (``layer3_cls``)."""
-    if part not in LAYER_PARTS:
-        raise ConfigError(f"layer part {part!r} is not one of {', '.join(LAYER_PARTS)}")
+    if part not in (*LAYER_PARTS, TOKEN_PART):
+        raise ConfigError(f"layer part {part!r} is not one of {', '.join((*LAYER_PARTS, TOKEN_PART))}")
     if index < 0:
         raise ConfigError(f"layer index {index} must be resolved to >= 0 before naming a kind")
     return f"layer{index}_{part}"
@@ -54,6 +71,8 @@ def parse_layer_list(text: str, n_layers: int, flag: str = "--layers") -> list[i
     text = text.strip()
     if text == "all":
         return list(range(n_layers))
+    if text in _RECIPES:
+        return recipe_layers(text, n_layers, flag)
     out: set[int] = set()
     for tok in text.split(","):
         tok = tok.strip()
@@ -61,7 +80,8 @@ def parse_layer_list(text: str, n_layers: int, flag: str = "--layers") -> list[i
             i = int(tok)
         except ValueError:
             raise ConfigError(
-                f"{flag} {text!r}: {tok!r} is not a layer index; write all or a comma list such as 1,4,-1"
+                f"{flag} {text!r}: {tok!r} is not a layer index; write all, a comma list such as 1,4,-1, "
+                "or a recipe's blocks: even4, last4, last"
             ) from None
         j = i + n_layers if i < 0 else i
         if not 0 <= j < n_layers:
@@ -70,12 +90,34 @@ def parse_layer_list(text: str, n_layers: int, flag: str = "--layers") -> list[i
     return sorted(out)
 
 
+def recipe_layers(name: str, n_layers: int, flag: str = "--layers") -> list[int]:
+    """A recipe's blocks of an ``n_layers`` model, as DINOv3's ``_get_backbone_out_indices``
+    computes them (``dinov3/eval/depth/models/encoder.py:22-51``, its ViT-L quirk kept)."""
+    if name == "last":
+        return [n_layers - 1]
+    if n_layers < 4:
+        raise ConfigError(f"{flag} {name}: the model has {n_layers} layers; {name} needs at least 4")
+    if name == "last4":
+        return list(range(n_layers - 4, n_layers))
+    if n_layers == 24:  # the reference's forced (incorrect) ViT-L indices, for backward compatibility
+        return [4, 11, 17, 23]
+    return [i * (n_layers // 4) - 1 for i in range(1, 5)]
+
+
+def layer_tokens_spec(spec: str) -> bool:
+    """Whether a ``--features`` layers entry asks for per-block patch tokens
+    (``layers:tokens:LIST``: ``layer{i}_tokens`` and ``layer{i}_cls``)."""
+    return is_layers_spec(spec) and spec.split(":", 2)[1] == TOKEN_PART and spec.count(":") >= 2
+
+
 def parse_layers_spec(spec: str, n_layers: int) -> tuple[list[int], bool]:
     """A ``--features`` layers entry -> (0-based indices, whether the pre-norm ``_raw`` parts are
     stored too)."""
     m = _SPEC_RE.match(spec)
     if m is None:
-        raise ConfigError(f"{spec!r} is not a layers request; write layers:all or layers:1,4,-1 (--features)")
+        raise ConfigError(
+            f"{spec!r} is not a layers request; write layers:all, layers:1,4,-1 or layers:tokens:even4 (--features)"
+        )
     return parse_layer_list(m[1], n_layers, flag="--features layers"), spec.startswith("layers+raw")
 
 

@@ -54,6 +54,29 @@ _SIDE = Interval(int, 1, MAX_INPUT_SIDE, hi_text=f"must be at most {MAX_INPUT_SI
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+=-]*$")
 
 
+def parse_input_size(text: str) -> int | tuple[int, int]:
+    """``--input-size``: ``N`` -> N, ``HxW`` -> (H, W); anything else is one line."""
+    m = re.match(r"^\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*$", str(text))
+    if m is None:
+        raise ConfigError(f"--input-size {text!r} is invalid: write N (square) or HxW, e.g. 448 or 448x672")
+    return int(m[1]) if m[2] is None else (int(m[1]), int(m[2]))
+
+
+def _input_side(value: Any) -> str | None:
+    """``--input-size``'s check: each side in 1..MAX_INPUT_SIDE."""
+    if value is None:
+        return None
+    sides = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else ()
+    if len(sides) not in (1, 2) or not all(isinstance(v, int) and not isinstance(v, bool) for v in sides):
+        return "write N or HxW"
+    if any(v < 1 or v > MAX_INPUT_SIDE for v in sides):
+        return f"each side must be 1..{MAX_INPUT_SIDE} pixels"
+    return None
+
+
+_input_side.shown = str  # type: ignore[attr-defined]
+
+
 def weights_help() -> str:
     """The ``--weights`` help, from the weight-source registry (:mod:`featcache.models.backbones`)."""
     from featcache.models.backbones import weights_help
@@ -87,9 +110,10 @@ def _check_layers_entry(kind: str) -> None:
     if not is_layers_spec(kind):
         raise ConfigError(
             f"feature kind {kind!r} is malformed: write layers:all, layers:1,4,-1 (indices, negative from the "
-            "end) or layers+raw:... (also the pre-norm parts) (--features / features=)"
+            "end), layers+raw:... (also the pre-norm parts) or layers:tokens:LIST (per-block patch tokens; LIST "
+            "may be even4, last4 or last) (--features / features=)"
         )
-    if kind.partition(":")[2].strip() != "all":
+    if kind.partition(":")[2].strip().removeprefix("tokens:").strip() != "all":
         parse_layers_spec(kind, 1 << 30)  # the index list's spelling, before any model is built
 
 
@@ -147,7 +171,14 @@ class ExtractConfig:
             int, 1, MAX_CHUNK_ROWS, hi_text=f"must be at most {MAX_CHUNK_ROWS} rows (one chunk is held in memory)"
         ),
     )
-    input_size: int | None = flag(None, "override the model's input resolution", type=int, check=_SIDE)
+    input_size: int | tuple[int, int] | None = flag(
+        None,
+        "override the model's input resolution: N (square) or HxW (timm models taking dynamic sizes: CNNs, ViTs "
+        "built with dynamic_img_size)",
+        type=parse_input_size,
+        metavar="N|HxW",
+        check=_input_side,
+    )
     pre_resize: int | None = flag(None, "resize to NxN before the pipeline (Salman et al.: 32)", type=int, check=_SIDE)
     resize: str = flag(
         "timm",
@@ -161,7 +192,10 @@ class ExtractConfig:
         "block's patch tokens, or a CNN's final map positions, T x D), tokens@GxG (tokens area-pooled to G x G, "
         "G*G x D; for large datasets); layers:all or layers:1,4,-1 (per layer of one forward: a ViT block's "
         "class and mean patch tokens through the final norm, layer{i}_cls and layer{i}_mean, a CNN stage's global "
-        "average, layer{i}_avg, plus pooled); layers+raw:... also stores the ViT parts before the norm (_raw)",
+        "average, layer{i}_avg, plus pooled); layers+raw:... also stores the ViT parts before the norm (_raw); "
+        "layers:tokens:LIST stores each listed ViT block's normed patch tokens and class token (layer{i}_tokens, "
+        "layer{i}_cls; dense heads), LIST may also be even4 (DINOv2/DINOv3's evenly spaced blocks, [2,5,8,11] "
+        "of 12), last4 or last",
         type=features_csv,
     )
     views: int = flag(
@@ -179,6 +213,21 @@ class ExtractConfig:
         type=int,
         metavar="S",
         check=Interval(int, 0, 2**32 - 1),
+    )
+    windows: bool = flag(
+        False,
+        "dense datasets: also store each evaluation image's sliding windows as split {split}@win (DINOv3's slide "
+        "mode: short side resized to --window-short-side, windows of the input size at 2/3 of it, e.g. 512 at 341)",
+        action="store_true",
+    )
+    window_short_side: int | None = flag(
+        None, "dense --windows: the resized short side (default: the input size's short side)", type=int, check=_SIDE
+    )
+    flip: bool = flag(
+        False,
+        "dense datasets: also store each evaluation split's horizontally flipped rows as {split}@flip (test-time "
+        "flip averaging)",
+        action="store_true",
     )
     size_check: bool = flag(
         True,
@@ -251,6 +300,8 @@ class ExtractConfig:
             set_(self, "splits", tuple(self.splits) or None)
         set_(self, "features", (self.features,) if isinstance(self.features, str) else tuple(self.features))
         set_(self, "amp", PRECISION_ALIASES.get(self.amp, self.amp))
+        if isinstance(self.input_size, list):  # a square side given as (H, W) stays a pair, as asked
+            set_(self, "input_size", tuple(self.input_size))
         if self.compile and self.backend in ("auto", "eager"):  # --compile: the older spelling
             set_(self, "backend", "compile")
         self._validate()

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 FEATURE_KINDS_HELP = (
     "pooled, tokens_mean, cls, stageN_avg (N = stage index), blocks:K (class tokens of the last K blocks), "
     "tokens (patch tokens), tokens@GxG (tokens area-pooled to G x G), layers:all|LIST and layers+raw:all|LIST "
-    "(per-layer layer{i}_cls/_mean/_avg kinds and pooled)"
+    "(per-layer layer{i}_cls/_mean/_avg kinds and pooled), layers:tokens:LIST (per-block normed patch tokens "
+    "layer{i}_tokens with layer{i}_cls; LIST may be even4, last4, last)"
 )
 _STAGE_RE = re.compile(r"^stage(\d+)_avg$")
 

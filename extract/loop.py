@@ -43,7 +43,13 @@ def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
 
     cuda = bb.device.startswith("cuda")
     shape = tuple(bb.data_config["input_size"])
-    if "view" in src.extra:  # an augmented view (featcache.extract.views): seeded per row
+    collate_fn: Any = functools.partial(collate, channels_last=cfg.channels_last and not cuda, fast=None)
+    if "dense_group" in src.extra:  # a dense group (featcache.extract.dense): normalised rows + targets
+        from featcache.extract.dense import DenseImageRows, dense_collate
+
+        fast, collate_fn = None, dense_collate
+        ds = DenseImageRows(src, src.extra["dense_group"], shape)  # pyright: ignore[reportArgumentType]
+    elif "view" in src.extra:  # an augmented view (featcache.extract.views): seeded per row
         from featcache.extract.views import ViewRows
 
         fast = src.extra["view"]
@@ -59,9 +65,7 @@ def _loader(src, bb, writer, chunks: list[int], cfg, workers: int):
         ds,  # pyright: ignore[reportArgumentType]  # any len/getitem object works; torch types it as Dataset
         batch_sampler=BatchSampler(chunks, writer.chunk_rows, len(src), cfg.batch_size),
         num_workers=workers,
-        collate_fn=functools.partial(
-            collate, channels_last=cfg.channels_last and not cuda, fast=None if cuda else fast
-        ),
+        collate_fn=collate_fn if fast is None else functools.partial(collate_fn, fast=None if cuda else fast),
         pin_memory=cuda,
         prefetch_factor=4 if workers > 0 else None,
         persistent_workers=False,
@@ -98,7 +102,9 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
 
     try:
         with torch.inference_mode():
-            for rows, x, ok, errs in loader:
+            for batch in loader:
+                rows, x, ok, errs = batch[:4]
+                targets = batch[4] if len(batch) > 4 else {}  # a dense group's targets, numpy
                 c = int(rows[0]) // writer.chunk_rows
                 if cur is not None and c != cur:
                     flush()
@@ -114,8 +120,11 @@ def run_split(src, bb, fwd, writer, chunks: list[int], cfg, workers: int, amp_mo
                 okn = ok.numpy()
                 if not buf:
                     buf = {"f": {k: [] for k in out}, "ok": [], "err": []}
+                    buf["f"].update({k: [] for k in targets})
                 for k, v in out.items():
                     buf["f"][k].append(v.float().cpu().numpy())
+                for k, v in targets.items():
+                    buf["f"][k].append(v)
                 buf["ok"].append(okn)
                 buf["err"].append(list(errs))
                 for r, e in zip(rows.tolist(), errs):

@@ -151,6 +151,8 @@ class _Job:
     backend: str = "eager"
     #: how auto resolved (reasons, the bf16 check), into each provenance's extra
     record: dict[str, Any] | None = None
+    #: the model's token grid (gh, gw) at the input size (dense groups record it), found once
+    grid: tuple[int, int] | None = None
 
 
 def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = None) -> list[SplitReport]:
@@ -177,6 +179,10 @@ def extract(config: ExtractConfig, *, on_size: Callable[[str], None] | None = No
     sources = select_splits(open_dataset(cfg.data, cfg.dataset_name, options=opts), cfg.splits)
     if cfg.views:  # refused before the model is built
         check_view_splits(sources, cfg.views)
+    if cfg.windows or cfg.flip:
+        from featcache.extract.dense import check_dense_flags
+
+        check_dense_flags(sources, cfg)
     new_dir = _new_local_dir(cfg.cache)
     store = open_cache(cfg.cache, "a", storage_options=dict(cfg.storage_options or {}) or None)
     try:
@@ -247,9 +253,10 @@ def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> l
         load = load_average()  # when the extraction started: recorded beside its threads
         workers, threads = _parallelism(dev, cfg, cfg.workers, load)
         key = cfg.backbone_name or bb.default_key
-        sources = with_views(sources, cfg.views, cfg.view_seed, bb, lambda s: _limited(cfg, s))
+        sources = _expand_sources(cfg, sources, bb)
         if cfg.size_check:
-            _check_size(cfg, store, key, sources, dims, on_size if rank == 0 else (lambda _: None))
+            hw = tuple(int(x) for x in bb.data_config["input_size"][-2:])
+            _check_size(cfg, store, key, sources, dims, on_size if rank == 0 else (lambda _: None), hw)
         res = _resolve(cfg, store, head, dev, key, sources, threads)
         if cfg.workers is None and res.forward_ips and res.decode_ips:
             workers, threads = _measured_parallelism(dev, cfg, res, workers, threads, head, load)
@@ -262,6 +269,16 @@ def _extract_job(cfg: ExtractConfig, store, decoder: str, sources, on_size) -> l
     finally:
         torch.set_num_threads(old_threads)
         close_dist(own_group)
+
+
+def _expand_sources(cfg: ExtractConfig, sources: list[SplitSource], bb) -> list[SplitSource]:
+    """The job's splits with their derived groups: a dense split's groups (:mod:`.dense`, which
+    makes its own views), else the train split's augmented views (:mod:`.views`)."""
+    from featcache.extract.dense import is_dense, with_dense
+
+    if any(is_dense(s) for s in sources) or cfg.windows or cfg.flip:
+        return with_dense(sources, cfg, bb, lambda s: _limited(cfg, s))
+    return with_views(sources, cfg.views, cfg.view_seed, bb, lambda s: _limited(cfg, s))
 
 
 def _check_request(cfg: ExtractConfig, store, key: str, sources, amp: str, bb, rank: int, world: int):
@@ -280,19 +297,33 @@ def _check_request(cfg: ExtractConfig, store, key: str, sources, amp: str, bb, r
     return cfg.replace(overwrite=True) if replaced else cfg
 
 
-def _check_size(cfg: ExtractConfig, store, key: str, sources, dims, on_size) -> None:
+def _check_size(cfg: ExtractConfig, store, key: str, sources, dims, on_size, hw: tuple[int, ...] = ()) -> None:
     """Report the store size the job needs (rows still to write x per-row shape x dtype bytes)
     and refuse, before any image is read, when the store's disk cannot hold it."""
     from featcache.extract.sizing import check_space, plan_size, stored_fraction
 
     limited = [_limited(cfg, s) for s in sources]
+    targets = {s.split: _target_dims(s, hw) for s in limited}
     done = {} if cfg.overwrite else {
-        (s.split, k): f for s in limited for k, f in stored_fraction(store, key, s.dataset, s.split, dims).items()
+        (s.split, k): f
+        for s in limited
+        for k, f in stored_fraction(store, key, s.dataset, s.split, [*dims, *targets[s.split]]).items()
     }  # fmt: skip
-    check_space(cfg.cache, plan_size({s.split: len(s) for s in limited}, dims, cfg.dtype, done), on_size)
+    size = plan_size({s.split: len(s) for s in limited}, dims, cfg.dtype, done, targets=targets)
+    check_space(cfg.cache, size, on_size)
+
+
+def _target_dims(src: SplitSource, hw: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A dense group's target kinds: kind -> (per-row shape, dtype); none for another split."""
+    from featcache.extract.dense import target_kinds
+
+    group = src.extra.get("dense_group")
+    return {} if group is None else target_kinds(group, hw)  # pyright: ignore[reportArgumentType]
 
 
 def _limited(cfg: ExtractConfig, src: SplitSource) -> SplitSource:
+    if src.extra.get("dense_limited"):  # a dense group: its images were limited before expanding
+        return src
     n_lim = cfg.limit.get(src.split) if isinstance(cfg.limit, Mapping) else cfg.limit
     return src if n_lim is None else src.subset(int(n_lim))
 
@@ -437,17 +468,20 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
 
         extra["cpu_isa"] = cpu_isa()
     layers = getattr(job.head, "layer_records", {})  # a per-layer kind's module path and norm (issue 56)
+    kinds = {k: (job.dims[k], cfg.dtype) for k in job.head.kinds}
+    if "dense_group" in src.extra:  # a dense group: its targets, the geometry and the dataset's DenseInfo
+        kinds.update(_dense_record(job, src, extra, data_config))
     return {
         k: make_provenance(
             backbone=job.key,
             dataset=src.dataset,
             split=src.split,
             kind=k,
-            dim=_row_shape(job.dims[k]),  # inner = shape[:-1], dim = shape[-1]
+            dim=_row_shape(kinds[k][0]),  # inner = shape[:-1], dim = shape[-1]
             n=len(src),
             dataset_fingerprint=meta.fingerprint,
             chunk_rows=cfg.chunk_rows,
-            dtype=cfg.dtype,
+            dtype=kinds[k][1],
             model_name=bb.name,
             weights_source=bb.weights_source,
             weights_sha256=bb.weights_sha256,
@@ -460,8 +494,24 @@ def _provenances(job: _Job, src: SplitSource, meta, threads: int | None) -> dict
             extra=extra,
             **({"layer": layers[k]} if k in layers else {}),
         )
-        for k in job.head.kinds
+        for k in kinds
     }
+
+
+def _dense_record(job: _Job, src: SplitSource, extra: dict[str, Any], data_config: dict[str, Any]) -> dict[str, Any]:
+    """A dense group's target kinds (kind -> (per-row shape, dtype)); records its geometry (token
+    grid at the input size) and DenseInfo in ``extra`` and its transform in the data config (so a
+    resume with another geometry or view seed is refused, as for views)."""
+    from featcache.extract.dense import geometry_record, token_grid_of
+
+    group = src.extra["dense_group"]
+    hw = tuple(int(x) for x in job.bb.data_config["input_size"][-2:])
+    if job.grid is None:
+        job.grid = token_grid_of(job.bb, hw)  # pyright: ignore[reportArgumentType]
+    extra["geometry"] = geometry_record(group, job.bb, job.grid)
+    extra["dense"] = group.info.record()
+    data_config["dense_geometry"] = group.transform.spec()
+    return _target_dims(src, hw)
 
 
 def _row_shape(dims: Any) -> tuple[int, ...]:

@@ -20,10 +20,16 @@ def job_request(cfg: Any, amp: str, input_size: Any) -> dict[str, Any]:
     return {
         "precision": {"none": "fp32"}.get(amp, amp),
         "features": ",".join(sorted(cfg.features)),
-        "input_size": int(input_size[-1]),
+        "input_size": _side(input_size),
         "views": int(cfg.views),
         "view_seed": int(cfg.view_seed),
     }
+
+
+def _side(input_size: Any) -> int | str:
+    """The recorded side: N for a square input (as before HxW existed), else ``"HxW"``."""
+    h, w = (int(s) for s in input_size[-2:])
+    return w if h == w else f"{h}x{w}"
 
 
 def differences(old: dict[str, Any], new: dict[str, Any], train: bool) -> list[str]:

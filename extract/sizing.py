@@ -38,21 +38,23 @@ def human(n: float) -> str:
 
 @dataclass(frozen=True)
 class StoreSize:
-    """``parts``: (split, kind, rows still to write, per-row shape); ``dtype``: the stored dtype."""
+    """``parts``: (split, kind, rows still to write, per-row shape[, its dtype]); ``dtype``: the
+    stored dtype of the parts that name none (the model's kinds; a dense target names its own)."""
 
-    parts: tuple[tuple[str, str, int, tuple[int, ...]], ...]
+    parts: tuple[tuple[Any, ...], ...]
     dtype: str
 
     @property
     def itemsize(self) -> int:
         return int(np.dtype(self.dtype).itemsize)
 
-    def bytes_of(self, rows: int, shape: Sequence[int]) -> int:
-        return int(rows) * int(np.prod(shape, dtype=np.int64)) * self.itemsize
+    def bytes_of(self, rows: int, shape: Sequence[int], dtype: str | None = None) -> int:
+        size = self.itemsize if dtype is None else int(np.dtype(dtype).itemsize)
+        return int(rows) * int(np.prod(shape, dtype=np.int64)) * size
 
     @property
     def total(self) -> int:
-        return sum(self.bytes_of(n, s) for _, _, n, s in self.parts)
+        return sum(self.bytes_of(*p[2:]) for p in self.parts)
 
     def describe(self) -> str:
         """A headline and one line per split: rows x per-row shape x dtype = bytes, per kind."""
@@ -61,24 +63,39 @@ class StoreSize:
             f"(rows x per-row shape x {self.itemsize} bytes {self.dtype}; the compressed size is not known before)"
         ]
         for split in dict.fromkeys(p[0] for p in self.parts):
-            kinds = [(k, n, s) for sp, k, n, s in self.parts if sp == split]
-            each = ", ".join(f"{k} {n:,} x {tuple(s)} = {human(self.bytes_of(n, s))}" for k, n, s in kinds)
+            kinds = [p[1:] for p in self.parts if p[0] == split]
+            each = ", ".join(
+                f"{k} {n:,} x {tuple(s)}{' ' + d[0] if d else ''} = {human(self.bytes_of(n, s, *d))}"
+                for k, n, s, *d in kinds
+            )
             lines.append(f"  {split}: {each}")
         return "\n".join(lines)
 
 
 def plan_size(
-    rows: Mapping[str, int], dims: Mapping[str, Any], dtype: str, done: Mapping[tuple[str, str], float] | None = None
+    rows: Mapping[str, int],
+    dims: Mapping[str, Any],
+    dtype: str,
+    done: Mapping[tuple[str, str], float] | None = None,
+    targets: Mapping[str, Mapping[str, tuple[Sequence[int], str]]] | None = None,
 ) -> StoreSize:
     """The size of writing ``rows[split]`` rows of every kind of ``dims`` (kind -> per-row shape,
-    or an int width); ``done[(split, kind)]``: the fraction already stored (a resume)."""
+    or an int width); ``done[(split, kind)]``: the fraction already stored (a resume);
+    ``targets[split]``: a dense group's target kinds, kind -> (per-row shape, dtype).
+
+    >>> plan_size({"val": 2}, {"tokens": (4, 8)}, "float16", targets={"val": {"mask": ((32, 32), "uint8")}}).total
+    2176
+    """
     done = done or {}
-    parts = []
+    parts: list[tuple[Any, ...]] = []
     for split, n in rows.items():
         for kind, shape in dims.items():
             shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
             left = round(n * (1.0 - done.get((split, kind), 0.0)))
             parts.append((split, kind, left, shape))
+        for kind, (shape, tdtype) in (targets or {}).get(split, {}).items():
+            left = round(n * (1.0 - done.get((split, kind), 0.0)))
+            parts.append((split, kind, left, tuple(int(x) for x in shape), tdtype))
     return StoreSize(tuple(parts), dtype)
 
 

@@ -8,6 +8,9 @@ provenance records. The kind names are :mod:`featcache.core.layers`'; the timm h
   token, prefix and register tokens excluded), both through the model's final norm over the
   block's whole output (DINOv2's ``get_intermediate_layers(norm=True)``); with ``layers+raw`` also
   ``layer{i}_cls_raw`` and ``layer{i}_mean_raw``, the same before the norm;
+- a timm ViT block ``i`` with ``layers:tokens:LIST`` (issue 57): ``layer{i}_tokens``, its patch
+  tokens ``[T, D]`` through the final norm (``forward_intermediates(norm=True)``), beside
+  ``layer{i}_cls``; ``LIST`` may be a recipe's blocks (``even4``: DINOv2's evenly spaced blocks);
 - a CNN stage ``i`` (timm's ``feature_info``): ``layer{i}_avg``, its global average (no norm);
 - the model's own ``pooled`` output, always, from the same forward.
 
@@ -24,7 +27,14 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from featcache.core.layers import is_layers_spec, layer_kind, parse_layer_kind, parse_layers_spec
+from featcache.core.layers import (
+    TOKEN_PART,
+    is_layers_spec,
+    layer_kind,
+    layer_tokens_spec,
+    parse_layer_kind,
+    parse_layers_spec,
+)
 from featcache.errors import ConfigError
 
 __all__ = ["LAYER_SOURCES", "LayerSet", "expand_kinds", "module_path", "no_layers", "timm_layers", "vit_layer_outputs"]
@@ -57,6 +67,8 @@ class LayerSet:
     parts: tuple[str, ...]
     norm: str = ""
     via: str = ""
+    #: whether each layer also gives its patch tokens (``layer{i}_tokens``: timm ViT blocks)
+    tokens: bool = False
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -69,11 +81,18 @@ class LayerSet:
     def offers(self, kind: str) -> bool:
         """Whether ``kind`` (``layer3_cls``) is one of this backbone's layer kinds."""
         p = parse_layer_kind(kind)
-        return p is not None and p[0] < len(self) and p[1] in (*self.parts, *self.raw_parts)
+        extra = (TOKEN_PART,) if self.tokens else ()
+        return p is not None and p[0] < len(self) and p[1] in (*self.parts, *self.raw_parts, *extra)
 
     def expand(self, spec: str) -> list[str]:
         """``pooled`` and the layer kinds of a ``layers:...`` / ``layers+raw:...`` entry, by layer."""
         indices, raw = parse_layers_spec(spec, len(self))
+        if layer_tokens_spec(spec):
+            if raw or not self.tokens:
+                why = "layers+raw:tokens is not offered" if raw else "these layers give no patch tokens"
+                raise ConfigError(f"--features {spec}: {why}; per-block tokens come from timm ViT blocks {_FLAG}")
+            cls = ("cls",) if "cls" in self.parts else ()
+            return [layer_kind(i, p) for i in indices for p in (TOKEN_PART, *cls)]
         if raw and not self.raw_parts:
             raise ConfigError(
                 f"--features {spec}: these layers have no final norm, so there is nothing before it to store; "
@@ -88,7 +107,7 @@ class LayerSet:
         p = parse_layer_kind(kind)
         if p is None or not self.offers(kind):
             raise ConfigError(f"{kind!r} is not a layer kind of this backbone {_FLAG}")
-        normed = bool(self.norm) and p[1] in ("cls", "mean")
+        normed = bool(self.norm) and p[1] in ("cls", "mean", TOKEN_PART)
         return {
             "index": p[0],
             "part": p[1],
@@ -148,6 +167,7 @@ def timm_layers(model: Any) -> LayerSet | None:
             ("cls", "mean") if has_cls else ("mean",),
             norm="norm" if real_norm else "",
             via=via,
+            tokens=True,
         )
     info = getattr(model, "feature_info", None)
     if not info:
@@ -175,7 +195,9 @@ def vit_layer_outputs(records: dict[str, dict[str, Any]], got: dict[int, Any], n
             normed = norm(patches if prefix is None else torch.cat([prefix, patches], dim=1))
         for k, r in mine.items():
             src = normed if r["norm"] else None
-            if r["part"].startswith("cls"):
+            if r["part"] == TOKEN_PART:  # the block's patch tokens [B, T, D], normed (a copy, as below)
+                out[k] = (src[:, n_pre:] if src is not None else patches).clone()
+            elif r["part"].startswith("cls"):
                 # a copy: the token's view would keep the block's whole [B, P + T, D] output alive
                 seq: Any = src if src is not None else prefix  # a class-token part: prefix tokens exist
                 out[k] = seq[:, 0].clone()

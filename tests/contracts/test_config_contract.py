@@ -47,6 +47,7 @@ STAGES = {
             "max_image_pixels": 1000,
             "views": 3,
             "view_seed": 9,
+            "window_short_side": 40,
         },
     ),
     "probe": (
