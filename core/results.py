@@ -12,7 +12,7 @@ Columns (see README, "Results schema"):
 column             dtype      meaning
 =================  =========  ==========================================================
 run_id             str        stable hash of the run definition (see :func:`make_run_id`)
-kind               str        ``probe`` | ``knn`` | ``retrieval`` | ``finetune`` | ``similarity`` | ``audit``
+kind               str        ``probe`` | ``knn`` | ``retrieval`` | ``finetune`` | ``similarity`` | ``audit`` | ``dense``
 backbone           str        backbone key in the store
 dataset            str        dataset name (the task)
 protocol           str        ``full``, ``fewshot:5``, ``vtab1k``, ``salman``, ``zeroshot``, ``image-text``...
