@@ -37,6 +37,9 @@ __all__ = [
 
 #: the built-in dense solvers, each imported on first use
 register_dense_solver("seg-linear", "featcache.dense.seg:fit_seg_linear", note="DINOv3/DINOv2 linear segmentation head")
+register_dense_solver(
+    "hummingbird", "featcache.dense.hbird:hummingbird", note="dense k-NN label transfer (open-hummingbird-eval)"
+)
 
 #: this stage's entry in the stage registry (the sweep runs its work items through it)
 register_stage(STAGE)

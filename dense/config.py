@@ -72,6 +72,21 @@ class DenseConfig:
         type=int,
         check=Interval(int, 1, 1 << 20),
     )
+    # hummingbird (branch h-dhbird): its memory bound and search index
+    memory_size: int | None = flag(
+        None,
+        "hummingbird: patches kept in the memory, sampled class-balanced per image as open-hummingbird-eval "
+        "does (default: every patch of every stored training view)",
+        type=int,
+        check=Interval(int, 1),
+    )
+    index: str = flag(
+        "exact",
+        "hummingbird's search: exact (FAISS IndexFlatIP) or a faiss.index_factory string (IVF1024,Flat, "
+        "HNSW32, IVF1024,PQ32) for memories that outgrow RAM, as featcache retrieve --index spells it",
+    )
+    nprobe: int | None = flag(None, "IVF lists probed per query (--index IVF...)", type=int, check=Interval(int, 1))
+    ef_search: int | None = flag(None, "HNSW efSearch (--index HNSW...)", type=int, check=Interval(int, 1))
     train_split: str = flag("train", "the split trained on (its @view{v} groups when stored)")
     val_split: str = flag("val", "the selection split (reported where no --test-split is stored)")
     test_split: str = flag("test", "the reported split, when stored")
@@ -103,7 +118,18 @@ class DenseConfig:
             raise ConfigError("--train-split, --val-split and --test-split must name three different splits")
         configs.check_fields(self)
         parse_memory(self.max_memory)
+        self._check_index()
         self.get_protocol()
+
+    def _check_index(self) -> None:
+        """hummingbird's --index / --nprobe / --ef-search: checked before any row is read."""
+        from featcache.dense.hbird import EXACT, check_index
+
+        object.__setattr__(self, "index", str(self.index).strip() or EXACT)
+        if self.index == EXACT and (self.nprobe is not None or self.ef_search is not None):
+            raise ConfigError("--nprobe / --ef-search need --index FACTORY (an IVF or HNSW index), not exact search")
+        if self.index != EXACT:
+            check_index(self.index)
 
     def get_protocol(self) -> Protocol:
         """The registered dense protocol ``self.protocol`` (unknown: a one-line error listing them)."""
@@ -124,6 +150,16 @@ class DenseConfig:
             "batch_size": self.batch_size,
             "splits": [self.train_split, self.val_split, self.test_split],
             "precision": self.precision,
+            # hummingbird's options, only where set (the other protocols' run ids unchanged)
+            **{k: v for k, v in self._hbird_options().items() if v not in (None, "exact")},
+        }
+
+    def _hbird_options(self) -> dict[str, Any]:
+        return {
+            "memory_size": self.memory_size,
+            "index": self.index,
+            "nprobe": self.nprobe,
+            "ef_search": self.ef_search,
         }
 
     @classmethod

@@ -69,3 +69,34 @@ def _seg_linear(arg: str | None) -> Protocol:
 # ---------------------------------------------------------------- depth (depth-linear)
 
 # ---------------------------------------------------------------- hummingbird
+
+
+@dataclass(frozen=True)
+class HbirdGrid:
+    """Hummingbird's settings (vpariza/open-hummingbird-eval ``hbird_evaluation`` defaults): ``k``
+    neighbours, the softmax ``temperature`` over their cosines (its ``beta``), the bounded
+    ``memory_size`` (None: every training patch of every stored view) and ``batch_size`` (images
+    per draw of the bounded sampling and per query block). One point: nothing is selected."""
+
+    k: int = 30
+    temperature: float = 0.02
+    memory_size: int | None = None
+    batch_size: int = 64
+
+
+@register_protocol(
+    "hummingbird",
+    stage="dense",
+    note="dense k-NN label transfer from the stored training views (open-hummingbird-eval): hbird_miou",
+)
+def _hummingbird(arg: str | None) -> Protocol:
+    if arg is not None:
+        raise ProtocolError(f"protocol 'hummingbird' takes no argument, got hummingbird:{arg}")
+    return Protocol(
+        spec="hummingbird",
+        name="hummingbird",
+        stage="dense",
+        split="full",
+        solver="hummingbird",
+        grid=HbirdGrid(),  # type: ignore[arg-type]  # a dense grid, outside the probes' Grid union
+    )
