@@ -220,3 +220,58 @@ def test_kill9_in_a_view_group_resumes_byte_identical(dense_store, tmp_path):
     for split in ("train", "train@view0"):  # the same rows and targets as the library's extraction
         g = f"features/{LITE0}/mosaics/{split}"
         assert chunk_bytes(cache / g) == chunk_bytes(ref / g), split
+
+
+def test_depth_groups_store_metres_validity_and_full_maps(tmp_path, monkeypatch):
+    from dense_mosaics import MosaicDepth, MosaicImage
+
+    import featcache.extract.pipeline as pipeline
+    from featcache.data.dense_geometry import DepthViewRows
+
+    sizes = [(60, 80), (48, 64), (60, 80)]
+    srcs = {"train": mosaic_split("train", 3, depth=True), "test": mosaic_split("test", 3, sizes=sizes, depth=True)}
+    monkeypatch.setattr(pipeline, "open_dataset", lambda *a, **k: srcs)
+    extract(
+        _cfg(
+            "digits",
+            tmp_path / "d.zarr",
+            splits=["train", "test"],
+            views=1,
+            windows=False,
+            flip=False,
+            input_size=(32, 40),
+        )
+    )
+    c = open_cache(str(tmp_path / "d.zarr"))
+    g = f"features/{LITE0}/mosaics-depth"
+    assert set(c.kinds(LITE0, "mosaics-depth", "test")) >= {"depth", "depth_valid", "full_depth", "full_depth_valid"}
+    assert c.provenance(LITE0, "mosaics-depth", "test", "depth").dtype == "float32"
+    assert c.provenance(LITE0, "mosaics-depth", "test", "depth_valid").dtype == "uint8"
+    full = np.asarray(c.root[f"{g}/test/full_depth"][:])
+    valid = np.asarray(c.root[f"{g}/test/full_depth_valid"][:])
+    for i, s in enumerate(sizes):
+        d = MosaicDepth(sizes, 0)(i)
+        np.testing.assert_array_equal(full[i, : s[0], : s[1]], d)
+        np.testing.assert_array_equal(valid[i, : s[0], : s[1]], (d > 0).astype(np.uint8))
+        assert (full[i, s[0] :] == 0).all()
+    dc = {**c.provenance(LITE0, "mosaics-depth", "train", "pooled").data_config, "input_size": (3, 32, 40)}
+    view = np.asarray(c.root[f"{g}/train@view0/depth"][:])
+    vvalid = np.asarray(c.root[f"{g}/train@view0/depth_valid"][:])
+    train = [(56, 56)] * 3
+    for i in range(3):
+        img, d = MosaicImage(train, 0)(i), MosaicDepth(train, 0)(i)
+        np.testing.assert_array_equal(view[i], DepthViewRows(dc, 3, 0)(img, d, i)[1])
+    np.testing.assert_array_equal(vvalid, (view > 0).astype(np.uint8))
+
+
+def test_the_store_reads_every_dense_group_back_paired(dense_store):
+    from featcache.store.dense import read_dense
+
+    _, _, c, _ = dense_store
+    for split in ("train", "train@view1", "val", "val@win", "val@flip"):
+        rows = read_dense(c, LITE0, "mosaics", split, ("tokens",))
+        assert rows.geometry.grid == (2, 2)
+        assert rows.target[0 : len(rows)].shape == (len(rows), 48, 64)
+    win = read_dense(c, LITE0, "mosaics", "val@win", ("tokens",))
+    assert win.tables["window"].shape == (len(win), 7)
+    assert set(read_dense(c, LITE0, "mosaics", "val", ("tokens",)).full) == {"full_mask"}
