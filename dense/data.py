@@ -57,7 +57,7 @@ class StoreSource:
         return list(self.cache.kinds(backbone, dataset, split))
 
     def read(self, backbone: str, dataset: str, split: str, kinds: tuple[str, ...]) -> DenseRows:
-        from featcache.store.dense import read_dense  # the store's dense reader (pairing checks)
+        from featcache.store import read_dense  # store/dense.py (its pairing checks)
 
         return read_dense(self.cache, backbone, dataset, split, kinds)
 

@@ -64,7 +64,7 @@ def _plan(source: DenseSource, cfg: DenseConfig, backbone: str) -> TaskPlan:
 
 
 def _fingerprint(source: DenseSource, cfg: DenseConfig, backbone: str, plan: TaskPlan, kind: str) -> str:
-    from featcache.store.fingerprints import combine_fingerprints
+    from featcache.store import combine_fingerprints
 
     groups = [*plan.train_groups, plan.select_name or cfg.train_split, plan.eval_name]
     return combine_fingerprints(*(source.fingerprint(backbone, cfg.dataset, g, kind) for g in groups))

@@ -178,7 +178,11 @@ class WindowStitcher:
     """DINOv3's ``slide_inference`` over stored windows: each window's logits (at its token
     grid) bilinear to the window (``align_corners=False``, as the head's ``predict`` rescales
     them), summed into its image's resized canvas with a count map; an image whose windows are
-    all in is divided by the count and resized bilinear to its original size."""
+    all in is divided by the count and resized bilinear to its original size.
+
+    Every stored window has the window's size (one token grid per group): where a window passes
+    a side of the resized image (a side shorter than the window), the extraction padded it, and
+    its logits' image part is taken; the reference feeds the model the clipped crop instead."""
 
     def __init__(self, windows: np.ndarray, crop: tuple[int, int], n_classes: int) -> None:
         self.windows = np.asarray(windows, np.int64)
@@ -203,8 +207,8 @@ class WindowStitcher:
         if img not in self.canvas:
             self.canvas[img] = (torch.zeros(self.n_classes, rh, rw), torch.zeros(1, rh, rw))
         preds, count = self.canvas[img]
-        up = F.interpolate(grid_logits[None].float(), size=(h, wd), mode="bilinear", align_corners=False)[0]
-        preds[:, y0 : y0 + h, x0 : x0 + wd] += up.cpu()
+        up = F.interpolate(grid_logits[None].float(), size=self.crop, mode="bilinear", align_corners=False)[0]
+        preds[:, y0 : y0 + h, x0 : x0 + wd] += up[:, :h, :wd].cpu()  # a padded window: its image part
         count[:, y0 : y0 + h, x0 : x0 + wd] += 1
         self.seen[img] = self.seen.get(img, 0) + 1
         if self.seen[img] < self.expected[img]:

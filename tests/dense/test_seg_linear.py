@@ -292,7 +292,10 @@ def test_head_is_dinov3_linear_head(threads):
 
 
 # ---------------------------------------------------------------------------- slide stitching
-@pytest.mark.parametrize(("hw", "crop", "stride"), [((100, 150), (64, 64), (43, 43)), ((50, 90), (64, 64), (43, 43))])
+@pytest.mark.parametrize(
+    ("hw", "crop", "stride"),
+    [((100, 150), (64, 64), (43, 43)), ((64, 150), (64, 64), (43, 43)), ((90, 64), (64, 64), (43, 43))],
+)
 def test_slide_stitching_equals_dinov3(threads, hw, crop, stride):
     """Windows stored as token rows (the crop's grid, row-major) + the window table, scored by
     our head and stitched, equal the reference's slide inference on the image."""
@@ -387,3 +390,16 @@ def test_resize_eval_scores_the_resize_masks(mosaic_source):
     acc.update(np.asarray(rows.target), up.argmax(1).numpy())
     assert how == "resize"
     assert metrics == acc.compute()
+
+
+def test_a_padded_window_contributes_its_image_part():
+    """A window past the resized image's side (stored padded to the window's size) adds the
+    image part of its logits (rows 0..h of the window), counted once."""
+    table = np.array([[0, 0, 0, 40, 64, 20, 32]])  # resized 40 x 64, window 64 x 64 padded below
+    st = WindowStitcher(table, (64, 64), 3)
+    logits = torch.randn(3, 4, 4)
+    img, out = st.add(0, logits)
+    up = F.interpolate(logits[None], size=(64, 64), mode="bilinear", align_corners=False)[0, :, :40, :]
+    want = F.interpolate(up[None], size=(20, 32), mode="bilinear", align_corners=False)[0]
+    assert img == 0
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
