@@ -79,6 +79,7 @@ class HbirdSettings:
     index: str = EXACT
     nprobe: int | None = None
     ef_search: int | None = None
+    progress: bool = True  # a progress bar of the memory's blocks (not recorded)
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.batch_size < 1:
@@ -119,6 +120,7 @@ def settings_from(protocol: Any, config: Any) -> HbirdSettings:
     vals["index"] = str(getattr(config, "index", None) or EXACT).strip() or EXACT
     vals["nprobe"] = getattr(config, "nprobe", None)
     vals["ef_search"] = getattr(config, "ef_search", None)
+    vals["progress"] = bool(getattr(config, "progress", True))
     return HbirdSettings(**vals)
 
 
@@ -246,7 +248,7 @@ def build_memory(groups: list[DenseRows], s: HbirdSettings, num_classes: int, se
     gen = torch.Generator().manual_seed(int(seed))
     feats, labs = [], []
     total = sum((len(g) + s.batch_size - 1) // s.batch_size for g in groups)
-    with tqdm(total=total, desc="hummingbird memory", unit="block", leave=False) as bar:
+    with tqdm(total=total, desc="hummingbird memory", unit="block", leave=False, disable=not s.progress) as bar:
         for g in groups:
             _kind_of(g, s.kind)
             for tok, tgt, _ in _blocks(g, s.kind, s.batch_size):

