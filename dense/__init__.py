@@ -40,6 +40,9 @@ register_dense_solver("seg-linear", "featcache.dense.seg:fit_seg_linear", note="
 register_dense_solver(
     "hummingbird", "featcache.dense.hbird:hummingbird", note="dense k-NN label transfer (open-hummingbird-eval)"
 )
+register_dense_solver(
+    "depth-linear", "featcache.dense.depth:fit_depth_linear", note="DINOv3's NYU / DINOv2's lin. 1, lin. 4 depth heads"
+)
 
 #: this stage's entry in the stage registry (the sweep runs its work items through it)
 register_stage(STAGE)

@@ -68,26 +68,29 @@ def _even_blocks(layers: list[int]) -> list[int]:
     return [4, 11, 17, 23] if n == 24 else [i * (n // 4) - 1 for i in range(1, 5)]
 
 
-def depth_kinds(rows: DenseRows, variant: str, blocks: int, layers: Any = None) -> DepthKinds:
+def _cls_of(kind: str) -> str:
+    """The class-token kind stored beside a patch-token kind (``tokens`` -> ``cls``,
+    ``layer{i}_tokens`` -> ``layer{i}_cls``)."""
+    return "cls" if kind == "tokens" else kind.removesuffix("_tokens") + "_cls"
+
+
+def depth_kinds(rows: DenseRows, variant: str, blocks: int, kind: str = "tokens") -> DepthKinds:
     """The kinds of ``rows`` a ``variant`` head over ``blocks`` blocks reads: one block is
-    ``tokens`` (+ ``cls``); four are ``layer{i}_tokens`` (+ ``layer{i}_cls``) of ``layers`` if
-    given, else of the four stored, else DINOv2's evenly spaced four of the stored blocks."""
+    ``kind`` (the config's; default ``tokens``); four are the four ``layer{i}_tokens`` kinds
+    stored (the stage's runner reads the evenly spaced four), else DINOv2's evenly spaced four
+    of the stored blocks. DINOv2's heads add each block's class-token kind."""
     have = set(rows.kinds)
-    use_cls = variant == "dinov2"
-    if blocks == 1 and not layers:
-        kinds = DepthKinds(("tokens",), ("cls",) if use_cls else ())
+    if blocks == 1:
+        patch: tuple[str, ...] = (kind,)
     else:
         stored = sorted(int(m[1]) for k in have if (m := _LAYER.match(k)))
-        pick = [int(i) for i in layers] if layers else stored if len(stored) == blocks else []
-        if not pick and stored and blocks == 4:
-            pick = _even_blocks(stored)
-        kinds = DepthKinds(
-            tuple(f"layer{i}_tokens" for i in pick), tuple(f"layer{i}_cls" for i in pick) if use_cls else ()
-        )
-    missing = [k for k in (*kinds.patch, *kinds.cls) if k not in have] or ([] if kinds.patch else ["layer{i}_tokens"])
+        pick = stored if len(stored) == blocks else _even_blocks(stored) if stored and blocks == 4 else []
+        patch = tuple(f"layer{i}_tokens" for i in pick)
+    kinds = DepthKinds(patch, tuple(_cls_of(k) for k in patch) if variant == "dinov2" else ())
+    missing = [k for k in (*kinds.patch, *kinds.cls) if k not in have] or ([] if patch else ["layer{i}_tokens"])
     if missing:
         raise ProtocolError(
-            f"the depth head reads {', '.join(missing)} but split {rows.split!r} stores {sorted(have)}; "
+            f"the depth head reads {', '.join(missing)} but split {rows.split!r} holds {sorted(have)}; "
             "extract the blocks it reads (their patch tokens and, for DINOv2's heads, class tokens)"
         )
     return kinds
@@ -169,7 +172,7 @@ def _plan(grid: Any, config: Any, train: list[DenseRows], kinds: DepthKinds) -> 
     iters = _opt(config, "iterations", None)
     epochs = _opt(config, "epochs", None)
     if iters is None and epochs is not None:
-        iters = int(epochs) * math.ceil(n_rows / bs)
+        iters = math.ceil(float(epochs) * math.ceil(n_rows / bs))
     iters = int(iters or grid.iterations)
     if iters < 1 or bs < 1:
         raise ConfigError(f"depth-linear needs iterations >= 1 and batch_size >= 1, got {iters} and {bs}")
@@ -287,6 +290,7 @@ def score_depth(
         raise ProtocolError(f"the @flip rows of split {rows.split!r} are not its rows in order; re-extract the split")
     acc = DepthAccumulator(min_depth=depth_range[0], max_depth=depth_range[1], eigen_crop=eigen)
     valid = np.asarray(rows.valid, dtype=bool)
+    per_image = np.full(len(rows), np.nan)
     for s in range(0, len(rows), batch_size):
         sel = slice(s, min(s + batch_size, len(rows)))
         pred = predict_depth(head, rows, kinds, sel, device, flip)
@@ -294,10 +298,12 @@ def score_depth(
             if valid[s + j]:
                 p = _resize(pred[j : j + 1], gt.shape)[0, 0]
                 acc.update(gt, p.to(torch.float64).cpu().numpy())
+                per_image[s + j] = acc.values["rmse"][-1]
     info = {
         "eval_target": FULL_PREFIX + DEPTH_KIND if full else DEPTH_KIND,
         "tta": flip is not None,
         "images": acc.n_images,
+        "per_image_rmse": per_image,
     }
     return acc.compute(), info
 
@@ -331,7 +337,8 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
     """Train ``protocol``'s linear depth head on ``task.train`` and score its last iterate on
     ``task.val`` and ``task.test`` (flip-averaged on test where the grid asks and ``@flip`` rows
     are stored). ``config``: ``batch_size``, ``iterations`` / ``epochs``, ``device``,
-    ``max_memory``, ``layers``, ``progress`` are read where present."""
+    ``max_memory``, ``kind``, ``progress`` are read where present. ``per_image[role]``: each
+    image's RMSE (the headline metric), NaN where an image has no valid pixel."""
     grid = protocol.grid
     if task.info.task != "depth":
         raise ProtocolError(f"{protocol.spec} scores depth, but the dataset is a {task.info.task!r} dataset")
@@ -340,7 +347,7 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
     if not task.train:
         raise ProtocolError(f"{protocol.spec} has no training rows; extract the train split")
     t0 = time.perf_counter()
-    kinds = depth_kinds(task.train[0], grid.variant, grid.blocks, _opt(config, "layers", None))
+    kinds = depth_kinds(task.train[0], grid.variant, grid.blocks, str(_opt(config, "kind", "tokens")))
     rng = tuple(float(x) for x in (task.info.depth_range or DEFAULT_RANGE))
     max_depth = float(grid.max_depth or rng[1])
     plan = _plan(grid, config, task.train, kinds)
@@ -379,4 +386,8 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
     log.info(
         "%s: test rmse %.4f after %d steps (%.1f s)", protocol.spec, scores["test"]["rmse"], plan.iterations, fit_s
     )
-    return DenseFit(scores, hparams, fit_s)
+    fit = DenseFit(scores, hparams, fit_s)
+    # the headline metric's per-image values in the eval split's row order (NaN: a row without a
+    # valid pixel or marked invalid), for intervals over images (DenseFit.per_image)
+    fit.per_image = {role: how[role]["per_image_rmse"] for role in how}
+    return fit

@@ -37,7 +37,23 @@ _LAYER_TOKENS = re.compile(r"^layer(\d+)_tokens$")
 def feature_kinds(protocol: Protocol, kind: str, stored: list[str]) -> tuple[str, ...]:
     """The kinds a protocol's head reads: ``kind`` alone, or (a grid with ``blocks`` > 1, DINOv2's
     "+ms" / "lin. 4") that many evenly spaced ``layer{i}_tokens`` kinds of those stored (of
-    blocks 0..11: 2, 5, 8, 11, as DINOv2's ``get_intermediate_layers``; of 2, 5, 8, 11: all)."""
+    blocks 0..11: 2, 5, 8, 11, as DINOv2's ``get_intermediate_layers``; of 2, 5, 8, 11: all);
+    a grid whose ``reads_cls`` is true (DINOv2's depth heads) also reads each block's class
+    token (``tokens`` -> ``cls``, ``layer{i}_tokens`` -> ``layer{i}_cls``)."""
+    kinds = _token_kinds(protocol, kind, stored)
+    if not getattr(protocol.grid, "reads_cls", False):
+        return kinds
+    cls = tuple("cls" if k == "tokens" else k.removesuffix("_tokens") + "_cls" for k in kinds)
+    missing = [k for k in cls if k not in stored]
+    if missing:
+        raise DataError(
+            f"{protocol.spec} reads the class token of each block it reads; {', '.join(missing)} is not stored "
+            f"(kinds: {sorted(stored)}): extract the blocks' class tokens beside their patch tokens"
+        )
+    return kinds + cls
+
+
+def _token_kinds(protocol: Protocol, kind: str, stored: list[str]) -> tuple[str, ...]:
     n = int(getattr(protocol.grid, "blocks", 1))
     if n <= 1:
         if kind not in stored:

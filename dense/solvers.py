@@ -58,7 +58,3 @@ def register_dense_solver(name: str, target: Callable[..., DenseFit] | str | Non
     """Register a dense solver (a decorator without ``target``; a ``str`` target is
     ``module:attr``, imported on first use)."""
     return DENSE_SOLVERS.register(name, target, note=note)
-
-
-# depth (branch h-ddepth): DINOv3's / DINOv2's linear depth heads
-register_dense_solver("depth-linear", "featcache.dense.depth:fit_depth_linear")

@@ -3,11 +3,6 @@ naming a dense solver of :data:`featcache.dense.solvers.DENSE_SOLVERS`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from featcache.core.protocols.base import Protocol, register_protocol
-from featcache.errors import ProtocolError
-
 # ---------------------------------------------------------------- segmentation (seg-linear)
 from dataclasses import dataclass
 
@@ -106,6 +101,11 @@ class DepthLinearGrid:
     #: config-nyu.yaml ``eval.use_tta``: flip averaging on test where ``@flip`` rows are stored
     #: (the reference's periodic validation runs without it)
     tta: bool = True
+
+    @property
+    def reads_cls(self) -> bool:
+        """Whether the head reads each block's class token beside its patch tokens (DINOv2's)."""
+        return self.variant == "dinov2"
 
 
 #: the variant after ``depth-linear:`` -> its grid

@@ -9,6 +9,7 @@ backbones. The learning margins were measured at 1 and 2 torch threads (see each
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,9 +18,9 @@ import torch
 
 from featcache.core.dense import DenseInfo, DenseRows, Geometry
 from featcache.core.protocols import get_protocol
-from featcache.dense import DENSE_SOLVERS, DenseEval, DenseTask
+from featcache.dense import DENSE_SOLVERS, ArraySource, DenseConfig, DenseEval, DenseTask, run_dense
 from featcache.dense.depth import _batches, _plan, depth_kinds, fit_depth_linear
-from featcache.errors import ConfigError, ProtocolError
+from featcache.errors import ConfigError, DataError, ProtocolError
 
 OH, OW, H, W, P = 48, 60, 32, 40, 4
 LEVELS = np.array([1.5, 3.0, 4.5, 6.0, 7.5], np.float32)
@@ -122,6 +123,9 @@ def test_dinov3_head_learns_depth_with_flip_averaging(task: DenseTask) -> None:
     h = fit.hparams
     assert (h["eval_target"], h["tta_test"], h["iterations"], h["warmup_iters"]) == ("full_depth", True, 150, 50)
     assert (h["kinds"], h["views"], h["train_rows"], h["bins_max_depth"]) == (["tokens"], 0, 64, 10.0)
+    per = fit.per_image["test"]  # each test image's RMSE, in row order, averaged into the score
+    assert per.shape == (16,)
+    assert float(np.mean(per)) == pytest.approx(fit.scores["test"]["rmse"], rel=1e-12)
 
 
 def test_dinov2_lin1_learns_depth(task: DenseTask) -> None:
@@ -206,3 +210,35 @@ def test_a_dinov2_head_without_class_tokens_is_refused() -> None:
     head = DepthLinearHead(8, 1, use_cls=True, batchnorm=False, upsample=4, init_std=None)
     with pytest.raises(ProtocolError, match="class token"):
         head([torch.zeros(1, 8, 2, 3)])
+
+
+@pytest.mark.parametrize("spec", ["depth-linear", "depth-linear:dinov2-lin1"])
+def test_run_dense_writes_depth_rows(task: DenseTask, tmp_path, spec: str) -> None:
+    """Through the stage (``featcache dense``'s library call): selection on val, test reported,
+    one row per depth metric; DINOv2's head reads the class tokens beside the patch tokens."""
+    groups = {("px", "scenes", r.split): r for r in (task.train[0], task.val.rows, task.test.rows, task.test.flip)}
+    cfg = DenseConfig(
+        cache=str(tmp_path), dataset="scenes", backbones=("px",), protocol=spec, iterations=4, batch_size=8,
+        device="cpu", progress=False,
+    )  # fmt: skip
+    df = run_dense(cfg, source=ArraySource(groups))
+    assert set(df["metric"]) == {
+        "rmse",
+        "abs_rel",
+        "sq_rel",
+        "rmse_log",
+        "log10",
+        "delta1",
+        "delta2",
+        "delta3",
+        "silog",
+        "mae",
+    }
+    assert set(df["eval_split"]) == {"test"}
+    hp = json.loads(df["hparams"][0])
+    assert hp["kinds"] == (["tokens", "cls"] if "dinov2" in spec else ["tokens"])
+    assert (hp["eval_target"], hp["tta_test"], hp["selected_on"], hp["iterations"]) == ("full_depth", True, "val", 4)
+    if "dinov2" in spec:
+        no_cls = {k: dataclasses.replace(r, kinds={"tokens": r.kinds["tokens"]}) for k, r in groups.items()}
+        with pytest.raises(DataError, match="class token"):
+            run_dense(cfg, source=ArraySource(no_cls))
