@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         return 0
     root.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.threads)
-    info: dict = {"args": {k: v for k, v in vars(a).items()}, "machine_before": _machine()}
+    info: dict = {"args": dict(vars(a)), "machine_before": _machine()}
     segmentation(a, info)
     if not a.no_depth:
         depth(a, info)
