@@ -72,16 +72,22 @@ def _steps(a, n_rows: int) -> int:
     return a.steps or math.ceil(n_rows / a.batch_size)
 
 
-def arm_solver(a) -> dict:
-    """The seg-linear solver's training path for one epoch (``--iterations`` = its steps), after
-    a 3-step warm-up fit (first-call costs paid there, as in the bare loop's)."""
+def arm_solver(a, precision: str = "fp32", evaluate_on: str | None = None) -> dict:
+    """The seg-linear solver's training path for one epoch (``--iterations`` = its steps) at
+    ``precision``, after a 3-step warm-up fit (first-call costs paid there, as in the bare
+    loop's)."""
     from featcache.dense.config import DenseConfig
     from featcache.dense.data import take_rows
     from featcache.dense.seg import fit_seg_linear
     from featcache.dense.solvers import DenseEval, DenseTask
 
     rows = _rows(a)
-    first = take_rows(rows, np.array([0]))  # the selection/test row in memory: its 8 checks cost one forward each
+    # the selection/test rows in memory: one training row (its 8 checks cost one forward each),
+    # or the group ``evaluate_on`` (the bf16 agreement)
+    if evaluate_on is None:
+        first = take_rows(rows, np.array([0]))
+    else:
+        first = _rows(argparse.Namespace(**{**vars(a), "group": evaluate_on}))
     one = DenseEval(dataclasses.replace(first, kinds={"tokens": first.kinds["tokens"][:]}, target=first.target[:]))
     task = DenseTask(rows.info, [rows], one, one)
     steps = _steps(a, len(rows))
@@ -94,12 +100,14 @@ def arm_solver(a) -> dict:
             batch_size=a.batch_size,
             max_memory=a.max_memory,
             device="cpu",
+            precision=precision,
             progress=False,
         )
         c0 = time.process_time()
         fit = fit_seg_linear(task, cfg.get_protocol(), cfg, 0)
         cpu = time.process_time() - c0
-    return {"rows": steps * a.batch_size, "steps": steps, "seconds": fit.fit_seconds, "cpu": cpu}
+    out = {"rows": steps * a.batch_size, "steps": steps, "seconds": fit.fit_seconds, "cpu": cpu}
+    return {**out, "scores": fit.scores["test"], "history": fit.hparams["val_miou_history"]}
 
 
 def _bare_loop(x, y, n_classes: int, steps: int, batch_size: int) -> tuple[float, float]:
@@ -147,14 +155,30 @@ def _timed(a) -> dict[str, list[dict]]:
     import torch
 
     torch.set_num_threads(a.threads)
-    runs: dict[str, list[dict]] = {"read": [], "bare": [], "solver": []}
+    arms = {"read": arm_read, "bare": arm_bare, "solver": arm_solver}
+    if a.bf16:
+        arms["solver-bf16"] = lambda a: arm_solver(a, "bf16")
+    runs: dict[str, list[dict]] = {n: [] for n in arms}
     for r in range(a.repeats):
-        order = ("read", "bare", "solver") if r % 2 == 0 else ("read", "solver", "bare")
+        order = list(arms) if r % 2 == 0 else ["read", *reversed(list(arms)[1:])]
         for name in order:
-            out = {"read": arm_read, "bare": arm_bare, "solver": arm_solver}[name](a)
+            out = arms[name](a)
             out.update(peak_rss_mib=_vm_hwm() / 2**20, load=os.getloadavg()[0])
             runs[name].append(out)
     return runs
+
+
+def _bf16_report(a, runs: dict, cpu: dict) -> None:
+    """bf16 against fp32: the epoch's CPU ratio, and both heads' scores on ``--agree-on``."""
+    from featcache.core.cpu import bf16_support
+
+    print(f"bf16: {bf16_support()[1]}")
+    each = ", ".join(f"{b['cpu'] / f['cpu']:.2f}" for b, f in zip(runs["solver-bf16"], runs["solver"], strict=True))
+    print(f"solver bf16 / fp32 epoch, CPU: {cpu['solver-bf16'] / cpu['solver']:.3f}x (each repeat: {each})")
+    f32, b16 = arm_solver(a, "fp32", a.agree_on), arm_solver(a, "bf16", a.agree_on)
+    for m in ("miou", "macc", "aacc"):
+        print(f"  {a.agree_on} {m}: fp32 {f32['scores'][m]:.4f}  bf16 {b16['scores'][m]:.4f}")
+    print(f"  val miou at the 8 checks: fp32 {f32['history']}  bf16 {b16['history']}")
 
 
 def _scratch_store(a) -> None:
@@ -185,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-memory", default="2GB")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bf16", action="store_true", help="also the solver at --precision bf16 (CPUs with bf16 units)")
+    ap.add_argument("--agree-on", default="val", help="with --bf16: the group both heads are scored on (agreement)")
     a = ap.parse_args(argv)
     from featcache.core.cpu import cpu_model
 
@@ -217,6 +243,8 @@ def main(argv=None) -> int:
         f"store read rate / solver step rate: {rate['read'] / rate['solver']:.1f}x wall, "
         f"{crate['read'] / crate['solver']:.1f}x CPU (> 1: reading is not the bottleneck)"
     )
+    if a.bf16:
+        _bf16_report(a, runs, cpu)
     print("uptime after:", os.popen("uptime").read().strip())
     return 0
 
