@@ -259,7 +259,7 @@ def markdown(info: dict) -> str:
 def _args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="work folder: the mosaics, depth scenes, store and evidence.json")
-    ap.add_argument("--n-train", type=int, default=400)
+    ap.add_argument("--n-train", type=int, default=300)
     ap.add_argument("--n-val", type=int, default=100)
     ap.add_argument("--n-test", type=int, default=200)
     ap.add_argument("--input-size", type=int, default=224, help="lite0's grid is input / 32")
