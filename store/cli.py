@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 #: where this stage's commands stand in ``featcache --help`` (featcache.cli reads the literal)
 HELP_ORDER = 40
@@ -190,6 +191,18 @@ def run_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def _dense_flags(split: str, p: Any) -> tuple[str, list[str]]:
+    """A dense window or flip group's base split and the extract flags that store it
+    (``val@win`` -> ``val``, ``--windows --window-short-side S``; ``val@flip`` -> ``--flip``)."""
+    geom = (p.extra or {}).get("geometry") or {}
+    if split.endswith("@win"):
+        side = (geom.get("params") or {}).get("short_side")
+        return split[: -len("@win")], ["--windows", *(["--window-short-side", str(side)] if side else [])]
+    if split.endswith("@flip"):
+        return split[: -len("@flip")], ["--flip"]
+    return split, []
+
+
 def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
     """The extract command that recomputes a feature group's damaged chunks, with the settings
     its provenance and its split recorded: data source, limit, views and view seed (a view split
@@ -204,17 +217,26 @@ def _extract_hint(cache, b: str, d: str, s: str, path: str) -> str:
         p = cache.provenance(b, d, s, next(k for k in kinds if k in g))  # a kind whose array survives
         dc = p.data_config or {}
         base, view = s.split("@view", 1) if "@view" in s else (s, None)
+        base, dense = _dense_flags(base, p)
         source = cache.split_meta(d, base).source
         args = ["--model", p.model_name, "--weights", p.weights_source, "--data", data_spec(source) or f"<{source}>"]
-        args += ["--dataset-name", d, "--split", base, "--backbone-name", b]
+        args += ["--dataset-name", d, "--split", base, "--backbone-name", b, *dense]
         if "input_size" in dc:
-            args += ["--input-size", str(dc["input_size"][-1])]
+            h, w = (int(x) for x in dc["input_size"][-2:])
+            args += ["--input-size", str(w) if h == w else f"{h}x{w}"]
         if isinstance(dc.get("view"), dict):
             args += ["--views", str(int(dc["view"]["index"]) + 1), "--view-seed", str(int(dc["view"]["seed"]))]
         elif view is not None:
             args += ["--views", str(int(view) + 1)]
         args += ["--chunk-rows", str(p.chunk_rows), "--dtype", p.dtype, "--features", ",".join(kinds)]
-        args += ["--limit", str(p.n), "--precision", {"none": "fp32"}.get(p.amp, p.amp), "--cache", path]
+        args += [
+            "--limit",
+            str(cache.split_meta(d, base).n if dense else p.n),
+            "--precision",
+            {"none": "fp32"}.get(p.amp, p.amp),
+            "--cache",
+            path,
+        ]
         return f"`featcache extract {shlex.join(args)}` (the command that wrote it, as the store recorded it)"
     except Exception:
         try:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from featcache.core.dense import is_target_kind
 from featcache.errors import ConfigError, CorruptStoreError, NotInStoreError
 from featcache.store.cache import FeatureCache, open_cache
 from featcache.store.hub import STORE_DIR, HubPath, hub_snapshot
@@ -170,8 +171,12 @@ def _plan(cache: FeatureCache, kinds: tuple[str, ...] | None) -> list[_Group]:
     groups = []
     for b, d, s in entries:
         ks = tuple(k for k in cache.kinds(b, d, s) if kinds is None or k in kinds)
+        if ks and not all(is_target_kind(k) for k in ks):  # a dense group's targets travel with its features
+            ks = tuple(k for k in cache.kinds(b, d, s) if k in ks or is_target_kind(k))
         if ks:
-            vec = tuple(k for k in ks if len(cache.provenance(b, d, s, k).row_shape) == 1)
+            vec = tuple(  # N-d kinds and dense targets (image_size, window: int tables) stay in Zarr only
+                k for k in ks if len(cache.provenance(b, d, s, k).row_shape) == 1 and not is_target_kind(k)
+            )
             groups.append(_Group(b, d, s, ks, vec))
     return groups
 

@@ -79,6 +79,9 @@ def kind_dtypes(kind: str) -> tuple[str, ...]:
     return TARGET_DTYPES.get(kind, MODEL_DTYPES)
 
 
+#: the ``extra`` entries of a dense kind's provenance that join its identity
+DENSE_IDENTITY = ("geometry", "dense")
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+=,:%-]*$")
 
 
@@ -316,12 +319,17 @@ class FeatureProvenance(_Schema):
 
     def identity(self) -> dict[str, Any]:
         """The IDENTITY fields, plus ``inner`` where it is not empty (so a ``[N, D]`` kind's
-        identity, and every fingerprint made from it, is the one before ``inner`` existed)."""
+        identity, and every fingerprint made from it, is the one before ``inner`` existed), and a
+        dense kind's ``extra["geometry"]`` / ``extra["dense"]`` where recorded (a resume with
+        other windows, views or target reductions is refused; other kinds' identity unchanged)."""
         out = {k: _jsonable(getattr(self, k)) for k in self.IDENTITY}
         if self.inner:
             out["inner"] = list(self.inner)
         if self.layer:
             out["layer"] = _jsonable(self.layer)
+        for key in DENSE_IDENTITY:  # a dense row's geometry and targets' meaning (issue 57)
+            if isinstance(self.extra, dict) and self.extra.get(key) is not None:
+                out[key] = _jsonable(self.extra[key])
         return out
 
     def differences(self, other: FeatureProvenance) -> dict[str, tuple[Any, Any]]:

@@ -241,3 +241,47 @@ def test_row_blocks_cover_every_row_once_within_the_budget(n, row, budget, align
     assert all((e - s) * row <= budget for s, e in blocks)
     if budget // row >= align:
         assert all((e - s) % align == 0 for s, e in blocks[:-1])
+
+
+def test_verify_names_the_extract_flags_that_recompute_a_damaged_window_group(dense_store, tmp_path, capsys):
+    """A damaged ``val@win`` chunk: the printed command re-runs the base split with ``--windows``
+    and its recorded short side, over the base split's images (not the window rows)."""
+    import shutil
+
+    from featcache.cli import main
+
+    path = tmp_path / "c.zarr"
+    shutil.copytree(dense_store[0], path)
+    chunk = path / "features/pix/mosaic/val@win/tokens/c/3/0/0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    chunk.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "val@win/tokens: chunk 3 (rows 12-15)" in out
+    hint = "--split val --backbone-name pix --windows --window-short-side 56 "
+    assert hint in out, out
+    assert "--features tokens --limit 16 " in out, out
+
+
+def test_a_published_dense_group_keeps_its_targets_and_reads_back_paired(tmp_path):
+    """``publish --kinds tokens`` copies a dense group's targets with its tokens (a published
+    group reads back through ``read_dense``); the Parquet mirror holds no target table."""
+    import pyarrow.parquet as pq
+
+    from featcache.store.publish import PublishConfig, publish
+    from featcache.store.verify import verify
+
+    path = tmp_path / "c.zarr"
+    img, mask = mosaics(4)
+    write_group(path, "val", resize_rows(img, mask), RESIZE, ids=[f"m{i}" for i in range(4)])
+    win, win_ids = window_rows(img, mask)
+    write_group(path, "val@win", win, WIN, ids=win_ids)
+    out = publish(PublishConfig(str(path), str(tmp_path / "pub"), kinds=("tokens", "cls")))
+    store = str(out / "store.zarr")
+    assert verify(store) == []
+    rows = read_dense(open_cache(store), "pix", "mosaic", "val@win")
+    np.testing.assert_array_equal(rows.target[:], win["mask"])
+    assert set(rows.tables) == {"window"}
+    assert pq.read_schema(out / "data/pix--mosaic/val.parquet").names == ["id", "label", "valid", "cls"]
