@@ -69,12 +69,10 @@ def _input_side(value: Any) -> str | None:
     sides = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else ()
     if len(sides) not in (1, 2) or not all(isinstance(v, int) and not isinstance(v, bool) for v in sides):
         return "write N or HxW"
-    if any(v < 1 or v > MAX_INPUT_SIDE for v in sides):
-        return f"each side must be 1..{MAX_INPUT_SIDE} pixels"
-    return None
+    return next((want for v in sides if (want := _SIDE(v))), None)  # each side as a square one is checked
 
 
-_input_side.shown = str  # type: ignore[attr-defined]
+_input_side.shown = lambda v: "x".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)  # type: ignore[attr-defined]
 
 
 def weights_help() -> str:
@@ -202,7 +200,8 @@ class ExtractConfig:
         0,
         "also extract K seeded augmented views of the train split (RandomResizedCrop(scale 0.08-1, bicubic) + "
         "horizontal flip, the DINOv2/MAE train transform), stored as splits train@view0 .. train@view{K-1}; "
-        "val/test keep the deterministic view; K=8 after K=4 computes views 4-7 only",
+        "val/test keep the deterministic view; K=8 after K=4 computes views 4-7 only; on a dense dataset the view "
+        "is DINOv3's segmentation or NYU depth train transform with the target moved identically",
         type=int,
         metavar="K",
         check=Interval(int, 0, MAX_VIEWS, hi_text=f"must be at most {MAX_VIEWS} views"),

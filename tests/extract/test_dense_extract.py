@@ -110,6 +110,16 @@ def test_window_table_is_dinov3s_slide_arithmetic(dense_store):
     for r, (i, y0, x0, *_rest) in enumerate(table):
         a, m = mosaic(100 + int(i), VAL_SIZES[int(i)])
         np.testing.assert_array_equal(masks[r], win(Image.fromarray(a), m, int(i), int(y0), int(x0))[1])
+    # stitched at their corners, an image's windows cover its resized mask exactly (the padding aside)
+    from featcache.data.dense_geometry import resize_target
+
+    for i, (h, w) in enumerate(VAL_SIZES):
+        rh, rw = win.resized(h, w)
+        canvas = np.full((rh + 48, rw + 64), 254, np.uint8)
+        for r in np.flatnonzero(table[:, 0] == i):
+            y0, x0 = int(table[r, 1]), int(table[r, 2])
+            canvas[y0 : y0 + 48, x0 : x0 + 64] = masks[r]
+        np.testing.assert_array_equal(canvas[:rh, :rw], resize_target(mosaic(100 + i, (h, w))[1], (rh, rw)))
 
 
 def test_features_are_the_models_forward_of_the_same_pixels(dense_store):
@@ -194,9 +204,25 @@ def test_dense_flags_on_a_dataset_without_targets_are_one_line(tmp_path):
         extract(_cfg("digits", tmp_path / "n.zarr", splits=["test"], views=0, limit=8, input_size=32))
 
 
+#: the killed run: the CLI with every view chunk written 0.3 s late (the bytes unchanged), so the kill
+#: lands between a group's first and last chunk however fast the machine is
+_SLOW_CLI = """
+import sys, time
+from featcache.store.writer import FeatureWriter
+write = FeatureWriter.write_chunk
+def slow(self, *a, **k):
+    if "@view" in self.split:
+        time.sleep(0.3)
+    return write(self, *a, **k)
+FeatureWriter.write_chunk = slow
+from featcache.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _argv(data: str, cache) -> list[str]:
     return [
-        sys.executable, "-m", "featcache", "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS,
+        sys.executable, "-c", _SLOW_CLI, "extract", "--model", LITE0, "--weights", LITE0_WEIGHTS,
         "--data", f"segfolder:{data}", "--dataset-name", "mosaics", "--split", "train",
         "--input-size", "48x64", "--features", "pooled,tokens", "--views", "1", "--view-seed", "3", "--chunk-rows", str(CHUNK), "--batch-size", "4", "--workers", "0", "--threads", "1",
         "--precision", "fp32", "--no-progress", "--cache", str(cache),
