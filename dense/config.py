@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from featcache.core import configs
-from featcache.core.configs import Interval, OneOf, flag, seed_tuple
+from featcache.core.configs import Interval, Matches, OneOf, flag, int_list, seed_tuple
 from featcache.core.devices import PRECISIONS
 from featcache.core.memory import parse_memory
 from featcache.errors import ConfigError
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from featcache.core.protocols import Protocol
 
 __all__ = ["DenseConfig"]
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 def _protocol_help() -> str:
@@ -56,7 +59,7 @@ class DenseConfig:
     )
     protocol: str = flag("seg-linear", _protocol_help)
     kind: str = flag("tokens", "the patch-token kind the head reads (the -ms / lin.4 variants: layer{i}_tokens)")
-    seeds: tuple[int, ...] = flag(help="comma-separated seeds", type=seed_tuple, default_factory=lambda: (0,))
+    seeds: tuple[int, ...] = flag(help="comma-separated seeds", type=int_list, default_factory=lambda: (0,))
     epochs: float | None = flag(
         None,
         "passes over the cached training rows (every view) the schedule runs (default: the protocol's)",
@@ -91,7 +94,11 @@ class DenseConfig:
     val_split: str = flag("val", "the selection split (reported where no --test-split is stored)")
     test_split: str = flag("test", "the reported split, when stored")
     max_memory: str = flag("2GB", "memory bound for the rows a head holds (read in row blocks beyond it)")
-    device: str = flag("auto", "cpu, cuda or auto (CUDA where available, else CPU, logged)")
+    device: str = flag(
+        "auto",
+        "auto | cpu | cuda[:N] (auto: CUDA where available, else CPU, logged)",
+        check=Matches(_DEVICE_RE, "choose auto, cpu, cuda or cuda:N"),
+    )
     precision: str = flag(
         "fp32", "the head's compute precision (bf16 where the hardware has it)", check=OneOf(*PRECISIONS)
     )

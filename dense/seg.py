@@ -138,7 +138,7 @@ def tokens_to_grid(blocks: list[np.ndarray], grid: tuple[int, int]) -> np.ndarra
 class _Batches:
     """Seeded training batches over the rows of every training group: row blocks (bounded by
     the memory budget) visited in a seeded order, rows shuffled within a block; every row of an
-    epoch seen once. ``torch`` tensors of ``[B, C, gh, gw]`` grids and ``[B, H, W]`` labels."""
+    epoch seen once. When every row fits in the budget, each block is read once and kept. ``torch`` tensors of ``[B, C, gh, gw]`` grids and ``[B, H, W]`` labels."""
 
     def __init__(self, groups: list[DenseRows], kinds: tuple[str, ...], budget: int, seed: int) -> None:
         self.groups, self.kinds = groups, kinds
@@ -150,6 +150,10 @@ class _Batches:
         self.n_rows = int(sum(v.size for v in self.valid))
         if not self.n_rows:
             raise DataError("the training groups hold no valid row; check the extraction's failures")
+        #: every training row fits in the budget: read once, kept for every epoch
+        self.kept: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] | None = (
+            {} if sum(len(g) for g in groups) * row_bytes <= budget else None
+        )
 
     def _blocks(self) -> list[tuple[int, int, int]]:
         out = []
@@ -158,10 +162,15 @@ class _Batches:
         return [out[i] for i in self.rng.permutation(len(out))]
 
     def _read(self, gi: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.kept is not None and (gi, lo, hi) in self.kept:
+            return self.kept[(gi, lo, hi)]
         g = self.groups[gi]
         keep = self.valid[gi][(self.valid[gi] >= lo) & (self.valid[gi] < hi)] - lo
         x = tokens_to_grid([np.asarray(g.kinds[k][lo:hi])[keep] for k in self.kinds], g.geometry.grid)
-        return x, np.asarray(g.target[lo:hi])[keep].astype(np.int64)
+        out = (x, np.asarray(g.target[lo:hi])[keep].astype(np.int64))
+        if self.kept is not None:
+            self.kept[(gi, lo, hi)] = out
+        return out
 
     def __call__(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Batches forever (epoch after epoch), each ``batch_size`` rows (the last of an epoch

@@ -248,3 +248,15 @@ def test_featcache_dense_from_a_store(tmp_path, capsys):
     )
     assert hp["train_groups"] == ["train@view0", "train@view1"]
     assert 0 < row["value"] <= 1
+    # a sweep work item of kind "dense" runs through the registered stage (the run is in the table)
+    from featcache.sweep.executor import call_stage
+    from featcache.sweep.planner import WorkItem
+
+    cfg = DenseConfig(cache, "m", ("tf_efficientnet_lite0",), iterations=8, device="cpu", results_path=results)
+    item = WorkItem("dense", row["run_id"], cfg, (row["run_id"],), "tf_efficientnet_lite0", "m", "seg-linear")
+    assert call_stage(item).sort("metric").equals(table.sort("metric"))
+
+
+def test_bad_device_is_one_line():
+    with pytest.raises(ConfigError, match="--device 'gpu' is invalid: choose auto, cpu, cuda or cuda:N"):
+        DenseConfig(cache="c", dataset="d", backbones=("b",), device="gpu")
