@@ -17,7 +17,8 @@ runs in a fresh process (its own peak resident set, Linux ``VmHWM``) at --thread
 
 Prints each arm's wall and CPU seconds of the search (and of the index build), the ratios
 against the torch loop measured in the same run, the neighbour agreement (the share of queries
-whose k neighbours are the same set, and the recall of the float32 loop's neighbours), peak RSS, the CPU (lscpu) and the load (uptime).
+whose k neighbours are the same set, and the recall of the float32 loop's neighbours), peak RSS
+(and the peak before the search: the interpreter, torch, FAISS and the rows), the CPU (lscpu) and the load (uptime).
 
     python benchmarks/hbird_search.py --images 500 --epochs 2 --queries 100 --dim 384 --threads 1
 """
@@ -90,10 +91,12 @@ def arm(name: str, a: argparse.Namespace, out: str) -> dict:
     if name == "topk-bf16-agreement":  # emulated where no bf16 units: recall only, no time
         q = q[: a.batch * a.grid * a.grid]
         name = "topk-bf16"
+    before = _vm_hwm()
     w, c = time.perf_counter(), time.process_time()
     idx, build = _search(name, a, memory, q)
     r = {"arm": name, "seconds": time.perf_counter() - w, "cpu_seconds": time.process_time() - c}
-    r.update(build_seconds=build, vm_hwm_bytes=_vm_hwm(), memory_rows=len(mem16), queries=len(q))
+    r.update(build_seconds=build, vm_hwm_bytes=_vm_hwm(), before_search_bytes=before, memory_rows=len(mem16))
+    r["queries"] = len(q)
     np.save(out, idx)
     return r
 
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{n:10s} search {r['seconds']:7.2f} s wall {r['cpu_seconds']:7.2f} s CPU  "
             f"(index build {r['build_seconds']:.2f} s)  {ref['seconds'] / r['seconds']:5.2f}x the torch.topk loop "
             f"(CPU {ref['cpu_seconds'] / r['cpu_seconds']:5.2f}x)  same neighbour sets {agree:.4f} recall@{a.k} {rec:.4f}  "
-            f"peak RSS {r['vm_hwm_bytes'] / 1e9:5.2f} GB  {r['uptime']}"
+            f"peak RSS {r['vm_hwm_bytes'] / 1e9:5.2f} GB (before the search {r['before_search_bytes'] / 1e9:4.2f})  {r['uptime']}"
         )
     if not has_bf16:
         r = _run("topk-bf16-agreement", a, tmp)

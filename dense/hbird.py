@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +45,11 @@ __all__ = [
     "HbirdSettings",
     "build_index",
     "build_memory",
+    "build_streamed_index",
     "check_index",
     "hummingbird",
     "label_transfer",
+    "memory_blocks",
     "patch_labels",
     "patchify",
     "predict_maps",
@@ -229,13 +232,8 @@ def _kind_of(rows: DenseRows, kind: str) -> Any:
     return rows.kinds[kind]
 
 
-def build_memory(groups: list[DenseRows], s: HbirdSettings, num_classes: int, seed: int) -> HbirdMemory:
-    """The memory of every training patch of ``groups`` (one group per augmentation epoch), or
-    the reference's bounded class-balanced sample of ``s.memory_size`` of them."""
-    import torch
-
-    from featcache.core.progress import tqdm
-
+def _per_image(groups: list[DenseRows], s: HbirdSettings) -> int | None:
+    """The bounded memory's patches per image (``memory_size // (images x epochs)``), None unbounded."""
     if not groups:
         raise DataError("hummingbird needs training rows (train@view{v} groups or the train split); none stored")
     images = len(groups[0])
@@ -245,8 +243,19 @@ def build_memory(groups: list[DenseRows], s: HbirdSettings, num_classes: int, se
             f"memory_size {s.memory_size} is less than one patch per image ({images} images x {len(groups)} "
             "epochs); raise memory_size or leave it unset (every training patch)"
         )
+    return per
+
+
+def memory_blocks(groups: list[DenseRows], s: HbirdSettings, num_classes: int, seed: int) -> Iterator[tuple[Any, Any]]:
+    """The memory block by block, in order: ``(features [n, D], labels [n, C])`` float32 torch
+    tensors, the features L2-normalised; the bounded sampling's generator is seeded anew each
+    call, so every pass yields the same blocks."""
+    import torch
+
+    from featcache.core.progress import tqdm
+
+    per = _per_image(groups, s)
     gen = torch.Generator().manual_seed(int(seed))
-    feats, labs = [], []
     total = sum((len(g) + s.batch_size - 1) // s.batch_size for g in groups)
     with tqdm(total=total, desc="hummingbird memory", unit="block", leave=False, disable=not s.progress) as bar:
         for g in groups:
@@ -259,10 +268,17 @@ def build_memory(groups: list[DenseRows], s: HbirdSettings, num_classes: int, se
                     idx = torch.from_numpy(sample_patches(ids, num_classes, per, gen))
                     f = f.gather(1, idx.unsqueeze(-1).expand(-1, -1, f.shape[2]))
                     lab = lab.gather(1, idx.unsqueeze(-1).expand(-1, -1, lab.shape[2]))
-                feats.append((f / torch.norm(f, dim=2, keepdim=True)).flatten(0, 1))
-                labs.append(lab.flatten(0, 1))
                 bar.update(1)
-    return HbirdMemory(torch.cat(feats), torch.cat(labs), images, len(groups))
+                yield (f / torch.norm(f, dim=2, keepdim=True)).flatten(0, 1), lab.flatten(0, 1)
+
+
+def build_memory(groups: list[DenseRows], s: HbirdSettings, num_classes: int, seed: int) -> HbirdMemory:
+    """The memory of every training patch of ``groups`` (one group per augmentation epoch), or
+    the reference's bounded class-balanced sample of ``s.memory_size`` of them, in memory."""
+    import torch
+
+    feats, labs = zip(*memory_blocks(groups, s, num_classes, seed), strict=True)
+    return HbirdMemory(torch.cat(feats), torch.cat(labs), len(groups[0]), len(groups))
 
 
 #: dimensions a factory string is tried with before any memory exists (config time), as
@@ -300,23 +316,65 @@ def build_index(memory: HbirdMemory, s: HbirdSettings, seed: int) -> Any:
 
     faiss = import_faiss()
     x = np.ascontiguousarray(memory.features.numpy(), dtype=np.float32)
-    d = x.shape[1]
     if s.index == EXACT:
-        index = faiss.IndexFlatIP(d)
+        index = faiss.IndexFlatIP(x.shape[1])
     else:
-        try:
-            index = faiss.index_factory(d, s.index, faiss.METRIC_INNER_PRODUCT)
-        except RuntimeError as exc:
-            raise ConfigError(f"index {s.index!r}: FAISS cannot build it ({_faiss_line(exc)})") from exc
+        index = _factory_index(x.shape[1], s)
         if not index.is_trained:
             rows = np.random.default_rng(seed).permutation(len(x))[:INDEX_TRAIN_ROWS]
             index.train(x[np.sort(rows)])
-        params = faiss.ParameterSpace()
-        for name, v in (("nprobe", s.nprobe), ("efSearch", s.ef_search)):
-            if v is not None:
-                params.set_index_parameter(index, name, int(v))
     index.add(x)
     return index
+
+
+def _memory_rows(groups: list[DenseRows], s: HbirdSettings) -> int:
+    """How many rows the memory of ``groups`` holds (read from the shapes, before any block)."""
+    per = _per_image(groups, s)
+    n = 0
+    for g in groups:
+        valid = int(np.sum(np.asarray(g.valid, bool))) if g.valid is not None else len(g)
+        n += valid * (per if per is not None else int(_kind_of(g, s.kind).shape[1]))
+    return n
+
+
+def _factory_index(d: int, s: HbirdSettings) -> Any:
+    from featcache.core.optional import import_faiss
+
+    faiss = import_faiss()
+    try:
+        index = faiss.index_factory(d, s.index, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        raise ConfigError(f"index {s.index!r}: FAISS cannot build it ({_faiss_line(exc)})") from exc
+    params = faiss.ParameterSpace()
+    for name, v in (("nprobe", s.nprobe), ("efSearch", s.ef_search)):
+        if v is not None:
+            params.set_index_parameter(index, name, int(v))
+    return index
+
+
+def build_streamed_index(
+    groups: list[DenseRows], s: HbirdSettings, num_classes: int, seed: int
+) -> tuple[Any, HbirdMemory]:
+    """``s.index`` (a factory string) built without holding the float32 memory: one pass picks
+    the seeded training sample (the rows :func:`build_index` would train on), a second adds
+    block by block; the memory returned keeps the labels only (``features`` None)."""
+    import torch
+
+    d = int(_kind_of(groups[0], s.kind).shape[2])
+    index = _factory_index(d, s)
+    if not index.is_trained:
+        pick = np.sort(np.random.default_rng(seed).permutation(_memory_rows(groups, s))[:INDEX_TRAIN_ROWS])
+        sample, at = [], 0
+        for f, _ in memory_blocks(groups, s, num_classes, seed):
+            j = pick[(pick >= at) & (pick < at + len(f))] - at
+            sample.append(f.numpy()[j])
+            at += len(f)
+        index.train(np.ascontiguousarray(np.concatenate(sample), dtype=np.float32))
+    labs = []
+    for f, lab in memory_blocks(groups, s, num_classes, seed):
+        index.add(np.ascontiguousarray(f.numpy(), dtype=np.float32))
+        labs.append(lab)
+    return index, HbirdMemory(None, torch.cat(labs), len(groups[0]), len(groups))
 
 
 def label_transfer(q: Any, keys: Any, values: Any, temperature: float) -> Any:
@@ -395,12 +453,13 @@ def hummingbird(task: DenseTask, protocol: Any, config: Any, seed: int) -> Dense
         raise ConfigError(f"hummingbird evaluates segmentation datasets; {info.task!r} is not one")
     ignore = IGNORE_INDEX if info.ignore_index is None else int(info.ignore_index)
     t0 = time.perf_counter()
-    memory = build_memory(task.train, s, info.num_classes, seed)
-    index = build_index(memory, s, seed)
+    if s.index == EXACT:
+        memory = build_memory(task.train, s, info.num_classes, seed)
+        index = build_index(memory, s, seed)
+    else:  # the index holds what search needs; the float32 memory is never held whole
+        index, memory = build_streamed_index(task.train, s, info.num_classes, seed)
     fit_s = time.perf_counter() - t0
-    log.info("hummingbird memory: %d patches x %d dims (%d epochs)", *memory.features.shape, memory.epochs)
-    if s.index != EXACT:
-        memory.features = None  # the index holds what search needs
+    log.info("hummingbird memory: %d patches (%d epochs), %s search", len(memory.labels), memory.epochs, s.index)
     scores = {
         role: {"hbird_miou": score_split(ev, memory, index, s, info.num_classes, ignore)}
         for role, ev in (("val", task.val), ("test", task.test))

@@ -28,6 +28,7 @@ from featcache.dense.hbird import (
     HbirdSettings,
     build_index,
     build_memory,
+    build_streamed_index,
     hummingbird,
     patch_labels,
     patchify,
@@ -342,6 +343,14 @@ def test_an_approximate_index_runs_and_is_recorded(ref_task):
     hnsw = hummingbird(ref_task, PROTO, SimpleNamespace(index="HNSW16", ef_search=64, memory_size=3000), 0)
     assert hnsw.hparams["memory_rows"] == 3000 - 3000 % 192
     assert hnsw.scores["test"]["hbird_miou"] > 0.15
+    # the streamed build (two passes, never the float32 memory whole) is the in-memory build
+    s = settings_from(PROTO, SimpleNamespace(index="IVF16,SQ8", nprobe=4))
+    streamed, mem = build_streamed_index(ref_task.train, s, NCLS, 3)
+    held = build_index(build_memory(ref_task.train, s, NCLS, 3), s, 3)
+    q = np.asarray(ref_task.test.rows.kinds["tokens"][:8], np.float32).reshape(-1, DIM)
+    np.testing.assert_array_equal(streamed.search(q, 30)[1], held.search(q, 30)[1])
+    assert mem.features is None
+    assert len(mem.labels) == streamed.ntotal
 
 
 def test_bad_settings_and_rows_are_one_clear_line(ref_task):
