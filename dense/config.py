@@ -44,9 +44,10 @@ class DenseConfig:
     """A dense protocol (``seg-linear``, ``depth-linear``, ``hummingbird`` and their variants)
     on one dataset's stored dense splits, for each backbone and seed.
 
-    Selection and report: with a ``test_split`` stored, the solver selects on ``val_split`` and
-    reports ``test_split``; else it selects on a seeded 10% of the training images held out
-    by id (their augmented views left out of training) and reports ``val_split``. Never the
+    Selection and report: with ``val_split`` and ``test_split`` stored, the solver selects on
+    ``val_split`` and reports ``test_split``; else it selects on a seeded 10% of the training
+    images held out by id (their augmented views left out of training) and reports
+    ``test_split`` where stored (NYU Depth v2 has no val), else ``val_split``. Never the
     best of the reported split. ``epochs`` / ``iterations`` / ``batch_size`` override the
     protocol's schedule (``None``: the protocol's); each enters the run ids."""
 

@@ -1,10 +1,11 @@
 """What a dense run reads: a :class:`DenseSource` (the store, or arrays held in memory) and the
 :class:`~featcache.dense.solvers.DenseTask` built from it for one backbone and seed.
 
-The selection rule (:func:`build_task`): with the test split stored, select on the val split and
+The selection rule (:func:`build_task`): with the val and test splits stored, select on val and
 report test; else hold out a seeded 10% of the training images by id (the ``full`` protocols'
 rule, :func:`featcache.core.splits.full_holdout`), leave their augmented views out of training,
-select on their ``resize`` rows and report val. Never the best of the reported split.
+select on their ``resize`` rows and report test (a dataset without val, as NYU Depth v2), else
+val. Never the best of the reported split.
 """
 
 from __future__ import annotations
@@ -162,17 +163,14 @@ def plan_groups(stored: list[str], train: str, val: str, test: str, where: str) 
             f"{where} holds no {train!r} split (groups: {sorted(stored)}); extract it with featcache extract"
         )
     train_groups = [s for _, s in views] or [train]
-    if test in bases:
-        if val not in bases:
-            raise DataError(
-                f"{where} holds {test!r} but no {val!r} to select on; extract --splits {train},{val},{test}"
-            )
+    if test in bases and val in bases:
         return TaskPlan(train_groups, "val", "test", test, val, len(views))
-    if val not in bases:
+    report = test if test in bases else val  # no val split (NYU Depth v2: train and test only)
+    if report not in bases:
         raise DataError(f"{where} holds no {val!r} or {test!r} split to report (groups: {sorted(stored)})")
     if train not in bases:
         raise DataError(f"{where}: the holdout of train needs the {train!r} resize rows beside its views")
-    return TaskPlan(train_groups, "holdout-10%-of-train", "val", val, "", len(views))
+    return TaskPlan(train_groups, "holdout-10%-of-train", "test" if report == test else "val", report, "", len(views))
 
 
 def _eval(source: DenseSource, b: str, d: str, split: str, kinds: tuple[str, ...], stored: list[str]) -> DenseEval:

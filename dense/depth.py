@@ -154,6 +154,7 @@ class _Plan:
     block_rows: int
     device: str
     progress: bool
+    precision: str = "fp32"
 
 
 def _row_bytes(rows: DenseRows, kinds: DepthKinds) -> int:
@@ -165,7 +166,7 @@ def _row_bytes(rows: DenseRows, kinds: DepthKinds) -> int:
 def _plan(grid: Any, config: Any, train: list[DenseRows], kinds: DepthKinds) -> _Plan:
     """The schedule: the config's ``iterations``, else ``epochs`` passes over the training rows,
     else the grid's; the warm-up keeps the grid's fraction of it (config-nyu: 12800 / 38400)."""
-    from featcache.core.devices import resolve_device
+    from featcache.core.devices import resolve_device, resolve_precision
 
     bs = int(_opt(config, "batch_size", grid.batch_size))
     n_rows = sum(len(r) for r in train)
@@ -179,22 +180,25 @@ def _plan(grid: Any, config: Any, train: list[DenseRows], kinds: DepthKinds) -> 
     budget = parse_memory(_opt(config, "max_memory", None), default=2 << 30)
     block = max(bs, budget // max(1, max(_row_bytes(r, kinds) for r in train)))
     device = resolve_device(str(_opt(config, "device", "auto")), logger=log)
+    precision = resolve_precision(str(_opt(config, "precision", "fp32")), device, logger=log)
     warm = round(iters * grid.warmup_iters / grid.iterations)
-    return _Plan(iters, warm, bs, int(block), device, bool(_opt(config, "progress", False)))
+    return _Plan(iters, warm, bs, int(block), device, bool(_opt(config, "progress", False)), precision)
 
 
 def _load_block(rows: DenseRows, kinds: DepthKinds, sel: slice, device: str) -> tuple:
     """One block of training rows in memory: (patch grids, class tokens, target, loss mask),
-    the rows marked invalid dropped; the mask is the reference's ``gt != 0`` and the stored
-    validity."""
+    the rows marked invalid or without a valid pixel dropped (they add nothing to a batch's
+    loss); the mask is the reference's ``gt != 0`` and the stored validity."""
     import torch
 
-    keep = np.flatnonzero(np.asarray(rows.valid[sel], dtype=bool))
-    patches, cls = _inputs(rows, kinds, sel, device)
-    tgt = torch.from_numpy(np.asarray(rows.target[sel], dtype=np.float32)).to(device)[:, None]
-    ok = tgt != 0
+    target = np.asarray(rows.target[sel], dtype=np.float32)
+    ok_np = target != 0
     if rows.target_valid is not None:
-        ok &= torch.from_numpy(np.asarray(rows.target_valid[sel]).astype(bool)).to(device)[:, None]
+        ok_np &= np.asarray(rows.target_valid[sel]).astype(bool)
+    keep = np.flatnonzero(np.asarray(rows.valid[sel], dtype=bool) & ok_np.reshape(len(ok_np), -1).any(1))
+    patches, cls = _inputs(rows, kinds, sel, device)
+    tgt = torch.from_numpy(target).to(device)[:, None]
+    ok = torch.from_numpy(ok_np).to(device)[:, None]
     idx = torch.from_numpy(keep).to(device)
     pick = [p[idx] for p in patches]
     return pick, None if cls is None else [c[idx] for c in cls], tgt[idx], ok[idx]
@@ -202,24 +206,35 @@ def _load_block(rows: DenseRows, kinds: DepthKinds, sel: slice, device: str) -> 
 
 def _batches(train: list[DenseRows], kinds: DepthKinds, plan: _Plan, gen: np.random.Generator):
     """Batches without end: per pass the row blocks of every training group in a seeded order,
-    each block's rows shuffled (one block holding every row: a plain shuffle)."""
+    each block's rows shuffled. Where every row fits the memory bound the blocks are read once
+    and held (one block holding every row: a plain shuffle); else each pass reads them again."""
     import torch
 
     blocks = [
         (g, s, min(s + plan.block_rows, len(r))) for g, r in enumerate(train) for s in range(0, len(r), plan.block_rows)
     ]
+    hold = sum(e - s for _, s, e in blocks) <= plan.block_rows  # every row fits the bound
+    held: dict[int, tuple] = {}
     while True:
+        rows_seen = 0
         for b in gen.permutation(len(blocks)):
             g, s, e = blocks[b]
-            patches, cls, tgt, ok = _load_block(train[g], kinds, slice(s, e), plan.device)
+            block = held.get(b) or _load_block(train[g], kinds, slice(s, e), plan.device)
+            if hold:
+                held[b] = block
+            patches, cls, tgt, ok = block
+            rows_seen += len(tgt)
             order = torch.from_numpy(gen.permutation(len(tgt))).to(plan.device)
             for i in range(0, len(order), plan.batch_size):
                 j = order[i : i + plan.batch_size]
                 yield [p[j] for p in patches], None if cls is None else [c[j] for c in cls], tgt[j], ok[j]
+        if not rows_seen:
+            raise ProtocolError("no training row has a valid depth pixel; check the stored depth targets")
 
 
-def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan: _Plan, seed: int) -> list[float]:
-    """Fit ``head`` for ``plan.iterations`` steps (dinov3 ``train.py:73-122``); the losses."""
+def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan: _Plan, seed: int) -> float:
+    """Fit ``head`` for ``plan.iterations`` steps (dinov3 ``train.py:73-122``); the last loss
+    (read once at the end: no device synchronisation per step beyond the reference's own)."""
     import torch
 
     from featcache.dense.depth_losses import SigLoss, gradient_log_loss, warmup_one_cycle
@@ -227,30 +242,30 @@ def _train(head: Any, train: list[DenseRows], kinds: DepthKinds, grid: Any, plan
     opt = torch.optim.AdamW(head.parameters(), lr=grid.lr, betas=tuple(grid.betas), weight_decay=grid.weight_decay)
     sig = SigLoss(warm_up=grid.sigloss_warmup > 0, warm_iter=grid.sigloss_warmup)
     head.train()
-    losses: list[float] = []
     batches = _batches(train, kinds, plan, np.random.default_rng(seed))
+    last = None
     with tqdm(total=plan.iterations, desc="depth-linear", unit="step", disable=not plan.progress) as bar:
-        while len(losses) < plan.iterations:
-            patches, cls, tgt, ok = next(batches)
-            if not bool(ok.any()):
-                continue  # no valid pixel: the loss is undefined, the step is not taken
+        for step in range(plan.iterations):
+            patches, cls, tgt, ok = next(batches)  # every batch has a valid pixel (_load_block)
             lr, beta1 = warmup_one_cycle(
-                len(losses), plan.iterations, plan.warmup, grid.lr, final_div_factor=grid.final_div_factor
+                step, plan.iterations, plan.warmup, grid.lr, final_div_factor=grid.final_div_factor
             )
             for g in opt.param_groups:
                 g["lr"], g["betas"] = lr, (beta1, g["betas"][1])
             opt.zero_grad(set_to_none=True)
-            pred = _resize(head(patches, cls), tuple(tgt.shape[-2:]))
+            with torch.autocast(plan.device.split(":")[0], dtype=torch.bfloat16, enabled=plan.precision == "bf16"):
+                out = head(patches, cls)
+            pred = _resize(out.float(), tuple(tgt.shape[-2:]))  # the loss in float32
             loss = sig(pred, tgt, ok)
             if grid.grad_weight:
                 loss = loss + grid.grad_weight * gradient_log_loss(pred, tgt, ok)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], grid.clip)
             opt.step()
-            losses.append(float(loss.detach()))
+            last = loss.detach()
             bar.update(1)
     head.eval()
-    return losses
+    return float(last) if last is not None else float("nan")
 
 
 def _ground_truth(rows: DenseRows, sel: slice, full: bool) -> list[np.ndarray]:
@@ -348,12 +363,13 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
         raise ProtocolError(f"{protocol.spec} has no training rows; extract the train split")
     t0 = time.perf_counter()
     kinds = depth_kinds(task.train[0], grid.variant, grid.blocks, str(_opt(config, "kind", "tokens")))
-    rng = tuple(float(x) for x in (task.info.depth_range or DEFAULT_RANGE))
+    lo, hi = task.info.depth_range or DEFAULT_RANGE
+    rng = (float(lo), float(hi))
     max_depth = float(grid.max_depth or rng[1])
     plan = _plan(grid, config, task.train, kinds)
     dim = int(task.train[0].kinds[kinds.patch[0]].shape[-1])
     head = _build_head(grid, dim, len(kinds.patch), max_depth, seed, plan.device)
-    losses = _train(head, task.train, kinds, grid, plan, seed)
+    final_loss = _train(head, task.train, kinds, grid, plan, seed)
     fit_s = time.perf_counter() - t0
     scores, how = {}, {}
     for role, ev in (("val", task.val), ("test", task.test)):
@@ -374,12 +390,13 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
         "iterations": plan.iterations,
         "warmup_iters": plan.warmup,
         "batch_size": plan.batch_size,
+        "precision": plan.precision,  # of the training steps; evaluation computes in float32
         "bins_max_depth": max_depth,
         "eval_range": list(rng),
         "kinds": [*kinds.patch, *kinds.cls],
         "views": views,
         "train_rows": sum(len(r) for r in task.train),
-        "final_loss": losses[-1],
+        "final_loss": final_loss,
         "eval_target": how["test"]["eval_target"],
         "tta_test": how["test"]["tta"],
     }
@@ -389,5 +406,5 @@ def fit_depth_linear(task: DenseTask, protocol: Any, config: Any, seed: int) -> 
     fit = DenseFit(scores, hparams, fit_s)
     # the headline metric's per-image values in the eval split's row order (NaN: a row without a
     # valid pixel or marked invalid), for intervals over images (DenseFit.per_image)
-    fit.per_image = {role: how[role]["per_image_rmse"] for role in how}
+    fit.per_image = {role: how[role]["per_image_rmse"] for role in how}  # pyright: ignore[reportAttributeAccessIssue]
     return fit

@@ -79,7 +79,8 @@ class DepthLinearHead(nn.Module):
         self.conv = nn.Conv2d(self.channels, n_bins, kernel_size=1)
         if init_std is not None:
             nn.init.normal_(self.conv.weight, mean=0, std=init_std)
-            nn.init.constant_(self.conv.bias, 0)
+            if self.conv.bias is not None:
+                nn.init.constant_(self.conv.bias, 0)
 
     def features(self, patches: Sequence[torch.Tensor], cls: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The concatenated ``[B, channels, gh, gw]`` input of the conv (the reference's

@@ -150,8 +150,8 @@ def test_holdout_when_no_test_split(tmp_path):
 
 
 def test_plan_refusals():
-    with pytest.raises(DataError, match="no 'val'"):
-        plan_groups(["train", "test"], "train", "val", "test", "b/d")
+    no_val = plan_groups(["train", "test"], "train", "val", "test", "b/d")  # NYU Depth v2: no val split
+    assert (no_val.selected_on, no_val.eval_split, no_val.eval_name) == ("holdout-10%-of-train", "test", "test")
     with pytest.raises(DataError, match="no 'val' or 'test'"):
         plan_groups(["train", "train@view0"], "train", "val", "test", "b/d")
     with pytest.raises(DataError, match="no 'train'"):
