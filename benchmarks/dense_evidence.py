@@ -212,6 +212,12 @@ def depth(a, info: dict) -> None:
     split_kw = {"val_split": "test", "test_split": "none", "iterations": a.depth_iters}
     out, _, _ = fit(a, key, "depth-linear", DEPTH_SET, None, **split_kw)
     info["depth"] = {"extract_seconds": sec, "bytes": store_bytes(a.cache, key, DEPTH_SET), **out.scores["test"]}
+    per = np.asarray(getattr(out, "per_image", {}).get("test", []), np.float64)
+    if per.size:  # the solver's per-image RMSE (DenseFit.per_image): the interval of the mean over images
+        from featcache.core.dense_intervals import bootstrap_interval
+
+        iv = bootstrap_interval(per[np.isfinite(per)], np.mean, n_boot=a.boot, seed=0)
+        info["depth"].update(rmse_lo=iv.lo, rmse_hi=iv.hi, n_test=iv.n_images)
     info["depth"].update(fit_seconds=out.fit_seconds, iterations=out.hparams.get("iterations"), peak_rss_mib=_rss())
     info["depth"].update(tta=out.hparams.get("tta_test"), eval_target=out.hparams.get("eval_target"))
     print(json.dumps({"depth": info["depth"]}), flush=True)
@@ -253,6 +259,12 @@ def markdown(info: dict) -> str:
             + " | ".join(f"{d[n]:.4f}" for n in have)
             + f" | {d['fit_seconds']:.1f} | {d['iterations']} | {d['tta']} |"
         )
+        if "rmse_lo" in d:
+            n = d["n_test"]
+            out += [
+                "",
+                f"RMSE {d['rmse']:.4f} m, 95% interval over the {n} test scenes {d['rmse_lo']:.4f}-{d['rmse_hi']:.4f}.",
+            ]
     return "\n".join(out)
 
 
@@ -278,7 +290,7 @@ def _args(argv) -> argparse.Namespace:
     ap.add_argument("--depth-iters", type=int, default=600)
     ap.add_argument("--boot", type=int, default=1000, help="bootstrap resamples")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-depth", action="store_true")
+    ap.add_argument("--parts", default="seg,depth", help="what to run (seg, depth); the rest kept from evidence.json")
     ap.add_argument("--quick", action="store_true", help="a tiny run (a minute): 24/8/16 mosaics, 2 views, 112 px")
     ap.add_argument("--table-only", action="store_true", help="print the tables from ROOT/evidence.json")
     a = ap.parse_args(argv)
@@ -287,6 +299,7 @@ def _args(argv) -> argparse.Namespace:
         a.hbird_views, a.depth_train, a.depth_test, a.depth_input, a.depth_iters, a.boot = 2, 16, 8, "96x128", 20, 200
         a.seg_iters = 30
     a.view_counts = [int(k) for k in a.view_counts.split(",")]
+    a.parts = [p for p in a.parts.split(",") if p]
     a.depth_input = tuple(int(v) for v in a.depth_input.split("x"))
     a.cache = str(Path(a.root) / "store.zarr")
     return a
@@ -303,9 +316,15 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.threads)
     info: dict = {"args": dict(vars(a)), "machine_before": _machine()}
-    segmentation(a, info)
-    if not a.no_depth:
+    before = json.loads((root / "evidence.json").read_text()) if (root / "evidence.json").exists() else {}
+    if "seg" in a.parts:
+        segmentation(a, info)
+    else:  # kept from the previous run's evidence.json
+        info.update({k: before[k] for k in ("extract", "runs", "paired") if k in before})
+    if "depth" in a.parts:
         depth(a, info)
+    elif "depth" in before:
+        info["depth"] = before["depth"]
     info["machine"] = _machine()
     (root / "evidence.json").write_text(json.dumps(info, indent=1, default=str))
     print(markdown(info))
