@@ -6,7 +6,8 @@ architecture at ``random:0``, on ``seg-linear`` and ``hummingbird``; then the sy
 scenes (``write_depth_scenes``) through ``depth-linear``, a test of the path, not evidence
 about backbones.
 
-Steps (the mosaics and stores are reused when present):
+Steps (the mosaics and stores are reused when present; a store an earlier run extracted keeps
+that run's extraction time in ``evidence.json``):
 
 1. ``featcache extract --data segfolder:ROOT --features tokens --views K --input-size S`` for
    both backbones (train/val/test; lite0's stride-32 grid is 7 x 7 at 224 px);
@@ -174,7 +175,7 @@ def paired(a, x: dict, y: dict) -> dict:
     return {"metric": metric, "a": x["row"]["run"], "b": y["row"]["run"], "diff": iv.value, "lo": iv.lo, "hi": iv.hi}
 
 
-def segmentation(a, info: dict) -> None:
+def segmentation(a, info: dict, before: dict) -> None:
     from featcache.testing.dense_sets import write_mosaics
 
     data = Path(a.root) / "mosaics"
@@ -183,8 +184,11 @@ def segmentation(a, info: dict) -> None:
     info["extract"] = {}
     for key, _, weights in BACKBONES:
         kw = {"splits": ["train", "val", "test"], "input_size": a.input_size, "views": a.views, "view_seed": 0}
-        info["extract"][key] = {"seconds": _extract(a, f"segfolder:{data}", DATASET, key, weights, **kw)}
-        info["extract"][key].update(bytes=store_bytes(a.cache, key, DATASET), peak_rss_mib=_rss())
+        seconds = _extract(a, f"segfolder:{data}", DATASET, key, weights, **kw)
+        info["extract"][key] = {"seconds": seconds, "bytes": store_bytes(a.cache, key, DATASET), "peak_rss_mib": _rss()}
+        old = before.get("extract", {}).get(key)
+        if old and old["bytes"] == info["extract"][key]["bytes"]:  # nothing extracted: the run that wrote it
+            info["extract"][key] = {**old, "reused_in_s": seconds}
         print(json.dumps({"extract": key, **info["extract"][key]}), flush=True)
     (lite, lname, _), (rand, rname, _) = BACKBONES
     kmax = max(a.view_counts)
@@ -318,7 +322,7 @@ def main(argv=None) -> int:
     info: dict = {"args": dict(vars(a)), "machine_before": _machine()}
     before = json.loads((root / "evidence.json").read_text()) if (root / "evidence.json").exists() else {}
     if "seg" in a.parts:
-        segmentation(a, info)
+        segmentation(a, info, before)
     else:  # kept from the previous run's evidence.json
         info.update({k: before[k] for k in ("extract", "runs", "paired") if k in before})
     if "depth" in a.parts:
