@@ -21,9 +21,8 @@ that run's extraction time in ``evidence.json``):
    the same images drawn for both), fit time, the store's bytes per backbone, peak RSS;
 4. depth: ``nyuv2:ROOT`` scenes, ``depth-linear`` with flip averaging on test.
 
-The solvers do not yet return per-image parts (``DenseFit.per_image`` stays empty), so this
-script records them by wrapping the solvers' accumulators with ``keep_images=True`` for the
-duration of a fit and checks that the parts give back the solver's own test score exactly.
+The per-image parts are the solvers' own (``DenseFit.per_image``: seg areas, Hummingbird
+confusions); the script checks that they give back the solver's test score exactly.
 
     python benchmarks/dense_evidence.py --root /tmp/dense-evidence
     python benchmarks/dense_evidence.py --root /tmp/dense-evidence-q --quick
@@ -32,7 +31,6 @@ duration of a fit and checks that the parts give back the solver's own test scor
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -93,28 +91,9 @@ def store_bytes(cache: str, key: str, dataset: str) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-@contextlib.contextmanager
-def kept_images(module, name: str):
-    """``module.name`` (a dense accumulator class) built with ``keep_images=True`` while in the
-    block; yields the list of the accumulators made (the last one scores the test split)."""
-    orig, made = getattr(module, name), []
-
-    class Keep(orig):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kw) -> None:
-            super().__init__(*args, **{**kw, "keep_images": True})
-            made.append(self)
-
-    setattr(module, name, Keep)
-    try:
-        yield made
-    finally:
-        setattr(module, name, orig)
-
-
 def fit(a, key: str, protocol: str, dataset: str, views: int | None, **cfg_kw) -> tuple:
     """``(DenseFit, test ids, per-image parts of the test split)`` of one run: the stored task
     with its training groups cut to the first ``views`` views (None: all)."""
-    from featcache.dense import hbird, seg
     from featcache.dense.config import DenseConfig
     from featcache.dense.data import StoreSource, build_task, plan_groups
     from featcache.dense.runner import feature_kinds
@@ -129,15 +108,10 @@ def fit(a, key: str, protocol: str, dataset: str, views: int | None, **cfg_kw) -
         plan = dataclasses.replace(plan, train_groups=plan.train_groups[:views], views=views)
     kinds = feature_kinds(proto, cfg.kind, src.kinds(key, dataset, plan.eval_name))
     task = build_task(src, key, dataset, kinds, plan, 0, cfg)
-    module, acc = (
-        (hbird, "HummingbirdAccumulator") if proto.solver == "hummingbird" else (seg, "SegmentationAccumulator")
-    )
-    with kept_images(module, acc) as made:
-        out = DENSE_SOLVERS.resolve(proto.solver)(task, proto, cfg, 0)
+    out = DENSE_SOLVERS.resolve(proto.solver)(task, proto, cfg, 0)
     valid = np.asarray(task.test.rows.valid, bool)
     ids = np.asarray(task.test.rows.ids).astype(str)[valid]
-    parts = np.stack(made[-1].images) if made and made[-1].images else None
-    return out, ids, parts
+    return out, ids, out.per_image.get("test")
 
 
 def _statistic(metric: str):
