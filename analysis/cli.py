@@ -224,7 +224,6 @@ def _print_depth(results, out_dir, *, plots: bool = True) -> int:
     from pathlib import Path
 
     from featcache.analysis.depth import depth_curves, depth_plot, depth_table
-    from featcache.core.formatting import format_table
     from featcache.core.results import read_results
 
     if not Path(results).exists():  # rank says so, in its own words
@@ -232,14 +231,24 @@ def _print_depth(results, out_dir, *, plots: bool = True) -> int:
     curves = depth_curves(read_results(results))
     if not curves:
         return 0
-    table = depth_table(curves)
-    print(f"accuracy against depth ({len(curves)} layer sweep(s); selected: the layer chosen on validation data):")
+    head = f"accuracy against depth ({len(curves)} layer sweep(s); selected: the layer chosen on validation data):"
+    return _write_section(head, depth_table(curves), out_dir, "depth_curves", lambda p: depth_plot(curves, p), plots)
+
+
+def _write_section(head: str, table, out_dir, stem: str, plot, plots: bool) -> int:
+    """A rank section: ``head`` and ``table`` printed, ``STEM.csv`` written (and ``plot(STEM.png)``
+    with ``plots``) under ``out_dir``; the number of files written."""
+    from pathlib import Path
+
+    from featcache.core.formatting import format_table
+
+    print(head)
     print(format_table(table, "text", floatfmt="{:.4f}"), end="")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table.write_csv(out / "depth_curves.csv")
+    table.write_csv(out / f"{stem}.csv")
     if plots:
-        depth_plot(curves, out / "depth_curves.png")
+        plot(out / f"{stem}.png")
     return 1 + int(plots)
 
 
@@ -258,7 +267,6 @@ def _print_dense(results, out_dir, *, plots: bool = True) -> int:
     from pathlib import Path
 
     from featcache.analysis.dense import dense_plot, dense_table
-    from featcache.core.formatting import format_table
     from featcache.core.results import read_results
 
     if not Path(results).exists():
@@ -267,14 +275,8 @@ def _print_dense(results, out_dir, *, plots: bool = True) -> int:
     table = dense_table(df)
     if table is None:
         return 0
-    print("dense evaluation (featcache dense; each task's backbones best first by ranked_by):")
-    print(format_table(table, "text", floatfmt="{:.4f}"), end="")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    table.write_csv(out / "dense.csv")
-    if plots:
-        dense_plot(df, out / "dense.png")
-    return 1 + int(plots)
+    head = "dense evaluation (featcache dense; each task's backbones best first by ranked_by):"
+    return _write_section(head, table, out_dir, "dense", lambda p: dense_plot(df, p), plots)
 
 
 def run_shift(args) -> int:
